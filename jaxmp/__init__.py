@@ -21,6 +21,27 @@ from jaxmp.policy import parse_dtype
 from jaxmp.policy import recommended_policy
 
 # --- loss scaling and the optax transform (core) ---
+from jaxmp.grad import value_and_grad
+from jaxmp.loss_scale import DynamicLossScale
+from jaxmp.loss_scale import LossScale
+from jaxmp.loss_scale import NoOpLossScale
+from jaxmp.loss_scale import StaticLossScale
+from jaxmp.loss_scale import all_finite
+from jaxmp.loss_scale import make_loss_scale
+from jaxmp.loss_scale import select_tree
+from jaxmp.policy import cast_to_full
+from jaxmp.policy import cast_to_half
+from jaxmp.transform import LossScalingState
+from jaxmp.transform import TrainingDivergedError
+from jaxmp.transform import apply_updates
+from jaxmp.transform import check_health
+from jaxmp.transform import find_loss_scaling_state
+from jaxmp.transform import get_loss_scale
+from jaxmp.transform import last_step_finite
+from jaxmp.transform import loss_scaling
+from jaxmp.transform import master_params
+from jaxmp.transform import scaling_stats
+from jaxmp.transform import skipped_steps
 
 # --- flax integration (issue 3) ---
 

@@ -475,3 +475,23 @@ def recommended_policy(device: Any = None, *, platform: str | None = None,
     if platform == "cpu":
         return Recommendation(get_recipe("float32"), f"{kind}: CPUs have no fast half-precision matrix units here, so float32.")
     raise ValueError(f"unknown platform {platform!r}: expected cpu, gpu or tpu")
+
+
+def cast_to_full(tree: T) -> T:
+    """Casts floating leaves to float32 (jmp's ``cast_to_full``).
+
+    Example:
+      >>> jaxmp.cast_to_full(jnp.ones(2, jnp.float16)).dtype
+      dtype('float32')
+    """
+    return cast_floating(tree, jnp.float32)
+
+
+def cast_to_half(tree: T) -> T:
+    """Casts floating leaves to :func:`half_dtype` (jmp's ``cast_to_half``).
+
+    Example:
+      >>> jaxmp.cast_to_half(jnp.ones(2)).dtype  # on CPU
+      dtype('float16')
+    """
+    return cast_floating(tree, half_dtype())
