@@ -62,7 +62,7 @@ def _scale_leaf(x: Any, factor: jax.Array) -> Any:
     # Multiply in at least float32 and return the promoted dtype, as jmp does under standard
     # promotion, but explicitly so that strict dtype promotion does not reject it.
     if is_floating_array(x):
-        dtype = jnp.promote_types(x.dtype, jnp.float32)
+        dtype = x.dtype if np.dtype(x.dtype).itemsize >= 4 else np.dtype(jnp.float32)
         return x.astype(dtype) * factor.astype(dtype)
     if isinstance(x, (float, int)) and not isinstance(x, bool):
         return jnp.float32(x) * factor

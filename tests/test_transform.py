@@ -1,0 +1,306 @@
+"""The optax loss-scaling transform: skip semantics, unscale-before-clip, master weights, composition, pmap."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+
+
+def _params(dtype=jnp.float32, seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {"dense": {"w": jax.random.normal(k1, (4, 3)).astype(dtype), "b": jnp.zeros(3, dtype)},
+            "scale": jax.random.normal(k2, (3,)).astype(dtype)}
+
+
+def _loss(params, x, y):
+    h = x @ params["dense"]["w"].astype(jnp.float32) + params["dense"]["b"].astype(jnp.float32)
+    return jnp.mean((h * params["scale"].astype(jnp.float32) - y) ** 2)
+
+
+def _batch(seed=1, n=8):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(k1, (n, 4)), jax.random.normal(k2, (n, 3))
+
+
+def _bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _make_step(tx):
+    @jax.jit
+    def step(params, state, x, y):
+        loss, grads = jaxmp.value_and_grad(_loss, state)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return jaxmp.apply_updates(params, updates, state), state, loss
+    return step
+
+
+INNERS = {
+    "adamw+clip": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=1e-2)),
+    "sgd-momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    "inject": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=optax.linear_schedule(1e-2, 0.0, 100)),
+}
+
+
+@pytest.mark.parametrize("inner", sorted(INNERS))
+def test_skipped_step_leaves_params_and_every_inner_leaf_bitwise_equal(inner):
+    tx = jaxmp.loss_scaling(INNERS[inner](), jaxmp.DynamicLossScale(2.0**10))
+    step = _make_step(tx)
+    params, (x, y) = _params(), _batch()
+    state = tx.init(params)
+    for _ in range(3):
+        params, state, _ = step(params, state, x, y)
+    before_p, before_inner = _bits(params), _bits(state.inner_state)
+    bad_x = x.at[0, 0].set(jnp.nan)
+    params2, state2, _ = step(params, state, bad_x, y)
+    assert _bits(params2) == before_p
+    assert _bits(state2.inner_state) == before_inner
+    assert not bool(state2.last_step_finite)
+    assert int(state2.total_skips) == 1 and int(state2.consecutive_skips) == 1
+    assert float(state2.loss_scale.loss_scale) == 2.0**9
+    # A finite step afterwards applies again and resets the consecutive count.
+    params3, state3, _ = step(params2, state2, x, y)
+    assert _bits(params3) != before_p and int(state3.consecutive_skips) == 0 and int(state3.total_skips) == 1
+
+
+def test_unscale_happens_before_clipping():
+    # With a scale of 2**12 the raw scaled gradient norm is huge; if clipping saw it, the update
+    # would be the clipped direction of the *scaled* grads. It must equal the bare chain's update
+    # on the true gradients.
+    inner = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(1.0))
+    tx = jaxmp.loss_scaling(inner, jaxmp.StaticLossScale(2.0**12))
+    params, (x, y) = _params(), _batch()
+    state = tx.init(params)
+    _, scaled_grads = jaxmp.value_and_grad(_loss, state)(params, x, y)
+    true_grads = jax.grad(_loss)(params, x, y)
+    true_norm = float(optax.tree.norm(true_grads))
+    assert 0.5 < true_norm < 0.5 * 2.0**12  # clipping is active on true grads but not a no-op either way
+    ours, _ = tx.update(scaled_grads, state, params)
+    want, _ = inner.update(true_grads, inner.init(params), params)
+    for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    assert float(optax.tree.norm(ours)) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_finite_steps_match_bare_optax_exactly_with_power_of_two_scale():
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    tx = jaxmp.loss_scaling(inner, jaxmp.DynamicLossScale(2.0**8, period=2))
+    params_a = params_b = _params()
+    sa, sb = tx.init(params_a), inner.init(params_b)
+    step = _make_step(tx)
+
+    @jax.jit
+    def bare_step(params, state, x, y):
+        u, state = inner.update(jax.grad(_loss)(params, x, y), state, params)
+        return optax.apply_updates(params, u), state
+
+    for i in range(6):
+        x, y = _batch(seed=i)
+        params_a, sa, _ = step(params_a, sa, x, y)
+        params_b, sb = bare_step(params_b, sb, x, y)
+    # Power-of-two scaling is exact in binary floating point; only XLA's fusion choices differ.
+    for a, b in zip(jax.tree_util.tree_leaves(params_a), jax.tree_util.tree_leaves(params_b)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert float(sa.loss_scale.loss_scale) == 2.0**11
+
+
+def test_never_applies_non_finite_however_many_in_a_row_and_check_health_says_so():
+    tx = jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**15))
+    step = _make_step(tx)
+    params, (x, y) = _params(), _batch()
+    state = tx.init(params)
+    start = _bits(params)
+    bad = x.at[:, 0].set(jnp.inf)
+    for _ in range(60):
+        params, state, _ = step(params, state, bad, y)
+    assert _bits(params) == start
+    assert int(state.consecutive_skips) == 60 and float(state.loss_scale.loss_scale) == 1.0  # at the floor
+    jaxmp.check_health(state, max_consecutive_skips=60)  # at the limit: fine
+    with pytest.raises(jaxmp.TrainingDivergedError, match=r"61|60 consecutive steps.*floor"):
+        jaxmp.check_health(state, max_consecutive_skips=59)
+    with pytest.raises(FloatingPointError):
+        jaxmp.check_health((optax.EmptyState(), state), max_consecutive_skips=10)
+
+
+def test_scaling_stats_and_helpers_inside_jit():
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(4.0))
+    params, (x, y) = _params(), _batch()
+    state = tx.init(params)
+    stats = jax.jit(jaxmp.scaling_stats)(state)
+    assert {k: float(v) for k, v in stats.items()} == {"loss_scale": 4.0, "last_step_finite": 1.0,
+                                                       "consecutive_skips": 0.0, "total_skips": 0.0}
+    _, state, _ = _make_step(tx)(params, state, x.at[0, 0].set(jnp.nan), y)
+    assert int(jaxmp.skipped_steps(state)) == 1 and not bool(jaxmp.last_step_finite(state))
+    assert float(jaxmp.get_loss_scale(state).loss_scale) == 2.0
+
+
+def test_multisteps_accumulates_true_gradients_and_drops_non_finite_micro_batches():
+    k = 3
+    inner = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=k)
+    tx = jaxmp.loss_scaling(inner, jaxmp.StaticLossScale(2.0**6))
+    step = _make_step(tx)
+    params = _params()
+    state = tx.init(params)
+    batches = [_batch(seed=i) for i in range(k)]
+    p, s = params, state
+    p, s, _ = step(p, s, *batches[0])
+    p, s, _ = step(p, s, batches[1][0].at[0, 0].set(jnp.nan), batches[1][1])  # dropped micro-batch
+    assert _bits(p) == _bits(params)
+    for b in batches[1:]:
+        p, s, _ = step(p, s, *b)
+    mean_grad = jax.tree_util.tree_map(lambda *g: sum(g) / k, *[jax.grad(_loss)(params, *b) for b in batches])
+    want = jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, params, mean_grad)
+    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_inject_hyperparams_schedule_counts_applied_steps_only():
+    sched = optax.linear_schedule(1.0, 0.0, 10)
+    tx = jaxmp.loss_scaling(optax.inject_hyperparams(optax.sgd)(learning_rate=sched), jaxmp.DynamicLossScale(8.0))
+    step = _make_step(tx)
+    params, (x, y) = _params(), _batch()
+    state = tx.init(params)
+    for bad in (False, True, True, False, True):
+        xx = x.at[0, 0].set(jnp.nan) if bad else x
+        params, state, _ = step(params, state, xx, y)
+    inner = state.inner_state
+    assert int(inner.count) == 2  # two applied steps
+    assert float(inner.hyperparams["learning_rate"]) == pytest.approx(float(sched(1)))
+
+
+@pytest.mark.parametrize("half", [jnp.float16, jnp.bfloat16])
+def test_master_weights_keep_half_params_bit_exact_and_accumulate_small_updates(half):
+    tx = jaxmp.loss_scaling(optax.sgd(1.0), "none", master_weights=True)
+    params = {"w": jnp.ones((16,), half)}
+    state = tx.init(params)
+    assert jaxmp.master_params(state)["w"].dtype == jnp.float32
+    tiny = float(jnp.finfo(half).eps) / 8  # far below the half resolution at 1.0
+
+    @jax.jit
+    def step(params, state, g):
+        updates, state = tx.update({"w": g}, state, params)
+        return jaxmp.apply_updates(params, updates, state), state
+
+    g = jnp.full((16,), tiny, half)
+    params1, state1 = step(params, state, g)
+    assert _bits(params1["w"]) == _bits(params["w"])  # the half copy cannot move by eps/8 ...
+    assert float(jaxmp.master_params(state1)["w"][0]) == pytest.approx(1.0 - tiny)  # ... the master does
+    for _ in range(15):
+        params1, state1 = step(params1, state1, g)
+    master = jaxmp.master_params(state1)["w"]
+    assert float(master[0]) == pytest.approx(1.0 - 16 * tiny, rel=1e-6)
+    assert float(params1["w"][0]) < 1.0  # 16 accumulated updates moved the half param
+    assert _bits(params1["w"]) == _bits(master.astype(half))
+
+
+def test_master_weights_random_walk_stays_bit_exact_and_moments_are_fp32():
+    tx = jaxmp.loss_scaling(optax.adam(3e-3), jaxmp.DynamicLossScale(2.0**4), master_weights=True)
+    params = _params(jnp.float16)
+    state = tx.init(params)
+    step = _make_step(tx)
+    for i in range(25):
+        x, y = _batch(seed=i)
+        if i % 7 == 3:
+            x = x.at[0, 0].set(jnp.inf)
+        params, state, _ = step(params, state, x, y)
+        master = jaxmp.master_params(state)
+        assert _bits(params) == _bits(jax.tree_util.tree_map(lambda m: m.astype(jnp.float16), master))
+    adam_state = state.inner_state[0]
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(adam_state.mu))
+    assert all(leaf.dtype == jnp.float16 for leaf in jax.tree_util.tree_leaves(params))
+    assert int(state.total_skips) == 4  # i = 3, 10, 17, 24
+
+
+def test_inner_state_dtype_is_the_users_choice_with_half_params():
+    # Without master weights, half params and a bf16 first moment by request.
+    tx = jaxmp.loss_scaling(optax.adam(1e-3, mu_dtype=jnp.bfloat16), "none")
+    state = tx.init(_params(jnp.float16))
+    assert all(m.dtype == jnp.bfloat16 for m in jax.tree_util.tree_leaves(state.inner_state[0].mu))
+
+
+def test_value_and_grad_has_aux_argnums_and_true_loss():
+    ls = jaxmp.StaticLossScale(16.0)
+    params, (x, y) = _params(), _batch()
+
+    def f(p, xx, yy):
+        loss = _loss(p, xx, yy)
+        return loss, {"twice": 2 * loss}
+
+    (loss, aux), grads = jaxmp.value_and_grad(f, ls, argnums=(0, 1), has_aux=True)(params, x, y)
+    want_loss = _loss(params, x, y)
+    assert float(loss) == float(want_loss) and float(aux["twice"]) == 2 * float(want_loss)
+    gp, gx = grads
+    np.testing.assert_allclose(np.asarray(gx), 16.0 * np.asarray(jax.grad(_loss, argnums=1)(params, x, y)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gp["scale"]), 16.0 * np.asarray(jax.grad(_loss)(params, x, y)["scale"]),
+                               rtol=1e-6)
+
+
+def test_gradients_of_fp32_master_through_a_cast_are_fp32():
+    policy = jaxmp.get_policy("O1-fp16")
+    params, (x, y) = _params(), _batch()
+
+    def loss_fn(p):
+        p16 = policy.cast_to_compute(p)
+        h = policy.cast_to_compute(x) @ p16["dense"]["w"] + p16["dense"]["b"]
+        return jnp.mean((policy.cast_to_output(h * p16["scale"]) - y) ** 2)
+
+    tx = jaxmp.loss_scaling(optax.adam(1e-3), "dynamic")
+    state = tx.init(params)
+    loss, grads = jaxmp.value_and_grad(loss_fn, state)(params)
+    assert loss.dtype == jnp.float32
+    assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
+    assert all(m.dtype == jnp.float32 for m in jax.tree_util.tree_leaves(state.inner_state[0].mu))
+
+
+def _pmap_setup(reduce_grads):
+    n = jax.local_device_count()
+    assert n == 8, "conftest sets 8 simulated CPU devices"
+    tx = jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**10, period=3), axis_name="batch")
+
+    def step(params, state, x, y):
+        loss, grads = jaxmp.value_and_grad(_loss, state)(params, x, y)
+        if reduce_grads:
+            grads = jax.lax.pmean(grads, "batch")
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = _params()
+    rep = lambda t: jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (n,) + jnp.shape(a)), t)  # noqa: E731
+    x, y = _batch(n=8 * 4)
+    return jax.pmap(step, axis_name="batch"), rep(params), rep(tx.init(params)), x.reshape(8, 4, 4), y.reshape(8, 4, 3)
+
+
+def test_pmap_nan_in_one_replica_makes_every_replica_skip_and_replicas_stay_identical():
+    pstep, p, s, x, y = _pmap_setup(reduce_grads=True)
+    for i in range(5):
+        before = _bits(p)
+        p, s = pstep(p, s, x.at[5, 0, 0].set(jnp.nan) if i == 2 else x, y)
+        if i == 2:
+            assert not np.any(np.asarray(s.last_step_finite)) and _bits(p) == before
+    assert np.all(np.asarray(s.total_skips) == 1)
+    for leaf in jax.tree_util.tree_leaves((p, s)):
+        arr = np.asarray(leaf)
+        for r in range(1, 8):
+            assert arr[r].tobytes() == arr[0].tobytes()
+
+
+def test_axis_name_alone_makes_replicas_agree_on_the_verdict():
+    # Without a gradient all-reduce only replica 5 sees the NaN; axis_name must still make all skip.
+    pstep, p, s, x, y = _pmap_setup(reduce_grads=False)
+    p1, s1 = pstep(p, s, x.at[5, 0, 0].set(jnp.nan), y)
+    assert not np.any(np.asarray(s1.last_step_finite))
+    assert np.all(np.asarray(s1.total_skips) == 1)
+    assert np.all(np.asarray(s1.loss_scale.loss_scale) == 2.0**9)
+    assert _bits(p1) == _bits(p) and _bits(s1.inner_state) == _bits(s.inner_state)
+
+
+def test_unbound_axis_name_is_a_clear_error():
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), axis_name="batch")
+    params = _params()
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="axis_name='batch' is not bound"):
+        tx.update(jax.tree_util.tree_map(jnp.ones_like, params), state, params)
