@@ -48,5 +48,14 @@ from jaxmp.transform import skipped_steps
 # --- data parallel and multi-host (issue 4) ---
 
 # --- diagnostics (issue 6) ---
+from jaxmp.diagnostics import GradientStats
+from jaxmp.diagnostics import GroupStats
+from jaxmp.diagnostics import MatmulOp
+from jaxmp.diagnostics import PipelineOverhead
+from jaxmp.diagnostics import PrecisionReport
+from jaxmp.diagnostics import RiskyOp
+from jaxmp.diagnostics import gradient_stats
+from jaxmp.diagnostics import input_pipeline_overhead
+from jaxmp.diagnostics import precision_report
 
 __version__ = "0.1.0"

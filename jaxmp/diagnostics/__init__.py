@@ -1,0 +1,31 @@
+"""Diagnostics: where does mixed precision help, and where could it hurt?
+
+* :func:`precision_report` -- dtypes, FLOPs and Tensor-Core eligibility of every matmul and
+  convolution of a (jitted) step, read off its jaxpr; risky and missed half-precision ops.
+* :func:`gradient_stats` -- log2|g| histograms per parameter group and float16
+  underflow/overflow fractions at a loss scale; a suggested static scale; a PNG plot.
+* :func:`input_pipeline_overhead` -- exposed data-loading time and the speed-up cap it implies.
+
+Modules: ``precision_report`` (the report), ``jaxpr_walk`` (finding ops in a jaxpr and its
+sub-jaxprs), ``_matmul`` (GEMM geometry and FLOPs), ``gradient_stats``, ``input_pipeline`` and
+``_format`` (tables). None of them imports matplotlib, rich or TensorFlow at import time.
+"""
+
+from jaxmp.diagnostics.gradient_stats import GradientStats
+from jaxmp.diagnostics.gradient_stats import GroupStats
+from jaxmp.diagnostics.gradient_stats import gradient_stats
+from jaxmp.diagnostics.gradient_stats import suggest_loss_scale
+from jaxmp.diagnostics.input_pipeline import PipelineOverhead
+from jaxmp.diagnostics.input_pipeline import input_pipeline_overhead
+from jaxmp.diagnostics.precision_report import MatmulOp
+from jaxmp.diagnostics.precision_report import PrecisionReport
+from jaxmp.diagnostics.precision_report import RiskyOp
+from jaxmp.diagnostics.precision_report import amdahl
+from jaxmp.diagnostics.precision_report import analyze_jaxpr
+from jaxmp.diagnostics.precision_report import precision_report
+
+__all__ = [
+    "GradientStats", "GroupStats", "MatmulOp", "PipelineOverhead", "PrecisionReport", "RiskyOp",
+    "amdahl", "analyze_jaxpr", "gradient_stats", "input_pipeline_overhead", "precision_report",
+    "suggest_loss_scale",
+]

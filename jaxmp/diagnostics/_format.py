@@ -1,0 +1,107 @@
+"""Rendering helpers shared by the diagnostics reports: tables and human-readable numbers.
+
+rich is used when installed (imported lazily, so ``import jaxmp`` stays light); otherwise a
+plain fixed-width table is produced. Both paths return a string, so callers can log it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Sequence
+
+import numpy as np
+
+_SHORT_DTYPE = {
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float32": "f32",
+    "float64": "f64",
+}
+
+
+def short_dtype(dtype) -> str:
+    """``float16`` -> ``f16``; fp8 and integer dtypes keep numpy's name."""
+    name = np.dtype(dtype).name
+    return _SHORT_DTYPE.get(name, name)
+
+
+def is_low_precision(dtype) -> bool:
+    """Floating dtypes narrower than 32 bits: float16, bfloat16 and the float8 family."""
+    dt = np.dtype(dtype)
+    # bfloat16 / float8 are ml_dtypes extension types, not numpy "f" kinds, so ask jnp.
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(dt, jnp.floating)) and dt.itemsize < 4
+
+
+def is_floating(dtype) -> bool:
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))
+
+
+def fmt_count(x: float, unit: str = "") -> str:
+    """1234567 -> '1.23M' (SI prefixes, 3 significant digits)."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return str(x)
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.3g}{prefix}{unit}"
+    return f"{x:.3g}{unit}" if isinstance(x, float) else f"{x}{unit}"
+
+
+def fmt_pct(x: float) -> str:
+    """0.25 -> '25.0%'; tiny non-zero shares keep two significant digits ('0.0031%'), never '0.0%'."""
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    if 0 < abs(x) < 1e-3:
+        return f"{100.0 * x:.2g}%"
+    return f"{100.0 * x:.1f}%"
+
+
+def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
+                 footer: str | None = None, width: int = 160) -> str:
+    """Returns a table as text: rich's box table if rich is installed, else plain columns.
+
+    Args:
+      title: the caption above the table.
+      headers: column names.
+      rows: cells, already formatted as strings.
+      footer: optional line below the table.
+      width: console width rich wraps to.
+
+    Returns:
+      The rendered table (no ANSI colour codes, so it is safe for log files).
+    """
+    rows = [[str(c) for c in r] for r in rows]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        return _plain_table(title, headers, rows, footer)
+    table = Table(title=title, show_lines=False, title_justify="left")
+    for h in headers:
+        table.add_column(h, overflow="fold")
+    for r in rows:
+        table.add_row(*r)
+    buf = io.StringIO()
+    # No colour and no terminal detection: the string must look the same in a log file.
+    console = Console(file=buf, width=width, color_system=None, force_terminal=False, legacy_windows=False)
+    console.print(table)
+    if footer:
+        console.print(footer, highlight=False, markup=False, soft_wrap=True)
+    return buf.getvalue().rstrip("\n")
+
+
+def _plain_table(title, headers, rows, footer) -> str:
+    widths = [len(h) for h in headers]
+    for r in rows:
+        for i, c in enumerate(r):
+            widths[i] = max(widths[i], len(c))
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    out = [title, line(headers), line(["-" * w for w in widths])]
+    out += [line(r) for r in rows]
+    if footer:
+        out.append(footer)
+    return "\n".join(out)

@@ -1,0 +1,380 @@
+"""Walking a jaxpr: every matmul/conv with its GEMM geometry, and the risky half-precision ops.
+
+Sub-jaxprs are walked recursively (``scan``, ``cond``, ``while``, ``remat``,
+``custom_vjp``/``custom_jvp``, nested ``jit``, ``shard_map`` ...). Counting rules, which the
+totals of :class:`jaxmp.PrecisionReport` depend on:
+
+* ``scan``: the body's FLOPs are multiplied by ``length`` (nested scans multiply).
+* ``cond``: every branch is listed, but only the costliest branch counts towards totals
+  (one execution takes one branch); the others have ``counted=False``.
+* ``while``: the trip count is unknown at trace time, so the body is counted once and the
+  count of such loops is returned. ``fori_loop`` with static bounds is a ``scan``.
+* ``shard_map`` / ``pmap`` bodies see per-device shapes, so their FLOPs are per device.
+
+Risk detection works on the data flow inside each (sub-)jaxpr: which eqn produces and which
+consumes each variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import NamedTuple
+
+import numpy as np
+from jax.extend import core as _core
+
+from jaxmp.diagnostics import _format
+from jaxmp.diagnostics._matmul import conv_gemm, dot_gemm, tc_shape_problems
+
+_MATMUL_PRIMS = ("dot_general", "conv_general_dilated")
+_EXP_PRIMS = ("exp", "exp2", "expm1")
+_LOG_PRIMS = ("log", "log1p")
+_POW_PRIMS = ("pow", "integer_pow", "rsqrt")
+_SUM_PRIMS = ("reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp")
+# Ops an exp's result may pass through on its way into the normalising sum of a softmax.
+# Scalar arithmetic between a full reduction and the value a loss or norm ends up as.
+_SCALAR_PASS = ("convert_element_type", "div", "mul", "neg", "sub", "add", "sqrt", "reshape", "squeeze")
+_REDUCE_PRIMS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
+_SOFTMAX_PASS = ("convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
+                 "expand_dims", "transpose", "copy", "copy_p", "stop_gradient")
+
+
+class MatmulOp(NamedTuple):
+    """One ``dot_general`` or ``conv_general_dilated`` of the traced function.
+
+    Attributes:
+      primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+      lhs_dtype, rhs_dtype: operand dtypes (short names: ``f16``, ``bf16``, ``f32`` ...).
+      out_dtype: result dtype.
+      accum_dtype: the requested accumulation dtype (``preferred_element_type``, else the
+        result dtype). GPUs accumulate fp16 products in fp32 internally whatever this says.
+      lhs_shape, rhs_shape, out_shape: shapes.
+      batch, m, n, k: the GEMM it amounts to (conv: implicit GEMM, ``batch=1``).
+      flops_per_call: ``2 * batch * m * n * k``.
+      calls: how many times it runs per call of the function (product of enclosing scan lengths).
+      flops: ``flops_per_call * calls``.
+      low_precision: both operands are float16/bfloat16/float8.
+      shape_problems: dimensions breaking the multiple-of-8 rule, e.g. ``("K=30",)``.
+      tensor_core_eligible: ``low_precision`` and no ``shape_problems``.
+      missed: float32/float64 operands although the policy computes in half precision.
+      counted: whether ``flops`` enter the totals (False in a cond's cheaper branches).
+      context: enclosing higher-order primitives, e.g. ``"jit(step) > scan x10"``.
+      name: the name stack (Flax module path, ``jvp``/``transpose`` for forward/backward).
+      source: ``file:line (function)`` of the user code that emitted it.
+    """
+
+    primitive: str
+    lhs_dtype: str
+    rhs_dtype: str
+    out_dtype: str
+    accum_dtype: str
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    batch: int
+    m: int
+    n: int
+    k: int
+    flops_per_call: int
+    calls: int
+    flops: int
+    low_precision: bool
+    shape_problems: tuple[str, ...]
+    tensor_core_eligible: bool
+    missed: bool
+    counted: bool
+    context: str
+    name: str
+    source: str
+
+
+class RiskyOp(NamedTuple):
+    """A half-precision op that commonly loses range or precision.
+
+    Attributes:
+      primitive: the JAX primitive (``exp``, ``reduce_sum`` ...).
+      category: ``"softmax"``, ``"exp"``, ``"log"``, ``"pow"``, ``"reduction"``,
+        ``"all-reduce"`` or ``"loss"``.
+      dtype: the half dtype it runs in.
+      shape: its input shape.
+      detail: one sentence on why it is risky and what to do.
+      context, name, source: where it is (as in :class:`MatmulOp`).
+    """
+
+    primitive: str
+    category: str
+    dtype: str
+    shape: tuple[int, ...]
+    detail: str
+    context: str
+    name: str
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ctx:
+    calls: int = 1
+    context: tuple[str, ...] = ()
+    name_prefix: tuple[str, ...] = ()
+    # Ops traced inside library code (jax.nn.*) have no user frame; fall back to the call site.
+    source: str = ""
+
+
+@dataclasses.dataclass
+class _Collector:
+    compute_half: bool
+    multiple: int
+    reduction_threshold: int
+    ops: list = dataclasses.field(default_factory=list)
+    risky: list = dataclasses.field(default_factory=list)
+    unknown_trip_counts: int = 0
+    # ids of 0-d half vars already reported as a half reduction (Literals are unhashable, so ids).
+    half_scalars: set = dataclasses.field(default_factory=set)
+
+
+def _source(eqn, ctx: _Ctx | None = None) -> str:
+    # source_info_util is internal; degrade to no location rather than fail the report.
+    try:
+        from jax._src import source_info_util
+
+        own = source_info_util.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - depends on JAX internals
+        own = ""
+    if ctx is not None and (not own or own.startswith("unknown")):
+        return ctx.source
+    return own
+
+
+def _name(eqn, ctx: _Ctx) -> str:
+    own = str(getattr(eqn.source_info, "name_stack", "") or "")
+    return "/".join(p for p in (*ctx.name_prefix, own) if p)
+
+
+def _sub_jaxprs(value):
+    """Yields the jaxprs held by one eqn param (a Jaxpr, a ClosedJaxpr or a tuple of them)."""
+    if isinstance(value, _core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, _core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def _matmul_op(eqn, ctx: _Ctx, col: _Collector) -> MatmulOp:
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    out = eqn.outvars[0].aval
+    if eqn.primitive.name == "dot_general":
+        gemm = dot_gemm(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])
+    else:
+        gemm = conv_gemm(lhs.shape, rhs.shape, out.shape, eqn.params["dimension_numbers"],
+                         eqn.params.get("feature_group_count", 1), eqn.params.get("batch_group_count", 1))
+    accum = eqn.params.get("preferred_element_type")
+    accum = out.dtype if accum is None else accum
+    low = _format.is_low_precision(lhs.dtype) and _format.is_low_precision(rhs.dtype)
+    floating = _format.is_floating(lhs.dtype) and _format.is_floating(rhs.dtype)
+    problems = tc_shape_problems(gemm, col.multiple)
+    return MatmulOp(
+        primitive=eqn.primitive.name,
+        lhs_dtype=_format.short_dtype(lhs.dtype), rhs_dtype=_format.short_dtype(rhs.dtype),
+        out_dtype=_format.short_dtype(out.dtype), accum_dtype=_format.short_dtype(accum),
+        lhs_shape=tuple(map(int, lhs.shape)), rhs_shape=tuple(map(int, rhs.shape)),
+        out_shape=tuple(map(int, out.shape)),
+        batch=gemm.batch, m=gemm.m, n=gemm.n, k=gemm.k,
+        flops_per_call=gemm.flops, calls=ctx.calls, flops=gemm.flops * ctx.calls,
+        low_precision=low, shape_problems=problems if floating else (),
+        tensor_core_eligible=low and not problems,
+        missed=col.compute_half and floating and not low,
+        counted=True, context=" > ".join(ctx.context), name=_name(eqn, ctx), source=_source(eqn, ctx),
+    )
+
+
+def _feeds_sum(var, consumers, depth: int = 4) -> bool:
+    """Whether ``var`` reaches a sum within ``depth`` pass-through ops (softmax's normaliser)."""
+    frontier = [var]
+    for _ in range(depth):
+        nxt = []
+        for v in frontier:
+            for eqn in consumers.get(v, ()):
+                if eqn.primitive.name in ("reduce_sum", "cumsum"):
+                    return True
+                if eqn.primitive.name in _SOFTMAX_PASS:
+                    nxt.extend(eqn.outvars)
+        frontier = nxt
+    return False
+
+
+def _risk(eqn, ctx: _Ctx, col: _Collector, consumers) -> RiskyOp | None:
+    prim = eqn.primitive.name
+    if not eqn.invars or not hasattr(eqn.invars[0], "aval"):
+        return None
+    aval = eqn.invars[0].aval
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None or not _format.is_low_precision(dtype):
+        return None
+    d = _format.short_dtype(dtype)
+    category = detail = None
+    if prim in _EXP_PRIMS:
+        if _feeds_sum(eqn.outvars[0], consumers):
+            category = "softmax"
+            detail = f"exp->sum (softmax/logsumexp) in {d}: small probabilities underflow; compute softmax in float32"
+        else:
+            category = "exp"
+            detail = f"exp in {d} overflows past x~{11 if d == 'f16' else 88}; keep it in float32"
+    elif prim in _LOG_PRIMS:
+        category = "log"
+        detail = f"log in {d}: inputs that underflowed to 0 give -inf; keep it in float32"
+    elif prim in _POW_PRIMS:
+        category = "pow"
+        detail = f"{prim} in {d} overflows/underflows quickly (norm statistics, x**2); keep it in float32"
+    elif prim in _SUM_PRIMS:
+        axes = eqn.params.get("axes")
+        if axes is None and "axis" in eqn.params:
+            axes = (eqn.params["axis"],)
+        n = int(np.prod([aval.shape[a] for a in (axes or ())], dtype=np.int64)) if axes else 1
+        if n >= col.reduction_threshold:
+            category = "reduction"
+            detail = (f"{prim} over {n} elements accumulates in {d}: the running sum loses the small terms; "
+                      "sum in float32 (jnp.sum upcasts, lax.reduce_sum does not)")
+    elif prim.startswith("psum"):
+        category = "all-reduce"
+        detail = f"all-reduce in {d} can overflow when replicas add up; reduce in float32"
+    if category is None:
+        return None
+    return RiskyOp(prim, category, d, tuple(map(int, aval.shape)), detail,
+                   " > ".join(ctx.context), _name(eqn, ctx), _source(eqn, ctx))
+
+
+def _reads_half(var, producers) -> bool:
+    """Whether ``var`` is half precision or a float32 copy of a half-precision array."""
+    if _format.is_low_precision(var.aval.dtype):
+        return True
+    eqn = producers.get(var)
+    return (eqn is not None and eqn.primitive.name == "convert_element_type"
+            and isinstance(eqn.invars[0], _core.Var) and _format.is_low_precision(eqn.invars[0].aval.dtype))
+
+
+def _half_scalar_reduction(eqn, producers, seen: set):
+    """The reduction a 0-d half-precision value comes from, if it reduces a half array.
+
+    ``jnp.mean(x_f16)`` upcasts, sums in float32 and casts the scalar back to float16: the sum is
+    safe but the result (a loss, a global norm) lives in fp16's range and precision.
+
+    Returns:
+      ``(reduction eqn, first time seen)``, or ``(None, False)``.
+    """
+    out = eqn.outvars[0] if len(eqn.outvars) == 1 else None
+    aval = getattr(out, "aval", None)
+    if aval is None or getattr(aval, "shape", None) != () or not _format.is_low_precision(aval.dtype):
+        return None, False
+    frontier = [eqn]
+    for _ in range(5):
+        nxt = []
+        for e in frontier:
+            if e.primitive.name in _REDUCE_PRIMS:
+                src = e.invars[0]
+                if isinstance(src, _core.Var) and np.prod(src.aval.shape) > 1 and _reads_half(src, producers):
+                    new = id(e) not in seen
+                    seen.add(id(e))
+                    return e, new
+                continue
+            if e.primitive.name not in _SCALAR_PASS:
+                continue
+            nxt.extend(producers[v] for v in e.invars if isinstance(v, _core.Var) and v in producers)
+        frontier = nxt
+    return None, False
+
+
+def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
+    """Appends the ops of ``jaxpr`` (recursively) to ``col``; returns the FLOPs that count."""
+    consumers = defaultdict(list)
+    producers = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, _core.Var):
+                consumers[v].append(eqn)
+        for v in eqn.outvars:
+            producers[v] = eqn
+    reductions_seen: set = set()
+    flops = 0
+    for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        if prim in _MATMUL_PRIMS:
+            op = _matmul_op(eqn, ctx, col)
+            col.ops.append(op)
+            flops += op.flops
+            continue
+        risky = _risk(eqn, ctx, col, consumers)
+        if risky is not None:
+            col.risky.append(risky)
+        red, new = _half_scalar_reduction(eqn, producers, reductions_seen)
+        if red is not None:
+            col.half_scalars.add(id(eqn.outvars[0]))
+        if new:
+            d = _format.short_dtype(eqn.outvars[0].aval.dtype)
+            col.risky.append(RiskyOp(
+                red.primitive.name, "loss", d, tuple(map(int, red.invars[0].aval.shape)),
+                f"a {d} array is reduced to a {d} scalar (a loss or a norm?): compute it in float32",
+                " > ".join(ctx.context), _name(red, ctx), _source(red, ctx)))
+        own = str(getattr(eqn.source_info, "name_stack", "") or "")
+        prefix = ctx.name_prefix + ((own,) if own else ())
+        src = _source(eqn, ctx)
+        if prim == "scan":
+            length = int(eqn.params["length"])
+            sub = _Ctx(ctx.calls * length, ctx.context + (f"scan x{length}",), prefix, src)
+            flops += _walk(eqn.params["jaxpr"].jaxpr, sub, col)
+        elif prim == "cond":
+            branch_flops, spans = [], []
+            branches = eqn.params["branches"]
+            for i, br in enumerate(branches):
+                start = len(col.ops)
+                sub = _Ctx(ctx.calls, ctx.context + (f"cond branch {i}/{len(branches)}",), prefix, src)
+                branch_flops.append(_walk(br.jaxpr, sub, col))
+                spans.append((start, len(col.ops)))
+            taken = int(np.argmax(branch_flops)) if branch_flops else 0
+            for i, (a, b) in enumerate(spans):
+                if i != taken:
+                    for j in range(a, b):
+                        col.ops[j] = col.ops[j]._replace(counted=False)
+            flops += branch_flops[taken] if branch_flops else 0
+        elif prim == "while":
+            col.unknown_trip_counts += 1
+            sub = _Ctx(ctx.calls, ctx.context + ("while (trip count unknown, counted once)",), prefix, src)
+            flops += _walk(eqn.params["cond_jaxpr"].jaxpr, sub, col)
+            flops += _walk(eqn.params["body_jaxpr"].jaxpr, sub, col)
+        else:
+            label = prim
+            if isinstance(eqn.params.get("name"), str):
+                label = f"{prim}({eqn.params['name']})"
+            for value in eqn.params.values():
+                for sub_jaxpr in _sub_jaxprs(value):
+                    flops += _walk(sub_jaxpr, _Ctx(ctx.calls, ctx.context + (label,), prefix, src), col)
+    return flops
+
+
+def walk_jaxpr(jaxpr, *, compute_half: bool = False, tc_multiple: int = 8, reduction_threshold: int = 1024):
+    """Collects the matmuls/convs and risky ops of ``jaxpr`` and all its sub-jaxprs.
+
+    Args:
+      jaxpr: a ``Jaxpr`` (``closed_jaxpr.jaxpr``).
+      compute_half: whether the policy computes in half precision (float32 matmuls are missed).
+      tc_multiple: the multiple the Tensor-Core shape rule asks for.
+      reduction_threshold: element count from which a half-precision sum is risky.
+
+    Returns:
+      ``(ops, risky, unknown_trip_counts)``: tuples of :class:`MatmulOp` and :class:`RiskyOp`
+      in program order, and the number of ``while`` loops counted once.
+    """
+    col = _Collector(compute_half=compute_half, multiple=tc_multiple, reduction_threshold=reduction_threshold)
+    _walk(jaxpr, _Ctx(), col)
+    # A scalar half-precision output of a step is nearly always the loss.
+    for i, v in enumerate(jaxpr.outvars):
+        aval = getattr(v, "aval", None)
+        if (aval is not None and getattr(aval, "shape", None) == () and _format.is_low_precision(aval.dtype)
+                and id(v) not in col.half_scalars):
+            d = _format.short_dtype(aval.dtype)
+            col.risky.append(RiskyOp(
+                "output", "loss", d, (), f"output #{i} is a {d} scalar: if it is the loss, compute the loss in float32 "
+                "(policy.cast_to_output on the logits)", "", "", ""))
+    return tuple(col.ops), tuple(col.risky), col.unknown_trip_counts
