@@ -46,6 +46,28 @@ from jaxmp.transform import skipped_steps
 # --- flax integration (issue 3) ---
 
 # --- data parallel and multi-host (issue 4) ---
+from jaxmp.parallel import DistributedInfo
+from jaxmp.parallel import all_reduce_gradients
+from jaxmp.parallel import batch_sharding
+from jaxmp.parallel import check_replicated
+from jaxmp.parallel import distributed_info
+from jaxmp.parallel import initialize_distributed
+from jaxmp.parallel import is_replicated
+from jaxmp.parallel import make_data_mesh
+from jaxmp.parallel import make_global_batch
+from jaxmp.parallel import make_pmap_train_step
+from jaxmp.parallel import make_sharded_train_step
+from jaxmp.parallel import per_device_batch_size
+from jaxmp.parallel import prefetch_to_device
+from jaxmp.parallel import prefetch_to_mesh
+from jaxmp.parallel import process_batch_slice
+from jaxmp.parallel import process_dataset_range
+from jaxmp.parallel import replicate
+from jaxmp.parallel import replicate_on_mesh
+from jaxmp.parallel import replicated_sharding
+from jaxmp.parallel import shard_batch
+from jaxmp.parallel import unreplicate
+from jaxmp.parallel import unshard_batch
 
 # --- diagnostics (issue 6) ---
 from jaxmp.diagnostics import GradientStats

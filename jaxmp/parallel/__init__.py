@@ -1,0 +1,60 @@
+"""Data-parallel and multi-host training with loss scaling that every replica agrees on.
+
+Two paths, same semantics and results:
+
+* :func:`make_sharded_train_step` -- plain ``jax.jit`` over a mesh with a data axis (JAX's
+  recommended path; runs unchanged on several hosts);
+* :func:`make_pmap_train_step` -- ``jax.pmap`` with an explicit gradient all-reduce whose
+  dtype you choose (float32 by default).
+
+Plus replication helpers, batch splitting (per device and per process), prefetching and
+:func:`initialize_distributed` for multi-host runs. See ``docs/parallel.md``.
+"""
+
+from jaxmp.parallel.batching import per_device_batch_size
+from jaxmp.parallel.batching import prefetch_to_device
+from jaxmp.parallel.batching import process_batch_slice
+from jaxmp.parallel.batching import process_dataset_range
+from jaxmp.parallel.batching import shard_batch
+from jaxmp.parallel.batching import unshard_batch
+from jaxmp.parallel.distributed import DistributedInfo
+from jaxmp.parallel.distributed import distributed_info
+from jaxmp.parallel.distributed import initialize_distributed
+from jaxmp.parallel.pmap import all_reduce_gradients
+from jaxmp.parallel.pmap import make_pmap_train_step
+from jaxmp.parallel.replication import check_replicated
+from jaxmp.parallel.replication import is_replicated
+from jaxmp.parallel.replication import replicate
+from jaxmp.parallel.replication import unreplicate
+from jaxmp.parallel.sharding import batch_sharding
+from jaxmp.parallel.sharding import make_data_mesh
+from jaxmp.parallel.sharding import make_global_batch
+from jaxmp.parallel.sharding import make_sharded_train_step
+from jaxmp.parallel.sharding import prefetch_to_mesh
+from jaxmp.parallel.sharding import replicate_on_mesh
+from jaxmp.parallel.sharding import replicated_sharding
+
+__all__ = [
+    "DistributedInfo",
+    "all_reduce_gradients",
+    "batch_sharding",
+    "check_replicated",
+    "distributed_info",
+    "initialize_distributed",
+    "is_replicated",
+    "make_data_mesh",
+    "make_global_batch",
+    "make_pmap_train_step",
+    "make_sharded_train_step",
+    "per_device_batch_size",
+    "prefetch_to_device",
+    "prefetch_to_mesh",
+    "process_batch_slice",
+    "process_dataset_range",
+    "replicate",
+    "replicate_on_mesh",
+    "replicated_sharding",
+    "shard_batch",
+    "unreplicate",
+    "unshard_batch",
+]

@@ -1,0 +1,126 @@
+"""Helpers shared by the pmap and sharded-jit paths: logging, validation, the step body."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp.grad import value_and_grad
+from jaxmp.transform import apply_updates, scaling_stats
+
+logger = logging.getLogger("jaxmp.parallel")
+
+# Messages already logged, so that a per-step helper (shard_batch inside a training loop) logs
+# the per-device batch once per distinct shape instead of once per step.
+_LOGGED: set = set()
+
+
+def log_once(message: str, *args: Any) -> None:
+    """Logs ``message % args`` at INFO level the first time this exact text is seen."""
+    text = message % args if args else message
+    if text not in _LOGGED:
+        _LOGGED.add(text)
+        logger.info(text)
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def check_axis_name(axis_name: Any) -> Any:
+    if axis_name is None:
+        raise ValueError("axis_name must name the pmap axis (e.g. 'batch'), got None")
+    try:
+        hash(axis_name)
+    except TypeError as e:
+        raise TypeError(f"axis_name must be hashable (a str), got {type(axis_name).__name__}") from e
+    return axis_name
+
+
+def check_reduce_dtype(dtype: Any) -> np.dtype | None:
+    """``None`` (reduce in each gradient's own dtype) or a floating dtype."""
+    if dtype is None:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"grad_reduce_dtype must be a floating dtype or None, got {dtype!r}") from e
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"grad_reduce_dtype must be a floating dtype (float32, float16, bfloat16) or None, got {dt}")
+    return dt
+
+
+def batch_leaves(batch: Any, what: str = "batch") -> list:
+    leaves = jax.tree_util.tree_leaves(batch)
+    if not leaves:
+        raise ValueError(f"the {what} has no array leaves")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if jnp.ndim(leaf) < 1:
+            raise ValueError(f"{what} leaf at {jax.tree_util.keystr(path)} is a scalar: every leaf needs a leading batch axis")
+    return leaves
+
+
+def leading_size(batch: Any, what: str = "batch") -> int:
+    """The common leading (batch) dimension of every leaf, with a clear error if they differ."""
+    sizes = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if jnp.ndim(leaf) < 1:
+            raise ValueError(f"{what} leaf at {jax.tree_util.keystr(path)} is a scalar: every leaf needs a leading batch axis")
+        sizes.setdefault(int(jnp.shape(leaf)[0]), jax.tree_util.keystr(path))
+    if not sizes:
+        raise ValueError(f"the {what} has no array leaves")
+    if len(sizes) > 1:
+        listing = ", ".join(f"{p or '<root>'}: {n}" for n, p in sizes.items())
+        raise ValueError(f"{what} leaves have different leading (batch) sizes: {listing}")
+    return next(iter(sizes))
+
+
+def check_divisible(global_batch: int, num_devices: int, what: str = "global batch") -> int:
+    """Per-device batch size, or a ValueError naming both numbers."""
+    if num_devices < 1:
+        raise ValueError(f"need at least one device, got {num_devices}")
+    if global_batch % num_devices:
+        lo = global_batch // num_devices * num_devices
+        raise ValueError(
+            f"{what} size {global_batch} is not divisible by the device count {num_devices}: "
+            f"every device must get an equal shard (the mean of per-device means equals the global mean "
+            f"only then); use {lo or num_devices} or {lo + num_devices} instead"
+        )
+    return global_batch // num_devices
+
+
+def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
+                   with_rng: bool, rng_transform: Callable | None = None) -> Callable:
+    """The per-step computation shared by the pmap and sharded-jit paths.
+
+    ``reduce_grads`` is the gradient all-reduce (pmean under pmap, identity under sharded jit,
+    where the global-view mean already is the all-reduce). It runs *before* ``tx.update``, so the
+    finite check inside ``jaxmp.loss_scaling`` sees the reduced gradient: a NaN on one replica,
+    or an overflow of a half-precision sum, is seen by every replica.
+    """
+
+    def body(params, opt_state, batch, rng=None):
+        if with_rng:
+            key = rng_transform(rng) if rng_transform is not None else rng
+            fn = lambda p: loss_fn(p, batch, key)  # noqa: E731
+        else:
+            fn = lambda p: loss_fn(p, batch)  # noqa: E731
+        out, grads = value_and_grad(fn, opt_state, has_aux=has_aux)(params)
+        loss, aux = out if has_aux else (out, None)
+        grads = reduce_grads(grads)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = apply_updates(params, updates, new_opt_state)
+        metrics = {"loss": reduce_loss(jnp.asarray(loss, jnp.float32)), **scaling_stats(new_opt_state)}
+        if has_aux:
+            metrics["aux"] = aux
+        return new_params, new_opt_state, metrics
+
+    return body
