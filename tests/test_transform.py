@@ -46,17 +46,23 @@ INNERS = {
 }
 
 
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
 @pytest.mark.parametrize("inner", sorted(INNERS))
-def test_skipped_step_leaves_params_and_every_inner_leaf_bitwise_equal(inner):
-    tx = jaxmp.loss_scaling(INNERS[inner](), jaxmp.DynamicLossScale(2.0**10))
+def test_skipped_step_leaves_params_and_every_inner_leaf_bitwise_equal(inner, skip_with):
+    tx = jaxmp.loss_scaling(INNERS[inner](), jaxmp.DynamicLossScale(2.0**10), skip_with=skip_with)
     step = _make_step(tx)
     params, (x, y) = _params(), _batch()
+    params["dense"]["b"] = jnp.array([-0.0, 0.0, -0.0])  # negative zeros must survive a skip too
     state = tx.init(params)
     for _ in range(3):
         params, state, _ = step(params, state, x, y)
+    params["dense"]["b"] = jnp.array([-0.0, 0.0, -0.0])
     before_p, before_inner = _bits(params), _bits(state.inner_state)
     bad_x = x.at[0, 0].set(jnp.nan)
     params2, state2, _ = step(params, state, bad_x, y)
+    plain, _ = jax.jit(lambda p, s: optax.apply_updates(p, tx.update(
+        jaxmp.value_and_grad(_loss, s)(p, bad_x, y)[1], s, p)[0]))(params, state), None
+    assert _bits(plain) == before_p  # optax.apply_updates too: -0.0 updates keep -0.0 params
     assert _bits(params2) == before_p
     assert _bits(state2.inner_state) == before_inner
     assert not bool(state2.last_step_finite)
