@@ -44,6 +44,10 @@ from jaxmp.transform import scaling_stats
 from jaxmp.transform import skipped_steps
 
 # --- flax integration (issue 3) ---
+from jaxmp import flax
+from jaxmp.flax import PrecisionOverrides
+from jaxmp.flax import TrainState
+from jaxmp.flax import mixed_precision
 
 # --- data parallel and multi-host (issue 4) ---
 from jaxmp.parallel import DistributedInfo

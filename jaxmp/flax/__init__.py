@@ -1,0 +1,89 @@
+"""Flax integration: run Linen and NNX models under a precision policy.
+
+* :func:`mixed_precision` wraps a Linen module (init/apply) or an NNX module (a module)
+  so that matmuls and convolutions run in the compute dtype while normalisation,
+  softmax and the loss stay float32 (:class:`PrecisionOverrides` says which classes).
+* :class:`TrainState`, :func:`make_train_step`, :func:`make_eval_step`: Linen training
+  with loss scaling, applied-steps counting and exact skipped steps (batch_stats too).
+* :func:`jaxmp.flax.nnx.train_step`: the same for NNX with ``nnx.Optimizer``.
+
+See ``docs/flax.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as _nn
+from flax import nnx as _nnx
+
+from jaxmp.flax import linen, nnx
+from jaxmp.flax.attention import fp32_softmax_attention
+from jaxmp.flax.losses import accuracy, softmax_cross_entropy
+from jaxmp.flax.overrides import (
+    DEFAULT_HALF_MODULES,
+    DEFAULT_NORM_MODULES,
+    ModuleRule,
+    PrecisionOverrides,
+)
+from jaxmp.flax.train_state import TrainState, make_eval_step, make_train_step
+
+
+def mixed_precision(model: Any, policy: Any, overrides: Any = None) -> Any:
+    """Runs an unmodified Linen or NNX model under a precision policy.
+
+    Params are cast per module for the forward pass (gradients return to the stored
+    float32 params), inputs to the compute dtype, outputs to the output dtype; the
+    overrides keep normalisation (params, statistics, arithmetic), attention softmax and
+    the loss in float32 as the NVIDIA AMP lists prescribe.
+
+    Args:
+      model: a ``flax.linen.Module`` or ``flax.nnx.Module`` instance.
+      policy: a :class:`jaxmp.Policy`, a preset name (``"O1"``, ``"O1-bf16"``, ``"O2-fp16"``,
+        ``"mixed_bfloat16"``), a jmp policy string (``"p=f32,c=bf16,o=f32"``), a
+        :class:`jaxmp.Recipe` or a ``jmp.Policy``. Presets also choose the overrides from
+        their ``keep_fp32`` categories (O1: norm, softmax, loss; O2: norm, loss; O3: none).
+      overrides: a :class:`PrecisionOverrides`, a tuple of ``keep_fp32`` categories, or
+        None for the preset's defaults (all three categories for a bare policy).
+
+    Returns:
+      For Linen, a :class:`jaxmp.flax.linen.MixedPrecision` with ``init`` / ``apply``
+      like the module's. For NNX, a :class:`jaxmp.flax.nnx.MixedPrecision` module
+      wrapping the model (its params are cast in place to their storage dtype).
+
+    Raises:
+      TypeError: not a Linen/NNX module instance (e.g. a class, a function, a Haiku
+        module), or a policy whose dtypes are not floating, or bad overrides.
+
+    Example:
+      >>> model = jaxmp.flax.mixed_precision(ResNet18(num_classes=10), "O1-bf16")
+      >>> variables = model.init(jax.random.key(0), x, train=False)
+      >>> logits = model.apply(variables, x, train=False)          # bf16 convs, f32 BatchNorm, f32 logits
+    """
+    if isinstance(model, _nn.Module):
+        return linen.MixedPrecision(model, policy, overrides)
+    if isinstance(model, _nnx.Module):
+        return nnx.MixedPrecision(model, policy, overrides)
+    if isinstance(model, type) and issubclass(model, (_nn.Module, _nnx.Module)):
+        raise TypeError(f"mixed_precision expects a module instance, got the class {model.__name__}; instantiate it first")
+    raise TypeError(
+        f"mixed_precision expects a flax.linen.Module or flax.nnx.Module instance, got {type(model).__name__}; "
+        "for a plain function use jaxmp.Policy.cast_to_compute on its params and inputs"
+    )
+
+
+__all__ = [
+    "DEFAULT_HALF_MODULES",
+    "DEFAULT_NORM_MODULES",
+    "ModuleRule",
+    "PrecisionOverrides",
+    "TrainState",
+    "accuracy",
+    "fp32_softmax_attention",
+    "linen",
+    "make_eval_step",
+    "make_train_step",
+    "mixed_precision",
+    "nnx",
+    "softmax_cross_entropy",
+]

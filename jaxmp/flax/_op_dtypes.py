@@ -1,0 +1,64 @@
+"""Lists the primitives of a traced function with their dtypes and name scopes (for tests).
+
+A jaxpr walk is the ground truth for "which precision did this matmul / softmax / norm
+run in": it sees every primitive, including those inside ``custom_jvp`` (softmax),
+``pjit`` and control flow, whatever the Python code that emitted it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+
+
+class Op(NamedTuple):
+    """One primitive application: its name, name scope, input and output dtypes."""
+
+    primitive: str
+    scope: str
+    in_dtypes: tuple[np.dtype, ...]
+    out_dtypes: tuple[np.dtype, ...]
+
+
+def _sub_jaxprs(params: dict) -> list:
+    subs = []
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                subs.append(v.jaxpr)
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                subs.append(v)
+    return subs
+
+
+def _walk(jaxpr, outer_scope: str, out: list[Op]) -> None:
+    for eqn in jaxpr.eqns:
+        scope = str(eqn.source_info.name_stack)
+        scope = f"{outer_scope}/{scope}" if outer_scope and scope else (scope or outer_scope)
+        dtypes = lambda vs: tuple(np.dtype(v.aval.dtype) for v in vs if hasattr(v.aval, "dtype"))
+        out.append(Op(eqn.primitive.name, scope, dtypes(eqn.invars), dtypes(eqn.outvars)))
+        for sub in _sub_jaxprs(eqn.params):
+            _walk(sub, scope, out)
+
+
+def op_dtypes(fn: Callable, *args: Any, **kwargs: Any) -> list[Op]:
+    """Traces ``fn(*args, **kwargs)`` and returns every primitive (recursively) with dtypes.
+
+    Args:
+      fn: any JAX-traceable function.
+      *args: its arguments.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      A list of :class:`Op` in program order.
+
+    Example:
+      >>> [op.primitive for op in op_dtypes(jnp.sin, jnp.ones(2))]
+      ['sin']
+    """
+    closed = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+    ops: list[Op] = []
+    _walk(closed.jaxpr, "", ops)
+    return ops

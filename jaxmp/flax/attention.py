@@ -1,0 +1,98 @@
+"""Dot-product attention whose softmax runs in float32, for Linen and NNX attention modules.
+
+Flax's own ``force_fp32_for_softmax`` (Linen) leaves the attention weights in float32,
+so the weights-times-values matmul silently runs in float32 too (and fails under strict
+dtype promotion). Here only the softmax is float32: the two matmuls take half operands
+and the QK^T logits are accumulated straight into float32 (``preferred_element_type``),
+so large logits cannot overflow float16 before the softmax sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _sow_weights(module: Any, weights: jax.Array) -> None:
+    # Linen and NNX both have ``sow`` but name the collection differently.
+    from flax import nnx
+
+    if isinstance(module, nnx.Module):
+        module.sow(nnx.Intermediate, "attention_weights", weights)
+    else:
+        module.sow("intermediates", "attention_weights", weights)
+
+
+def fp32_softmax_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+    is_causal: bool = False,
+    **unused: Any,
+) -> jax.Array:
+    """``flax.linen.dot_product_attention`` / ``flax.nnx.dot_product_attention`` with an fp32 softmax.
+
+    A drop-in ``attention_fn`` for ``nn.MultiHeadDotProductAttention`` and
+    ``nnx.MultiHeadAttention``; :func:`jaxmp.flax.mixed_precision` installs it in the
+    attention modules of the half list when the overrides keep softmax in float32.
+
+    Args:
+      query: ``[batch..., q_length, num_heads, qk_depth]``.
+      key: ``[batch..., kv_length, num_heads, qk_depth]``.
+      value: ``[batch..., kv_length, num_heads, v_depth]``.
+      bias: added to the logits (broadcastable to ``[batch..., heads, q, kv]``).
+      mask: boolean, broadcastable to the logits; False entries are masked out.
+      broadcast_dropout: dropout mask shared across batch and heads.
+      dropout_rng: PRNG key for attention dropout.
+      dropout_rate: attention dropout probability.
+      deterministic: disables dropout.
+      dtype: compute dtype of the matmuls (default: the promoted dtype of q, k, v).
+      precision: ``jax.lax.Precision`` for the matmuls.
+      module: if given, the attention weights are sown into its intermediates.
+      is_causal: apply a causal mask.
+      **unused: other keyword arguments attention modules may pass (ignored).
+
+    Returns:
+      ``[batch..., q_length, num_heads, v_depth]`` in the compute dtype.
+
+    Example:
+      >>> attn = flax.linen.MultiHeadDotProductAttention(4, attention_fn=jaxmp.flax.fp32_softmax_attention)
+    """
+    if dtype is None:
+        dtype = jnp.result_type(query, key, value)
+    dtype = np.dtype(dtype)
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
+    depth = query.shape[-1]
+    query = query / jnp.sqrt(depth).astype(dtype)
+    # Half operands, float32 accumulation and result: the logits never exist in float16.
+    logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision,
+                        preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if is_causal:
+        q_len, kv_len = logits.shape[-2:]
+        causal = jnp.tril(jnp.ones((q_len, kv_len), jnp.bool_))
+        mask = causal if mask is None else jnp.logical_and(mask.astype(jnp.bool_), causal)
+    if mask is not None:
+        logits = jnp.where(mask.astype(jnp.bool_), logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
+    if module is not None:
+        _sow_weights(module, weights)
+    if not deterministic and dropout_rate > 0.0:
+        keep_prob = 1.0 - dropout_rate
+        shape = (1,) * (key.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
+        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+        weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype))
+    return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)

@@ -1,0 +1,291 @@
+"""Run an unmodified Flax NNX model under a precision policy with per-module-class overrides.
+
+NNX has no method interceptors, but its modules are plain Python objects, so each call
+works on a throw-away copy of the model:
+
+1. ``nnx.split`` the model into params and the rest; cast every param to the compute
+   dtype of its nearest ruled module (float32 under a norm). The cast happens inside the
+   caller's trace, so ``nnx.grad`` returns gradients for the stored params in their own
+   (float32 master) dtype.
+2. ``nnx.merge`` a copy. Non-param variables (``BatchStat``, RNG counters) are the very same
+   ``Variable`` objects as in the model, so running statistics update the model in place
+   and stay float32.
+3. In the copy, each ruled module's class is swapped for a cached subclass whose
+   ``__call__`` casts inputs and outputs (and opens a ``jax.named_scope`` with the class
+   name, visible in profiles and jaxprs); attention modules get an fp32-softmax
+   ``attention_fn``. The user's model is never modified.
+4. Model inputs go to the compute dtype, outputs to the output dtype.
+
+Only ``__call__`` is wrapped: other public methods of ruled modules (e.g. ``Embed.attend``)
+run with cast params but uncast inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmp.flax.attention import fp32_softmax_attention
+from jaxmp.flax.casting import Path, cast_by_path, cast_output, first_floating_dtype
+from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
+from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, resolve_overrides
+from jaxmp.loss_scale import select_tree
+from jaxmp.policy import Policy, cast_floating
+from jaxmp.transform import find_loss_scaling_state, get_loss_scale
+
+_CASTING_CLASSES: dict[tuple[type, ModuleRule], type] = {}
+
+
+def _casting_class(cls: type, rule: ModuleRule) -> type:
+    """A subclass of ``cls`` whose ``__call__`` applies ``rule`` (cached per class and rule)."""
+    key = (cls, rule)
+    if key not in _CASTING_CLASSES:
+        def __call__(self, *args, **kwargs):
+            input_dtype = first_floating_dtype((args, kwargs))
+            args, kwargs = cast_floating((args, kwargs), rule.compute_dtype)
+            with jax.named_scope(cls.__name__):
+                out = cls.__call__(self, *args, **kwargs)
+            return cast_output(out, rule, input_dtype)
+
+        _CASTING_CLASSES[key] = type(cls.__name__, (cls,), {
+            "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "_jaxmp_rule": rule,
+        })
+    return _CASTING_CLASSES[key]
+
+
+def _str_path(path: tuple) -> Path:
+    return tuple(str(k) for k in path)
+
+
+def _check_model(model: Any) -> None:
+    if isinstance(model, type):
+        raise TypeError(f"expected an NNX module instance, got the class {model.__name__}; instantiate it first")
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"expected a flax.nnx.Module instance, got {type(model).__name__}")
+    if not callable(model):
+        raise TypeError(f"{type(model).__name__} defines no __call__, so it cannot be run under a policy")
+
+
+def module_rules(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides) -> dict[Path, ModuleRule]:
+    """``{module path: rule}`` for every ruled submodule of an NNX model (paths as strings).
+
+    Args:
+      model: the NNX model.
+      policy: the model-wide :class:`jaxmp.Policy`.
+      overrides: the :class:`jaxmp.flax.PrecisionOverrides`.
+
+    Returns:
+      The rules of the modules some list names.
+
+    Example:
+      >>> rules = jaxmp.flax.nnx.module_rules(model, jaxmp.get_policy("O1-bf16"), jaxmp.flax.PrecisionOverrides())
+      >>> rules[("bn",)].compute_dtype
+      dtype('float32')
+    """
+    rules = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            rule = overrides.rule_for(node, policy)
+            if rule is not None:
+                rules.setdefault(_str_path(path), rule)
+    return rules
+
+
+def store_params(model: nnx.Module, policy: Any, overrides: Any = None) -> nnx.Module:
+    """Casts the model's params in place to their storage dtype (policy or per-module rule).
+
+    Params under float32-list modules stay float32, params under a per-class policy take
+    its param dtype, all others the policy's param dtype. A no-op for O1 (float32 params).
+
+    Args:
+      model: the NNX model (modified in place).
+      policy: a policy, preset name or Recipe.
+      overrides: :class:`jaxmp.flax.PrecisionOverrides`, categories, or None.
+
+    Returns:
+      ``model``.
+
+    Example:
+      >>> jaxmp.flax.nnx.store_params(model, "O2-bf16").l.kernel.dtype
+      dtype(bfloat16)
+    """
+    policy, overrides = resolve_overrides(policy, overrides)
+    rules = module_rules(model, policy, overrides)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    nnx.update(model, cast_by_path(params, rules, policy.param_dtype, "param_dtype"))
+    return model
+
+
+def _install(copy: nnx.Module, policy: Policy, overrides: PrecisionOverrides) -> None:
+    """Swaps classes / attention functions of the ruled modules of a throw-away copy."""
+    for _, node in nnx.iter_graph(copy):
+        if not isinstance(node, nnx.Module):
+            continue
+        if overrides.fp32_softmax and isinstance(node, nnx.MultiHeadAttention) \
+                and node.attention_fn is nnx.dot_product_attention:
+            node.attention_fn = fp32_softmax_attention
+        rule = overrides.rule_for(node, policy)
+        if rule is not None and getattr(type(node), "_jaxmp_rule", None) is None:
+            node.__class__ = _casting_class(type(node), rule)
+
+
+def call(model: nnx.Module, *args, policy: Any, overrides: Any = None, **kwargs) -> Any:
+    """Calls an NNX model under a policy; the functional form of :class:`MixedPrecision`.
+
+    Args:
+      model: the NNX model (its params are not modified; running statistics are updated
+        in place as in a normal call).
+      *args: inputs; floating ones are cast to the compute dtype.
+      policy: a policy, preset name or Recipe.
+      overrides: :class:`jaxmp.flax.PrecisionOverrides`, categories, or None.
+      **kwargs: forwarded to the model; floating arrays among them are cast.
+
+    Returns:
+      The model's output cast to the policy's output dtype.
+
+    Example:
+      >>> logits = jaxmp.flax.nnx.call(model, x, policy="O1-bf16")
+    """
+    _check_model(model)
+    policy, overrides = resolve_overrides(policy, overrides)
+    return _call(model, policy, overrides, args, kwargs)
+
+
+def _call(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides, args: tuple, kwargs: dict) -> Any:
+    rules = module_rules(model, policy, overrides)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = cast_by_path(params, rules, policy.compute_dtype, "compute_dtype")
+    copy = nnx.merge(graphdef, params, rest)
+    _install(copy, policy, overrides)
+    args, kwargs = policy.cast_to_compute((args, kwargs))
+    out = copy(*args, **kwargs)
+    # Variables created during the call (sown intermediates) exist only on the copy.
+    nnx.update(model, nnx.state(copy, nnx.Not(nnx.Param)))
+    return policy.cast_to_output(out)
+
+
+class MixedPrecision(nnx.Module):
+    """An NNX model run under a policy; train it like any NNX module.
+
+    The wrapped model sits at ``self.model`` (so state paths gain a ``model`` prefix).
+    On construction its params are cast in place to their storage dtype
+    (:func:`store_params`: float32 for O1, half except norms for O2).
+
+    Args:
+      model: the NNX model.
+      policy: a :class:`jaxmp.Policy`, preset name (``"O1-bf16"``), jmp string, Recipe or jmp.Policy.
+      overrides: :class:`jaxmp.flax.PrecisionOverrides`, keep_fp32 categories, or None
+        for the preset's defaults.
+
+    Raises:
+      TypeError: ``model`` is not a callable NNX module instance, or a non-floating policy.
+
+    Example:
+      >>> model = jaxmp.flax.mixed_precision(MLP(rngs=nnx.Rngs(0)), "O1-bf16")
+      >>> optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.adam(1e-3), "none"), wrt=nnx.Param)
+      >>> metrics = jaxmp.flax.nnx.train_step(model, optimizer, (x, y))
+    """
+
+    def __init__(self, model: nnx.Module, policy: Any, overrides: Any = None):
+        _check_model(model)
+        self.policy, self.overrides = resolve_overrides(policy, overrides)
+        self.model = store_params(model, self.policy, self.overrides)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        return _call(self.model, self.policy, self.overrides, args, kwargs)
+
+
+def optimizer_state(optimizer: nnx.Optimizer) -> Any:
+    """The plain optax state of an ``nnx.Optimizer`` (arrays, not ``OptState`` variables).
+
+    Pass it to :func:`jaxmp.scaling_stats`, :func:`jaxmp.get_loss_scale`,
+    :func:`jaxmp.last_step_finite` or :func:`jaxmp.check_health`.
+
+    Args:
+      optimizer: an ``nnx.Optimizer`` built with a ``jaxmp.loss_scaling`` transform.
+
+    Returns:
+      The optax state pytree.
+
+    Example:
+      >>> jaxmp.scaling_stats(jaxmp.flax.nnx.optimizer_state(optimizer))["loss_scale"]
+    """
+    return nnx.as_pure(optimizer.opt_state)
+
+
+# Variables restored bitwise when a step is skipped; RNG counters are not (a skipped step
+# must not replay the same dropout mask forever).
+_RESTORED_ON_SKIP = (nnx.Param, nnx.BatchStat)
+
+
+def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
+               loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+               axis_name: Any = None, **model_kwargs) -> dict[str, jax.Array]:
+    """One supervised step for an NNX model with an ``nnx.Optimizer`` around ``jaxmp.loss_scaling``.
+
+    Scales the loss by the optimizer's current loss scale, differentiates with
+    ``nnx.grad``, lets ``optimizer.update`` unscale / check / skip / adjust, then makes a
+    skipped step exact: params, ``BatchStat`` running statistics and ``optimizer.step``
+    are restored bitwise (``nnx.Optimizer`` adds zero updates and counts every call;
+    here ``optimizer.step`` counts applied steps only). With master weights the params
+    are set to the exact cast of the float32 master. Call it inside ``nnx.jit``.
+
+    Args:
+      model: the model (usually a :class:`MixedPrecision`); updated in place.
+      optimizer: ``nnx.Optimizer(model, jaxmp.loss_scaling(...), wrt=nnx.Param)``; updated in place.
+      batch: ``(inputs, labels)`` or a dict with ``inputs``/``image``/``x`` and
+        ``labels``/``label``/``y``.
+      loss_fn: ``loss_fn(logits, labels) -> scalar``; default
+        :func:`jaxmp.flax.softmax_cross_entropy` (mean, integer or one-hot labels).
+      axis_name: a bound ``pmap``/``shard_map`` axis: gradients and metrics are averaged
+        over it (build the transform with the same ``axis_name``).
+      **model_kwargs: forwarded to ``model(inputs, ...)``.
+
+    Returns:
+      ``{"loss", "accuracy", "loss_scale", "finite"}``; ``loss_scale`` is the scale this
+      step's loss was multiplied by.
+
+    Example:
+      >>> step = nnx.jit(jaxmp.flax.nnx.train_step)
+      >>> metrics = step(model, optimizer, (x, y))
+    """
+    inputs, labels = split_batch(batch)
+    loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
+    fp32_loss = model.overrides.fp32_loss if isinstance(model, MixedPrecision) else True
+    scale = get_loss_scale(optimizer_state(optimizer))
+    before = nnx.as_pure(nnx.state(model, _RESTORED_ON_SKIP))
+    step_before = optimizer.step[...]
+
+    def scaled_loss(model):
+        logits = model(inputs, **model_kwargs)
+        if fp32_loss:
+            logits = logits.astype(jnp.float32)
+        loss = loss_fn(logits, labels)
+        return scale.scale(loss), (loss, logits)
+
+    grads, (loss, logits) = nnx.grad(scaled_loss, has_aux=True)(model)
+    acc = accuracy(logits, labels)
+    if axis_name is not None:
+        grads, loss, acc = jax.lax.pmean((grads, loss, acc), axis_name)
+    optimizer.update(model, grads)
+
+    opt_state = optimizer_state(optimizer)
+    finite = find_loss_scaling_state(opt_state).last_step_finite
+    master = find_loss_scaling_state(opt_state).master_params
+    if master is not None:
+        # The exact cast of the master copy, not params + (rounded) updates.
+        params = nnx.as_pure(nnx.state(model, nnx.Param))
+        nnx.update(model, jax.tree.map(lambda p, m: m.astype(p.dtype), params, master))
+    after = nnx.as_pure(nnx.state(model, _RESTORED_ON_SKIP))
+    nnx.update(model, select_tree(finite, after, before))
+    optimizer.step[...] = jnp.where(finite, optimizer.step[...], step_before)
+    return {
+        "loss": loss.astype(jnp.float32),
+        "accuracy": acc,
+        "loss_scale": jnp.asarray(scale.loss_scale, jnp.float32),
+        "finite": finite,
+    }

@@ -1,0 +1,363 @@
+"""Per-module-class precision overrides: which Flax layers run in half, which in float32.
+
+The NVIDIA AMP op lists, at the granularity Flax gives us (module classes):
+
+* half list ("whitelist"): matmuls and convolutions -- ``Dense``, ``DenseGeneral``,
+  ``Conv``, ``ConvTranspose``, ``ConvLocal``, ``Einsum``, attention (Linen) and
+  ``Linear``, ``LinearGeneral``, ``Conv``, ``ConvTranspose``, ``Einsum``,
+  ``MultiHeadAttention`` (NNX). Their params and inputs are cast to the compute dtype.
+* float32 list ("blacklist"): normalisation -- ``BatchNorm``, ``LayerNorm``,
+  ``GroupNorm``, ``RMSNorm``, ``InstanceNorm`` (Linen and NNX). Params, statistics and
+  arithmetic are float32; the output goes back to the dtype of the input.
+* everything else follows its inputs: activations, pooling, residual adds, and user
+  modules not named in either list (their own params take the policy's compute dtype).
+
+Softmax is a function, not a module: attention modules in the half list get an
+attention function whose softmax runs in float32 (:func:`jaxmp.flax.fp32_softmax_attention`),
+and the train steps compute the loss on float32 logits. The recipe's ``keep_fp32``
+categories (``"norm"``, ``"softmax"``, ``"loss"``) switch the three on and off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxmp.policy import FP32_CATEGORIES, Policy, Recipe, as_policy, get_recipe
+
+#: Linen and NNX matmul / convolution / attention classes that run in the compute dtype.
+DEFAULT_HALF_MODULES: tuple[type, ...] = (
+    nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum,
+    nn.MultiHeadDotProductAttention,  # nn.MultiHeadAttention and nn.SelfAttention subclass it
+    nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose, nnx.Einsum, nnx.MultiHeadAttention,
+)
+
+#: Linen and NNX normalisation classes that a recipe with the ``"norm"`` category keeps in float32.
+DEFAULT_NORM_MODULES: tuple[type, ...] = (
+    nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm,
+    nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm, nnx.InstanceNorm,
+)
+
+_F32 = np.dtype(jnp.float32)
+
+
+def _check_module_class(cls: Any, where: str) -> type:
+    """Returns ``cls`` if it is a Linen or NNX module class, else raises a TypeError naming ``where``."""
+    if isinstance(cls, type) and issubclass(cls, (nn.Module, nnx.Module)):
+        return cls
+    if isinstance(cls, (nn.Module, nnx.Module)):
+        hint = f" (got an instance; pass its class, type(x) = {type(cls).__name__})"
+    elif isinstance(cls, str):
+        hint = f" (got the string {cls!r}; pass the class itself, e.g. flax.linen.{cls})"
+    else:
+        hint = f" (got {type(cls).__name__}: {cls!r})"
+    raise TypeError(f"{where}: expected a flax.linen.Module or flax.nnx.Module subclass{hint}")
+
+
+def _class_tuple(classes: Iterable[Any], where: str) -> tuple[type, ...]:
+    if isinstance(classes, type) or isinstance(classes, (str, nn.Module, nnx.Module)):
+        classes = (classes,)
+    out: list[type] = []
+    for c in classes:
+        c = _check_module_class(c, where)
+        if c not in out:
+            out.append(c)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRule:
+    """How one module runs, resolved from :class:`PrecisionOverrides` and the policy.
+
+    Attributes:
+      compute_dtype: params and floating inputs are cast to this dtype for the call.
+      param_dtype: the dtype params of this module are stored in (used at init).
+      output: ``"computed"`` (leave the output as computed), ``"input"`` (cast back to
+        the dtype of the first floating input, as float32 norms do) or a dtype.
+      kind: ``"half"``, ``"fp32"`` or ``"policy"`` -- which list the rule came from.
+    """
+
+    compute_dtype: np.dtype
+    param_dtype: np.dtype
+    output: Any
+    kind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionOverrides:
+    """Per-module-class precision rules applied on top of a :class:`jaxmp.Policy`.
+
+    Instances are immutable and hashable (usable as static data under ``jit``); the
+    ``with_*``/``without`` methods return modified copies. Subclasses match their base's
+    entry; the most specific class in a module's MRO wins, and a per-class policy beats
+    both lists for the same class.
+
+    Attributes:
+      half_modules: classes whose params and inputs are cast to the policy's compute dtype.
+      fp32_modules: classes that run entirely in float32 (params, inputs, statistics);
+        their output is cast back to their input's dtype.
+      module_policies: ``((cls, Policy), ...)`` -- classes with a policy of their own
+        (params and inputs in its compute dtype, output in its output dtype). A mapping
+        ``{cls: policy}`` is accepted and a policy may be a string or ``jmp.Policy``.
+      fp32_softmax: attention modules in the half list compute their softmax in float32.
+      fp32_loss: the train steps compute the loss on float32 logits.
+
+    Example:
+      >>> ov = jaxmp.flax.PrecisionOverrides.from_recipe("O1")
+      >>> ov = ov.with_fp32(MyNorm).without(flax.linen.GroupNorm).with_policy(flax.linen.Embed, "f32")
+    """
+
+    half_modules: tuple[type, ...] = DEFAULT_HALF_MODULES
+    fp32_modules: tuple[type, ...] = DEFAULT_NORM_MODULES
+    module_policies: Any = ()
+    fp32_softmax: bool = True
+    fp32_loss: bool = True
+
+    def __post_init__(self):
+        half = _class_tuple(self.half_modules, "PrecisionOverrides.half_modules")
+        fp32 = _class_tuple(self.fp32_modules, "PrecisionOverrides.fp32_modules")
+        both = [c.__name__ for c in half if c in fp32]
+        if both:
+            raise ValueError(f"module classes {both} are in both half_modules and fp32_modules; pick one")
+        items = self.module_policies.items() if isinstance(self.module_policies, Mapping) else self.module_policies
+        policies: list[tuple[type, Policy]] = []
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(f"module_policies entries must be (module class, policy) pairs, got {item!r}")
+            cls = _check_module_class(item[0], "PrecisionOverrides.module_policies")
+            policies = [(c, p) for c, p in policies if c is not cls] + [(cls, as_policy(item[1]))]
+        for name in ("fp32_softmax", "fp32_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"PrecisionOverrides.{name} must be a bool, got {getattr(self, name)!r}")
+        object.__setattr__(self, "half_modules", half)
+        object.__setattr__(self, "fp32_modules", fp32)
+        object.__setattr__(self, "module_policies", tuple(policies))
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_categories(cls, keep_fp32: Iterable[str] = FP32_CATEGORIES) -> "PrecisionOverrides":
+        """Default lists with the recipe categories kept in float32.
+
+        Args:
+          keep_fp32: a subset of ``("norm", "softmax", "loss")``: ``"norm"`` puts the
+            normalisation classes in the float32 list (else they follow the policy),
+            ``"softmax"`` sets ``fp32_softmax``, ``"loss"`` sets ``fp32_loss``.
+
+        Returns:
+          A :class:`PrecisionOverrides`.
+
+        Raises:
+          ValueError: an unknown category.
+
+        Example:
+          >>> jaxmp.flax.PrecisionOverrides.from_categories(("norm", "loss")).fp32_softmax
+          False
+        """
+        if isinstance(keep_fp32, str):
+            keep_fp32 = (keep_fp32,)
+        keep = tuple(keep_fp32)
+        unknown = [c for c in keep if c not in FP32_CATEGORIES]
+        if unknown:
+            raise ValueError(f"unknown keep_fp32 categories {unknown}: expected a subset of {FP32_CATEGORIES}")
+        return cls(
+            half_modules=DEFAULT_HALF_MODULES,
+            fp32_modules=DEFAULT_NORM_MODULES if "norm" in keep else (),
+            fp32_softmax="softmax" in keep,
+            fp32_loss="loss" in keep,
+        )
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe | str) -> "PrecisionOverrides":
+        """Default lists with the recipe's ``keep_fp32`` categories.
+
+        O0 and O1 keep norm, softmax and loss in float32; O2 norm and loss; O3 nothing.
+
+        Args:
+          recipe: a :class:`jaxmp.Recipe` or a preset name for :func:`jaxmp.get_recipe`.
+
+        Returns:
+          A :class:`PrecisionOverrides`.
+
+        Example:
+          >>> jaxmp.flax.PrecisionOverrides.from_recipe("O3").fp32_modules
+          ()
+        """
+        if isinstance(recipe, str):
+            recipe = get_recipe(recipe)
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"expected a jaxmp.Recipe or a preset name, got {type(recipe).__name__}")
+        # O0 is all float32 anyway; keeping the default lists makes its overrides inert, not different.
+        keep = FP32_CATEGORIES if recipe.name == "O0" or recipe.name == "float32" else recipe.keep_fp32
+        return cls.from_categories(keep)
+
+    # -- modified copies -----------------------------------------------------------------
+
+    def with_half(self, *classes: type) -> "PrecisionOverrides":
+        """Copy with ``classes`` moved to the half list (and off the float32 list / policies).
+
+        Args:
+          *classes: Linen or NNX module classes (yours too).
+
+        Returns:
+          A new :class:`PrecisionOverrides`.
+
+        Raises:
+          TypeError: an argument is not a module class.
+
+        Example:
+          >>> PrecisionOverrides().with_half(flax.linen.Embed).rule_for(flax.linen.Embed, policy).kind
+          'half'
+        """
+        add = _class_tuple(classes, "with_half")
+        return self._without(add)._replace(half_modules=self.half_modules + add)
+
+    def with_fp32(self, *classes: type) -> "PrecisionOverrides":
+        """Copy with ``classes`` moved to the float32 list (and off the half list / policies).
+
+        Args:
+          *classes: Linen or NNX module classes (yours too).
+
+        Returns:
+          A new :class:`PrecisionOverrides`.
+
+        Raises:
+          TypeError: an argument is not a module class.
+
+        Example:
+          >>> PrecisionOverrides().with_fp32(MyNorm).rule_for(MyNorm, policy).compute_dtype
+          dtype('float32')
+        """
+        add = _class_tuple(classes, "with_fp32")
+        base = self._without(add)
+        return base._replace(fp32_modules=base.fp32_modules + add)
+
+    def with_policy(self, cls: type, policy: Any) -> "PrecisionOverrides":
+        """Copy where module class ``cls`` runs under its own policy (and is off both lists).
+
+        Its params and inputs are cast to the policy's compute dtype, its output to the
+        policy's output dtype, and its params are stored in the policy's param dtype.
+
+        Args:
+          cls: a Linen or NNX module class.
+          policy: a :class:`jaxmp.Policy`, policy string or ``jmp.Policy``.
+
+        Returns:
+          A new :class:`PrecisionOverrides`.
+
+        Raises:
+          TypeError: ``cls`` is not a module class or ``policy`` is not a policy.
+
+        Example:
+          >>> PrecisionOverrides().with_policy(flax.linen.Dense, "f32").rule_for(flax.linen.Dense, policy).kind
+          'policy'
+        """
+        cls = _check_module_class(cls, "with_policy")
+        base = self._without((cls,))
+        return base._replace(module_policies=base.module_policies + ((cls, as_policy(policy)),))
+
+    def without(self, *classes: type) -> "PrecisionOverrides":
+        """Copy with ``classes`` removed from both lists and the per-class policies.
+
+        Such modules follow their inputs, and their params take the policy's compute dtype.
+
+        Args:
+          *classes: Linen or NNX module classes.
+
+        Returns:
+          A new :class:`PrecisionOverrides`.
+
+        Raises:
+          TypeError: an argument is not a module class.
+
+        Example:
+          >>> PrecisionOverrides().without(flax.linen.GroupNorm).rule_for(flax.linen.GroupNorm, policy) is None
+          True
+        """
+        return self._without(_class_tuple(classes, "without"))
+
+    def _without(self, classes: tuple[type, ...]) -> "PrecisionOverrides":
+        return self._replace(
+            half_modules=tuple(c for c in self.half_modules if c not in classes),
+            fp32_modules=tuple(c for c in self.fp32_modules if c not in classes),
+            module_policies=tuple((c, p) for c, p in self.module_policies if c not in classes),
+        )
+
+    def _replace(self, **changes) -> "PrecisionOverrides":
+        return dataclasses.replace(self, **changes)
+
+    # -- resolution ----------------------------------------------------------------------
+
+    def rule_for(self, module_or_class: Any, policy: Policy) -> ModuleRule | None:
+        """The rule for a module (or module class) under ``policy``; None if no list names it.
+
+        Args:
+          module_or_class: a Linen/NNX module instance or class.
+          policy: the model-wide :class:`jaxmp.Policy`.
+
+        Returns:
+          A :class:`ModuleRule`, or None when the module follows its inputs.
+
+        Example:
+          >>> ov = jaxmp.flax.PrecisionOverrides()
+          >>> ov.rule_for(flax.linen.LayerNorm, jaxmp.get_policy("O1-fp16")).compute_dtype
+          dtype('float32')
+        """
+        cls = module_or_class if isinstance(module_or_class, type) else type(module_or_class)
+        policies = dict(self.module_policies)
+        for klass in cls.__mro__:
+            if klass in policies:
+                p = policies[klass]
+                return ModuleRule(p.compute_dtype, p.param_dtype, p.output_dtype, "policy")
+            if klass in self.fp32_modules:
+                return ModuleRule(_F32, _F32, "input", "fp32")
+            if klass in self.half_modules:
+                return ModuleRule(policy.compute_dtype, policy.param_dtype, "computed", "half")
+        return None
+
+
+def resolve_overrides(policy: Any, overrides: PrecisionOverrides | Iterable[str] | None) -> tuple[Policy, PrecisionOverrides]:
+    """Turns the user's ``policy`` / ``overrides`` arguments into a Policy and overrides.
+
+    Args:
+      policy: a :class:`jaxmp.Policy`, ``jmp.Policy``, :class:`jaxmp.Recipe` or policy
+        string. A preset name (``"O1"``, ``"O2-bf16"``, ``"mixed_float16"`` ...) or a
+        Recipe also picks the default overrides from its ``keep_fp32`` categories.
+      overrides: a :class:`PrecisionOverrides`, a list of ``keep_fp32`` categories, or
+        None for the preset's (or, for a bare policy, all three categories).
+
+    Returns:
+      ``(policy, overrides)``.
+
+    Raises:
+      TypeError: a policy whose dtypes are not floating, or overrides of the wrong type.
+
+    Example:
+      >>> policy, ov = jaxmp.flax.overrides.resolve_overrides("O2-bf16", None)
+      >>> ov.fp32_softmax
+      False
+    """
+    recipe = None
+    if isinstance(policy, Recipe):
+        recipe = policy
+    elif isinstance(policy, str):
+        try:
+            recipe = get_recipe(policy)
+        except ValueError:
+            recipe = None  # a jmp-grammar string: as_policy parses it below
+    resolved = recipe.policy if recipe is not None else as_policy(policy)
+    if overrides is None:
+        overrides = PrecisionOverrides.from_recipe(recipe) if recipe is not None else PrecisionOverrides()
+    elif not isinstance(overrides, PrecisionOverrides):
+        if isinstance(overrides, (str, tuple, list, frozenset, set)):
+            overrides = PrecisionOverrides.from_categories(overrides)
+        else:
+            raise TypeError(
+                f"overrides must be a jaxmp.flax.PrecisionOverrides or keep_fp32 categories, got {type(overrides).__name__}"
+            )
+    return resolved, overrides

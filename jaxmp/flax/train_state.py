@@ -1,0 +1,235 @@
+"""A mixed-precision train state for Linen models and ready-made supervised train / eval steps.
+
+In the spirit of ``flax.training.train_state.TrainState``, plus what mixed precision adds:
+the model state (``batch_stats``) next to the params, the loss scale inside the optimizer
+state, the policy and overrides as static data, and a step count of *applied* steps only.
+A skipped (non-finite) step leaves params, inner optimizer state and ``batch_stats``
+bitwise unchanged -- Flax's ImageNet example restores params and optimizer state but
+keeps the batch statistics of the overflowing step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from jaxmp.flax.linen import MixedPrecision
+from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
+from jaxmp.grad import value_and_grad
+from jaxmp.loss_scale import select_tree
+from jaxmp.transform import apply_updates, find_loss_scaling_state, get_loss_scale
+
+
+class TrainState(struct.PyTreeNode):
+    """Params, model state, optimizer state (with the loss scale) and the model under its policy.
+
+    Attributes:
+      step: int32 [], the number of *applied* updates (skipped steps do not count).
+      params: the model's params as stored (float32 masters for O1; half for O2, whose
+        float32 master copy lives in ``opt_state``).
+      model_state: the other variable collections, e.g. ``{"batch_stats": ...}`` (float32).
+      opt_state: the state of ``tx``; holds a :class:`jaxmp.LossScalingState`.
+      model: the :class:`jaxmp.flax.linen.MixedPrecision` model (static: policy, overrides).
+      tx: the optax transformation, wrapped in :func:`jaxmp.loss_scaling` (static).
+
+    Example:
+      >>> model = jaxmp.flax.mixed_precision(CNN(), "O1-fp16")
+      >>> state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
+      ...                                      jaxmp.loss_scaling(optax.adam(1e-3), "dynamic"))
+      >>> state, metrics = jax.jit(jaxmp.flax.make_train_step())(state, (x, y))
+    """
+
+    step: jax.Array
+    params: Any
+    model_state: Any
+    opt_state: Any
+    model: MixedPrecision = struct.field(pytree_node=False)
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+
+    @classmethod
+    def create(cls, model: MixedPrecision, variables: Any, tx: optax.GradientTransformation) -> "TrainState":
+        """Builds the state from a policy-wrapped model, its variables and a loss-scaling optimizer.
+
+        Args:
+          model: from :func:`jaxmp.flax.mixed_precision` on a Linen module.
+          variables: ``model.init(...)`` output (``params`` plus other collections).
+          tx: ``jaxmp.loss_scaling(inner, loss_scale, master_weights=..., axis_name=...)``.
+
+        Returns:
+          A :class:`TrainState` at step 0.
+
+        Raises:
+          TypeError: ``model`` is not a Linen :class:`MixedPrecision`, or ``tx`` is not
+            wrapped in :func:`jaxmp.loss_scaling`.
+          ValueError: ``variables`` has no ``params``.
+
+        Example:
+          >>> state = jaxmp.flax.TrainState.create(model, variables, jaxmp.loss_scaling(optax.sgd(0.1)))
+        """
+        if not isinstance(model, MixedPrecision):
+            raise TypeError(
+                f"model must be a Linen model wrapped by jaxmp.flax.mixed_precision(module, policy), got {type(model).__name__}"
+            )
+        if not hasattr(variables, "keys") or "params" not in variables:
+            raise ValueError("variables must be the dict returned by model.init(...), with a 'params' collection")
+        params = variables["params"]
+        model_state = {k: v for k, v in variables.items() if k != "params"}
+        opt_state = tx.init(params)
+        try:
+            find_loss_scaling_state(opt_state)
+        except ValueError:
+            raise TypeError("tx must be wrapped in jaxmp.loss_scaling(...) (use loss_scale='none' for bf16/fp32)") from None
+        return cls(step=jnp.zeros([], jnp.int32), params=params, model_state=model_state,
+                   opt_state=opt_state, model=model, tx=tx)
+
+    @property
+    def policy(self):
+        """The model-wide :class:`jaxmp.Policy`."""
+        return self.model.policy
+
+    @property
+    def overrides(self):
+        """The :class:`jaxmp.flax.PrecisionOverrides`."""
+        return self.model.overrides
+
+    @property
+    def variables(self) -> dict:
+        """``{"params": ..., **model_state}``, ready for ``model.apply``."""
+        return {"params": self.params, **self.model_state}
+
+    def apply_gradients(self, grads: Any, model_state: Any = None) -> "TrainState":
+        """Applies scaled gradients; on a non-finite step nothing but the loss scale changes.
+
+        Args:
+          grads: gradients of the *scaled* loss (from :func:`jaxmp.value_and_grad`), already
+            averaged over replicas if data-parallel.
+          model_state: the updated collections from this step's forward pass (e.g. new
+            ``batch_stats``); kept only if the step is applied. None keeps the current one.
+
+        Returns:
+          The new state: ``step`` + 1, new params / model state / optimizer state when the
+          gradients were finite; otherwise params, model state and the inner optimizer state
+          bitwise unchanged, the loss scale backed off and the skip counters advanced.
+
+        Example:
+          >>> (loss, new_bs), grads = jaxmp.value_and_grad(loss_fn, state.opt_state, has_aux=True)(state.params)
+          >>> state = state.apply_gradients(grads, model_state=new_bs)
+        """
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        finite = find_loss_scaling_state(opt_state).last_step_finite
+        stepped = apply_updates(self.params, updates, opt_state)
+        # The transform already zeroes skipped updates; selecting keeps even -0.0 and NaN
+        # payloads of the old params bit for bit.
+        params = select_tree(finite, stepped, self.params)
+        new_model_state = self.model_state
+        if model_state is not None:
+            new_model_state = select_tree(finite, dict(model_state), dict(self.model_state))
+        return self.replace(step=self.step + finite.astype(jnp.int32), params=params,
+                            model_state=new_model_state, opt_state=opt_state)
+
+
+def _loss_and_logits(state: TrainState, params: Any, inputs: Any, labels: Any, loss_fn: Callable,
+                     rngs: Any, model_kwargs: dict, train: bool):
+    # Linen returns (out, updates) for any mutable other than False, even an empty list.
+    mutable = (list(state.model_state) or False) if train else False
+    out = state.model.apply({"params": params, **state.model_state}, inputs, rngs=rngs,
+                            mutable=mutable, **model_kwargs)
+    logits, new_model_state = out if mutable else (out, state.model_state)
+    if state.overrides.fp32_loss:
+        logits = logits.astype(jnp.float32)
+    return loss_fn(logits, labels), (logits, new_model_state)
+
+
+def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+                    axis_name: Any = None, model_kwargs: dict | None = None,
+                    rng_collections: tuple[str, ...] = ("dropout",)) -> Callable:
+    """Returns ``train_step(state, batch, rng=None) -> (state, metrics)`` for supervised training.
+
+    The step runs the model under its policy with every non-param collection mutable,
+    computes the loss on float32 logits (when the overrides keep the loss in fp32),
+    differentiates the scaled loss, averages gradients over ``axis_name`` (pmap), and
+    calls :meth:`TrainState.apply_gradients`.
+
+    Args:
+      loss_fn: ``loss_fn(logits, labels) -> scalar``; default
+        :func:`jaxmp.flax.softmax_cross_entropy` (integer or one-hot labels).
+      axis_name: the ``pmap`` axis: gradients, loss and accuracy are ``pmean``-ed over it.
+        Build ``tx`` with ``jaxmp.loss_scaling(..., axis_name=axis_name)`` too.
+      model_kwargs: extra keyword arguments for the forward pass, e.g. ``{"train": True}``.
+      rng_collections: RNG names fed from ``rng`` (folded with the step), e.g. dropout.
+
+    Returns:
+      ``train_step(state, batch, rng=None)``; ``batch`` is ``(inputs, labels)`` or a dict
+      with ``image``/``inputs``/``x`` and ``label``/``labels``/``y``. Metrics:
+      ``{"loss", "accuracy", "loss_scale", "finite"}`` (``loss_scale``: the scale this
+      step's loss was multiplied by; ``finite``: whether the step was applied).
+
+    Example:
+      >>> train_step = jax.jit(jaxmp.flax.make_train_step(model_kwargs={"train": True}))
+      >>> state, metrics = train_step(state, {"image": x, "label": y})
+      >>> p_step = jax.pmap(jaxmp.flax.make_train_step(axis_name="batch"), axis_name="batch")
+    """
+    loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
+    model_kwargs = dict(model_kwargs or {})
+
+    def train_step(state: TrainState, batch: Any, rng: jax.Array | None = None):
+        inputs, labels = split_batch(batch)
+        rngs = None
+        if rng is not None:
+            rng = jax.random.fold_in(rng, state.step)
+            rngs = {name: jax.random.fold_in(rng, i) for i, name in enumerate(rng_collections)}
+
+        def compute(params):
+            return _loss_and_logits(state, params, inputs, labels, loss_fn, rngs, model_kwargs, train=True)
+
+        (loss, (logits, new_model_state)), grads = value_and_grad(compute, state.opt_state, has_aux=True)(state.params)
+        acc = accuracy(logits, labels)
+        if axis_name is not None:
+            grads, loss, acc = jax.lax.pmean((grads, loss, acc), axis_name)
+        scale = get_loss_scale(state.opt_state).loss_scale
+        new_state = state.apply_gradients(grads, model_state=new_model_state)
+        metrics = {
+            "loss": jnp.asarray(loss, jnp.float32),
+            "accuracy": acc,
+            "loss_scale": jnp.asarray(scale, jnp.float32),
+            "finite": find_loss_scaling_state(new_state.opt_state).last_step_finite,
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+                   axis_name: Any = None, model_kwargs: dict | None = None) -> Callable:
+    """Returns ``eval_step(state, batch) -> metrics`` (no mutation, no gradients).
+
+    Args:
+      loss_fn: as for :func:`make_train_step`.
+      axis_name: the ``pmap`` axis to average the metrics over.
+      model_kwargs: extra keyword arguments for the forward pass, e.g. ``{"train": False}``.
+
+    Returns:
+      ``eval_step(state, batch)`` returning ``{"loss", "accuracy"}`` (float32).
+
+    Example:
+      >>> eval_step = jax.jit(jaxmp.flax.make_eval_step(model_kwargs={"train": False}))
+      >>> eval_step(state, (x_test, y_test))["accuracy"]
+    """
+    loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
+    model_kwargs = dict(model_kwargs or {})
+
+    def eval_step(state: TrainState, batch: Any):
+        inputs, labels = split_batch(batch)
+        loss, (logits, _) = _loss_and_logits(state, state.params, inputs, labels, loss_fn, None, model_kwargs,
+                                             train=False)
+        metrics = {"loss": jnp.asarray(loss, jnp.float32), "accuracy": accuracy(logits, labels)}
+        if axis_name is not None:
+            metrics = jax.lax.pmean(metrics, axis_name)
+        return metrics
+
+    return eval_step
+

@@ -1,0 +1,301 @@
+"""Linen models under a policy: the dtype of every matmul, conv, norm and softmax, and the overrides API.
+
+Dtypes are read from the traced program (``jax.make_jaxpr``), which is the ground truth for
+what precision each primitive ran in; Linen's name stack tells which module emitted it.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmp
+from jaxmp.flax import PrecisionOverrides
+from jaxmp.flax._op_dtypes import op_dtypes
+
+F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+MATMULS = ("dot_general", "conv_general_dilated")
+
+
+class ResBlock(nn.Module):
+    features: int
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        y = nn.Conv(self.features, (3, 3), use_bias=False)(x)
+        y = nn.BatchNorm(use_running_average=not train)(y)
+        return nn.relu(x + y)
+
+
+class TinyResNet(nn.Module):
+    """Conv + BatchNorm + residual + Dense: the ResNet pattern in miniature."""
+
+    num_classes: int = 4
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(8, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        x = ResBlock(8)(nn.relu(x), train)
+        return nn.Dense(self.num_classes)(x.mean(axis=(1, 2)))
+
+
+class TinyTransformer(nn.Module):
+    """Pre-LN Transformer block (LayerNorm + self-attention + MLP) with a classifier head."""
+
+    num_classes: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2)(h, h)
+        h = nn.LayerNorm()(x)
+        x = x + nn.Dense(d)(nn.gelu(nn.Dense(2 * d)(h)))
+        return nn.Dense(self.num_classes)(x.mean(axis=1))
+
+
+IMG = jnp.ones((2, 6, 6, 3)) * jnp.linspace(-1, 1, 3)
+SEQ = jnp.ones((2, 5, 8)) * jnp.linspace(-1, 1, 8)
+LABELS = jnp.array([0, 3])
+
+
+def float_dtypes(op):
+    return [d for d in op.in_dtypes + op.out_dtypes if jnp.issubdtype(d, jnp.floating)]
+
+
+def assert_matmuls_in(ops, dtype):
+    mm = [op for op in ops if op.primitive in MATMULS]
+    assert mm, "no matmul or convolution traced"
+    for op in mm:
+        assert op.in_dtypes == (dtype, dtype), op
+
+
+def assert_scope_fp32(ops, name):
+    """Every primitive under a module named ``name`` runs in float32, bar the cast in and out."""
+    inside = [op for op in ops if name in op.scope and op.primitive != "convert_element_type"]
+    assert inside, f"nothing traced under {name}"
+    for op in inside:
+        assert all(d == F32 for d in float_dtypes(op)), op
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    model = jaxmp.flax.mixed_precision(TinyResNet(), "O1-fp16")
+    return model, jax.eval_shape(lambda key: model.init(key, IMG, train=False), jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def transformer():
+    model = jaxmp.flax.mixed_precision(TinyTransformer(), "O1-fp16")
+    return model, jax.eval_shape(lambda key: model.init(key, SEQ), jax.random.key(0))
+
+
+def test_plain_flax_promotion_undoes_half_inputs():
+    # The pitfall the integration exists for: float32 params + float16 inputs => float32 matmul.
+    dense = nn.Dense(3)
+    params = jax.eval_shape(dense.init, jax.random.key(0), jnp.ones((1, 4)))
+    ops = op_dtypes(lambda p: dense.apply(p, jnp.ones((1, 4), jnp.float16)), params)
+    assert [op.in_dtypes for op in ops if op.primitive == "dot_general"] == [(F32, F32)]
+    model = jaxmp.flax.mixed_precision(dense, "O1-fp16")
+    assert_matmuls_in(op_dtypes(lambda p: model.apply(p, jnp.ones((1, 4))), params), F16)
+
+
+def test_resnet_op_dtypes(resnet, strict_promotion):
+    model, variables = resnet
+
+    def forward(v):
+        return model.apply(v, IMG, train=True, mutable=["batch_stats"])
+
+    ops = op_dtypes(forward, variables)
+    assert_matmuls_in(ops, F16)
+    assert_scope_fp32(ops, "BatchNorm_0")
+    logits, updates = jax.eval_shape(forward, variables)  # dtypes only: no need to run it
+    assert logits.dtype == F32
+    assert all(x.dtype == F32 for x in jax.tree.leaves(updates["batch_stats"]))
+
+
+def test_resnet_module_outputs_and_grads(resnet, strict_promotion):
+    model, variables = resnet
+    seen = {}
+
+    def record(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if context.method_name == "__call__":
+            seen["/".join(context.module.path) or "root"] = out.dtype
+        return out
+
+    def loss_fn(params, batch_stats):
+        with nn.intercept_methods(record):
+            logits, _ = model.apply({"params": params, "batch_stats": batch_stats}, IMG, train=True,
+                                    mutable=["batch_stats"])
+        return jaxmp.flax.softmax_cross_entropy(logits, LABELS)
+
+    loss, grads = jax.eval_shape(jax.value_and_grad(loss_fn), variables["params"], variables["batch_stats"])
+    assert loss.dtype == F32
+    assert seen["Conv_0"] == F16 and seen["ResBlock_0/Conv_0"] == F16 and seen["Dense_0"] == F16
+    # BatchNorm computes in float32 and hands back its input's dtype, so the next op stays half.
+    assert seen["BatchNorm_0"] == F16 and seen["ResBlock_0/BatchNorm_0"] == F16
+    assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
+
+
+def test_transformer_op_dtypes(transformer, strict_promotion):
+    model, variables = transformer
+
+    def loss_fn(params):
+        logits = model.apply({"params": params}, SEQ)
+        return jaxmp.flax.softmax_cross_entropy(logits, LABELS)
+
+    ops = op_dtypes(loss_fn, variables["params"])
+    assert_matmuls_in(ops, F16)
+    assert_scope_fp32(ops, "LayerNorm_0")
+    assert_scope_fp32(ops, "LayerNorm_1")
+    exps = [op for op in ops if op.primitive == "exp"]
+    assert any("MultiHeadDotProductAttention" in op.scope for op in exps)
+    assert all(op.in_dtypes == (F32,) for op in exps), exps  # attention softmax and the loss
+    grads = jax.eval_shape(jax.grad(loss_fn), variables["params"])
+    assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
+
+
+def test_recipes_choose_categories(transformer):
+    _, variables = transformer
+    ops = {}
+    for level in ("O2-fp16", "O3-fp16"):
+        model = jaxmp.flax.mixed_precision(TinyTransformer(), level)
+        ops[level] = op_dtypes(lambda p: model.apply(p, SEQ), variables)
+    # O2: norms still float32, softmax follows the compute dtype.
+    assert_scope_fp32(ops["O2-fp16"], "LayerNorm_0")
+    assert [op.in_dtypes for op in ops["O2-fp16"] if op.primitive == "exp"] == [(F16,)]
+    # O3: nothing kept in float32 by jaxmp: LayerNorm's scale and bias arrive in half (Flax
+    # itself still upcasts for its statistics).
+    norm = [op for op in ops["O3-fp16"] if "LayerNorm_0" in op.scope]
+    assert any(op.primitive == "reshape" and op.in_dtypes == (F16,) for op in norm)
+
+
+def test_storage_dtypes_follow_the_recipe():
+    o2 = jaxmp.flax.mixed_precision(TinyResNet(), "O2-bf16")
+    v2 = jax.eval_shape(lambda k: o2.init(k, IMG, train=False), jax.random.key(0))
+    p = v2["params"]
+    assert p["Conv_0"]["kernel"].dtype == BF16 and p["Dense_0"]["kernel"].dtype == BF16
+    assert p["BatchNorm_0"]["scale"].dtype == F32 and p["ResBlock_0"]["BatchNorm_0"]["bias"].dtype == F32
+    assert all(x.dtype == F32 for x in jax.tree.leaves(v2["batch_stats"]))
+    o3 = jaxmp.flax.mixed_precision(TinyResNet(), "O3-bf16")
+    v3 = jax.eval_shape(lambda k: o3.init(k, IMG, train=False), jax.random.key(0))
+    assert all(x.dtype == BF16 for x in jax.tree.leaves(v3["params"]))
+
+
+class MyNorm(nn.Module):
+    """A user's own normalisation with a param and a Dense inside."""
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x = nn.Dense(x.shape[-1])(x)
+        return x * scale / (jnp.abs(x).mean(-1, keepdims=True) + 1e-3)
+
+
+class UsesMyNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(MyNorm()(nn.Dense(8)(x)))
+
+
+def test_user_class_overrides(strict_promotion):
+    x = jnp.ones((2, 8))
+    overrides = PrecisionOverrides.from_recipe("O1").with_fp32(MyNorm).with_policy(nn.Dense, "f32")
+    model = jaxmp.flax.mixed_precision(UsesMyNorm(), "O1-bf16", overrides)
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    rules = model.module_rules(variables, x)
+    assert rules[("MyNorm_0",)].kind == "fp32" and rules[("Dense_0",)].kind == "policy"
+    ops = op_dtypes(lambda v: model.apply(v, x), variables)
+    # Every Dense has its own float32 policy, under a bf16 model policy; MyNorm runs in float32.
+    assert [op.in_dtypes for op in ops if op.primitive == "dot_general"] == [(F32, F32)] * 3
+    assert jax.eval_shape(model.apply, variables, x).dtype == F32
+    # Default lists: MyNorm is in none, so it follows its inputs and its own param is bf16.
+    plain = jaxmp.flax.mixed_precision(UsesMyNorm(), "O1-bf16")
+    assert ("MyNorm_0",) not in plain.module_rules(variables, x)
+    ops = op_dtypes(lambda v: plain.apply(v, x), variables)
+    assert_matmuls_in(ops, BF16)
+    assert all(d == BF16 for op in ops if "MyNorm_0" in op.scope and op.primitive == "mul" for d in op.in_dtypes)
+
+
+def test_override_lists_edit():
+    ov = PrecisionOverrides()
+    assert nn.BatchNorm in ov.fp32_modules and nn.Dense in ov.half_modules
+    moved = ov.with_half(nn.BatchNorm)
+    assert nn.BatchNorm in moved.half_modules and nn.BatchNorm not in moved.fp32_modules
+    gone = ov.without(nn.Dense, nn.LayerNorm)
+    assert nn.Dense not in gone.half_modules and nn.LayerNorm not in gone.fp32_modules
+    assert gone.rule_for(nn.Dense(3), jaxmp.get_policy("O1-bf16")) is None
+    assert ov.rule_for(nn.SelfAttention, jaxmp.get_policy("O1-bf16")).kind == "half"  # subclass
+    assert hash(ov) == hash(PrecisionOverrides())
+    assert PrecisionOverrides.from_categories(("norm", "loss")) == PrecisionOverrides.from_recipe("O2")
+    assert PrecisionOverrides.from_recipe("O3").fp32_modules == ()
+
+
+@pytest.mark.parametrize("bad", ["BatchNorm", nn.BatchNorm(), jnp.tanh, int])
+def test_override_must_name_a_module_class(bad):
+    with pytest.raises(TypeError, match="Module subclass"):
+        PrecisionOverrides().with_fp32(bad)
+    with pytest.raises(TypeError, match="Module subclass"):
+        PrecisionOverrides(fp32_modules=(bad,))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="both"):
+        PrecisionOverrides(half_modules=(nn.Dense,), fp32_modules=(nn.Dense,))
+    with pytest.raises(ValueError, match="categories"):
+        PrecisionOverrides.from_categories(("norm", "matmul"))
+    with pytest.raises(ValueError, match="int8"):
+        jaxmp.flax.mixed_precision(nn.Dense(3), "p=f32,c=int8")
+    with pytest.raises(TypeError, match="floating"):
+        jaxmp.flax.mixed_precision(nn.Dense(3), type("P", (), {"param_dtype": jnp.float32,
+                                                              "compute_dtype": jnp.int32,
+                                                              "output_dtype": jnp.float32})())
+    with pytest.raises(TypeError, match="instantiate"):
+        jaxmp.flax.mixed_precision(nn.Dense, "O1")
+    with pytest.raises(TypeError, match="Module instance"):
+        jaxmp.flax.mixed_precision(lambda x: x, "O1")
+    with pytest.raises(TypeError, match="overrides"):
+        jaxmp.flax.mixed_precision(nn.Dense(3), "O1", overrides=3)
+
+
+class ScannedLayers(nn.Module):
+    """Lifted transforms: params of scanned / rematerialised layers live under the transform's path."""
+
+    @nn.compact
+    def __call__(self, x):
+        def layer(mdl, x, _):
+            return nn.Dense(8)(nn.LayerNorm()(x)), None
+
+        x, _ = nn.scan(nn.remat(type("Layer", (nn.Module,), {"__call__": nn.compact(layer)})),
+                       variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()(x, None)
+        return nn.Dense(2)(x)
+
+
+def test_lifted_transforms(strict_promotion):
+    x = jnp.ones((2, 8))
+    model = jaxmp.flax.mixed_precision(ScannedLayers(), "O1-bf16")
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    assert {rule.kind for rule in model.module_rules(variables, x).values()} == {"half", "fp32"}
+    ops = op_dtypes(lambda v: model.apply(v, x), variables)
+    assert_matmuls_in(ops, BF16)
+    assert {op.in_dtypes for op in ops if op.primitive == "rsqrt"} == {(F32,)}
+
+
+def test_fp32_softmax_attention_matches_flax():
+    q, k, v = (np.random.default_rng(i).normal(size=(2, 5, 2, 4)).astype(np.float32) for i in range(3))
+    mask = np.tril(np.ones((5, 5), bool))[None, None]
+
+    @jax.jit
+    def both(q, k, v):
+        ref = nn.dot_product_attention(q, k, v, mask=mask)
+        out = jaxmp.flax.fp32_softmax_attention(q, k, v, mask=mask)
+        half = jaxmp.flax.fp32_softmax_attention(q.astype(F16), k.astype(F16), v.astype(F16), is_causal=True)
+        return ref, out, half
+
+    ref, out, half = both(q, k, v)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    assert half.dtype == F16
+    np.testing.assert_allclose(half.astype(F32), ref, atol=2e-2)
