@@ -1,0 +1,1 @@
+"""jaxmp benchmarks (not part of the installed package): run the scripts, see README.md."""

@@ -1,0 +1,423 @@
+"""Shared helpers of the benchmark scripts: environment record, timing, statistics, JSON.
+
+Everything here is light (stdlib + numpy); JAX is imported lazily by the functions that
+need it, so ``benchmarks/torch_amp.py`` can use this module without JAX on the path and
+``benchmarks/report.py`` can read results anywhere.
+
+Method (the same in every script):
+
+* warm-up: each measured function runs (compiles and executes) before any timing;
+* synchronisation: a timed block ends with ``jax.block_until_ready`` on everything the
+  step returns (``torch.cuda.synchronize`` in the PyTorch peer), so asynchronous
+  dispatch cannot hide work;
+* repeats: a block of ``steps`` consecutive steps is timed ``rounds`` times and the
+  per-step time of each block is a sample; we report the median and the spread
+  (interquartile range, min and max);
+* interleaving: variants that are compared are timed in alternation (A B C, then B C A, ...)
+  so that drift of the machine (clock, other processes, thermal state) hits them alike.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+SCHEMA_VERSION = 1
+
+#: Keys every result file carries (checked by :func:`validate_result` and the tests).
+REQUIRED_KEYS = ("schema_version", "benchmark", "dry_run", "created_utc", "env", "config", "results")
+REQUIRED_ENV_KEYS = ("device", "platform", "python", "versions", "git_commit")
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment.
+
+
+def git_commit() -> dict[str, Any]:
+    """The checked-out commit and whether the tree has local changes (read-only git calls)."""
+    out: dict[str, Any] = {"sha": "unknown", "dirty": None}
+    try:
+        out["sha"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                    text=True, timeout=20, check=True).stdout.strip() or "unknown"
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                                capture_output=True, text=True, timeout=20, check=True).stdout
+        out["dirty"] = bool(status.strip())
+    except Exception:  # noqa: BLE001 - no git, not a repo, timeout: record "unknown"
+        pass
+    return out
+
+
+def _version(module_name: str) -> str | None:
+    try:
+        from importlib import metadata
+
+        return metadata.version(module_name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def jax_env() -> dict[str, Any]:
+    """Device name and library versions for a JAX benchmark."""
+    import jax
+
+    dev = jax.devices()[0]
+    info = {
+        "device": getattr(dev, "device_kind", str(dev)) or str(dev),
+        "platform": dev.platform,
+        "device_count": jax.device_count(),
+        "compute_capability": getattr(dev, "compute_capability", None),
+        "versions": {
+            "jax": jax.__version__,
+            "jaxlib": _version("jaxlib"),
+            "flax": _version("flax"),
+            "optax": _version("optax"),
+            "jmp": _version("jmp"),
+            "numpy": _version("numpy"),
+            "jaxmp": _version("jaxmp") or _jaxmp_version(),
+        },
+    }
+    info.update(_host_env())
+    return info
+
+
+def _jaxmp_version() -> str | None:
+    try:
+        import jaxmp
+
+        return jaxmp.__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _host_env() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "host": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "git_commit": git_commit(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia_h100_80gb_hbm3' (for file names)."""
+    s = "".join(c.lower() if c.isalnum() else "_" for c in name)
+    while "__" in s:
+        s = s.replace("__", "_")
+    return s.strip("_") or "device"
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics and timing.
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float | int]:
+    """Median, quartiles, IQR, min, max, mean of positive samples (seconds or ratios)."""
+    xs = sorted(float(x) for x in samples)
+    if not xs:
+        raise ValueError("no samples")
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) >= 2 else [xs[0]] * 3
+    return {
+        "n": len(xs),
+        "median": statistics.median(xs),
+        "q25": q[0],
+        "q75": q[2],
+        "iqr": q[2] - q[0],
+        "min": xs[0],
+        "max": xs[-1],
+        "mean": statistics.fmean(xs),
+    }
+
+
+def rotate(seq: Sequence[Any], k: int) -> list[Any]:
+    k %= max(len(seq), 1)
+    return list(seq[k:]) + list(seq[:k])
+
+
+def time_interleaved(blocks: Mapping[str, Callable[[], float]], rounds: int,
+                     order_rotation: bool = True, on_round: Callable[[int, dict], None] | None = None
+                     ) -> dict[str, list[float]]:
+    """Runs each timed block once per round, variants in rotating order (ABC, BCA, CAB, ...).
+
+    Args:
+      blocks: name -> a callable that runs one timed block and returns its per-step seconds
+        (it must synchronise itself).
+      rounds: how many rounds.
+      order_rotation: rotate the order each round (cancels "first in the round" effects).
+
+    Returns:
+      name -> list of per-step seconds, one per round, in round order (so rounds are paired).
+    """
+    names = list(blocks)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        this_round = {}
+        for name in (rotate(names, r) if order_rotation else names):
+            this_round[name] = blocks[name]()
+            out[name].append(this_round[name])
+        if on_round is not None:
+            on_round(r, this_round)
+    return out
+
+
+def paired_ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
+    """Per-round ratios of two interleaved series (cancels drift between rounds)."""
+    return [a / b for a, b in zip(num, den)]
+
+
+class Timer:
+    """``with Timer() as t: ...; t.seconds`` using ``time.perf_counter``."""
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self._t0
+        return False
+
+
+# ----------------------------------------------------------------------------------------------
+# Result files.
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def make_result(benchmark: str, env: dict, config: dict, results: Any, dry_run: bool, **extra) -> dict:
+    out = {
+        "schema_version": SCHEMA_VERSION,
+        "benchmark": benchmark,
+        "dry_run": bool(dry_run),
+        "created_utc": utc_now(),
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]) if sys.argv else "",
+        "env": env,
+        "config": config,
+        "results": results,
+    }
+    out.update(extra)
+    return out
+
+
+def _finite_json(obj: Any) -> Any:
+    """Replaces NaN/inf floats by None so the file is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_json(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "shape", None) == ():
+        return _finite_json(obj.item())
+    return obj
+
+
+def write_json(path: str | os.PathLike, result: dict) -> Path:
+    """Validates ``result`` and writes it (strict JSON, sorted keys, atomic rename)."""
+    problems = validate_result(result)
+    if problems:
+        raise ValueError("refusing to write a malformed result:\n  " + "\n  ".join(problems))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(_finite_json(result), indent=2, sort_keys=True, allow_nan=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _is_pos(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def validate_result(result: Any) -> list[str]:
+    """Schema check shared by every benchmark; returns a list of problems (empty when fine).
+
+    Common part: the keys of :data:`REQUIRED_KEYS`, an ``env`` with device, platform, python,
+    versions (jax/jaxlib/flax/optax for JAX benchmarks, torch for the peer) and git commit.
+    Per benchmark: see ``_validate_<benchmark>``.
+    """
+    p: list[str] = []
+    if not isinstance(result, dict):
+        return [f"result is a {type(result).__name__}, not a dict"]
+    for k in REQUIRED_KEYS:
+        if k not in result:
+            p.append(f"missing key {k!r}")
+    if p:
+        return p
+    if not isinstance(result["dry_run"], bool):
+        p.append("dry_run is not a bool")
+    env = result["env"]
+    if not isinstance(env, dict):
+        return p + ["env is not a dict"]
+    for k in REQUIRED_ENV_KEYS:
+        if k not in env:
+            p.append(f"env lacks {k!r}")
+    if not isinstance(env.get("device"), str) or not env.get("device"):
+        p.append("env.device is not a non-empty string")
+    versions = env.get("versions", {})
+    if not isinstance(versions, dict):
+        p.append("env.versions is not a dict")
+        versions = {}
+    if result["benchmark"] == "torch_amp":
+        needed = ("torch",) if result.get("status") == "ok" else ()
+    else:
+        needed = ("jax", "jaxlib", "flax", "optax")
+    for k in needed:
+        if not isinstance(versions.get(k), str):
+            p.append(f"env.versions.{k} missing")
+    gc = env.get("git_commit")
+    if not isinstance(gc, dict) or not isinstance(gc.get("sha"), str):
+        p.append("env.git_commit.sha missing")
+    if not isinstance(result["config"], dict):
+        p.append("config is not a dict")
+    check = _VALIDATORS.get(result["benchmark"])
+    if check is None:
+        p.append(f"unknown benchmark {result['benchmark']!r}")
+    else:
+        p.extend(check(result))
+    return p
+
+
+def _check_stats(stats: Any, where: str) -> list[str]:
+    if not isinstance(stats, dict):
+        return [f"{where} is not a stats dict"]
+    p = []
+    for k in ("median", "q25", "q75", "min", "max"):
+        if not _is_pos(stats.get(k)):
+            p.append(f"{where}.{k} is not a positive number: {stats.get(k)!r}")
+    if not (isinstance(stats.get("n"), int) and stats["n"] >= 1):
+        p.append(f"{where}.n is not a positive int")
+    if not p and not stats["min"] <= stats["q25"] <= stats["median"] <= stats["q75"] <= stats["max"]:
+        p.append(f"{where}: min <= q25 <= median <= q75 <= max does not hold")
+    return p
+
+
+def _validate_overhead(result: dict) -> list[str]:
+    r = result["results"]
+    p = []
+    if not isinstance(r, dict):
+        return ["results is not a dict"]
+    variants = r.get("step_time_s")
+    if not isinstance(variants, dict) or "bare" not in variants or "jaxmp" not in variants:
+        return ["results.step_time_s must hold at least 'bare' and 'jaxmp'"]
+    for name, stats in variants.items():
+        p += _check_stats(stats, f"results.step_time_s.{name}")
+    ratios = r.get("ratios")
+    if not isinstance(ratios, dict) or "jaxmp/bare" not in ratios:
+        return p + ["results.ratios must hold 'jaxmp/bare'"]
+    for name, stats in ratios.items():
+        p += _check_stats(stats, f"results.ratios.{name}")
+    if not isinstance(r.get("target"), dict):
+        p.append("results.target missing")
+    return p
+
+
+def _check_run_entry(entry: Any, where: str, unit_key: str) -> list[str]:
+    if not isinstance(entry, dict):
+        return [f"{where} is not a dict"]
+    p = []
+    for k in ("model", "policy", "batch_size"):
+        if k not in entry:
+            p.append(f"{where} lacks {k!r}")
+    status = entry.get("status")
+    if status != "ok":
+        if not isinstance(entry.get("error"), str):
+            p.append(f"{where}: status {status!r} without an error message")
+        return p
+    p += _check_stats(entry.get("step_time_s"), f"{where}.step_time_s")
+    if not _is_pos(entry.get(unit_key)):
+        p.append(f"{where}.{unit_key} is not a positive number")
+    mem = entry.get("memory")
+    if not isinstance(mem, dict) or not isinstance(mem.get("source"), str):
+        p.append(f"{where}.memory must be a dict with a 'source'")
+    elif mem.get("peak_bytes") is not None and not _is_pos(mem["peak_bytes"]):
+        p.append(f"{where}.memory.peak_bytes is not positive")
+    return p
+
+
+def _validate_throughput(result: dict) -> list[str]:
+    r = result["results"]
+    if not isinstance(r, dict):
+        return ["results is not a dict"]
+    p = []
+    runs = r.get("runs")
+    if not isinstance(runs, list) or not runs:
+        return ["results.runs must be a non-empty list"]
+    for i, e in enumerate(runs):
+        p += _check_run_entry(e, f"results.runs[{i}]", "items_per_s")
+        if isinstance(e, dict) and e.get("status") == "ok":
+            fl = e.get("flops")
+            if not isinstance(fl, dict) or not isinstance(fl.get("source"), str):
+                p.append(f"results.runs[{i}].flops must be a dict with a 'source'")
+            elif fl.get("per_step") is not None and not _is_pos(fl["per_step"]):
+                p.append(f"results.runs[{i}].flops.per_step is not positive")
+    peak = r.get("matmul_peak")
+    if not isinstance(peak, dict) or not _is_pos(peak.get("tflops")):
+        p.append("results.matmul_peak.tflops is not a positive number")
+    return p
+
+
+def _validate_torch(result: dict) -> list[str]:
+    status = result.get("status")
+    if status == "skipped":
+        return [] if isinstance(result.get("reason"), str) and result["reason"] else ["skipped without a reason"]
+    if status != "ok":
+        return [f"status must be 'ok' or 'skipped', got {status!r}"]
+    r = result["results"]
+    if not isinstance(r, dict) or not isinstance(r.get("runs"), list) or not r["runs"]:
+        return ["results.runs must be a non-empty list"]
+    p = []
+    for i, e in enumerate(r["runs"]):
+        p += _check_run_entry(e, f"results.runs[{i}]", "items_per_s")
+    return p
+
+
+def _validate_gpu_suite(result: dict) -> list[str]:
+    r = result["results"]
+    if not isinstance(r, dict):
+        return ["results is not a dict"]
+    p = []
+    for part in ("throughput", "torch_amp"):
+        sub = r.get(part)
+        if not isinstance(sub, dict):
+            p.append(f"results.{part} missing")
+            continue
+        p += [f"{part}: {x}" for x in validate_result(sub)]
+    if "overhead" in r and r["overhead"] is not None:
+        p += [f"overhead: {x}" for x in validate_result(r["overhead"])]
+    return p
+
+
+_VALIDATORS = {
+    "overhead": _validate_overhead,
+    "throughput": _validate_throughput,
+    "torch_amp": _validate_torch,
+    "gpu_suite": _validate_gpu_suite,
+}
+
+
+def add_common_args(parser, default_out: str | None):
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny models, tiny batch, 2-3 iterations: runs on CPU end to end (for tests)")
+    parser.add_argument("--out", default=default_out, help="where to write the JSON result ('-' for stdout only)")
+    parser.add_argument("--quiet", action="store_true", help="print only the summary")
+    return parser
+
+
+def log(msg: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,359 @@
+"""Wrapper overhead: jaxmp's loss-scaling optimizer vs the bare optax chain vs a jmp loop.
+
+One command, one run, every variant on the same model, data, optimizer and device::
+
+    python benchmarks/overhead.py                      # CPU here, GPU where present
+    python benchmarks/overhead.py --dry-run --out -    # tiny, seconds (the tests use it)
+
+Variants (all jitted whole train steps, params and optimizer state donated):
+
+* ``bare``       -- ``jax.value_and_grad`` + ``optax.chain(clip, adamw)`` + ``optax.apply_updates``;
+* ``jmp``        -- the loop of jmp's README: ``jmp.DynamicLossScale``, scale the loss,
+  unscale, ``jmp.all_finite``, ``loss_scale.adjust``, ``jmp.select_tree`` on params and state;
+* ``jaxmp``      -- ``jaxmp.loss_scaling(chain, DynamicLossScale())`` + ``jaxmp.value_and_grad`` +
+  ``jaxmp.apply_updates`` (the wrapped optimizer, dynamic loss scaling);
+* ``jaxmp-noop`` -- the same wrapper with ``loss_scale="none"`` (bf16/fp32 use).
+
+Every step is finite, so all variants do the same arithmetic except the loss-scaling
+machinery. Timing: warm-up (compilation and a few steps) excluded, blocks of ``--steps``
+steps closed by ``jax.block_until_ready``, ``--rounds`` rounds with the variants in rotating
+order (ABCD, BCDA, ...), median and spread per variant, and per-round (paired) ratios.
+Target: ``jaxmp/bare`` median <= 1.03 on CPU, <= 1.01 on GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common as common  # noqa: E402
+
+TARGETS = {"cpu": 1.03, "gpu": 1.01, "cuda": 1.01, "rocm": 1.01, "tpu": 1.01}
+
+# Full-run defaults per platform; --dry-run overrides them with a tiny model.
+DEFAULTS = {
+    "cpu": dict(model="mlp", width=512, depth=2, batch_size=128, rounds=61, steps=10, warmup_steps=20),
+    "gpu": dict(model="cnn", width=64, depth=3, batch_size=256, rounds=61, steps=50, warmup_steps=50),
+}
+DRY = dict(model="mlp", width=32, depth=1, batch_size=8, rounds=3, steps=2, warmup_steps=1)
+VARIANTS = ("bare", "jmp", "jaxmp", "jaxmp-noop")
+
+
+def build_model(name: str, width: int, depth: int, num_classes: int = 10):
+    import flax.linen as nn
+
+    if name == "mlp":
+        class MLP(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                x = x.reshape((x.shape[0], -1))
+                for _ in range(depth):
+                    x = nn.relu(nn.Dense(width)(x))
+                return nn.Dense(num_classes)(x)
+
+        return MLP(), (28, 28, 1)
+    if name == "cnn":
+        class CNN(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                for i in range(depth):
+                    x = nn.relu(nn.Conv(width * 2**i, (3, 3))(x))
+                    x = nn.relu(nn.Conv(width * 2**i, (3, 3))(x))
+                    x = nn.avg_pool(x, (2, 2), (2, 2))
+                x = x.mean(axis=(1, 2))
+                return nn.Dense(num_classes)(x)
+
+        return CNN(), (32, 32, 3)
+    raise ValueError(f"unknown model {name!r}: mlp or cnn")
+
+
+def make_variants(cfg: dict):
+    """Returns (steps: name -> jitted step, init states: name -> tuple, batch, model info)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import jaxmp
+
+    if "jmp" in cfg["variants"]:
+        import jmp
+
+    model, in_shape = build_model(cfg["model"], cfg["width"], cfg["depth"])
+    policy = jaxmp.get_policy(cfg["policy"])
+    key = jax.random.PRNGKey(0)
+    kx, ky, kp = jax.random.split(key, 3)
+    # A few batches with random labels, cycled: the loss stays away from zero (no memorising
+    # one batch, no degenerate all-zero gradients) and every variant sees the same sequence.
+    nb = cfg["n_batches"]
+    xs = jax.random.normal(kx, (nb, cfg["batch_size"], *in_shape), jnp.float32)
+    ys = jax.random.randint(ky, (nb, cfg["batch_size"]), 0, 10)
+    batches = [(xs[i], ys[i]) for i in range(nb)]
+    params = model.init(kp, xs[0, :1])["params"]
+    params = policy.cast_to_param(params)
+    n_params = sum(int(p.size) for p in jax.tree_util.tree_leaves(params))
+
+    def chain():
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=1e-4))
+
+    def loss_fn(p, batch):
+        bx, by = batch
+        logits = model.apply({"params": policy.cast_to_compute(p)}, policy.cast_to_compute(bx))
+        logits = policy.cast_to_output(logits).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, by).mean()
+
+    donate = dict(donate_argnums=(0,)) if cfg["donate"] else {}
+
+    # bare optax
+    tx_bare = chain()
+
+    def bare_step(state, batch):
+        p, o = state
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        u, o = tx_bare.update(g, o, p)
+        return (optax.apply_updates(p, u), o), loss
+
+    # jmp, as in its README
+    tx_jmp = chain()
+
+    def jmp_step(state, batch):
+        p, o, ls = state
+
+        def scaled(p_):
+            return ls.scale(loss_fn(p_, batch))
+
+        sloss, g = jax.value_and_grad(scaled)(p)
+        g = ls.unscale(g)
+        finite = jmp.all_finite(g)
+        ls = ls.adjust(finite)
+        u, new_o = tx_jmp.update(g, o, p)
+        new_p = optax.apply_updates(p, u)
+        p, o = jmp.select_tree(finite, (new_p, new_o), (p, o))
+        return (p, o, ls), ls.unscale(sloss)
+
+    # jaxmp
+    def jaxmp_factory(loss_scale):
+        tx = jaxmp.loss_scaling(chain(), loss_scale=loss_scale)
+
+        def step(state, batch):
+            p, o = state
+            loss, g = jaxmp.value_and_grad(lambda p_: loss_fn(p_, batch), o)(p)
+            u, o = tx.update(g, o, p)
+            return (jaxmp.apply_updates(p, u, o), o), loss
+
+        return tx, step
+
+    tx_jaxmp, jaxmp_step = jaxmp_factory(jaxmp.DynamicLossScale())
+    tx_noop, noop_step = jaxmp_factory("none")
+
+    copy = lambda t: jax.tree_util.tree_map(jnp.array, t)  # noqa: E731 - fresh buffers per variant
+    init = {
+        "bare": lambda: (copy(params), tx_bare.init(copy(params))),
+        "jmp": lambda: (copy(params), tx_jmp.init(copy(params)), jmp.DynamicLossScale(jnp.float32(2**15))),
+        "jaxmp": lambda: (copy(params), tx_jaxmp.init(copy(params))),
+        "jaxmp-noop": lambda: (copy(params), tx_noop.init(copy(params))),
+    }
+    fns = {"bare": bare_step, "jmp": jmp_step, "jaxmp": jaxmp_step, "jaxmp-noop": noop_step}
+    steps = {n: jax.jit(fns[n], **donate) for n in cfg["variants"]}
+    inits = {n: init[n] for n in cfg["variants"]}
+    info = {"n_params": n_params, "input_shape": [cfg["batch_size"], *in_shape], "policy": str(policy)}
+    return steps, inits, batches, info
+
+
+def compiled_stats(step, state, batch) -> dict:
+    """Counts of the compiled step (HLO instructions and fusions): what each variant launches."""
+    try:
+        text = step.lower(state, batch).compile().as_text()
+    except Exception as e:  # noqa: BLE001 - e.g. jmp's DynamicLossScale cannot be lowered ahead of time
+        return {"unavailable": f"{type(e).__name__}: {str(e)[:200]}"}
+    entry = text.split("ENTRY", 1)[-1]
+    entry = entry.split("\n}\n", 1)[0]
+    lines = [ln for ln in entry.splitlines() if " = " in ln]
+    return {
+        "entry_instructions": len(lines),
+        "entry_fusions": sum(" fusion(" in ln for ln in lines),
+        "entry_custom_calls": sum("custom-call(" in ln for ln in lines),
+        # Full-buffer copies XLA inserts (e.g. to keep an old optimizer state alive next to the
+        # new one when a select prevents updating it in place).
+        "entry_copies": sum(" copy(" in ln for ln in lines),
+        "entry_copied_elements": sum(_elements(ln) for ln in lines if " copy(" in ln),
+        "total_fusion_computations": text.count("fused_computation"),
+    }
+
+
+def _elements(hlo_line: str) -> int:
+    import re
+
+    m = re.search(r"= [a-z0-9]+\[([0-9,]*)\]", hlo_line)
+    if not m:
+        return 0
+    n = 1
+    for d in filter(None, m.group(1).split(",")):
+        n *= int(d)
+    return n
+
+
+def run(cfg: dict, quiet: bool = False) -> dict:
+    import jax
+
+    steps, inits, batches, info = make_variants(cfg)
+    batches = jax.device_put(batches)
+    nb = len(batches)
+    states = {n: inits[n]() for n in steps}
+    stats = {}
+
+    # Warm-up: compile, then run warm-up steps (excluded from timing).
+    compile_s = {}
+    for n, f in steps.items():
+        stats[n] = compiled_stats(f, states[n], batches[0])
+        t0 = time.perf_counter()
+        states[n], loss = f(states[n], batches[0])
+        jax.block_until_ready((states[n], loss))
+        compile_s[n] = time.perf_counter() - t0
+        for i in range(cfg["warmup_steps"]):
+            states[n], loss = f(states[n], batches[i % nb])
+        jax.block_until_ready((states[n], loss))
+        common.log(f"  warm {n}: first call {compile_s[n]:.2f}s, loss {float(loss):.4f}", quiet)
+
+    def block(n):
+        def timed():
+            s = states[n]
+            f = steps[n]
+            jax.block_until_ready(s)
+            t0 = time.perf_counter()
+            for i in range(cfg["steps"]):
+                s, loss = f(s, batches[i % nb])
+            jax.block_until_ready((s, loss))
+            dt = time.perf_counter() - t0
+            states[n] = s
+            return dt / cfg["steps"]
+
+        return timed
+
+    def on_round(r, row):
+        if not quiet and (r % 10 == 0 or r == cfg["rounds"] - 1):
+            common.log(f"  round {r:3d}: " + "  ".join(f"{k} {v * 1e3:.3f}ms" for k, v in row.items()))
+
+    samples = common.time_interleaved({n: block(n) for n in steps}, cfg["rounds"], on_round=on_round)
+
+    # Every step was finite: check that nothing was skipped (else the comparison is unfair).
+    import jaxmp
+
+    skipped = {}
+    for n in ("jaxmp", "jaxmp-noop"):
+        if n in states:
+            skipped[n] = int(jaxmp.skipped_steps(states[n][1]))
+
+    step_time = {n: common.summarize(v) for n, v in samples.items()}
+    ratios, ratio_of_medians = {}, {}
+    pairs = [("jaxmp", "bare"), ("jmp", "bare"), ("jaxmp", "jmp"), ("jaxmp-noop", "bare")]
+    for a, b in pairs:
+        if a in samples and b in samples:
+            ratios[f"{a}/{b}"] = common.summarize(common.paired_ratios(samples[a], samples[b]))
+            ratio_of_medians[f"{a}/{b}"] = step_time[a]["median"] / step_time[b]["median"]
+    overhead_us = {f"{n}-bare": (step_time[n]["median"] - step_time["bare"]["median"]) * 1e6
+                   for n in steps if n != "bare" and "bare" in step_time}
+    platform = jax.devices()[0].platform
+    limit = TARGETS.get(platform, 1.03)
+    measured = ratios["jaxmp/bare"]["median"]
+    return {
+        "step_time_s": step_time,
+        "samples_s": samples,
+        "ratios": ratios,
+        "ratio_of_medians": ratio_of_medians,
+        "overhead_us_per_step": overhead_us,
+        "first_call_s": compile_s,
+        "compiled": stats,
+        "skipped_steps": skipped,
+        "model": info,
+        "target": {
+            "what": "median of per-round jaxmp/bare step-time ratios",
+            "limit": limit,
+            "measured": measured,
+            "pass": bool(measured <= limit),
+        },
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(parser, default_out=None)
+    parser.add_argument("--model", choices=("mlp", "cnn"))
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--depth", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (samples per variant)")
+    parser.add_argument("--steps", type=int, help="steps per timed block")
+    parser.add_argument("--warmup-steps", type=int)
+    parser.add_argument("--n-batches", type=int, default=4, help="distinct synthetic batches, cycled")
+    parser.add_argument("--policy", default="O0", help="jaxmp policy of the loss function (default O0: fp32)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
+    parser.add_argument("--no-donate", action="store_true", help="do not donate params/optimizer state")
+    args = parser.parse_args(argv)
+
+    import jax
+
+    platform = jax.devices()[0].platform
+    base = dict(DRY if args.dry_run else DEFAULTS["cpu" if platform == "cpu" else "gpu"])
+    for k in ("model", "width", "depth", "batch_size", "rounds", "steps", "warmup_steps"):
+        v = getattr(args, k)
+        if v is not None:
+            base[k] = v
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in VARIANTS:
+            parser.error(f"unknown variant {v!r}: expected some of {VARIANTS}")
+    if "bare" not in variants or "jaxmp" not in variants:
+        parser.error("the variants must include 'bare' and 'jaxmp'")
+    notes = []
+    if "jmp" in variants:
+        try:
+            import jmp  # noqa: F401
+        except ImportError:
+            variants.remove("jmp")
+            notes.append("jmp is not installed here: the jmp variant was left out (pip install jmp)")
+            common.log(f"overhead: {notes[-1]}", args.quiet)
+    cfg = dict(base, n_batches=args.n_batches, policy=args.policy, variants=variants, donate=not args.no_donate,
+               optimizer="optax.chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=1e-4))",
+               loss_scale={"jmp": "jmp.DynamicLossScale(2**15)", "jaxmp": "jaxmp.DynamicLossScale() (2**15)",
+                           "jaxmp-noop": "none"},
+               timing="per-step time of blocks of `steps` steps, block_until_ready at block end; "
+                      "variants interleaved with rotating order; warm-up excluded",
+               notes=notes)
+    env = common.jax_env()
+    common.log(f"overhead: {env['device']} ({platform}), config {cfg}", args.quiet)
+    results = run(cfg, quiet=args.quiet)
+    result = common.make_result("overhead", env, cfg, results, args.dry_run)
+
+    t = results["target"]
+    lines = [f"device: {env['device']} ({platform}); model {cfg['model']} ({results['model']['n_params']} params), "
+             f"batch {cfg['batch_size']}, {cfg['rounds']} rounds x {cfg['steps']} steps"]
+    for n, s in results["step_time_s"].items():
+        lines.append(f"  {n:11s} median {s['median'] * 1e3:8.3f} ms  IQR [{s['q25'] * 1e3:.3f}, {s['q75'] * 1e3:.3f}]"
+                     f"  min/max [{s['min'] * 1e3:.3f}, {s['max'] * 1e3:.3f}]")
+    for n, s in results["ratios"].items():
+        lines.append(f"  {n:17s} {s['median']:.4f}  IQR [{s['q25']:.4f}, {s['q75']:.4f}]"
+                     f"  min/max [{s['min']:.4f}, {s['max']:.4f}]  (ratio of medians {results['ratio_of_medians'][n]:.4f})")
+    lines.append(f"  target jaxmp/bare <= {t['limit']}: {'PASS' if t['pass'] else 'FAIL'} ({t['measured']:.4f})")
+    print("\n".join(lines), flush=True)
+
+    out = args.out
+    if out is None:
+        out = str(common.RESULTS_DIR / (f"overhead_{platform}.json" if not args.dry_run else "dry_run/overhead.json"))
+    if out != "-":
+        path = common.write_json(out, result)
+        print(f"wrote {path}", flush=True)
+    else:
+        problems = common.validate_result(result)
+        if problems:
+            raise SystemExit("malformed result: " + "; ".join(problems))
+    return result
+
+
+if __name__ == "__main__":
+    main()

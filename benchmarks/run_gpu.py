@@ -1,0 +1,178 @@
+"""The GPU suite in one command: throughput per policy + the PyTorch AMP peer + wrapper overhead.
+
+    bash benchmarks/run_gpu.sh                      # everything -> benchmarks/results/gpu_<device>.json
+    bash benchmarks/run_gpu.sh --models resnet50    # a part; add --merge to keep the file's other runs
+    python benchmarks/run_gpu.py --dry-run          # tiny, on CPU (the tests use it)
+
+Runs ``throughput.py`` (one fresh process per model/batch/policy), ``torch_amp.py`` (its own
+process, so JAX and PyTorch never share the GPU) and ``overhead.py``, one after the other on
+the same GPU, and writes one JSON holding the three results plus the jaxmp / PyTorch ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common as common  # noqa: E402
+from benchmarks import report  # noqa: E402
+from benchmarks import throughput  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def _script(name: str, argv: list[str], timeout: float) -> dict:
+    """Runs ``benchmarks/<name>.py argv --out tmp`` in a fresh process and returns its JSON."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / f"{name}.json"
+        cmd = [sys.executable, str(HERE / f"{name}.py"), *argv, "--out", str(out)]
+        print(f"run_gpu: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        try:
+            proc = subprocess.run(cmd, cwd=common.REPO_ROOT, timeout=timeout, stdout=sys.stderr)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        if out.exists():
+            return json.loads(out.read_text())
+        return {"error": f"{name}.py failed (exit {rc}); see the log above"}
+
+
+def _merge_runs(old: dict | None, new: dict) -> dict:
+    """Keeps the old result's runs that the new one did not redo (--merge)."""
+    if not old or old.get("benchmark") != new.get("benchmark") or "runs" not in old.get("results", {}):
+        return new
+    redone = {(e["model"], e["batch_size"], e["policy"]) for e in new["results"]["runs"]}
+    kept = [e for e in old["results"]["runs"] if (e["model"], e["batch_size"], e["policy"]) not in redone]
+    new["results"]["runs"] = kept + new["results"]["runs"]
+    return new
+
+
+def comparison(tp: dict, tr: dict | None) -> list[dict]:
+    rows = []
+    if not tr or tr.get("status") != "ok":
+        return rows
+    truns = [e for e in tr["results"]["runs"] if e.get("status") == "ok"]
+    for e in tp["results"]["runs"]:
+        if e.get("status") != "ok":
+            continue
+        pe = report._find(truns, e["model"], e["batch_size"], report.TORCH_PAIR.get(e["policy"], ""))
+        amps = [t for t in truns if t["model"] == e["model"] and t["batch_size"] == e["batch_size"]
+                and t["policy"] in report.AMP_VARIANTS]
+        row = {"model": e["model"], "batch_size": e["batch_size"], "policy": e["policy"],
+               "jaxmp_items_per_s": e["items_per_s"]}
+        if pe:
+            row.update(torch_variant=pe["policy"], torch_items_per_s=pe["items_per_s"],
+                       speed_ratio=e["items_per_s"] / pe["items_per_s"])
+            if e["memory"].get("peak_bytes") and pe.get("memory", {}).get("peak_bytes"):
+                row["memory_ratio"] = e["memory"]["peak_bytes"] / pe["memory"]["peak_bytes"]
+        if amps:
+            best = max(amps, key=lambda t: t["items_per_s"])
+            row.update(best_amp_variant=best["policy"], speed_ratio_vs_best_amp=e["items_per_s"] / best["items_per_s"])
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(parser, default_out=None)
+    parser.add_argument("--models", help="comma list of throughput models (default: all)")
+    parser.add_argument("--policies", help="comma list of jaxmp policies (default: all)")
+    parser.add_argument("--variants", help="comma list of PyTorch variants (default: all)")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup-steps", type=int)
+    parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--merge", action="store_true", help="keep runs of an existing output file not redone now")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per child script")
+    args = parser.parse_args(argv)
+
+    common_argv = []
+    for k in ("models", "rounds", "steps", "warmup_steps"):
+        v = getattr(args, k)
+        if v is not None:
+            common_argv += [f"--{k.replace('_', '-')}", str(v)]
+    if args.dry_run:
+        common_argv.append("--dry-run")
+    if args.quiet:
+        common_argv.append("--quiet")
+
+    # 1. jaxmp throughput (in process for dry runs: the tests must stay fast).
+    tp_argv = common_argv + (["--policies", args.policies] if args.policies else [])
+    tp = throughput.run_suite(throughput.build_parser().parse_args(tp_argv))
+    print(throughput.summary_table(tp), flush=True)
+
+    # 2. the PyTorch peer.
+    tr = None
+    if not args.skip_torch:
+        tr_argv = common_argv + (["--variants", args.variants] if args.variants else [])
+        if args.dry_run:
+            from benchmarks import torch_amp
+
+            tr = torch_amp.run_suite(torch_amp.build_parser().parse_args(tr_argv))
+        else:
+            tr = _script("torch_amp", tr_argv, args.timeout)
+            if "benchmark" not in tr:
+                tr = None
+
+    # 3. wrapper overhead on the same device.
+    ov = None
+    if not args.skip_overhead:
+        ov_argv = (["--dry-run", "--variants", "bare,jaxmp"] if args.dry_run else []) + (["--quiet"] if args.quiet else [])
+        if args.dry_run:
+            from benchmarks import overhead
+
+            ov = overhead.main(ov_argv + ["--out", "-"])
+        else:
+            ov = _script("overhead", ov_argv, args.timeout)
+            if "benchmark" not in ov:
+                ov = None
+
+    out = args.out
+    if out is None:
+        slug = common.device_slug(tp["env"]["device"])
+        out = str(common.RESULTS_DIR / (f"dry_run/gpu_{slug}.json" if args.dry_run else f"gpu_{slug}.json"))
+    old = None
+    if args.merge and out != "-" and Path(out).exists():
+        old = json.loads(Path(out).read_text())
+        tp = _merge_runs(old["results"].get("throughput"), tp)
+        if tr is not None:
+            tr = _merge_runs(old["results"].get("torch_amp"), tr)
+        tr = tr or old["results"].get("torch_amp")
+        ov = ov or old["results"].get("overhead")
+    suite = common.make_result(
+        "gpu_suite", tp["env"],
+        {"argv": argv if argv is not None else sys.argv[1:], "parts": ["throughput", "torch_amp", "overhead"]},
+        {"throughput": tp, "torch_amp": tr or torch_missing(args), "overhead": ov,
+         "comparison": comparison(tp, tr)},
+        args.dry_run)
+    if out != "-":
+        print(f"wrote {common.write_json(out, suite)}", flush=True)
+    else:
+        problems = common.validate_result(suite)
+        if problems:
+            raise SystemExit("malformed result: " + "; ".join(problems))
+    for row in suite["results"]["comparison"]:
+        if "speed_ratio" in row:
+            print(f"  jaxmp {row['model']} b{row['batch_size']} {row['policy']:9s} / torch {row['torch_variant']:11s}: "
+                  f"{row['speed_ratio']:.2f}x", flush=True)
+    return suite
+
+
+def torch_missing(args) -> dict:
+    from benchmarks import torch_amp
+
+    reason = "skipped by --skip-torch" if args.skip_torch else "the PyTorch peer did not produce a result"
+    return torch_amp.skipped_result(reason, args.dry_run, {})
+
+
+if __name__ == "__main__":
+    main()
