@@ -44,10 +44,8 @@ from jaxmp.transform import scaling_stats
 from jaxmp.transform import skipped_steps
 
 # --- flax integration (issue 3) ---
-from jaxmp import flax
-from jaxmp.flax import PrecisionOverrides
-from jaxmp.flax import TrainState
-from jaxmp.flax import mixed_precision
+# Imported on first use (see __getattr__ below): flax.nnx pulls in IPython and costs ~2 s.
+_LAZY_FLAX = ("PrecisionOverrides", "TrainState", "mixed_precision")
 
 # --- data parallel and multi-host (issue 4) ---
 from jaxmp.parallel import DistributedInfo
@@ -85,3 +83,16 @@ from jaxmp.diagnostics import input_pipeline_overhead
 from jaxmp.diagnostics import precision_report
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "flax" or name in _LAZY_FLAX:
+        import importlib
+
+        module = importlib.import_module("jaxmp.flax")
+        return module if name == "flax" else getattr(module, name)
+    raise AttributeError(f"module 'jaxmp' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | {"flax", *_LAZY_FLAX})
