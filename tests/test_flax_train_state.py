@@ -1,10 +1,8 @@
 """Training Linen models with jaxmp.flax.TrainState: fp16 + dynamic scaling, bf16, O2, pmap, skipped steps.
 
-Also executes the ```python blocks of docs/flax.md, so the README section cannot rot.
+Also executes the ```python blocks of the README's Flax section, so it cannot rot.
 """
 
-import pathlib
-import re
 
 import flax.linen as nn
 import jax
@@ -12,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _markdown import python_blocks, section
 
 import jaxmp
 
@@ -176,11 +175,10 @@ def test_create_rejects_bad_arguments():
 
 
 def test_docs_examples_run():
-    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "flax.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    blocks = python_blocks(section("Flax: Linen and NNX models under a policy"))
     assert len(blocks) >= 3
     namespace = {}
     for i, block in enumerate(blocks):
-        exec(compile(block, f"docs/flax.md[block {i}]", "exec"), namespace)
+        exec(compile(block, f"README Flax block {i}", "exec"), namespace)
     assert int(namespace["state"].step) >= 3  # the Linen example trained
     assert namespace["model"] is not None

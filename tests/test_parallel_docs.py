@@ -1,4 +1,4 @@
-"""docs/parallel.md: its Python examples run on the 8 simulated devices, and its scaling table is
+"""The README's data-parallel section: its Python examples run on the 8 simulated devices, and its scaling table is
 what benchmarks/scaling_model.py prints."""
 
 import contextlib
@@ -8,25 +8,26 @@ import re
 import runpy
 
 import pytest
+from _markdown import python_blocks, section
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "parallel.md"
+SECTION = "Data-parallel and multi-host training"
 
 
 def test_parallel_doc_examples_run():
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    blocks = python_blocks(section(SECTION))
     assert len(blocks) >= 3
     namespace = {"__name__": "parallel_doc"}
     for i, block in enumerate(blocks):
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                exec(compile(block, f"docs/parallel.md block {i}", "exec"), namespace)
+                exec(compile(block, f"README parallel block {i}", "exec"), namespace)
         except Exception as e:  # pragma: no cover - the message points at the failing block
-            pytest.fail(f"docs/parallel.md block {i} failed: {type(e).__name__}: {e}\n{block}")
+            pytest.fail(f"README parallel block {i} failed: {type(e).__name__}: {e}\n{block}")
 
 
 def test_scaling_table_in_docs_is_the_script_output():
-    text = DOC.read_text()
+    text = section(SECTION)
     command = "python benchmarks/scaling_model.py"
     assert f"`{command}` prints:" in text
     documented = re.search(r"`python benchmarks/scaling_model.py` prints:\n\n```text\n(.*?)```", text, flags=re.S).group(1)
