@@ -338,8 +338,8 @@ def make_loss_scale(spec: Any = "dynamic") -> LossScale:
         return spec
     if spec is None:
         return NoOpLossScale()
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
-        return StaticLossScale(spec)
+    if not isinstance(spec, (str, bool)) and np.ndim(spec) == 0 and np.issubdtype(np.asarray(spec).dtype, np.number):
+        return StaticLossScale(spec)  # Python, numpy or 0-d JAX numbers
     if isinstance(spec, str):
         s = spec.strip().lower()
         if s in ("none", "noop", "no_op", "off"):

@@ -275,6 +275,31 @@ _HALF_SUFFIXES = {"": None, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp1
                   "f16": jnp.float16, "float16": jnp.float16}
 
 
+def preset_half_dtype(device: Any = None) -> np.dtype:
+    """The half dtype a preset without ``-bf16``/``-fp16`` uses: the hardware's fast one.
+
+    bfloat16 on TPU and on GPUs of compute capability >= 8.0, float16 elsewhere. (jmp's
+    ``half`` in the policy grammar keeps jmp's meaning: see :func:`half_dtype`.)
+
+    Args:
+      device: a ``jax.Device``; defaults to the first local device.
+
+    Returns:
+      ``bfloat16`` or ``float16`` as a numpy dtype.
+
+    Example:
+      >>> jaxmp.policy.preset_half_dtype()  # on CPU
+      dtype(float16)
+    """
+    device = jax.local_devices()[0] if device is None else device
+    if device.platform == "tpu":
+        return np.dtype(jnp.bfloat16)
+    cc = getattr(device, "compute_capability", None)
+    if device.platform == "gpu" and cc is not None and int(str(cc).split(".")[0]) >= 8:
+        return np.dtype(jnp.bfloat16)
+    return np.dtype(jnp.float16)
+
+
 def _split_preset(name: str):
     """'O2', 'O2-bf16', 'o2_fp16' -> ('O2', half dtype or None); None if not a preset."""
     n = name.strip()
@@ -295,7 +320,8 @@ def _split_preset(name: str):
 def get_recipe(name: str) -> Recipe:
     """Returns an Apex-style level or Keras policy name as a full :class:`Recipe`.
 
-    Levels (``half`` is :func:`half_dtype` unless the name says ``-bf16`` / ``-fp16``):
+    Levels (``half`` is :func:`preset_half_dtype` -- bfloat16 on TPU and Ampere+ GPUs, float16
+    elsewhere -- unless the name says ``-bf16`` / ``-fp16``):
 
     * ``O0``: everything float32, no loss scaling.
     * ``O1``: float32 params, half compute, float32 output; norms, softmax and the
@@ -327,7 +353,7 @@ def get_recipe(name: str) -> Recipe:
     split = _split_preset(name)
     if split is not None:
         level, half = split
-        half = np.dtype(half) if half is not None else half_dtype()
+        half = np.dtype(half) if half is not None else preset_half_dtype()
         scale = "dynamic" if half == np.dtype(jnp.float16) else "none"
         if level == "O0":
             return Recipe(level, Policy(f32, f32, f32), False, "none", ())
@@ -480,6 +506,12 @@ def recommended_policy(device: Any = None, *, platform: str | None = None,
 def cast_to_full(tree: T) -> T:
     """Casts floating leaves to float32 (jmp's ``cast_to_full``).
 
+    Args:
+      tree: any pytree.
+
+    Returns:
+      The tree with floating leaves in float32, other leaves unchanged.
+
     Example:
       >>> jaxmp.cast_to_full(jnp.ones(2, jnp.float16)).dtype
       dtype('float32')
@@ -489,6 +521,12 @@ def cast_to_full(tree: T) -> T:
 
 def cast_to_half(tree: T) -> T:
     """Casts floating leaves to :func:`half_dtype` (jmp's ``cast_to_half``).
+
+    Args:
+      tree: any pytree.
+
+    Returns:
+      The tree with floating leaves in the half dtype, other leaves unchanged.
 
     Example:
       >>> jaxmp.cast_to_half(jnp.ones(2)).dtype  # on CPU

@@ -186,3 +186,14 @@ def test_cast_property(tree, target):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
         else:
             assert b is a
+
+
+class _FakeDevice:
+    def __init__(self, platform, cc=None):
+        self.platform, self.compute_capability, self.device_kind = platform, cc, platform
+
+
+@pytest.mark.parametrize("platform,cc,expected", [("tpu", None, BF16), ("gpu", "9.0", BF16), ("gpu", "8.0", BF16),
+                                                  ("gpu", "7.5", F16), ("cpu", None, F16)])
+def test_preset_half_follows_the_hardware(platform, cc, expected):
+    assert jaxmp.policy.preset_half_dtype(_FakeDevice(platform, cc)) == expected

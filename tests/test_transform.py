@@ -310,3 +310,71 @@ def test_unbound_axis_name_is_a_clear_error():
     state = tx.init(params)
     with pytest.raises(ValueError, match="axis_name='batch' is not bound"):
         tx.update(jax.tree_util.tree_map(jnp.ones_like, params), state, params)
+
+
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_finite_gradients_with_non_finite_updates_are_skipped(skip_with):
+    # Pure fp16 Adam (O3): epsilon 1e-8 flushes to zero, so a zero gradient gives 0/0 = NaN.
+    tx = jaxmp.loss_scaling(optax.adam(1e-3), "none", skip_with=skip_with)
+    params = {"w": jnp.ones(4, jnp.float16)}
+    state = tx.init(params)
+    grads = {"w": jnp.array([0.0, 1.0, 0.0, 2.0], jnp.float16)}
+    updates, state2 = jax.jit(tx.update)(grads, state, params)
+    new = optax.apply_updates(params, updates)
+    assert bool(jnp.all(jnp.isfinite(new["w"]))) and _bits(new) == _bits(params)
+    assert _bits(state2.inner_state) == _bits(state.inner_state)
+    assert int(state2.total_skips) == 1 and not bool(state2.last_step_finite)
+    # Opting out of the check lets the NaN through: the check is what prevents it.
+    raw = jaxmp.loss_scaling(optax.adam(1e-3), "none", skip_with=skip_with, check_updates=False)
+    u, _ = jax.jit(raw.update)(grads, raw.init(params), params)
+    assert not bool(jnp.all(jnp.isfinite(u["w"])))
+
+
+def test_master_value_beyond_the_half_range_is_skipped():
+    tx = jaxmp.loss_scaling(optax.sgd(1.0), "none", master_weights=True)
+    params = {"w": jnp.array([60000.0, 1.0], jnp.float16)}
+    state = tx.init(params)
+    updates, state = tx.update({"w": jnp.array([-10000.0, 0.5], jnp.float16)}, state, params)  # 70000 > 65504
+    assert not bool(state.last_step_finite)
+    assert _bits(jaxmp.apply_updates(params, updates, state)) == _bits(params)
+    assert float(jaxmp.master_params(state)["w"][0]) == 60000.0
+
+
+def test_master_weights_with_fp32_grads_for_bf16_params_follow_the_params_dtype():
+    tx = jaxmp.loss_scaling(optax.adam(1e-2), "none", master_weights=True)
+    params = {"w": jnp.linspace(-1, 1, 64).astype(jnp.bfloat16)}
+    state = tx.init(params)
+    for i in range(30):
+        g = {"w": jnp.sin(jnp.arange(64.0) + i)}  # float32 gradients
+        updates, state = tx.update(g, state, params)
+        assert updates["w"].dtype == jnp.bfloat16
+        via_optax = optax.apply_updates(params, updates)  # within one bf16 ulp of the master's cast
+        params = jaxmp.apply_updates(params, updates, state)  # exactly the master's cast
+        assert _bits(params) == _bits({"w": jaxmp.master_params(state)["w"].astype(jnp.bfloat16)})
+        np.testing.assert_allclose(np.asarray(via_optax["w"], np.float32), np.asarray(params["w"], np.float32),
+                                   rtol=2**-6)
+
+
+def test_int_leaves_and_float0_gradients_pass_through_and_donation_works():
+    tx = jaxmp.loss_scaling(
+        optax.multi_transform({"f": optax.sgd(0.1), "i": optax.set_to_zero()}, {"w": "f", "n": "i"}),
+        "static:8", master_weights=True)
+    params = {"w": jnp.ones(3, jnp.float16), "n": jnp.int32(7)}
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        loss, grads = jaxmp.value_and_grad(lambda p: jnp.sum(p["w"].astype(jnp.float32) * p["n"]), state,
+                                           allow_int=True)(params)
+        updates, state = tx.update(grads, state, params)
+        return jaxmp.apply_updates(params, updates, state), state
+
+    donating = jax.jit(step, donate_argnums=(0, 1))
+    params, state = donating(params, state)  # the master copy shares no buffer with params
+    assert int(params["n"]) == 7 and params["w"].dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(params["w"], np.float32), 1 - 0.1 * 7, rtol=1e-3)
+
+
+def test_make_loss_scale_accepts_numpy_and_jax_scalars():
+    for v in (np.float32(1024), np.int64(8), jnp.float32(8.0)):
+        assert float(jaxmp.make_loss_scale(v).loss_scale) == float(v)
