@@ -354,3 +354,9 @@ def test_initialize_distributed_reads_environment(monkeypatch):
     monkeypatch.setenv("JAXMP_PROCESS_ID", "5")
     with pytest.raises(ValueError, match=r"process_id 5 is out of range for num_processes=2"):
         jaxmp.initialize_distributed()
+
+
+def test_check_replicated_handles_prng_keys():
+    state = jaxmp.replicate({"key": jax.random.key(0), "w": jnp.ones(2)})
+    jaxmp.check_replicated(state)
+    assert jaxmp.is_replicated(state)

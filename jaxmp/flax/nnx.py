@@ -33,6 +33,7 @@ from jaxmp.flax.casting import Path, cast_by_path, cast_output, first_floating_d
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
 from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, resolve_overrides
 from jaxmp.loss_scale import select_tree
+from jaxmp.parallel.pmap import all_reduce_gradients
 from jaxmp.policy import Policy, cast_floating
 from jaxmp.transform import find_loss_scaling_state, get_loss_scale
 
@@ -270,7 +271,9 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
     grads, (loss, logits) = nnx.grad(scaled_loss, has_aux=True)(model)
     acc = accuracy(logits, labels)
     if axis_name is not None:
-        grads, loss, acc = jax.lax.pmean((grads, loss, acc), axis_name)
+        # Reduce in float32: the sum of half-precision scaled gradients can overflow.
+        grads = all_reduce_gradients(grads, axis_name)
+        loss, acc = jax.lax.pmean((loss, acc), axis_name)
     optimizer.update(model, grads)
 
     opt_state = optimizer_state(optimizer)

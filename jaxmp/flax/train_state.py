@@ -21,6 +21,7 @@ from jaxmp.flax.linen import MixedPrecision
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
 from jaxmp.grad import value_and_grad
 from jaxmp.loss_scale import select_tree
+from jaxmp.parallel.pmap import all_reduce_gradients
 from jaxmp.transform import apply_updates, find_loss_scaling_state, get_loss_scale
 
 
@@ -181,6 +182,8 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
         rngs = None
         if rng is not None:
             rng = jax.random.fold_in(rng, state.step)
+            if axis_name is not None:  # each replica its own dropout mask
+                rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
             rngs = {name: jax.random.fold_in(rng, i) for i, name in enumerate(rng_collections)}
 
         def compute(params):
@@ -189,7 +192,9 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
         (loss, (logits, new_model_state)), grads = value_and_grad(compute, state.opt_state, has_aux=True)(state.params)
         acc = accuracy(logits, labels)
         if axis_name is not None:
-            grads, loss, acc = jax.lax.pmean((grads, loss, acc), axis_name)
+            # Reduce in float32: the sum of half-precision scaled gradients can overflow.
+            grads = all_reduce_gradients(grads, axis_name)
+            loss, acc = jax.lax.pmean((loss, acc), axis_name)
         scale = get_loss_scale(state.opt_state).loss_scale
         new_state = state.apply_gradients(grads, model_state=new_model_state)
         metrics = {

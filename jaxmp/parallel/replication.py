@@ -106,7 +106,10 @@ def _replica_slices(x: Any) -> list[tuple[Any, np.ndarray]]:
     if isinstance(x, jax.Array):
         out = []
         for shard in x.addressable_shards:
-            data = np.asarray(shard.data)
+            data = shard.data
+            if jax.dtypes.issubdtype(data.dtype, jax.dtypes.prng_key):
+                data = jax.random.key_data(data)  # compare the key bits; key arrays have no numpy form
+            data = np.asarray(data)
             if data.shape == x.shape:  # a fully replicated jax.Array: every shard is a whole copy
                 out.append((shard.device, data))
             else:
