@@ -334,3 +334,17 @@ def test_bad_inputs_raise_clear_errors():
 def test_amdahl_formula():
     assert amdahl(0.5, 8.0) == pytest.approx(16 / 9)
     assert amdahl(0.0, 8.0) == 1.0 and amdahl(1.0, 8.0) == 8.0
+
+
+def test_report_handles_prng_keys_in_the_traced_function():
+    import jax
+    import jax.numpy as jnp
+
+    import jaxmp
+
+    def step(w, x, key):
+        mask = jax.random.bernoulli(key, 0.5, x.shape)
+        return jnp.sum((jnp.where(mask, x, 0).astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32))
+
+    report = jaxmp.precision_report(step, jnp.ones((16, 8)), jnp.ones((4, 16)), jax.random.key(0))
+    assert len(report.ops) == 1 and report.low_precision_share == 1.0

@@ -28,17 +28,18 @@ def short_dtype(dtype) -> str:
 
 def is_low_precision(dtype) -> bool:
     """Floating dtypes narrower than 32 bits: float16, bfloat16 and the float8 family."""
-    dt = np.dtype(dtype)
-    # bfloat16 / float8 are ml_dtypes extension types, not numpy "f" kinds, so ask jnp.
-    import jax.numpy as jnp
-
-    return bool(jnp.issubdtype(dt, jnp.floating)) and dt.itemsize < 4
+    # bfloat16 / float8 are ml_dtypes extension types, not numpy "f" kinds, so ask jnp; PRNG
+    # key dtypes have no numpy form at all, so they are tested before any np.dtype call.
+    return is_floating(dtype) and np.dtype(dtype).itemsize < 4
 
 
 def is_floating(dtype) -> bool:
+    import jax
     import jax.numpy as jnp
 
-    return bool(jnp.issubdtype(np.dtype(dtype), jnp.floating))
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return False
+    return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def fmt_count(x: float, unit: str = "") -> str:
