@@ -7,7 +7,7 @@
   with loss scaling, applied-steps counting and exact skipped steps (batch_stats too).
 * :func:`jaxmp.flax.nnx.train_step`: the same for NNX with ``nnx.Optimizer``.
 
-See ``docs/flax.md``.
+See the README section "Flax: Linen and NNX models under a policy".
 """
 
 from __future__ import annotations

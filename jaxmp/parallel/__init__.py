@@ -8,7 +8,7 @@ Two paths, same semantics and results:
   dtype you choose (float32 by default).
 
 Plus replication helpers, batch splitting (per device and per process), prefetching and
-:func:`initialize_distributed` for multi-host runs. See ``docs/parallel.md``.
+:func:`initialize_distributed` for multi-host runs. See the README section "Data-parallel and multi-host training".
 """
 
 from jaxmp.parallel.batching import per_device_batch_size
