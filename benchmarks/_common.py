@@ -239,6 +239,23 @@ def write_json(path: str | os.PathLike, result: dict) -> Path:
     return path
 
 
+def emit(result: dict, out: str) -> None:
+    """Writes ``result`` to ``out`` (validated), or only validates it when ``out`` is ``-``."""
+    if out != "-":
+        print(f"wrote {write_json(out, result)}", flush=True)
+        return
+    problems = validate_result(result)
+    if problems:
+        raise SystemExit("malformed result: " + "; ".join(problems))
+
+
+def timing_from_args(args, default: Mapping[str, int], dry: Mapping[str, int]) -> dict[str, int]:
+    """The timing settings (rounds, steps, warmup_steps): the defaults, then any given flag."""
+    timing = dict(dry if args.dry_run else default)
+    timing.update({k: getattr(args, k) for k in ("rounds", "steps", "warmup_steps") if getattr(args, k) is not None})
+    return timing
+
+
 def _is_pos(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 

@@ -345,13 +345,7 @@ def main(argv=None) -> dict:
     out = args.out
     if out is None:
         out = str(common.RESULTS_DIR / (f"overhead_{platform}.json" if not args.dry_run else "dry_run/overhead.json"))
-    if out != "-":
-        path = common.write_json(out, result)
-        print(f"wrote {path}", flush=True)
-    else:
-        problems = common.validate_result(result)
-        if problems:
-            raise SystemExit("malformed result: " + "; ".join(problems))
+    common.emit(result, out)
     return result
 
 

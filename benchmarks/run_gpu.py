@@ -154,12 +154,7 @@ def main(argv=None) -> dict:
         {"throughput": tp, "torch_amp": tr or torch_missing(args), "overhead": ov,
          "comparison": comparison(tp, tr)},
         args.dry_run)
-    if out != "-":
-        print(f"wrote {common.write_json(out, suite)}", flush=True)
-    else:
-        problems = common.validate_result(suite)
-        if problems:
-            raise SystemExit("malformed result: " + "; ".join(problems))
+    common.emit(suite, out)
     for row in suite["results"]["comparison"]:
         if "speed_ratio" in row:
             print(f"  jaxmp {row['model']} b{row['batch_size']} {row['policy']:9s} / torch {row['torch_variant']:11s}: "

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -322,9 +321,7 @@ def _child(argv_tail: list[str], timeout: float | None) -> dict:
 def _child_main(args) -> None:
     """``--single KIND``: one measurement in this process, JSON to --child-out."""
     suite = DRY_SUITE if args.dry_run else SUITE
-    timing = dict(DRY_TIMING if args.dry_run else TIMING)
-    timing.update({k: v for k, v in (("rounds", args.rounds), ("steps", args.steps),
-                                     ("warmup_steps", args.warmup_steps)) if v is not None})
+    timing = common.timing_from_args(args, TIMING, DRY_TIMING)
     if args.single == "env":
         out = {"env": common.jax_env(),
                "matmul_peak": matmul_peak(args.matmul_n or (DRY_MATMUL_N if args.dry_run else MATMUL_N))}
@@ -342,10 +339,7 @@ def _child_main(args) -> None:
 
 def plan(args) -> tuple[dict, dict, list[tuple[str, int, str]]]:
     suite = DRY_SUITE if args.dry_run else SUITE
-    timing = dict(DRY_TIMING if args.dry_run else TIMING)
-    for k in ("rounds", "steps", "warmup_steps"):
-        if getattr(args, k) is not None:
-            timing[k] = getattr(args, k)
+    timing = common.timing_from_args(args, TIMING, DRY_TIMING)
     models = [m.strip() for m in args.models.split(",")] if args.models else list(suite)
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(POLICIES)
     for m in models:
@@ -456,12 +450,7 @@ def main(argv=None) -> dict | None:
     if out is None:
         slug = common.device_slug(result["env"]["device"])
         out = str(common.RESULTS_DIR / ("dry_run/throughput.json" if args.dry_run else f"throughput_{slug}.json"))
-    if out != "-":
-        print(f"wrote {common.write_json(out, result)}", flush=True)
-    else:
-        problems = common.validate_result(result)
-        if problems:
-            raise SystemExit("malformed result: " + "; ".join(problems))
+    common.emit(result, out)
     return result
 
 

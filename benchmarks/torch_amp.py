@@ -287,10 +287,7 @@ def skipped_result(reason: str, dry_run: bool, config: dict) -> dict:
 
 def run_suite(args) -> dict:
     suite = DRY_SUITE if args.dry_run else SUITE
-    timing = dict(DRY_TIMING if args.dry_run else TIMING)
-    for k in ("rounds", "steps", "warmup_steps"):
-        if getattr(args, k) is not None:
-            timing[k] = getattr(args, k)
+    timing = common.timing_from_args(args, TIMING, DRY_TIMING)
     models = [m.strip() for m in args.models.split(",")] if args.models else list(suite)
     variants = [v.strip() for v in args.variants.split(",")] if args.variants else list(VARIANTS)
     for v in variants:
@@ -364,12 +361,7 @@ def main(argv=None) -> dict:
             out = str(common.RESULTS_DIR / "dry_run/torch_amp.json")
         else:
             out = str(common.RESULTS_DIR / f"torch_amp_{common.device_slug(result['env']['device'])}.json")
-    if out != "-":
-        print(f"wrote {common.write_json(out, result)}", flush=True)
-    else:
-        problems = common.validate_result(result)
-        if problems:
-            raise SystemExit("malformed result: " + "; ".join(problems))
+    common.emit(result, out)
     return result
 
 

@@ -105,7 +105,36 @@ class NoOpLossScale:
         return hash(NoOpLossScale)
 
 
-class StaticLossScale:
+class _Scaling:
+    """``scale``/``unscale`` by ``self.loss_scale``, shared by the static and dynamic scales."""
+
+    loss_scale: jax.Array
+
+    def scale(self, tree: T) -> T:
+        """Multiplies every floating leaf by the scale (in at least float32).
+
+        Args:
+          tree: a loss or any pytree.
+
+        Returns:
+          The tree with floating leaves scaled; half-precision leaves come back float32.
+        """
+        return jax.tree_util.tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
+
+    def unscale(self, tree: T) -> T:
+        """Divides every floating leaf by the scale (in at least float32).
+
+        Args:
+          tree: gradients or any pytree.
+
+        Returns:
+          The tree with floating leaves unscaled; half-precision leaves come back float32.
+        """
+        inv = 1.0 / self.loss_scale
+        return jax.tree_util.tree_map(lambda x: _scale_leaf(x, inv), tree)
+
+
+class StaticLossScale(_Scaling):
     """Scales the loss (and unscales gradients) by a fixed constant.
 
     Args:
@@ -120,15 +149,6 @@ class StaticLossScale:
     def __init__(self, loss_scale: Any):
         self.loss_scale = _check_scale(loss_scale, "loss_scale")
 
-    def scale(self, tree: T) -> T:
-        """Multiplies every floating leaf by the scale (in at least float32)."""
-        return jax.tree_util.tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
-
-    def unscale(self, tree: T) -> T:
-        """Divides every floating leaf by the scale (in at least float32)."""
-        inv = 1.0 / self.loss_scale
-        return jax.tree_util.tree_map(lambda x: _scale_leaf(x, inv), tree)
-
     def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
         """Returns ``self``: a static scale never changes."""
         _check_flag(grads_finite)
@@ -138,7 +158,7 @@ class StaticLossScale:
         return f"StaticLossScale(loss_scale={self.loss_scale!r})"
 
 
-class DynamicLossScale:
+class DynamicLossScale(_Scaling):
     """Dynamic loss scaling: grow while gradients stay finite, back off when they overflow.
 
     Exact rule, applied by :meth:`adjust` once per step::
@@ -236,15 +256,6 @@ class DynamicLossScale:
     def growth_factor(self) -> float:
         """Alias of ``factor`` (torch's name)."""
         return self.factor
-
-    def scale(self, tree: T) -> T:
-        """Multiplies every floating leaf by the scale (in at least float32)."""
-        return jax.tree_util.tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
-
-    def unscale(self, tree: T) -> T:
-        """Divides every floating leaf by the scale (in at least float32)."""
-        inv = 1.0 / self.loss_scale
-        return jax.tree_util.tree_map(lambda x: _scale_leaf(x, inv), tree)
 
     def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
         """Returns the next loss scale given whether this step's gradients were finite.

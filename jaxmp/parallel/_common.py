@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp.grad import value_and_grad
+from jaxmp.policy import canonical_float_dtype
 from jaxmp.transform import apply_updates, scaling_stats
 
 logger = logging.getLogger("jaxmp.parallel")
@@ -47,15 +48,7 @@ def check_axis_name(axis_name: Any) -> Any:
 
 def check_reduce_dtype(dtype: Any) -> np.dtype | None:
     """``None`` (reduce in each gradient's own dtype) or a floating dtype."""
-    if dtype is None:
-        return None
-    try:
-        dt = np.dtype(dtype)
-    except TypeError as e:
-        raise TypeError(f"grad_reduce_dtype must be a floating dtype or None, got {dtype!r}") from e
-    if not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(f"grad_reduce_dtype must be a floating dtype (float32, float16, bfloat16) or None, got {dt}")
-    return dt
+    return None if dtype is None else canonical_float_dtype(dtype, "grad_reduce_dtype")
 
 
 def batch_leaves(batch: Any, what: str = "batch") -> list:
