@@ -390,7 +390,7 @@ def all_finite(tree: Any) -> jax.Array:
         return jnp.array(True)
     # x * 0 is 0 for finite x and NaN for inf/NaN, so one float sum per leaf carries the verdict
     # and cannot overflow. On CPU this is ~3x cheaper than reducing a boolean isfinite mask.
-    total = sum(jnp.sum(x * jnp.zeros((), x.dtype)).astype(jnp.float32) for x in leaves)
+    total = sum(jnp.sum((x * jnp.zeros((), x.dtype)).astype(jnp.float32)) for x in leaves)
     return jnp.isfinite(total)
 
 
