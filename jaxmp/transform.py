@@ -256,7 +256,8 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
                 stepped_master, master, param_dtypes,
             )
 
-        if check_updates if check_updates is not None else (master_weights or _has_half((unscaled, state.inner_state))):
+        half_arithmetic = master_weights or _has_half((unscaled, state.inner_state))
+        if half_arithmetic if check_updates is None else check_updates:
             # Finite gradients can still give a non-finite update (Adam's epsilon flushed to zero
             # in float16, a master value past float16's range): such a step is skipped too.
             updates_finite = _verdict(all_finite(updates), axis_name)
