@@ -18,6 +18,8 @@ consumes each variable.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import re
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -133,12 +135,20 @@ class _Collector:
     half_scalars: set = dataclasses.field(default_factory=set)
 
 
+_INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
+
+
 def _source(eqn, ctx: _Ctx | None = None) -> str:
     # source_info_util is internal; degrade to no location rather than fail the report.
     try:
         from jax._src import source_info_util
 
-        own = source_info_util.summarize(eqn.source_info)
+        frames = list(itertools.islice(source_info_util.user_frames(eqn.source_info.traceback), 16))
+        # JAX counts installed libraries (flax, optax) as user code when they do not share the
+        # standard library's prefix (a virtualenv): point at the first frame outside them.
+        frame = next((f for f in frames if not _INSTALLED.search(f.file_name)), frames[0] if frames else None)
+        col = f":{frame.start_column}" if frame and frame.start_column else ""
+        own = f"{frame.file_name}:{frame.start_line}{col} ({frame.function_name})" if frame else ""
     except Exception:  # pragma: no cover - depends on JAX internals
         own = ""
     if ctx is not None and (not own or own.startswith("unknown")):
