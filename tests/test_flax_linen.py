@@ -9,13 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _op_dtypes import (
+    assert_matmuls_in,
+    assert_scope_fp32,
+    op_dtypes,
+)
 
 import jaxmp
 from jaxmp.flax import PrecisionOverrides
-from jaxmp.flax._op_dtypes import op_dtypes
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
-MATMULS = ("dot_general", "conv_general_dilated")
 
 
 class ResBlock(nn.Module):
@@ -59,25 +62,6 @@ class TinyTransformer(nn.Module):
 IMG = jnp.ones((2, 6, 6, 3)) * jnp.linspace(-1, 1, 3)
 SEQ = jnp.ones((2, 5, 8)) * jnp.linspace(-1, 1, 8)
 LABELS = jnp.array([0, 3])
-
-
-def float_dtypes(op):
-    return [d for d in op.in_dtypes + op.out_dtypes if jnp.issubdtype(d, jnp.floating)]
-
-
-def assert_matmuls_in(ops, dtype):
-    mm = [op for op in ops if op.primitive in MATMULS]
-    assert mm, "no matmul or convolution traced"
-    for op in mm:
-        assert op.in_dtypes == (dtype, dtype), op
-
-
-def assert_scope_fp32(ops, name):
-    """Every primitive under a module named ``name`` runs in float32, bar the cast in and out."""
-    inside = [op for op in ops if name in op.scope and op.primitive != "convert_element_type"]
-    assert inside, f"nothing traced under {name}"
-    for op in inside:
-        assert all(d == F32 for d in float_dtypes(op)), op
 
 
 @pytest.fixture(scope="module")

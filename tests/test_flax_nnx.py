@@ -7,13 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _op_dtypes import (
+    assert_matmuls_in,
+    assert_scope_fp32,
+    op_dtypes,
+)
 from flax import nnx
 
 import jaxmp
-from jaxmp.flax._op_dtypes import op_dtypes
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
-MATMULS = ("dot_general", "conv_general_dilated")
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
@@ -68,20 +71,6 @@ def traced_ops(model, x, y):
         return jaxmp.flax.softmax_cross_entropy(logits, y)
 
     return op_dtypes(loss_fn, state)
-
-
-def assert_matmuls_in(ops, dtype):
-    mm = [op for op in ops if op.primitive in MATMULS]
-    assert mm
-    for op in mm:
-        assert op.in_dtypes == (dtype, dtype), op
-
-
-def assert_scope_fp32(ops, name):
-    inside = [op for op in ops if name in op.scope and op.primitive != "convert_element_type"]
-    assert inside, f"nothing traced under {name}"
-    for op in inside:
-        assert all(d == F32 for d in op.in_dtypes + op.out_dtypes if jnp.issubdtype(d, jnp.floating)), op
 
 
 def grad_dtypes(model, x, y):

@@ -1,4 +1,4 @@
-"""Lists the primitives of a traced function with their dtypes and name scopes (for tests).
+"""Test helper: the primitives of a traced function with their dtypes and name scopes.
 
 A jaxpr walk is the ground truth for "which precision did this matmul / softmax / norm
 run in": it sees every primitive, including those inside ``custom_jvp`` (softmax),
@@ -62,3 +62,31 @@ def op_dtypes(fn: Callable, *args: Any, **kwargs: Any) -> list[Op]:
     ops: list[Op] = []
     _walk(closed.jaxpr, "", ops)
     return ops
+
+
+# ---------------------------------------------------------------------------------------------
+# Assertions shared by the Linen and NNX tests.
+
+F32 = np.dtype(np.float32)
+MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def float_dtypes(op: Op) -> list[np.dtype]:
+    """The floating dtypes among an op's inputs and outputs."""
+    return [d for d in op.in_dtypes + op.out_dtypes if jax.numpy.issubdtype(d, jax.numpy.floating)]
+
+
+def assert_matmuls_in(ops: list[Op], dtype) -> None:
+    """Every matmul and convolution traced takes two ``dtype`` operands (and there is one)."""
+    mm = [op for op in ops if op.primitive in MATMULS]
+    assert mm, "no matmul or convolution traced"
+    for op in mm:
+        assert op.in_dtypes == (dtype, dtype), op
+
+
+def assert_scope_fp32(ops: list[Op], name: str) -> None:
+    """Every primitive under a module named ``name`` runs in float32, bar the cast in and out."""
+    inside = [op for op in ops if name in op.scope and op.primitive != "convert_element_type"]
+    assert inside, f"nothing traced under {name}"
+    for op in inside:
+        assert all(d == F32 for d in float_dtypes(op)), op
