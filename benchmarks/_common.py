@@ -249,6 +249,15 @@ def emit(result: dict, out: str) -> None:
         raise SystemExit("malformed result: " + "; ".join(problems))
 
 
+def parse_choices(text: str | None, allowed, what: str) -> list[str]:
+    """A comma list from a flag (all of ``allowed`` when empty), rejecting unknown names."""
+    chosen = [c.strip() for c in text.split(",")] if text else list(allowed)
+    for c in chosen:
+        if c not in allowed:
+            raise SystemExit(f"unknown {what} {c!r}: choose from {', '.join(allowed)}")
+    return chosen
+
+
 def timing_from_args(args, default: Mapping[str, int], dry: Mapping[str, int]) -> dict[str, int]:
     """The timing settings (rounds, steps, warmup_steps): the defaults, then any given flag."""
     timing = dict(dry if args.dry_run else default)

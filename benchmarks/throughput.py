@@ -340,14 +340,8 @@ def _child_main(args) -> None:
 def plan(args) -> tuple[dict, dict, list[tuple[str, int, str]]]:
     suite = DRY_SUITE if args.dry_run else SUITE
     timing = common.timing_from_args(args, TIMING, DRY_TIMING)
-    models = [m.strip() for m in args.models.split(",")] if args.models else list(suite)
-    policies = [p.strip() for p in args.policies.split(",")] if args.policies else list(POLICIES)
-    for m in models:
-        if m not in suite:
-            raise SystemExit(f"unknown model {m!r}: choose from {', '.join(suite)}")
-    for p in policies:
-        if p not in POLICIES:
-            raise SystemExit(f"unknown policy {p!r}: choose from {', '.join(POLICIES)}")
+    models = common.parse_choices(args.models, list(suite), "model")
+    policies = common.parse_choices(args.policies, list(POLICIES), "policy")
     runs = []
     for m in models:
         batches = [int(b) for b in args.batches.split(",")] if args.batches else list(suite[m]["batches"])

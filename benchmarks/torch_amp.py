@@ -288,14 +288,8 @@ def skipped_result(reason: str, dry_run: bool, config: dict) -> dict:
 def run_suite(args) -> dict:
     suite = DRY_SUITE if args.dry_run else SUITE
     timing = common.timing_from_args(args, TIMING, DRY_TIMING)
-    models = [m.strip() for m in args.models.split(",")] if args.models else list(suite)
-    variants = [v.strip() for v in args.variants.split(",")] if args.variants else list(VARIANTS)
-    for v in variants:
-        if v not in VARIANTS:
-            raise SystemExit(f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}")
-    for m in models:
-        if m not in suite:
-            raise SystemExit(f"unknown model {m!r}: choose from {', '.join(suite)}")
+    models = common.parse_choices(args.models, list(suite), "model")
+    variants = common.parse_choices(args.variants, list(VARIANTS), "variant")
     config = {"suite": {k: {**v, "model": list(v["model"])} for k, v in suite.items() if k in models},
               "timing": timing, "variants": variants, "channels_last_cnns": not args.no_channels_last,
               "torch_compile": args.compile, "data": "synthetic, on device, n_batches cycled"}

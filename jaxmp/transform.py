@@ -157,7 +157,7 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
       check_updates: also skip a step whose *updates* are non-finite although its gradients
         were finite: Adam in pure float16 flushes its epsilon to zero and divides 0 by 0, and an
         O2 master value can exceed the half dtype's range. Costs one more pass over the updates
-        and a select on the optimizer state (~+30% of a CPU optimizer step). ``None`` (default)
+        and a select on the optimizer state (on a CPU MLP step, 1.43x instead of 1.13x bare optax). ``None`` (default)
         checks exactly when that can happen: with ``master_weights``, or when the gradients or
         the inner state hold float16/bfloat16 leaves; a float32 inner chain fed finite
         gradients produces finite updates, so it is not checked.
