@@ -251,3 +251,19 @@ def test_bad_rules():
 def test_no_printing_at_trace_time(capsys, params):
     jax.jit(jaxmp.autocast(dense, "O1-bf16"))(params, jnp.ones((2, 4)))
     assert capsys.readouterr().out == ""
+
+
+def test_precision_report_explains_each_rule(params):
+    f = jax.jit(jaxmp.autocast(lambda p, x: jax.nn.log_softmax(dense(p, x)).sum(), "O1-bf16"))
+    rep = jaxmp.precision_report(f, params, jnp.ones((8, 4)), policy="O1-bf16")
+    by_prim = {}
+    for op in rep.decisions:
+        by_prim.setdefault(op.primitive, set()).add((op.rule, op.out_dtypes))
+    assert by_prim["dot_general"] == {("half list", ("bf16",))}
+    assert by_prim["exp"] == {("float32 list", ("f32",))}
+    assert ("follow", ("bf16",)) in by_prim["add"]
+    text = rep.table()
+    assert "Autocast decisions" in text and "half list" in text and "jaxmp[keep]:autocast(O1-bf16)" in text
+    assert rep.to_dict()["autocast_decisions"][0]["rule"]
+    # the explain scopes exist only while the report traces: a normal trace has none
+    assert not jaxmp.diagnostics.autocast_ops(jax.make_jaxpr(f)(params, jnp.ones((8, 4))))
