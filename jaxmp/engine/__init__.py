@@ -8,7 +8,7 @@ Layers (imports flow downwards): ``api`` (the public function, tracing and cachi
 
 from jaxmp.engine.api import autocast
 from jaxmp.engine.attention import routed_attention
-from jaxmp.engine.config import AutocastConfig, resolve_config
+from jaxmp.engine.config import AutocastConfig, flax_config, resolve_config
 from jaxmp.engine.regions import float32_region, half_inputs, region
 from jaxmp.engine.rules import FLOAT32_OPS, HALF_OPS, PURE_HALF_RULES, AutocastRules
 
@@ -19,6 +19,7 @@ __all__ = [
     "AutocastConfig",
     "AutocastRules",
     "autocast",
+    "flax_config",
     "float32_region",
     "half_inputs",
     "region",

@@ -127,3 +127,28 @@ def current() -> AutocastConfig | None:
       True
     """
     return TRACING.value
+
+
+def flax_config(policy: Policy, overrides: Any) -> AutocastConfig:
+    """The engine settings of :func:`jaxmp.flax.mixed_precision` for a policy and its overrides.
+
+    The Flax integration casts module inputs and params while the model is traced; the engine
+    then applies the op lists: the default lists when the overrides keep softmax in float32
+    (O1), pure half otherwise (O2, O3: norms stay float32 through their module rule).
+
+    Args:
+      policy: the model-wide :class:`jaxmp.Policy`.
+      overrides: the :class:`jaxmp.flax.PrecisionOverrides`.
+
+    Returns:
+      An :class:`AutocastConfig` (``identity`` for a float32 compute dtype).
+
+    Example:
+      >>> from jaxmp.flax import PrecisionOverrides
+      >>> flax_config(jaxmp.get_policy("O2-bf16"), PrecisionOverrides.from_recipe("O2")).rules.float32_ops
+      frozenset()
+    """
+    compute = np.dtype(policy.compute_dtype)
+    rules = AutocastRules() if overrides.fp32_softmax else PURE_HALF_RULES
+    return AutocastConfig(f"flax {policy}", compute, np.dtype(policy.output_dtype), False, rules,
+                          identity=compute.itemsize >= 4)

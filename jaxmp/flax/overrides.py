@@ -106,6 +106,9 @@ class PrecisionOverrides:
         ``{cls: policy}`` is accepted and a policy may be a string or ``jmp.Policy``.
       fp32_softmax: attention modules in the half list compute their softmax in float32.
       fp32_loss: the train steps compute the loss on float32 logits.
+      fused_attention: attention modules with Flax's default attention run
+        :func:`jaxmp.flax.fused_attention` (cuDNN on GPUs, XLA with a float32 softmax
+        elsewhere); False keeps Flax's own attention under the op lists.
 
     Example:
       >>> ov = jaxmp.flax.PrecisionOverrides.from_recipe("O1")
@@ -117,6 +120,7 @@ class PrecisionOverrides:
     module_policies: Any = ()
     fp32_softmax: bool = True
     fp32_loss: bool = True
+    fused_attention: bool = True
 
     def __post_init__(self):
         half = _class_tuple(self.half_modules, "PrecisionOverrides.half_modules")
@@ -131,7 +135,7 @@ class PrecisionOverrides:
                 raise TypeError(f"module_policies entries must be (module class, policy) pairs, got {item!r}")
             cls = _check_module_class(item[0], "PrecisionOverrides.module_policies")
             policies = [(c, p) for c, p in policies if c is not cls] + [(cls, as_policy(item[1]))]
-        for name in ("fp32_softmax", "fp32_loss"):
+        for name in ("fp32_softmax", "fp32_loss", "fused_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PrecisionOverrides.{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "half_modules", half)
