@@ -17,7 +17,7 @@ from jaxmp.engine.attention import route_attention
 from jaxmp.engine.interpreter import Interpreter, Val, is_float
 from jaxmp.engine.modules import class_markers
 from jaxmp.engine.rules import AutocastRules, marker
-from jaxmp.policy import cast_floating
+from jaxmp.dtypes import cast_floating
 
 _CACHE_SIZE = 64
 

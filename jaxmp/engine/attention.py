@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxmp.engine import config as _config
 from jaxmp.engine.rules import marker
-from jaxmp.policy import cast_floating
+from jaxmp.dtypes import cast_floating
 
 _log = logging.getLogger("jaxmp.autocast")
 _ORIGINAL = jax.nn.dot_product_attention

@@ -38,7 +38,8 @@ from jaxmp.engine.rules import marker
 from jaxmp.flax.attention import fused_attention
 from jaxmp.flax.casting import Path, cast_by_path, cast_output, first_floating_dtype
 from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, resolve_overrides
-from jaxmp.policy import Policy, cast_floating
+from jaxmp.dtypes import cast_floating
+from jaxmp.policy import Policy
 
 def _uses_default_attention(module: nn.Module) -> bool:
     return (

@@ -38,10 +38,11 @@ from jaxmp.flax.attention import fused_attention
 from jaxmp.flax.casting import Path, cast_by_path, cast_output, first_floating_dtype
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
 from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, resolve_overrides
-from jaxmp.loss_scale import select_tree
 from jaxmp.parallel.pmap import all_reduce_gradients
-from jaxmp.policy import Policy, cast_floating
-from jaxmp.transform import find_loss_scaling_state, get_loss_scale
+from jaxmp.dtypes import cast_floating
+from jaxmp.policy import Policy
+from jaxmp.opt_state import find_loss_scaling_state, get_loss_scale
+from jaxmp.skip import keep_if_finite
 
 _CASTING_CLASSES: dict[tuple[type, ModuleRule], type] = {}
 
@@ -300,7 +301,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
         params = nnx.as_pure(nnx.state(model, nnx.Param))
         nnx.update(model, jax.tree.map(lambda p, m: m.astype(p.dtype), params, master))
     after = nnx.as_pure(nnx.state(model, _RESTORED_ON_SKIP))
-    nnx.update(model, select_tree(finite, after, before))
+    nnx.update(model, keep_if_finite(finite, after, before))
     optimizer.step[...] = jnp.where(finite, optimizer.step[...], step_before)
     return {
         "loss": loss.astype(jnp.float32),

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp.policy import FP32_CATEGORIES, Policy, Recipe, as_policy, get_recipe
+from jaxmp.policy import Policy
+from jaxmp.presets import FP32_CATEGORIES, Recipe, as_policy, get_recipe, resolve_policy
 
 #: Linen and NNX matmul / convolution / attention classes that run in the compute dtype.
 DEFAULT_HALF_MODULES: tuple[type, ...] = (
@@ -346,15 +347,7 @@ def resolve_overrides(policy: Any, overrides: PrecisionOverrides | Iterable[str]
       >>> ov.fp32_softmax
       False
     """
-    recipe = None
-    if isinstance(policy, Recipe):
-        recipe = policy
-    elif isinstance(policy, str):
-        try:
-            recipe = get_recipe(policy)
-        except ValueError:
-            recipe = None  # a jmp-grammar string: as_policy parses it below
-    resolved = recipe.policy if recipe is not None else as_policy(policy)
+    resolved, recipe = resolve_policy(policy)
     if overrides is None:
         overrides = PrecisionOverrides.from_recipe(recipe) if recipe is not None else PrecisionOverrides()
     elif not isinstance(overrides, PrecisionOverrides):
