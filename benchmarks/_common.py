@@ -436,6 +436,29 @@ _VALIDATORS = {
 }
 
 
+def run_child(script: str | os.PathLike, argv_tail: list[str], timeout: float | None) -> dict:
+    """Runs ``script argv_tail --child-out FILE`` in a fresh process and returns FILE's JSON.
+
+    A child that times out, crashes or runs out of memory gives an entry with ``status``
+    ``"error"`` / ``"oom"`` and the tail of its output, so the caller records it and goes on.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "one.json"
+        cmd = [sys.executable, str(script), *argv_tail, "--child-out", str(out)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+        except subprocess.TimeoutExpired:
+            return {"status": "error", "error": f"timed out after {timeout}s"}
+        sys.stderr.write(proc.stderr[-4000:] if proc.returncode else "")
+        if out.exists():
+            return json.loads(out.read_text())
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        oom = "RESOURCE_EXHAUSTED" in tail or "out of memory" in tail.lower()
+        return {"status": "oom" if oom else "error", "error": f"exit {proc.returncode}: {tail.strip()}"}
+
+
 def add_common_args(parser, default_out: str | None):
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny models, tiny batch, 2-3 iterations: runs on CPU end to end (for tests)")

@@ -28,8 +28,12 @@ NOT_MEASURED = "not measured yet — run `bash benchmarks/run_gpu.sh` on a GPU"
 
 #: jaxmp policy -> the PyTorch variant it is compared with.
 TORCH_PAIR = {"O0-strict": "fp32-strict", "O0": "fp32-tf32", "O1": "amp-fp16", "O2-fp16": "amp-fp16",
-              "O2-bf16": "amp-bf16"}
-AMP_VARIANTS = ("amp-fp16", "amp-bf16")
+              "O2-bf16": "amp-bf16", "native-bf16": "amp-bf16", "native-bf16-cudnn": "amp-bf16"}
+#: jaxmp policy -> the torch.compile variant it is compared with.
+COMPILE_PAIR = {k: "compile-" + v for k, v in TORCH_PAIR.items() if v.startswith("amp-")}
+AMP_VARIANTS = ("amp-fp16", "amp-bf16", "compile-amp-fp16", "compile-amp-bf16")
+#: The native Flax baseline each policy is compared with (same module code, Flax dtype=bf16).
+NATIVE_BASELINE = "native-bf16"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,40 +199,54 @@ def overhead_table(res) -> list[str]:
     return lines
 
 
+def _throughput_row(e: dict, runs: list[dict], torch_runs: list[dict]) -> str:
+    if e.get("status") != "ok":
+        return f"| {e['model']} | {e['batch_size']} | {e['policy']} | {e.get('status')} |" + " |" * 11
+    st, mem, mfu = e["step_time_s"], e["memory"], e.get("mfu") or {}
+    mib = f"{mem['peak_bytes'] / 2**20:,.0f} ({mem['source'].split(' ')[0]})" if mem.get("peak_bytes") else "-"
+    tf = f"{e['tflops_per_s']:.1f}" if e.get("tflops_per_s") and e.get("flops", {}).get("source") == "analytic" else "-"
+    pct = lambda x: f"{100 * x:.1f}" if x else "-"  # noqa: E731
+    native = _find(runs, e["model"], e["batch_size"], NATIVE_BASELINE)
+    vs_native = f"{e['items_per_s'] / native['items_per_s']:.3f}" if native and native is not e else "-"
+    cells = []
+    for pair in (TORCH_PAIR, COMPILE_PAIR):
+        pe = _find(torch_runs, e["model"], e["batch_size"], pair.get(e["policy"], ""))
+        cells += [f"{pe['policy']}: {pe['items_per_s']:,.0f}" if pe else "-",
+                  f"{e['items_per_s'] / pe['items_per_s']:.2f}" if pe else "-"]
+    pm = _find(torch_runs, e["model"], e["batch_size"], TORCH_PAIR.get(e["policy"], ""))
+    tmem = pm.get("memory", {}).get("peak_bytes") if pm else None
+    cells.append(f"{tmem / 2**20:,.0f}" if tmem else "-")
+    return (f"| {e['model']} | {e['batch_size']} | {e['policy']} | {e['items_per_s']:,.0f} {e['unit']} | "
+            f"{_ms(st['median'])} ({_ms(st['q25'])}-{_ms(st['q75'])}) | {mib} | {tf} | {pct(mfu.get('mfu_measured_peak'))} | "
+            f"{pct(mfu.get('mfu_datasheet'))} | {vs_native} | " + " | ".join(cells) + " |")
+
+
+THROUGHPUT_HEAD = ("| model | batch | policy | items/s | step ms (IQR) | peak MiB (source) | TFLOP/s (analytic) | "
+                   "MFU % (probe) | MFU % (datasheet) | / native-bf16 | torch eager (items/s) | / eager | "
+                   "torch.compile (items/s) | / compile | torch eager peak MiB |")
+
+
 def throughput_tables(res) -> list[str]:
-    lines = ["### Throughput, memory and FLOP/s per policy (GPU), and the PyTorch AMP peer", ""]
+    lines = ["### Throughput, memory, FLOP/s and MFU per policy (GPU), native Flax and the PyTorch peer", ""]
     if not res["throughput"]:
-        return lines + [f"{NOT_MEASURED}.", "",
-                        "| model | batch | policy | items/s | step (ms) | peak memory | TFLOP/s | % bf16 matmul peak | PyTorch peer | jaxmp / PyTorch |",
-                        "|---|---:|---|---:|---:|---:|---:|---:|---|---:|",
-                        "| WRN-28-10 | 128, 512 | O0-strict, O0, O1, O2-bf16, O2-fp16 | not measured | | | | | | |",
-                        "| ResNet-50 (224) | 256 | O0-strict, O0, O1, O2-bf16, O2-fp16 | not measured | | | | | | |",
-                        "| Transformer encoder | 32 x 512 tokens | O0-strict, O0, O1, O2-bf16, O2-fp16 | not measured | | | | | | |",
-                        ""]
+        return lines + [f"{NOT_MEASURED}.", "", THROUGHPUT_HEAD, "|---|---:|---|" + "---:|" * 7 + "---|---:|---|---:|---:|",
+                        "| WRN-28-10 | 128, 512 | O0-strict, O0, O1, O2-bf16, O2-fp16, native-bf16 | not measured |" + " |" * 11,
+                        "| ResNet-50 (224) | 256 | O0-strict, O0, O1, O2-bf16, O2-fp16, native-bf16 | not measured |" + " |" * 11,
+                        "| Transformer encoder | 32 x 512 tokens | O0-strict ... native-bf16, native-bf16-cudnn | not measured |"
+                        + " |" * 11, ""]
     for n, t in res["throughput"]:
         env, peak = t["env"], t["results"]["matmul_peak"]
         tr = torch_for(res["torch_amp"], env["device"])
         commit = env["git_commit"]["sha"][:10] + (" (dirty)" if env["git_commit"].get("dirty") else "")
         lines += [f"**{env['device']}**, `{n}`: jax {env['versions']['jax']}, flax {env['versions']['flax']}, "
                   f"commit {commit}, {t['created_utc']}; bf16 matmul peak measured in the run: "
-                  f"{peak['tflops']:.1f} TFLOP/s (n={peak['n']})."
-                  + (f" PyTorch {tr['env']['versions']['torch']}." if tr else " PyTorch peer: not measured."), "",
-                  "| model | batch | policy | items/s | step ms (IQR) | peak MiB (source) | TFLOP/s | % bf16 peak | PyTorch peer (items/s) | jaxmp / PyTorch |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+                  f"{peak['tflops']:.1f} TFLOP/s (n={peak['n']}), datasheet {peak.get('datasheet_tflops') or '-'}."
+                  + (f" PyTorch {tr['env']['versions']['torch']}." if tr else " PyTorch peer: not measured.")
+                  + ("" if t.get("complete", True) else " **Incomplete file (the suite was interrupted).**"), "",
+                  THROUGHPUT_HEAD, "|---|---:|---|" + "---:|" * 7 + "---|---:|---|---:|---:|"]
+        runs = _ok_runs(t)
         torch_runs = _ok_runs(tr) if tr else []
-        for e in t["results"]["runs"]:
-            if e.get("status") != "ok":
-                lines.append(f"| {e['model']} | {e['batch_size']} | {e['policy']} | {e.get('status')} | | | | | | |")
-                continue
-            st, mem = e["step_time_s"], e["memory"]
-            mib = f"{mem['peak_bytes'] / 2**20:,.0f} ({mem['source'].split(' ')[0]})" if mem.get("peak_bytes") else "-"
-            tf = f"{e['tflops_per_s']:.1f}" if e.get("tflops_per_s") else "-"
-            frac = f"{100 * e['fraction_of_matmul_peak']:.1f}" if e.get("fraction_of_matmul_peak") else "-"
-            pe = _find(torch_runs, e["model"], e["batch_size"], TORCH_PAIR.get(e["policy"], ""))
-            peer = f"{pe['policy']}: {pe['items_per_s']:,.0f}" if pe else "-"
-            ratio = f"{e['items_per_s'] / pe['items_per_s']:.2f}" if pe else "-"
-            lines.append(f"| {e['model']} | {e['batch_size']} | {e['policy']} | {e['items_per_s']:,.0f} {e['unit']} | "
-                         f"{_ms(st['median'])} ({_ms(st['q25'])}-{_ms(st['q75'])}) | {mib} | {tf} | {frac} | {peer} | {ratio} |")
+        lines += [_throughput_row(e, runs, torch_runs) for e in t["results"]["runs"]]
         lines.append("")
     return lines
 
