@@ -53,13 +53,14 @@ def fused_attention_fn(implementation: str | None):
 
 
 @contextlib.contextmanager
-def native_dtype(dtype, attention: str | None = None):
+def native_dtype(dtype, attention: str | None = None, softmax_fp32: bool = False):
     """Within the block, Flax layers default to ``dtype`` (parameters stay float32).
 
     Args:
       dtype: the computation dtype (``jnp.bfloat16``).
       attention: None (Flax's attention), or ``"cudnn"`` / ``"xla"`` to route
         ``MultiHeadDotProductAttention`` through ``jax.nn.dot_product_attention``.
+      softmax_fp32: Flax attention's softmax in float32 (``force_fp32_for_softmax``).
 
     Yields:
       Nothing; ``flax.linen``'s layer classes are restored on exit.
@@ -71,6 +72,9 @@ def native_dtype(dtype, attention: str | None = None):
         for name, base in saved.items():
             ns: dict[str, Any] = {"__annotations__": {"dtype": Any}, "dtype": dtype, "__module__": base.__module__,
                                   "__qualname__": base.__qualname__}
+            if name == "MultiHeadDotProductAttention" and softmax_fp32:
+                ns["__annotations__"]["force_fp32_for_softmax"] = bool
+                ns["force_fp32_for_softmax"] = True
             if name == "MultiHeadDotProductAttention" and attention:
                 ns["__annotations__"]["attention_fn"] = Any
                 ns["attention_fn"] = staticmethod(fused_attention_fn(attention))
@@ -88,14 +92,14 @@ class NativeModel:
     Args:
       module: the plain Flax Linen module.
       dtype: computation dtype.
-      attention: as in :func:`native_dtype`.
+      attention, softmax_fp32: as in :func:`native_dtype`.
     """
 
-    def __init__(self, module, dtype, attention: str | None = None):
-        self.module, self.dtype, self.attention = module, dtype, attention
+    def __init__(self, module, dtype, attention: str | None = None, softmax_fp32: bool = False):
+        self.module, self.dtype, self.attention, self.softmax_fp32 = module, dtype, attention, softmax_fp32
 
     def _call(self, method, *args, **kwargs):
-        with native_dtype(self.dtype, self.attention):
+        with native_dtype(self.dtype, self.attention, self.softmax_fp32):
             return getattr(self.module, method)(*args, **kwargs)
 
     init = functools.partialmethod(_call, "init")
