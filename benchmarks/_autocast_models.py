@@ -10,6 +10,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 F32 = jnp.float32
 
@@ -68,17 +69,22 @@ def mlp_hand_loss(params, x, y, half):
     return -jnp.mean(jnp.take_along_axis(logp, y[:, None], -1))
 
 
-def make_mlp(key, depth: int, width: int, batch: int, in_dim: int, classes: int) -> Model:
-    keys = jax.random.split(key, depth + 3)
+def make_mlp(seed: int, depth: int, width: int, batch: int, in_dim: int, classes: int) -> Model:
+    """An MLP's params and batch (numpy's generator: eager jax.random compiles op by op)."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+
     layers, fan_in = [], in_dim
-    for i in range(depth):
-        layers.append({"w": jax.random.normal(keys[i], (fan_in, width), F32) / fan_in**0.5,
-                       "b": jnp.zeros((width,), F32), "scale": jnp.ones((width,), F32), "bias": jnp.zeros((width,), F32)})
+    for _ in range(depth):
+        layers.append({"w": normal(fan_in, width) / np.float32(fan_in**0.5), "b": jnp.zeros((width,), F32),
+                       "scale": jnp.ones((width,), F32), "bias": jnp.zeros((width,), F32)})
         fan_in = width
-    params = {"layers": layers, "head": {"w": jax.random.normal(keys[-3], (width, classes), F32) / width**0.5,
+    params = {"layers": layers, "head": {"w": normal(width, classes) / np.float32(width**0.5),
                                          "b": jnp.zeros((classes,), F32)}}
-    x = jax.random.normal(keys[-2], (batch, in_dim), F32)
-    y = jax.random.randint(keys[-1], (batch,), 0, classes)
+    x = normal(batch, in_dim)
+    y = jnp.asarray(rng.integers(0, classes, (batch,), dtype=np.int32))
     return Model(params, (x, y), mlp_loss, mlp_hand_loss, "written out op by op (mlp_hand_loss)")
 
 

@@ -79,7 +79,7 @@ def build_model(name: str, sizes: dict):
     key = jax.random.PRNGKey(0)
     s = sizes[name]
     if name in ("mlp", "mlp32"):
-        return am.make_mlp(key, s["depth"], s["width"], s["batch"], s["in_dim"], s["classes"])
+        return am.make_mlp(0, s["depth"], s["width"], s["batch"], s["in_dim"], s["classes"])
     if name == "transformer":
         return am.make_transformer(key, s["layers"], s["dim"], s["heads"], s["mlp"], s["seq"], s["batch"], s["classes"])
     return am.make_resnet(key, tuple(s["stages"]), s["width"], s["size"], s["batch"], s["classes"])

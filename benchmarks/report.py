@@ -42,7 +42,7 @@ NATIVE_BASELINE = "native-bf16"
 
 def load_results(results_dir: Path, include_dry_run: bool = False) -> dict[str, list[tuple[str, dict]]]:
     """benchmark kind -> [(file name, result)], sub-results of gpu suites unpacked."""
-    out: dict[str, list[tuple[str, dict]]] = {"overhead": [], "throughput": [], "torch_amp": []}
+    out: dict[str, list[tuple[str, dict]]] = {"overhead": [], "throughput": [], "torch_amp": [], "autocast": []}
     for path in sorted(Path(results_dir).glob("*.json")):
         try:
             res = json.loads(path.read_text())
@@ -251,6 +251,60 @@ def throughput_tables(res) -> list[str]:
     return lines
 
 
+def _autocast_targets(r: dict) -> list[str]:
+    """Targets of jaxmp.autocast against the hand cast and float32, per model."""
+    vs = r["variants"]
+    a, h, f = vs.get("jaxmp"), vs.get("hand"), vs.get("float32")
+    if not (a and h):
+        return []
+    out = []
+    step = a["step_vs_hand"]["median"]
+    out.append(f"step / hand {step:.3f} (<= 1.02: {'pass' if step <= 1.02 else 'fail'})")
+    if f:
+        out.append(f"trace+lower+compile / float32 {a['tlc_vs_float32']:.2f} "
+                   f"(<= 1.5: {'pass' if a['tlc_vs_float32'] <= 1.5 else 'fail'}; trace alone {a['trace_vs_float32']:.2f})")
+    out.append(f"converts {a['hlo_converts']} vs hand {h['hlo_converts']} "
+               f"({'pass' if a['hlo_converts'] <= h['hlo_converts'] else 'fail'})")
+    ok = a["loss_rel_error"] <= h["loss_rel_error"] * 1.0001 and a["grad_rel_error"] <= h["grad_rel_error"] * 1.0001
+    out.append(f"loss/grad error {a['loss_rel_error']:.2e}/{a['grad_rel_error']:.2e} vs hand "
+               f"{h['loss_rel_error']:.2e}/{h['grad_rel_error']:.2e} ({'pass' if ok else 'fail'})")
+    return out
+
+
+def autocast_tables(res) -> list[str]:
+    lines = ["### jaxmp.autocast against float32, a hand cast and its peers", ""]
+    if not res["autocast"]:
+        return lines + ["Not measured yet: run `python benchmarks/autocast.py`.", ""]
+    for n, r in res["autocast"]:
+        env, cfg = r["env"], r["config"]
+        commit = env["git_commit"]["sha"][:10] + (" (dirty)" if env["git_commit"].get("dirty") else "")
+        peers = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if k in ("grampax", "jaxamp", "mpx") and v)
+        lines += [f"**{env['device']}** ({env['platform']}, {env.get('cpu_count')} cores), `{n}`: jax "
+                  f"{env['versions']['jax']}, policy {cfg['policy']}, {cfg['timing']['rounds']} interleaved rounds x "
+                  f"{cfg['timing']['steps']} steps, {cfg['timing']['compile_repeats']} compiles per variant; "
+                  f"peers: {peers or 'none importable'}; commit {commit}, {r['created_utc']}; `{r.get('command', '')}`.", ""]
+        for m, mr in r["results"]["models"].items():
+            lines += [f"*{m}* ({', '.join(f'{k}={v}' for k, v in mr['sizes'].items())}); hand cast: {mr['hand_cast']}.", "",
+                      "| variant | step ms (IQR) | step / hand (IQR) | trace ms | / float32 | trace+lower+compile ms | "
+                      "/ float32 | HLO converts | temp KiB | loss rel. error | grad rel. error |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for v, x in mr["variants"].items():
+                st, sh = x["step_time_s"], x.get("step_vs_hand")
+                ratio = f"{sh['median']:.3f} ({sh['q25']:.3f}-{sh['q75']:.3f})" if sh else "-"
+                temp = f"{x['temp_bytes'] / 1024:,.0f}" if x.get("temp_bytes") is not None else "-"
+                lines.append(f"| {v} | {_ms(st['median'])} ({_ms(st['q25'])}-{_ms(st['q75'])}) | {ratio} | "
+                             f"{x['trace_s'] * 1e3:,.0f} | {x.get('trace_vs_float32', 0):.2f} | "
+                             f"{x['trace_lower_compile_s'] * 1e3:,.0f} | {x.get('tlc_vs_float32', 0):.2f} | "
+                             f"{x['hlo_converts']} | {temp} | {x['loss_rel_error']:.2e} | {x['grad_rel_error'] or 0:.2e} |")
+            lines.append("")
+            lines += [f"- skipped {v}: {why}" for v, why in mr["skipped"].items()]
+            targets = _autocast_targets(mr)
+            if targets:
+                lines.append("- jaxmp.autocast targets: " + "; ".join(targets))
+            lines.append("")
+    return lines
+
+
 def markdown(res) -> str:
     lines = ["### Targets (goals, not tests)", "", "| target | measured | status | where |", "|---|---|---|---|"]
     for r in evaluate_targets(res):
@@ -258,6 +312,7 @@ def markdown(res) -> str:
     lines.append("")
     lines += overhead_table(res)
     lines += throughput_tables(res)
+    lines += autocast_tables(res)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -340,3 +340,48 @@ def test_unknown_flag_in_a_fresh_process_has_no_traceback():
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--no-such-flag"],
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and "--no-such-flag" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/autocast.py
+
+
+def test_autocast_benchmark_dry_run(tmp_path):
+    from benchmarks import autocast as ac
+
+    out = tmp_path / "autocast.json"
+    result = ac.main(["--dry-run", "--quiet", "--models", "mlp", "--variants", "float32,hand,jaxmp,mpx",
+                      "--out", str(out)])
+    _assert_valid(json.loads(out.read_text()), "autocast")
+    r = result["results"]["models"]["mlp"]
+    found = set(r["variants"]) | set(r["skipped"])
+    assert found == {"float32", "hand", "jaxmp", "mpx"}
+    if "mpx" in r["skipped"]:
+        assert "mpx" in r["skipped"]["mpx"]  # says which peer and why
+    f32, hand, amp = r["variants"]["float32"], r["variants"]["hand"], r["variants"]["jaxmp"]
+    assert f32["loss_rel_error"] == 0 and f32["hlo_converts"] == 0 and f32["grad_dtypes"] == ["float32"]
+    assert 0 < hand["loss_rel_error"] < 1e-2 and 0 < hand["grad_rel_error"] < 0.1 and hand["hlo_converts"] > 0
+    assert hand["grad_dtypes"] == amp["grad_dtypes"] == ["float32"]
+    # The hand cast writes out the O1 rules: jaxmp.autocast computes the same loss.
+    assert amp["loss"] == pytest.approx(hand["loss"], rel=1e-6)
+    assert hand["step_vs_hand"]["median"] == 1.0 and amp["step_vs_hand"]["n"] == 2
+    assert f32["tlc_vs_float32"] == 1.0 and amp["trace_lower_compile_s"] >= amp["trace_s"] > 0
+    md = "\n".join(report.autocast_tables({"autocast": [("a.json", result)]}))
+    assert "| jaxmp |" in md and "jaxmp.autocast targets: step / hand" in md
+
+
+def test_hand_cast_mlp_assigns_the_o1_dtypes():
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import _autocast_models as am
+
+    m = am.make_mlp(0, 2, 8, 2, 4, 3)
+    jaxpr = jax.make_jaxpr(lambda p, x, y: m.hand_loss(p, x, y, jnp.bfloat16))(m.params, *m.batch).jaxpr
+    dtypes = {}
+    for e in jaxpr.eqns:
+        dtypes.setdefault(e.primitive.name, set()).add(str(e.outvars[0].aval.dtype))
+    assert dtypes["dot_general"] == {"bfloat16"}
+    for op in ("reduce_sum", "reduce_max", "exp", "log", "rsqrt"):
+        assert dtypes[op] == {"float32"}, op
+    assert jax.eval_shape(lambda p, x, y: m.hand_loss(p, x, y, jnp.bfloat16), m.params, *m.batch).dtype == jnp.float32
