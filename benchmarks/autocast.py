@@ -41,6 +41,8 @@ params). Writes ``benchmarks/results/autocast_<device>.json`` (``dry_run/autocas
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import statistics
 import sys
@@ -127,11 +129,14 @@ def _compile_once(factory, params, batch):
     import jax
 
     fn = factory()
-    t0 = time.perf_counter()
-    traced = jax.jit(jax.value_and_grad(fn)).trace(params, *batch)
-    t1 = time.perf_counter()
-    compiled = traced.lower().compile()
-    return t1 - t0, time.perf_counter() - t0, compiled
+    # stdout silenced for every variant alike: grampax 0.1.0 prints its arrays while tracing.
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        t0 = time.perf_counter()
+        traced = jax.jit(jax.value_and_grad(fn)).trace(params, *batch)
+        t1 = time.perf_counter()
+        compiled = traced.lower().compile()
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t0, compiled
 
 
 def _rel_errors(out, ref) -> dict:
@@ -165,7 +170,8 @@ def measure_model(name: str, sizes: dict, variants: list[str], half: str, timing
         try:
             runs = [_compile_once(factory, model.params, model.batch) for _ in range(timing["compile_repeats"])]
             c = runs[-1][2]
-            result = jax.block_until_ready(c(model.params, *model.batch))
+            with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+                result = jax.block_until_ready(c(model.params, *model.batch))
         except Exception as e:  # noqa: BLE001 - a peer that fails on this model: recorded, not fatal
             out["skipped"][v] = f"failed: {type(e).__name__}: {str(e)[:300]}"
             common.log(f"  {name}: {v} failed: {type(e).__name__}: {str(e)[:200]}", quiet)
