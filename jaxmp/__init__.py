@@ -43,6 +43,13 @@ from jaxmp.transform import master_params
 from jaxmp.transform import scaling_stats
 from jaxmp.transform import skipped_steps
 
+# --- op-level autocast (the precision engine) ---
+from jaxmp.engine import AutocastRules
+from jaxmp.engine import autocast
+from jaxmp.engine import float32_region
+from jaxmp.engine import half_inputs
+from jaxmp.engine import region as autocast_region
+
 # --- flax integration (issue 3) ---
 # Imported on first use (see __getattr__ below): flax.nnx pulls in IPython and costs ~2 s.
 _LAZY_FLAX = ("PrecisionOverrides", "TrainState", "mixed_precision")

@@ -1,0 +1,166 @@
+"""``jaxmp.autocast``: trace the function once per input signature, then re-evaluate it under the rules."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxmp.engine import config as _config
+from jaxmp.engine.attention import route_attention
+from jaxmp.engine.interpreter import Interpreter, Val, is_float
+from jaxmp.engine.modules import class_markers
+from jaxmp.engine.rules import AutocastRules, marker
+from jaxmp.policy import cast_floating
+
+_CACHE_SIZE = 64
+
+#: While True (set by :func:`jaxmp.precision_report`), each op carries the rule that chose its dtype.
+_EXPLAIN = [False]
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+@dataclasses.dataclass(eq=False)
+class _Program:
+    """One traced signature: the jaxpr, the output tree, and a jitted runner for eager calls."""
+
+    closed: Any
+    out_tree: Any
+    config: _config.AutocastConfig
+    has_tracer_consts: bool
+
+    def __post_init__(self):
+        self.jitted = jax.jit(self.run)
+
+    def run(self, *xs):
+        interp = Interpreter(self.config, explain=_EXPLAIN[0])
+        outs = interp.run(self.closed.jaxpr, self.closed.consts, [Val(x) for x in xs])
+        return [o.x for o in outs]
+
+
+def _signature(leaves, dynamic):
+    parts = []
+    for leaf, dyn in zip(leaves, dynamic):
+        if dyn:
+            aval = jax.typeof(leaf) if hasattr(jax, "typeof") else jax.core.get_aval(leaf)
+            parts.append((aval.shape, str(aval.dtype), bool(getattr(aval, "weak_type", False))))
+        else:
+            parts.append(("static", leaf))
+    return tuple(parts)
+
+
+class _Autocast:
+    """The callable :func:`autocast` returns (``functools.wraps`` keeps ``fn``'s name and doc)."""
+
+    def __init__(self, fn: Callable, config: _config.AutocastConfig):
+        self.fn, self.config = fn, config
+        self._programs: collections.OrderedDict = collections.OrderedDict()
+        functools.update_wrapper(self, fn)
+
+    def _trace(self, leaves, dynamic, treedef) -> _Program:
+        out_tree = []
+
+        def flat_fn(*dyn):
+            it = iter(dyn)
+            full = [next(it) if d else leaf for leaf, d in zip(leaves, dynamic)]
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
+            out = self.fn(*args, **kwargs)
+            flat, tree = jax.tree_util.tree_flatten(out)
+            out_tree.append(tree)
+            return flat
+
+        dyn_vals = [leaf for leaf, d in zip(leaves, dynamic) if d]
+        with _config.TRACING(self.config), route_attention(), class_markers(self.config.rules.class_rules):
+            closed = jax.make_jaxpr(flat_fn)(*dyn_vals)
+        tracer_consts = any(isinstance(c, jax.core.Tracer) for c in closed.consts)
+        return _Program(closed, out_tree[0], self.config, tracer_consts)
+
+    def _program(self, leaves, dynamic, treedef) -> _Program:
+        try:
+            key = (treedef, _signature(leaves, dynamic), _config.TRACING.value, _EXPLAIN[0])
+            hash(key)
+        except TypeError:  # an unhashable static leaf: trace every call, as jit would refuse to cache
+            return self._trace(leaves, dynamic, treedef)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._trace(leaves, dynamic, treedef)
+            if program.has_tracer_consts:  # closes over an outer trace's values: never reuse
+                return program
+            self._programs[key] = program
+            if len(self._programs) > _CACHE_SIZE:
+                self._programs.popitem(last=False)
+        return program
+
+    def __call__(self, *args, **kwargs):
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic = [_is_array(leaf) for leaf in leaves]
+        program = self._program(leaves, dynamic, treedef)
+        dyn_vals = [leaf for leaf, d in zip(leaves, dynamic) if d]
+        if self.config.cast_inputs:
+            dyn_vals = [cast_floating(x, self.config.compute_dtype) for x in dyn_vals]
+        traced = program.has_tracer_consts or any(isinstance(x, jax.core.Tracer) for x in dyn_vals)
+        with jax.named_scope(marker("keep", f"autocast({self.config.name})")):
+            outs = program.run(*dyn_vals) if traced else program.jitted(*dyn_vals)
+        outs = [cast_floating(o, self.config.output_dtype) if is_float(getattr(o, "dtype", None)) else o
+                for o in outs]
+        return jax.tree_util.tree_unflatten(program.out_tree, outs)
+
+
+def autocast(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = None) -> Callable:
+    """Op-level mixed precision for any JAX function, like ``torch.autocast``.
+
+    Returns a function with ``fn``'s signature that runs each primitive of ``fn`` in the dtype
+    its rule gives: matmuls and convolutions (the half list) in the compute dtype; exp, log,
+    pow, erf, sqrt/rsqrt and every reduction (the float32 list) in float32; everything else
+    follows its inputs (see :class:`jaxmp.AutocastRules` for the promotion rule). It works on
+    the traced program, so it sees every op of plain JAX, Flax, Equinox or Haiku code, inside
+    ``jit``, ``scan``, ``while_loop``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp`` and
+    ``shard_map``, and it composes with ``jit``, ``grad``, ``vmap`` and the rest in any order.
+
+    Floating outputs come back in the policy's output dtype (float32 for O1/O2); gradients with
+    respect to float32 inputs are float32. Integer, boolean, PRNG-key and non-array arguments
+    pass through untouched. The function is traced once per input signature (like ``jax.jit``:
+    closed-over arrays are captured at trace time); eager calls run a cached compiled program.
+
+    Args:
+      fn: the function.
+      policy: ``"O0"`` (identity), ``"O1"``, ``"O2"``, ``"O3"`` (optionally ``-bf16``/``-fp16``;
+        without it the platform's half dtype), ``"mixed_bfloat16"``, a jmp policy string, a
+        :class:`jaxmp.Policy` or ``jmp.Policy``.
+      rules: :class:`jaxmp.AutocastRules` to use instead of the preset's.
+
+    Returns:
+      The autocast function.
+
+    Raises:
+      TypeError: ``fn`` is not callable, or ``rules`` is not an :class:`AutocastRules`.
+      ValueError: an unknown preset or malformed policy string.
+
+    Example:
+      >>> def mlp(params, x):
+      ...     h = jax.nn.relu(x @ params["w1"])
+      ...     return jax.nn.log_softmax(h @ params["w2"])
+      >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 3))}
+      >>> out = jaxmp.autocast(mlp, "O1-bf16")(params, jnp.ones((2, 4)))
+      >>> out.dtype  # matmuls ran in bfloat16, log_softmax in float32
+      dtype('float32')
+    """
+    if not callable(fn):
+        raise TypeError(f"autocast expects a callable, got {type(fn).__name__}: {fn!r}")
+    config = _config.resolve_config(policy, rules)
+    if config.identity:
+        @functools.wraps(fn)
+        def identity(*args, **kwargs):
+            # An O0 region nested in another autocast keeps its ops as traced: it wins there.
+            with jax.named_scope(marker("keep", f"autocast({config.name})")):
+                return fn(*args, **kwargs)
+
+        return identity
+    return _Autocast(fn, config)

@@ -1,0 +1,89 @@
+"""``jax.nn.dot_product_attention`` inside autocast: the fused kernel in half, or a safe fallback.
+
+While autocast traces a function, calls through ``jax.nn.dot_product_attention`` are routed
+here: query, key and value go to the compute dtype; on a GPU the cuDNN fused kernel runs
+(float32 softmax accumulation, no [T, T] score tensor in memory); where cuDNN is missing or
+refuses the call (CPU, shapes, dtypes, an unsupported mask or bias) JAX's XLA attention runs
+with the same half inputs, which computes the logits and the softmax in float32. Only calls
+that look the function up on ``jax.nn`` at call time are caught (``jax.nn.dot_product_attention(...)``);
+code that imported the function object earlier can route itself with :func:`jaxmp.half_inputs`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import jax
+
+from jaxmp.engine import config as _config
+from jaxmp.engine.rules import marker
+from jaxmp.policy import cast_floating
+
+_log = logging.getLogger("jaxmp.autocast")
+_ORIGINAL = jax.nn.dot_product_attention
+_LOGGED: set[str] = set()
+
+#: The implementation the last routed call chose (``"cudnn"`` or ``"xla"``), for tests and reports.
+last_choice: dict[str, str] = {}
+
+
+def _note(choice: str, why: str) -> None:
+    last_choice["implementation"] = choice
+    if choice not in _LOGGED:
+        _LOGGED.add(choice)
+        _log.info("jaxmp.autocast: dot_product_attention runs the %s implementation (%s)", choice, why)
+
+
+def routed_attention(query, key, value, bias=None, mask=None, *args, implementation=None, **kwargs):
+    """``jax.nn.dot_product_attention`` with half inputs: cuDNN where it can, XLA otherwise.
+
+    Args:
+      query: ``[B, T, N, H]``.
+      key: ``[B, S, K, H]``.
+      value: ``[B, S, K, H]``.
+      bias: optional bias, as for ``jax.nn.dot_product_attention``.
+      mask: optional boolean mask.
+      *args: further positional arguments of ``jax.nn.dot_product_attention``.
+      implementation: None (choose), ``"cudnn"`` or ``"xla"``: an explicit choice is kept.
+      **kwargs: further keyword arguments (``is_causal``, ``scale`` ...).
+
+    Returns:
+      The attention output in the compute dtype.
+
+    Example:
+      >>> q = jnp.ones((1, 4, 2, 8))
+      >>> jaxmp.autocast(lambda q: jax.nn.dot_product_attention(q, q, q), "O1-bf16")(q).shape
+      (1, 4, 2, 8)
+    """
+    cfg = _config.current()
+    if cfg is None:
+        return _ORIGINAL(query, key, value, bias, mask, *args, implementation=implementation, **kwargs)
+    query, key, value, bias = cast_floating((query, key, value, bias), cfg.compute_dtype)
+    call = functools.partial(_ORIGINAL, query, key, value, bias, mask, *args, **kwargs)
+    with _config.TRACING(None), jax.named_scope(marker("keep", "dot_product_attention")):
+        if implementation is not None:
+            _note(implementation, "chosen by the caller")
+            return call(implementation=implementation)
+        if jax.default_backend() == "gpu":
+            try:
+                out = call(implementation="cudnn")
+                _note("cudnn", "fused kernel")
+                return out
+            except Exception as e:  # cuDNN missing, or it refuses these shapes/dtypes/masks
+                _note("xla", f"cuDNN refused: {type(e).__name__}: {str(e)[:120]}")
+        else:
+            _note("xla", f"no cuDNN on {jax.default_backend()}")
+        return call(implementation="xla")
+
+
+@contextlib.contextmanager
+def route_attention():
+    """While active, ``jax.nn.dot_product_attention`` is :func:`routed_attention`."""
+    previous = jax.nn.dot_product_attention
+    jax.nn.dot_product_attention = routed_attention
+    try:
+        yield
+    finally:
+        jax.nn.dot_product_attention = previous

@@ -1,0 +1,129 @@
+"""The resolved settings of one :func:`jaxmp.autocast` call, and the tracing context.
+
+:class:`AutocastConfig` is what a policy argument means under autocast (see the preset
+table in :func:`resolve_config`). The tracing context is a JAX config state that is part of
+``jax.jit``'s cache key: code traced inside an autocast region (a half-input kernel, routed
+attention) gets its own cache entry, so the same jitted function called outside autocast
+afterwards runs as written, in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
+from jax._src import config as _jax_config
+
+from jaxmp.engine.rules import PURE_HALF_RULES, AutocastRules
+from jaxmp.policy import Policy, Recipe, as_policy, get_recipe
+
+_F32 = np.dtype("float32")
+_PRESET = re.compile(r"^\s*[oO][0-3]([-_:].*)?\s*$")
+_KERAS = ("float32", "mixed_float16", "mixed_bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastConfig:
+    """What one autocast region does (hashable: it is part of jit cache keys).
+
+    Attributes:
+      name: the preset or policy it came from (for messages and profiles).
+      compute_dtype: the half dtype of the half list.
+      output_dtype: floating outputs are cast to it.
+      cast_inputs: floating arguments are cast to ``compute_dtype`` on entry (O2, O3).
+      rules: the :class:`jaxmp.AutocastRules`.
+      identity: the region changes nothing (O0, or a float32 compute dtype).
+    """
+
+    name: str
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+    cast_inputs: bool
+    rules: AutocastRules
+    identity: bool = False
+
+
+def _policy_and_recipe(policy: Any) -> tuple[Policy, Recipe | None]:
+    if isinstance(policy, Recipe):
+        return policy.policy, policy
+    if isinstance(policy, str) and (_PRESET.match(policy) or policy.strip() in _KERAS):
+        recipe = get_recipe(policy)
+        return recipe.policy, recipe
+    return as_policy(policy), None
+
+
+def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
+    """Turns autocast's ``policy`` / ``rules`` arguments into an :class:`AutocastConfig`.
+
+    ======  ==================================================================================
+    preset  under autocast
+    ======  ==================================================================================
+    O0      identity: every op as traced (float32)
+    O1      half list in half, float32 list in float32, the rest follows; arguments as given;
+            outputs float32
+    O2      as O1, and floating arguments are cast to half on entry (params included), so
+            ops that follow run in half unless a float32-list result reaches them
+    O3      pure half: no float32 list, arguments cast on entry, outputs half
+    ======  ==================================================================================
+
+    A preset without ``-bf16``/``-fp16`` takes the platform's half dtype, as
+    :func:`jaxmp.get_policy` does. A :class:`jaxmp.Policy` (or jmp string / ``jmp.Policy``)
+    acts as O1 with its compute and output dtypes, casting arguments on entry when its param
+    dtype is half.
+
+    Args:
+      policy: a preset name, policy string, :class:`jaxmp.Policy`, ``jmp.Policy`` or
+        :class:`jaxmp.Recipe`.
+      rules: explicit :class:`jaxmp.AutocastRules`, or None for the preset's.
+
+    Returns:
+      The :class:`AutocastConfig`.
+
+    Raises:
+      TypeError: ``rules`` is not an :class:`AutocastRules`, or a non-floating policy.
+      ValueError: an unknown preset or malformed policy string.
+
+    Example:
+      >>> resolve_config("O2-bf16", None).cast_inputs
+      True
+    """
+    if rules is not None and not isinstance(rules, AutocastRules):
+        raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}: {rules!r}")
+    resolved, recipe = _policy_and_recipe(policy)
+    compute = np.dtype(resolved.compute_dtype)
+    name = recipe.name if recipe is not None else str(resolved)
+    level = recipe.name[:2].upper() if recipe is not None and recipe.name[:1] in "oO" else None
+    if compute.itemsize >= 4:
+        return AutocastConfig(name, compute, np.dtype(resolved.output_dtype), False,
+                              rules or AutocastRules(), identity=True)
+    if level == "O3":
+        return AutocastConfig(name, compute, compute, True, rules or PURE_HALF_RULES)
+    cast_inputs = level == "O2" or (level is None and np.dtype(resolved.param_dtype).itemsize < 4)
+    output = np.dtype(resolved.output_dtype) if level is None else _F32
+    return AutocastConfig(name, compute, output, cast_inputs, rules or AutocastRules())
+
+
+# The tracing context: set while autocast traces the user's function. Part of jit's cache key.
+TRACING = _jax_config.string_or_object_state(
+    name="jaxmp_autocast_tracing",
+    default=None,
+    help="The AutocastConfig of the autocast region being traced (None outside autocast).",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
+def current() -> AutocastConfig | None:
+    """The :class:`AutocastConfig` of the autocast region being traced, or None.
+
+    Returns:
+      The config while autocast traces a function, None otherwise (including inside a
+      ``jaxmp[keep]`` region such as a half-input kernel).
+
+    Example:
+      >>> current() is None
+      True
+    """
+    return TRACING.value

@@ -1,0 +1,245 @@
+"""The engine: re-evaluates a jaxpr primitive by primitive, each op in the dtype its rule gives.
+
+Every value carries one extra bit besides its array: *strong* is set on the results of
+float32-list ops (and of anything computed in float32 from them). The promotion rule reads
+it: a strong float32 value promotes the half values it meets, a plain float32 value (an
+argument, a constant) is narrowed to half instead. Higher-order primitives are handled in
+:mod:`jaxmp.engine.control_flow`, which calls back into :class:`Interpreter`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+from jaxmp.engine.config import AutocastConfig
+from jaxmp.engine.rules import COMBINER_OPS, FLOAT32_OPS, FOLLOW_OPS, HALF_OPS, MARKER, PASSTHROUGH_OPS
+
+_F32 = np.dtype("float32")
+
+
+class Val(NamedTuple):
+    """An interpreted value: the array, whether it is a float32-list result, whether weak-typed."""
+
+    x: Any
+    strong: bool = False
+    weak: bool = False
+
+
+def is_float(dtype: Any) -> bool:
+    """Real floating (never complex, PRNG key or float0): the only dtypes the engine casts."""
+    try:
+        return jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:
+        return False
+
+
+def dtype_of(x: Any) -> np.dtype:
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The widest floating dtype; two different half dtypes promote to float32."""
+    wide = max(dtypes, key=lambda d: d.itemsize)
+    if wide.itemsize < 4 and len(set(dtypes)) > 1:
+        return _F32
+    return wide
+
+
+class Interpreter:
+    """Runs jaxprs under one :class:`AutocastConfig`.
+
+    Args:
+      config: the resolved autocast settings.
+      explain: wrap every op in a ``jaxmp.rule=...`` name scope, for the precision report.
+    """
+
+    def __init__(self, config: AutocastConfig, explain: bool = False):
+        self.config = config
+        self.rules = config.rules
+        self.explain = explain
+        self._regions: dict[tuple[str, ...], Any] = {}
+        defaults = HALF_OPS | FLOAT32_OPS | FOLLOW_OPS
+        self.follow_ops = (defaults - self.rules.half_ops - self.rules.float32_ops)
+
+    # -- regions ----------------------------------------------------------------------------
+
+    def region(self, components: tuple[str, ...]) -> Any:
+        """The dtype a name stack forces (a dtype, ``"keep"``) or None: the innermost rule wins."""
+        if components not in self._regions:
+            found = None
+            for comp in reversed(components):
+                m = MARKER.match(comp)
+                dtype = m.group("dtype") if m else self.rules.scope_dtype(comp)
+                if dtype is not None:
+                    found = "keep" if dtype == "keep" else (
+                        self.config.compute_dtype if dtype == "half" else np.dtype(dtype))
+                    break
+            self._regions[components] = found
+        return self._regions[components]
+
+    # -- running a jaxpr --------------------------------------------------------------------
+
+    def run(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Val],
+            prefix: tuple[str, ...] = ()) -> list[Val]:
+        """Evaluates ``jaxpr`` on interpreted values; returns interpreted outputs.
+
+        Args:
+          jaxpr: an open jaxpr.
+          consts: values of its constvars (arrays; they are weak, like arguments).
+          args: :class:`Val` inputs, one per invar, in any dtypes.
+          prefix: the name-stack components of the enclosing ops (for region rules).
+
+        Returns:
+          One :class:`Val` per outvar.
+        """
+        env: dict[Any, Val] = {}
+        casts: dict[tuple[Any, np.dtype], Any] = {}
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = Val(c, False, False)
+        for v, a in zip(jaxpr.invars, args):
+            env[v] = a if isinstance(a, Val) else Val(a)
+
+        def read(atom) -> Val:
+            if isinstance(atom, jcore.Literal):
+                return Val(atom.val, False, bool(getattr(atom.aval, "weak_type", False)))
+            return env[atom]
+
+        def cast(atom, val: Val, dtype: np.dtype) -> Any:
+            if dtype_of(val.x) == dtype:
+                return val.x
+            if isinstance(atom, jcore.Literal):
+                return np.asarray(atom.val, dtype)
+            key = (atom, dtype)
+            if key not in casts:  # a value is cast to a given dtype at most once per trace
+                casts[key] = jax.lax.convert_element_type(val.x, dtype)
+            return casts[key]
+
+        from jaxmp.engine import control_flow  # the two modules call each other
+
+        for eqn in jaxpr.eqns:
+            comps = prefix + _components(eqn)
+            vals = [read(a) for a in eqn.invars]
+            handler = control_flow.HANDLERS.get(eqn.primitive.name)
+            with self._context(eqn):
+                if handler is not None:
+                    outs = handler(self, eqn, vals, comps)
+                else:
+                    control_flow.check_first_order(eqn)
+                    outs = self.first_order(eqn, vals, comps, cast)
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [read(a) for a in jaxpr.outvars]
+
+    @contextlib.contextmanager
+    def _context(self, eqn):
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            yield
+
+    def bind(self, eqn, args: Sequence[Any], params: dict | None = None, rule: str = "") -> list[Any]:
+        """Binds ``eqn``'s primitive on ``args`` (inside the eqn's name stack and context)."""
+        params = eqn.params if params is None else params
+        scope = jax.named_scope(f"jaxmp.rule={rule}") if (self.explain and rule) else contextlib.nullcontext()
+        with scope:
+            out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
+        return list(out) if eqn.primitive.multiple_results else [out]
+
+    # -- first-order ops ---------------------------------------------------------------------
+
+    def first_order(self, eqn, vals: list[Val], comps: tuple[str, ...], cast) -> list[Val]:
+        name = eqn.primitive.name
+        region = self.region(comps)
+        traced = [np.dtype(a.aval.dtype) if hasattr(a.aval, "dtype") else None for a in eqn.invars]
+        floats = [i for i, v in enumerate(vals) if is_float(dtype_of(v.x))]
+        if name == "convert_element_type":
+            return self._convert(eqn, vals, traced)
+        if not floats or name in PASSTHROUGH_OPS:
+            outs = self.bind(eqn, [v.x for v in vals], rule="follow")
+            strong = any(v.strong for v in vals)
+            return [Val(o, strong and is_float(dtype_of(o))) for o in outs]
+        if region == "keep" or name in COMBINER_OPS or not self._known(name):
+            args = [cast(a, v, traced[i]) if i in floats and is_float(traced[i]) else v.x
+                    for i, (a, v) in enumerate(zip(eqn.invars, vals))]
+            return [Val(o) for o in self.bind(eqn, args, rule="as traced")]
+        if region is not None:
+            return self._run_in(eqn, vals, floats, np.dtype(region), cast, "region " + np.dtype(region).name)
+        if name in self.rules.half_ops:
+            return self._half(eqn, vals, floats, traced, cast)
+        if name in self.rules.float32_ops:
+            target = widest([_F32] + [dtype_of(vals[i].x) for i in floats])
+            return self._run_in(eqn, vals, floats, target, cast, "float32 list")
+        return self._follow(eqn, vals, floats, cast)
+
+    def _known(self, name: str) -> bool:
+        return name in self.follow_ops or name in self.rules.half_ops or name in self.rules.float32_ops
+
+    def _run_in(self, eqn, vals, floats, dtype: np.dtype, cast, rule: str) -> list[Val]:
+        args = [cast(a, v, dtype) if i in floats else v.x for i, (a, v) in enumerate(zip(eqn.invars, vals))]
+        params = eqn.params
+        if "preferred_element_type" in params and params["preferred_element_type"] is not None \
+                and is_float(params["preferred_element_type"]):
+            params = {**params, "preferred_element_type": dtype}
+        outs = self.bind(eqn, args, params, rule=rule)
+        strong = dtype.itemsize >= 4
+        return [Val(o, strong and is_float(dtype_of(o))) for o in outs]
+
+    def _half(self, eqn, vals, floats, traced, cast) -> list[Val]:
+        user_half = [traced[i] for i in floats if traced[i] is not None and is_float(traced[i])
+                     and traced[i].itemsize < 4]
+        op_dtype = user_half[0] if len(set(user_half)) == 1 else self.config.compute_dtype
+        args = [cast(a, v, op_dtype) if i in floats else v.x for i, (a, v) in enumerate(zip(eqn.invars, vals))]
+        params = eqn.params
+        if "preferred_element_type" in params:
+            pet = params["preferred_element_type"]
+            # A preferred type other than the traced operands' is the user's choice: kept.
+            explicit = pet is not None and any(traced[i] != np.dtype(pet) for i in floats)
+            if not explicit:
+                out = _F32 if self.rules.matmul_output == "float32" else op_dtype
+                params = {**params, "preferred_element_type": out}
+        return [Val(o) for o in self.bind(eqn, args, params, rule="half list")]
+
+    def _follow(self, eqn, vals, floats, cast) -> list[Val]:
+        dts = [dtype_of(vals[i].x) for i in floats]
+        decisive = [i for i in floats if not vals[i].weak] or floats
+        strong = [i for i in decisive if vals[i].strong]
+        if self.rules.promote == "widest":
+            target = widest([dtype_of(vals[i].x) for i in decisive])
+        elif strong:
+            target = widest([dtype_of(vals[i].x) for i in decisive])
+        else:
+            halves = [dtype_of(vals[i].x) for i in decisive if dtype_of(vals[i].x).itemsize < 4]
+            if halves:
+                target = halves[0] if len(set(halves)) == 1 else self.config.compute_dtype
+            else:
+                target = widest([dtype_of(vals[i].x) for i in decisive])
+        del dts
+        args = [cast(a, v, target) if i in floats else v.x for i, (a, v) in enumerate(zip(eqn.invars, vals))]
+        outs = self.bind(eqn, args, rule="follow")
+        is_strong = bool(strong) and target.itemsize >= 4
+        return [Val(o, is_strong and is_float(dtype_of(o))) for o in outs]
+
+    def _convert(self, eqn, vals, traced) -> list[Val]:
+        val, src = vals[0], traced[0]
+        new = np.dtype(eqn.params["new_dtype"]) if eqn.params["new_dtype"] is not None else None
+        cur = dtype_of(val.x)
+        if new is None or not is_float(new) or not is_float(cur) or src is None or not is_float(src):
+            out = self.bind(eqn, [val.x], rule="as traced")[0]
+            return [Val(out, False, bool(eqn.params.get("weak_type", False)))]
+        if new == src:  # only the weak type changes: the value keeps its (interpreted) dtype
+            return [Val(val.x, val.strong, bool(eqn.params.get("weak_type", False)))]
+        # An explicit cast in the traced program is the user's choice: kept. An upcast of a
+        # half value to float32 marks the result as deliberately float32 (strong).
+        out = self.bind(eqn, [val.x], rule="user cast")[0]
+        return [Val(out, new.itemsize >= 4, False)]
+
+
+def _components(eqn) -> tuple[str, ...]:
+    text = str(eqn.source_info.name_stack)
+    return tuple(c for c in text.split("/") if c) if text else ()

@@ -1,0 +1,115 @@
+"""Marking regions: float32 or half regions, and half-input kernels (``custom_fwd``).
+
+A region is a ``jax.named_scope`` whose name the engine reads (``jaxmp[float32]``,
+``jaxmp[half]``, ``jaxmp[keep]``), so the marks survive ``jit``, ``scan``, ``remat`` and every
+other transformation and show up in profiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+
+from jaxmp.engine import config as _config
+from jaxmp.engine.rules import _region_dtype, marker
+from jaxmp.policy import cast_floating
+
+
+def _label(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", getattr(fn, "__name__", type(fn).__name__))
+
+
+def region(dtype: Any) -> Callable[[Callable], Callable]:
+    """Decorator: every floating op of the function runs in ``dtype`` under autocast.
+
+    Outside autocast the function is unchanged. ``"keep"`` leaves its ops exactly as traced
+    (use it to pin a choice a float32 trace cannot show, such as ``x.astype(jnp.float32)`` of
+    a value that is already float32).
+
+    Args:
+      dtype: ``"float32"``, ``"half"`` (the autocast compute dtype), ``"keep"`` or a
+        floating dtype.
+
+    Returns:
+      A decorator.
+
+    Raises:
+      TypeError: ``dtype`` is not floating, ``"half"`` or ``"keep"``.
+
+    Example:
+      >>> @jaxmp.autocast_region("float32")
+      ... def head(x, w):
+      ...     return x @ w
+      >>> f = jaxmp.autocast(lambda x, w: head(x, w), "O1-bf16")
+      >>> f(jnp.ones((2, 2)), jnp.ones((2, 2))).dtype
+      dtype('float32')
+    """
+    name = _region_dtype(dtype, "autocast_region")
+
+    def decorate(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise TypeError(f"autocast_region expects a function, got {type(fn).__name__}")
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with jax.named_scope(marker(name, _label(fn))):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+float32_region = region("float32")
+float32_region.__doc__ = """Decorator: the function's ops run in float32 under autocast (``region("float32")``).
+
+Example:
+  >>> @jaxmp.float32_region
+  ... def loss_head(logits):
+  ...     return jax.nn.log_softmax(logits)
+"""
+
+
+def half_inputs(fn: Callable | None = None, *, dtype: Any = None) -> Callable:
+    """Decorator for kernels that refuse float32 (cuDNN attention, fp8 dots, Pallas kernels).
+
+    The spirit of ``torch.amp.custom_fwd(cast_inputs=...)``: inside an autocast region the
+    function is *traced* with its floating inputs already in the compute dtype (or ``dtype``),
+    and the engine leaves its ops exactly as traced. Outside autocast it is called unchanged.
+    Because autocast's tracing context is part of ``jax.jit``'s cache key, a jitted kernel
+    traced inside autocast and called outside it later gets its own float32 trace.
+
+    Args:
+      fn: the function (or use ``@half_inputs(dtype=...)``).
+      dtype: the dtype for the inputs; None for the autocast compute dtype.
+
+    Returns:
+      The wrapped function.
+
+    Example:
+      >>> @jaxmp.half_inputs
+      ... def kernel(q, k):
+      ...     assert q.dtype != jnp.float32, "half only"
+      ...     return q @ k.T
+      >>> jaxmp.autocast(kernel, "O1-bf16")(jnp.ones((2, 4)), jnp.ones((3, 4))).shape
+      (2, 3)
+    """
+    if fn is None:
+        return functools.partial(half_inputs, dtype=dtype)
+    if not callable(fn):
+        raise TypeError(f"half_inputs expects a function, got {type(fn).__name__}")
+    fixed = None if dtype is None else _region_dtype(dtype, "half_inputs")
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        cfg = _config.current()
+        if cfg is None:
+            return fn(*args, **kwargs)
+        target = cfg.compute_dtype if fixed in (None, "half") else fixed
+        args, kwargs = cast_floating((args, kwargs), target)
+        with _config.TRACING(None), jax.named_scope(marker("keep", _label(fn))):
+            return fn(*args, **kwargs)
+
+    return wrapper

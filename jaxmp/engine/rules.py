@@ -1,0 +1,320 @@
+"""The op lists of :func:`jaxmp.autocast` as data: which primitive runs in which dtype.
+
+Three lists, as NVIDIA's AMP and ``torch.autocast`` have them:
+
+* the *half list* runs in the compute dtype (matmuls and convolutions: Tensor Core work);
+* the *float32 list* runs in float32 (transcendentals, powers and every reduction: the ops
+  whose range or rounding error grows with the size of the data);
+* everything else *follows* its inputs under a promotion rule (see :class:`AutocastRules`).
+
+:class:`AutocastRules` is a frozen, hashable record a user can copy and edit; region rules
+(``jax.named_scope`` patterns and module classes) live on it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import re
+from typing import Any, Iterable
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp.policy import canonical_float_dtype
+
+#: Matmuls and convolutions: cast to the compute dtype (torch: matmul, conv, linear, einsum, baddbmm).
+HALF_OPS: frozenset[str] = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+#: Ops that run in float32 whatever their inputs (torch: exp, log, pow, softmax, norms, sums, losses).
+FLOAT32_OPS: frozenset[str] = frozenset({
+    # transcendentals
+    "exp", "exp2", "expm1", "log", "log1p", "logistic", "pow", "integer_pow", "square",
+    "erf", "erfc", "erf_inv", "sqrt", "rsqrt", "cbrt", "tan", "sinh", "cosh", "asin", "acos",
+    "atan", "atan2", "asinh", "acosh", "atanh", "lgamma", "digamma", "igamma", "igammac",
+    "polygamma", "zeta", "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta",
+    # reductions (softmax, log_softmax, logsumexp, mean/variance, the loss)
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_window_sum",
+    "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+})
+
+#: Dtype-polymorphic ops that follow their inputs (floating operands are promoted to one dtype).
+FOLLOW_OPS: frozenset[str] = frozenset({
+    "add", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min", "floor", "ceil",
+    "round", "is_finite", "select_n", "clamp", "tanh", "sin", "cos", "nextafter",
+    "reduce_precision", "broadcast_in_dim", "reshape", "transpose", "squeeze", "rev", "slice",
+    "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "copy",
+    "stop_gradient", "add_any", "eq", "ne", "lt", "le", "gt", "ge", "argmax", "argmin",
+    "reduce_window_max", "reduce_window_min", "top_k", "sharding_constraint", "reshard",
+    "split", "tile", "zeros_like", "iota", "select_and_gather_add", "mesh_cast", "pvary",
+})
+
+#: Ops with several independent operands: each keeps its own dtype (nothing is cast).
+PASSTHROUGH_OPS: frozenset[str] = frozenset({"sort", "optimization_barrier", "device_put"})
+
+#: First-order ops that carry a combiner jaxpr traced for their operands' dtypes: they run
+#: with the operands in their traced dtypes (like any op without a rule).
+COMBINER_OPS: frozenset[str] = frozenset({
+    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
+    "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add", "cumred",
+    "custom_linear_solve", "argsort",
+})
+
+_PROMOTE = ("narrow", "widest")
+_MATMUL_OUT = ("compute", "float32")
+
+
+@functools.lru_cache(maxsize=1)
+def known_primitive_names() -> frozenset[str]:
+    """Names of the primitives JAX defines (for validating user edits of the op lists).
+
+    Returns:
+      A frozenset of primitive names, e.g. ``"dot_general"``, ``"exp"``.
+
+    Example:
+      >>> "dot_general" in known_primitive_names()
+      True
+    """
+    import importlib
+    import pkgutil
+
+    from jax._src import core
+    import jax._src.lax as lax_pkg
+
+    modules = [m.name for m in pkgutil.walk_packages(lax_pkg.__path__, "jax._src.lax.")]
+    modules += ["jax._src.ad_util", "jax._src.ad_checkpoint", "jax._src.custom_derivatives",
+                "jax._src.pjit", "jax._src.shard_map", "jax._src.dispatch", "jax._src.core"]
+    names = set(HALF_OPS | FLOAT32_OPS | FOLLOW_OPS | PASSTHROUGH_OPS | COMBINER_OPS)
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # optional backends (e.g. GPU-only modules) may not import here
+            continue
+        names.update(v.name for v in vars(module).values() if isinstance(v, core.Primitive))
+    return frozenset(names)
+
+
+def _op_set(ops: Iterable[str], where: str) -> frozenset[str]:
+    if isinstance(ops, str):
+        ops = (ops,)
+    out = set()
+    known = known_primitive_names()
+    for op in ops:
+        if not isinstance(op, str):
+            raise TypeError(f"{where}: op names must be strings (primitive names such as 'exp'), got {op!r}")
+        if op not in known:
+            close = [k for k in sorted(known) if k.startswith(op[:3])][:5]
+            raise ValueError(f"{where}: unknown op {op!r}; it is not a JAX primitive name"
+                             + (f" (did you mean one of {close}?)" if close else ""))
+        out.add(op)
+    return frozenset(out)
+
+
+def _region_dtype(dtype: Any, where: str) -> str:
+    """A region dtype: ``"float32"``/``"half"``/``"keep"`` or a floating dtype name."""
+    if isinstance(dtype, str) and dtype in ("half", "keep"):
+        return dtype
+    try:
+        return np.dtype(canonical_float_dtype(dtype, where)).name
+    except TypeError as e:
+        raise TypeError(f"{where}: a region dtype must be a floating dtype, 'half' or 'keep', got {dtype!r}") from e
+
+
+def _module_class(cls: Any, where: str) -> type:
+    if not isinstance(cls, type):
+        raise TypeError(f"{where}: expected a module class (e.g. flax.linen.LayerNorm, equinox.nn.LayerNorm), "
+                        f"got {type(cls).__name__}: {cls!r}")
+    return cls
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastRules:
+    """What :func:`jaxmp.autocast` does with each op: three op lists, promotion, regions.
+
+    Instances are frozen and hashable; edit them with the ``with_*`` methods, which return
+    copies. The default lists are :data:`HALF_OPS`, :data:`FLOAT32_OPS` and the ops that follow.
+
+    **Promotion** (``promote``) decides the dtype of an op that follows its inputs when their
+    floating dtypes differ:
+
+    * ``"narrow"`` (default): a float32 *input or constant* meeting a half value takes the half
+      dtype (a bias add after a bf16 matmul stays bf16); the *result of a float32-list op* stays
+      float32 and promotes what it meets (``x - mean(x)`` and ``var + eps`` of a layer norm run in
+      float32). Python scalars are weak-typed and never decide.
+    * ``"widest"``: ``torch.autocast``'s rule, the widest input dtype wins.
+
+    Attributes:
+      half_ops: primitive names run in the compute dtype.
+      float32_ops: primitive names run in float32.
+      promote: ``"narrow"`` or ``"widest"``.
+      matmul_output: ``"compute"`` (half-list ops return the compute dtype) or ``"float32"``
+        (they return float32 via ``preferred_element_type``); GPUs and TPUs accumulate in
+        float32 either way.
+      scope_rules: ``((pattern, dtype), ...)``: ops under a ``jax.named_scope`` whose name
+        matches the glob ``pattern`` run in ``dtype`` (``"float32"``, ``"half"``, a dtype, or
+        ``"keep"``: as traced).
+      class_rules: ``((module_class, dtype), ...)``: ops inside calls of instances of that
+        class (Flax Linen / NNX, Equinox, Haiku; subclasses too) run in ``dtype``.
+
+    Example:
+      >>> rules = jaxmp.AutocastRules().with_float32("tanh").with_class(flax.linen.LayerNorm, "float32")
+      >>> "tanh" in rules.float32_ops
+      True
+    """
+
+    half_ops: frozenset[str] = HALF_OPS
+    float32_ops: frozenset[str] = FLOAT32_OPS
+    promote: str = "narrow"
+    matmul_output: str = "compute"
+    scope_rules: tuple[tuple[str, str], ...] = ()
+    class_rules: tuple[tuple[type, str], ...] = ()
+
+    def __post_init__(self):
+        half = _op_set(self.half_ops, "AutocastRules.half_ops")
+        fp32 = _op_set(self.float32_ops, "AutocastRules.float32_ops")
+        if half & fp32:
+            raise ValueError(f"ops {sorted(half & fp32)} are in both half_ops and float32_ops; pick one")
+        if self.promote not in _PROMOTE:
+            raise ValueError(f"AutocastRules.promote must be one of {_PROMOTE}, got {self.promote!r}")
+        if self.matmul_output not in _MATMUL_OUT:
+            raise ValueError(f"AutocastRules.matmul_output must be one of {_MATMUL_OUT}, got {self.matmul_output!r}")
+        scopes = []
+        for item in self.scope_rules:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError(f"scope_rules entries must be (pattern string, dtype) pairs, got {item!r}")
+            scopes.append((item[0], _region_dtype(item[1], f"scope rule {item[0]!r}")))
+        classes = []
+        for item in self.class_rules:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(f"class_rules entries must be (module class, dtype) pairs, got {item!r}")
+            cls = _module_class(item[0], "AutocastRules.class_rules")
+            classes = [(c, d) for c, d in classes if c is not cls]
+            classes.append((cls, _region_dtype(item[1], f"class rule {cls.__name__}")))
+        object.__setattr__(self, "half_ops", half)
+        object.__setattr__(self, "float32_ops", fp32)
+        object.__setattr__(self, "scope_rules", tuple(scopes))
+        object.__setattr__(self, "class_rules", tuple(classes))
+
+    # -- copies ---------------------------------------------------------------------------
+
+    def with_half(self, *ops: str) -> "AutocastRules":
+        """Copy with ``ops`` moved to the half list (and off the float32 list).
+
+        Args:
+          *ops: primitive names, e.g. ``"dot_general"``.
+
+        Returns:
+          A new :class:`AutocastRules`.
+
+        Example:
+          >>> "tanh" in jaxmp.AutocastRules().with_half("tanh").half_ops
+          True
+        """
+        ops_ = _op_set(ops, "with_half")
+        return dataclasses.replace(self, half_ops=self.half_ops | ops_, float32_ops=self.float32_ops - ops_)
+
+    def with_float32(self, *ops: str) -> "AutocastRules":
+        """Copy with ``ops`` moved to the float32 list (and off the half list).
+
+        Args:
+          *ops: primitive names, e.g. ``"tanh"``.
+
+        Returns:
+          A new :class:`AutocastRules`.
+
+        Example:
+          >>> "dot_general" in jaxmp.AutocastRules().with_float32("dot_general").float32_ops
+          True
+        """
+        ops_ = _op_set(ops, "with_float32")
+        return dataclasses.replace(self, float32_ops=self.float32_ops | ops_, half_ops=self.half_ops - ops_)
+
+    def with_follow(self, *ops: str) -> "AutocastRules":
+        """Copy with ``ops`` taken off both lists: they follow their inputs.
+
+        Args:
+          *ops: primitive names.
+
+        Returns:
+          A new :class:`AutocastRules`.
+
+        Example:
+          >>> "reduce_max" in jaxmp.AutocastRules().with_follow("reduce_max").float32_ops
+          False
+        """
+        ops_ = _op_set(ops, "with_follow")
+        return dataclasses.replace(self, float32_ops=self.float32_ops - ops_, half_ops=self.half_ops - ops_)
+
+    def with_scope(self, pattern: str, dtype: Any) -> "AutocastRules":
+        """Copy where ops under a ``jax.named_scope`` matching the glob ``pattern`` run in ``dtype``.
+
+        The pattern is matched against each component of the name stack (``"attn*"``
+        matches the scope ``attn_0``); the innermost matching scope wins.
+
+        Args:
+          pattern: a glob such as ``"*norm*"``.
+          dtype: ``"float32"``, ``"half"``, ``"keep"`` or a floating dtype.
+
+        Returns:
+          A new :class:`AutocastRules`.
+
+        Example:
+          >>> jaxmp.AutocastRules().with_scope("head", "float32").scope_rules
+          (('head', 'float32'),)
+        """
+        return dataclasses.replace(self, scope_rules=self.scope_rules + ((pattern, dtype),))
+
+    def with_class(self, cls: type, dtype: Any) -> "AutocastRules":
+        """Copy where every call of a module of class ``cls`` (or a subclass) runs in ``dtype``.
+
+        Works for Flax Linen and NNX, Equinox and Haiku modules, whatever the instance is called.
+
+        Args:
+          cls: the module class, e.g. ``flax.linen.LayerNorm``.
+          dtype: ``"float32"``, ``"half"``, ``"keep"`` or a floating dtype.
+
+        Returns:
+          A new :class:`AutocastRules`.
+
+        Example:
+          >>> jaxmp.AutocastRules().with_class(flax.linen.LayerNorm, "float32").class_rules[0][1]
+          'float32'
+        """
+        return dataclasses.replace(self, class_rules=self.class_rules + ((cls, dtype),))
+
+    def scope_dtype(self, component: str) -> str | None:
+        """The region dtype a scope rule gives a name-stack component, or None."""
+        for pattern, dtype in reversed(self.scope_rules):
+            if fnmatch.fnmatchcase(component, pattern):
+                return dtype
+        return None
+
+
+#: The rules of O3: pure half precision, nothing kept in float32.
+PURE_HALF_RULES = AutocastRules(float32_ops=frozenset())
+
+#: Marker scopes the engine reads: ``jaxmp[float32]``, ``jaxmp[half]``, ``jaxmp[keep]`` (+ ``:label``).
+MARKER = re.compile(r"^jaxmp\[(?P<dtype>[a-z0-9]+)\](?::.*)?$")
+
+
+def marker(dtype: str, label: str = "") -> str:
+    """The ``jax.named_scope`` name that marks a region of ``dtype`` for the engine.
+
+    Args:
+      dtype: ``"float32"``, ``"half"``, ``"keep"`` or a floating dtype name.
+      label: text shown after the marker in profiles (e.g. the module class).
+
+    Returns:
+      The scope name, e.g. ``"jaxmp[float32]:LayerNorm"``.
+
+    Example:
+      >>> marker("float32", "LayerNorm")
+      'jaxmp[float32]:LayerNorm'
+    """
+    return f"jaxmp[{dtype}]" + (f":{label}" if label else "")
+
+
+def is_float32(dtype: Any) -> bool:
+    """Whether ``dtype`` is float32 (the dtype the float32 list computes in)."""
+    return np.dtype(dtype) == np.dtype(jnp.float32)

@@ -1,0 +1,311 @@
+"""jaxmp.autocast on the 17 constructs: the dtype of every matmul, transcendental and reduction,
+read from the jaxpr of the autocast function including every sub-jaxpr."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxmp
+from tests._op_dtypes import op_dtypes
+
+BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+TRANSCENDENTAL = ("exp", "log", "log1p", "expm1", "logistic", "pow", "erf", "rsqrt", "sqrt", "tanh_never")
+REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "cumsum")
+
+
+def check_ops(ops, *, matmul=BF16, min_matmuls=1):
+    """Every matmul takes ``matmul`` operands; every transcendental and reduction runs in float32."""
+    mm = [op for op in ops if op.primitive in ("dot_general", "conv_general_dilated")]
+    assert len(mm) >= min_matmuls, [op.primitive for op in ops]
+    for op in mm:
+        assert set(op.in_dtypes) == {matmul}, op
+    for op in ops:
+        if op.primitive in TRANSCENDENTAL or op.primitive in REDUCTIONS:
+            floats = [d for d in op.in_dtypes + op.out_dtypes if jnp.issubdtype(d, jnp.floating)]
+            assert all(d == F32 for d in floats), op
+    return mm
+
+
+def layernorm(x, eps=1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps)
+
+
+def mlp_loss(params, x, y):
+    h = x
+    for w, b in params:
+        h = jax.nn.gelu(layernorm(h @ w + b))
+    logp = jax.nn.log_softmax(h)
+    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+
+def make_params(key, sizes=(8, 16, 4)):
+    keys = jax.random.split(key, len(sizes))
+    return [(jax.random.normal(k, (a, b)) / np.sqrt(a), jnp.zeros(b)) for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+
+
+@pytest.fixture
+def data():
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    y = jax.random.randint(jax.random.key(2), (16,), 0, 4)
+    return make_params(jax.random.key(0)), x, y
+
+
+def assert_grads_close(f32_fn, ac_fn, args, rtol=0.05):
+    g32 = jax.grad(f32_fn)(*args)
+    gac = jax.grad(ac_fn)(*args)
+    for a, b in zip(jax.tree.leaves(g32), jax.tree.leaves(gac)):
+        assert b.dtype == a.dtype == F32
+        assert np.all(np.isfinite(b))
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=rtol * float(np.abs(a).max()) + 1e-6)
+
+
+# -- 1. plain -------------------------------------------------------------------------------
+
+def test_plain_function_lists_and_promotion(data, strict_promotion):
+    params, x, y = data
+    f = jaxmp.autocast(mlp_loss, "O1-bf16")
+    ops = op_dtypes(f, params, x, y)
+    check_ops(ops, min_matmuls=2)
+    # the bias add after the bf16 matmul stays bf16 (a float32 argument meets a half value)
+    first_add = next(op for op in ops if op.primitive == "add")
+    assert first_add.out_dtypes == (BF16,)
+    # layer-norm centring x - mean(x) runs in float32 (a float32-list result promotes)
+    subs = [op for op in ops if op.primitive == "sub"]
+    assert subs and all(op.out_dtypes == (F32,) for op in subs[:1])
+    assert f(params, x, y).dtype == F32
+    assert_grads_close(mlp_loss, f, (params, x, y))
+
+
+def test_fp32_loss_error_close_to_float32(data):
+    params, x, y = data
+    ref = mlp_loss(params, x, y)
+    out = jaxmp.autocast(mlp_loss, "O1-bf16")(params, x, y)
+    assert abs(float(out) - float(ref)) < 2e-2 * abs(float(ref))
+
+
+# -- 2-8. control flow and transformations inside the function -------------------------------
+
+def block(w, h):
+    return jnp.tanh(layernorm(h @ w))
+
+
+def test_scan_body(data):
+    _, x, _ = data
+    ws = jax.random.normal(jax.random.key(3), (3, 8, 8)) / 3
+
+    def f(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (block(w, h), None), x, ws)
+        return jnp.sum(h ** 2)
+
+    ac = jaxmp.autocast(f, "O1-bf16")
+    ops = op_dtypes(ac, ws, x)
+    assert "scan" in [op.primitive for op in ops]
+    check_ops(ops)
+    assert_grads_close(f, ac, (ws, x))
+
+
+def test_remat_body(data):
+    _, x, _ = data
+    w = jnp.eye(8)
+    f = lambda w, x: jnp.sum(jax.checkpoint(block)(w, x))
+    ac = jaxmp.autocast(f, "O1-bf16")
+    ops = op_dtypes(ac, w, x)
+    assert "remat2" in [op.primitive for op in ops]
+    check_ops(ops)
+    assert_grads_close(f, ac, (w, x))
+
+
+@jax.custom_vjp
+def scaled_tanh(x, w):
+    return jnp.tanh(x @ w)
+
+
+def _st_fwd(x, w):
+    y = jnp.tanh(x @ w)
+    return y, (x, w, y)
+
+
+def _st_bwd(res, g):
+    x, w, y = res
+    gz = g * (1 - y ** 2)
+    return gz @ w.T, x.T @ gz
+
+
+scaled_tanh.defvjp(_st_fwd, _st_bwd)
+
+
+def test_custom_vjp_forward_and_backward_under_rules(data):
+    _, x, _ = data
+    w = jax.random.normal(jax.random.key(4), (8, 8)) / 3
+    f = lambda x, w: jnp.sum(jnp.exp(scaled_tanh(x, w)))
+    ac = jaxmp.autocast(f, "O1-bf16")
+    check_ops(op_dtypes(ac, x, w))
+    # the backward rule's matmuls run in bf16 too, and its outputs come back in the inputs' dtypes
+    grad_ops = op_dtypes(jax.grad(ac, argnums=(0, 1)), x, w)
+    assert len(check_ops(grad_ops)) >= 3
+    assert_grads_close(f, ac, (x, w))
+
+
+@jax.custom_jvp
+def softplus(x):
+    return jnp.log1p(jnp.exp(x))
+
+
+softplus.defjvp(lambda p, t: (softplus(p[0]), jax.nn.sigmoid(p[0]) * t[0]))
+
+
+def test_custom_jvp(data):
+    _, x, _ = data
+    w = jnp.eye(8)
+    f = lambda w, x: jnp.sum(softplus(x @ w))
+    ac = jaxmp.autocast(f, "O1-bf16")
+    ops = op_dtypes(ac, w, x)
+    assert "custom_jvp_call" in [op.primitive for op in ops]
+    check_ops(ops)
+    check_ops(op_dtypes(jax.grad(ac), w, x))
+    assert_grads_close(f, ac, (w, x))
+
+
+def test_while_loop(data):
+    _, x, _ = data
+    w = jnp.eye(8) * 0.5
+
+    def f(w, x):
+        return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (block(w, c[0]), c[1] + 1), (x, 0))[0].sum()
+
+    ac = jaxmp.autocast(f, "O1-bf16")
+    ops = op_dtypes(ac, w, x)
+    assert "while" in [op.primitive for op in ops]
+    check_ops(ops)
+    assert ac(w, x).dtype == F32
+    np.testing.assert_allclose(ac(w, x), f(w, x), rtol=0.05)
+
+
+def test_cond_and_switch(data):
+    _, x, _ = data
+    w = jnp.eye(8)
+    f = lambda w, x, p: jax.lax.cond(p, lambda h: jnp.exp(h @ w).sum(), lambda h: jnp.log1p(jnp.abs(h @ w)).sum(), x)
+    ac = jaxmp.autocast(f, "O1-bf16")
+    ops = op_dtypes(ac, w, x, True)
+    assert "cond" in [op.primitive for op in ops]
+    check_ops(ops, min_matmuls=2)
+    np.testing.assert_allclose(ac(w, x, False), f(w, x, False), rtol=0.05)
+
+
+def test_nested_jit(data):
+    params, x, y = data
+    inner = jax.jit(mlp_loss)
+    ac = jaxmp.autocast(lambda p, x, y: inner(p, x, y), "O1-bf16")
+    check_ops(op_dtypes(ac, params, x, y), min_matmuls=2)
+    assert_grads_close(mlp_loss, ac, (params, x, y))
+
+
+def test_vmap_around_and_grad_inside(data):
+    params, x, y = data
+    ac = jaxmp.autocast(mlp_loss, "O1-bf16")
+    per_example = jax.vmap(ac, in_axes=(None, 0, 0))(params, x[:, None], y[:, None])
+    assert per_example.shape == (16,) and per_example.dtype == F32
+    check_ops(op_dtypes(jax.vmap(ac, in_axes=(None, 0, 0)), params, x[:, None], y[:, None]), min_matmuls=2)
+    grad_inside = jaxmp.autocast(jax.grad(mlp_loss), "O1-bf16")
+    ops = op_dtypes(grad_inside, params, x, y)
+    check_ops(ops, min_matmuls=4)  # forward and backward matmuls
+    g = grad_inside(params, x, y)
+    assert all(leaf.dtype == F32 for leaf in jax.tree.leaves(g))
+
+
+def test_jit_around_and_inside_agree(data):
+    params, x, y = data
+    ac = jaxmp.autocast(mlp_loss, "O1-bf16")
+    a = jax.jit(ac)(params, x, y)
+    b = jaxmp.autocast(jax.jit(mlp_loss), "O1-bf16")(params, x, y)
+    c = ac(params, x, y)  # eager call: a cached compiled program
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+    np.testing.assert_allclose(a, c, rtol=1e-6)
+
+
+def test_scanned_remat_block_with_custom_vjp_activation():
+    ws = jax.random.normal(jax.random.key(5), (4, 8, 8)) / 3
+    x = jax.random.normal(jax.random.key(6), (16, 8))
+
+    def layer(h, w):
+        return h + scaled_tanh(layernorm(h), w), None
+
+    def f(ws, x):
+        h, _ = jax.lax.scan(jax.checkpoint(layer), x, ws)
+        return jnp.mean(h ** 2)
+
+    ac = jaxmp.autocast(f, "O1-bf16")
+    ops = op_dtypes(jax.grad(ac), ws, x)
+    assert {"scan", "remat2"} <= {op.primitive for op in ops}
+    check_ops(ops, min_matmuls=3)
+    g = jax.grad(ac)(ws, x)
+    assert g.dtype == F32  # the float32 weights' gradient accumulates over the scan in float32
+    assert_grads_close(f, ac, (ws, x))
+
+
+# -- shard_map ---------------------------------------------------------------------------------
+
+def _mesh():
+    return jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+
+
+def _sharded_loss(w, x):
+    return jax.lax.pmean(jnp.mean(jnp.tanh(x @ w) ** 2), "d")
+
+
+def test_shard_map_autocast_outside():
+    mesh = _mesh()
+    w, x = jnp.eye(8) * 0.3, jax.random.normal(jax.random.key(7), (16, 8))
+    f = jax.shard_map(_sharded_loss, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+    ac = jaxmp.autocast(f, "O1-bf16")
+    ops = op_dtypes(ac, w, x)
+    assert "shard_map" in [op.primitive for op in ops]
+    check_ops(ops)
+    grad_ops = op_dtypes(jax.grad(ac), w, x)
+    # the cotangent all-reduce of the float32 replicated weight runs in float32
+    psums = [op for op in grad_ops if op.primitive.startswith("psum")]
+    assert psums and all(d == F32 for op in psums for d in op.in_dtypes if jnp.issubdtype(d, jnp.floating))
+    assert_grads_close(f, ac, (w, x))
+
+
+def test_shard_map_autocast_inside():
+    mesh = _mesh()
+    w, x = jnp.eye(8) * 0.3, jax.random.normal(jax.random.key(7), (16, 8))
+    f = jax.shard_map(jaxmp.autocast(_sharded_loss, "O1-bf16"), mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+    ref = jax.shard_map(_sharded_loss, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+    check_ops(op_dtypes(f, w, x))
+    assert_grads_close(ref, f, (w, x))
+
+
+def test_pmap_around_autocast():
+    n = 4
+    w = jnp.eye(8) * 0.3
+    x = jax.random.normal(jax.random.key(8), (n, 4, 8))
+    step = jax.pmap(jax.grad(jaxmp.autocast(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2), "O1-bf16")),
+                    in_axes=(None, 0), devices=jax.devices()[:n])
+    g = step(w, x)
+    assert g.dtype == F32 and g.shape == (n, 8, 8)
+
+
+def test_autocast_around_pmap():
+    f = jax.pmap(lambda w, x: jnp.tanh(x @ w).sum(), in_axes=(None, 0), devices=jax.devices()[:2])
+    ac = jaxmp.autocast(f, "O1-bf16")
+    w, x = jnp.eye(3), jnp.ones((2, 4, 3))
+    check_ops(op_dtypes(ac, w, x))
+    np.testing.assert_allclose(ac(w, x), f(w, x), rtol=0.02)
+
+
+def test_unknown_higher_order_primitive_is_named():
+    from jax.extend.core import Primitive
+
+    hop = Primitive("my_higher_order")
+    hop.def_abstract_eval(lambda x, *, body: x)
+    body = jax.make_jaxpr(jnp.sin)(1.0)
+    with pytest.raises(NotImplementedError, match="my_higher_order"):
+        jaxmp.autocast(lambda x: hop.bind(x @ x, body=body), "O1-bf16")(jnp.ones((2, 2)))
