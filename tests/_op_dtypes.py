@@ -33,11 +33,18 @@ def _sub_jaxprs(params: dict) -> list:
     return subs
 
 
+def _dtype(dtype):
+    try:
+        return np.dtype(dtype)
+    except TypeError:  # PRNG keys
+        return dtype
+
+
 def _walk(jaxpr, outer_scope: str, out: list[Op]) -> None:
     for eqn in jaxpr.eqns:
         scope = str(eqn.source_info.name_stack)
         scope = f"{outer_scope}/{scope}" if outer_scope and scope else (scope or outer_scope)
-        dtypes = lambda vs: tuple(np.dtype(v.aval.dtype) for v in vs if hasattr(v.aval, "dtype"))
+        dtypes = lambda vs: tuple(_dtype(v.aval.dtype) for v in vs if hasattr(v.aval, "dtype"))
         out.append(Op(eqn.primitive.name, scope, dtypes(eqn.invars), dtypes(eqn.outvars)))
         for sub in _sub_jaxprs(eqn.params):
             _walk(sub, scope, out)

@@ -15,6 +15,8 @@ from jaxmp.diagnostics.gradient_stats import GradientStats
 from jaxmp.diagnostics.gradient_stats import GroupStats
 from jaxmp.diagnostics.gradient_stats import gradient_stats
 from jaxmp.diagnostics.gradient_stats import suggest_loss_scale
+from jaxmp.diagnostics.autocast_ops import AutocastOp
+from jaxmp.diagnostics.autocast_ops import autocast_ops
 from jaxmp.diagnostics.input_pipeline import PipelineOverhead
 from jaxmp.diagnostics.input_pipeline import input_pipeline_overhead
 from jaxmp.diagnostics.precision_report import MatmulOp
@@ -25,7 +27,7 @@ from jaxmp.diagnostics.precision_report import analyze_jaxpr
 from jaxmp.diagnostics.precision_report import precision_report
 
 __all__ = [
-    "GradientStats", "GroupStats", "MatmulOp", "PipelineOverhead", "PrecisionReport", "RiskyOp",
-    "amdahl", "analyze_jaxpr", "gradient_stats", "input_pipeline_overhead", "precision_report",
+    "AutocastOp", "GradientStats", "GroupStats", "MatmulOp", "PipelineOverhead", "PrecisionReport", "RiskyOp",
+    "amdahl", "analyze_jaxpr", "autocast_ops", "gradient_stats", "input_pipeline_overhead", "precision_report",
     "suggest_loss_scale",
 ]

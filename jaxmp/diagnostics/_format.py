@@ -78,6 +78,7 @@ def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
     rows = [[str(c) for c in r] for r in rows]
     try:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
     except ImportError:
         return _plain_table(title, headers, rows, footer)
@@ -85,7 +86,7 @@ def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
     for h in headers:
         table.add_column(h, overflow="fold")
     for r in rows:
-        table.add_row(*r)
+        table.add_row(*[escape(c) for c in r])  # cells such as "jaxmp[float32]" are text, not markup
     buf = io.StringIO()
     # No colour and no terminal detection: the string must look the same in a log file.
     console = Console(file=buf, width=width, color_system=None, force_terminal=False, legacy_windows=False)

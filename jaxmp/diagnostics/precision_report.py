@@ -24,6 +24,7 @@ import jax
 from jax.extend import core as _core
 
 from jaxmp.diagnostics import _format
+from jaxmp.diagnostics.autocast_ops import AutocastOp, autocast_ops
 from jaxmp.diagnostics.jaxpr_walk import MatmulOp, RiskyOp, walk_jaxpr
 
 
@@ -38,6 +39,8 @@ class PrecisionReport:
       tensor_core_speedup: assumed speed-up of a Tensor-Core op over float32 (Amdahl input).
       unknown_trip_counts: number of ``while`` loops whose body was counted once.
       tc_multiple: the dimension multiple the Tensor-Core rule asks for.
+      decisions: for a step that runs :func:`jaxmp.autocast`, every op it emitted with the
+        rule that chose its dtype (see :meth:`explain`); empty otherwise.
     """
 
     ops: tuple[MatmulOp, ...]
@@ -46,6 +49,7 @@ class PrecisionReport:
     tensor_core_speedup: float
     unknown_trip_counts: int
     tc_multiple: int
+    decisions: tuple[AutocastOp, ...] = ()
 
     # -- totals -------------------------------------------------------------------------------
     @property
@@ -116,7 +120,26 @@ class PrecisionReport:
             parts.append(f"policy {self.policy}")
         if self.unknown_trip_counts:
             parts.append(f"{self.unknown_trip_counts} while loop(s) counted once")
+        if self.decisions:
+            parts.append(f"{len(self.decisions)} autocast ops")
         return "; ".join(parts)
+
+    def explain(self, max_rows: int = 60, width: int = 160) -> str:
+        """The autocast decisions: each op, its dtypes and the rule that chose them.
+
+        Args:
+          max_rows: at most this many rows.
+          width: characters per line.
+
+        Returns:
+          A text table (empty string when the step does not use :func:`jaxmp.autocast`).
+        """
+        if not self.decisions:
+            return ""
+        rows = [[op.primitive, ",".join(op.in_dtypes), ",".join(op.out_dtypes), op.rule, op.name]
+                for op in self.decisions[:max_rows]]
+        footer = None if len(self.decisions) <= max_rows else f"... {len(self.decisions) - max_rows} more ops"
+        return _format.render_table("Autocast decisions", ["op", "in", "out", "rule", "where"], rows, footer, width)
 
     def to_dict(self) -> dict[str, Any]:
         """Returns a JSON-serialisable dict: totals, ``ops`` and ``risky`` as lists of dicts."""
@@ -137,6 +160,7 @@ class PrecisionReport:
             "num_risky": len(self.risky),
             "ops": [_jsonable(op._asdict()) for op in self.ops],
             "risky": [_jsonable(r._asdict()) for r in self.risky],
+            "autocast_decisions": [_jsonable(d._asdict()) for d in self.decisions],
             "summary": self.summary(),
         }
 
@@ -187,6 +211,8 @@ class PrecisionReport:
             footer = None if len(self.risky) <= max_rows else f"... {len(self.risky) - max_rows} more risky ops"
             out.append(_format.render_table("Risky half-precision ops", ["category", "op", "input", "why", "where"],
                                             rrows, footer, width))
+        if self.decisions:
+            out.append(self.explain(max_rows, width))
         out.append(self.summary())
         return "\n".join(out)
 
@@ -276,7 +302,7 @@ def analyze_jaxpr(closed_jaxpr, *, policy: Any = None, tensor_core_speedup: floa
         jaxpr, compute_half=pol is not None and _format.is_low_precision(pol.compute_dtype),
         tc_multiple=tc_multiple, reduction_threshold=reduction_threshold)
     return PrecisionReport(ops, risky, None if pol is None else str(pol), float(tensor_core_speedup),
-                           unknown, tc_multiple)
+                           unknown, tc_multiple, autocast_ops(jaxpr))
 
 
 def precision_report(fn: Callable, *args, policy: Any = None, tensor_core_speedup: float = 8.0,
@@ -319,9 +345,10 @@ def precision_report(fn: Callable, *args, policy: Any = None, tensor_core_speedu
         jaxpr = fn
     elif not callable(fn):
         raise TypeError(f"precision_report expects a callable (e.g. a train step), got {type(fn).__name__}: {fn!r}")
-    elif hasattr(fn, "trace"):
-        jaxpr = fn.trace(*args, **kwargs).jaxpr
     else:
-        jaxpr = jax.make_jaxpr(fn)(*args, **kwargs)
+        from jaxmp.engine.api import explaining
+
+        with explaining():  # autocast steps record which rule chose each op's dtype
+            jaxpr = fn.trace(*args, **kwargs).jaxpr if hasattr(fn, "trace") else jax.make_jaxpr(fn)(*args, **kwargs)
     return analyze_jaxpr(jaxpr, policy=policy, tensor_core_speedup=tensor_core_speedup,
                          tc_multiple=tc_multiple, reduction_threshold=reduction_threshold)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax._src import config as _jax_config
 
 from jaxmp.engine import config as _config
 from jaxmp.engine.attention import route_attention
@@ -19,8 +21,26 @@ from jaxmp.policy import cast_floating
 
 _CACHE_SIZE = 64
 
-#: While True (set by :func:`jaxmp.precision_report`), each op carries the rule that chose its dtype.
-_EXPLAIN = [False]
+#: While True (see :func:`explaining`), each op carries the rule that chose its dtype. A jit
+#: cache key, so a step traced for a report is never reused by training.
+_EXPLAIN = _jax_config.bool_state(
+    name="jaxmp_autocast_explain", default=False,
+    help="autocast wraps each op in a jaxmp.rule=<rule> name scope (for jaxmp.precision_report).",
+    include_in_jit_key=True, include_in_trace_context=True)
+
+
+@contextlib.contextmanager
+def explaining():
+    """While active, autocast wraps each op it emits in a ``jaxmp.rule=<rule>`` name scope.
+
+    :func:`jaxmp.precision_report` traces under it; :func:`jaxmp.diagnostics.autocast_ops`
+    reads the scopes back.
+
+    Yields:
+      Nothing.
+    """
+    with _EXPLAIN(True):
+        yield
 
 
 def _is_array(x: Any) -> bool:
@@ -40,7 +60,7 @@ class _Program:
         self.jitted = jax.jit(self.run)
 
     def run(self, *xs):
-        interp = Interpreter(self.config, explain=_EXPLAIN[0])
+        interp = Interpreter(self.config, explain=_EXPLAIN.value)
         outs = interp.run(self.closed.jaxpr, self.closed.consts, [Val(x) for x in xs])
         return [o.x for o in outs]
 
@@ -84,7 +104,7 @@ class _Autocast:
 
     def _program(self, leaves, dynamic, treedef) -> _Program:
         try:
-            key = (treedef, _signature(leaves, dynamic), _config.TRACING.value, _EXPLAIN[0])
+            key = (treedef, _signature(leaves, dynamic), _config.TRACING.value, _EXPLAIN.value)
             hash(key)
         except TypeError:  # an unhashable static leaf: trace every call, as jit would refuse to cache
             return self._trace(leaves, dynamic, treedef)

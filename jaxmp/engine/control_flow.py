@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from jaxmp.engine.interpreter import Val, dtype_of, is_float
+from jaxmp.engine.interpreter import Val, _np_dtype, dtype_of, is_float
 
 _HANDLED = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "scan", "while", "cond",
             "custom_jvp_call", "custom_vjp_call", "shard_map")
@@ -46,7 +46,7 @@ def _cast(x: Any, dtype: Any) -> Any:
 
 
 def _avals_dtypes(avals) -> list:
-    return [np.dtype(a.dtype) if hasattr(a, "dtype") else None for a in avals]
+    return [_np_dtype(a.dtype) if hasattr(a, "dtype") else None for a in avals]
 
 
 def _run_fn(interp, jaxpr: jcore.Jaxpr, consts, in_flags, comps, out_flags: list) -> Callable:

@@ -40,8 +40,16 @@ def is_float(dtype: Any) -> bool:
         return False
 
 
-def dtype_of(x: Any) -> np.dtype:
-    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+def dtype_of(x: Any) -> Any:
+    """The dtype of an array, tracer or Python scalar (extended dtypes such as PRNG keys as they are)."""
+    return _np_dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _np_dtype(dtype: Any) -> Any:
+    try:
+        return np.dtype(dtype)
+    except TypeError:  # PRNG key and other extended dtypes
+        return dtype
 
 
 def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
@@ -156,7 +164,7 @@ class Interpreter:
     def first_order(self, eqn, vals: list[Val], comps: tuple[str, ...], cast) -> list[Val]:
         name = eqn.primitive.name
         region = self.region(comps)
-        traced = [np.dtype(a.aval.dtype) if hasattr(a.aval, "dtype") else None for a in eqn.invars]
+        traced = [_np_dtype(a.aval.dtype) if hasattr(a.aval, "dtype") else None for a in eqn.invars]
         floats = [i for i, v in enumerate(vals) if is_float(dtype_of(v.x))]
         if name == "convert_element_type":
             return self._convert(eqn, vals, traced)

@@ -1,0 +1,269 @@
+"""jaxmp.autocast: the rules as data, regions, half-input kernels, caching, presets, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+from jaxmp.engine import attention as routed
+from tests._op_dtypes import op_dtypes
+from tests.test_autocast import BF16, F32, check_ops
+
+F16 = np.dtype(jnp.float16)
+
+
+def dense(params, x):
+    return jnp.tanh(x @ params["w"] + params["b"])
+
+
+@pytest.fixture
+def params():
+    return {"w": jnp.eye(4) * 0.5, "b": jnp.zeros(4)}
+
+
+def test_outputs_in_output_dtype_dicts_and_tuples(params):
+    f = jaxmp.autocast(lambda p, x: {"y": dense(p, x), "pair": (x @ p["w"], jnp.int32(3))}, "O1-bf16")
+    out = f(params, jnp.ones((2, 4)))
+    assert out["y"].dtype == F32 and out["pair"][0].dtype == F32 and out["pair"][1].dtype == jnp.int32
+    out3 = jaxmp.autocast(lambda p, x: {"y": dense(p, x)}, "O3-bf16")(params, jnp.ones((2, 4)))
+    assert out3["y"].dtype == BF16
+
+
+def test_presets_o0_identity_o2_casts_entry_o3_pure_half(params):
+    fn = lambda p, x: jnp.exp(x @ p["w"] + p["b"]).sum()
+    x = jnp.ones((2, 4))
+    ops0 = op_dtypes(jaxmp.autocast(fn, "O0"), params, x)
+    assert ops0 and all(d == F32 for op in ops0 for d in op.in_dtypes)
+    ops2 = op_dtypes(jaxmp.autocast(fn, "O2-bf16"), params, x)
+    assert [op.out_dtypes for op in ops2 if op.primitive == "add"] == [(BF16,)]
+    check_ops(ops2)
+    ops3 = op_dtypes(jaxmp.autocast(fn, "O3-bf16"), params, x)
+    assert all(op.out_dtypes == (BF16,) for op in ops3 if op.primitive in ("exp", "reduce_sum"))
+    # the bare preset takes the platform's half dtype (float16 on CPU), as get_policy does
+    ops1 = op_dtypes(jaxmp.autocast(fn, "O1"), params, x)
+    assert jaxmp.get_policy("O1").compute_dtype == F16
+    check_ops(ops1, matmul=F16)
+
+
+def test_policy_objects_and_jmp_strings(params):
+    x = jnp.ones((2, 4))
+    for policy in (jaxmp.get_policy("p=f32,c=bf16,o=f32"), "params=float32,compute=bfloat16,output=float32"):
+        check_ops(op_dtypes(jaxmp.autocast(dense, policy), params, x))
+
+
+def test_promotion_switch_and_matmul_output_switch(params):
+    x = jnp.ones((2, 4))
+    wide = jaxmp.AutocastRules(promote="widest")
+    ops = op_dtypes(jaxmp.autocast(dense, "O1-bf16", rules=wide), params, x)
+    assert [op.out_dtypes for op in ops if op.primitive == "add"] == [(F32,)]
+    f32_out = jaxmp.AutocastRules(matmul_output="float32")
+    mm = [op for op in op_dtypes(jaxmp.autocast(dense, "O1-bf16", rules=f32_out), params, x) if op.primitive == "dot_general"]
+    assert mm[0].in_dtypes == (BF16, BF16) and mm[0].out_dtypes == (F32,)
+
+
+def test_user_choices_in_the_trace_are_kept():
+    q = jnp.ones((2, 8))
+
+    def f(q):
+        logits = jnp.einsum("ij,kj->ik", q.astype(jnp.float16), q.astype(jnp.float16), preferred_element_type=jnp.float32)
+        return logits.sum()
+
+    ops = op_dtypes(jaxmp.autocast(f, "O1-bf16"), q)
+    mm = [op for op in ops if op.primitive == "dot_general"]
+    assert mm[0].in_dtypes == (F16, F16) and mm[0].out_dtypes == (F32,)
+
+
+def test_rules_are_editable_data_and_scope_rules(params):
+    rules = jaxmp.AutocastRules().with_float32("tanh").with_half("exp").with_follow("reduce_max")
+    assert "tanh" in rules.float32_ops and "exp" in rules.half_ops and "reduce_max" not in rules.float32_ops
+    hash(rules)
+    ops = op_dtypes(jaxmp.autocast(dense, "O1-bf16", rules=rules), params, jnp.ones((2, 4)))
+    assert [op.in_dtypes for op in ops if op.primitive == "tanh"] == [(F32,)]
+
+    def scoped(p, x):
+        with jax.named_scope("head"):
+            return (x @ p["w"]).sum()
+
+    ops = op_dtypes(jaxmp.autocast(scoped, "O1-bf16", rules=jaxmp.AutocastRules().with_scope("hea*", "float32")),
+                    params, jnp.ones((2, 4)))
+    check_ops(ops, matmul=F32)
+
+
+def test_region_decorators_and_nested_autocast(params):
+    @jaxmp.float32_region
+    def head(p, x):
+        return x @ p["w"]
+
+    f = jaxmp.autocast(lambda p, x: (head(p, x) + x @ p["w"]).sum(), "O1-bf16")
+    mm = [op for op in op_dtypes(f, params, jnp.ones((2, 4))) if op.primitive == "dot_general"]
+    assert sorted(str(op.in_dtypes[0]) for op in mm) == ["bfloat16", "float32"]
+    # an O0 autocast nested in an O1 one wins inside its region
+    inner = jaxmp.autocast(lambda p, x: x @ p["w"], "O0")
+    g = jaxmp.autocast(lambda p, x: (inner(p, x) + x @ p["w"]).sum(), "O1-bf16")
+    mm = [op for op in op_dtypes(g, params, jnp.ones((2, 4))) if op.primitive == "dot_general"]
+    assert sorted(str(op.in_dtypes[0]) for op in mm) == ["bfloat16", "float32"]
+    half = jaxmp.autocast(jaxmp.autocast_region("half")(lambda x: jnp.exp(x).sum()), "O1-bf16")
+    assert [op.in_dtypes for op in op_dtypes(half, jnp.ones(3)) if op.primitive == "exp"] == [(BF16,)]
+
+
+def test_half_only_kernel_runs_trains_and_jit_cache_is_keyed_on_context():
+    traced_dtypes = []
+
+    @jax.jit
+    @jaxmp.half_inputs
+    def kernel(x, w):
+        traced_dtypes.append(x.dtype)
+        if x.dtype == jnp.float32:
+            if jaxmp.engine.config.current() is not None:
+                raise NotImplementedError("kernel refuses float32 inside autocast")
+        return x @ w
+
+    def loss(w, x):
+        return jnp.mean(kernel(x, w).astype(jnp.float32) ** 2)
+
+    w, x = jnp.eye(4) * 2.0, jnp.ones((3, 4))
+    ac = jax.jit(jax.value_and_grad(jaxmp.autocast(loss, "O1-bf16")))
+    for _ in range(20):
+        l, g = ac(w, x)
+        assert g.dtype == F32
+        w = w - 0.05 * g
+    assert float(l) < 1.0
+    assert BF16 in traced_dtypes
+    # the same jitted kernel called outside autocast afterwards runs in float32
+    assert kernel(jnp.ones((3, 4)), jnp.eye(4)).dtype == F32
+
+
+def test_dot_product_attention_routed_with_half_inputs():
+    q = jax.random.normal(jax.random.key(0), (2, 8, 2, 16))
+    f = lambda q: jax.nn.dot_product_attention(q, q, q)
+    ac = jaxmp.autocast(f, "O1-bf16")
+    out = ac(q)
+    assert routed.last_choice["implementation"] == "xla"  # CPU: the XLA fallback
+    np.testing.assert_allclose(out, f(q), atol=0.05)
+    ops = op_dtypes(ac, q)
+    mm = [op for op in ops if op.primitive == "dot_general"]
+    assert all(op.in_dtypes == (BF16, BF16) for op in mm)
+    assert mm[0].out_dtypes == (F32,)  # logits accumulate in float32 for the softmax
+    assert all(op.in_dtypes == (F32,) for op in ops if op.primitive == "exp")
+    assert jax.nn.dot_product_attention is not routed.routed_attention  # restored after tracing
+
+
+def test_prng_keys_ints_bools_and_static_leaves_pass_through():
+    def f(x, old_key, new_key, n, flag, scale, act):
+        noise = jax.random.normal(new_key, x.shape) + jax.random.normal(old_key, x.shape)
+        return act(x @ x.T * scale + n) + noise.sum() * flag
+
+    ac = jaxmp.autocast(f, "O1-bf16")
+    out = ac(jnp.ones((2, 2)), jax.random.PRNGKey(0), jax.random.key(1), jnp.int32(2), jnp.bool_(True), 0.5, jnp.tanh)
+    assert out.dtype == F32
+    g = jax.grad(lambda x: ac(x, jax.random.PRNGKey(0), jax.random.key(1), 2, True, 0.5, jnp.tanh).sum())(jnp.ones((2, 2)))
+    assert g.dtype == F32
+
+
+def test_no_floating_inputs_and_complex_values():
+    def f(n):
+        x = jnp.arange(4, dtype=jnp.float32).reshape(2, 2) * n
+        return jnp.exp(x @ x)
+
+    ops = op_dtypes(jaxmp.autocast(f, "O1-bf16"), jnp.int32(2))
+    check_ops(ops)
+    c = jaxmp.autocast(lambda z, w: (z @ z) * w.sum(), "O1-bf16")
+    z = jnp.ones((2, 2), jnp.complex64)
+    ops = op_dtypes(c, z, jnp.ones(2))
+    assert [op.in_dtypes for op in ops if op.primitive == "dot_general"] == [(np.dtype(jnp.complex64),) * 2]
+
+
+def test_each_value_cast_once_per_trace(params):
+    def f(p, x):
+        return (x @ p["w"]).sum() + jnp.dot(x, p["w"], precision="highest").max() + (x @ p["w"]).min()
+
+    ops = op_dtypes(jaxmp.autocast(f, "O1-bf16"), params, jnp.ones((2, 4)))
+    converts = [op for op in ops if op.primitive == "convert_element_type" and op.in_dtypes == (F32,)
+                and op.out_dtypes == (BF16,)]
+    # x and w are cast once each, however many matmuls read them
+    assert len(converts) == 2
+
+
+def test_eager_calls_reuse_the_traced_program(params):
+    calls = []
+
+    def f(p, x):
+        calls.append(1)
+        return dense(p, x)
+
+    ac = jaxmp.autocast(f, "O1-bf16")
+    for _ in range(3):
+        ac(params, jnp.ones((2, 4)))
+    assert len(calls) == 1
+    ac(params, jnp.ones((3, 4)))
+    assert len(calls) == 2
+
+
+def test_loss_scaling_fp16_dynamic_with_masters_around_autocast_loss():
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (64, 4))
+    y = x @ jnp.array([[1.0], [-2.0], [0.5], [3.0]])
+    params = {"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}
+    tx = jaxmp.loss_scaling(optax.adam(0.05), loss_scale=jaxmp.DynamicLossScale(2.0 ** 15))
+    opt_state = tx.init(params)
+    loss = jaxmp.autocast(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2), "O1-fp16")
+
+    @jax.jit
+    def step(params, opt_state):
+        l, g = jaxmp.value_and_grad(loss, opt_state)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return jaxmp.apply_updates(params, u, opt_state), opt_state, l
+
+    for _ in range(300):
+        params, opt_state, l = step(params, opt_state)
+    assert float(l) < 0.05
+    assert params["w"].dtype == F32
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(fn=3), TypeError, "callable"),
+    (dict(policy="O7"), ValueError, "O7"),
+    (dict(rules="fast"), TypeError, "AutocastRules"),
+])
+def test_bad_arguments(bad, exc, match):
+    kwargs = dict(fn=jnp.sin, policy="O1-bf16")
+    kwargs.update(bad)
+    fn = kwargs.pop("fn")
+    with pytest.raises(exc, match=match):
+        jaxmp.autocast(fn, **kwargs)
+
+
+def test_bad_rules():
+    with pytest.raises(ValueError, match="not_an_op"):
+        jaxmp.AutocastRules().with_float32("not_an_op")
+    with pytest.raises(TypeError, match="floating"):
+        jaxmp.AutocastRules().with_scope("x", jnp.int32)
+    with pytest.raises(TypeError, match="floating"):
+        jaxmp.autocast_region("int8")
+    with pytest.raises(ValueError, match="promote"):
+        jaxmp.AutocastRules(promote="random")
+    with pytest.raises(TypeError, match="module class"):
+        jaxmp.AutocastRules().with_class("LayerNorm", "float32")
+
+
+def test_no_printing_at_trace_time(capsys, params):
+    jax.jit(jaxmp.autocast(dense, "O1-bf16"))(params, jnp.ones((2, 4)))
+    assert capsys.readouterr().out == ""
+
+
+def test_precision_report_explains_each_rule(params):
+    f = jax.jit(jaxmp.autocast(lambda p, x: jax.nn.log_softmax(dense(p, x)).sum(), "O1-bf16"))
+    rep = jaxmp.precision_report(f, params, jnp.ones((8, 4)), policy="O1-bf16")
+    by_prim = {}
+    for op in rep.decisions:
+        by_prim.setdefault(op.primitive, set()).add((op.rule, op.out_dtypes))
+    assert by_prim["dot_general"] == {("half list", ("bf16",))}
+    assert by_prim["exp"] == {("float32 list", ("f32",))}
+    assert ("follow", ("bf16",)) in by_prim["add"]
+    text = rep.table()
+    assert "Autocast decisions" in text and "half list" in text and "jaxmp[keep]:autocast(O1-bf16)" in text
+    assert rep.to_dict()["autocast_decisions"][0]["rule"]
+    # the explain scopes exist only while the report traces: a normal trace has none
+    assert not jaxmp.diagnostics.autocast_ops(jax.make_jaxpr(f)(params, jnp.ones((8, 4))))
