@@ -1,6 +1,6 @@
 """Training Linen models with jaxmp.flax.TrainState: fp16 + dynamic scaling, bf16, O2, pmap, skipped steps.
 
-Also executes the ```python blocks of the README's Flax section, so it cannot rot.
+The Flax guides' code blocks run in tests/test_docs.py.
 """
 
 
@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _markdown import python_blocks, section
 
 import jaxmp
 
@@ -172,13 +171,3 @@ def test_create_rejects_bad_arguments():
         jaxmp.flax.TrainState.create(model, {"batch_stats": {}}, jaxmp.loss_scaling(optax.sgd(0.1)))
     with pytest.raises(ValueError, match="label key"):
         jaxmp.flax.losses.split_batch({"image": 1})
-
-
-def test_docs_examples_run():
-    blocks = python_blocks(section("Flax: Linen and NNX models under a policy"))
-    assert len(blocks) >= 3
-    namespace = {}
-    for i, block in enumerate(blocks):
-        exec(compile(block, f"README Flax block {i}", "exec"), namespace)
-    assert int(namespace["state"].step) >= 3  # the Linen example trained
-    assert namespace["model"] is not None
