@@ -9,6 +9,9 @@ Each step is one orbax ``CheckpointManager`` step with three items, finalized at
 * ``manifest``: JSON -- per array its path, shape, dtype and the SHA-256 of its bytes, the
   SHA-256 of ``meta``, the data position, the jaxmp and format versions, and its own SHA-256.
 
+After orbax has finalized the step, ``state_files.json`` adds the size and SHA-256 of every file
+orbax wrote, so damaged files are found before orbax (TensorStore) reads them.
+
 :meth:`Checkpointer.restore_latest` verifies a step against its manifest before trusting it.
 A step that is damaged (a flipped bit, a garbled or truncated file, a deleted array file,
 manifest or metadata, edited metadata) is named with what is wrong, moved aside to
@@ -34,6 +37,7 @@ import numpy as np
 from experiments.validation import UserError
 
 FORMAT = "jaxmp-experiments-checkpoint/1"
+FILE_LIST = "state_files.json"  # per-file checksums of the state item, written after finalize
 # Settings a resumed run must share with the run that wrote the checkpoint.
 MUST_MATCH = ("policy", "loss_scale", "master_weights", "engine", "seed", "model", "dataset",
               "global_batch_size", "num_train_steps")
@@ -189,6 +193,50 @@ class Checkpointer:
             state=ocp.args.StandardSave(host), meta=ocp.args.JsonSave(meta),
             manifest=ocp.args.JsonSave(manifest)), force=True)
         self._manager.wait_until_finished()
+        self._write_file_list(step)
+
+    def _write_file_list(self, step: int) -> None:
+        """Checksums of the files orbax wrote for the state, so damage is found before orbax reads them.
+
+        Written after orbax's atomic finalize (the file names exist only then): a step killed in
+        between has no list and is verified by the array checksums alone.
+        """
+        state_dir = os.path.join(self.directory, str(step), "state")
+        files = {}
+        for root, _, names in os.walk(state_dir):
+            for name in names:
+                path = os.path.join(root, name)
+                with open(path, "rb") as f:
+                    files[os.path.relpath(path, state_dir)] = {"size": os.path.getsize(path),
+                                                               "sha256": _sha256(f.read())}
+        body = {"files": files, "sha256": _sha256(_canonical(files))}
+        out = os.path.join(self.directory, str(step), FILE_LIST)
+        with open(out + ".tmp", "w") as f:
+            json.dump(body, f)
+        os.replace(out + ".tmp", out)
+
+    def _check_files(self, step: int) -> None:
+        path = os.path.join(self.directory, str(step), FILE_LIST)
+        if not os.path.exists(path):
+            return
+        try:
+            with open(path) as f:
+                body = json.load(f)
+            files = body["files"]
+            assert body["sha256"] == _sha256(_canonical(files))
+        except Exception:  # noqa: BLE001 - any defect of the list itself is damage
+            raise _Damaged(f"{FILE_LIST}: unreadable or edited") from None
+        state_dir = os.path.join(self.directory, str(step), "state")
+        for rel, want in sorted(files.items()):
+            full = os.path.join(state_dir, rel)
+            if not os.path.isfile(full):
+                raise _Damaged(f"file state/{rel}: missing")
+            size = os.path.getsize(full)
+            if size != want["size"]:
+                raise _Damaged(f"file state/{rel}: {size} bytes, saved {want['size']} (truncated or overwritten)")
+            with open(full, "rb") as f:
+                if _sha256(f.read()) != want["sha256"]:
+                    raise _Damaged(f"file state/{rel}: content checksum mismatch")
 
     def _read_json(self, step: int, item: str) -> Any:
         ocp = self._ocp
@@ -215,6 +263,7 @@ class Checkpointer:
                 f"step {step} in {self.directory} holds a state of a different structure (e.g. another model "
                 f"size): at leaf {diff} the checkpoint has {want[diff] if diff < len(want) else 'nothing'}, this "
                 f"run {have[diff] if diff < len(have) else 'nothing'}. Use a new --workdir.")
+        self._check_files(step)
         ocp = self._ocp
         try:
             state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template)))

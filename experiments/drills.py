@@ -211,10 +211,11 @@ def _one_damage(name, damage, ref, ref_state, workdir, rs, config) -> dict:
     if result is None:
         return _row("damage", name, f"stopped: {error[:120]}", False)
     what = re.search(r"DAMAGED \((.*?)\); moved", msgs[0]).group(1) if msgs else "not detected"
+    what = re.sub(r"/d/[0-9a-f]{32}", "/d/<hash>", what)
     equal = states_equal(ckpt_lib.load_state(workdir, 30)[1], ref_state)
     ok = bool(msgs) and "step 30" in msgs[0] and result["resumed_from"] == 20 and equal
-    return _row("damage", name, f"step 30: {what[:70]}; resumed from step {result['resumed_from']}; "
-                f"final state bitwise equal: {'yes' if equal else 'NO'}", ok)
+    return _row("damage", name, f"step 30: {what[:64]}; resumed from {result['resumed_from']}; final state bitwise equal: "
+                f"{'yes' if equal else 'NO'}", ok)
 
 
 def _bitflips(n, ref, ref_state, workdir, rs, config) -> dict:
@@ -261,9 +262,9 @@ def _refusals(ref: str, workdir: str) -> list[dict]:
             rows.append(_row("damage", name, "accepted silently", False))
             continue
         except ckpt_lib.UserError as e:
-            msg = str(e)
+            msg = str(e).replace(os.path.join(wd, "checkpoints"), "<workdir>/checkpoints")
         kept = sorted(os.listdir(os.path.join(wd, "checkpoints"))) == before
-        rows.append(_row("damage", name, f"clear error ({msg[:90]}...); checkpoints untouched: "
+        rows.append(_row("damage", name, f"clear error: {msg[:100]}...; checkpoints untouched: "
                          f"{'yes' if kept else 'NO'}", expect in msg and kept))
     return rows
 
@@ -300,23 +301,31 @@ def _finalized(ckdir: str) -> list[int]:
     return sorted(int(e) for e in (os.listdir(ckdir) if os.path.isdir(ckdir) else []) if e.isdigit())
 
 
-def _kill_once(workdir: str, log: str, mid_save: bool, target: int, rs) -> tuple[str, int | None]:
-    """Starts the run and SIGKILLs it at ``target`` (mid-save: during the first save after it)."""
+def _kill_once(workdir: str, log: str, mid_save: bool, target: int, rs) -> str:
+    """Starts the run and SIGKILLs it once a checkpoint >= ``target`` is written (mid-save: while
+    one is being written) plus a random delay; returns where the kill landed."""
     ckdir, proc = os.path.join(workdir, "checkpoints"), _start(workdir, log)
+    listing = lambda: set(os.listdir(ckdir)) if os.path.isdir(ckdir) else set()  # noqa: E731
+    before = listing()  # leftovers of earlier kills are not this run's saves
     while proc.poll() is None:
-        entries = os.listdir(ckdir) if os.path.isdir(ckdir) else []
-        done = [int(e) for e in entries if e.isdigit()]
-        if mid_save and any(".orbax-checkpoint-tmp" in e and int(e.split(".")[0]) >= target for e in entries):
+        new = listing() - before
+        if mid_save and any(".orbax-checkpoint-tmp" in e and int(e.split(".")[0]) >= target for e in new):
             proc.send_signal(signal.SIGKILL)
-        elif not mid_save and done and max(done) >= target:
-            time.sleep(float(rs.uniform(0, 0.05)))
+        elif not mid_save and any(e.isdigit() and int(e) >= target for e in new):
+            time.sleep(float(rs.uniform(0, 0.1)))  # somewhere in the steps after that checkpoint
             proc.send_signal(signal.SIGKILL)
         time.sleep(0.0005)
-    proc.wait()
-    if proc.returncode != -signal.SIGKILL:
-        return "finished before the kill", None
-    tmp = [e for e in os.listdir(ckdir) if ".orbax-checkpoint-tmp" in e] if os.path.isdir(ckdir) else []
-    return ("mid-save" if tmp else "between saves"), (_finalized(ckdir) or [0])[-1]
+    if proc.wait() != -signal.SIGKILL:
+        return "finished before the kill"
+    return "mid-save" if any(".orbax-checkpoint-tmp" in e for e in listing() - before) else "between saves"
+
+
+def _resume_steps(logs: list[str]) -> list[int]:
+    out = []
+    for log in logs:
+        m = re.search(r"resumed from .* at step (\d+)", open(log).read())
+        out.append(int(m.group(1)) if m else 0)
+    return out
 
 
 def kill_drill(workdir: str, kills: int, seed: int) -> dict:
@@ -327,20 +336,19 @@ def kill_drill(workdir: str, kills: int, seed: int) -> dict:
     ref, cut = os.path.join(workdir, "uninterrupted"), os.path.join(workdir, "killed")
     if _start(ref, os.path.join(workdir, "ref.log")).wait() != 0:
         return _row("kill", "uninterrupted reference run", open(os.path.join(workdir, "ref.log")).read()[-300:], False)
-    kinds, resumes = [], []
-    for k in range(kills):
+    plan = sorted(rs.choice(np.arange(20, 290, 10), kills, replace=False).tolist()) if kills else []
+    kinds = []
+    for k, planned in enumerate(plan):
         newest = (_finalized(os.path.join(cut, "checkpoints")) or [0])[-1]
-        target = int(rs.integers(newest + 10, 290)) // 10 * 10 if newest < 280 else newest
-        kind, _ = _kill_once(cut, os.path.join(workdir, f"kill{k}.log"), k % 3 == 0, target, rs)
-        kinds.append(kind)
+        target = min(max(planned, newest + 10), 290)
+        kinds.append(_kill_once(cut, os.path.join(workdir, f"kill{k}.log"), k % 3 == 0, target, rs))
     last = _start(cut, os.path.join(workdir, "final.log")).wait()
-    for k in range(1, kills + 1):
-        log = os.path.join(workdir, f"kill{k}.log" if k < kills else "final.log")
-        m = re.search(r"resumed from .* at step (\d+)", open(log).read())
-        resumes.append(int(m.group(1)) if m else 0)
+    resumes = _resume_steps([os.path.join(workdir, f"kill{k}.log") for k in range(1, kills)]
+                            + [os.path.join(workdir, "final.log")])
     steps = _finalized(os.path.join(cut, "checkpoints"))
     equal = sum(states_equal(ckpt_lib.load_state(cut, s)[1], ckpt_lib.load_state(ref, s)[1]) for s in steps)
-    ok = last == 0 and equal == len(steps) and steps and steps[-1] == 300 and kinds.count("finished before the kill") == 0
+    ok = (last == 0 and equal == len(steps) and steps and steps[-1] == 300
+          and "finished before the kill" not in kinds and all(r > 0 for r in resumes))
     return _row("kill", f"SIGKILL x {kills} ({kinds.count('mid-save')} mid-save) of a 300-step run",
                 f"resumed at steps {resumes}; {equal}/{len(steps)} checkpoints bitwise equal to the "
                 "uninterrupted run", ok)

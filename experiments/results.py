@@ -159,7 +159,7 @@ def plot_accuracy_loss(runs: list[dict], path: str, title: str = "") -> str:
             # Policies that train alike overlap: vary the line style so each stays visible.
             ax.plot(t, vals, linestyle=_STYLES[i % len(_STYLES)], marker="o" if key != "train_loss" else None,
                     ms=3, label=p)
-        ax.set_xlabel("wall time since the run started (s, mean over seeds)")
+        ax.set_xlabel("wall time of training (s; evaluation and checkpoints included, compile not)")
         ax.set_ylabel(label)
         if log:
             ax.set_yscale("log")
@@ -202,18 +202,20 @@ def plot_loss_scale(demo: dict | None, runs: list[dict], path: str) -> str:
         ax.plot(skipped, at, "x", color="C3", ms=6, mew=1.5, label=f"skipped step ({len(skipped)})")
         ax.set_title(f"dynamic loss scale over a {demo['policy']} run: {len(skipped)} overflowing steps skipped, "
                      f"final scale {demo['final_loss_scale']:g}", fontsize=10)
-    seen = {}
+    by_scale: dict = {}  # the comparison's runs, one reference line per final scale
     for r in runs:
-        seen.setdefault(r["policy"], r["final_loss_scale"])
-    for i, (p, s) in enumerate(seen.items()):
-        ax.axhline(s, color=f"C{(i + 4) % 10}", ls=":", lw=1, alpha=0.8)
-        ax.annotate(f"{p} (comparison) {s:g}", (1.0, s), xycoords=("axes fraction", "data"), fontsize=7,
-                    ha="right", va="bottom", color=f"C{(i + 4) % 10}")
+        names = by_scale.setdefault(r["final_loss_scale"], [])
+        if r["policy"] not in names:
+            names.append(r["policy"])
+    for i, (s, names) in enumerate(sorted(by_scale.items())):
+        ax.axhline(s, color="0.4", ls=":", lw=1)
+        ax.annotate(f"final scale of {', '.join(names)} in the comparison: {s:g}", (0.99, s),
+                    xycoords=("axes fraction", "data"), fontsize=8, ha="right", va="bottom", color="0.3")
     ax.set_yscale("log", base=2)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss scale (log2 axis)")
+    ax.set_ylabel("loss scale after the step (log2 axis)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -146,12 +146,12 @@ def _compile(run: Run, state, batch, rng):
     return compiled
 
 
-def _bookkeeping(run, state, step, pending, seconds, log, ckpt, t_run) -> bool:
+def _bookkeeping(run, state, step, pending, seconds, log, ckpt, t_train) -> bool:
     """Logs, evaluates and checkpoints at ``step`` as the plan says; returns whether the run diverged."""
     plan = run.plan
     last = step == plan.num_train_steps
     row = interval_row(plan, step, pending, seconds)
-    row["wall_time"] = time.perf_counter() - t_run
+    row["wall_time"] = time.perf_counter() - t_train  # since training started (after the compile)
     diverged = row["consecutive_skips"] > plan.max_consecutive_skips
     if diverged:
         logging.error("%s: %d steps in a row were skipped (non-finite values); stopping (not converged).",
@@ -165,7 +165,7 @@ def _bookkeeping(run, state, step, pending, seconds, log, ckpt, t_run) -> bool:
     return diverged
 
 
-def train_loop(run: Run, state, start: int, log: metrics_lib.MetricsLog, ckpt, desc: str, t_run: float) -> LoopOut:
+def train_loop(run: Run, state, start: int, log: metrics_lib.MetricsLog, ckpt, desc: str) -> LoopOut:
     """Trains from ``start`` to the plan's last step (or until the loss scale cannot recover)."""
     plan, prog = run.plan, run.prog
     rng = jax.random.key(plan.seed + 1)  # dropout keys: a function of (seed, step) only
@@ -177,7 +177,7 @@ def train_loop(run: Run, state, start: int, log: metrics_lib.MetricsLog, ckpt, d
     train_time, pending, step, diverged = 0.0, [], start, False
     points = {plan.log_every_steps, plan.eval_every_steps, plan.checkpoint_every_steps}
     with Progress(plan.num_train_steps, desc, initial=start, enabled=plan.progress_bar) as bar:
-        t_loop = time.perf_counter()
+        t_loop = t_train = time.perf_counter()
         while step < plan.num_train_steps and not diverged:
             state, metrics = compiled(state, batch, rng)
             pending.append(metrics)
@@ -190,7 +190,7 @@ def train_loop(run: Run, state, start: int, log: metrics_lib.MetricsLog, ckpt, d
             jax.block_until_ready(state)  # the bookkeeping below is not training time
             seconds = time.perf_counter() - t_loop
             train_time += seconds
-            diverged = _bookkeeping(run, state, step, pending, seconds, log, ckpt, t_run)
+            diverged = _bookkeeping(run, state, step, pending, seconds, log, ckpt, t_train)
             pending = []
             row = log.history[-1]
             bar.update(1, loss=f"{row['train_loss']:.3f}", scale=f"{row['loss_scale']:g}", skips=row["total_skips"])
@@ -277,7 +277,7 @@ def train_and_evaluate(config, workdir: str, *, policy: str | None = None, seed:
                 return {**json.load(f), "reused": True}
         log = metrics_lib.MetricsLog(workdir, history)
         try:
-            out = train_loop(run, state, start, log, ckpt, desc or f"{plan.policy} seed {plan.seed}", t_start)
+            out = train_loop(run, state, start, log, ckpt, desc or f"{plan.policy} seed {plan.seed}")
         finally:
             log.close()
     finally:
@@ -305,10 +305,12 @@ def _job_main(argv) -> None:
     """``python -m experiments.train --job=job.json``: one run of a comparison, in its own process."""
     from absl import flags
 
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    del argv  # cli.run rejects extra arguments
     from experiments import jobs
 
+    if not flags.FLAGS.job:
+        raise UserError("--job=<path> is required: a job file written by python -m experiments.compare "
+                        "--isolate=true (to train a config, use python -m experiments.main).")
     job = jobs.read_job(flags.FLAGS.job)
     logging.set_verbosity(logging.WARNING)
     res = train_and_evaluate(job["config"], job["workdir"], policy=job["policy"], seed=job["seed"],
@@ -322,5 +324,5 @@ if __name__ == "__main__":
     from experiments import cli
 
     flags.DEFINE_string("job", None, "A job file written by `python -m experiments.compare --isolate=true` "
-                        "(JSON: config, workdir, policy, seed, desc, report).", required=True)
+                        "(JSON: config, workdir, policy, seed, desc, report).")
     cli.run(_job_main, parse=False)

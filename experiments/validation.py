@@ -157,7 +157,9 @@ def _check_names(config, policy: str) -> tuple[str, bool]:
         raise UserError(f"--config.dynamic_scale_init / dynamic_scale_period apply to a dynamic loss scale, but "
                         f"policy {policy} uses loss scale {spec!r}: set --config.loss_scale=dynamic or drop them.")
     if custom:  # the checkpoint records the scale's settings: resuming under others is refused
-        spec = f"{spec}(init={config.dynamic_scale_init:g},period={config.dynamic_scale_period})"
+        init = config.dynamic_scale_init
+        init = f"2**{int(math.log2(init))}" if init and math.log2(init).is_integer() else f"{init:g}"
+        spec = f"{spec}(init={init},period={config.dynamic_scale_period or 'default'})"
     return str(spec), bool(recipe.master_weights)
 
 

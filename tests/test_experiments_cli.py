@@ -38,3 +38,19 @@ def test_help_and_unknown_flag_of_every_entry_point():
                 assert shown and word in text, (module, flag, word, text[-3000:])
         else:
             assert out.returncode != 0 and "no_such_flag" in text, (module, text[-500:])
+
+
+def test_job_files_are_json_and_round_trip(tmp_path):
+    from experiments import configs, jobs
+
+    c = configs.get_config("cpu")
+    c.policy = "O2-fp16"
+    path = str(tmp_path / "job.json")
+    jobs.write_job(path, c, workdir="/tmp/w", policy="O1", seed=3, desc="d", report=False)
+    text = open(path).read()
+    assert text.lstrip().startswith("{")  # data, not a pickle
+    job = jobs.read_job(path)
+    assert (job["policy"], job["seed"], job["workdir"], job["report"]) == ("O1", 3, "/tmp/w", False)
+    back = job["config"]
+    assert back.policy == "O2-fp16" and back.learning_rate == c.learning_rate
+    assert tuple(back.compare_policies) == tuple(c.compare_policies)
