@@ -159,13 +159,14 @@ def plot_accuracy_loss(runs: list[dict], path: str, title: str = "") -> str:
             # Policies that train alike overlap: vary the line style so each stays visible.
             ax.plot(t, vals, linestyle=_STYLES[i % len(_STYLES)], marker="o" if key != "train_loss" else None,
                     ms=3, label=p)
-        ax.set_xlabel("wall time of training (s; evaluation and checkpoints included, compile not)")
+        ax.set_xlabel("training wall time (s)")
         ax.set_ylabel(label)
         if log:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend(title="policy")
-    fig.suptitle(title or "accuracy and loss per policy against wall time")
+    fig.suptitle((title + "\n" if title else "") + "against training wall time (evaluation and checkpoints "
+                 "included, compilation excluded; mean over seeds)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
