@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, NamedTuple
 
@@ -55,7 +56,42 @@ def make_model_apply(plan: Plan, module) -> Any:
     """
     if plan.engine == "flax":
         return jaxmp.flax.mixed_precision(module, plan.policy)
+    if plan.engine == "autocast":
+        return AutocastModel(module, plan.policy)
     raise UserError(f"--config.engine={plan.engine!r} is invalid: choose one of {', '.join(ENGINES)}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastModel:
+    """A Linen module run by :func:`jaxmp.autocast` (op lists only, no module rules).
+
+    ``init`` stores floating params in the preset's param dtype (float32 for O1, half for O2,
+    with float32 masters in the optimizer); ``apply`` is ``jaxmp.autocast(module.apply, policy)``.
+    ``policy`` and ``overrides`` are what :class:`jaxmp.flax.TrainState` reads (the loss is
+    computed on float32 logits).
+
+    Example:
+      >>> from experiments import models
+      >>> model = AutocastModel(models.get_model("cnn1d", 10), "O1-bf16")
+    """
+
+    module: Any
+    preset: str
+
+    @property
+    def policy(self) -> jaxmp.Policy:
+        return jaxmp.get_policy(self.preset)
+
+    @property
+    def overrides(self) -> Any:
+        return jaxmp.flax.PrecisionOverrides()
+
+    def init(self, rngs: Any, *args, **kwargs) -> Any:
+        variables = self.module.init(rngs, *args, **kwargs)
+        return {**variables, "params": jaxmp.cast_floating(variables["params"], self.policy.param_dtype)}
+
+    def apply(self, variables: Any, *args, **kwargs) -> Any:
+        return jaxmp.autocast(self.module.apply, self.preset)(variables, *args, **kwargs)
 
 
 def make_schedule(plan: Plan, kind: str) -> optax.Schedule:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from absl import app
 
-ENGINES = ("flax",)
+ENGINES = ("flax", "autocast")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 

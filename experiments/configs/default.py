@@ -49,7 +49,8 @@ def _precision(config):
     config.dynamic_scale_init = 0.0     # > 0: initial dynamic loss scale (0 = jaxmp's default, 2**15)
     config.dynamic_scale_period = 0     # > 0: finite steps between growths (0 = jaxmp's default, 2000)
     # The precision engine that runs the model under the policy: "flax" (jaxmp.flax.mixed_precision,
-    # per-module rules on a Linen module). experiments.program.make_model_apply is where it is used.
+    # per-module rules on a Linen module) or "autocast" (jaxmp.autocast around module.apply: op
+    # lists only). experiments.program.make_model_apply is where it is used.
     config.engine = "flax"
 
 
