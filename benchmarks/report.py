@@ -273,7 +273,7 @@ def _autocast_targets(r: dict) -> list[str]:
 
 def autocast_tables(res) -> list[str]:
     lines = ["### jaxmp.autocast against float32, a hand cast and its peers", ""]
-    if not res["autocast"]:
+    if not res.get("autocast"):
         return lines + ["Not measured yet: run `python benchmarks/autocast.py`.", ""]
     for n, r in res["autocast"]:
         env, cfg = r["env"], r["config"]

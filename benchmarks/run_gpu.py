@@ -4,9 +4,13 @@
     bash benchmarks/run_gpu.sh --models resnet50    # a part; add --merge to keep the file's other runs
     python benchmarks/run_gpu.py --dry-run          # tiny, on CPU (the tests use it)
 
-Runs ``throughput.py`` (one fresh process per model/batch/policy), ``torch_amp.py`` (its own
-process, so JAX and PyTorch never share the GPU) and ``overhead.py``, one after the other on
+Runs ``throughput.py`` (jaxmp policies and the native Flax bf16 baselines, one fresh process
+per model/batch/policy), ``torch_amp.py`` (eager autocast and ``torch.compile``, one fresh
+process per run, never sharing the GPU with JAX) and ``overhead.py``, one after the other on
 the same GPU, and writes one JSON holding the three results plus the jaxmp / PyTorch ratios.
+The JSON is rewritten after every throughput run and after each part (the PyTorch part's own
+file, ``results/parts/``, after each of its runs), so a time-out loses one run, not the table.
+``--profile`` adds a top-kernel table per jaxmp run under ``results/profiles/``.
 """
 
 from __future__ import annotations
