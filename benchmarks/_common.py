@@ -428,12 +428,61 @@ def _validate_gpu_suite(result: dict) -> list[str]:
     return p
 
 
+def _validate_autocast(result: dict) -> list[str]:
+    models = result["results"].get("models") if isinstance(result["results"], dict) else None
+    if not isinstance(models, dict) or not models:
+        return ["results.models must be a non-empty dict"]
+    p = []
+    for m, r in models.items():
+        if not isinstance(r, dict) or not isinstance(r.get("variants"), dict) or not isinstance(r.get("skipped"), dict):
+            p.append(f"results.models.{m} needs 'variants' and 'skipped' dicts")
+            continue
+        for v, x in r["variants"].items():
+            where = f"results.models.{m}.variants.{v}"
+            p += _check_stats(x.get("step_time_s"), f"{where}.step_time_s")
+            for k in ("trace_s", "trace_lower_compile_s"):
+                if not _is_pos(x.get(k)):
+                    p.append(f"{where}.{k} is not a positive number")
+            if not (isinstance(x.get("hlo_converts"), int) and x["hlo_converts"] >= 0):
+                p.append(f"{where}.hlo_converts is not a count")
+            if not (isinstance(x.get("loss_rel_error"), (int, float)) and x["loss_rel_error"] >= 0):
+                p.append(f"{where}.loss_rel_error is not a non-negative number")
+        for v, why in r["skipped"].items():
+            if not isinstance(why, str) or not why:
+                p.append(f"results.models.{m}.skipped.{v} gives no reason")
+    return p
+
+
 _VALIDATORS = {
+    "autocast": _validate_autocast,
     "overhead": _validate_overhead,
     "throughput": _validate_throughput,
     "torch_amp": _validate_torch,
     "gpu_suite": _validate_gpu_suite,
 }
+
+
+def run_child(script: str | os.PathLike, argv_tail: list[str], timeout: float | None) -> dict:
+    """Runs ``script argv_tail --child-out FILE`` in a fresh process and returns FILE's JSON.
+
+    A child that times out, crashes or runs out of memory gives an entry with ``status``
+    ``"error"`` / ``"oom"`` and the tail of its output, so the caller records it and goes on.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "one.json"
+        cmd = [sys.executable, str(script), *argv_tail, "--child-out", str(out)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+        except subprocess.TimeoutExpired:
+            return {"status": "error", "error": f"timed out after {timeout}s"}
+        sys.stderr.write(proc.stderr[-4000:] if proc.returncode else "")
+        if out.exists():
+            return json.loads(out.read_text())
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        oom = "RESOURCE_EXHAUSTED" in tail or "out of memory" in tail.lower()
+        return {"status": "oom" if oom else "error", "error": f"exit {proc.returncode}: {tail.strip()}"}
 
 
 def add_common_args(parser, default_out: str | None):

@@ -28,8 +28,12 @@ NOT_MEASURED = "not measured yet — run `bash benchmarks/run_gpu.sh` on a GPU"
 
 #: jaxmp policy -> the PyTorch variant it is compared with.
 TORCH_PAIR = {"O0-strict": "fp32-strict", "O0": "fp32-tf32", "O1": "amp-fp16", "O2-fp16": "amp-fp16",
-              "O2-bf16": "amp-bf16"}
-AMP_VARIANTS = ("amp-fp16", "amp-bf16")
+              "O2-bf16": "amp-bf16", "native-bf16": "amp-bf16", "native-bf16-cudnn": "amp-bf16"}
+#: jaxmp policy -> the torch.compile variant it is compared with.
+COMPILE_PAIR = {k: "compile-" + v for k, v in TORCH_PAIR.items() if v.startswith("amp-")}
+AMP_VARIANTS = ("amp-fp16", "amp-bf16", "compile-amp-fp16", "compile-amp-bf16")
+#: The native Flax baseline each policy is compared with (same module code, Flax dtype=bf16).
+NATIVE_BASELINE = "native-bf16"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -38,7 +42,7 @@ AMP_VARIANTS = ("amp-fp16", "amp-bf16")
 
 def load_results(results_dir: Path, include_dry_run: bool = False) -> dict[str, list[tuple[str, dict]]]:
     """benchmark kind -> [(file name, result)], sub-results of gpu suites unpacked."""
-    out: dict[str, list[tuple[str, dict]]] = {"overhead": [], "throughput": [], "torch_amp": []}
+    out: dict[str, list[tuple[str, dict]]] = {"overhead": [], "throughput": [], "torch_amp": [], "autocast": []}
     for path in sorted(Path(results_dir).glob("*.json")):
         try:
             res = json.loads(path.read_text())
@@ -195,41 +199,109 @@ def overhead_table(res) -> list[str]:
     return lines
 
 
+def _throughput_row(e: dict, runs: list[dict], torch_runs: list[dict]) -> str:
+    if e.get("status") != "ok":
+        return f"| {e['model']} | {e['batch_size']} | {e['policy']} | {e.get('status')} |" + " |" * 11
+    st, mem, mfu = e["step_time_s"], e["memory"], e.get("mfu") or {}
+    mib = f"{mem['peak_bytes'] / 2**20:,.0f} ({mem['source'].split(' ')[0]})" if mem.get("peak_bytes") else "-"
+    tf = f"{e['tflops_per_s']:.1f}" if e.get("tflops_per_s") and e.get("flops", {}).get("source") == "analytic" else "-"
+    pct = lambda x: f"{100 * x:.1f}" if x else "-"  # noqa: E731
+    native = _find(runs, e["model"], e["batch_size"], NATIVE_BASELINE)
+    vs_native = f"{e['items_per_s'] / native['items_per_s']:.3f}" if native and native is not e else "-"
+    cells = []
+    for pair in (TORCH_PAIR, COMPILE_PAIR):
+        pe = _find(torch_runs, e["model"], e["batch_size"], pair.get(e["policy"], ""))
+        cells += [f"{pe['policy']}: {pe['items_per_s']:,.0f}" if pe else "-",
+                  f"{e['items_per_s'] / pe['items_per_s']:.2f}" if pe else "-"]
+    pm = _find(torch_runs, e["model"], e["batch_size"], TORCH_PAIR.get(e["policy"], ""))
+    tmem = pm.get("memory", {}).get("peak_bytes") if pm else None
+    cells.append(f"{tmem / 2**20:,.0f}" if tmem else "-")
+    return (f"| {e['model']} | {e['batch_size']} | {e['policy']} | {e['items_per_s']:,.0f} {e['unit']} | "
+            f"{_ms(st['median'])} ({_ms(st['q25'])}-{_ms(st['q75'])}) | {mib} | {tf} | {pct(mfu.get('mfu_measured_peak'))} | "
+            f"{pct(mfu.get('mfu_datasheet'))} | {vs_native} | " + " | ".join(cells) + " |")
+
+
+THROUGHPUT_HEAD = ("| model | batch | policy | items/s | step ms (IQR) | peak MiB (source) | TFLOP/s (analytic) | "
+                   "MFU % (probe) | MFU % (datasheet) | / native-bf16 | torch eager (items/s) | / eager | "
+                   "torch.compile (items/s) | / compile | torch eager peak MiB |")
+
+
 def throughput_tables(res) -> list[str]:
-    lines = ["### Throughput, memory and FLOP/s per policy (GPU), and the PyTorch AMP peer", ""]
+    lines = ["### Throughput, memory, FLOP/s and MFU per policy (GPU), native Flax and the PyTorch peer", ""]
     if not res["throughput"]:
-        return lines + [f"{NOT_MEASURED}.", "",
-                        "| model | batch | policy | items/s | step (ms) | peak memory | TFLOP/s | % bf16 matmul peak | PyTorch peer | jaxmp / PyTorch |",
-                        "|---|---:|---|---:|---:|---:|---:|---:|---|---:|",
-                        "| WRN-28-10 | 128, 512 | O0-strict, O0, O1, O2-bf16, O2-fp16 | not measured | | | | | | |",
-                        "| ResNet-50 (224) | 256 | O0-strict, O0, O1, O2-bf16, O2-fp16 | not measured | | | | | | |",
-                        "| Transformer encoder | 32 x 512 tokens | O0-strict, O0, O1, O2-bf16, O2-fp16 | not measured | | | | | | |",
-                        ""]
+        return lines + [f"{NOT_MEASURED}.", "", THROUGHPUT_HEAD, "|---|---:|---|" + "---:|" * 7 + "---|---:|---|---:|---:|",
+                        "| WRN-28-10 | 128, 512 | O0-strict, O0, O1, O2-bf16, O2-fp16, native-bf16 | not measured |" + " |" * 11,
+                        "| ResNet-50 (224) | 256 | O0-strict, O0, O1, O2-bf16, O2-fp16, native-bf16 | not measured |" + " |" * 11,
+                        "| Transformer encoder | 32 x 512 tokens | O0-strict ... native-bf16, native-bf16-cudnn | not measured |"
+                        + " |" * 11, ""]
     for n, t in res["throughput"]:
         env, peak = t["env"], t["results"]["matmul_peak"]
         tr = torch_for(res["torch_amp"], env["device"])
         commit = env["git_commit"]["sha"][:10] + (" (dirty)" if env["git_commit"].get("dirty") else "")
         lines += [f"**{env['device']}**, `{n}`: jax {env['versions']['jax']}, flax {env['versions']['flax']}, "
                   f"commit {commit}, {t['created_utc']}; bf16 matmul peak measured in the run: "
-                  f"{peak['tflops']:.1f} TFLOP/s (n={peak['n']})."
-                  + (f" PyTorch {tr['env']['versions']['torch']}." if tr else " PyTorch peer: not measured."), "",
-                  "| model | batch | policy | items/s | step ms (IQR) | peak MiB (source) | TFLOP/s | % bf16 peak | PyTorch peer (items/s) | jaxmp / PyTorch |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+                  f"{peak['tflops']:.1f} TFLOP/s (n={peak['n']}), datasheet {peak.get('datasheet_tflops') or '-'}."
+                  + (f" PyTorch {tr['env']['versions']['torch']}." if tr else " PyTorch peer: not measured.")
+                  + ("" if t.get("complete", True) else " **Incomplete file (the suite was interrupted).**"), "",
+                  THROUGHPUT_HEAD, "|---|---:|---|" + "---:|" * 7 + "---|---:|---|---:|---:|"]
+        runs = _ok_runs(t)
         torch_runs = _ok_runs(tr) if tr else []
-        for e in t["results"]["runs"]:
-            if e.get("status") != "ok":
-                lines.append(f"| {e['model']} | {e['batch_size']} | {e['policy']} | {e.get('status')} | | | | | | |")
-                continue
-            st, mem = e["step_time_s"], e["memory"]
-            mib = f"{mem['peak_bytes'] / 2**20:,.0f} ({mem['source'].split(' ')[0]})" if mem.get("peak_bytes") else "-"
-            tf = f"{e['tflops_per_s']:.1f}" if e.get("tflops_per_s") else "-"
-            frac = f"{100 * e['fraction_of_matmul_peak']:.1f}" if e.get("fraction_of_matmul_peak") else "-"
-            pe = _find(torch_runs, e["model"], e["batch_size"], TORCH_PAIR.get(e["policy"], ""))
-            peer = f"{pe['policy']}: {pe['items_per_s']:,.0f}" if pe else "-"
-            ratio = f"{e['items_per_s'] / pe['items_per_s']:.2f}" if pe else "-"
-            lines.append(f"| {e['model']} | {e['batch_size']} | {e['policy']} | {e['items_per_s']:,.0f} {e['unit']} | "
-                         f"{_ms(st['median'])} ({_ms(st['q25'])}-{_ms(st['q75'])}) | {mib} | {tf} | {frac} | {peer} | {ratio} |")
+        lines += [_throughput_row(e, runs, torch_runs) for e in t["results"]["runs"]]
         lines.append("")
+    return lines
+
+
+def _autocast_targets(r: dict) -> list[str]:
+    """Targets of jaxmp.autocast against the hand cast and float32, per model."""
+    vs = r["variants"]
+    a, h, f = vs.get("jaxmp"), vs.get("hand"), vs.get("float32")
+    if not (a and h):
+        return []
+    out = []
+    step = a["step_vs_hand"]["median"]
+    out.append(f"step / hand {step:.3f} (<= 1.02: {'pass' if step <= 1.02 else 'fail'})")
+    if f:
+        out.append(f"trace+lower+compile / float32 {a['tlc_vs_float32']:.2f} "
+                   f"(<= 1.5: {'pass' if a['tlc_vs_float32'] <= 1.5 else 'fail'}; trace alone {a['trace_vs_float32']:.2f})")
+    out.append(f"converts {a['hlo_converts']} vs hand {h['hlo_converts']} "
+               f"({'pass' if a['hlo_converts'] <= h['hlo_converts'] else 'fail'})")
+    ok = a["loss_rel_error"] <= h["loss_rel_error"] * 1.0001 and a["grad_rel_error"] <= h["grad_rel_error"] * 1.0001
+    out.append(f"loss/grad error {a['loss_rel_error']:.2e}/{a['grad_rel_error']:.2e} vs hand "
+               f"{h['loss_rel_error']:.2e}/{h['grad_rel_error']:.2e} ({'pass' if ok else 'fail'})")
+    return out
+
+
+def autocast_tables(res) -> list[str]:
+    lines = ["### jaxmp.autocast against float32, a hand cast and its peers", ""]
+    if not res["autocast"]:
+        return lines + ["Not measured yet: run `python benchmarks/autocast.py`.", ""]
+    for n, r in res["autocast"]:
+        env, cfg = r["env"], r["config"]
+        commit = env["git_commit"]["sha"][:10] + (" (dirty)" if env["git_commit"].get("dirty") else "")
+        peers = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if k in ("grampax", "jaxamp", "mpx") and v)
+        lines += [f"**{env['device']}** ({env['platform']}, {env.get('cpu_count')} cores), `{n}`: jax "
+                  f"{env['versions']['jax']}, policy {cfg['policy']}, {cfg['timing']['rounds']} interleaved rounds x "
+                  f"{cfg['timing']['steps']} steps, {cfg['timing']['compile_repeats']} compiles per variant; "
+                  f"peers: {peers or 'none importable'}; commit {commit}, {r['created_utc']}; `{r.get('command', '')}`.", ""]
+        for m, mr in r["results"]["models"].items():
+            lines += [f"*{m}* ({', '.join(f'{k}={v}' for k, v in mr['sizes'].items())}); hand cast: {mr['hand_cast']}.", "",
+                      "| variant | step ms (IQR) | step / hand (IQR) | trace ms | / float32 | trace+lower+compile ms | "
+                      "/ float32 | HLO converts | temp KiB | loss rel. error | grad rel. error |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for v, x in mr["variants"].items():
+                st, sh = x["step_time_s"], x.get("step_vs_hand")
+                ratio = f"{sh['median']:.3f} ({sh['q25']:.3f}-{sh['q75']:.3f})" if sh else "-"
+                temp = f"{x['temp_bytes'] / 1024:,.0f}" if x.get("temp_bytes") is not None else "-"
+                lines.append(f"| {v} | {_ms(st['median'])} ({_ms(st['q25'])}-{_ms(st['q75'])}) | {ratio} | "
+                             f"{x['trace_s'] * 1e3:,.0f} | {x.get('trace_vs_float32', 0):.2f} | "
+                             f"{x['trace_lower_compile_s'] * 1e3:,.0f} | {x.get('tlc_vs_float32', 0):.2f} | "
+                             f"{x['hlo_converts']} | {temp} | {x['loss_rel_error']:.2e} | {x['grad_rel_error'] or 0:.2e} |")
+            lines.append("")
+            lines += [f"- skipped {v}: {why}" for v, why in mr["skipped"].items()]
+            targets = _autocast_targets(mr)
+            if targets:
+                lines.append("- jaxmp.autocast targets: " + "; ".join(targets))
+            lines.append("")
     return lines
 
 
@@ -240,6 +312,7 @@ def markdown(res) -> str:
     lines.append("")
     lines += overhead_table(res)
     lines += throughput_tables(res)
+    lines += autocast_tables(res)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -12,10 +12,10 @@ the same GPU, and writes one JSON holding the three results plus the jaxmp / PyT
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -28,20 +28,22 @@ from benchmarks import throughput  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def _script(name: str, argv: list[str], timeout: float) -> dict:
-    """Runs ``benchmarks/<name>.py argv --out tmp`` in a fresh process and returns its JSON."""
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / f"{name}.json"
-        cmd = [sys.executable, str(HERE / f"{name}.py"), *argv, "--out", str(out)]
-        print(f"run_gpu: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-        try:
-            proc = subprocess.run(cmd, cwd=common.REPO_ROOT, timeout=timeout, stdout=sys.stderr)
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        if out.exists():
-            return json.loads(out.read_text())
-        return {"error": f"{name}.py failed (exit {rc}); see the log above"}
+def _script(name: str, argv: list[str], timeout: float, out: Path) -> dict:
+    """Runs ``benchmarks/<name>.py argv --out out`` in a fresh process and returns its JSON.
+
+    The script rewrites ``out`` after each of its runs, so a time-out keeps what it finished.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(HERE / f"{name}.py"), *argv, "--out", str(out)]
+    print(f"run_gpu: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    try:
+        rc = subprocess.run(cmd, cwd=common.REPO_ROOT, timeout=timeout, stdout=sys.stderr).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    if out.exists():
+        return json.loads(out.read_text())
+    return {"error": f"{name}.py failed (exit {rc}); see the log above"}
 
 
 def _merge_runs(old: dict | None, new: dict) -> dict:
@@ -72,6 +74,10 @@ def comparison(tp: dict, tr: dict | None) -> list[dict]:
                        speed_ratio=e["items_per_s"] / pe["items_per_s"])
             if e["memory"].get("peak_bytes") and pe.get("memory", {}).get("peak_bytes"):
                 row["memory_ratio"] = e["memory"]["peak_bytes"] / pe["memory"]["peak_bytes"]
+        ce = report._find(truns, e["model"], e["batch_size"], report.COMPILE_PAIR.get(e["policy"], ""))
+        if ce:
+            row.update(compile_variant=ce["policy"], compile_items_per_s=ce["items_per_s"],
+                       speed_ratio_vs_compile=e["items_per_s"] / ce["items_per_s"])
         if amps:
             best = max(amps, key=lambda t: t["items_per_s"])
             row.update(best_amp_variant=best["policy"], speed_ratio_vs_best_amp=e["items_per_s"] / best["items_per_s"])
@@ -79,38 +85,71 @@ def comparison(tp: dict, tr: dict | None) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> dict:
+def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(parser, default_out=None)
     parser.add_argument("--models", help="comma list of throughput models (default: all)")
-    parser.add_argument("--policies", help="comma list of jaxmp policies (default: all)")
-    parser.add_argument("--variants", help="comma list of PyTorch variants (default: all)")
-    parser.add_argument("--rounds", type=int)
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--warmup-steps", type=int)
-    parser.add_argument("--skip-torch", action="store_true")
-    parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--policies", help="comma list of jaxmp policies and native baselines (default: all)")
+    parser.add_argument("--variants", help="comma list of PyTorch variants (default: all, torch.compile included)")
+    parser.add_argument("--rounds", type=int, help="timed blocks per run")
+    parser.add_argument("--steps", type=int, help="steps per timed block")
+    parser.add_argument("--warmup-steps", type=int, help="untimed steps after compilation")
+    parser.add_argument("--skip-torch", action="store_true", help="leave the PyTorch peer out")
+    parser.add_argument("--skip-overhead", action="store_true", help="leave the wrapper overhead out")
+    parser.add_argument("--profile", action="store_true", help="top-kernel tables per jaxmp run (throughput --profile)")
     parser.add_argument("--merge", action="store_true", help="keep runs of an existing output file not redone now")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per child script")
-    args = parser.parse_args(argv)
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per child script")
+    return parser
 
-    common_argv = []
+
+def _common_argv(args) -> list[str]:
+    out = []
     for k in ("models", "rounds", "steps", "warmup_steps"):
         v = getattr(args, k)
         if v is not None:
-            common_argv += [f"--{k.replace('_', '-')}", str(v)]
-    if args.dry_run:
-        common_argv.append("--dry-run")
-    if args.quiet:
-        common_argv.append("--quiet")
+            out += [f"--{k.replace('_', '-')}", str(v)]
+    return out + (["--dry-run"] if args.dry_run else []) + (["--quiet"] if args.quiet else [])
 
-    # 1. jaxmp throughput (in process for dry runs: the tests must stay fast).
-    tp_argv = common_argv + (["--policies", args.policies] if args.policies else [])
-    tp = throughput.run_suite(throughput.build_parser().parse_args(tp_argv))
+
+def _suite(args, argv, tp, tr, ov, old) -> dict:
+    if old:
+        tp = _merge_runs(old["results"].get("throughput"), tp)
+        tr = _merge_runs(old["results"].get("torch_amp"), tr) if tr is not None else old["results"].get("torch_amp")
+        ov = ov or old["results"].get("overhead")
+    return common.make_result(
+        "gpu_suite", tp["env"],
+        {"argv": argv if argv is not None else sys.argv[1:], "parts": ["throughput", "torch_amp", "overhead"]},
+        {"throughput": tp, "torch_amp": tr or torch_missing(args), "overhead": ov, "comparison": comparison(tp, tr)},
+        args.dry_run)
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    common_argv = _common_argv(args)
+    state = {"out": args.out, "old": None}
+
+    def write(tp, tr=None, ov=None):
+        """Rewrites the suite file: after every throughput run and after each part."""
+        if state["out"] is None:
+            slug = common.device_slug(tp["env"]["device"])
+            state["out"] = str(common.RESULTS_DIR / (f"dry_run/gpu_{slug}.json" if args.dry_run else f"gpu_{slug}.json"))
+            if args.merge and Path(state["out"]).exists():
+                state["old"] = json.loads(Path(state["out"]).read_text())
+        suite = _suite(args, argv, copy.deepcopy(tp), tr, ov, state["old"])
+        if state["out"] != "-":
+            common.write_json(state["out"], suite)
+        return suite
+
+    # 1. jaxmp throughput and the native baselines (one fresh process per run except dry runs).
+    tp_argv = common_argv + (["--policies", args.policies] if args.policies else []) + (["--profile"] if args.profile else [])
+    tp = throughput.run_suite(throughput.build_parser().parse_args(tp_argv), on_progress=write)
     print(throughput.summary_table(tp), flush=True)
+    write(tp)
+    parts = common.RESULTS_DIR / ("dry_run/parts" if args.dry_run else "parts")
+    slug = common.device_slug(tp["env"]["device"])
 
-    # 2. the PyTorch peer.
+    # 2. the PyTorch peer: eager autocast and torch.compile, one process per run on a GPU.
     tr = None
     if not args.skip_torch:
         tr_argv = common_argv + (["--variants", args.variants] if args.variants else [])
@@ -119,9 +158,9 @@ def main(argv=None) -> dict:
 
             tr = torch_amp.run_suite(torch_amp.build_parser().parse_args(tr_argv))
         else:
-            tr = _script("torch_amp", tr_argv, args.timeout)
-            if "benchmark" not in tr:
-                tr = None
+            tr = _script("torch_amp", tr_argv, args.timeout, parts / f"gpu_{slug}.torch_amp.json")
+            tr = tr if "benchmark" in tr else None
+        write(tp, tr)
 
     # 3. wrapper overhead on the same device.
     ov = None
@@ -132,33 +171,18 @@ def main(argv=None) -> dict:
 
             ov = overhead.main(ov_argv + ["--out", "-"])
         else:
-            ov = _script("overhead", ov_argv, args.timeout)
-            if "benchmark" not in ov:
-                ov = None
-
-    out = args.out
-    if out is None:
-        slug = common.device_slug(tp["env"]["device"])
-        out = str(common.RESULTS_DIR / (f"dry_run/gpu_{slug}.json" if args.dry_run else f"gpu_{slug}.json"))
-    old = None
-    if args.merge and out != "-" and Path(out).exists():
-        old = json.loads(Path(out).read_text())
-        tp = _merge_runs(old["results"].get("throughput"), tp)
-        if tr is not None:
-            tr = _merge_runs(old["results"].get("torch_amp"), tr)
-        tr = tr or old["results"].get("torch_amp")
-        ov = ov or old["results"].get("overhead")
-    suite = common.make_result(
-        "gpu_suite", tp["env"],
-        {"argv": argv if argv is not None else sys.argv[1:], "parts": ["throughput", "torch_amp", "overhead"]},
-        {"throughput": tp, "torch_amp": tr or torch_missing(args), "overhead": ov,
-         "comparison": comparison(tp, tr)},
-        args.dry_run)
-    common.emit(suite, out)
+            ov = _script("overhead", ov_argv, args.timeout, parts / f"gpu_{slug}.overhead.json")
+            ov = ov if "benchmark" in ov else None
+    suite = write(tp, tr, ov)
+    if state["out"] == "-":
+        common.emit(suite, "-")
+    else:
+        print(f"wrote {state['out']}", flush=True)
     for row in suite["results"]["comparison"]:
-        if "speed_ratio" in row:
-            print(f"  jaxmp {row['model']} b{row['batch_size']} {row['policy']:9s} / torch {row['torch_variant']:11s}: "
-                  f"{row['speed_ratio']:.2f}x", flush=True)
+        for key, label in (("speed_ratio", "torch_variant"), ("speed_ratio_vs_compile", "compile_variant")):
+            if key in row:
+                print(f"  jaxmp {row['model']} b{row['batch_size']} {row['policy']:9s} / torch {row[label]:16s}: "
+                      f"{row[key]:.2f}x", flush=True)
     return suite
 
 

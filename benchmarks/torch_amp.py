@@ -17,19 +17,25 @@ CNNs run channels-last. Variants:
 * ``fp32-tf32``   -- TF32 on (pairs with ``O0`` at the default matmul precision);
 * ``amp-fp16``    -- ``torch.autocast(dtype=float16)`` + ``torch.amp.GradScaler`` (pairs with ``O1``, ``O2-fp16``);
 * ``amp-bf16``    -- ``torch.autocast(dtype=bfloat16)``, GradScaler disabled as PyTorch
-  recommends for bf16 (pairs with ``O2-bf16``).
+  recommends for bf16 (pairs with ``O2-bf16``);
+* ``compile-amp-fp16``, ``compile-amp-bf16`` -- the same with the model under ``torch.compile``
+  (default mode; compilation happens in the warm-up steps and is not timed).
 
 Peak memory is ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``
-per variant.
+per run. On a GPU every (model, batch, variant) runs in a fresh process (``--no-isolate`` to
+share one) and the JSON is rewritten after every run, so a time-out or a crash loses that run
+only.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,7 +43,7 @@ if __package__ in (None, ""):
 from benchmarks import _common as common  # noqa: E402
 from benchmarks.throughput import DRY_SUITE, DRY_TIMING, SUITE, TIMING  # noqa: E402 - plain data, no JAX
 
-VARIANTS = ("fp32-strict", "fp32-tf32", "amp-fp16", "amp-bf16")
+VARIANTS = ("fp32-strict", "fp32-tf32", "amp-fp16", "amp-bf16", "compile-amp-fp16", "compile-amp-bf16")
 SKIP_MESSAGE = "PyTorch is not installed: the PyTorch AMP peer is skipped (it is not a jaxmp dependency; " \
                "`pip install torch` on the GPU machine to run it)"
 
@@ -181,6 +187,8 @@ def run_one(torch, model_key: str, spec: dict, batch_size: int, variant: str, ti
     entry = {"model": model_key, "batch_size": batch_size, "policy": variant, "unit": spec["unit"],
              "optimizer": spec["optimizer"], "framework": "pytorch"}
     cuda = device == "cuda"
+    compile_model = compile_model or variant.startswith("compile-")
+    variant = variant.removeprefix("compile-")
     tf32 = variant != "fp32-strict"
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -285,14 +293,52 @@ def skipped_result(reason: str, dry_run: bool, config: dict) -> dict:
     return common.make_result("torch_amp", env, config, {"runs": []}, dry_run, status="skipped", reason=reason)
 
 
-def run_suite(args) -> dict:
+def _guarded_run(torch, m, spec, b, v, timing, device, args) -> dict:
+    try:
+        return run_one(torch, m, spec, b, v, timing, device, not args.no_channels_last, args.compile, args.quiet)
+    except Exception as ex:  # noqa: BLE001 - recorded, the suite goes on
+        msg = f"{type(ex).__name__}: {ex}"
+        e = {"model": m, "batch_size": b, "policy": v, "framework": "pytorch",
+             "status": "oom" if "out of memory" in msg.lower() else "error", "error": msg[:4000]}
+        common.log(f"  {m} b{b} {v}: {e['status']}: {msg[:300]}", args.quiet)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        return e
+
+
+def _child_main(args) -> None:
+    """``--single MODEL:BATCH:VARIANT``: one run in this (fresh) process, JSON to --child-out."""
+    import torch
+
+    suite = DRY_SUITE if args.dry_run else SUITE
+    timing = common.timing_from_args(args, TIMING, DRY_TIMING)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    m, b, v = args.single.split(":")
+    e = _guarded_run(torch, m, suite[m], int(b), v, timing, device, args)
+    Path(args.child_out).write_text(json.dumps(common._finite_json(e)))
+
+
+def _child_tail(args) -> list[str]:
+    tail = ["--dry-run"] if args.dry_run else []
+    for k in ("rounds", "steps", "warmup_steps"):
+        if getattr(args, k) is not None:
+            tail += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    for flag in ("no_channels_last", "compile", "quiet"):
+        if getattr(args, flag):
+            tail.append("--" + flag.replace("_", "-"))
+    return tail
+
+
+def run_suite(args, on_progress: Callable[[dict], None] | None = None) -> dict:
+    """Runs every (model, batch, variant); ``on_progress(partial_result)`` after each run."""
     suite = DRY_SUITE if args.dry_run else SUITE
     timing = common.timing_from_args(args, TIMING, DRY_TIMING)
     models = common.parse_choices(args.models, list(suite), "model")
     variants = common.parse_choices(args.variants, list(VARIANTS), "variant")
     config = {"suite": {k: {**v, "model": list(v["model"])} for k, v in suite.items() if k in models},
               "timing": timing, "variants": variants, "channels_last_cnns": not args.no_channels_last,
-              "torch_compile": args.compile, "data": "synthetic, on device, n_batches cycled"}
+              "torch_compile": "compile-* variants" + (" and every variant (--compile)" if args.compile else ""),
+              "data": "synthetic, on device, n_batches cycled"}
     try:
         import torch
     except ImportError as e:
@@ -303,6 +349,8 @@ def run_suite(args) -> dict:
         reason = "no CUDA GPU visible to PyTorch: the PyTorch peer is a GPU benchmark (use --dry-run for a CPU smoke test)"
         print(f"torch_amp: SKIPPED: {reason}", flush=True)
         return skipped_result(reason, args.dry_run, config)
+    isolate = args.isolate if args.isolate is not None else device == "cuda"
+    config["isolated_processes"] = isolate
     env = torch_env(torch, device)
     common.log(f"torch_amp: {env['device']}, torch {torch.__version__}", args.quiet)
     entries = []
@@ -310,18 +358,19 @@ def run_suite(args) -> dict:
         batches = [int(b) for b in args.batches.split(",")] if args.batches else list(suite[m]["batches"])
         for b in batches:
             for v in variants:
-                try:
-                    e = run_one(torch, m, suite[m], b, v, timing, device, not args.no_channels_last, args.compile,
-                                args.quiet)
-                except Exception as ex:  # noqa: BLE001 - recorded, the suite goes on
-                    msg = f"{type(ex).__name__}: {ex}"
-                    e = {"model": m, "batch_size": b, "policy": v, "framework": "pytorch",
-                         "status": "oom" if "out of memory" in msg.lower() else "error", "error": msg[:4000]}
-                    common.log(f"  {m} b{b} {v}: {e['status']}: {msg[:300]}", args.quiet)
-                    if device == "cuda":
-                        torch.cuda.empty_cache()
+                if isolate:
+                    e = common.run_child(Path(__file__).resolve(), ["--single", f"{m}:{b}:{v}", *_child_tail(args)],
+                                         args.timeout)
+                    e.setdefault("model", m), e.setdefault("batch_size", b), e.setdefault("policy", v)
+                    if e.get("status") != "ok":
+                        common.log(f"  {m} b{b} {v}: {e.get('status')}: {str(e.get('error'))[:300]}", args.quiet)
+                else:
+                    e = _guarded_run(torch, m, suite[m], b, v, timing, device, args)
                 entries.append(e)
-    return common.make_result("torch_amp", env, config, {"runs": entries}, args.dry_run, status="ok")
+                if on_progress is not None:
+                    on_progress(common.make_result("torch_amp", env, config, {"runs": list(entries)}, args.dry_run,
+                                                   status="ok", complete=False))
+    return common.make_result("torch_amp", env, config, {"runs": entries}, args.dry_run, status="ok", complete=True)
 
 
 def build_parser():
@@ -331,31 +380,47 @@ def build_parser():
     parser.add_argument("--models", help=f"comma list of {', '.join(SUITE)} (default: all)")
     parser.add_argument("--batches", help="comma list of batch sizes overriding each model's")
     parser.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: all)")
-    parser.add_argument("--rounds", type=int)
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--warmup-steps", type=int)
+    parser.add_argument("--rounds", type=int, help="timed blocks per run")
+    parser.add_argument("--steps", type=int, help="steps per timed block")
+    parser.add_argument("--warmup-steps", type=int, help="untimed steps (cudnn autotuning, torch.compile)")
     parser.add_argument("--no-channels-last", action="store_true", help="keep CNNs in NCHW memory format")
-    parser.add_argument("--compile", action="store_true", help="also torch.compile the model (off: eager, as AMP docs)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile every variant (the compile-* variants always are)")
+    iso = parser.add_mutually_exclusive_group()
+    iso.add_argument("--isolate", dest="isolate", action="store_true", default=None,
+                     help="one fresh process per run (default on a GPU)")
+    iso.add_argument("--no-isolate", dest="isolate", action="store_false", help="all runs in this process")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per isolated run")
+    parser.add_argument("--single", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
     return parser
 
 
-def main(argv=None) -> dict:
+def default_out(result: dict, dry_run: bool) -> str:
+    if dry_run:
+        return str(common.RESULTS_DIR / "dry_run/torch_amp.json")
+    return str(common.RESULTS_DIR / f"torch_amp_{common.device_slug(result['env']['device'])}.json")
+
+
+def main(argv=None) -> dict | None:
     args = build_parser().parse_args(argv)
-    result = run_suite(args)
+    if args.single:
+        _child_main(args)
+        return None
+
+    def progress(partial):
+        if args.out != "-":
+            common.write_json(args.out or default_out(partial, args.dry_run), partial)
+
+    result = run_suite(args, on_progress=progress)
     for e in result["results"]["runs"]:
         if e.get("status") == "ok":
             st = e["step_time_s"]
-            print(f"{e['model']:12s} {e['batch_size']:5d} {e['policy']:11s} {e['items_per_s']:10.1f} {e['unit']}/s  "
+            print(f"{e['model']:12s} {e['batch_size']:5d} {e['policy']:16s} {e['items_per_s']:10.1f} {e['unit']}/s  "
                   f"step {st['median'] * 1e3:.2f} ms ({st['q25'] * 1e3:.2f}-{st['q75'] * 1e3:.2f})", flush=True)
         else:
-            print(f"{e['model']:12s} {e['batch_size']:5d} {e['policy']:11s} {e['status']}: {e.get('error', '')[:100]}")
-    out = args.out
-    if out is None:
-        if args.dry_run:
-            out = str(common.RESULTS_DIR / "dry_run/torch_amp.json")
-        else:
-            out = str(common.RESULTS_DIR / f"torch_amp_{common.device_slug(result['env']['device'])}.json")
-    common.emit(result, out)
+            print(f"{e['model']:12s} {e['batch_size']:5d} {e['policy']:16s} {e['status']}: {e.get('error', '')[:100]}")
+    common.emit(result, args.out or default_out(result, args.dry_run))
     return result
 
 

@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxmp.transform import get_loss_scale
+from jaxmp.opt_state import get_loss_scale
 
 
 def _check_loss(loss: Any) -> jax.Array:
@@ -45,6 +45,7 @@ def value_and_grad(fun: Callable[..., Any], scale_source: Any, argnums: int | Se
       TypeError: a non-floating loss.
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> ls = jaxmp.StaticLossScale(4.0)
       >>> loss, g = jaxmp.value_and_grad(lambda w: jnp.sum(w ** 2), ls)(jnp.ones(2))
       >>> float(loss), g.tolist()

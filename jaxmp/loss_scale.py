@@ -1,21 +1,26 @@
-"""Loss scales as pytrees: no-op, static and dynamic; ``all_finite`` and ``select_tree``.
+"""Loss scales as pytrees: no-op, static and dynamic.
 
-Drop-in for jmp's loss scales with three fixes: every configuration field of
-:class:`DynamicLossScale` survives ``jit``/``tree_map``/checkpointing (jmp drops
-``min_loss_scale``), the scale is always float32, and growth is capped by
-``max_loss_scale`` and never produces a non-finite scale.
+Drop-in for jmp's loss scales with these fixes: they are dataclasses registered with
+``jax.tree_util.register_dataclass`` (the scale and counter are leaves, the configuration
+is static), so every field survives ``jit``/``tree_map``/checkpointing (jmp drops
+``min_loss_scale``); the scale is always float32 and is validated after the cast to float32;
+every dynamic scale has a floor (a normal float32 > 0), so no scale can reach 0, a subnormal,
+inf or NaN, and a scale recovers after any number of overflows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, TypeVar, Union
+from typing import Any, ClassVar, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp.policy import is_floating_array
+from jaxmp import traps
+from jaxmp.dtypes import is_inexact_array
+from jaxmp.skip import all_finite, check_flag, select_tree  # noqa: F401 - re-exported for older imports
 
 T = TypeVar("T")
 
@@ -25,6 +30,11 @@ DEFAULT_GROWTH_INTERVAL = 2000
 DEFAULT_GROWTH_FACTOR = 2.0
 DEFAULT_MIN_SCALE = 1.0
 DEFAULT_MAX_SCALE = 2.0**24
+#: The smallest scale any loss scale may hold: the smallest normal float32. Below it the scale
+#: would be subnormal, which XLA flushes to 0, and a scale of 0 never recovers.
+SMALLEST_SCALE = float(np.finfo(np.float32).tiny)
+
+_STATIC = {"static": True}
 
 
 def _is_tracer(x: Any) -> bool:
@@ -46,22 +56,55 @@ def _concrete_float(value: Any, name: str) -> float:
     return float(arr)
 
 
-def _check_scale(value: Any, name: str) -> jax.Array:
-    """Validates a user-given scale and returns it as a float32 0-d array."""
-    if _is_tracer(value):
-        if jnp.shape(value) != ():
-            raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(value)}")
-        return jnp.asarray(value, jnp.float32)
+def _float32_scale(value: Any, name: str) -> float:
+    """``value`` cast to float32, then checked: finite and a normal number (>= 2**-126)."""
     v = _concrete_float(value, name)
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {v}")
-    return jnp.asarray(v, jnp.float32)
+    with np.errstate(over="ignore", under="ignore"):
+        v32 = float(np.float32(v))
+    if not math.isfinite(v32) or v32 < SMALLEST_SCALE:
+        raise ValueError(
+            f"{name} must be a positive finite number that float32 holds as a normal number "
+            f"(between {SMALLEST_SCALE:g} and {float(np.finfo(np.float32).max):g}), got {v}"
+            + (f", which is {v32} in float32" if v32 != v else "")
+        )
+    return v32
+
+
+def _scale_array(value: Any, name: str) -> Any:
+    """A scale leaf: numbers are validated after the float32 cast; arrays are taken as they come.
+
+    Arrays (restored or traced values, and JAX's own placeholders while it rebuilds a pytree)
+    are not read back to the host here: that would sync the device on every rebuild.
+    """
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        # Replicated (pmap) or batched (vmap) states carry leading axes, so no shape check here.
+        return value if value.dtype == jnp.float32 else value.astype(jnp.float32)
+    if isinstance(value, np.ndarray) and value.ndim and np.issubdtype(value.dtype, np.number):
+        # A host copy of a replicated state (device_get of a pmap state): checked element-wise.
+        v32 = value.astype(np.float32)
+        if not np.all(np.isfinite(v32) & (v32 >= SMALLEST_SCALE)):
+            raise ValueError(f"{name} must hold positive finite normal float32 numbers, got {value}")
+        return v32
+    if isinstance(value, (int, float, np.number, np.ndarray, list, tuple)) and not isinstance(value, bool):
+        return jnp.asarray(_float32_scale(value, name), jnp.float32)
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got a bool")
+    # A placeholder while JAX or orbax rebuilds the tree (None, object(), ShapeDtypeStruct, a
+    # parameter name): the dataclass must accept it, so a wrong type is reported at first use.
+    return value
+
+
+def _usable(scale: Any) -> Any:
+    if not isinstance(scale, (jax.Array, np.ndarray, jax.core.Tracer)):
+        raise TypeError(f"loss_scale must be a real scalar number, got {type(scale).__name__}: {scale!r}")
+    return scale
 
 
 def _scale_leaf(x: Any, factor: jax.Array) -> Any:
     # Multiply in at least float32 and return the promoted dtype, as jmp does under standard
-    # promotion, but explicitly so that strict dtype promotion does not reject it.
-    if is_floating_array(x):
+    # promotion, but explicitly so that strict dtype promotion does not reject it. Complex
+    # leaves are scaled in their own dtype.
+    if is_inexact_array(x):
         dtype = x.dtype if np.dtype(x.dtype).itemsize >= 4 else np.dtype(jnp.float32)
         return x.astype(dtype) * factor.astype(dtype)
     if isinstance(x, (float, int)) and not isinstance(x, bool):
@@ -69,10 +112,13 @@ def _scale_leaf(x: Any, factor: jax.Array) -> Any:
     return x
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class NoOpLossScale:
     """A loss scale that does nothing (for float32 and bfloat16 training).
 
     Example:
+      >>> import jaxmp
       >>> ls = jaxmp.NoOpLossScale()
       >>> ls.scale(2.0), float(ls.loss_scale)
       (2.0, 1.0)
@@ -92,17 +138,8 @@ class NoOpLossScale:
 
     def adjust(self, grads_finite: jax.Array) -> "NoOpLossScale":
         """Returns ``self``."""
-        _check_flag(grads_finite)
+        check_flag(grads_finite)
         return self
-
-    def __repr__(self):
-        return "NoOpLossScale()"
-
-    def __eq__(self, other):
-        return type(other) is NoOpLossScale
-
-    def __hash__(self):
-        return hash(NoOpLossScale)
 
 
 class _Scaling:
@@ -111,53 +148,80 @@ class _Scaling:
     loss_scale: jax.Array
 
     def scale(self, tree: T) -> T:
-        """Multiplies every floating leaf by the scale (in at least float32).
+        """Multiplies every floating (or complex) leaf by the scale (in at least float32).
 
         Args:
           tree: a loss or any pytree.
 
         Returns:
-          The tree with floating leaves scaled; half-precision leaves come back float32.
+          The tree with inexact leaves scaled; half-precision leaves come back float32.
         """
+        traps.note_scaled(_usable(self.loss_scale))
         return jax.tree_util.tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
 
     def unscale(self, tree: T) -> T:
-        """Divides every floating leaf by the scale (in at least float32).
+        """Divides every floating (or complex) leaf by the scale (in at least float32).
 
         Args:
           tree: gradients or any pytree.
 
         Returns:
-          The tree with floating leaves unscaled; half-precision leaves come back float32.
+          The tree with inexact leaves unscaled; half-precision leaves come back float32.
         """
-        inv = 1.0 / self.loss_scale
+        inv = 1.0 / _usable(self.loss_scale)
         return jax.tree_util.tree_map(lambda x: _scale_leaf(x, inv), tree)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class StaticLossScale(_Scaling):
     """Scales the loss (and unscales gradients) by a fixed constant.
 
     Args:
-      loss_scale: a positive finite number; stored as a float32 0-d array leaf.
+      loss_scale: a positive number that float32 holds as a normal finite number; stored
+        as a float32 0-d array leaf.
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> ls = jaxmp.StaticLossScale(128.0)
       >>> float(ls.scale(jnp.float32(2.0)))
       256.0
     """
 
-    def __init__(self, loss_scale: Any):
-        self.loss_scale = _check_scale(loss_scale, "loss_scale")
+    loss_scale: Any
+
+    def __post_init__(self):
+        object.__setattr__(self, "loss_scale", _scale_array(self.loss_scale, "loss_scale"))
 
     def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
         """Returns ``self``: a static scale never changes."""
-        _check_flag(grads_finite)
+        check_flag(grads_finite)
         return self
 
-    def __repr__(self):
-        return f"StaticLossScale(loss_scale={self.loss_scale!r})"
+
+def _check_config(period, factor, backoff, lo, hi):
+    """Validates a dynamic scale's configuration; returns it as Python numbers."""
+    if isinstance(period, bool) or not isinstance(period, (int, np.integer)):
+        raise TypeError(f"period (growth interval) must be an int, got {type(period).__name__}: {period!r}")
+    if period < 1:
+        raise ValueError(f"period (growth interval) must be >= 1, got {period}")
+    factor = _concrete_float(factor, "factor")
+    if not math.isfinite(factor) or factor <= 1:
+        raise ValueError(f"factor (growth factor) must be a finite number > 1, got {factor}")
+    backoff = 1.0 / factor if backoff is None else _concrete_float(backoff, "backoff_factor")
+    if not 0 < backoff < 1:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff}")
+    lo = _float32_scale(lo, "min_loss_scale (the floor every back-off stops at)")
+    hi = _concrete_float(hi, "max_loss_scale")
+    if math.isnan(hi) or hi <= 0:
+        raise ValueError(f"max_loss_scale must be > 0, got {hi}")
+    if lo > hi:
+        raise ValueError(f"min_loss_scale ({lo}) is larger than max_loss_scale ({hi})")
+    return int(period), factor, backoff, lo, hi
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale(_Scaling):
     """Dynamic loss scaling: grow while gradients stay finite, back off when they overflow.
 
@@ -174,77 +238,78 @@ class DynamicLossScale(_Scaling):
             loss_scale = max(loss_scale * backoff_factor, min_loss_scale)
 
     So with the defaults the scale doubles on the 2000th consecutive finite step.
-    :meth:`torch_parity` reproduces ``torch.amp.GradScaler``'s sequence exactly.
+    Every scale has a floor: ``min_loss_scale`` must be a normal float32 (>= 2**-126), so
+    the scale can never reach 0 and recovers once gradients are finite again, after any
+    number of overflows. :meth:`torch_parity` reproduces ``torch.amp.GradScaler``'s sequence
+    exactly while torch's scale stays >= 2**-126 (torch has no floor and dies at 0).
 
     The scale and counter are pytree leaves (float32 and int32); the configuration
-    (period, factor, backoff, min, max) is static pytree metadata, so it survives
+    (period, factor, backoff, min, max) is static dataclass metadata, so it survives
     ``jax.jit(lambda s: s)``, ``tree_map`` and a checkpoint restored into a template.
 
     Args:
-      loss_scale: initial scale (positive, finite); default ``2**15``.
+      loss_scale: initial scale (validated after the cast to float32); default ``2**15``.
       counter: initial count of consecutive finite steps (int32).
       period: growth interval, consecutive finite steps before growing (>= 1).
       factor: growth factor (> 1).
-      min_loss_scale: floor applied on back-off (>= 0; 0 means no floor).
+      min_loss_scale: floor applied on back-off (a normal float32, >= 2**-126).
       backoff_factor: multiplier on overflow, in (0, 1); default ``1 / factor``.
       max_loss_scale: cap on growth (``inf`` allowed: growth still stops short of inf).
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> ls = jaxmp.DynamicLossScale(2.0**15, period=2)
       >>> ls = ls.adjust(jnp.array(True)).adjust(jnp.array(True))
       >>> float(ls.loss_scale)
       65536.0
     """
 
-    def __init__(self, loss_scale: Any = DEFAULT_INITIAL_SCALE, counter: Any = 0,
-                 period: int = DEFAULT_GROWTH_INTERVAL, factor: float = DEFAULT_GROWTH_FACTOR,
-                 min_loss_scale: Any = DEFAULT_MIN_SCALE, *, backoff_factor: float | None = None,
-                 max_loss_scale: Any = DEFAULT_MAX_SCALE):
-        if isinstance(period, bool) or not isinstance(period, (int, np.integer)):
-            raise TypeError(f"period (growth interval) must be an int, got {type(period).__name__}: {period!r}")
-        if period < 1:
-            raise ValueError(f"period (growth interval) must be >= 1, got {period}")
-        factor = _concrete_float(factor, "factor")
-        if not math.isfinite(factor) or factor <= 1:
-            raise ValueError(f"factor (growth factor) must be a finite number > 1, got {factor}")
-        backoff = 1.0 / factor if backoff_factor is None else _concrete_float(backoff_factor, "backoff_factor")
-        if not 0 < backoff < 1:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff}")
-        lo = _concrete_float(min_loss_scale, "min_loss_scale")
-        hi = _concrete_float(max_loss_scale, "max_loss_scale")
-        if not math.isfinite(lo) or lo < 0:
-            raise ValueError(f"min_loss_scale must be a finite number >= 0, got {lo}")
-        if math.isnan(hi) or hi <= 0:
-            raise ValueError(f"max_loss_scale must be > 0, got {hi}")
-        if lo > hi:
-            raise ValueError(f"min_loss_scale ({lo}) is larger than max_loss_scale ({hi})")
-        self.loss_scale = _check_scale(loss_scale, "loss_scale")
-        if not _is_tracer(self.loss_scale) and not lo <= float(self.loss_scale) <= hi:
-            raise ValueError(f"initial loss_scale {float(self.loss_scale)} is outside [min_loss_scale, max_loss_scale] = [{lo}, {hi}]")
-        if not _is_tracer(counter):
-            c = np.asarray(counter)
-            if c.shape != () or not np.issubdtype(c.dtype, np.integer) or c < 0:
-                raise ValueError(f"counter must be a non-negative integer scalar, got {counter!r}")
-        self.counter = jnp.asarray(counter, jnp.int32)
-        self.period = int(period)
-        self.factor = factor
-        self.backoff_factor = backoff
-        self.min_loss_scale = lo
-        self.max_loss_scale = hi
+    loss_scale: Any = DEFAULT_INITIAL_SCALE
+    counter: Any = 0
+    period: int = dataclasses.field(default=DEFAULT_GROWTH_INTERVAL, metadata=_STATIC)
+    factor: float = dataclasses.field(default=DEFAULT_GROWTH_FACTOR, metadata=_STATIC)
+    min_loss_scale: float = dataclasses.field(default=DEFAULT_MIN_SCALE, metadata=_STATIC)
+    backoff_factor: float | None = dataclasses.field(default=None, kw_only=True, metadata=_STATIC)
+    max_loss_scale: float = dataclasses.field(default=DEFAULT_MAX_SCALE, kw_only=True, metadata=_STATIC)
+
+    # Configurations already validated: JAX rebuilds the dataclass on every tree operation.
+    _valid: ClassVar[set] = set()
+
+    def __post_init__(self):
+        config = (self.period, self.factor, self.backoff_factor, self.min_loss_scale, self.max_loss_scale)
+        if config not in self._valid:
+            config = _check_config(*config)
+            self._valid.add(config)
+        for name, value in zip(("period", "factor", "backoff_factor", "min_loss_scale", "max_loss_scale"), config):
+            object.__setattr__(self, name, value)
+        scale = _scale_array(self.loss_scale, "loss_scale")
+        if isinstance(scale, jax.Array) and not _is_tracer(scale) and isinstance(self.loss_scale, (int, float, np.number)):
+            if not self.min_loss_scale <= float(scale) <= self.max_loss_scale:
+                raise ValueError(
+                    f"initial loss_scale {float(scale)} is outside [min_loss_scale, max_loss_scale] = "
+                    f"[{self.min_loss_scale}, {self.max_loss_scale}]"
+                )
+        object.__setattr__(self, "loss_scale", scale)
+        object.__setattr__(self, "counter", _counter_array(self.counter))
 
     @classmethod
     def torch_parity(cls) -> "DynamicLossScale":
-        """``torch.amp.GradScaler()``'s defaults: init 2**16, x2 after 2000 finite steps, x0.5 on overflow, no floor.
+        """``torch.amp.GradScaler()``'s defaults: init 2**16, x2 after 2000 finite steps, x0.5 on overflow.
+
+        One deviation from torch: a floor at 2**-126 (the smallest normal float32). torch has
+        none, so after ~150 overflows in a row its scale is flushed to 0 and never recovers
+        (pytorch/pytorch#99640); here it stops at the floor and grows back.
 
         Returns:
           A :class:`DynamicLossScale` whose scale sequence matches GradScaler's for the same
-          sequence of finite / non-finite steps.
+          sequence of finite / non-finite steps while GradScaler's scale is >= 2**-126.
 
         Example:
+          >>> import jaxmp
           >>> float(jaxmp.DynamicLossScale.torch_parity().loss_scale)
           65536.0
         """
-        return cls(2.0**16, period=2000, factor=2.0, min_loss_scale=0.0, backoff_factor=0.5,
+        return cls(2.0**16, period=2000, factor=2.0, min_loss_scale=SMALLEST_SCALE, backoff_factor=0.5,
                    max_loss_scale=math.inf)
 
     @property
@@ -266,65 +331,38 @@ class DynamicLossScale(_Scaling):
         Returns:
           The new :class:`DynamicLossScale` (same configuration).
         """
-        grads_finite = _check_flag(grads_finite)
+        grads_finite = check_flag(grads_finite)
         scale = self.loss_scale.astype(jnp.float32)
         counter = jnp.where(grads_finite, self.counter + 1, 0).astype(jnp.int32)
         grow = grads_finite & (counter >= self.period)
         grown = jnp.minimum(scale * jnp.float32(self.factor), jnp.float32(self.max_loss_scale))
         grown = jnp.where(jnp.isfinite(grown), grown, scale)
-        backed_off = jnp.maximum(scale * jnp.float32(self.backoff_factor), jnp.float32(self.min_loss_scale))
+        lo = jnp.float32(self.min_loss_scale)
+        backed_off = jnp.maximum(scale * jnp.float32(self.backoff_factor), lo)
         new_scale = jnp.where(grads_finite, jnp.where(grow, grown, scale), backed_off)
+        # A scale restored from a damaged state (NaN, 0) falls back to the floor, never stays dead.
+        new_scale = jnp.where(new_scale >= lo, new_scale, lo)
         counter = jnp.where(grow, 0, counter).astype(jnp.int32)
-        return self._replace(new_scale, counter)
-
-    def _replace(self, loss_scale, counter) -> "DynamicLossScale":
-        new = object.__new__(DynamicLossScale)
-        new.__dict__.update(self.__dict__)
-        new.loss_scale, new.counter = loss_scale, counter
-        return new
-
-    def _config(self):
-        return (self.period, self.factor, self.backoff_factor, self.min_loss_scale, self.max_loss_scale)
-
-    def __repr__(self):
-        return (f"DynamicLossScale(loss_scale={self.loss_scale!r}, counter={self.counter!r}, period={self.period}, "
-                f"factor={self.factor}, backoff_factor={self.backoff_factor}, min_loss_scale={self.min_loss_scale}, "
-                f"max_loss_scale={self.max_loss_scale})")
+        return dataclasses.replace(self, loss_scale=new_scale, counter=counter)
 
 
-def _flatten_dynamic(ls: DynamicLossScale):
-    return (ls.loss_scale, ls.counter), ls._config()
+def _counter_array(counter: Any) -> Any:
+    if isinstance(counter, (jax.Array, jax.core.Tracer)):
+        return counter if counter.dtype == jnp.int32 else counter.astype(jnp.int32)
+    if isinstance(counter, np.ndarray) and counter.ndim and np.issubdtype(counter.dtype, np.integer):
+        return counter.astype(np.int32)  # a host copy of a replicated state
+    if isinstance(counter, (int, np.integer, np.ndarray)) and not isinstance(counter, bool):
+        c = np.asarray(counter)
+        if c.shape != () or not np.issubdtype(c.dtype, np.integer) or c < 0:
+            raise ValueError(f"counter must be a non-negative integer scalar, got {counter!r}")
+        return jnp.asarray(c, jnp.int32)
+    if isinstance(counter, (bool, float)):
+        raise ValueError(f"counter must be a non-negative integer scalar, got {counter!r}")
+    return counter
 
-
-def _unflatten_dynamic(config, children) -> DynamicLossScale:
-    # Bypass __init__: JAX rebuilds pytrees with tracers and placeholder objects.
-    new = object.__new__(DynamicLossScale)
-    new.loss_scale, new.counter = children
-    (new.period, new.factor, new.backoff_factor, new.min_loss_scale, new.max_loss_scale) = config
-    return new
-
-
-def _unflatten_static(_, children) -> StaticLossScale:
-    new = object.__new__(StaticLossScale)
-    (new.loss_scale,) = children
-    return new
-
-
-jax.tree_util.register_pytree_node(NoOpLossScale, lambda ls: ((), None), lambda _, __: NoOpLossScale())
-jax.tree_util.register_pytree_node(StaticLossScale, lambda ls: ((ls.loss_scale,), None), _unflatten_static)
-jax.tree_util.register_pytree_node(DynamicLossScale, _flatten_dynamic, _unflatten_dynamic)
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
 LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
-
-
-def _check_flag(flag: Any) -> jax.Array:
-    flag = jnp.asarray(flag)
-    if flag.shape != ():
-        raise ValueError(f"expected a boolean scalar, got shape {flag.shape}")
-    if flag.dtype != jnp.bool_:
-        raise TypeError(f"expected a boolean scalar, got dtype {flag.dtype}")
-    return flag
 
 
 def make_loss_scale(spec: Any = "dynamic") -> LossScale:
@@ -339,9 +377,10 @@ def make_loss_scale(spec: Any = "dynamic") -> LossScale:
       A :class:`NoOpLossScale`, :class:`StaticLossScale` or :class:`DynamicLossScale`.
 
     Raises:
-      ValueError: unknown description or invalid number.
+      ValueError: unknown description, or a number that is not a normal float32 > 0.
 
     Example:
+      >>> import jaxmp
       >>> jaxmp.make_loss_scale("static:1024")
       StaticLossScale(loss_scale=Array(1024., dtype=float32))
     """
@@ -350,7 +389,8 @@ def make_loss_scale(spec: Any = "dynamic") -> LossScale:
     if spec is None:
         return NoOpLossScale()
     if not isinstance(spec, (str, bool)) and np.ndim(spec) == 0 and np.issubdtype(np.asarray(spec).dtype, np.number):
-        return StaticLossScale(spec)  # Python, numpy or 0-d JAX numbers
+        # Python, numpy or 0-d JAX numbers, validated after the cast to float32.
+        return StaticLossScale(_float32_scale(spec, "loss_scale"))
     if isinstance(spec, str):
         s = spec.strip().lower()
         if s in ("none", "noop", "no_op", "off"):
@@ -368,59 +408,3 @@ def make_loss_scale(spec: Any = "dynamic") -> LossScale:
     raise ValueError(
         f"Unknown loss scale {spec!r}: expected 'dynamic', 'torch', 'none', 'static:<scale>', a number or a loss-scale object."
     )
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """Whether every floating leaf of ``tree`` is free of inf and NaN.
-
-    Non-floating leaves (ints, bools, PRNG keys, float0) are ignored.
-
-    Args:
-      tree: any pytree, typically gradients.
-
-    Returns:
-      A boolean scalar array (``True`` for a tree with no floating leaves).
-
-    Example:
-      >>> bool(jaxmp.all_finite({"a": jnp.ones(2), "b": jnp.array([jnp.inf])}))
-      False
-    """
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_floating_array(x)]
-    if not leaves:
-        return jnp.array(True)
-    # x * 0 is 0 for finite x and NaN for inf/NaN, so one float sum per leaf carries the verdict
-    # and cannot overflow. On CPU this is ~3x cheaper than reducing a boolean isfinite mask.
-    total = sum(jnp.sum((x * jnp.zeros((), x.dtype)).astype(jnp.float32)) for x in leaves)
-    return jnp.isfinite(total)
-
-
-def select_tree(pred: Any, a: T, b: T) -> T:
-    """Selects ``a`` where ``pred`` is true else ``b``, leaf by leaf (``lax.select``).
-
-    Args:
-      pred: a boolean scalar.
-      a: a pytree.
-      b: a pytree of the same structure, shapes and dtypes.
-
-    Returns:
-      ``a`` or ``b``, chosen without Python branching (usable under ``jit``).
-
-    Raises:
-      ValueError / TypeError: ``pred`` is not a boolean scalar, or the trees differ.
-
-    Example:
-      >>> jaxmp.select_tree(jnp.array(False), {"x": jnp.ones(2)}, {"x": jnp.zeros(2)})["x"]
-      Array([0., 0.], dtype=float32)
-    """
-    pred = _check_flag(pred)
-    ta, tb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
-    if ta != tb:
-        raise ValueError(f"select_tree needs two trees of the same structure, got {ta} and {tb}")
-
-    def sel(x, y):
-        x, y = jnp.asarray(x), jnp.asarray(y)
-        if x.shape != y.shape or x.dtype != y.dtype:
-            raise ValueError(f"select_tree leaves differ: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}")
-        return jax.lax.select(pred, x, y) if x.shape == () else jax.lax.select(jnp.broadcast_to(pred, x.shape), x, y)
-
-    return jax.tree_util.tree_map(sel, a, b)

@@ -1,13 +1,21 @@
-"""The optax transform: unscale, check, skip or apply, adjust the scale; optional fp32 master weights.
+"""The optax transforms: loss scaling with skip-on-non-finite, and fp32 master weights.
 
-``loss_scaling(inner)`` wraps any optax ``GradientTransformation``. It is meant to be
-the outermost transform: the inner chain (clipping, weight decay, Adam...) only ever
-sees true, finite gradients, and a non-finite step changes nothing but the loss scale
-and the skip counters.
+Two small factories that compose, optax style:
+
+* :func:`master_weights` keeps a float32 copy of (half-precision) params and runs the
+  inner chain on it (Apex O2);
+* :func:`unscale_and_skip` unscales gradients, checks them, skips a non-finite step
+  (inner state bitwise unchanged, updates ``-0.0``) and adjusts the loss scale.
+
+:func:`loss_scaling` is ``unscale_and_skip(master_weights(inner))`` (or without the
+master part). It is meant to be the outermost transform: the inner chain (clipping,
+weight decay, Adam...) only ever sees true, finite gradients.
 """
 
 from __future__ import annotations
 
+import importlib
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -15,20 +23,40 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp.loss_scale import LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale, all_finite, make_loss_scale, select_tree
-from jaxmp.policy import cast_floating, is_floating_array
+from jaxmp import traps
+from jaxmp.dtypes import float_dtype, is_floating_array, is_inexact_array
+from jaxmp.loss_scale import LOSS_SCALE_TYPES, LossScale, NoOpLossScale, make_loss_scale
+from jaxmp.skip import all_finite, keep_if_finite
+
+#: ``LossScalingState.skip_reason`` values.
+APPLIED, NON_FINITE_LOSS, NON_FINITE_GRADIENTS, NON_FINITE_UPDATES = 0, 1, 2, 3
+
+
+class MasterWeightsState(NamedTuple):
+    """State of :func:`master_weights`.
+
+    Attributes:
+      inner_state: the wrapped transformation's state, built on the master copy.
+      master_params: the ``master_dtype`` (float32) copy of the params.
+    """
+
+    inner_state: Any
+    master_params: Any
 
 
 class LossScalingState(NamedTuple):
-    """State of :func:`loss_scaling`.
+    """State of :func:`unscale_and_skip` (and so of :func:`loss_scaling`).
 
     Attributes:
-      inner_state: the wrapped transformation's state (unchanged on skipped steps).
+      inner_state: the wrapped transformation's state (unchanged on skipped steps); a
+        :class:`MasterWeightsState` when master weights are kept.
       loss_scale: the current loss-scale pytree (scale is float32 []).
-      last_step_finite: bool [], whether the last update's gradients were finite.
+      last_step_finite: bool [], whether the last update was applied.
       consecutive_skips: int32 [], skipped steps in a row (0 after an applied step).
       total_skips: int32 [], skipped steps since ``init``.
-      master_params: float32 copy of the params when ``master_weights=True``, else ``None``.
+      skip_reason: int32 [], why the last step was skipped: 0 applied, 1 non-finite loss
+        (when ``update`` is given ``value=loss``), 2 non-finite gradients, 3 finite gradients
+        but non-finite updates.
     """
 
     inner_state: Any
@@ -36,48 +64,51 @@ class LossScalingState(NamedTuple):
     last_step_finite: jax.Array
     consecutive_skips: jax.Array
     total_skips: jax.Array
-    master_params: Any = None
+    skip_reason: jax.Array
+
+    @property
+    def master_params(self) -> Any:
+        """The master copy when the inner chain keeps one (:func:`master_weights`), else None."""
+        found = find_states(self.inner_state, MasterWeightsState)
+        return found[0].master_params if found else None
 
 
-class TrainingDivergedError(FloatingPointError):
-    """Raised by :func:`check_health` when too many steps in a row had non-finite gradients."""
+def find_states(tree: Any, cls: type) -> list:
+    """Every ``cls`` instance in a pytree (optax states are nested tuples and NamedTuples)."""
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, cls)) if isinstance(x, cls)]
 
 
 def _check_all_arrays(tree, what):
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-            raise TypeError(
-                f"{what} leaf at {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array"
-            )
+            raise TypeError(f"{what} leaf at {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array")
 
 
-def _check_same_structure(grads, ref, what):
-    tg, tr = jax.tree_util.tree_structure(grads), jax.tree_util.tree_structure(ref)
+def check_same_structure(tree, ref, what, ref_what):
+    """Raises a ValueError naming the first leaf where two trees differ in structure or shape."""
+    tg, tr = jax.tree_util.tree_structure(tree), jax.tree_util.tree_structure(ref)
     if tg != tr:
-        raise ValueError(f"gradients and {what} have different tree structures:\n  grads: {tg}\n  {what}: {tr}")
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves(ref)):
+        raise ValueError(f"{what} and {ref_what} have different tree structures:\n  {what}: {tg}\n  {ref_what}: {tr}")
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree_util.tree_leaves(ref)):
         if jnp.shape(g) != jnp.shape(r):
             raise ValueError(
-                f"gradient at {jax.tree_util.keystr(path)} has shape {jnp.shape(g)} but the {what} leaf has {jnp.shape(r)}"
+                f"{what} leaf at {jax.tree_util.keystr(path)} has shape {jnp.shape(g)} but the {ref_what} leaf "
+                f"has {jnp.shape(r)}"
             )
 
 
 def _negative_zeros(x):
     # x + (-0.0) == x for every x, -0.0 included, whereas -0.0 + 0.0 == +0.0: a skipped step
     # adds -0.0 so that even negative-zero params stay bitwise unchanged.
-    return jnp.full_like(x, -0.0) if is_floating_array(x) else jnp.zeros_like(x)
+    return jnp.full_like(x, -0.0) if is_inexact_array(x) else jnp.zeros_like(x)
 
 
-def _skip_updates(update_shapes):
-    """The updates of a skipped step: -0.0 with the shapes and dtypes the inner chain returns."""
-    return jax.tree_util.tree_map(lambda s: _negative_zeros(jnp.zeros(s.shape, s.dtype)), update_shapes)
-
-
-def _add_floating(params, updates):
+def add_floating(params, updates):
     """``optax.apply_updates`` on floating leaves; other leaves (ints, with float0 updates) pass through."""
+    check_same_structure(updates, params, "updates", "params")
 
     def add(p, u):
-        if not is_floating_array(p):
+        if not is_inexact_array(p):
             return p
         u = jnp.asarray(u)
         # Add in the wider of the two dtypes, as optax does, without relying on implicit promotion.
@@ -106,169 +137,178 @@ def _verdict(finite: jax.Array, axis_name) -> jax.Array:
     return agreed > 0.5
 
 
-def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic", *,
-                 axis_name: Any = None, master_weights: bool = False,
-                 master_dtype: Any = jnp.float32, skip_with: str = "auto",
-                 check_updates: bool | None = None) -> optax.GradientTransformationExtraArgs:
-    """Wraps an optax transformation with loss scaling, non-finite step skipping and master weights.
+def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
+    if not isinstance(inner, optax.GradientTransformation) and not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(f"inner must be an optax GradientTransformation, got {type(inner).__name__}")
+    return optax.with_extra_args_support(inner)
 
-    On every ``update(grads, state, params)``:
 
-    1. gradients (scaled by :func:`jaxmp.value_and_grad`) are unscaled with the scale that
-       scaled the loss -- before the inner chain, so clipping and weight decay see true values;
-    2. every floating gradient leaf is checked with ``jnp.isfinite``; with ``axis_name`` the
-       verdict is reduced (``pmin`` in float32) so every replica agrees;
-    3. finite: the inner update is applied; non-finite: updates are zero (``-0.0``, so that
-       params stay bitwise unchanged, negative zeros included) and the inner state (step counts
-       included) is left bitwise unchanged -- via ``lax.cond`` or ``lax.select``, no Python
-       branching on values;
-    4. where half-precision arithmetic can make them so, the updates are checked too
-       (``check_updates``): a finite gradient that still yields a non-finite update (pure-fp16
-       Adam) is skipped, never applied;
-    5. the loss scale is adjusted (grows after ``period`` finite steps, backs off on overflow).
+def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.float32
+                   ) -> optax.GradientTransformationExtraArgs:
+    """Keeps a ``master_dtype`` copy of the params and runs ``inner`` on it (Apex O2).
 
-    A non-finite update is never applied, however many steps in a row overflow; call
-    :func:`check_health` on the host to stop a run that keeps skipping.
-
-    Schedules inside the inner chain (``optax.inject_hyperparams``, ``optax.adam(schedule)``)
-    count the inner step counter, which advances on applied steps only: skipped steps do not
-    move the schedule.
-
-    Master weights (Apex O2): with ``master_weights=True`` the model's params may be stored in
-    float16/bfloat16; ``init`` keeps a ``master_dtype`` copy in the state, the inner chain runs
-    on that copy (so its moments are float32), and :func:`apply_updates` returns the master
-    cast to each param's dtype, bit for bit. Updates smaller than the half dtype's resolution
-    accumulate in the master. With float32 params (the user casts for compute inside the loss)
-    leave it off: gradients then come back float32 already.
+    ``init`` copies the params to ``master_dtype``; ``update`` casts the (unscaled) gradients
+    to it, runs ``inner`` on the master copy (so Adam's moments are float32), steps the
+    master, and returns the updates that move each half param onto the cast of the new
+    master. :func:`jaxmp.apply_updates` with the state returns exactly that cast. Compose it
+    under :func:`unscale_and_skip`, which then unscales in ``master_dtype`` and keeps the
+    master unchanged on skipped steps.
 
     Args:
-      inner: the optax transformation to wrap (e.g. ``optax.chain(clip, adamw)``).
-      loss_scale: a loss-scale object or a spec for :func:`jaxmp.make_loss_scale`
-        (``"dynamic"`` default; ``"none"`` for bfloat16/float32; ``"torch"``; a number).
-      axis_name: the ``pmap``/``shard_map`` axis to agree on the finite verdict over.
-      master_weights: keep a ``master_dtype`` master copy of the params in the state.
-      master_dtype: dtype of the master copy (float32).
-      skip_with: how a step is skipped inside the compiled program. ``"cond"``: ``lax.cond``
-        runs only the taken branch and lets XLA update the optimizer state in place (cheapest
-        on CPU and TPU); ``"select"``: compute the inner update, then ``lax.select`` between
-        new and old state (no device-to-host read of the predicate, which XLA:GPU conditionals
-        may need); ``"auto"`` (default): ``"select"`` on GPU, ``"cond"`` elsewhere. Results are
-        bitwise identical.
-      check_updates: also skip a step whose *updates* are non-finite although its gradients
-        were finite: Adam in pure float16 flushes its epsilon to zero and divides 0 by 0, and an
-        O2 master value can exceed the half dtype's range. Costs one more pass over the updates
-        and a select on the optimizer state (on a CPU MLP step, 1.43x instead of 1.13x bare optax). ``None`` (default)
-        checks exactly when that can happen: with ``master_weights``, or when the gradients or
-        the inner state hold float16/bfloat16 leaves; a float32 inner chain fed finite
-        gradients produces finite updates, so it is not checked.
+      inner: the optax transformation run on the master copy.
+      master_dtype: dtype of the master copy (float32; ``"f32"``-style names accepted).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`LossScalingState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`MasterWeightsState`.
 
     Example:
-      >>> tx = jaxmp.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
-      >>> params = {"w": jnp.ones(3)}
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> tx = jaxmp.master_weights(optax.sgd(0.5))
+      >>> params = {"w": jnp.ones(2, jnp.float16)}
       >>> state = tx.init(params)
-      >>> loss, grads = jaxmp.value_and_grad(lambda p: jnp.sum(p["w"] ** 2), state)(params)
-      >>> updates, state = tx.update(grads, state, params)
-      >>> params = jaxmp.apply_updates(params, updates, state)
+      >>> updates, state = tx.update({"w": jnp.full(2, 1e-3, jnp.float16)}, state, params)
+      >>> state.master_params["w"].dtype, updates["w"].dtype
+      (dtype('float32'), dtype('float16'))
     """
-    if not isinstance(inner, optax.GradientTransformation) and not (
-        hasattr(inner, "init") and hasattr(inner, "update")
-    ):
-        raise TypeError(f"inner must be an optax GradientTransformation, got {type(inner).__name__}")
-    initial_scale = make_loss_scale(loss_scale)
-    if not isinstance(master_weights, bool):
-        raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
-    master_dtype = np.dtype(master_dtype)
-    if not jnp.issubdtype(master_dtype, jnp.floating):
-        raise TypeError(f"master_dtype must be a floating dtype, got {master_dtype}")
-    if skip_with not in ("auto", "cond", "select"):
-        raise ValueError(f"skip_with must be 'auto', 'cond' or 'select', got {skip_with!r}")
-    inner = optax.with_extra_args_support(inner)
+    inner = _check_inner(inner)
+    master_dtype = float_dtype(master_dtype, "master_dtype")
 
     def init_fn(params):
         _check_all_arrays(params, "params")
-        if master_weights:
-            # A real copy: float32 params (norms under O2) would otherwise share buffers with the
-            # master, and donating the state would donate the same buffer twice.
-            master = jax.tree_util.tree_map(
-                lambda x: jnp.array(x, dtype=master_dtype if is_floating_array(x) else None, copy=True), params)
-            inner_state = inner.init(master)
-        else:
-            master = None
-            inner_state = inner.init(params)
+        # A real copy: float32 params (norms under O2) would otherwise share buffers with the
+        # master, and donating the state would donate the same buffer twice.
+        master = jax.tree_util.tree_map(
+            lambda x: jnp.array(x, dtype=master_dtype if is_floating_array(x) else None, copy=True), params)
+        return MasterWeightsState(inner.init(master), master)
+
+    def update_fn(grads, state, params=None, **extra_args):
+        master = state.master_params
+        check_same_structure(grads, master, "gradients", "master params")
+        if params is not None:
+            check_same_structure(params, master, "params", "master params")
+        # The half params' dtypes; gradients may arrive in float32 for bfloat16 params.
+        ref = grads if params is None else params
+        dtypes = jax.tree_util.tree_map(lambda p: jnp.asarray(p).dtype, ref)
+        grads = jax.tree_util.tree_map(lambda g: g.astype(master_dtype) if is_floating_array(g) else g, grads)
+        updates, inner_state = inner.update(grads, state.inner_state, master, **extra_args)
+        stepped = add_floating(master, updates)
+        # The returned updates move the half params onto the new master; apply_updates with
+        # the state is the exact path (cast of the master), optax's is within rounding.
+        deltas = jax.tree_util.tree_map(
+            lambda new, old, d: (new.astype(d).astype(master_dtype) - old.astype(d).astype(master_dtype)).astype(d)
+            if is_floating_array(new) else jnp.zeros_like(new), stepped, master, dtypes)
+        return deltas, MasterWeightsState(inner_state, stepped)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _unscale(loss_scale, grads, keeps_master: bool):
+    if keeps_master:
+        # Unscale in float32: a half gradient cast back to half after unscaling could underflow
+        # before it reaches the master copy.
+        return loss_scale.unscale(grads)
+    # Unscale in float32, then hand the inner chain gradients in their own dtype.
+    return jax.tree_util.tree_map(
+        lambda u, g: u.astype(g.dtype) if is_inexact_array(u) else u, loss_scale.unscale(grads), grads)
+
+
+def _inner_step(inner, unscaled, grads_finite, state, params, use_cond, extra_args):
+    """The inner update on a finite step; ``-0.0`` updates and the old inner state otherwise."""
+    def apply():
+        return inner.update(unscaled, state.inner_state, params, **extra_args)
+
+    closed, shapes = jax.make_jaxpr(apply, return_shape=True)()
+    traps.check_update_constants(closed)
+    if use_cond:
+        # Only the taken branch runs, so the inner chain never sees non-finite gradients and
+        # XLA can update the optimizer state in place.
+        shapes = shapes[0]
+        return jax.lax.cond(grads_finite, apply, lambda: (
+            jax.tree_util.tree_map(lambda s: _negative_zeros(jnp.zeros(s.shape, s.dtype)), shapes),
+            state.inner_state))
+    updates, inner_state = apply()
+    return (keep_if_finite(grads_finite, updates, jax.tree_util.tree_map(_negative_zeros, updates)),
+            keep_if_finite(grads_finite, inner_state, state.inner_state))
+
+
+def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dynamic", *,
+                     axis_name: Any = None, skip_with: str = "auto",
+                     check_updates: bool | None = None) -> optax.GradientTransformationExtraArgs:
+    """Unscales gradients, skips non-finite steps and adjusts the loss scale around ``inner``.
+
+    The loss-scaling half of :func:`loss_scaling` (see it for the full contract); compose with
+    :func:`master_weights` as ``unscale_and_skip(master_weights(inner))``.
+
+    Args:
+      inner: the optax transformation to wrap.
+      loss_scale: a loss-scale object or a spec for :func:`jaxmp.make_loss_scale`.
+      axis_name: the ``pmap``/``shard_map`` axis to agree on the finite verdict over.
+      skip_with: ``"cond"``, ``"select"`` or ``"auto"``, as in :func:`loss_scaling`.
+      check_updates: also skip steps whose updates are non-finite; as in :func:`loss_scaling`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`LossScalingState`.
+      ``update`` accepts ``value=loss`` (optax's name for the loss) to tell a non-finite loss
+      from non-finite gradients in ``skip_reason``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> tx = jaxmp.unscale_and_skip(optax.sgd(0.1), "static:4")
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> updates, state = tx.update({"w": jnp.array([4.0, jnp.inf])}, state)
+      >>> bool(state.last_step_finite), int(state.skip_reason), updates["w"].tolist()
+      (False, 2, [-0.0, -0.0])
+    """
+    inner = _check_inner(inner)
+    initial_scale = make_loss_scale(loss_scale)
+    if skip_with not in ("auto", "cond", "select"):
+        raise ValueError(f"skip_with must be 'auto', 'cond' or 'select', got {skip_with!r}")
+    if check_updates is not None and not isinstance(check_updates, bool):
+        raise TypeError(f"check_updates must be None or a bool, got {type(check_updates).__name__}")
+
+    def init_fn(params):
+        _check_all_arrays(params, "params")
+        inner_state = inner.init(params)
+        traps.check_init(params, inner_state, initial_scale, LossScalingState, MasterWeightsState)
+        traps.check_inner_state(inner_state)
         return LossScalingState(
             inner_state=inner_state,
             loss_scale=jax.tree_util.tree_map(jnp.asarray, initial_scale),
             last_step_finite=jnp.array(True),
             consecutive_skips=jnp.zeros([], jnp.int32),
             total_skips=jnp.zeros([], jnp.int32),
-            master_params=master,
+            skip_reason=jnp.zeros([], jnp.int32),
         )
 
     def update_fn(grads, state, params=None, **extra_args):
         if not isinstance(state, LossScalingState):
             raise TypeError(f"state must be the LossScalingState made by this transform's init, got {type(state).__name__}")
         _check_all_arrays(grads, "gradient")
-        if master_weights:
-            _check_same_structure(grads, state.master_params, "master params")
-        elif params is not None:
-            _check_same_structure(grads, params, "params")
-        grad_dtypes = jax.tree_util.tree_map(lambda g: jnp.asarray(g).dtype, grads)
-        # The half params' dtypes; gradients may arrive in float32 for bfloat16 params.
-        param_dtypes = grad_dtypes if params is None else jax.tree_util.tree_map(lambda p: jnp.asarray(p).dtype, params)
+        traps.check_gradients(grads, state.loss_scale)
+        keeps_master = bool(find_states(state.inner_state, MasterWeightsState))
+        if params is not None:
+            check_same_structure(grads, params, "gradients", "params")
 
-        if master_weights:
-            unscaled = state.loss_scale.unscale(cast_floating(grads, master_dtype))
-        else:
-            # Unscale in float32, then hand the inner chain gradients in their own dtype.
-            unscaled = jax.tree_util.tree_map(
-                lambda u, d: u.astype(d) if is_floating_array(u) else u, state.loss_scale.unscale(grads), grad_dtypes
-            )
+        unscaled = _unscale(state.loss_scale, grads, keeps_master)
         grads_finite = _verdict(all_finite(unscaled), axis_name)
-
-        inner_params = state.master_params if master_weights else params
         use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
-        if use_cond:
-            # Only the taken branch runs, so the inner chain never sees non-finite gradients and
-            # XLA can update the optimizer state in place.
-            def apply():
-                return inner.update(unscaled, state.inner_state, inner_params, **extra_args)
+        updates, inner_state = _inner_step(inner, unscaled, grads_finite, state, params, use_cond, extra_args)
 
-            update_shapes = jax.eval_shape(apply)[0]
-            updates, inner_state = jax.lax.cond(
-                grads_finite, apply, lambda: (_skip_updates(update_shapes), state.inner_state))
-        else:
-            new_updates, new_inner = inner.update(unscaled, state.inner_state, inner_params, **extra_args)
-            inner_state = select_tree(grads_finite, new_inner, state.inner_state)
-            updates = select_tree(grads_finite, new_updates, jax.tree_util.tree_map(_negative_zeros, new_updates))
-
-        master = state.master_params
-        if master_weights:
-            stepped_master = _add_floating(master, updates)
-            # The returned updates move the half params onto the new master; apply_updates
-            # with the state is the exact path (cast of the master), optax's is within rounding.
-            updates = jax.tree_util.tree_map(
-                lambda new, old, d: jnp.where(
-                    grads_finite, new.astype(d).astype(master_dtype) - old.astype(d).astype(master_dtype), -0.0
-                ).astype(d) if is_floating_array(new) else jnp.zeros_like(new),
-                stepped_master, master, param_dtypes,
-            )
-
-        half_arithmetic = master_weights or _has_half((unscaled, state.inner_state))
+        half_arithmetic = keeps_master or _has_half((unscaled, state.inner_state))
         if half_arithmetic if check_updates is None else check_updates:
             # Finite gradients can still give a non-finite update (Adam's epsilon flushed to zero
             # in float16, a master value past float16's range): such a step is skipped too.
             updates_finite = _verdict(all_finite(updates), axis_name)
-            finite = grads_finite & updates_finite
-            inner_state = select_tree(updates_finite, inner_state, state.inner_state)
-            updates = select_tree(updates_finite, updates, jax.tree_util.tree_map(_negative_zeros, updates))
+            inner_state = keep_if_finite(updates_finite, inner_state, state.inner_state)
+            updates = keep_if_finite(updates_finite, updates, jax.tree_util.tree_map(_negative_zeros, updates))
         else:
-            finite = grads_finite
-        if master_weights:
-            master = select_tree(finite, stepped_master, master)
+            updates_finite = jnp.array(True)
+        finite = grads_finite & updates_finite
 
+        reason = jnp.where(grads_finite, jnp.where(updates_finite, APPLIED, NON_FINITE_UPDATES), NON_FINITE_GRADIENTS)
+        if extra_args.get("value") is not None:
+            loss_finite = _verdict(all_finite(jnp.asarray(extra_args["value"])), axis_name)
+            reason = jnp.where(loss_finite | finite, reason, NON_FINITE_LOSS)
         skipped = jnp.logical_not(finite)
         new_state = LossScalingState(
             inner_state=inner_state,
@@ -276,217 +316,100 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
             last_step_finite=finite,
             consecutive_skips=jnp.where(skipped, state.consecutive_skips + 1, 0).astype(jnp.int32),
             total_skips=(state.total_skips + skipped.astype(jnp.int32)).astype(jnp.int32),
-            master_params=master,
+            skip_reason=reason.astype(jnp.int32),
         )
         return updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading the state.
+def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic", *,
+                 axis_name: Any = None, master_weights: bool = False,
+                 master_dtype: Any = jnp.float32, skip_with: str = "auto",
+                 check_updates: bool | None = None) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax transformation with loss scaling, non-finite step skipping and master weights.
 
+    ``unscale_and_skip(master_weights(inner, master_dtype), loss_scale, ...)`` when
+    ``master_weights`` is set, else ``unscale_and_skip(inner, loss_scale, ...)``. On every
+    ``update(grads, state, params)``:
 
-def find_loss_scaling_state(tree: Any) -> LossScalingState:
-    """Finds the single :class:`LossScalingState` inside an optimizer state (or train state).
+    1. gradients (scaled by :func:`jaxmp.value_and_grad`) are unscaled with the scale that
+       scaled the loss -- before the inner chain, so clipping and weight decay see true values;
+    2. every floating and complex gradient leaf is checked for inf/NaN; with ``axis_name`` the
+       verdict is reduced (``pmin`` in float32) so every replica agrees;
+    3. finite: the inner update is applied; non-finite: updates are zero (``-0.0``, so that
+       params stay bitwise unchanged, negative zeros included) and the inner state (step counts
+       and master copy included) is left bitwise unchanged -- via ``lax.cond`` or
+       ``lax.select``, no Python branching on values;
+    4. where half-precision arithmetic can make them so, the updates are checked too
+       (``check_updates``): a finite gradient that still yields a non-finite update (pure-fp16
+       Adam) is skipped, never applied;
+    5. the loss scale is adjusted (grows after ``period`` finite steps, backs off on overflow)
+       and the state records why a skipped step was skipped (``skip_reason``).
 
-    Args:
-      tree: an optax state, possibly nested (``optax.chain``, ``MultiSteps``), or any
-        pytree holding one (e.g. a train state).
+    A non-finite update is never applied, however many steps in a row overflow; call
+    :func:`jaxmp.check_health` on the host to stop a run that keeps skipping.
 
-    Returns:
-      The :class:`LossScalingState`.
+    Schedules inside the inner chain count the inner step counter, which advances on applied
+    steps only. Gradient accumulation: put ``optax.MultiSteps`` *inside*
+    (``loss_scaling(optax.MultiSteps(inner, k))``); ``MultiSteps(loss_scaling(...))`` is
+    rejected, since it would average scaled gradients across steps whose scales differ.
 
-    Raises:
-      ValueError: none or several are found.
-
-    Example:
-      >>> state = jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-      >>> jaxmp.find_loss_scaling_state((state,)) is state
-      True
-    """
-    if isinstance(tree, LossScalingState):
-        return tree
-    found = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, LossScalingState))
-             if isinstance(x, LossScalingState)]
-    if not found:
-        raise ValueError("no jaxmp.loss_scaling state found: build the optimizer with jaxmp.loss_scaling(...)")
-    if len(found) > 1:
-        raise ValueError(f"found {len(found)} jaxmp.loss_scaling states; pass the one you mean")
-    return found[0]
-
-
-def get_loss_scale(source: Any) -> LossScale:
-    """Returns the current loss-scale object from an optimizer state, or ``source`` if it is one.
-
-    Args:
-      source: a loss-scale object, a :class:`LossScalingState`, or a pytree holding one.
-
-    Returns:
-      The loss-scale pytree.
-
-    Example:
-      >>> state = jaxmp.loss_scaling(optax.sgd(0.1), "static:8").init({"w": jnp.ones(2)})
-      >>> float(jaxmp.get_loss_scale(state).loss_scale)
-      8.0
-    """
-    if isinstance(source, LOSS_SCALE_TYPES):
-        return source
-    return find_loss_scaling_state(source).loss_scale
-
-
-def scaling_stats(opt_state: Any) -> dict[str, jax.Array]:
-    """Loss-scaling telemetry for logging; works inside ``jit``.
+    Master weights (Apex O2): with ``master_weights=True`` the model's params may be stored in
+    float16/bfloat16; the inner chain runs on a ``master_dtype`` copy kept in the state, and
+    :func:`jaxmp.apply_updates` returns the master cast to each param's dtype, bit for bit.
+    With float32 params leave it off: gradients then come back float32 already.
 
     Args:
-      opt_state: an optimizer state holding a :class:`LossScalingState`.
+      inner: the optax transformation to wrap (e.g. ``optax.chain(clip, adamw)``).
+      loss_scale: a loss-scale object or a spec for :func:`jaxmp.make_loss_scale`
+        (``"dynamic"`` default; ``"none"`` for bfloat16/float32; ``"torch"``; a number).
+      axis_name: the ``pmap``/``shard_map`` axis to agree on the finite verdict over.
+      master_weights: keep a ``master_dtype`` master copy of the params in the state.
+      master_dtype: dtype of the master copy (float32; ``"f32"``/``"float32"`` accepted).
+      skip_with: how a step is skipped inside the compiled program. ``"cond"``: ``lax.cond``
+        runs only the taken branch and lets XLA update the optimizer state in place (cheapest
+        on CPU and TPU); ``"select"``: compute the inner update, then ``lax.select`` between
+        new and old state; ``"auto"`` (default): ``"select"`` on GPU, ``"cond"`` elsewhere.
+        Both give the same result for a single update; whole jitted train steps compiled with
+        one or the other can differ in the last bits, since XLA fuses the two programs
+        differently.
+      check_updates: also skip a step whose *updates* are non-finite although its gradients
+        were finite. ``None`` (default) checks exactly when half arithmetic can cause it: with
+        master weights, or when the gradients or the inner state hold float16/bfloat16 leaves.
 
     Returns:
-      ``{"loss_scale": f32, "last_step_finite": bool, "consecutive_skips": i32, "total_skips": i32}``.
+      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`LossScalingState`.
 
     Example:
-      >>> state = jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-      >>> int(jaxmp.scaling_stats(state)["total_skips"])
-      0
-    """
-    s = find_loss_scaling_state(opt_state)
-    return {
-        "loss_scale": jnp.asarray(s.loss_scale.loss_scale, jnp.float32),
-        "last_step_finite": s.last_step_finite,
-        "consecutive_skips": s.consecutive_skips,
-        "total_skips": s.total_skips,
-    }
-
-
-def last_step_finite(opt_state: Any) -> jax.Array:
-    """Whether the last update's gradients were finite (i.e. it was applied).
-
-    Args:
-      opt_state: an optimizer state holding a :class:`LossScalingState`.
-
-    Returns:
-      A boolean scalar array.
-
-    Example:
-      >>> bool(jaxmp.last_step_finite(jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})))
-      True
-    """
-    return find_loss_scaling_state(opt_state).last_step_finite
-
-
-def skipped_steps(opt_state: Any) -> jax.Array:
-    """Total number of skipped (non-finite) steps since ``init``.
-
-    Args:
-      opt_state: an optimizer state holding a :class:`LossScalingState`.
-
-    Returns:
-      An int32 scalar array.
-
-    Example:
-      >>> int(jaxmp.skipped_steps(jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})))
-      0
-    """
-    return find_loss_scaling_state(opt_state).total_skips
-
-
-def master_params(opt_state: Any) -> Any:
-    """The float32 master copy kept by ``loss_scaling(..., master_weights=True)``.
-
-    Args:
-      opt_state: an optimizer state holding a :class:`LossScalingState`.
-
-    Returns:
-      The master params pytree.
-
-    Raises:
-      ValueError: the transform keeps no master copy.
-
-    Example:
-      >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), master_weights=True)
-      >>> jaxmp.master_params(tx.init({"w": jnp.ones(2, jnp.float16)}))["w"].dtype
-      dtype('float32')
-    """
-    s = find_loss_scaling_state(opt_state)
-    if s.master_params is None:
-        raise ValueError("this optimizer keeps no master weights: build it with jaxmp.loss_scaling(..., master_weights=True)")
-    return s.master_params
-
-
-def apply_updates(params: Any, updates: Any, opt_state: Any = None) -> Any:
-    """Applies updates; with master weights, returns the master cast to each param's dtype exactly.
-
-    Without ``opt_state`` or master weights this is ``optax.apply_updates``, except that
-    non-floating leaves (int params, whose gradients are float0) pass through. With a state
-    from ``loss_scaling(..., master_weights=True)`` the result is ``master.astype(param.dtype)``
-    leaf by leaf, so half params never drift from their master.
-
-    Args:
-      params: the current params.
-      updates: the updates from ``tx.update``.
-      opt_state: the new optimizer state returned by the same ``tx.update`` (optional).
-
-    Returns:
-      The new params, each leaf in its previous dtype.
-
-    Example:
-      >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), "none", master_weights=True)
-      >>> params = {"w": jnp.ones(2, jnp.float16)}
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> tx = jaxmp.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
+      >>> params = {"w": jnp.ones(3)}
       >>> state = tx.init(params)
-      >>> updates, state = tx.update({"w": jnp.ones(2, jnp.float16)}, state, params)
-      >>> jaxmp.apply_updates(params, updates, state)["w"]
-      Array([0.9, 0.9], dtype=float16)
+      >>> loss, grads = jaxmp.value_and_grad(lambda p: jnp.sum(p["w"] ** 2), state)(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = jaxmp.apply_updates(params, updates, state)
     """
-    if opt_state is not None:
-        try:
-            master = find_loss_scaling_state(opt_state).master_params
-        except ValueError:
-            master = None
-        if master is not None:
-            _check_same_structure(params, master, "master params")
-            return jax.tree_util.tree_map(
-                lambda p, m: m.astype(jnp.asarray(p).dtype) if is_floating_array(m) else p, params, master
-            )
-    return _add_floating(params, updates)
-
-
-def check_health(opt_state: Any, max_consecutive_skips: int = 50) -> None:
-    """Host-side check that raises when training keeps producing non-finite gradients.
-
-    The transform itself never applies a non-finite update; this turns a run that is
-    stuck skipping into a clear error. Call it every few steps outside ``jit`` (it syncs).
-    Replicated states (from ``pmap``) are checked on every replica.
-
-    Args:
-      opt_state: an optimizer state holding a :class:`LossScalingState`.
-      max_consecutive_skips: how many skipped steps in a row are tolerated (>= 1).
-
-    Raises:
-      TrainingDivergedError: more than ``max_consecutive_skips`` consecutive skips.
-      ValueError: ``max_consecutive_skips`` < 1.
-
-    Example:
-      >>> jaxmp.check_health(jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)}))
-    """
-    if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, (int, np.integer)) or max_consecutive_skips < 1:
-        raise ValueError(f"max_consecutive_skips must be an int >= 1, got {max_consecutive_skips!r}")
-    s = find_loss_scaling_state(opt_state)
-    consecutive = int(np.max(np.asarray(jax.device_get(s.consecutive_skips))))
-    if consecutive <= max_consecutive_skips:
-        return
-    total = int(np.max(np.asarray(jax.device_get(s.total_skips))))
-    scale = float(np.min(np.asarray(jax.device_get(s.loss_scale.loss_scale))))
-    floor = getattr(s.loss_scale, "min_loss_scale", None)
-    at_floor = isinstance(s.loss_scale, DynamicLossScale) and floor is not None and scale <= floor
-    if isinstance(s.loss_scale, NoOpLossScale):
-        hint = "No loss scaling is in use, so the gradients themselves are inf/NaN."
-    elif at_floor:
-        hint = f"The loss scale has backed off to its floor ({scale:g}), so scaling is not the cause."
+    if not isinstance(master_weights, bool):
+        raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
+    if master_weights:
+        inner = _master_weights_factory(inner, master_dtype)
     else:
-        hint = f"The loss scale is now {scale:g}."
-    raise TrainingDivergedError(
-        f"{consecutive} consecutive steps had non-finite gradients ({total} skipped in total); "
-        f"params and optimizer state were left unchanged each time. {hint} "
-        "Check the input batch and the loss for NaN/inf (compute the loss in float32), lower the learning rate, "
-        "keep normalisation and softmax in float32, or train in bfloat16 instead of float16."
-    )
+        float_dtype(master_dtype, "master_dtype")
+    return unscale_and_skip(inner, loss_scale, axis_name=axis_name, skip_with=skip_with, check_updates=check_updates)
+
+
+_master_weights_factory = master_weights
+
+# Accessors that moved to jaxmp.opt_state; the old location keeps working for one release.
+_MOVED = ("TrainingDivergedError", "apply_updates", "check_health", "find_loss_scaling_state", "get_loss_scale",
+          "last_step_finite", "master_params", "scaling_stats", "skipped_steps")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        top = " (also available as jaxmp." + name + ")" if name in importlib.import_module("jaxmp").__all__ else ""
+        warnings.warn(f"jaxmp.transform.{name} moved to jaxmp.opt_state.{name}{top}; the old location will be removed "
+                      "in the next release", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module("jaxmp.opt_state"), name)
+    raise AttributeError(f"module 'jaxmp.transform' has no attribute {name!r}")

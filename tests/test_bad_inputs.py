@@ -23,7 +23,11 @@ def _select_mismatch():
 CASES = [
     # (id, callable, exception, message regex)
     ("unknown dtype name", lambda: jaxmp.get_policy("p=f32,c=f12"), ValueError, r"Unknown dtype name 'f12'"),
-    ("bare unknown name", lambda: jaxmp.get_policy("quarter"), ValueError, r"Unknown dtype name 'quarter'"),
+    ("bare unknown name", lambda: jaxmp.get_policy("quarter"), ValueError, r"Unknown policy 'quarter'.*a preset \(O0, O1"),
+    ("preset O4 lists the presets", lambda: jaxmp.get_policy("O4"), ValueError, r"Unknown policy 'O4'.*O0, O1, O2, O3.*mixed_float16"),
+    ("spaced preset lists the presets", lambda: jaxmp.get_policy("O1 - bf16"), ValueError, r"Unknown policy 'O1 - bf16'.*'O2-bf16'"),
+    ("Keras typo lists the presets", lambda: jaxmp.get_policy("mixed_float32"), ValueError, r"mixed_float16, mixed_bfloat16"),
+    ("master_dtype name accepted", lambda: jaxmp.loss_scaling(optax.sgd(0.1), master_dtype="bf17"), TypeError, r"master_dtype must be a floating dtype.*names: \["),
     ("unknown key", lambda: jaxmp.get_policy("q=f16"), ValueError, r"Unknown key 'q'"),
     ("malformed part", lambda: jaxmp.get_policy("p=f32,c"), ValueError, r"Malformed policy part 'c'"),
     ("double equals", lambda: jaxmp.get_policy("p==f32"), ValueError, r"Malformed policy part"),
@@ -44,8 +48,8 @@ CASES = [
     ("zero static scale", lambda: jaxmp.StaticLossScale(0.0), ValueError, r"loss_scale must be a positive finite"),
     ("inf dynamic scale", lambda: jaxmp.DynamicLossScale(float("inf")), ValueError, r"loss_scale must be a positive finite"),
     ("nan dynamic scale", lambda: jaxmp.DynamicLossScale(float("nan")), ValueError, r"loss_scale must be a positive finite"),
-    ("vector scale", lambda: jaxmp.StaticLossScale(np.ones(2)), TypeError, r"loss_scale must be a real scalar"),
-    ("string scale", lambda: jaxmp.StaticLossScale("big"), TypeError, r"loss_scale must be a real scalar"),
+    ("vector scale", lambda: jaxmp.StaticLossScale([1.0, 2.0]), TypeError, r"loss_scale must be a real scalar"),
+    ("string scale", lambda: jaxmp.StaticLossScale("big").scale(1.0), TypeError, r"loss_scale must be a real scalar"),
     ("zero growth interval", lambda: jaxmp.DynamicLossScale(period=0), ValueError, r"period \(growth interval\) must be >= 1"),
     ("float growth interval", lambda: jaxmp.DynamicLossScale(period=2.5), TypeError, r"period \(growth interval\) must be an int"),
     ("growth factor 1", lambda: jaxmp.DynamicLossScale(factor=1.0), ValueError, r"factor \(growth factor\) must be"),

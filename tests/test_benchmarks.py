@@ -21,7 +21,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import _common as common  # noqa: E402
-from benchmarks import overhead, report, run_gpu, throughput, torch_amp  # noqa: E402
+from benchmarks import flops, kernel_profile, overhead, report, run_gpu, throughput, torch_amp  # noqa: E402
+from benchmarks._native import NativeModel  # noqa: E402
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -44,7 +45,7 @@ def suite(tmp_path_factory):
     and policy (see benchmarks/README.md).
     """
     out = tmp_path_factory.mktemp("bench") / "gpu_dry.json"
-    result = run_gpu.main(["--dry-run", "--quiet", "--models", "transformer", "--policies", "O2-bf16",
+    result = run_gpu.main(["--dry-run", "--quiet", "--models", "transformer", "--policies", "O2-bf16,native-bf16",
                            "--variants", "amp-bf16", "--skip-overhead", "--out", str(out)])
     return out, result
 
@@ -72,12 +73,20 @@ def test_throughput_part_of_the_suite(suite):
     tp = result["results"]["throughput"]
     _assert_valid(tp, "throughput")
     runs = {e["policy"]: e for e in tp["results"]["runs"]}
-    assert set(runs) == {"O2-bf16"}
+    assert set(runs) == {"O2-bf16", "native-bf16"}
     for e in runs.values():
         assert e["status"] == "ok", e.get("error")
         assert e["items_per_s"] > 0 and e["unit"] == "tokens"
         assert e["memory"]["source"].startswith(("peak_bytes_in_use", "memory_analysis"))
-        assert e["flops"]["per_step"] > 0 and e["fraction_of_matmul_peak"] > 0
+        assert e["flops"]["source"] == "analytic" and e["flops"]["per_step"] > 0
+        assert e["tflops_per_s"] == pytest.approx(e["flops"]["per_step"] / e["step_time_s"]["median"] / 1e12)
+        assert e["mfu"]["mfu_measured_peak"] == e["fraction_of_matmul_peak"] > 0
+        assert e["mfu"]["datasheet_peak_tflops"] is None  # a CPU has no datasheet entry
+    # The dry-run encoder: 1 layer, d=8, mlp 16, 10 classes, batch 2 x 8 tokens.
+    assert runs["O2-bf16"]["flops"]["per_step"] == runs["native-bf16"]["flops"]["per_step"] == \
+        6 * runs["O2-bf16"]["flops"]["n_params"] * 2 * 8 + 12 * 1 * 2 * 8**2 * 8
+    assert runs["native-bf16"]["native"]["dtype"] == "bfloat16" and runs["native-bf16"]["recipe"] is None
+    assert runs["native-bf16"]["param_dtypes"] == ["float32"]
     assert "bfloat16" in runs["O2-bf16"]["param_dtypes"]  # half params, fp32 master in the state
     assert runs["O2-bf16"]["recipe"]["master_weights"] is True
     assert tp["results"]["matmul_peak"]["tflops"] > 0
@@ -87,8 +96,9 @@ def test_gpu_suite_json(suite):
     path, result = suite
     on_disk = json.loads(Path(path).read_text())
     _assert_valid(on_disk, "gpu_suite")
+    assert on_disk["results"]["throughput"]["complete"] is True
     if HAS_TORCH:
-        assert [r["policy"] for r in on_disk["results"]["comparison"]] == ["O2-bf16"]
+        assert [r["policy"] for r in on_disk["results"]["comparison"]] == ["O2-bf16", "native-bf16"]
         assert all(r["speed_ratio"] > 0 for r in on_disk["results"]["comparison"])
 
 
@@ -175,3 +185,203 @@ def test_every_script_has_a_dry_run_flag():
     for script in ("overhead.py", "run_gpu.py", "throughput.py", "torch_amp.py"):
         assert "--dry-run" in (ROOT / "benchmarks" / script).read_text()
     assert "run_gpu.py" in (ROOT / "benchmarks" / "run_gpu.sh").read_text()
+
+
+# ----------------------------------------------------------------------------------------------
+# Analytic FLOPs against hand computations (full-size models, abstract shapes: nothing runs).
+
+
+def _train_flops(name, classes, shape, **overrides):
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.models import get_model
+
+    module = get_model(name, classes, **overrides)
+    variables = jax.eval_shape(lambda k, x: module.init(k, x, train=False), jax.random.PRNGKey(0),
+                               jax.ShapeDtypeStruct(shape, jnp.float32))
+    return flops.model_train_flops(name, module, variables, shape)
+
+
+def test_resnet50_flops_match_hand_computation():
+    # Multiply-accumulates of ResNet-50 v1.5 at 224 x 224, 1000 classes, one image.
+    macs = 112 * 112 * 64 * (7 * 7 * 3)  # stem: 7x7/2 conv, 3 -> 64 channels
+    h, cin = 56, 64  # after the 3x3/2 max-pool
+    for stage, blocks in enumerate((3, 4, 6, 3)):
+        f = 64 * 2**stage
+        for j in range(blocks):
+            s = 2 if stage > 0 and j == 0 else 1
+            ho = h // s
+            macs += h * h * cin * f  # 1x1 reduce, at the input resolution
+            macs += ho * ho * f * (3 * 3 * f)  # 3x3, carries the stride (v1.5)
+            macs += ho * ho * 4 * f * f  # 1x1 expand
+            if j == 0:
+                macs += ho * ho * 4 * f * cin  # 1x1 projection shortcut
+            h, cin = ho, 4 * f
+    macs += 2048 * 1000  # classifier
+    assert 4.08e9 < macs < 4.10e9  # the 4.1 GMACs usually quoted for ResNet-50
+    got = _train_flops("resnet50", 1000, (1, 224, 224, 3))
+    assert got["forward"] == 2 * macs
+    assert got["per_step"] == 3 * 2 * macs
+
+
+def test_wrn28_10_flops_match_hand_computation():
+    # WRN-28-10 on 32 x 32 x 3: stem 3 -> 16, then 3 groups of 4 pre-activation blocks.
+    macs = 32 * 32 * 16 * (3 * 3 * 3)
+    h, cin = 32, 16
+    for group, width in enumerate((160, 320, 640)):
+        for i in range(4):
+            s = 2 if group > 0 and i == 0 else 1
+            ho = h // s
+            macs += ho * ho * width * (3 * 3 * cin)  # first 3x3 (strided)
+            macs += ho * ho * width * (3 * 3 * width)  # second 3x3
+            if s != 1 or cin != width:
+                macs += ho * ho * width * cin  # 1x1 projection
+            h, cin = ho, width
+    macs += 640 * 10
+    assert 5.2e9 < macs < 5.3e9  # 5.25 GMACs per image, as usually quoted
+    got = _train_flops("wrn28_10", 10, (1, 32, 32, 3))
+    assert got["forward"] == 2 * macs and got["per_step"] == 6 * macs
+
+
+def test_transformer_flops_match_hand_computation():
+    L, d, m, C, B, T = 12, 768, 3072, 10, 32, 512
+    per_layer = (2 * d  # LayerNorm scale + bias
+                 + 4 * (d * d + d)  # query, key, value, output projections with biases
+                 + 2 * d  # second LayerNorm
+                 + (d * m + m) + (m * d + d))  # MLP
+    n = (1 * d + d) + L * per_layer + 2 * d + (d * C + C)  # embedding Dense(1 -> d), final LN, head
+    assert n == 85_065_226
+    hand = 6 * n * B * T + 12 * L * B * T**2 * d  # 6 N tokens + QK^T and AV, forward x 3
+    got = _train_flops("transformer", C, (B, T), num_layers=L, model_dim=d, num_heads=12, mlp_dim=m)
+    assert got["n_params"] == n and got["per_step"] == hand
+    # Cross-check against the matmuls of the jaxpr: the formula charges the head for every token
+    # (it runs once per sequence) and the 1 -> d embedding as a matmul: within 0.5%.
+    assert got["per_step"] == pytest.approx(3 * got["forward"], rel=5e-3)
+
+
+def test_mfu_against_measured_and_datasheet_peaks():
+    m = flops.mfu(9.29e12, 0.03, 700.0, "NVIDIA H100 80GB HBM3")
+    assert m["tflops_per_s"] == pytest.approx(309.67, rel=1e-4)
+    assert m["mfu_measured_peak"] == pytest.approx(309.67 / 700, rel=1e-4)
+    assert m["datasheet_peak_tflops"] == 989.4 and m["mfu_datasheet"] == pytest.approx(309.67 / 989.4, rel=1e-4)
+    assert flops.datasheet_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert flops.mfu(1.0, 1.0, None, "cpu")["mfu_datasheet"] is None
+
+
+def test_native_baseline_is_the_same_module_with_flax_bf16():
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.models import get_model
+
+    module = get_model("resnet50", 10, stage_sizes=(1, 1), width=4)
+    x = jax.ShapeDtypeStruct((2, 16, 16, 3), jnp.float32)
+    native = NativeModel(module, jnp.bfloat16)
+    # Abstract shapes only: compiling Flax's init takes seconds on a loaded CPU.
+    v = jax.eval_shape(lambda k, x: native.init(k, x, train=False), jax.random.PRNGKey(0), x)
+    ref = jax.eval_shape(lambda k, x: module.init(k, x, train=False), jax.random.PRNGKey(0), x)
+    assert jax.tree_util.tree_structure(v) == jax.tree_util.tree_structure(ref)
+    assert {p.dtype for p in jax.tree_util.tree_leaves(v)} == {jnp.dtype(jnp.float32)}
+    jaxpr = jax.make_jaxpr(lambda v, x: native.apply(v, x, train=False))(v, x).jaxpr
+    convs = [e for e in jaxpr.eqns if e.primitive.name in ("conv_general_dilated", "dot_general")]
+    assert len(convs) == 10  # stem, 2 bottlenecks x (3 convs + projection), head
+    assert all(a.aval.dtype == jnp.bfloat16 for e in convs for a in e.invars)
+    assert jax.eval_shape(lambda v, x: native.apply(v, x, train=False), v, x).dtype == jnp.bfloat16
+    assert jax.eval_shape(lambda v, x: module.apply(v, x, train=False), ref, x).dtype == jnp.float32
+    import flax.linen as nn
+
+    assert nn.Dense.dtype is None  # the substitution ends with the call
+
+
+def test_profile_writes_a_top_kernel_table(tmp_path):
+    result = kernel_profile.main(["--dry-run", "--quiet", "--models", "transformer", "--policies", "O1",
+                                  "--profile-top", "5", "--out", str(tmp_path / "tp.json")])
+    (e,) = result["results"]["runs"]
+    assert e["status"] == "ok", e.get("error")
+    page = (ROOT / e["profile"]["path"]).read_text()
+    assert "| # | kernel / thunk | HLO op | calls | total (ms) | share |" in page
+    rows = [line for line in page.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert 1 <= len(rows) <= 5 and e["profile"]["top"][0]["total_us"] > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Command lines: --help lists the flags; an unknown flag is named, without a traceback.
+
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+
+
+def _script_main(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_cli_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_answers_help_and_names_an_unknown_flag(name, capsys):
+    main = _script_main(name)
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--" in out.split("options:")[-1]
+    with pytest.raises(SystemExit) as exc:
+        main(["--no-such-flag"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --no-such-flag" in err and "Traceback" not in err
+
+
+def test_unknown_flag_in_a_fresh_process_has_no_traceback():
+    import subprocess
+
+    for name in ("overhead", "run_gpu"):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--no-such-flag"],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and "--no-such-flag" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/autocast.py
+
+
+def test_autocast_benchmark_dry_run(tmp_path):
+    from benchmarks import autocast as ac
+
+    out = tmp_path / "autocast.json"
+    result = ac.main(["--dry-run", "--quiet", "--models", "mlp", "--variants", "float32,hand,jaxmp,mpx",
+                      "--out", str(out)])
+    _assert_valid(json.loads(out.read_text()), "autocast")
+    r = result["results"]["models"]["mlp"]
+    found = set(r["variants"]) | set(r["skipped"])
+    assert found == {"float32", "hand", "jaxmp", "mpx"}
+    if "mpx" in r["skipped"]:
+        assert "mpx" in r["skipped"]["mpx"]  # says which peer and why
+    f32, hand, amp = r["variants"]["float32"], r["variants"]["hand"], r["variants"]["jaxmp"]
+    assert f32["loss_rel_error"] == 0 and f32["hlo_converts"] == 0 and f32["grad_dtypes"] == ["float32"]
+    assert 0 < hand["loss_rel_error"] < 1e-2 and 0 < hand["grad_rel_error"] < 0.1 and hand["hlo_converts"] > 0
+    assert hand["grad_dtypes"] == amp["grad_dtypes"] == ["float32"]
+    # The hand cast writes out the O1 rules: jaxmp.autocast computes the same loss.
+    assert amp["loss"] == pytest.approx(hand["loss"], rel=1e-6)
+    assert hand["step_vs_hand"]["median"] == 1.0 and amp["step_vs_hand"]["n"] == 2
+    assert f32["tlc_vs_float32"] == 1.0 and amp["trace_lower_compile_s"] >= amp["trace_s"] > 0
+    md = "\n".join(report.autocast_tables({"autocast": [("a.json", result)]}))
+    assert "| jaxmp |" in md and "jaxmp.autocast targets: step / hand" in md
+
+
+def test_hand_cast_mlp_assigns_the_o1_dtypes():
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import _autocast_models as am
+
+    m = am.make_mlp(0, 2, 8, 2, 4, 3)
+    jaxpr = jax.make_jaxpr(lambda p, x, y: m.hand_loss(p, x, y, jnp.bfloat16))(m.params, *m.batch).jaxpr
+    dtypes = {}
+    for e in jaxpr.eqns:
+        dtypes.setdefault(e.primitive.name, set()).add(str(e.outvars[0].aval.dtype))
+    assert dtypes["dot_general"] == {"bfloat16"}
+    for op in ("reduce_sum", "reduce_max", "exp", "log", "rsqrt"):
+        assert dtypes[op] == {"float32"}, op
+    assert jax.eval_shape(lambda p, x, y: m.hand_loss(p, x, y, jnp.bfloat16), m.params, *m.batch).dtype == jnp.float32

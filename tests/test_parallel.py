@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp.parallel import _multiprocess_demo as demo
+import _multiprocess_demo as demo
 
 N = 8
 GLOBAL_BATCH = 64
@@ -53,13 +53,13 @@ def _single_step(opt):
 @functools.lru_cache(maxsize=None)
 def _pmap_step(opt, tx_axis="batch"):
     tx = _tx(opt, tx_axis)
-    return tx, jaxmp.make_pmap_train_step(demo.loss_fn, tx, "batch")
+    return tx, jaxmp.parallel.make_pmap_train_step(demo.loss_fn, tx, "batch")
 
 
 @functools.lru_cache(maxsize=None)
 def _sharded_step(opt):
     tx = _tx(opt)
-    return tx, jaxmp.make_sharded_train_step(demo.loss_fn, tx, jaxmp.make_data_mesh())
+    return tx, jaxmp.parallel.make_sharded_train_step(demo.loss_fn, tx, jaxmp.parallel.make_data_mesh())
 
 
 def _single_device(opt, x, y):
@@ -75,10 +75,10 @@ def _single_device(opt, x, y):
 def _pmap(opt, x, y, tx_axis="batch"):
     tx, step = _pmap_step(opt, tx_axis)
     params = demo.init_params()
-    p, s = jaxmp.replicate(params), jaxmp.replicate(tx.init(params))
+    p, s = jaxmp.parallel.replicate(params), jaxmp.parallel.replicate(tx.init(params))
     history = []
     for t in range(len(x)):
-        p, s, m = step(p, s, jaxmp.shard_batch({"x": x[t], "y": y[t]}))
+        p, s, m = step(p, s, jaxmp.parallel.shard_batch({"x": x[t], "y": y[t]}))
         history.append((p, s, m))
     return p, s, history
 
@@ -87,9 +87,9 @@ def _sharded(opt, x, y):
     tx, step = _sharded_step(opt)
     mesh = step.mesh
     params = demo.init_params()
-    p, s = jaxmp.replicate_on_mesh((params, tx.init(params)), mesh)
+    p, s = jaxmp.parallel.replicate_on_mesh((params, tx.init(params)), mesh)
     for t in range(len(x)):
-        p, s, m = step(p, s, jaxmp.make_global_batch({"x": x[t], "y": y[t]}, mesh))
+        p, s, m = step(p, s, jaxmp.parallel.make_global_batch({"x": x[t], "y": y[t]}, mesh))
     return jax.device_get(p), jax.device_get(jaxmp.scaling_stats(s))
 
 
@@ -105,7 +105,7 @@ def test_single_device_pmap_and_sharded_jit_train_to_the_same_params(opt):
     x, y = _data()  # includes a NaN in one replica's shard at step NAN_STEP: all three paths skip it
     ref, ref_stats = _single_device(opt, x, y)
     p, s, _ = _pmap(opt, x, y)
-    pmap_params, pmap_stats = jax.device_get(jaxmp.unreplicate(p)), jax.device_get(jaxmp.unreplicate(jaxmp.scaling_stats(s)))
+    pmap_params, pmap_stats = jax.device_get(jaxmp.parallel.unreplicate(p)), jax.device_get(jaxmp.parallel.unreplicate(jaxmp.scaling_stats(s)))
     sharded, sharded_stats = _sharded(opt, x, y)
     _assert_rel_close(ref, pmap_params)
     _assert_rel_close(ref, sharded)
@@ -136,7 +136,7 @@ def test_nan_in_one_replica_makes_every_replica_skip_and_replicas_stay_bitwise_i
     skips = np.asarray(jaxmp.scaling_stats(s)["total_skips"])
     np.testing.assert_array_equal(skips, np.ones(N, np.int32))
     assert np.asarray(history[-1][2]["last_step_finite"]).all()
-    jaxmp.check_replicated((p, s))  # bitwise, params and the whole optimizer state
+    jaxmp.parallel.check_replicated((p, s))  # bitwise, params and the whole optimizer state
 
 
 def test_pmap_verdict_agrees_even_with_a_transform_built_without_axis_name():
@@ -145,7 +145,7 @@ def test_pmap_verdict_agrees_even_with_a_transform_built_without_axis_name():
     x, y = _data(steps=3)
     p, s, history = _pmap("sgd", x, y, tx_axis=None)
     assert not np.asarray(history[NAN_STEP][2]["last_step_finite"]).any()
-    jaxmp.check_replicated((p, s))
+    jaxmp.parallel.check_replicated((p, s))
 
 
 def _fp16_loss(policy):
@@ -164,23 +164,23 @@ def test_fp16_compute_runs_on_both_paths_and_stays_close_to_fp32():
     # Start at 2**10, not 2**15: 8 replicas' float16 gradient sum at 2**15 overflows (that case
     # is the next test); here every step must go through so the result can be compared to fp32.
     tx = _tx("adam", "batch", initial_scale=2.0**10)
-    step = jaxmp.make_pmap_train_step(loss_fn, tx, "batch", grad_reduce_dtype=jnp.float16)
-    p, s = jaxmp.replicate(params), jaxmp.replicate(tx.init(params))
+    step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch", grad_reduce_dtype=jnp.float16)
+    p, s = jaxmp.parallel.replicate(params), jaxmp.parallel.replicate(tx.init(params))
     for t in range(3):
-        p, s, m = step(p, s, jaxmp.shard_batch({"x": x[t], "y": y[t]}))
+        p, s, m = step(p, s, jaxmp.parallel.shard_batch({"x": x[t], "y": y[t]}))
         assert np.isfinite(np.asarray(m["loss"])).all() and np.asarray(m["last_step_finite"]).all()
-    jaxmp.check_replicated((p, s))
-    assert jaxmp.unreplicate(p)["w1"].dtype == jnp.float32
+    jaxmp.parallel.check_replicated((p, s))
+    assert jaxmp.parallel.unreplicate(p)["w1"].dtype == jnp.float32
 
-    mesh = jaxmp.make_data_mesh()
+    mesh = jaxmp.parallel.make_data_mesh()
     tx = _tx("adam", initial_scale=2.0**10)
-    sstep = jaxmp.make_sharded_train_step(loss_fn, tx, mesh)
-    q, r = jaxmp.replicate_on_mesh((params, tx.init(params)), mesh)
+    sstep = jaxmp.parallel.make_sharded_train_step(loss_fn, tx, mesh)
+    q, r = jaxmp.parallel.replicate_on_mesh((params, tx.init(params)), mesh)
     for t in range(3):
-        q, r, m = sstep(q, r, jaxmp.make_global_batch({"x": x[t], "y": y[t]}, mesh))
+        q, r, m = sstep(q, r, jaxmp.parallel.make_global_batch({"x": x[t], "y": y[t]}, mesh))
         assert bool(m["last_step_finite"])
     ref, _ = _single_device("adam", x, y)
-    for got in (jaxmp.unreplicate(p), q):
+    for got in (jaxmp.parallel.unreplicate(p), q):
         for k in ref:
             np.testing.assert_allclose(np.asarray(got[k]), ref[k], atol=5e-3)
 
@@ -190,10 +190,10 @@ def test_fp16_all_reduce_overflow_is_caught_and_every_replica_backs_off(reduce_d
     # Each replica's scaled gradient is 2**15 (fits float16), their sum 8 * 2**15 does not.
     tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(2.0**15), axis_name="batch")
     params = {"w": jnp.ones(1)}
-    step = jaxmp.make_pmap_train_step(lambda p, b: jnp.mean(b["x"] * p["w"]), tx, "batch",
+    step = jaxmp.parallel.make_pmap_train_step(lambda p, b: jnp.mean(b["x"] * p["w"]), tx, "batch",
                                       grad_reduce_dtype=reduce_dtype)
-    p, s = jaxmp.replicate(params), jaxmp.replicate(tx.init(params))
-    p, s, m = step(p, s, jaxmp.shard_batch({"x": np.ones((16, 1), np.float32)}))
+    p, s = jaxmp.parallel.replicate(params), jaxmp.parallel.replicate(tx.init(params))
+    p, s, m = step(p, s, jaxmp.parallel.shard_batch({"x": np.ones((16, 1), np.float32)}))
     np.testing.assert_array_equal(np.asarray(m["last_step_finite"]), np.full(N, not overflows))
     np.testing.assert_array_equal(np.asarray(m["loss_scale"]), np.full(N, 2.0**14 if overflows else 2.0**15, np.float32))
     np.testing.assert_array_equal(np.asarray(p["w"]), np.full((N, 1), 1.0 if overflows else 0.9, np.float32))
@@ -201,7 +201,7 @@ def test_fp16_all_reduce_overflow_is_caught_and_every_replica_backs_off(reduce_d
         # Backing off until the *sum* fits: 8 * 2**13 = 65536 still overflows float16 (max 65504),
         # 8 * 2**12 does not -- log2(8) = 3 skipped steps, all replicas in lockstep.
         for _ in range(3):
-            p, s, m = step(p, s, jaxmp.shard_batch({"x": np.ones((16, 1), np.float32)}))
+            p, s, m = step(p, s, jaxmp.parallel.shard_batch({"x": np.ones((16, 1), np.float32)}))
         np.testing.assert_array_equal(np.asarray(m["last_step_finite"]), np.full(N, True))
         np.testing.assert_array_equal(np.asarray(m["total_skips"]), np.full(N, 3))
         np.testing.assert_array_equal(np.asarray(m["loss_scale"]), np.full(N, 2.0**12, np.float32))
@@ -215,13 +215,13 @@ def test_rng_gives_each_device_its_own_key_and_aux_comes_back():
 
     tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic", axis_name="batch")
     params = {"w": jnp.ones(1)}
-    step = jaxmp.make_pmap_train_step(loss_fn, tx, "batch", has_aux=True)
-    p, s = jaxmp.replicate(params), jaxmp.replicate(tx.init(params))
-    _, _, m = step(p, s, jaxmp.shard_batch({"x": np.ones((16, 1), np.float32)}), jax.random.key(0))
+    step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch", has_aux=True)
+    p, s = jaxmp.parallel.replicate(params), jaxmp.parallel.replicate(tx.init(params))
+    _, _, m = step(p, s, jaxmp.parallel.shard_batch({"x": np.ones((16, 1), np.float32)}), jax.random.key(0))
     assert len(set(np.asarray(m["aux"]).tolist())) == N  # different dropout-style keys per device
-    mesh = jaxmp.make_data_mesh()
-    sstep = jaxmp.make_sharded_train_step(loss_fn, jaxmp.loss_scaling(optax.sgd(0.1)), mesh, has_aux=True)
-    q, r = jaxmp.replicate_on_mesh((params, jaxmp.loss_scaling(optax.sgd(0.1)).init(params)), mesh)
+    mesh = jaxmp.parallel.make_data_mesh()
+    sstep = jaxmp.parallel.make_sharded_train_step(loss_fn, jaxmp.loss_scaling(optax.sgd(0.1)), mesh, has_aux=True)
+    q, r = jaxmp.parallel.replicate_on_mesh((params, jaxmp.loss_scaling(optax.sgd(0.1)).init(params)), mesh)
     q, r, m = sstep(q, r, {"x": np.ones((16, 1), np.float32)}, jax.random.key(0))
     assert np.asarray(m["aux"]).shape == ()
 
@@ -232,59 +232,59 @@ def test_rng_gives_each_device_its_own_key_and_aux_comes_back():
 
 def test_replicate_unreplicate_round_trip_and_replica_check():
     tree = {"w": jnp.arange(6.0).reshape(2, 3), "step": jnp.int32(3)}
-    rep = jaxmp.replicate(tree)
+    rep = jaxmp.parallel.replicate(tree)
     assert rep["w"].shape == (N, 2, 3) and rep["step"].shape == (N,)
     assert len(rep["w"].sharding.device_set) == N
-    back = jaxmp.unreplicate(rep)
+    back = jaxmp.parallel.unreplicate(rep)
     np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(tree["w"]))
     assert back["step"].shape == () and int(back["step"]) == 3
-    assert jaxmp.is_replicated(rep) and not jaxmp.is_replicated(tree)
+    assert jaxmp.parallel.is_replicated(rep) and not jaxmp.parallel.is_replicated(tree)
     with pytest.raises(ValueError, match=r"leading replica axis of size 8"):
-        jaxmp.check_replicated(tree)
+        jaxmp.parallel.check_replicated(tree)
     bad = np.asarray(rep["w"]).copy()
     bad[5, 1, 2] += 1.0
     with pytest.raises(ValueError, match=r"\['w'\] differs between replica 0 .* replica 5"):
-        jaxmp.check_replicated({"w": bad})
+        jaxmp.parallel.check_replicated({"w": bad})
     # NaNs with equal bits count as identical; a fully replicated mesh array is accepted too.
-    jaxmp.check_replicated({"w": np.full((N, 2), np.nan, np.float32)})
-    jaxmp.check_replicated(jaxmp.replicate_on_mesh(tree, jaxmp.make_data_mesh()))
+    jaxmp.parallel.check_replicated({"w": np.full((N, 2), np.nan, np.float32)})
+    jaxmp.parallel.check_replicated(jaxmp.parallel.replicate_on_mesh(tree, jaxmp.parallel.make_data_mesh()))
 
 
 def test_shard_batch_splits_evenly_logs_and_names_both_numbers(caplog):
     with caplog.at_level(logging.INFO, logger="jaxmp.parallel"):
-        out = jaxmp.shard_batch({"x": np.arange(48.0).reshape(24, 2), "y": np.arange(24)})
+        out = jaxmp.parallel.shard_batch({"x": np.arange(48.0).reshape(24, 2), "y": np.arange(24)})
     assert out["x"].shape == (8, 3, 2) and out["y"].shape == (8, 3)
     np.testing.assert_array_equal(out["y"][1], [3, 4, 5])  # contiguous blocks, like the mesh split
     assert "per-device batch 3" in caplog.text
-    np.testing.assert_array_equal(jaxmp.unshard_batch(out)["y"], np.arange(24))
+    np.testing.assert_array_equal(jaxmp.parallel.unshard_batch(out)["y"], np.arange(24))
     with pytest.raises(ValueError, match=r"global batch size 20 is not divisible by the device count 8"):
-        jaxmp.shard_batch({"x": np.zeros((20, 2))})
+        jaxmp.parallel.shard_batch({"x": np.zeros((20, 2))})
     with pytest.raises(ValueError, match=r"different leading"):
-        jaxmp.shard_batch({"x": np.zeros((16, 2)), "y": np.zeros(8)})
+        jaxmp.parallel.shard_batch({"x": np.zeros((16, 2)), "y": np.zeros(8)})
     with pytest.raises(ValueError, match=r"20 is not divisible by the device count 8"):
-        jaxmp.make_global_batch({"x": np.zeros((20, 2))}, jaxmp.make_data_mesh())
-    assert jaxmp.per_device_batch_size(512, 8) == 64  # the TPU case: 8 cores each see batch / 8
+        jaxmp.parallel.make_global_batch({"x": np.zeros((20, 2))}, jaxmp.parallel.make_data_mesh())
+    assert jaxmp.parallel.per_device_batch_size(512, 8) == 64  # the TPU case: 8 cores each see batch / 8
 
 
 def test_process_slices():
-    assert jaxmp.process_batch_slice(64) == slice(0, 64)  # one process here
-    assert jaxmp.process_batch_slice(64, 3, 4) == slice(48, 64)
+    assert jaxmp.parallel.process_batch_slice(64) == slice(0, 64)  # one process here
+    assert jaxmp.parallel.process_batch_slice(64, 3, 4) == slice(48, 64)
     with pytest.raises(ValueError, match=r"global batch \(over processes\) size 10 is not divisible by the device count 4"):
-        jaxmp.process_batch_slice(10, 0, 4)
-    assert [jaxmp.process_dataset_range(10, i, 3) for i in range(3)] == [slice(0, 3), slice(3, 6), slice(6, 9)]
-    assert [jaxmp.process_dataset_range(10, i, 3, drop_remainder=False) for i in range(3)] == [
+        jaxmp.parallel.process_batch_slice(10, 0, 4)
+    assert [jaxmp.parallel.process_dataset_range(10, i, 3) for i in range(3)] == [slice(0, 3), slice(3, 6), slice(6, 9)]
+    assert [jaxmp.parallel.process_dataset_range(10, i, 3, drop_remainder=False) for i in range(3)] == [
         slice(0, 4), slice(4, 7), slice(7, 10)]
     with pytest.raises(ValueError, match=r"outside \[0, 2\)"):
-        jaxmp.process_batch_slice(8, 2, 2)
+        jaxmp.parallel.process_batch_slice(8, 2, 2)
 
 
 def test_prefetch_puts_batches_on_devices():
     batches = [{"x": np.full((16, 3), i, np.float32)} for i in range(3)]
-    got = list(jaxmp.prefetch_to_device(iter(batches), size=2))
+    got = list(jaxmp.parallel.prefetch_to_device(iter(batches), size=2))
     assert len(got) == 3 and got[2]["x"].shape == (N, 2, 3)
     assert len(got[0]["x"].sharding.device_set) == N and float(got[2]["x"][0, 0, 0]) == 2.0
-    mesh = jaxmp.make_data_mesh()
-    got = list(jaxmp.prefetch_to_mesh(iter(batches), mesh))
+    mesh = jaxmp.parallel.make_data_mesh()
+    got = list(jaxmp.parallel.prefetch_to_mesh(iter(batches), mesh))
     assert got[1]["x"].shape == (16, 3) and got[1]["x"].sharding.spec == jax.sharding.PartitionSpec("data")
 
 
@@ -292,71 +292,71 @@ def test_pmap_step_rejects_unreplicated_or_divergent_state_and_unsharded_batch()
     tx = jaxmp.loss_scaling(optax.sgd(0.1), axis_name="batch")
     params = {"w": jnp.ones(1)}
     loss_fn = lambda p, b: jnp.mean(b["x"] * p["w"])  # noqa: E731
-    step = jaxmp.make_pmap_train_step(loss_fn, tx, "batch")
-    batch = jaxmp.shard_batch({"x": np.ones((16, 1), np.float32)})
-    with pytest.raises(ValueError, match=r"params must have a leading axis of size 8 .* jaxmp.replicate"):
-        step(params, jaxmp.replicate(tx.init(params)), batch)
-    with pytest.raises(ValueError, match=r"batch must have a leading axis of size 8 .*jaxmp.shard_batch"):
-        step(jaxmp.replicate(params), jaxmp.replicate(tx.init(params)), {"x": np.ones((16, 1), np.float32)})
+    step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch")
+    batch = jaxmp.parallel.shard_batch({"x": np.ones((16, 1), np.float32)})
+    with pytest.raises(ValueError, match=r"params must have a leading axis of size 8 .* jaxmp.parallel.replicate"):
+        step(params, jaxmp.parallel.replicate(tx.init(params)), batch)
+    with pytest.raises(ValueError, match=r"batch must have a leading axis of size 8 .*jaxmp.parallel.shard_batch"):
+        step(jaxmp.parallel.replicate(params), jaxmp.parallel.replicate(tx.init(params)), {"x": np.ones((16, 1), np.float32)})
     diverged = np.ones((N, 1), np.float32)
     diverged[7] = 2.0
     with pytest.raises(ValueError, match=r"params is not replicated: leaf \['w'\] differs"):
-        step({"w": diverged}, jaxmp.replicate(tx.init(params)), batch)
+        step({"w": diverged}, jaxmp.parallel.replicate(tx.init(params)), batch)
 
 
 def test_unbound_or_mismatched_axis_names_raise_value_error():
     params = {"w": jnp.ones(1)}
     loss_fn = lambda p, b: jnp.mean(b["x"] * p["w"])  # noqa: E731
-    batch = jaxmp.shard_batch({"x": np.ones((16, 1), np.float32)})
+    batch = jaxmp.parallel.shard_batch({"x": np.ones((16, 1), np.float32)})
     with pytest.raises(ValueError, match=r"axis_name='batch' is not bound"):
-        jaxmp.all_reduce_gradients({"w": jnp.ones(1)}, "batch")
+        jaxmp.parallel.all_reduce_gradients({"w": jnp.ones(1)}, "batch")
     # loss_scaling built for another axis than the pmap's.
     tx = jaxmp.loss_scaling(optax.sgd(0.1), axis_name="devices")
-    step = jaxmp.make_pmap_train_step(loss_fn, tx, "batch", check_replicas="never")
+    step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch", check_replicas="never")
     with pytest.raises(ValueError, match=r"axis_name='devices' is not bound"):
-        step(jaxmp.replicate(params), jaxmp.replicate(tx.init(params)), batch)
+        step(jaxmp.parallel.replicate(params), jaxmp.parallel.replicate(tx.init(params)), batch)
     # An axis name under plain jit (sharded path): there is no axis to bind.
-    mesh = jaxmp.make_data_mesh()
+    mesh = jaxmp.parallel.make_data_mesh()
     tx = jaxmp.loss_scaling(optax.sgd(0.1), axis_name="data")
-    sstep = jaxmp.make_sharded_train_step(loss_fn, tx, mesh)
-    q, r = jaxmp.replicate_on_mesh((params, tx.init(params)), mesh)
+    sstep = jaxmp.parallel.make_sharded_train_step(loss_fn, tx, mesh)
+    q, r = jaxmp.parallel.replicate_on_mesh((params, tx.init(params)), mesh)
     with pytest.raises(ValueError, match=r"axis_name='data' is not bound"):
-        sstep(q, r, jaxmp.make_global_batch({"x": np.ones((16, 1), np.float32)}, mesh))
+        sstep(q, r, jaxmp.parallel.make_global_batch({"x": np.ones((16, 1), np.float32)}, mesh))
     with pytest.raises(ValueError, match=r"16 is not divisible|10 is not divisible"):
-        jaxmp.make_sharded_train_step(loss_fn, jaxmp.loss_scaling(optax.sgd(0.1)), mesh)(
+        jaxmp.parallel.make_sharded_train_step(loss_fn, jaxmp.loss_scaling(optax.sgd(0.1)), mesh)(
             q, r, {"x": np.ones((10, 1), np.float32)})
 
 
 def test_argument_validation():
     tx = jaxmp.loss_scaling(optax.sgd(0.1))
     with pytest.raises(TypeError, match=r"grad_reduce_dtype"):
-        jaxmp.make_pmap_train_step(lambda p, b: 0.0, tx, grad_reduce_dtype=jnp.int32)
+        jaxmp.parallel.make_pmap_train_step(lambda p, b: 0.0, tx, grad_reduce_dtype=jnp.int32)
     with pytest.raises(ValueError, match=r"check_replicas"):
-        jaxmp.make_pmap_train_step(lambda p, b: 0.0, tx, check_replicas="sometimes")
+        jaxmp.parallel.make_pmap_train_step(lambda p, b: 0.0, tx, check_replicas="sometimes")
     with pytest.raises(ValueError, match=r"axis_name must name"):
-        jaxmp.make_pmap_train_step(lambda p, b: 0.0, tx, axis_name=None)
+        jaxmp.parallel.make_pmap_train_step(lambda p, b: 0.0, tx, axis_name=None)
     with pytest.raises(ValueError, match=r"data_axis 'model' is not an axis"):
-        jaxmp.make_sharded_train_step(lambda p, b: 0.0, tx, jaxmp.make_data_mesh(), data_axis="model")
+        jaxmp.parallel.make_sharded_train_step(lambda p, b: 0.0, tx, jaxmp.parallel.make_data_mesh(), data_axis="model")
     with pytest.raises(ValueError, match=r"host:port"):
-        jaxmp.initialize_distributed("localhost", 2, 0)
+        jaxmp.parallel.initialize_distributed("localhost", 2, 0)
     with pytest.raises(ValueError, match=r"process_id 2 is out of range for num_processes=2"):
-        jaxmp.initialize_distributed("127.0.0.1:1234", 2, 2)
+        jaxmp.parallel.initialize_distributed("127.0.0.1:1234", 2, 2)
     with pytest.raises(TypeError, match=r"num_processes must be an int"):
-        jaxmp.initialize_distributed("127.0.0.1:1234", "2", 0)
+        jaxmp.parallel.initialize_distributed("127.0.0.1:1234", "2", 0)
 
 
 def test_initialize_distributed_reads_environment(monkeypatch):
     monkeypatch.setenv("JAXMP_COORDINATOR_ADDRESS", "127.0.0.1:1234")
     monkeypatch.setenv("JAXMP_NUM_PROCESSES", "two")
     with pytest.raises(ValueError, match=r"JAXMP_NUM_PROCESSES='two' is not an integer"):
-        jaxmp.initialize_distributed()
+        jaxmp.parallel.initialize_distributed()
     monkeypatch.setenv("JAXMP_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAXMP_PROCESS_ID", "5")
     with pytest.raises(ValueError, match=r"process_id 5 is out of range for num_processes=2"):
-        jaxmp.initialize_distributed()
+        jaxmp.parallel.initialize_distributed()
 
 
 def test_check_replicated_handles_prng_keys():
-    state = jaxmp.replicate({"key": jax.random.key(0), "w": jnp.ones(2)})
-    jaxmp.check_replicated(state)
-    assert jaxmp.is_replicated(state)
+    state = jaxmp.parallel.replicate({"key": jax.random.key(0), "w": jnp.ones(2)})
+    jaxmp.parallel.check_replicated(state)
+    assert jaxmp.parallel.is_replicated(state)

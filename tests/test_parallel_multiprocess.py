@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmp.parallel import _multiprocess_demo as demo
+import _multiprocess_demo as demo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120
@@ -57,7 +57,7 @@ def test_two_processes_with_two_devices_each_match_one_process_with_four(tmp_pat
             log = open(tmp_path / f"process_{i}.log", "w")
             logs.append(log)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "jaxmp.parallel._multiprocess_demo", "--out", str(out), "--paths", ",".join(PATHS)],
+                [sys.executable, os.path.join(REPO, "tests", "_multiprocess_demo.py"), "--out", str(out), "--paths", ",".join(PATHS)],
                 env={**env, "JAXMP_PROCESS_ID": str(i)}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
         # The single-process reference on 4 of this process's 8 devices, computed meanwhile.
         reference = {path: demo.train(path, jax.devices()[:4]) for path in PATHS}

@@ -18,6 +18,13 @@ def test_readme_example_runs():
     assert float(ns["loss"]) < 0.05
 
 
+def test_readme_autocast_example_runs():
+    blocks = python_blocks(section("Any JAX function: `jaxmp.autocast`"))
+    assert len(blocks) == 1
+    ns = run_blocks(blocks, "README autocast")
+    assert ns["grads"]["w1"].dtype == ns["jnp"].float32
+
+
 def test_readme_is_a_landing_page_with_the_two_commands():
     text = README.read_text()
     assert len(text.splitlines()) <= 250

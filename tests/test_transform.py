@@ -215,7 +215,7 @@ def test_master_weights_random_walk_stays_bit_exact_and_moments_are_fp32():
         params, state, _ = step(params, state, x, y)
         master = jaxmp.master_params(state)
         assert _bits(params) == _bits(jax.tree_util.tree_map(lambda m: m.astype(jnp.float16), master))
-    adam_state = state.inner_state[0]
+    adam_state = state.inner_state.inner_state[0]  # inside the master_weights state
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(adam_state.mu))
     assert all(leaf.dtype == jnp.float16 for leaf in jax.tree_util.tree_leaves(params))
     assert int(state.total_skips) == 4  # i = 3, 10, 17, 24

@@ -58,6 +58,7 @@ def dot_gemm(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbe
       A :class:`Gemm`; ``tc_dims`` are ``M``, ``N`` and ``K``.
 
     Example:
+      >>> from jaxmp.diagnostics._matmul import dot_gemm
       >>> dot_gemm((16, 64, 30), (16, 30, 8), (((2,), (1,)), ((0,), (0,)))).flops
       491520
     """
@@ -87,6 +88,8 @@ def conv_gemm(lhs_shape: Sequence[int], rhs_shape: Sequence[int], out_shape: Seq
       A :class:`Gemm` with ``batch=1``; ``tc_dims`` are the input and output channels per group.
 
     Example:
+      >>> from jaxmp.diagnostics._matmul import conv_gemm
+      >>> import jax
       >>> dn = jax.lax.conv_dimension_numbers((8, 32, 32, 3), (3, 3, 3, 16), ("NHWC", "HWIO", "NHWC"))
       >>> conv_gemm((8, 32, 32, 3), (3, 3, 3, 16), (8, 32, 32, 16), dn).flops  # 2*8*32*32*16*3*9
       7077888

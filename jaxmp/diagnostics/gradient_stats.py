@@ -188,8 +188,10 @@ class GradientStats:
           ImportError: matplotlib is not installed.
 
         Example:
-          >>> jaxmp.gradient_stats(grads).plot("grads.png")
-          'grads.png'
+          >>> import os, tempfile, jax.numpy as jnp, jaxmp
+          >>> path = os.path.join(tempfile.mkdtemp(), "grads.png")
+          >>> jaxmp.gradient_stats({"w": jnp.array([1e-9, 1e-3])}).plot(path) == path
+          True
         """
         try:
             # Imported here so that `import jaxmp` never pulls in matplotlib; no pyplot, so no
@@ -295,6 +297,7 @@ def suggest_loss_scale(max_abs: float, headroom: float = 8.0) -> float:
       ``S`` as a float; ``2**24`` when ``max_abs`` is 0 (nothing can overflow).
 
     Example:
+      >>> from jaxmp.diagnostics.gradient_stats import suggest_loss_scale
       >>> suggest_loss_scale(1.0)  # 65504 / 8 = 8188 -> 2**12
       4096.0
     """
@@ -331,6 +334,7 @@ def gradient_stats(grads: Any, loss_scale: Any = 1.0, *, group_by: str = "top",
         and finite, ``headroom < 1`` or ``group_by`` is unknown.
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> stats = jaxmp.gradient_stats({"w": jnp.array([1e-9, 1e-3, 0.0])}, loss_scale=1.0)
       >>> stats.total.underflow, stats.total.zeros  # 1e-9 < 2**-24 ~ 6e-8
       (1, 1)
@@ -340,7 +344,7 @@ def gradient_stats(grads: Any, loss_scale: Any = 1.0, *, group_by: str = "top",
         raise ValueError(f"headroom must be a number >= 1, got {headroom!r}")
     if group_by not in ("top", "leaf", "all"):
         raise ValueError(f"group_by must be 'top', 'leaf' or 'all', got {group_by!r}")
-    from jaxmp.policy import is_floating_array
+    from jaxmp.dtypes import is_floating_array
 
     leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
     if not leaves:

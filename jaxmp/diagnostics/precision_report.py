@@ -246,6 +246,7 @@ def amdahl(share: float, speedup: float) -> float:
       ``1 / ((1 - share) + share / speedup)``.
 
     Example:
+      >>> from jaxmp.diagnostics.precision_report import amdahl
       >>> amdahl(0.5, 8.0)  # half the time 8x faster: at most 1.78x overall
       1.7777777777777777
     """
@@ -276,6 +277,8 @@ def analyze_jaxpr(closed_jaxpr, *, policy: Any = None, tensor_core_speedup: floa
       A :class:`PrecisionReport`.
 
     Example:
+      >>> from jaxmp.diagnostics.precision_report import analyze_jaxpr
+      >>> import jax, jax.numpy as jnp
       >>> jx = jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((8, 16)), jnp.ones((16, 8)))
       >>> analyze_jaxpr(jx).total_flops  # 2 * 8 * 8 * 16
       2048
@@ -295,7 +298,7 @@ def analyze_jaxpr(closed_jaxpr, *, policy: Any = None, tensor_core_speedup: floa
         raise ValueError(f"reduction_threshold must be a positive int, got {reduction_threshold!r}")
     pol = None
     if policy is not None:
-        from jaxmp.policy import as_policy
+        from jaxmp.presets import as_policy
 
         pol = as_policy(policy)
     ops, risky, unknown = walk_jaxpr(
@@ -334,12 +337,14 @@ def precision_report(fn: Callable, *args, policy: Any = None, tensor_core_speedu
       ValueError: a non-positive ``tensor_core_speedup``, ``tc_multiple`` or ``reduction_threshold``.
 
     Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
       >>> x = jax.ShapeDtypeStruct((64, 30), jnp.float16)
       >>> w = jax.ShapeDtypeStruct((30, 64), jnp.float16)
       >>> rep = jaxmp.precision_report(lambda x, w: x @ w, x, w, policy="O2")
       >>> rep.ops[0].shape_problems, rep.total_flops  # 2 * 64 * 64 * 30
       (('K=30',), 245760)
       >>> print(rep.summary())
+      precision: 1 matmul/conv, ...
     """
     if isinstance(fn, (_core.ClosedJaxpr, _core.Jaxpr)):
         jaxpr = fn

@@ -17,7 +17,7 @@ from jaxmp.engine.attention import route_attention
 from jaxmp.engine.interpreter import Interpreter, Val, is_float
 from jaxmp.engine.modules import class_markers
 from jaxmp.engine.rules import AutocastRules, marker
-from jaxmp.policy import cast_floating
+from jaxmp.dtypes import cast_floating
 
 _CACHE_SIZE = 64
 
@@ -79,8 +79,11 @@ def _signature(leaves, dynamic):
 class _Autocast:
     """The callable :func:`autocast` returns (``functools.wraps`` keeps ``fn``'s name and doc)."""
 
-    def __init__(self, fn: Callable, config: _config.AutocastConfig):
-        self.fn, self.config = fn, config
+    def __init__(self, fn: Callable, config: _config.AutocastConfig, cast_outputs: bool = True,
+                 cache: bool = True):
+        # cache=False (the Flax integration): trace on every call, as module.apply does, so that
+        # user interceptors and other trace-time Python effects behave as without jaxmp.
+        self.fn, self.config, self.cast_outputs, self.cache = fn, config, cast_outputs, cache
         self._programs: collections.OrderedDict = collections.OrderedDict()
         functools.update_wrapper(self, fn)
 
@@ -103,6 +106,8 @@ class _Autocast:
         return _Program(closed, out_tree[0], self.config, tracer_consts)
 
     def _program(self, leaves, dynamic, treedef) -> _Program:
+        if not self.cache:
+            return self._trace(leaves, dynamic, treedef)
         try:
             key = (treedef, _signature(leaves, dynamic), _config.TRACING.value, _EXPLAIN.value)
             hash(key)
@@ -125,11 +130,12 @@ class _Autocast:
         dyn_vals = [leaf for leaf, d in zip(leaves, dynamic) if d]
         if self.config.cast_inputs:
             dyn_vals = [cast_floating(x, self.config.compute_dtype) for x in dyn_vals]
-        traced = program.has_tracer_consts or any(isinstance(x, jax.core.Tracer) for x in dyn_vals)
+        traced = not self.cache or program.has_tracer_consts or any(isinstance(x, jax.core.Tracer) for x in dyn_vals)
         with jax.named_scope(marker("keep", f"autocast({self.config.name})")):
             outs = program.run(*dyn_vals) if traced else program.jitted(*dyn_vals)
-        outs = [cast_floating(o, self.config.output_dtype) if is_float(getattr(o, "dtype", None)) else o
-                for o in outs]
+        if self.cast_outputs:
+            outs = [cast_floating(o, self.config.output_dtype) if is_float(getattr(o, "dtype", None)) else o
+                    for o in outs]
         return jax.tree_util.tree_unflatten(program.out_tree, outs)
 
 

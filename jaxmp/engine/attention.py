@@ -16,10 +16,11 @@ import functools
 import logging
 
 import jax
+import jax.numpy as jnp
 
 from jaxmp.engine import config as _config
 from jaxmp.engine.rules import marker
-from jaxmp.policy import cast_floating
+from jaxmp.dtypes import cast_floating
 
 _log = logging.getLogger("jaxmp.autocast")
 _ORIGINAL = jax.nn.dot_product_attention
@@ -62,7 +63,9 @@ def routed_attention(query, key, value, bias=None, mask=None, *args, implementat
         return _ORIGINAL(query, key, value, bias, mask, *args, implementation=implementation, **kwargs)
     query, key, value, bias = cast_floating((query, key, value, bias), cfg.compute_dtype)
     call = functools.partial(_ORIGINAL, query, key, value, bias, mask, *args, **kwargs)
-    with _config.TRACING(None), jax.named_scope(marker("keep", "dot_product_attention")):
+    # JAX's attention promotes with jnp.promote_types, which a caller's strict promotion forbids.
+    with _config.TRACING(None), jax.numpy_dtype_promotion("standard"), \
+            jax.named_scope(marker("keep", "dot_product_attention")):
         if implementation is not None:
             _note(implementation, "chosen by the caller")
             return call(implementation=implementation)
@@ -75,6 +78,12 @@ def routed_attention(query, key, value, bias=None, mask=None, *args, implementat
                 _note("xla", f"cuDNN refused: {type(e).__name__}: {str(e)[:120]}")
         else:
             _note("xla", f"no cuDNN on {jax.default_backend()}")
+        if jax.default_backend() == "cpu" and query.dtype == jnp.float16:
+            # XLA:CPU has no float16 x float16 -> float32 dot (F16_F16_F32), which the float32
+            # logits need: compute in float32 (a CPU gains nothing from half) and hand back half.
+            args32 = cast_floating((query, key, value, bias), jnp.float32)
+            out = _ORIGINAL(*args32, mask, *args, implementation="xla", **kwargs)
+            return out.astype(jnp.float16)
         return call(implementation="xla")
 
 

@@ -10,18 +10,16 @@ afterwards runs as written, in float32.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import numpy as np
 from jax._src import config as _jax_config
 
 from jaxmp.engine.rules import PURE_HALF_RULES, AutocastRules
-from jaxmp.policy import Policy, Recipe, as_policy, get_recipe
+from jaxmp.policy import Policy
+from jaxmp.presets import resolve_policy
 
 _F32 = np.dtype("float32")
-_PRESET = re.compile(r"^\s*[oO][0-3]([-_:].*)?\s*$")
-_KERAS = ("float32", "mixed_float16", "mixed_bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,15 +41,6 @@ class AutocastConfig:
     cast_inputs: bool
     rules: AutocastRules
     identity: bool = False
-
-
-def _policy_and_recipe(policy: Any) -> tuple[Policy, Recipe | None]:
-    if isinstance(policy, Recipe):
-        return policy.policy, policy
-    if isinstance(policy, str) and (_PRESET.match(policy) or policy.strip() in _KERAS):
-        recipe = get_recipe(policy)
-        return recipe.policy, recipe
-    return as_policy(policy), None
 
 
 def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
@@ -91,7 +80,7 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     """
     if rules is not None and not isinstance(rules, AutocastRules):
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}: {rules!r}")
-    resolved, recipe = _policy_and_recipe(policy)
+    resolved, recipe = resolve_policy(policy)
     compute = np.dtype(resolved.compute_dtype)
     name = recipe.name if recipe is not None else str(resolved)
     level = recipe.name[:2].upper() if recipe is not None and recipe.name[:1] in "oO" else None
@@ -127,3 +116,28 @@ def current() -> AutocastConfig | None:
       True
     """
     return TRACING.value
+
+
+def flax_config(policy: Policy, overrides: Any) -> AutocastConfig:
+    """The engine settings of :func:`jaxmp.flax.mixed_precision` for a policy and its overrides.
+
+    The Flax integration casts module inputs and params while the model is traced; the engine
+    then applies the op lists: the default lists when the overrides keep softmax in float32
+    (O1), pure half otherwise (O2, O3: norms stay float32 through their module rule).
+
+    Args:
+      policy: the model-wide :class:`jaxmp.Policy`.
+      overrides: the :class:`jaxmp.flax.PrecisionOverrides`.
+
+    Returns:
+      An :class:`AutocastConfig` (``identity`` for a float32 compute dtype).
+
+    Example:
+      >>> from jaxmp.flax import PrecisionOverrides
+      >>> flax_config(jaxmp.get_policy("O2-bf16"), PrecisionOverrides.from_recipe("O2")).rules.float32_ops
+      frozenset()
+    """
+    compute = np.dtype(policy.compute_dtype)
+    rules = AutocastRules() if overrides.fp32_softmax else PURE_HALF_RULES
+    return AutocastConfig(f"flax {policy}", compute, np.dtype(policy.output_dtype), False, rules,
+                          identity=compute.itemsize >= 4)

@@ -14,7 +14,7 @@ import jax
 
 from jaxmp.engine import config as _config
 from jaxmp.engine.rules import _region_dtype, marker
-from jaxmp.policy import cast_floating
+from jaxmp.dtypes import cast_floating
 
 
 def _label(fn: Callable) -> str:

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp.policy import canonical_float_dtype
+from jaxmp.dtypes import float_dtype
 
 #: Matmuls and convolutions: cast to the compute dtype (torch: matmul, conv, linear, einsum, baddbmm).
 HALF_OPS: frozenset[str] = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
@@ -116,7 +116,7 @@ def _region_dtype(dtype: Any, where: str) -> str:
     if isinstance(dtype, str) and dtype in ("half", "keep"):
         return dtype
     try:
-        return np.dtype(canonical_float_dtype(dtype, where)).name
+        return np.dtype(float_dtype(dtype, where)).name
     except TypeError as e:
         raise TypeError(f"{where}: a region dtype must be a floating dtype, 'half' or 'keep', got {dtype!r}") from e
 

@@ -18,7 +18,7 @@ import flax.linen as _nn
 from flax import nnx as _nnx
 
 from jaxmp.flax import linen, nnx
-from jaxmp.flax.attention import fp32_softmax_attention
+from jaxmp.flax.attention import fp32_softmax_attention, fused_attention
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy
 from jaxmp.flax.overrides import (
     DEFAULT_HALF_MODULES,
@@ -80,6 +80,7 @@ __all__ = [
     "TrainState",
     "accuracy",
     "fp32_softmax_attention",
+    "fused_attention",
     "linen",
     "make_eval_step",
     "make_train_step",

@@ -96,3 +96,66 @@ def fp32_softmax_attention(
         keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
         weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype))
     return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+
+
+def fused_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: Any = None,
+    **unused: Any,
+) -> jax.Array:
+    """The ``attention_fn`` :func:`jaxmp.flax.mixed_precision` gives attention modules.
+
+    Calls that a fused kernel can take (4-D ``[batch, length, heads, depth]`` inputs, no bias,
+    no attention dropout, no sown weights, default precision; a mask is fine) go through
+    ``jax.nn.dot_product_attention``, which :func:`jaxmp.autocast` routes to the cuDNN kernel on
+    GPUs (half inputs, float32 softmax accumulation, no [T, T] scores in memory) and to XLA's
+    attention with a float32 softmax elsewhere. Other calls run Flax's own attention, whose
+    softmax the autocast float32 list keeps in float32.
+
+    Args:
+      query: ``[batch, q_length, num_heads, depth]``.
+      key: ``[batch, kv_length, num_heads, depth]``.
+      value: ``[batch, kv_length, num_heads, v_depth]``.
+      bias: added to the logits (forces the Flax path).
+      mask: boolean, broadcastable to ``[batch, heads, q_length, kv_length]``.
+      broadcast_dropout: as for Flax.
+      dropout_rng: as for Flax.
+      dropout_rate: attention dropout (a non-zero rate in training forces the Flax path).
+      deterministic: disables dropout.
+      dtype: as for Flax.
+      precision: a non-default precision forces the Flax path.
+      module: when given (sown attention weights), the Flax path.
+      **unused: other keyword arguments attention modules may pass.
+
+    Returns:
+      ``[batch, q_length, num_heads, v_depth]``.
+
+    Example:
+      >>> q = jnp.ones((1, 4, 2, 8))
+      >>> jaxmp.flax.fused_attention(q, q, q).shape
+      (1, 4, 2, 8)
+    """
+    fusable = (bias is None and module is None and precision is None and query.ndim == 4
+               and (deterministic or dropout_rate == 0.0) and key.shape[-2] == query.shape[-2])
+    if not fusable:
+        from flax import linen
+
+        return linen.dot_product_attention(query, key, value, bias=bias, mask=mask,
+                                           broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+                                           dropout_rate=dropout_rate, deterministic=deterministic,
+                                           dtype=dtype, precision=precision, module=module)
+    if mask is not None:
+        b, t, n, _ = query.shape
+        mask = jnp.broadcast_to(mask.astype(jnp.bool_), (b, n, t, key.shape[1]))
+    out = jax.nn.dot_product_attention(query, key, value, mask=mask)
+    return out if dtype is None else out.astype(dtype)

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jaxmp.flax.overrides import ModuleRule
-from jaxmp.policy import cast_floating, is_floating_array
+from jaxmp.dtypes import cast_floating, is_floating_array
 
 #: A module path as strings, e.g. ``("ResBlock_0", "BatchNorm_0")`` or ``("layers", "0")``.
 Path = tuple[str, ...]

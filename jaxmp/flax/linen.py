@@ -1,24 +1,25 @@
 """Run an unmodified Linen module under a precision policy with per-module-class overrides.
 
-How it works (no edit to the model):
+How it works (no edit to the model, one trace, no float32 rehearsal):
 
-1. Params are cast before ``apply``: each param leaf goes to the compute dtype of the
-   nearest enclosing module that has a rule (float32 under a ``BatchNorm``, the policy's
-   compute dtype elsewhere). The cast is an ``astype`` inside the caller's trace, so the
-   gradient comes back to the stored (float32 master) params in their own dtype.
-   Which module class owns which param subtree is only known by running the model, so
-   ``apply`` first traces it abstractly (``jax.eval_shape``, no FLOPs) with an interceptor
-   that records ``module.path -> rule``. Under ``jit`` that is one extra trace per compile.
-2. ``nn.intercept_methods`` casts the floating inputs of every ruled module to its compute
-   dtype and its outputs as the rule says (float32 modules hand back their input's dtype).
-   Casting params as well as inputs matters: Flax's ``dtype=None`` promotion would
-   otherwise compute a Dense with float32 params in float32 whatever its inputs.
-3. Attention modules get :func:`jaxmp.flax.fp32_softmax_attention` while they run, so
-   their softmax is float32 and both matmuls stay in half.
+1. ``apply`` runs the model once, inside :func:`jaxmp.autocast`'s engine. While it is traced,
+   ``nn.intercept_methods`` casts the floating inputs of every ruled module to its compute
+   dtype and its outputs as the rule says (float32 modules hand back their input's dtype), and
+   every param a module reads (``Module.param``) is cast to the compute dtype of the nearest
+   enclosing ruled module (float32 under a ``BatchNorm``, the policy's compute dtype
+   elsewhere). A layer therefore sees half inputs and half params when it is traced: kernels
+   that refuse float32 (cuDNN attention, fp8 dots, Pallas) work. The casts are ``astype`` in the
+   caller's trace, so gradients come back to the stored (float32 master) params.
+2. Float32 modules and per-class policies run inside ``jaxmp[<dtype>]`` regions; the engine's
+   op lists decide the rest (the softmax of Flax's attention and every reduction in float32
+   under O1; pure half under O2/O3 outside norms).
+3. Attention modules get :func:`jaxmp.flax.fused_attention`: ``jax.nn.dot_product_attention``
+   (cuDNN on GPUs, XLA with a float32 softmax elsewhere) where the call allows it.
 4. Model inputs are cast to the policy's compute dtype and outputs to its output dtype.
 
 Only the ``params`` collection is cast; ``batch_stats`` and other collections are passed
-through untouched (BatchNorm statistics stay float32).
+through untouched (BatchNorm statistics stay float32). ``init`` runs under the same casts,
+records which module owns which param, and stores each param in its rule's param dtype.
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxmp.flax.attention import fp32_softmax_attention
+from jaxmp.engine import flax_config
+from jaxmp.engine.api import _Autocast
+from jaxmp.engine.rules import marker
+from jaxmp.flax.attention import fused_attention
 from jaxmp.flax.casting import Path, cast_by_path, cast_output, first_floating_dtype
 from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, resolve_overrides
-from jaxmp.policy import Policy, cast_floating
+from jaxmp.dtypes import cast_floating
+from jaxmp.policy import Policy
 
 def _uses_default_attention(module: nn.Module) -> bool:
     return (
@@ -46,15 +51,15 @@ def _uses_default_attention(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _fp32_softmax(module: nn.Module):
-    """Temporarily gives a bound attention module the fp32-softmax attention function.
+def _fused_attention(module: nn.Module):
+    """Temporarily gives a bound attention module :func:`jaxmp.flax.fused_attention`.
 
     Linen modules are frozen dataclasses, so the field is swapped with ``object.__setattr__``
     on the bound instance for the duration of the call and restored afterwards; the module
     the user holds is a different (unbound) object and never changes.
     """
     old = module.attention_fn
-    object.__setattr__(module, "attention_fn", fp32_softmax_attention)
+    object.__setattr__(module, "attention_fn", fused_attention)
     try:
         yield
     finally:
@@ -80,31 +85,51 @@ def _skip(context: Any) -> bool:
     return name == "setup" or (name.startswith("_") and not name.startswith("__"))
 
 
-def _recording_interceptor(rule_of: _RuleCache, rules: dict[Path, ModuleRule]) -> Callable:
-    def interceptor(next_fun, args, kwargs, context):
-        if not _skip(context):
-            rule = rule_of(context.module)
-            if rule is not None:
-                rules.setdefault(tuple(context.module.path), rule)
-        return next_fun(*args, **kwargs)
+@contextlib.contextmanager
+def _params_cast_to(stack: list):
+    """While active, ``Module.param`` returns its value cast to ``stack[-1]`` (floating leaves only)."""
+    original = nn.Module.param
 
-    return interceptor
+    def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
+        value = original(self, name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+        return cast_floating(value, stack[-1])
+
+    nn.Module.param = param
+    try:
+        yield
+    finally:
+        nn.Module.param = original
 
 
-def _casting_interceptor(rule_of: _RuleCache, overrides: PrecisionOverrides) -> Callable:
+def _region(rule: ModuleRule, module: nn.Module):
+    # Half modules need no region: their traced casts are kept and the op lists do the rest.
+    if rule.kind == "half":
+        return contextlib.nullcontext()
+    return jax.named_scope(marker(np.dtype(rule.compute_dtype).name, type(module).__name__))
+
+
+def _casting_interceptor(rule_of: _RuleCache, overrides: PrecisionOverrides, param_dtypes: list,
+                         record: dict | None = None) -> Callable:
     def interceptor(next_fun, args, kwargs, context):
         if _skip(context):
             return next_fun(*args, **kwargs)
         module = context.module
-        softmax = _fp32_softmax(module) if overrides.fp32_softmax and _uses_default_attention(module) else contextlib.nullcontext()
+        attention = _fused_attention(module) if overrides.fused_attention and _uses_default_attention(module) \
+            else contextlib.nullcontext()
         rule = rule_of(module)
         if rule is None:
-            with softmax:
+            with attention:
                 return next_fun(*args, **kwargs)
+        if record is not None:
+            record.setdefault(tuple(module.path), rule)
         input_dtype = first_floating_dtype((args, kwargs))
         args, kwargs = cast_floating((args, kwargs), rule.compute_dtype)
-        with softmax:
-            out = next_fun(*args, **kwargs)
+        param_dtypes.append(rule.compute_dtype)
+        try:
+            with attention, _region(rule, module):
+                out = next_fun(*args, **kwargs)
+        finally:
+            param_dtypes.pop()
         return cast_output(out, rule, input_dtype)
 
     return interceptor
@@ -165,9 +190,8 @@ class MixedPrecision:
           dtype(bfloat16)
         """
         rules: dict[Path, ModuleRule] = {}
-        # A plain float32 forward: params do not exist yet, so nothing can be cast consistently
-        # (half inputs against float32 params would even fail under strict dtype promotion).
-        with nn.intercept_methods(_recording_interceptor(_RuleCache(self.policy, self.overrides), rules)):
+        args, kwargs = self.policy.cast_to_compute((args, kwargs))
+        with self._casting(rules):  # the same casts as apply: a half-only layer initialises too
             variables = self.module.init(rngs, *args, method=method, **kwargs)
         if "params" not in variables:
             return variables
@@ -195,37 +219,37 @@ class MixedPrecision:
           >>> logits = model.apply(variables, x, train=False)
           >>> grads = jax.grad(lambda p: model.apply({"params": p}, x).sum())(variables["params"])
         """
-        rule_of = _RuleCache(self.policy, self.overrides)
-        rules = self._trace_rules(rule_of, variables, args, kwargs, rngs, method, mutable)
-        if "params" in variables:
-            params = cast_by_path(variables["params"], rules, self.policy.compute_dtype, "compute_dtype")
-            variables = {**variables, "params": params}
-        args, kwargs = self.policy.cast_to_compute((args, kwargs))
-        with nn.intercept_methods(_casting_interceptor(rule_of, self.overrides)):
-            out = self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+        out = self._runner(method, mutable)(variables, args, kwargs, rngs)
         if mutable is not False and mutable is not None and isinstance(out, tuple) and len(out) == 2:
             return self.policy.cast_to_output(out[0]), out[1]
         return self.policy.cast_to_output(out)
 
-    def _trace_rules(self, rule_of: _RuleCache, variables: Any, args: tuple, kwargs: dict, rngs: Any,
-                     method: Any, mutable: Any) -> dict[Path, ModuleRule]:
-        """Which ruled module owns which param subtree: an abstract pass (trace only, no FLOPs).
+    def _runner(self, method: Any, mutable: Any) -> Callable:
+        """The engine-wrapped apply for one (method, mutable)."""
+        key = (method, tuple(mutable) if isinstance(mutable, list) else mutable)
+        cache = self.__dict__.setdefault("_runners", {})
+        if key not in cache:
+            def run(variables, args, kwargs, rngs):
+                args, kwargs = self.policy.cast_to_compute((args, kwargs))
+                with self._casting():
+                    return self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
 
-        It runs the model uncast and entirely in float32 so that it is a consistent program
-        whatever the policy (params and inputs of mixed dtypes would, e.g., break the carry
-        types of ``nn.scan``), and under standard promotion even if the caller is strict.
+            config = flax_config(self.policy, self.overrides)
+            cache[key] = run if config.identity else _Autocast(run, config, cast_outputs=False, cache=False)
+        return cache[key]
+
+    @contextlib.contextmanager
+    def _casting(self, record: dict | None = None):
+        """While active, ruled modules get their inputs and params in their compute dtype.
+
+        Args:
+          record: if given, filled with ``{module path: rule}`` for the ruled modules that run.
         """
-        rules: dict[Path, ModuleRule] = {}
-        f32_variables = cast_floating(variables, np.float32)
-        f32_args, f32_kwargs = cast_floating((args, kwargs), np.float32)
-
-        def run(v):
-            with nn.intercept_methods(_recording_interceptor(rule_of, rules)):
-                return self.module.apply(v, *f32_args, rngs=rngs, method=method, mutable=mutable, **f32_kwargs)
-
-        with jax.numpy_dtype_promotion("standard"):
-            jax.eval_shape(run, f32_variables)
-        return rules
+        param_dtypes = [self.policy.compute_dtype]
+        rule_of = _RuleCache(self.policy, self.overrides)
+        with nn.intercept_methods(_casting_interceptor(rule_of, self.overrides, param_dtypes, record)), \
+                _params_cast_to(param_dtypes):
+            yield
 
     # -- conveniences ------------------------------------------------------------------------
 
@@ -246,4 +270,12 @@ class MixedPrecision:
           dtype('float32')
         """
         rngs, mutable = kwargs.pop("rngs", None), kwargs.pop("mutable", False)
-        return self._trace_rules(_RuleCache(self.policy, self.overrides), variables, args, kwargs, rngs, method, mutable)
+        rules: dict[Path, ModuleRule] = {}
+        args, kwargs = self.policy.cast_to_compute((args, kwargs))
+
+        def run(v):
+            with self._casting(rules):
+                return self.module.apply(v, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+
+        jax.eval_shape(run, variables)
+        return rules

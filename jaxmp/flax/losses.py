@@ -29,6 +29,7 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
       ValueError: labels whose shape fits neither form.
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> jaxmp.flax.softmax_cross_entropy(jnp.zeros((2, 4), jnp.bfloat16), jnp.array([0, 3]))
       Array(1.3862944, dtype=float32)
     """
@@ -53,6 +54,7 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
       The fraction of correct argmax predictions.
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp
       >>> float(jaxmp.flax.accuracy(jnp.eye(3), jnp.array([0, 1, 0])))
       0.6666666865348816
     """
@@ -76,7 +78,9 @@ def split_batch(batch: Any) -> tuple[Any, jax.Array]:
       TypeError: anything else.
 
     Example:
-      >>> jaxmp.flax.losses.split_batch({"image": x, "label": y}) == (x, y)
+      >>> import jaxmp.flax.losses
+      >>> jaxmp.flax.losses.split_batch({"image": "x", "label": "y"})
+      ('x', 'y')
     """
     if isinstance(batch, dict):
         inputs = next((batch[k] for k in _INPUT_KEYS if k in batch), None)

@@ -7,13 +7,15 @@ works on a throw-away copy of the model:
    dtype of its nearest ruled module (float32 under a norm). The cast happens inside the
    caller's trace, so ``nnx.grad`` returns gradients for the stored params in their own
    (float32 master) dtype.
-2. ``nnx.merge`` a copy. Non-param variables (``BatchStat``, RNG counters) are the very same
-   ``Variable`` objects as in the model, so running statistics update the model in place
-   and stay float32.
+2. ``nnx.merge`` a copy, inside :func:`jaxmp.autocast`'s engine: the call is traced once,
+   in the policy's dtypes, and the engine's op lists decide what the module rules leave open
+   (softmax and reductions in float32 under O1). Non-param variables (``BatchStat``, RNG
+   counters, sown intermediates) come back from the traced call and update the model, so
+   running statistics stay float32.
 3. In the copy, each ruled module's class is swapped for a cached subclass whose
-   ``__call__`` casts inputs and outputs (and opens a ``jax.named_scope`` with the class
-   name, visible in profiles and jaxprs); attention modules get an fp32-softmax
-   ``attention_fn``. The user's model is never modified.
+   ``__call__`` casts inputs and outputs; float32 modules and per-class policies run inside
+   ``jaxmp[<dtype>]`` engine regions (visible in profiles and jaxprs). Attention modules get
+   :func:`jaxmp.flax.fused_attention`. The user's model is never modified.
 4. Model inputs go to the compute dtype, outputs to the output dtype.
 
 Only ``__call__`` is wrapped: other public methods of ruled modules (e.g. ``Embed.attend``)
@@ -26,16 +28,21 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from jaxmp.flax.attention import fp32_softmax_attention
+from jaxmp.engine import flax_config
+from jaxmp.engine.api import _Autocast
+from jaxmp.engine.rules import marker
+from jaxmp.flax.attention import fused_attention
 from jaxmp.flax.casting import Path, cast_by_path, cast_output, first_floating_dtype
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
 from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, resolve_overrides
-from jaxmp.loss_scale import select_tree
 from jaxmp.parallel.pmap import all_reduce_gradients
-from jaxmp.policy import Policy, cast_floating
-from jaxmp.transform import find_loss_scaling_state, get_loss_scale
+from jaxmp.dtypes import cast_floating
+from jaxmp.policy import Policy
+from jaxmp.opt_state import find_loss_scaling_state, get_loss_scale
+from jaxmp.skip import keep_if_finite
 
 _CASTING_CLASSES: dict[tuple[type, ModuleRule], type] = {}
 
@@ -47,7 +54,10 @@ def _casting_class(cls: type, rule: ModuleRule) -> type:
         def __call__(self, *args, **kwargs):
             input_dtype = first_floating_dtype((args, kwargs))
             args, kwargs = cast_floating((args, kwargs), rule.compute_dtype)
-            with jax.named_scope(cls.__name__):
+            # Float32 modules and per-class policies are engine regions; half modules are not:
+            # their casts are in the trace and the op lists decide the rest.
+            name = cls.__name__ if rule.kind == "half" else marker(np.dtype(rule.compute_dtype).name, cls.__name__)
+            with jax.named_scope(name):
                 out = cls.__call__(self, *args, **kwargs)
             return cast_output(out, rule, input_dtype)
 
@@ -126,9 +136,9 @@ def _install(copy: nnx.Module, policy: Policy, overrides: PrecisionOverrides) ->
     for _, node in nnx.iter_graph(copy):
         if not isinstance(node, nnx.Module):
             continue
-        if overrides.fp32_softmax and isinstance(node, nnx.MultiHeadAttention) \
+        if overrides.fused_attention and isinstance(node, nnx.MultiHeadAttention) \
                 and node.attention_fn is nnx.dot_product_attention:
-            node.attention_fn = fp32_softmax_attention
+            node.attention_fn = fused_attention
         rule = overrides.rule_for(node, policy)
         if rule is not None and getattr(type(node), "_jaxmp_rule", None) is None:
             node.__class__ = _casting_class(type(node), rule)
@@ -159,13 +169,20 @@ def call(model: nnx.Module, *args, policy: Any, overrides: Any = None, **kwargs)
 def _call(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides, args: tuple, kwargs: dict) -> Any:
     rules = module_rules(model, policy, overrides)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = cast_by_path(params, rules, policy.compute_dtype, "compute_dtype")
-    copy = nnx.merge(graphdef, params, rest)
-    _install(copy, policy, overrides)
-    args, kwargs = policy.cast_to_compute((args, kwargs))
-    out = copy(*args, **kwargs)
-    # Variables created during the call (sown intermediates) exist only on the copy.
-    nnx.update(model, nnx.state(copy, nnx.Not(nnx.Param)))
+
+    def run(params, rest, args, kwargs):
+        copy = nnx.merge(graphdef, cast_by_path(params, rules, policy.compute_dtype, "compute_dtype"), rest)
+        _install(copy, policy, overrides)
+        args, kwargs = policy.cast_to_compute((args, kwargs))
+        out = copy(*args, **kwargs)
+        # Running statistics, RNG counters and sown intermediates come back as outputs: the
+        # engine traces ``run`` functionally, so the model is updated after it.
+        return out, nnx.state(copy, nnx.Not(nnx.Param))
+
+    config = flax_config(policy, overrides)
+    engine = run if config.identity else _Autocast(run, config, cast_outputs=False, cache=False)
+    out, new_rest = engine(params, rest, args, kwargs)
+    nnx.update(model, new_rest)
     return policy.cast_to_output(out)
 
 
@@ -284,7 +301,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
         params = nnx.as_pure(nnx.state(model, nnx.Param))
         nnx.update(model, jax.tree.map(lambda p, m: m.astype(p.dtype), params, master))
     after = nnx.as_pure(nnx.state(model, _RESTORED_ON_SKIP))
-    nnx.update(model, select_tree(finite, after, before))
+    nnx.update(model, keep_if_finite(finite, after, before))
     optimizer.step[...] = jnp.where(finite, optimizer.step[...], step_before)
     return {
         "loss": loss.astype(jnp.float32),

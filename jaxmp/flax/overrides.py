@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp.policy import FP32_CATEGORIES, Policy, Recipe, as_policy, get_recipe
+from jaxmp.policy import Policy
+from jaxmp.presets import FP32_CATEGORIES, Recipe, as_policy, get_recipe, resolve_policy
 
 #: Linen and NNX matmul / convolution / attention classes that run in the compute dtype.
 DEFAULT_HALF_MODULES: tuple[type, ...] = (
@@ -106,6 +107,9 @@ class PrecisionOverrides:
         ``{cls: policy}`` is accepted and a policy may be a string or ``jmp.Policy``.
       fp32_softmax: attention modules in the half list compute their softmax in float32.
       fp32_loss: the train steps compute the loss on float32 logits.
+      fused_attention: attention modules with Flax's default attention run
+        :func:`jaxmp.flax.fused_attention` (cuDNN on GPUs, XLA with a float32 softmax
+        elsewhere); False keeps Flax's own attention under the op lists.
 
     Example:
       >>> ov = jaxmp.flax.PrecisionOverrides.from_recipe("O1")
@@ -117,6 +121,7 @@ class PrecisionOverrides:
     module_policies: Any = ()
     fp32_softmax: bool = True
     fp32_loss: bool = True
+    fused_attention: bool = True
 
     def __post_init__(self):
         half = _class_tuple(self.half_modules, "PrecisionOverrides.half_modules")
@@ -131,7 +136,7 @@ class PrecisionOverrides:
                 raise TypeError(f"module_policies entries must be (module class, policy) pairs, got {item!r}")
             cls = _check_module_class(item[0], "PrecisionOverrides.module_policies")
             policies = [(c, p) for c, p in policies if c is not cls] + [(cls, as_policy(item[1]))]
-        for name in ("fp32_softmax", "fp32_loss"):
+        for name in ("fp32_softmax", "fp32_loss", "fused_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PrecisionOverrides.{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "half_modules", half)
@@ -342,15 +347,7 @@ def resolve_overrides(policy: Any, overrides: PrecisionOverrides | Iterable[str]
       >>> ov.fp32_softmax
       False
     """
-    recipe = None
-    if isinstance(policy, Recipe):
-        recipe = policy
-    elif isinstance(policy, str):
-        try:
-            recipe = get_recipe(policy)
-        except ValueError:
-            recipe = None  # a jmp-grammar string: as_policy parses it below
-    resolved = recipe.policy if recipe is not None else as_policy(policy)
+    resolved, recipe = resolve_policy(policy)
     if overrides is None:
         overrides = PrecisionOverrides.from_recipe(recipe) if recipe is not None else PrecisionOverrides()
     elif not isinstance(overrides, PrecisionOverrides):

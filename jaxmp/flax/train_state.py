@@ -20,9 +20,9 @@ from flax import struct
 from jaxmp.flax.linen import MixedPrecision
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
 from jaxmp.grad import value_and_grad
-from jaxmp.loss_scale import select_tree
 from jaxmp.parallel.pmap import all_reduce_gradients
-from jaxmp.transform import apply_updates, find_loss_scaling_state, get_loss_scale
+from jaxmp.opt_state import apply_updates, find_loss_scaling_state, get_loss_scale
+from jaxmp.skip import keep_if_finite
 
 
 class TrainState(struct.PyTreeNode):
@@ -38,10 +38,14 @@ class TrainState(struct.PyTreeNode):
       tx: the optax transformation, wrapped in :func:`jaxmp.loss_scaling` (static).
 
     Example:
-      >>> model = jaxmp.flax.mixed_precision(CNN(), "O1-fp16")
+      >>> import jax, numpy as np, optax, flax.linen as nn, jaxmp, jaxmp.flax
+      >>> x, y = np.ones((4, 3), np.float32), np.array([0, 1, 0, 1])
+      >>> model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-fp16")
       >>> state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
       ...                                      jaxmp.loss_scaling(optax.adam(1e-3), "dynamic"))
       >>> state, metrics = jax.jit(jaxmp.flax.make_train_step())(state, (x, y))
+      >>> int(state.step), bool(metrics["finite"])
+      (1, True)
     """
 
     step: jax.Array
@@ -69,7 +73,13 @@ class TrainState(struct.PyTreeNode):
           ValueError: ``variables`` has no ``params``.
 
         Example:
+          >>> import jax, numpy as np, optax, flax.linen as nn, jaxmp, jaxmp.flax
+          >>> x, y = np.ones((4, 3), np.float32), np.array([0, 1, 0, 1])
+          >>> model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-fp16")
+          >>> variables = model.init(jax.random.key(0), x)
           >>> state = jaxmp.flax.TrainState.create(model, variables, jaxmp.loss_scaling(optax.sgd(0.1)))
+          >>> int(state.step)
+          0
         """
         if not isinstance(model, MixedPrecision):
             raise TypeError(
@@ -117,18 +127,28 @@ class TrainState(struct.PyTreeNode):
           bitwise unchanged, the loss scale backed off and the skip counters advanced.
 
         Example:
-          >>> (loss, new_bs), grads = jaxmp.value_and_grad(loss_fn, state.opt_state, has_aux=True)(state.params)
-          >>> state = state.apply_gradients(grads, model_state=new_bs)
+          >>> import jax, numpy as np, optax, flax.linen as nn, jaxmp, jaxmp.flax
+          >>> x, y = np.ones((4, 3), np.float32), np.array([0, 1, 0, 1])
+          >>> model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-fp16")
+          >>> state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
+          ...                                      jaxmp.loss_scaling(optax.sgd(0.1)))
+          >>> def loss_fn(params):
+          ...     logits = state.model.apply({"params": params}, x)
+          ...     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+          >>> loss, grads = jax.jit(jaxmp.value_and_grad(loss_fn, state.opt_state))(state.params)
+          >>> state = jax.jit(type(state).apply_gradients)(state, grads)
+          >>> int(state.step)
+          1
         """
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
         finite = find_loss_scaling_state(opt_state).last_step_finite
         stepped = apply_updates(self.params, updates, opt_state)
         # The transform already zeroes skipped updates; selecting keeps even -0.0 and NaN
         # payloads of the old params bit for bit.
-        params = select_tree(finite, stepped, self.params)
+        params = keep_if_finite(finite, stepped, self.params)
         new_model_state = self.model_state
         if model_state is not None:
-            new_model_state = select_tree(finite, dict(model_state), dict(self.model_state))
+            new_model_state = keep_if_finite(finite, dict(model_state), dict(self.model_state))
         return self.replace(step=self.step + finite.astype(jnp.int32), params=params,
                             model_state=new_model_state, opt_state=opt_state)
 
@@ -170,9 +190,15 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
       step's loss was multiplied by; ``finite``: whether the step was applied).
 
     Example:
-      >>> train_step = jax.jit(jaxmp.flax.make_train_step(model_kwargs={"train": True}))
+      >>> import jax, numpy as np, optax, flax.linen as nn, jaxmp, jaxmp.flax
+      >>> x, y = np.ones((4, 3), np.float32), np.array([0, 1, 0, 1])
+      >>> model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-fp16")
+      >>> state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
+      ...                                      jaxmp.loss_scaling(optax.sgd(0.1)))
+      >>> train_step = jax.jit(jaxmp.flax.make_train_step())
       >>> state, metrics = train_step(state, {"image": x, "label": y})
-      >>> p_step = jax.pmap(jaxmp.flax.make_train_step(axis_name="batch"), axis_name="batch")
+      >>> sorted(metrics)
+      ['accuracy', 'finite', 'loss', 'loss_scale']
     """
     loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
     model_kwargs = dict(model_kwargs or {})
@@ -221,8 +247,14 @@ def make_eval_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | Non
       ``eval_step(state, batch)`` returning ``{"loss", "accuracy"}`` (float32).
 
     Example:
-      >>> eval_step = jax.jit(jaxmp.flax.make_eval_step(model_kwargs={"train": False}))
-      >>> eval_step(state, (x_test, y_test))["accuracy"]
+      >>> import jax, numpy as np, optax, flax.linen as nn, jaxmp, jaxmp.flax
+      >>> x, y = np.ones((4, 3), np.float32), np.array([0, 1, 0, 1])
+      >>> model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-fp16")
+      >>> state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
+      ...                                      jaxmp.loss_scaling(optax.sgd(0.1)))
+      >>> eval_step = jax.jit(jaxmp.flax.make_eval_step())
+      >>> 0.0 <= float(eval_step(state, (x, y))["accuracy"]) <= 1.0
+      True
     """
     loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
     model_kwargs = dict(model_kwargs or {})

@@ -8,10 +8,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxmp.grad import value_and_grad
-from jaxmp.policy import canonical_float_dtype
-from jaxmp.transform import apply_updates, scaling_stats
+from jaxmp.dtypes import float_dtype
+from jaxmp.opt_state import apply_updates, scaling_stats
+from jaxmp.skip import keep_if_finite
 
 logger = logging.getLogger("jaxmp.parallel")
 
@@ -48,7 +50,7 @@ def check_axis_name(axis_name: Any) -> Any:
 
 def check_reduce_dtype(dtype: Any) -> np.dtype | None:
     """``None`` (reduce in each gradient's own dtype) or a floating dtype."""
-    return None if dtype is None else canonical_float_dtype(dtype, "grad_reduce_dtype")
+    return None if dtype is None else float_dtype(dtype, "grad_reduce_dtype")
 
 
 def batch_leaves(batch: Any, what: str = "batch") -> list:
@@ -82,38 +84,60 @@ def check_divisible(global_batch: int, num_devices: int, what: str = "global bat
         raise ValueError(f"need at least one device, got {num_devices}")
     if global_batch % num_devices:
         lo = global_batch // num_devices * num_devices
+        options = f"{lo} or {lo + num_devices}" if lo else f"{num_devices} (or a multiple of it)"
         raise ValueError(
             f"{what} size {global_batch} is not divisible by the device count {num_devices}: "
             f"every device must get an equal shard (the mean of per-device means equals the global mean "
-            f"only then); use {lo or num_devices} or {lo + num_devices} instead"
+            f"only then); use {options} instead"
         )
     return global_batch // num_devices
 
 
+def _loss_closure(loss_fn: Callable, batch: Any, key: Any, model_state: Any, with_rng: bool,
+                  with_model_state: bool) -> Callable:
+    args = ((model_state,) if with_model_state else ()) + (batch,) + ((key,) if with_rng else ())
+    return lambda p: loss_fn(p, *args)
+
+
 def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
-                   with_rng: bool, rng_transform: Callable | None = None) -> Callable:
+                   with_rng: bool, rng_transform: Callable | None = None, with_model_state: bool = False,
+                   reduce_model_state: Callable | None = None) -> Callable:
     """The per-step computation shared by the pmap and sharded-jit paths.
 
     ``reduce_grads`` is the gradient all-reduce (pmean under pmap, identity under sharded jit,
     where the global-view mean already is the all-reduce). It runs *before* ``tx.update``, so the
     finite check inside ``jaxmp.loss_scaling`` sees the reduced gradient: a NaN on one replica,
     or an overflow of a half-precision sum, is seen by every replica.
-    """
 
-    def body(params, opt_state, batch, rng=None):
-        if with_rng:
-            key = rng_transform(rng) if rng_transform is not None else rng
-            fn = lambda p: loss_fn(p, batch, key)  # noqa: E731
-        else:
-            fn = lambda p: loss_fn(p, batch)  # noqa: E731
-        out, grads = value_and_grad(fn, opt_state, has_aux=has_aux)(params)
-        loss, aux = out if has_aux else (out, None)
+    With ``with_model_state`` the first argument is ``(params, model_state)``; ``loss_fn`` gets the
+    model state after the params and returns ``(loss, new_model_state)`` (or ``(loss,
+    (new_model_state, aux))``). The new model state (BatchNorm statistics) is averaged over the
+    replicas by ``reduce_model_state``, so every replica keeps the same statistics, and kept only
+    if the step was applied.
+    """
+    # optax's name for the loss; the loss-scaling state then tells a NaN loss from NaN gradients.
+    pass_value = isinstance(tx, optax.GradientTransformationExtraArgs)
+
+    def body(state, opt_state, batch, rng=None):
+        params, model_state = state if with_model_state else (state, None)
+        key = (rng_transform(rng) if rng_transform is not None else rng) if with_rng else None
+        fn = _loss_closure(loss_fn, batch, key, model_state, with_rng, with_model_state)
+        out, grads = value_and_grad(fn, opt_state, has_aux=has_aux or with_model_state)(params)
+        loss, aux = out if (has_aux or with_model_state) else (out, None)
+        if with_model_state:
+            new_model_state, aux = aux if has_aux else (aux, None)
+            new_model_state = reduce_model_state(new_model_state)
         grads = reduce_grads(grads)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
+        extra = {"value": loss} if pass_value else {}
+        updates, new_opt_state = tx.update(grads, opt_state, params, **extra)
         new_params = apply_updates(params, updates, new_opt_state)
-        metrics = {"loss": reduce_loss(jnp.asarray(loss, jnp.float32)), **scaling_stats(new_opt_state)}
+        stats = scaling_stats(new_opt_state)
+        metrics = {"loss": reduce_loss(jnp.asarray(loss, jnp.float32)), **stats}
         if has_aux:
             metrics["aux"] = aux
+        if with_model_state:
+            new_model_state = keep_if_finite(stats["last_step_finite"], new_model_state, model_state)
+            return (new_params, new_model_state), new_opt_state, metrics
         return new_params, new_opt_state, metrics
 
     return body

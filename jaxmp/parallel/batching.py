@@ -35,7 +35,8 @@ def per_device_batch_size(global_batch_size: int, num_devices: int | None = None
       ValueError: the global batch is not divisible by the device count (both are named).
 
     Example:
-      >>> jaxmp.per_device_batch_size(256, 8)
+      >>> import jaxmp
+      >>> jaxmp.parallel.per_device_batch_size(256, 8)
       32
     """
     global_batch_size = check_positive_int(global_batch_size, "global_batch_size")
@@ -65,8 +66,9 @@ def shard_batch(batch: Any, num_devices: int | None = None) -> Any:
         leaves disagree on ``B``.
 
     Example:
+      >>> import numpy as np, jaxmp
       >>> x = np.zeros((16, 3))
-      >>> jaxmp.shard_batch({"x": x}, 8)["x"].shape
+      >>> jaxmp.parallel.shard_batch({"x": x}, 8)["x"].shape
       (8, 2, 3)
     """
     global_batch = leading_size(batch)
@@ -85,7 +87,8 @@ def unshard_batch(batch: Any) -> Any:
       The pytree with the first two axes merged.
 
     Example:
-      >>> jaxmp.unshard_batch({"x": np.zeros((8, 2, 3))})["x"].shape
+      >>> import numpy as np, jaxmp
+      >>> jaxmp.parallel.unshard_batch({"x": np.zeros((8, 2, 3))})["x"].shape
       (16, 3)
     """
     return jax.tree_util.tree_map(lambda x: x.reshape((-1,) + tuple(x.shape[2:])), batch)
@@ -117,7 +120,8 @@ def process_batch_slice(global_batch_size: int, process_index: int | None = None
       ValueError: the global batch is not divisible by the process count.
 
     Example:
-      >>> jaxmp.process_batch_slice(256, process_index=1, process_count=4)
+      >>> import jaxmp
+      >>> jaxmp.parallel.process_batch_slice(256, process_index=1, process_count=4)
       slice(64, 128, None)
     """
     global_batch_size = check_positive_int(global_batch_size, "global_batch_size")
@@ -146,7 +150,8 @@ def process_dataset_range(num_examples: int, process_index: int | None = None, p
       ``slice(start, stop)`` into the dataset.
 
     Example:
-      >>> jaxmp.process_dataset_range(10, process_index=1, process_count=3)
+      >>> import jaxmp
+      >>> jaxmp.parallel.process_dataset_range(10, process_index=1, process_count=3)
       slice(3, 6, None)
     """
     num_examples = check_positive_int(num_examples, "num_examples")
@@ -177,7 +182,8 @@ def prefetch_to_device(iterator: Iterable[Any], size: int = 2, devices: Sequence
       Batches of shape ``[num_devices, B // num_devices, ...]``, one slice per device.
 
     Example:
-      >>> it = jaxmp.prefetch_to_device(iter([{"x": np.zeros((16, 3))}]), 2)
+      >>> import jax, numpy as np, jaxmp
+      >>> it = jaxmp.parallel.prefetch_to_device(iter([{"x": np.zeros((16, 3))}]), 2)
       >>> next(it)["x"].shape == (jax.local_device_count(), 16 // jax.local_device_count(), 3)
       True
     """

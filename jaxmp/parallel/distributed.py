@@ -85,7 +85,8 @@ def distributed_info() -> DistributedInfo:
       A :class:`DistributedInfo`; ``coordinator_address`` is ``None``.
 
     Example:
-      >>> jaxmp.distributed_info().process_count >= 1
+      >>> import jaxmp
+      >>> jaxmp.parallel.distributed_info().process_count >= 1
       True
     """
     return DistributedInfo(jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(), None)
@@ -125,9 +126,10 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
       RuntimeError: (from JAX) a device was already used in this process.
 
     Example:
+      >>> import jaxmp
       >>> # process i of 2, on one machine:
       >>> # JAXMP_COORDINATOR_ADDRESS=127.0.0.1:12345 JAXMP_NUM_PROCESSES=2 JAXMP_PROCESS_ID=i python train.py
-      >>> info = jaxmp.initialize_distributed()  # doctest: +SKIP
+      >>> info = jaxmp.parallel.initialize_distributed()  # doctest: +SKIP
       >>> info.process_count  # doctest: +SKIP
       2
     """

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp.parallel._common import check_axis_name, check_reduce_dtype, log_once, make_step_body
 from jaxmp.parallel.replication import check_replicated
-from jaxmp.policy import is_floating_array
+from jaxmp.dtypes import is_floating_array
 
 _CHECK_MODES = ("first", "always", "never")
 
@@ -50,7 +50,8 @@ def all_reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: Any = jnp.flo
       TypeError: ``reduce_dtype`` is not a floating dtype or None.
 
     Example:
-      >>> f = jax.pmap(lambda g: jaxmp.all_reduce_gradients(g, "batch"), axis_name="batch")
+      >>> import jax, jax.numpy as jnp, jaxmp
+      >>> f = jax.pmap(lambda g: jaxmp.parallel.all_reduce_gradients(g, "batch"), axis_name="batch")
       >>> n = jax.local_device_count()
       >>> f(jnp.arange(n, dtype=jnp.float32))[0] == (n - 1) / 2
       Array(True, dtype=bool)
@@ -112,7 +113,7 @@ def _leading_sizes(tree: Any) -> set:
 def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = "batch", *,
                          grad_reduce_dtype: Any = jnp.float32, has_aux: bool = False,
                          devices: Sequence[Any] | None = None, donate: bool = False,
-                         check_replicas: str = "first") -> Callable[..., Any]:
+                         check_replicas: str = "first", model_state: bool = False) -> Callable[..., Any]:
     """A ``jax.pmap``-ed data-parallel train step with loss scaling that every replica agrees on.
 
     Each step, on every device: the loss of the device's batch shard is scaled and
@@ -126,7 +127,7 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
     for another axis name fails with a ValueError naming the unbound axis).
 
     The gradient is the mean of per-device mean gradients, which equals the global-batch mean
-    because :func:`jaxmp.shard_batch` only makes equal shards.
+    because :func:`jaxmp.parallel.shard_batch` only makes equal shards.
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` or, when the step is called with an rng,
@@ -149,8 +150,8 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
 
     Returns:
       ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` where params and
-      opt_state are replicated (:func:`jaxmp.replicate`), batch is sharded
-      ``[num_devices, per_device_batch, ...]`` (:func:`jaxmp.shard_batch`), rng is one PRNG key
+      opt_state are replicated (:func:`jaxmp.parallel.replicate`), batch is sharded
+      ``[num_devices, per_device_batch, ...]`` (:func:`jaxmp.parallel.shard_batch`), rng is one PRNG key
       (each device folds in its axis index, so dropout masks differ between devices), and
       metrics holds, per replica, ``loss`` (the global mean loss), ``loss_scale``,
       ``last_step_finite``, ``consecutive_skips`` and ``total_skips``. The pmapped function is
@@ -162,12 +163,13 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
       TypeError: a ``grad_reduce_dtype`` that is not a floating dtype.
 
     Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, jaxmp
       >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(), axis_name="batch")
       >>> params = {"w": jnp.zeros(3)}
       >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
-      >>> step = jaxmp.make_pmap_train_step(loss_fn, tx, "batch")
-      >>> p, s = jaxmp.replicate(params), jaxmp.replicate(tx.init(params))
-      >>> batch = jaxmp.shard_batch({"x": np.ones((16, 3), np.float32), "y": np.ones(16, np.float32)})
+      >>> step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch")
+      >>> p, s = jaxmp.parallel.replicate(params), jaxmp.parallel.replicate(tx.init(params))
+      >>> batch = jaxmp.parallel.shard_batch({"x": np.ones((16, 3), np.float32), "y": np.ones(16, np.float32)})
       >>> p, s, metrics = step(p, s, batch)
     """
     if not callable(loss_fn):
@@ -193,10 +195,13 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
         return jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
 
     donate_argnums = (0, 1) if donate else ()
-    body = make_step_body(loss_fn, tx, has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=reduce_loss,
-                          with_rng=False)
-    body_rng = make_step_body(loss_fn, tx, has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=reduce_loss,
-                              with_rng=True, rng_transform=per_device_key)
+    def reduce_model_state(state):
+        return all_reduce_gradients(state, axis_name, jnp.float32)
+
+    common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=reduce_loss,
+                  with_model_state=model_state, reduce_model_state=reduce_model_state)
+    body = make_step_body(loss_fn, tx, with_rng=False, **common)
+    body_rng = make_step_body(loss_fn, tx, with_rng=True, rng_transform=per_device_key, **common)
     pmapped = jax.pmap(body, axis_name=axis_name, devices=devices, donate_argnums=donate_argnums)
     pmapped_rng = jax.pmap(body_rng, axis_name=axis_name, in_axes=(0, 0, 0, None), devices=devices,
                            donate_argnums=donate_argnums)
@@ -214,12 +219,12 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
                 f"found leading sizes {', '.join(found)}: {hint}"
             )
 
-    def step(params, opt_state, batch, rng=None):
-        check_leading(params, "params", "replicate them with jaxmp.replicate(params)")
-        check_leading(opt_state, "opt_state", "replicate it with jaxmp.replicate(tx.init(params))")
-        check_leading(batch, "batch", f"split the global batch with jaxmp.shard_batch(batch, {n})")
+    def run(params, opt_state, batch, rng=None):
+        check_leading(params, "params", "replicate them with jaxmp.parallel.replicate(params)")
+        check_leading(opt_state, "opt_state", "replicate it with jaxmp.parallel.replicate(tx.init(params))")
+        check_leading(batch, "batch", f"split the global batch with jaxmp.parallel.shard_batch(batch, {n})")
         if check_replicas == "always" or (check_replicas == "first" and not checked[0]):
-            check_replicated(params, num_replicas=n, name="params")
+            check_replicated(params, num_replicas=n, name="params (and model state)" if model_state else "params")
             check_replicated(opt_state, num_replicas=n, name="opt_state")
         if not checked[0]:
             first = jax.tree_util.tree_leaves(batch)[0]
@@ -232,6 +237,13 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
         if rng is None:
             return pmapped(params, opt_state, batch)
         return pmapped_rng(params, opt_state, batch, rng)
+
+    if model_state:
+        def step(params, state, opt_state, batch, rng=None):
+            (params, state), opt_state, metrics = run((params, state), opt_state, batch, rng)
+            return params, state, opt_state, metrics
+    else:
+        step = run
 
     step.pmapped = pmapped
     step.pmapped_with_rng = pmapped_rng

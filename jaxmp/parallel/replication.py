@@ -42,7 +42,8 @@ def replicate(tree: Any, devices: Sequence[Any] | None = None) -> Any:
       slice per device, ready to pass to a ``jax.pmap``-ed function.
 
     Example:
-      >>> state = jaxmp.replicate({"w": jnp.ones(3)})
+      >>> import jax, jax.numpy as jnp, jaxmp
+      >>> state = jaxmp.parallel.replicate({"w": jnp.ones(3)})
       >>> state["w"].shape == (jax.local_device_count(), 3)
       True
     """
@@ -72,7 +73,8 @@ def unreplicate(tree: Any) -> Any:
       The pytree with the leading axis removed, taken from this process's first device.
 
     Example:
-      >>> jaxmp.unreplicate(jaxmp.replicate({"w": jnp.ones(3)}))["w"].shape
+      >>> import jax.numpy as jnp, jaxmp
+      >>> jaxmp.parallel.unreplicate(jaxmp.parallel.replicate({"w": jnp.ones(3)}))["w"].shape
       (3,)
     """
 
@@ -139,7 +141,8 @@ def check_replicated(tree: Any, *, num_replicas: int | None = None, name: str = 
         largest difference are named).
 
     Example:
-      >>> jaxmp.check_replicated(jaxmp.replicate({"w": jnp.ones(3)}))
+      >>> import jax.numpy as jnp, jaxmp
+      >>> jaxmp.parallel.check_replicated(jaxmp.parallel.replicate({"w": jnp.ones(3)}))
     """
     n = jax.local_device_count() if num_replicas is None else int(num_replicas)
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
@@ -150,7 +153,7 @@ def check_replicated(tree: Any, *, num_replicas: int | None = None, name: str = 
             if not shape or shape[0] != n:
                 raise ValueError(
                     f"{name} is not replicated: leaf {where} has shape {tuple(shape)}, expected a leading replica axis "
-                    f"of size {n} (the local device count); pass it through jaxmp.replicate(...) first"
+                    f"of size {n} (the local device count); pass it through jaxmp.parallel.replicate(...) first"
                 )
         slices = _replica_slices(x)
         ref_dev, ref = slices[0]
@@ -165,7 +168,7 @@ def check_replicated(tree: Any, *, num_replicas: int | None = None, name: str = 
                 raise ValueError(
                     f"{name} is not replicated: leaf {where} differs between replica 0 ({ref_dev}) and replica {i} "
                     f"({dev}){diff}; replicas must be bitwise identical -- reduce gradients and the finite verdict "
-                    "over the pmap axis (jaxmp.make_pmap_train_step does both)"
+                    "over the pmap axis (jaxmp.parallel.make_pmap_train_step does both)"
                 )
 
 
@@ -180,7 +183,8 @@ def is_replicated(tree: Any, *, num_replicas: int | None = None) -> bool:
       ``True`` if every leaf has the replica axis and identical copies.
 
     Example:
-      >>> jaxmp.is_replicated(jaxmp.replicate({"w": jnp.ones(3)}))
+      >>> import jax.numpy as jnp, jaxmp
+      >>> jaxmp.parallel.is_replicated(jaxmp.parallel.replicate({"w": jnp.ones(3)}))
       True
     """
     try:

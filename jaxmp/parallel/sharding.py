@@ -25,14 +25,15 @@ def make_data_mesh(devices: Sequence[Any] | None = None, axis_name: str = "data"
 
     Args:
       devices: default ``jax.devices()`` (all processes' devices, in process order, which is
-        what :func:`make_global_batch` and :func:`jaxmp.process_batch_slice` assume).
+        what :func:`make_global_batch` and :func:`jaxmp.parallel.process_batch_slice` assume).
       axis_name: name of the data axis.
 
     Returns:
       ``Mesh(devices, (axis_name,))``.
 
     Example:
-      >>> mesh = jaxmp.make_data_mesh()
+      >>> import jax, jaxmp
+      >>> mesh = jaxmp.parallel.make_data_mesh()
       >>> mesh.shape["data"] == jax.device_count()
       True
     """
@@ -67,7 +68,8 @@ def batch_sharding(mesh: Mesh, data_axis: str | None = None) -> NamedSharding:
       ``NamedSharding(mesh, PartitionSpec(data_axis))``.
 
     Example:
-      >>> jaxmp.batch_sharding(jaxmp.make_data_mesh()).spec
+      >>> import jaxmp
+      >>> jaxmp.parallel.batch_sharding(jaxmp.parallel.make_data_mesh()).spec
       P('data',)
     """
     return NamedSharding(mesh, PartitionSpec(_data_axis(mesh, data_axis)))
@@ -83,7 +85,8 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
       ``NamedSharding(mesh, PartitionSpec())``.
 
     Example:
-      >>> jaxmp.replicated_sharding(jaxmp.make_data_mesh()).is_fully_replicated
+      >>> import jaxmp
+      >>> jaxmp.parallel.replicated_sharding(jaxmp.parallel.make_data_mesh()).is_fully_replicated
       True
     """
     if not isinstance(mesh, Mesh):
@@ -105,7 +108,8 @@ def replicate_on_mesh(tree: Any, mesh: Mesh) -> Any:
       The pytree of fully replicated global ``jax.Array`` leaves.
 
     Example:
-      >>> w = jaxmp.replicate_on_mesh({"w": jnp.ones(3)}, jaxmp.make_data_mesh())["w"]
+      >>> import jax.numpy as jnp, jaxmp
+      >>> w = jaxmp.parallel.replicate_on_mesh({"w": jnp.ones(3)}, jaxmp.parallel.make_data_mesh())["w"]
       >>> w.sharding.is_fully_replicated
       True
     """
@@ -122,7 +126,7 @@ def make_global_batch(local_batch: Any, mesh: Mesh, data_axis: str | None = None
     """Assembles this process's batch into global arrays sharded over the data axis.
 
     With one process this is a sharded ``device_put`` of the global batch. With several, each
-    process passes only its own rows (:func:`jaxmp.process_batch_slice`) and
+    process passes only its own rows (:func:`jaxmp.parallel.process_batch_slice`) and
     ``jax.make_array_from_process_local_data`` stitches them into one global array of
     ``process_count`` times the rows; no process ever holds the whole batch.
 
@@ -139,7 +143,8 @@ def make_global_batch(local_batch: Any, mesh: Mesh, data_axis: str | None = None
         (both numbers named), or leaves disagree on the batch size.
 
     Example:
-      >>> b = jaxmp.make_global_batch({"x": np.zeros((16, 3))}, jaxmp.make_data_mesh())
+      >>> import numpy as np, jaxmp
+      >>> b = jaxmp.parallel.make_global_batch({"x": np.zeros((16, 3))}, jaxmp.parallel.make_data_mesh())
       >>> b["x"].shape
       (16, 3)
     """
@@ -171,7 +176,8 @@ def prefetch_to_mesh(iterator: Iterable[Any], mesh: Mesh, size: int = 2, data_ax
       Global batches as from :func:`make_global_batch`.
 
     Example:
-      >>> it = jaxmp.prefetch_to_mesh(iter([{"x": np.zeros((16, 3))}]), jaxmp.make_data_mesh())
+      >>> import numpy as np, jaxmp
+      >>> it = jaxmp.parallel.prefetch_to_mesh(iter([{"x": np.zeros((16, 3))}]), jaxmp.parallel.make_data_mesh())
       >>> next(it)["x"].shape
       (16, 3)
     """
@@ -190,10 +196,11 @@ def prefetch_to_mesh(iterator: Iterable[Any], mesh: Mesh, size: int = 2, data_ax
 
 
 def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *, data_axis: str | None = None,
-                            has_aux: bool = False, donate: bool = False) -> Callable[..., Any]:
+                            has_aux: bool = False, donate: bool = False,
+                            model_state: bool = False) -> Callable[..., Any]:
     """A ``jax.jit`` train step with the batch sharded over the mesh's data axis and the state replicated.
 
-    Same semantics and results as :func:`jaxmp.make_pmap_train_step`, without ``pmap``: the step
+    Same semantics and results as :func:`jaxmp.parallel.make_pmap_train_step`, without ``pmap``: the step
     sees the global batch, ``loss_fn``'s mean is the global mean and its gradient is the global
     gradient (XLA inserts the all-reduce). Build ``tx`` with ``jaxmp.loss_scaling(...,
     axis_name=None)``: there is no named axis under plain ``jit``, and none is needed because
@@ -203,7 +210,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
     The all-reduce dtype is XLA's choice here: it reduces where the batch contraction happens,
     usually in the dtype of the weight-gradient matmul (the compute dtype). A float16 sum that
     overflows is still caught, because the verdict is on the reduced gradient. For an explicit
-    reduce dtype use the pmap path (or ``shard_map`` with :func:`jaxmp.all_reduce_gradients`).
+    reduce dtype use the pmap path (or ``shard_map`` with :func:`jaxmp.parallel.all_reduce_gradients`).
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` or ``loss_fn(params, batch, rng)``, returning a scalar
@@ -213,6 +220,11 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
       data_axis: the mesh axis the batch is split over; default the mesh's only axis.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to ``metrics["aux"]``.
       donate: donate the params and optimizer state buffers.
+      model_state: the model has state besides its params (BatchNorm ``batch_stats``): the step
+        is then ``step(params, model_state, opt_state, batch[, rng]) -> (params, model_state,
+        opt_state, metrics)`` and ``loss_fn(params, model_state, batch[, rng])`` returns ``(loss,
+        new_model_state)``. The global view computes statistics over the global batch, so the
+        replicated model state is one value; it is kept only on applied steps.
 
     Returns:
       ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` with params,
@@ -222,12 +234,13 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
       ``total_skips``. The jitted functions are ``step.jitted`` and ``step.jitted_with_rng``.
 
     Example:
-      >>> mesh = jaxmp.make_data_mesh()
+      >>> import jax.numpy as jnp, numpy as np, optax, jaxmp
+      >>> mesh = jaxmp.parallel.make_data_mesh()
       >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale())
       >>> params = {"w": jnp.zeros(3)}
-      >>> step = jaxmp.make_sharded_train_step(lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), tx, mesh)
-      >>> p, s = jaxmp.replicate_on_mesh((params, tx.init(params)), mesh)
-      >>> batch = jaxmp.make_global_batch({"x": np.ones((16, 3), np.float32), "y": np.ones(16, np.float32)}, mesh)
+      >>> step = jaxmp.parallel.make_sharded_train_step(lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), tx, mesh)
+      >>> p, s = jaxmp.parallel.replicate_on_mesh((params, tx.init(params)), mesh)
+      >>> batch = jaxmp.parallel.make_global_batch({"x": np.ones((16, 3), np.float32), "y": np.ones(16, np.float32)}, mesh)
       >>> p, s, metrics = step(p, s, batch)
     """
     if not callable(loss_fn):
@@ -238,8 +251,10 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
     rep = replicated_sharding(mesh)
     data = NamedSharding(mesh, PartitionSpec(axis))
     identity = lambda x: x  # noqa: E731 - the global view needs no explicit reduction
-    body = make_step_body(loss_fn, tx, has_aux=has_aux, reduce_grads=identity, reduce_loss=identity, with_rng=False)
-    body_rng = make_step_body(loss_fn, tx, has_aux=has_aux, reduce_grads=identity, reduce_loss=identity,
+    common = dict(has_aux=has_aux, reduce_grads=identity, reduce_loss=identity, with_model_state=model_state,
+                  reduce_model_state=identity)
+    body = make_step_body(loss_fn, tx, with_rng=False, **common)
+    body_rng = make_step_body(loss_fn, tx, **common,
                               with_rng=True)
     donate_argnums = (0, 1) if donate else ()
     jitted = jax.jit(body, in_shardings=(rep, rep, data), out_shardings=(rep, rep, rep),
@@ -248,7 +263,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
                          donate_argnums=donate_argnums)
     num_devices = mesh.shape[axis]
 
-    def step(params, opt_state, batch, rng=None):
+    def run(params, opt_state, batch, rng=None):
         # Checked here, not left to jit: its error for an indivisible batch does not say why.
         global_batch = leading_size(batch)
         per_device = check_divisible(global_batch, num_devices)
@@ -257,6 +272,13 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
         if rng is None:
             return jitted(params, opt_state, batch)
         return jitted_rng(params, opt_state, batch, rng)
+
+    if model_state:
+        def step(params, state, opt_state, batch, rng=None):
+            (params, state), opt_state, metrics = run((params, state), opt_state, batch, rng)
+            return params, state, opt_state, metrics
+    else:
+        step = run
 
     step.jitted = jitted
     step.jitted_with_rng = jitted_rng

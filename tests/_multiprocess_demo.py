@@ -1,14 +1,14 @@
 """A small data-parallel training run used by the multi-process test and the docs.
 
 Run as one of several processes (settings from the ``JAXMP_*`` environment variables read by
-:func:`jaxmp.initialize_distributed`)::
+:func:`jaxmp.parallel.initialize_distributed`)::
 
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 \\
     JAXMP_COORDINATOR_ADDRESS=127.0.0.1:12345 JAXMP_NUM_PROCESSES=2 JAXMP_PROCESS_ID=0 \\
-        python -m jaxmp.parallel._multiprocess_demo --out /tmp/run   # and PROCESS_ID=1 alongside
+        python tests/_multiprocess_demo.py --out /tmp/run   # and PROCESS_ID=1 alongside
 
 Each process builds the same global data set from a seed but keeps only its own rows of each
-global batch (:func:`jaxmp.process_batch_slice`), trains a tiny MLP with the sharded-jit and/or
+global batch (:func:`jaxmp.parallel.process_batch_slice`), trains a tiny MLP with the sharded-jit and/or
 the pmap step (``--paths``), and writes its final params and loss-scaling counters to
 ``<out>/process_<i>.npz``. One step has a NaN planted in the last process's rows, so every
 process must skip it. :func:`train` is also called in-process by the test to get the
@@ -89,15 +89,15 @@ def train(path: str, devices: Any = None, seed: int = 0) -> dict:
 
     x, y = make_data(seed)
     params = init_params(seed)
-    rows = jaxmp.process_batch_slice(GLOBAL_BATCH)
+    rows = jaxmp.parallel.process_batch_slice(GLOBAL_BATCH)
     losses = []
     if path == "sharded":
-        mesh = jaxmp.make_data_mesh(devices)
+        mesh = jaxmp.parallel.make_data_mesh(devices)
         tx = make_tx(None)
-        step = jaxmp.make_sharded_train_step(loss_fn, tx, mesh)
-        p, s = jaxmp.replicate_on_mesh((params, tx.init(params)), mesh)
+        step = jaxmp.parallel.make_sharded_train_step(loss_fn, tx, mesh)
+        p, s = jaxmp.parallel.replicate_on_mesh((params, tx.init(params)), mesh)
         for t in range(STEPS):
-            batch = jaxmp.make_global_batch({"x": x[t, rows], "y": y[t, rows]}, mesh)
+            batch = jaxmp.parallel.make_global_batch({"x": x[t, rows], "y": y[t, rows]}, mesh)
             p, s, m = step(p, s, batch)
             losses.append(float(np.asarray(m["loss"].addressable_shards[0].data)))
         out = {k: np.asarray(v.addressable_shards[0].data) for k, v in p.items()}
@@ -108,14 +108,14 @@ def train(path: str, devices: Any = None, seed: int = 0) -> dict:
         local = None if devices is None else list(devices)
         n = jax.local_device_count() if local is None else len(local)
         tx = make_tx("batch")
-        step = jaxmp.make_pmap_train_step(loss_fn, tx, "batch", devices=local)
-        p, s = jaxmp.replicate(params, local), jaxmp.replicate(tx.init(params), local)
+        step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch", devices=local)
+        p, s = jaxmp.parallel.replicate(params, local), jaxmp.parallel.replicate(tx.init(params), local)
         for t in range(STEPS):
-            p, s, m = step(p, s, jaxmp.shard_batch({"x": x[t, rows], "y": y[t, rows]}, n))
-            losses.append(float(jaxmp.unreplicate(m["loss"])))
-        jaxmp.check_replicated((p, s), num_replicas=n)
-        out = {k: np.asarray(v) for k, v in jaxmp.unreplicate(p).items()}
-        stats = jaxmp.unreplicate(jaxmp.scaling_stats(s))
+            p, s, m = step(p, s, jaxmp.parallel.shard_batch({"x": x[t, rows], "y": y[t, rows]}, n))
+            losses.append(float(jaxmp.parallel.unreplicate(m["loss"])))
+        jaxmp.parallel.check_replicated((p, s), num_replicas=n)
+        out = {k: np.asarray(v) for k, v in jaxmp.parallel.unreplicate(p).items()}
+        stats = jaxmp.parallel.unreplicate(jaxmp.scaling_stats(s))
         out["total_skips"] = int(stats["total_skips"])
         out["loss_scale"] = float(stats["loss_scale"])
     else:
@@ -135,7 +135,7 @@ def main(argv: Any = None) -> None:
 
     import jaxmp
 
-    info = jaxmp.initialize_distributed(initialization_timeout=60)
+    info = jaxmp.parallel.initialize_distributed(initialization_timeout=60)
     results = {}
     for path in paths:
         for k, v in train(path).items():

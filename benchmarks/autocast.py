@@ -1,0 +1,289 @@
+"""jaxmp.autocast against a hand cast, float32 and its peers: step, trace and compile time, converts, error.
+
+    python benchmarks/autocast.py                       # CPU or GPU, the default sizes
+    python benchmarks/autocast.py --dry-run --out -     # tiny sizes, seconds
+    python benchmarks/autocast.py --models mlp,mlp32 --variants float32,hand,jaxmp
+
+Models (loss functions ``loss(params, x, y)``, ``benchmarks/_autocast_models.py``):
+
+* ``mlp``: a 3-layer MLP with a hand-written layer norm and log-softmax loss;
+* ``mlp32``: the same with 32 layers (trace time grows with the program);
+* ``transformer``: the experiments' pre-LN Transformer encoder (``experiments.models``);
+* ``resnet``: the experiments' bottleneck ResNet (BatchNorm in training mode).
+
+Variants (each gives ``loss'`` with the loss's signature; the step is
+``jit(value_and_grad(loss'))`` with respect to the float32 params):
+
+* ``float32``: the loss as written;
+* ``hand``: the dtypes of ``jaxmp.autocast``'s O1 rules, written by hand -- matmul and
+  convolution operands in the half dtype (bfloat16, or float16 with ``--half fp16``); exp, log,
+  rsqrt, sqrt, pow, erf and all reductions (sums, max, mean/var, softmax, log-softmax, the
+  loss) in float32; other element-wise ops follow their inputs, where a float32 param meeting
+  a half value takes the half dtype and the float32 result of a reduction promotes what it
+  meets; the output in float32. For the Flax models (Transformer, ResNet) the hand cast is
+  Flax's own ``dtype=half`` on every layer (params float32, norm statistics and attention
+  softmax in float32), which differs from O1 in that norm outputs and GELU stay in half;
+* ``jaxmp``: ``jaxmp.autocast(loss, "O1-bf16")`` (``"O1-fp16"``);
+* ``grampax``: ``grampax.autocast(loss, dtype=half)``; ``jaxamp``:
+  ``jaxamp.amp(loss, compute_dtype=half)``; ``mpx``: ``mpx.cast_function(loss, half,
+  return_dtype=float32)`` -- each only when importable (the script says which it skipped and
+  why; they are not jaxmp dependencies: install them in a scratch virtualenv).
+
+Per variant: the compiled step time (``--rounds`` blocks of ``--steps`` steps, variants
+interleaved with a rotating order in one process; median and IQR), the trace time and the
+trace + lower + compile time of the step (medians of ``--compile-repeats`` fresh wrappers),
+the number of ``convert`` instructions in the compiled HLO, the compiled step's memory
+(``memory_analysis()``: temporaries and arguments + outputs + temporaries), and the loss and
+gradient errors against float32 (``|l - l32| / |l32|``, ``||g - g32|| / ||g32||`` over all
+params). Writes ``benchmarks/results/autocast_<device>.json`` (``dry_run/autocast.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common as common  # noqa: E402
+
+MODELS = ("mlp", "mlp32", "transformer", "resnet")
+VARIANTS = ("float32", "hand", "jaxmp", "grampax", "jaxamp", "mpx")
+SIZES = {
+    "mlp": dict(depth=3, width=512, batch=256, in_dim=512, classes=10),
+    "mlp32": dict(depth=32, width=256, batch=64, in_dim=256, classes=10),
+    "transformer": dict(layers=2, dim=128, heads=4, mlp=512, seq=64, batch=8, classes=10),
+    "resnet": dict(stages=(1, 1, 1), width=16, size=32, batch=8, classes=10),
+}
+DRY_SIZES = {
+    "mlp": dict(depth=3, width=16, batch=4, in_dim=8, classes=4),
+    "mlp32": dict(depth=32, width=8, batch=2, in_dim=8, classes=4),
+    "transformer": dict(layers=1, dim=8, heads=2, mlp=16, seq=8, batch=2, classes=4),
+    "resnet": dict(stages=(1,), width=4, size=8, batch=2, classes=4),
+}
+TIMING = dict(rounds=15, steps=5, warmup_steps=2, compile_repeats=3)
+DRY_TIMING = dict(rounds=2, steps=1, warmup_steps=1, compile_repeats=1)
+_CONVERT = re.compile(r"\sconvert\(")
+
+
+def build_model(name: str, sizes: dict):
+    import jax
+
+    from benchmarks import _autocast_models as am
+
+    key = jax.random.PRNGKey(0)
+    s = sizes[name]
+    if name in ("mlp", "mlp32"):
+        return am.make_mlp(0, s["depth"], s["width"], s["batch"], s["in_dim"], s["classes"])
+    if name == "transformer":
+        return am.make_transformer(key, s["layers"], s["dim"], s["heads"], s["mlp"], s["seq"], s["batch"], s["classes"])
+    return am.make_resnet(key, tuple(s["stages"]), s["width"], s["size"], s["batch"], s["classes"])
+
+
+def variant_factory(variant: str, model, half_name: str):
+    """A function making a *fresh* ``loss'`` for the variant (fresh: no wrapper cache is reused).
+
+    Returns (factory, None), or (None, reason) when the variant cannot run here.
+    """
+    import jax.numpy as jnp
+
+    half = jnp.bfloat16 if half_name == "bf16" else jnp.float16
+    if variant == "float32":
+        return (lambda: lambda p, x, y: model.loss(p, x, y)), None
+    if variant == "hand":
+        return (lambda: lambda p, x, y: model.hand_loss(p, x, y, half)), None
+    try:
+        if variant == "jaxmp":
+            import jaxmp
+
+            if not hasattr(jaxmp, "autocast"):
+                return None, "this jaxmp has no jaxmp.autocast yet"
+            return (lambda: jaxmp.autocast(model.loss, f"O1-{half_name}")), None
+        if variant == "grampax":
+            import grampax
+
+            return (lambda: grampax.autocast(model.loss, dtype=half)), None
+        if variant == "jaxamp":
+            import jaxamp
+
+            return (lambda: jaxamp.amp(model.loss, compute_dtype=half)), None
+        if variant == "mpx":
+            import mpx
+
+            return (lambda: mpx.cast_function(model.loss, half, return_dtype=jnp.float32)), None
+    except Exception as e:  # noqa: BLE001 - an ImportError, or a peer that breaks on import
+        return None, f"cannot import {variant} ({type(e).__name__}: {e}); it is not a jaxmp dependency: " \
+                      "install it in a scratch virtualenv to compare"
+    raise ValueError(variant)
+
+
+def _compile_once(factory, params, batch):
+    """(trace s, trace+lower+compile s, compiled) for a fresh wrapper."""
+    import jax
+
+    fn = factory()
+    # stdout silenced for every variant alike: grampax 0.1.0 prints its arrays while tracing.
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        t0 = time.perf_counter()
+        traced = jax.jit(jax.value_and_grad(fn)).trace(params, *batch)
+        t1 = time.perf_counter()
+        compiled = traced.lower().compile()
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t0, compiled
+
+
+def _rel_errors(out, ref) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    (loss, grads), (loss32, grads32) = out, ref
+    num = sum(float(jnp.sum(jnp.square(a.astype(jnp.float32) - b))) for a, b in
+              zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads32)))
+    den = sum(float(jnp.sum(jnp.square(b))) for b in jax.tree_util.tree_leaves(grads32))
+    grad_dtypes = sorted({str(a.dtype) for a in jax.tree_util.tree_leaves(grads)})
+    return {"loss": float(loss), "loss_rel_error": abs(float(loss) - float(loss32)) / abs(float(loss32)),
+            "grad_rel_error": (num / den) ** 0.5 if den else None, "grad_dtypes": grad_dtypes}
+
+
+def measure_model(name: str, sizes: dict, variants: list[str], half: str, timing: dict, quiet: bool) -> dict:
+    """Compiles every variant of one model, checks its numerics and times the steps interleaved."""
+    import jax
+
+    from benchmarks._runs import memory_analysis_dict
+
+    model = build_model(name, sizes)
+    out: dict = {"sizes": sizes[name], "hand_cast": model.hand_note, "variants": {}, "skipped": {}}
+    compiled, ref = {}, None
+    for v in ["float32"] + [v for v in variants if v != "float32"]:
+        factory, reason = variant_factory(v, model, half)
+        if factory is None:
+            out["skipped"][v] = reason
+            common.log(f"  {name}: {v} skipped: {reason}", quiet)
+            continue
+        try:
+            runs = [_compile_once(factory, model.params, model.batch) for _ in range(timing["compile_repeats"])]
+            c = runs[-1][2]
+            with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+                result = jax.block_until_ready(c(model.params, *model.batch))
+        except Exception as e:  # noqa: BLE001 - a peer that fails on this model: recorded, not fatal
+            out["skipped"][v] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            common.log(f"  {name}: {v} failed: {type(e).__name__}: {str(e)[:200]}", quiet)
+            continue
+        ref = result if v == "float32" else ref
+        mem = memory_analysis_dict(c) or {}
+        out["variants"][v] = {
+            "trace_s": statistics.median(r[0] for r in runs),
+            "trace_lower_compile_s": statistics.median(r[1] for r in runs),
+            "hlo_converts": len(_CONVERT.findall(c.as_text())),
+            "temp_bytes": mem.get("temp_size_in_bytes"), "peak_bytes_estimate": mem.get("estimated_peak_bytes"),
+            **_rel_errors(result, ref)}
+        compiled[v] = c
+    if "float32" not in variants:
+        compiled.pop("float32", None)
+        out["variants"].pop("float32", None)
+    _time_steps(compiled, model, timing, out)
+    _ratios(out)
+    return out
+
+
+def _time_steps(compiled: dict, model, timing: dict, out: dict) -> None:
+    import jax
+
+    def block(c):
+        def run():
+            t0 = time.perf_counter()
+            for _ in range(timing["steps"]):
+                r = c(model.params, *model.batch)
+            jax.block_until_ready(r)
+            return (time.perf_counter() - t0) / timing["steps"]
+        return run
+
+    for c in compiled.values():
+        for _ in range(timing["warmup_steps"]):
+            jax.block_until_ready(c(model.params, *model.batch))
+    samples = common.time_interleaved({v: block(c) for v, c in compiled.items()}, timing["rounds"])
+    for v, s in samples.items():
+        out["variants"][v].update(step_time_s=common.summarize(s), samples_s=s)
+    out["samples_paired"] = True
+
+
+def _ratios(out: dict) -> None:
+    vs = out["variants"]
+    for v, r in vs.items():
+        if "hand" in vs and "step_time_s" in r:
+            paired = common.paired_ratios(r["samples_s"], vs["hand"]["samples_s"])
+            r["step_vs_hand"] = common.summarize(paired)
+        if "float32" in vs:
+            r["trace_vs_float32"] = r["trace_s"] / vs["float32"]["trace_s"]
+            r["tlc_vs_float32"] = r["trace_lower_compile_s"] / vs["float32"]["trace_lower_compile_s"]
+
+
+def run(args) -> dict:
+    sizes = DRY_SIZES if args.dry_run else SIZES
+    timing = common.timing_from_args(args, TIMING, DRY_TIMING)
+    if args.compile_repeats is not None:
+        timing["compile_repeats"] = args.compile_repeats
+    models = common.parse_choices(args.models, list(MODELS), "model")
+    variants = common.parse_choices(args.variants, list(VARIANTS), "variant")
+    env = common.jax_env()
+    env["versions"].update({p: common._version(d) for p, d in
+                            (("grampax", "grampax"), ("jaxamp", "jaxamp"), ("mpx", "mixed-precision-for-jax"))})
+    common.log(f"autocast: {env['device']}, jax {env['versions']['jax']}, half {args.half}; models {models}", args.quiet)
+    results = {}
+    for m in models:
+        results[m] = measure_model(m, sizes, variants, args.half, timing, args.quiet)
+        common.log(summary(m, results[m]), args.quiet)
+    config = {"sizes": {m: sizes[m] for m in models}, "timing": timing, "variants": variants, "half": args.half,
+              "step": "jit(value_and_grad(variant(loss)))(params, x, y), params float32",
+              "policy": f"O1-{args.half}"}
+    return common.make_result("autocast", env, config, {"models": results}, args.dry_run)
+
+
+def summary(name: str, r: dict) -> str:
+    lines = [f"{name}: variant   step ms (IQR)        /hand   trace ms  /f32   T+L+C ms  /f32  converts  loss err  grad err"]
+    for v, x in r["variants"].items():
+        st = x.get("step_time_s")
+        sh = x.get("step_vs_hand", {}).get("median")
+        lines.append(f"  {v:10s} {st['median'] * 1e3:8.3f} ({st['q25'] * 1e3:.3f}-{st['q75'] * 1e3:.3f}) "
+                     f"{(f'{sh:5.2f}' if sh else '    -')} {x['trace_s'] * 1e3:9.1f} {x.get('trace_vs_float32', 0):5.2f} "
+                     f"{x['trace_lower_compile_s'] * 1e3:9.1f} {x.get('tlc_vs_float32', 0):5.2f} {x['hlo_converts']:8d} "
+                     f"{x['loss_rel_error']:9.2e} {x['grad_rel_error'] or 0:9.2e}")
+    lines += [f"  {v:10s} skipped: {why}" for v, why in r["skipped"].items()]
+    return "\n".join(lines)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(parser, default_out=None)
+    parser.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: all; peers that do not "
+                                           "import are skipped and named)")
+    parser.add_argument("--half", choices=("bf16", "fp16"), default="bf16", help="half dtype (default bf16)")
+    parser.add_argument("--rounds", type=int, help="interleaved timing rounds (samples per variant)")
+    parser.add_argument("--steps", type=int, help="steps per timed block")
+    parser.add_argument("--warmup-steps", type=int, help="untimed steps per variant")
+    parser.add_argument("--compile-repeats", type=int, help="fresh traces + compiles per variant (median)")
+    return parser
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    result = run(args)
+    out = args.out
+    if out is None:
+        slug = common.device_slug(result["env"]["device"])
+        out = str(common.RESULTS_DIR / ("dry_run/autocast.json" if args.dry_run else f"autocast_{slug}.json"))
+    common.emit(result, out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Dtype names and parsing, and casting that touches floating leaves only.
+
+The bottom of the package: everything else that reads a dtype name or casts a
+pytree goes through here. Names follow jmp's grammar (``f32``, ``full``, ``bf16``,
+``half`` ...); :func:`float_dtype` is the one parser for user-given dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+_FLOAT_NAMES: dict[str, Any] = {
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "fp16": jnp.float16,
+    "float16": jnp.float16,
+    "full": jnp.float32,
+    "f32": jnp.float32,
+    "fp32": jnp.float32,
+    "float32": jnp.float32,
+    "f64": jnp.float64,
+    "float64": jnp.float64,
+}
+
+#: Short names used by ``str(policy)`` (jmp's).
+SHORT_NAME = {
+    np.dtype(jnp.bfloat16): "bf16",
+    np.dtype(jnp.float16): "f16",
+    np.dtype(jnp.float32): "f32",
+    np.dtype(jnp.float64): "f64",
+}
+
+
+def dtype_names() -> list[str]:
+    """The dtype names :func:`parse_dtype` accepts.
+
+    Returns:
+      A sorted list of names.
+
+    Example:
+      >>> from jaxmp.dtypes import dtype_names
+      >>> "bf16" in dtype_names() and "half" in dtype_names()
+      True
+    """
+    return sorted(set(_FLOAT_NAMES) | {"half"})
+
+
+def half_dtype() -> np.dtype:
+    """Returns the half-precision dtype jmp picks for the current backend.
+
+    bfloat16 on TPU, float16 elsewhere (jmp's semantics; :func:`jaxmp.recommended_policy`
+    is the hardware-aware choice).
+
+    Returns:
+      ``jnp.bfloat16`` or ``jnp.float16`` as a numpy dtype.
+
+    Example:
+      >>> import jax, jaxmp
+      >>> jaxmp.half_dtype() == ("bfloat16" if jax.default_backend() == "tpu" else "float16")
+      True
+    """
+    on_tpu = jax.local_devices()[0].platform == "tpu"
+    return np.dtype(jnp.bfloat16 if on_tpu else jnp.float16)
+
+
+def parse_dtype(value: str) -> np.dtype:
+    """Parses a dtype name of jmp's grammar (``f32``, ``full``, ``bf16``, ``half`` ...).
+
+    Args:
+      value: the name.
+
+    Returns:
+      The numpy dtype.
+
+    Raises:
+      TypeError: ``value`` is not a string.
+      ValueError: the name is unknown.
+
+    Example:
+      >>> import jaxmp
+      >>> jaxmp.parse_dtype("bf16")
+      dtype(bfloat16)
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"dtype name must be a string, got {type(value).__name__}: {value!r}")
+    name = value.strip().lower()
+    if name == "half":
+        return half_dtype()
+    if name not in _FLOAT_NAMES:
+        raise ValueError(f"Unknown dtype name {value!r}: expected one of {dtype_names()}.")
+    return np.dtype(_FLOAT_NAMES[name])
+
+
+def float_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
+    """Returns a user-given dtype as a numpy floating dtype, or raises naming ``what``.
+
+    Strings are parsed once here: jmp's names (``"bf16"``, ``"half"``) and numpy's
+    (``"bfloat16"``); anything else goes through ``np.dtype``.
+
+    Args:
+      dtype: a dtype-like (``jnp.float16``, ``"bfloat16"``, ``np.dtype``) or a
+        jmp-grammar name.
+      what: how the error message calls this value (e.g. ``"compute_dtype"``).
+
+    Returns:
+      The numpy dtype.
+
+    Raises:
+      TypeError: ``dtype`` is not a floating dtype.
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxmp.dtypes import float_dtype
+      >>> float_dtype("f16"), float_dtype(np.float32)
+      (dtype('float16'), dtype('float32'))
+    """
+    if isinstance(dtype, str) and dtype.strip().lower() in {*_FLOAT_NAMES, "half"}:
+        return parse_dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        hint = f" (names: {dtype_names()})" if isinstance(dtype, str) else ""
+        raise TypeError(f"{what} must be a floating dtype, got {dtype!r}{hint}") from e
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"{what} must be a floating dtype (float16/bfloat16/float32/float64), got {dt}")
+    return dt
+
+
+#: The earlier name of :func:`float_dtype`.
+canonical_float_dtype = float_dtype
+
+
+def _array_dtype(x: Any):
+    if not isinstance(x, (np.ndarray, jax.Array, np.generic)):
+        return None
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return None
+    return dtype
+
+
+def is_floating_array(x: Any) -> bool:
+    """True for numpy/JAX arrays (and tracers) whose dtype is floating.
+
+    PRNG key arrays, float0 tangents, ints, bools, complex and non-array leaves are not.
+
+    Args:
+      x: any pytree leaf.
+
+    Returns:
+      Whether casting policies should touch the leaf.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp.dtypes import is_floating_array
+      >>> is_floating_array(jnp.ones(2)), is_floating_array(3.0)
+      (True, False)
+    """
+    dtype = _array_dtype(x)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def is_inexact_array(x: Any) -> bool:
+    """True for floating and complex arrays: the leaves loss scaling unscales and checks.
+
+    Args:
+      x: any pytree leaf.
+
+    Returns:
+      Whether the leaf carries a (possibly scaled) real or complex value.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp.dtypes import is_inexact_array
+      >>> is_inexact_array(jnp.ones(2, jnp.complex64)), is_inexact_array(jnp.int32(1))
+      (True, False)
+    """
+    dtype = _array_dtype(x)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def cast_floating(tree: T, dtype: Any) -> T:
+    """Casts the floating array leaves of ``tree`` to ``dtype``; other leaves pass through.
+
+    Args:
+      tree: any pytree.
+      dtype: the target floating dtype.
+
+    Returns:
+      A tree of the same structure.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> jaxmp.cast_floating({"w": jnp.ones(2), "step": jnp.int32(3)}, jnp.float16)["w"].dtype
+      dtype('float16')
+    """
+    dtype = float_dtype(dtype)
+
+    def cast(x):
+        return x.astype(dtype) if is_floating_array(x) and x.dtype != dtype else x
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def cast_to_full(tree: T) -> T:
+    """Casts floating leaves to float32 (jmp's ``cast_to_full``).
+
+    Args:
+      tree: any pytree.
+
+    Returns:
+      The tree with floating leaves in float32, other leaves unchanged.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> jaxmp.cast_to_full(jnp.ones(2, jnp.float16)).dtype
+      dtype('float32')
+    """
+    return cast_floating(tree, jnp.float32)
+
+
+def cast_to_half(tree: T) -> T:
+    """Casts floating leaves to :func:`half_dtype` (jmp's ``cast_to_half``).
+
+    Args:
+      tree: any pytree.
+
+    Returns:
+      The tree with floating leaves in the half dtype, other leaves unchanged.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> jaxmp.cast_to_half(jnp.ones(2)).dtype == jaxmp.half_dtype()
+      True
+    """
+    return cast_floating(tree, half_dtype())

@@ -1,0 +1,121 @@
+"""jaxmp.flax without a float32 trace: a layer that refuses float32 trains under O1 and O2
+(bf16 and fp16), for Linen and NNX; attention under a policy matches float32 with and without masks."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxmp
+
+
+def _refuse_float32(*xs):
+    for x in xs:
+        if x.dtype == jnp.float32:
+            raise NotImplementedError(f"half-only layer got {x.dtype} (like cuDNN attention or fp8 dots)")
+
+
+class HalfOnlyDense(nn.Module):
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
+        _refuse_float32(x, kernel)
+        return x @ kernel
+
+
+class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(jax.nn.relu(HalfOnlyDense(16)(nn.LayerNorm()(x))))
+
+
+class NNXHalfOnly(nnx.Module):
+    def __init__(self, din, dout, rngs):
+        self.kernel = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (din, dout)))
+
+    def __call__(self, x):
+        _refuse_float32(x, self.kernel[...])
+        return x @ self.kernel[...]
+
+
+class NNXNet(nnx.Module):
+    def __init__(self, rngs):
+        self.norm, self.half, self.out = nnx.LayerNorm(8, rngs=rngs), NNXHalfOnly(8, 16, rngs), nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.half(self.norm(x))))
+
+
+X = jax.random.normal(jax.random.key(1), (64, 8))
+Y = jnp.argmax(X[:, :4], axis=-1)
+
+LEVELS = ["O1-bf16", "O1-fp16", "O2-bf16", "O2-fp16"]
+
+
+def _loss(logits):
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), Y).mean()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_linen_half_only_layer_trains(level):
+    with pytest.raises(NotImplementedError):
+        LinenNet().init(jax.random.key(0), X)  # the layer really refuses float32
+    model = jaxmp.flax.mixed_precision(LinenNet(), level)
+    recipe = jaxmp.get_recipe(level)
+    params = model.init(jax.random.key(0), X)["params"]  # init runs under the same casts as apply
+    assert params["LayerNorm_0"]["scale"].dtype == jnp.float32
+    assert params["HalfOnlyDense_0"]["kernel"].dtype == recipe.policy.param_dtype
+    tx = jaxmp.loss_scaling(optax.adam(0.02), jaxmp.make_loss_scale(recipe.loss_scale),
+                            master_weights=recipe.master_weights)
+    opt = tx.init(params)
+
+    @jax.jit
+    def step(params, opt):
+        loss, grads = jaxmp.value_and_grad(lambda p: _loss(model.apply({"params": p}, X)), opt)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return jaxmp.apply_updates(params, updates, opt), opt, loss
+
+    losses = []
+    for _ in range(40):
+        params, opt, loss = step(params, opt)
+        losses.append(float(loss))
+    assert np.isfinite(losses[-1]) and losses[-1] < 0.7 * losses[0]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_nnx_half_only_layer_trains(level):
+    model = jaxmp.flax.mixed_precision(NNXNet(nnx.Rngs(0)), level)
+    recipe = jaxmp.get_recipe(level)
+    tx = jaxmp.loss_scaling(optax.adam(0.02), jaxmp.make_loss_scale(recipe.loss_scale),
+                            master_weights=recipe.master_weights)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = nnx.jit(jaxmp.flax.nnx.train_step)
+    losses = [float(step(model, optimizer, (X, Y))["loss"]) for _ in range(40)]
+    assert np.isfinite(losses[-1]) and losses[-1] < 0.7 * losses[0]
+
+
+class Attn(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask=None):
+        return nn.MultiHeadDotProductAttention(num_heads=2)(x, x, mask=mask)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("level", ["O1-bf16", "O2-bf16", "O1-fp16"])
+def test_attention_under_policy_matches_float32(level, masked):
+    x = jax.random.normal(jax.random.key(3), (2, 8, 16))
+    mask = nn.make_causal_mask(jnp.ones((2, 8))) if masked else None
+    variables = Attn().init(jax.random.key(0), x, mask)
+    ref = Attn().apply(variables, x, mask)
+    model = jaxmp.flax.mixed_precision(Attn(), level)
+    out = model.apply(variables, x, mask)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, atol=0.05 if "bf16" in level else 0.01)
+    from jaxmp.engine import attention
+
+    assert attention.last_choice["implementation"] == "xla"  # CPU: the XLA fallback with a float32 softmax
