@@ -87,10 +87,9 @@ def _scale_array(value: Any, name: str) -> Any:
         return v32
     if isinstance(value, (int, float, np.number, np.ndarray, list, tuple)) and not isinstance(value, bool):
         return jnp.asarray(_float32_scale(value, name), jnp.float32)
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got a bool")
-    # A placeholder while JAX or orbax rebuilds the tree (None, object(), ShapeDtypeStruct, a
-    # parameter name): the dataclass must accept it, so a wrong type is reported at first use.
+    # A placeholder while JAX, orbax or Equinox rebuilds the tree (None, object(),
+    # ShapeDtypeStruct, a parameter name, the bool masks of eqx.partition / eqx.filter_jit):
+    # the dataclass must accept it, so a wrong type is reported at first use.
     return value
 
 
@@ -356,9 +355,9 @@ def _counter_array(counter: Any) -> Any:
         if c.shape != () or not np.issubdtype(c.dtype, np.integer) or c < 0:
             raise ValueError(f"counter must be a non-negative integer scalar, got {counter!r}")
         return jnp.asarray(c, jnp.int32)
-    if isinstance(counter, (bool, float)):
+    if isinstance(counter, float):
         raise ValueError(f"counter must be a non-negative integer scalar, got {counter!r}")
-    return counter
+    return counter  # a placeholder while a tree is rebuilt (a bool mask of eqx.partition too)
 
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
