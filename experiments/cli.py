@@ -1,10 +1,11 @@
-"""Command-line plumbing shared by ``main.py`` and ``compare.py``.
+"""Command-line plumbing shared by the entry points.
 
-absl + ml_collections as in the Flax examples, with two conveniences and clear
-errors instead of tracebacks: ``--config`` takes a path *or* a config name
-(``cpu``, ``gpu_t4``...); an unknown config, an unknown ``--config.<field>``, a bad
-value, or a user error raised by the run (:class:`UserError`) prints one message
-that says what to do and exits with status 2.
+absl + ml_collections as in the Flax examples, with clear errors instead of tracebacks:
+``--config`` takes a path *or* a config name (``cpu``, ``gpu_t4``...); an unknown config, a
+config file that does not load, an unknown ``--config.<field>``, a bad value (checked by
+:func:`experiments.validation.check_fields` before JAX is imported), a bad ``--workdir``, an
+unknown flag, or a user error raised by the run prints one message that says what is wrong
+and what is valid, and exits with status 2. ``--help`` lists the flags (absl exits 1 after it).
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ import sys
 from absl import app, flags
 
 from experiments import configs as configs_lib
+from experiments.validation import UserError, check_fields
 
-
-class UserError(ValueError):
-    """A problem with the user's input; its message says what to do."""
-
+__all__ = ["UserError", "define_flags", "parse_flags", "run"]
 
 _CONFIG_RE = re.compile(r"^--config=(.*)$")
 _OVERRIDE_RE = re.compile(r"^--config\.([A-Za-z0-9_.]+)(=.*)?$")
@@ -31,15 +30,19 @@ def define_flags() -> None:
     from ml_collections import config_flags
 
     config_flags.DEFINE_config_file(
-        "config", None, "Config file (experiments/configs/<name>.py) or just its name, e.g. cpu, gpu_t4.",
-        lock_config=True)
-    flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and results; "
-                        "a run started again with the same workdir resumes.")
+        "config", None, "Config file (experiments/configs/<name>.py) or just its name, e.g. cpu, gpu_t4. "
+        "Override any field with --config.<field>=<value>.", lock_config=True)
+    flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics (TensorBoard, history.jsonl) and "
+                        "results; a run started again with the same workdir resumes.")
     flags.DEFINE_bool("report", False, "Also run jaxmp's diagnostics (precision report of the compiled "
                       "step, gradient statistics, input-pipeline overhead) and write them to the workdir.")
+    # --help lists the flags of the main module only: make these the entry point's own.
+    for name in ("config", "workdir", "report"):
+        flags.FLAGS.register_flag_by_module(sys.argv[0], flags.FLAGS[name])
 
 
-def _fail(message: str) -> None:
+def fail(message: str) -> None:
+    """Prints ``error: message`` on stderr and exits with status 2."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
@@ -53,19 +56,28 @@ def _resolve_config(value: str) -> str:
     name = os.path.basename(path).removesuffix(".py")
     if name in configs_lib.available():
         return os.path.join(configs_lib.CONFIG_DIR, name + ".py") + value[len(path):]
-    _fail(f"unknown config {value!r}: use one of {', '.join(configs_lib.available())} "
-          f"(e.g. --config=experiments/configs/cpu.py or --config=cpu).")
+    fail(f"unknown config {value!r}: use one of {', '.join(configs_lib.available())} "
+         f"(e.g. --config=experiments/configs/cpu.py or --config=cpu).")
     return value  # unreachable
+
+
+def _load_config_file(path: str):
+    import importlib.util
+
+    try:
+        spec = importlib.util.spec_from_file_location("_jaxmp_cfg", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.get_config()
+    except Exception as e:  # noqa: BLE001 - a user's file: report what broke, not a traceback
+        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
+        fail(f"config file {path} could not be loaded{where}: {type(e).__name__}: {e}. It must define "
+             "get_config() returning an ml_collections.ConfigDict, like experiments/configs/cpu.py.")
 
 
 def _check_overrides(argv: list[str], config_arg: str) -> None:
     """Fails with a clear message if a ``--config.<field>`` names no field of the config."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_jaxmp_cfg", config_arg.split(":", 1)[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    config = _load_config_file(config_arg.split(":", 1)[0])
     for arg in argv:
         m = _OVERRIDE_RE.match(arg)
         if not m:
@@ -79,12 +91,33 @@ def _check_overrides(argv: list[str], config_arg: str) -> None:
                 if parts[0] == "model_kwargs":
                     hint += (" Model attributes can only be overridden where the config declares them; "
                              "add them to model_kwargs in a config file.")
-                _fail(f"unknown config field {m.group(1)!r} in {arg.split('=')[0]}.{hint}")
+                fail(f"unknown config field {m.group(1)!r} in {arg.split('=')[0]}.{hint}")
             node = node[part]
 
 
+def _check_workdir(workdir: str | None) -> None:
+    if not workdir:
+        fail("--workdir is required, e.g. --workdir=/tmp/jaxmp_run")
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        fail(f"--workdir={workdir!r} is a file, not a directory: name a directory (it is created if missing).")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        fail(f"--workdir={workdir!r} cannot be created ({e.strerror}): name a directory you can write to.")
+    if not os.access(workdir, os.W_OK | os.X_OK):
+        fail(f"--workdir={workdir!r} is not writable: name a directory you can write to.")
+
+
+def parse_plain(argv: list[str]) -> list[str]:
+    """absl's flag parsing with an unknown or bad flag reported in one line (no traceback)."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        fail(f"{e}. Pass --help to see the flags.")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl flags parser with config-name resolution and friendly errors (``app.run(flags_parser=...)``)."""
+    """Flag parser of the config-taking commands (``app.run(flags_parser=...)``)."""
     argv = list(argv)
     if "--config" in argv[1:-1]:  # "--config cpu" -> "--config=cpu", so it is resolved like the rest
         i = argv.index("--config", 1)
@@ -97,26 +130,32 @@ def parse_flags(argv: list[str]) -> list[str]:
             config_arg = argv[i].split("=", 1)[1]
     if config_arg is not None:
         _check_overrides(argv, config_arg)
-    try:
-        rest = flags.FLAGS(argv)
-    except flags.Error as e:
-        _fail(f"{e}. Pass --helpfull to see all flags.")
+    rest = parse_plain(argv)
     if flags.FLAGS.config is None:
-        _fail("--config is required, e.g. --config=experiments/configs/cpu.py")
-    if not flags.FLAGS.workdir:
-        _fail("--workdir is required, e.g. --workdir=/tmp/jaxmp_run")
+        fail("--config is required, e.g. --config=experiments/configs/cpu.py")
+    try:
+        check_fields(flags.FLAGS.config)
+    except UserError as e:
+        fail(str(e))
+    _check_workdir(flags.FLAGS.workdir)
     return rest
 
 
-def run(main) -> None:
-    """``app.run(main)`` that turns :class:`UserError` and friends into a one-line message."""
-    from experiments.checkpoint import CheckpointMismatchError
+def run(main, *, parse: bool = True) -> None:
+    """``app.run(main)`` that turns user errors into a one-line message (exit 2).
+
+    Args:
+      main: the command's ``main(argv)``.
+      parse: use :func:`parse_flags` (``--config``/``--workdir`` commands) rather than plain parsing.
+    """
     from experiments.data import DatasetUnavailableError
 
     def guarded(argv):
+        if len(argv) > 1:
+            fail(f"unexpected arguments: {' '.join(argv[1:])} (flags are written --name=value).")
         try:
             return main(argv)
-        except (UserError, DatasetUnavailableError, CheckpointMismatchError) as e:
-            _fail(str(e))
+        except (UserError, DatasetUnavailableError) as e:
+            fail(str(e))
 
-    app.run(guarded, flags_parser=parse_flags)
+    app.run(guarded, flags_parser=parse_flags if parse else parse_plain)

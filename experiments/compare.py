@@ -1,24 +1,24 @@
-"""One command that compares precision policies: seed 000's table for any config.
+"""Compares precision policies on one config: a table, plots and TensorBoard runs.
 
   python -m experiments.compare --config=experiments/configs/cpu.py --workdir=/tmp/jaxmp_compare
 
 Trains the same config under every policy of ``config.compare_policies`` (or
-``--policies=O0,O2-fp16``) and ``config.num_seeds`` seeds (or ``--seeds=N``), then
-prints the table (policy, wall time, steps/s, examples/s, peak memory, validation
-accuracy mean +- std over seeds, skipped steps, final loss scale) and writes
-``results.{json,csv,md}`` and ``accuracy_loss.png`` / ``loss_scale.png`` to the
-workdir. Each (policy, seed) run lives in ``<workdir>/runs/<policy>_seed<k>`` and
-resumes like ``main.py``; a finished run is read back, not retrained.
+--policies=O0,O2-fp16) and ``config.num_seeds`` seeds (or --seeds=N), then prints the table
+(policy, wall time, steps/s, examples/s, peak memory, validation accuracy mean +- std over
+seeds, skipped steps, final loss scale) and writes results.{json,csv,md} and the plots
+accuracy_loss.png, loss_scale.png and throughput_memory.png to the workdir. With
+--scale_demo (default) one more short O2-fp16 run starts from a high loss scale and grows it
+often, so loss_scale.png shows dynamic scaling at work. Each run lives in
+<workdir>/runs/<name> and resumes like main.py; a finished run is read back, not retrained.
+tensorboard --logdir=<workdir>/runs shows every run's curves side by side.
 
-On backends that report allocator statistics (GPU, TPU) every run gets its own
-process (``--isolate``, the default there): a peak-memory counter cannot be reset
-inside one process, so in-process runs would report the largest peak so far.
+On backends that report allocator statistics (GPU, TPU) every run gets its own process
+(--isolate, the default there): a peak-memory counter cannot be reset inside one process.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import sys
 import time
@@ -29,82 +29,130 @@ from experiments import cli
 
 cli.define_flags()
 flags.DEFINE_list("policies", None, "Policies to compare (default: config.compare_policies), e.g. O0,O2-bf16.")
-flags.DEFINE_integer("seeds", None, "Seeds per policy (default: config.num_seeds); accuracy is mean +- std.")
+flags.DEFINE_integer("seeds", None, "Seeds per policy (default: config.num_seeds); accuracy is mean +- std.",
+                     lower_bound=1)
 flags.DEFINE_enum("isolate", "auto", ["auto", "true", "false"],
                   "Run each training in its own process (auto: where device memory statistics exist).")
 flags.DEFINE_bool("plots", True, "Write the PNG plots.")
+flags.DEFINE_bool("scale_demo", True, "Also train a short O2-fp16 run from loss scale 2**24 with growth every "
+                  "50 steps, drawn in loss_scale.png (skipped steps marked).")
 FLAGS = flags.FLAGS
+
+DEMO = {"policy": "O2-fp16", "loss_scale": "dynamic", "dynamic_scale_init": 2.0**24, "dynamic_scale_period": 50,
+        "num_train_steps": 300, "eval_every_steps": 100, "checkpoint_every_steps": 300, "log_every_steps": 25}
 
 
 def _run_isolated(config, workdir: str, policy: str, seed: int, desc: str, report: bool) -> dict:
     """Runs one training in a fresh Python process and reads its results.json."""
     import json
 
+    from experiments import jobs
+
     os.makedirs(workdir, exist_ok=True)
-    job = os.path.join(workdir, "job.pkl")
-    with open(job, "wb") as f:
-        pickle.dump({"config": config, "workdir": workdir, "policy": policy, "seed": seed, "desc": desc,
-                     "report": report}, f)
-    proc = subprocess.run([sys.executable, "-m", "experiments.train", job], cwd=os.getcwd())
+    job = os.path.join(workdir, "job.json")
+    jobs.write_job(job, config, workdir=workdir, policy=policy, seed=seed, desc=desc, report=report)
+    proc = subprocess.run([sys.executable, "-m", "experiments.train", f"--job={job}"], cwd=os.getcwd())
     if proc.returncode:
         raise cli.UserError(f"the {policy} seed {seed} run failed (exit {proc.returncode}); see its output above")
     with open(os.path.join(workdir, "results.json")) as f:
         return json.load(f)
 
 
-def compare(config, workdir: str, *, policies=None, num_seeds: int | None = None, isolate: str = "auto",
-            plots: bool = True, report: bool = False, config_name: str = "") -> dict:
-    """Trains every (policy, seed) and writes the table and plots; returns ``{"rows", "runs", "paths"}``."""
-    from experiments import results as results_lib
+def _train(config, workdir, policy, seed, desc, report, isolated) -> dict:
     from experiments import train
 
+    if isolated:
+        return _run_isolated(config, workdir, policy, seed, desc, report)
+    return train.train_and_evaluate(config, workdir, policy=policy, seed=seed, report=report, desc=desc)
+
+
+def demo_config(config):
+    """``config`` changed into the loss-scale demonstration run (see :data:`DEMO`)."""
+    demo = config.copy_and_resolve_references()
+    with demo.unlocked():
+        for k, v in DEMO.items():
+            demo[k] = v
+    return demo
+
+
+def compare(config, workdir: str, *, policies=None, num_seeds: int | None = None, isolate: str = "auto",
+            plots: bool = True, report: bool = False, config_name: str = "", scale_demo: bool = False) -> dict:
+    """Trains every (policy, seed), writes the table and plots; returns ``{"rows", "runs", "paths"}``.
+
+    Args:
+      config: the experiment config.
+      workdir: where runs, tables and plots go.
+      policies: default ``config.compare_policies``.
+      num_seeds: default ``config.num_seeds``.
+      isolate: ``"auto"``, ``"true"`` or ``"false"`` (see the module docstring).
+      plots: write the PNGs.
+      report: run jaxmp's diagnostics for each run.
+      config_name: for the title.
+      scale_demo: also train the loss-scale demonstration run.
+    """
+    from experiments import metrics
+    from experiments import train
+    from experiments.progress import Progress
+    from experiments.validation import validate_config
+
+    metrics.preload()
     policies = list(policies or config.compare_policies)
     num_seeds = int(config.num_seeds if num_seeds is None else num_seeds)
     if num_seeds < 1:
-        raise cli.UserError(f"need at least one seed, got {num_seeds}")
+        raise cli.UserError(f"--seeds={num_seeds} is invalid: use an integer >= 1.")
     for p in policies:
-        train.validate_config(config, policy=p)
+        validate_config(config, policy=p)
     isolated = (train.device_peak_memory() is not None) if isolate == "auto" else isolate == "true"
     seeds = [int(config.seed) + k for k in range(num_seeds)]
+    jobs = [(p, s) for p in policies for s in seeds]
 
     t0 = time.perf_counter()
-    runs = []
-    for i, policy in enumerate(policies):
-        for seed in seeds:
-            run_dir = os.path.join(workdir, "runs", f"{policy}_seed{seed}")
-            desc = f"[{i + 1}/{len(policies)}] {policy} seed {seed}"
-            if isolated:
-                r = _run_isolated(config, run_dir, policy, seed, desc, report)
-            else:
-                r = train.train_and_evaluate(config, run_dir, policy=policy, seed=seed, report=report, desc=desc)
+    runs, demo = [], None
+    with Progress(len(jobs) + bool(scale_demo), "comparison (runs)", enabled=config.progress_bar,
+                  interval_s=0) as bar:
+        for i, (policy, seed) in enumerate(jobs):
+            r = _train(config, os.path.join(workdir, "runs", f"{policy}_seed{seed}"), policy, seed,
+                       f"[{i + 1}/{len(jobs)}] {policy} seed {seed}", report, isolated)
             print(train.summary_line(r), flush=True)
             runs.append(r)
+            bar.update(1, last=f"{policy} seed {seed}")
+        if scale_demo:
+            demo = _train(demo_config(config), os.path.join(workdir, "runs", "scale_demo_O2-fp16"), DEMO["policy"],
+                          seeds[0], "loss-scale demo", False, isolated)
+            print("loss-scale demo: " + train.summary_line(demo), flush=True)
+            bar.update(1, last="loss-scale demo")
     total = time.perf_counter() - t0
+    return _write_outputs(config, workdir, runs, demo, dict(policies=policies, seeds=seeds, total_time_s=total,
+                                                           isolated=isolated, config_name=config_name), plots)
+
+
+def _write_outputs(config, workdir: str, runs: list, demo, info: dict, plots: bool) -> dict:
+    from experiments import results as results_lib
 
     rows = results_lib.aggregate(runs, chance_accuracy=1.0 / runs[0].get("num_classes", 10))
     first = runs[0]
-    title = (f"{config_name or 'config'}: {config.model} on {config.dataset}, {first['steps']} steps, "
+    title = (f"{info['config_name'] or 'config'}: {config.model} on {config.dataset}, {first['steps']} steps, "
              f"global batch {first['config']['global_batch_size']}, {first['device']}")
-    meta = {"title": title, "config_name": config_name, "config": config.to_dict(), "seeds": seeds,
-            "policies": policies, "total_time_s": total, "isolated": isolated}
-    paths = results_lib.write_tables(rows, runs, workdir, meta)
+    meta = {"title": title, "config": config.to_dict(), **info}
+    paths = results_lib.write_tables(rows, runs, workdir, meta, scale_demo=demo)
     if plots:
-        paths["plots"] = results_lib.write_plots(runs, workdir, title)
+        paths["plots"] = results_lib.write_plots(runs, rows, workdir, title, demo=demo)
     print()
     print(results_lib.format_table(rows, title))
-    print(f"\nTotal {total:.1f} s. Wrote {', '.join(sorted(v if isinstance(v, str) else ', '.join(v) for v in paths.values()))}")
-    return {"rows": rows, "runs": runs, "paths": paths}
+    print(f"\nTotal {info['total_time_s']:.1f} s. Wrote "
+          f"{', '.join(sorted(v if isinstance(v, str) else ', '.join(v) for v in paths.values()))}. "
+          f"Metrics: tensorboard --logdir={os.path.join(workdir, 'runs')}")
+    return {"rows": rows, "runs": runs, "demo": demo, "paths": paths}
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise cli.UserError(f"unexpected arguments: {' '.join(argv[1:])}")
-    logging.set_verbosity(logging.WARNING)  # the progress bars and the table say enough
+    del argv  # cli.run rejects extra arguments
+    logging.set_verbosity(logging.WARNING)  # the progress lines and the table say enough
     from ml_collections import config_flags
 
     name = os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])).removesuffix(".py")
     compare(FLAGS.config, FLAGS.workdir, policies=FLAGS.policies, num_seeds=FLAGS.seeds, isolate=FLAGS.isolate,
-            plots=FLAGS.plots, report=FLAGS.report, config_name=name)
+            plots=FLAGS.plots, report=FLAGS.report, config_name=name, scale_demo=FLAGS.scale_demo)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
   python -m experiments.main --config=experiments/configs/cpu.py --workdir=/tmp/jaxmp_run
   python -m experiments.main --config=gpu_t4 --config.policy=O2-fp16 --workdir=...
 
-Started again with the same ``--workdir``, a run resumes from its last checkpoint.
-To compare policies, use ``python -m experiments.compare`` with the same flags.
+Started again with the same --workdir, a run resumes from its newest intact checkpoint.
+Metrics: tensorboard --logdir=<workdir>. To compare policies: python -m experiments.compare.
 """
 
 from absl import flags, logging
@@ -16,8 +16,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise cli.UserError(f"unexpected arguments: {' '.join(argv[1:])}")
+    del argv  # cli.run rejects extra arguments
     from experiments import train  # after flag parsing: keeps --help fast
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO

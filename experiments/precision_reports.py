@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import re
-import types
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +23,13 @@ import jaxmp
 import jaxmp.flax
 from experiments import configs as configs_lib
 from experiments import models as models_lib
-from experiments import train as train_lib
+from experiments import program as program_lib
+from experiments.validation import UserError, validate_config
 from jaxmp.diagnostics import _format as jaxmp_fmt
 
 # name -> (config file the run starts from, overrides).
 SETUPS = {
-    # Seed 003's DavidNet on CIFAR-10 shapes (the TPU config, on one device here).
+    # DavidNet on CIFAR-10 shapes (the TPU config, on one device here).
     "resnet9": ("tpu_v3_8", {"model": "resnet9", "dataset": "fake", "fake_input_shape": (32, 32, 3),
                              "model_kwargs": {"width": 64}}),
     # A small encoder on length-128 sequences (one scalar feature per token), dims multiples of 8.
@@ -49,7 +49,7 @@ def make_config(model: str, batch_size: int, input_shape=None, **model_kwargs) -
       **model_kwargs: module attributes overriding the setup's (e.g. a tiny width for tests).
     """
     if model not in SETUPS:
-        raise ValueError(f"unknown model {model!r}: choose one of {', '.join(SETUPS)}")
+        raise UserError(f"unknown model {model!r}: choose one of {', '.join(SETUPS)}")
     name, overrides = SETUPS[model]
     config = configs_lib.get_config(name)
     config.num_devices = 1
@@ -82,19 +82,18 @@ def build(model: str, policy: str, batch_size: int = 128, input_shape=None, **mo
       ``(train_step, (state, batch, rng), policy)``: ``train_step(state, batch, rng)``.
     """
     config = make_config(model, batch_size, input_shape, **model_kwargs)
-    plan = train_lib.validate_config(config, policy=policy)
-    recipe = jaxmp.get_recipe(plan.policy)
+    plan = validate_config(config, policy=policy)
     num_classes = int(config.num_classes)
     shape = tuple(config.fake_input_shape)
-    module = models_lib.get_model(config.model, num_classes, **train_lib._model_kwargs(config))
-    source = types.SimpleNamespace(input_key="x" if len(shape) == 1 else "image", input_shape=shape)
-    prog = train_lib._program(config, plan, recipe, module, num_classes, source)
+    module = models_lib.get_model(config.model, num_classes, **program_lib.model_kwargs(config))
+    hp = {k: config[k] for k in program_lib.OPTIMIZER_FIELDS}
+    prog = program_lib.build_program(plan, module, hp, num_classes, "x" if len(shape) == 1 else "image", shape)
 
     sample = jax.ShapeDtypeStruct((1, *shape), jnp.float32)  # train.py initialises on one example
     state = jax.eval_shape(
         lambda key, x: jaxmp.flax.TrainState.create(prog.model, prog.model.init(key, x, train=False), prog.tx),
         jax.random.key(plan.seed), sample)
-    batch = {source.input_key: jax.ShapeDtypeStruct((plan.global_batch_size, *shape), jnp.float32),
+    batch = {"x" if len(shape) == 1 else "image": jax.ShapeDtypeStruct((plan.global_batch_size, *shape), jnp.float32),
              "label": jax.ShapeDtypeStruct((plan.global_batch_size,), jnp.int32)}
     return prog.train_step, (state, batch, jax.random.key(plan.seed + 1)), plan.policy
 
@@ -156,7 +155,7 @@ def compact_table(rep: jaxmp.PrecisionReport, max_rows: int = 6) -> str:
 
 
 def main(argv) -> None:
-    del argv
+    del argv  # cli.run rejects extra arguments
     from absl import flags
 
     f = flags.FLAGS
@@ -170,12 +169,14 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
 
-    flags.DEFINE_integer("batch_size", 128, "examples per train step")
+    from experiments import cli
+
+    flags.DEFINE_integer("batch_size", 128, "examples per train step", lower_bound=1)
     flags.DEFINE_list("policies", list(DEFAULT_POLICIES), "jaxmp recipes to report")
     flags.DEFINE_list("models", list(SETUPS), "models to report (resnet9, transformer)")
-    flags.DEFINE_integer("max_rows", 6, "ops per table (flagged ops first, then by FLOPs)")
+    flags.DEFINE_integer("max_rows", 6, "ops per table (flagged ops first, then by FLOPs)", lower_bound=1)
     flags.DEFINE_bool("full", False, "print PrecisionReport.table() (every column) instead of the compact one")
-    flags.DEFINE_integer("width", 160, "characters per line of --full tables")
-    app.run(main)
+    flags.DEFINE_integer("width", 160, "characters per line of --full tables", lower_bound=40)
+    cli.run(main, parse=False)

@@ -1,4 +1,4 @@
-"""The comparison table (seed 000's shape), its JSON/CSV files and PNG plots.
+"""The comparison table, its JSON/CSV files and PNG plots.
 
 One row per policy, aggregated over seeds: wall time, steps/s, examples/s, peak
 device memory (and where that number comes from), final validation accuracy
@@ -97,12 +97,14 @@ def format_table(rows: list[dict], title: str = "") -> str:
     return "\n".join(lines)
 
 
-def write_tables(rows: list[dict], runs: list[dict], outdir: str, meta: dict) -> dict[str, str]:
-    """Writes ``results.json`` (rows, every run with its history, meta), ``results.csv`` and ``results.md``."""
+def write_tables(rows: list[dict], runs: list[dict], outdir: str, meta: dict,
+                 scale_demo: dict | None = None) -> dict[str, str]:
+    """Writes ``results.json`` (rows, every run with its history, meta, the loss-scale demo run),
+    ``results.csv`` and ``results.md``."""
     os.makedirs(outdir, exist_ok=True)
     paths = {k: os.path.join(outdir, f"results.{k}") for k in ("json", "csv", "md")}
     with open(paths["json"], "w") as f:
-        json.dump({"meta": meta, "rows": rows, "runs": runs}, f, indent=1, default=_json_default)
+        json.dump({"meta": meta, "rows": rows, "runs": runs, "scale_demo": scale_demo}, f, indent=1, default=_json_default)
     with open(paths["csv"], "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
@@ -124,60 +126,127 @@ def _json_default(x):
 _STYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (1, 3)))
 
 
-def _curves(runs: list[dict], key: str):
-    """Per policy: (steps, mean over seeds of ``key``) over the eval/log points."""
-    out = {}
-    for p in dict.fromkeys(r["policy"] for r in runs):
-        hist = [[h for h in r["history"] if h.get(key) is not None] for r in runs if r["policy"] == p]
-        if not hist or not hist[0]:
-            continue
-        n = min(len(h) for h in hist)
-        steps = [h["step"] for h in hist[0][:n]]
-        vals = np.mean([[h[key] for h in hs[:n]] for hs in hist], axis=0)
-        out[p] = (steps, vals)
-    return out
-
-
-def write_plots(runs: list[dict], outdir: str, title: str = "") -> list[str]:
-    """Writes ``accuracy_loss.png`` (validation accuracy and loss per policy over steps) and
-    ``loss_scale.png`` (loss scale per policy over steps); returns the paths."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    os.makedirs(outdir, exist_ok=True)
-    paths = []
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, key, label in zip(axes, ("val_accuracy", "val_loss", "train_loss"),
-                              ("validation accuracy", "validation loss", "training loss")):
-        for i, (p, (steps, vals)) in enumerate(_curves(runs, key).items()):
+    return plt
+
+
+def _curves(runs: list[dict], key: str, x: str = "wall_time"):
+    """Per policy: (mean over seeds of ``x``, mean over seeds of ``key``) at the points that have ``key``."""
+    out = {}
+    for p in dict.fromkeys(r["policy"] for r in runs):
+        hist = [[h for h in r["history"] if h.get(key) is not None and h.get(x) is not None]
+                for r in runs if r["policy"] == p]
+        n = min(len(h) for h in hist) if hist else 0
+        if n:
+            out[p] = (np.mean([[h[x] for h in hs[:n]] for hs in hist], axis=0),
+                      np.mean([[h[key] for h in hs[:n]] for hs in hist], axis=0))
+    return out
+
+
+def plot_accuracy_loss(runs: list[dict], path: str, title: str = "") -> str:
+    """Validation accuracy, validation loss and training loss against wall time, one line per policy."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("val_accuracy", "validation accuracy", False), ("val_loss", "validation loss", True),
+              ("train_loss", "training loss (mean over log interval)", True))
+    for ax, (key, label, log) in zip(axes, panels):
+        for i, (p, (t, vals)) in enumerate(_curves(runs, key).items()):
             # Policies that train alike overlap: vary the line style so each stays visible.
-            ax.plot(steps, vals, linestyle=_STYLES[i % len(_STYLES)], marker=None if key == "train_loss" else "o",
+            ax.plot(t, vals, linestyle=_STYLES[i % len(_STYLES)], marker="o" if key != "train_loss" else None,
                     ms=3, label=p)
-        ax.set_xlabel("step")
+        ax.set_xlabel("training wall time (s)")
         ax.set_ylabel(label)
-        if key != "val_accuracy":
+        if log:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(title or "accuracy and loss per policy (mean over seeds)")
+    axes[0].legend(title="policy")
+    fig.suptitle((title + "\n" if title else "") + "against training wall time (evaluation and checkpoints "
+                 "included, compilation excluded; mean over seeds)", fontsize=11)
     fig.tight_layout()
-    paths.append(os.path.join(outdir, "accuracy_loss.png"))
-    fig.savefig(paths[-1], dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+    return path
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, (p, (steps, vals)) in enumerate(_curves(runs, "loss_scale").items()):
-        ax.step(steps, vals, where="post", linestyle=_STYLES[i % len(_STYLES)], label=p)
+
+def scale_trace(run: dict) -> tuple[list[int], list[float], list[int]]:
+    """(steps, loss scale after each, skipped steps) of a run, from its history rows."""
+    steps, scales, skipped, last = [0], [None], [], None
+    for h in run["history"]:
+        for s, x in h.get("scale_changes", []):
+            steps.append(s)
+            scales.append(x)
+        steps.append(h["step"])
+        scales.append(h["loss_scale"])
+        skipped += h.get("skipped_at", [])
+        last = h["loss_scale"]
+    order = np.argsort(steps, kind="stable")
+    steps, scales = [steps[i] for i in order], [scales[i] for i in order]
+    # Step 0: the configured initial scale where the run set one, else the first one logged.
+    scales[0] = run.get("config", {}).get("dynamic_scale_init") or next((x for x in scales if x is not None), last)
+    return steps, scales, sorted(set(skipped))
+
+
+def plot_loss_scale(demo: dict | None, runs: list[dict], path: str) -> str:
+    """The loss scale of a run that exercises dynamic scaling (log axis, skipped steps marked),
+    with the comparison's policies' final scales as reference lines."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    if demo is not None:
+        steps, scales, skipped = scale_trace(demo)
+        ax.step(steps, scales, where="post", color="C0", lw=1.5, label=f"{demo['policy']}: {demo['loss_scaling']}")
+        at = np.interp(skipped, steps, scales) if skipped else []
+        ax.plot(skipped, at, "x", color="C3", ms=6, mew=1.5, label=f"skipped step ({len(skipped)})")
+        ax.set_title(f"dynamic loss scale over a {demo['policy']} run: {len(skipped)} overflowing steps skipped, "
+                     f"final scale {demo['final_loss_scale']:g}", fontsize=10)
+    by_scale: dict = {}  # the comparison's runs, one reference line per final scale
+    for r in runs:
+        names = by_scale.setdefault(r["final_loss_scale"], [])
+        if r["policy"] not in names:
+            names.append(r["policy"])
+    for i, (s, names) in enumerate(sorted(by_scale.items())):
+        ax.axhline(s, color="0.4", ls=":", lw=1)
+        ax.annotate(f"final scale of {', '.join(names)} in the comparison: {s:g}", (0.99, s),
+                    xycoords=("axes fraction", "data"), fontsize=8, ha="right", va="bottom", color="0.3")
     ax.set_yscale("log", base=2)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss scale")
-    ax.set_title("loss scale per policy (1 = no scaling)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    ax.set_ylabel("loss scale after the step (log2 axis)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()
-    paths.append(os.path.join(outdir, "loss_scale.png"))
-    fig.savefig(paths[-1], dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return paths
+    return path
+
+
+def plot_throughput_memory(rows: list[dict], path: str, title: str = "") -> str:
+    """Examples/s and peak memory per policy as bars, labelled with their values."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["policy"] for r in rows]
+    for ax, key, label, fmt in ((axes[0], "examples_per_s", "training throughput (examples/s)", "{:.0f}"),
+                                (axes[1], "peak_memory_mb", "peak memory (MB)", "{:.2f}")):
+        vals = [r[key] for r in rows]
+        bars = ax.bar(names, vals, color=[f"C{i}" for i in range(len(names))])
+        ax.bar_label(bars, [fmt.format(v) for v in vals], fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, axis="y")
+        ax.tick_params(axis="x", labelrotation=20)
+    axes[1].set_title(rows[0]["memory_source"] if rows else "", fontsize=8)
+    fig.suptitle(title or "throughput and memory per policy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_plots(runs: list[dict], rows: list[dict], outdir: str, title: str = "", demo: dict | None = None) -> list[str]:
+    """Writes ``accuracy_loss.png``, ``loss_scale.png`` and ``throughput_memory.png``; returns the paths."""
+    os.makedirs(outdir, exist_ok=True)
+    return [plot_accuracy_loss(runs, os.path.join(outdir, "accuracy_loss.png"), title),
+            plot_loss_scale(demo, runs, os.path.join(outdir, "loss_scale.png")),
+            plot_throughput_memory(rows, os.path.join(outdir, "throughput_memory.png"), title)]

@@ -88,7 +88,7 @@ def _scale_array(value: Any, name: str) -> Any:
     if isinstance(value, (int, float, np.number, np.ndarray, list, tuple)) and not isinstance(value, bool):
         return jnp.asarray(_float32_scale(value, name), jnp.float32)
     # A placeholder while JAX, orbax or Equinox rebuilds the tree (None, object(),
-    # ShapeDtypeStruct, a parameter name, the bool masks of eqx.partition / eqx.filter_jit):
+    # ShapeDtypeStruct, a parameter name, the booleans of an ``eqx.filter_jit`` filter spec):
     # the dataclass must accept it, so a wrong type is reported at first use.
     return value
 
@@ -357,7 +357,7 @@ def _counter_array(counter: Any) -> Any:
         return jnp.asarray(c, jnp.int32)
     if isinstance(counter, float):
         raise ValueError(f"counter must be a non-negative integer scalar, got {counter!r}")
-    return counter  # a placeholder while a tree is rebuilt (a bool mask of eqx.partition too)
+    return counter
 
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]

@@ -21,14 +21,16 @@ def test_compare_writes_table_and_plots_and_o2_matches_o0(tmp_path):
     cmd = [sys.executable, "-m", "experiments.compare", "--config=experiments/configs/cpu.py",
            f"--workdir={tmp_path}", f"--policies={','.join(POLICIES)}", "--seeds=1",
            "--config.num_epochs=4", "--config.progress_bar=false"]
+    # (the scale demo is on by default)
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
 
     # The printed table, and the files.
     assert "| policy |" in out.stdout and "val accuracy" in out.stdout
-    for name in ("results.json", "results.csv", "results.md", "accuracy_loss.png", "loss_scale.png"):
+    pngs = ("accuracy_loss.png", "loss_scale.png", "throughput_memory.png")
+    for name in ("results.json", "results.csv", "results.md", *pngs):
         assert (tmp_path / name).stat().st_size > 0, name
-    for png in ("accuracy_loss.png", "loss_scale.png"):
+    for png in pngs:
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     data = json.loads((tmp_path / "results.json").read_text())
@@ -49,10 +51,21 @@ def test_compare_writes_table_and_plots_and_o2_matches_o0(tmp_path):
         assert r["skipped_steps"] == 0
     assert rows["O2-fp16"]["loss_scaling"] == "dynamic" and rows["O2-fp16"]["final_loss_scale"] >= 1
     assert rows["O2-bf16"]["loss_scaling"] == "none" and rows["O2-bf16"]["final_loss_scale"] == 1
-    # Every run's history has the curves the plots are drawn from.
+    # Every run's history has the curves the plots are drawn from (against wall time).
     for run in data["runs"]:
         evals = [h for h in run["history"] if "val_accuracy" in h]
         assert len(evals) == 5 and evals[-1]["step"] == 500
+        times = [h["wall_time"] for h in evals]
+        assert times == sorted(times) and times[0] > 0
+    # The loss-scale demo run exercises dynamic scaling: it starts at 2**24, overflows, backs off
+    # (skipping those steps) and grows again every 50 finite steps.
+    from experiments.results import scale_trace
+
+    demo = data["scale_demo"]
+    steps, scales, skipped = scale_trace(demo)
+    assert demo["skipped_steps"] == len(skipped) > 0 and scales[0] == 2.0**24
+    assert min(scales) < 2.0**24 and any(b > a for a, b in zip(scales, scales[1:]))  # backed off and grew
+    assert abs(demo["val_accuracy"] - rows["O0"]["val_accuracy"]) < 0.1  # it still trains
 
     # The headline: O0 >= 90%, O2 within 1 point of O0.
     o0 = rows["O0"]["val_accuracy"]

@@ -10,6 +10,7 @@ import pytest
 
 from experiments import configs as configs_lib
 from experiments import train
+from experiments.validation import validate_config
 from experiments.cli import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +27,7 @@ def test_every_hardware_config_exists_and_is_explicit():
     assert set(configs_lib.HARDWARE) <= set(configs_lib.available())
     for name in configs_lib.HARDWARE:
         c = configs_lib.get_config(name)
-        # Seed 003: per-device batch and device count explicit, global batch their product,
+        # Per-device batch and device count explicit, global batch their product,
         # learning rate linear in the global batch, warm-up given.
         assert c.global_batch_size == c.per_device_batch_size * c.num_devices, name
         assert c.learning_rate == pytest.approx(c.base_learning_rate * c.global_batch_size / c.base_batch_size)
@@ -101,15 +102,15 @@ def test_batch_that_does_not_divide_the_devices():
     c = configs_lib.get_config("tpu_v3_8")
     c.global_batch_size = 100  # set directly, breaking per-device x devices
     with pytest.raises(UserError, match="global batch 100 does not divide over 8 devices"):
-        train.validate_config(c)
+        validate_config(c)
     c = configs_lib.get_config("cpu")
     c.num_devices = jax.device_count() + 1
     with pytest.raises(UserError, match="wants .* devices but only"):
-        train.validate_config(c)
+        validate_config(c)
     c = configs_lib.get_config("cpu")
     c.policy = "O4"
     with pytest.raises(UserError, match="O4"):
-        train.validate_config(c)
+        validate_config(c)
 
 
 def test_unavailable_tfds_dataset_is_a_user_error(tmp_path):

@@ -1,7 +1,7 @@
 """Default hyper-parameters: the embedded MNIST-1D run, which needs no network.
 
 Every hardware file starts from this and overrides only what differs. The
-batch and learning-rate fields follow seed 003: the *per-device* batch and the
+batch and learning-rate fields follow the large-batch recipe: the *per-device* batch and the
 number of devices are explicit, the global batch is their product, and the
 learning rate scales linearly with the global batch from a reference
 (``base_learning_rate`` at ``base_batch_size``), with a linear warm-up. The
@@ -16,8 +16,14 @@ import ml_collections
 def get_config():
     """The default (CPU, MNIST-1D, 1-D CNN) config."""
     config = ml_collections.ConfigDict()
+    _model_and_data(config)
+    _precision(config)
+    _optimization(config)
+    _run(config)
+    return config
 
-    # --- model and data ---
+
+def _model_and_data(config):
     config.model = "cnn1d"              # experiments.models.MODELS
     # Module attributes (experiments.models); declared here so --config.model_kwargs.<x> works.
     config.model_kwargs = ml_collections.ConfigDict(dict(features=(32, 32, 32), kernel_sizes=(5, 3, 3),
@@ -34,20 +40,29 @@ def get_config():
     config.fake_num_examples = 1024
     config.num_classes = 10             # dataset="fake" only; real sets know theirs
 
-    # --- precision ---
+
+def _precision(config):
     config.policy = "O0"                # the policy of a single run (main.py)
     # The policies `python -m experiments.compare` trains, in table order.
     config.compare_policies = ("O0", "O1", "O2-bf16", "O2-fp16", "O3")
-    config.loss_scale = ""              # "" = the recipe's; or "dynamic" / "none"
+    config.loss_scale = ""              # "" = the recipe's; or "dynamic", "torch", "none", "static:<scale>"
+    config.dynamic_scale_init = 0.0     # > 0: initial dynamic loss scale (0 = jaxmp's default, 2**15)
+    config.dynamic_scale_period = 0     # > 0: finite steps between growths (0 = jaxmp's default, 2000)
+    # The precision engine that runs the model under the policy: "flax" (jaxmp.flax.mixed_precision,
+    # per-module rules on a Linen module) or "autocast" (jaxmp.autocast around module.apply: op
+    # lists only). experiments.program.make_model_apply is where it is used.
+    config.engine = "flax"
 
-    # --- batch, learning rate, schedule (seed 003: per-device batch explicit) ---
+
+def _optimization(config):
+    """Batch, learning rate, schedule: the per-device batch is explicit, the global batch derived."""
     config.num_devices = 1
     config.per_device_batch_size = 128
     config.global_batch_size = config.get_ref("per_device_batch_size") * config.get_ref("num_devices")
     config.eval_batch_size = 1000       # global; padded, so any split size works
     config.base_learning_rate = 1e-2    # learning rate at base_batch_size ...
     config.base_batch_size = 128
-    # ... scaled linearly in the global batch (Goyal et al.; seed 002's recipe).
+    # ... scaled linearly in the global batch (Goyal et al.).
     config.learning_rate = (config.get_ref("base_learning_rate") * config.get_ref("global_batch_size")
                             / config.get_ref("base_batch_size"))
     config.warmup_epochs = 0.5
@@ -61,7 +76,8 @@ def get_config():
     config.grad_clip_norm = 0.0         # > 0: clip by global norm (after unscaling)
     config.label_smoothing = 0.0
 
-    # --- run ---
+
+def _run(config):
     config.seed = 0
     config.num_seeds = 3                # compare.py: seeds seed .. seed+num_seeds-1
     config.log_every_steps = 50
@@ -70,4 +86,3 @@ def get_config():
     config.keep_checkpoints = 2
     config.progress_bar = True
     config.max_consecutive_skips = 200  # stop loudly if the loss scale cannot recover
-    return config

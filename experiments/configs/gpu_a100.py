@@ -1,4 +1,4 @@
-"""A100 (Ampere, compute capability 8.0): seed 000's study where bf16 exists too.
+"""A100 (Ampere, compute capability 8.0): the mixed-precision study where bf16 exists too.
 
 Same CIFAR-10 Wide-ResNet-28-10 run as ``gpu_t4``, with the larger per-device
 batch an A100 affords; the learning rate follows linearly. Ampere has bf16 Tensor

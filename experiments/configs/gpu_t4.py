@@ -1,9 +1,9 @@
-"""Tesla T4 (Turing, compute capability 7.5): seed 000's Colab table.
+"""Tesla T4 (Turing, compute capability 7.5): the Colab mixed-precision table.
 
 CIFAR-10, Wide-ResNet-28-10, batch 128, 10 epochs, SGD with momentum and a
 linear schedule with warm-up. The T4 has float16 Tensor Cores but no bfloat16, so
 every half-precision level is float16 (O1/O2 with dynamic loss scaling; O3 pure
-fp16, which seed 000 reports as not converging). Seed 000: mixed precision ~1.9x
+fp16, reported there as not converging). Reported there: mixed precision ~1.9x
 faster than fp32, and consistently less GPU memory.
 
 Batch: 1 device x 128 = global 128; learning rate 0.1 (0.1 per 128, linear);
@@ -21,7 +21,7 @@ def get_config():
     config.model_kwargs = ml_collections.ConfigDict(dict(depth=28, widen_factor=10, dropout_rate=0.0))
     config.dataset = "cifar10"
     config.fake_input_shape = (32, 32, 3)
-    config.policy = "O2-fp16"                # the recommended level on Turing (seed 000)
+    config.policy = "O2-fp16"                # the recommended level on Turing 
     config.compare_policies = ("O0", "O1-fp16", "O2-fp16", "O3-fp16")
     config.num_seeds = 1
     config.num_devices = 1

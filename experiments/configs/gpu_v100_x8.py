@@ -1,6 +1,6 @@
-"""8x V100 (Volta, compute capability 7.0): seed 002's ImageNet ResNet-50, data parallel.
+"""8x V100 (Volta, compute capability 7.0): the large-batch ImageNet ResNet-50, data parallel.
 
-Seed 002: Apex O2 + DDP, per-GPU batch 208 (the largest that fits in 16 GB with
+The reference run: Apex O2 + DDP, per-GPU batch 208 (the largest that fits in 16 GB with
 O2), SGD momentum 0.9, weight decay 1e-4, 90 epochs, linear learning-rate
 scaling with gradual warm-up, 76% top-1 at every scale. Volta has fp16 Tensor
 Cores only: O2-fp16 with dynamic loss scaling is the recipe.

@@ -1,7 +1,7 @@
-"""TPU v3-8: seed 003's ResNet-9 (DavidNet) on CIFAR-10 over 8 cores.
+"""TPU v3-8: the ResNet-9 (DavidNet) on CIFAR-10 over 8 cores.
 
 A TPU v3-8 is eight cores that each see 1/8 of the batch: global 512 is a
-per-core batch of 64. Seed 003 found DavidNet's weight decay 5e-4 (tuned for one
+per-core batch of 64. The TPU study found DavidNet's weight decay 5e-4 (tuned for one
 GPU at batch 512) too large there and 1.25e-4 right -- the per-device batch, not
 the global one, is what the weight decay interacts with. TPUs compute in bf16
 natively, so no loss scaling anywhere.
@@ -30,7 +30,7 @@ def get_config():
     config.optimizer = "sgd"
     config.base_learning_rate = 0.1         # at base_batch_size 128 -> learning_rate 0.4
     config.base_batch_size = 128
-    config.weight_decay = 1.25e-4           # seed 003's TPU value (GPU: 5e-4)
+    config.weight_decay = 1.25e-4           # the TPU study's value (GPU: 5e-4)
     config.label_smoothing = 0.2
     config.warmup_epochs = 5.0
     config.num_epochs = 24.0

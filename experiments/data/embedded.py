@@ -25,17 +25,29 @@ def cache_dir() -> str:
 
 
 def _generate_mnist1d(num_samples: int, data_seed: int):
-    from mnist1d.data import get_dataset_args, make_dataset  # lazy: imports matplotlib
+    import mnist1d.data as mnist1d_data  # lazy: imports matplotlib
 
-    args = get_dataset_args()
+    from experiments.progress import Progress
+
+    args = mnist1d_data.get_dataset_args()
     args.num_samples = num_samples
     args.seed = data_seed
-    # make_dataset reseeds numpy's *global* RNG; put it back so we leave no trace.
-    state = np.random.get_state()
-    try:
-        d = make_dataset(args)
-    finally:
-        np.random.set_state(state)
+    # make_dataset draws one example per call of its module-level ``transform``: counting those
+    # calls is the only progress it exposes. It also reseeds numpy's *global* RNG; both are put
+    # back afterwards so we leave no trace.
+    state, transform = np.random.get_state(), mnist1d_data.transform
+    with Progress(num_samples, f"generating MNIST-1D ({num_samples} examples, cached afterwards)",
+                  interval_s=3.0) as bar:
+        def counted(*a, **k):
+            bar.update(1)
+            return transform(*a, **k)
+
+        mnist1d_data.transform = counted
+        try:
+            d = mnist1d_data.make_dataset(args)
+        finally:
+            mnist1d_data.transform = transform
+            np.random.set_state(state)
     return (d["x"].astype(np.float32), d["y"].astype(np.int32),
             d["x_test"].astype(np.float32), d["y_test"].astype(np.int32))
 
@@ -103,7 +115,7 @@ def fake(split: str, *, shape: tuple, num_classes: int, num_examples: int = 1024
     """Synthetic data of any shape for throughput runs (no input pipeline cost).
 
     The arrays are generated once and replayed unshuffled, so the measured speed is
-    the device's, not the host's -- seed 000's point that a 2-vCPU host can starve
+    the device's, not the host's -- the point that a 2-vCPU host can starve
     a GPU is measured by comparing against the real pipeline.
     """
     rng = np.random.default_rng([seed, 0 if split == "train" else 1])

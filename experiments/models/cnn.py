@@ -2,7 +2,7 @@
 
 Plain Linen modules with no dtype arguments: the jaxmp Flax integration decides
 in which precision they run. Feature counts are multiples of 8 so that
-half-precision matmuls and convolutions map onto Tensor Cores (seed 004).
+half-precision matmuls and convolutions map onto Tensor Cores .
 """
 
 from __future__ import annotations

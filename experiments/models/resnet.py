@@ -1,4 +1,4 @@
-"""ResNet-50 (seed 002's ImageNet model) and ResNet-9 / DavidNet (seed 003's CIFAR model)."""
+"""ResNet-50 (the ImageNet large-batch model) and ResNet-9 / DavidNet (the CIFAR TPU-vs-GPU model)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class Bottleneck(nn.Module):
         y = nn.relu(bn()(y))
         y = nn.Conv(self.features * 4, (1, 1), use_bias=False)(y)
         # Zero-init of the last scale makes every block start as the identity (Goyal et al.),
-        # part of the large-batch recipe of seed 002.
+        # part of the large-batch ImageNet recipe.
         y = bn(scale_init=nn.initializers.zeros)(y)
         if x.shape[-1] != self.features * 4 or self.strides != 1:
             x = nn.Conv(self.features * 4, (1, 1), (self.strides, self.strides), use_bias=False)(x)
@@ -71,7 +71,7 @@ class ConvBN(nn.Module):
 
 
 class ResNet9(nn.Module):
-    """ResNet-9 / DavidNet (Page 2018), the model of seed 003's TPU-vs-GPU study.
+    """ResNet-9 / DavidNet (Page 2018), the model of the TPU-vs-GPU study.
 
     prep(64) -> layer1(128, pool, +residual) -> layer2(256, pool) ->
     layer3(512, pool, +residual) -> global max-pool -> linear, logits x 0.125.

@@ -1,4 +1,4 @@
-"""Wide-ResNet (Zagoruyko & Komodakis 2016): WRN-28-10 as in seed 000, WRN-16-4 for small runs.
+"""Wide-ResNet (Zagoruyko & Komodakis 2016): WRN-28-10 as in the T4/P100/A100 studies, WRN-16-4 for small runs.
 
 Pre-activation basic blocks (BN-ReLU-conv), three groups of widths
 16k / 32k / 64k. With k = 10 (160/320/640) and k = 4 (64/128/256) every width is a

@@ -26,12 +26,8 @@ def _rule_for(obj: Any, class_rules) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _linen(class_rules) -> Iterator[None]:
-    linen = sys.modules.get("flax.linen")
-    if linen is None or not any(issubclass(c, linen.Module) for c, _ in class_rules):
-        yield
-        return
+def _marking_interceptor(class_rules):
+    """A Linen / Haiku method interceptor that runs ``__call__`` of ruled classes in a marker scope."""
 
     def interceptor(next_fun, args, kwargs, context):
         dtype = _rule_for(context.module, class_rules) if context.method_name == "__call__" else None
@@ -40,25 +36,17 @@ def _linen(class_rules) -> Iterator[None]:
         with jax.named_scope(marker(dtype, type(context.module).__name__)):
             return next_fun(*args, **kwargs)
 
-    with linen.intercept_methods(interceptor):
-        yield
+    return interceptor
 
 
 @contextlib.contextmanager
-def _haiku(class_rules) -> Iterator[None]:
-    hk = sys.modules.get("haiku")
-    if hk is None or not any(issubclass(c, hk.Module) for c, _ in class_rules):
+def _intercepted(module_name: str, class_rules) -> Iterator[None]:
+    """Flax Linen (``flax.linen``) and Haiku (``haiku``) have method interceptors: use them."""
+    lib = sys.modules.get(module_name)
+    if lib is None or not any(issubclass(c, lib.Module) for c, _ in class_rules):
         yield
         return
-
-    def interceptor(next_fun, args, kwargs, context):
-        dtype = _rule_for(context.module, class_rules) if context.method_name == "__call__" else None
-        if dtype is None:
-            return next_fun(*args, **kwargs)
-        with jax.named_scope(marker(dtype, type(context.module).__name__)):
-            return next_fun(*args, **kwargs)
-
-    with hk.intercept_methods(interceptor):
+    with lib.intercept_methods(_marking_interceptor(class_rules)):
         yield
 
 
@@ -124,5 +112,5 @@ def class_markers(class_rules) -> Iterator[None]:
     if not class_rules:
         yield
         return
-    with _linen(class_rules), _haiku(class_rules), _generic(class_rules):
+    with _intercepted("flax.linen", class_rules), _intercepted("haiku", class_rules), _generic(class_rules):
         yield

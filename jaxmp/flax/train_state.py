@@ -81,7 +81,9 @@ class TrainState(struct.PyTreeNode):
           >>> int(state.step)
           0
         """
-        if not isinstance(model, MixedPrecision):
+        # Any hashable object with Linen's apply plus a policy and overrides will do (e.g. a
+        # module whose apply runs under jaxmp.autocast); MixedPrecision is the usual one.
+        if not (isinstance(model, MixedPrecision) or all(hasattr(model, a) for a in ("apply", "policy", "overrides"))):
             raise TypeError(
                 f"model must be a Linen model wrapped by jaxmp.flax.mixed_precision(module, policy), got {type(model).__name__}"
             )

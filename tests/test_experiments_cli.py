@@ -1,0 +1,56 @@
+"""Every experiments entry point answers --help with its flags and help text, and rejects an
+unknown flag by naming it, without a traceback. (absl exits 1 after --help.)"""
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# module -> flags (with a word of their help) that --help must list
+ENTRY_POINTS = {
+    "experiments.main": {"--config": "Config file", "--workdir": "checkpoints", "--report": "diagnostics"},
+    "experiments.compare": {"--config": "Config file", "--policies": "Policies", "--seeds": "Seeds",
+                            "--isolate": "own process", "--scale_demo": "loss scale"},
+    "experiments.train": {"--job": "job file"},
+    "experiments.precision_reports": {"--batch_size": "examples", "--policies": "recipes", "--models": "models"},
+    "experiments.fault_drill": {"--short": "quick", "--kills": "SIGKILL", "--overflows": "overflow",
+                                "--only": "Drills"},
+}
+
+
+def _run(args):
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_help_and_unknown_flag_of_every_entry_point():
+    jobs = [[m, "--help"] for m in ENTRY_POINTS] + [[m, "--no_such_flag=3"] for m in ENTRY_POINTS]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(_run, jobs))
+    for (module, arg), out in zip(jobs, outs):
+        text = out.stdout + out.stderr
+        assert "Traceback" not in text, (module, arg, text[-2000:])
+        if arg == "--help":
+            assert out.returncode in (0, 1), (module, text[-500:])
+            for flag, word in ENTRY_POINTS[module].items():
+                shown = flag in text or flag.replace("--", "--[no]") in text  # bool flags: --[no]name
+                assert shown and word in text, (module, flag, word, text[-3000:])
+        else:
+            assert out.returncode != 0 and "no_such_flag" in text, (module, text[-500:])
+
+
+def test_job_files_are_json_and_round_trip(tmp_path):
+    from experiments import configs, jobs
+
+    c = configs.get_config("cpu")
+    c.policy = "O2-fp16"
+    path = str(tmp_path / "job.json")
+    jobs.write_job(path, c, workdir="/tmp/w", policy="O1", seed=3, desc="d", report=False)
+    text = open(path).read()
+    assert text.lstrip().startswith("{")  # data, not a pickle
+    job = jobs.read_job(path)
+    assert (job["policy"], job["seed"], job["workdir"], job["report"]) == ("O1", 3, "/tmp/w", False)
+    back = job["config"]
+    assert back.policy == "O2-fp16" and back.learning_rate == c.learning_rate
+    assert tuple(back.compare_policies) == tuple(c.compare_policies)
