@@ -43,6 +43,7 @@ CHECKS = {"guides/flax-linen.md": _linen_trained, "diagnostics.md": _diagnostics
 REQUIRES = {"guides/equinox.md": "equinox", "guides/haiku.md": "haiku"}
 
 
+@pytest.mark.filterwarnings("error:jaxmp.* moved to:DeprecationWarning")  # pages teach the current names
 @pytest.mark.parametrize("path", RUNNABLE, ids=[str(p.relative_to(DOCS)) for p in RUNNABLE])
 def test_page_examples_run(path, tmp_path, monkeypatch):
     name = str(path.relative_to(DOCS))
