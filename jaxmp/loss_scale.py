@@ -35,6 +35,7 @@ DEFAULT_MAX_SCALE = 2.0**24
 SMALLEST_SCALE = float(np.finfo(np.float32).tiny)
 
 _STATIC = {"static": True}
+_ARRAY_TYPE = type(jnp.zeros(()))  # the concrete jax.Array class
 
 
 def _is_tracer(x: Any) -> bool:
@@ -276,20 +277,24 @@ class DynamicLossScale(_Scaling):
 
     def __post_init__(self):
         config = (self.period, self.factor, self.backoff_factor, self.min_loss_scale, self.max_loss_scale)
+        ls, counter = self.loss_scale, self.counter
+        if (config in self._valid and type(ls) is _ARRAY_TYPE and type(counter) is _ARRAY_TYPE
+                and ls.dtype == np.float32 and counter.dtype == np.int32):
+            return  # JAX rebuilding a state it flattened: nothing to check (runs on every jit call)
         if config not in self._valid:
             config = _check_config(*config)
             self._valid.add(config)
         for name, value in zip(("period", "factor", "backoff_factor", "min_loss_scale", "max_loss_scale"), config):
             object.__setattr__(self, name, value)
-        scale = _scale_array(self.loss_scale, "loss_scale")
-        if isinstance(scale, jax.Array) and not _is_tracer(scale) and isinstance(self.loss_scale, (int, float, np.number)):
+        scale = _scale_array(ls, "loss_scale")
+        if isinstance(scale, jax.Array) and not _is_tracer(scale) and isinstance(ls, (int, float, np.number)):
             if not self.min_loss_scale <= float(scale) <= self.max_loss_scale:
                 raise ValueError(
                     f"initial loss_scale {float(scale)} is outside [min_loss_scale, max_loss_scale] = "
                     f"[{self.min_loss_scale}, {self.max_loss_scale}]"
                 )
         object.__setattr__(self, "loss_scale", scale)
-        object.__setattr__(self, "counter", _counter_array(self.counter))
+        object.__setattr__(self, "counter", _counter_array(counter))
 
     @classmethod
     def torch_parity(cls) -> "DynamicLossScale":

@@ -212,19 +212,24 @@ def _unscale(loss_scale, grads, keeps_master: bool):
         lambda u, g: u.astype(g.dtype) if is_inexact_array(u) else u, loss_scale.unscale(grads), grads)
 
 
-def _inner_step(inner, unscaled, grads_finite, state, params, use_cond, extra_args):
-    """The inner update on a finite step; ``-0.0`` updates and the old inner state otherwise."""
+def _inner_step(inner, unscale, grads, grads_finite, state, params, use_cond, extra_args):
+    """The inner update on a finite step; ``-0.0`` updates and the old inner state otherwise.
+
+    The gradients are unscaled inside the step, not before it: under ``lax.cond`` XLA can then
+    fuse the unscaling into the inner chain's first elementwise ops, and the finiteness check
+    (outside) into a single reduction over the scaled gradients, so no unscaled copy of the
+    gradients is ever written out.
+    """
     def apply():
-        return inner.update(unscaled, state.inner_state, params, **extra_args)
+        return inner.update(unscale(grads), state.inner_state, params, **extra_args)
 
     closed, shapes = jax.make_jaxpr(apply, return_shape=True)()
     traps.check_update_constants(closed)
     if use_cond:
         # Only the taken branch runs, so the inner chain never sees non-finite gradients and
         # XLA can update the optimizer state in place.
-        shapes = shapes[0]
         return jax.lax.cond(grads_finite, apply, lambda: (
-            jax.tree_util.tree_map(lambda s: _negative_zeros(jnp.zeros(s.shape, s.dtype)), shapes),
+            jax.tree_util.tree_map(lambda s: _negative_zeros(jnp.zeros(s.shape, s.dtype)), shapes[0]),
             state.inner_state))
     updates, inner_state = apply()
     return (keep_if_finite(grads_finite, updates, jax.tree_util.tree_map(_negative_zeros, updates)),
@@ -289,12 +294,14 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
         if params is not None:
             check_same_structure(grads, params, "gradients", "params")
 
-        unscaled = _unscale(state.loss_scale, grads, keeps_master)
-        grads_finite = _verdict(all_finite(unscaled), axis_name)
-        use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
-        updates, inner_state = _inner_step(inner, unscaled, grads_finite, state, params, use_cond, extra_args)
+        def unscale(g):
+            return _unscale(state.loss_scale, g, keeps_master)
 
-        half_arithmetic = keeps_master or _has_half((unscaled, state.inner_state))
+        grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
+        use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
+        updates, inner_state = _inner_step(inner, unscale, grads, grads_finite, state, params, use_cond, extra_args)
+
+        half_arithmetic = keeps_master or _has_half((grads, state.inner_state))
         if half_arithmetic if check_updates is None else check_updates:
             # Finite gradients can still give a non-finite update (Adam's epsilon flushed to zero
             # in float16, a master value past float16's range): such a step is skipped too.

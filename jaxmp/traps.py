@@ -7,13 +7,15 @@ Each check runs in Python at trace time (or in ``init``), so it costs nothing pe
 * float16 params with loss scaling but no master copy (O2-fp16 without master weights,
   where small updates round away): warn;
 * ``loss_scaling`` nested in ``loss_scaling`` (gradients unscaled twice): raise;
-* integer or boolean gradient leaves, which optax would treat as numbers: raise.
+* integer or boolean gradient leaves, which optax would treat as numbers: raise;
+* an inner update that multiplies by a NaN/inf constant, or a fresh optimizer state holding
+  a NaN/inf hyperparameter (a NaN learning rate, which float32 updates would otherwise carry
+  into the params unchecked): raise.
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any
 
 import jax
@@ -26,19 +28,16 @@ class MixedPrecisionWarning(UserWarning):
     """A mixed-precision set-up that runs but probably does not do what was meant."""
 
 
-# Loss-scale arrays (concrete or traced) that scaled a loss since the last check, and a count
-# of scale() calls: update() looks for the scale it is about to unscale with among them.
-_USED_SCALES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-_SCALE_CALLS = [0, 0]  # [calls so far, calls seen by the last check]
+# How many losses were multiplied by a jaxmp loss scale in this process. update() checks it
+# while tracing: gradients handed to a scaling transform before any loss was ever scaled were
+# never scaled. (Matching the exact scale object is not reliable: optax.MultiSteps and other
+# wrappers pass the state through lax.cond, which gives the update fresh tracers.)
+_SCALE_CALLS = [0]
 
 
 def note_scaled(loss_scale_array: Any) -> None:
-    """Records that a loss was multiplied by ``loss_scale_array`` (called by ``LossScale.scale``)."""
+    """Records that a loss was multiplied by a loss scale (called by ``LossScale.scale``)."""
     _SCALE_CALLS[0] += 1
-    try:
-        _USED_SCALES[id(loss_scale_array)] = loss_scale_array
-    except TypeError:  # not weak-referenceable: the call count still tells
-        pass
 
 
 def _warn(message: str) -> None:
@@ -58,13 +57,10 @@ def check_gradients(grads: Any, loss_scale: Any) -> None:
     if type(loss_scale).__name__ == "NoOpLossScale" or not isinstance(scale, jax.core.Tracer):
         # Checked while tracing only: an eager update may get gradients from a cached jitted step.
         return
-    seen = id(scale) in _USED_SCALES and _USED_SCALES[id(scale)] is scale
-    called = _SCALE_CALLS[0] != _SCALE_CALLS[1]
-    _SCALE_CALLS[1] = _SCALE_CALLS[0]
-    if not (seen or called):
-        _warn("loss_scaling got gradients that were not multiplied by its loss scale: no loss was scaled while this "
-              "step was traced. Compute them with jaxmp.value_and_grad(loss_fn, opt_state), or multiply the loss "
-              "by jaxmp.get_loss_scale(opt_state).scale(loss) yourself; otherwise they are divided by a scale they "
+    if _SCALE_CALLS[0] == 0:
+        _warn("loss_scaling got gradients while no loss has been multiplied by a loss scale in this process. "
+              "Compute them with jaxmp.value_and_grad(loss_fn, opt_state), or multiply the loss by "
+              "jaxmp.get_loss_scale(opt_state).scale(loss) yourself; otherwise they are divided by a scale they "
               "never carried. Use loss_scale='none' if you do not want loss scaling.")
 
 

@@ -128,11 +128,13 @@ def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: C
             new_model_state, aux = aux if has_aux else (aux, None)
             new_model_state = reduce_model_state(new_model_state)
         grads = reduce_grads(grads)
+        # The reduced loss, so that every replica records the same reason for a skip.
+        loss = reduce_loss(jnp.asarray(loss, jnp.float32))
         extra = {"value": loss} if pass_value else {}
         updates, new_opt_state = tx.update(grads, opt_state, params, **extra)
         new_params = apply_updates(params, updates, new_opt_state)
         stats = scaling_stats(new_opt_state)
-        metrics = {"loss": reduce_loss(jnp.asarray(loss, jnp.float32)), **stats}
+        metrics = {"loss": loss, **stats}
         if has_aux:
             metrics["aux"] = aux
         if with_model_state:
