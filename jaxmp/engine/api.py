@@ -130,9 +130,12 @@ class _Autocast:
         dyn_vals = [leaf for leaf, d in zip(leaves, dynamic) if d]
         if self.config.cast_inputs:
             dyn_vals = [cast_floating(x, self.config.compute_dtype) for x in dyn_vals]
-        traced = not self.cache or program.has_tracer_consts or any(isinstance(x, jax.core.Tracer) for x in dyn_vals)
+        # The cached program runs as one jitted call, eagerly and under outer transformations
+        # alike: grad/vmap then see a single jit equation instead of every re-bound op, which
+        # is much cheaper to trace. A program closing over an outer trace's values cannot.
+        inline = not self.cache or program.has_tracer_consts
         with jax.named_scope(marker("keep", f"autocast({self.config.name})")):
-            outs = program.run(*dyn_vals) if traced else program.jitted(*dyn_vals)
+            outs = program.run(*dyn_vals) if inline else program.jitted(*dyn_vals)
         if self.cast_outputs:
             outs = [cast_floating(o, self.config.output_dtype) if is_float(getattr(o, "dtype", None)) else o
                     for o in outs]
