@@ -35,7 +35,6 @@ DEFAULT_MAX_SCALE = 2.0**24
 SMALLEST_SCALE = float(np.finfo(np.float32).tiny)
 
 _STATIC = {"static": True}
-_ARRAY_TYPE = type(jnp.zeros(()))  # the concrete jax.Array class
 
 
 def _is_tracer(x: Any) -> bool:
@@ -278,7 +277,7 @@ class DynamicLossScale(_Scaling):
     def __post_init__(self):
         config = (self.period, self.factor, self.backoff_factor, self.min_loss_scale, self.max_loss_scale)
         ls, counter = self.loss_scale, self.counter
-        if (config in self._valid and type(ls) is _ARRAY_TYPE and type(counter) is _ARRAY_TYPE
+        if (config in self._valid and isinstance(ls, jax.Array) and isinstance(counter, jax.Array)
                 and ls.dtype == np.float32 and counter.dtype == np.int32):
             return  # JAX rebuilding a state it flattened: nothing to check (runs on every jit call)
         if config not in self._valid:
