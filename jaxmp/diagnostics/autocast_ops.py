@@ -67,6 +67,7 @@ def autocast_ops(jaxpr) -> tuple[AutocastOp, ...]:
       One :class:`AutocastOp` per op, in program order (empty for code without autocast).
 
     Example:
+      >>> import jax, jax.numpy as jnp, jaxmp; from jaxmp.diagnostics.autocast_ops import autocast_ops
       >>> from jaxmp.engine.api import explaining
       >>> with explaining():
       ...     jx = jax.make_jaxpr(jaxmp.autocast(lambda a: jnp.exp(a @ a), "O1-bf16"))(jnp.ones((2, 2)))

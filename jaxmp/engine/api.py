@@ -173,6 +173,7 @@ def autocast(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = 
       ValueError: an unknown preset or malformed policy string.
 
     Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
       >>> def mlp(params, x):
       ...     h = jax.nn.relu(x @ params["w1"])
       ...     return jax.nn.log_softmax(h @ params["w2"])

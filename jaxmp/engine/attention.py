@@ -54,6 +54,7 @@ def routed_attention(query, key, value, bias=None, mask=None, *args, implementat
       The attention output in the compute dtype.
 
     Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
       >>> q = jnp.ones((1, 4, 2, 8))
       >>> jaxmp.autocast(lambda q: jax.nn.dot_product_attention(q, q, q), "O1-bf16")(q).shape
       (1, 4, 2, 8)

@@ -75,6 +75,7 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
       ValueError: an unknown preset or malformed policy string.
 
     Example:
+      >>> import jaxmp; from jaxmp.engine.config import current, flax_config, resolve_config
       >>> resolve_config("O2-bf16", None).cast_inputs
       True
     """
@@ -112,6 +113,7 @@ def current() -> AutocastConfig | None:
       ``jaxmp[keep]`` region such as a half-input kernel).
 
     Example:
+      >>> import jaxmp; from jaxmp.engine.config import current, flax_config, resolve_config
       >>> current() is None
       True
     """
@@ -133,6 +135,7 @@ def flax_config(policy: Policy, overrides: Any) -> AutocastConfig:
       An :class:`AutocastConfig` (``identity`` for a float32 compute dtype).
 
     Example:
+      >>> import jaxmp; from jaxmp.engine.config import current, flax_config, resolve_config
       >>> from jaxmp.flax import PrecisionOverrides
       >>> flax_config(jaxmp.get_policy("O2-bf16"), PrecisionOverrides.from_recipe("O2")).rules.float32_ops
       frozenset()

@@ -39,6 +39,7 @@ def region(dtype: Any) -> Callable[[Callable], Callable]:
       TypeError: ``dtype`` is not floating, ``"half"`` or ``"keep"``.
 
     Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
       >>> @jaxmp.autocast_region("float32")
       ... def head(x, w):
       ...     return x @ w
@@ -66,9 +67,13 @@ float32_region = region("float32")
 float32_region.__doc__ = """Decorator: the function's ops run in float32 under autocast (``region("float32")``).
 
 Example:
+  >>> import jax, jax.numpy as jnp, jaxmp
+  >>> import jax, jax.numpy as jnp, jaxmp
   >>> @jaxmp.float32_region
-  ... def loss_head(logits):
-  ...     return jax.nn.log_softmax(logits)
+  ... def head(x, w):
+  ...     return x @ w
+  >>> jaxmp.autocast(lambda x: head(x, x), "O1-bf16")(jnp.ones((2, 2))).dtype
+  dtype('float32')
 """
 
 
@@ -89,6 +94,7 @@ def half_inputs(fn: Callable | None = None, *, dtype: Any = None) -> Callable:
       The wrapped function.
 
     Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
       >>> @jaxmp.half_inputs
       ... def kernel(q, k):
       ...     assert q.dtype != jnp.float32, "half only"

@@ -73,6 +73,7 @@ def known_primitive_names() -> frozenset[str]:
       A frozenset of primitive names, e.g. ``"dot_general"``, ``"exp"``.
 
     Example:
+      >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
       >>> "dot_general" in known_primitive_names()
       True
     """
@@ -159,6 +160,7 @@ class AutocastRules:
         class (Flax Linen / NNX, Equinox, Haiku; subclasses too) run in ``dtype``.
 
     Example:
+      >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
       >>> rules = jaxmp.AutocastRules().with_float32("tanh").with_class(flax.linen.LayerNorm, "float32")
       >>> "tanh" in rules.float32_ops
       True
@@ -209,6 +211,7 @@ class AutocastRules:
           A new :class:`AutocastRules`.
 
         Example:
+          >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
           >>> "tanh" in jaxmp.AutocastRules().with_half("tanh").half_ops
           True
         """
@@ -225,6 +228,7 @@ class AutocastRules:
           A new :class:`AutocastRules`.
 
         Example:
+          >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
           >>> "dot_general" in jaxmp.AutocastRules().with_float32("dot_general").float32_ops
           True
         """
@@ -241,6 +245,7 @@ class AutocastRules:
           A new :class:`AutocastRules`.
 
         Example:
+          >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
           >>> "reduce_max" in jaxmp.AutocastRules().with_follow("reduce_max").float32_ops
           False
         """
@@ -261,6 +266,7 @@ class AutocastRules:
           A new :class:`AutocastRules`.
 
         Example:
+          >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
           >>> jaxmp.AutocastRules().with_scope("head", "float32").scope_rules
           (('head', 'float32'),)
         """
@@ -279,6 +285,7 @@ class AutocastRules:
           A new :class:`AutocastRules`.
 
         Example:
+          >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
           >>> jaxmp.AutocastRules().with_class(flax.linen.LayerNorm, "float32").class_rules[0][1]
           'float32'
         """
@@ -310,6 +317,7 @@ def marker(dtype: str, label: str = "") -> str:
       The scope name, e.g. ``"jaxmp[float32]:LayerNorm"``.
 
     Example:
+      >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
       >>> marker("float32", "LayerNorm")
       'jaxmp[float32]:LayerNorm'
     """
