@@ -1,8 +1,8 @@
 """Every docstring example in jaxmp runs: each one imports what it uses (no hidden globals).
 
-Excluded for now: the modules being rebuilt on the op-level autocast engine
-(``jaxmp/flax/{linen,overrides,casting,attention,nnx}.py`` and ``jaxmp/autocast/``); their
-examples join this run when that work lands.
+No module is excluded: the core modules, the op-level autocast engine (``jaxmp/engine/``) and the
+Flax integration (``jaxmp/flax/``: ``mixed_precision``, linen, nnx, overrides, casting, attention)
+all take part. A new module's examples join the run automatically.
 """
 
 import doctest
@@ -13,20 +13,12 @@ import pytest
 
 import jaxmp
 
-EXCLUDED = {
-    "jaxmp.flax",  # mixed_precision's example: the Flax entry point is being rebuilt too
-    "jaxmp.flax.linen",
-    "jaxmp.flax.overrides",
-    "jaxmp.flax.casting",
-    "jaxmp.flax.attention",
-    "jaxmp.flax.nnx",
-}
-EXCLUDED_PREFIXES = ("jaxmp.autocast",)
+EXCLUDED: set[str] = set()  # modules whose examples are not run (none)
 
 
 def _modules():
     names = ["jaxmp"] + [m.name for m in pkgutil.walk_packages(jaxmp.__path__, "jaxmp.")]
-    return [n for n in names if n not in EXCLUDED and not n.startswith(EXCLUDED_PREFIXES)]
+    return [n for n in names if n not in EXCLUDED]
 
 
 def _examples():
@@ -46,9 +38,11 @@ EXAMPLES = _examples()
 def test_the_run_covers_the_core_modules():
     covered = {p.values[0].name.rsplit(".", 1)[0] for p in EXAMPLES} | {p.values[0].name for p in EXAMPLES}
     for module in ("jaxmp.dtypes", "jaxmp.presets", "jaxmp.loss_scale", "jaxmp.transform", "jaxmp.opt_state",
-                   "jaxmp.skip", "jaxmp.grad", "jaxmp.platform"):
+                   "jaxmp.skip", "jaxmp.grad", "jaxmp.platform", "jaxmp.flax.linen", "jaxmp.flax.nnx",
+                   "jaxmp.flax.overrides", "jaxmp.flax.casting", "jaxmp.flax.attention"):
         assert any(c.startswith(module + ".") for c in covered), module
-    assert len(EXAMPLES) >= 40
+    assert "jaxmp.flax.mixed_precision" in covered
+    assert len(EXAMPLES) >= 110
 
 
 @pytest.mark.parametrize("test", EXAMPLES)

@@ -56,9 +56,13 @@ def mixed_precision(model: Any, policy: Any, overrides: Any = None) -> Any:
         module), or a policy whose dtypes are not floating, or bad overrides.
 
     Example:
-      >>> model = jaxmp.flax.mixed_precision(ResNet18(num_classes=10), "O1-bf16")
-      >>> variables = model.init(jax.random.key(0), x, train=False)
-      >>> logits = model.apply(variables, x, train=False)          # bf16 convs, f32 BatchNorm, f32 logits
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp, jaxmp.flax
+      >>> net = nn.Sequential([nn.Conv(4, (3, 3)), nn.BatchNorm(use_running_average=True), nn.Dense(10)])
+      >>> model = jaxmp.flax.mixed_precision(net, "O1-bf16")
+      >>> x = jnp.ones((2, 8, 8, 3))
+      >>> variables = model.init(jax.random.key(0), x)
+      >>> model.apply(variables, x).dtype          # bf16 conv and dense, f32 BatchNorm, f32 logits
+      dtype('float32')
     """
     if isinstance(model, _nn.Module):
         return linen.MixedPrecision(model, policy, overrides)

@@ -68,7 +68,11 @@ def fp32_softmax_attention(
       ``[batch..., q_length, num_heads, v_depth]`` in the compute dtype.
 
     Example:
-      >>> attn = flax.linen.MultiHeadDotProductAttention(4, attention_fn=jaxmp.flax.fp32_softmax_attention)
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp.flax
+      >>> attn = nn.MultiHeadDotProductAttention(2, attention_fn=jaxmp.flax.fp32_softmax_attention)
+      >>> x = jnp.ones((1, 4, 8), jnp.bfloat16)
+      >>> attn.apply(attn.init(jax.random.key(0), x), x).shape
+      (1, 4, 8)
     """
     if dtype is None:
         dtype = jnp.result_type(query, key, value)
@@ -141,6 +145,7 @@ def fused_attention(
       ``[batch, q_length, num_heads, v_depth]``.
 
     Example:
+      >>> import jax.numpy as jnp, jaxmp.flax
       >>> q = jnp.ones((1, 4, 2, 8))
       >>> jaxmp.flax.fused_attention(q, q, q).shape
       (1, 4, 2, 8)

@@ -24,6 +24,8 @@ def first_floating_dtype(tree: Any) -> np.dtype | None:
       A numpy dtype, or None if the tree has no floating array leaf.
 
     Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp.flax.casting import first_floating_dtype
       >>> first_floating_dtype(((jnp.int32(1), jnp.ones(2, jnp.bfloat16)), {}))
       dtype(bfloat16)
     """
@@ -46,6 +48,9 @@ def cast_output(out: Any, rule: ModuleRule, input_dtype: np.dtype | None) -> Any
       float32 list), or cast to the rule's dtype (a per-class policy's output dtype).
 
     Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jaxmp.flax import ModuleRule
+      >>> from jaxmp.flax.casting import cast_output
       >>> rule = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
       >>> cast_output(jnp.ones(2), rule, np.dtype("float16")).dtype
       dtype('float16')
@@ -81,6 +86,9 @@ def cast_by_path(tree: Any, rules: dict[Path, ModuleRule], default: np.dtype, fi
       The cast tree (``astype`` inside the caller's trace, so gradients flow back).
 
     Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jaxmp.flax import ModuleRule
+      >>> from jaxmp.flax.casting import cast_by_path
       >>> rules = {("bn",): ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")}
       >>> t = cast_by_path({"bn": {"scale": jnp.ones(2)}, "fc": {"w": jnp.ones(2)}}, rules, jnp.bfloat16, "compute_dtype")
       >>> t["bn"]["scale"].dtype, t["fc"]["w"].dtype

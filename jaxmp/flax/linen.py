@@ -148,9 +148,13 @@ class MixedPrecision:
       overrides: the :class:`jaxmp.flax.PrecisionOverrides` (None: the preset's defaults).
 
     Example:
-      >>> model = jaxmp.flax.mixed_precision(ResNet18(), "O1-bf16")
-      >>> variables = model.init(jax.random.key(0), x, train=False)
-      >>> logits, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp, jaxmp.flax
+      >>> net = nn.Sequential([nn.Dense(3), nn.BatchNorm(use_running_average=False)])
+      >>> model = jaxmp.flax.mixed_precision(net, "O1-bf16")
+      >>> x = jnp.ones((2, 4))
+      >>> logits, updates = model.apply(model.init(jax.random.key(0), x), x, mutable=["batch_stats"])
+      >>> logits.dtype, updates["batch_stats"]["layers_1"]["mean"].dtype
+      (dtype('float32'), dtype('float32'))
     """
 
     module: nn.Module
@@ -185,6 +189,8 @@ class MixedPrecision:
           The variables dict.
 
         Example:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp, jaxmp.flax
+          >>> x = jnp.ones((2, 4))
           >>> variables = jaxmp.flax.mixed_precision(nn.Dense(3), "O2-bf16").init(jax.random.key(0), x)
           >>> variables["params"]["kernel"].dtype
           dtype(bfloat16)
@@ -216,8 +222,13 @@ class MixedPrecision:
           when ``mutable`` is set (collections are not cast).
 
         Example:
-          >>> logits = model.apply(variables, x, train=False)
+          >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp, jaxmp.flax
+          >>> model, x = jaxmp.flax.mixed_precision(nn.Dense(3), "O1-bf16"), jnp.ones((2, 4))
+          >>> variables = model.init(jax.random.key(0), x)
+          >>> logits = model.apply(variables, x)
           >>> grads = jax.grad(lambda p: model.apply({"params": p}, x).sum())(variables["params"])
+          >>> logits.dtype, grads["kernel"].dtype          # f32 output, grads for the f32 params
+          (dtype('float32'), dtype('float32'))
         """
         out = self._runner(method, mutable)(variables, args, kwargs, rngs)
         if mutable is not False and mutable is not None and isinstance(out, tuple) and len(out) == 2:
@@ -266,8 +277,12 @@ class MixedPrecision:
           ``{module path: ModuleRule}`` for the ruled modules that ran.
 
         Example:
-          >>> model.module_rules(variables, x)[("BatchNorm_0",)].compute_dtype
-          dtype('float32')
+          >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp, jaxmp.flax
+          >>> net = nn.Sequential([nn.Dense(3), nn.BatchNorm(use_running_average=True)])
+          >>> model, x = jaxmp.flax.mixed_precision(net, "O1-bf16"), jnp.ones((2, 4))
+          >>> rules = model.module_rules(model.init(jax.random.key(0), x), x)
+          >>> rules[("layers_0",)].compute_dtype, rules[("layers_1",)].compute_dtype
+          (dtype(bfloat16), dtype('float32'))
         """
         rngs, mutable = kwargs.pop("rngs", None), kwargs.pop("mutable", False)
         rules: dict[Path, ModuleRule] = {}

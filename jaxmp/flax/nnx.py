@@ -93,9 +93,12 @@ def module_rules(model: nnx.Module, policy: Policy, overrides: PrecisionOverride
       The rules of the modules some list names.
 
     Example:
+      >>> import jaxmp, jaxmp.flax
+      >>> from flax import nnx
+      >>> model = nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
       >>> rules = jaxmp.flax.nnx.module_rules(model, jaxmp.get_policy("O1-bf16"), jaxmp.flax.PrecisionOverrides())
-      >>> rules[("bn",)].compute_dtype
-      dtype('float32')
+      >>> rules[("layers", "0")].compute_dtype, rules[("layers", "1")].compute_dtype
+      (dtype(bfloat16), dtype('float32'))
     """
     rules = {}
     for path, node in nnx.iter_graph(model):
@@ -121,7 +124,9 @@ def store_params(model: nnx.Module, policy: Any, overrides: Any = None) -> nnx.M
       ``model``.
 
     Example:
-      >>> jaxmp.flax.nnx.store_params(model, "O2-bf16").l.kernel.dtype
+      >>> import jaxmp.flax
+      >>> from flax import nnx
+      >>> jaxmp.flax.nnx.store_params(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O2-bf16").kernel.dtype
       dtype(bfloat16)
     """
     policy, overrides = resolve_overrides(policy, overrides)
@@ -159,7 +164,12 @@ def call(model: nnx.Module, *args, policy: Any, overrides: Any = None, **kwargs)
       The model's output cast to the policy's output dtype.
 
     Example:
-      >>> logits = jaxmp.flax.nnx.call(model, x, policy="O1-bf16")
+      >>> import jax.numpy as jnp, jaxmp.flax
+      >>> from flax import nnx
+      >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+      >>> logits = jaxmp.flax.nnx.call(model, jnp.ones((2, 4)), policy="O1-bf16")
+      >>> logits.dtype, model.kernel.dtype          # f32 output; the params are left as they were
+      (dtype('float32'), dtype('float32'))
     """
     _check_model(model)
     policy, overrides = resolve_overrides(policy, overrides)
@@ -203,9 +213,13 @@ class MixedPrecision(nnx.Module):
       TypeError: ``model`` is not a callable NNX module instance, or a non-floating policy.
 
     Example:
-      >>> model = jaxmp.flax.mixed_precision(MLP(rngs=nnx.Rngs(0)), "O1-bf16")
+      >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
+      >>> from flax import nnx
+      >>> model = jaxmp.flax.mixed_precision(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O1-bf16")
       >>> optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.adam(1e-3), "none"), wrt=nnx.Param)
-      >>> metrics = jaxmp.flax.nnx.train_step(model, optimizer, (x, y))
+      >>> metrics = jaxmp.flax.nnx.train_step(model, optimizer, (jnp.ones((2, 4)), jnp.array([0, 2])))
+      >>> metrics["finite"]
+      Array(True, dtype=bool)
     """
 
     def __init__(self, model: nnx.Module, policy: Any, overrides: Any = None):
@@ -230,7 +244,12 @@ def optimizer_state(optimizer: nnx.Optimizer) -> Any:
       The optax state pytree.
 
     Example:
+      >>> import optax, jaxmp, jaxmp.flax
+      >>> from flax import nnx
+      >>> model = jaxmp.flax.mixed_precision(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O1-fp16")
+      >>> optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"), wrt=nnx.Param)
       >>> jaxmp.scaling_stats(jaxmp.flax.nnx.optimizer_state(optimizer))["loss_scale"]
+      Array(32768., dtype=float32)
     """
     return nnx.as_pure(optimizer.opt_state)
 
@@ -268,8 +287,14 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
       step's loss was multiplied by.
 
     Example:
+      >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
+      >>> from flax import nnx
+      >>> model = jaxmp.flax.mixed_precision(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O1-fp16")
+      >>> optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"), wrt=nnx.Param)
       >>> step = nnx.jit(jaxmp.flax.nnx.train_step)
-      >>> metrics = step(model, optimizer, (x, y))
+      >>> metrics = step(model, optimizer, (jnp.ones((2, 4)), jnp.array([0, 2])))
+      >>> metrics["loss_scale"], metrics["finite"]
+      (Array(32768., dtype=float32), Array(True, dtype=bool))
     """
     inputs, labels = split_batch(batch)
     loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn

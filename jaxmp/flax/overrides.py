@@ -112,8 +112,13 @@ class PrecisionOverrides:
         elsewhere); False keeps Flax's own attention under the op lists.
 
     Example:
+      >>> import flax.linen as nn, jaxmp, jaxmp.flax
+      >>> class MyNorm(nn.Module): pass
       >>> ov = jaxmp.flax.PrecisionOverrides.from_recipe("O1")
-      >>> ov = ov.with_fp32(MyNorm).without(flax.linen.GroupNorm).with_policy(flax.linen.Embed, "f32")
+      >>> ov = ov.with_fp32(MyNorm).without(nn.GroupNorm).with_policy(nn.Embed, "f32")
+      >>> policy = jaxmp.get_policy("O1-bf16")
+      >>> ov.rule_for(MyNorm, policy).kind, ov.rule_for(nn.Embed, policy).kind, ov.rule_for(nn.GroupNorm, policy)
+      ('fp32', 'policy', None)
     """
 
     half_modules: tuple[type, ...] = DEFAULT_HALF_MODULES
@@ -161,6 +166,7 @@ class PrecisionOverrides:
           ValueError: an unknown category.
 
         Example:
+          >>> import jaxmp.flax
           >>> jaxmp.flax.PrecisionOverrides.from_categories(("norm", "loss")).fp32_softmax
           False
         """
@@ -190,6 +196,7 @@ class PrecisionOverrides:
           A :class:`PrecisionOverrides`.
 
         Example:
+          >>> import jaxmp.flax
           >>> jaxmp.flax.PrecisionOverrides.from_recipe("O3").fp32_modules
           ()
         """
@@ -216,7 +223,10 @@ class PrecisionOverrides:
           TypeError: an argument is not a module class.
 
         Example:
-          >>> PrecisionOverrides().with_half(flax.linen.Embed).rule_for(flax.linen.Embed, policy).kind
+          >>> import flax.linen as nn, jaxmp
+          >>> from jaxmp.flax import PrecisionOverrides
+          >>> policy = jaxmp.get_policy("O1-bf16")
+          >>> PrecisionOverrides().with_half(nn.Embed).rule_for(nn.Embed, policy).kind
           'half'
         """
         add = _class_tuple(classes, "with_half")
@@ -235,6 +245,10 @@ class PrecisionOverrides:
           TypeError: an argument is not a module class.
 
         Example:
+          >>> import flax.linen as nn, jaxmp
+          >>> from jaxmp.flax import PrecisionOverrides
+          >>> policy = jaxmp.get_policy("O1-bf16")
+          >>> class MyNorm(nn.Module): pass
           >>> PrecisionOverrides().with_fp32(MyNorm).rule_for(MyNorm, policy).compute_dtype
           dtype('float32')
         """
@@ -259,7 +273,10 @@ class PrecisionOverrides:
           TypeError: ``cls`` is not a module class or ``policy`` is not a policy.
 
         Example:
-          >>> PrecisionOverrides().with_policy(flax.linen.Dense, "f32").rule_for(flax.linen.Dense, policy).kind
+          >>> import flax.linen as nn, jaxmp
+          >>> from jaxmp.flax import PrecisionOverrides
+          >>> policy = jaxmp.get_policy("O1-bf16")
+          >>> PrecisionOverrides().with_policy(nn.Dense, "f32").rule_for(nn.Dense, policy).kind
           'policy'
         """
         cls = _check_module_class(cls, "with_policy")
@@ -281,7 +298,10 @@ class PrecisionOverrides:
           TypeError: an argument is not a module class.
 
         Example:
-          >>> PrecisionOverrides().without(flax.linen.GroupNorm).rule_for(flax.linen.GroupNorm, policy) is None
+          >>> import flax.linen as nn, jaxmp
+          >>> from jaxmp.flax import PrecisionOverrides
+          >>> policy = jaxmp.get_policy("O1-bf16")
+          >>> PrecisionOverrides().without(nn.GroupNorm).rule_for(nn.GroupNorm, policy) is None
           True
         """
         return self._without(_class_tuple(classes, "without"))
@@ -309,8 +329,9 @@ class PrecisionOverrides:
           A :class:`ModuleRule`, or None when the module follows its inputs.
 
         Example:
+          >>> import flax.linen as nn, jaxmp, jaxmp.flax
           >>> ov = jaxmp.flax.PrecisionOverrides()
-          >>> ov.rule_for(flax.linen.LayerNorm, jaxmp.get_policy("O1-fp16")).compute_dtype
+          >>> ov.rule_for(nn.LayerNorm, jaxmp.get_policy("O1-fp16")).compute_dtype
           dtype('float32')
         """
         cls = module_or_class if isinstance(module_or_class, type) else type(module_or_class)
@@ -343,6 +364,7 @@ def resolve_overrides(policy: Any, overrides: PrecisionOverrides | Iterable[str]
       TypeError: a policy whose dtypes are not floating, or overrides of the wrong type.
 
     Example:
+      >>> import jaxmp.flax
       >>> policy, ov = jaxmp.flax.overrides.resolve_overrides("O2-bf16", None)
       >>> ov.fp32_softmax
       False
