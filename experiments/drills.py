@@ -23,7 +23,7 @@ from experiments import configs as configs_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Leaves of the loss-scaling state that a skipped step is meant to change.
-_SKIP_BOOKKEEPING = ("loss_scale", "last_step_finite", "consecutive_skips", "total_skips")
+_SKIP_BOOKKEEPING = ("loss_scale", "last_step_finite", "consecutive_skips", "total_skips", "skip_reason")
 
 
 def _row(drill: str, check: str, result: str, ok: bool) -> dict:

@@ -41,7 +41,7 @@ CONFIG_CASES = [
     ("seed", -1, ["seed", "[0, 2**31 - 1)"]),
     ("num_seeds", 0, ["num_seeds", ">= 1"]),
     ("momentum", 1.5, ["momentum", "[0, 1)"]),
-    ("engine", "autocast", ["engine", "flax"]),
+    ("engine", "torch", ["engine", "flax", "autocast"]),
     ("optimizer", "adam", ["optimizer", "adamw, sgd"]),
     ("lr_schedule", "step", ["lr_schedule", "cosine"]),
     ("policy", "O4", ["O4", "policy"]),
