@@ -309,3 +309,23 @@ def test_unknown_higher_order_primitive_is_named():
     body = jax.make_jaxpr(jnp.sin)(1.0)
     with pytest.raises(NotImplementedError, match="my_higher_order"):
         jaxmp.autocast(lambda x: hop.bind(x @ x, body=body), "O1-bf16")(jnp.ones((2, 2)))
+
+
+def test_scan_and_remat_around_an_autocast_body():
+    ws = jax.random.normal(jax.random.key(9), (3, 8, 8)) / 3
+    x = jax.random.normal(jax.random.key(10), (16, 8))
+    body = jaxmp.autocast(lambda h, w: block(w, h), "O1-bf16")
+
+    def f(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jax.checkpoint(body)(h, w), None), x, ws)
+        return jnp.mean(h ** 2)
+
+    ref = lambda ws, x: jnp.mean(jax.lax.scan(lambda h, w: (block(w, h), None), x, ws)[0] ** 2)
+    check_ops(op_dtypes(jax.grad(f), ws, x), min_matmuls=3)
+    assert_grads_close(ref, f, (ws, x))
+
+
+def test_float0_and_integer_inputs_pass_through_grad():
+    f = jaxmp.autocast(lambda w, n: jnp.sum(jnp.tanh(w @ w) * n), "O1-bf16")
+    gw, gn = jax.grad(f, argnums=(0, 1), allow_int=True)(jnp.eye(3), jnp.int32(2))
+    assert gw.dtype == F32 and gn.dtype == jax.dtypes.float0

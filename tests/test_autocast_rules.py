@@ -267,3 +267,23 @@ def test_precision_report_explains_each_rule(params):
     assert rep.to_dict()["autocast_decisions"][0]["rule"]
     # the explain scopes exist only while the report traces: a normal trace has none
     assert not jaxmp.diagnostics.autocast_ops(jax.make_jaxpr(f)(params, jnp.ones((8, 4))))
+
+
+def test_o2_fp16_with_master_weights_and_dynamic_scaling():
+    x = jax.random.normal(jax.random.key(0), (64, 4))
+    y = x @ jnp.array([[1.0], [-2.0], [0.5], [3.0]])
+    params = jaxmp.cast_floating({"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}, jnp.float16)  # O2: half params
+    tx = jaxmp.loss_scaling(optax.adam(0.05), loss_scale=jaxmp.DynamicLossScale(2.0 ** 15), master_weights=True)
+    opt_state = tx.init(params)
+    loss = jaxmp.autocast(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2), "O2-fp16")
+
+    @jax.jit
+    def step(params, opt_state):
+        l, g = jaxmp.value_and_grad(loss, opt_state)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return jaxmp.apply_updates(params, u, opt_state), opt_state, l
+
+    for _ in range(300):
+        params, opt_state, l = step(params, opt_state)
+    assert float(l) < 0.05 and params["w"].dtype == F16
+    assert jaxmp.master_params(opt_state)["w"].dtype == F32
