@@ -18,7 +18,7 @@ pass the bandwidth of the slowest link the ring crosses.
 Defaults (override them with your own measurements):
 
 * ResNet-50, 25.6M params, step 0.268 s: 2 V100s with Apex AMP O2, 208 images per GPU took
-  20h36m51s for 90 epochs of ImageNet's 1.281M images (/work/shared/seeds/002), i.e. 777
+  20h36m51s for 90 epochs of ImageNet's 1.281M images (NVIDIA's data-parallel ResNet-50 study), i.e. 777
   images/s per GPU; 208 / 777 = 0.268 s per step (that includes their input pipeline).
 * WRN-28-10, 36.5M params, step 0.067 s: an estimate, not a measurement: 5.25 GFLOP per
   32x32 image forward, x3 for forward+backward, 128 images per device, at 30 TFLOP/s

@@ -143,3 +143,16 @@ def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: C
         return new_params, new_opt_state, metrics
 
     return body
+
+
+def with_model_state(run: Callable, model_state: bool) -> Callable:
+    """The public step signature: ``(params, state, opt_state, batch, rng)`` when the model has
+    state (BatchNorm statistics), else ``run``'s own ``(params, opt_state, batch, rng)``."""
+    if not model_state:
+        return run
+
+    def step(params, state, opt_state, batch, rng=None):
+        (params, state), opt_state, metrics = run((params, state), opt_state, batch, rng)
+        return params, state, opt_state, metrics
+
+    return step

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmp.parallel._common import check_axis_name, check_reduce_dtype, log_once, make_step_body
+from jaxmp.parallel._common import check_axis_name, check_reduce_dtype, log_once, make_step_body, with_model_state
 from jaxmp.parallel.replication import check_replicated
 from jaxmp.dtypes import is_floating_array
 
@@ -238,12 +238,7 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
             return pmapped(params, opt_state, batch)
         return pmapped_rng(params, opt_state, batch, rng)
 
-    if model_state:
-        def step(params, state, opt_state, batch, rng=None):
-            (params, state), opt_state, metrics = run((params, state), opt_state, batch, rng)
-            return params, state, opt_state, metrics
-    else:
-        step = run
+    step = with_model_state(run, model_state)
 
     step.pmapped = pmapped
     step.pmapped_with_rng = pmapped_rng

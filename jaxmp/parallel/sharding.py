@@ -17,7 +17,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmp.parallel._common import check_divisible, check_positive_int, leading_size, log_once, make_step_body
+from jaxmp.parallel._common import (
+    check_divisible, check_positive_int, leading_size, log_once, make_step_body, with_model_state,
+)
 
 
 def make_data_mesh(devices: Sequence[Any] | None = None, axis_name: str = "data") -> Mesh:
@@ -273,12 +275,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
             return jitted(params, opt_state, batch)
         return jitted_rng(params, opt_state, batch, rng)
 
-    if model_state:
-        def step(params, state, opt_state, batch, rng=None):
-            (params, state), opt_state, metrics = run((params, state), opt_state, batch, rng)
-            return params, state, opt_state, metrics
-    else:
-        step = run
+    step = with_model_state(run, model_state)
 
     step.jitted = jitted
     step.jitted_with_rng = jitted_rng
