@@ -105,7 +105,8 @@ class PrecisionOverrides:
       module_policies: ``((cls, Policy), ...)`` -- classes with a policy of their own
         (params and inputs in its compute dtype, output in its output dtype). A mapping
         ``{cls: policy}`` is accepted and a policy may be a string or ``jmp.Policy``.
-      fp32_softmax: attention modules in the half list compute their softmax in float32.
+      fp32_softmax: the engine's float32 list applies (softmax, every reduction and the
+        transcendentals in float32, as O1); False: pure half outside float32 modules (O2, O3).
       fp32_loss: the train steps compute the loss on float32 logits.
       fused_attention: attention modules with Flax's default attention run
         :func:`jaxmp.flax.fused_attention` (cuDNN on GPUs, XLA with a float32 softmax
