@@ -12,10 +12,13 @@ The NVIDIA AMP op lists, at the granularity Flax gives us (module classes):
 * everything else follows its inputs: activations, pooling, residual adds, and user
   modules not named in either list (their own params take the policy's compute dtype).
 
-Softmax is a function, not a module: attention modules in the half list get an
-attention function whose softmax runs in float32 (:func:`jaxmp.flax.fp32_softmax_attention`),
-and the train steps compute the loss on float32 logits. The recipe's ``keep_fp32``
-categories (``"norm"``, ``"softmax"``, ``"loss"``) switch the three on and off.
+These module rules are the Flax layer of the one precision engine (:func:`jaxmp.autocast`):
+the model runs inside the engine, and what the module rules leave open the engine's op lists
+decide. Softmax is a function, not a module: with ``"softmax"`` kept (O1) the engine's float32
+list keeps it (and every reduction) in float32; attention modules get
+:func:`jaxmp.flax.fused_attention` (cuDNN on GPUs, a float32 softmax elsewhere); the train
+steps compute the loss on float32 logits. The recipe's ``keep_fp32`` categories (``"norm"``,
+``"softmax"``, ``"loss"``) switch the three on and off.
 """
 
 from __future__ import annotations
