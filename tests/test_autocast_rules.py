@@ -201,27 +201,6 @@ def test_eager_calls_reuse_the_traced_program(params):
     assert len(calls) == 2
 
 
-def test_loss_scaling_fp16_dynamic_with_masters_around_autocast_loss():
-    key = jax.random.key(0)
-    x = jax.random.normal(key, (64, 4))
-    y = x @ jnp.array([[1.0], [-2.0], [0.5], [3.0]])
-    params = {"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}
-    tx = jaxmp.loss_scaling(optax.adam(0.05), loss_scale=jaxmp.DynamicLossScale(2.0 ** 15))
-    opt_state = tx.init(params)
-    loss = jaxmp.autocast(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2), "O1-fp16")
-
-    @jax.jit
-    def step(params, opt_state):
-        l, g = jaxmp.value_and_grad(loss, opt_state)(params)
-        u, opt_state = tx.update(g, opt_state, params)
-        return jaxmp.apply_updates(params, u, opt_state), opt_state, l
-
-    for _ in range(300):
-        params, opt_state, l = step(params, opt_state)
-    assert float(l) < 0.05
-    assert params["w"].dtype == F32
-
-
 @pytest.mark.parametrize("bad, exc, match", [
     (dict(fn=3), TypeError, "callable"),
     (dict(policy="O7"), ValueError, "O7"),
@@ -269,13 +248,14 @@ def test_precision_report_explains_each_rule(params):
     assert not jaxmp.diagnostics.autocast_ops(jax.make_jaxpr(f)(params, jnp.ones((8, 4))))
 
 
-def test_o2_fp16_with_master_weights_and_dynamic_scaling():
+@pytest.mark.parametrize("preset, param_dtype, masters", [("O1-fp16", F32, False), ("O2-fp16", F16, True)])
+def test_loss_scaling_fp16_dynamic_around_an_autocast_loss(preset, param_dtype, masters):
     x = jax.random.normal(jax.random.key(0), (64, 4))
     y = x @ jnp.array([[1.0], [-2.0], [0.5], [3.0]])
-    params = jaxmp.cast_floating({"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}, jnp.float16)  # O2: half params
-    tx = jaxmp.loss_scaling(optax.adam(0.05), loss_scale=jaxmp.DynamicLossScale(2.0 ** 15), master_weights=True)
+    params = jaxmp.cast_floating({"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}, param_dtype)  # O2: half params
+    tx = jaxmp.loss_scaling(optax.adam(0.05), loss_scale=jaxmp.DynamicLossScale(2.0 ** 15), master_weights=masters)
     opt_state = tx.init(params)
-    loss = jaxmp.autocast(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2), "O2-fp16")
+    loss = jaxmp.autocast(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2), preset)
 
     @jax.jit
     def step(params, opt_state):
@@ -285,5 +265,6 @@ def test_o2_fp16_with_master_weights_and_dynamic_scaling():
 
     for _ in range(300):
         params, opt_state, l = step(params, opt_state)
-    assert float(l) < 0.05 and params["w"].dtype == F16
-    assert jaxmp.master_params(opt_state)["w"].dtype == F32
+    assert float(l) < 0.05 and params["w"].dtype == param_dtype
+    if masters:
+        assert jaxmp.master_params(opt_state)["w"].dtype == F32
