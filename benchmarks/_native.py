@@ -36,7 +36,8 @@ def fused_attention_fn(implementation: str | None):
     """A Flax ``attention_fn`` that calls ``jax.nn.dot_product_attention``.
 
     Args:
-      implementation: ``"cudnn"``, ``"xla"`` or None (JAX's choice).
+      implementation: ``"cudnn"``, ``"xla"``, or ``"auto"`` (no implementation named: JAX's
+        choice, or under :func:`jaxmp.autocast` the engine's).
 
     Returns:
       A function with Flax's ``attention_fn`` signature (no dropout: the suite uses none).
@@ -47,7 +48,7 @@ def fused_attention_fn(implementation: str | None):
         if dropout_rate and not deterministic:
             raise ValueError("the fused attention baseline has no attention dropout")
         return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
-                                            implementation=implementation)
+                                            implementation=None if implementation == "auto" else implementation)
 
     return attention
 
@@ -57,8 +58,8 @@ def native_dtype(dtype, attention: str | None = None, softmax_fp32: bool = False
     """Within the block, Flax layers default to ``dtype`` (parameters stay float32).
 
     Args:
-      dtype: the computation dtype (``jnp.bfloat16``).
-      attention: None (Flax's attention), or ``"cudnn"`` / ``"xla"`` to route
+      dtype: the computation dtype (``jnp.bfloat16``), or None (Flax's default: the inputs').
+      attention: None (Flax's attention), or ``"cudnn"`` / ``"xla"`` / ``"auto"`` to route
         ``MultiHeadDotProductAttention`` through ``jax.nn.dot_product_attention``.
       softmax_fp32: Flax attention's softmax in float32 (``force_fp32_for_softmax``).
 

@@ -4,7 +4,9 @@ A run is (model, batch, policy): a jaxmp recipe (``O0-strict``, ``O0``, ``O1``, 
 ``O2-fp16``: the module under ``jaxmp.flax``, jaxmp's loss-scaling optimizer) or a native Flax
 baseline (``native-bf16``: the same module code with ``dtype=bfloat16`` on every layer, plain
 optax; ``native-bf16-cudnn``: the same with ``jax.nn.dot_product_attention`` attention,
-cuDNN's fused kernel on a GPU). See ``benchmarks/_native.py``.
+cuDNN's fused kernel on a GPU). See ``benchmarks/_native.py``. ``autocast-<preset>``: the
+float32 module code under ``jaxmp.autocast(apply, preset)`` with its attention calling
+``jax.nn.dot_product_attention`` (routed by the engine), and jaxmp's loss-scaling optimizer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,34 @@ from benchmarks import _common as common
 from benchmarks import flops as flops_lib
 
 NATIVE = {"native-bf16": None, "native-bf16-cudnn": "cudnn"}
+# The custom-call target of cuDNN's fused attention (forward and backward) in compiled HLO.
+CUDNN_ATTENTION = "__cudnn$fmha"
+
+
+class AutocastApply:
+    """The module's ``init`` in the preset's param dtype and its ``apply`` under ``jaxmp.autocast``.
+
+    Attention calls ``jax.nn.dot_product_attention`` with no implementation named, so the
+    engine picks cuDNN's fused kernel on a GPU and XLA attention elsewhere.
+    """
+
+    def __init__(self, module, preset: str):
+        import jaxmp
+        from benchmarks._native import NativeModel
+
+        self.native, self.preset = NativeModel(module, None, "auto"), preset
+        self.policy = jaxmp.get_policy(preset)
+
+    def init(self, *args, **kwargs):
+        import jaxmp
+
+        variables = self.native.init(*args, **kwargs)
+        return {**variables, "params": jaxmp.cast_floating(variables["params"], self.policy.param_dtype)}
+
+    def apply(self, variables, *args, **kwargs):
+        import jaxmp
+
+        return jaxmp.autocast(self.native.apply, self.preset)(variables, *args, **kwargs)
 
 
 def load_model(name: str, classes: int, overrides: dict):
@@ -76,7 +106,8 @@ def _setup(policy: str, spec: dict, entry: dict):
                      matmul_precision="default")
         return module, NativeModel(module, jnp.bfloat16, attention), make_optimizer(spec["optimizer"]), \
             contextlib.nullcontext(), None
-    preset = "O0" if policy == "O0-strict" else policy
+    autocast = policy.startswith("autocast-")
+    preset = "O0" if policy == "O0-strict" else policy.removeprefix("autocast-")
     recipe = jaxmp.get_recipe(preset)
     precision = "highest" if policy == "O0-strict" else None
     entry.update(recipe={"name": recipe.name, "policy": str(recipe.policy), "master_weights": recipe.master_weights,
@@ -85,6 +116,10 @@ def _setup(policy: str, spec: dict, entry: dict):
     ctx = jax.default_matmul_precision(precision) if precision else contextlib.nullcontext()
     tx = jaxmp.loss_scaling(make_optimizer(spec["optimizer"]), loss_scale=recipe.loss_scale,
                             master_weights=recipe.master_weights)
+    if autocast:
+        entry["front_door"] = "jaxmp.autocast"
+        return module, AutocastApply(module, preset), tx, ctx, recipe
+    entry["front_door"] = "jaxmp.flax"
     return module, jflax.mixed_precision(module, preset), tx, ctx, recipe
 
 
@@ -238,6 +273,10 @@ def run_one(model_key: str, batch_size: int, policy: str, suite: dict, timing: d
         compiled = jstep.lower(state, batches[0]).compile(compiler_options=copts)
         entry["compile_s"] = time.perf_counter() - t0
         mem_analysis = memory_analysis_dict(compiled)
+        try:
+            entry["cudnn_attention_calls"] = compiled.as_text().count(CUDNN_ATTENTION)
+        except Exception:  # noqa: BLE001 - some backends give no HLO text
+            entry["cudnn_attention_calls"] = None
         state, loss, samples = _time_blocks(compiled, state, batches, timing)
         if timing.get("profile"):
             state = _profile(compiled, state, batches, timing, entry)

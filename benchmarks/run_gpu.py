@@ -94,6 +94,7 @@ def build_parser():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(parser, default_out=None)
     parser.add_argument("--models", help="comma list of throughput models (default: all)")
+    parser.add_argument("--batches", help="comma list of batch sizes overriding each model's")
     parser.add_argument("--policies", help="comma list of jaxmp policies and native baselines (default: all)")
     parser.add_argument("--variants", help="comma list of PyTorch variants (default: all, torch.compile included)")
     parser.add_argument("--rounds", type=int, help="timed blocks per run")
@@ -109,7 +110,7 @@ def build_parser():
 
 def _common_argv(args) -> list[str]:
     out = []
-    for k in ("models", "rounds", "steps", "warmup_steps"):
+    for k in ("models", "batches", "rounds", "steps", "warmup_steps"):
         v = getattr(args, k)
         if v is not None:
             out += [f"--{k.replace('_', '-')}", str(v)]

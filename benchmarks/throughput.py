@@ -18,7 +18,11 @@ each under ``O0-strict`` (O0 inside ``jax.default_matmul_precision("highest")``:
 the model runs through ``jaxmp.flax``), and the native baselines ``native-bf16`` (the same
 module code with Flax's own ``dtype=bfloat16`` on every layer, plain optax) and, for the
 Transformer, ``native-bf16-cudnn`` (the same with ``jax.nn.dot_product_attention``, cuDNN's
-fused kernel on a GPU), so jaxmp / native is measured in the same run.
+fused kernel on a GPU), so jaxmp / native is measured in the same run. ``autocast-O1`` and
+``autocast-O2-bf16`` run the float32 module code through ``jaxmp.autocast`` instead of
+``jaxmp.flax`` (op lists only), its attention calling ``jax.nn.dot_product_attention``, which
+the engine routes to cuDNN's fused kernel on a GPU. Each run records how many cuDNN fused
+attention calls its compiled step holds.
 
 Per run: items/s (images or tokens) from the median step time of ``--rounds`` blocks of
 ``--steps`` steps (warm-up and compilation excluded, ``jax.block_until_ready`` at each block's
@@ -45,7 +49,8 @@ if __package__ in (None, ""):
 from benchmarks import _common as common  # noqa: E402
 from benchmarks import flops  # noqa: E402
 
-POLICIES = ("O0-strict", "O0", "O1", "O2-bf16", "O2-fp16", "native-bf16", "native-bf16-cudnn")
+POLICIES = ("O0-strict", "O0", "O1", "O2-bf16", "O2-fp16", "native-bf16", "native-bf16-cudnn",
+            "autocast-O1", "autocast-O2-bf16")
 
 # name -> spec. "model" is (experiments.models name, overrides); inputs are NHWC images or
 # [N, L] sequences (the encoder embeds one scalar per token).
@@ -127,7 +132,8 @@ def plan(args) -> tuple[dict, dict, list[tuple[str, int, str]]]:
         batches = [int(b) for b in args.batches.split(",")] if args.batches else list(suite[m]["batches"])
         for b in batches:
             for p in policies:
-                if p == "native-bf16-cudnn" and not args.policies and suite[m]["unit"] != "tokens":
+                if (p == "native-bf16-cudnn" or p.startswith("autocast-")) and not args.policies \
+                        and suite[m]["unit"] != "tokens":
                     continue
                 runs.append((m, b, p))
     return suite, timing, runs
