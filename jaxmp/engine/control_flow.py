@@ -80,9 +80,17 @@ def _remat(interp, eqn, vals, comps):
     return [Val(o, *f) for o, f in zip(outs, flags)]
 
 
+def _scan_counts(params) -> tuple[int, int]:
+    """(consts, carries) of a scan: jax < 0.11 names the counts, jax 0.11 packs a flat tree."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def _scan(interp, eqn, vals, comps):
     p = eqn.params
-    closed, nc, ncarry = p["jaxpr"], p["num_consts"], p["num_carry"]
+    closed, (nc, ncarry) = p["jaxpr"], _scan_counts(p)
     consts, init, xs = vals[:nc], vals[nc:nc + ncarry], vals[nc + ncarry:]
     carry_dtypes = _avals_dtypes(closed.in_avals[nc:nc + ncarry])
     flags: list = []
@@ -156,6 +164,13 @@ def _custom_jvp(interp, eqn, vals, comps):
     return [Val(o, *f) for o, f in zip(outs, flags)]
 
 
+def _bwd_cotangents(out):
+    """The cotangents a custom_vjp's flattened bwd returns: jax 0.11 pairs them with its logs."""
+    if len(out) == 2 and isinstance(out[0], (list, tuple)) and (out[1] is None or isinstance(out[1], dict)):
+        return out[0]
+    return out
+
+
 def _zero_to_array(x):
     from jax._src.ad_util import Zero
 
@@ -194,7 +209,8 @@ def _custom_vjp(interp, eqn, vals, comps):
         res_avals = [next(res_out_avals) if f is None else in_avals[f] for f in input_fwds]
         ct_avals = [a.to_tangent_aval() for a in closed.out_avals]
         structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*res_avals, *ct_avals)]
-        traced = jax.make_jaxpr(lambda *a: [_zero_to_array(c) for c in bwd.call_wrapped(*a)])(*structs)
+        traced = jax.make_jaxpr(lambda *a: [_zero_to_array(c) for c in _bwd_cotangents(bwd.call_wrapped(*a))])(
+            *structs)
         outs = interp.run(traced.jaxpr, traced.consts, [Val(x) for x in (*res, *cts)], comps)
         # The backward rule answers for the primal inputs in their own dtypes.
         cts_in = [_cast(o.x, dtype_of(x)) if is_float(dtype_of(x)) else None for o, x in zip(outs, xs[nc:])]
