@@ -68,7 +68,7 @@ def comparison(tp: dict, tr: dict | None) -> list[dict]:
     for e in tp["results"]["runs"]:
         if e.get("status") != "ok":
             continue
-        pe = report._find(truns, e["model"], e["batch_size"], report.TORCH_PAIR.get(e["policy"], ""))
+        pe = report._find(truns, e["model"], e["batch_size"], report.torch_variant(e, report.TORCH_PAIR))
         amps = [t for t in truns if t["model"] == e["model"] and t["batch_size"] == e["batch_size"]
                 and t["policy"] in report.AMP_VARIANTS]
         row = {"model": e["model"], "batch_size": e["batch_size"], "policy": e["policy"],
@@ -78,7 +78,7 @@ def comparison(tp: dict, tr: dict | None) -> list[dict]:
                        speed_ratio=e["items_per_s"] / pe["items_per_s"])
             if e["memory"].get("peak_bytes") and pe.get("memory", {}).get("peak_bytes"):
                 row["memory_ratio"] = e["memory"]["peak_bytes"] / pe["memory"]["peak_bytes"]
-        ce = report._find(truns, e["model"], e["batch_size"], report.COMPILE_PAIR.get(e["policy"], ""))
+        ce = report._find(truns, e["model"], e["batch_size"], report.torch_variant(e, report.COMPILE_PAIR))
         if ce:
             row.update(compile_variant=ce["policy"], compile_items_per_s=ce["items_per_s"],
                        speed_ratio_vs_compile=e["items_per_s"] / ce["items_per_s"])
