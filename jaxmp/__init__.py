@@ -13,6 +13,7 @@ select), ``transform`` (the optax loss-scaling and master-weights transforms), `
 import importlib as _importlib
 import warnings as _warnings
 
+from jaxmp import fp8
 from jaxmp import parallel
 from jaxmp.diagnostics import GradientStats
 from jaxmp.diagnostics import GroupStats
@@ -134,6 +135,7 @@ __all__ = [
     "precision_report",
     # subpackages and lazily imported Flax names
     "flax",
+    "fp8",
     "parallel",
     *_LAZY_FLAX,
 ]

@@ -1,0 +1,141 @@
+"""jaxmp.fp8: scale and amax-history updates against a hand computation, the scaled fp8 dot."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmp import fp8
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def hand_delayed(history_length, reduction, margin, amaxes):
+    """The delayed-scaling recurrence, in plain Python floats."""
+    history, scale, out = [0.0] * history_length, 1.0, []
+    for a in amaxes:
+        if np.isfinite(a):
+            history = [a] + history[:-1]
+            ref = history[0] if reduction == "most_recent" else max(history)
+            if ref > 0:
+                scale = E4M3_MAX / 2.0**margin / ref
+        out.append((scale, list(history)))
+    return out
+
+
+@pytest.mark.parametrize("reduction", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 1])
+def test_delayed_scaling_follows_the_hand_recurrence_through_zero_and_non_finite_amax(reduction, margin):
+    recipe = fp8.DelayedScaling(history_length=3, reduction=reduction, margin=margin)
+    amaxes = [2.0, 0.0, 8.0, float("inf"), 0.5, float("nan"), 0.0, 0.0, 0.0, 1.0]
+    meta = recipe.init_meta()
+    update = jax.jit(lambda m, x: fp8.update_meta(m, x, recipe))
+    for (want_scale, want_history), a in zip(hand_delayed(3, reduction, margin, amaxes), amaxes):
+        meta = update(meta, jnp.array([a / 2, -a], jnp.float32))
+        np.testing.assert_allclose(meta.amax_history, want_history, rtol=1e-7)
+        np.testing.assert_allclose(float(meta.scale), want_scale, rtol=1e-6)
+
+
+def test_all_zero_history_keeps_the_old_scale_and_non_finite_amax_changes_nothing():
+    recipe = fp8.DelayedScaling(history_length=2)
+    meta = fp8.Fp8Meta(jnp.float32(7.0), jnp.zeros(2, jnp.float32))
+    assert float(fp8.update_meta(meta, jnp.zeros(4), recipe).scale) == 7.0
+    after_nan = fp8.update_meta(meta, jnp.array([1.0, jnp.nan]), recipe)
+    assert float(after_nan.scale) == 7.0 and not np.any(np.asarray(after_nan.amax_history))
+
+
+def test_compute_scale_and_quantize_saturate_at_the_format_maximum():
+    assert fp8.fp8_max(fp8.E4M3) == E4M3_MAX and fp8.fp8_max(fp8.E5M2) == E5M2_MAX
+    scale = fp8.compute_scale(jnp.float32(10.0), jnp.float32(1.0), fp8.E5M2, margin=2)
+    np.testing.assert_allclose(float(scale), E5M2_MAX / 4 / 10, rtol=1e-6)
+    q = fp8.quantize(jnp.array([1e6, -1e6, 1.0]), jnp.float32(1.0), fp8.E4M3)
+    assert q.dtype == fp8.E4M3
+    np.testing.assert_array_equal(q.astype(jnp.float32), [448.0, -448.0, 1.0])
+
+
+def test_qdq_with_current_scaling_maps_the_amax_onto_the_format_maximum():
+    x = jnp.array([0.001, -0.0007, 0.0003], jnp.float32)
+    y = fp8.qdq(x, fp8.E4M3)
+    assert y.dtype == jnp.float32
+    assert float(jnp.max(jnp.abs(y))) == pytest.approx(0.001, rel=1e-6)  # the amax is exact after scaling
+    np.testing.assert_allclose(y, x, rtol=2**-3)  # E4M3 has 3 mantissa bits
+    assert not np.array_equal(np.asarray(y), np.asarray(x))  # and it did round
+
+
+def _mlp_loss(dot):
+    def loss(params, x, y):
+        h = jax.nn.gelu(dot(x, params["w1"]))
+        return jnp.mean((dot(h, params["w2"]) - y) ** 2)
+    return loss
+
+
+def _data():
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {"w1": jax.random.normal(k[0], (64, 128)) / 8, "w2": jax.random.normal(k[1], (128, 16)) / 11}
+    return params, jax.random.normal(k[2], (32, 64)), jax.random.normal(k[3], (32, 16))
+
+
+DN = (((1,), (0,)), ((), ()))
+
+
+def test_fp8_dot_gradients_are_within_tolerance_of_bf16_and_float32():
+    params, x, y = _data()
+    f32 = jax.grad(_mlp_loss(lambda a, b: a @ b))(params, x, y)
+    bf16 = jax.grad(_mlp_loss(lambda a, b: (a.astype(jnp.bfloat16) @ b.astype(jnp.bfloat16)).astype(jnp.float32)))(
+        params, x, y)
+    g8 = jax.jit(jax.grad(_mlp_loss(lambda a, b: fp8.fp8_dot_general(a, b, DN))))(params, x, y)
+    for name in params:
+        rel = lambda g: float(jnp.linalg.norm(g[name] - f32[name]) / jnp.linalg.norm(f32[name]))  # noqa: E731
+        assert g8[name].dtype == jnp.float32
+        assert rel(bf16) < 0.01
+        assert 0 < rel(g8) < 0.1  # fp8 rounds (> 0) but stays close: 3-bit / 2-bit mantissas
+        assert rel(g8) < 20 * rel(bf16)
+
+
+def test_backward_quantizes_the_cotangent_to_e5m2_and_is_invariant_to_a_loss_scale():
+    a = jax.random.normal(jax.random.PRNGKey(1), (8, 16))
+    b = jax.random.normal(jax.random.PRNGKey(2), (16, 4))
+    g = jax.random.normal(jax.random.PRNGKey(3), (8, 4)) * 1e-3
+    _, vjp = jax.vjp(lambda u, v: fp8.fp8_dot_general(u, v, DN), a, b)
+    da, db = vjp(g)
+    qa, qb, qg = fp8.qdq(a, fp8.E4M3), fp8.qdq(b, fp8.E4M3), fp8.qdq(g, fp8.E5M2)
+    np.testing.assert_allclose(da, qg @ qb.T, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(db, qa.T @ qg, rtol=1e-6, atol=1e-9)
+    assert not np.allclose(np.asarray(da), np.asarray(g @ qb.T), rtol=1e-7, atol=0)  # E5M2 rounding happened
+    da_scaled, _ = vjp(g * 1024.0)  # a loss scale of 2**10: current scaling cancels it exactly
+    np.testing.assert_allclose(da_scaled / 1024.0, da, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(history_length=0), ValueError, "history_length"),
+    (dict(history_length=-3), ValueError, "history_length"),
+    (dict(history_length=2.5), ValueError, "history_length"),
+    (dict(margin=-1), ValueError, "margin"),
+    (dict(margin=float("nan")), ValueError, "margin"),
+    (dict(reduction="mean"), ValueError, "reduction"),
+    (dict(fwd_dtype=jnp.bfloat16), ValueError, "fwd_dtype must be an fp8 dtype"),
+    (dict(bwd_dtype="float16"), ValueError, "bwd_dtype must be an fp8 dtype"),
+    (dict(fwd_dtype="e4m3"), TypeError, "fwd_dtype must be an fp8 dtype"),
+])
+def test_bad_recipes_get_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fp8.DelayedScaling(**kwargs)
+
+
+def test_misuse_of_the_functions_gets_clear_errors():
+    with pytest.raises(TypeError, match="CurrentScaling"):
+        fp8.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), DN, recipe=fp8.DelayedScaling())
+    with pytest.raises(TypeError, match="lhs must be floating"):
+        fp8.fp8_dot_general(jnp.ones((2, 2), jnp.int32), jnp.ones((2, 2)), DN)
+    with pytest.raises(TypeError, match="DelayedScaling"):
+        fp8.update_meta(fp8.DelayedScaling().init_meta(), jnp.ones(2), fp8.CurrentScaling())
+    with pytest.raises(ValueError, match="history_length is 4"):
+        fp8.update_meta(fp8.DelayedScaling(history_length=8).init_meta(), jnp.ones(2),
+                        fp8.DelayedScaling(history_length=4))
+    with pytest.raises(ValueError, match="fp8 dtype"):
+        fp8.fp8_max(jnp.float16)
+
+
+def test_cpu_reports_emulation():
+    available, why = fp8.native_fp8(jax.devices("cpu")[0])
+    assert not available and "emulated" in why
