@@ -14,7 +14,8 @@ Forward operands use E4M3 and gradients E5M2 (the "hybrid" format). :func:`fp8_d
 quantizes and dequantizes its operands around a ``lax.dot_general`` (and the cotangent in its
 backward pass). On CPU that is the emulation (fp8 rounding, matmul in the operands' dtype); on
 GPUs with fp8 Tensor Cores (compute capability >= 8.9) XLA rewrites this pattern into an fp8
-GEMM, which is how ``flax.linen.fp8_ops`` reaches them too.
+GEMM, which is how ``flax.linen.fp8_ops`` reaches them too. Under :func:`jaxmp.autocast`,
+``AutocastRules(fp8_matmuls=CurrentScaling())`` makes every half-list ``dot_general`` one.
 
 Example:
   >>> import jax.numpy as jnp
@@ -216,7 +217,10 @@ def update_meta(meta: Fp8Meta, x: jax.Array, recipe: DelayedScaling, dtype: Any 
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """``x * scale`` saturated to the format's range and cast to fp8.
+    """``x * scale`` saturated to the format's range and cast to fp8; non-finite stays non-finite.
+
+    Saturation applies to finite values only: an inf or NaN (an overflowed step) must reach the
+    skip-on-overflow check, not be clipped into a plausible 448.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -226,7 +230,7 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     """
     top = fp8_max(dtype)
     scaled = x.astype(jnp.float32) * scale
-    return jnp.clip(scaled, -top, top).astype(dtype)
+    return jnp.where(jnp.isfinite(scaled), jnp.clip(scaled, -top, top), scaled).astype(dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:

@@ -51,6 +51,9 @@ def test_compute_scale_and_quantize_saturate_at_the_format_maximum():
     q = fp8.quantize(jnp.array([1e6, -1e6, 1.0]), jnp.float32(1.0), fp8.E4M3)
     assert q.dtype == fp8.E4M3
     np.testing.assert_array_equal(q.astype(jnp.float32), [448.0, -448.0, 1.0])
+    for dtype in fp8.FP8_DTYPES:  # an overflow is never clipped into a finite value
+        bad = fp8.quantize(jnp.array([jnp.inf, jnp.nan, 2.0]), jnp.float32(1.0), dtype).astype(jnp.float32)
+        assert not np.any(np.isfinite(np.asarray(bad[:2]))) and float(bad[2]) == 2.0
 
 
 def test_qdq_with_current_scaling_maps_the_amax_onto_the_format_maximum():
@@ -139,3 +142,84 @@ def test_misuse_of_the_functions_gets_clear_errors():
 def test_cpu_reports_emulation():
     available, why = fp8.native_fp8(jax.devices("cpu")[0])
     assert not available and "emulated" in why
+
+
+def _jaxpr_dtypes(closed):
+    """Every dtype produced anywhere in a closed jaxpr, sub-jaxprs included."""
+    out = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            out.update(str(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype"))
+            for p in eqn.params.values():
+                for j in (p if isinstance(p, (tuple, list)) else (p,)):
+                    if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
+                        walk(j.jaxpr)
+                    elif hasattr(j, "eqns"):
+                        walk(j)
+    walk(closed.jaxpr)
+    return out
+
+
+def test_autocast_with_fp8_matmuls_runs_half_list_dots_in_fp8_and_trains_close_to_bf16():
+    import jaxmp
+
+    params, x, y = _data()
+    loss = _mlp_loss(lambda a, b: a @ b)
+    rules = jaxmp.AutocastRules(fp8_matmuls=fp8.CurrentScaling())
+    f8 = jaxmp.autocast(loss, "O1-bf16", rules=rules)
+    bf = jaxmp.autocast(loss, "O1-bf16")
+    fwd = _jaxpr_dtypes(jax.make_jaxpr(f8)(params, x, y))
+    bwd = _jaxpr_dtypes(jax.make_jaxpr(jax.grad(f8))(params, x, y))
+    assert "float8_e4m3fn" in fwd and "float8_e5m2" in bwd
+    assert "float8_e4m3fn" not in _jaxpr_dtypes(jax.make_jaxpr(bf)(params, x, y))
+    g8, gb = jax.jit(jax.grad(f8))(params, x, y), jax.jit(jax.grad(bf))(params, x, y)
+    f32 = jax.grad(loss)(params, x, y)
+    for name in params:
+        assert g8[name].dtype == jnp.float32
+        rel = float(jnp.linalg.norm(g8[name] - f32[name]) / jnp.linalg.norm(f32[name]))
+        rel_bf = float(jnp.linalg.norm(gb[name] - f32[name]) / jnp.linalg.norm(f32[name]))
+        assert 0 < rel < 0.1 and rel > rel_bf  # coarser than bf16, still close
+
+
+def test_autocast_fp8_composes_with_dynamic_loss_scaling_and_skips_overflow():
+    import optax
+
+    import jaxmp
+
+    params, x, y = _data()
+    loss = jaxmp.autocast(_mlp_loss(lambda a, b: a @ b), "O1-bf16",
+                          rules=jaxmp.AutocastRules(fp8_matmuls=fp8.CurrentScaling()))
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), loss_scale="dynamic")
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, xb):
+        _, g = jaxmp.value_and_grad(loss, s)(p, xb, y)
+        u, s = tx.update(g, s, p)
+        return jaxmp.apply_updates(p, u, s), s
+
+    first, s1 = step(params, state, x)
+    assert jaxmp.last_step_finite(s1) and not jax.tree_util.tree_all(
+        jax.tree_util.tree_map(lambda a, b: bool(jnp.all(a == b)), first, params))
+    bad, s2 = step(first, s1, x.at[0, 0].set(jnp.inf))
+    assert not jaxmp.last_step_finite(s2)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, bad, first)  # the overflowed step changed nothing
+
+
+def test_autocast_refuses_delayed_scaling_and_non_recipes():
+    import jaxmp
+
+    with pytest.raises(ValueError, match="delayed scaling"):
+        jaxmp.AutocastRules(fp8_matmuls=fp8.DelayedScaling())
+    with pytest.raises(TypeError, match="fp8_matmuls"):
+        jaxmp.AutocastRules(fp8_matmuls="e4m3")
+
+
+def test_precision_report_names_the_fp8_matmuls_and_their_formats():
+    import jaxmp
+
+    f = jaxmp.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w) @ w), "O1-bf16",
+                       rules=jaxmp.AutocastRules(fp8_matmuls=fp8.CurrentScaling()))
+    text = jaxmp.precision_report(f, jnp.ones((4, 4)), jnp.ones((2, 4))).to_json()
+    assert text.count("fp8 (float8_e4m3fn forward, float8_e5m2 backward, current scaling)") >= 2

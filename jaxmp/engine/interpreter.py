@@ -211,7 +211,19 @@ class Interpreter:
             if not explicit:
                 out = _F32 if self.rules.matmul_output == "float32" else op_dtype
                 params = {**params, "preferred_element_type": out}
+        recipe = self.rules.fp8_matmuls
+        if recipe is not None and eqn.primitive.name == "dot_general" and len(floats) == 2:
+            return [Val(self._fp8_dot(eqn, args, params, recipe))]
         return [Val(o) for o in self.bind(eqn, args, params, rule="half list")]
+
+    def _fp8_dot(self, eqn, args, params, recipe) -> Any:
+        from jaxmp import fp8
+
+        rule = f"half list, fp8 ({recipe.fwd_dtype} forward, {recipe.bwd_dtype} backward, current scaling)"
+        scope = jax.named_scope(f"jaxmp.rule={rule}") if self.explain else contextlib.nullcontext()
+        with scope:
+            return fp8.fp8_dot_general(args[0], args[1], params["dimension_numbers"], recipe,
+                                       preferred_element_type=params.get("preferred_element_type"))
 
     def _follow(self, eqn, vals, floats, cast) -> list[Val]:
         dts = [dtype_of(vals[i].x) for i in floats]

@@ -156,6 +156,10 @@ class AutocastRules:
       scope_rules: ``((pattern, dtype), ...)``: ops under a ``jax.named_scope`` whose name
         matches the glob ``pattern`` run in ``dtype`` (``"float32"``, ``"half"``, a dtype, or
         ``"keep"``: as traced).
+      fp8_matmuls: a :class:`jaxmp.fp8.CurrentScaling` recipe, or None: half-list
+        ``dot_general`` ops become scaled fp8 dots (E4M3 operands, E5M2 cotangents;
+        :func:`jaxmp.fp8.fp8_dot_general`). Delayed scaling needs state across steps, which
+        autocast's functional form has none of: it is refused.
       class_rules: ``((module_class, dtype), ...)``: ops inside calls of instances of that
         class (Flax Linen / NNX, Equinox, Haiku; subclasses too) run in ``dtype``.
 
@@ -172,8 +176,17 @@ class AutocastRules:
     matmul_output: str = "compute"
     scope_rules: tuple[tuple[str, str], ...] = ()
     class_rules: tuple[tuple[type, str], ...] = ()
+    fp8_matmuls: Any = None
 
     def __post_init__(self):
+        from jaxmp import fp8
+
+        if isinstance(self.fp8_matmuls, fp8.DelayedScaling):
+            raise ValueError("AutocastRules.fp8_matmuls: delayed scaling keeps amax histories across steps, "
+                             "which autocast's functional form has no state for; use fp8.CurrentScaling()")
+        if self.fp8_matmuls is not None and not isinstance(self.fp8_matmuls, fp8.CurrentScaling):
+            raise TypeError(f"AutocastRules.fp8_matmuls must be a jaxmp.fp8.CurrentScaling or None, "
+                            f"got {type(self.fp8_matmuls).__name__}")
         half = _op_set(self.half_ops, "AutocastRules.half_ops")
         fp32 = _op_set(self.float32_ops, "AutocastRules.float32_ops")
         if half & fp32:
