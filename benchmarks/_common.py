@@ -453,7 +453,25 @@ def _validate_autocast(result: dict) -> list[str]:
     return p
 
 
+def _validate_fp8(result: dict) -> list[str]:
+    models = result["results"].get("models") if isinstance(result["results"], dict) else None
+    if not isinstance(models, dict) or not models:
+        return ["results.models must be a non-empty dict"]
+    p = []
+    for m, r in models.items():
+        for v, x in (r.get("variants") or {}).items() if isinstance(r, dict) else ():
+            where = f"results.models.{m}.variants.{v}"
+            p += _check_stats(x.get("step_time_s"), f"{where}.step_time_s")
+            curve = x.get("loss_curve")
+            if not (isinstance(curve, list) and curve and all(isinstance(c, float) for c in curve)):
+                p.append(f"{where}.loss_curve is not a non-empty list of floats")
+        if not isinstance(r, dict) or not r.get("variants"):
+            p.append(f"results.models.{m} has no variants")
+    return p
+
+
 _VALIDATORS = {
+    "fp8": _validate_fp8,
     "autocast": _validate_autocast,
     "overhead": _validate_overhead,
     "throughput": _validate_throughput,

@@ -385,3 +385,22 @@ def test_hand_cast_mlp_assigns_the_o1_dtypes():
     for op in ("reduce_sum", "reduce_max", "exp", "log", "rsqrt"):
         assert dtypes[op] == {"float32"}, op
     assert jax.eval_shape(lambda p, x, y: m.hand_loss(p, x, y, jnp.bfloat16), m.params, *m.batch).dtype == jnp.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/fp8.py
+
+
+def test_fp8_benchmark_dry_run_times_both_variants_and_compares_loss_curves(tmp_path):
+    from benchmarks import fp8 as bench
+
+    out = tmp_path / "fp8.json"
+    result = bench.main(["--dry-run", "--quiet", "--models", "mlp", "--train-steps", "6", "--out", str(out)])
+    _assert_valid(json.loads(out.read_text()), "fp8")
+    r = result["results"]["models"]["mlp"]
+    bf16, f8 = r["variants"]["bf16"], r["variants"]["fp8"]
+    assert len(bf16["loss_curve"]) == len(f8["loss_curve"]) == 6
+    assert bf16["loss_curve"][-1] < bf16["loss_curve"][0] and f8["loss_curve"][-1] < f8["loss_curve"][0]
+    assert bf16["loss_curve"] != f8["loss_curve"]  # fp8 rounding changes the numbers ...
+    assert 0 < r["max_rel_loss_gap_last_half"] < 0.05  # ... but not the curve
+    assert r["fp8_speedup"]["n"] == 2 and result["config"]["native_fp8"] is False
