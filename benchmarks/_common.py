@@ -258,6 +258,22 @@ def parse_choices(text: str | None, allowed, what: str) -> list[str]:
     return chosen
 
 
+def add_timing_args(parser, warmup_help: str = "untimed steps per variant"):
+    """``--rounds``, ``--steps`` and ``--warmup-steps``, read by :func:`timing_from_args`."""
+    parser.add_argument("--rounds", type=int, help="interleaved timing rounds (samples per variant)")
+    parser.add_argument("--steps", type=int, help="steps per timed block")
+    parser.add_argument("--warmup-steps", type=int, help=warmup_help)
+    return parser
+
+
+def emit_to_default(result: dict, out: str | None, name: str) -> None:
+    """:func:`emit` to ``out``, or to ``results/<name>_<device>.json`` (``dry_run/<name>.json``)."""
+    if out is None:
+        slug = device_slug(result["env"]["device"])
+        out = str(RESULTS_DIR / (f"dry_run/{name}.json" if result["dry_run"] else f"{name}_{slug}.json"))
+    emit(result, out)
+
+
 def timing_from_args(args, default: Mapping[str, int], dry: Mapping[str, int]) -> dict[str, int]:
     """The timing settings (rounds, steps, warmup_steps): the defaults, then any given flag."""
     timing = dict(dry if args.dry_run else default)
@@ -428,9 +444,14 @@ def _validate_gpu_suite(result: dict) -> list[str]:
     return p
 
 
-def _validate_autocast(result: dict) -> list[str]:
+def _models(result: dict) -> dict | None:
     models = result["results"].get("models") if isinstance(result["results"], dict) else None
-    if not isinstance(models, dict) or not models:
+    return models if isinstance(models, dict) and models else None
+
+
+def _validate_autocast(result: dict) -> list[str]:
+    models = _models(result)
+    if models is None:
         return ["results.models must be a non-empty dict"]
     p = []
     for m, r in models.items():
@@ -454,8 +475,8 @@ def _validate_autocast(result: dict) -> list[str]:
 
 
 def _validate_fp8(result: dict) -> list[str]:
-    models = result["results"].get("models") if isinstance(result["results"], dict) else None
-    if not isinstance(models, dict) or not models:
+    models = _models(result)
+    if models is None:
         return ["results.models must be a non-empty dict"]
     p = []
     for m, r in models.items():

@@ -24,32 +24,6 @@ NATIVE = {"native-bf16": None, "native-bf16-cudnn": "cudnn"}
 CUDNN_ATTENTION = "__cudnn$fmha"
 
 
-class AutocastApply:
-    """The module's ``init`` in the preset's param dtype and its ``apply`` under ``jaxmp.autocast``.
-
-    Attention calls ``jax.nn.dot_product_attention`` with no implementation named, so the
-    engine picks cuDNN's fused kernel on a GPU and XLA attention elsewhere.
-    """
-
-    def __init__(self, module, preset: str):
-        import jaxmp
-        from benchmarks._native import NativeModel
-
-        self.native, self.preset = NativeModel(module, None, "auto"), preset
-        self.policy = jaxmp.get_policy(preset)
-
-    def init(self, *args, **kwargs):
-        import jaxmp
-
-        variables = self.native.init(*args, **kwargs)
-        return {**variables, "params": jaxmp.cast_floating(variables["params"], self.policy.param_dtype)}
-
-    def apply(self, variables, *args, **kwargs):
-        import jaxmp
-
-        return jaxmp.autocast(self.native.apply, self.preset)(variables, *args, **kwargs)
-
-
 def load_model(name: str, classes: int, overrides: dict):
     """The Flax model of ``experiments.models`` (imported at run time)."""
     try:
@@ -117,8 +91,12 @@ def _setup(policy: str, spec: dict, entry: dict):
     tx = jaxmp.loss_scaling(make_optimizer(spec["optimizer"]), loss_scale=recipe.loss_scale,
                             master_weights=recipe.master_weights)
     if autocast:
+        from benchmarks._native import NativeModel
+        from experiments.program import AutocastModel
+
+        # "auto": attention names no implementation, so the engine picks cuDNN's fused kernel.
         entry["front_door"] = "jaxmp.autocast"
-        return module, AutocastApply(module, preset), tx, ctx, recipe
+        return module, AutocastModel(NativeModel(module, None, "auto"), preset), tx, ctx, recipe
     entry["front_door"] = "jaxmp.flax"
     return module, jflax.mixed_precision(module, preset), tx, ctx, recipe
 

@@ -267,9 +267,7 @@ def build_parser():
     parser.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: all; peers that do not "
                                            "import are skipped and named)")
     parser.add_argument("--half", choices=("bf16", "fp16"), default="bf16", help="half dtype (default bf16)")
-    parser.add_argument("--rounds", type=int, help="interleaved timing rounds (samples per variant)")
-    parser.add_argument("--steps", type=int, help="steps per timed block")
-    parser.add_argument("--warmup-steps", type=int, help="untimed steps per variant")
+    common.add_timing_args(parser, "untimed steps per variant")
     parser.add_argument("--compile-repeats", type=int, help="fresh traces + compiles per variant (median)")
     return parser
 
@@ -277,11 +275,7 @@ def build_parser():
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     result = run(args)
-    out = args.out
-    if out is None:
-        slug = common.device_slug(result["env"]["device"])
-        out = str(common.RESULTS_DIR / ("dry_run/autocast.json" if args.dry_run else f"autocast_{slug}.json"))
-    common.emit(result, out)
+    common.emit_to_default(result, args.out, "autocast")
     return result
 
 

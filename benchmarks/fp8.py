@@ -214,9 +214,7 @@ def build_parser():
     common.add_common_args(parser, default_out=None)
     parser.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: all)")
-    parser.add_argument("--rounds", type=int, help="interleaved timing rounds (samples per variant)")
-    parser.add_argument("--steps", type=int, help="steps per timed block")
-    parser.add_argument("--warmup-steps", type=int, help="untimed blocks per variant")
+    common.add_timing_args(parser, "untimed blocks per variant")
     parser.add_argument("--train-steps", type=int, help="steps of the loss-curve comparison")
     return parser
 
@@ -224,11 +222,7 @@ def build_parser():
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     result = run(args)
-    out = args.out
-    if out is None:
-        slug = common.device_slug(result["env"]["device"])
-        out = str(common.RESULTS_DIR / ("dry_run/fp8.json" if args.dry_run else f"fp8_{slug}.json"))
-    common.emit(result, out)
+    common.emit_to_default(result, args.out, "fp8")
     return result
 
 

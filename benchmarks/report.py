@@ -51,11 +51,8 @@ def torch_variant(entry: dict, pairs: dict) -> str:
 
 def native_baseline(entry: dict, runs: list[dict]) -> dict | None:
     """The native run a jaxmp run is divided by (cuDNN attention first, for attention models)."""
-    for name in (NATIVE_ATTENTION_BASELINE, NATIVE_BASELINE):
-        found = _find(runs, entry["model"], entry["batch_size"], name)
-        if found and (name == NATIVE_BASELINE or entry["unit"] == "tokens"):
-            return found
-    return None
+    return (_find(runs, entry["model"], entry["batch_size"], NATIVE_ATTENTION_BASELINE)
+            or _find(runs, entry["model"], entry["batch_size"], NATIVE_BASELINE))
 
 
 # ----------------------------------------------------------------------------------------------

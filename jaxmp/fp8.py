@@ -65,7 +65,6 @@ class CurrentScaling:
       bwd_dtype: format of gradients (E5M2).
 
     Example:
-      >>> import jax, jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> fp8.CurrentScaling().fwd_dtype
       dtype(float8_e4m3fn)
@@ -93,7 +92,6 @@ class DelayedScaling(CurrentScaling):
       bwd_dtype: as in :class:`CurrentScaling`.
 
     Example:
-      >>> import jax, jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> fp8.DelayedScaling(history_length=16).init_meta().amax_history.shape
       (16,)
@@ -137,7 +135,6 @@ def fp8_max(dtype: Any) -> float:
       448.0 for E4M3, 57344.0 for E5M2.
 
     Example:
-      >>> import jax, jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> fp8.fp8_max(fp8.E5M2)
       57344.0
@@ -158,7 +155,7 @@ def compute_scale(amax: jax.Array, old_scale: jax.Array, dtype: Any, margin: flo
       The new float32 scale.
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> float(fp8.compute_scale(jnp.float32(0.0), jnp.float32(3.0), fp8.E4M3))
       3.0
@@ -174,7 +171,7 @@ def amax(x: jax.Array) -> jax.Array:
     """The float32 absolute maximum of ``x``.
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> float(fp8.amax(jnp.array([1.0, -3.0])))
       3.0
@@ -197,7 +194,7 @@ def update_meta(meta: Fp8Meta, x: jax.Array, recipe: DelayedScaling, dtype: Any 
       The new :class:`Fp8Meta`.
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> r = fp8.DelayedScaling(history_length=2)
       >>> float(fp8.update_meta(r.init_meta(), jnp.array([2.0]), r).scale)
@@ -223,7 +220,7 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     skip-on-overflow check, not be clipped into a plausible 448.
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> fp8.quantize(jnp.array([1000.0]), jnp.float32(1.0), fp8.E4M3).astype(jnp.float32)
       Array([448.], dtype=float32)
@@ -237,7 +234,7 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     """``q / scale`` in ``dtype``.
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> fp8.dequantize(fp8.quantize(jnp.array([3.0]), jnp.float32(2.0), fp8.E4M3), jnp.float32(2.0), jnp.float32)
       Array([3.], dtype=float32)
@@ -249,7 +246,7 @@ def qdq(x: jax.Array, dtype: Any, margin: float = 0.0, scale: jax.Array | None =
     """Quantize-dequantize ``x`` through ``dtype`` (current scaling unless ``scale`` is given).
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> fp8.qdq(jnp.array([1.0, 0.3]), fp8.E4M3).dtype
       dtype('float32')
@@ -279,7 +276,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: C
       The product in ``preferred_element_type`` (default: the operands' promoted dtype).
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> x = jnp.ones((2, 3)); w = jnp.full((3, 4), 0.5)
       >>> fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ()))).tolist()[0]
@@ -295,10 +292,6 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: C
     def dot(a, b):
         return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=preferred_element_type)
 
-    @jax.custom_vjp
-    def f(a, b):
-        return dot(qdq(a, recipe.fwd_dtype, recipe.margin), qdq(b, recipe.fwd_dtype, recipe.margin))
-
     def fwd(a, b):
         qa, qb = qdq(a, recipe.fwd_dtype, recipe.margin), qdq(b, recipe.fwd_dtype, recipe.margin)
         return dot(qa, qb), (qa, qb)
@@ -308,6 +301,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: C
         _, vjp = jax.vjp(dot, qa, qb)
         return vjp(qdq(g, recipe.bwd_dtype, recipe.margin))
 
+    f = jax.custom_vjp(lambda a, b: fwd(a, b)[0])
     f.defvjp(fwd, bwd)
     return f(lhs, rhs)
 
@@ -325,7 +319,7 @@ def native_fp8(device: Any = None) -> tuple[bool, str]:
       ``(available, reason)``.
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax
       >>> from jaxmp import fp8
       >>> fp8.native_fp8(jax.devices("cpu")[0])
       (False, 'cpu has no fp8 Tensor Cores: fp8 is emulated (fp8 rounding, matmul in the operand dtype)')

@@ -11,7 +11,8 @@ import warnings as _warnings
 import jax as _jax
 
 # The engine reads jaxprs and a few internals whose form changes between JAX releases: CI runs
-# jax 0.10; the suite (all but the experiments and docs tests) passed on jax 0.11.2 on the GPU machine.
+# jax 0.10; the suite (all but the experiments and docs tests) passed on jax 0.11.2 on the GPU machine
+# (benchmarks/results/jax_0.11.2_tests_h100.txt).
 TESTED_JAX = ((0, 10), (0, 12))
 if not TESTED_JAX[0] <= tuple(int(p) for p in _jax.__version__.split(".")[:2]) < TESTED_JAX[1]:
     _warnings.warn(f"jaxmp.autocast is tested with jax>={'.'.join(map(str, TESTED_JAX[0]))},<"

@@ -18,6 +18,7 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from jaxmp import fp8
 from jaxmp.engine.config import AutocastConfig
 from jaxmp.engine.rules import COMBINER_OPS, FLOAT32_OPS, FOLLOW_OPS, HALF_OPS, MARKER, PASSTHROUGH_OPS
 
@@ -151,11 +152,14 @@ class Interpreter:
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
             yield
 
+    def _rule_scope(self, rule: str):
+        """Names the deciding rule in the ops' name stack, for ``precision_report`` (explain mode only)."""
+        return jax.named_scope(f"jaxmp.rule={rule}") if (self.explain and rule) else contextlib.nullcontext()
+
     def bind(self, eqn, args: Sequence[Any], params: dict | None = None, rule: str = "") -> list[Any]:
         """Binds ``eqn``'s primitive on ``args`` (inside the eqn's name stack and context)."""
         params = eqn.params if params is None else params
-        scope = jax.named_scope(f"jaxmp.rule={rule}") if (self.explain and rule) else contextlib.nullcontext()
-        with scope:
+        with self._rule_scope(rule):
             out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
         return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -217,11 +221,8 @@ class Interpreter:
         return [Val(o) for o in self.bind(eqn, args, params, rule="half list")]
 
     def _fp8_dot(self, eqn, args, params, recipe) -> Any:
-        from jaxmp import fp8
-
         rule = f"half list, fp8 ({recipe.fwd_dtype} forward, {recipe.bwd_dtype} backward, current scaling)"
-        scope = jax.named_scope(f"jaxmp.rule={rule}") if self.explain else contextlib.nullcontext()
-        with scope:
+        with self._rule_scope(rule):
             return fp8.fp8_dot_general(args[0], args[1], params["dimension_numbers"], recipe,
                                        preferred_element_type=params.get("preferred_element_type"))
 

@@ -22,6 +22,7 @@ from typing import Any, Iterable
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp import fp8
 from jaxmp.dtypes import float_dtype
 
 #: Matmuls and convolutions: cast to the compute dtype (torch: matmul, conv, linear, einsum, baddbmm).
@@ -179,8 +180,6 @@ class AutocastRules:
     fp8_matmuls: Any = None
 
     def __post_init__(self):
-        from jaxmp import fp8
-
         if isinstance(self.fp8_matmuls, fp8.DelayedScaling):
             raise ValueError("AutocastRules.fp8_matmuls: delayed scaling keeps amax histories across steps, "
                              "which autocast's functional form has no state for; use fp8.CurrentScaling()")
