@@ -26,7 +26,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -63,6 +66,9 @@ class CurrentScaling:
       margin: headroom in powers of two (the scale is divided by ``2**margin``).
       fwd_dtype: format of forward operands (E4M3).
       bwd_dtype: format of gradients (E5M2).
+      emulate: None (default): native fp8 on GPUs with fp8 Tensor Cores, the emulation on CPU,
+        and a clear error elsewhere (older GPUs, TPU); True: emulate anywhere (opt-in);
+        False: require fp8 Tensor Cores. See :func:`check_hardware`.
 
     Example:
       >>> from jaxmp import fp8
@@ -73,8 +79,11 @@ class CurrentScaling:
     margin: float = 0.0
     fwd_dtype: Any = E4M3
     bwd_dtype: Any = E5M2
+    emulate: bool | None = None
 
     def __post_init__(self):
+        if self.emulate not in (None, True, False):
+            raise ValueError(f"emulate must be None, True or False, got {self.emulate!r}")
         object.__setattr__(self, "margin", _margin(self.margin))
         object.__setattr__(self, "fwd_dtype", _fp8_dtype(self.fwd_dtype, "fwd_dtype"))
         object.__setattr__(self, "bwd_dtype", _fp8_dtype(self.bwd_dtype, "bwd_dtype"))
@@ -90,6 +99,7 @@ class DelayedScaling(CurrentScaling):
       margin: as in :class:`CurrentScaling`.
       fwd_dtype: as in :class:`CurrentScaling`.
       bwd_dtype: as in :class:`CurrentScaling`.
+      emulate: as in :class:`CurrentScaling`.
 
     Example:
       >>> from jaxmp import fp8
@@ -256,21 +266,135 @@ def qdq(x: jax.Array, dtype: Any, margin: float = 0.0, scale: jax.Array | None =
     return dequantize(quantize(x, scale, dtype), scale, x.dtype)
 
 
-def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: CurrentScaling | None = None,
-                    preferred_element_type: Any = None) -> jax.Array:
-    """``lax.dot_general`` with fp8 operands (E4M3) and an fp8 cotangent (E5M2), current scaling.
+class Fp8Scales(NamedTuple):
+    """The three delayed scales of one fp8 matmul or convolution (float32 scalars).
 
-    Each operand is quantized with the scale of its own amax; in the backward pass the incoming
-    cotangent is quantized to the gradient format the same way (so a loss scale cancels out), then
-    the gradients are the dot's transposes on the quantized values.
+    Attributes:
+      input: the scale of the activation (left operand, forward format).
+      kernel: the scale of the weight (right operand, forward format).
+      output_grad: the scale of the incoming gradient (backward format), in *unscaled* units:
+        the op divides it by the loss scale of :func:`gradient_loss_scale`.
+    """
+
+    input: jax.Array
+    kernel: jax.Array
+    output_grad: jax.Array
+
+
+_GRAD_LOSS_SCALE: contextvars.ContextVar = contextvars.ContextVar("jaxmp_fp8_gradient_loss_scale", default=None)
+
+
+@contextlib.contextmanager
+def gradient_loss_scale(loss_scale: Any):
+    """Tells delayed-scaling fp8 ops traced inside that gradients carry ``loss_scale``.
+
+    The gradient scale and the gradient amax a delayed-scaling op reports are kept in
+    unscaled units, so a change of the loss scale never corrupts the E5M2 history: inside,
+    each op quantizes the (scaled) cotangent with ``output_grad / loss_scale`` and, by the
+    chain rule through that division, reports ``amax(cotangent) / loss_scale``. The train
+    steps of :mod:`jaxmp.flax` enter it for you; call it yourself around the forward pass of a
+    hand-written step that scales the loss.
+
+    Args:
+      loss_scale: the scalar the loss is multiplied by (a traced value is fine).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp import fp8
+      >>> with fp8.gradient_loss_scale(jnp.float32(1024.0)):
+      ...     pass
+    """
+    token = _GRAD_LOSS_SCALE.set(loss_scale)
+    try:
+        yield
+    finally:
+        _GRAD_LOSS_SCALE.reset(token)
+
+
+def _check_operands(name: str, lhs: Any, rhs: Any) -> None:
+    for side, x in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            raise TypeError(f"{name}: {side} must be floating, got {jnp.result_type(x)}")
+
+
+def _recipe(recipe: Any, scales: Any, name: str) -> CurrentScaling:
+    recipe = CurrentScaling() if recipe is None else recipe
+    if not isinstance(recipe, CurrentScaling):
+        raise TypeError(f"{name}: recipe must be a jaxmp.fp8.CurrentScaling or DelayedScaling, "
+                        f"got {type(recipe).__name__}")
+    delayed = isinstance(recipe, DelayedScaling)
+    if delayed and scales is None:
+        raise TypeError(f"{name}: delayed scaling needs scales=Fp8Scales(...) from the layer's fp8 state "
+                        "(see fp8.init_layer_state); use CurrentScaling() for a stateless op")
+    if not delayed and scales is not None:
+        raise TypeError(f"{name}: scales are only used with a DelayedScaling recipe")
+    return recipe
+
+
+def _scaled_bilinear(op, lhs, rhs, recipe: CurrentScaling, scales: Fp8Scales | None):
+    """``op(lhs, rhs)`` on fp8-rounded operands, with an fp8-rounded cotangent.
+
+    ``op`` is linear in each operand (a dot or a convolution), so its VJP on the quantized
+    operands is the gradient of the quantized forward pass. With delayed scaling the scales are
+    inputs whose cotangents are the amaxes observed for them (``update_state`` records those).
+    """
+    fwd_dt, bwd_dt, margin = recipe.fwd_dtype, recipe.bwd_dtype, recipe.margin
+
+    def q(x, dtype, scale):
+        return qdq(x, dtype, margin) if scale is None else dequantize(quantize(x, scale, dtype), scale, x.dtype)
+
+    if scales is None:
+        def fwd(a, b):
+            qa, qb = q(a, fwd_dt, None), q(b, fwd_dt, None)
+            return op(qa, qb), (qa, qb)
+
+        def bwd(res, g):
+            qa, qb = res
+            return jax.vjp(op, qa, qb)[1](q(g, bwd_dt, None))
+
+        f = jax.custom_vjp(lambda a, b: fwd(a, b)[0])
+        f.defvjp(fwd, bwd)
+        return f(lhs, rhs)
+
+    def fwd_d(a, b, sa, sb, sg):
+        qa, qb = q(a, fwd_dt, sa), q(b, fwd_dt, sb)
+        return op(qa, qb), (qa, qb, amax(a), amax(b), sg)
+
+    def bwd_d(res, g):
+        qa, qb, amax_a, amax_b, sg = res
+        da, db = jax.vjp(op, qa, qb)[1](q(g, bwd_dt, sg))
+        return da, db, amax_a, amax_b, amax(g)
+
+    f = jax.custom_vjp(lambda a, b, sa, sb, sg: fwd_d(a, b, sa, sb, sg)[0])
+    f.defvjp(fwd_d, bwd_d)
+    sa, sb, sg = (jnp.asarray(s, jnp.float32) for s in scales)
+    loss_scale = _GRAD_LOSS_SCALE.get()
+    if loss_scale is not None:
+        # In unscaled units: the cotangent carries the loss scale, and the chain rule through
+        # this division hands back amax / loss_scale as the observed gradient amax.
+        sg = sg / jnp.asarray(loss_scale, jnp.float32)
+    return f(lhs, rhs, sa, sb, sg)
+
+
+def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: CurrentScaling | None = None,
+                    preferred_element_type: Any = None, *, scales: Fp8Scales | None = None,
+                    precision: Any = None) -> jax.Array:
+    """``lax.dot_general`` with fp8 operands (E4M3) and an fp8 cotangent (E5M2).
+
+    Current scaling: each operand is quantized with the scale of its own amax; in the backward
+    pass the incoming cotangent is quantized to the gradient format the same way (so a loss
+    scale cancels out), then the gradients are the dot's transposes on the quantized values.
+    Delayed scaling: the scales come from ``scales`` (the layer's state, see
+    :func:`init_layer_state`) and the amaxes seen this step come back as their gradients.
 
     Args:
       lhs: left operand (floating), as for ``jax.lax.dot_general``.
       rhs: right operand (floating).
       dimension_numbers: as for ``jax.lax.dot_general``.
-      recipe: a :class:`CurrentScaling` (default ``CurrentScaling()``). Delayed scaling keeps
-        state across steps, which this stateless function cannot: see :func:`update_meta`.
+      recipe: a :class:`CurrentScaling` (default) or :class:`DelayedScaling`.
       preferred_element_type: the output dtype, as for ``jax.lax.dot_general``.
+      scales: the :class:`Fp8Scales` of a delayed recipe (None for current scaling).
+      precision: as for ``jax.lax.dot_general``.
 
     Returns:
       The product in ``preferred_element_type`` (default: the operands' promoted dtype).
@@ -282,28 +406,157 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: C
       >>> fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ()))).tolist()[0]
       [1.5, 1.5, 1.5, 1.5]
     """
-    recipe = CurrentScaling() if recipe is None else recipe
-    if isinstance(recipe, DelayedScaling) or not isinstance(recipe, CurrentScaling):
-        raise TypeError(f"fp8_dot_general takes a CurrentScaling recipe, got {type(recipe).__name__}")
-    for name, x in (("lhs", lhs), ("rhs", rhs)):
-        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-            raise TypeError(f"fp8_dot_general: {name} must be floating, got {jnp.result_type(x)}")
+    recipe = _recipe(recipe, scales, "fp8_dot_general")
+    _check_operands("fp8_dot_general", lhs, rhs)
 
     def dot(a, b):
-        return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=preferred_element_type)
+        return jax.lax.dot_general(a, b, dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type)
 
-    def fwd(a, b):
-        qa, qb = qdq(a, recipe.fwd_dtype, recipe.margin), qdq(b, recipe.fwd_dtype, recipe.margin)
-        return dot(qa, qb), (qa, qb)
+    return _scaled_bilinear(dot, lhs, rhs, recipe, scales)
 
-    def bwd(res, g):
-        qa, qb = res
-        _, vjp = jax.vjp(dot, qa, qb)
-        return vjp(qdq(g, recipe.bwd_dtype, recipe.margin))
 
-    f = jax.custom_vjp(lambda a, b: fwd(a, b)[0])
-    f.defvjp(fwd, bwd)
-    return f(lhs, rhs)
+def fp8_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, padding, lhs_dilation=None,
+                             rhs_dilation=None, dimension_numbers=None, feature_group_count: int = 1,
+                             batch_group_count: int = 1, precision: Any = None,
+                             preferred_element_type: Any = None, *, recipe: CurrentScaling | None = None,
+                             scales: Fp8Scales | None = None) -> jax.Array:
+    """``lax.conv_general_dilated`` with fp8 operands and cotangent, like :func:`fp8_dot_general`.
+
+    Args:
+      lhs: the input (floating), as for ``jax.lax.conv_general_dilated``.
+      rhs: the kernel (floating).
+      window_strides: as for ``jax.lax.conv_general_dilated``.
+      padding: as for ``jax.lax.conv_general_dilated``.
+      lhs_dilation: as for ``jax.lax.conv_general_dilated``.
+      rhs_dilation: as for ``jax.lax.conv_general_dilated``.
+      dimension_numbers: as for ``jax.lax.conv_general_dilated``.
+      feature_group_count: as for ``jax.lax.conv_general_dilated``.
+      batch_group_count: as for ``jax.lax.conv_general_dilated``.
+      precision: as for ``jax.lax.conv_general_dilated``.
+      preferred_element_type: as for ``jax.lax.conv_general_dilated``.
+      recipe: a :class:`CurrentScaling` (default) or :class:`DelayedScaling`.
+      scales: the :class:`Fp8Scales` of a delayed recipe.
+
+    Returns:
+      The convolution of the fp8-rounded operands.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp import fp8
+      >>> fp8.fp8_conv_general_dilated(jnp.ones((1, 1, 4)), jnp.ones((1, 1, 2)), (1,), "VALID").tolist()
+      [[[2.0, 2.0, 2.0]]]
+    """
+    recipe = _recipe(recipe, scales, "fp8_conv_general_dilated")
+    _check_operands("fp8_conv_general_dilated", lhs, rhs)
+
+    def conv(a, b):
+        return jax.lax.conv_general_dilated(a, b, window_strides, padding, lhs_dilation, rhs_dilation,
+                                            dimension_numbers, feature_group_count, batch_group_count,
+                                            precision=precision, preferred_element_type=preferred_element_type)
+
+    return _scaled_bilinear(conv, lhs, rhs, recipe, scales)
+
+
+# -- the per-layer delayed-scaling state, as variables ----------------------------------------
+
+#: The tensors of one fp8 layer with a delayed scale each, and the format each is cast to.
+LAYER_TENSORS = ("input", "kernel", "output_grad")
+
+
+def init_layer_state(recipe: DelayedScaling) -> dict[str, jax.Array]:
+    """The delayed-scaling state of one fp8 layer: a scale and an amax history per tensor.
+
+    Keys follow ``flax.linen.fp8_ops``: ``input_scale``, ``input_amax_history``,
+    ``kernel_scale``, ``kernel_amax_history``, ``output_grad_scale``,
+    ``output_grad_amax_history``. It is state, not a parameter: never give it to an optimizer.
+
+    Args:
+      recipe: the :class:`DelayedScaling` recipe (its history length).
+
+    Returns:
+      ``{name: float32 array}``: scales 1, histories zero.
+
+    Example:
+      >>> from jaxmp import fp8
+      >>> sorted(fp8.init_layer_state(fp8.DelayedScaling(history_length=4)))[:2]
+      ['input_amax_history', 'input_scale']
+    """
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(f"init_layer_state needs a DelayedScaling recipe, got {type(recipe).__name__}")
+    meta = recipe.init_meta()
+    out = {}
+    for name in LAYER_TENSORS:
+        out[f"{name}_scale"], out[f"{name}_amax_history"] = meta.scale, meta.amax_history
+    return out
+
+
+def layer_scales(layer_state: Mapping[str, Any]) -> Fp8Scales:
+    """The :class:`Fp8Scales` of one layer's state (from :func:`init_layer_state`).
+
+    Example:
+      >>> from jaxmp import fp8
+      >>> float(fp8.layer_scales(fp8.init_layer_state(fp8.DelayedScaling())).kernel)
+      1.0
+    """
+    return Fp8Scales(*(layer_state[f"{name}_scale"] for name in LAYER_TENSORS))
+
+
+def _is_layer_state(node: Any) -> bool:
+    return isinstance(node, Mapping) and all(f"{n}_scale" in node and f"{n}_amax_history" in node
+                                             for n in LAYER_TENSORS)
+
+
+def _update_layer(layer: Mapping, seen: Mapping, recipe: DelayedScaling) -> dict:
+    out = dict(layer)
+    for name in LAYER_TENSORS:
+        dtype = recipe.bwd_dtype if name == "output_grad" else recipe.fwd_dtype
+        meta = update_meta(Fp8Meta(layer[f"{name}_scale"], layer[f"{name}_amax_history"]),
+                           seen[f"{name}_scale"], recipe, dtype)
+        out[f"{name}_scale"], out[f"{name}_amax_history"] = meta.scale, meta.amax_history
+    return out
+
+
+def update_state(state: Any, observed: Any, recipe: DelayedScaling, axis_name: Any = None) -> Any:
+    """Records one step's amaxes in every layer's history and recomputes the scales.
+
+    ``observed`` is the gradient of the loss with respect to ``state``: a delayed-scaling op
+    reports the amax it saw for each tensor as the gradient of that tensor's scale (the
+    gradient amax in unscaled units, see :func:`gradient_loss_scale`). A layer called twice in
+    a step reports the sum of its amaxes: a scale that errs towards headroom, never overflow.
+
+    Args:
+      state: a pytree holding layer states (:func:`init_layer_state` dicts, at any depth).
+      observed: the same structure, from differentiating with respect to ``state``.
+      recipe: the :class:`DelayedScaling` recipe.
+      axis_name: a bound ``pmap``/``shard_map`` axis: the amaxes are maxed over it first, so
+        every replica keeps the same scales. (Under sharded ``jit`` they are global already.)
+
+    Returns:
+      The new state; non-finite amaxes (an overflowed step) leave their tensor unchanged.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmp import fp8
+      >>> recipe = fp8.DelayedScaling(history_length=4)
+      >>> state = {"dense": fp8.init_layer_state(recipe)}
+      >>> seen = jax.tree.map(lambda a: jnp.full_like(a, 2.0), state)
+      >>> float(fp8.update_state(state, seen, recipe)["dense"]["input_scale"])
+      224.0
+    """
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(f"update_state needs a DelayedScaling recipe, got {type(recipe).__name__}")
+    if axis_name is not None:
+        observed = jax.lax.pmax(observed, axis_name)
+
+    def walk(node, seen):
+        if _is_layer_state(node):
+            return _update_layer(node, seen, recipe)
+        if isinstance(node, Mapping):
+            return {k: walk(v, seen[k]) for k, v in node.items()}
+        return node
+
+    return walk(state, observed)
 
 
 def native_fp8(device: Any = None) -> tuple[bool, str]:
@@ -336,3 +589,43 @@ def native_fp8(device: Any = None) -> tuple[bool, str]:
     if (major, minor) < (8, 9):
         return False, f"{device.device_kind} (compute capability {cc}) needs >= 8.9 for fp8 Tensor Cores: {emulated}"
     return True, f"{device.device_kind} (compute capability {cc}) has fp8 Tensor Cores"
+
+
+def check_hardware(recipe: CurrentScaling, device: Any = None) -> str:
+    """Whether ``recipe`` runs natively or emulated on ``device``; a clear error if neither is allowed.
+
+    ``recipe.emulate`` None (default): native on fp8 Tensor Cores (NVIDIA compute capability
+    >= 8.9), emulated on CPU (so everything can be tested there), a ``ValueError`` on other
+    accelerators (older GPUs, TPU), where the emulation is slower than bf16 and is opt-in
+    (``emulate=True``). ``emulate=False`` requires fp8 Tensor Cores.
+
+    Args:
+      recipe: a :class:`CurrentScaling` or :class:`DelayedScaling`.
+      device: a ``jax.Device`` (default: the first device).
+
+    Returns:
+      ``"native"`` or ``"emulated"``.
+
+    Raises:
+      TypeError: ``recipe`` is not an fp8 recipe.
+      ValueError: the hardware cannot run it the way ``recipe.emulate`` asks.
+
+    Example:
+      >>> import jax
+      >>> from jaxmp import fp8
+      >>> fp8.check_hardware(fp8.DelayedScaling(), jax.devices("cpu")[0])
+      'emulated'
+    """
+    if not isinstance(recipe, CurrentScaling):
+        raise TypeError(f"expected a jaxmp.fp8 recipe (CurrentScaling or DelayedScaling), got {type(recipe).__name__}")
+    device = jax.devices()[0] if device is None else device
+    native, reason = native_fp8(device)
+    if native:
+        return "emulated" if recipe.emulate else "native"
+    if recipe.emulate is False:
+        raise ValueError(f"fp8 with emulate=False needs fp8 Tensor Cores: {reason}")
+    if recipe.emulate is None and device.platform != "cpu":
+        raise ValueError(f"fp8 is not supported natively here: {reason}. The emulation is slower than bf16 on "
+                         "this hardware; opt in with emulate=True (e.g. fp8.DelayedScaling(emulate=True)) "
+                         "to test fp8 numerics, or use a bf16 policy")
+    return "emulated"

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp import fp8 as _fp8
 from jaxmp.dtypes import dtype_names
 from jaxmp.policy import Policy, parse_policy_grammar
 
@@ -24,7 +25,10 @@ _F32 = np.dtype(jnp.float32)
 _HALF_SUFFIXES = {"": None, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp16": jnp.float16,
                   "f16": jnp.float16, "float16": jnp.float16}
 _KERAS = ("float32", "mixed_float16", "mixed_bfloat16")
-_PRESET_HELP = "O0, O1, O2, O3 (optionally with -bf16/-fp16, e.g. 'O2-bf16'), float32, mixed_float16, mixed_bfloat16"
+_PRESET_HELP = ("O0, O1, O2, O3 (optionally with -bf16/-fp16, e.g. 'O2-bf16'), O2-fp8 (delayed scaling), "
+                "O2-fp8-current (current scaling), float32, mixed_float16, mixed_bfloat16")
+# fp8 presets: O2-bf16 with the half list's matmuls and convolutions in fp8.
+_FP8_SUFFIXES = {"fp8": _fp8.DelayedScaling, "fp8-delayed": _fp8.DelayedScaling, "fp8-current": _fp8.CurrentScaling}
 
 
 class Recipe(NamedTuple):
@@ -39,6 +43,8 @@ class Recipe(NamedTuple):
         into a loss-scale object.
       keep_fp32: op categories (subset of ``("norm", "softmax", "loss")``) that run in
         float32 whatever the compute dtype.
+      fp8: None, or the :mod:`jaxmp.fp8` recipe (``DelayedScaling`` / ``CurrentScaling``) the
+        half list's matmuls and convolutions run with (the ``O2-fp8`` presets).
     """
 
     name: str
@@ -46,6 +52,7 @@ class Recipe(NamedTuple):
     master_weights: bool
     loss_scale: str
     keep_fp32: tuple[str, ...]
+    fp8: Any = None
 
 
 def preset_half_dtype(device: Any = None) -> np.dtype:
@@ -122,8 +129,14 @@ def parse_preset(name: str) -> Recipe | None:
         rest = rest[1:]
     elif rest:
         return None
+    if rest.lower() in _FP8_SUFFIXES:
+        if level != "O2":
+            raise ValueError(f"fp8 presets are O2-based (bf16 elsewhere, float32 masters): use 'O2-{rest}', "
+                             f"not {name!r}.")
+        return _level_recipe(n, level, jnp.bfloat16)._replace(fp8=_FP8_SUFFIXES[rest.lower()]())
     if rest.lower() not in _HALF_SUFFIXES:
-        raise ValueError(f"Unknown half dtype {rest!r} in preset {name!r}: use e.g. 'O2', 'O2-bf16' or 'O2-fp16'.")
+        raise ValueError(f"Unknown half dtype {rest!r} in preset {name!r}: use e.g. 'O2', 'O2-bf16', 'O2-fp16' "
+                         "or 'O2-fp8'.")
     return _level_recipe(n, level, _HALF_SUFFIXES[rest.lower()])
 
 
@@ -188,6 +201,10 @@ def get_recipe(name: str) -> Recipe:
     * ``O2``: half params with an fp32 master copy in the optimizer, half compute,
       float32 output; norms and the loss in float32; dynamic scaling for float16.
     * ``O3``: pure half, no master weights, no loss scaling, nothing kept in fp32.
+    * ``O2-fp8`` / ``O2-fp8-current``: O2-bf16 with the half list's matmuls and convolutions
+      in fp8 (E4M3 forward, E5M2 gradients) under delayed scaling (Transformer Engine's
+      defaults: history 1024, max, margin 0) or per-tensor current scaling. Emulated on CPU;
+      native on GPUs with fp8 Tensor Cores (see :func:`jaxmp.fp8.check_hardware`).
     * Keras: ``float32`` (= O0), ``mixed_float16`` / ``mixed_bfloat16`` (float32
       params, half compute, float32 output; dynamic scaling for float16).
 

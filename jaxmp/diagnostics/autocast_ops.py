@@ -89,6 +89,8 @@ def _walk(jaxpr, outer: str, out: list) -> None:
         rules = [p[len(_RULE):] for p in parts if p.startswith(_RULE)]
         if rules:
             clean = "/".join(p for p in parts if not p.startswith(_RULE))
-            out.append(AutocastOp(eqn.primitive.name, rules[-1], _short(eqn.invars), _short(eqn.outvars), clean))
+            # An fp8 layer's label outranks the rule the engine gave the ops inside it.
+            rule = next((r for r in rules if "fp8" in r), rules[-1])
+            out.append(AutocastOp(eqn.primitive.name, rule, _short(eqn.invars), _short(eqn.outvars), clean))
         for sub in _subs(eqn.params):
             _walk(sub, name, out)

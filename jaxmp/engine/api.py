@@ -43,6 +43,11 @@ def explaining():
         yield
 
 
+def explain_enabled() -> bool:
+    """Whether :func:`explaining` is active (ops outside the engine label themselves then, e.g. fp8 layers)."""
+    return bool(_EXPLAIN.value)
+
+
 def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 

@@ -17,7 +17,7 @@ from typing import Any
 import flax.linen as _nn
 from flax import nnx as _nnx
 
-from jaxmp.flax import linen, nnx
+from jaxmp.flax import fp8, linen, nnx
 from jaxmp.flax.attention import fp32_softmax_attention, fused_attention
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy
 from jaxmp.flax.overrides import (
@@ -83,6 +83,7 @@ __all__ = [
     "PrecisionOverrides",
     "TrainState",
     "accuracy",
+    "fp8",
     "fp32_softmax_attention",
     "fused_attention",
     "linen",

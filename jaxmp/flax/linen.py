@@ -32,10 +32,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from jaxmp import fp8
 from jaxmp.engine import flax_config
 from jaxmp.engine.api import _Autocast
 from jaxmp.engine.rules import marker
 from jaxmp.flax.attention import fused_attention
+from jaxmp.flax.fp8 import linen_fp8_field, linen_fp8_op
 from jaxmp.flax.casting import Path, cast_by_path, cast_output, first_floating_dtype
 from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, resolve_overrides
 from jaxmp.dtypes import cast_floating
@@ -125,8 +127,10 @@ def _casting_interceptor(rule_of: _RuleCache, overrides: PrecisionOverrides, par
         input_dtype = first_floating_dtype((args, kwargs))
         args, kwargs = cast_floating((args, kwargs), rule.compute_dtype)
         param_dtypes.append(rule.compute_dtype)
+        fp8_field = linen_fp8_field(module) if overrides.fp8 is not None and rule.kind == "half" else None
+        fp8_op = linen_fp8_op(module, fp8_field, overrides.fp8) if fp8_field else contextlib.nullcontext()
         try:
-            with attention, _region(rule, module):
+            with attention, fp8_op, _region(rule, module):
                 out = next_fun(*args, **kwargs)
         finally:
             param_dtypes.pop()
@@ -167,6 +171,8 @@ class MixedPrecision:
         if not isinstance(self.module, nn.Module):
             raise TypeError(f"expected a flax.linen.Module instance, got {type(self.module).__name__}")
         policy, overrides = resolve_overrides(self.policy, self.overrides)
+        if overrides.fp8 is not None:
+            fp8.check_hardware(overrides.fp8)
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "overrides", overrides)
 

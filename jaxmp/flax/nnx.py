@@ -35,6 +35,8 @@ from jaxmp.engine import flax_config
 from jaxmp.engine.api import _Autocast
 from jaxmp.engine.rules import marker
 from jaxmp.flax.attention import fused_attention
+from jaxmp import fp8
+from jaxmp.flax.fp8 import Fp8State, install_nnx_fp8
 from jaxmp.flax.casting import Path, cast_by_path, cast_output, first_floating_dtype
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
 from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, resolve_overrides
@@ -136,8 +138,17 @@ def store_params(model: nnx.Module, policy: Any, overrides: Any = None) -> nnx.M
     return model
 
 
+def _is_half(policy: Policy, overrides: PrecisionOverrides):
+    def is_half(node) -> bool:
+        rule = overrides.rule_for(node, policy)
+        return rule is not None and rule.kind == "half"
+    return is_half
+
+
 def _install(copy: nnx.Module, policy: Policy, overrides: PrecisionOverrides) -> None:
     """Swaps classes / attention functions of the ruled modules of a throw-away copy."""
+    if overrides.fp8 is not None and not isinstance(overrides.fp8, fp8.DelayedScaling):
+        install_nnx_fp8(copy, overrides.fp8, _is_half(policy, overrides))  # stateless: per call
     for _, node in nnx.iter_graph(copy):
         if not isinstance(node, nnx.Module):
             continue
@@ -173,6 +184,9 @@ def call(model: nnx.Module, *args, policy: Any, overrides: Any = None, **kwargs)
     """
     _check_model(model)
     policy, overrides = resolve_overrides(policy, overrides)
+    if isinstance(overrides.fp8, fp8.DelayedScaling):
+        raise ValueError("delayed fp8 scaling keeps scales and amax histories in the model: wrap it with "
+                         "jaxmp.flax.mixed_precision(model, policy) instead of calling jaxmp.flax.nnx.call")
     return _call(model, policy, overrides, args, kwargs)
 
 
@@ -220,11 +234,20 @@ class MixedPrecision(nnx.Module):
       >>> metrics = jaxmp.flax.nnx.train_step(model, optimizer, (jnp.ones((2, 4)), jnp.array([0, 2])))
       >>> metrics["finite"]
       Array(True, dtype=bool)
+
+    Under an ``O2-fp8`` policy (delayed scaling) the layers' matmuls get :class:`jaxmp.flax.fp8.NnxFp8Op`
+    ops holding :class:`jaxmp.flax.fp8.Fp8State` variables; :func:`train_step` updates them.
     """
 
     def __init__(self, model: nnx.Module, policy: Any, overrides: Any = None):
         _check_model(model)
         self.policy, self.overrides = resolve_overrides(policy, overrides)
+        if isinstance(self.overrides.fp8, fp8.DelayedScaling):
+            fp8.check_hardware(self.overrides.fp8)
+            # The layers' fp8 ops hold the delayed-scaling state (Fp8State variables).
+            install_nnx_fp8(model, self.overrides.fp8, _is_half(self.policy, self.overrides))
+        elif self.overrides.fp8 is not None:
+            fp8.check_hardware(self.overrides.fp8)
         self.model = store_params(model, self.policy, self.overrides)
 
     def __call__(self, *args, **kwargs) -> Any:
@@ -256,7 +279,7 @@ def optimizer_state(optimizer: nnx.Optimizer) -> Any:
 
 # Variables restored bitwise when a step is skipped; RNG counters are not (a skipped step
 # must not replay the same dropout mask forever).
-_RESTORED_ON_SKIP = (nnx.Param, nnx.BatchStat)
+_RESTORED_ON_SKIP = (nnx.Param, nnx.BatchStat, Fp8State)
 
 
 def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
@@ -302,15 +325,27 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
     scale = get_loss_scale(optimizer_state(optimizer))
     before = nnx.as_pure(nnx.state(model, _RESTORED_ON_SKIP))
     step_before = optimizer.step[...]
+    recipe = model.overrides.fp8 if isinstance(model, MixedPrecision) else None
+    delayed = isinstance(recipe, fp8.DelayedScaling)
 
     def scaled_loss(model):
-        logits = model(inputs, **model_kwargs)
+        with fp8.gradient_loss_scale(scale.loss_scale):
+            logits = model(inputs, **model_kwargs)
         if fp32_loss:
             logits = logits.astype(jnp.float32)
         loss = loss_fn(logits, labels)
         return scale.scale(loss), (loss, logits)
 
-    grads, (loss, logits) = nnx.grad(scaled_loss, has_aux=True)(model)
+    # With delayed fp8 scaling, the gradient with respect to the Fp8State variables is the
+    # amaxes this step observed (jaxmp.fp8.update_state); it never reaches the optimizer.
+    wrt = nnx.Any(nnx.Param, Fp8State) if delayed else nnx.Param
+    grads, (loss, logits) = nnx.grad(scaled_loss, argnums=nnx.DiffState(0, wrt), has_aux=True)(model)
+    if delayed:
+        grads, observed = nnx.split_state(grads, nnx.Param, Fp8State)
+        fp8_state = nnx.state(model, Fp8State)
+        new = fp8.update_state(nnx.to_pure_dict(fp8_state), nnx.to_pure_dict(observed), recipe, axis_name)
+        nnx.replace_by_pure_dict(fp8_state, new)
+        nnx.update(model, fp8_state)  # kept below only if the step is finite
     acc = accuracy(logits, labels)
     if axis_name is not None:
         # Reduce in float32: the sum of half-precision scaled gradients can overflow.

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxmp import fp8 as _fp8
 from jaxmp.policy import Policy
 from jaxmp.presets import FP32_CATEGORIES, Recipe, as_policy, get_recipe, resolve_policy
 
@@ -114,6 +115,10 @@ class PrecisionOverrides:
       fused_attention: attention modules with Flax's default attention run
         :func:`jaxmp.flax.fused_attention` (cuDNN on GPUs, XLA with a float32 softmax
         elsewhere); False keeps Flax's own attention under the op lists.
+      fp8: None, or a :mod:`jaxmp.fp8` recipe (``DelayedScaling()`` / ``CurrentScaling()``):
+        the half-list ``Dense``/``DenseGeneral``/``Conv`` (Linen) and
+        ``Linear``/``LinearGeneral``/``Conv`` (NNX) layers run their matmul or convolution
+        in fp8 (:mod:`jaxmp.flax.fp8`). Set by the ``O2-fp8`` presets.
 
     Example:
       >>> import flax.linen as nn, jaxmp, jaxmp.flax
@@ -131,8 +136,12 @@ class PrecisionOverrides:
     fp32_softmax: bool = True
     fp32_loss: bool = True
     fused_attention: bool = True
+    fp8: Any = None
 
     def __post_init__(self):
+        if self.fp8 is not None and not isinstance(self.fp8, _fp8.CurrentScaling):
+            raise TypeError(f"PrecisionOverrides.fp8 must be a jaxmp.fp8.DelayedScaling / CurrentScaling recipe or "
+                            f"None, got {type(self.fp8).__name__}: {self.fp8!r}")
         half = _class_tuple(self.half_modules, "PrecisionOverrides.half_modules")
         fp32 = _class_tuple(self.fp32_modules, "PrecisionOverrides.fp32_modules")
         both = [c.__name__ for c in half if c in fp32]
@@ -210,7 +219,7 @@ class PrecisionOverrides:
             raise TypeError(f"expected a jaxmp.Recipe or a preset name, got {type(recipe).__name__}")
         # O0 is all float32 anyway; keeping the default lists makes its overrides inert, not different.
         keep = FP32_CATEGORIES if recipe.name == "O0" or recipe.name == "float32" else recipe.keep_fp32
-        return cls.from_categories(keep)
+        return dataclasses.replace(cls.from_categories(keep), fp8=recipe.fp8)
 
     # -- modified copies -----------------------------------------------------------------
 

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxmp import fp8
+from jaxmp.flax.fp8 import FP8_COLLECTION
 from jaxmp.flax.linen import MixedPrecision
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
 from jaxmp.grad import value_and_grad
@@ -155,16 +157,31 @@ class TrainState(struct.PyTreeNode):
                             model_state=new_model_state, opt_state=opt_state)
 
 
-def _loss_and_logits(state: TrainState, params: Any, inputs: Any, labels: Any, loss_fn: Callable,
+def _loss_and_logits(state: TrainState, params: Any, fp8_state: Any, inputs: Any, labels: Any, loss_fn: Callable,
                      rngs: Any, model_kwargs: dict, train: bool):
+    model_state = dict(state.model_state)
+    if fp8_state is not None:
+        model_state[FP8_COLLECTION] = fp8_state
+    # The fp8 state changes by the step's amax observations, not in the forward pass.
     # Linen returns (out, updates) for any mutable other than False, even an empty list.
-    mutable = (list(state.model_state) or False) if train else False
-    out = state.model.apply({"params": params, **state.model_state}, inputs, rngs=rngs,
-                            mutable=mutable, **model_kwargs)
-    logits, new_model_state = out if mutable else (out, state.model_state)
+    mutable = ([c for c in model_state if c != FP8_COLLECTION] or False) if train else False
+    out = state.model.apply({"params": params, **model_state}, inputs, rngs=rngs, mutable=mutable, **model_kwargs)
+    logits, new_model_state = out if mutable else (out, {})
     if state.overrides.fp32_loss:
         logits = logits.astype(jnp.float32)
-    return loss_fn(logits, labels), (logits, new_model_state)
+    return loss_fn(logits, labels), (logits, {**state.model_state, **new_model_state})
+
+
+def _fp8_recipe(state: TrainState) -> fp8.DelayedScaling | None:
+    """The delayed-scaling recipe whose state the step updates, or None (no fp8 state)."""
+    if FP8_COLLECTION not in state.model_state:
+        return None
+    recipe = getattr(state.overrides, "fp8", None)
+    if not isinstance(recipe, fp8.DelayedScaling):
+        raise ValueError(f"the variables hold a {FP8_COLLECTION!r} collection (delayed fp8 scaling) but the model's "
+                         f"policy has no DelayedScaling recipe (got {recipe!r}): wrap the model with an 'O2-fp8' "
+                         "policy or PrecisionOverrides(fp8=jaxmp.fp8.DelayedScaling())")
+    return recipe
 
 
 def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
@@ -214,16 +231,27 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
                 rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
             rngs = {name: jax.random.fold_in(rng, i) for i, name in enumerate(rng_collections)}
 
-        def compute(params):
-            return _loss_and_logits(state, params, inputs, labels, loss_fn, rngs, model_kwargs, train=True)
+        scale = get_loss_scale(state.opt_state).loss_scale
+        recipe = _fp8_recipe(state)
+        fp8_state = state.model_state[FP8_COLLECTION] if recipe is not None else None
 
-        (loss, (logits, new_model_state)), grads = value_and_grad(compute, state.opt_state, has_aux=True)(state.params)
+        def compute(params, fp8_state):
+            with fp8.gradient_loss_scale(scale):
+                return _loss_and_logits(state, params, fp8_state, inputs, labels, loss_fn, rngs, model_kwargs,
+                                        train=True)
+
+        # With delayed fp8 scaling, the gradient with respect to the fp8 state is the amaxes
+        # this step observed (jaxmp.fp8.update_state); it never reaches the optimizer.
+        (loss, (logits, new_model_state)), (grads, observed) = value_and_grad(
+            compute, state.opt_state, argnums=(0, 1), has_aux=True)(state.params, fp8_state)
         acc = accuracy(logits, labels)
         if axis_name is not None:
             # Reduce in float32: the sum of half-precision scaled gradients can overflow.
             grads = all_reduce_gradients(grads, axis_name)
             loss, acc = jax.lax.pmean((loss, acc), axis_name)
-        scale = get_loss_scale(state.opt_state).loss_scale
+        if recipe is not None:
+            new_model_state = {**new_model_state,
+                               FP8_COLLECTION: fp8.update_state(fp8_state, observed, recipe, axis_name)}
         new_state = state.apply_gradients(grads, model_state=new_model_state)
         metrics = {
             "loss": jnp.asarray(loss, jnp.float32),
@@ -263,7 +291,7 @@ def make_eval_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | Non
 
     def eval_step(state: TrainState, batch: Any):
         inputs, labels = split_batch(batch)
-        loss, (logits, _) = _loss_and_logits(state, state.params, inputs, labels, loss_fn, None, model_kwargs,
+        loss, (logits, _) = _loss_and_logits(state, state.params, None, inputs, labels, loss_fn, None, model_kwargs,
                                              train=False)
         metrics = {"loss": jnp.asarray(loss, jnp.float32), "accuracy": accuracy(logits, labels)}
         if axis_name is not None:

@@ -1,0 +1,222 @@
+"""fp8 matmuls and convolutions for Linen and NNX models under an ``O2-fp8`` policy.
+
+Under a policy whose recipe has an fp8 recipe (``"O2-fp8"``, ``"O2-fp8-current"``, or
+``PrecisionOverrides(fp8=...)``), every half-list ``Dense``/``DenseGeneral``/``Conv`` (Linen)
+and ``Linear``/``LinearGeneral``/``Conv`` (NNX) that uses the default ``lax`` op gets an fp8 op
+instead: the Linen layer's ``dot_general_cls`` / ``conv_general_dilated_cls`` (as
+``flax.linen.fp8_ops`` does) for the call, the NNX layer's ``dot_general`` /
+``conv_general_dilated`` attribute (set once, when the model is wrapped).
+
+Delayed scaling keeps, per layer, a scale and an amax history for the input, the kernel and the
+output gradient (keys as ``flax.linen.fp8_ops``: ``input_scale``, ``input_amax_history`` ...).
+That state is not a parameter:
+
+* Linen: the ``"fp8_meta"`` collection (:data:`FP8_COLLECTION`), next to ``batch_stats`` in
+  :class:`jaxmp.flax.TrainState`'s ``model_state``. Its keys are module paths
+  (``Dense_0/Fp8DotGeneral_0/input_scale``), so they survive any change of the model code that
+  does not rename or reorder the layer itself.
+* NNX: :class:`Fp8State` variables on the layer's op (``layer.dot_general.input_scale``),
+  outside ``nnx.Param``, so ``nnx.Optimizer(..., wrt=nnx.Param)`` never sees them.
+
+The train steps differentiate the loss with respect to params *and* the fp8 state: each op
+reports the amax it saw for a tensor as the gradient of that tensor's scale (the gradient amax
+divided by the loss scale, see :func:`jaxmp.fp8.gradient_loss_scale`), and the step records
+it with :func:`jaxmp.fp8.update_state` -- after the step is known to be finite, so a skipped
+step leaves the fp8 state bitwise unchanged, and maxed over the ``pmap`` axis, so replicas
+keep equal scales.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from jaxmp import fp8
+from jaxmp.engine.api import explain_enabled
+
+#: The Linen variable collection of the delayed-scaling state.
+FP8_COLLECTION = "fp8_meta"
+
+#: Linen classes whose matmul / convolution an fp8 policy replaces (and the field it sets).
+LINEN_FP8_FIELDS: dict[type, str] = {
+    nn.Dense: "dot_general_cls", nn.DenseGeneral: "dot_general_cls", nn.Conv: "conv_general_dilated_cls",
+}
+#: NNX classes whose matmul / convolution an fp8 policy replaces (and the attribute it sets).
+NNX_FP8_FIELDS: dict[type, str] = {
+    nnx.Linear: "dot_general", nnx.LinearGeneral: "dot_general", nnx.Conv: "conv_general_dilated",
+}
+_LINEN_USER_FIELDS = {"dot_general_cls": "dot_general", "conv_general_dilated_cls": "conv_general_dilated"}
+
+
+def describe(recipe: fp8.CurrentScaling) -> str:
+    """The precision report's label for an op run under ``recipe``.
+
+    Example:
+      >>> from jaxmp import fp8
+      >>> from jaxmp.flax.fp8 import describe
+      >>> describe(fp8.DelayedScaling())
+      'half list, fp8 (float8_e4m3fn forward, float8_e5m2 backward, delayed scaling)'
+    """
+    kind = "delayed" if isinstance(recipe, fp8.DelayedScaling) else "current"
+    return f"half list, fp8 ({recipe.fwd_dtype} forward, {recipe.bwd_dtype} backward, {kind} scaling)"
+
+
+def _labelled(recipe: fp8.CurrentScaling):
+    # The same name scope autocast uses for its decisions, so precision_report names these ops.
+    return jax.named_scope(f"jaxmp.rule={describe(recipe)}") if explain_enabled() else contextlib.nullcontext()
+
+
+def _run(op_name: str, recipe, scales, args, kwargs):
+    if kwargs.pop("out_sharding", None) is not None:  # NNX always passes it, usually None
+        raise ValueError("fp8 layers do not take out_sharding: shard the operands instead")
+    op = fp8.fp8_dot_general if op_name == "dot_general" else fp8.fp8_conv_general_dilated
+    with _labelled(recipe):
+        return op(*args, recipe=recipe, scales=scales, **kwargs)
+
+
+# -- Linen ------------------------------------------------------------------------------------
+
+class _LinenFp8Op(nn.Module):
+    """A Linen fp8 op; delayed scaling keeps its state in :data:`FP8_COLLECTION`."""
+
+    recipe: Any = None
+    op_name: str = "dot_general"
+
+    @nn.compact
+    def __call__(self, *args, **kwargs):
+        scales = None
+        if isinstance(self.recipe, fp8.DelayedScaling):
+            init = fp8.init_layer_state(self.recipe)
+            state = {k: self.variable(FP8_COLLECTION, k, lambda v=v: v).value for k, v in init.items()}
+            scales = fp8.layer_scales(state)
+        return _run(self.op_name, self.recipe, scales, args, kwargs)
+
+
+class Fp8DotGeneral(_LinenFp8Op):
+    """Linen ``dot_general_cls`` running :func:`jaxmp.fp8.fp8_dot_general` (see the module docstring).
+
+    Example:
+      >>> import functools, jax, jax.numpy as jnp, flax.linen as nn
+      >>> from jaxmp import fp8
+      >>> from jaxmp.flax.fp8 import Fp8DotGeneral
+      >>> layer = nn.Dense(4, dot_general_cls=functools.partial(Fp8DotGeneral, recipe=fp8.DelayedScaling(history_length=8)))
+      >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 3)))
+      >>> variables["fp8_meta"]["Fp8DotGeneral_0"]["input_amax_history"].shape
+      (8,)
+    """
+
+    op_name: str = "dot_general"
+
+
+class Fp8ConvGeneralDilated(_LinenFp8Op):
+    """Linen ``conv_general_dilated_cls`` running :func:`jaxmp.fp8.fp8_conv_general_dilated`.
+
+    Example:
+      >>> import functools, jax, jax.numpy as jnp, flax.linen as nn
+      >>> from jaxmp import fp8
+      >>> from jaxmp.flax.fp8 import Fp8ConvGeneralDilated
+      >>> conv = nn.Conv(2, (3, 3), conv_general_dilated_cls=functools.partial(Fp8ConvGeneralDilated,
+      ...                                                                       recipe=fp8.CurrentScaling()))
+      >>> conv.apply(conv.init(jax.random.key(0), jnp.ones((1, 4, 4, 1))), jnp.ones((1, 4, 4, 1))).shape
+      (1, 4, 4, 2)
+    """
+
+    op_name: str = "conv_general_dilated"
+
+
+def linen_fp8_field(module: nn.Module) -> str | None:
+    """The ``*_cls`` field an fp8 policy sets on ``module``, or None (not an fp8 layer, or a user op).
+
+    Example:
+      >>> import flax.linen as nn
+      >>> from jaxmp.flax.fp8 import linen_fp8_field
+      >>> linen_fp8_field(nn.Dense(3)), linen_fp8_field(nn.LayerNorm())
+      ('dot_general_cls', None)
+    """
+    field = next((f for cls, f in LINEN_FP8_FIELDS.items() if isinstance(module, cls)), None)
+    if field is None or getattr(module, field) is not None or getattr(module, _LINEN_USER_FIELDS[field]) is not None:
+        return None  # the user's own op (e.g. flax's Fp8DotGeneralOp) is left alone
+    return field
+
+
+@contextlib.contextmanager
+def linen_fp8_op(module: nn.Module, field: str, recipe: fp8.CurrentScaling):
+    """Temporarily gives a bound Linen layer the fp8 op (restored afterwards, as for attention)."""
+    cls = Fp8DotGeneral if field == "dot_general_cls" else Fp8ConvGeneralDilated
+    object.__setattr__(module, field, functools.partial(cls, recipe=recipe))
+    try:
+        yield
+    finally:
+        object.__setattr__(module, field, None)
+
+
+# -- NNX --------------------------------------------------------------------------------------
+
+class Fp8State(nnx.Variable):
+    """NNX variable type of the delayed-scaling state (scales, amax histories): not a ``Param``."""
+
+
+class NnxFp8Op(nnx.Module):
+    """An NNX layer's ``dot_general`` / ``conv_general_dilated`` in fp8 (see the module docstring).
+
+    Args:
+      recipe: a :class:`jaxmp.fp8.CurrentScaling` or :class:`jaxmp.fp8.DelayedScaling`.
+      op_name: ``"dot_general"`` or ``"conv_general_dilated"``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxmp import fp8
+      >>> from jaxmp.flax.fp8 import NnxFp8Op, Fp8State
+      >>> layer = nnx.Linear(3, 4, rngs=nnx.Rngs(0), dot_general=NnxFp8Op(fp8.DelayedScaling(history_length=8)))
+      >>> layer(jnp.ones((2, 3))).shape, len(nnx.state(layer, Fp8State))
+      ((2, 4), 1)
+    """
+
+    def __init__(self, recipe: fp8.CurrentScaling, op_name: str = "dot_general"):
+        if not isinstance(recipe, fp8.CurrentScaling):
+            raise TypeError(f"recipe must be a jaxmp.fp8 recipe, got {type(recipe).__name__}")
+        if op_name not in ("dot_general", "conv_general_dilated"):
+            raise ValueError(f"op_name must be 'dot_general' or 'conv_general_dilated', got {op_name!r}")
+        self.recipe, self.op_name = recipe, op_name
+        if isinstance(recipe, fp8.DelayedScaling):
+            for key, value in fp8.init_layer_state(recipe).items():
+                setattr(self, key, Fp8State(value))
+
+    def __call__(self, *args, **kwargs):
+        scales = None
+        if isinstance(self.recipe, fp8.DelayedScaling):
+            scales = fp8.Fp8Scales(*(getattr(self, f"{n}_scale")[...] for n in fp8.LAYER_TENSORS))
+        return _run(self.op_name, self.recipe, scales, args, kwargs)
+
+
+def install_nnx_fp8(model: nnx.Module, recipe: fp8.CurrentScaling, is_half: Any) -> int:
+    """Gives every fp8-eligible half layer of an NNX model an :class:`NnxFp8Op` (in place).
+
+    Args:
+      model: the NNX model.
+      recipe: the fp8 recipe.
+      is_half: ``is_half(module) -> bool``: whether the policy runs the layer in half.
+
+    Returns:
+      The number of layers given an fp8 op (layers with a user-set op are left alone).
+    """
+    count = 0
+    for _, node in list(nnx.iter_graph(model)):
+        field = next((f for cls, f in NNX_FP8_FIELDS.items() if isinstance(node, cls)), None)
+        if field is None or not is_half(node):
+            continue
+        current = getattr(node, field)
+        if isinstance(current, NnxFp8Op):
+            count += 1
+            continue
+        if current is not getattr(jax.lax, field):
+            continue  # the user's own op
+        setattr(node, field, nnx.data(NnxFp8Op(recipe, field)))  # a graph node, so its state is found
+        count += 1
+    return count
