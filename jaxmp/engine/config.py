@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from jax._src import config as _jax_config
 
+from jaxmp import fp8
 from jaxmp.engine.rules import PURE_HALF_RULES, AutocastRules
 from jaxmp.policy import Policy
 from jaxmp.presets import resolve_policy
@@ -92,7 +93,17 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
         return AutocastConfig(name, compute, compute, True, rules or PURE_HALF_RULES)
     cast_inputs = level == "O2" or (level is None and np.dtype(resolved.param_dtype).itemsize < 4)
     output = np.dtype(resolved.output_dtype) if level is None else _F32
-    return AutocastConfig(name, compute, output, cast_inputs, rules or AutocastRules())
+    rules = rules or AutocastRules()
+    fp8_recipe = getattr(recipe, "fp8", None)
+    if fp8_recipe is not None:
+        if isinstance(fp8_recipe, fp8.DelayedScaling):
+            raise ValueError(f"{name}: delayed fp8 scaling keeps amax histories per layer, which a plain function "
+                             "under jaxmp.autocast has no state for; use 'O2-fp8-current' (current scaling) here, "
+                             "or jaxmp.flax.mixed_precision(model, 'O2-fp8') for delayed scaling")
+        fp8.check_hardware(fp8_recipe)
+        if rules.fp8_matmuls is None:
+            rules = dataclasses.replace(rules, fp8_matmuls=fp8_recipe)
+    return AutocastConfig(name, compute, output, cast_inputs, rules)
 
 
 # The tracing context: set while autocast traces the user's function. Part of jit's cache key.
