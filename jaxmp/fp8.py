@@ -462,6 +462,8 @@ def fp8_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, pad
 
 #: The tensors of one fp8 layer with a delayed scale each, and the format each is cast to.
 LAYER_TENSORS = ("input", "kernel", "output_grad")
+#: Name of the Linen variable collection (and model-state key) of the delayed-scaling state.
+FP8_COLLECTION = "fp8_meta"
 
 
 def init_layer_state(recipe: DelayedScaling) -> dict[str, jax.Array]:

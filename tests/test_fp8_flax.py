@@ -282,10 +282,30 @@ def test_nnx_fp8_trains_like_bf16():
     x, y = _data(64)
     x = x.reshape(len(x), -1)
     losses = {}
-    for policy in ("O2-bf16", "O2-fp8"):
+    for policy in ("O2-bf16", "O2-fp8", "O2-fp8-current"):
         model, opt = _nnx(policy)
         step = nnx.jit(jaxmp.flax.nnx.train_step)
+        first = float(step(model, opt, (x, y))["loss"])
         for _ in range(60):
             metrics = step(model, opt, (x, y))
-        losses[policy] = float(metrics["loss"])
-    assert losses["O2-fp8"] < 0.2 and abs(losses["O2-fp8"] - losses["O2-bf16"]) < 0.05, losses
+        losses[policy] = (first, float(metrics["loss"]))
+    for policy in ("O2-fp8", "O2-fp8-current"):
+        assert losses[policy][0] != losses["O2-bf16"][0]  # fp8 did round (the first forward differs)
+        assert losses[policy][1] < 0.2 and abs(losses[policy][1] - losses["O2-bf16"][1]) < 0.05, losses
+
+
+def test_the_generic_data_parallel_steps_refuse_fp8_state_they_could_not_update():
+    state = _linen_state()
+    devices = jax.local_devices()[:2]
+    model = state.model
+
+    def loss_fn(params, model_state, batch):
+        logits = model.apply({"params": params, **model_state}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), model_state
+
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "none", axis_name="batch")
+    step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch", devices=devices, model_state=True)
+    x, y = _data()
+    p, m, s = (jaxmp.parallel.replicate(t, devices) for t in (state.params, state.model_state, tx.init(state.params)))
+    with pytest.raises(ValueError, match="fp8_meta.*jaxmp.flax.make_train_step"):
+        step(p, m, s, jaxmp.parallel.shard_batch({"x": x, "y": y}, 2))

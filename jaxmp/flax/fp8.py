@@ -39,8 +39,7 @@ from flax import nnx
 from jaxmp import fp8
 from jaxmp.engine.api import explain_enabled
 
-#: The Linen variable collection of the delayed-scaling state.
-FP8_COLLECTION = "fp8_meta"
+FP8_COLLECTION = fp8.FP8_COLLECTION  # the Linen variable collection of the delayed-scaling state
 
 #: Linen classes whose matmul / convolution an fp8 policy replaces (and the field it sets).
 LINEN_FP8_FIELDS: dict[type, str] = {

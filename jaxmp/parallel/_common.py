@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxmp.fp8 import FP8_COLLECTION
 from jaxmp.grad import value_and_grad
 from jaxmp.dtypes import float_dtype
 from jaxmp.opt_state import apply_updates, scaling_stats
@@ -120,6 +122,12 @@ def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: C
 
     def body(state, opt_state, batch, rng=None):
         params, model_state = state if with_model_state else (state, None)
+        if isinstance(model_state, Mapping) and FP8_COLLECTION in model_state:
+            # Its update comes from the amaxes the step observes, which this generic step
+            # cannot see: the scales would stay at their initial value without a word.
+            raise ValueError(f"the model state holds delayed fp8 scaling state ({FP8_COLLECTION!r}), which this "
+                             "generic step would never update: use jaxmp.flax.make_train_step(axis_name=...) "
+                             "under pmap, or the 'O2-fp8-current' preset (no state)")
         key = (rng_transform(rng) if rng_transform is not None else rng) if with_rng else None
         fn = _loss_closure(loss_fn, batch, key, model_state, with_rng, with_model_state)
         out, grads = value_and_grad(fn, opt_state, has_aux=has_aux or with_model_state)(params)
