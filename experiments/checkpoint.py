@@ -1,49 +1,75 @@
-"""Verified orbax checkpoints of the whole training state, for exact resumption.
+"""Verified orbax checkpoints of the whole training state, for exact resumption, on one process or many.
 
-Each step is one orbax ``CheckpointManager`` step with three items, finalized atomically
-(orbax writes a temporary directory and renames it when complete):
+Each step is one orbax ``CheckpointManager`` step with four items, finalized atomically
+(orbax writes a temporary directory and renames it once every process is done):
 
-* ``state``: the train state pytree as host arrays (half params, the optimizer state with its
-  fp32 masters, loss scale and skip counters, BatchNorm statistics, the step);
+* ``state``: the train state pytree. Fully replicated leaves (all of a data-parallel state)
+  are saved as host copies, which process 0 writes; leaves sharded over devices are handed to
+  orbax as ``jax.Array`` objects, and each process writes its own shards.
 * ``meta``: JSON -- the data position, the settings a resume must share, the metric history;
-* ``manifest``: JSON -- per array its path, shape, dtype and the SHA-256 of its bytes, the
-  SHA-256 of ``meta``, the data position, the jaxmp and format versions, and its own SHA-256.
+* ``manifest``: JSON, from process 0 -- per array its path, global shape and dtype, the SHA-256
+  of ``meta``, the data position, the number of processes, the jaxmp and format versions, and
+  its own SHA-256;
+* ``shards``: one JSON file per process, ``shards/process_<i>.json``: each piece of an array
+  that process writes -- for a sharded array every addressable shard with ``replica_id == 0``
+  (orbax's rule for which copy of a shard is saved), for a host copy (process 0 only) the whole
+  array -- with its global index (``[start, stop]`` per dimension), shape, dtype and the
+  SHA-256 of its bytes, hashed from the very data handed to orbax; and the file's own SHA-256.
+  Together the files cover every element of every array exactly once; no process ever needs
+  data it does not hold.
 
-After orbax has finalized the step, ``state_files.json`` adds the size and SHA-256 of every file
-orbax wrote, so damaged files are found before orbax (TensorStore) reads them.
+After orbax has finalized the step, each process adds ``state_files_process_<i>.json``: the size
+and SHA-256 of the files of the state it wrote (orbax's ``ocdbt.process_<i>/`` and
+``array_metadatas/process_<i>``; process 0 also the shared files), so damaged files are found
+before orbax (TensorStore) reads them. A step killed before these lists exist is verified by
+its shard checksums alone; a step without its manifest or any process's shard file is damaged.
 
-:meth:`Checkpointer.restore_latest` verifies a step against its manifest before trusting it.
-A step that is damaged (a flipped bit, a garbled or truncated file, a deleted array file,
-manifest or metadata, edited metadata) is named with what is wrong, moved aside to
-``<workdir>/damaged_checkpoints`` (never deleted), and the next older step is tried, with a
-loud :class:`CheckpointDamageWarning`. With no intact step left the run stops with
+:meth:`Checkpointer.restore_latest` verifies a step before trusting it, each process its part:
+first the metadata, the shard files and its share of the file lists, then, after restoring,
+every recorded piece that lies in the data it holds, whichever process wrote it (the shard
+index says where the piece is). After each of the two phases the processes exchange verdicts
+(``process_allgather``), so a step one process finds damaged is rejected by all, no process
+reads a step another found damaged, and no process waits at a barrier another never reaches.
+A damaged step (a flipped bit, a garbled or truncated file, a deleted array file, manifest,
+shard file or metadata, edited metadata) is named with what is wrong -- step, array, shard
+index, and in a multi-process run which process found it --, moved aside by process 0 to
+``<workdir>/damaged_checkpoints`` (never deleted), and the next older step is tried, with a loud
+:class:`CheckpointDamageWarning` on every process. With no intact step left the run stops with
 :class:`CheckpointDamagedError`; it never starts over silently in a workdir that has history.
-Nothing is pickled: metadata is JSON, validated on load.
+Nothing is pickled: metadata is JSON, validated on load. The checkpoint directory must be one
+filesystem shared by all processes, as orbax requires.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import time
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import jax
 import numpy as np
 
 from experiments.validation import UserError
 
-FORMAT = "jaxmp-experiments-checkpoint/1"
-FILE_LIST = "state_files.json"  # per-file checksums of the state item, written after finalize
+FORMAT = "jaxmp-experiments-checkpoint/2"
+# Formats this version recognises but cannot verify (whole-array checksums, no shard files).
+OLD_FORMATS = ("jaxmp-experiments-checkpoint/1",)
+SHARDS = "shards"  # orbax item: shards/process_<i>.json, the checksums of what process i wrote
+FILE_LIST = "state_files_process_{}.json"  # per-process file checksums of the state, written after finalize
+_VERDICT_BYTES = 2048  # the longest verdict one process sends the others
 # Settings a resumed run must share with the run that wrote the checkpoint.
 MUST_MATCH = ("policy", "loss_scale", "master_weights", "engine", "seed", "model", "dataset",
               "global_batch_size", "num_train_steps")
 _META_TYPES = {"policy": str, "loss_scale": str, "master_weights": bool, "engine": str, "seed": int,
                "model": str, "dataset": str, "global_batch_size": int, "num_train_steps": int,
                "data_position": int, "history": list}
+_T = TypeVar("_T")
 
 
 class CheckpointMismatchError(UserError):
@@ -75,25 +101,117 @@ def _key(path) -> str:
     return "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
 
 
-def array_records(host_state: Any) -> list[dict]:
-    """Path, shape, dtype and SHA-256 of the bytes of every leaf of a host (numpy) state."""
+# ---- what is recorded ----
+
+
+def region(index: tuple, shape: Any) -> list[list[int]]:
+    """A shard's global index as ``[start, stop]`` per dimension.
+
+    Args:
+      index: a tuple of slices, as ``jax.Shard.index`` (``()`` or ``slice(None)``: whole dims).
+      shape: the global shape of the array.
+
+    Returns:
+      ``[[start, stop], ...]``, one pair per dimension.
+
+    Raises:
+      ValueError: a strided slice (no shard of a jax.Array has one).
+    """
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     out = []
-    for path, x in jax.tree_util.tree_leaves_with_path(host_state):
-        a = np.ascontiguousarray(np.asarray(x))
-        out.append({"path": jax.tree_util.keystr(path), "key": _key(path), "shape": list(a.shape),
-                    "dtype": str(a.dtype), "sha256": _sha256(a.tobytes())})
+    for s, n in zip(index, shape):
+        start, stop, stride = s.indices(n)
+        if stride != 1:
+            raise ValueError(f"shard index {index} has a strided slice; shards are contiguous blocks")
+        out.append([start, stop])
     return out
 
 
-def make_manifest(host_state: Any, meta: dict, step: int) -> dict:
+def _contains(outer: list, inner: list) -> bool:
+    return all(o[0] <= i[0] and i[1] <= o[1] for o, i in zip(outer, inner))
+
+
+def _record(path, data: Any, where: list[list[int]]) -> dict:
+    a = np.asarray(data)  # not ascontiguousarray: it makes 0-d arrays 1-d; tobytes() is C order anyway
+    return {"path": jax.tree_util.keystr(path), "key": _key(path), "index": where, "shape": list(a.shape),
+            "dtype": str(a.dtype), "sha256": _sha256(a.tobytes())}
+
+
+def saveable(state: Any) -> Any:
+    """What orbax is handed: host copies of fully replicated leaves, sharded ``jax.Array`` leaves as they are.
+
+    A host copy of a replicated leaf holds the same bytes as any replica and spares orbax a
+    small compile per leaf; a sharded array has no host copy on any one process under multi-host,
+    so orbax gets the device array and each process writes its own shards.
+
+    Args:
+      state: a pytree of host arrays and/or ``jax.Array`` objects.
+
+    Returns:
+      The same pytree with every leaf but the sharded ``jax.Array`` ones fetched to the host.
+    """
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_replicated:
+            return x
+        return jax.device_get(x)
+
+    return jax.tree_util.tree_map(one, state)
+
+
+def shard_records(state: Any) -> list[dict]:
+    """The checksum records of the pieces of ``state`` that this process writes.
+
+    Args:
+      state: a pytree as returned by :func:`saveable`.
+
+    Returns:
+      Per piece: ``path``, ``key``, global ``index``, ``shape``, ``dtype`` and ``sha256`` of its bytes.
+    """
+    me = jax.process_index()
+    out = []
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        if isinstance(x, jax.Array):
+            # Of the copies of a shard, orbax saves the one with replica_id 0 (its single-replica
+            # rule; replica-parallel saving splits that copy's bytes among replicas, which leaves
+            # what the record covers unchanged).
+            out += [_record(path, s.data, region(s.index, x.shape)) for s in x.addressable_shards
+                    if s.replica_id == 0]
+        elif me == 0:  # orbax writes host arrays from the primary host
+            out.append(_record(path, x, region((), np.shape(x))))
+    return out
+
+
+def array_specs(tree: Any) -> list[dict]:
+    """Path, key, global shape and dtype of every leaf (host array, ``jax.Array`` or ``ShapeDtypeStruct``)."""
+    out = []
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            x = np.asarray(x)
+        out.append({"path": jax.tree_util.keystr(path), "key": _key(path), "shape": list(x.shape),
+                    "dtype": str(np.dtype(x.dtype))})
+    return out
+
+
+def make_manifest(state: Any, meta: dict, step: int) -> dict:
     """The manifest of one step (see the module docstring); its last field is its own SHA-256."""
     import jaxmp
 
     manifest = {"format": FORMAT, "step": int(step), "data_position": int(meta["data_position"]),
                 "jaxmp_version": jaxmp.__version__, "meta_sha256": _sha256(_canonical(meta)),
-                "arrays": array_records(host_state)}
+                "process_count": jax.process_count(), "arrays": array_specs(state)}
     manifest["manifest_sha256"] = _sha256(_canonical(manifest))
     return manifest
+
+
+def make_shard_file(records: list[dict], step: int) -> dict:
+    """This process's ``shards/process_<i>.json`` of one step; its last field is its own SHA-256."""
+    body = {"format": FORMAT, "step": int(step), "process_index": jax.process_index(),
+            "process_count": jax.process_count(), "shards": records}
+    body["sha256"] = _sha256(_canonical(body))
+    return body
+
+
+# ---- verification ----
 
 
 def _check_manifest(manifest: Any, step: int) -> None:
@@ -102,10 +220,18 @@ def _check_manifest(manifest: Any, step: int) -> None:
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
     if manifest.get("manifest_sha256") != _sha256(_canonical(body)):
         raise _Damaged("manifest: its own checksum does not match (edited or corrupted)")
+    if manifest.get("format") in OLD_FORMATS:
+        # Intact, but written before per-process shard checksums: not damage, and not resumable here.
+        raise CheckpointMismatchError(
+            f"checkpoint step {step} was written in format {manifest['format']!r}, which this version cannot "
+            f"verify (it reads {FORMAT!r}). Resume it with the version that wrote it, or use a new --workdir.")
     if manifest.get("format") != FORMAT:
         raise _Damaged(f"manifest: format {manifest.get('format')!r}, expected {FORMAT!r}")
     if manifest.get("step") != step:
         raise _Damaged(f"manifest: written for step {manifest.get('step')!r}, found in step directory {step}")
+    count = manifest.get("process_count")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise _Damaged(f"manifest: process_count {count!r} is not a positive integer")
 
 
 def check_meta(meta: Any, manifest: dict, step: int) -> dict:
@@ -128,22 +254,242 @@ def check_meta(meta: Any, manifest: dict, step: int) -> dict:
     return meta
 
 
-def _check_arrays(restored: Any, manifest: dict) -> None:
-    got = {r["key"]: r for r in array_records(restored)}
-    want = manifest["arrays"]
-    if sorted(got) != sorted(w["key"] for w in want):
-        missing = sorted({w["key"] for w in want} - set(got)) or sorted(set(got) - {w["key"] for w in want})
+def _read_json_file(path: str, name: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise _Damaged(f"{name}: missing") from None
+    except (OSError, ValueError) as e:
+        raise _Damaged(f"{name}: unreadable ({type(e).__name__})") from None
+
+
+def _shard_file(step_dir: str, process: int, step: int) -> list[dict]:
+    """The records in process ``process``'s shard file of ``step``, after checking the file itself."""
+    name = f"{SHARDS}/process_{process}.json"
+    body = _read_json_file(os.path.join(step_dir, SHARDS, f"process_{process}.json"), name)
+    if not isinstance(body, dict) or not isinstance(body.get("shards"), list):
+        raise _Damaged(f"{name}: not a shard checksum file")
+    if body.get("sha256") != _sha256(_canonical({k: v for k, v in body.items() if k != "sha256"})):
+        raise _Damaged(f"{name}: its own checksum does not match (edited or corrupted)")
+    if (body.get("format"), body.get("step"), body.get("process_index")) != (FORMAT, step, process):
+        raise _Damaged(f"{name}: written for step {body.get('step')!r} by process {body.get('process_index')!r} "
+                       f"(format {body.get('format')!r}), found as step {step}'s file of process {process}")
+    return body["shards"]
+
+
+def _check_cover(array: dict, records: list[dict]) -> None:
+    """The records of one array lie inside it, have its dtype, and add up to its size."""
+    shape, total = array["shape"], 0
+    for r in records:
+        idx = r["index"]
+        fits = (len(idx) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(idx, shape))
+                and r["shape"] == [b - a for a, b in idx] and r["dtype"] == array["dtype"])
+        if not fits:
+            raise _Damaged(f"array {array['path']}: the shard record {idx} of process {r['process']} "
+                           f"({r['shape']} {r['dtype']}) does not fit the array ({shape} {array['dtype']})")
+        total += math.prod(b - a for a, b in idx)
+    if total != math.prod(shape):
+        # Pieces of one array never overlap (replica-0 shards tile it), so a wrong sum means
+        # a piece is missing or recorded twice.
+        raise _Damaged(f"array {array['path']}: its shard checksums cover {total} of {math.prod(shape)} elements")
+
+
+def read_shard_records(step_dir: str, manifest: dict, step: int) -> dict[str, list[dict]]:
+    """Every process's shard records of a step, by array key, each with the ``process`` that wrote it.
+
+    Args:
+      step_dir: the step's directory.
+      manifest: its checked manifest (:func:`_check_manifest`).
+      step: the step.
+
+    Returns:
+      ``{key: [record, ...]}`` for every array of the manifest.
+
+    Raises:
+      _Damaged: a shard file is missing, edited or malformed, or the records do not tile an array.
+    """
+    by_key: dict[str, list[dict]] = {a["key"]: [] for a in manifest["arrays"]}
+    for process in range(manifest["process_count"]):
+        for r in _shard_file(step_dir, process, step):
+            if not isinstance(r, dict) or r.get("key") not in by_key:
+                raise _Damaged(f"{SHARDS}/process_{process}.json: a record of an array the manifest does not "
+                               f"list ({r.get('path') if isinstance(r, dict) else r!r})")
+            by_key[r["key"]].append({**r, "process": process})
+    try:
+        for a in manifest["arrays"]:
+            _check_cover(a, by_key[a["key"]])
+    except (TypeError, ValueError, KeyError) as e:
+        raise _Damaged(f"{SHARDS}: malformed shard records ({type(e).__name__}: {e})") from None
+    return by_key
+
+
+def _blocks(x: Any) -> list[tuple[list, Any]]:
+    """The blocks of a restored leaf this process holds: ``(global region, data)``, each block once."""
+    if isinstance(x, jax.Array):
+        seen: dict = {}
+        for s in x.addressable_shards:
+            seen.setdefault(str(region(s.index, x.shape)), (region(s.index, x.shape), s.data))
+        return list(seen.values())
+    a = np.asarray(x)
+    return [(region((), a.shape), a)]
+
+
+def _compare(record: dict, block: list, data: Any) -> None:
+    """Hashes the part of ``data`` (the block at global ``block``) that ``record`` covers."""
+    crop = tuple(slice(i[0] - o[0], i[1] - o[0]) for o, i in zip(block, record["index"]))
+    a = np.asarray(data)[crop]
+    where = f"array {record['path']}: shard {record['index']} (written by process {record['process']})"
+    if list(a.shape) != record["shape"] or str(a.dtype) != record["dtype"]:
+        raise _Damaged(f"{where}: restored as {list(a.shape)} {a.dtype}, saved {record['shape']} {record['dtype']}")
+    if _sha256(a.tobytes()) != record["sha256"]:
+        raise _Damaged(f"{where}: content checksum mismatch")
+
+
+def check_shards(state: Any, by_key: dict[str, list[dict]]) -> int:
+    """Checks every recorded piece that lies in the data this process holds of a restored state.
+
+    Args:
+      state: the restored state: host arrays (every piece is held) or ``jax.Array`` objects (the
+        pieces inside this process's addressable shards are).
+      by_key: :func:`read_shard_records`.
+
+    Returns:
+      How many pieces were checked.
+
+    Raises:
+      _Damaged: naming the array, the shard index, the process that wrote it and what differs.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    if sorted(_key(p) for p, _ in leaves) != sorted(by_key):
+        missing = sorted(set(by_key).symmetric_difference(_key(p) for p, _ in leaves))
         raise _Damaged(f"arrays: the saved tree and the manifest differ (first: {missing[:1]})")
-    for w in want:
-        g = got[w["key"]]
-        for field in ("shape", "dtype", "sha256"):
-            if g[field] != w[field]:
-                what = "content checksum mismatch" if field == "sha256" else f"{field} {g[field]} != saved {w[field]}"
-                raise _Damaged(f"array {w['path']}: {what}")
+    checked = 0
+    for path, x in leaves:
+        blocks = _blocks(x)
+        for r in by_key[_key(path)]:
+            block = next(((b, d) for b, d in blocks if _contains(b, r["index"])), None)
+            if block is not None:
+                _compare(r, *block)
+                checked += 1
+    return checked
+
+
+def _check_layout(target: Any, by_key: dict[str, list[dict]], step: int) -> None:
+    """Every recorded piece lies whole in one device's block of the restore layout, so some
+    process holds it and checks it: a layout that splits saved pieces would leave them unchecked.
+
+    Raises:
+      CheckpointMismatchError: naming the array and a piece the layout splits.
+    """
+    for path, t in jax.tree_util.tree_leaves_with_path(target):
+        if not isinstance(t, jax.ShapeDtypeStruct):
+            continue  # a host array: every process holds all of it
+        blocks = {str(b): b for b in (region(i, t.shape) for i in t.sharding.devices_indices_map(t.shape).values())}
+        for r in by_key[_key(path)]:
+            # The usual case, restoring onto the layout it was saved with, is a dict lookup.
+            if str(r["index"]) not in blocks and not any(_contains(b, r["index"]) for b in blocks.values()):
+                raise CheckpointMismatchError(
+                    f"step {step}: array {r['path']} was saved in pieces (e.g. {r['index']}) that the restore "
+                    f"sharding {t.sharding} splits between devices, so no process could verify them. Restore onto "
+                    "the sharding it was saved with (or a coarser one, or host arrays), then reshard.")
+
+
+def _file_owner(rel: str, process_count: int) -> int:
+    """Which process wrote a file of the state, by orbax's per-process names (``ocdbt.process_<i>/``,
+    ``array_metadatas/process_<i>``); shared files are process 0's. A name orbax may use one day
+    and this does not know only moves work to process 0: every file is still listed once."""
+    for part in rel.split(os.sep):
+        m = re.fullmatch(r"(?:.*\.)?process_(\d+)", part)
+        if m and int(m.group(1)) < process_count:
+            return int(m.group(1))
+    return 0
+
+
+def allgather_text(text: str) -> list[str]:
+    """``text`` from every process, in process order (a one-process run: just this one).
+
+    Args:
+      text: at most ``_VERDICT_BYTES`` bytes of UTF-8 are sent (longer text is cut).
+
+    Returns:
+      One string per process.
+    """
+    if jax.process_count() == 1:
+        return [text]
+    from jax.experimental import multihost_utils
+
+    raw = text.encode()[:_VERDICT_BYTES]
+    buf = np.zeros(_VERDICT_BYTES, np.uint8)
+    buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+    rows = multihost_utils.process_allgather(buf)
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in np.asarray(rows)]
+
+
+def agreed(fn: Callable[[], _T], what: str) -> _T:
+    """Runs ``fn`` on every process, then makes all processes reach the same verdict.
+
+    Every process calls this at the same point; it exchanges one verdict per process, so it is
+    also a barrier. A single-process run raises or returns exactly what ``fn`` did.
+
+    Args:
+      fn: one phase of work (verification, writing a file list...).
+      what: what the phase is, for messages (``"verifying checkpoint step 20"``).
+
+    Returns:
+      ``fn()``'s result when no process found anything wrong.
+
+    Raises:
+      _Damaged: some process found the step damaged (each such process named, with what).
+      CheckpointMismatchError: some process found a checkpoint of a different run.
+      RuntimeError: another process failed in ``fn`` (this process re-raises its own error).
+    """
+    result, kind, text, error = None, "ok", "", None
+    try:
+        result = fn()
+    except _Damaged as e:
+        kind, text = "damaged", str(e)
+    except CheckpointMismatchError as e:
+        kind, text, error = "mismatch", str(e), e
+    except Exception as e:  # noqa: BLE001 - the others must hear of it, or they would wait for this process
+        kind, text, error = "error", f"{type(e).__name__}: {e}", e
+    verdicts = [v.partition(":")[::2] for v in allgather_text(f"{kind}:{text}")]
+    if error is not None:
+        raise error
+    for i, (k, t) in enumerate(verdicts):
+        if k == "error":
+            raise RuntimeError(f"process {i} failed while {what}: {t}")
+    for k, t in verdicts:
+        if k == "mismatch":
+            raise CheckpointMismatchError(t)
+    damaged = [(i, t) for i, (k, t) in enumerate(verdicts) if k == "damaged"]
+    if damaged:
+        raise _Damaged(damaged[0][1] if len(verdicts) == 1 else "; ".join(f"process {i}: {t}" for i, t in damaged))
+    return result
+
+
+def restore_target(template: Any) -> Any:
+    """What orbax restores into: host (numpy) arrays, or ``ShapeDtypeStruct`` leaves with shardings.
+
+    Args:
+      template: host arrays; ``jax.Array`` leaves (fetched to the host unless they span processes);
+        or ``jax.ShapeDtypeStruct`` leaves (with a sharding: restored onto it; without: on the host).
+
+    Returns:
+      The same pytree, every leaf a numpy array or a sharded ``jax.ShapeDtypeStruct``.
+    """
+    def one(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x if x.sharding is not None else np.zeros(x.shape, x.dtype)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return np.asarray(x)
+
+    return jax.tree_util.tree_map(one, template)
 
 
 class Restored(NamedTuple):
-    """An intact checkpoint: the host state, its metadata and its step."""
+    """An intact checkpoint: the state, its metadata and its step."""
 
     state: Any
     meta: dict
@@ -153,8 +499,11 @@ class Restored(NamedTuple):
 class Checkpointer:
     """Saves and verifies ``(state, meta)`` under ``<workdir>/checkpoints``.
 
+    In a multi-process run every process creates one, with the same ``workdir``, and calls
+    :meth:`save` and :meth:`restore_latest` at the same points.
+
     Args:
-      workdir: the run's directory.
+      workdir: the run's directory (on a filesystem all processes share).
       max_to_keep: how many recent checkpoints to keep (>= 1).
 
     Example:
@@ -175,7 +524,18 @@ class Checkpointer:
         # and a save that returned is a checkpoint a SIGKILL cannot take back.
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                enable_async_checkpointing=False)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # Every process writes its own shard file (primary_host=None: each is "primary" for
+        # it) inside the step, so orbax's atomic finalize covers it.
+        every_process = ocp.options.MultiprocessingOptions(primary_host=None)
+        shards = ocp.JsonCheckpointHandler(filename=f"process_{jax.process_index()}.json",
+                                           multiprocessing_options=every_process)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+            "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+            "manifest": ocp.JsonCheckpointHandler(), SHARDS: shards})
+        # Verification reads through the handlers, not the manager: a manager restore ends at a
+        # barrier, where the processes would hang if one of them had failed before reaching it.
+        self._json_reader = ocp.JsonCheckpointHandler()
+        self._state_reader = ocp.StandardCheckpointHandler()
 
     def steps(self) -> list[int]:
         """Finalized steps, oldest first (intact or not)."""
@@ -183,49 +543,61 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Writes ``state`` (device or host arrays), the JSON-able ``meta`` and their manifest at ``step``."""
+        """Writes one step; in a multi-process run every process calls it with its view of the state.
+
+        Args:
+          step: the step number (its directory name).
+          state: the train state: host arrays and/or ``jax.Array`` leaves (sharded ones may span
+            processes: each process writes and checksums its own shards).
+          meta: JSON-able metadata with the fields of ``_META_TYPES`` (``data_position == step``).
+
+        Returns once the step is finalized and every process's file list is written.
+        """
         ocp = self._ocp
-        # A host copy: the state is replicated, and one replica on the host is the same bytes
-        # (handing orbax replicated device arrays costs a small compile per leaf).
-        host = jax.device_get(state)
-        manifest = make_manifest(host, meta, step)
+        state = saveable(state)
+        manifest = make_manifest(state, meta, step)
+        shards = make_shard_file(shard_records(state), step)
         self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(host), meta=ocp.args.JsonSave(meta),
-            manifest=ocp.args.JsonSave(manifest)), force=True)
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+            manifest=ocp.args.JsonSave(manifest), **{SHARDS: ocp.args.JsonSave(shards)}), force=True)
         self._manager.wait_until_finished()
-        self._write_file_list(step)
+        agreed(lambda: self._write_file_list(step), f"writing the file list of checkpoint step {step}")
 
     def _write_file_list(self, step: int) -> None:
-        """Checksums of the files orbax wrote for the state, so damage is found before orbax reads them.
+        """Checksums of the files of the state this process wrote, so damage is found before orbax reads them.
 
         Written after orbax's atomic finalize (the file names exist only then): a step killed in
-        between has no list and is verified by the array checksums alone.
+        between has no list and is verified by the shard checksums alone.
         """
+        me, count = jax.process_index(), jax.process_count()
         state_dir = os.path.join(self.directory, str(step), "state")
         files = {}
         for root, _, names in os.walk(state_dir):
             for name in names:
                 path = os.path.join(root, name)
-                with open(path, "rb") as f:
-                    files[os.path.relpath(path, state_dir)] = {"size": os.path.getsize(path),
-                                                               "sha256": _sha256(f.read())}
-        body = {"files": files, "sha256": _sha256(_canonical(files))}
-        out = os.path.join(self.directory, str(step), FILE_LIST)
+                rel = os.path.relpath(path, state_dir)
+                if _file_owner(rel, count) == me:
+                    with open(path, "rb") as f:
+                        files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(f.read())}
+        body = {"process_index": me, "files": files, "sha256": _sha256(_canonical([me, files]))}
+        out = os.path.join(self.directory, str(step), FILE_LIST.format(me))
         with open(out + ".tmp", "w") as f:
             json.dump(body, f)
         os.replace(out + ".tmp", out)
 
-    def _check_files(self, step: int) -> None:
-        path = os.path.join(self.directory, str(step), FILE_LIST)
+    def _check_file_list(self, step: int, process: int) -> None:
+        """Checks the files process ``process`` wrote against its list; no list (killed before it) passes."""
+        name = FILE_LIST.format(process)
+        path = os.path.join(self.directory, str(step), name)
         if not os.path.exists(path):
             return
         try:
             with open(path) as f:
                 body = json.load(f)
             files = body["files"]
-            assert body["sha256"] == _sha256(_canonical(files))
+            assert body["sha256"] == _sha256(_canonical([process, files]))
         except Exception:  # noqa: BLE001 - any defect of the list itself is damage
-            raise _Damaged(f"{FILE_LIST}: unreadable or edited") from None
+            raise _Damaged(f"{name}: unreadable or edited") from None
         state_dir = os.path.join(self.directory, str(step), "state")
         for rel, want in sorted(files.items()):
             full = os.path.join(state_dir, rel)
@@ -239,13 +611,21 @@ class Checkpointer:
                     raise _Damaged(f"file state/{rel}: content checksum mismatch")
 
     def _read_json(self, step: int, item: str) -> Any:
-        ocp = self._ocp
+        """One JSON item of a step (``manifest``, ``meta``); any failure to read is damage."""
+        from etils import epath  # orbax's path type (an orbax dependency)
+
         try:
-            return self._manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))[item]
+            return self._json_reader.restore(epath.Path(self.directory) / str(step) / item)
         except Exception as e:  # noqa: BLE001 - any failure to read is damage, reported by name
             raise _Damaged(f"{item}: missing or unreadable ({type(e).__name__})") from None
 
-    def _verify(self, step: int, template: Any, expected: dict) -> Restored:
+    def _check_step(self, step: int, target: Any, expected: dict) -> tuple[dict, dict[str, list[dict]]]:
+        """Phase 1, before any array is read: manifest, metadata, run settings, structure, shard
+        files, restore layout, and this process's share of the file lists.
+
+        Returns:
+          ``(meta, shard records by key)``.
+        """
         manifest = self._read_json(step, "manifest")
         _check_manifest(manifest, step)
         meta = check_meta(self._read_json(step, "meta"), manifest, step)
@@ -256,22 +636,52 @@ class Checkpointer:
                 f"{self.directory} holds checkpoints of a different run ({detail}). Resuming under different "
                 "settings would mix two runs: use a new --workdir, or move that directory away to start over.")
         want = [(a.get("path"), a.get("shape"), a.get("dtype")) for a in manifest["arrays"]]
-        have = [(r["path"], r["shape"], r["dtype"]) for r in array_records(template)]
+        have = [(r["path"], r["shape"], r["dtype"]) for r in array_specs(target)]
         if want != have:
             diff = next((i for i, (w, h) in enumerate(zip(want, have)) if w != h), min(len(want), len(have)))
             raise CheckpointMismatchError(
                 f"step {step} in {self.directory} holds a state of a different structure (e.g. another model "
                 f"size): at leaf {diff} the checkpoint has {want[diff] if diff < len(want) else 'nothing'}, this "
                 f"run {have[diff] if diff < len(have) else 'nothing'}. Use a new --workdir.")
-        self._check_files(step)
+        by_key = read_shard_records(os.path.join(self.directory, str(step)), manifest, step)
+        _check_layout(target, by_key, step)
+        # Each process checks the lists of its share of the writers (its own, when the process
+        # count is unchanged), so no file is hashed twice.
+        me, count = jax.process_index(), jax.process_count()
+        for process in range(me, manifest["process_count"], count):
+            self._check_file_list(step, process)
+        return meta, by_key
+
+    def _read_state(self, step: int, target: Any, by_key: dict[str, list[dict]]) -> Any:
+        """Phase 2: restores the state into ``target`` and checks the pieces this process holds."""
+        from etils import epath
+
         ocp = self._ocp
         try:
-            state = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(template)))
+            state = self._state_reader.restore(epath.Path(self.directory) / str(step) / "state",
+                                               args=ocp.args.StandardRestore(target))
         except Exception as e:  # noqa: BLE001 - orbax/TensorStore errors on damaged files become a report
             first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
             raise _Damaged(f"state arrays unreadable ({type(e).__name__}: {first})") from None
-        _check_arrays(state["state"], manifest)
-        return Restored(state["state"], meta, step)
+        check_shards(state, by_key)
+        return state
+
+    def _verify(self, step: int, target: Any, expected: dict) -> Restored:
+        what = f"verifying checkpoint step {step}"
+        meta, by_key = agreed(lambda: self._check_step(step, target, expected), what)
+        # Only now, with every process content with the files, does anyone read the arrays.
+        state = agreed(lambda: self._read_state(step, target, by_key), what)
+        return Restored(state, meta, step)
+
+    def _agreed_steps(self) -> list[int]:
+        """The finalized steps, the same on every process (or a clear error instead of a hang)."""
+        steps = self.steps()
+        seen = allgather_text(f"{len(steps)}:{_sha256(_canonical(steps))}")
+        if len(set(seen)) > 1:
+            raise RuntimeError(
+                f"the processes see different checkpoint steps in {self.directory} (count:hash per process: "
+                f"{seen}); a checkpoint directory must be one filesystem shared by every process.")
+        return steps
 
     def _quarantine(self, step: int) -> str:
         """Moves a damaged step out of orbax's way (kept for inspection, never deleted)."""
@@ -280,35 +690,46 @@ class Checkpointer:
         shutil.move(os.path.join(self.directory, str(step)), dest)
         return dest
 
+    def _set_aside(self, damage: list[tuple[int, str]], resumed: int) -> None:
+        """Process 0 moves the damaged steps aside, then every process warns about each."""
+        for bad, what in damage:
+            moved = agreed(lambda: self._quarantine(bad) if jax.process_index() == 0 else "",
+                           f"moving damaged checkpoint step {bad} aside")
+            # agreed() returned on every process only after process 0's move: nobody reloads early.
+            where = allgather_text(moved)[0]
+            warnings.warn(f"checkpoint step {bad} in {self.directory} is DAMAGED ({what}); moved to {where}. "
+                          f"Resuming from step {resumed}, the newest intact one.", CheckpointDamageWarning,
+                          stacklevel=3)
+        if damage:
+            self._manager.reload()
+
     def restore_latest(self, template: Any, expected: dict) -> Restored | None:
-        """The newest intact step, verified against its manifest; ``None`` in an empty directory.
+        """The newest intact step, verified by every process; ``None`` in an empty directory.
 
         Args:
-          template: the state as host (numpy) arrays of the right structure, shapes and dtypes.
+          template: the state's structure, shapes and dtypes. Host (numpy) arrays and ``jax.Array``
+            leaves on this process's devices are restored on the host; ``jax.Array`` leaves that
+            span processes and ``jax.ShapeDtypeStruct`` leaves with a sharding are restored onto
+            that sharding (see :func:`restore_target`).
           expected: the current run's values of :data:`MUST_MATCH`.
 
         Returns:
           A :class:`Restored`, or ``None`` when there is nothing to resume.
 
         Raises:
-          CheckpointMismatchError: the intact checkpoint belongs to a different run.
+          CheckpointMismatchError: the intact checkpoint belongs to a different run, or the
+            restore sharding splits the pieces it was saved in.
           CheckpointDamagedError: checkpoints exist but none is intact.
         """
-        template = jax.tree_util.tree_map(np.asarray, template)
+        target = restore_target(template)
         damage = []
-        for step in reversed(self.steps()):
+        for step in reversed(self._agreed_steps()):
             try:
-                restored = self._verify(step, template, expected)
+                restored = self._verify(step, target, expected)
             except _Damaged as e:
                 damage.append((step, str(e)))
                 continue
-            for bad, what in damage:
-                where = self._quarantine(bad)
-                warnings.warn(f"checkpoint step {bad} in {self.directory} is DAMAGED ({what}); moved to {where}. "
-                              f"Resuming from step {step}, the newest intact one.", CheckpointDamageWarning,
-                              stacklevel=2)
-            if damage:
-                self._manager.reload()
+            self._set_aside(damage, step)
             return restored
         if damage:
             lines = "; ".join(f"step {s}: {w}" for s, w in damage)
@@ -337,7 +758,7 @@ class Checkpointer:
 
 
 def load_state(workdir: str, step: int | None = None) -> tuple[int, Any]:
-    """Reads a checkpoint's state as numpy arrays without a template and checks it against its manifest.
+    """Reads a checkpoint's state as host arrays without a template (one process) and checks every shard.
 
     Args:
       workdir: the run's directory.
@@ -347,11 +768,12 @@ def load_state(workdir: str, step: int | None = None) -> tuple[int, Any]:
       ``(step, state)``.
 
     Raises:
-      CheckpointDamagedError: the step does not match its manifest.
+      CheckpointDamagedError: the step does not match its manifest and shard checksums.
     """
     import orbax.checkpoint as ocp
 
-    manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"))
+    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    manager = ocp.CheckpointManager(directory)
     try:
         step = manager.latest_step() if step is None else step
         out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
@@ -360,7 +782,7 @@ def load_state(workdir: str, step: int | None = None) -> tuple[int, Any]:
         manager.close()
     try:
         _check_manifest(out["manifest"], step)
-        _check_arrays(out["state"], out["manifest"])
+        check_shards(out["state"], read_shard_records(os.path.join(directory, str(step)), out["manifest"], step))
     except _Damaged as e:
         raise CheckpointDamagedError(f"step {step} of {workdir}: {e}") from None
     return step, out["state"]

@@ -1,5 +1,9 @@
-"""Two processes x 2 CPU devices over loopback (jax.distributed + gloo) train like one process x 4 devices."""
+"""Two processes x 2 CPU devices over loopback (jax.distributed + gloo) train like one process x 4 devices,
+and save and restore a verified checkpoint of a sharded state, each process checksumming its own shards."""
 
+import contextlib
+import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -9,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+import _multiprocess_checkpoint as ckpt_demo
 import _multiprocess_demo as demo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,8 +43,13 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
 
 
-@pytest.mark.slow
-def test_two_processes_with_two_devices_each_match_one_process_with_four(tmp_path):
+@contextlib.contextmanager
+def _two_workers(tmp_path, argv):
+    """Runs ``python <argv>`` as processes 0 and 1 of 2, with 2 CPU devices each, over loopback.
+
+    The body of the ``with`` runs meanwhile; on leaving it, both workers must exit 0 within
+    ``TIMEOUT_S`` (the failure shows the worker's log), and none is ever left behind.
+    """
     port = _free_port()
     env = dict(os.environ)
     env.update({
@@ -50,17 +60,14 @@ def test_two_processes_with_two_devices_each_match_one_process_with_four(tmp_pat
         "JAXMP_NUM_PROCESSES": "2",
         "PYTHONPATH": REPO + os.pathsep + env.get("PYTHONPATH", ""),
     })
-    out = tmp_path / "out"
     procs, logs = [], []
     try:
         for i in range(2):
             log = open(tmp_path / f"process_{i}.log", "w")
             logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.join(REPO, "tests", "_multiprocess_demo.py"), "--out", str(out), "--paths", ",".join(PATHS)],
-                env={**env, "JAXMP_PROCESS_ID": str(i)}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
-        # The single-process reference on 4 of this process's 8 devices, computed meanwhile.
-        reference = {path: demo.train(path, jax.devices()[:4]) for path in PATHS}
+            procs.append(subprocess.Popen([sys.executable, *argv], env={**env, "JAXMP_PROCESS_ID": str(i)}, cwd=REPO,
+                                          stdout=log, stderr=subprocess.STDOUT))
+        yield
         for i, p in enumerate(procs):
             try:
                 rc = p.wait(timeout=TIMEOUT_S)
@@ -79,6 +86,15 @@ def test_two_processes_with_two_devices_each_match_one_process_with_four(tmp_pat
         for log in logs:
             log.close()
 
+
+@pytest.mark.slow
+def test_two_processes_with_two_devices_each_match_one_process_with_four(tmp_path):
+    out = tmp_path / "out"
+    with _two_workers(tmp_path, [os.path.join(REPO, "tests", "_multiprocess_demo.py"), "--out", str(out),
+                                 "--paths", ",".join(PATHS)]):
+        # The single-process reference on 4 of this process's 8 devices, computed meanwhile.
+        reference = {path: demo.train(path, jax.devices()[:4]) for path in PATHS}
+
     results = [dict(np.load(out / f"process_{i}.npz")) for i in range(2)]
     for r in results:
         assert int(r["process_count"]) == 2 and int(r["device_count"]) == 4
@@ -96,3 +112,43 @@ def test_two_processes_with_two_devices_each_match_one_process_with_four(tmp_pat
             # Cross-process (gloo) and in-process all-reduces may sum in another order.
             assert _rel(ref[k], got[f"{path}/{k}"]) <= 1e-6, (path, k, _rel(ref[k], got[f"{path}/{k}"]))
         assert np.linalg.norm(ref["w1"] - demo.init_params()["w1"]) > 1e-3  # training did move them
+
+
+@pytest.mark.slow
+def test_each_process_checksums_its_shards_and_all_reject_a_step_damaged_on_one(tmp_path):
+    workdir = tmp_path / "run"
+    script = os.path.join(REPO, "tests", "_multiprocess_checkpoint.py")
+    with _two_workers(tmp_path, [script, "--workdir", str(workdir)]):
+        pass
+    reports = [json.loads((workdir / f"report_{i}.json").read_text()) for i in range(2)]
+
+    # Each process recorded exactly the pieces it wrote -- its mesh row's replica-0 shards, and
+    # process 0 the replicated leaves it saves as host copies -- hashed from its own data.
+    step1 = workdir / "checkpoints" / "1"
+    values = ckpt_demo.values(1)
+    owned = {0: {("b", "[[0, 5]]"), ("step", "[]"), ("u", "[[0, 4], [0, 3]]"), ("w", "[[0, 4], [0, 3]]"),
+                 ("w", "[[0, 4], [3, 6]]")},
+             1: {("u", "[[4, 8], [0, 3]]"), ("w", "[[4, 8], [0, 3]]"), ("w", "[[4, 8], [3, 6]]")}}
+    for i in range(2):
+        records = json.loads((step1 / "shards" / f"process_{i}.json").read_text())["shards"]
+        assert {(r["key"], str(r["index"])) for r in records} == owned[i]
+        for r in records:
+            piece = values[r["key"]][tuple(slice(a, b) for a, b in r["index"])]
+            assert r["sha256"] == hashlib.sha256(piece.tobytes()).hexdigest(), (i, r["key"], r["index"])
+        # ... and listed the checksums of the files it wrote itself.
+        files = json.loads((step1 / f"state_files_process_{i}.json").read_text())["files"]
+        assert files and all(("process_1" in rel) == (i == 1) for rel in files), (i, sorted(files))
+
+    # Both processes restored the same steps, intact: step 2, then twice step 1 after a step
+    # damaged on process 1 only -- and both named what process 1 found.
+    for r in reports:
+        assert [(step, ok) for step, ok, _ in r["restores"]] == [(2, True), (1, True), (1, True)], r
+        first, at_rest, write_path = (msgs for _, _, msgs in r["restores"])
+        assert first == [] and len(at_rest) == 1 and len(write_path) == 1, r
+        assert (f"step 2 in {workdir}/checkpoints is DAMAGED (process 1: file state/{reports[1]['flipped_file']}: "
+                "content checksum mismatch)") in at_rest[0]
+        assert ("step 3 in " in write_path[0] and "DAMAGED (process 1: array ['w']: shard [[4, 8], [3, 6]] "
+                "(written by process 1): content checksum mismatch)" in write_path[0])
+    # Moved aside once each, by process 0.
+    assert sorted(e.split(".")[0] for e in os.listdir(workdir / "damaged_checkpoints")) == ["2", "3"]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]

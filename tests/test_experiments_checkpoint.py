@@ -1,0 +1,217 @@
+"""Per-shard checksums of experiments/checkpoint.py on 8 simulated devices (one process): each
+piece a process writes is recorded with its shard index and the SHA-256 of its bytes, a flipped
+bit in one shard is named with that index, and a missing shard file makes the step damaged.
+The two-process run is in test_parallel_multiprocess.py."""
+
+import json
+import os
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from experiments import checkpoint as ckpt_lib
+
+META = {"policy": "O2-fp16", "loss_scale": "dynamic", "master_weights": True, "engine": "flax", "seed": 0,
+        "model": "mlp", "dataset": "digits", "global_batch_size": 32, "num_train_steps": 10, "history": []}
+EXPECTED = {k: META[k] for k in ckpt_lib.MUST_MATCH}
+
+
+def _mesh():
+    return Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+
+
+def _values(k):
+    """The global arrays of the state saved at step ``k`` (host copies)."""
+    rng = np.random.default_rng(k)
+    return {"w": rng.normal(size=(16, 6)).astype(np.float32),   # sharded over both axes: 8 pieces
+            "u": rng.normal(size=(8, 3)).astype(np.float16),    # sharded over "a", 2 copies of each shard
+            "b": rng.normal(size=(5,)).astype(np.float32),      # replicated: saved as a host copy
+            "step": np.int32(k)}
+
+
+SPECS = {"w": P("a", "b"), "u": P("a"), "b": P()}
+
+
+def _state(k, mesh):
+    v = _values(k)
+    return {**{n: jax.device_put(v[n], NamedSharding(mesh, s)) for n, s in SPECS.items()}, "step": v["step"]}
+
+
+def _sharded_template(mesh):
+    v = _values(0)
+    return {**{n: jax.ShapeDtypeStruct(v[n].shape, v[n].dtype, sharding=NamedSharding(mesh, s))
+               for n, s in SPECS.items()}, "step": v["step"]}
+
+
+def _host(tree):
+    return {k: np.asarray(v) for k, v in tree.items()}
+
+
+def _save(ckpt, k, state):
+    ckpt.save(k, state, {**META, "data_position": k})
+
+
+def _restore(ckpt, template):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored = ckpt.restore_latest(template, EXPECTED)
+    return restored, [str(w.message) for w in caught if issubclass(w.category, ckpt_lib.CheckpointDamageWarning)]
+
+
+def _assert_equal(restored, k):
+    for name, want in _values(k).items():
+        got = restored[name]
+        if isinstance(got, jax.Array) and name in SPECS:
+            assert got.sharding == NamedSharding(_mesh(), SPECS[name]), name
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+
+
+def test_each_piece_is_recorded_with_its_shard_index_and_the_sha256_of_its_bytes(tmp_path):
+    mesh = _mesh()
+    ckpt = ckpt_lib.Checkpointer(str(tmp_path))
+    state = _state(1, mesh)
+    _save(ckpt, 1, state)
+    step_dir = tmp_path / "checkpoints" / "1"
+    body = json.loads((step_dir / "shards" / "process_0.json").read_text())
+    assert body["process_index"] == 0 and body["process_count"] == 1 and body["step"] == 1
+    by_key = {}
+    for r in body["shards"]:
+        by_key.setdefault(r["key"], []).append(r)
+    values = _values(1)
+    for name, records in by_key.items():
+        for r in records:
+            piece = values[name][tuple(slice(a, b) for a, b in r["index"])]
+            assert r["shape"] == list(piece.shape) and r["dtype"] == str(piece.dtype)
+            assert r["sha256"] == ckpt_lib._sha256(piece.tobytes()), (name, r["index"])
+    # What orbax writes: the replica-0 copy of each shard; a replicated leaf whole, once.
+    for name in ("w", "u"):
+        want = sorted(ckpt_lib.region(s.index, state[name].shape) for s in state[name].addressable_shards
+                      if s.replica_id == 0)
+        assert sorted(r["index"] for r in by_key[name]) == want
+    assert len(by_key["w"]) == 8 and len(by_key["u"]) == 4
+    assert [r["index"] for r in by_key["b"]] == [[[0, 5]]] and [r["index"] for r in by_key["step"]] == [[]]
+    manifest = json.loads((step_dir / "manifest" / "metadata").read_text())
+    assert manifest["process_count"] == 1 and all("sha256" not in a for a in manifest["arrays"])
+    assert (step_dir / ckpt_lib.FILE_LIST.format(0)).exists()
+    # Both ways back verify every piece: onto host arrays and onto the shardings it was saved with.
+    for template in (_host(_values(0)), _sharded_template(mesh)):
+        restored, warned = _restore(ckpt, template)
+        assert restored.step == 1 and not warned
+        _assert_equal(restored.state, 1)
+    assert ckpt_lib.check_shards(restored.state, ckpt_lib.read_shard_records(str(step_dir), manifest, 1)) == 14
+
+
+@pytest.mark.parametrize("layout", ["host", "sharded"])
+def test_a_bit_flipped_in_one_shard_is_named_with_its_shard_index(layout, tmp_path, monkeypatch):
+    mesh = _mesh()
+    ckpt = ckpt_lib.Checkpointer(str(tmp_path), max_to_keep=3)
+    _save(ckpt, 1, _state(1, mesh))
+    # A fault between device memory and the files: the pieces are hashed from the intact state,
+    # but what reaches orbax has one bit flipped in w[9, 4] (shard rows 8:12, columns 3:6). The
+    # file checksums, taken from what was written, cannot see it; the shard checksum does.
+    intact = _state(2, mesh)
+    flipped = _values(2)["w"].copy()
+    flipped.view(np.uint32)[9, 4] ^= 1 << 7
+    bad = {**intact, "w": jax.device_put(flipped, NamedSharding(mesh, SPECS["w"]))}
+    real = ckpt_lib.shard_records
+    monkeypatch.setattr(ckpt_lib, "shard_records", lambda state: real(ckpt_lib.saveable(intact)))
+    _save(ckpt, 2, bad)
+    monkeypatch.undo()
+
+    template = _host(_values(0)) if layout == "host" else _sharded_template(mesh)
+    restored, warned = _restore(ckpt, template)
+    assert restored.step == 1
+    _assert_equal(restored.state, 1)
+    assert len(warned) == 1, warned
+    assert ("step 2" in warned[0] and "array ['w']: shard [[8, 12], [3, 6]] (written by process 0): content "
+            "checksum mismatch" in warned[0]), warned[0]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+    assert [e.split(".")[0] for e in os.listdir(tmp_path / "damaged_checkpoints")] == ["2"]
+
+
+def _edit_record(step_dir):
+    path = step_dir / "shards" / "process_0.json"
+    body = json.loads(path.read_text())
+    body["shards"][0]["sha256"] = "0" * 64
+    path.write_text(json.dumps(body))
+
+
+DAMAGE = {
+    # name: (damage(step_dir), words of the warning; None: the step is intact)
+    "shard file deleted": (lambda d: os.remove(d / "shards" / "process_0.json"), "shards/process_0.json: missing"),
+    "shard file edited": (_edit_record, "shards/process_0.json: its own checksum does not match"),
+    "bit flipped in a file of the state": (
+        lambda d: _flip_bit(max((d / "state" / "ocdbt.process_0" / "d").iterdir(), key=os.path.getsize)),
+        "file state/ocdbt.process_0/d/"),
+    # Killed between orbax's finalize and the file list: verified by the shard checksums alone.
+    "file list missing": (lambda d: os.remove(d / ckpt_lib.FILE_LIST.format(0)), None),
+}
+
+
+def _flip_bit(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", list(DAMAGE))
+def test_a_step_missing_or_failing_its_checksum_files_is_damaged(name, tmp_path):
+    mesh = _mesh()
+    ckpt = ckpt_lib.Checkpointer(str(tmp_path), max_to_keep=3)
+    _save(ckpt, 1, _state(1, mesh))
+    _save(ckpt, 2, _state(2, mesh))
+    damage, words = DAMAGE[name]
+    damage(tmp_path / "checkpoints" / "2")
+    restored, warned = _restore(ckpt, _sharded_template(mesh))
+    if words is None:
+        assert restored.step == 2 and not warned
+        _assert_equal(restored.state, 2)
+    else:
+        assert restored.step == 1 and len(warned) == 1 and "step 2" in warned[0] and words in warned[0], warned
+        _assert_equal(restored.state, 1)
+
+
+def test_a_restore_sharding_that_splits_saved_shards_is_refused(tmp_path):
+    mesh = _mesh()
+    ckpt = ckpt_lib.Checkpointer(str(tmp_path))
+    _save(ckpt, 1, _state(1, mesh))
+    # Rows in 8 blocks of 2 split the saved blocks of 4 rows: no device holds a saved piece whole.
+    rows8 = Mesh(np.array(jax.devices()[:8]), ("x",))
+    template = {**_sharded_template(mesh), "w": jax.ShapeDtypeStruct((16, 6), np.float32,
+                                                                     sharding=NamedSharding(rows8, P("x")))}
+    with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"array \['w'\] was saved in pieces .* splits"):
+        ckpt.restore_latest(template, EXPECTED)
+    assert os.listdir(tmp_path / "checkpoints") == ["1"]  # not damage: nothing moved
+    # A coarser sharding holds every saved piece whole: 2 blocks of 8 rows.
+    rows2 = Mesh(np.array(jax.devices()[:2]), ("x",))
+    template["w"] = jax.ShapeDtypeStruct((16, 6), np.float32, sharding=NamedSharding(rows2, P("x")))
+    restored, warned = _restore(ckpt, template)
+    assert restored.step == 1 and not warned
+    np.testing.assert_array_equal(np.asarray(restored.state["w"]), _values(1)["w"])
+
+
+def test_a_step_of_the_previous_format_is_a_clear_mismatch_not_damage(tmp_path):
+    ckpt = ckpt_lib.Checkpointer(str(tmp_path))
+    _save(ckpt, 1, _state(1, _mesh()))
+    path = tmp_path / "checkpoints" / "1" / "manifest" / "metadata"
+    manifest = json.loads(path.read_text())
+    manifest["format"] = ckpt_lib.OLD_FORMATS[0]
+    manifest["manifest_sha256"] = ckpt_lib._sha256(ckpt_lib._canonical(
+        {k: v for k, v in manifest.items() if k != "manifest_sha256"}))
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ckpt_lib.CheckpointMismatchError, match="format .*checkpoint/1.* new --workdir"):
+        ckpt.restore_latest(_host(_values(0)), EXPECTED)
+    assert os.listdir(tmp_path / "checkpoints") == ["1"]
+
+
+def test_agreed_in_one_process_returns_or_raises_what_the_phase_did():
+    assert ckpt_lib.allgather_text("verdict") == ["verdict"]
+    assert ckpt_lib.agreed(lambda: 3, "adding") == 3
+    with pytest.raises(ckpt_lib._Damaged, match="^array x: bad$"):
+        ckpt_lib.agreed(lambda: (_ for _ in ()).throw(ckpt_lib._Damaged("array x: bad")), "checking")
+    with pytest.raises(KeyError):
+        ckpt_lib.agreed(lambda: {}["k"], "checking")
