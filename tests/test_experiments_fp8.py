@@ -91,3 +91,24 @@ def test_o2_fp8_resume_is_bitwise_equal_to_the_uninterrupted_run(comparison, tmp
     assert drills.states_equal(ckpt_lib.load_state(str(cut), STEPS)[1], ckpt_lib.load_state(full, STEPS)[1])
     (uninterrupted,) = [x for x in out["runs"] if x["policy"] == "O2-fp8"]
     assert r["val_accuracy"] == uninterrupted["val_accuracy"]
+
+
+def test_the_fp8_tables_in_the_readmes_are_the_recorded_results():
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    recorded = os.path.join(root, "experiments", "recorded", "cpu_fp8")
+    with open(os.path.join(recorded, "results.json")) as f:
+        data = json.load(f)
+    assert data["meta"]["seeds"] == [0, 1, 2] and [r["steps"] for r in data["rows"]] == [1000] * 3
+    want = {r["policy"]: f"{100 * r['val_accuracy']:.2f}% ± {100 * r['val_accuracy_std']:.2f}" for r in data["rows"]}
+    seeds = {p: " / ".join(f"{100 * r['val_accuracy']:.2f}" for r in sorted(data["runs"], key=lambda r: r["seed"])
+                           if r["policy"] == p) for p in want}
+    for readme in (os.path.join(recorded, "README.md"), os.path.join(root, "experiments", "README.md")):
+        text = open(readme).read()
+        assert "--config=experiments/configs/cpu_fp8.py --workdir=/tmp/jaxmp_fp8 --seeds=3" in text, readme
+        for policy, acc in want.items():
+            row = re.search(rf"^\| {re.escape(policy)}[ (][^|]*\| ([^|]*) \|(?: ([^|]*) \|)?$", text, flags=re.M)
+            assert row and row.group(1) == acc, (readme, policy, row and row.group(0), acc)
+            if row.group(2) is not None:
+                assert row.group(2) == seeds[policy], (readme, policy, row.group(2), seeds[policy])
