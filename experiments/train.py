@@ -218,6 +218,26 @@ def device_peak_memory() -> int | None:
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
+def dtypes_label(policy: str) -> str:
+    """The table's dtypes entry of a policy: ``p=bf16,c=bf16,o=f32``, plus the fp8 recipe if any.
+
+    The fp8 presets share O2-bf16's dtypes; without the suffix their rows would read the same.
+
+    Args:
+      policy: a policy or preset name.
+
+    Returns:
+      e.g. ``"p=bf16,c=bf16,o=f32 + fp8 delayed"`` for ``"O2-fp8"``.
+    """
+    from jaxmp import fp8
+
+    recipe = jaxmp.get_recipe(policy)
+    label = str(recipe.policy)
+    if recipe.fp8 is not None:
+        label += " + fp8 " + ("delayed" if isinstance(recipe.fp8, fp8.DelayedScaling) else "current")
+    return label
+
+
 def summarize(run: Run, out: LoopOut, start: int, history: list[dict], t_start: float) -> dict:
     """The results of a run: timings, memory, accuracy, skipped steps, loss scale and the history."""
     plan, steps_run = run.plan, out.step - start
@@ -227,7 +247,7 @@ def summarize(run: Run, out: LoopOut, start: int, history: list[dict], t_start: 
     per_s = (lambda n: n / out.train_time) if out.train_time > 0 else (lambda n: float("nan"))
     return {
         "diverged": out.diverged, "policy": plan.policy, "seed": plan.seed,
-        "dtypes": str(jaxmp.get_recipe(plan.policy).policy), "num_classes": run.train_src.num_classes,
+        "dtypes": dtypes_label(plan.policy), "num_classes": run.train_src.num_classes,
         "loss_scaling": plan.loss_scale, "master_weights": plan.master_weights,
         "config": {"model": run.meta["model"], "dataset": run.meta["dataset"], **plan._asdict()},
         "device": f"{plan.num_devices} x {jax.devices()[0].device_kind}",
