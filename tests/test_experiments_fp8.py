@@ -67,12 +67,17 @@ def test_o2_fp8_checkpoint_holds_the_updated_fp8_state_and_the_manifest_covers_i
             # One amax recorded per step (the history is 1024 long), and the scale moved off 1.
             assert np.count_nonzero(history) == STEPS, (layer, tensor)
             assert np.isfinite(scale) and scale > 1, (layer, tensor, scale)
-    # The saved manifest lists each of the 4 x 6 fp8 arrays with its checksum (load_state above
-    # verified them), so damage to the fp8 state is found like damage to the params.
-    with open(os.path.join(run, "checkpoints", str(step), "manifest", "metadata")) as f:
+    # The saved manifest lists each of the 4 x 6 fp8 arrays, and the shard records hold their
+    # checksums (load_state above verified them), so damage to the fp8 state is found like damage
+    # to the params.
+    step_dir = os.path.join(run, "checkpoints", str(step))
+    with open(os.path.join(step_dir, "manifest", "metadata")) as f:
         manifest = json.load(f)
     fp8_arrays = [a for a in manifest["arrays"] if "fp8_meta" in a["path"]]
-    assert len(fp8_arrays) == 4 * 6 and all(a["dtype"] == "float32" and len(a["sha256"]) == 64 for a in fp8_arrays)
+    assert len(fp8_arrays) == 4 * 6 and all(a["dtype"] == "float32" for a in fp8_arrays)
+    records = ckpt_lib.read_shard_records(step_dir, manifest, step)
+    assert all(len(records[a["key"]]) >= 1 and all(len(r["sha256"]) == 64 for r in records[a["key"]])
+               for a in fp8_arrays)
     # The bf16 run has no fp8 state at all.
     _, bf16_state = ckpt_lib.load_state(os.path.join(workdir, "runs", "O2-bf16_seed0"))
     assert "fp8_meta" not in bf16_state["model_state"]
