@@ -480,14 +480,27 @@ def _validate_fp8(result: dict) -> list[str]:
         return ["results.models must be a non-empty dict"]
     p = []
     for m, r in models.items():
-        for v, x in (r.get("variants") or {}).items() if isinstance(r, dict) else ():
+        if not isinstance(r, dict) or not isinstance(r.get("variants"), dict) or not isinstance(r.get("skipped"), dict):
+            p.append(f"results.models.{m} needs 'variants' and 'skipped' dicts")
+            continue
+        if not r["variants"] and not r["skipped"]:
+            p.append(f"results.models.{m} has no variants")
+        for v, x in r["variants"].items():
             where = f"results.models.{m}.variants.{v}"
             p += _check_stats(x.get("step_time_s"), f"{where}.step_time_s")
             curve = x.get("loss_curve")
             if not (isinstance(curve, list) and curve and all(isinstance(c, float) for c in curve)):
                 p.append(f"{where}.loss_curve is not a non-empty list of floats")
-        if not isinstance(r, dict) or not r.get("variants"):
-            p.append(f"results.models.{m} has no variants")
+            if not isinstance(x.get("policy"), str):
+                p.append(f"{where}.policy is not a preset name")
+            state = x.get("fp8_state")
+            if x.get("policy") == "O2-fp8" and not (isinstance(state, dict) and _is_pos(state.get("amaxes_recorded_min"))):
+                p.append(f"{where}.fp8_state must show recorded amaxes (delayed scaling)")
+            if v != "bf16" and "bf16" in r["variants"] and not isinstance(x.get("max_rel_loss_gap_last_half"), float):
+                p.append(f"{where}.max_rel_loss_gap_last_half is not a number")
+        for v, why in r["skipped"].items():
+            if not isinstance(why, str) or not why:
+                p.append(f"results.models.{m}.skipped.{v} gives no reason")
     return p
 
 

@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -391,16 +392,53 @@ def test_hand_cast_mlp_assigns_the_o1_dtypes():
 # benchmarks/fp8.py
 
 
-def test_fp8_benchmark_dry_run_times_both_variants_and_compares_loss_curves(tmp_path):
+def test_fp8_benchmark_dry_run_times_every_variant_updates_the_fp8_state_and_compares_loss_curves(tmp_path):
     from benchmarks import fp8 as bench
 
     out = tmp_path / "fp8.json"
-    result = bench.main(["--dry-run", "--quiet", "--models", "mlp", "--train-steps", "6", "--out", str(out)])
-    _assert_valid(json.loads(out.read_text()), "fp8")
+    steps = 6
+    result = bench.main(["--dry-run", "--quiet", "--models", "mlp", "--train-steps", str(steps), "--out", str(out)])
+    on_disk = json.loads(out.read_text())
+    _assert_valid(on_disk, "fp8")
+    assert on_disk["env"]["versions"]["jax"] and on_disk["env"]["device"] and on_disk["env"]["git_commit"]["sha"]
     r = result["results"]["models"]["mlp"]
-    bf16, f8 = r["variants"]["bf16"], r["variants"]["fp8"]
-    assert len(bf16["loss_curve"]) == len(f8["loss_curve"]) == 6
-    assert bf16["loss_curve"][-1] < bf16["loss_curve"][0] and f8["loss_curve"][-1] < f8["loss_curve"][0]
-    assert bf16["loss_curve"] != f8["loss_curve"]  # fp8 rounding changes the numbers ...
-    assert 0 < r["max_rel_loss_gap_last_half"] < 0.05  # ... but not the curve
-    assert r["fp8_speedup"]["n"] == 2 and result["config"]["native_fp8"] is False
+    assert list(r["variants"]) == ["bf16", "fp8", "fp8-current"] and r["skipped"] == {}  # the CPU emulates fp8
+    assert {v: x["policy"] for v, x in r["variants"].items()} == bench.POLICIES
+    curves = {v: x["loss_curve"] for v, x in r["variants"].items()}
+    for v, c in curves.items():
+        # Finite, and it trains: the loss on batch 0 (4 batches are cycled) went down by step 4.
+        assert len(c) == steps and all(np.isfinite(c)) and c[4] < c[0], v
+        assert r["variants"][v]["skipped_steps"] == 0
+        assert r["variants"][v]["step_time_s"]["n"] == 2
+    for v in ("fp8", "fp8-current"):
+        assert curves[v] != curves["bf16"], v  # fp8 rounding changes the numbers ...
+        assert 0 < r["variants"][v]["max_rel_loss_gap_last_half"] < 0.05, v  # ... but not the curve
+        assert r["variants"][v]["speedup_over_bf16"]["n"] == 2
+    # Delayed scaling: make_train_step recorded one amax per step in every history of the two
+    # Dense layers (3 tensors each) and moved every scale off its initial 1; current scaling has no state.
+    state = r["variants"]["fp8"]["fp8_state"]
+    assert (state["layers"], state["tensors"], state["history_length"]) == (2, 6, 1024)
+    assert state["amaxes_recorded_min"] == state["amaxes_recorded_max"] == steps
+    assert state["all_finite"] and state["scale_min"] > 1
+    assert r["variants"]["bf16"]["fp8_state"] is None and r["variants"]["fp8-current"]["fp8_state"] is None
+    # The yardstick for "within noise": bf16 from another init, on the same batches.
+    ref = r["noise_reference"]
+    assert len(ref["loss_curve"]) == steps and ref["loss_curve"] != curves["bf16"]
+    assert all(x["within_noise"] == (x["max_rel_loss_gap_last_half"] <= ref["max_rel_loss_gap_last_half"])
+               for v, x in r["variants"].items() if v != "bf16")
+    assert result["config"]["native_fp8"] is False and result["dry_run"] is True
+
+
+def test_fp8_benchmark_records_fp8_variants_as_skipped_where_the_hardware_check_refuses(monkeypatch):
+    import jaxmp.fp8
+    from benchmarks import fp8 as bench
+
+    def refuse(recipe, device=None):  # what jaxmp.fp8.check_hardware says on an A100
+        raise ValueError("NVIDIA A100 (compute capability 8.0) has no fp8 Tensor Cores")
+
+    monkeypatch.setattr(jaxmp.fp8, "check_hardware", refuse)
+    result = bench.main(["--dry-run", "--quiet", "--models", "mlp", "--variants", "fp8,fp8-current", "--out", "-"])
+    _assert_valid(result, "fp8")
+    r = result["results"]["models"]["mlp"]
+    assert r["variants"] == {} and set(r["skipped"]) == {"fp8", "fp8-current"}
+    assert all("no fp8 Tensor Cores" in why for why in r["skipped"].values())
