@@ -311,6 +311,18 @@ def gradient_loss_scale(loss_scale: Any):
         _GRAD_LOSS_SCALE.reset(token)
 
 
+def describe(recipe: CurrentScaling) -> str:
+    """How :func:`jaxmp.precision_report` labels an op run under ``recipe``.
+
+    Example:
+      >>> from jaxmp import fp8
+      >>> fp8.describe(fp8.DelayedScaling())
+      'half list, fp8 (float8_e4m3fn forward, float8_e5m2 backward, delayed scaling)'
+    """
+    kind = "delayed" if isinstance(recipe, DelayedScaling) else "current"
+    return f"half list, fp8 ({recipe.fwd_dtype} forward, {recipe.bwd_dtype} backward, {kind} scaling)"
+
+
 def _check_operands(name: str, lhs: Any, rhs: Any) -> None:
     for side, x in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(jnp.result_type(x), jnp.floating):

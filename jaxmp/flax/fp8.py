@@ -52,22 +52,9 @@ NNX_FP8_FIELDS: dict[type, str] = {
 _LINEN_USER_FIELDS = {"dot_general_cls": "dot_general", "conv_general_dilated_cls": "conv_general_dilated"}
 
 
-def describe(recipe: fp8.CurrentScaling) -> str:
-    """The precision report's label for an op run under ``recipe``.
-
-    Example:
-      >>> from jaxmp import fp8
-      >>> from jaxmp.flax.fp8 import describe
-      >>> describe(fp8.DelayedScaling())
-      'half list, fp8 (float8_e4m3fn forward, float8_e5m2 backward, delayed scaling)'
-    """
-    kind = "delayed" if isinstance(recipe, fp8.DelayedScaling) else "current"
-    return f"half list, fp8 ({recipe.fwd_dtype} forward, {recipe.bwd_dtype} backward, {kind} scaling)"
-
-
 def _labelled(recipe: fp8.CurrentScaling):
     # The same name scope autocast uses for its decisions, so precision_report names these ops.
-    return jax.named_scope(f"jaxmp.rule={describe(recipe)}") if explain_enabled() else contextlib.nullcontext()
+    return jax.named_scope(f"jaxmp.rule={fp8.describe(recipe)}") if explain_enabled() else contextlib.nullcontext()
 
 
 def _run(op_name: str, recipe, scales, args, kwargs):

@@ -32,7 +32,6 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxmp import fp8
 from jaxmp.engine import flax_config
 from jaxmp.engine.api import _Autocast
 from jaxmp.engine.rules import marker
@@ -171,8 +170,6 @@ class MixedPrecision:
         if not isinstance(self.module, nn.Module):
             raise TypeError(f"expected a flax.linen.Module instance, got {type(self.module).__name__}")
         policy, overrides = resolve_overrides(self.policy, self.overrides)
-        if overrides.fp8 is not None:
-            fp8.check_hardware(overrides.fp8)
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "overrides", overrides)
 

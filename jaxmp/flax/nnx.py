@@ -243,11 +243,8 @@ class MixedPrecision(nnx.Module):
         _check_model(model)
         self.policy, self.overrides = resolve_overrides(policy, overrides)
         if isinstance(self.overrides.fp8, fp8.DelayedScaling):
-            fp8.check_hardware(self.overrides.fp8)
             # The layers' fp8 ops hold the delayed-scaling state (Fp8State variables).
             install_nnx_fp8(model, self.overrides.fp8, _is_half(self.policy, self.overrides))
-        elif self.overrides.fp8 is not None:
-            fp8.check_hardware(self.overrides.fp8)
         self.model = store_params(model, self.policy, self.overrides)
 
     def __call__(self, *args, **kwargs) -> Any:

@@ -375,6 +375,7 @@ def resolve_overrides(policy: Any, overrides: PrecisionOverrides | Iterable[str]
 
     Raises:
       TypeError: a policy whose dtypes are not floating, or overrides of the wrong type.
+      ValueError: an fp8 recipe this hardware cannot run (:func:`jaxmp.fp8.check_hardware`).
 
     Example:
       >>> import jaxmp.flax
@@ -392,4 +393,6 @@ def resolve_overrides(policy: Any, overrides: PrecisionOverrides | Iterable[str]
             raise TypeError(
                 f"overrides must be a jaxmp.flax.PrecisionOverrides or keep_fp32 categories, got {type(overrides).__name__}"
             )
+    if overrides.fp8 is not None:
+        _fp8.check_hardware(overrides.fp8)  # native, emulated on CPU, or a clear error naming the device
     return resolved, overrides
