@@ -13,9 +13,9 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-from jax._src import config as _jax_config
 
 from jaxmp import fp8
+from jaxmp.engine import internals
 from jaxmp.engine.rules import PURE_HALF_RULES, AutocastRules
 from jaxmp.policy import Policy
 from jaxmp.presets import resolve_policy
@@ -53,8 +53,9 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     O0      identity: every op as traced (float32)
     O1      half list in half, float32 list in float32, the rest follows; arguments as given;
             outputs float32
-    O2      as O1, and floating arguments are cast to half on entry (params included), so
-            ops that follow run in half unless a float32-list result reaches them
+    O2      as O1, and weights (arguments whose every use is a half-list op) are cast to
+            half once, on entry; other floating arguments (running statistics, biases, norm
+            scales) enter as passed and are narrowed at their uses, so state stays float32
     O3      pure half: no float32 list, arguments cast on entry, outputs half
     ======  ==================================================================================
 
@@ -107,13 +108,9 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
 
 
 # The tracing context: set while autocast traces the user's function. Part of jit's cache key.
-TRACING = _jax_config.string_or_object_state(
-    name="jaxmp_autocast_tracing",
-    default=None,
-    help="The AutocastConfig of the autocast region being traced (None outside autocast).",
-    include_in_jit_key=True,
-    include_in_trace_context=True,
-)
+TRACING = internals.jit_key_state(
+    "jaxmp_autocast_tracing", None,
+    "The AutocastConfig of the autocast region being traced (None outside autocast).")
 
 
 def current() -> AutocastConfig | None:
