@@ -31,7 +31,8 @@ class AutocastConfig:
       name: the preset or policy it came from (for messages and profiles).
       compute_dtype: the half dtype of the half list.
       output_dtype: floating outputs are cast to it.
-      cast_inputs: floating arguments are cast to ``compute_dtype`` on entry (O2, O3).
+      cast_inputs: which floating arguments are cast to ``compute_dtype`` on entry: ``""``
+        (none: O1), ``"weights"`` (those whose every use is a half-list op: O2) or ``"all"`` (O3).
       rules: the :class:`jaxmp.AutocastRules`.
       identity: the region changes nothing (O0, or a float32 compute dtype).
     """
@@ -39,7 +40,7 @@ class AutocastConfig:
     name: str
     compute_dtype: np.dtype
     output_dtype: np.dtype
-    cast_inputs: bool
+    cast_inputs: str
     rules: AutocastRules
     identity: bool = False
 
@@ -79,7 +80,7 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     Example:
       >>> import jaxmp; from jaxmp.engine.config import current, flax_config, resolve_config
       >>> resolve_config("O2-bf16", None).cast_inputs
-      True
+      'weights'
     """
     if rules is not None and not isinstance(rules, AutocastRules):
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}: {rules!r}")
@@ -88,11 +89,12 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     name = recipe.name if recipe is not None else str(resolved)
     level = recipe.name[:2].upper() if recipe is not None and recipe.name[:1] in "oO" else None
     if compute.itemsize >= 4:
-        return AutocastConfig(name, compute, np.dtype(resolved.output_dtype), False,
+        return AutocastConfig(name, compute, np.dtype(resolved.output_dtype), "",
                               rules or AutocastRules(), identity=True)
     if level == "O3":
-        return AutocastConfig(name, compute, compute, True, rules or PURE_HALF_RULES)
-    cast_inputs = level == "O2" or (level is None and np.dtype(resolved.param_dtype).itemsize < 4)
+        return AutocastConfig(name, compute, compute, "all", rules or PURE_HALF_RULES)
+    weights = level == "O2" or (level is None and np.dtype(resolved.param_dtype).itemsize < 4)
+    cast_inputs = "weights" if weights else ""
     output = np.dtype(resolved.output_dtype) if level is None else _F32
     rules = rules or AutocastRules()
     fp8_recipe = getattr(recipe, "fp8", None)
@@ -150,5 +152,5 @@ def flax_config(policy: Policy, overrides: Any) -> AutocastConfig:
     """
     compute = np.dtype(policy.compute_dtype)
     rules = AutocastRules() if overrides.fp32_softmax else PURE_HALF_RULES
-    return AutocastConfig(f"flax {policy}", compute, np.dtype(policy.output_dtype), False, rules,
+    return AutocastConfig(f"flax {policy}", compute, np.dtype(policy.output_dtype), "", rules,
                           identity=compute.itemsize >= 4)
