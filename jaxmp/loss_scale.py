@@ -24,7 +24,7 @@ from jaxmp.skip import all_finite, check_flag, select_tree  # noqa: F401 - re-ex
 
 T = TypeVar("T")
 
-#: Defaults (see DESIGN.md): jmp/Keras start at 2**15; Apex caps at 2**24.
+#: Defaults (docs/concepts.md): jmp/Keras start at 2**15; Apex caps at 2**24.
 DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_INTERVAL = 2000
 DEFAULT_GROWTH_FACTOR = 2.0

@@ -1,7 +1,7 @@
 """Replicated state for ``pmap``: put one copy per device, take one back, check the copies agree.
 
 ``flax.jax_utils`` has ``replicate``/``unreplicate`` too; these keep the parallel layer on
-JAX alone (see DESIGN.md) and add the check that pmap training silently relies on: every
+JAX alone and add the check that pmap training silently relies on: every
 replica holds bit-identical params and optimizer state (loss scale and skip counters included).
 """
 
