@@ -257,6 +257,11 @@ def run(main, *, parse: bool = True) -> None:
             _finish(2, str(e))
         except RunFailedError as e:
             _finish(1, str(e))
+        except Exception:  # absl prints the traceback and exits 1; let the TF import end first
+            from experiments import metrics
+
+            metrics.settle()
+            raise
         _finish(0)
 
     app.run(guarded, flags_parser=parse_flags if parse else parse_plain)
