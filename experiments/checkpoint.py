@@ -55,7 +55,7 @@ from typing import Any, Callable, NamedTuple, TypeVar
 import jax
 import numpy as np
 
-from experiments.validation import UserError
+from experiments.validation import RunFailedError, UserError
 
 FORMAT = "jaxmp-experiments-checkpoint/2"
 # Formats this version recognises but cannot verify (whole-array checksums, no shard files).
@@ -69,6 +69,10 @@ MUST_MATCH = ("policy", "loss_scale", "master_weights", "engine", "seed", "model
 _META_TYPES = {"policy": str, "loss_scale": str, "master_weights": bool, "engine": str, "seed": int,
                "model": str, "dataset": str, "global_batch_size": int, "num_train_steps": int,
                "data_position": int, "history": list}
+# Besides MUST_MATCH, ``meta["settings"]`` holds every config value that changes what a run
+# computes (flattened ``--config.<field>`` names -> JSON values, see experiments.train.run_settings);
+# a resume, or a finished run read back, under other values is refused, naming each field.
+SETTINGS = "settings"
 _T = TypeVar("_T")
 
 
@@ -78,6 +82,10 @@ class CheckpointMismatchError(UserError):
 
 class CheckpointDamagedError(UserError):
     """The workdir holds checkpoints, but none of them is intact."""
+
+
+class CheckpointWriteError(RunFailedError):
+    """A checkpoint (or another file of the run) could not be written: a full disk, a quota, an I/O error."""
 
 
 class CheckpointDamageWarning(UserWarning):
@@ -252,6 +260,91 @@ def check_meta(meta: Any, manifest: dict, step: int) -> dict:
         raise _Damaged(f"metadata: data_position {pos} does not match step {step} "
                        f"(manifest says {manifest['data_position']})")
     return meta
+
+
+def settings_diffs(saved: Any, now: dict, step: int, directory: str) -> dict[str, tuple[Any, Any]]:
+    """``{field: (checkpoint value, current value)}`` for every setting that differs.
+
+    Raises:
+      CheckpointMismatchError: the checkpoint records no settings (written by an older version), so
+        whether this run matches it cannot be checked.
+    """
+    if not isinstance(saved, dict):
+        raise CheckpointMismatchError(
+            f"checkpoint step {step} in {directory} records no run settings (it was written by an older version "
+            "of experiments/), so resuming it could mix two runs unnoticed. Finish it with the version that wrote "
+            "it, or use a new --workdir.")
+    return {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
+
+
+def _flag_value(v: Any) -> str:
+    """A JSON value as it is written after ``--config.<field>=``."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, list):
+        return "(" + ",".join(str(x) for x in v) + ("," if len(v) == 1 else "") + ")"
+    return str(v)
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _root_cause(error: BaseException) -> str:
+    """The OSError behind ``error`` (orbax and TensorStore wrap it), in words."""
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return f"{os.strerror(e.errno)} ({errno_name(e.errno)})"
+        e = e.__cause__ or e.__context__
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    return f"{type(error).__name__}: {first}"
+
+
+def errno_name(code: int) -> str:
+    import errno
+
+    return errno.errorcode.get(code, str(code))
+
+
+def write_failure(workdir: str, what: str, error: BaseException) -> CheckpointWriteError:
+    """The clear error for a failed write in a run's workdir: what failed and why, the space the
+    last checkpoint took and the space free now, and how to go on.
+
+    Args:
+      workdir: the run's directory.
+      what: what was being written (``"checkpoint step 20"``, ``"results.json"``).
+      error: the exception the write raised.
+    """
+    workdir = os.path.abspath(workdir)
+    directory = os.path.join(workdir, "checkpoints")
+    steps = sorted(int(d) for d in (os.listdir(directory) if os.path.isdir(directory) else []) if d.isdigit())
+    if steps:
+        last = steps[-1]
+        space = (f"The last checkpoint (step {last}) takes {_mib(_tree_bytes(os.path.join(directory, str(last))))}; "
+                 "the next one needs about as much")
+        go_on = (f"Checkpoint step {last} and older are intact: free space (or fix the cause) and run the same "
+                 f"command again; it resumes from step {last} exactly")
+    else:
+        space = "No checkpoint has been written yet"
+        go_on = "Free space (or fix the cause) and run the same command again; it starts from step 0"
+    try:
+        free = f", {_mib(shutil.disk_usage(workdir).free)} free now"
+    except OSError:
+        free = ""
+    return CheckpointWriteError(f"could not write {what} in {workdir}: {_root_cause(error)}. {space}{free}. {go_on}.")
 
 
 def _read_json_file(path: str, name: str) -> Any:
@@ -552,16 +645,39 @@ class Checkpointer:
           meta: JSON-able metadata with the fields of ``_META_TYPES`` (``data_position == step``).
 
         Returns once the step is finalized and every process's file list is written.
+
+        Raises:
+          CheckpointWriteError: the step could not be written (a full disk, any other write failure);
+            its unfinished files are removed, older steps are untouched.
         """
         ocp = self._ocp
         state = saveable(state)
         manifest = make_manifest(state, meta, step)
         shards = make_shard_file(shard_records(state), step)
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
-            manifest=ocp.args.JsonSave(manifest), **{SHARDS: ocp.args.JsonSave(shards)}), force=True)
+        try:
+            self._write_step(step, ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+                manifest=ocp.args.JsonSave(manifest), **{SHARDS: ocp.args.JsonSave(shards)}))
+        except Exception as e:  # noqa: BLE001 - orbax and TensorStore wrap the OSError; name it
+            self._discard_unfinished(step)
+            raise write_failure(self.workdir, f"checkpoint step {step}", e) from e
+        try:
+            agreed(lambda: self._write_file_list(step), f"writing the file list of checkpoint step {step}")
+        except Exception as e:  # noqa: BLE001 - the step itself is finalized: it stays, verified by its shards
+            raise write_failure(self.workdir, f"the file list of checkpoint step {step}", e) from e
+
+    def _write_step(self, step: int, args: Any) -> None:
+        """orbax's save of one step, finalized (atomically renamed) before it returns."""
+        self._manager.save(step, args=args, force=True)
         self._manager.wait_until_finished()
-        agreed(lambda: self._write_file_list(step), f"writing the file list of checkpoint step {step}")
+
+    def _discard_unfinished(self, step: int) -> None:
+        """Removes what a failed save of ``step`` left half-written (never a finalized step), to free its space."""
+        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def _write_file_list(self, step: int) -> None:
         """Checksums of the files of the state this process wrote, so damage is found before orbax reads them.
@@ -630,11 +746,17 @@ class Checkpointer:
         _check_manifest(manifest, step)
         meta = check_meta(self._read_json(step, "meta"), manifest, step)
         diffs = {k: (meta.get(k), expected[k]) for k in MUST_MATCH if k in expected and meta.get(k) != expected[k]}
+        if SETTINGS in expected:
+            diffs.update(settings_diffs(meta.get(SETTINGS), expected[SETTINGS], step, self.directory))
         if diffs:
             detail = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diffs.items())
+            back = " ".join(f"--config.{k}={_flag_value(a)}" for k, (a, _) in diffs.items()
+                            if k not in MUST_MATCH and a is not None)
+            keep = f" To continue that run instead, pass its values: {back}." if back else ""
             raise CheckpointMismatchError(
-                f"{self.directory} holds checkpoints of a different run ({detail}). Resuming under different "
-                "settings would mix two runs: use a new --workdir, or move that directory away to start over.")
+                f"{self.directory} holds checkpoints of a different run ({detail}). Resuming (or reading back a "
+                "finished run) under different settings would mix two runs, and its results would describe "
+                f"settings it did not use: to start fresh, use a new --workdir (or move this one away).{keep}")
         want = [(a.get("path"), a.get("shape"), a.get("dtype")) for a in manifest["arrays"]]
         have = [(r["path"], r["shape"], r["dtype"]) for r in array_specs(target)]
         if want != have:

@@ -5,7 +5,11 @@ absl + ml_collections as in the Flax examples, with clear errors instead of trac
 config file that does not load, an unknown ``--config.<field>``, a bad value (checked by
 :func:`experiments.validation.check_fields` before JAX is imported), a bad ``--workdir``, an
 unknown flag, or a user error raised by the run prints one message that says what is wrong
-and what is valid, and exits with status 2. ``--help`` lists the flags (absl exits 1 after it).
+and what is valid, and exits with status 2. A run that fails for another reason it can name (a
+full disk: :class:`experiments.validation.RunFailedError`) prints its message and exits with
+status 1; so does an unexpected exception (absl prints its traceback). Success is 0.
+``--help`` of the config-taking commands lists the flags and every config field with its
+default, and exits 0.
 """
 
 from __future__ import annotations
@@ -17,7 +21,25 @@ import sys
 from absl import app, flags
 
 from experiments import configs as configs_lib
-from experiments.validation import UserError, check_fields
+from experiments.validation import FREE_FIELDS, RunFailedError, UserError, check_fields
+
+# TensorFlow (imported by the metric writer and TFDS) logs C++ start-up lines on stderr; silence
+# them before it is imported (explicit settings in the environment are kept). See quiet_tensorflow.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def quiet_tensorflow(config) -> None:
+    """Silences TensorFlow's start-up notices for ``config`` (call before TensorFlow is imported).
+
+    TF_CPP_MIN_LOG_LEVEL=2 hides its INFO/WARNING lines but not the oneDNN notice that TensorFlow
+    2.16+ prints unconditionally; that one goes only with oneDNN off (TF_ENABLE_ONEDNN_OPTS=0).
+    oneDNN changes TensorFlow's own float kernels, which only the TFDS input pipelines use, so it
+    is turned off only for the offline datasets, where TensorFlow just writes TensorBoard events.
+    """
+    from experiments import data as data_lib
+
+    if config.get("dataset") in data_lib.OFFLINE:
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 __all__ = ["UserError", "define_flags", "parse_flags", "run"]
 
@@ -116,9 +138,54 @@ def parse_plain(argv: list[str]) -> list[str]:
         fail(f"{e}. Pass --help to see the flags.")
 
 
+_HELP = ("--help", "-h", "-?", "--helpshort")
+_DERIVED = {"global_batch_size": "per_device_batch_size x num_devices",
+            "learning_rate": "base_learning_rate x global_batch_size / base_batch_size"}
+
+
+def config_fields_help(config, source: str) -> str:
+    """The ``--help`` section that lists every config field with its value in ``config``."""
+    def flat(prefix, d, out):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                flat(f"{prefix}{k}.", v, out)
+            else:
+                out[prefix + k] = v
+        return out
+
+    values = flat("", config.to_dict(), {})
+    import textwrap
+
+    intro = (f"Config fields: --config.<field>=<value>; defaults of {source} (pass --config=<name> with --help "
+             "for another config's). Fields marked * change what a run computes: they are recorded with its "
+             "checkpoints, and resuming (or reading back a finished run) with another value is refused.")
+    lines = textwrap.wrap(intro, 100) + [""]
+    for k, v in sorted(values.items()):
+        shown = "(" + ", ".join(map(repr, v)) + ("," if len(v) == 1 else "") + ")" if isinstance(v, (tuple, list)) \
+            else repr(v)
+        derived = f"  [= {_DERIVED[k]}]" if k in _DERIVED else ""
+        mark = " " if k.split(".")[0] in FREE_FIELDS else "*"
+        lines.append(f"  {mark} {k} = {shown}{derived}")
+    return "\n".join(lines)
+
+
+def _help(argv: list[str]) -> None:
+    """absl's help of the entry point plus the config fields; exits 0."""
+    config_arg = next((m.group(1) for m in map(_CONFIG_RE.match, argv) if m), None)
+    path = _resolve_config(config_arg).split(":", 1)[0] if config_arg else os.path.join(
+        configs_lib.CONFIG_DIR, "default.py")
+    config = _load_config_file(path)
+    app.usage(shorthelp=True, writeto_stdout=True)
+    print("\n" + config_fields_help(config, os.path.relpath(path)))
+    sys.stdout.flush()
+    sys.exit(0)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """Flag parser of the config-taking commands (``app.run(flags_parser=...)``)."""
     argv = list(argv)
+    if any(a in _HELP for a in argv[1:]):
+        _help(argv)
     if "--config" in argv[1:-1]:  # "--config cpu" -> "--config=cpu", so it is resolved like the rest
         i = argv.index("--config", 1)
         argv[i:i + 2] = ["--config=" + argv[i + 1]]
@@ -138,11 +205,42 @@ def parse_flags(argv: list[str]) -> list[str]:
     except UserError as e:
         fail(str(e))
     _check_workdir(flags.FLAGS.workdir)
+    quiet_tensorflow(flags.FLAGS.config)
     return rest
 
 
+def _finish(code: int, message: str | None = None) -> None:
+    """Ends the process with ``code`` after a run, printing ``error: message`` first if given.
+
+    The background TensorFlow import (:func:`experiments.metrics.preload`) is waited for, so
+    interpreter shutdown never cuts a C++ import short. After an error the process then ends
+    with ``os._exit``, once its streams are flushed: a clear error must end in its own exit
+    status, and a normal shutdown runs C++ static destructors (TensorFlow's, TensorStore's)
+    while threads they own may still run, which can abort with ``terminate called ...`` and
+    status 134 after the message. Everything the run wrote is closed by then (checkpoint manager,
+    metric writers, results), so there is nothing left for shutdown to do.
+    """
+    from experiments import metrics
+
+    if message is not None:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    metrics.settle()
+    if message is None:
+        sys.exit(code)
+    import logging as std_logging
+
+    std_logging.shutdown()  # absl's handlers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run(main, *, parse: bool = True) -> None:
-    """``app.run(main)`` that turns user errors into a one-line message (exit 2).
+    """``app.run(main)`` with the exit codes 0 (success), 1 (failed run) and 2 (usage error).
+
+    A user error (:class:`UserError`, a missing dataset) prints one line and exits 2; a
+    :class:`RunFailedError` (a full disk...) prints its message and exits 1; an unexpected
+    exception is absl's traceback and exit 1.
 
     Args:
       main: the command's ``main(argv)``.
@@ -154,8 +252,16 @@ def run(main, *, parse: bool = True) -> None:
         if len(argv) > 1:
             fail(f"unexpected arguments: {' '.join(argv[1:])} (flags are written --name=value).")
         try:
-            return main(argv)
+            main(argv)
         except (UserError, DatasetUnavailableError) as e:
-            fail(str(e))
+            _finish(2, str(e))
+        except RunFailedError as e:
+            _finish(1, str(e))
+        except Exception:  # absl prints the traceback and exits 1; let the TF import end first
+            from experiments import metrics
+
+            metrics.settle()
+            raise
+        _finish(0)
 
     app.run(guarded, flags_parser=parse_flags if parse else parse_plain)

@@ -9,7 +9,10 @@ seeds, skipped steps, final loss scale) and writes results.{json,csv,md} and the
 accuracy_loss.png, loss_scale.png and throughput_memory.png to the workdir. With
 --scale_demo (default) one more short O2-fp16 run starts from a high loss scale and grows it
 often, so loss_scale.png shows dynamic scaling at work. Each run lives in
-<workdir>/runs/<name> and resumes like main.py; a finished run is read back, not retrained.
+<workdir>/runs/<name> and resumes like main.py; a finished run -- completed, or stopped because
+it diverged -- is read back, never retrained, so running the same command again leaves the
+results as they were (a run whose settings differ from the config is refused, naming each field).
+The workdir is locked while the command runs (see experiments/workdir_lock.py).
 tensorboard --logdir=<workdir>/runs shows every run's curves side by side.
 
 On backends that report allocator statistics (GPU, TPU) every run gets its own process
@@ -25,7 +28,7 @@ import time
 
 from absl import flags, logging
 
-from experiments import cli
+from experiments import cli, workdir_lock
 
 cli.define_flags()
 flags.DEFINE_list("policies", None, "Policies to compare (default: config.compare_policies), e.g. O0,O2-bf16.")
@@ -48,14 +51,21 @@ def _run_isolated(config, workdir: str, policy: str, seed: int, desc: str, repor
 
     from experiments import jobs
 
+    from experiments.validation import RunFailedError
+
     os.makedirs(workdir, exist_ok=True)
     job = os.path.join(workdir, "job.json")
     jobs.write_job(job, config, workdir=workdir, policy=policy, seed=seed, desc=desc, report=report)
+    path = os.path.join(workdir, "results.json")
+    before = open(path, "rb").read() if os.path.exists(path) else None
     proc = subprocess.run([sys.executable, "-m", "experiments.train", f"--job={job}"], cwd=os.getcwd())
+    if proc.returncode == 2:  # the run refused its input; its message says why
+        raise cli.UserError(f"the {policy} seed {seed} run was refused (see its error above)")
     if proc.returncode:
-        raise cli.UserError(f"the {policy} seed {seed} run failed (exit {proc.returncode}); see its output above")
-    with open(os.path.join(workdir, "results.json")) as f:
-        return json.load(f)
+        raise RunFailedError(f"the {policy} seed {seed} run failed (exit {proc.returncode}); see its output above")
+    with open(path, "rb") as f:
+        after = f.read()
+    return {**json.loads(after), "reused": after == before}
 
 
 def _train(config, workdir, policy, seed, desc, report, isolated) -> dict:
@@ -92,7 +102,6 @@ def compare(config, workdir: str, *, policies=None, num_seeds: int | None = None
     """
     from experiments import metrics
     from experiments import train
-    from experiments.progress import Progress
     from experiments.validation import validate_config
 
     metrics.preload()
@@ -103,27 +112,50 @@ def compare(config, workdir: str, *, policies=None, num_seeds: int | None = None
     for p in policies:
         validate_config(config, policy=p)
     isolated = (train.device_peak_memory() is not None) if isolate == "auto" else isolate == "true"
+    with workdir_lock.locked(workdir):
+        return _compare_locked(config, workdir, policies, num_seeds, isolated, plots, report, config_name, scale_demo)
+
+
+def _compare_locked(config, workdir, policies, num_seeds, isolated, plots, report, config_name, scale_demo) -> dict:
+    from experiments import train
+    from experiments.progress import Progress
+
     seeds = [int(config.seed) + k for k in range(num_seeds)]
     jobs = [(p, s) for p in policies for s in seeds]
 
     t0 = time.perf_counter()
-    runs, demo = [], None
+    runs, demo, reused = [], None, []
     with Progress(len(jobs) + bool(scale_demo), "comparison (runs)", enabled=config.progress_bar,
                   interval_s=0) as bar:
         for i, (policy, seed) in enumerate(jobs):
             r = _train(config, os.path.join(workdir, "runs", f"{policy}_seed{seed}"), policy, seed,
                        f"[{i + 1}/{len(jobs)}] {policy} seed {seed}", report, isolated)
+            reused.append(r.pop("reused", False))  # the results describe the run, not this command
             print(train.summary_line(r), flush=True)
             runs.append(r)
             bar.update(1, last=f"{policy} seed {seed}")
         if scale_demo:
             demo = _train(demo_config(config), os.path.join(workdir, "runs", "scale_demo_O2-fp16"), DEMO["policy"],
                           seeds[0], "loss-scale demo", False, isolated)
+            reused.append(demo.pop("reused", False))
             print("loss-scale demo: " + train.summary_line(demo), flush=True)
             bar.update(1, last="loss-scale demo")
     total = time.perf_counter() - t0
+    if all(reused):  # nothing trained: the tables keep the time the runs took
+        total = _previous_total(workdir, total)
     return _write_outputs(config, workdir, runs, demo, dict(policies=policies, seeds=seeds, total_time_s=total,
                                                            isolated=isolated, config_name=config_name), plots)
+
+
+def _previous_total(workdir: str, default: float) -> float:
+    """The total time recorded by the command that trained the runs, if its results.json says."""
+    import json
+
+    try:
+        with open(os.path.join(workdir, "results.json")) as f:
+            return float(json.load(f)["meta"]["total_time_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
 
 
 def _write_outputs(config, workdir: str, runs: list, demo, info: dict, plots: bool) -> dict:

@@ -28,6 +28,7 @@ _preload: threading.Thread | None = None
 def preload() -> None:
     """Starts importing ``clu.metric_writers`` in the background (idempotent)."""
     global _preload
+    quiet_tensorflow()
     if _preload is None:
         def work():
             try:
@@ -36,6 +37,21 @@ def preload() -> None:
                 pass
         _preload = threading.Thread(target=work, name="clu-import", daemon=True)
         _preload.start()
+
+
+def quiet_tensorflow() -> None:
+    """Silences TensorFlow's C++ start-up log lines (oneDNN notice, absl pre-init warning) on stderr.
+
+    Must run before TensorFlow is imported; an explicit ``TF_CPP_MIN_LOG_LEVEL`` is kept.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def settle(timeout: float = 60.0) -> None:
+    """Waits for the background TensorFlow import to end, so no interpreter exit cuts it short
+    (a C++ import interrupted at shutdown can abort the process after the run's own message)."""
+    if _preload is not None:
+        _preload.join(timeout)
 
 
 def _writer(workdir: str):
@@ -81,5 +97,8 @@ class MetricsLog:
         os.replace(path + ".tmp", path)
 
     def close(self) -> None:
-        self.flush()
+        """Closes the event files. ``history.jsonl`` is written only with a checkpoint (:meth:`flush`),
+        so it never runs ahead of one: a run that dies before its first checkpoint leaves none, and
+        its workdir stays usable for the corrected rerun."""
+        self._tb.flush()
         self._tb.close()

@@ -148,23 +148,72 @@ def _curves(runs: list[dict], key: str, x: str = "wall_time"):
     return out
 
 
-def plot_accuracy_loss(runs: list[dict], path: str, title: str = "") -> str:
-    """Validation accuracy, validation loss and training loss against wall time, one line per policy."""
+def _zoom(values: list[float], pad: float = 0.15, min_span: float = 0.002) -> tuple[float, float] | None:
+    """A y range around ``values`` (finite ones) with ``pad`` of their spread (at least ``min_span``) each side."""
+    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], np.float64)
+    if not len(v):
+        return None
+    lo, hi = float(v.min()), float(v.max())
+    span = max(hi - lo, min_span)
+    return lo - pad * span, hi + pad * span
+
+
+def plot_accuracy_loss(runs: list[dict], path: str, title: str = "", rows: list[dict] | None = None) -> str:
+    """Validation accuracy, validation loss and training loss against wall time, one line per policy,
+    and the final validation accuracy per policy (mean +- std over seeds).
+
+    The accuracy axes are zoomed to where the policies differ: the curve panel to the second half
+    of training (the early, low points lie below it), the final-accuracy panel to the values.
+    """
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = (("val_accuracy", "validation accuracy", False), ("val_loss", "validation loss", True),
-              ("train_loss", "training loss (mean over log interval)", True))
+    rows = rows if rows is not None else aggregate(runs)
+    # Zoom onto the policies that trained; one that diverged would stretch the axis back to chance.
+    trained = {r["policy"] for r in rows if r["converged"] and not r["diverged_runs"]} or {r["policy"] for r in rows}
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.4), gridspec_kw={"width_ratios": [1, 1, 1, 0.8]})
+    panels = (("val_accuracy", "validation accuracy (zoomed: second half of training)", False),
+              ("val_loss", "validation loss", True), ("train_loss", "training loss (mean over log interval)", True))
+    late = []
     for ax, (key, label, log) in zip(axes, panels):
         for i, (p, (t, vals)) in enumerate(_curves(runs, key).items()):
             # Policies that train alike overlap: vary the line style so each stays visible.
             ax.plot(t, vals, linestyle=_STYLES[i % len(_STYLES)], marker="o" if key != "train_loss" else None,
                     ms=3, label=p)
+            if key == "val_accuracy" and p in trained:
+                late += list(vals[len(vals) // 2:])
         ax.set_xlabel("training wall time (s)")
         ax.set_ylabel(label)
         if log:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
+    zoom = _zoom(late)
+    if zoom:
+        axes[0].set_ylim(*zoom)
     axes[0].legend(title="policy")
+    ax = axes[3]
+    means = [100 * r["val_accuracy"] for r in rows]
+    stds = [100 * r["val_accuracy_std"] for r in rows]
+    xs = np.arange(len(rows))
+    ax.errorbar(xs, means, yerr=stds, fmt="none", ecolor="0.3", capsize=4)
+    zoom = _zoom([m + d * s for m, s, r in zip(means, stds, rows) if r["policy"] in trained for d in (-1, 1)],
+                 pad=0.3, min_span=0.2)  # percent: at least 0.2 point
+    if zoom:
+        ax.set_ylim(*zoom)
+    ax.ticklabel_format(axis="y", useOffset=False)
+    for i, (m, r) in enumerate(zip(means, rows)):
+        if zoom and m < zoom[0]:  # off the zoomed axis: marked at its foot, with its value
+            at = zoom[0] + 0.04 * (zoom[1] - zoom[0])
+            ax.plot([i], [at], "v", color=f"C{i}", ms=7)
+            ax.annotate(f"{m:.2f}% (below)", (i, at), textcoords="offset points", xytext=(8, 0), fontsize=8,
+                        va="center")
+            continue
+        ax.plot([i], [m], "o", color=f"C{i}", ms=7)
+        ax.annotate(f"{m:.2f}%", (i, m), textcoords="offset points", xytext=(8, 0), fontsize=8, va="center")
+    ax.set_xticks(xs, [r["policy"] for r in rows], rotation=20)
+    ax.set_xlim(-0.5, len(rows) - 0.3)
+    seeds = max((r["seeds"] for r in rows), default=1)
+    ax.set_ylabel("final validation accuracy (%)")
+    ax.set_title(f"final accuracy, mean ± std over {seeds} seed(s)" if seeds > 1 else "final accuracy", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
     fig.suptitle((title + "\n" if title else "") + "against training wall time (evaluation and checkpoints "
                  "included, compilation excluded; mean over seeds)", fontsize=11)
     fig.tight_layout()
@@ -223,10 +272,19 @@ def plot_loss_scale(demo: dict | None, runs: list[dict], path: str) -> str:
     return path
 
 
-def plot_throughput_memory(rows: list[dict], path: str, title: str = "") -> str:
-    """Examples/s and peak memory per policy as bars, labelled with their values."""
+CPU_NOTE = ("CPU run: these timings are NOT a speed result. XLA on a CPU computes most half-precision ops in "
+            "float32 and adds casts,\nso mixed precision looks slower here; its speed shows only on a GPU or TPU. "
+            "Memory: the compiled step's estimate, not a measured peak.")
+
+
+def plot_throughput_memory(rows: list[dict], path: str, title: str = "", device: str = "") -> str:
+    """Examples/s and peak memory per policy as bars, labelled with their values.
+
+    On a CPU (``device`` names one) the figure says, on it, that the timings are not a speed result.
+    """
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    cpu = "cpu" in device.lower()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8 if cpu else 4))
     names = [r["policy"] for r in rows]
     for ax, key, label, fmt in ((axes[0], "examples_per_s", "training throughput (examples/s)", "{:.0f}"),
                                 (axes[1], "peak_memory_mb", "peak memory (MB)", "{:.2f}")):
@@ -238,7 +296,12 @@ def plot_throughput_memory(rows: list[dict], path: str, title: str = "") -> str:
         ax.tick_params(axis="x", labelrotation=20)
     axes[1].set_title(rows[0]["memory_source"] if rows else "", fontsize=8)
     fig.suptitle(title or "throughput and memory per policy")
-    fig.tight_layout()
+    if cpu:
+        fig.tight_layout(rect=(0, 0.13, 1, 1))
+        fig.text(0.5, 0.015, CPU_NOTE, ha="center", va="bottom", fontsize=9, color="darkred", weight="bold",
+                 bbox={"boxstyle": "round", "facecolor": "mistyrose", "edgecolor": "darkred"})
+    else:
+        fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -247,6 +310,7 @@ def plot_throughput_memory(rows: list[dict], path: str, title: str = "") -> str:
 def write_plots(runs: list[dict], rows: list[dict], outdir: str, title: str = "", demo: dict | None = None) -> list[str]:
     """Writes ``accuracy_loss.png``, ``loss_scale.png`` and ``throughput_memory.png``; returns the paths."""
     os.makedirs(outdir, exist_ok=True)
-    return [plot_accuracy_loss(runs, os.path.join(outdir, "accuracy_loss.png"), title),
+    device = runs[0].get("device", "") if runs else ""
+    return [plot_accuracy_loss(runs, os.path.join(outdir, "accuracy_loss.png"), title, rows),
             plot_loss_scale(demo, runs, os.path.join(outdir, "loss_scale.png")),
-            plot_throughput_memory(rows, os.path.join(outdir, "throughput_memory.png"), title)]
+            plot_throughput_memory(rows, os.path.join(outdir, "throughput_memory.png"), title, device)]

@@ -27,9 +27,10 @@ from experiments import checkpoint as ckpt_lib
 from experiments import metrics as metrics_lib
 from experiments import models as models_lib
 from experiments import program as program_lib
+from experiments import workdir_lock
 from experiments.input_pipeline import device_batches, get_datasets, to_device
 from experiments.progress import Progress
-from experiments.validation import Plan, UserError, validate_config
+from experiments.validation import NOT_RESULT_FIELDS, Plan, UserError, validate_config
 
 
 def say(message: str) -> None:
@@ -44,7 +45,34 @@ class Run(NamedTuple):
     train_src: Any
     eval_src: Any
     prog: program_lib.Program
-    meta: dict          # the settings a checkpoint must share (checkpoint.MUST_MATCH)
+    meta: dict          # the settings a checkpoint must share (checkpoint.MUST_MATCH and SETTINGS)
+
+
+def run_settings(config, plan: Plan) -> dict:
+    """Every config value that changes what the run computes, by ``--config.<field>`` name (nested
+    fields flattened, ``model_kwargs.features``), as JSON values, plus the plan's derived
+    ``warmup_steps``, ``steps_per_epoch`` and ``learning_rate``.
+
+    Example:
+      >>> from experiments import configs
+      >>> c = configs.get_config("cpu")
+      >>> s = run_settings(c, validate_config(c, num_train_examples=16000))
+      >>> s["base_learning_rate"], s["model_kwargs.features"], "log_every_steps" in s
+      (0.01, [32, 32, 32], False)
+    """
+    def flat(prefix, d, out):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                flat(f"{prefix}{k}.", v, out)
+            else:
+                out[prefix + k] = v
+        return out
+
+    values = flat("", json.loads(config.to_json()), {})
+    settings = {k: v for k, v in values.items() if k not in NOT_RESULT_FIELDS}
+    settings.update(learning_rate=plan.learning_rate, warmup_steps=plan.warmup_steps,
+                    steps_per_epoch=plan.steps_per_epoch)
+    return json.loads(json.dumps(settings))  # exactly as a checkpoint's JSON gives it back
 
 
 def setup_run(config, *, policy: str | None = None, seed: int | None = None) -> Run:
@@ -67,15 +95,26 @@ def setup_run(config, *, policy: str | None = None, seed: int | None = None) -> 
                                      train_src.input_shape)
     meta = {"policy": plan.policy, "loss_scale": plan.loss_scale, "master_weights": plan.master_weights,
             "engine": plan.engine, "seed": plan.seed, "model": config.model, "dataset": config.dataset,
-            "global_batch_size": plan.global_batch_size, "num_train_steps": plan.num_train_steps}
+            "global_batch_size": plan.global_batch_size, "num_train_steps": plan.num_train_steps,
+            ckpt_lib.SETTINGS: run_settings(config, plan)}
     return Run(plan, train_src, eval_src, prog, meta)
 
 
-def restore_or_init(run: Run, ckpt: ckpt_lib.Checkpointer) -> tuple[Any, int, list[dict]]:
-    """The initial state, or the newest intact checkpoint's; returns ``(state, start step, history)``.
+class Start(NamedTuple):
+    """Where a run starts: its state, step and history, and how the checkpoint's run ended, if it did."""
+
+    state: Any
+    step: int
+    history: list
+    finished: str | None  # "completed", "diverged" (stopped early), or None: training goes on
+
+
+def restore_or_init(run: Run, ckpt: ckpt_lib.Checkpointer) -> Start:
+    """The initial state, or the newest intact checkpoint's.
 
     Raises:
       CheckpointDamagedError: the workdir has history but no intact checkpoint.
+      CheckpointMismatchError: the checkpoint is of a run with other settings.
     """
     sample = np.zeros((1, *run.train_src.input_shape), np.float32)
     state = run.prog.init(jax.random.key(run.plan.seed), sample)
@@ -86,11 +125,15 @@ def restore_or_init(run: Run, ckpt: ckpt_lib.Checkpointer) -> tuple[Any, int, li
             raise ckpt_lib.CheckpointDamagedError(
                 f"{ckpt.workdir} holds {', '.join(leftovers)} of an earlier run but no checkpoint to resume "
                 "from; refusing to start over on top of it. Use a new --workdir or move this one away.")
-        return mpp.replicate_on_mesh(state, run.prog.mesh), 0, []
-    say(f"resumed from {ckpt.directory} at step {restored.step}")
+        return Start(mpp.replicate_on_mesh(state, run.prog.mesh), 0, [], None)
+    finished = restored.meta.get("finished")
+    if finished not in ("completed", "diverged"):
+        finished = "completed" if restored.step >= run.plan.num_train_steps else None
+    if finished is None:
+        say(f"resumed from {ckpt.directory} at step {restored.step}")
     # The history travels inside the checkpoint, so it is exactly as of the restored step.
     history = [r for r in restored.meta["history"] if r["step"] <= restored.step]
-    return mpp.replicate_on_mesh(restored.state, run.prog.mesh), restored.step, history
+    return Start(mpp.replicate_on_mesh(restored.state, run.prog.mesh), restored.step, history, finished)
 
 
 def evaluate(run: Run, state) -> dict:
@@ -160,13 +203,22 @@ def _bookkeeping(run, state, step, pending, seconds, log, ckpt, t_train) -> bool
         row.update(evaluate(run, state))
     log.write(row)
     if diverged or last or step % plan.checkpoint_every_steps == 0:
-        ckpt.save(step, state, {**run.meta, "data_position": step, "history": log.history})
-        log.flush()
+        # "finished" marks the run's last checkpoint: a rerun reads it back, never trains on from it.
+        finished = {"finished": "diverged" if diverged else "completed"} if diverged or last else {}
+        ckpt.save(step, state, {**run.meta, "data_position": step, "history": log.history, **finished})
+        try:
+            log.flush()
+        except OSError as e:
+            raise ckpt_lib.write_failure(ckpt.workdir, "history.jsonl", e) from e
     return diverged
 
 
-def train_loop(run: Run, state, start: int, log: metrics_lib.MetricsLog, ckpt, desc: str) -> LoopOut:
-    """Trains from ``start`` to the plan's last step (or until the loss scale cannot recover)."""
+def train_loop(run: Run, state, start: int, log: metrics_lib.MetricsLog, ckpt, desc: str,
+               finished: str | None = None) -> LoopOut:
+    """Trains from ``start`` to the plan's last step (or until the loss scale cannot recover).
+
+    A ``finished`` run (see :class:`Start`) is not trained: only its step is compiled, for the results.
+    """
     plan, prog = run.plan, run.prog
     rng = jax.random.key(plan.seed + 1)  # dropout keys: a function of (seed, step) only
     batches = device_batches(run.train_src, plan.global_batch_size, seed=plan.seed, start=start, mesh=prog.mesh)
@@ -174,11 +226,11 @@ def train_loop(run: Run, state, start: int, log: metrics_lib.MetricsLog, ckpt, d
     batch = next(batches)
     compiled = _compile(run, state, batch, rng)
     compile_time = time.perf_counter() - t0
-    train_time, pending, step, diverged = 0.0, [], start, False
+    train_time, pending, step, diverged = 0.0, [], start, finished == "diverged"
     points = {plan.log_every_steps, plan.eval_every_steps, plan.checkpoint_every_steps}
     with Progress(plan.num_train_steps, desc, initial=start, enabled=plan.progress_bar) as bar:
         t_loop = t_train = time.perf_counter()
-        while step < plan.num_train_steps and not diverged:
+        while step < plan.num_train_steps and not diverged and not finished:
             state, metrics = compiled(state, batch, rng)
             pending.append(metrics)
             step += 1
@@ -261,7 +313,8 @@ def summarize(run: Run, out: LoopOut, start: int, history: list[dict], t_start: 
         "compiled_step_memory_bytes": mem_compiled,
         "val_accuracy": final.get("val_accuracy"), "val_loss": final.get("val_loss"),
         "train_loss": final.get("train_loss"), "skipped_steps": int(stats["total_skips"]),
-        "final_loss_scale": float(stats["loss_scale"]), "history": history,
+        "final_loss_scale": float(stats["loss_scale"]), "settings": run.meta[ckpt_lib.SETTINGS],
+        "history": history,
     }
 
 
@@ -277,8 +330,18 @@ def train_and_evaluate(config, workdir: str, *, policy: str | None = None, seed:
       report: also run jaxmp's diagnostics and write ``report.txt``.
       desc: progress label.
 
+    The workdir is locked for the run (:mod:`experiments.workdir_lock`). A workdir whose newest
+    checkpoint ends a run -- completed, or stopped because it diverged -- is read back
+    (``results.json``), never trained on; its checkpoint's settings must match ``config`` all
+    the same.
+
     Returns:
-      The results dict (also written to ``<workdir>/results.json``).
+      The results dict (also written to ``<workdir>/results.json``); ``"reused": True`` when read back.
+
+    Raises:
+      UserError: a bad config (``WorkdirBusyError``: another run holds the workdir;
+        ``CheckpointMismatchError``: the checkpoint is of a run with other settings, each named).
+      CheckpointWriteError: a checkpoint or results file could not be written (a full disk...).
     """
     t_start = time.perf_counter()
     metrics_lib.preload()
@@ -288,27 +351,54 @@ def train_and_evaluate(config, workdir: str, *, policy: str | None = None, seed:
         f"{plan.num_devices} device(s) x {plan.per_device_batch_size} = global batch {plan.global_batch_size}, "
         f"lr {plan.learning_rate:.4g}, warm-up {plan.warmup_steps} of {plan.num_train_steps} steps")
     os.makedirs(workdir, exist_ok=True)
+    with workdir_lock.locked(workdir):
+        return _train_locked(run, workdir, report, desc, t_start)
+
+
+def _read_back(path: str, steps: int) -> dict | None:
+    """A finished run's results.json, if it is one (intact, and of the checkpoint's last step)."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) and result.get("steps") == steps else None
+
+
+def _train_locked(run: Run, workdir: str, report: bool, desc: str | None, t_start: float) -> dict:
+    """:func:`train_and_evaluate` with the workdir locked."""
+    plan = run.plan
+    done = os.path.join(workdir, "results.json")
     ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=plan.keep_checkpoints)
     try:
-        state, start, history = restore_or_init(run, ckpt)
-        done = os.path.join(workdir, "results.json")
-        if start >= plan.num_train_steps and os.path.exists(done):
-            with open(done) as f:  # finished before: report what that run measured
-                return {**json.load(f), "reused": True}
-        log = metrics_lib.MetricsLog(workdir, history)
+        start = restore_or_init(run, ckpt)
+        if start.finished:
+            # Finished before (completed, or stopped because it diverged): report what that run
+            # measured -- its checkpoint's settings were just checked against this config.
+            result = _read_back(done, start.step)
+            if result is not None:
+                say(f"{plan.policy} seed {plan.seed}: finished before ({start.finished} at step {start.step}); "
+                    f"read back from {done}, not retrained")
+                return {**result, "reused": True}
+        log = metrics_lib.MetricsLog(workdir, start.history)
         try:
-            out = train_loop(run, state, start, log, ckpt, desc or f"{plan.policy} seed {plan.seed}")
+            out = train_loop(run, start.state, start.step, log, ckpt, desc or f"{plan.policy} seed {plan.seed}",
+                             finished=start.finished)
         finally:
             log.close()
     finally:
         ckpt.close()
-    result = summarize(run, out, start, log.history, t_start)
+    result = summarize(run, out, start.step, log.history, t_start)
     if report:
         from experiments.report import run_report
 
         result["report"] = run_report(run.prog, out.compiled, out.state, out.batches, out.rng, plan.policy, workdir)
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    try:  # replaced whole: a reader never sees half a file
+        with open(done + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(done + ".tmp", done)
+    except OSError as e:
+        raise ckpt_lib.write_failure(workdir, "results.json", e) from e
     return result
 
 
@@ -332,6 +422,9 @@ def _job_main(argv) -> None:
         raise UserError("--job=<path> is required: a job file written by python -m experiments.compare "
                         "--isolate=true (to train a config, use python -m experiments.main).")
     job = jobs.read_job(flags.FLAGS.job)
+    from experiments import cli
+
+    cli.quiet_tensorflow(job["config"])
     logging.set_verbosity(logging.WARNING)
     res = train_and_evaluate(job["config"], job["workdir"], policy=job["policy"], seed=job["seed"],
                              report=job["report"], desc=job["desc"])

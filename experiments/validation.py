@@ -16,6 +16,14 @@ from typing import NamedTuple
 from absl import app
 
 ENGINES = ("flax", "autocast")
+# Config fields that do not change what a run computes: how often it logs, evaluates and saves,
+# how it shows progress, where TFDS data is cached, what compare.py does around it. ``policy`` and
+# ``seed`` are recorded as the run used them (compare.py overrides both), ``num_epochs`` and
+# ``num_train_steps`` as the number of steps they come to. Every other field is recorded with
+# each checkpoint, and a resume under another value is refused (experiments.train.run_settings).
+FREE_FIELDS = ("compare_policies", "num_seeds", "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
+               "keep_checkpoints", "progress_bar", "data_dir", "cache_data", "eval_batch_size")
+NOT_RESULT_FIELDS = ("policy", "seed", "num_epochs", "num_train_steps") + FREE_FIELDS
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -27,6 +35,15 @@ class UserError(ValueError, app.UsageError):
     """
 
     exitcode = 2  # what absl's usage handler and :func:`experiments.cli.run` exit with
+
+
+class RunFailedError(RuntimeError):
+    """A run that could not go on for a reason outside the user's input (a full disk, a failed write).
+
+    The message says what failed, where, and how to go on; the command lines exit with status 1.
+    """
+
+    exitcode = 1
 
 
 class Plan(NamedTuple):

@@ -54,3 +54,19 @@ def test_job_files_are_json_and_round_trip(tmp_path):
     back = job["config"]
     assert back.policy == "O2-fp16" and back.learning_rate == c.learning_rate
     assert tuple(back.compare_policies) == tuple(c.compare_policies)
+
+
+def test_config_taking_commands_list_every_config_field_with_its_default_in_help():
+    from experiments import configs
+
+    defaults = configs.get_config("default")
+    for module in ("experiments.compare", "experiments.main"):
+        out = _run([module, "--help"])
+        assert out.returncode == 0, (module, out.stderr[-500:])
+        for field in defaults.keys():
+            assert f" {field}" in out.stdout, (module, field)
+        for shown in ("base_learning_rate = 0.01", "mnist1d_num_samples = 20000", "lr_schedule = 'cosine'",
+                      "model_kwargs.features = (32, 32, 32)", "checkpoint_every_steps = 250"):
+            assert shown in out.stdout, (module, shown)
+    out = _run(["experiments.compare", "--config=cpu_fp8", "--help"])
+    assert "defaults of experiments/configs/cpu_fp8.py" in out.stdout and "O2-fp8" in out.stdout
