@@ -3,6 +3,8 @@ checkpoint it leaves (params, fp32 masters, optimizer moments, loss scale and co
 BatchNorm statistics, step) is bitwise equal to the same step of an uninterrupted run. This is
 the kill part of the fault drill with one kill (the full drill does 10)."""
 
+import pytest
+
 from experiments import drills
 
 
