@@ -4,7 +4,6 @@ composable transforms."""
 import dataclasses
 import warnings
 
-import haiku as hk
 import jax
 import jax.numpy as jnp
 import jmp
@@ -66,6 +65,7 @@ def test_test_helper_is_out_of_the_package():
 
 
 def test_policy_is_a_jmp_policy_and_haiku_uses_it():
+    hk = pytest.importorskip("haiku", reason="needs the haiku extra")
     policy = jaxmp.get_policy("O1-bf16")
     assert isinstance(policy, jmp.Policy)
 

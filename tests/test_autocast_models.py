@@ -79,6 +79,7 @@ def test_haiku_transformed_apply_and_class_rule():
 
 # -- Flax Linen: the experiments' models -------------------------------------------------------
 
+@pytest.mark.slow
 def test_linen_resnet_with_batchnorm():
     model = ResNet9(num_classes=4)
     x, y = jax.random.normal(jax.random.key(1), (4, 16, 16, 3)), jnp.arange(4) % 4
@@ -98,6 +99,7 @@ def test_linen_resnet_with_batchnorm():
     assert all(leaf.dtype == F32 and np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(g))
 
 
+@pytest.mark.slow
 def test_linen_transformer_with_dropout_rng_and_class_rule():
     model = TransformerEncoder(num_classes=4, num_layers=2, model_dim=16, num_heads=2, mlp_dim=32, dropout_rate=0.1)
     x, y = jax.random.normal(jax.random.key(1), (4, 8)), jnp.arange(4) % 4

@@ -69,6 +69,7 @@ def test_overhead_dry_run_writes_valid_json(tmp_path):
         assert result["env"]["versions"][k]
 
 
+@pytest.mark.slow
 def test_throughput_part_of_the_suite(suite):
     path, result = suite
     tp = result["results"]["throughput"]
@@ -392,6 +393,7 @@ def test_hand_cast_mlp_assigns_the_o1_dtypes():
 # benchmarks/fp8.py
 
 
+@pytest.mark.slow
 def test_fp8_benchmark_dry_run_times_every_variant_updates_the_fp8_state_and_compares_loss_curves(tmp_path):
     from benchmarks import fp8 as bench
 

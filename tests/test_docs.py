@@ -41,10 +41,14 @@ def _diagnostics_printed(ns, tmp_path):
 CHECKS = {"guides/flax-linen.md": _linen_trained, "diagnostics.md": _diagnostics_printed}
 # Pages that need an optional extra (CI installs them: .ci/run).
 REQUIRES = {"guides/equinox.md": "equinox", "guides/haiku.md": "haiku"}
+# Pages whose examples train models end to end: the slow tier (`pytest -m slow`, run by .ci/run).
+SLOW_PAGES = {"diagnostics.md", "fp8.md", "guides/haiku.md", "guides/flax-linen.md", "guides/flax-nnx.md",
+              "guides/plain-jax.md", "guides/equinox.md"}
 
 
 @pytest.mark.filterwarnings("error:jaxmp.* moved to:DeprecationWarning")  # pages teach the current names
-@pytest.mark.parametrize("path", RUNNABLE, ids=[str(p.relative_to(DOCS)) for p in RUNNABLE])
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if str(p.relative_to(DOCS)) in SLOW_PAGES
+                                  else p for p in RUNNABLE], ids=[str(p.relative_to(DOCS)) for p in RUNNABLE])
 def test_page_examples_run(path, tmp_path, monkeypatch):
     name = str(path.relative_to(DOCS))
     if name in REQUIRES:

@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+
+pytestmark = pytest.mark.slow  # end-to-end: run by .ci/run and `pytest -m slow`
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

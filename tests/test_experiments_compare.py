@@ -13,6 +13,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+
+pytestmark = pytest.mark.slow  # end-to-end: run by .ci/run and `pytest -m slow`
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICIES = ["O0", "O2-bf16", "O2-fp16"]
 

@@ -66,6 +66,7 @@ def tfds_mock():
     return tfds.testing.mock_data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", configs_lib.HARDWARE)
 def test_smoke_every_config_at_tiny_size(name, tmp_path, tfds_mock):
     c = _tiny(name)

@@ -79,6 +79,7 @@ def test_get_datasets_rejects_unknown_names():
         get_datasets(ml_collections.ConfigDict({"dataset": "nope"}))
 
 
+@pytest.mark.slow
 def test_experiments_import_no_tensorflow():
     # The offline default never pays for TensorFlow; `import jaxmp` never does either.
     import subprocess
@@ -110,6 +111,7 @@ def _tfds_config(name, **kw):
 
 @pytest.mark.parametrize("name,shape", [("cifar10", (32, 32, 3)), ("mnist", (28, 28, 1)),
                                         ("imagenet2012", (32, 32, 3))])
+@pytest.mark.slow
 def test_tfds_sources_with_mock_data(tfds_mod, name, shape):
     with tfds_mod.testing.mock_data(num_examples=20):
         train, test = get_datasets(_tfds_config(name))

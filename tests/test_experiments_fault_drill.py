@@ -7,6 +7,8 @@ import pytest
 import jaxmp
 from experiments import fault_drill
 
+pytestmark = pytest.mark.slow  # end-to-end: run by .ci/run and `pytest -m slow`
+
 
 def _check(rows):
     bad = [r for r in rows if not r["ok"]]

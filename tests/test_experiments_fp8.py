@@ -19,6 +19,8 @@ from experiments import checkpoint as ckpt_lib
 from experiments import configs as configs_lib
 from experiments import drills
 
+pytestmark = pytest.mark.slow  # end-to-end: run by .ci/run and `pytest -m slow`
+
 STEPS = 500
 
 

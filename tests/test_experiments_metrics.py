@@ -12,6 +12,7 @@ from experiments.progress import Progress
 TAGS = {"loss", "accuracy", "loss_scale", "skipped_steps", "step_time", "throughput", "val_loss", "val_accuracy"}
 
 
+@pytest.mark.slow
 def test_event_files_read_back_with_expected_tags(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -6,6 +6,7 @@ the kill part of the fault drill with one kill (the full drill does 10)."""
 from experiments import drills
 
 
+@pytest.mark.slow
 def test_sigkill_mid_save_and_resume_is_bit_identical(tmp_path):
     row = drills.kill_drill(str(tmp_path), kills=1, seed=0)
     assert row["ok"], row

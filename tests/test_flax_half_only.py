@@ -61,6 +61,7 @@ def _loss(logits):
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), Y).mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 def test_linen_half_only_layer_trains(level):
     with pytest.raises(NotImplementedError):

@@ -81,6 +81,7 @@ def _data():
 DN = (((1,), (0,)), ((), ()))
 
 
+@pytest.mark.slow
 def test_fp8_dot_gradients_are_within_tolerance_of_bf16_and_float32():
     params, x, y = _data()
     f32 = jax.grad(_mlp_loss(lambda a, b: a @ b))(params, x, y)

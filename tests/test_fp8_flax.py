@@ -22,6 +22,8 @@ import jaxmp.flax
 from jaxmp import fp8
 from jaxmp.flax.fp8 import FP8_COLLECTION, Fp8State
 
+pytestmark = pytest.mark.slow  # end-to-end: run by .ci/run and `pytest -m slow`
+
 H = 16  # a short history keeps the hand checks readable
 
 

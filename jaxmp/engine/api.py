@@ -10,9 +10,8 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax._src import config as _jax_config
-
 from jaxmp.engine import config as _config
+from jaxmp.engine import internals
 from jaxmp.engine.attention import route_attention
 from jaxmp.engine.interpreter import Interpreter, Val, is_float
 from jaxmp.engine.modules import class_markers
@@ -23,10 +22,9 @@ _CACHE_SIZE = 64
 
 #: While True (see :func:`explaining`), each op carries the rule that chose its dtype. A jit
 #: cache key, so a step traced for a report is never reused by training.
-_EXPLAIN = _jax_config.bool_state(
-    name="jaxmp_autocast_explain", default=False,
-    help="autocast wraps each op in a jaxmp.rule=<rule> name scope (for jaxmp.precision_report).",
-    include_in_jit_key=True, include_in_trace_context=True)
+_EXPLAIN = internals.jit_key_state(
+    "jaxmp_autocast_explain", False,
+    "autocast wraps each op in a jaxmp.rule=<rule> name scope (for jaxmp.precision_report).", kind="bool")
 
 
 @contextlib.contextmanager
@@ -63,6 +61,15 @@ class _Program:
 
     def __post_init__(self):
         self.jitted = jax.jit(self.run)
+        self._weights = None
+
+    def weights(self) -> list[bool]:
+        """Which inputs are weights (cast on entry under O2): every use is a half-list op."""
+        if self._weights is None:
+            from jaxmp.engine.control_flow import weight_inputs
+
+            self._weights = weight_inputs(self.closed.jaxpr, self.config.rules.half_ops)
+        return self._weights
 
     def run(self, *xs):
         interp = Interpreter(self.config, explain=_EXPLAIN.value)
@@ -74,11 +81,23 @@ def _signature(leaves, dynamic):
     parts = []
     for leaf, dyn in zip(leaves, dynamic):
         if dyn:
-            aval = jax.typeof(leaf) if hasattr(jax, "typeof") else jax.core.get_aval(leaf)
+            aval = internals.typeof(leaf)
             parts.append((aval.shape, str(aval.dtype), bool(getattr(aval, "weak_type", False))))
         else:
             parts.append(("static", leaf))
     return tuple(parts)
+
+
+_CANARY_DONE = False
+
+
+def _run_canary() -> None:
+    """On a JAX newer than every tested one, checks a few rules once (tested versions: nothing)."""
+    global _CANARY_DONE
+    _CANARY_DONE = True
+    from jaxmp.engine import contract
+
+    contract.run_canary_once()
 
 
 class _Autocast:
@@ -107,7 +126,7 @@ class _Autocast:
         dyn_vals = [leaf for leaf, d in zip(leaves, dynamic) if d]
         with _config.TRACING(self.config), route_attention(), class_markers(self.config.rules.class_rules):
             closed = jax.make_jaxpr(flat_fn)(*dyn_vals)
-        tracer_consts = any(isinstance(c, jax.core.Tracer) for c in closed.consts)
+        tracer_consts = any(internals.is_tracer(c) for c in closed.consts)
         return _Program(closed, out_tree[0], self.config, tracer_consts)
 
     def _program(self, leaves, dynamic, treedef) -> _Program:
@@ -129,12 +148,17 @@ class _Autocast:
         return program
 
     def __call__(self, *args, **kwargs):
+        if not _CANARY_DONE:
+            _run_canary()
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [_is_array(leaf) for leaf in leaves]
         program = self._program(leaves, dynamic, treedef)
         dyn_vals = [leaf for leaf, d in zip(leaves, dynamic) if d]
         if self.config.cast_inputs:
-            dyn_vals = [cast_floating(x, self.config.compute_dtype) for x in dyn_vals]
+            # O2: weights (every use a half-list op) are cast once here; running statistics,
+            # biases and other state enter as passed, so a stored float32 statistic stays float32.
+            cast = program.weights() if self.config.cast_inputs == "weights" else [True] * len(dyn_vals)
+            dyn_vals = [cast_floating(x, self.config.compute_dtype) if c else x for x, c in zip(dyn_vals, cast)]
         # The cached program runs as one jitted call, eagerly and under outer transformations
         # alike: grad/vmap then see a single jit equation instead of every re-bound op, which
         # is much cheaper to trace. A program closing over an outer trace's values cannot.

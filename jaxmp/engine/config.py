@@ -15,9 +15,9 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config as _jax_config
 
 from jaxmp import fp8
+from jaxmp.engine import internals
 from jaxmp.engine.rules import PURE_HALF_RULES, AutocastRules
 from jaxmp.policy import Policy
 from jaxmp.presets import resolve_policy
@@ -34,7 +34,8 @@ class AutocastConfig:
       name: the preset or policy it came from (for messages and profiles).
       compute_dtype: the half dtype of the half list.
       output_dtype: floating outputs are cast to it.
-      cast_inputs: floating arguments are cast to ``compute_dtype`` on entry (O2, O3).
+      cast_inputs: which floating arguments are cast to ``compute_dtype`` on entry: ``""``
+        (none: O1), ``"weights"`` (those whose every use is a half-list op: O2) or ``"all"`` (O3).
       rules: the :class:`jaxmp.AutocastRules`.
       identity: the region changes nothing (O0, or a float32 compute dtype).
     """
@@ -42,7 +43,7 @@ class AutocastConfig:
     name: str
     compute_dtype: np.dtype
     output_dtype: np.dtype
-    cast_inputs: bool
+    cast_inputs: str
     rules: AutocastRules
     identity: bool = False
 
@@ -66,8 +67,9 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     O0      identity: every op as traced (float32)
     O1      half list in half, float32 list in float32, the rest follows; arguments as given;
             outputs float32
-    O2      as O1, and floating arguments are cast to half on entry (params included), so
-            ops that follow run in half unless a float32-list result reaches them
+    O2      as O1, and weights (arguments whose every use is a half-list op) are cast to
+            half once, on entry; other floating arguments (running statistics, biases, norm
+            scales) enter as passed and are narrowed at their uses, so state stays float32
     O3      pure half: no float32 list, arguments cast on entry, outputs half
     ======  ==================================================================================
 
@@ -93,7 +95,7 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     Example:
       >>> import jaxmp; from jaxmp.engine.config import current, flax_config, resolve_config
       >>> resolve_config("O2-bf16", None).cast_inputs
-      True
+      'weights'
     """
     if rules is not None and not isinstance(rules, AutocastRules):
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}: {rules!r}")
@@ -104,11 +106,12 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     name = recipe.name if recipe is not None else str(resolved)
     level = recipe.name[:2].upper() if recipe is not None and recipe.name[:1] in "oO" else None
     if compute.itemsize >= 4:
-        return AutocastConfig(name, compute, np.dtype(resolved.output_dtype), False,
+        return AutocastConfig(name, compute, np.dtype(resolved.output_dtype), "",
                               rules or AutocastRules(), identity=True)
     if level == "O3":
-        return AutocastConfig(name, compute, compute, True, rules or PURE_HALF_RULES)
-    cast_inputs = level == "O2" or (level is None and np.dtype(resolved.param_dtype).itemsize < 4)
+        return AutocastConfig(name, compute, compute, "all", rules or PURE_HALF_RULES)
+    weights = level == "O2" or (level is None and np.dtype(resolved.param_dtype).itemsize < 4)
+    cast_inputs = "weights" if weights else ""
     output = np.dtype(resolved.output_dtype) if level is None else _F32
     rules = rules or AutocastRules()
     fp8_recipe = getattr(recipe, "fp8", None)
@@ -124,13 +127,9 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
 
 
 # The tracing context: set while autocast traces the user's function. Part of jit's cache key.
-TRACING = _jax_config.string_or_object_state(
-    name="jaxmp_autocast_tracing",
-    default=None,
-    help="The AutocastConfig of the autocast region being traced (None outside autocast).",
-    include_in_jit_key=True,
-    include_in_trace_context=True,
-)
+TRACING = internals.jit_key_state(
+    "jaxmp_autocast_tracing", None,
+    "The AutocastConfig of the autocast region being traced (None outside autocast).")
 
 
 def current() -> AutocastConfig | None:
@@ -170,5 +169,5 @@ def flax_config(policy: Policy, overrides: Any) -> AutocastConfig:
     """
     compute = np.dtype(policy.compute_dtype)
     rules = AutocastRules() if overrides.fp32_softmax else PURE_HALF_RULES
-    return AutocastConfig(f"flax {policy}", compute, np.dtype(policy.output_dtype), False, rules,
+    return AutocastConfig(f"flax {policy}", compute, np.dtype(policy.output_dtype), "", rules,
                           identity=compute.itemsize >= 4)

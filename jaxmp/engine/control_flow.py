@@ -3,40 +3,75 @@ custom_vjp and shard_map.
 
 Each body is interpreted under the same rules (its name stack extends the enclosing one, so
 regions reach inside). Loop carries and the outputs of ``cond`` keep their *traced* dtype:
-a float32 carry stays float32 across iterations, so an accumulator (or the cotangent of a
-float32 parameter that the transpose of a scan accumulates) never rounds to half once per
-step; values flowing into the next op are narrowed by that op's rule as usual.
+a float32 carry stays float32 across iterations; values flowing into the next op are
+narrowed by that op's rule as usual.
+
+*Accumulators.* A floating loop carry that is used only by the chain of ``add``/``sub``/
+``mul``/``div`` ops that makes its next value (a sum, a mean, an EMA, gradient accumulation,
+the cotangent a transposed scan accumulates for a float32 parameter) enters the body as a
+strong value: its chain runs in the carry's dtype, so 2,000 small additions into a float32
+carry are float32 additions. A carry used by anything else (a hidden state fed to a matmul, a
+residual stream) is not an accumulator and costs nothing extra.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from jaxmp.engine import internals
 from jaxmp.engine.interpreter import Val, _np_dtype, dtype_of, is_float
 
-_HANDLED = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "scan", "while", "cond",
-            "custom_jvp_call", "custom_vjp_call", "shard_map")
+#: Ops an accumulator's value may pass through on its way to the next carry.
+_ACCUMULATE = frozenset({"add", "add_any", "sub", "mul", "div", "neg", "convert_element_type", "copy"})
+_ADDS = frozenset({"add", "add_any", "sub"})
 
 
-def check_first_order(eqn) -> None:
-    """Raises a clear error for a higher-order primitive the engine cannot enter."""
-    from jaxmp.engine.rules import COMBINER_OPS
+def accumulators(jaxpr: jcore.Jaxpr, carry_in: Sequence[int], carry_out: Sequence[int]) -> list[bool]:
+    """Which carries of a loop body are accumulators (see the module docstring).
 
-    name = eqn.primitive.name
-    if name in COMBINER_OPS:
-        return
-    for value in eqn.params.values():
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        if any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in items):
-            raise NotImplementedError(
-                f"jaxmp.autocast cannot enter the higher-order primitive {name!r}: it knows {sorted(_HANDLED)}. "
-                "Call autocast inside it instead (e.g. jax.pmap(jaxmp.autocast(f)))."
-            )
+    Args:
+      jaxpr: the loop body.
+      carry_in: the positions of the carries among ``jaxpr.invars``.
+      carry_out: their positions among ``jaxpr.outvars``.
+
+    Returns:
+      One flag per carry.
+    """
+    uses: dict[Any, list] = {}
+    for eqn in jaxpr.eqns:
+        for a in eqn.invars:
+            if not isinstance(a, jcore.Literal):
+                uses.setdefault(a, []).append(eqn)
+    out_pos: dict[Any, list[int]] = {}
+    for i, a in enumerate(jaxpr.outvars):
+        if not isinstance(a, jcore.Literal):
+            out_pos.setdefault(a, []).append(i)
+    flags = []
+    for i_in, i_out in zip(carry_in, carry_out):
+        v, added, ok = jaxpr.invars[i_in], False, False
+        if not is_float(_np_dtype(getattr(v.aval, "dtype", None))):
+            flags.append(False)
+            continue
+        for _ in range(len(jaxpr.eqns) + 1):
+            users, outs = uses.get(v, []), out_pos.get(v, [])
+            if not users and outs == [i_out]:
+                ok = added
+                break
+            if outs or len(users) != 1:
+                break
+            eqn = users[0]
+            if eqn.primitive.name not in _ACCUMULATE or len(eqn.outvars) != 1 or \
+                    sum(a is v for a in eqn.invars) != 1:
+                break
+            added = added or eqn.primitive.name in _ADDS
+            v = eqn.outvars[0]
+        flags.append(ok)
+    return flags
 
 
 def _cast(x: Any, dtype: Any) -> Any:
@@ -53,48 +88,43 @@ def _run_fn(interp, jaxpr: jcore.Jaxpr, consts, in_flags, comps, out_flags: list
     """A plain function of arrays that interprets ``jaxpr``; records its outputs' strong flags."""
 
     def fn(*xs):
-        outs = interp.run(jaxpr, consts, [Val(x, s, w) for x, (s, w) in zip(xs, in_flags)], comps)
-        out_flags[:] = [(o.strong, o.weak) for o in outs]
+        outs = interp.run(jaxpr, consts, [Val(x, *f) for x, f in zip(xs, in_flags)], comps)
+        out_flags[:] = [(o.strong, o.weak, o.const) for o in outs]
         return [o.x for o in outs]
 
     return fn
 
 
 def _flags(vals):
-    return [(v.strong, v.weak) for v in vals]
+    return [(v.strong, v.weak, v.const) for v in vals]
+
+
+_PLAIN = (False, False, False)
+_ACCUMULATOR = (True, False, False)
 
 
 def _inline(interp, eqn, vals, comps):
-    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if isinstance(closed, jcore.ClosedJaxpr):
-        return interp.run(closed.jaxpr, closed.consts, vals, comps)
-    return interp.run(closed, [], vals, comps)
+    jaxpr, consts = internals.call_jaxpr(eqn)
+    return interp.run(jaxpr, consts, vals, comps)
 
 
 def _remat(interp, eqn, vals, comps):
-    jaxpr = eqn.params["jaxpr"]
+    jaxpr = internals.param(eqn, "jaxpr")
     flags: list = []
     fn = _run_fn(interp, jaxpr, [], _flags(vals), comps, flags)
-    outs = jax.checkpoint(fn, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])(
+    outs = jax.checkpoint(fn, prevent_cse=internals.param(eqn, "prevent_cse"), policy=internals.param(eqn, "policy"))(
         *[v.x for v in vals])
     return [Val(o, *f) for o, f in zip(outs, flags)]
 
 
-def _scan_counts(params) -> tuple[int, int]:
-    """(consts, carries) of a scan: jax < 0.11 names the counts, jax 0.11 packs a flat tree."""
-    if "num_consts" in params:
-        return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"].unpack()
-    return len(consts), len(carry)
-
-
 def _scan(interp, eqn, vals, comps):
     p = eqn.params
-    closed, (nc, ncarry) = p["jaxpr"], _scan_counts(p)
+    closed, (nc, ncarry) = internals.param(eqn, "jaxpr"), internals.scan_counts(eqn)
     consts, init, xs = vals[:nc], vals[nc:nc + ncarry], vals[nc + ncarry:]
     carry_dtypes = _avals_dtypes(closed.in_avals[nc:nc + ncarry])
     flags: list = []
-    in_flags = _flags(consts) + [(False, False)] * ncarry + _flags(xs)
+    acc = accumulators(closed.jaxpr, range(nc, nc + ncarry), range(ncarry))
+    in_flags = _flags(consts) + [_ACCUMULATOR if a else _PLAIN for a in acc] + _flags(xs)
     fn = _run_fn(interp, closed.jaxpr, closed.consts, in_flags, comps, flags)
 
     def body(carry, x):
@@ -102,18 +132,18 @@ def _scan(interp, eqn, vals, comps):
         return [_cast(o, d) for o, d in zip(outs[:ncarry], carry_dtypes)], outs[ncarry:]
 
     init_x = [_cast(v.x, d) for v, d in zip(init, carry_dtypes)]
-    carry, ys = jax.lax.scan(body, init_x, [v.x for v in xs], length=p["length"], reverse=p["reverse"],
-                             unroll=p["unroll"])
+    carry, ys = jax.lax.scan(body, init_x, [v.x for v in xs], length=internals.param(eqn, "length"),
+                             reverse=internals.param(eqn, "reverse"), unroll=internals.param(eqn, "unroll"))
     return [Val(c) for c in carry] + [Val(y, *f) for y, f in zip(ys, flags[ncarry:])]
 
 
 def _while(interp, eqn, vals, comps):
-    p = eqn.params
-    cj, bj, cn, bn = p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"]
+    cj, bj, cn, bn = internals.while_parts(eqn)
     cconsts, bconsts, init = vals[:cn], vals[cn:cn + bn], vals[cn + bn:]
     dtypes = _avals_dtypes(bj.out_avals)
-    carry_flags = [(False, False)] * len(init)
-    cond_fn = _run_fn(interp, cj.jaxpr, cj.consts, _flags(cconsts) + carry_flags, comps, [])
+    acc = accumulators(bj.jaxpr, range(bn, bn + len(init)), range(len(init)))
+    carry_flags = [_ACCUMULATOR if a else _PLAIN for a in acc]
+    cond_fn = _run_fn(interp, cj.jaxpr, cj.consts, _flags(cconsts) + [_PLAIN] * len(init), comps, [])
     body_fn = _run_fn(interp, bj.jaxpr, bj.consts, _flags(bconsts) + carry_flags, comps, [])
 
     def body(carry):
@@ -126,7 +156,7 @@ def _while(interp, eqn, vals, comps):
 
 
 def _cond(interp, eqn, vals, comps):
-    branches = eqn.params["branches"]
+    branches = internals.param(eqn, "branches")
     index, ops = vals[0], vals[1:]
     dtypes = _avals_dtypes(branches[0].out_avals)
 
@@ -139,8 +169,7 @@ def _cond(interp, eqn, vals, comps):
 
 
 def _custom_jvp(interp, eqn, vals, comps):
-    p = eqn.params
-    closed, nc, jvp_fun = p["call_jaxpr"], p["num_consts"], p["jvp_jaxpr_fun"]
+    closed, nc, jvp_fun = internals.custom_jvp_parts(eqn)
     flags: list = []
     primal = _run_fn(interp, closed.jaxpr, closed.consts, _flags(vals), comps, flags)
     nargs = len(vals) - nc
@@ -152,7 +181,7 @@ def _custom_jvp(interp, eqn, vals, comps):
 
     def jvp(primals, tangents):
         out_p = primal(*primals)
-        jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*([False] * nargs))
+        jaxpr, consts, out_zeros = internals.custom_jvp_rule(jvp_fun, nargs)
         outs = interp.run(jaxpr, consts, [Val(x) for x in (*primals[nc:], *tangents[nc:])], comps)
         nz = iter(o.x for o in outs[len(out_zeros):])
         out_t = [jnp.zeros(jnp.shape(o), dtype_of(o)) if z else _cast(next(nz), dtype_of(o))
@@ -164,34 +193,15 @@ def _custom_jvp(interp, eqn, vals, comps):
     return [Val(o, *f) for o, f in zip(outs, flags)]
 
 
-def _bwd_cotangents(out):
-    """The cotangents a custom_vjp's flattened bwd returns: jax 0.11 pairs them with its logs."""
-    if len(out) == 2 and isinstance(out[0], (list, tuple)) and (out[1] is None or isinstance(out[1], dict)):
-        return out[0]
-    return out
-
-
-def _zero_to_array(x):
-    from jax._src.ad_util import Zero
-
-    if isinstance(x, Zero):
-        return jnp.zeros(x.aval.shape, x.aval.dtype)
-    return x
-
-
 def _custom_vjp(interp, eqn, vals, comps):
-    p = eqn.params
-    closed, nc = p["call_jaxpr"], p["num_consts"]
-    fwd_thunk, bwd, out_trees = p["fwd_jaxpr_thunk"], p["bwd"], p["out_trees"]
+    closed, nc, fwd_thunk, bwd, out_trees = internals.custom_vjp_parts(eqn)
     nargs = len(vals) - nc
     flags: list = []
     primal = _run_fn(interp, closed.jaxpr, closed.consts, _flags(vals), comps, flags)
     in_avals = closed.in_avals
 
     def fwd_parts():
-        fwd_jaxpr, fwd_consts = fwd_thunk.call_wrapped(*([True] * nargs))
-        _, res_tree, input_fwds = out_trees()
-        return fwd_jaxpr, fwd_consts, res_tree, input_fwds
+        return internals.custom_vjp_fwd(fwd_thunk, out_trees, nargs)
 
     def fwd(*xs):
         fwd_jaxpr, fwd_consts, res_tree, input_fwds = fwd_parts()
@@ -209,7 +219,8 @@ def _custom_vjp(interp, eqn, vals, comps):
         res_avals = [next(res_out_avals) if f is None else in_avals[f] for f in input_fwds]
         ct_avals = [a.to_tangent_aval() for a in closed.out_avals]
         structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*res_avals, *ct_avals)]
-        traced = jax.make_jaxpr(lambda *a: [_zero_to_array(c) for c in _bwd_cotangents(bwd.call_wrapped(*a))])(
+        traced = jax.make_jaxpr(lambda *a: [internals.instantiate_zero(c)
+                                            for c in internals.custom_vjp_bwd_cotangents(bwd.call_wrapped(*a))])(
             *structs)
         outs = interp.run(traced.jaxpr, traced.consts, [Val(x) for x in (*res, *cts)], comps)
         # The backward rule answers for the primal inputs in their own dtypes.
@@ -223,18 +234,121 @@ def _custom_vjp(interp, eqn, vals, comps):
 
 
 def _shard_map(interp, eqn, vals, comps):
-    p = eqn.params
+    parts = internals.shard_map_parts(eqn)
     flags: list = []
-    fn = _run_fn(interp, p["jaxpr"], [], _flags(vals), comps, flags)
-    mapped = jax.shard_map(lambda *xs: fn(*xs), mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
-                           out_specs=list(p["out_specs"]), check_vma=p["check_vma"],
-                           axis_names=set(p.get("newly_manual_axes", p.get("manual_axes", ()))))
+    fn = _run_fn(interp, parts.pop("jaxpr"), [], _flags(vals), comps, flags)
+    mapped = jax.shard_map(lambda *xs: fn(*xs), **parts)
     outs = mapped(*[v.x for v in vals])
     return [Val(o, *f) for o, f in zip(outs, flags)]
 
 
+#: Ops that only move or re-type a value: a weight passes through them to its matmul.
+_LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "convert_element_type", "copy",
+                     "slice", "dynamic_slice", "gather", "rev", "expand_dims", "sharding_constraint",
+                     "reshard", "pvary", "mesh_cast"})
+
+
+def weight_inputs(jaxpr: jcore.Jaxpr, half_ops: frozenset[str]) -> list[bool]:
+    """Which inputs of ``jaxpr`` are weights: every use of them, through layout ops and into nested
+    jits, loops (as constants or scanned inputs), conds, remat and custom derivatives, is a
+    half-list op. O2 casts exactly these on entry; everything else (running statistics, biases,
+    norm scales, state) enters as passed and is narrowed at its uses by the promotion rule.
+
+    Args:
+      jaxpr: an open jaxpr.
+      half_ops: the half list.
+
+    Returns:
+      One flag per invar.
+    """
+    memo: dict = {}
+
+    def var(j, v) -> tuple[bool, bool]:  # (every use is half, some use is half)
+        key = (id(j), v)
+        if key in memo:
+            return memo[key]
+        memo[key] = (False, False)  # cycles cannot happen in a jaxpr; guards recursion anyway
+        if any(a is v for a in j.outvars):
+            memo[key] = (False, False)
+            return memo[key]
+        every, some = True, False
+        for eqn in j.eqns:
+            positions = [i for i, a in enumerate(eqn.invars) if a is v]
+            if not positions:
+                continue
+            for i in positions:
+                e, s = use(eqn, i)
+                every, some = every and e, some or s
+            if not every:
+                break
+        memo[key] = (every, some)
+        return memo[key]
+
+    def inner(j, i) -> tuple[bool, bool]:
+        if isinstance(j, jcore.ClosedJaxpr):
+            j = j.jaxpr
+        return var(j, j.invars[i])
+
+    def use(eqn, i) -> tuple[bool, bool]:
+        name = eqn.primitive.name
+        if name in half_ops:
+            return True, True
+        if name in _LAYOUT:
+            return var_all(eqn.outvars)
+        kind = internals.primitive_kind(eqn)
+        try:
+            if kind in ("call", "remat", "shard_map"):
+                j = internals.call_jaxpr(eqn)[0] if kind == "call" else internals.param(eqn, "jaxpr")
+                return inner(j, i)
+            if kind in ("custom_jvp", "custom_vjp"):
+                return inner(internals.param(eqn, "call_jaxpr"), i)
+            if kind == "scan":
+                nc, ncarry = internals.scan_counts(eqn)
+                return (False, False) if nc <= i < nc + ncarry else inner(internals.param(eqn, "jaxpr"), i)
+            if kind == "cond" and i > 0:
+                results = [inner(b, i - 1) for b in internals.param(eqn, "branches")]
+                return all(r[0] for r in results), any(r[1] for r in results)
+            if kind == "while":
+                _, body, cn, bn = internals.while_parts(eqn)
+                return inner(body, i - cn) if cn <= i < cn + bn else (False, False)
+        except (IndexError, internals.JaxInternalsError):
+            return False, False
+        return False, False
+
+    def var_all(outvars) -> tuple[bool, bool]:
+        every, some = True, False
+        for o in outvars:
+            e, s = var_in_parent(o)
+            every, some = every and e, some or s
+        return every, some
+
+    parents: dict = {}
+
+    def var_in_parent(o):
+        return var(parents[o], o)
+
+    def index(j):
+        for eqn in j.eqns:
+            for o in eqn.outvars:
+                parents[o] = j
+            for sub in internals.sub_jaxprs(eqn):
+                index(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub)
+
+    index(jaxpr)
+    flags = []
+    for v in jaxpr.invars:
+        every, some = var(jaxpr, v)
+        flags.append(every and some)
+    return flags
+
+
 HANDLERS: dict[str, Callable] = {
-    "jit": _inline, "pjit": _inline, "closed_call": _inline, "core_call": _inline,
-    "remat2": _remat, "checkpoint": _remat, "scan": _scan, "while": _while, "cond": _cond,
-    "custom_jvp_call": _custom_jvp, "custom_vjp_call": _custom_vjp, "shard_map": _shard_map,
+    "call": _inline, "remat": _remat, "scan": _scan, "while": _while, "cond": _cond,
+    "custom_jvp": _custom_jvp, "custom_vjp": _custom_vjp, "shard_map": _shard_map,
 }
+
+
+def handler_for(eqn) -> Callable | None:
+    """The handler of a higher-order equation the engine enters, or None (first-order or opaque)."""
+    kind = internals.primitive_kind(eqn)
+    return None if kind is None else HANDLERS[kind]

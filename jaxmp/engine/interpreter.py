@@ -1,10 +1,19 @@
 """The engine: re-evaluates a jaxpr primitive by primitive, each op in the dtype its rule gives.
 
-Every value carries one extra bit besides its array: *strong* is set on the results of
-float32-list ops (and of anything computed in float32 from them). The promotion rule reads
-it: a strong float32 value promotes the half values it meets, a plain float32 value (an
-argument, a constant) is narrowed to half instead. Higher-order primitives are handled in
-:mod:`jaxmp.engine.control_flow`, which calls back into :class:`Interpreter`.
+Every value carries a few bits besides its array:
+
+* *strong* is set on the results of float32-list ops (and of anything computed in float32
+  from them), and on float32 accumulators of loops. The promotion rule reads it: a strong
+  float32 value promotes the half values it meets, a plain float32 value (an argument, a
+  constant) is narrowed to half instead.
+* *const* is set on literals, closed-over constants and values computed only from them (a
+  boolean or integer operand does not count). Narrowing a constant saturates it to the half
+  type's finite range, so ``jnp.finfo(jnp.float32).min`` as an attention mask stays the most
+  negative finite number instead of becoming ``-inf`` (a fully masked row's softmax would be
+  NaN). Data is never saturated: an overflow must still reach the loss-scaling check.
+
+Higher-order primitives are handled in :mod:`jaxmp.engine.control_flow`, which calls back
+into :class:`Interpreter`; every JAX internal is read through :mod:`jaxmp.engine.internals`.
 """
 
 from __future__ import annotations
@@ -15,10 +24,10 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from jaxmp import fp8
+from jaxmp.engine import internals
 from jaxmp.engine.config import AutocastConfig
 from jaxmp.engine.rules import COMBINER_OPS, FLOAT32_OPS, FOLLOW_OPS, HALF_OPS, MARKER, PASSTHROUGH_OPS
 
@@ -26,11 +35,13 @@ _F32 = np.dtype("float32")
 
 
 class Val(NamedTuple):
-    """An interpreted value: the array, whether it is a float32-list result, whether weak-typed."""
+    """An interpreted value: the array, whether it is a float32-list result, whether weak-typed,
+    whether it is computed from constants only."""
 
     x: Any
     strong: bool = False
     weak: bool = False
+    const: bool = False
 
 
 def is_float(dtype: Any) -> bool:
@@ -51,6 +62,16 @@ def _np_dtype(dtype: Any) -> Any:
         return np.dtype(dtype)
     except TypeError:  # PRNG key and other extended dtypes
         return dtype
+
+
+def saturate(x: Any, dtype: np.dtype) -> Any:
+    """``x`` narrowed to ``dtype`` with finite values clipped to its finite range (inf, NaN kept)."""
+    hi = float(jnp.finfo(dtype).max)
+    if isinstance(x, (np.ndarray, np.generic, int, float)):
+        a = np.asarray(x)
+        return np.where(np.isfinite(a), np.clip(a, -hi, hi), a).astype(dtype)
+    clipped = jnp.clip(x, -hi, hi)
+    return jax.lax.convert_element_type(jnp.where(jnp.isfinite(x), clipped, x), dtype)
 
 
 def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
@@ -111,46 +132,42 @@ class Interpreter:
         env: dict[Any, Val] = {}
         casts: dict[tuple[Any, np.dtype], Any] = {}
         for v, c in zip(jaxpr.constvars, consts):
-            env[v] = Val(c, False, False)
+            env[v] = Val(c, False, False, True)
         for v, a in zip(jaxpr.invars, args):
             env[v] = a if isinstance(a, Val) else Val(a)
 
         def read(atom) -> Val:
             if isinstance(atom, jcore.Literal):
-                return Val(atom.val, False, bool(getattr(atom.aval, "weak_type", False)))
+                return Val(atom.val, False, bool(getattr(atom.aval, "weak_type", False)), True)
             return env[atom]
 
         def cast(atom, val: Val, dtype: np.dtype) -> Any:
             if dtype_of(val.x) == dtype:
                 return val.x
+            narrowing = val.const and is_float(dtype) and dtype.itemsize < dtype_of(val.x).itemsize
             if isinstance(atom, jcore.Literal):
-                return np.asarray(atom.val, dtype)
+                return saturate(atom.val, dtype) if narrowing else np.asarray(atom.val, dtype)
             key = (atom, dtype)
             if key not in casts:  # a value is cast to a given dtype at most once per trace
-                casts[key] = jax.lax.convert_element_type(val.x, dtype)
+                casts[key] = saturate(val.x, dtype) if narrowing else jax.lax.convert_element_type(val.x, dtype)
             return casts[key]
 
         from jaxmp.engine import control_flow  # the two modules call each other
 
         for eqn in jaxpr.eqns:
-            comps = prefix + _components(eqn)
+            comps = prefix + internals.scope_names(eqn)
             vals = [read(a) for a in eqn.invars]
-            handler = control_flow.HANDLERS.get(eqn.primitive.name)
-            with self._context(eqn):
+            handler = control_flow.handler_for(eqn)
+            with internals.equation_context(eqn):
                 if handler is not None:
                     outs = handler(self, eqn, vals, comps)
                 else:
-                    control_flow.check_first_order(eqn)
                     outs = self.first_order(eqn, vals, comps, cast)
+                    const = _all_const(vals)
+                    outs = [o._replace(const=const) for o in outs]
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
         return [read(a) for a in jaxpr.outvars]
-
-    @contextlib.contextmanager
-    def _context(self, eqn):
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            yield
 
     def _rule_scope(self, rule: str):
         """Names the deciding rule in the ops' name stack, for ``precision_report`` (explain mode only)."""
@@ -160,8 +177,7 @@ class Interpreter:
         """Binds ``eqn``'s primitive on ``args`` (inside the eqn's name stack and context)."""
         params = eqn.params if params is None else params
         with self._rule_scope(rule):
-            out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(params))
-        return list(out) if eqn.primitive.multiple_results else [out]
+            return internals.bind(eqn, args, params)
 
     # -- first-order ops ---------------------------------------------------------------------
 
@@ -176,7 +192,14 @@ class Interpreter:
             outs = self.bind(eqn, [v.x for v in vals], rule="follow")
             strong = any(v.strong for v in vals)
             return [Val(o, strong and is_float(dtype_of(o))) for o in outs]
-        if region == "keep" or name in COMBINER_OPS or not self._known(name):
+        opaque = internals.sub_jaxprs(eqn) and name not in COMBINER_OPS
+        if opaque and region != "keep" and name not in internals.OPAQUE_NAMES:
+            raise NotImplementedError(
+                f"jaxmp.autocast cannot enter the higher-order primitive {name!r} (jax {jax.__version__}): it "
+                "enters jit, scan, while, cond, remat, custom_jvp/custom_vjp and shard_map, and runs kernels "
+                f"({', '.join(sorted(internals.OPAQUE_NAMES))}) as traced. Call autocast inside it instead "
+                "(e.g. jax.pmap(jaxmp.autocast(f))), or mark the call with jaxmp.autocast_region('keep').")
+        if region == "keep" or opaque or name in COMBINER_OPS or not self._known(name):
             args = [cast(a, v, traced[i]) if i in floats and is_float(traced[i]) else v.x
                     for i, (a, v) in enumerate(zip(eqn.invars, vals))]
             return [Val(o) for o in self.bind(eqn, args, rule="as traced")]
@@ -184,7 +207,7 @@ class Interpreter:
             return self._run_in(eqn, vals, floats, np.dtype(region), cast, "region " + np.dtype(region).name)
         if name in self.rules.half_ops:
             return self._half(eqn, vals, floats, traced, cast)
-        if name in self.rules.float32_ops:
+        if name in self.rules.float32_ops or (name == "mul" and _squares(eqn, self.rules)):
             target = widest([_F32] + [dtype_of(vals[i].x) for i in floats])
             return self._run_in(eqn, vals, floats, target, cast, "float32 list")
         return self._follow(eqn, vals, floats, cast)
@@ -203,9 +226,14 @@ class Interpreter:
         return [Val(o, strong and is_float(dtype_of(o))) for o in outs]
 
     def _half(self, eqn, vals, floats, traced, cast) -> list[Val]:
-        user_half = [traced[i] for i in floats if traced[i] is not None and is_float(traced[i])
-                     and traced[i].itemsize < 4]
-        op_dtype = user_half[0] if len(set(user_half)) == 1 else self.config.compute_dtype
+        user_half = {traced[i] for i in floats if traced[i] is not None and is_float(traced[i])
+                     and traced[i].itemsize < 4}
+        if len(user_half) == 1:
+            op_dtype = next(iter(user_half))
+        elif user_half:  # bf16 meeting fp16: the type with float32's range, never the one that overflows
+            op_dtype = np.dtype(jnp.bfloat16)
+        else:
+            op_dtype = self.config.compute_dtype
         args = [cast(a, v, op_dtype) if i in floats else v.x for i, (a, v) in enumerate(zip(eqn.invars, vals))]
         params = eqn.params
         if "preferred_element_type" in params:
@@ -235,8 +263,8 @@ class Interpreter:
             target = widest([dtype_of(vals[i].x) for i in decisive])
         else:
             halves = [dtype_of(vals[i].x) for i in decisive if dtype_of(vals[i].x).itemsize < 4]
-            if halves:
-                target = halves[0] if len(set(halves)) == 1 else self.config.compute_dtype
+            if halves:  # two different half types: float32, never the narrower range
+                target = halves[0] if len(set(halves)) == 1 else _F32
             else:
                 target = widest([dtype_of(vals[i].x) for i in decisive])
         del dts
@@ -260,6 +288,13 @@ class Interpreter:
         return [Val(out, new.itemsize >= 4, False)]
 
 
-def _components(eqn) -> tuple[str, ...]:
-    text = str(eqn.source_info.name_stack)
-    return tuple(c for c in text.split("/") if c) if text else ()
+def _all_const(vals: Sequence[Val]) -> bool:
+    """An op's result is a constant when its floating operands are (a mask does not count)."""
+    floats = [v for v in vals if is_float(dtype_of(v.x))]
+    return all(v.const for v in (floats or vals))
+
+
+def _squares(eqn, rules) -> bool:
+    """``x * x`` is ``x ** 2`` (norms, RMSNorm, variances): on the float32 list with ``integer_pow``."""
+    a, b = eqn.invars
+    return (not isinstance(a, jcore.Literal)) and a is b and "integer_pow" in rules.float32_ops

@@ -78,23 +78,10 @@ def known_primitive_names() -> frozenset[str]:
       >>> "dot_general" in known_primitive_names()
       True
     """
-    import importlib
-    import pkgutil
+    from jaxmp.engine import internals
 
-    from jax._src import core
-    import jax._src.lax as lax_pkg
-
-    modules = [m.name for m in pkgutil.walk_packages(lax_pkg.__path__, "jax._src.lax.")]
-    modules += ["jax._src.ad_util", "jax._src.ad_checkpoint", "jax._src.custom_derivatives",
-                "jax._src.pjit", "jax._src.shard_map", "jax._src.dispatch", "jax._src.core"]
-    names = set(HALF_OPS | FLOAT32_OPS | FOLLOW_OPS | PASSTHROUGH_OPS | COMBINER_OPS)
-    for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # optional backends (e.g. GPU-only modules) may not import here
-            continue
-        names.update(v.name for v in vars(module).values() if isinstance(v, core.Primitive))
-    return frozenset(names)
+    return frozenset(internals.all_primitive_names()
+                     | HALF_OPS | FLOAT32_OPS | FOLLOW_OPS | PASSTHROUGH_OPS | COMBINER_OPS)
 
 
 def _op_set(ops: Iterable[str], where: str) -> frozenset[str]:

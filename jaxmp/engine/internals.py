@@ -1,0 +1,282 @@
+"""The one seam between the engine and JAX's internals.
+
+The engine reads jaxprs, and jaxprs expose details that JAX changes between releases: the
+parameters of ``scan``/``while``/``cond``/``custom_jvp``/``custom_vjp``/``shard_map``, the
+primitive that inlines a call (``closed_call`` became ``eval_jaxpr``), the structure of name
+stacks, jit-keyed config states. Every such access lives here, behind a named adapter, so a
+new JAX release is one file to read. An adapter that finds a parameter missing raises
+:class:`JaxInternalsError` naming the parameter and the JAX version, never a ``KeyError``
+deep inside a trace.
+
+Nothing outside :mod:`jaxmp.engine` (and :mod:`jaxmp.diagnostics`, which reads the same name
+stacks) should import ``jax._src``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import pkgutil
+from typing import Any, Callable
+
+import jax
+from jax.extend import core as jcore
+
+#: The running JAX version as a tuple of ints, e.g. ``(0, 10, 2)``.
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+#: jax >= 0.11 packs scan's const / carry counts into a flat tree (``ft_in``).
+SCAN_PACKS_COUNTS = JAX_VERSION >= (0, 11)
+
+
+class JaxInternalsError(RuntimeError):
+    """A JAX internal the engine relies on is missing or changed shape in this JAX release."""
+
+
+def _missing(what: str, where: str) -> JaxInternalsError:
+    return JaxInternalsError(
+        f"jaxmp.autocast: {where} has no {what!r} in jax {jax.__version__}; this JAX release changed an "
+        "internal the engine reads. Please report it with your JAX version; `python -m jaxmp.selfcheck` "
+        "shows which constructs still hold.")
+
+
+def param(eqn, name: str) -> Any:
+    """``eqn.params[name]``, or a :class:`JaxInternalsError` naming the parameter and JAX version."""
+    try:
+        return eqn.params[name]
+    except KeyError:
+        raise _missing(name, f"the {eqn.primitive.name!r} primitive") from None
+
+
+# -- config states that are part of jit's cache key ----------------------------------------
+
+def jit_key_state(name: str, default: Any, help: str, kind: str = "object") -> Any:
+    """A JAX config state that is part of ``jax.jit``'s cache key (a trace under it is cached apart).
+
+    Args:
+      name: the state's name.
+      default: its value outside any ``with state(value)`` block.
+      help: a description.
+      kind: ``"object"`` (any hashable value) or ``"bool"``.
+
+    Returns:
+      The state object: ``state.value`` reads it, ``with state(v):`` sets it.
+    """
+    from jax._src import config as jax_config
+
+    make = jax_config.bool_state if kind == "bool" else jax_config.string_or_object_state
+    return make(name=name, default=default, help=help, include_in_jit_key=True, include_in_trace_context=True)
+
+
+# -- name stacks -----------------------------------------------------------------------------
+
+def scope_names(eqn) -> tuple[str, ...]:
+    """The ``jax.named_scope`` names around ``eqn``, outermost first, read structurally.
+
+    JAX records transformations in the name stack too and prints them around the scopes they
+    apply to (``jvp(jaxmp[float32]:head)``, ``transpose(...)``, ``vmap(...)``). A rule keyed on a
+    scope must hold whatever transformation ran inside the region, so only the scopes count.
+    """
+    stack = eqn.source_info.name_stack
+    items = getattr(stack, "stack", None)
+    if items is None:  # an older form: a string
+        text = str(stack)
+        return tuple(c for c in text.split("/") if c) if text else ()
+    return tuple(item.name for item in items if type(item).__name__ == "Scope")
+
+
+@contextlib.contextmanager
+def equation_context(eqn):
+    """Re-binding ``eqn``'s primitive keeps its source location, name stack and context managers."""
+    from jax._src import source_info_util
+
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield
+
+
+def bind(eqn, args, params: dict) -> list[Any]:
+    """Binds ``eqn``'s primitive on ``args`` with ``params`` (as found in a jaxpr); a list of outputs."""
+    prim = eqn.primitive
+    out = prim.bind(*args, **prim.get_bind_params(params))
+    return list(out) if prim.multiple_results else [out]
+
+
+# -- primitives ------------------------------------------------------------------------------
+
+def _prim(*names: str) -> tuple:
+    """Primitive objects by their ``jax.extend.core.primitives`` names (those this JAX has)."""
+    from jax.extend.core import primitives
+
+    return tuple(getattr(primitives, n) for n in names if hasattr(primitives, n))
+
+
+#: Primitives that call a closed jaxpr once, inline (``pjit``/``jit``, ``closed_call``,
+#: ``core_call``, and ``eval_jaxpr`` which replaced ``closed_call`` in jax 0.12).
+CALL_NAMES = frozenset({"jit", "pjit", "closed_call", "core_call", "eval_jaxpr"})
+REMAT_NAMES = frozenset({"remat2", "checkpoint"})
+
+
+def primitive_kind(eqn) -> str | None:
+    """Which higher-order construct ``eqn`` is: ``"call"``, ``"remat"``, ``"scan"``, ``"while"``,
+    ``"cond"``, ``"custom_jvp"``, ``"custom_vjp"``, ``"shard_map"``, or None (first order)."""
+    prim = eqn.primitive
+    kind = _KINDS.get(prim)
+    if kind is not None:
+        return kind
+    name = prim.name
+    if name in CALL_NAMES:
+        return "call"
+    if name in REMAT_NAMES:
+        return "remat"
+    return _NAMED_KINDS.get(name)
+
+
+_KINDS: dict[Any, str] = {}
+for _p in _prim("jit_p", "closed_call_p", "call_p"):
+    _KINDS[_p] = "call"
+for _p in _prim("remat_p"):
+    _KINDS[_p] = "remat"
+for _n, _k in (("scan_p", "scan"), ("while_p", "while"), ("cond_p", "cond"),
+               ("custom_jvp_call_p", "custom_jvp"), ("custom_vjp_call_p", "custom_vjp")):
+    for _p in _prim(_n):
+        _KINDS[_p] = _k
+# shard_map has no public primitive object: by name.
+_NAMED_KINDS = {"shard_map": "shard_map", "scan": "scan", "while": "while", "cond": "cond",
+                "custom_jvp_call": "custom_jvp", "custom_vjp_call": "custom_vjp"}
+
+#: Kernels the engine cannot look into: they run as traced (operands in their traced dtypes).
+OPAQUE_NAMES = frozenset({"pallas_call", "custom_call", "ffi_call", "triton_kernel_call",
+                          "mosaic_gpu_call", "tpu_custom_call", "cuda_kernel_call"})
+
+
+def sub_jaxprs(eqn) -> list:
+    """The jaxprs (open or closed) among ``eqn``'s parameters."""
+    out = []
+    for value in eqn.params.values():
+        for v in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+                out.append(v)
+    return out
+
+
+def call_jaxpr(eqn) -> tuple[Any, list]:
+    """(open jaxpr, consts) of a call-like equation (``jit``, ``closed_call``, ``eval_jaxpr`` ...)."""
+    for name in ("jaxpr", "call_jaxpr"):
+        if name in eqn.params:
+            closed = eqn.params[name]
+            if isinstance(closed, jcore.ClosedJaxpr):
+                return closed.jaxpr, list(closed.consts)
+            return closed, []
+    raise _missing("jaxpr", f"the call primitive {eqn.primitive.name!r}")
+
+
+def jit_options(eqn) -> dict:
+    """The options of a nested ``jit`` to re-apply when it is re-bound (name, donation, shardings)."""
+    return {k: eqn.params[k] for k in ("name", "donated_invars", "in_shardings", "out_shardings",
+                                       "in_layouts", "out_layouts", "keep_unused", "inline",
+                                       "compiler_options_kvs", "ctx_mesh")
+            if k in eqn.params}
+
+
+def scan_counts(eqn) -> tuple[int, int]:
+    """(number of consts, number of carries) of a ``scan`` equation."""
+    p = eqn.params
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    if "ft_in" in p:
+        consts, carry, _ = p["ft_in"].unpack()
+        return len(consts), len(carry)
+    raise _missing("num_consts", "the 'scan' primitive")
+
+
+def while_parts(eqn) -> tuple[Any, Any, int, int]:
+    """(cond closed jaxpr, body closed jaxpr, cond consts, body consts) of a ``while`` equation."""
+    return (param(eqn, "cond_jaxpr"), param(eqn, "body_jaxpr"), param(eqn, "cond_nconsts"),
+            param(eqn, "body_nconsts"))
+
+
+def custom_jvp_parts(eqn) -> tuple[Any, int, Any]:
+    """(primal closed jaxpr, number of consts, jvp jaxpr thunk) of a ``custom_jvp_call``."""
+    return param(eqn, "call_jaxpr"), param(eqn, "num_consts"), param(eqn, "jvp_jaxpr_fun")
+
+
+def custom_jvp_rule(jvp_fun, nargs: int) -> tuple[Any, list, list]:
+    """(jaxpr, consts, which outputs have symbolic-zero tangents) of a custom_jvp rule."""
+    jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*([False] * nargs))
+    return jaxpr, consts, out_zeros
+
+
+def custom_vjp_parts(eqn) -> tuple[Any, int, Any, Any, Any]:
+    """(primal closed jaxpr, consts, fwd thunk, bwd, out_trees thunk) of a ``custom_vjp_call``."""
+    return (param(eqn, "call_jaxpr"), param(eqn, "num_consts"), param(eqn, "fwd_jaxpr_thunk"),
+            param(eqn, "bwd"), param(eqn, "out_trees"))
+
+
+def custom_vjp_fwd(fwd_thunk, out_trees, nargs: int) -> tuple[Any, list, Any, list]:
+    """(fwd jaxpr, consts, residual tree, input forwards) of a custom_vjp's forward rule."""
+    fwd_jaxpr, fwd_consts = fwd_thunk.call_wrapped(*([True] * nargs))
+    _, res_tree, input_fwds = out_trees()
+    return fwd_jaxpr, fwd_consts, res_tree, input_fwds
+
+
+def custom_vjp_bwd_cotangents(out) -> Any:
+    """The cotangents a flattened custom_vjp bwd returned: jax 0.11 pairs them with its logs."""
+    if len(out) == 2 and isinstance(out[0], (list, tuple)) and (out[1] is None or isinstance(out[1], dict)):
+        return out[0]
+    return out
+
+
+def instantiate_zero(x: Any) -> Any:
+    """A symbolic zero (``ad_util.Zero``) as a zeros array; anything else unchanged."""
+    from jax._src.ad_util import Zero
+
+    if isinstance(x, Zero):
+        return jax.numpy.zeros(x.aval.shape, x.aval.dtype)
+    return x
+
+
+def shard_map_parts(eqn) -> dict:
+    """The arguments to re-create a ``shard_map`` equation with :func:`jax.shard_map`."""
+    p = eqn.params
+    axes = p.get("newly_manual_axes", p.get("manual_axes"))
+    if axes is None:
+        raise _missing("manual_axes", "the 'shard_map' primitive")
+    return dict(jaxpr=param(eqn, "jaxpr"), mesh=param(eqn, "mesh"), in_specs=tuple(param(eqn, "in_specs")),
+                out_specs=list(param(eqn, "out_specs")), check_vma=p.get("check_vma", p.get("check_rep", True)),
+                axis_names=set(axes))
+
+
+def is_tracer(x: Any) -> bool:
+    """Whether ``x`` is a JAX tracer (a value of an enclosing trace)."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def typeof(x: Any) -> Any:
+    """The abstract value (shape, dtype, weak type) of an array or tracer."""
+    return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+
+
+def all_primitive_names() -> frozenset[str]:
+    """The names of the primitives this JAX defines (a walk of ``jax._src.lax`` and friends)."""
+    from jax._src import core
+    import jax._src.lax as lax_pkg
+
+    modules = [m.name for m in pkgutil.walk_packages(lax_pkg.__path__, "jax._src.lax.")]
+    modules += ["jax._src.ad_util", "jax._src.ad_checkpoint", "jax._src.custom_derivatives",
+                "jax._src.pjit", "jax._src.shard_map", "jax._src.dispatch", "jax._src.core"]
+    names = set()
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # optional backends (e.g. GPU-only modules) may not import here
+            continue
+        names.update(v.name for v in vars(module).values() if isinstance(v, core.Primitive))
+    return frozenset(names)
+
+
+def user_frames(traceback) -> Callable:
+    """The user's frames of an equation's traceback (for reports)."""
+    from jax._src import source_info_util
+
+    return source_info_util.user_frames(traceback)

@@ -1,0 +1,290 @@
+"""jaxmp.autocast's contract (docs/autocast.md, "What you can rely on"), checked as properties.
+
+Each test here failed at commit f3b5f5b: padded attention masks gave NaN, regions and scope
+rules vanished under an inner grad/vjp/vmap, float32 accumulators were added in half, O2
+rounded running statistics to half every step, ``x * x`` and ``linalg.norm`` overflowed in
+fp16, and Pallas kernels were refused.
+"""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+from jaxmp.engine import contract, internals, tested
+from tests._op_dtypes import op_dtypes
+
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+
+
+# -- the composition table -------------------------------------------------------------------
+
+def test_composition_table_holds_in_both_orders_and_is_the_one_in_the_docs():
+    table = contract.composition_table("O1-bf16")
+    failed = [c for c in table if not c.holds]
+    assert not failed, "\n".join(f"{c.name}: {c.detail}" for c in failed)
+    assert len(table) == len(contract.OP_CLASSES) * len(contract.TRANSFORMS) * 2
+    rendered = contract.render_table(table)
+    assert rendered in (DOCS / "autocast.md").read_text(), (
+        "docs/autocast.md's composition table is out of date; regenerate it with "
+        "`python -m jaxmp.selfcheck --markdown`:\n" + rendered)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap", "linearize"])
+def test_fp16_region_and_scope_rules_hold_under_inner_transformations(transform):
+    for op_class in ("region", "scope rule", "half list", "accumulator"):
+        for order in contract.ORDERS:
+            check = contract.check_cell(op_class, transform, order, "O1-fp16")
+            assert check.holds, check
+
+
+def test_class_rule_holds_under_an_inner_grad():
+    class Head:
+        def __init__(self, w):
+            self.w = w
+
+        def __call__(self, x):
+            return x @ self.w
+
+    rules = jaxmp.AutocastRules().with_class(Head, "float32")
+    loss = lambda w, x: jnp.sum(Head(w)(x) ** 2)
+    w, x = jnp.full((4, 4), 0.1), jnp.ones((3, 4))
+    for fn in (jax.grad(jaxmp.autocast(loss, "O1-bf16", rules=rules)),
+               jaxmp.autocast(jax.grad(loss), "O1-bf16", rules=rules)):
+        dots = [op for op in op_dtypes(fn, w, x) if op.primitive == "dot_general"]
+        assert len(dots) == 2 and all(set(op.in_dtypes) == {F32} for op in dots), dots
+
+
+# -- constants saturate, data does not -------------------------------------------------------
+
+def masked_softmax(w, x, mask):
+    logits = jnp.where(mask, x @ w, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+@pytest.mark.parametrize("policy", ["O1-bf16", "O2-bf16", "O1-fp16", "O2-fp16", "O3-fp16"])
+def test_padding_row_of_a_finfo_min_mask_gives_float32s_answer(policy):
+    w, x = jnp.ones((4, 4)) * 0.1, jnp.ones((3, 4))
+    mask = jnp.array([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)
+    got = jaxmp.autocast(masked_softmax, policy)(w, x, mask)
+    want = masked_softmax(w, x, mask)
+    assert bool(jnp.all(jnp.isfinite(got))), got
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(got[2], np.float32), 0.25)
+
+
+def test_user_inf_and_nan_stay_and_a_fully_computed_additive_mask_saturates():
+    def f(x):
+        bias = jnp.where(jnp.array([True, False, False]), 0.0, jnp.finfo(jnp.float32).min)
+        return x * 2.0 + bias, x + jnp.array([jnp.inf, -jnp.inf, jnp.nan])
+
+    a, b = jaxmp.autocast(f, "O3-fp16")(jnp.ones(3))
+    assert a.dtype == F16 and bool(jnp.all(jnp.isfinite(a))) and float(a[1]) == -65504.0
+    assert np.isposinf(float(b[0])) and np.isneginf(float(b[1])) and np.isnan(float(b[2]))
+
+
+def test_an_activation_overflow_is_not_saturated_and_the_step_is_skipped():
+    def loss(w, x):
+        return jnp.sum((x @ w).astype(jnp.float32)) * 0.0 + jnp.sum(x @ w)
+
+    w, x = jnp.full((4, 4), 300.0), jnp.full((2, 4), 100.0)   # x @ w = 120,000 > fp16's 65,504
+    assert not bool(jnp.isfinite(jaxmp.autocast(loss, "O1-fp16")(w, x)))
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale())
+    state = tx.init(w)
+
+    @jax.jit
+    def step(w, state):
+        _, g = jaxmp.value_and_grad(jaxmp.autocast(loss, "O1-fp16"), state)(w, x)
+        updates, state = tx.update(g, state, w)
+        return jaxmp.apply_updates(w, updates, state), state
+
+    new_w, state = step(w, state)
+    assert int(jaxmp.scaling_stats(state)["total_skips"]) == 1
+    np.testing.assert_array_equal(new_w, w)
+
+
+# -- O2 keeps state float32 --------------------------------------------------------------------
+
+def test_o2_running_statistics_track_float32_within_1_percent_after_1000_steps():
+    def step(params, stats, x):
+        h = x @ params["w"]
+        return jnp.sum(h), 0.99 * stats + 0.01 * jnp.mean(h, axis=0)
+
+    f = jax.jit(jaxmp.autocast(step, "O2-bf16"))
+    ref = jax.jit(step)
+    params, x = {"w": jnp.eye(4)}, jnp.ones((8, 4))
+    stats = stats32 = jnp.zeros(4)
+    for _ in range(1000):
+        stats, stats32 = f(params, stats, x)[1], ref(params, stats32, x)[1]
+    assert stats.dtype == F32
+    np.testing.assert_allclose(stats, stats32, rtol=0.01)   # f3b5f5b: 0.689 vs 1.000
+
+
+def test_o2_casts_weights_on_entry_and_passes_other_state_as_given():
+    def f(params, stats, x):
+        return jnp.sum(x @ params["w"] + params["b"]) + jnp.sum(stats)
+
+    program = jaxmp.autocast(f, "O2-bf16")
+    args = ({"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}, jnp.zeros(4), jnp.ones((2, 4)))
+    program(*args)
+    (prog,) = program._programs.values()
+    # leaves: b, w, stats, x; x feeds only the matmul, so it is cast on entry too
+    assert prog.weights() == [False, True, False, True]
+
+
+# -- accumulators ------------------------------------------------------------------------------
+
+def accumulate(x, w):
+    return jax.lax.fori_loop(0, 2000, lambda i, a: a + jnp.tanh(x @ w) * 1e-3, jnp.zeros((8, 4)))
+
+
+def accumulate_while(x, w):
+    def body(c):
+        i, a = c
+        return i + 1, a + jnp.tanh(x @ w) * 1e-3
+
+    return jax.lax.while_loop(lambda c: c[0] < 2000, body, (0, jnp.zeros((8, 4))))[1]
+
+
+@pytest.mark.parametrize("fn", [accumulate, accumulate_while], ids=["fori_loop", "while_loop"])
+@pytest.mark.parametrize("policy", ["O1-bf16", "O1-fp16"])
+def test_a_float32_accumulator_is_added_in_float32(fn, policy):
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 4)) * 0.3
+    half = BF16 if policy.endswith("bf16") else F16
+    term = jnp.tanh((x.astype(half) @ w.astype(half))).astype(F32) * np.float32(np.asarray(1e-3, half))
+    got = jaxmp.autocast(fn, policy)(x, w)
+    # 2000 float32 additions of the half-precision term: the error of one term, not 2000 roundings
+    np.testing.assert_allclose(got, 2000 * term, rtol=2e-3, atol=1e-4)   # f3b5f5b: 87% off in bf16
+
+
+def test_ema_and_gradient_accumulation_carries_run_in_float32():
+    def ema(xs, w):
+        return jax.lax.scan(lambda m, x: (0.999 * m + 0.001 * jnp.tanh(x @ w), None), jnp.zeros((2, 4)), xs)[0]
+
+    def grad_accum(w, xs):
+        g = jax.lax.scan(lambda acc, x: (acc + jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w), None),
+                         jnp.zeros_like(w), xs)[0]
+        return g
+
+    xs = jax.random.normal(jax.random.key(0), (500, 2, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 4)) * 0.3
+    for fn, args in ((ema, (xs, w)), (grad_accum, (w, xs))):
+        updates = contract.carry_updates(jaxmp.autocast(fn, "O1-bf16"), args)
+        assert updates and all(ins == {F32} for _, _, ins in updates), updates
+    got, want = jaxmp.autocast(ema, "O1-bf16")(xs, w), ema(xs, w)
+    np.testing.assert_allclose(got, want, rtol=0.02, atol=2e-3)
+
+
+def test_a_scanned_hidden_state_is_not_an_accumulator_and_gains_no_float32_ops():
+    def rnn(w, xs):
+        h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros((2, 8)), xs)
+        return h
+
+    def residual(w, xs):
+        return jax.lax.scan(lambda h, x: (h + jnp.tanh(h @ w) + x, None), jnp.zeros((2, 8)), xs)[0]
+
+    w, xs = jnp.eye(8) * 0.5, jnp.ones((5, 2, 8))
+    for fn in (rnn, residual):
+        ops = op_dtypes(jaxmp.autocast(fn, "O1-bf16"), w, xs)
+        body = [op for op in ops if op.primitive in ("add", "tanh")]
+        assert body and all(set(op.in_dtypes) == {BF16} for op in body), body
+
+
+# -- norms -------------------------------------------------------------------------------------
+
+def test_linalg_norm_and_a_hand_written_rms_norm_square_in_float32():
+    h = jnp.full((1, 64), 300.0)
+    norm = jaxmp.autocast(lambda h, w: jnp.linalg.norm(h @ w), "O1-fp16")(h, jnp.eye(64))
+    np.testing.assert_allclose(norm, 2400.0, rtol=1e-3)   # f3b5f5b: inf
+
+    def rms_norm(h, w):
+        y = h @ w
+        return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
+
+    out = jaxmp.autocast(rms_norm, "O1-fp16")(h, jnp.eye(64))
+    np.testing.assert_allclose(np.asarray(out, np.float32), 1.0, rtol=1e-2)
+    squares = [op for op in op_dtypes(jaxmp.autocast(rms_norm, "O1-fp16"), h, jnp.eye(64))
+               if op.primitive == "mul" and op.in_dtypes[0] == op.in_dtypes[-1] == F32]
+    assert squares
+
+
+def test_mixed_half_operands_are_never_narrowed_to_float16():
+    big_bf16 = jnp.full((2,), 1e6, jnp.bfloat16)
+    out = jaxmp.autocast(lambda a, b: a + b, "O1-fp16")(big_bf16, jnp.ones(2, jnp.float16))
+    assert bool(jnp.all(jnp.isfinite(out))), out
+    y = jaxmp.autocast(lambda a, b: a @ b, "O1-fp16")(jnp.full((2, 2), 1e5, jnp.bfloat16),
+                                                       jnp.ones((2, 2), jnp.float16))
+    assert bool(jnp.all(jnp.isfinite(y))), y
+
+
+# -- opaque kernels ----------------------------------------------------------------------------
+
+def _pallas_kernel():
+    pl = pytest.importorskip("jax.experimental.pallas")
+
+    def body(x_ref, y_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2 + y_ref[...]
+
+    def kernel(x, y):
+        return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x, y)
+
+    return kernel
+
+
+def test_pallas_kernels_run_bare_and_under_half_inputs():
+    kernel = _pallas_kernel()
+    w, x = jnp.eye(128), jnp.ones((8, 128))
+    bare = jaxmp.autocast(lambda w, x: jnp.sum(kernel(x @ w, x)), "O1-bf16")(w, x)
+    cast = jaxmp.autocast(lambda w, x: jnp.sum(jaxmp.half_inputs(kernel)(x @ w, x)), "O1-bf16")(w, x)
+    assert float(bare) == float(cast) == 3.0 * 8 * 128
+    calls = [op for op in op_dtypes(jaxmp.autocast(lambda w, x: jaxmp.half_inputs(kernel)(x @ w, x), "O1-bf16"), w, x)
+             if op.primitive == "pallas_call"]
+    assert calls and set(calls[0].in_dtypes) == {BF16}
+
+
+# -- one seam, every JAX ------------------------------------------------------------------------
+
+def test_a_missing_jax_parameter_is_a_clear_error_naming_it_and_the_version():
+    eqn = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (c, None), x, None, length=2))(1.0).eqns[0]
+    fake = eqn.replace(params={k: v for k, v in eqn.params.items() if k not in ("num_consts", "ft_in")})
+    with pytest.raises(internals.JaxInternalsError, match=rf"num_consts.*jax {jax.__version__}"):
+        internals.scan_counts(fake)
+
+
+def test_tested_versions_come_from_the_ci_matrix_and_pay_no_canary(monkeypatch):
+    assert tested.TESTED_JAX == tuple(sorted({tuple(int(p) for p in j.split(".")[:2]) for _, j in tested.MATRIX}))
+    assert not tested.is_newer_than_tested(internals.JAX_VERSION)
+    calls = []
+    monkeypatch.setattr(contract, "canary", lambda: calls.append(1) or [])
+    contract.run_canary_once.cache_clear()
+    contract.run_canary_once()
+    assert calls == []
+
+
+def test_the_canary_warns_naming_the_jax_version_on_a_newer_jax(monkeypatch):
+    monkeypatch.setattr(tested, "is_newer_than_tested", lambda version: True)
+    monkeypatch.setattr(contract, "canary", lambda: [contract.Check("region | grad | autocast(T(f))", False, "bf16")])
+    contract.run_canary_once.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=rf"jax {jax.__version__} is newer.*region \| grad"):
+            contract.run_canary_once()
+    finally:
+        contract.run_canary_once.cache_clear()
+
+
+def test_the_real_canary_passes_on_this_jax():
+    assert contract.canary() == []
+
+
+def test_selfcheck_prints_what_holds(capsys):
+    from jaxmp import selfcheck
+
+    assert selfcheck.main([]) == 0
+    out = capsys.readouterr().out
+    assert f"jax {jax.__version__}" in out and "checks hold" in out and "FAILS" not in out
