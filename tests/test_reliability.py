@@ -188,6 +188,25 @@ def test_the_scaled_mark_crosses_jit_arguments_and_multisteps_cond():
         _accumulation_run("around")
 
 
+def test_the_scaled_mark_reaches_an_nnx_optimizer_state_kept_in_variables():
+    from flax import nnx
+
+    import jaxmp.flax
+
+    model = jaxmp.flax.mixed_precision(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O1-fp16")
+    x = jnp.ones((2, 4))
+    loss = lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2)  # noqa: E731
+    optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"), wrt=nnx.Param)
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match="never multiplied a loss"):
+        optimizer.update(model, nnx.grad(loss)(model))
+    optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"), wrt=nnx.Param)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmp.MixedPrecisionWarning)
+        scale = jaxmp.get_loss_scale(jaxmp.flax.nnx.optimizer_state(optimizer))  # a pure copy, linked
+        optimizer.update(model, nnx.grad(lambda m: scale.scale(loss(m)))(model))
+        jaxmp.flax.nnx.train_step(model, optimizer, (x, jnp.zeros(2, jnp.int32)))
+
+
 def test_a_float16_loss_warns_and_names_the_float32_cast():
     state = jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
     with pytest.warns(jaxmp.MixedPrecisionWarning, match=r"loss is float16.*cast the logits or the loss to float32"):
