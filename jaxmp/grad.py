@@ -7,7 +7,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxmp import traps
 from jaxmp.opt_state import get_loss_scale
+from jaxmp.transform import LossScalingState
 
 
 def _check_loss(loss: Any) -> jax.Array:
@@ -25,6 +27,9 @@ def value_and_grad(fun: Callable[..., Any], scale_source: Any, argnums: int | Se
 
     The returned loss is the true (unscaled) value; the gradients are scaled, which is
     what :func:`jaxmp.loss_scaling` expects (it unscales them before the inner chain).
+    Scaling marks the loss-scale object of ``scale_source``; ``tx.update`` given the same
+    optimizer state reads the mark and warns (``MixedPrecisionWarning``) about gradients from a
+    plain ``jax.grad`` with a dynamic scale. A float16 loss warns too: cast it to float32.
 
     Args:
       fun: returns a scalar floating loss (or ``(loss, aux)`` with ``has_aux``). Compute
@@ -54,6 +59,7 @@ def value_and_grad(fun: Callable[..., Any], scale_source: Any, argnums: int | Se
     if not callable(fun):
         raise TypeError(f"fun must be callable, got {type(fun).__name__}")
     loss_scale = get_loss_scale(scale_source)
+    traps.check_outermost(scale_source, LossScalingState)
 
     def scaled(*args, **kw):
         out = fun(*args, **kw)
@@ -64,6 +70,7 @@ def value_and_grad(fun: Callable[..., Any], scale_source: Any, argnums: int | Se
         else:
             loss, aux = out, None
         loss = _check_loss(loss)
+        traps.check_loss_dtype(loss, loss_scale)
         return loss_scale.scale(loss), (loss, aux)
 
     grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True, **kwargs)

@@ -33,6 +33,8 @@ DEFAULT_MAX_SCALE = 2.0**24
 #: The smallest scale any loss scale may hold: the smallest normal float32. Below it the scale
 #: would be subnormal, which XLA flushes to 0, and a scale of 0 never recovers.
 SMALLEST_SCALE = float(np.finfo(np.float32).tiny)
+#: The counter is an int32 leaf: every int field compared with it must fit int32.
+INT32_MAX = int(np.iinfo(np.int32).max)
 
 _STATIC = {"static": True}
 
@@ -155,7 +157,8 @@ class _Scaling:
         Returns:
           The tree with inexact leaves scaled; half-precision leaves come back float32.
         """
-        traps.note_scaled(_usable(self.loss_scale))
+        _usable(self.loss_scale)
+        traps.note_scaled(self)
         return jax.tree_util.tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
 
     def unscale(self, tree: T) -> T:
@@ -188,14 +191,16 @@ class StaticLossScale(_Scaling):
     """
 
     loss_scale: Any
+    #: Whether this scale multiplied a loss (set by :meth:`scale`; see ``jaxmp.traps.ScaledMark``).
+    scaled_mark: Any = dataclasses.field(default=traps.UNSCALED, kw_only=True, repr=False, metadata=_STATIC)
 
     def __post_init__(self):
         object.__setattr__(self, "loss_scale", _scale_array(self.loss_scale, "loss_scale"))
 
     def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
-        """Returns ``self``: a static scale never changes."""
+        """Returns ``self`` (unmarked, see ``jaxmp.traps.ScaledMark``): a static scale never changes."""
         check_flag(grads_finite)
-        return self
+        return dataclasses.replace(self, scaled_mark=traps.UNSCALED) if traps.was_scaled(self) else self
 
 
 def _check_config(period, factor, backoff, lo, hi):
@@ -204,6 +209,8 @@ def _check_config(period, factor, backoff, lo, hi):
         raise TypeError(f"period (growth interval) must be an int, got {type(period).__name__}: {period!r}")
     if period < 1:
         raise ValueError(f"period (growth interval) must be >= 1, got {period}")
+    if period > INT32_MAX:
+        raise ValueError(f"period (growth interval) must be <= 2**31 - 1 (the counter is int32), got {period}")
     factor = _concrete_float(factor, "factor")
     if not math.isfinite(factor) or factor <= 1:
         raise ValueError(f"factor (growth factor) must be a finite number > 1, got {factor}")
@@ -270,6 +277,8 @@ class DynamicLossScale(_Scaling):
     min_loss_scale: float = dataclasses.field(default=DEFAULT_MIN_SCALE, metadata=_STATIC)
     backoff_factor: float | None = dataclasses.field(default=None, kw_only=True, metadata=_STATIC)
     max_loss_scale: float = dataclasses.field(default=DEFAULT_MAX_SCALE, kw_only=True, metadata=_STATIC)
+    #: Whether this scale multiplied a loss (set by :meth:`scale`; see ``jaxmp.traps.ScaledMark``).
+    scaled_mark: Any = dataclasses.field(default=traps.UNSCALED, kw_only=True, repr=False, metadata=_STATIC)
 
     # Configurations already validated: JAX rebuilds the dataclass on every tree operation.
     _valid: ClassVar[set] = set()
@@ -277,6 +286,12 @@ class DynamicLossScale(_Scaling):
     def __post_init__(self):
         config = (self.period, self.factor, self.backoff_factor, self.min_loss_scale, self.max_loss_scale)
         ls, counter = self.loss_scale, self.counter
+        if isinstance(ls, bool) != isinstance(counter, bool):
+            # Booleans are accepted only as a filter spec (Equinox maps *every* leaf to a bool);
+            # one bool beside a number is a mistake such as DynamicLossScale(True).
+            name, value = ("loss_scale", ls) if isinstance(ls, bool) else ("counter", counter)
+            raise TypeError(f"{name} must be a number, got the bool {value!r} (e.g. DynamicLossScale(2.0**15), "
+                            "counter=0)")
         if (config in self._valid and isinstance(ls, jax.Array) and isinstance(counter, jax.Array)
                 and ls.dtype == np.float32 and counter.dtype == np.int32):
             return  # JAX rebuilding a state it flattened: nothing to check (runs on every jit call)
@@ -346,18 +361,24 @@ class DynamicLossScale(_Scaling):
         # A scale restored from a damaged state (NaN, 0) falls back to the floor, never stays dead.
         new_scale = jnp.where(new_scale >= lo, new_scale, lo)
         counter = jnp.where(grow, 0, counter).astype(jnp.int32)
-        return dataclasses.replace(self, loss_scale=new_scale, counter=counter)
+        return dataclasses.replace(self, loss_scale=new_scale, counter=counter, scaled_mark=traps.UNSCALED)
 
 
 def _counter_array(counter: Any) -> Any:
     if isinstance(counter, (jax.Array, jax.core.Tracer)):
         return counter if counter.dtype == jnp.int32 else counter.astype(jnp.int32)
     if isinstance(counter, np.ndarray) and counter.ndim and np.issubdtype(counter.dtype, np.integer):
-        return counter.astype(np.int32)  # a host copy of a replicated state
+        # A host copy of a replicated state: checked element-wise, as a scalar counter is.
+        if counter.size and (counter.min() < 0 or counter.max() > INT32_MAX):
+            raise ValueError(f"counter must hold integers in [0, 2**31 - 1] (an int32 leaf), got {counter}")
+        return counter.astype(np.int32)
     if isinstance(counter, (int, np.integer, np.ndarray)) and not isinstance(counter, bool):
         c = np.asarray(counter)
         if c.shape != () or not np.issubdtype(c.dtype, np.integer) or c < 0:
             raise ValueError(f"counter must be a non-negative integer scalar, got {counter!r}")
+        if int(c) > INT32_MAX:
+            raise ValueError(f"counter must be <= 2**31 - 1 (it is an int32 leaf; a larger value would wrap), "
+                             f"got {int(c)}")
         return jnp.asarray(c, jnp.int32)
     if isinstance(counter, float):
         raise ValueError(f"counter must be a non-negative integer scalar, got {counter!r}")
@@ -388,6 +409,11 @@ def make_loss_scale(spec: Any = "dynamic") -> LossScale:
       StaticLossScale(loss_scale=Array(1024., dtype=float32))
     """
     if isinstance(spec, LOSS_SCALE_TYPES):
+        for name in ("loss_scale", "counter"):
+            # A filter-spec placeholder (bool) is fine inside a tree, not as the scale to train with.
+            if isinstance(getattr(spec, name, None), bool) and not isinstance(spec, NoOpLossScale):
+                raise TypeError(f"{type(spec).__name__}.{name} is the bool {getattr(spec, name)!r}: give a number "
+                                f"(e.g. {type(spec).__name__}(2.0**15))")
         return spec
     if spec is None:
         return NoOpLossScale()

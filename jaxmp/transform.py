@@ -223,7 +223,17 @@ def _inner_step(inner, unscale, grads, grads_finite, state, params, use_cond, ex
     def apply():
         return inner.update(unscale(grads), state.inner_state, params, **extra_args)
 
-    closed, shapes = jax.make_jaxpr(apply, return_shape=True)()
+    try:
+        closed, shapes = jax.make_jaxpr(apply, return_shape=True)()
+    except (ValueError, TypeError, AttributeError) as e:
+        if params is not None:
+            raise
+        # Weight decay, LAMB/LARS, lookahead... read the params; optax's own message (or a raw
+        # AttributeError on None) does not say which call to fix.
+        raise ValueError(
+            f"the inner optimizer needs the params, but tx.update(grads, state) was called without them: call "
+            f"tx.update(grads, state, params) (or use loss_scaling(..., master_weights=True), which keeps its own "
+            f"float32 copy). The inner optimizer said: {type(e).__name__}: {e}") from e
     traps.check_update_constants(closed)
     if use_cond:
         # Only the taken branch runs, so the inner chain never sees non-finite gradients and
@@ -289,10 +299,10 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
         if not isinstance(state, LossScalingState):
             raise TypeError(f"state must be the LossScalingState made by this transform's init, got {type(state).__name__}")
         _check_all_arrays(grads, "gradient")
-        traps.check_gradients(grads, state.loss_scale)
-        keeps_master = bool(find_states(state.inner_state, MasterWeightsState))
         if params is not None:
             check_same_structure(grads, params, "gradients", "params")
+        traps.check_gradients(grads, state.loss_scale)
+        keeps_master = bool(find_states(state.inner_state, MasterWeightsState))
 
         def unscale(g):
             return _unscale(state.loss_scale, g, keeps_master)

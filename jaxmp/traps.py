@@ -2,8 +2,12 @@
 
 Each check runs in Python at trace time (or in ``init``), so it costs nothing per step:
 
-* gradients that were never multiplied by the loss scale, given to a scaling transform
-  (``jax.grad`` instead of :func:`jaxmp.value_and_grad`): warn;
+* gradients that were never multiplied by the loss scale, given to a dynamic-scale transform
+  (``jax.grad`` instead of :func:`jaxmp.value_and_grad`): warn, eagerly and under ``jit``; the
+  evidence is a mark on the loss-scale object of the state (:class:`ScaledMark`), no global state;
+* a float16 loss given to :func:`jaxmp.value_and_grad` with a loss scale: warn (its gradient
+  overflows float16 at any scale >= 2**16);
+* an optax chain whose transforms run before ``loss_scaling`` (they see scaled gradients): warn;
 * float16 params with loss scaling but no master copy (O2-fp16 without master weights,
   where small updates round away): warn;
 * ``loss_scaling`` nested in ``loss_scaling`` (gradients unscaled twice): raise;
@@ -28,16 +32,56 @@ class MixedPrecisionWarning(UserWarning):
     """A mixed-precision set-up that runs but probably does not do what was meant."""
 
 
-# How many losses were multiplied by a jaxmp loss scale in this process. update() checks it
-# while tracing: gradients handed to a scaling transform before any loss was ever scaled were
-# never scaled. (Matching the exact scale object is not reliable: optax.MultiSteps and other
-# wrappers pass the state through lax.cond, which gives the update fresh tracers.)
-_SCALE_CALLS = [0]
+class ScaledMark:
+    """Whether a loss-scale object has multiplied a loss: a static field of the loss scales.
+
+    ``LossScale.scale`` sets it on the loss-scale object of the state (an attribute of that very
+    object, nothing kept per process); ``update`` reads it on the state it is given. Being a
+    static field, it travels wherever the state is flattened and rebuilt -- into ``jit``
+    arguments, ``lax.cond`` operands (``optax.MultiSteps``), ``scan`` carries -- while every
+    mark compares and hashes equal, so it never changes a tree structure or a ``jit`` cache key.
+    ``adjust`` returns the next scale unmarked: the mark says "this step's loss was scaled".
+    """
+
+    __slots__ = ("scaled",)
+
+    def __init__(self, scaled: bool):
+        object.__setattr__(self, "scaled", bool(scaled))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("ScaledMark is immutable")
+
+    def __eq__(self, other):
+        return isinstance(other, ScaledMark)
+
+    def __hash__(self):
+        return hash(ScaledMark)
+
+    def __reduce__(self):
+        return ScaledMark, (self.scaled,)
+
+    def __repr__(self):
+        return f"ScaledMark({self.scaled})"
 
 
-def note_scaled(loss_scale_array: Any) -> None:
-    """Records that a loss was multiplied by a loss scale (called by ``LossScale.scale``)."""
-    _SCALE_CALLS[0] += 1
+UNSCALED, SCALED = ScaledMark(False), ScaledMark(True)
+
+
+def note_scaled(loss_scale: Any) -> None:
+    """Marks ``loss_scale`` (a loss-scale object) as having multiplied a loss (``LossScale.scale``)."""
+    if hasattr(loss_scale, "scaled_mark"):
+        object.__setattr__(loss_scale, "scaled_mark", SCALED)
+        # A pure copy of a state kept in mutable variables (jaxmp.flax.nnx.optimizer_state) links to
+        # the stored loss scale, which the optimizer's own update rebuilds its state from.
+        stored = getattr(loss_scale, "_jaxmp_stored", None)
+        if stored is not None and hasattr(stored, "scaled_mark"):
+            object.__setattr__(stored, "scaled_mark", SCALED)
+
+
+def was_scaled(loss_scale: Any) -> bool:
+    """Whether ``loss_scale`` (this object, or the object it was rebuilt from) has multiplied a loss."""
+    mark = getattr(loss_scale, "scaled_mark", None)
+    return isinstance(mark, ScaledMark) and mark.scaled
 
 
 def _warn(message: str) -> None:
@@ -53,15 +97,38 @@ def check_gradients(grads: Any, loss_scale: Any) -> None:
                 f"gradient leaf at {jax.tree_util.keystr(path)} has dtype {dtype}: integer and boolean leaves have no "
                 "gradient. Differentiate with allow_int=True (their gradients are float0) or leave them out of the params."
             )
-    scale = getattr(loss_scale, "loss_scale", None)
-    if type(loss_scale).__name__ == "NoOpLossScale" or not isinstance(scale, jax.core.Tracer):
-        # Checked while tracing only: an eager update may get gradients from a cached jitted step.
+    if type(loss_scale).__name__ != "DynamicLossScale" or was_scaled(loss_scale):
         return
-    if _SCALE_CALLS[0] == 0:
-        _warn("loss_scaling got gradients while no loss has been multiplied by a loss scale in this process. "
-              "Compute them with jaxmp.value_and_grad(loss_fn, opt_state), or multiply the loss by "
-              "jaxmp.get_loss_scale(opt_state).scale(loss) yourself; otherwise they are divided by a scale they "
-              "never carried. Use loss_scale='none' if you do not want loss scaling.")
+    _warn("loss_scaling got gradients, but the dynamic loss scale in this optimizer state never multiplied a "
+          "loss: were they computed with jax.grad? Compute them with jaxmp.value_and_grad(loss_fn, opt_state) "
+          "and pass the same opt_state to tx.update (or scale by hand with jaxmp.get_loss_scale(opt_state)"
+          ".scale(loss)); otherwise they are divided by a scale they never carried. If value_and_grad and "
+          "update run in separate jitted functions, scale the loss with the state you pass to the update. "
+          "Use loss_scale='none' if you do not want loss scaling.")
+
+
+def check_loss_dtype(loss: Any, loss_scale: Any) -> None:
+    """Warns when a float16 loss is about to be scaled: its gradient overflows float16 at any scale >= 2**16."""
+    if type(loss_scale).__name__ == "NoOpLossScale" or getattr(loss, "dtype", None) != jnp.float16:
+        return
+    _warn("the loss is float16: the gradient flowing back from it is float16 too, so it overflows (inf) at any "
+          "loss scale >= 2**16 and every step is skipped. Compute the loss in float32: cast the logits or the loss "
+          "to float32 before the reduction (policy.cast_to_output(logits), or loss.astype(jnp.float32)), or use "
+          "an O1/O2 preset, which keep the loss in float32.")
+
+
+def check_outermost(scale_source: Any, scaling_state: type) -> None:
+    """Warns when an optax chain runs transforms *before* ``loss_scaling`` (they see scaled gradients)."""
+    if not isinstance(scale_source, tuple) or isinstance(scale_source, scaling_state):
+        return
+    for i, part in enumerate(scale_source):
+        if isinstance(part, scaling_state):
+            # optax.chain's state is the tuple of its transforms' states, in order.
+            if i and all(type(p).__module__.split(".")[0] == "optax" for p in scale_source[:i]):
+                _warn(f"the optimizer state is an optax chain with {i} transform(s) before jaxmp.loss_scaling: "
+                      "they see the *scaled* gradients (clipping or weight decay on scaled values is wrong). Make "
+                      "jaxmp.loss_scaling the outermost transform: loss_scaling(optax.chain(...)).")
+            return
 
 
 def check_init(params: Any, inner_state: Any, loss_scale: Any, scaling_state: type, master_state: type) -> None:

@@ -16,6 +16,31 @@ def _update_with(grads, **kw):
     return tx.update(grads, tx.init(_P), _P)
 
 
+def _update_without_params(inner):
+    tx = jaxmp.loss_scaling(inner)
+    state = tx.init(_P)
+    _, grads = jaxmp.value_and_grad(lambda p: jnp.sum(p["w"] ** 2), state)(_P)
+    return tx.update(grads, state)
+
+
+def _pmap_aux_batch_stats():
+    devices = jax.local_devices()[:2]
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), axis_name="batch")
+    loss = lambda p, b: (jnp.mean(b["x"] @ p["w"]), {"batch_stats": {"mean": jnp.mean(b["x"], 0)}})  # noqa: E731
+    step = jaxmp.parallel.make_pmap_train_step(loss, tx, "batch", devices=devices, has_aux=True)
+    p, s = (jaxmp.parallel.replicate(t, devices) for t in (_P, tx.init(_P)))
+    return step(p, s, jaxmp.parallel.shard_batch({"x": np.ones((4, 3), np.float32)}, 2))
+
+
+def _plain_grad_update(jit):
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
+
+    def step(params, state):
+        return tx.update(jax.grad(lambda p: jnp.sum(p["w"] ** 2))(params), state, params)
+
+    return (jax.jit(step) if jit else step)(_P, tx.init(_P))
+
+
 def _select_mismatch():
     return jaxmp.select_tree(jnp.array(True), {"a": jnp.ones(2)}, {"b": jnp.ones(2)})
 
@@ -88,9 +113,59 @@ CASES = [
      ValueError, r"max_consecutive_skips must be an int >= 1"),
     ("two loss-scaling states", lambda: jaxmp.find_loss_scaling_state(
         [jaxmp.loss_scaling(optax.sgd(0.1)).init(_P)] * 2), ValueError, r"found 2 jaxmp.loss_scaling states"),
+    # Issue 25, item 12: booleans and int32 overflow in loss scales, omitted params, pmap BatchNorm in aux.
+    ("bool dynamic scale", lambda: jaxmp.DynamicLossScale(True), TypeError, r"loss_scale must be a number, got the bool"),
+    ("bool counter", lambda: jaxmp.DynamicLossScale(counter=True), TypeError, r"counter must be a number, got the bool"),
+    ("bool static scale given to loss_scaling", lambda: jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(True)),
+     TypeError, r"StaticLossScale.loss_scale is the bool True"),
+    ("counter 2**40 would wrap", lambda: jaxmp.DynamicLossScale(counter=2**40), ValueError,
+     r"counter must be <= 2\*\*31 - 1 \(it is an int32 leaf"),
+    ("counter 2**31 would turn negative", lambda: jaxmp.DynamicLossScale(counter=2**31), ValueError,
+     r"counter must be <= 2\*\*31 - 1"),
+    ("int64 numpy counter out of range", lambda: jaxmp.DynamicLossScale(counter=np.int64(2**33)), ValueError,
+     r"counter must be <= 2\*\*31 - 1"),
+    ("replicated counter out of range", lambda: jaxmp.DynamicLossScale(np.full(2, 8.0), np.array([0, 2**32])),
+     ValueError, r"counter must hold integers in \[0, 2\*\*31 - 1\]"),
+    ("negative replicated counter", lambda: jaxmp.DynamicLossScale(np.full(2, 8.0), np.array([0, -1])),
+     ValueError, r"counter must hold integers in \[0, 2\*\*31 - 1\]"),
+    ("float counter", lambda: jaxmp.DynamicLossScale(counter=1.5), ValueError, r"counter must be a non-negative integer"),
+    ("growth interval past int32", lambda: jaxmp.DynamicLossScale(period=2**31), ValueError,
+     r"period \(growth interval\) must be <= 2\*\*31 - 1"),
+    ("omitted params, weight decay", lambda: _update_without_params(optax.adamw(1e-3)), ValueError,
+     r"inner optimizer needs the params.*tx.update\(grads, state, params\).*master_weights=True"),
+    ("omitted params, lookahead", lambda: _update_without_params(optax.lookahead(optax.sgd(0.1), 2, 0.5)), ValueError,
+     r"inner optimizer needs the params.*AttributeError"),
+    ("pmap batch_stats carried in aux", _pmap_aux_batch_stats, ValueError, r"'batch_stats' in its aux.*model_state=True"),
     ("wrong state type", lambda: jaxmp.loss_scaling(optax.sgd(0.1)).update(_P, optax.EmptyState(), _P), TypeError,
      r"state must be the LossScalingState"),
 ]
+
+
+# Input that runs but would train wrong: a clear warning naming the fix (id, callable, warning, message regex).
+WARN_CASES = [
+    ("jax.grad gradients to a dynamic scale, eager", lambda: _plain_grad_update(False), jaxmp.MixedPrecisionWarning,
+     r"never multiplied a loss: were they computed with jax.grad\?.*jaxmp.value_and_grad"),
+    ("jax.grad gradients to a dynamic scale, jit", lambda: _plain_grad_update(True), jaxmp.MixedPrecisionWarning,
+     r"never multiplied a loss: were they computed with jax.grad\?.*jaxmp.value_and_grad"),
+    ("float16 loss", lambda: jaxmp.value_and_grad(lambda p: jnp.sum(p["w"].astype(jnp.float16)),
+                                                  jaxmp.DynamicLossScale())(_P),
+     jaxmp.MixedPrecisionWarning, r"loss is float16.*overflows.*cast the logits or the loss to float32"),
+    ("transform before loss_scaling", lambda: jaxmp.value_and_grad(
+        lambda p: jnp.sum(p["w"]), optax.chain(optax.clip(1.0), jaxmp.loss_scaling(optax.sgd(0.1))).init(_P)),
+     jaxmp.MixedPrecisionWarning, r"before jaxmp.loss_scaling.*scaled\* gradients.*outermost"),
+    ("autocast 'fp16' means pure half", lambda: jaxmp.autocast(lambda x: jnp.sum(x), "fp16"), jaxmp.MixedPrecisionWarning,
+     r"'fp16' is a bare dtype name.*\*pure\* float16.*use 'O1-fp16'"),
+    ("autocast 'bf16' means pure half", lambda: jaxmp.autocast(lambda x: jnp.sum(x), "bf16"), jaxmp.MixedPrecisionWarning,
+     r"'bf16' is a bare dtype name.*\*pure\* bfloat16.*use 'O1-bf16'"),
+    ("float16 params without master weights", lambda: jaxmp.loss_scaling(optax.sgd(0.1)).init(
+        {"w": jnp.ones(2, jnp.float16)}), jaxmp.MixedPrecisionWarning, r"without a float32 master copy.*master_weights=True"),
+]
+
+
+@pytest.mark.parametrize("fn,warning,pattern", [c[1:] for c in WARN_CASES], ids=[c[0] for c in WARN_CASES])
+def test_bad_input_warns_clearly(fn, warning, pattern):
+    with pytest.warns(warning, match=pattern):
+        fn()
 
 
 @pytest.mark.parametrize("fn,exc,pattern", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -107,3 +182,12 @@ def test_traced_scale_inside_jit_is_allowed():
     # Building a loss scale from a traced value inside jit must not trip the validation.
     out = jax.jit(lambda s: jaxmp.DynamicLossScale(s).adjust(jnp.array(False)).loss_scale)(jnp.float32(8.0))
     assert float(out) == 4.0
+
+
+def test_mixed_precision_presets_under_autocast_do_not_warn():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmp.MixedPrecisionWarning)
+        for policy in ("O1-fp16", "O1-bf16", "O2-fp16", "O3-fp16", "float32", "p=f32,c=f16,o=f32"):
+            jaxmp.autocast(lambda x: jnp.sum(x), policy)

@@ -26,12 +26,22 @@ def public_names() -> list[str]:
     return sorted(names)
 
 
+def _is_module(path: str) -> bool:
+    try:
+        return importlib.util.find_spec(path) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _resolve(path: str):
+    """The object ``::: path`` renders. As mkdocstrings (griffe) does, a module of that name wins over
+    an attribute: ``jaxmp.diagnostics.precision_report`` is the module, not the re-exported function."""
     parts = path.split(".")
     obj = importlib.import_module(parts[0])
     for i, part in enumerate(parts[1:], start=1):
-        # An attribute first: jaxmp.diagnostics.gradient_stats is the function, not its module.
-        obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(".".join(parts[: i + 1]))
+        prefix = ".".join(parts[: i + 1])
+        obj = importlib.import_module(prefix) if isinstance(obj, types.ModuleType) and _is_module(prefix) \
+            else getattr(obj, part)
     return obj
 
 
@@ -60,6 +70,56 @@ def test_api_reference_covers_every_public_name():
     assert not missing, f"names of jaxmp's public API with no '::: ...' entry under docs/api/: {missing}"
 
 
+def all_modules() -> list[types.ModuleType]:
+    """jaxmp and every jaxmp module that declares ``__all__`` (subpackages and their modules, no private ones)."""
+    import pkgutil
+
+    found = [jaxmp]
+    for info in pkgutil.walk_packages(jaxmp.__path__, "jaxmp."):
+        if any(part.startswith("_") for part in info.name.split(".")):
+            continue
+        module = importlib.import_module(info.name)
+        if hasattr(module, "__all__"):
+            found.append(module)
+    return found
+
+
+def exported() -> dict[int, tuple[object, list[str]]]:
+    """Every object named in any ``__all__`` (modules aside), keyed by identity, with its public names."""
+    out: dict[int, tuple[object, list[str]]] = {}
+    for module in all_modules():
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if isinstance(obj, types.ModuleType):
+                continue
+            out.setdefault(id(obj), (obj, []))[1].append(f"{module.__name__}.{name}")
+    return out
+
+
+def test_every_name_in_every_all_is_documented_exactly_once():
+    """Each object in any ``__all__`` has exactly one ``::: path`` entry, under one of its public names."""
+    paths = [m for f in sorted((DOCS / "api").glob("*.md")) for m in DIRECTIVE.findall(f.read_text())]
+    ambiguous = [p for p in paths if isinstance(_resolve(p), types.ModuleType)
+                 and not isinstance(getattr(_resolve(p.rsplit(".", 1)[0]), p.rsplit(".", 1)[1]), types.ModuleType)]
+    assert not ambiguous, f"these entries render a whole module, not the re-exported object of that name: {ambiguous}"
+    by_object: dict[int, list[str]] = {}
+    for p in paths:
+        by_object.setdefault(id(_resolve(p)), []).append(p)
+    problems = []
+    for key, (obj, names) in sorted(exported().items(), key=lambda kv: kv[1][1][0]):
+        entries = by_object.get(key, [])
+        if len(entries) != 1:
+            problems.append(f"{names[0]}: {len(entries)} entries {entries}")
+        elif entries[0] not in names and entries[0] != f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}":
+            # A public name, or the defining location (needed where a module shadows the function of its name).
+            problems.append(f"{names[0]}: documented only as {entries[0]}, which is no name in any __all__ ({names})")
+        else:
+            top = [n for n in names if n.count(".") == 1]  # its jaxmp.* name, the one users meet first
+            if top and entries[0].rsplit(".", 1)[1] != top[0].rsplit(".", 1)[1]:
+                problems.append(f"{top[0]}: documented only under another name, {entries[0]}")
+    assert not problems, "API reference entries, each should be 1:\n" + "\n".join(problems)
+
+
 def test_public_names_fallback_matches_all():
     names = public_names()
     assert "loss_scaling" in names and "get_policy" in names
@@ -80,4 +140,11 @@ def test_docs_build_strict(tmp_path):
     html = "".join(p.read_text() for p in (site / "api").rglob("*.html"))
     for path in documented():
         assert f'id="{path}"' in html, f"{path} was not rendered in the API reference"
+    # Each entry renders the object it names: a '::: pkg.name' whose target griffe resolves to a module of
+    # that name (jaxmp.precision_report -> jaxmp.diagnostics.precision_report) renders the whole module again.
+    kinds = {path: kind for kind, path in re.findall(r'<div class="doc doc-object doc-(\w+)">\s*<h[2-6] id="(jaxmp\.[\w.]+)"', html)}
+    for path, obj in documented().items():
+        assert path in kinds, f"'::: {path}' rendered no object heading"
+        assert (kinds[path] == "module") == isinstance(obj, types.ModuleType), \
+            f"'::: {path}' rendered a {kinds[path]}, but the name is a {type(obj).__name__}"
     assert (site / "recorded" / "cpu").is_dir()  # the recorded plots are published with the site

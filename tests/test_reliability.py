@@ -129,35 +129,30 @@ def _quadratic(p):
     return jnp.sum((p["w"] - 3.0) ** 2)
 
 
-def test_unscaled_gradients_to_a_dynamic_scale_warn(monkeypatch):
-    import jaxmp.traps
-
-    monkeypatch.setattr(jaxmp.traps, "_SCALE_CALLS", [0])  # a fresh process: no loss scaled yet
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_unscaled_gradients_to_a_dynamic_scale_warn(jit):
     tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
     params = {"w": jnp.ones(2)}
 
-    @jax.jit
     def plain(params, state):
         grads = jax.grad(_quadratic)(params)
         return tx.update(grads, state, params)
 
-    with pytest.warns(jaxmp.MixedPrecisionWarning, match="no loss has been multiplied by a loss scale"):
-        plain(params, tx.init(params))
+    # No process-wide state: another loss scaled before (here, just now) does not hide it.
+    jaxmp.value_and_grad(_quadratic, tx.init(params))(params)
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match="never multiplied a loss: were they computed with jax.grad"):
+        (jax.jit(plain) if jit else plain)(params, tx.init(params))
 
 
-def test_scaled_gradients_do_not_warn_either_way_they_are_scaled(monkeypatch):
-    import jaxmp.traps
-
-    monkeypatch.setattr(jaxmp.traps, "_SCALE_CALLS", [0])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_scaled_gradients_do_not_warn_either_way_they_are_scaled(jit):
     tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
     params = {"w": jnp.ones(2)}
 
-    @jax.jit
     def ours(params, state):
         _, grads = jaxmp.value_and_grad(_quadratic, state)(params)
         return tx.update(grads, state, params)
 
-    @jax.jit
     def by_hand(params, state):
         scale = jaxmp.get_loss_scale(state)
         grads = jax.grad(lambda p: scale.scale(_quadratic(p)))(params)
@@ -166,8 +161,71 @@ def test_scaled_gradients_do_not_warn_either_way_they_are_scaled(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", jaxmp.MixedPrecisionWarning)
         for step in (by_hand, ours):
-            updates, _ = step(params, tx.init(params))
+            updates, _ = (jax.jit(step) if jit else step)(params, tx.init(params))
             np.testing.assert_allclose(np.asarray(updates["w"]), 0.1 * 2 * (3.0 - 1.0), rtol=1e-6)
+
+
+def test_the_scaled_mark_is_not_carried_into_the_next_state():
+    # The mark belongs to the loss-scale object that scaled a loss, not to later states.
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    _, grads = jaxmp.value_and_grad(_quadratic, state)(params)
+    _, state = tx.update(grads, state, params)
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match="never multiplied a loss"):
+        tx.update(jax.grad(_quadratic)(params), state, params)
+
+
+def test_the_scaled_mark_crosses_jit_arguments_and_multisteps_cond():
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    _, grads = jax.jit(jaxmp.value_and_grad(_quadratic, state))(params)  # scales with (marks) this state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmp.MixedPrecisionWarning)
+        _, new_state = jax.jit(tx.update)(grads, state, params)  # the update in another jitted function
+        assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(state)  # no retrace key
+        _accumulation_run("around")
+
+
+def test_the_scaled_mark_reaches_an_nnx_optimizer_state_kept_in_variables():
+    from flax import nnx
+
+    import jaxmp.flax
+
+    model = jaxmp.flax.mixed_precision(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O1-fp16")
+    x = jnp.ones((2, 4))
+    loss = lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2)  # noqa: E731
+    optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"), wrt=nnx.Param)
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match="never multiplied a loss"):
+        optimizer.update(model, nnx.grad(loss)(model))
+    optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"), wrt=nnx.Param)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmp.MixedPrecisionWarning)
+        scale = jaxmp.get_loss_scale(jaxmp.flax.nnx.optimizer_state(optimizer))  # a pure copy, linked
+        optimizer.update(model, nnx.grad(lambda m: scale.scale(loss(m)))(model))
+        jaxmp.flax.nnx.train_step(model, optimizer, (x, jnp.zeros(2, jnp.int32)))
+
+
+def test_a_float16_loss_warns_and_names_the_float32_cast():
+    state = jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match=r"loss is float16.*cast the logits or the loss to float32"):
+        jaxmp.value_and_grad(lambda p: jnp.sum(p["w"].astype(jnp.float16)), state)({"w": jnp.ones(2)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmp.MixedPrecisionWarning)
+        jaxmp.value_and_grad(lambda p: jnp.sum(p["w"]), state)({"w": jnp.ones(2)})  # float32: silent
+        jaxmp.value_and_grad(lambda p: jnp.sum(p["w"].astype(jnp.float16)), jaxmp.NoOpLossScale())({"w": jnp.ones(2)})
+
+
+def test_a_chain_that_touches_gradients_before_loss_scaling_warns():
+    params = {"w": jnp.ones(2)}
+    tx = optax.chain(optax.clip_by_global_norm(1.0), jaxmp.loss_scaling(optax.sgd(0.1)))
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match="1 transform.*before jaxmp.loss_scaling.*outermost"):
+        jaxmp.value_and_grad(_quadratic, tx.init(params))(params)
+    good = jaxmp.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmp.MixedPrecisionWarning)
+        jaxmp.value_and_grad(_quadratic, good.init(params))(params)
 
 
 def test_fp16_params_without_master_weights_warn():
@@ -269,6 +327,60 @@ def test_pmap_step_keeps_batch_stats_bitwise_equal_across_replicas():
     assert all(stats[i].tobytes() == stats[0].tobytes() for i in range(n))
     assert np.any(stats[0] != 0)
     jaxmp.parallel.check_replicated((p, m, s), num_replicas=n)
+
+
+def _linen_bn_problem():
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.BatchNorm(use_running_average=False, momentum=0.5)(nn.Dense(8)(x))
+            return nn.Dense(1)(nn.Dropout(0.3, deterministic=False)(x))[:, 0]
+
+    net = Net()
+    x = np.random.default_rng(3).normal(size=(32, 4)).astype(np.float32)
+    variables = net.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+
+    def loss_fn(params, batch_stats, batch, rng):
+        out, new = net.apply({"params": params, "batch_stats": batch_stats}, batch["x"], rngs={"dropout": rng},
+                             mutable=["batch_stats"])
+        return jnp.mean((out - batch["y"]) ** 2), new["batch_stats"]
+
+    return loss_fn, variables["params"], variables["batch_stats"], x
+
+
+def test_pmap_step_keeps_flax_batchnorm_statistics_bitwise_equal_with_dropout():
+    # A Flax BatchNorm (mean and var), a different dropout mask and batch shard per replica.
+    n = 4
+    devices = jax.local_devices()[:n]
+    loss_fn, params, batch_stats, x = _linen_bn_problem()
+    tx = jaxmp.loss_scaling(optax.sgd(0.05), "dynamic", axis_name="batch")
+    step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch", devices=devices, model_state=True)
+    p, m, s = (jaxmp.parallel.replicate(t, devices) for t in (params, batch_stats, tx.init(params)))
+    for t in range(3):
+        batch = jaxmp.parallel.shard_batch({"x": x * (t + 1), "y": x.sum(-1)}, n)
+        p, m, s, _ = step(p, m, s, batch, jax.random.key(t))
+    for leaf in jax.tree_util.tree_leaves(m):
+        leaf = np.asarray(leaf)
+        assert all(leaf[i].tobytes() == leaf[0].tobytes() for i in range(n))
+    jaxmp.parallel.check_replicated((p, m, s), num_replicas=n)
+
+
+def test_pmap_step_refuses_batch_stats_carried_in_aux():
+    n = 2
+    devices = jax.local_devices()[:n]
+    loss_fn, params, batch_stats, x = _linen_bn_problem()
+    tx = jaxmp.loss_scaling(optax.sgd(0.05), "dynamic", axis_name="batch")
+
+    def aux_loss(params, batch, rng):  # the statistics smuggled out per replica: they would drift apart
+        loss, new = loss_fn(params, batch_stats, batch, rng)
+        return loss, {"batch_stats": new}
+
+    step = jaxmp.parallel.make_pmap_train_step(aux_loss, tx, "batch", devices=devices, has_aux=True)
+    p, s = (jaxmp.parallel.replicate(t, devices) for t in (params, tx.init(params)))
+    with pytest.raises(ValueError, match=r"'batch_stats' in its aux.*drift apart.*model_state=True"):
+        step(p, s, jaxmp.parallel.shard_batch({"x": x, "y": x.sum(-1)}, n), jax.random.key(0))
 
 
 def test_sharded_step_carries_model_state_and_keeps_it_on_skipped_steps():

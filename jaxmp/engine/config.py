@@ -10,8 +10,10 @@ afterwards runs as written, in float32.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import fp8
@@ -19,6 +21,7 @@ from jaxmp.engine import internals
 from jaxmp.engine.rules import PURE_HALF_RULES, AutocastRules
 from jaxmp.policy import Policy
 from jaxmp.presets import resolve_policy
+from jaxmp.traps import MixedPrecisionWarning
 
 _F32 = np.dtype("float32")
 
@@ -45,6 +48,16 @@ class AutocastConfig:
     identity: bool = False
 
 
+def _warn_pure_half(policy: str, compute: np.dtype) -> None:
+    """A bare half dtype name means pure half (jmp's grammar); a torch user means mixed precision."""
+    short = "bf16" if compute == np.dtype(jnp.bfloat16) else "fp16"
+    warnings.warn(
+        f"autocast policy {policy!r} is a bare dtype name, which means *pure* {compute.name} (jmp's grammar: "
+        f"params, compute and output all {compute.name}; the loss comes back {compute.name}). torch.autocast's "
+        f"{short!r} is mixed precision: use 'O1-{short}' for that (matmuls in half, softmax, norms and the loss in "
+        f"float32), or 'O3-{short}' to say pure half on purpose.", MixedPrecisionWarning, stacklevel=4)
+
+
 def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     """Turns autocast's ``policy`` / ``rules`` arguments into an :class:`AutocastConfig`.
 
@@ -63,7 +76,9 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     A preset without ``-bf16``/``-fp16`` takes the platform's half dtype, as
     :func:`jaxmp.get_policy` does. A :class:`jaxmp.Policy` (or jmp string / ``jmp.Policy``)
     acts as O1 with its compute and output dtypes, casting arguments on entry when its param
-    dtype is half.
+    dtype is half. A bare half dtype name (``"fp16"``, ``"bf16"``, ``"half"``) is jmp's pure-half
+    policy and is kept so, with a ``MixedPrecisionWarning`` naming ``"O1-fp16"``/``"O1-bf16"``,
+    which is what ``torch.autocast``'s ``"fp16"`` means.
 
     Args:
       policy: a preset name, policy string, :class:`jaxmp.Policy`, ``jmp.Policy`` or
@@ -86,6 +101,8 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}: {rules!r}")
     resolved, recipe = resolve_policy(policy)
     compute = np.dtype(resolved.compute_dtype)
+    if isinstance(policy, str) and recipe is None and "=" not in policy and compute.itemsize < 4:
+        _warn_pure_half(policy, compute)
     name = recipe.name if recipe is not None else str(resolved)
     level = recipe.name[:2].upper() if recipe is not None and recipe.name[:1] in "oO" else None
     if compute.itemsize >= 4:

@@ -45,6 +45,7 @@ from jaxmp.dtypes import cast_floating
 from jaxmp.policy import Policy
 from jaxmp.opt_state import find_loss_scaling_state, get_loss_scale
 from jaxmp.skip import keep_if_finite
+from jaxmp.transform import LossScalingState, find_states
 
 _CASTING_CLASSES: dict[tuple[type, ModuleRule], type] = {}
 
@@ -271,7 +272,13 @@ def optimizer_state(optimizer: nnx.Optimizer) -> Any:
       >>> jaxmp.scaling_stats(jaxmp.flax.nnx.optimizer_state(optimizer))["loss_scale"]
       Array(32768., dtype=float32)
     """
-    return nnx.as_pure(optimizer.opt_state)
+    pure = nnx.as_pure(optimizer.opt_state)
+    stored, copy = find_states(optimizer.opt_state, LossScalingState), find_states(pure, LossScalingState)
+    if len(stored) == len(copy) == 1:
+        # Scaling a loss with this copy's scale also marks the stored one, which optimizer.update
+        # reads: the unscaled-gradient check (jaxmp.traps.ScaledMark) then sees it.
+        object.__setattr__(copy[0].loss_scale, "_jaxmp_stored", stored[0].loss_scale)
+    return pure
 
 
 # Variables restored bitwise when a step is skipped; RNG counters are not (a skipped step

@@ -120,8 +120,9 @@ class TrainState(struct.PyTreeNode):
         """Applies scaled gradients; on a non-finite step nothing but the loss scale changes.
 
         Args:
-          grads: gradients of the *scaled* loss (from :func:`jaxmp.value_and_grad`), already
-            averaged over replicas if data-parallel.
+          grads: gradients of the *scaled* loss (from :func:`jaxmp.value_and_grad` given this
+            state's ``opt_state``, in the same jitted step), already averaged over replicas if
+            data-parallel.
           model_state: the updated collections from this step's forward pass (e.g. new
             ``batch_stats``); kept only if the step is applied. None keeps the current one.
 
@@ -136,11 +137,14 @@ class TrainState(struct.PyTreeNode):
           >>> model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-fp16")
           >>> state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
           ...                                      jaxmp.loss_scaling(optax.sgd(0.1)))
-          >>> def loss_fn(params):
-          ...     logits = state.model.apply({"params": params}, x)
-          ...     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-          >>> loss, grads = jax.jit(jaxmp.value_and_grad(loss_fn, state.opt_state))(state.params)
-          >>> state = jax.jit(type(state).apply_gradients)(state, grads)
+          >>> @jax.jit
+          ... def train_step(state):
+          ...     def loss_fn(params):
+          ...         logits = state.model.apply({"params": params}, x)
+          ...         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+          ...     loss, grads = jaxmp.value_and_grad(loss_fn, state.opt_state)(state.params)
+          ...     return state.apply_gradients(grads)
+          >>> state = train_step(state)
           >>> int(state.step)
           1
         """

@@ -101,9 +101,20 @@ def _loss_closure(loss_fn: Callable, batch: Any, key: Any, model_state: Any, wit
     return lambda p: loss_fn(p, *args)
 
 
+def check_no_model_state_in_aux(aux: Any) -> None:
+    """Raises when a per-replica ``aux`` carries BatchNorm statistics (they would drift apart)."""
+    if isinstance(aux, Mapping) and "batch_stats" in aux:
+        raise ValueError(
+            "loss_fn returned 'batch_stats' in its aux: under pmap aux is per replica and never reduced, so each "
+            "replica's BatchNorm statistics would drift apart. Build the step with model_state=True and return "
+            "(loss, new_model_state): the statistics are then averaged over the replicas (bitwise equal on every "
+            "one) and kept unchanged on skipped steps."
+        )
+
+
 def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
                    with_rng: bool, rng_transform: Callable | None = None, with_model_state: bool = False,
-                   reduce_model_state: Callable | None = None) -> Callable:
+                   reduce_model_state: Callable | None = None, per_replica_aux: bool = False) -> Callable:
     """The per-step computation shared by the pmap and sharded-jit paths.
 
     ``reduce_grads`` is the gradient all-reduce (pmean under pmap, identity under sharded jit,
@@ -115,7 +126,8 @@ def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: C
     model state after the params and returns ``(loss, new_model_state)`` (or ``(loss,
     (new_model_state, aux))``). The new model state (BatchNorm statistics) is averaged over the
     replicas by ``reduce_model_state``, so every replica keeps the same statistics, and kept only
-    if the step was applied.
+    if the step was applied. With ``per_replica_aux`` (pmap), an ``aux`` dict holding
+    ``batch_stats`` is refused: it would be kept per replica and drift apart.
     """
     # optax's name for the loss; the loss-scaling state then tells a NaN loss from NaN gradients.
     pass_value = isinstance(tx, optax.GradientTransformationExtraArgs)
@@ -132,6 +144,8 @@ def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: C
         fn = _loss_closure(loss_fn, batch, key, model_state, with_rng, with_model_state)
         out, grads = value_and_grad(fn, opt_state, has_aux=has_aux or with_model_state)(params)
         loss, aux = out if (has_aux or with_model_state) else (out, None)
+        if per_replica_aux and has_aux and not with_model_state:
+            check_no_model_state_in_aux(aux)
         if with_model_state:
             new_model_state, aux = aux if has_aux else (aux, None)
             new_model_state = reduce_model_state(new_model_state)

@@ -140,7 +140,8 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
         bfloat16 to halve communication (float16's sum can overflow, which costs a skipped step,
         see :func:`all_reduce_gradients`); ``None`` for each gradient's own dtype.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is returned per replica in
-        ``metrics["aux"]`` (not reduced).
+        ``metrics["aux"]`` (not reduced). BatchNorm statistics go through ``model_state=True``,
+        never through ``aux`` (an aux dict with ``batch_stats`` is a ValueError: it would drift).
       devices: the devices to run on; default ``jax.local_devices()``.
       donate: donate the params and optimizer state buffers (saves memory; the inputs must not
         be used after the call).
@@ -199,7 +200,7 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
         return all_reduce_gradients(state, axis_name, jnp.float32)
 
     common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=reduce_loss,
-                  with_model_state=model_state, reduce_model_state=reduce_model_state)
+                  with_model_state=model_state, reduce_model_state=reduce_model_state, per_replica_aux=True)
     body = make_step_body(loss_fn, tx, with_rng=False, **common)
     body_rng = make_step_body(loss_fn, tx, with_rng=True, rng_transform=per_device_key, **common)
     pmapped = jax.pmap(body, axis_name=axis_name, devices=devices, donate_argnums=donate_argnums)
