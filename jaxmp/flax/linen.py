@@ -17,6 +17,11 @@ How it works (no edit to the model, one trace, no float32 rehearsal):
    (cuDNN on GPUs, XLA with a float32 softmax elsewhere) where the call allows it.
 4. Model inputs are cast to the policy's compute dtype and outputs to its output dtype.
 
+A half-list module built with ``dtype=float32`` runs in half like the others (Flax casts back to
+float32 and the engine's half list narrows the matmul); the interceptor notes its path and the
+first ``apply`` that reaches it emits one :class:`jaxmp.MixedPrecisionWarning` per wrapped model.
+Modules matching a path rule (``PrecisionOverrides.with_fp32_paths``) get the float32 rule.
+
 Only the ``params`` collection is cast; ``batch_stats`` and other collections are passed
 through untouched (BatchNorm statistics stay float32). ``init`` runs under the same casts,
 records which module owns which param, and stores each param in its rule's param dtype.

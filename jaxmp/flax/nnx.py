@@ -20,6 +20,11 @@ works on a throw-away copy of the model:
 
 Only ``__call__`` is wrapped: other public methods of ruled modules (e.g. ``Embed.attend``)
 run with cast params but uncast inputs.
+
+Rules are looked up by graph path (``nnx.iter_graph``, joined by ``/``) and class: a path rule
+(``PrecisionOverrides.with_fp32_paths``) beats class rules. Half-list layers built with
+``dtype=float32`` run in half; :class:`MixedPrecision` warns once, when it is built, naming them
+(:func:`overridden_float32`); :func:`call` once per model object.
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ list keeps it (and every reduction) in float32; attention modules get
 :func:`jaxmp.flax.fused_attention` (cuDNN on GPUs, a float32 softmax elsewhere); the train
 steps compute the loss on float32 logits. The recipe's ``keep_fp32`` categories (``"norm"``,
 ``"softmax"``, ``"loss"``) switch the three on and off.
+
+The policy wins over a half-list layer's own ``dtype=float32`` (wrapping a model is the request
+for mixed precision; Flax's examples set ``dtype`` on every layer): such layers run in half and
+the wrapper warns once, naming them. Path rules (:meth:`PrecisionOverrides.with_fp32_paths`) and
+class rules (:meth:`PrecisionOverrides.with_fp32`) keep chosen layers in float32.
 """
 
 from __future__ import annotations
