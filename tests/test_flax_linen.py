@@ -295,3 +295,150 @@ def test_fp32_softmax_attention_matches_flax():
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
     assert half.dtype == F16
     np.testing.assert_allclose(half.astype(F32), ref, atol=2e-2)
+
+
+# -- a layer's explicit dtype=float32 (issue 23 item 2): the policy wins, with a per-layer route --------
+
+
+class F32Head(nn.Module):
+    """A body Dense left to the policy and a head built with ``dtype=float32``, as Flax's examples build layers."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8, name="body")(x)
+        x = nn.Dense(8, dtype=jnp.float32, name="head")(x)
+        return nn.Dense(4, name="out")(x)
+
+
+def _dots(fn, *args):
+    """{layer name: dot_general input dtypes} from the traced program."""
+    return {op.scope.split("/F32Head/")[1].split("/")[0]: op.in_dtypes
+            for op in op_dtypes(fn, *args) if op.primitive == "dot_general"}
+
+
+def _overridden_warnings(record):
+    return [w for w in record if issubclass(w.category, jaxmp.MixedPrecisionWarning)
+            and "set dtype=float32" in str(w.message)]
+
+
+@pytest.fixture(scope="module")
+def f32_head():
+    x = jnp.ones((2, 3))
+    return x, F32Head().init(jax.random.key(0), x)
+
+
+def test_explicit_float32_layer_runs_in_half_and_warns_once(f32_head):
+    x, variables = f32_head
+    model = jaxmp.flax.mixed_precision(F32Head(), "O1-bf16")
+    with pytest.warns(jaxmp.MixedPrecisionWarning) as record:
+        dots = _dots(model.apply, variables, x)     # first trace
+        model.apply(variables, x)                   # two more calls: no second warning
+        model.apply(variables, x)
+    assert dots == {"body": (BF16, BF16), "head": (BF16, BF16), "out": (BF16, BF16)}
+    [w] = _overridden_warnings(record)
+    message = str(w.message)
+    assert "'head' (Dense)" in message and "with_fp32_paths('head')" in message and "bfloat16" in message
+    assert "'body'" not in message and "'out'" not in message
+
+
+@pytest.mark.parametrize("overrides", [PrecisionOverrides().with_fp32_paths("head"),
+                                       PrecisionOverrides().with_fp32_paths("he*")],
+                         ids=["path", "glob"])
+def test_path_rule_keeps_exactly_that_layer_float32(f32_head, overrides, recwarn):
+    x, variables = f32_head
+    model = jaxmp.flax.mixed_precision(F32Head(), "O1-bf16", overrides)
+    assert _dots(model.apply, variables, x) == {"body": (BF16, BF16), "head": (F32, F32), "out": (BF16, BF16)}
+    assert model.apply(variables, x).dtype == F32
+    assert not _overridden_warnings(recwarn.list)
+    rules = model.module_rules(variables, x)
+    assert rules[("head",)].kind == "fp32" and rules[("body",)].kind == "half"
+
+
+def test_path_rule_covers_a_subtree_and_o2_storage(recwarn):
+    class Outer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2, name="keep")(F32Head(name="block")(x))
+
+    x = jnp.ones((2, 3))
+    model = jaxmp.flax.mixed_precision(Outer(), "O2-bf16", PrecisionOverrides.from_recipe("O2").with_fp32_paths("block"))
+    variables = model.init(jax.random.key(0), x)
+    params = variables["params"]
+    assert {params["block"][k]["kernel"].dtype for k in ("body", "head", "out")} == {F32}   # stored float32
+    assert params["keep"]["kernel"].dtype == BF16
+    dots = [op.in_dtypes for op in op_dtypes(model.apply, variables, x) if op.primitive == "dot_general"]
+    assert dots == [(F32, F32)] * 3 + [(BF16, BF16)]
+    assert not _overridden_warnings(recwarn.list)
+
+
+def test_class_rule_keeps_explicit_float32_layers_float32(f32_head, recwarn):
+    x, variables = f32_head
+    model = jaxmp.flax.mixed_precision(F32Head(), "O1-bf16", PrecisionOverrides().with_fp32(nn.Dense))
+    assert set(_dots(model.apply, variables, x).values()) == {(F32, F32)}
+    assert not _overridden_warnings(recwarn.list)
+
+
+def test_float32_policy_does_not_warn(f32_head, recwarn):
+    x, variables = f32_head
+    jaxmp.flax.mixed_precision(F32Head(), "O0").apply(variables, x)
+    assert not _overridden_warnings(recwarn.list)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (("decoder", "head"), TypeError, "pass 'decoder/head'"),
+    (nn.Dense, TypeError, r"with_fp32\(Dense\)"),
+    (3, TypeError, "module path string"),
+    ("", ValueError, "empty module path"),
+    ("/head", ValueError, "empty component"),
+    ("decoder//head", ValueError, "empty component"),
+    ("head/", ValueError, "empty component"),
+    (" head", ValueError, "whitespace"),
+])
+def test_path_rule_rejects_bad_paths(bad, error, match):
+    with pytest.raises(error, match=match):
+        PrecisionOverrides().with_fp32_paths(bad)
+    with pytest.raises(error, match=match):
+        PrecisionOverrides(fp32_paths=(bad,))
+
+
+def test_path_rule_is_immutable_and_hashable():
+    base = PrecisionOverrides()
+    ov = base.with_fp32_paths("a/b", "*/logits", "a/b")
+    assert base.fp32_paths == () and ov.fp32_paths == ("a/b", "*/logits")
+    assert hash(ov) == hash(PrecisionOverrides(fp32_paths=("a/b", "*/logits"))) and ov != base
+    assert PrecisionOverrides(fp32_paths="a").fp32_paths == ("a",)
+    with pytest.raises(TypeError, match="at least one"):
+        base.with_fp32_paths()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ov.fp32_paths = ()
+
+
+# -- O2 at the two front doors: autocast keeps softmax in float32, jaxmp.flax runs it in half ----------
+
+
+class SoftmaxHead(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jax.nn.softmax(nn.Dense(4)(x), axis=-1)
+
+
+def _softmax_decisions(report):
+    return {op.primitive: (op.in_dtypes, op.rule) for op in report.decisions
+            if op.primitive in ("reduce_max", "exp", "reduce_sum")}
+
+
+def test_o2_softmax_differs_between_the_front_doors_and_the_report_shows_it():
+    x = jnp.ones((2, 3))
+    net = SoftmaxHead()
+    variables = net.init(jax.random.key(0), x)
+    autocast = _softmax_decisions(jaxmp.precision_report(jaxmp.autocast(net.apply, "O2-bf16"), variables, x))
+    wrapped = jaxmp.flax.mixed_precision(net, "O2-bf16")
+    flax_o2 = _softmax_decisions(jaxmp.precision_report(wrapped.apply, wrapped.init(jax.random.key(0), x), x))
+    # autocast: the O1 lists plus half weights -- the softmax's max, exp and sum on the float32 list.
+    assert autocast == {p: (("f32",), "float32 list") for p in ("reduce_max", "exp", "reduce_sum")}
+    # jaxmp.flax (Apex O2): pure half outside norms -- the max and exp in bf16 (JAX's own sum upcasts).
+    assert flax_o2["reduce_max"] == (("bf16",), "follow") and flax_o2["exp"] == (("bf16",), "follow")
+    assert flax_o2["reduce_sum"][1] != "float32 list"
+    # The documented route to autocast's O2 behind jaxmp.flax: fp32_softmax=True.
+    same = jaxmp.flax.mixed_precision(net, "O2-bf16", PrecisionOverrides(fp32_softmax=True))
+    assert _softmax_decisions(jaxmp.precision_report(same.apply, same.init(jax.random.key(0), x), x)) == autocast

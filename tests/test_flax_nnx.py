@@ -185,3 +185,102 @@ def test_training_with_nnx_optimizer(kind, level):
     assert int(optimizer.step[...]) == 5  # applied steps only
     stats = jaxmp.scaling_stats(jaxmp.flax.nnx.optimizer_state(optimizer))
     assert int(stats["total_skips"]) == 1
+
+
+# -- a layer's explicit dtype=float32 (issue 23 item 2): the policy wins, with a per-layer route --------
+
+
+class F32Head(nnx.Module):
+    """A body Linear left to the policy and a head built with ``dtype=float32``, as Flax's examples build layers."""
+
+    def __init__(self, rngs):
+        self.body = nnx.Linear(3, 8, rngs=rngs)
+        self.head = nnx.Linear(8, 8, dtype=jnp.float32, rngs=rngs)
+        self.out = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.head(self.body(x)))
+
+
+@pytest.fixture(scope="module")
+def f32_head():
+    """One initialised F32Head (random init compiles per shape); tests wrap ``nnx.clone`` copies of it."""
+    return F32Head(nnx.Rngs(0))
+
+
+def _dots(model, x):
+    """dot_general input dtypes in program order: body, head, out."""
+    return [op.in_dtypes for op in op_dtypes(lambda x: model(x), x) if op.primitive == "dot_general"]
+
+
+def _overridden_warnings(record):
+    return [w for w in record if issubclass(w.category, jaxmp.MixedPrecisionWarning)
+            and "set dtype=float32" in str(w.message)]
+
+
+def test_explicit_float32_layer_runs_in_half_and_warns_once(f32_head):
+    x = jnp.ones((2, 3))
+    with pytest.warns(jaxmp.MixedPrecisionWarning) as record:
+        model = jaxmp.flax.mixed_precision(nnx.clone(f32_head), "O1-bf16")
+        dots = _dots(model, x)
+        model(x)
+        model(x)
+    assert dots == [(BF16, BF16)] * 3
+    [w] = _overridden_warnings(record)
+    message = str(w.message)
+    assert "'head' (Linear)" in message and "with_fp32_paths('head')" in message
+    assert "'body'" not in message and "'out'" not in message
+
+
+def test_functional_call_warns_once_per_model(f32_head):
+    x, model = jnp.ones((2, 3)), nnx.clone(f32_head)
+    with pytest.warns(jaxmp.MixedPrecisionWarning) as record:
+        jaxmp.flax.nnx.call(model, x, policy="O1-bf16")
+        jaxmp.flax.nnx.call(model, x, policy="O1-bf16")
+    assert len(_overridden_warnings(record)) == 1
+
+
+@pytest.mark.parametrize("overrides", [jaxmp.flax.PrecisionOverrides().with_fp32_paths("head"),
+                                       jaxmp.flax.PrecisionOverrides().with_fp32_paths("h*d")],
+                         ids=["path", "glob"])
+def test_path_rule_keeps_exactly_that_layer_float32(f32_head, overrides, recwarn):
+    x = jnp.ones((2, 3))
+    model = jaxmp.flax.mixed_precision(nnx.clone(f32_head), "O1-bf16", overrides)
+    assert _dots(model, x) == [(BF16, BF16), (F32, F32), (BF16, BF16)]
+    assert model(x).dtype == F32
+    assert not _overridden_warnings(recwarn.list)
+
+
+def test_path_rule_o2_storage_and_subtree(recwarn):
+    class Outer(nnx.Module):
+        def __init__(self, rngs):
+            self.block = F32Head(rngs)
+            self.keep = nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.keep(self.block(x))
+
+    x = jnp.ones((2, 3))
+    ov = jaxmp.flax.PrecisionOverrides.from_recipe("O2").with_fp32_paths("block")
+    model = jaxmp.flax.mixed_precision(Outer(nnx.Rngs(0)), "O2-bf16", ov)
+    assert {model.model.block.body.kernel.dtype, model.model.block.head.kernel.dtype} == {F32}
+    assert model.model.keep.kernel.dtype == BF16
+    assert _dots(model, x) == [(F32, F32)] * 3 + [(BF16, BF16)]
+    assert not _overridden_warnings(recwarn.list)
+
+
+def test_class_rule_keeps_explicit_float32_layers_float32(f32_head, recwarn):
+    x = jnp.ones((2, 3))
+    model = jaxmp.flax.mixed_precision(nnx.clone(f32_head), "O1-bf16",
+                                       jaxmp.flax.PrecisionOverrides().with_fp32(nnx.Linear))
+    assert _dots(model, x) == [(F32, F32)] * 3
+    assert not _overridden_warnings(recwarn.list)
+
+
+def test_path_rule_bad_inputs():
+    with pytest.raises(TypeError, match="pass 'layers/0'"):
+        jaxmp.flax.PrecisionOverrides().with_fp32_paths(("layers", 0))
+    with pytest.raises(TypeError, match=r"with_fp32\(Linear\)"):
+        jaxmp.flax.PrecisionOverrides().with_fp32_paths(nnx.Linear)
+    with pytest.raises(ValueError, match="empty component"):
+        jaxmp.flax.PrecisionOverrides().with_fp32_paths("layers//0")

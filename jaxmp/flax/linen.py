@@ -17,6 +17,11 @@ How it works (no edit to the model, one trace, no float32 rehearsal):
    (cuDNN on GPUs, XLA with a float32 softmax elsewhere) where the call allows it.
 4. Model inputs are cast to the policy's compute dtype and outputs to its output dtype.
 
+A half-list module built with ``dtype=float32`` runs in half like the others (Flax casts back to
+float32 and the engine's half list narrows the matmul); the interceptor notes its path and the
+first ``apply`` that reaches it emits one :class:`jaxmp.MixedPrecisionWarning` per wrapped model.
+Modules matching a path rule (``PrecisionOverrides.with_fp32_paths``) get the float32 rule.
+
 Only the ``params`` collection is cast; ``batch_stats`` and other collections are passed
 through untouched (BatchNorm statistics stay float32). ``init`` runs under the same casts,
 records which module owns which param, and stores each param in its rule's param dtype.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -38,9 +44,11 @@ from jaxmp.engine.rules import marker
 from jaxmp.flax.attention import fused_attention
 from jaxmp.flax.fp8 import linen_fp8_field, linen_fp8_op
 from jaxmp.flax.casting import Path, cast_by_path, cast_output, first_floating_dtype
-from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, resolve_overrides
+from jaxmp.flax.overrides import (ModuleRule, PrecisionOverrides, explicit_float32, join_path,
+                                  overridden_float32_message, resolve_overrides)
 from jaxmp.dtypes import cast_floating
 from jaxmp.policy import Policy
+from jaxmp.traps import MixedPrecisionWarning
 
 def _uses_default_attention(module: nn.Module) -> bool:
     return (
@@ -68,12 +76,14 @@ def _fused_attention(module: nn.Module):
 
 
 class _RuleCache:
-    """Class -> rule lookups, memoised per apply (MRO walks add up in deep models)."""
+    """Module -> rule lookups (path rules first, then class rules), memoised per apply."""
 
     def __init__(self, policy: Policy, overrides: PrecisionOverrides):
         self.policy, self.overrides, self._by_class = policy, overrides, {}
 
     def __call__(self, module: Any) -> ModuleRule | None:
+        if self.overrides.fp32_paths and self.overrides.fp32_path_match(module.path) is not None:
+            return self.overrides.rule_at(module.path, module, self.policy)
         cls = type(module)
         if cls not in self._by_class:
             self._by_class[cls] = self.overrides.rule_for(cls, self.policy)
@@ -110,7 +120,7 @@ def _region(rule: ModuleRule, module: nn.Module):
 
 
 def _casting_interceptor(rule_of: _RuleCache, overrides: PrecisionOverrides, param_dtypes: list,
-                         record: dict | None = None) -> Callable:
+                         record: dict | None = None, overridden: dict | None = None) -> Callable:
     def interceptor(next_fun, args, kwargs, context):
         if _skip(context):
             return next_fun(*args, **kwargs)
@@ -123,6 +133,9 @@ def _casting_interceptor(rule_of: _RuleCache, overrides: PrecisionOverrides, par
                 return next_fun(*args, **kwargs)
         if record is not None:
             record.setdefault(tuple(module.path), rule)
+        if overridden is not None and rule.kind == "half" and np.dtype(rule.compute_dtype).itemsize < 4 \
+                and explicit_float32(module):
+            overridden.setdefault(join_path(module.path), type(module).__name__)
         input_dtype = first_floating_dtype((args, kwargs))
         args, kwargs = cast_floating((args, kwargs), rule.compute_dtype)
         param_dtypes.append(rule.compute_dtype)
@@ -245,25 +258,44 @@ class MixedPrecision:
         if key not in cache:
             def run(variables, args, kwargs, rngs):
                 args, kwargs = self.policy.cast_to_compute((args, kwargs))
-                with self._casting():
-                    return self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+                overridden: dict[str, str] = {}
+                with self._casting(overridden=overridden):
+                    out = self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+                self._warn_overridden(overridden)
+                return out
 
             config = flax_config(self.policy, self.overrides)
             cache[key] = run if config.identity else _Autocast(run, config, cast_outputs=False, cache=False)
         return cache[key]
 
     @contextlib.contextmanager
-    def _casting(self, record: dict | None = None):
+    def _casting(self, record: dict | None = None, overridden: dict | None = None):
         """While active, ruled modules get their inputs and params in their compute dtype.
 
         Args:
           record: if given, filled with ``{module path: rule}`` for the ruled modules that run.
+          overridden: if given, filled with ``{joined path: class name}`` for the half-list
+            modules built with ``dtype=float32`` that run in the policy's half dtype.
         """
         param_dtypes = [self.policy.compute_dtype]
         rule_of = _RuleCache(self.policy, self.overrides)
-        with nn.intercept_methods(_casting_interceptor(rule_of, self.overrides, param_dtypes, record)), \
+        with nn.intercept_methods(_casting_interceptor(rule_of, self.overrides, param_dtypes, record, overridden)), \
                 _params_cast_to(param_dtypes):
             yield
+
+    def _warn_overridden(self, overridden: dict[str, str]) -> None:
+        """One :class:`jaxmp.MixedPrecisionWarning` per wrapped model for layers whose float32 dtype lost.
+
+        Runs at trace time; a layer is named at most once per wrapped model (a later trace that
+        reaches layers not seen before, e.g. another ``method``, names only those).
+        """
+        warned = self.__dict__.setdefault("_warned_float32", set())
+        new = {p: c for p, c in overridden.items() if p not in warned}
+        if not new:
+            return
+        warned.update(new)
+        warnings.warn(overridden_float32_message(list(new), list(new.values()), self.policy.compute_dtype),
+                      MixedPrecisionWarning, stacklevel=2)
 
     # -- conveniences ------------------------------------------------------------------------
 

@@ -20,10 +20,17 @@ works on a throw-away copy of the model:
 
 Only ``__call__`` is wrapped: other public methods of ruled modules (e.g. ``Embed.attend``)
 run with cast params but uncast inputs.
+
+Rules are looked up by graph path (``nnx.iter_graph``, joined by ``/``) and class: a path rule
+(``PrecisionOverrides.with_fp32_paths``) beats class rules. Half-list layers built with
+``dtype=float32`` run in half; :class:`MixedPrecision` warns once, when it is built, naming them
+(:func:`overridden_float32`); :func:`call` once per model object.
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -39,7 +46,9 @@ from jaxmp import fp8
 from jaxmp.flax.fp8 import Fp8State, install_nnx_fp8
 from jaxmp.flax.casting import Path, cast_by_path, cast_output, first_floating_dtype
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
-from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, resolve_overrides
+from jaxmp.flax.overrides import (ModuleRule, PrecisionOverrides, explicit_float32, join_path,
+                                  overridden_float32_message, resolve_overrides)
+from jaxmp.traps import MixedPrecisionWarning
 from jaxmp.parallel.pmap import all_reduce_gradients
 from jaxmp.dtypes import cast_floating
 from jaxmp.policy import Policy
@@ -106,10 +115,59 @@ def module_rules(model: nnx.Module, policy: Policy, overrides: PrecisionOverride
     rules = {}
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module):
-            rule = overrides.rule_for(node, policy)
+            rule = overrides.rule_at(_str_path(path), node, policy)
             if rule is not None:
                 rules.setdefault(_str_path(path), rule)
     return rules
+
+
+def _ruled_modules(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides):
+    """``(path, module, rule)`` for each module of the graph, once each (its first path), rule None if unruled."""
+    seen: set[int] = set()
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and id(node) not in seen:
+            seen.add(id(node))
+            yield _str_path(path), node, overrides.rule_at(_str_path(path), node, policy)
+
+
+def overridden_float32(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides) -> dict[str, str]:
+    """``{joined path: class name}`` of half-list layers built with ``dtype=float32`` that run in half.
+
+    Args:
+      model: the NNX model.
+      policy: the model-wide :class:`jaxmp.Policy`.
+      overrides: the :class:`jaxmp.flax.PrecisionOverrides` (its path and class rules keep
+        a layer float32, and such a layer is not listed).
+
+    Returns:
+      The layers whose explicit float32 ``dtype`` the policy overrides (empty for a float32 policy).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp, jaxmp.flax
+      >>> from flax import nnx
+      >>> model = nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0)),
+      ...                        nnx.Linear(3, 2, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+      >>> policy, ov = jaxmp.get_policy("O1-bf16"), jaxmp.flax.PrecisionOverrides()
+      >>> jaxmp.flax.nnx.overridden_float32(model, policy, ov)
+      {'layers/1': 'Linear'}
+      >>> jaxmp.flax.nnx.overridden_float32(model, policy, ov.with_fp32_paths("layers/1"))
+      {}
+    """
+    if np.dtype(policy.compute_dtype).itemsize >= 4:
+        return {}
+    return {join_path(path): type(node).__name__ for path, node, rule in _ruled_modules(model, policy, overrides)
+            if rule is not None and rule.kind == "half" and explicit_float32(node)}
+
+
+# Models nnx.call has already warned about (a weak set: the warning is once per model object).
+_WARNED_CALL: "weakref.WeakSet[nnx.Module]" = weakref.WeakSet()
+
+
+def _warn_overridden(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides, stacklevel: int = 3) -> None:
+    overridden = overridden_float32(model, policy, overrides)
+    if overridden:
+        warnings.warn(overridden_float32_message(list(overridden), list(overridden.values()), policy.compute_dtype),
+                      MixedPrecisionWarning, stacklevel=stacklevel)
 
 
 def store_params(model: nnx.Module, policy: Any, overrides: Any = None) -> nnx.Module:
@@ -139,24 +197,23 @@ def store_params(model: nnx.Module, policy: Any, overrides: Any = None) -> nnx.M
     return model
 
 
-def _is_half(policy: Policy, overrides: PrecisionOverrides):
+def _is_half(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides):
+    half = {id(node) for _, node, rule in _ruled_modules(model, policy, overrides)
+            if rule is not None and rule.kind == "half"}
+
     def is_half(node) -> bool:
-        rule = overrides.rule_for(node, policy)
-        return rule is not None and rule.kind == "half"
+        return id(node) in half
     return is_half
 
 
 def _install(copy: nnx.Module, policy: Policy, overrides: PrecisionOverrides) -> None:
     """Swaps classes / attention functions of the ruled modules of a throw-away copy."""
     if overrides.fp8 is not None and not isinstance(overrides.fp8, fp8.DelayedScaling):
-        install_nnx_fp8(copy, overrides.fp8, _is_half(policy, overrides))  # stateless: per call
-    for _, node in nnx.iter_graph(copy):
-        if not isinstance(node, nnx.Module):
-            continue
+        install_nnx_fp8(copy, overrides.fp8, _is_half(copy, policy, overrides))  # stateless: per call
+    for _, node, rule in list(_ruled_modules(copy, policy, overrides)):
         if overrides.fused_attention and isinstance(node, nnx.MultiHeadAttention) \
                 and node.attention_fn is nnx.dot_product_attention:
             node.attention_fn = fused_attention
-        rule = overrides.rule_for(node, policy)
         if rule is not None and getattr(type(node), "_jaxmp_rule", None) is None:
             node.__class__ = _casting_class(type(node), rule)
 
@@ -188,6 +245,16 @@ def call(model: nnx.Module, *args, policy: Any, overrides: Any = None, **kwargs)
     if isinstance(overrides.fp8, fp8.DelayedScaling):
         raise ValueError("delayed fp8 scaling keeps scales and amax histories in the model: wrap it with "
                          "jaxmp.flax.mixed_precision(model, policy) instead of calling jaxmp.flax.nnx.call")
+    try:
+        first = model not in _WARNED_CALL
+    except TypeError:  # not weak-referenceable: warn every call rather than never
+        first = True
+    if first:
+        _warn_overridden(model, policy, overrides)
+        try:
+            _WARNED_CALL.add(model)
+        except TypeError:
+            pass
     return _call(model, policy, overrides, args, kwargs)
 
 
@@ -245,7 +312,8 @@ class MixedPrecision(nnx.Module):
         self.policy, self.overrides = resolve_overrides(policy, overrides)
         if isinstance(self.overrides.fp8, fp8.DelayedScaling):
             # The layers' fp8 ops hold the delayed-scaling state (Fp8State variables).
-            install_nnx_fp8(model, self.overrides.fp8, _is_half(self.policy, self.overrides))
+            install_nnx_fp8(model, self.overrides.fp8, _is_half(model, self.policy, self.overrides))
+        _warn_overridden(model, self.policy, self.overrides)  # once per wrapped model: here, not per call
         self.model = store_params(model, self.policy, self.overrides)
 
     def __call__(self, *args, **kwargs) -> Any:

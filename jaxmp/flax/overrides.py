@@ -19,12 +19,18 @@ list keeps it (and every reduction) in float32; attention modules get
 :func:`jaxmp.flax.fused_attention` (cuDNN on GPUs, a float32 softmax elsewhere); the train
 steps compute the loss on float32 logits. The recipe's ``keep_fp32`` categories (``"norm"``,
 ``"softmax"``, ``"loss"``) switch the three on and off.
+
+The policy wins over a half-list layer's own ``dtype=float32`` (wrapping a model is the request
+for mixed precision; Flax's examples set ``dtype`` on every layer): such layers run in half and
+the wrapper warns once, naming them. Path rules (:meth:`PrecisionOverrides.with_fp32_paths`) and
+class rules (:meth:`PrecisionOverrides.with_fp32`) keep chosen layers in float32.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping
+import fnmatch
+from typing import Any, Iterable, Mapping, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -75,6 +81,118 @@ def _class_tuple(classes: Iterable[Any], where: str) -> tuple[type, ...]:
     return tuple(out)
 
 
+def _check_path_pattern(pattern: Any, where: str) -> str:
+    """Returns ``pattern`` if it is a valid module-path glob, else raises naming ``where``."""
+    if isinstance(pattern, (tuple, list)) and pattern and all(isinstance(p, (str, int)) for p in pattern):
+        joined = "/".join(str(p) for p in pattern)
+        raise TypeError(f"{where}: a module path is one string joined by '/', got the sequence {pattern!r}; "
+                        f"pass {joined!r}")
+    if isinstance(pattern, type) or isinstance(pattern, (nn.Module, nnx.Module)):
+        name = pattern.__name__ if isinstance(pattern, type) else type(pattern).__name__
+        raise TypeError(f"{where}: expected a module path such as 'decoder/head' (a glob on the path joined by '/'), "
+                        f"got the module {'class' if isinstance(pattern, type) else 'instance'} {name}; "
+                        f"for a whole class use PrecisionOverrides.with_fp32({name})")
+    if not isinstance(pattern, str):
+        raise TypeError(f"{where}: expected a module path string such as 'decoder/head', "
+                        f"got {type(pattern).__name__}: {pattern!r}")
+    if not pattern.strip():
+        raise ValueError(f"{where}: empty module path {pattern!r}; the model itself has no path, so keep its class "
+                         "in float32 with PrecisionOverrides.with_fp32(cls)")
+    if pattern != pattern.strip():
+        raise ValueError(f"{where}: module path {pattern!r} has leading or trailing whitespace")
+    if pattern.startswith("/") or pattern.endswith("/") or "//" in pattern:
+        raise ValueError(f"{where}: module path {pattern!r} has an empty component; paths are relative to the "
+                         "wrapped model and joined by single '/', e.g. 'decoder/head' or '*/logits'")
+    return pattern
+
+
+def _path_tuple(patterns: Any, where: str) -> tuple[str, ...]:
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    elif not isinstance(patterns, (tuple, list)):
+        raise TypeError(f"{where}: expected a tuple of module path strings, got {type(patterns).__name__}: {patterns!r}")
+    out: list[str] = []
+    for p in patterns:
+        p = _check_path_pattern(p, where)
+        if p not in out:
+            out.append(p)
+    return tuple(out)
+
+
+def join_path(path: Sequence[Any]) -> str:
+    """A module path as the string that path rules match: its components joined by ``"/"``.
+
+    Args:
+      path: a Linen ``module.path`` or an NNX graph path, e.g. ``("layers", 0)``.
+
+    Returns:
+      The joined string, e.g. ``"layers/0"`` (``""`` for the model itself).
+
+    Example:
+      >>> from jaxmp.flax.overrides import join_path
+      >>> join_path(("decoder", "layers", 2, "head"))
+      'decoder/layers/2/head'
+    """
+    return "/".join(str(p) for p in path)
+
+
+def explicit_float32(module: Any) -> bool:
+    """Whether a module instance has ``dtype`` set to float32 (not left as ``None``).
+
+    Args:
+      module: a Linen or NNX module instance.
+
+    Returns:
+      True for a layer built with ``dtype=jnp.float32`` (Flax's computation dtype).
+
+    Example:
+      >>> import flax.linen as nn, jax.numpy as jnp
+      >>> from jaxmp.flax.overrides import explicit_float32
+      >>> explicit_float32(nn.Dense(3, dtype=jnp.float32)), explicit_float32(nn.Dense(3))
+      (True, False)
+    """
+    dtype = getattr(module, "dtype", None)
+    if dtype is None:
+        return False
+    try:
+        return np.dtype(dtype) == _F32
+    except TypeError:
+        return False
+
+
+def overridden_float32_message(paths: Sequence[str], classes: Sequence[str], compute_dtype: Any) -> str:
+    """The warning for half-list layers whose explicit ``dtype=float32`` the policy overrode.
+
+    Args:
+      paths: the layers' module paths joined by ``"/"`` (``""`` for the wrapped model itself).
+      classes: their class names, in the same order.
+      compute_dtype: the policy's compute dtype they run in instead.
+
+    Returns:
+      One message naming every layer and the override that keeps them float32.
+
+    Example:
+      >>> from jaxmp.flax.overrides import overridden_float32_message
+      >>> print(overridden_float32_message(["head"], ["Dense"], "bfloat16"))  # doctest: +ELLIPSIS
+      jaxmp.flax.mixed_precision: 1 half-list layer(s) set dtype=float32, but the policy runs their matmuls ...
+    """
+    named = [p for p in paths if p]
+    layers = ", ".join(f"{p!r} ({c})" if p else f"the wrapped model itself ({c})" for p, c in zip(paths, classes))
+    routes = []
+    if named:
+        routes.append("overrides.with_fp32_paths(" + ", ".join(repr(p) for p in named) + ")")
+    roots = [c for p, c in zip(paths, classes) if not p]
+    if roots:
+        routes.append(f"overrides.with_fp32({roots[0]}) (the class rule; the model itself has no path)")
+    return (
+        f"jaxmp.flax.mixed_precision: {len(paths)} half-list layer(s) set dtype=float32, but the policy runs their "
+        f"matmuls and convolutions in {np.dtype(compute_dtype).name} (wrapping a model asks for the policy; a "
+        f"layer's dtype does not opt out): {layers}. To keep them in float32, pass "
+        f"{' and '.join(routes)}, where overrides is the PrecisionOverrides in use "
+        "(jaxmp.flax.PrecisionOverrides.from_recipe(preset) by default). Warned once per wrapped model."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class ModuleRule:
     """How one module runs, resolved from :class:`PrecisionOverrides` and the policy.
@@ -119,6 +237,10 @@ class PrecisionOverrides:
         the half-list ``Dense``/``DenseGeneral``/``Conv`` (Linen) and
         ``Linear``/``LinearGeneral``/``Conv`` (NNX) layers run their matmul or convolution
         in fp8 (:mod:`jaxmp.flax.fp8`). Set by the ``O2-fp8`` presets.
+      fp32_paths: globs (:func:`fnmatch.fnmatchcase`, ``*`` also crosses ``/``) on module
+        paths joined by ``"/"`` (Linen ``module.path``, NNX graph paths, relative to the
+        wrapped model): a matching module and everything under it run in float32, as a
+        float32-list class does. A path rule beats every class rule. See :meth:`with_fp32_paths`.
 
     Example:
       >>> import flax.linen as nn, jaxmp, jaxmp.flax
@@ -137,6 +259,7 @@ class PrecisionOverrides:
     fp32_loss: bool = True
     fused_attention: bool = True
     fp8: Any = None
+    fp32_paths: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.fp8 is not None and not isinstance(self.fp8, _fp8.CurrentScaling):
@@ -160,6 +283,7 @@ class PrecisionOverrides:
         object.__setattr__(self, "half_modules", half)
         object.__setattr__(self, "fp32_modules", fp32)
         object.__setattr__(self, "module_policies", tuple(policies))
+        object.__setattr__(self, "fp32_paths", _path_tuple(self.fp32_paths, "PrecisionOverrides.fp32_paths"))
 
     # -- construction ---------------------------------------------------------------------
 
@@ -269,6 +393,42 @@ class PrecisionOverrides:
         base = self._without(add)
         return base._replace(fp32_modules=base.fp32_modules + add)
 
+    def with_fp32_paths(self, *patterns: str) -> "PrecisionOverrides":
+        """Copy where the modules at these paths (and everything under them) run in float32.
+
+        The per-layer route for one layer of a class the policy runs in half, e.g. the
+        output head of a model whose other ``Dense`` layers should stay in half. A pattern
+        is a glob (:func:`fnmatch.fnmatchcase`; ``*`` matches across ``/`` too) on the
+        module path joined by ``"/"``, relative to the wrapped model: Linen ``module.path``
+        (``"decoder/head"``, ``"Dense_0"``), NNX attribute paths (``"layers/2"``). A module
+        matches when its path or an ancestor's does; it then runs as a float32-list class:
+        float32 params (also in storage under O2), inputs and arithmetic, output back in its
+        input's dtype. A path rule beats class rules.
+
+        Args:
+          *patterns: module path strings or globs, e.g. ``"decoder/head"``, ``"*/logits"``.
+
+        Returns:
+          A new :class:`PrecisionOverrides`.
+
+        Raises:
+          TypeError: a pattern is not a string (a tuple path, a module class).
+          ValueError: an empty pattern, or one with an empty component (``"a//b"``, ``"/a"``).
+
+        Example:
+          >>> import flax.linen as nn, jaxmp
+          >>> from jaxmp.flax import PrecisionOverrides
+          >>> policy = jaxmp.get_policy("O1-bf16")
+          >>> ov = PrecisionOverrides().with_fp32_paths("decoder/head", "*/logits")
+          >>> ov.rule_at(("decoder", "head"), nn.Dense, policy).compute_dtype
+          dtype('float32')
+          >>> ov.rule_at(("decoder", "Dense_0"), nn.Dense, policy).compute_dtype
+          dtype(bfloat16)
+        """
+        if not patterns:
+            raise TypeError("with_fp32_paths: give at least one module path, e.g. with_fp32_paths('decoder/head')")
+        return self._replace(fp32_paths=self.fp32_paths + _path_tuple(patterns, "with_fp32_paths"))
+
     def with_policy(self, cls: type, policy: Any) -> "PrecisionOverrides":
         """Copy where module class ``cls`` runs under its own policy (and is off both lists).
 
@@ -358,6 +518,53 @@ class PrecisionOverrides:
             if klass in self.half_modules:
                 return ModuleRule(policy.compute_dtype, policy.param_dtype, "computed", "half")
         return None
+
+
+    def fp32_path_match(self, path: Sequence[Any]) -> str | None:
+        """The first ``fp32_paths`` pattern matching a module path or one of its ancestors.
+
+        Args:
+          path: the module path (a tuple of names; ``()`` is the wrapped model itself).
+
+        Returns:
+          The matching pattern, or None.
+
+        Example:
+          >>> from jaxmp.flax import PrecisionOverrides
+          >>> ov = PrecisionOverrides().with_fp32_paths("decoder")
+          >>> ov.fp32_path_match(("decoder", "Dense_0")), ov.fp32_path_match(("encoder",))
+          ('decoder', None)
+        """
+        if not self.fp32_paths:
+            return None
+        names = [str(p) for p in path]
+        prefixes = ["/".join(names[:k]) for k in range(1, len(names) + 1)] or [""]
+        for pattern in self.fp32_paths:
+            if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes):
+                return pattern
+        return None
+
+    def rule_at(self, path: Sequence[Any], module_or_class: Any, policy: Policy) -> ModuleRule | None:
+        """The rule for the module at ``path``: float32 where a path rule matches, else :meth:`rule_for`.
+
+        Args:
+          path: the module path (a tuple of names, relative to the wrapped model).
+          module_or_class: the Linen/NNX module instance or class there.
+          policy: the model-wide :class:`jaxmp.Policy`.
+
+        Returns:
+          A :class:`ModuleRule`, or None when the module follows its inputs.
+
+        Example:
+          >>> import flax.linen as nn, jaxmp
+          >>> from jaxmp.flax import PrecisionOverrides
+          >>> ov = PrecisionOverrides().with_fp32_paths("head")
+          >>> ov.rule_at(("head",), nn.Dense, jaxmp.get_policy("O1-bf16")).kind
+          'fp32'
+        """
+        if self.fp32_path_match(path) is not None:
+            return ModuleRule(_F32, _F32, "input", "fp32")
+        return self.rule_for(module_or_class, policy)
 
 
 def resolve_overrides(policy: Any, overrides: PrecisionOverrides | Iterable[str] | None) -> tuple[Policy, PrecisionOverrides]:
