@@ -4,6 +4,7 @@ plain periodic lines when not on a terminal."""
 
 import io
 import json
+import pytest
 
 from experiments import configs as configs_lib
 from experiments import train
