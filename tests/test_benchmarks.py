@@ -51,6 +51,7 @@ def suite(tmp_path_factory):
     return out, result
 
 
+@pytest.mark.slow
 def test_overhead_dry_run_writes_valid_json(tmp_path):
     out = tmp_path / "overhead.json"
     overhead.main(["--dry-run", "--quiet", "--variants", "bare,jaxmp", "--out", str(out)])
@@ -94,6 +95,7 @@ def test_throughput_part_of_the_suite(suite):
     assert tp["results"]["matmul_peak"]["tflops"] > 0
 
 
+@pytest.mark.slow
 def test_gpu_suite_json(suite):
     path, result = suite
     on_disk = json.loads(Path(path).read_text())
@@ -348,6 +350,7 @@ def test_unknown_flag_in_a_fresh_process_has_no_traceback():
 # benchmarks/autocast.py
 
 
+@pytest.mark.slow
 def test_autocast_benchmark_dry_run(tmp_path):
     from benchmarks import autocast as ac
 
@@ -431,6 +434,7 @@ def test_fp8_benchmark_dry_run_times_every_variant_updates_the_fp8_state_and_com
     assert result["config"]["native_fp8"] is False and result["dry_run"] is True
 
 
+@pytest.mark.slow
 def test_fp8_benchmark_records_fp8_variants_as_skipped_where_the_hardware_check_refuses(monkeypatch):
     import jaxmp.fp8
     from benchmarks import fp8 as bench

@@ -170,6 +170,7 @@ FOLDER_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FOLDER_CASES))
 def test_damaged_checkpoint_folder_is_named_never_loaded(name, finished_run, tmp_path):
     import warnings

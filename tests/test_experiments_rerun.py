@@ -83,6 +83,7 @@ def finished(tmp_path_factory):
 # ---- item 2: a finished run is read back, never retrained ----
 
 
+@pytest.mark.slow
 def test_diverged_run_is_read_back_not_retrained(tmp_path):
     wd = tmp_path / "run"
     first = _train(_diverging(), wd)
@@ -141,6 +142,7 @@ def test_finished_run_with_other_setting_is_refused(finished, tmp_path, field, v
     assert _files(wd) == before  # results.json still describes the run that was trained
 
 
+@pytest.mark.slow
 def test_resume_with_other_learning_rate_is_refused_and_same_settings_resume(finished, tmp_path):
     wd = tmp_path / "run"
     shutil.copytree(finished, wd)
@@ -157,6 +159,7 @@ def test_resume_with_other_learning_rate_is_refused_and_same_settings_resume(fin
 # ---- item 10: one run per workdir ----
 
 
+@pytest.mark.slow
 def test_second_process_in_a_locked_workdir_is_refused_and_nothing_is_touched(finished, tmp_path):
     wd = tmp_path / "run"
     shutil.copytree(finished, wd)
@@ -201,6 +204,7 @@ def test_lock_of_a_killed_run_is_released_by_the_kernel(tmp_path):
         pass
 
 
+@pytest.mark.slow
 def test_run_that_dies_before_its_first_checkpoint_leaves_the_workdir_reusable(tmp_path, monkeypatch):
     from experiments import train
 
