@@ -282,6 +282,7 @@ def test_the_real_canary_passes_on_this_jax():
     assert contract.canary() == []
 
 
+@pytest.mark.slow
 def test_selfcheck_prints_what_holds(capsys):
     from jaxmp import selfcheck
 

@@ -128,6 +128,7 @@ def test_public_names_fallback_matches_all():
 
 @pytest.mark.skipif(shutil.which("mkdocs") is None and importlib.util.find_spec("mkdocs") is None,
                     reason="mkdocs is not installed (pip install -e '.[docs]')")
+@pytest.mark.slow
 def test_docs_build_strict(tmp_path):
     pytest.importorskip("mkdocstrings")
     site = tmp_path / "site"

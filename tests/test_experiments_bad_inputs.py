@@ -121,6 +121,7 @@ def _cli_cases(tmp):
     ]
 
 
+@pytest.mark.slow
 def test_command_line_bad_input_is_one_clear_line(tmp_path):
     cases = _cli_cases(str(tmp_path))
 

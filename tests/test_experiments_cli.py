@@ -4,6 +4,7 @@ unknown flag by naming it, without a traceback. (absl exits 1 after --help.)"""
 import concurrent.futures
 import os
 import subprocess
+import pytest
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,6 +25,7 @@ def _run(args):
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_help_and_unknown_flag_of_every_entry_point():
     jobs = [[m, "--help"] for m in ENTRY_POINTS] + [[m, "--no_such_flag=3"] for m in ENTRY_POINTS]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:

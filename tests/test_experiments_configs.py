@@ -88,6 +88,7 @@ def _cli(*args):
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_unknown_config_name_and_field(tmp_path):
     out = _cli("--config=experiments/configs/gpu_k80.py", f"--workdir={tmp_path}")
     assert out.returncode == 2 and "unknown config" in out.stderr and "gpu_t4" in out.stderr
