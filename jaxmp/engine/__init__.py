@@ -9,7 +9,7 @@ Layers (imports flow downwards): ``api`` (the public function, tracing and cachi
 # The JAX versions CI tests are listed in jaxmp/engine/tested.py; on a newer JAX the first
 # autocast call runs a small canary (jaxmp/engine/contract.py) and warns if a rule is not honoured.
 from jaxmp.engine.tested import TESTED_JAX
-from jaxmp.engine.api import autocast
+from jaxmp.engine.api import autocast, engine_function, explain_enabled
 from jaxmp.engine.attention import routed_attention
 from jaxmp.engine.config import AutocastConfig, flax_config, resolve_config
 from jaxmp.engine.regions import float32_region, half_inputs, region
@@ -23,6 +23,8 @@ __all__ = [
     "AutocastConfig",
     "AutocastRules",
     "autocast",
+    "engine_function",
+    "explain_enabled",
     "flax_config",
     "float32_region",
     "half_inputs",

@@ -42,7 +42,16 @@ def explaining():
 
 
 def explain_enabled() -> bool:
-    """Whether :func:`explaining` is active (ops outside the engine label themselves then, e.g. fp8 layers)."""
+    """Whether :func:`explaining` is active (ops outside the engine label themselves then, e.g. fp8 layers).
+
+    Returns:
+      True while :func:`jaxmp.precision_report` traces a step.
+
+    Example:
+      >>> from jaxmp.engine import explain_enabled
+      >>> explain_enabled()
+      False
+    """
     return bool(_EXPLAIN.value)
 
 
@@ -169,6 +178,33 @@ class _Autocast:
             outs = [cast_floating(o, self.config.output_dtype) if is_float(getattr(o, "dtype", None)) else o
                     for o in outs]
         return jax.tree_util.tree_unflatten(program.out_tree, outs)
+
+
+def engine_function(fn: Callable, config: _config.AutocastConfig, *, cast_outputs: bool = True,
+                    cache: bool = True) -> Callable:
+    """``fn`` re-evaluated by the engine under a resolved :class:`AutocastConfig`.
+
+    The entry the Flax front door (:func:`jaxmp.flax.mixed_precision`) uses: it resolves its
+    own config (:func:`jaxmp.engine.flax_config`) and casts module inputs and params itself.
+
+    Args:
+      fn: the function.
+      config: the engine settings.
+      cast_outputs: cast floating outputs to ``config.output_dtype``.
+      cache: trace once per input signature (False: trace every call, as ``module.apply`` does,
+        so trace-time Python effects such as Flax interceptors behave as without jaxmp).
+
+    Returns:
+      The engine function (``fn``'s signature).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> from jaxmp.engine import engine_function, resolve_config
+      >>> f = engine_function(lambda w, x: x @ w, resolve_config("O1-bf16", None), cast_outputs=False)
+      >>> f(jnp.ones((2, 2)), jnp.ones((1, 2))).dtype
+      dtype(bfloat16)
+    """
+    return _Autocast(fn, config, cast_outputs, cache)
 
 
 def autocast(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = None) -> Callable:

@@ -37,7 +37,7 @@ import jax
 from flax import nnx
 
 from jaxmp import fp8
-from jaxmp.engine.api import explain_enabled
+from jaxmp.engine import explain_enabled
 
 FP8_COLLECTION = fp8.FP8_COLLECTION  # the Linen variable collection of the delayed-scaling state
 

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from jaxmp.engine import flax_config
-from jaxmp.engine.api import _Autocast
+from jaxmp.engine import engine_function
 from jaxmp.engine.rules import marker
 from jaxmp.flax.attention import fused_attention
 from jaxmp.flax.fp8 import linen_fp8_field, linen_fp8_op
@@ -265,7 +265,7 @@ class MixedPrecision:
                 return out
 
             config = flax_config(self.policy, self.overrides)
-            cache[key] = run if config.identity else _Autocast(run, config, cast_outputs=False, cache=False)
+            cache[key] = run if config.identity else engine_function(run, config, cast_outputs=False, cache=False)
         return cache[key]
 
     @contextlib.contextmanager

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmp.engine import flax_config
-from jaxmp.engine.api import _Autocast
+from jaxmp.engine import engine_function
 from jaxmp.engine.rules import marker
 from jaxmp.flax.attention import fused_attention
 from jaxmp import fp8
@@ -272,7 +272,7 @@ def _call(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides, args
         return out, nnx.state(copy, nnx.Not(nnx.Param))
 
     config = flax_config(policy, overrides)
-    engine = run if config.identity else _Autocast(run, config, cast_outputs=False, cache=False)
+    engine = run if config.identity else engine_function(run, config, cast_outputs=False, cache=False)
     out, new_rest = engine(params, rest, args, kwargs)
     nnx.update(model, new_rest)
     return policy.cast_to_output(out)
