@@ -289,3 +289,24 @@ def test_selfcheck_prints_what_holds(capsys):
     assert selfcheck.main([]) == 0
     out = capsys.readouterr().out
     assert f"jax {jax.__version__}" in out and "checks hold" in out and "FAILS" not in out
+
+
+def test_a_nested_jit_keeps_its_shardings_donation_and_name():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+
+    def layer(w, x):
+        return jnp.tanh(x @ w)
+
+    inner = jax.jit(layer, out_shardings=sharding, donate_argnums=(1,))
+    f = jaxmp.autocast(lambda w, x: jnp.sum(inner(w, x)), "O1-bf16")
+    w, x = jnp.ones((4, 4)), jnp.ones((8, 4))
+    jits = [op for op in jax.make_jaxpr(f)(w, x).eqns[0].params["jaxpr"].eqns if op.primitive.name in ("jit", "pjit")]
+    (nested,) = [e for e in jits if e.params["name"] == "layer"]
+    assert nested.params["out_shardings"] == (sharding,)
+    assert nested.params["donated_invars"] == (False, True)
+    dots = [e for e in nested.params["jaxpr"].eqns if e.primitive.name == "dot_general"]
+    assert {v.aval.dtype for v in dots[0].invars} == {BF16}
+    np.testing.assert_allclose(float(f(w, x)), float(jnp.sum(layer(w, x))), rtol=1e-2)

@@ -103,8 +103,15 @@ _PLAIN = (False, False, False)
 _ACCUMULATOR = (True, False, False)
 
 
-def _inline(interp, eqn, vals, comps):
+def _call(interp, eqn, vals, comps):
+    """A nested jit or call: inlined, unless it carries shardings or donation, which are kept."""
     jaxpr, consts = internals.call_jaxpr(eqn)
+    if eqn.primitive.name in ("jit", "pjit"):
+        flags: list = []
+        jitted = internals.jit_wrapper(eqn, _run_fn(interp, jaxpr, consts, _flags(vals), comps, flags))
+        if jitted is not None:
+            outs = jitted(*[v.x for v in vals])
+            return [Val(o, *f) for o, f in zip(outs, flags)]
     return interp.run(jaxpr, consts, vals, comps)
 
 
@@ -343,7 +350,7 @@ def weight_inputs(jaxpr: jcore.Jaxpr, half_ops: frozenset[str]) -> list[bool]:
 
 
 HANDLERS: dict[str, Callable] = {
-    "call": _inline, "remat": _remat, "scan": _scan, "while": _while, "cond": _cond,
+    "call": _call, "remat": _remat, "scan": _scan, "while": _while, "cond": _cond,
     "custom_jvp": _custom_jvp, "custom_vjp": _custom_vjp, "shard_map": _shard_map,
 }
 

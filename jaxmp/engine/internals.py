@@ -171,12 +171,34 @@ def call_jaxpr(eqn) -> tuple[Any, list]:
     raise _missing("jaxpr", f"the call primitive {eqn.primitive.name!r}")
 
 
-def jit_options(eqn) -> dict:
-    """The options of a nested ``jit`` to re-apply when it is re-bound (name, donation, shardings)."""
-    return {k: eqn.params[k] for k in ("name", "donated_invars", "in_shardings", "out_shardings",
-                                       "in_layouts", "out_layouts", "keep_unused", "inline",
-                                       "compiler_options_kvs", "ctx_mesh")
-            if k in eqn.params}
+def _specified(sharding) -> bool:
+    return sharding is not None and type(sharding).__name__ not in ("UnspecifiedValue", "AUTO")
+
+
+def jit_wrapper(eqn, fn: Callable) -> Callable | None:
+    """``jax.jit(fn)`` with a nested ``jit`` equation's shardings, donation and name, or None
+    when it has none of them to keep (then the engine inlines it, as XLA would).
+
+    Args:
+      eqn: a ``jit``/``pjit`` equation.
+      fn: the function of the equation's operands that re-evaluates its body.
+
+    Returns:
+      The jitted function, or None.
+    """
+    p = eqn.params
+    ins, outs = tuple(p.get("in_shardings", ())), tuple(p.get("out_shardings", ()))
+    donated = tuple(p.get("donated_invars", ()))
+    if not (any(map(_specified, ins)) or any(map(_specified, outs)) or any(donated)):
+        return None
+    def body(*xs):
+        return tuple(fn(*xs))
+
+    body.__name__ = body.__qualname__ = str(p.get("name", "jit"))
+    return jax.jit(body, in_shardings=tuple(s if _specified(s) else None for s in ins) or None,
+                   out_shardings=tuple(s if _specified(s) else None for s in outs) or None,
+                   donate_argnums=tuple(i for i, d in enumerate(donated) if d),
+                   keep_unused=bool(p.get("keep_unused", False)))
 
 
 def scan_counts(eqn) -> tuple[int, int]:
