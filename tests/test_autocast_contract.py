@@ -310,3 +310,56 @@ def test_a_nested_jit_keeps_its_shardings_donation_and_name():
     dots = [e for e in nested.params["jaxpr"].eqns if e.primitive.name == "dot_general"]
     assert {v.aval.dtype for v in dots[0].invars} == {BF16}
     np.testing.assert_allclose(float(f(w, x)), float(jnp.sum(layer(w, x))), rtol=1e-2)
+
+
+def test_two_threads_tracing_at_once_keep_their_own_rules():
+    import threading
+
+    import flax.linen as nn
+    from jaxmp.flax import mixed_precision
+
+    class Head:
+        def __init__(self, w):
+            self.w = w
+
+        def __call__(self, x):
+            return x @ self.w
+
+    barrier = threading.Barrier(2)
+    results, errors = {}, []
+
+    def traced(name, rules, policy):
+        try:
+            def loss(w, x):
+                barrier.wait(timeout=30)   # both threads inside their traces together
+                y = jax.nn.dot_product_attention(x[None, :, None, :], x[None, :, None, :], x[None, :, None, :])
+                return jnp.sum(Head(w)(x)) + jnp.sum(y)
+
+            f = jaxmp.autocast(loss, policy, rules=rules)
+            dots = [op for op in op_dtypes(f, jnp.ones((4, 4)), jnp.ones((3, 4))) if op.primitive == "dot_general"]
+            results[name] = set(dots[-1].in_dtypes)   # the Head's matmul (after the attention's)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def linen(name, policy):
+        try:
+            model = mixed_precision(nn.Dense(4), policy)
+            params = model.init(jax.random.key(0), jnp.ones((2, 4)))
+            barrier.wait(timeout=30)
+            dots = [op for op in op_dtypes(model.apply, params, jnp.ones((2, 4))) if op.primitive == "dot_general"]
+            results[name] = set(dots[0].in_dtypes)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    for targets in ([(traced, ("f32 rule", jaxmp.AutocastRules().with_class(Head, "float32"), "O1-bf16")),
+                     (traced, ("no rule", None, "O1-fp16"))],
+                    [(linen, ("linen bf16", "O1-bf16")), (linen, ("linen fp16", "O1-fp16"))]):
+        barrier.reset()
+        threads = [threading.Thread(target=t, args=a) for t, a in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+    assert results == {"f32 rule": {F32}, "no rule": {F16}, "linen bf16": {BF16}, "linen fp16": {F16}}
+    assert nn.Module.param.__wrapped__ is not None   # installed once, Flax's own param inside

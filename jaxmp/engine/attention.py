@@ -88,12 +88,20 @@ def routed_attention(query, key, value, bias=None, mask=None, *args, implementat
         return call(implementation="xla")
 
 
+_INSTALLED = False
+
+
 @contextlib.contextmanager
 def route_attention():
-    """While active, ``jax.nn.dot_product_attention`` is :func:`routed_attention`."""
-    previous = jax.nn.dot_product_attention
-    jax.nn.dot_product_attention = routed_attention
-    try:
-        yield
-    finally:
-        jax.nn.dot_product_attention = previous
+    """While active, calls through ``jax.nn.dot_product_attention`` go to :func:`routed_attention`.
+
+    The routing function is installed on ``jax.nn`` once and stays: outside an autocast trace
+    (``jaxmp.engine.config.current()`` is None, a per-thread JAX context) it calls JAX's own
+    function unchanged. Installing once instead of swapping per trace keeps two threads that
+    trace at the same time from seeing each other's swaps.
+    """
+    global _INSTALLED
+    if not _INSTALLED:
+        jax.nn.dot_product_attention = routed_attention
+        _INSTALLED = True
+    yield

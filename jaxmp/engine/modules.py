@@ -3,15 +3,18 @@
 Linen's name stack holds module *names*, NNX has none and Equinox none either, so a rule such
 as "every LayerNorm in float32" cannot be a name pattern. While autocast traces, each call of
 an instance of a ruled class runs inside a ``jaxmp[<dtype>]:<ClassName>`` scope that the
-engine reads. Flax Linen and Haiku calls are intercepted with their own method interceptors;
-NNX, Equinox and any other class get their ``__call__`` wrapped for the duration of the trace.
+engine reads. Flax Linen and Haiku calls are intercepted with their own (thread-local) method
+interceptors; NNX, Equinox and any other class get a marking ``__call__`` installed once,
+which reads the running trace's rules from a context variable (thread-safe).
 Frameworks are only touched when already imported (nothing heavy is imported here).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
+import threading
 from typing import Any, Iterator
 
 import jax
@@ -64,39 +67,48 @@ def _is_intercepted_elsewhere(cls: type) -> bool:
     return bool((linen and issubclass(cls, linen.Module)) or (hk and issubclass(cls, hk.Module)))
 
 
-def _wrap_call(cls: type, dtype: str, original):
+#: The class rules of the autocast trace running in this thread / context (None outside one).
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxmp_class_rules", default=None)
+_lock = threading.Lock()
+
+
+def _wrap_call(original):
+    """A ``__call__`` that marks the call when the running trace has a rule for the instance's class."""
+
     def __call__(self, *args, **kwargs):
+        rules = _ACTIVE.get()
+        dtype = _rule_for(self, rules) if rules else None
+        if dtype is None:
+            return original(self, *args, **kwargs)
         with jax.named_scope(marker(dtype, type(self).__name__)):
             return original(self, *args, **kwargs)
 
     __call__.__wrapped__ = original
+    __call__._jaxmp_marking = True
     return __call__
 
 
 @contextlib.contextmanager
 def _generic(class_rules) -> Iterator[None]:
-    patched: list[tuple[type, Any]] = []
-    try:
-        for cls, dtype in class_rules:
+    """Classes without method interceptors (NNX, Equinox, plain classes) get a marking ``__call__``.
+
+    The wrapper is installed once per class and stays; it reads the rules of the current trace
+    from a context variable, so two threads tracing with different rules never see each
+    other's (outside a trace the wrapper only forwards the call).
+    """
+    with _lock:
+        for cls, _ in class_rules:
             if _is_intercepted_elsewhere(cls):
                 continue
             for sub in _subclasses(cls):
-                if "__call__" in vars(sub) and not any(s is sub for s, _ in patched):
-                    original = vars(sub)["__call__"]
-                    rule = _rule_for_class(sub, class_rules)
-                    type.__setattr__(sub, "__call__", _wrap_call(sub, rule, original))
-                    patched.append((sub, original))
+                original = vars(sub).get("__call__")
+                if original is not None and not getattr(original, "_jaxmp_marking", False):
+                    type.__setattr__(sub, "__call__", _wrap_call(original))
+    token = _ACTIVE.set(class_rules)
+    try:
         yield
     finally:
-        for sub, original in reversed(patched):
-            type.__setattr__(sub, "__call__", original)
-
-
-def _rule_for_class(cls: type, class_rules) -> str:
-    for c, dtype in reversed(class_rules):
-        if issubclass(cls, c):
-            return dtype
-    raise AssertionError(cls)
+        _ACTIVE.reset(token)
 
 
 @contextlib.contextmanager

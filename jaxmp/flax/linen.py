@@ -30,6 +30,7 @@ records which module owns which param, and stores each param in its rule's param
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import warnings
 from typing import Any, Callable
@@ -96,20 +97,35 @@ def _skip(context: Any) -> bool:
     return name == "setup" or (name.startswith("_") and not name.startswith("__"))
 
 
+#: The param-dtype stack of the Linen apply traced in this thread / context (None outside one).
+_PARAM_DTYPES: contextvars.ContextVar = contextvars.ContextVar("jaxmp_linen_param_dtypes", default=None)
+_ORIGINAL_PARAM = nn.Module.param
+
+
+def _casting_param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
+    value = _ORIGINAL_PARAM(self, name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+    stack = _PARAM_DTYPES.get()
+    return value if stack is None else cast_floating(value, stack[-1])
+
+
+_casting_param.__wrapped__ = _ORIGINAL_PARAM
+
+
 @contextlib.contextmanager
 def _params_cast_to(stack: list):
-    """While active, ``Module.param`` returns its value cast to ``stack[-1]`` (floating leaves only)."""
-    original = nn.Module.param
+    """While active, ``Module.param`` returns its value cast to ``stack[-1]`` (floating leaves only).
 
-    def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
-        value = original(self, name, init_fn, *init_args, unbox=unbox, **init_kwargs)
-        return cast_floating(value, stack[-1])
-
-    nn.Module.param = param
+    Linen has no interceptor for ``param``, so jaxmp installs a casting ``Module.param`` once; it
+    reads the stack from a context variable, so outside a ``mixed_precision`` apply (and in any
+    other thread) it is Flax's own ``param``.
+    """
+    if nn.Module.param is not _casting_param:
+        nn.Module.param = _casting_param
+    token = _PARAM_DTYPES.set(stack)
     try:
         yield
     finally:
-        nn.Module.param = original
+        _PARAM_DTYPES.reset(token)
 
 
 def _region(rule: ModuleRule, module: nn.Module):
