@@ -363,3 +363,21 @@ def test_two_threads_tracing_at_once_keep_their_own_rules():
     assert not errors, errors
     assert results == {"f32 rule": {F32}, "no rule": {F16}, "linen bf16": {BF16}, "linen fp16": {F16}}
     assert nn.Module.param.__wrapped__ is not None   # installed once, Flax's own param inside
+
+
+def test_an_rnn_weight_gradient_is_as_accurate_in_both_orders():
+    def loss(w, xs):
+        h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros((4, 16)), xs)
+        return jnp.sum(h ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (16, 16)) * 0.25
+    xs = jax.random.normal(jax.random.key(1), (64, 4, 16))
+    g32 = jax.grad(loss)(w, xs)
+    errors = []
+    for fn in (jax.grad(jaxmp.autocast(loss, "O1-bf16")), jaxmp.autocast(jax.grad(loss), "O1-bf16")):
+        g = fn(w, xs)
+        assert g.dtype == F32
+        errors.append(float(jnp.linalg.norm(g - g32) / jnp.linalg.norm(g32)))
+    # bf16 matmuls cost ~1% here; the transposed scan accumulates the weight cotangent in
+    # float32 in both orders (f3b5f5b: 0.0128 vs 0.0137, and 6x apart on longer sequences)
+    assert max(errors) < 0.03 and max(errors) <= 1.1 * min(errors), errors
