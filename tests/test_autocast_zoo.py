@@ -8,7 +8,19 @@ finite; the loss is finite at every one of 50 adam steps and tracks the float32 
 The control is the float32 model started from the same bf16-rounded params, so the comparison
 measures the compute precision only.
 
-CI cost: see ``_TIMES`` below (seconds on the 2-core CPU this file was written on).
+Tolerances (every step's loss relative to the control's at that step): 10% for bf16 models,
+5% for the MLPs, 2% for fp16 (measured maxima: 5.4%, 0.6%, 0.12%; bf16 keeps 8 significant bits,
+fp16 11). Each control at least halves its loss, so a stalled or diverged run cannot pass.
+
+CI cost (``-m slow``), seconds of wall time on the 2 shared CPU cores this was written on, load
+average 3-4 (under load 9 everything takes about 2.5x as long); the whole file: ~85 s wall,
+~110 s CPU. Every test but the BatchNorm-EMA one and the two strict xfails (each under 3 s) is
+marked slow: compiling a training step on XLA:CPU alone takes 1-3 s.
+
+  haiku ResNet 14 | Linen bert-O1-bf16 13 (includes the cached float32 control) | Linen causal-O1-bf16 8
+  NNX attention+dropout 6 | Linen bert-O1-fp16 6 | Linen bert-O2-bf16 5 | jaxmp.flax encoder 7
+  NNX BatchNorm+GRU 5 | eqx GRU scan 4 | eqx attention 4 | eqx Conv+BatchNorm 4-6 | Linen causal O1-fp16 3
+  Linen causal O2-bf16 3 | eqx MLP 2 + 1 | haiku MLP 2 | the two xfails 2 + 2 | Linen BatchNorm EMA 0.2
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import optax
 import pytest
 
 import jaxmp
+import jaxmp.flax
 from tests._op_dtypes import op_dtypes
 from tests.test_autocast import BF16, F32, check_ops
 
@@ -54,15 +67,18 @@ def bf16_rounded(tree):
         lambda a: a.astype(jnp.bfloat16).astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-def train(loss_fn, params, state, batch, preset, *, steps=STEPS, opt=None):
+def train(loss_fn, params, state, batch, preset, *, steps=STEPS, opt=None, wrap=True):
     """``steps`` jitted steps of ``loss_fn`` under ``preset`` ("f32": no autocast), adam(3e-3) by default.
+
+    ``wrap=False``: ``loss_fn`` already carries the precision (a ``jaxmp.flax`` model); ``preset``
+    then only chooses the loss scaling.
 
     fp16 presets train as the README shows: ``jaxmp.loss_scaling`` with a dynamic scale and
     ``jaxmp.value_and_grad``.
     """
     # The control's inner jit traces the loss on its own, as autocast does: NNX refuses to mutate
     # an RNG counter that nnx.merge created under jax.value_and_grad's trace.
-    fn = jax.jit(loss_fn) if preset == "f32" else jaxmp.autocast(loss_fn, preset)
+    fn = jax.jit(loss_fn) if preset == "f32" or not wrap else jaxmp.autocast(loss_fn, preset)
     scaled = preset.endswith("fp16")
     opt = optax.adam(3e-3) if opt is None else opt
     tx = jaxmp.loss_scaling(opt, jaxmp.DynamicLossScale()) if scaled else opt
@@ -226,9 +242,32 @@ def test_linen_padded_transformer_trains(kind, preset):
     np.testing.assert_allclose(run.out[padded], ref[padded], atol=0.05 * float(np.abs(ref).max()))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["O1-bf16"])      # O1-fp16 passes too (0.1%): left out for CI time
+def test_linen_padded_encoder_behind_jaxmp_flax(preset):
+    """The same encoder behind the Flax front door, ``jaxmp.flax.mixed_precision`` (attention through
+    ``jaxmp.flax.fused_attention``, i.e. ``jax.nn.dot_product_attention``, with the padding mask)."""
+    _, _, params, batch, control = linen_lm("bert")
+    model = jaxmp.flax.mixed_precision(LinenEncoder(), preset)
+
+    def loss_fn(params, state, batch, key):
+        tokens, pad, y, w = batch
+        logits = model.apply({"params": params}, tokens, pad)
+        return ce(logits, y, w), (state, logits)
+
+    ops = op_dtypes(loss_fn, params, (), batch, jax.random.key(0))
+    if preset.endswith("fp16") and jax.default_backend() == "cpu":
+        # docs/autocast.md: XLA:CPU has no float16 batched dot with float32 accumulation, so the
+        # XLA fallback of jax.nn.dot_product_attention computes QK^T and PV in float32 there.
+        ops = [op for op in ops if not (op.primitive == "dot_general" and "dot_product_attention" in op.scope)]
+    check_ops(ops, matmul=HALF[preset], min_matmuls=4)
+    run = train(loss_fn, params, (), batch, preset, wrap=False)
+    check_training(run, control, LM_RTOL[preset])
+    assert run.out.dtype == F32 and np.all(np.isfinite(run.out))   # fully masked rows: no NaN
+
+
 # -- BatchNorm statistics under O2 ---------------------------------------------------------------
 
-@pytest.mark.slow
 def test_linen_batchnorm_statistics_under_o2_track_float32():
     """1000 EMA steps (momentum 0.99) of nn.BatchNorm's batch_stats passed through autocast each step.
 
@@ -248,6 +287,7 @@ def test_linen_batchnorm_statistics_under_o2_track_float32():
         return jax.jit(lambda s: jax.lax.scan(body, s, None, length=1000)[0])(variables["batch_stats"])
 
     ref, out = run(ema_step), run(jaxmp.autocast(ema_step, "O2-bf16"))
+    print(f"running mean {np.asarray(out['mean'])} float32 {np.asarray(ref['mean'])}")
     assert_float32_tree(out)
     np.testing.assert_allclose(ref["mean"], x.mean(0), rtol=1e-3)           # the EMA converged
     np.testing.assert_allclose(out["mean"], ref["mean"], rtol=0.01)
@@ -281,6 +321,7 @@ def eqx_mlp():
     return loss_fn, params, batch, train(loss_fn, params, (), batch, "f32")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["O1-bf16", "O1-fp16"])
 def test_equinox_mlp(preset):
     loss_fn, params, batch, control = eqx_mlp()
@@ -456,7 +497,8 @@ def test_equinox_gru_cell_under_scan():
 hk = pytest.importorskip("haiku")
 
 
-@pytest.mark.parametrize("preset", ["O2-bf16", "O1-fp16"])
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["O2-bf16"])      # O1-fp16 passes too (0.04%): left out for CI time
 def test_haiku_mlp(preset):
     net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([32, 32, 4])(x)))
     batch = classification_batch()
