@@ -1,0 +1,610 @@
+"""The zoo: models from installed libraries (Flax Linen, Flax NNX, Equinox, Haiku) that nobody
+here wrote, trained under ``jaxmp.autocast`` with padded batches where the model takes a mask.
+
+For each model: the training step runs under ``jit``; every matmul and convolution of the traced
+program takes half operands, every transcendental and reduction (softmax, norm statistics, the
+loss) runs in float32 (a walk of the jaxpr, tests/_op_dtypes.py); gradients are float32 and
+finite; the loss is finite at every one of 50 adam steps and tracks the float32 control's curve.
+The control is the float32 model started from the same bf16-rounded params, so the comparison
+measures the compute precision only.
+
+Tolerances (every step's loss relative to the control's at that step): 10% for bf16 models,
+5% for the MLPs, 2% for fp16 (measured maxima: 5.4%, 0.6%, 0.12%; bf16 keeps 8 significant bits,
+fp16 11). Each control at least halves its loss, so a stalled or diverged run cannot pass.
+
+CI cost (``-m slow``), seconds of wall time on the 2 shared CPU cores this was written on, load
+average 3-4 (under load 8-9 everything takes about 2.5x as long); the whole file: ~95 s wall at
+load 3-4 (82 s for the 17 tests that existed then), 206 s wall at load 8-9, 117 s of CPU either way. Every test but the BatchNorm-EMA one and the two strict xfails (each under 3 s) is
+marked slow: compiling a training step on XLA:CPU alone takes 1-3 s.
+
+  haiku ResNet 14 | Linen bert-O1-bf16 13 (includes the cached float32 control) | Linen causal-O1-bf16 8
+  NNX attention+dropout 6 | Linen bert-O1-fp16 6 | Linen bert-O2-bf16 5 | jaxmp.flax encoder 7
+  NNX BatchNorm+GRU 5 | eqx GRU scan 4 | eqx attention 4 | eqx Conv+BatchNorm 4-6 | Linen causal O1-fp16 3
+  Linen causal O2-bf16 3 | eqx MLP 2 + 1 | haiku MLP 2 | the two xfails 2 + 2 | Linen BatchNorm EMA 0.2
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+import jaxmp.flax
+from tests._op_dtypes import op_dtypes
+from tests.test_autocast import BF16, F32, check_ops
+
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+F16 = np.dtype(jnp.float16)
+HALF = {"O1-bf16": BF16, "O2-bf16": BF16, "O1-fp16": F16}
+STEPS = 50
+
+
+# -- the shared trainer ------------------------------------------------------------------------
+#
+# Every model is a loss ``loss_fn(params, state, batch, key) -> (loss, (new_state, out))``; ``state``
+# is the model's non-trainable state (BatchNorm statistics, RNG counters) or ``()``, ``out`` the
+# model's output (checked for NaN in padded rows without a second compilation).
+
+class Run:
+    """A training run: the loss at every step; the final params and state; the last step's inputs
+    (``last_params``), gradients and model output."""
+
+    def __init__(self, losses, params, state, last_params, grads, out, opt_state):
+        self.losses, self.params, self.state = np.asarray(losses), params, state
+        self.last_params, self.grads, self.out, self.opt_state = last_params, grads, out, opt_state
+
+
+def bf16_rounded(tree):
+    """The float leaves of ``tree`` rounded to bfloat16 and back: the start of every run."""
+    return jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16).astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def train(loss_fn, params, state, batch, preset, *, steps=STEPS, opt=None, wrap=True):
+    """``steps`` jitted steps of ``loss_fn`` under ``preset`` ("f32": no autocast), adam(3e-3) by default.
+
+    ``wrap=False``: ``loss_fn`` already carries the precision (a ``jaxmp.flax`` model); ``preset``
+    then only chooses the loss scaling.
+
+    fp16 presets train as the README shows: ``jaxmp.loss_scaling`` with a dynamic scale and
+    ``jaxmp.value_and_grad``.
+    """
+    # The control's inner jit traces the loss on its own, as autocast does: NNX refuses to mutate
+    # an RNG counter that nnx.merge created under jax.value_and_grad's trace.
+    fn = jax.jit(loss_fn) if preset == "f32" or not wrap else jaxmp.autocast(loss_fn, preset)
+    scaled = preset.endswith("fp16")
+    opt = optax.adam(3e-3) if opt is None else opt
+    tx = jaxmp.loss_scaling(opt, jaxmp.DynamicLossScale()) if scaled else opt
+
+    @jax.jit
+    def step(params, opt_state, state, i):
+        key = jax.random.fold_in(jax.random.key(42), i)
+        vg = jaxmp.value_and_grad(fn, opt_state, has_aux=True) if scaled else jax.value_and_grad(fn, has_aux=True)
+        (loss, (new_state, out)), grads = vg(params, state, batch, key)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return jaxmp.apply_updates(params, updates, opt_state), opt_state, new_state, loss, grads, out
+
+    opt_state, losses, trajectory = tx.init(params), [], []
+    for i in range(steps):
+        trajectory.append(params)
+        params, opt_state, state, loss, grads, out = step(params, opt_state, state, i)
+        losses.append(float(loss))
+    run = Run(losses, params, state, trajectory[-1], grads, out, opt_state)
+    run.trajectory = trajectory
+    return run
+
+
+def replay_state(loss_fn, run, state, batch):
+    """The model state float32 code computes from the same params as ``run``, step by step."""
+    forward = jax.jit(lambda p, s, i: loss_fn(p, s, batch, jax.random.fold_in(jax.random.key(42), i))[1][0])
+    for i, params in enumerate(run.trajectory):
+        state = forward(params, state, i)
+    return state
+
+
+def check_training(run, control, rtol):
+    """Finite loss at every step, float32 finite gradients, the curve within ``rtol`` of the control's.
+
+    ``rtol`` bounds every step's loss relative to the control's loss at that step; the control must
+    itself have learnt (loss halved), so a stalled or diverged run cannot pass.
+    """
+    assert np.all(np.isfinite(run.losses)), run.losses
+    for g in jax.tree.leaves(run.grads):
+        assert g.dtype == F32, g.dtype
+    assert control.losses[-1] < 0.5 * control.losses[0], control.losses
+    rel = np.abs(run.losses - control.losses) / control.losses
+    print(f"max rel deviation {rel.max():.4f} final {rel[-1]:.4f} control {control.losses[0]:.3f}->{control.losses[-1]:.3f}")
+    assert rel.max() < rtol, (rel.max(), run.losses, control.losses)
+    return rel
+
+
+def check_program(loss_fn, preset, params, state, batch, *, min_matmuls):
+    """The traced program under ``preset``: matmuls in half, transcendentals and reductions in float32."""
+    ac = jaxmp.autocast(loss_fn, preset)
+    ops = op_dtypes(ac, params, state, batch, jax.random.key(0))
+    check_ops(ops, matmul=HALF[preset], min_matmuls=min_matmuls)
+    return ops
+
+
+def assert_float32_tree(tree):
+    for leaf in jax.tree.leaves(tree):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            assert leaf.dtype == F32, leaf.dtype
+
+
+def assert_stats_close(state, ref, rtol=0.01):
+    """Every floating leaf of ``state`` (running statistics) is float32 and within ``rtol`` of the
+    control's, relative to the leaf's largest entry (running means straddle zero)."""
+    floats = lambda t: [a for a in jax.tree.leaves(t) if jnp.issubdtype(a.dtype, jnp.floating)]
+    pairs = list(zip(floats(state), floats(ref)))
+    assert pairs
+    for ours, theirs in pairs:
+        assert ours.dtype == F32, ours.dtype
+        err = float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
+        print(f"running statistic: max deviation {err:.5f} of its largest entry")
+        assert err <= rtol, (ours, theirs)
+
+
+def ce(logits, y, w=None):
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    return losses.mean() if w is None else jnp.sum(losses * w) / jnp.sum(w)
+
+
+# -- padded token batches ----------------------------------------------------------------------
+
+V, T, D, HEADS = 16, 8, 16, 2
+RNG = np.random.default_rng          # data from numpy: no eager JAX op compiles
+LENGTHS = np.array([T, T, 5, 3, 6, 1, 0, 4])   # row 6 is entirely padding
+
+
+def token_batch(causal):
+    """(tokens, pad, targets, weights): right-padded sequences; every padded query row is fully masked.
+
+    BERT-style: every real position predicts its sequence's first token (needs attention).
+    Causal LM: arithmetic sequences mod V, next-token prediction on real (position, next) pairs.
+    """
+    rng = np.random.default_rng(0)
+    b = len(LENGTHS)
+    pad = np.arange(T)[None, :] < LENGTHS[:, None]
+    if causal:
+        tokens = (rng.integers(0, V, (b, 1)) + rng.integers(1, 3, (b, 1)) * np.arange(T)) % V
+        y = np.roll(tokens, -1, axis=1)
+        w = pad & np.roll(pad, -1, axis=1)
+        w[:, -1] = False
+    else:
+        tokens = rng.integers(1, V, (b, T))
+        y = np.broadcast_to(tokens[:, :1], (b, T))
+        w = pad
+    tokens = np.where(pad, tokens, 0)
+    return jnp.asarray(tokens), jnp.asarray(pad), jnp.asarray(y), jnp.asarray(w, jnp.float32)
+
+
+# -- 1. Flax Linen: a padded BERT-style encoder and a padded causal LM ---------------------------
+
+class LinenEncoder(nn.Module):
+    """Pre-LN Transformer block: Embed, MultiHeadDotProductAttention (padding [+ causal] mask), MLP."""
+
+    causal: bool = False
+
+    @nn.compact
+    def __call__(self, tokens, pad):
+        x = nn.Embed(V, D)(tokens) + self.param("pos", nn.initializers.normal(0.02), (T, D))
+        mask = nn.make_attention_mask(pad, pad)                        # [B, 1, T, T]
+        if self.causal:
+            mask = nn.combine_masks(mask, nn.make_causal_mask(tokens))
+        x = x + nn.MultiHeadDotProductAttention(num_heads=HEADS)(nn.LayerNorm()(x), mask=mask)
+        x = x + nn.Dense(D)(nn.gelu(nn.Dense(2 * D)(nn.LayerNorm()(x))))
+        return nn.Dense(V)(nn.LayerNorm()(x))
+
+
+@functools.cache
+def linen_lm(kind):
+    """(model, loss_fn, params, batch, float32 control run) for "bert" or "causal"."""
+    model = LinenEncoder(causal=kind == "causal")
+    tokens, pad, y, w = batch = token_batch(kind == "causal")
+    params = bf16_rounded(jax.jit(model.init)(jax.random.key(0), tokens, pad)["params"])
+
+    def loss_fn(params, state, batch, key):
+        tokens, pad, y, w = batch
+        logits = model.apply({"params": params}, tokens, pad)
+        return ce(logits, y, w), (state, logits)
+
+    return model, loss_fn, params, batch, train(loss_fn, params, (), batch, "f32")
+
+
+# Measured (this CPU): max relative deviation of the loss curve from the control over 50 steps.
+#   bert:   O1-bf16 4.5%, O2-bf16 4.5%, O1-fp16 0.12%
+#   causal: see the test's tolerance comment.
+LM_RTOL = {"O1-bf16": 0.10, "O2-bf16": 0.10, "O1-fp16": 0.02}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["O1-bf16", "O2-bf16", "O1-fp16"])
+@pytest.mark.parametrize("kind", ["bert", "causal"])
+def test_linen_padded_transformer_trains(kind, preset):
+    model, loss_fn, params, batch, control = linen_lm(kind)
+    check_program(loss_fn, preset, params, (), batch, min_matmuls=6)
+    run = train(loss_fn, params, (), batch, preset)
+    check_training(run, control, LM_RTOL[preset])
+    if preset.endswith("fp16"):
+        assert int(jaxmp.scaling_stats(run.opt_state)["total_skips"]) == 0
+    # fully masked query rows (every padded position; all of row 6) give float32's answer, no NaN
+    padded = ~np.asarray(batch[1])
+    ref = jax.jit(model.apply)({"params": run.last_params}, *batch[:2])
+    assert run.out.dtype == F32 and np.all(np.isfinite(run.out))
+    np.testing.assert_allclose(run.out[padded], ref[padded], atol=0.05 * float(np.abs(ref).max()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["O1-bf16"])      # O1-fp16 passes too (0.1%): left out for CI time
+def test_linen_padded_encoder_behind_jaxmp_flax(preset):
+    """The same encoder behind the Flax front door, ``jaxmp.flax.mixed_precision`` (attention through
+    ``jaxmp.flax.fused_attention``, i.e. ``jax.nn.dot_product_attention``, with the padding mask)."""
+    _, _, params, batch, control = linen_lm("bert")
+    model = jaxmp.flax.mixed_precision(LinenEncoder(), preset)
+
+    def loss_fn(params, state, batch, key):
+        tokens, pad, y, w = batch
+        logits = model.apply({"params": params}, tokens, pad)
+        return ce(logits, y, w), (state, logits)
+
+    ops = op_dtypes(loss_fn, params, (), batch, jax.random.key(0))
+    if preset.endswith("fp16") and jax.default_backend() == "cpu":
+        # docs/autocast.md: XLA:CPU has no float16 batched dot with float32 accumulation, so the
+        # XLA fallback of jax.nn.dot_product_attention computes QK^T and PV in float32 there.
+        ops = [op for op in ops if not (op.primitive == "dot_general" and "dot_product_attention" in op.scope)]
+    check_ops(ops, matmul=HALF[preset], min_matmuls=4)
+    run = train(loss_fn, params, (), batch, preset, wrap=False)
+    check_training(run, control, LM_RTOL[preset])
+    assert run.out.dtype == F32 and np.all(np.isfinite(run.out))   # fully masked rows: no NaN
+
+
+# -- BatchNorm statistics under O2 ---------------------------------------------------------------
+
+def test_linen_batchnorm_statistics_under_o2_track_float32():
+    """1000 EMA steps (momentum 0.99) of nn.BatchNorm's batch_stats passed through autocast each step.
+
+    Before O2 cast only weights on entry, the running mean was rounded to bf16 on every call and
+    stalled at 0.69 (the EMA increment 0.01 * (1 - m) fell below half a bf16 ulp) instead of 1.0.
+    """
+    bn = nn.BatchNorm(use_running_average=False, momentum=0.99)
+    x = jnp.asarray(1.0 + 0.1 * RNG(1).normal(size=(32, 4)), jnp.float32)   # batch mean ~1.0
+    variables = jax.jit(bn.init)(jax.random.key(0), x)
+
+    def ema_step(params, batch_stats, x):
+        y, updates = bn.apply({"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"])
+        return y, updates["batch_stats"]
+
+    def run(fn):
+        body = lambda stats, _: (fn(variables["params"], stats, x)[1], None)
+        return jax.jit(lambda s: jax.lax.scan(body, s, None, length=1000)[0])(variables["batch_stats"])
+
+    ref, out = run(ema_step), run(jaxmp.autocast(ema_step, "O2-bf16"))
+    print(f"running mean {np.asarray(out['mean'])} float32 {np.asarray(ref['mean'])}")
+    assert_float32_tree(out)
+    np.testing.assert_allclose(ref["mean"], x.mean(0), rtol=1e-3)           # the EMA converged
+    np.testing.assert_allclose(out["mean"], ref["mean"], rtol=0.01)
+    np.testing.assert_allclose(out["var"], ref["var"], rtol=0.01)
+
+
+# -- 2. Equinox ----------------------------------------------------------------------------------
+
+eqx = pytest.importorskip("equinox")
+
+
+def classification_batch(n=64, f=8, classes=4):
+    x = jnp.asarray(RNG(1).normal(size=(n, f)), jnp.float32)
+    return x, jnp.argmax(x[:, :classes], axis=-1)
+
+
+def eqx_split(model):
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    return bf16_rounded(params), static
+
+
+@functools.cache
+def eqx_mlp():
+    params, static = eqx_split(eqx.filter_jit(lambda k: eqx.nn.MLP(8, 4, 32, 2, key=k))(jax.random.key(0)))
+    batch = classification_batch()
+
+    def loss_fn(params, state, batch, key):
+        logits = jax.vmap(eqx.combine(params, static))(batch[0])
+        return ce(logits, batch[1]), (state, logits)
+
+    return loss_fn, params, batch, train(loss_fn, params, (), batch, "f32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["O1-bf16", "O1-fp16"])
+def test_equinox_mlp(preset):
+    loss_fn, params, batch, control = eqx_mlp()
+    check_program(loss_fn, preset, params, (), batch, min_matmuls=3)
+    check_training(train(loss_fn, params, (), batch, preset), control, rtol=0.05)
+
+
+class EqxAttentionBlock(eqx.Module):
+    """Embedding + eqx.nn.MultiheadAttention (padding mask) + eqx.nn.LayerNorm, one sequence."""
+
+    embed: eqx.nn.Embedding
+    pos: jax.Array
+    norm1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.embed = eqx.nn.Embedding(V, D, key=k[0])
+        self.pos = 0.02 * jax.random.normal(k[1], (T, D))
+        self.norm1, self.norm2 = eqx.nn.LayerNorm(D), eqx.nn.LayerNorm(D)
+        self.attn = eqx.nn.MultiheadAttention(HEADS, D, key=k[2])
+        self.head = eqx.nn.Linear(D, V, key=k[3])
+
+    def __call__(self, tokens, pad):
+        x = jax.vmap(self.embed)(tokens) + self.pos
+        h = jax.vmap(self.norm1)(x)
+        x = x + self.attn(h, h, h, mask=pad[:, None] & pad[None, :])   # finfo(float32).min mask
+        return jax.vmap(self.head)(jax.vmap(self.norm2)(x))
+
+
+@pytest.mark.slow
+def test_equinox_attention_layernorm_block_padded():
+    params, static = eqx_split(eqx.filter_jit(EqxAttentionBlock)(jax.random.key(0)))
+    batch = token_batch(causal=False)
+
+    def loss_fn(params, state, batch, key):
+        tokens, pad, y, w = batch
+        logits = jax.vmap(eqx.combine(params, static))(tokens, pad)
+        return ce(logits, y, w), (state, logits)
+
+    check_program(loss_fn, "O1-bf16", params, (), batch, min_matmuls=5)
+    control = train(loss_fn, params, (), batch, "f32")
+    run = train(loss_fn, params, (), batch, "O1-bf16")
+    check_training(run, control, rtol=0.1)
+    assert np.all(np.isfinite(run.out))                      # fully masked rows: no NaN
+
+
+class EqxConvBN(eqx.Module):
+    conv: eqx.nn.Conv2d
+    bn: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(3, 8, 3, padding=1, use_bias=False, key=k1)   # BN follows
+        self.bn = eqx.nn.BatchNorm(8, axis_name="batch", mode="batch")
+        self.head = eqx.nn.Linear(8, 4, key=k2)
+
+    def __call__(self, x, state):
+        h, state = self.bn(self.conv(x), state)
+        return self.head(jax.nn.relu(h).mean((1, 2))), state
+
+
+@pytest.mark.slow
+def test_equinox_conv_batchnorm_state_under_o2():
+    model, state = eqx.filter_jit(eqx.nn.make_with_state(EqxConvBN))(jax.random.key(0))
+    params, static = eqx_split(model)
+    # Label: the brightest channel. Inputs are centred, as a data pipeline would: with a large
+    # common offset (mean 1.0) the bf16 centring of test_equinox_sync_batchnorm_centring_in_float32
+    # puts the conv weight gradient 24% off and the loss 11% behind float32 after 50 steps.
+    y = RNG(2).integers(0, 3, 16)
+    x = RNG(1).normal(size=(16, 3, 8, 8)) + 0.5 * np.eye(3)[y][:, :, None, None]
+    batch = (jnp.asarray(x, jnp.float32), jnp.asarray(y))
+
+    def loss_fn(params, state, batch, key):
+        model = eqx.combine(params, static)
+        logits, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(batch[0], state)
+        return ce(logits, batch[1]), (state, logits)
+
+    check_program(loss_fn, "O2-bf16", params, state, batch, min_matmuls=2)
+    control = train(loss_fn, params, state, batch, "f32")
+    run = train(loss_fn, params, state, batch, "O2-bf16")
+    check_training(run, control, rtol=0.1)
+    # BatchNorm makes the loss blind to a shift of a channel's mean, so the conv weights drift
+    # apart along that direction (10% after 20 steps, with adam or sgd) while the loss curves agree
+    # to 2%: the running mean of the O2 run is compared with the float32 statistics of the very
+    # params the O2 run visited (its batch statistics, EMA'd in float32).
+    assert_stats_close(run.state, replay_state(loss_fn, run, state, batch))
+
+
+@pytest.mark.xfail(strict=True, reason="engine: a float32-list result loses its float32 status through psum/pmean, "
+                   "so sync-BatchNorm centring (eqx.nn.BatchNorm's pmean over the vmap axis) runs in bfloat16")
+def test_equinox_sync_batchnorm_centring_in_float32():
+    """eqx.nn.BatchNorm averages its statistics with ``lax.pmean`` over the named vmap axis. The mean is
+    a reduction (float32 list), so ``x - mean`` must run in float32, as it does without the pmean
+    (docs/autocast.md, the promotion rule). Measured: the ``sub`` ops run in bfloat16, and on inputs
+    with mean 1.0 the conv weight gradient is 24% off float32's (a bf16 jmp-style cast: 1.6%)."""
+    model, state = eqx.filter_jit(eqx.nn.make_with_state(EqxConvBN))(jax.random.key(0))
+    params, static = eqx_split(model)
+    x = jnp.asarray(1.0 + RNG(1).normal(size=(16, 3, 8, 8)), jnp.float32)
+
+    def loss_fn(params, state, x):
+        logits, _ = jax.vmap(eqx.combine(params, static), axis_name="batch", in_axes=(0, None),
+                             out_axes=(0, None))(x, state)
+        return jnp.mean(logits ** 2)
+
+    ops = op_dtypes(jaxmp.autocast(loss_fn, "O1-bf16"), params, state, x)
+    centring = [op for op in ops if op.primitive == "sub" and "BatchNorm" in op.scope]
+    assert centring and all(set(op.in_dtypes) == {F32} for op in centring), centring
+
+
+@pytest.mark.xfail(strict=True, reason="engine: an Equinox/NNX class rule is ignored for a class that inherits "
+                   "__call__ (eqx.nn.Conv2d from eqx.nn.Conv, a user subclass of nnx.Linear)")
+def test_class_rule_on_subclass_inheriting_call():
+    """docs/autocast.md: class rules apply to a class and its subclasses. Linen and Haiku honour a rule
+    naming ``MyDense(nn.Dense)`` / ``hk.Conv2D``; Equinox and NNX ignore one naming ``eqx.nn.Conv2d``
+    (its ``__call__`` is ``eqx.nn.Conv``'s) or an NNX subclass, and the matmul stays bfloat16."""
+    conv = eqx.nn.Conv2d(3, 4, 3, key=jax.random.key(0))
+
+    class MyLinear(nnx.Linear):
+        pass
+
+    lin = MyLinear(4, 4, rngs=nnx.Rngs(0))
+    for module, x, cls in ((conv, jnp.ones((3, 8, 8)), eqx.nn.Conv2d), (lin, jnp.ones((1, 4)), MyLinear)):
+        f = jaxmp.autocast(lambda m, x: m(x), "O1-bf16", rules=jaxmp.AutocastRules().with_class(cls, "float32"))
+        mm = [op for op in op_dtypes(f, module, x) if op.primitive in ("conv_general_dilated", "dot_general")]
+        assert mm and all(set(op.in_dtypes) == {F32} for op in mm), (cls.__name__, mm)
+
+
+class EqxGRU(eqx.Module):
+    cell: eqx.nn.GRUCell
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.cell, self.head = eqx.nn.GRUCell(4, 16, key=k1), eqx.nn.Linear(16, 2, key=k2)
+
+    def __call__(self, xs, pad):
+        def step(h, inp):
+            x, real = inp
+            return jnp.where(real, self.cell(x, h), h), None       # padded steps keep the state
+        h, _ = jax.lax.scan(step, jnp.zeros(16), (xs, pad))
+        return self.head(h)
+
+
+def sequence_batch(n=32, f=4):
+    """(xs [n, T, f], pad [n, T], labels): label = whether the real part of feature 0 sums positive."""
+    xs = jnp.asarray(RNG(1).normal(size=(n, T, f)), jnp.float32)
+    lengths = jnp.asarray(np.resize(LENGTHS[LENGTHS > 0], n))
+    pad = jnp.arange(T)[None, :] < lengths[:, None]
+    return xs, pad, (jnp.sum(xs[..., 0] * pad, -1) > 0).astype(jnp.int32)
+
+
+@pytest.mark.slow
+def test_equinox_gru_cell_under_scan():
+    params, static = eqx_split(eqx.filter_jit(EqxGRU)(jax.random.key(0)))
+    batch = sequence_batch()
+
+    def loss_fn(params, state, batch, key):
+        logits = jax.vmap(eqx.combine(params, static))(batch[0], batch[1])
+        return ce(logits, batch[2]), (state, logits)
+
+    ops = check_program(loss_fn, "O1-bf16", params, (), batch, min_matmuls=3)
+    assert any(op.primitive == "scan" for op in ops)
+    control = train(loss_fn, params, (), batch, "f32")
+    check_training(train(loss_fn, params, (), batch, "O1-bf16"), control, rtol=0.1)
+
+
+# -- 3. Haiku ------------------------------------------------------------------------------------
+
+hk = pytest.importorskip("haiku")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["O2-bf16"])      # O1-fp16 passes too (0.04%): left out for CI time
+def test_haiku_mlp(preset):
+    net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([32, 32, 4])(x)))
+    batch = classification_batch()
+    params = bf16_rounded(jax.jit(net.init)(jax.random.key(0), batch[0]))
+
+    def loss_fn(params, state, batch, key):
+        logits = net.apply(params, batch[0])
+        return ce(logits, batch[1]), (state, logits)
+
+    check_program(loss_fn, preset, params, (), batch, min_matmuls=3)
+    control = train(loss_fn, params, (), batch, "f32")
+    check_training(train(loss_fn, params, (), batch, preset), control, rtol=0.05)
+
+
+@pytest.mark.slow
+def test_haiku_resnet_tiny_channels():
+    def forward(x, is_training):
+        return hk.nets.ResNet(blocks_per_group=(1, 1, 1, 1), num_classes=4, bottleneck=False,
+                              channels_per_group=(4, 4, 8, 8), resnet_v2=False,
+                              initial_conv_config={"output_channels": 4, "kernel_shape": 3, "stride": 1})(x, is_training)
+
+    net = hk.transform_with_state(forward)
+    x = jnp.asarray(1.0 + RNG(1).normal(size=(16, 8, 8, 3)), jnp.float32)
+    batch = (x, jnp.argmax(x[:, :4, 0, :].mean(-1), -1))
+    params, state = jax.jit(net.init, static_argnums=2)(jax.random.key(0), x, True)
+    params = bf16_rounded(params)
+
+    def loss_fn(params, state, batch, key):
+        logits, state = net.apply(params, state, None, batch[0], True)
+        return ce(logits, batch[1]), (state, logits)
+
+    check_program(loss_fn, "O2-bf16", params, state, batch, min_matmuls=10)
+    control = train(loss_fn, params, state, batch, "f32")
+    run = train(loss_fn, params, state, batch, "O2-bf16")
+    check_training(run, control, rtol=0.1)
+    assert_float32_tree(run.state)                                # BatchNorm EMA state stays float32
+
+
+# -- 4. Flax NNX ---------------------------------------------------------------------------------
+
+class NNXEncoder(nnx.Module):
+    """Embed + nnx.MultiHeadAttention (padding mask) + nnx.Dropout + nnx.LayerNorm."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (T, D)))
+        self.norm1, self.norm2 = nnx.LayerNorm(D, rngs=rngs), nnx.LayerNorm(D, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.head = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, tokens, pad):
+        x = self.embed(tokens) + self.pos[...]
+        x = x + self.drop(self.attn(self.norm1(x), mask=nnx.make_attention_mask(pad, pad)))
+        return self.head(self.norm2(x))
+
+
+def nnx_loss(graphdef, forward):
+    """A pure loss over (params, rest) for an NNX model: merge, run, split the updated rest."""
+    def loss_fn(params, rest, batch, key):
+        model = nnx.merge(graphdef, params, rest)
+        logits = forward(model, batch)
+        _, _, rest = nnx.split(model, nnx.Param, ...)
+        return ce(logits, *batch[-2:]) if len(batch) > 3 else ce(logits, batch[-1]), (rest, logits)
+    return loss_fn
+
+
+@pytest.mark.slow
+def test_nnx_attention_dropout_padded():
+    graphdef, params, rest = nnx.split(nnx.jit(lambda: NNXEncoder(nnx.Rngs(0)))(), nnx.Param, ...)
+    params = bf16_rounded(params)
+    batch = token_batch(causal=False)
+    loss_fn = nnx_loss(graphdef, lambda m, b: m(b[0], b[1]))
+
+    check_program(loss_fn, "O1-bf16", params, rest, batch, min_matmuls=5)
+    control = train(loss_fn, params, rest, batch, "f32")
+    run = train(loss_fn, params, rest, batch, "O1-bf16")
+    check_training(run, control, rtol=0.1)
+    assert np.all(np.isfinite(run.out))                      # fully masked rows: no NaN
+
+
+class NNXRecurrent(nnx.Module):
+    """nnx.Linear + nnx.BatchNorm + nnx.RNN(nnx.GRUCell) with sequence lengths."""
+
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(4, 16, use_bias=False, rngs=rngs)              # BN follows
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+        self.rnn = nnx.RNN(nnx.GRUCell(16, 16, rngs=rngs), return_carry=True)
+        self.head = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, xs, lengths):
+        h = self.bn(self.inp(xs))
+        carry, _ = self.rnn(h, seq_lengths=lengths)
+        return self.head(carry)
+
+
+@pytest.mark.slow
+def test_nnx_batchnorm_gru_rnn_under_o2():
+    graphdef, params, rest = nnx.split(nnx.jit(lambda: NNXRecurrent(nnx.Rngs(0)))(), nnx.Param, ...)
+    params = bf16_rounded(params)
+    xs, pad, y = sequence_batch()
+    batch = (1.0 + xs, pad.sum(-1), y)                       # non-zero feature means for the statistics
+    loss_fn = nnx_loss(graphdef, lambda m, b: m(b[0], b[1]))
+
+    check_program(loss_fn, "O2-bf16", params, rest, batch, min_matmuls=4)
+    control = train(loss_fn, params, rest, batch, "f32")
+    run = train(loss_fn, params, rest, batch, "O2-bf16")
+    check_training(run, control, rtol=0.1)
+    assert_stats_close(run.state, control.state)
