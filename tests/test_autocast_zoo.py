@@ -14,13 +14,13 @@ fp16 11). Each control at least halves its loss, so a stalled or diverged run ca
 
 CI cost (``-m slow``), seconds of wall time on the 2 shared CPU cores this was written on, load
 average 3-4 (under load 8-9 everything takes about 2.5x as long); the whole file: ~95 s wall at
-load 3-4 (82 s for the 17 tests that existed then), 206 s wall at load 8-9, 117 s of CPU either way. Every test but the BatchNorm-EMA one and the two strict xfails (each under 3 s) is
+load 3-4 (82 s for the 17 tests that existed then), 206 s wall at load 8-9, 117 s of CPU either way. Every test but the BatchNorm-EMA one and the two engine-bug regression tests (sync BatchNorm, inherited __call__; each under 3 s) is
 marked slow: compiling a training step on XLA:CPU alone takes 1-3 s.
 
   haiku ResNet 14 | Linen bert-O1-bf16 13 (includes the cached float32 control) | Linen causal-O1-bf16 8
   NNX attention+dropout 6 | Linen bert-O1-fp16 6 | Linen bert-O2-bf16 5 | jaxmp.flax encoder 7
   NNX BatchNorm+GRU 5 | eqx GRU scan 4 | eqx attention 4 | eqx Conv+BatchNorm 4-6 | Linen causal O1-fp16 3
-  Linen causal O2-bf16 3 | eqx MLP 2 + 1 | haiku MLP 2 | the two xfails 2 + 2 | Linen BatchNorm EMA 0.2
+  Linen causal O2-bf16 3 | eqx MLP 2 + 1 | haiku MLP 2 | the two regression tests 2 + 2 | Linen BatchNorm EMA 0.2
 """
 
 from __future__ import annotations
@@ -414,13 +414,12 @@ def test_equinox_conv_batchnorm_state_under_o2():
     assert_stats_close(run.state, replay_state(loss_fn, run, state, batch))
 
 
-@pytest.mark.xfail(strict=True, reason="engine: a float32-list result loses its float32 status through psum/pmean, "
-                   "so sync-BatchNorm centring (eqx.nn.BatchNorm's pmean over the vmap axis) runs in bfloat16")
 def test_equinox_sync_batchnorm_centring_in_float32():
     """eqx.nn.BatchNorm averages its statistics with ``lax.pmean`` over the named vmap axis. The mean is
     a reduction (float32 list), so ``x - mean`` must run in float32, as it does without the pmean
-    (docs/autocast.md, the promotion rule). Measured: the ``sub`` ops run in bfloat16, and on inputs
-    with mean 1.0 the conv weight gradient is 24% off float32's (a bf16 jmp-style cast: 1.6%)."""
+    (docs/autocast.md, the promotion rule). Before collectives kept the float32 status, the ``sub``
+    ops ran in bfloat16, and on inputs with mean 1.0 the conv weight gradient was 24% off float32's
+    (a bf16 jmp-style cast: 1.6%)."""
     model, state = eqx.filter_jit(eqx.nn.make_with_state(EqxConvBN))(jax.random.key(0))
     params, static = eqx_split(model)
     x = jnp.asarray(1.0 + RNG(1).normal(size=(16, 3, 8, 8)), jnp.float32)
@@ -435,12 +434,10 @@ def test_equinox_sync_batchnorm_centring_in_float32():
     assert centring and all(set(op.in_dtypes) == {F32} for op in centring), centring
 
 
-@pytest.mark.xfail(strict=True, reason="engine: an Equinox/NNX class rule is ignored for a class that inherits "
-                   "__call__ (eqx.nn.Conv2d from eqx.nn.Conv, a user subclass of nnx.Linear)")
 def test_class_rule_on_subclass_inheriting_call():
     """docs/autocast.md: class rules apply to a class and its subclasses. Linen and Haiku honour a rule
-    naming ``MyDense(nn.Dense)`` / ``hk.Conv2D``; Equinox and NNX ignore one naming ``eqx.nn.Conv2d``
-    (its ``__call__`` is ``eqx.nn.Conv``'s) or an NNX subclass, and the matmul stays bfloat16."""
+    naming ``MyDense(nn.Dense)`` / ``hk.Conv2D``; Equinox and NNX used to ignore one naming
+    ``eqx.nn.Conv2d`` (its ``__call__`` is ``eqx.nn.Conv``'s) or an NNX subclass."""
     conv = eqx.nn.Conv2d(3, 4, 3, key=jax.random.key(0))
 
     class MyLinear(nnx.Linear):

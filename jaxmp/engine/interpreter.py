@@ -29,7 +29,7 @@ from jax.extend import core as jcore
 from jaxmp import fp8
 from jaxmp.engine import internals
 from jaxmp.engine.config import AutocastConfig
-from jaxmp.engine.rules import COMBINER_OPS, FLOAT32_OPS, FOLLOW_OPS, HALF_OPS, MARKER, PASSTHROUGH_OPS
+from jaxmp.engine.rules import COLLECTIVE_OPS, COMBINER_OPS, FLOAT32_OPS, FOLLOW_OPS, HALF_OPS, MARKER, PASSTHROUGH_OPS
 
 _F32 = np.dtype("float32")
 
@@ -199,6 +199,12 @@ class Interpreter:
                 "enters jit, scan, while, cond, remat, custom_jvp/custom_vjp and shard_map, and runs kernels "
                 f"({', '.join(sorted(internals.OPAQUE_NAMES))}) as traced. Call autocast inside it instead "
                 "(e.g. jax.pmap(jaxmp.autocast(f))), or mark the call with jaxmp.autocast_region('keep').")
+        if name in COLLECTIVE_OPS and region != "keep":
+            args = [cast(a, v, traced[i]) if i in floats and is_float(traced[i]) else v.x
+                    for i, (a, v) in enumerate(zip(eqn.invars, vals))]
+            strong = any(vals[i].strong for i in floats)
+            return [Val(o, strong and is_float(dtype_of(o)) and dtype_of(o).itemsize >= 4)
+                    for o in self.bind(eqn, args, rule="as traced")]
         if region == "keep" or opaque or name in COMBINER_OPS or not self._known(name):
             args = [cast(a, v, traced[i]) if i in floats and is_float(traced[i]) else v.x
                     for i, (a, v) in enumerate(zip(eqn.invars, vals))]

@@ -100,10 +100,15 @@ def _generic(class_rules) -> Iterator[None]:
         for cls, _ in class_rules:
             if _is_intercepted_elsewhere(cls):
                 continue
+            # The ``__call__`` an instance runs may be defined by a base class (eqx.nn.Conv2d
+            # inherits eqx.nn.Conv's): wrap the defining class; the wrapper checks the instance.
             for sub in _subclasses(cls):
-                original = vars(sub).get("__call__")
-                if original is not None and not getattr(original, "_jaxmp_marking", False):
-                    type.__setattr__(sub, "__call__", _wrap_call(original))
+                owner = next((c for c in sub.__mro__ if "__call__" in vars(c)), None)
+                if owner is None or owner is object or owner is type:
+                    continue
+                original = vars(owner)["__call__"]
+                if not getattr(original, "_jaxmp_marking", False):
+                    type.__setattr__(owner, "__call__", _wrap_call(original))
     token = _ACTIVE.set(class_rules)
     try:
         yield

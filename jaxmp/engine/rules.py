@@ -54,6 +54,14 @@ FOLLOW_OPS: frozenset[str] = frozenset({
 #: Ops with several independent operands: each keeps its own dtype (nothing is cast).
 PASSTHROUGH_OPS: frozenset[str] = frozenset({"sort", "optimization_barrier", "device_put"})
 
+#: Collectives: run as traced (a gradient all-reduce keeps its traced dtype, so a sum over
+#: replicas cannot overflow fp16); a float32-list result stays float32-list through them, so a
+#: synchronised BatchNorm's ``x - pmean(mean(x))`` centres in float32 as an unsynchronised one does.
+COLLECTIVE_OPS: frozenset[str] = frozenset({
+    "psum", "pmax", "pmin", "pmean", "all_gather", "all_to_all", "ppermute", "psum_scatter",
+    "reduce_scatter", "psum_invariant", "ragged_all_to_all",
+})
+
 #: First-order ops that carry a combiner jaxpr traced for their operands' dtypes: they run
 #: with the operands in their traced dtypes (like any op without a rule).
 COMBINER_OPS: frozenset[str] = frozenset({
@@ -81,7 +89,7 @@ def known_primitive_names() -> frozenset[str]:
     from jaxmp.engine import internals
 
     return frozenset(internals.all_primitive_names()
-                     | HALF_OPS | FLOAT32_OPS | FOLLOW_OPS | PASSTHROUGH_OPS | COMBINER_OPS)
+                     | HALF_OPS | FLOAT32_OPS | FOLLOW_OPS | PASSTHROUGH_OPS | COMBINER_OPS | COLLECTIVE_OPS)
 
 
 def _op_set(ops: Iterable[str], where: str) -> frozenset[str]:
