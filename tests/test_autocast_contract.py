@@ -381,3 +381,16 @@ def test_an_rnn_weight_gradient_is_as_accurate_in_both_orders():
     # bf16 matmuls cost ~1% here; the transposed scan accumulates the weight cotangent in
     # float32 in both orders (f3b5f5b: 0.0128 vs 0.0137, and 6x apart on longer sequences)
     assert max(errors) < 0.03 and max(errors) <= 1.1 * min(errors), errors
+
+
+def test_precision_report_flags_a_half_backward_reduction_of_grad_autocast():
+    def loss(w, b, x):
+        return jnp.sum(jnp.tanh(x @ w + b))
+
+    w, b, x = jnp.ones((16, 16)) * 0.1, jnp.zeros(16), jnp.ones((4096, 16))
+    outer = jaxmp.precision_report(jax.grad(jaxmp.autocast(loss, "O1-bf16"), argnums=1), w, b, x)
+    inner = jaxmp.precision_report(jaxmp.autocast(jax.grad(loss, argnums=1), "O1-bf16"), w, b, x)
+    # grad(autocast(f)): the bias gradient is the transpose of a bf16 broadcast, a bf16 sum over
+    # 4096 rows, flagged; autocast(grad(f)) puts that sum on the float32 list: nothing to flag.
+    assert "reduction" in [r.category for r in outer.risky]
+    assert "reduction" not in [r.category for r in inner.risky]
