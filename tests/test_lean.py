@@ -4,6 +4,8 @@ Each recipe's failure mode is tested: the round-to-nearest bf16 ``nu`` stall, th
 of the key in the state, bitwise remainders against float32 masters, and the bytes per parameter.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 import jaxmp
 from jaxmp import lean
+from jaxmp.transform import find_states
 
 BF16 = jnp.bfloat16
 
@@ -59,7 +62,7 @@ def test_stochastic_round_is_unbiased_between_neighbours():
 STALL_STEPS = 5000
 
 
-def _nu_after(tx, steps=STALL_STEPS, n=4096):
+def _nu_after(tx, steps=STALL_STEPS, n=2048):
     params = {"w": jnp.zeros(n)}
     grads = {"w": jnp.ones(n)}
 
@@ -78,7 +81,7 @@ def test_round_to_nearest_bf16_nu_stalls_at_a_quarter_and_stochastic_rounding_tr
     float32 gives 1 - 0.999**5000 = 0.99329 after 5000 steps (0.993 is reached at step 4960).
     Round-to-nearest bf16 sticks at 0.25: there the increment 0.001 * (1 - 0.25) = 7.5e-4 is below
     half an ulp (2**-10 = 9.8e-4). mu (b1 = 0.9) stalls too, at 0.984375 instead of 1.0. Stochastic
-    rounding tracks float32 in expectation: the mean over 4096 elements is within 0.003 of it, each
+    rounding tracks float32 in expectation: the mean over 2048 elements is within 0.004 of it, each
     element within a few percent (the rounding noise accumulates like an EMA of variance ulp**2/4).
     """
     adam = optax.adam(1e-3, b1=0.9, b2=0.999)
@@ -88,8 +91,8 @@ def test_round_to_nearest_bf16_nu_stalls_at_a_quarter_and_stochastic_rounding_tr
     assert set(np.unique(np.asarray(nu_rn)).tolist()) == {0.25}
     assert set(np.unique(np.asarray(mu_rn)).tolist()) == {0.984375}
     nu_sr, mu_sr = _nu_after(lean.bf16_moments(adam, key=0))
-    assert abs(float(nu_sr.mean()) - float(nu32[0])) < 3e-3, float(nu_sr.mean())
-    assert abs(float(mu_sr.mean()) - float(mu32[0])) < 3e-3, float(mu_sr.mean())
+    assert abs(float(nu_sr.mean()) - float(nu32[0])) < 4e-3, float(nu_sr.mean())
+    assert abs(float(mu_sr.mean()) - float(mu32[0])) < 4e-3, float(mu_sr.mean())
     assert float(jnp.abs(nu_sr - nu32[0]).max()) < 0.2
 
 
@@ -112,10 +115,9 @@ def test_bf16_moments_state_dtypes_and_scalars():
 
 
 def _regression(seed=0, n=64, d=16, k=4):
-    kx, kw = jax.random.split(jax.random.key(seed))
-    x = jax.random.normal(kx, (n, d))
-    w_true = jax.random.normal(kw, (d, k))
-    return x, x @ w_true
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(x @ rng.normal(size=(d, k)).astype(np.float32))
 
 
 def _loss(params, x, y):
@@ -124,8 +126,8 @@ def _loss(params, x, y):
 
 
 def _bf16_init(seed=0, d=16, k=4):
-    w = 0.1 * jax.random.normal(jax.random.key(100 + seed), (d, k))
-    return {"w": w.astype(BF16), "b": jnp.zeros(k, BF16)}
+    w = 0.1 * np.random.default_rng(100 + seed).normal(size=(d, k))
+    return {"w": jnp.asarray(w, BF16), "b": jnp.zeros(k, BF16)}
 
 
 def _step_fn(tx, x, y, apply=jaxmp.apply_updates):
@@ -147,12 +149,21 @@ def _run(tx, params, state, poisons, x, y, jit=True, apply=jaxmp.apply_updates, 
     return params, state, jnp.stack(losses)
 
 
+_DATA = _regression(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _preset_step(name, accumulate_steps=1, lr=1e-3):
+    """One compiled train step per preset, shared by the tests (compiling is most of their time)."""
+    tx = jaxmp.loss_scaling(lean.preset(name, optax.adamw(lr), key=7, accumulate_steps=accumulate_steps), "none")
+    return tx, jax.jit(_step_fn(tx, *_DATA))
+
+
 def test_bf16_params_skipped_step_leaves_everything_bitwise_and_does_not_advance_the_key():
-    x, y = _regression()
-    tx = jaxmp.loss_scaling(lean.preset("bf16-sr", optax.adamw(1e-3), key=7), "none")
+    x, y = _DATA
+    tx, step = _preset_step("bf16-sr")
     params = _bf16_init()
     state = tx.init(params)
-    step = jax.jit(_step_fn(tx, x, y))
     params, state, _ = _run(tx, params, state, jnp.zeros(3, bool), x, y, step=step)
     p2, s2, _ = _run(tx, params, state, jnp.ones(1, bool), x, y, step=step)
     assert _tree_bits_equal(p2, params)
@@ -165,11 +176,11 @@ def test_bf16_params_skipped_step_leaves_everything_bitwise_and_does_not_advance
 
 
 def test_bf16_params_resume_from_a_checkpoint_is_bit_exact_with_skips():
-    x, y = _regression(1)
-    tx = jaxmp.loss_scaling(lean.preset("bf16-sr", optax.adamw(1e-3), key=jax.random.key(11)), "none")
+    x, y = _DATA
+    tx, step = _preset_step("bf16-sr")
     params = _bf16_init(1)
-    poisons = jnp.zeros(40, bool).at[jnp.array([3, 17, 18, 30])].set(True)
-    step = jax.jit(_step_fn(tx, x, y))
+    poisons = np.zeros(40, bool)
+    poisons[[3, 17, 18, 30]] = True
     p_all, s_all, _ = _run(tx, params, tx.init(params), poisons, x, y, step=step)
     p_half, s_half, _ = _run(tx, params, tx.init(params), poisons[:20], x, y, step=step)
     # A checkpoint: to host numpy and back (the key is plain uint32 data).
@@ -180,24 +191,23 @@ def test_bf16_params_resume_from_a_checkpoint_is_bit_exact_with_skips():
 
 
 def test_bf16_params_jit_equals_eager_and_the_key_is_folded_per_step_and_leaf():
-    x, y = _regression(2)
-    tx = jaxmp.loss_scaling(lean.bf16_params(optax.sgd(3e-3), key=5), "none")
-    params = _bf16_init(2)
-    pj, sj, _ = _run(tx, params, tx.init(params), jnp.zeros(2, bool), x, y, jit=True)
-    # Eager against jit, on the transform itself (eager loss_scaling is slow to dispatch).
-    bare = lean.bf16_params(optax.sgd(3e-3), key=5)
-    grads = jax.grad(_loss)(params, x, y)
-    eager = bare.update(grads, bare.init(params), params)
-    jitted = jax.jit(bare.update)(grads, bare.init(params), params)
-    assert _tree_bits_equal(eager, jitted)
-    # Another seed draws other bits.
-    tx2 = jaxmp.loss_scaling(lean.bf16_params(optax.sgd(3e-3), key=6), "none")
-    p2, _, _ = _run(tx2, params, tx2.init(params), jnp.zeros(2, bool), x, y)
-    assert not _tree_bits_equal(p2, pj)
+    params = {"w": jnp.linspace(-1, 1, 512).astype(BF16)}
+    grads = {"w": jnp.linspace(3, -2, 512).astype(BF16)}
+    tx = lean.bf16_params(optax.sgd(1e-3), key=5)
+    state = tx.init(params)
+    eager = tx.update(grads, state, params)
+    update = jax.jit(tx.update)
+    assert _tree_bits_equal(eager, update(grads, state, params))
+    # The next step (count 1) and another seed draw other bits.
+    _, state1 = update(grads, state, params)
+    assert int(state1.count) == 1
+    assert not np.array_equal(np.asarray(update(grads, state1, params)[0]["w"]), np.asarray(eager[0]["w"]))
+    other = lean.bf16_params(optax.sgd(1e-3), key=6)
+    assert not np.array_equal(np.asarray(jax.jit(other.update)(grads, other.init(params), params)[0]["w"]),
+                              np.asarray(eager[0]["w"]))
     # Per leaf: two leaves with identical values and updates round differently.
-    same = {"a": jnp.ones(256, BF16), "b": jnp.ones(256, BF16)}
-    t = lean.bf16_params(optax.sgd(1e-3), key=0)
-    u, _ = t.update({"a": jnp.ones(256, BF16), "b": jnp.ones(256, BF16)}, t.init(same), same)
+    same = {"a": params["w"], "b": params["w"]}
+    u, _ = jax.jit(tx.update)({"a": grads["w"], "b": grads["w"]}, tx.init(same), same)
     assert not np.array_equal(np.asarray(u["a"]), np.asarray(u["b"]))
 
 
@@ -296,11 +306,12 @@ def test_remainders_are_bitwise_the_float32_masters_over_1000_steps(apply):
     assert any(isinstance(s, lean.ParamRemaindersState) for s in rem_state)
 
 
-def test_remainders_closed_loop_matches_float32_masters_until_a_tie():
-    """Each run computing its own gradients from its own bf16 params: the masters stay bitwise equal
-    until the first step where a master's low half is exactly 0x8000 with an even high half, where
-    the remainders' param (ties away from zero) and ``astype`` (ties to even) differ by one ulp and
-    the two runs' forward passes part. Here that happens at step 251 of 400."""
+def test_remainders_closed_loop_is_bitwise_the_float32_masters():
+    """Each run computing its own gradients from its own bf16 params: the masters stay bitwise equal,
+    losses too, until a step where a master's low half is exactly 0x8000 with an even high half:
+    there the remainders' param (ties away from zero) and ``astype`` (ties to even) differ by one
+    ulp and the forward passes part (about 2**-16 per element and step; another seed met one at
+    step 251 of this problem). This seed meets none: bitwise over 1000 AdamW steps."""
     x, y = _regression(3)
     inner = optax.adamw(1e-3)
     ref = jaxmp.loss_scaling(inner, "none", master_weights=True)
@@ -322,12 +333,13 @@ def test_remainders_closed_loop_matches_float32_masters_until_a_tie():
 
     params = _bf16_init(3)
     carry = (params, ref.init(params), params, rem.init(params))
-    _, (same, params_same, tie, loss_same) = jax.jit(lambda c: jax.lax.scan(body, c, None, length=400))(carry)
+    _, (same, params_same, tie, loss_same) = jax.jit(lambda c: jax.lax.scan(body, c, None, length=1000))(carry)
     same, params_same, tie, loss_same = map(np.asarray, (same, params_same, tie, loss_same))
     first = int(np.argmin(params_same)) if not params_same.all() else len(params_same)
-    assert first == 251  # deterministic for this seed; the test below pins what happens there
     assert same[:first + 1].all() and loss_same[:first + 1].all()
-    assert tie[first] and not tie[:first].any()
+    if first < len(params_same):  # the runs may part only where the rounding rules differ
+        assert tie[first] and not tie[:first].any()
+    assert first == len(params_same) and same.all()  # this seed meets no tie: bitwise over all 1000 steps
 
 
 def test_remainders_snap_when_a_step_almost_cancels_the_param():
@@ -383,11 +395,9 @@ def test_preset_bytes_per_parameter(name):
 def test_preset_with_gradient_accumulation_inside_loss_scaling(name):
     """accumulate_steps=2 (optax.MultiSteps inside): params move on every second step only, a skipped
     mini-step leaves everything bitwise unchanged, and the loss goes down."""
-    x, y = _regression(4)
-    tx = jaxmp.loss_scaling(lean.preset(name, optax.adamw(1e-2), key=1, accumulate_steps=2), "none")
+    tx, step = _preset_step(name, 2, 1e-2)
     params = _bf16_init(4)
     state = tx.init(params)
-    step = jax.jit(_step_fn(tx, x, y))
     history = [params]
     for i in range(12):
         params, state, loss = step(params, state, jnp.array(False))
@@ -403,12 +413,10 @@ def test_preset_with_gradient_accumulation_inside_loss_scaling(name):
 
 
 def test_remainders_with_accumulation_equal_masters_with_accumulation():
-    x, y = _regression(5)
-    ref = jaxmp.loss_scaling(lean.preset("fp32-masters", optax.adamw(1e-3), accumulate_steps=3), "none")
-    rem = jaxmp.loss_scaling(lean.preset("remainders", optax.adamw(1e-3), accumulate_steps=3), "none")
+    (ref, ref_step), (rem, rem_step) = _preset_step("fp32-masters", 2, 1e-2), _preset_step("remainders", 2, 1e-2)
     params = _bf16_init(5)
-    p_ref, s_ref, _ = _run(ref, params, ref.init(params), jnp.zeros(60, bool), x, y)
-    p_rem, s_rem, _ = _run(rem, params, rem.init(params), jnp.zeros(60, bool), x, y)
+    p_ref, s_ref, _ = _run(ref, params, ref.init(params), np.zeros(60, bool), *_DATA, step=ref_step)
+    p_rem, s_rem, _ = _run(rem, params, rem.init(params), np.zeros(60, bool), *_DATA, step=rem_step)
     assert _tree_bits_equal(lean.remainder_master(p_rem, s_rem), jaxmp.master_params(s_ref))
 
 
@@ -443,3 +451,78 @@ def test_bf16_params_update_needs_params():
     state = tx.init({"w": jnp.ones(2, BF16)})
     with pytest.raises(ValueError, match=r"bf16_params updates the params themselves and needs them"):
         tx.update({"w": jnp.ones(2, BF16)}, state)
+
+
+# ----------------------------------------------------------------------------------- fidelity
+
+FIDELITY_STEPS = 1500
+
+
+def _mlp_problem(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(1024, 8)).astype(np.float32)
+    y = np.sin(x @ rng.normal(size=8)) + 0.5 * x[:, 0] * x[:, 1] + 0.1 * rng.normal(size=1024)  # noise floor 0.01
+    params = {"w1": rng.normal(size=(8, 16)) / np.sqrt(8), "b1": np.zeros(16), "w2": rng.normal(size=(16, 1)) / 4,
+              "b2": np.zeros(1)}
+    return jnp.asarray(x), jnp.asarray(y[:, None], jnp.float32), {k: jnp.asarray(v, BF16) for k, v in params.items()}
+
+
+def _mlp_loss(p, x, y):
+    p = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), p)
+    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
+
+
+def _train_seeds(make, seeds=(0, 1, 2)):
+    """Trains one recipe for every seed at once (vmapped: one compilation). Returns the final losses and,
+    per step, the median over ``w1`` of |master step| / ulp of the bf16 param (for master recipes)."""
+    txs = [jaxmp.loss_scaling(make(s), "none") for s in seeds]
+    problems = [_mlp_problem(s) for s in seeds]
+    stack = lambda *t: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *t)  # noqa: E731
+    x, y, params = stack(*problems)
+    state = stack(*[tx.init(p) for tx, (_, _, p) in zip(txs, problems)])  # each seed's own key
+    tx = txs[0]  # the update reads the key from the state
+
+    def run(params, state, x, y):
+        def body(carry, _):
+            p, s = carry
+            g = jax.grad(_mlp_loss)(p, x, y)
+            u, s_new = tx.update(g, s, p)
+            new = jaxmp.apply_updates(p, u, s_new)
+            ratio = jnp.zeros(())
+            if find_states(s, jaxmp.MasterWeightsState):
+                step = jaxmp.master_params(s_new)["w1"] - jaxmp.master_params(s)["w1"]
+                ulp = jnp.nextafter(p["w1"], jnp.bfloat16(jnp.inf)).astype(jnp.float32) - p["w1"].astype(jnp.float32)
+                ratio = jnp.median(jnp.abs(step) / jnp.abs(ulp))
+            return (new, s_new), ratio
+        (p, s), ratios = jax.lax.scan(body, (params, state), None, length=FIDELITY_STEPS)
+        return _mlp_loss(p, x, y), ratios
+
+    losses, ratios = jax.jit(jax.vmap(run))(params, state, x, y)
+    return np.asarray(losses), np.asarray(ratios)
+
+
+@pytest.mark.slow
+def test_fidelity_stochastic_rounding_against_float32_masters_and_plain_bf16():
+    """A tanh MLP (8-16-1, 1024 noisy samples, noise floor 0.01), AdamW with a cosine decay from 1e-2
+    to 0 over 1500 steps, bf16 params, 3 seeds.
+
+    The SR recipes and the remainders end within the float32-master seed spread or 1% of its mean,
+    whichever is larger (the remainders run is the master run bit for bit until a rounding tie parts
+    them, see above). Plain bf16 params (round to nearest, float32 moments) stall: in the decayed
+    tail (the last fifth) the median master step is a small fraction of an ulp of its bf16 param
+    (the printed ratio), so round to nearest drops it; stochastic rounding keeps it in expectation.
+    Numbers in docs/lean-recipes.md.
+    """
+    sched = optax.cosine_decay_schedule(1e-2, FIDELITY_STEPS)
+    ref, ratios = _train_seeds(lambda s: lean.preset("fp32-masters", optax.adamw(sched)))
+    tolerance = max(ref.max() - ref.min(), 0.01 * ref.mean())
+    results = {"fp32-masters": ref}
+    for name in ("remainders", "bf16-sr", "sr-params"):
+        results[name], _ = _train_seeds(lambda s, name=name: lean.preset(name, optax.adamw(sched), key=s))
+    results["plain bf16"], _ = _train_seeds(lambda s: lean.bf16_params(optax.adamw(sched), rounding="nearest"))
+    tail = float(np.median(ratios[:, -FIDELITY_STEPS // 5:]))
+    print({k: [round(float(v), 5) for v in vals] for k, vals in results.items()}, "tail update/ulp", tail)
+    for name in ("remainders", "bf16-sr", "sr-params"):
+        assert abs(results[name].mean() - ref.mean()) <= tolerance, (name, results[name], ref)
+    assert tail < 0.5  # the tail's updates are below half an ulp...
+    assert results["plain bf16"].min() > ref.max() + tolerance  # ...and plain bf16 loses them
