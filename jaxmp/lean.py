@@ -249,7 +249,8 @@ def bf16_moments(inner: optax.GradientTransformation, key: Any = None, *,
 
     def update_fn(grads, state, params=None, **extra_args):
         if not isinstance(state, Bf16MomentsState):
-            raise TypeError(f"state must be the Bf16MomentsState made by bf16_moments' init, got {type(state).__name__}")
+            raise TypeError(f"state must be the Bf16MomentsState made by bf16_moments' init, got "
+                            f"{type(state).__name__}")
         wide = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if _is_moment(x) else x, state.inner_state)
         updates, new_inner = inner.update(grads, wide, params, **extra_args)
         old_leaves = jax.tree_util.tree_leaves(state.inner_state)
@@ -297,8 +298,9 @@ def bf16_params(inner: optax.GradientTransformation, key: Any = None, *,
     The returned updates are float32 differences ``new - old``: ``jaxmp.apply_updates`` and
     ``optax.apply_updates`` both add them in float32 and round to the param's dtype, which gives
     the new param exactly unless the step almost cancels the param (``|new| < 2**-16 |old|``),
-    where the result is within one float32 ulp of ``old`` of it. ``rounding="nearest"`` is plain
-    bfloat16 training (the failure mode: updates below half an ulp are lost).
+    where the result may differ from it by up to one float32 ulp of ``old``.
+    ``rounding="nearest"`` is plain bfloat16 training (the failure mode: updates below half an ulp
+    are lost).
 
     Args:
       inner: the optax transformation run in float32 (e.g. ``optax.adamw``).
@@ -421,7 +423,8 @@ def merge_master(param: jax.Array, remainder: jax.Array) -> jax.Array:
     """
     param, remainder = jnp.asarray(param), jnp.asarray(remainder)
     if param.dtype != jnp.bfloat16:
-        raise TypeError(f"param remainders reconstruct a float32 from a bfloat16 param (its high half); got {param.dtype}")
+        raise TypeError(f"param remainders reconstruct a float32 from a bfloat16 param (its high half); got "
+                        f"{param.dtype}")
     if remainder.dtype != jnp.int16:
         raise TypeError(f"remainder must be int16, got {remainder.dtype}")
     high = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
@@ -472,7 +475,8 @@ def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTrans
       >>> state = tx.init(params)
       >>> updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
       >>> params = jaxmp.apply_updates(params, updates, state)
-      >>> params["w"].tolist(), remainder_master(params, state)["w"].tolist() == [jnp.float32(1) - jnp.float32(1e-4)] * 2
+      >>> master = remainder_master(params, state)["w"]
+      >>> params["w"].tolist(), master.tolist() == [jnp.float32(1) - jnp.float32(1e-4)] * 2
       ([1.0, 1.0], True)
     """
     inner = _check_inner(inner)
@@ -609,7 +613,8 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
     """
     if name not in PRESETS:
         raise ValueError(f"Unknown lean preset {name!r}; the presets are {', '.join(PRESETS)}")
-    if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, (int, np.integer)) or accumulate_steps < 1:
+    if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, (int, np.integer)) \
+            or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
     stochastic = name in ("masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr")
     base = jax.random.wrap_key_data(_key_data(key, f"preset {name!r}"), impl=_IMPL) if stochastic else None

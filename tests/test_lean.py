@@ -24,6 +24,10 @@ def _bits(x):
     return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
+def _u32(x):
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
 def _tree_bits_equal(a, b):
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
@@ -281,7 +285,7 @@ def _open_loop(apply, steps=1000, seed=0):
         u, s_rem = rem.update(grads, s_rem, p_rem)
         p_rem = apply(p_rem, u, s_rem) if apply is jaxmp.apply_updates else apply(p_rem, u)
         masters = lean.remainder_master(p_rem, s_rem)
-        same = jnp.stack([jnp.all(jax.lax.bitcast_convert_type(a, jnp.uint32) == jax.lax.bitcast_convert_type(b, jnp.uint32))
+        same = jnp.stack([jnp.all(_u32(a) == _u32(b))
                           for a, b in zip(jax.tree_util.tree_leaves(masters),
                                           jax.tree_util.tree_leaves(jaxmp.master_params(s_ref)))]).all()
         ties = sum(jnp.sum(a != b) for a, b in zip(jax.tree_util.tree_leaves(p_rem), jax.tree_util.tree_leaves(p_ref)))
@@ -323,7 +327,7 @@ def test_remainders_closed_loop_is_bitwise_the_float32_masters():
         p_ref, st_ref, l_ref = s_ref(p_ref, st_ref, False)
         p_rem, st_rem, l_rem = s_rem(p_rem, st_rem, False)
         m_ref, m_rem = jaxmp.master_params(st_ref), lean.remainder_master(p_rem, st_rem)
-        same = jnp.stack([jnp.all(jax.lax.bitcast_convert_type(a, jnp.uint32) == jax.lax.bitcast_convert_type(b, jnp.uint32))
+        same = jnp.stack([jnp.all(_u32(a) == _u32(b))
                           for a, b in zip(jax.tree_util.tree_leaves(m_ref), jax.tree_util.tree_leaves(m_rem))]).all()
         params_same = jnp.stack([jnp.all(a == b) for a, b in zip(jax.tree_util.tree_leaves(p_ref),
                                                                   jax.tree_util.tree_leaves(p_rem))]).all()
@@ -426,7 +430,8 @@ def test_remainders_with_accumulation_equal_masters_with_accumulation():
 @pytest.mark.parametrize("fn,exc,pattern", [
     (lambda: lean.bf16_params(optax.sgd(0.1)), TypeError, r"needs key=: an int seed or a jax.random.key"),
     (lambda: lean.bf16_moments(optax.adam(0.1)), TypeError, r"needs key="),
-    (lambda: lean.preset("bf16-sr", optax.adam(0.1)), TypeError, r"preset 'bf16-sr' rounds stochastically and needs key="),
+    (lambda: lean.preset("bf16-sr", optax.adam(0.1)), TypeError,
+     r"preset 'bf16-sr' rounds stochastically and needs key="),
     (lambda: lean.bf16_params(optax.sgd(0.1), key=jax.random.key(0, impl="rbg")), ValueError, r"threefry2x32 key.*rbg"),
     (lambda: lean.bf16_params(optax.sgd(0.1), key=2.5), TypeError, r"key must be an int seed"),
     (lambda: lean.bf16_params(optax.sgd(0.1), key=True), TypeError, r"got the bool"),
