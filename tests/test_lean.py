@@ -531,3 +531,14 @@ def test_fidelity_stochastic_rounding_against_float32_masters_and_plain_bf16():
         assert abs(results[name].mean() - ref.mean()) <= tolerance, (name, results[name], ref)
     assert tail < 0.5  # the tail's updates are below half an ulp...
     assert results["plain bf16"].min() > ref.max() + tolerance  # ...and plain bf16 loses them
+
+
+@pytest.mark.parametrize("name", ["bf16-sr", "remainders-bf16-moments"])
+def test_presets_run_under_strict_dtype_promotion(name, strict_promotion):
+    # optax's own Adam bias correction (float ** int32 count) fails under strict promotion: SGD momentum.
+    tx = jaxmp.loss_scaling(lean.preset(name, optax.sgd(1e-1, momentum=0.9), key=0), "none")
+    params = {"w": jnp.ones((4, 3), BF16)}
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)({"w": jnp.full((4, 3), 0.5, BF16)}, state, params)
+    new = jaxmp.apply_updates(params, updates, state)
+    assert new["w"].dtype == BF16 and bool((new["w"] < 1).all())
