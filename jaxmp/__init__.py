@@ -7,13 +7,15 @@ engine behind ``autocast``, which the Flax integration runs through too), ``plat
 recommendation), ``loss_scale`` (loss-scale pytrees), ``skip`` (the skip-on-non-finite
 select), ``transform`` (the optax loss-scaling and master-weights transforms), ``grad``
 (scaled ``value_and_grad``), ``flax`` (Linen/NNX integration), ``parallel``
-(pmap / sharded jit / multi-host) and ``diagnostics``.
+(pmap / sharded jit / multi-host), ``lean`` (memory-lean optimizer recipes: stochastic rounding,
+param remainders) and ``diagnostics``.
 """
 
 import importlib as _importlib
 import warnings as _warnings
 
 from jaxmp import fp8
+from jaxmp import lean
 from jaxmp import parallel
 from jaxmp.diagnostics import GradientStats
 from jaxmp.diagnostics import GroupStats
@@ -136,6 +138,7 @@ __all__ = [
     # subpackages and lazily imported Flax names
     "flax",
     "fp8",
+    "lean",
     "parallel",
     *_LAZY_FLAX,
 ]

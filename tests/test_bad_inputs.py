@@ -41,6 +41,11 @@ def _plain_grad_update(jit):
     return (jax.jit(step) if jit else step)(_P, tx.init(_P))
 
 
+def _lean_update_without_params(tx):
+    params = {"w": jnp.ones(3, jnp.bfloat16)}
+    return tx.update(params, tx.init(params))
+
+
 def _select_mismatch():
     return jaxmp.select_tree(jnp.array(True), {"a": jnp.ones(2)}, {"b": jnp.ones(2)})
 
@@ -138,6 +143,16 @@ CASES = [
     ("pmap batch_stats carried in aux", _pmap_aux_batch_stats, ValueError, r"'batch_stats' in its aux.*model_state=True"),
     ("wrong state type", lambda: jaxmp.loss_scaling(optax.sgd(0.1)).update(_P, optax.EmptyState(), _P), TypeError,
      r"state must be the LossScalingState"),
+    # Issue 26: memory-lean recipes (jaxmp.lean).
+    ("stochastic rounding without a key", lambda: jaxmp.lean.bf16_params(optax.sgd(0.1)), TypeError,
+     r"bf16_params rounds stochastically and needs key="),
+    ("remainders of float16 params", lambda: jaxmp.lean.param_remainders(optax.sgd(0.1)).init(
+        {"w": jnp.ones(2, jnp.float16)}), TypeError, r"float16 value is not the high half of a float32"),
+    ("remainders updated without params", lambda: _lean_update_without_params(jaxmp.lean.param_remainders(
+        optax.sgd(0.1))), ValueError, r"param_remainders updates the params themselves.*tx.update\(grads, state, params\)"),
+    ("non-threefry key", lambda: jaxmp.lean.bf16_moments(optax.adam(0.1), jax.random.key(0, impl="rbg")), ValueError,
+     r"threefry2x32 key.*got a rbg key"),
+    ("unknown lean preset", lambda: jaxmp.lean.preset("fp4", optax.adam(0.1)), ValueError, r"Unknown lean preset 'fp4'"),
 ]
 
 

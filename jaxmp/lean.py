@@ -1,0 +1,630 @@
+"""Memory-lean optimizer recipes: bfloat16 moments and params with stochastic rounding, param remainders.
+
+Under O2-bf16 with AdamW the training state costs 14 bytes per parameter: the bf16 param (2),
+its float32 master (4) and two float32 moments (8). The transforms here spend less, each as an
+optax transformation that composes with :func:`jaxmp.loss_scaling` (wrap them in it, as any
+inner optimizer) and with ``optax.MultiSteps``:
+
+* :func:`bf16_moments` stores the inner optimizer's moments in bfloat16, does its arithmetic in
+  float32, and rounds the new moments *stochastically* when it stores them. Round-to-nearest
+  stalls: Adam's ``nu`` with ``b2 = 0.999`` and ``g**2 = 1`` sticks at 0.25 in bfloat16, since
+  ``0.001 * (1 - 0.25)`` is below half a bfloat16 ulp at 0.25, where float32 reaches 0.993 after
+  5000 steps; stochastic rounding tracks float32 in expectation.
+* :func:`bf16_params` keeps bfloat16 params with no master copy: the update is computed in
+  float32 and the new param rounded stochastically (arXiv:2010.06192), so an update far below
+  half an ulp still moves the param in expectation.
+* :func:`param_remainders` keeps a bfloat16 param plus the low 16 bits of its float32 master
+  (Apex ``DistributedFusedAdam(store_param_remainders=True)``): the master is reconstructed bit
+  for bit, for 2 bytes instead of 4.
+* :func:`preset` builds the useful combinations by name (:data:`PRESETS`, with their bytes per
+  parameter).
+
+**Random bits.** The PRNG key lives in the optimizer state (a raw ``uint32[2]`` threefry2x32
+key, so it checkpoints with the rest) with a step counter. Each update folds the counter into
+the key, then the leaf's index in the params' (or state's) leaf order
+(``fold_in(fold_in(key, count), leaf)``), and draws ``jax.random.bits`` of the leaf's shape.
+threefry2x32 is used whatever ``jax_default_prng_impl`` says; with ``jax_threefry_partitionable``
+(JAX's default since 0.5) the bits of an array do not depend on how it is sharded, so stochastic
+rounding under sharded state equals stochastic rounding replicated, and jitted equals eager.
+
+**Skipped steps.** The counter lives in the inner state that :func:`jaxmp.loss_scaling` keeps
+bitwise unchanged on a skipped step: it advances on applied steps only, a skipped step's retry
+draws the same bits, and a run resumed from a checkpoint is bit-exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxmp.dtypes import is_floating_array
+from jaxmp.transform import _check_inner, check_same_structure, find_states
+from jaxmp.transform import master_weights as _master_weights
+
+__all__ = [
+    "Bf16MomentsState",
+    "Bf16ParamsState",
+    "ParamRemaindersState",
+    "PRESETS",
+    "bf16_moments",
+    "bf16_params",
+    "merge_master",
+    "param_remainders",
+    "preset",
+    "remainder_master",
+    "split_master",
+    "stochastic_round",
+]
+
+_ROUNDINGS = ("stochastic", "nearest")
+_IMPL = "threefry2x32"
+
+
+class Bf16MomentsState(NamedTuple):
+    """State of :func:`bf16_moments`.
+
+    Attributes:
+      inner_state: the wrapped transformation's state, its moment leaves (floating, ``ndim >= 1``)
+        stored in bfloat16.
+      key: uint32[2], the raw threefry2x32 key data (constant).
+      count: int32 [], updates applied so far (folded into ``key`` for each update's bits).
+    """
+
+    inner_state: Any
+    key: jax.Array
+    count: jax.Array
+
+
+class Bf16ParamsState(NamedTuple):
+    """State of :func:`bf16_params`.
+
+    Attributes:
+      inner_state: the wrapped transformation's state, built on a float32 view of the params.
+      key: uint32[2], the raw threefry2x32 key data (constant).
+      count: int32 [], updates applied so far (folded into ``key`` for each update's bits).
+    """
+
+    inner_state: Any
+    key: jax.Array
+    count: jax.Array
+
+
+class ParamRemaindersState(NamedTuple):
+    """State of :func:`param_remainders`.
+
+    Attributes:
+      inner_state: the wrapped transformation's state, built on the float32 masters.
+      remainders: int16 per bfloat16 param leaf, the low 16 bits of its float32 master (see
+        :func:`split_master`); an empty int16 ``[0]`` placeholder for float32 and non-floating leaves.
+    """
+
+    inner_state: Any
+    remainders: Any
+
+
+# --------------------------------------------------------------------------- keys and rounding
+
+
+def _key_data(key: Any, what: str) -> jax.Array:
+    """``key`` (an int seed, a threefry2x32 key, or its raw uint32[2] data) as raw uint32[2] data."""
+    if key is None:
+        raise TypeError(f"{what} rounds stochastically and needs key=: an int seed or a jax.random.key(...) "
+                        "(threefry2x32); it is stored in the optimizer state and checkpointed with it")
+    if isinstance(key, (bool, np.bool_)):
+        raise TypeError(f"{what}: key must be an int seed or a threefry2x32 PRNG key, got the bool {key}")
+    if isinstance(key, (int, np.integer)):
+        return jax.random.key_data(jax.random.key(int(key), impl=_IMPL))
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        impl = str(jax.random.key_impl(key))
+        if impl != _IMPL:
+            raise ValueError(f"{what}: key must be a threefry2x32 key (its bits do not depend on sharding), got a "
+                             f"{impl} key; make it with jax.random.key(seed, impl='threefry2x32')")
+        if jnp.shape(key) != ():
+            raise ValueError(f"{what}: key must be a single key, got a key array of shape {jnp.shape(key)}")
+        return jax.random.key_data(key)
+    if dtype is not None and np.dtype(dtype) == np.uint32 and jnp.shape(key) == (2,):
+        return jnp.asarray(key)
+    raise TypeError(f"{what}: key must be an int seed, a jax.random.key(...) or raw uint32[2] key data, got "
+                    f"{type(key).__name__}{'' if dtype is None else f' of dtype {dtype} and shape {jnp.shape(key)}'}")
+
+
+def _as_key(key: Any) -> jax.Array:
+    if getattr(key, "dtype", None) is not None and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(_key_data(key, "stochastic_round"), impl=_IMPL)
+
+
+def _leaf_keys(key_data: jax.Array, count: jax.Array, n: int) -> list:
+    step = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl=_IMPL), count)
+    return [jax.random.fold_in(step, i) for i in range(n)]
+
+
+def _check_rounding(rounding: Any) -> str:
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+    return rounding
+
+
+def stochastic_round(x: jax.Array, key: Any, dtype: Any = jnp.bfloat16) -> jax.Array:
+    """Rounds float32 ``x`` to bfloat16 stochastically: up with probability equal to the distance.
+
+    A value between two bfloat16 neighbours ``lo < x < hi`` becomes ``hi`` with probability
+    ``(x - lo) / (hi - lo)``, so ``E[stochastic_round(x)] == x``: 16 random bits are added to the
+    low half of ``x``'s float32 bit pattern, which is then truncated. Values that bfloat16
+    represents, infinities and NaN are returned unchanged.
+
+    Args:
+      x: a float32 array.
+      key: a threefry2x32 PRNG key (or an int seed).
+      dtype: the target dtype; only bfloat16 (the high half of a float32) is supported.
+
+    Returns:
+      A bfloat16 array of ``x``'s shape.
+
+    Raises:
+      TypeError: ``x`` is not float32.
+      ValueError: ``dtype`` is not bfloat16.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmp.lean import stochastic_round
+      >>> x = jnp.full(10_000, 1.0 + 2.0**-9, jnp.float32)      # a quarter of the way to the next bf16
+      >>> r = stochastic_round(x, jax.random.key(0))
+      >>> sorted(set(r.astype(jnp.float32).tolist())), round(float(r.astype(jnp.float32).mean()), 4)
+      ([1.0, 1.0078125], 1.002)
+    """
+    if np.dtype(dtype) != np.dtype(jnp.bfloat16):
+        raise ValueError(f"stochastic_round rounds float32 to bfloat16 only (the high half of the float32 bit "
+                         f"pattern), got dtype {np.dtype(dtype)}")
+    x = jnp.asarray(x)
+    if x.dtype != jnp.float32:
+        raise TypeError(f"stochastic_round rounds float32 values, got {x.dtype}")
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    noise = jax.random.bits(_as_key(key), x.shape, jnp.uint32) >> 16
+    high = ((bits + noise) >> 16).astype(jnp.uint16)
+    rounded = jax.lax.bitcast_convert_type(high, jnp.bfloat16)
+    # A NaN whose payload sits in the low half only would otherwise truncate to inf.
+    return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), rounded)
+
+
+def _round(x: jax.Array, key, rounding: str) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return stochastic_round(x, key) if rounding == "stochastic" else x.astype(jnp.bfloat16)
+
+
+# --------------------------------------------------------------------------- bf16 moments
+
+
+def _is_moment(x: Any) -> bool:
+    return is_floating_array(x) and jnp.ndim(x) >= 1 and jnp.asarray(x).dtype in (jnp.float32, jnp.bfloat16)
+
+
+def bf16_moments(inner: optax.GradientTransformation, key: Any = None, *,
+                 rounding: str = "stochastic") -> optax.GradientTransformationExtraArgs:
+    """Stores ``inner``'s moments in bfloat16, computes in float32, rounds stochastically on store.
+
+    Every floating leaf of ``inner``'s state with ``ndim >= 1`` (Adam's ``mu`` and ``nu``, momentum
+    buffers) is kept in bfloat16; scalars (step counts, injected hyperparameters) keep their dtype.
+    ``update`` casts the stored moments to float32, runs ``inner`` (whose updates therefore come
+    from float32 moments), and rounds the new moments to bfloat16 when it stores them.
+
+    ``rounding="nearest"`` is the failure mode, kept for comparison: Adam's ``nu`` with
+    ``b2 = 0.999`` and ``g**2 = 1`` sticks at 0.25 (the increment ``0.001 * 0.75`` is below half
+    a bfloat16 ulp at 0.25), where float32 reaches 0.9933 after 5000 steps. ``"stochastic"``
+    (the default) tracks float32 in expectation.
+
+    Args:
+      inner: the optax transformation whose state is stored in bfloat16 (e.g. ``optax.adamw``).
+      key: an int seed or a threefry2x32 ``jax.random.key``; required for stochastic rounding.
+      rounding: ``"stochastic"`` (default) or ``"nearest"``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`Bf16MomentsState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxmp.lean import bf16_moments
+      >>> tx = bf16_moments(optax.adam(1e-3), key=0)
+      >>> state = tx.init({"w": jnp.zeros(3)})
+      >>> state.inner_state[0].nu["w"].dtype
+      dtype(bfloat16)
+      >>> updates, state = tx.update({"w": jnp.ones(3)}, state)
+      >>> updates["w"].dtype, int(state.count)
+      (dtype('float32'), 1)
+    """
+    inner = _check_inner(inner)
+    rounding = _check_rounding(rounding)
+    key_data = _key_data(key, "bf16_moments") if rounding == "stochastic" or key is not None \
+        else jnp.zeros(2, jnp.uint32)
+
+    def init_fn(params):
+        state = inner.init(params)
+        stored = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16) if _is_moment(x) else x, state)
+        return Bf16MomentsState(stored, jnp.array(key_data), jnp.zeros([], jnp.int32))
+
+    def update_fn(grads, state, params=None, **extra_args):
+        if not isinstance(state, Bf16MomentsState):
+            raise TypeError(f"state must be the Bf16MomentsState made by bf16_moments' init, got "
+                            f"{type(state).__name__}")
+        wide = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if _is_moment(x) else x, state.inner_state)
+        updates, new_inner = inner.update(grads, wide, params, **extra_args)
+        old_leaves = jax.tree_util.tree_leaves(state.inner_state)
+        new_leaves, treedef = jax.tree_util.tree_flatten(new_inner)
+        if len(new_leaves) != len(old_leaves):
+            raise ValueError("the inner optimizer's update changed the structure of its state")
+        keys = _leaf_keys(state.key, state.count, len(new_leaves)) if rounding == "stochastic" else [None] * len(
+            new_leaves)
+        stored = [_round(new, k, rounding) if _is_moment(old) else new
+                  for old, new, k in zip(old_leaves, new_leaves, keys)]
+        return updates, Bf16MomentsState(jax.tree_util.tree_unflatten(treedef, stored), state.key,
+                                         (state.count + 1).astype(jnp.int32))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- bf16 params
+
+
+def _check_param_dtypes(params: Any, what: str, allowed: tuple, fix: str) -> None:
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+        if is_floating_array(p) and jnp.asarray(p).dtype not in allowed:
+            raise TypeError(f"{what}: param leaf at {jax.tree_util.keystr(path)} is {jnp.asarray(p).dtype}; {fix}")
+
+
+def _need_params(params: Any, what: str) -> None:
+    if params is None:
+        raise ValueError(f"{what} updates the params themselves and needs them: call tx.update(grads, state, params)")
+
+
+def _to_f32(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x).astype(jnp.float32) if is_floating_array(x) else x, tree)
+
+
+def bf16_params(inner: optax.GradientTransformation, key: Any = None, *,
+                rounding: str = "stochastic") -> optax.GradientTransformationExtraArgs:
+    """Updates bfloat16 params with no master copy, rounding each new param stochastically.
+
+    ``inner`` runs on a float32 view of the params and float32 gradients (its moments are float32
+    unless wrapped in :func:`bf16_moments`); each bfloat16 param becomes
+    ``stochastic_round(float32(param) + update)``, so an update far below half an ulp still moves
+    the param by the right amount in expectation ("Revisiting BFloat16 Training",
+    arXiv:2010.06192). float32 params (if any) are updated in float32; float16 params are refused.
+
+    The returned updates are float32 differences ``new - old``: ``jaxmp.apply_updates`` and
+    ``optax.apply_updates`` both add them in float32 and round to the param's dtype, which gives
+    the new param exactly unless the step almost cancels the param (``|new| < 2**-16 |old|``),
+    where the result may differ from it by up to one float32 ulp of ``old``.
+    ``rounding="nearest"`` is plain bfloat16 training (the failure mode: updates below half an ulp
+    are lost).
+
+    Args:
+      inner: the optax transformation run in float32 (e.g. ``optax.adamw``).
+      key: an int seed or a threefry2x32 ``jax.random.key``; required for stochastic rounding.
+      rounding: ``"stochastic"`` (default) or ``"nearest"``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`Bf16ParamsState`;
+      ``update`` requires ``params``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> from jaxmp.lean import bf16_params
+      >>> tx = jaxmp.loss_scaling(bf16_params(optax.sgd(1e-4), key=0), "none")
+      >>> params = {"w": jnp.ones(4096, jnp.bfloat16)}      # the bf16 below 1.0 is 2**-8 away: 39x the step
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.ones(4096, jnp.bfloat16)}, state, params)
+      >>> params = jaxmp.apply_updates(params, updates, state)
+      >>> moved = float((params["w"] != 1).mean())           # ~1/39 of them moved one ulp down
+      >>> 0.015 < moved < 0.035
+      True
+    """
+    inner = _check_inner(inner)
+    rounding = _check_rounding(rounding)
+    key_data = _key_data(key, "bf16_params") if rounding == "stochastic" or key is not None \
+        else jnp.zeros(2, jnp.uint32)
+    fix = "bf16_params keeps bfloat16 params (float32 ones are updated in float32); use master weights for float16"
+
+    def init_fn(params):
+        _check_param_dtypes(params, "bf16_params", (jnp.bfloat16, jnp.float32), fix)
+        return Bf16ParamsState(inner.init(_to_f32(params)), jnp.array(key_data), jnp.zeros([], jnp.int32))
+
+    def update_fn(grads, state, params=None, **extra_args):
+        if not isinstance(state, Bf16ParamsState):
+            raise TypeError(f"state must be the Bf16ParamsState made by bf16_params' init, got {type(state).__name__}")
+        _need_params(params, "bf16_params")
+        check_same_structure(grads, params, "gradients", "params")
+        _check_param_dtypes(params, "bf16_params", (jnp.bfloat16, jnp.float32), fix)
+        wide = _to_f32(params)
+        updates, inner_state = inner.update(_to_f32(grads), state.inner_state, wide, **extra_args)
+        p_leaves, treedef = jax.tree_util.tree_flatten(params)
+        keys = _leaf_keys(state.key, state.count, len(p_leaves)) if rounding == "stochastic" else [None] * len(
+            p_leaves)
+
+        def delta(p, w, u, k):
+            if not is_floating_array(p):
+                return jnp.zeros_like(p)
+            if jnp.asarray(p).dtype == jnp.float32:
+                return u.astype(jnp.float32)
+            new = _round(w + u.astype(jnp.float32), k, rounding)
+            return new.astype(jnp.float32) - w
+
+        deltas = [delta(p, w, u, k) for p, w, u, k in
+                  zip(p_leaves, jax.tree_util.tree_leaves(wide), treedef.flatten_up_to(updates), keys)]
+        return (jax.tree_util.tree_unflatten(treedef, deltas),
+                Bf16ParamsState(inner_state, state.key, (state.count + 1).astype(jnp.int32)))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------- param remainders
+
+
+def split_master(master: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Splits a float32 master into a bfloat16 param and an int16 remainder, losslessly.
+
+    The param is the master rounded to nearest bfloat16 with ties *away from zero* (the high 16
+    bits of the float32 pattern, plus one when the low 16 bits are >= 0x8000); the remainder is
+    the low 16 bits, read as a signed int16. Round-half-even would not do: it maps 65537 float32
+    patterns onto an even bfloat16 and 65535 onto an odd one, so 16 bits could not tell them
+    apart. The param therefore differs from ``master.astype(jnp.bfloat16)`` (ties to even) only
+    when the master's low 16 bits are exactly 0x8000 and its high half is even.
+
+    Args:
+      master: a float32 array.
+
+    Returns:
+      ``(param, remainder)``: bfloat16 and int16 arrays of ``master``'s shape, with
+      ``merge_master(param, remainder)`` bitwise equal to ``master``.
+
+    Raises:
+      TypeError: ``master`` is not float32.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp.lean import merge_master, split_master
+      >>> master = jnp.array([1.0 + 2.0**-20, -3.14159, 1e-30], jnp.float32)
+      >>> param, rem = split_master(master)
+      >>> param.dtype, rem.dtype, bool((merge_master(param, rem) == master).all())
+      (dtype(bfloat16), dtype('int16'), True)
+    """
+    master = jnp.asarray(master)
+    if master.dtype != jnp.float32:
+        raise TypeError(f"split_master splits float32 masters, got {master.dtype}")
+    bits = jax.lax.bitcast_convert_type(master, jnp.uint32)
+    low = bits & 0xFFFF
+    high = (bits >> 16) + (low >= 0x8000).astype(jnp.uint32)
+    param = jax.lax.bitcast_convert_type(high.astype(jnp.uint16), jnp.bfloat16)
+    return param, jax.lax.bitcast_convert_type(low.astype(jnp.uint16), jnp.int16)
+
+
+def merge_master(param: jax.Array, remainder: jax.Array) -> jax.Array:
+    """The float32 master held as a bfloat16 param and an int16 remainder (inverse of :func:`split_master`).
+
+    Args:
+      param: a bfloat16 array.
+      remainder: an int16 array of the same shape.
+
+    Returns:
+      The float32 array whose bit pattern is ``(param_bits << 16) + remainder`` (mod 2**32).
+
+    Raises:
+      TypeError: ``param`` is not bfloat16 (float16 is no half of a float32) or ``remainder`` not int16.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp.lean import merge_master
+      >>> merge_master(jnp.array([1.0], jnp.bfloat16), jnp.array([1], jnp.int16)).tolist() == [1.0 + 2.0**-23]
+      True
+    """
+    param, remainder = jnp.asarray(param), jnp.asarray(remainder)
+    if param.dtype != jnp.bfloat16:
+        raise TypeError(f"param remainders reconstruct a float32 from a bfloat16 param (its high half); got "
+                        f"{param.dtype}")
+    if remainder.dtype != jnp.int16:
+        raise TypeError(f"remainder must be int16, got {remainder.dtype}")
+    high = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
+    low = jax.lax.bitcast_convert_type(remainder.astype(jnp.int32), jnp.uint32)
+    return jax.lax.bitcast_convert_type(high + low, jnp.float32)
+
+
+_EMPTY = (0,)
+
+
+def _masters(params: Any, remainders: Any) -> Any:
+    return jax.tree_util.tree_map(
+        lambda p, r: merge_master(p, r) if is_floating_array(p) and jnp.asarray(p).dtype == jnp.bfloat16 else p,
+        params, remainders)
+
+
+def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Keeps float32 masters as bfloat16 params plus 16-bit remainders, exactly (Apex ``store_param_remainders``).
+
+    The state holds, per bfloat16 param, the int16 low half of its float32 master
+    (:func:`split_master`): 2 bytes instead of the 4 of a master copy. ``update`` reconstructs the
+    masters (:func:`merge_master`), runs ``inner`` on them in float32, steps them, and returns the
+    float32 differences that move each param onto the new master's high half; the new low halves
+    go into the state. Applied with ``jaxmp.apply_updates`` or ``optax.apply_updates`` (both add
+    in float32 and round to bfloat16), the params and remainders reconstruct the new masters bit
+    for bit, so training is bitwise that of ``loss_scaling(..., master_weights=True)`` fed the
+    same gradients. Two documented differences: the param is the master rounded with ties away
+    from zero (:func:`split_master`), which only differs from ``astype`` when the low half is
+    exactly 0x8000; and where a step almost cancels a param (``|new| < 2**-16 |old|``), the
+    float32 difference cannot carry the new param exactly and the master snaps to the param
+    actually applied (remainder 0): an error below one float32 ulp of the old param.
+
+    The params must be bfloat16 (float32 leaves are updated in float32 as their own masters);
+    float16 params are refused: a float16 value is not the high half of a float32.
+
+    Args:
+      inner: the optax transformation run on the float32 masters (e.g. ``optax.adamw``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`ParamRemaindersState`;
+      ``update`` requires ``params``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> from jaxmp.lean import param_remainders, remainder_master
+      >>> tx = jaxmp.loss_scaling(param_remainders(optax.sgd(1e-4)), "none")
+      >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+      >>> params = jaxmp.apply_updates(params, updates, state)
+      >>> master = remainder_master(params, state)["w"]
+      >>> params["w"].tolist(), master.tolist() == [jnp.float32(1) - jnp.float32(1e-4)] * 2
+      ([1.0, 1.0], True)
+    """
+    inner = _check_inner(inner)
+    fix = ("param remainders keep bfloat16 params: a float16 value is not the high half of a float32. Use "
+           "jaxmp.loss_scaling(..., master_weights=True) for float16 params")
+
+    def init_fn(params):
+        _check_param_dtypes(params, "param_remainders", (jnp.bfloat16, jnp.float32), fix)
+        remainders = jax.tree_util.tree_map(
+            lambda p: jnp.zeros(jnp.shape(p) if jnp.asarray(p).dtype == jnp.bfloat16 else _EMPTY, jnp.int16)
+            if is_floating_array(p) else jnp.zeros(_EMPTY, jnp.int16), params)
+        return ParamRemaindersState(inner.init(_to_f32(params)), remainders)
+
+    def update_fn(grads, state, params=None, **extra_args):
+        if not isinstance(state, ParamRemaindersState):
+            raise TypeError(f"state must be the ParamRemaindersState made by param_remainders' init, got "
+                            f"{type(state).__name__}")
+        _need_params(params, "param_remainders")
+        check_same_structure(grads, params, "gradients", "params")
+        if jax.tree_util.tree_structure(state.remainders) != jax.tree_util.tree_structure(params):
+            raise ValueError("params and the remainders in the state have different tree structures")
+        _check_param_dtypes(params, "param_remainders", (jnp.bfloat16, jnp.float32), fix)
+        masters = _masters(params, state.remainders)
+        updates, inner_state = inner.update(_to_f32(grads), state.inner_state, masters, **extra_args)
+        p_leaves, treedef = jax.tree_util.tree_flatten(params)
+        m_leaves = treedef.flatten_up_to(masters)
+        u_leaves = treedef.flatten_up_to(updates)
+        r_leaves = treedef.flatten_up_to(state.remainders)
+        deltas, rems = [], []
+        for p, m, u, r in zip(p_leaves, m_leaves, u_leaves, r_leaves):
+            if not is_floating_array(p):
+                deltas.append(jnp.zeros_like(p))
+                rems.append(r)
+                continue
+            if jnp.asarray(p).dtype == jnp.float32:
+                deltas.append(u.astype(jnp.float32))
+                rems.append(r)
+                continue
+            new_param, new_rem = split_master(m + u.astype(jnp.float32))
+            old = p.astype(jnp.float32)
+            d = new_param.astype(jnp.float32) - old
+            applied = (old + d).astype(jnp.bfloat16)    # what jaxmp.apply_updates and optax.apply_updates compute
+            exact = jax.lax.bitcast_convert_type(applied, jnp.uint16) == jax.lax.bitcast_convert_type(
+                new_param, jnp.uint16)
+            deltas.append(d)
+            rems.append(jnp.where(exact, new_rem, jnp.zeros_like(new_rem)))
+        return (jax.tree_util.tree_unflatten(treedef, deltas),
+                ParamRemaindersState(inner_state, jax.tree_util.tree_unflatten(treedef, rems)))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def remainder_master(params: Any, opt_state: Any) -> Any:
+    """The float32 masters held by :func:`param_remainders`: the params merged with their remainders.
+
+    Args:
+      params: the current (bfloat16) params.
+      opt_state: an optimizer state holding a :class:`ParamRemaindersState` (e.g. the
+        ``loss_scaling`` state around it).
+
+    Returns:
+      The float32 masters, one per param leaf (float32 and non-floating params as they are).
+
+    Raises:
+      ValueError: the state holds no (or several) :class:`ParamRemaindersState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxmp.lean import param_remainders, remainder_master
+      >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+      >>> remainder_master(params, param_remainders(optax.sgd(0.1)).init(params))["w"].dtype
+      dtype('float32')
+    """
+    found = find_states(opt_state, ParamRemaindersState)
+    if len(found) != 1:
+        raise ValueError(f"expected one param_remainders state in opt_state, found {len(found)}: build the "
+                         "optimizer with jaxmp.lean.param_remainders(...) or jaxmp.lean.preset('remainders', ...)")
+    check_same_structure(params, found[0].remainders, "params", "remainders")
+    return _masters(params, found[0].remainders)
+
+
+# --------------------------------------------------------------------------- presets
+
+PRESETS: dict[str, tuple[int, str]] = {
+    "fp32-masters": (14, "O2-bf16 with float32 masters and float32 moments: the reference"),
+    "remainders": (12, "bf16 params + int16 remainders: bitwise the float32-master run, 2 bytes less"),
+    "masters-bf16-moments": (10, "float32 masters, SR bf16 moments (DeepSeek-V3's recipe)"),
+    "sr-params": (10, "SR bf16 params, no master, float32 moments"),
+    "remainders-bf16-moments": (8, "exact masters via remainders, SR bf16 moments"),
+    "bf16-sr": (6, "SR bf16 params and SR bf16 moments: the leanest; unbiased but noisier"),
+}
+"""The names :func:`preset` takes: name -> (bytes per parameter with AdamW, params plus optimizer
+state, O(1) scalars aside; what the recipe trades)."""
+
+
+def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
+           accumulate_steps: int = 1) -> optax.GradientTransformationExtraArgs:
+    """A memory-lean recipe by name, to wrap in :func:`jaxmp.loss_scaling` (with bfloat16 params).
+
+    | name | bytes/param with AdamW | composition |
+    |---|---|---|
+    | ``"fp32-masters"`` | 14 | ``master_weights(inner)`` |
+    | ``"remainders"`` | 12 | ``param_remainders(inner)`` |
+    | ``"masters-bf16-moments"`` | 10 | ``master_weights(bf16_moments(inner))`` |
+    | ``"sr-params"`` | 10 | ``bf16_params(inner)`` |
+    | ``"remainders-bf16-moments"`` | 8 | ``param_remainders(bf16_moments(inner))`` |
+    | ``"bf16-sr"`` | 6 | ``bf16_params(bf16_moments(inner))`` |
+
+    With ``accumulate_steps > 1``, ``optax.MultiSteps`` goes between the param-level transform and
+    the moments (its float32 gradient accumulator adds 4 bytes per parameter), so the masters,
+    remainders and stochastically rounded params change only on the steps that apply an update.
+
+    Args:
+      name: a key of :data:`PRESETS`.
+      inner: the optax optimizer (e.g. ``optax.adamw(1e-3)``).
+      key: an int seed or threefry2x32 key; required by the presets that round stochastically
+        (the params and the moments draw from ``fold_in(key, 1)`` and ``fold_in(key, 2)``).
+      accumulate_steps: gradient accumulation over this many steps (``optax.MultiSteps``).
+
+    Returns:
+      An optax transformation; wrap it: ``jaxmp.loss_scaling(preset(...), "none")``.
+
+    Raises:
+      ValueError: unknown name, or ``accumulate_steps`` < 1.
+      TypeError: a stochastic preset without a key.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> from jaxmp.lean import PRESETS, preset
+      >>> tx = jaxmp.loss_scaling(preset("bf16-sr", optax.adamw(1e-3), key=0), "none")
+      >>> state = tx.init({"w": jnp.ones((4, 4), jnp.bfloat16)})
+      >>> PRESETS["bf16-sr"][0]
+      6
+    """
+    if name not in PRESETS:
+        raise ValueError(f"Unknown lean preset {name!r}; the presets are {', '.join(PRESETS)}")
+    if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, (int, np.integer)) \
+            or accumulate_steps < 1:
+        raise ValueError(f"accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
+    stochastic = name in ("masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr")
+    base = jax.random.wrap_key_data(_key_data(key, f"preset {name!r}"), impl=_IMPL) if stochastic else None
+    inner = _check_inner(inner)
+    if name.endswith("bf16-moments") or name == "bf16-sr":
+        inner = bf16_moments(inner, jax.random.fold_in(base, 2))
+    if accumulate_steps > 1:
+        inner = optax.MultiSteps(inner, accumulate_steps).gradient_transformation()
+    if name.startswith("remainders"):
+        return param_remainders(inner)
+    if name in ("sr-params", "bf16-sr"):
+        return bf16_params(inner, jax.random.fold_in(base, 1))
+    return _master_weights(inner)
