@@ -12,9 +12,12 @@ Variants (all jitted whole train steps, params and optimizer state donated):
   step returns: what any skip-on-overflow wrapper must pay at least;
 * ``jmp``        -- the loop of jmp's README: ``jmp.DynamicLossScale``, scale the loss,
   unscale, ``jmp.all_finite``, ``loss_scale.adjust``, ``jmp.select_tree`` on params and state;
-* ``jaxmp``      -- ``jaxmp.loss_scaling(chain, DynamicLossScale())`` + ``jaxmp.value_and_grad`` +
-  ``jaxmp.apply_updates`` (the wrapped optimizer, dynamic loss scaling);
-* ``jaxmp-noop`` -- the same wrapper with ``loss_scale="none"`` (bf16/fp32 use).
+* ``jaxmp``      -- ``jaxmp.loss_scaling(chain, DynamicLossScale())`` stepped by the train-step
+  builder every jaxmp step shares (:func:`jaxmp.step.make_step`: scaled ``value_and_grad``, then
+  ``update_and_apply``, which steps the params inside the skip);
+* ``jaxmp-noop`` -- the same with ``loss_scale="none"`` (bf16/fp32 use);
+* ``jaxmp-optax`` -- the dynamic wrapper in a hand-written optax loop: ``jaxmp.value_and_grad``,
+  ``tx.update``, ``jaxmp.apply_updates`` (the updates are written out and read back).
 
 Every step is finite, so all variants do the same arithmetic except the loss-scaling
 machinery. Timing: warm-up (compilation and a few steps) excluded, blocks of ``--steps``
@@ -44,7 +47,7 @@ DEFAULTS = {
     "gpu": dict(model="cnn", width=64, depth=3, batch_size=256, rounds=61, steps=50, warmup_steps=50),
 }
 DRY = dict(model="mlp", width=32, depth=1, batch_size=8, rounds=3, steps=2, warmup_steps=1)
-VARIANTS = ("bare", "floor", "jmp", "jaxmp", "jaxmp-noop")
+VARIANTS = ("bare", "floor", "jmp", "jaxmp", "jaxmp-noop", "jaxmp-optax")
 
 
 def build_model(name: str, width: int, depth: int, num_classes: int = 10):
@@ -146,20 +149,29 @@ def make_variants(cfg: dict):
         p, o = jmp.select_tree(finite, (new_p, new_o), (p, o))
         return (p, o, ls), ls.unscale(sloss)
 
-    # jaxmp
+    # jaxmp, through the one train-step builder
+    from jaxmp.step import make_step
+
     def jaxmp_factory(loss_scale):
         tx = jaxmp.loss_scaling(chain(), loss_scale=loss_scale)
+        body = make_step(lambda p_, s_, b_, r_: (loss_fn(p_, b_), (s_, None)), tx)
 
         def step(state, batch):
             p, o = state
-            loss, g = jaxmp.value_and_grad(lambda p_: loss_fn(p_, batch), o)(p)
-            u, o = tx.update(g, o, p)
-            return (jaxmp.apply_updates(p, u, o), o), loss
+            out = body(p, None, o, batch)
+            return (out.params, out.opt_state), out.loss
 
         return tx, step
 
     tx_jaxmp, jaxmp_step = jaxmp_factory(jaxmp.DynamicLossScale())
     tx_noop, noop_step = jaxmp_factory("none")
+    tx_optax = jaxmp.loss_scaling(chain(), loss_scale=jaxmp.DynamicLossScale())
+
+    def optax_step(state, batch):  # the hand-written loop of the README
+        p, o = state
+        loss, g = jaxmp.value_and_grad(lambda p_: loss_fn(p_, batch), o)(p)
+        u, o = tx_optax.update(g, o, p)
+        return (jaxmp.apply_updates(p, u, o), o), loss
 
     copy = lambda t: jax.tree_util.tree_map(jnp.array, t)  # noqa: E731 - fresh buffers per variant
     init = {
@@ -168,8 +180,10 @@ def make_variants(cfg: dict):
         "jmp": lambda: (copy(params), tx_jmp.init(copy(params)), jmp.DynamicLossScale(jnp.float32(2**15))),
         "jaxmp": lambda: (copy(params), tx_jaxmp.init(copy(params))),
         "jaxmp-noop": lambda: (copy(params), tx_noop.init(copy(params))),
+        "jaxmp-optax": lambda: (copy(params), tx_optax.init(copy(params))),
     }
-    fns = {"bare": bare_step, "floor": floor_step, "jmp": jmp_step, "jaxmp": jaxmp_step, "jaxmp-noop": noop_step}
+    fns = {"bare": bare_step, "floor": floor_step, "jmp": jmp_step, "jaxmp": jaxmp_step, "jaxmp-noop": noop_step,
+           "jaxmp-optax": optax_step}
     steps = {n: jax.jit(fns[n], **donate) for n in cfg["variants"]}
     inits = {n: init[n] for n in cfg["variants"]}
     info = {"n_params": n_params, "input_shape": [cfg["batch_size"], *in_shape], "policy": str(policy)}
@@ -177,15 +191,23 @@ def make_variants(cfg: dict):
 
 
 def compiled_stats(step, state, batch) -> dict:
-    """Counts of the compiled step (HLO instructions and fusions): what each variant launches."""
+    """Counts of the compiled step (HLO instructions and fusions) and XLA's bytes accessed.
+
+    ``bytes_accessed`` (``compiled.cost_analysis()``) is deterministic: the bytes every HLO op of
+    the step reads and writes, the number that says whether a variant makes extra passes.
+    """
     try:
-        text = step.lower(state, batch).compile().as_text()
+        compiled = step.lower(state, batch).compile()
+        text = compiled.as_text()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     except Exception as e:  # noqa: BLE001 - e.g. jmp's DynamicLossScale cannot be lowered ahead of time
         return {"unavailable": f"{type(e).__name__}: {str(e)[:200]}"}
     entry = text.split("ENTRY", 1)[-1]
     entry = entry.split("\n}\n", 1)[0]
     lines = [ln for ln in entry.splitlines() if " = " in ln]
     return {
+        "bytes_accessed": float((cost or {}).get("bytes accessed", 0.0)),
         "entry_instructions": len(lines),
         "entry_fusions": sum(" fusion(" in ln for ln in lines),
         "entry_custom_calls": sum("custom-call(" in ln for ln in lines),
@@ -259,14 +281,14 @@ def run(cfg: dict, quiet: bool = False) -> dict:
     import jaxmp
 
     skipped = {}
-    for n in ("jaxmp", "jaxmp-noop"):
+    for n in ("jaxmp", "jaxmp-noop", "jaxmp-optax"):
         if n in states:
             skipped[n] = int(jaxmp.skipped_steps(states[n][1]))
 
     step_time = {n: common.summarize(v) for n, v in samples.items()}
     ratios, ratio_of_medians = {}, {}
     pairs = [("jaxmp", "floor"), ("floor", "bare"), ("jaxmp", "bare"), ("jmp", "bare"), ("jaxmp", "jmp"),
-             ("jaxmp-noop", "bare"), ("jaxmp-noop", "floor")]
+             ("jaxmp-noop", "bare"), ("jaxmp-noop", "floor"), ("jaxmp-optax", "floor")]
     for a, b in pairs:
         if a in samples and b in samples:
             ratios[f"{a}/{b}"] = common.summarize(common.paired_ratios(samples[a], samples[b]))
@@ -284,6 +306,9 @@ def run(cfg: dict, quiet: bool = False) -> dict:
         "overhead_us_per_step": overhead_us,
         "first_call_s": compile_s,
         "compiled": stats,
+        # XLA's bytes accessed of each compiled step over the floor's (deterministic).
+        "bytes_vs_floor": {n: st["bytes_accessed"] / stats["floor"]["bytes_accessed"] for n, st in stats.items()
+                           if "floor" in stats and st.get("bytes_accessed") and stats["floor"].get("bytes_accessed")},
         "skipped_steps": skipped,
         "model": info,
         "target": {

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp.dtypes import is_floating_array, is_inexact_array
+from jaxmp.dtypes import is_inexact_array
 from jaxmp.loss_scale import LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale
 from jaxmp.transform import (NON_FINITE_GRADIENTS, NON_FINITE_LOSS, NON_FINITE_UPDATES, LossScalingState,
-                             MasterWeightsState, add_floating, check_same_structure, find_states)
+                             MasterWeightsState, apply_to_params, find_states)
 
 
 class TrainingDivergedError(FloatingPointError):
@@ -178,14 +178,7 @@ def apply_updates(params: Any, updates: Any, opt_state: Any = None) -> Any:
       >>> jaxmp.apply_updates(params, updates, state)["w"]
       Array([0.9, 0.9], dtype=float16)
     """
-    found = find_states(opt_state, MasterWeightsState) if opt_state is not None else []
-    if found:
-        master = found[0].master_params
-        check_same_structure(params, master, "params", "master params")
-        return jax.tree_util.tree_map(
-            lambda p, m: m.astype(jnp.asarray(p).dtype) if is_floating_array(m) else p, params, master
-        )
-    return add_floating(params, updates)
+    return apply_to_params(params, updates, opt_state)
 
 
 _REASONS = {

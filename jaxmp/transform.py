@@ -212,19 +212,38 @@ def _unscale(loss_scale, grads, keeps_master: bool):
         lambda u, g: u.astype(g.dtype) if is_inexact_array(u) else u, loss_scale.unscale(grads), grads)
 
 
-def _inner_step(inner, unscale, grads, grads_finite, state, params, use_cond, extra_args):
+def apply_to_params(params, updates, state=None):
+    """New params from ``updates``; with a master copy in ``state``, its exact cast to each param's dtype.
+
+    The body of :func:`jaxmp.apply_updates`; the fused update of :func:`update_and_apply` runs it
+    inside the skip, so the params are written once, by the optimizer's own pass.
+    """
+    found = find_states(state, MasterWeightsState) if state is not None else []
+    if found:
+        master = found[0].master_params
+        check_same_structure(params, master, "params", "master params")
+        return jax.tree_util.tree_map(
+            lambda p, m: m.astype(jnp.asarray(p).dtype) if is_floating_array(m) else p, params, master)
+    return add_floating(params, updates)
+
+
+def _inner_step(inner, unscale, grads, grads_finite, state, params, use_cond, extra_args, fused):
     """The inner update on a finite step; ``-0.0`` updates and the old inner state otherwise.
 
     The gradients are unscaled inside the step, not before it: under ``lax.cond`` XLA can then
     fuse the unscaling into the inner chain's first elementwise ops, and the finiteness check
     (outside) into a single reduction over the scaled gradients, so no unscaled copy of the
     gradients is ever written out.
+
+    ``fused``: return the new params instead of the updates (``apply_to_params`` inside the
+    taken branch), so that the updates are never written out and read back: the compiled step
+    then makes the floor's passes (the optimizer's, plus one finiteness reduction), no more.
     """
-    def apply():
+    def inner_update():
         return inner.update(unscale(grads), state.inner_state, params, **extra_args)
 
     try:
-        closed, shapes = jax.make_jaxpr(apply, return_shape=True)()
+        closed, shapes = jax.make_jaxpr(inner_update, return_shape=True)()
     except (ValueError, TypeError, AttributeError) as e:
         if params is not None:
             raise
@@ -235,15 +254,24 @@ def _inner_step(inner, unscale, grads, grads_finite, state, params, use_cond, ex
             f"tx.update(grads, state, params) (or use loss_scaling(..., master_weights=True), which keeps its own "
             f"float32 copy). The inner optimizer said: {type(e).__name__}: {e}") from e
     traps.check_update_constants(closed)
+
+    def apply():
+        updates, inner_state = inner_update()
+        return (apply_to_params(params, updates, inner_state) if fused else updates), inner_state
+
+    def skip():
+        if fused:
+            return params, state.inner_state
+        return (jax.tree_util.tree_map(lambda s: _negative_zeros(jnp.zeros(s.shape, s.dtype)), shapes[0]),
+                state.inner_state)
+
     if use_cond:
         # Only the taken branch runs, so the inner chain never sees non-finite gradients and
         # XLA can update the optimizer state in place.
-        return jax.lax.cond(grads_finite, apply, lambda: (
-            jax.tree_util.tree_map(lambda s: _negative_zeros(jnp.zeros(s.shape, s.dtype)), shapes[0]),
-            state.inner_state))
-    updates, inner_state = apply()
-    return (keep_if_finite(grads_finite, updates, jax.tree_util.tree_map(_negative_zeros, updates)),
-            keep_if_finite(grads_finite, inner_state, state.inner_state))
+        return jax.lax.cond(grads_finite, apply, skip)
+    out, inner_state = apply()
+    old, _ = skip() if fused else (jax.tree_util.tree_map(_negative_zeros, out), None)
+    return keep_if_finite(grads_finite, out, old), keep_if_finite(grads_finite, inner_state, state.inner_state)
 
 
 def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dynamic", *,
@@ -295,7 +323,9 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
             skip_reason=jnp.zeros([], jnp.int32),
         )
 
-    def update_fn(grads, state, params=None, **extra_args):
+    def update_fn(grads, state, params=None, *, _jaxmp_fused=False, **extra_args):
+        # One frame for both entries, so that traps' warnings point at the caller of update.
+        fused = _jaxmp_fused
         if not isinstance(state, LossScalingState):
             raise TypeError(f"state must be the LossScalingState made by this transform's init, got {type(state).__name__}")
         _check_all_arrays(grads, "gradient")
@@ -309,15 +339,19 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
 
         grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
         use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
-        updates, inner_state = _inner_step(inner, unscale, grads, grads_finite, state, params, use_cond, extra_args)
+        out, inner_state = _inner_step(inner, unscale, grads, grads_finite, state, params, use_cond, extra_args,
+                                       fused)
 
         half_arithmetic = keeps_master or _has_half((grads, state.inner_state))
         if half_arithmetic if check_updates is None else check_updates:
             # Finite gradients can still give a non-finite update (Adam's epsilon flushed to zero
-            # in float16, a master value past float16's range): such a step is skipped too.
-            updates_finite = _verdict(all_finite(updates), axis_name)
+            # in float16, a master value past float16's range): such a step is skipped too. The
+            # fused path checks the new params instead of the updates (a non-finite update, or a
+            # sum that overflows, makes them non-finite); a skipped step is not checked again.
+            updates_finite = _verdict(all_finite(out) | jnp.logical_not(grads_finite), axis_name)
             inner_state = keep_if_finite(updates_finite, inner_state, state.inner_state)
-            updates = keep_if_finite(updates_finite, updates, jax.tree_util.tree_map(_negative_zeros, updates))
+            old = params if fused else jax.tree_util.tree_map(_negative_zeros, out)
+            out = keep_if_finite(updates_finite, out, old)
         else:
             updates_finite = jnp.array(True)
         finite = grads_finite & updates_finite
@@ -335,8 +369,14 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
             total_skips=(state.total_skips + skipped.astype(jnp.int32)).astype(jnp.int32),
             skip_reason=reason.astype(jnp.int32),
         )
-        return updates, new_state
+        return out, new_state
 
+    def update_and_apply_fn(grads, state, params, **extra_args):
+        if params is None:
+            raise ValueError("update_and_apply needs the params")
+        return update_fn(grads, state, params, _jaxmp_fused=True, **extra_args)
+
+    update_fn.update_and_apply = update_and_apply_fn
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -417,6 +457,45 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
 
 
 _master_weights_factory = master_weights
+
+
+def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_args) -> tuple[Any, Any]:
+    """``tx.update`` then :func:`jaxmp.apply_updates`, as one fused step: ``(new_params, new_opt_state)``.
+
+    For a transform made by :func:`loss_scaling` / :func:`unscale_and_skip` the params are
+    stepped inside the skip (``lax.cond`` or ``lax.select``), so the compiled program never
+    writes the updates out to read them back: it makes the passes of a bare optax step plus one
+    finiteness reduction over the gradients. Any other transform (e.g. one that wraps
+    ``loss_scaling`` in an ``optax.chain``) falls back to ``tx.update`` and ``apply_updates``.
+    A skipped step returns the params and every inner state leaf bitwise unchanged.
+
+    Args:
+      tx: the optax transformation (usually ``jaxmp.loss_scaling(...)``).
+      grads: the scaled gradients (from :func:`jaxmp.value_and_grad`).
+      opt_state: ``tx``'s state.
+      params: the current params.
+      **extra_args: forwarded to ``tx.update`` (e.g. ``value=loss``).
+
+    Returns:
+      ``(new_params, new_opt_state)``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> from jaxmp.transform import update_and_apply
+      >>> tx = jaxmp.loss_scaling(optax.sgd(0.5), "static:4")
+      >>> params = {"w": jnp.ones(2)}
+      >>> update_and_apply(tx, {"w": jnp.full(2, 4.0)}, tx.init(params), params)[0]["w"]
+      Array([0.5, 0.5], dtype=float32)
+    """
+    fused = getattr(tx.update, "update_and_apply", None)
+    if fused is not None:
+        return fused(grads, opt_state, params, **extra_args)
+    updates, new_state = tx.update(grads, opt_state, params, **extra_args)
+    new_params = apply_to_params(params, updates, new_state)
+    found = find_states(new_state, LossScalingState)
+    if len(found) == 1:  # -0.0 updates keep the params; selecting keeps NaN payloads bit for bit too
+        new_params = keep_if_finite(found[0].last_step_finite, new_params, params)
+    return new_params, new_state
 
 # Accessors that moved to jaxmp.opt_state; the old location keeps working for one release.
 _MOVED = ("TrainingDivergedError", "apply_updates", "check_health", "find_loss_scaling_state", "get_loss_scale",

@@ -49,11 +49,10 @@ from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
 from jaxmp.flax.overrides import (ModuleRule, PrecisionOverrides, explicit_float32, join_path,
                                   overridden_float32_message, resolve_overrides)
 from jaxmp.traps import MixedPrecisionWarning
-from jaxmp.parallel.pmap import all_reduce_gradients
 from jaxmp.dtypes import cast_floating
 from jaxmp.policy import Policy
-from jaxmp.opt_state import find_loss_scaling_state, get_loss_scale
 from jaxmp.skip import keep_if_finite
+from jaxmp.step import Fp8Hooks, make_step
 from jaxmp.transform import LossScalingState, find_states
 
 _CASTING_CLASSES: dict[tuple[type, ModuleRule], type] = {}
@@ -349,22 +348,18 @@ def optimizer_state(optimizer: nnx.Optimizer) -> Any:
     return pure
 
 
-# Variables restored bitwise when a step is skipped; RNG counters are not (a skipped step
-# must not replay the same dropout mask forever).
-_RESTORED_ON_SKIP = (nnx.Param, nnx.BatchStat, Fp8State)
-
-
 def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
                loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
                axis_name: Any = None, **model_kwargs) -> dict[str, jax.Array]:
     """One supervised step for an NNX model with an ``nnx.Optimizer`` around ``jaxmp.loss_scaling``.
 
-    Scales the loss by the optimizer's current loss scale, differentiates with
-    ``nnx.grad``, lets ``optimizer.update`` unscale / check / skip / adjust, then makes a
-    skipped step exact: params, ``BatchStat`` running statistics and ``optimizer.step``
-    are restored bitwise (``nnx.Optimizer`` adds zero updates and counts every call;
-    here ``optimizer.step`` counts applied steps only). With master weights the params
-    are set to the exact cast of the float32 master. Call it inside ``nnx.jit``.
+    The model is split into pure state and run through the shared step builder
+    (:func:`jaxmp.step.make_step`): the loss is scaled by the optimizer's current loss scale
+    and differentiated, the optimizer's transform unscales / checks / skips / adjusts and steps
+    the params in one fused update, and a skipped step is exact: params, ``BatchStat`` running
+    statistics, fp8 scaling state and ``optimizer.step`` stay bitwise unchanged
+    (``optimizer.step`` counts applied steps only; RNG counters keep moving). With master
+    weights the params are the exact cast of the float32 master. Call it inside ``nnx.jit``.
 
     Args:
       model: the model (usually a :class:`MixedPrecision`); updated in place.
@@ -394,50 +389,39 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
     inputs, labels = split_batch(batch)
     loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
     fp32_loss = model.overrides.fp32_loss if isinstance(model, MixedPrecision) else True
-    scale = get_loss_scale(optimizer_state(optimizer))
-    before = nnx.as_pure(nnx.state(model, _RESTORED_ON_SKIP))
-    step_before = optimizer.step[...]
     recipe = model.overrides.fp8 if isinstance(model, MixedPrecision) else None
     delayed = isinstance(recipe, fp8.DelayedScaling)
+    # The model as pure state: the params the optimizer steps, then the model state in three
+    # groups: fp8 scaling state and running statistics (restored on a skipped step), and the
+    # rest (RNG counters, which keep moving: a skipped step must not replay a dropout mask).
+    graphdef, params, fp8_state, stats, rest = nnx.split(model, optimizer.wrt, Fp8State, nnx.BatchStat, ...)
+    params, model_state = nnx.as_pure(params), nnx.as_pure((fp8_state, stats, rest))
 
-    def scaled_loss(model):
-        with fp8.gradient_loss_scale(scale.loss_scale):
-            logits = model(inputs, **model_kwargs)
+    def loss_and_accuracy(params, model_state, batch, rng):
+        copy = nnx.merge(graphdef, params, *model_state)
+        logits = copy(inputs, **model_kwargs)
         if fp32_loss:
             logits = logits.astype(jnp.float32)
-        loss = loss_fn(logits, labels)
-        return scale.scale(loss), (loss, logits)
+        _, _, *new_model_state = nnx.split(copy, optimizer.wrt, Fp8State, nnx.BatchStat, ...)
+        return loss_fn(logits, labels), (tuple(nnx.as_pure(new_model_state)), accuracy(logits, labels))
 
-    # With delayed fp8 scaling, the gradient with respect to the Fp8State variables is the
-    # amaxes this step observed (jaxmp.fp8.update_state); it never reaches the optimizer.
-    wrt = nnx.Any(nnx.Param, Fp8State) if delayed else nnx.Param
-    grads, (loss, logits) = nnx.grad(scaled_loss, argnums=nnx.DiffState(0, wrt), has_aux=True)(model)
-    if delayed:
-        grads, observed = nnx.split_state(grads, nnx.Param, Fp8State)
-        fp8_state = nnx.state(model, Fp8State)
-        new = fp8.update_state(nnx.to_pure_dict(fp8_state), nnx.to_pure_dict(observed), recipe, axis_name)
-        nnx.replace_by_pure_dict(fp8_state, new)
-        nnx.update(model, fp8_state)  # kept below only if the step is finite
-    acc = accuracy(logits, labels)
-    if axis_name is not None:
-        # Reduce in float32: the sum of half-precision scaled gradients can overflow.
-        grads = all_reduce_gradients(grads, axis_name)
-        loss, acc = jax.lax.pmean((loss, acc), axis_name)
-    optimizer.update(model, grads)
+    def update_fp8(state, observed):
+        new = fp8.update_state(nnx.to_pure_dict(state), nnx.to_pure_dict(observed), recipe, axis_name)
+        state = jax.tree_util.tree_map(lambda x: x, state)  # a new container: the old one is kept on a skip
+        nnx.replace_by_pure_dict(state, new)
+        return state
 
-    opt_state = optimizer_state(optimizer)
-    finite = find_loss_scaling_state(opt_state).last_step_finite
-    master = find_loss_scaling_state(opt_state).master_params
-    if master is not None:
-        # The exact cast of the master copy, not params + (rounded) updates.
-        params = nnx.as_pure(nnx.state(model, nnx.Param))
-        nnx.update(model, jax.tree.map(lambda p, m: m.astype(p.dtype), params, master))
-    after = nnx.as_pure(nnx.state(model, _RESTORED_ON_SKIP))
-    nnx.update(model, keep_if_finite(finite, after, before))
-    optimizer.step[...] = jnp.where(finite, optimizer.step[...], step_before)
-    return {
-        "loss": loss.astype(jnp.float32),
-        "accuracy": acc,
-        "loss_scale": jnp.asarray(scale.loss_scale, jnp.float32),
-        "finite": finite,
-    }
+    hooks = Fp8Hooks(split=lambda ms: (ms[0], ms[1:]), merge=lambda others, f: (f, *others),
+                     update=update_fp8) if delayed else None
+
+    def keep(finite, new, old):
+        return (*keep_if_finite(finite, new[:2], old[:2]), new[2])
+
+    step = make_step(loss_and_accuracy, optimizer.tx, axis_name=axis_name, fp8_hooks=hooks, keep_model_state=keep,
+                     pass_value=False)
+    out = step(params, model_state, optimizer_state(optimizer), None)
+    nnx.update(model, out.params, *out.model_state)
+    nnx.update(optimizer.opt_state, nnx.state(out.opt_state))
+    optimizer.step[...] = jnp.where(out.finite, optimizer.step[...] + 1, optimizer.step[...])
+    acc = out.aux if axis_name is None else jax.lax.pmean(out.aux, axis_name)
+    return {"loss": out.loss, "accuracy": acc, "loss_scale": out.loss_scale, "finite": out.finite}

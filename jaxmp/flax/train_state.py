@@ -21,10 +21,10 @@ from jaxmp import fp8
 from jaxmp.flax.fp8 import FP8_COLLECTION
 from jaxmp.flax.linen import MixedPrecision
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
-from jaxmp.grad import value_and_grad
-from jaxmp.parallel.pmap import all_reduce_gradients
-from jaxmp.opt_state import apply_updates, find_loss_scaling_state, get_loss_scale
+from jaxmp.opt_state import find_loss_scaling_state
 from jaxmp.skip import keep_if_finite
+from jaxmp.step import Fp8Hooks, make_step
+from jaxmp.transform import update_and_apply
 
 
 class TrainState(struct.PyTreeNode):
@@ -148,12 +148,10 @@ class TrainState(struct.PyTreeNode):
           >>> int(state.step)
           1
         """
-        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        # One fused update (jaxmp.transform.update_and_apply): a skipped step returns the old
+        # params bit for bit, -0.0 and NaN payloads included.
+        params, opt_state = update_and_apply(self.tx, grads, self.opt_state, self.params)
         finite = find_loss_scaling_state(opt_state).last_step_finite
-        stepped = apply_updates(self.params, updates, opt_state)
-        # The transform already zeroes skipped updates; selecting keeps even -0.0 and NaN
-        # payloads of the old params bit for bit.
-        params = keep_if_finite(finite, stepped, self.params)
         new_model_state = self.model_state
         if model_state is not None:
             new_model_state = keep_if_finite(finite, dict(model_state), dict(self.model_state))
@@ -161,11 +159,8 @@ class TrainState(struct.PyTreeNode):
                             model_state=new_model_state, opt_state=opt_state)
 
 
-def _loss_and_logits(state: TrainState, params: Any, fp8_state: Any, inputs: Any, labels: Any, loss_fn: Callable,
+def _loss_and_logits(state: TrainState, params: Any, model_state: Any, inputs: Any, labels: Any, loss_fn: Callable,
                      rngs: Any, model_kwargs: dict, train: bool):
-    model_state = dict(state.model_state)
-    if fp8_state is not None:
-        model_state[FP8_COLLECTION] = fp8_state
     # The fp8 state changes by the step's amax observations, not in the forward pass.
     # Linen returns (out, updates) for any mutable other than False, even an empty list.
     mutable = ([c for c in model_state if c != FP8_COLLECTION] or False) if train else False
@@ -173,7 +168,7 @@ def _loss_and_logits(state: TrainState, params: Any, fp8_state: Any, inputs: Any
     logits, new_model_state = out if mutable else (out, {})
     if state.overrides.fp32_loss:
         logits = logits.astype(jnp.float32)
-    return loss_fn(logits, labels), (logits, {**state.model_state, **new_model_state})
+    return loss_fn(logits, labels), (logits, {**model_state, **new_model_state})
 
 
 def _fp8_recipe(state: TrainState) -> fp8.DelayedScaling | None:
@@ -186,6 +181,15 @@ def _fp8_recipe(state: TrainState) -> fp8.DelayedScaling | None:
                          f"policy has no DelayedScaling recipe (got {recipe!r}): wrap the model with an 'O2-fp8' "
                          "policy or PrecisionOverrides(fp8=jaxmp.fp8.DelayedScaling())")
     return recipe
+
+
+def _fp8_hooks(recipe: fp8.DelayedScaling | None, axis_name: Any) -> Fp8Hooks | None:
+    if recipe is None:
+        return None
+    return Fp8Hooks(
+        split=lambda ms: (ms[FP8_COLLECTION], {k: v for k, v in ms.items() if k != FP8_COLLECTION}),
+        merge=lambda rest, f: {**rest, FP8_COLLECTION: f},
+        update=lambda f, observed: fp8.update_state(f, observed, recipe, axis_name))
 
 
 def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
@@ -235,34 +239,18 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
                 rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
             rngs = {name: jax.random.fold_in(rng, i) for i, name in enumerate(rng_collections)}
 
-        scale = get_loss_scale(state.opt_state).loss_scale
-        recipe = _fp8_recipe(state)
-        fp8_state = state.model_state[FP8_COLLECTION] if recipe is not None else None
+        def loss_and_accuracy(params, model_state, batch, rng):
+            loss, (logits, new_model_state) = _loss_and_logits(state, params, model_state, inputs, labels, loss_fn,
+                                                               rngs, model_kwargs, train=True)
+            return loss, (new_model_state, accuracy(logits, labels))
 
-        def compute(params, fp8_state):
-            with fp8.gradient_loss_scale(scale):
-                return _loss_and_logits(state, params, fp8_state, inputs, labels, loss_fn, rngs, model_kwargs,
-                                        train=True)
-
-        # With delayed fp8 scaling, the gradient with respect to the fp8 state is the amaxes
-        # this step observed (jaxmp.fp8.update_state); it never reaches the optimizer.
-        (loss, (logits, new_model_state)), (grads, observed) = value_and_grad(
-            compute, state.opt_state, argnums=(0, 1), has_aux=True)(state.params, fp8_state)
-        acc = accuracy(logits, labels)
-        if axis_name is not None:
-            # Reduce in float32: the sum of half-precision scaled gradients can overflow.
-            grads = all_reduce_gradients(grads, axis_name)
-            loss, acc = jax.lax.pmean((loss, acc), axis_name)
-        if recipe is not None:
-            new_model_state = {**new_model_state,
-                               FP8_COLLECTION: fp8.update_state(fp8_state, observed, recipe, axis_name)}
-        new_state = state.apply_gradients(grads, model_state=new_model_state)
-        metrics = {
-            "loss": jnp.asarray(loss, jnp.float32),
-            "accuracy": acc,
-            "loss_scale": jnp.asarray(scale, jnp.float32),
-            "finite": find_loss_scaling_state(new_state.opt_state).last_step_finite,
-        }
+        step = make_step(loss_and_accuracy, state.tx, axis_name=axis_name,
+                         fp8_hooks=_fp8_hooks(_fp8_recipe(state), axis_name), pass_value=False)
+        out = step(state.params, dict(state.model_state), state.opt_state, None)
+        acc = out.aux if axis_name is None else jax.lax.pmean(out.aux, axis_name)
+        new_state = state.replace(step=state.step + out.finite.astype(jnp.int32), params=out.params,
+                                  model_state=out.model_state, opt_state=out.opt_state)
+        metrics = {"loss": out.loss, "accuracy": acc, "loss_scale": out.loss_scale, "finite": out.finite}
         return new_state, metrics
 
     return train_step
@@ -295,8 +283,8 @@ def make_eval_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | Non
 
     def eval_step(state: TrainState, batch: Any):
         inputs, labels = split_batch(batch)
-        loss, (logits, _) = _loss_and_logits(state, state.params, None, inputs, labels, loss_fn, None, model_kwargs,
-                                             train=False)
+        loss, (logits, _) = _loss_and_logits(state, state.params, state.model_state, inputs, labels, loss_fn, None,
+                                             model_kwargs, train=False)
         metrics = {"loss": jnp.asarray(loss, jnp.float32), "accuracy": accuracy(logits, labels)}
         if axis_name is not None:
             metrics = jax.lax.pmean(metrics, axis_name)

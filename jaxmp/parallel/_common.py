@@ -12,10 +12,8 @@ import numpy as np
 import optax
 
 from jaxmp.fp8 import FP8_COLLECTION
-from jaxmp.grad import value_and_grad
-from jaxmp.dtypes import float_dtype
-from jaxmp.opt_state import apply_updates, scaling_stats
-from jaxmp.skip import keep_if_finite
+from jaxmp.opt_state import scaling_stats
+from jaxmp.step import make_step
 
 logger = logging.getLogger("jaxmp.parallel")
 
@@ -38,21 +36,6 @@ def check_positive_int(value: Any, name: str) -> int:
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return int(value)
-
-
-def check_axis_name(axis_name: Any) -> Any:
-    if axis_name is None:
-        raise ValueError("axis_name must name the pmap axis (e.g. 'batch'), got None")
-    try:
-        hash(axis_name)
-    except TypeError as e:
-        raise TypeError(f"axis_name must be hashable (a str), got {type(axis_name).__name__}") from e
-    return axis_name
-
-
-def check_reduce_dtype(dtype: Any) -> np.dtype | None:
-    """``None`` (reduce in each gradient's own dtype) or a floating dtype."""
-    return None if dtype is None else float_dtype(dtype, "grad_reduce_dtype")
 
 
 def batch_leaves(batch: Any, what: str = "batch") -> list:
@@ -95,12 +78,6 @@ def check_divisible(global_batch: int, num_devices: int, what: str = "global bat
     return global_batch // num_devices
 
 
-def _loss_closure(loss_fn: Callable, batch: Any, key: Any, model_state: Any, with_rng: bool,
-                  with_model_state: bool) -> Callable:
-    args = ((model_state,) if with_model_state else ()) + (batch,) + ((key,) if with_rng else ())
-    return lambda p: loss_fn(p, *args)
-
-
 def check_no_model_state_in_aux(aux: Any) -> None:
     """Raises when a per-replica ``aux`` carries BatchNorm statistics (they would drift apart)."""
     if isinstance(aux, Mapping) and "batch_stats" in aux:
@@ -132,6 +109,23 @@ def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: C
     # optax's name for the loss; the loss-scaling state then tells a NaN loss from NaN gradients.
     pass_value = isinstance(tx, optax.GradientTransformationExtraArgs)
 
+    def canonical(params, model_state, batch, key):
+        # The builder's loss signature, (params, model_state, batch, rng) -> (loss, (state, aux)).
+        args = ((model_state,) if with_model_state else ()) + (batch,) + ((key,) if with_rng else ())
+        out = loss_fn(params, *args)
+        if not (has_aux or with_model_state):
+            return out, (model_state, None)
+        loss, aux = out
+        if per_replica_aux and has_aux and not with_model_state:
+            check_no_model_state_in_aux(aux)
+        if with_model_state:
+            new_model_state, aux = aux if has_aux else (aux, None)
+            return loss, (new_model_state, aux)
+        return loss, (model_state, aux)
+
+    step = make_step(canonical, tx, reduce_grads=reduce_grads, reduce_loss=reduce_loss,
+                     reduce_model_state=reduce_model_state if with_model_state else None, pass_value=pass_value)
+
     def body(state, opt_state, batch, rng=None):
         params, model_state = state if with_model_state else (state, None)
         if isinstance(model_state, Mapping) and FP8_COLLECTION in model_state:
@@ -141,28 +135,13 @@ def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: C
                              "generic step would never update: use jaxmp.flax.make_train_step(axis_name=...) "
                              "under pmap, or the 'O2-fp8-current' preset (no state)")
         key = (rng_transform(rng) if rng_transform is not None else rng) if with_rng else None
-        fn = _loss_closure(loss_fn, batch, key, model_state, with_rng, with_model_state)
-        out, grads = value_and_grad(fn, opt_state, has_aux=has_aux or with_model_state)(params)
-        loss, aux = out if (has_aux or with_model_state) else (out, None)
-        if per_replica_aux and has_aux and not with_model_state:
-            check_no_model_state_in_aux(aux)
-        if with_model_state:
-            new_model_state, aux = aux if has_aux else (aux, None)
-            new_model_state = reduce_model_state(new_model_state)
-        grads = reduce_grads(grads)
-        # The reduced loss, so that every replica records the same reason for a skip.
-        loss = reduce_loss(jnp.asarray(loss, jnp.float32))
-        extra = {"value": loss} if pass_value else {}
-        updates, new_opt_state = tx.update(grads, opt_state, params, **extra)
-        new_params = apply_updates(params, updates, new_opt_state)
-        stats = scaling_stats(new_opt_state)
-        metrics = {"loss": loss, **stats}
+        out = step(params, model_state, opt_state, batch, key)
+        metrics = {"loss": out.loss, **scaling_stats(out.opt_state)}
         if has_aux:
-            metrics["aux"] = aux
+            metrics["aux"] = out.aux
         if with_model_state:
-            new_model_state = keep_if_finite(stats["last_step_finite"], new_model_state, model_state)
-            return (new_params, new_model_state), new_opt_state, metrics
-        return new_params, new_opt_state, metrics
+            return (out.params, out.model_state), out.opt_state, metrics
+        return out.params, out.opt_state, metrics
 
     return body
 
