@@ -106,6 +106,7 @@ def test_gpu_suite_json(suite):
         assert all(r["speed_ratio"] > 0 for r in on_disk["results"]["comparison"])
 
 
+@pytest.mark.slow
 def test_torch_peer_in_the_suite(suite):
     _, result = suite
     tr = result["results"]["torch_amp"]
@@ -298,6 +299,7 @@ def test_native_baseline_is_the_same_module_with_flax_bf16():
     assert nn.Dense.dtype is None  # the substitution ends with the call
 
 
+@pytest.mark.slow
 def test_profile_writes_a_top_kernel_table(tmp_path):
     result = kernel_profile.main(["--dry-run", "--quiet", "--models", "transformer", "--policies", "O1",
                                   "--profile-top", "5", "--out", str(tmp_path / "tp.json")])

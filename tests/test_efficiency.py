@@ -35,7 +35,7 @@ def _bytes(model: str) -> dict:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the margins are XLA:CPU's")
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=pytest.mark.slow)])
 def test_compiled_step_bytes_within_margin_of_floor(model):
     stats = _bytes(model)
     floor = stats["floor"]["bytes_accessed"]

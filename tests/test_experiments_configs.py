@@ -115,6 +115,7 @@ def test_batch_that_does_not_divide_the_devices():
         validate_config(c)
 
 
+@pytest.mark.slow
 def test_unavailable_tfds_dataset_is_a_user_error(tmp_path):
     c = configs_lib.get_config("gpu_t4")
     c.data_dir = str(tmp_path)  # nothing prepared there, and nothing can be downloaded

@@ -105,6 +105,7 @@ def test_completed_run_is_read_back_not_retrained(finished, tmp_path):
     assert _files(wd) == before
 
 
+@pytest.mark.slow
 def test_compare_rerun_leaves_results_unchanged(tmp_path):
     from experiments import compare
 
