@@ -68,6 +68,7 @@ from jaxmp.traps import MixedPrecisionWarning
 
 from jaxmp.engine import AutocastRules
 from jaxmp.engine import autocast
+from jaxmp.engine import accumulate
 from jaxmp.engine import float32_region
 from jaxmp.engine import half_inputs
 from jaxmp.engine import region as autocast_region
@@ -122,6 +123,7 @@ __all__ = [
     # op-level autocast (the precision engine)
     "AutocastRules",
     "autocast",
+    "accumulate",
     "autocast_region",
     "float32_region",
     "half_inputs",

@@ -394,3 +394,50 @@ def test_precision_report_flags_a_half_backward_reduction_of_grad_autocast():
     # 4096 rows, flagged; autocast(grad(f)) puts that sum on the float32 list: nothing to flag.
     assert "reduction" in [r.category for r in outer.risky]
     assert "reduction" not in [r.category for r in inner.risky]
+
+
+def test_the_explicit_accumulate_helper_covers_an_ode_step_the_rule_cannot_see():
+    def euler(w, y, helper):
+        def step(i, y):
+            delta = 1e-3 * jnp.tanh(y @ w)
+            return jaxmp.accumulate(y, delta) if helper else y + delta   # y also feeds the matmul
+
+        return jax.lax.fori_loop(0, 2000, step, y)
+
+    w, y0 = jnp.eye(8) * 0.5, jnp.ones((2, 8)) * 0.1
+    ref = euler(w, y0, False)
+    plain = jaxmp.autocast(lambda w, y: euler(w, y, False), "O1-bf16")(w, y0)
+    helped = jaxmp.autocast(lambda w, y: euler(w, y, True), "O1-bf16")(w, y0)
+    err = lambda y: float(jnp.max(jnp.abs(y - ref) / jnp.abs(ref)))
+    # not an accumulator by the rule: the add runs in bf16 and the 1e-3 steps round away
+    assert err(plain) > 0.05 and err(helped) < 0.01, (err(plain), err(helped))
+
+
+def test_an_nn_scan_transformer_body_gains_no_float32_ops_from_the_carry():
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            n = nn.LayerNorm()(h)
+            a = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)(n, n)
+            h = h + a
+            h = h + nn.Dense(16)(nn.gelu(nn.Dense(32)(nn.LayerNorm()(h))))
+            return h, None
+
+    Stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+    x = jnp.ones((2, 5, 16))
+    stacked = Stack()
+    params = stacked.init(jax.random.key(0), x, None)
+    single = Block()
+    p1 = jax.tree_util.tree_map(lambda a: a[0], params)
+
+    def f32_elementwise(fn, *args):
+        return sorted(op.primitive for op in op_dtypes(jaxmp.autocast(fn, "O1-bf16"), *args)
+                      if op.primitive in ("add", "sub", "mul", "div", "tanh", "max") and F32 in op.in_dtypes)
+
+    scanned = f32_elementwise(lambda p, x: stacked.apply(p, x, None)[0], params, x)
+    one = f32_elementwise(lambda p, x: single.apply(p, x, None)[0], p1, x)
+    # the loop body does exactly the float32 work of one block (norm statistics, softmax): the
+    # residual-stream carry is not an accumulator, so no add runs in float32 because of it
+    assert scanned == one, (len(scanned), len(one))

@@ -12,7 +12,7 @@ from jaxmp.engine.tested import TESTED_JAX
 from jaxmp.engine.api import autocast, engine_function, explain_enabled
 from jaxmp.engine.attention import routed_attention
 from jaxmp.engine.config import AutocastConfig, flax_config, resolve_config
-from jaxmp.engine.regions import float32_region, half_inputs, region
+from jaxmp.engine.regions import accumulate, float32_region, half_inputs, region
 from jaxmp.engine.rules import FLOAT32_OPS, HALF_OPS, PURE_HALF_RULES, AutocastRules
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "TESTED_JAX",
     "AutocastConfig",
     "AutocastRules",
+    "accumulate",
     "autocast",
     "engine_function",
     "explain_enabled",

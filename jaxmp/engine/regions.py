@@ -119,3 +119,35 @@ def half_inputs(fn: Callable | None = None, *, dtype: Any = None) -> Callable:
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def accumulate(total: Any, delta: Any) -> Any:
+    """``total + delta`` computed in ``total``'s dtype under autocast: an explicit accumulator.
+
+    autocast finds a loop's accumulators itself when a carry is used only by the add chain that
+    makes its next value (see docs/autocast.md). When the carry is also read elsewhere, as in
+    an ODE step ``y = y + h * f(y)`` whose ``y`` also feeds ``f``, the rule cannot see it: write
+    the update as ``jaxmp.accumulate(y, h * f(y))`` and the add runs in ``y``'s dtype (float32)
+    while ``f`` keeps its own rules. Outside autocast it is ``total + delta.astype(total.dtype)``.
+
+    Args:
+      total: the running value (e.g. a float32 loop carry); a pytree of arrays.
+      delta: what to add, the same structure; cast to ``total``'s dtypes.
+
+    Returns:
+      ``total + delta``, leaf by leaf, in ``total``'s dtypes.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
+      >>> def euler(w, y):
+      ...     step = lambda i, y: jaxmp.accumulate(y, 1e-3 * jnp.tanh(y @ w))
+      ...     return jax.lax.fori_loop(0, 1000, step, y)
+      >>> y = jaxmp.autocast(euler, "O1-bf16")(jnp.eye(4), jnp.ones((2, 4)))
+      >>> y.dtype, bool(jnp.allclose(y, euler(jnp.eye(4), jnp.ones((2, 4))), rtol=1e-2))
+      (dtype('float32'), True)
+    """
+    def add(t, d):
+        with jax.named_scope(marker(jax.numpy.dtype(t.dtype).name, "accumulate")):
+            return t + jax.numpy.asarray(d).astype(t.dtype)
+
+    return jax.tree_util.tree_map(add, total, delta)
