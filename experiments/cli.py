@@ -21,7 +21,7 @@ import sys
 from absl import app, flags
 
 from experiments import configs as configs_lib
-from experiments.validation import FREE_FIELDS, RunFailedError, UserError, check_fields
+from experiments.validation import FREE_FIELDS, RunFailedError, UserError, check_fields, flat_fields
 
 # TensorFlow (imported by the metric writer and TFDS) logs C++ start-up lines on stderr; silence
 # them before it is imported (explicit settings in the environment are kept). See quiet_tensorflow.
@@ -145,15 +145,7 @@ _DERIVED = {"global_batch_size": "per_device_batch_size x num_devices",
 
 def config_fields_help(config, source: str) -> str:
     """The ``--help`` section that lists every config field with its value in ``config``."""
-    def flat(prefix, d, out):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                flat(f"{prefix}{k}.", v, out)
-            else:
-                out[prefix + k] = v
-        return out
-
-    values = flat("", config.to_dict(), {})
+    values = flat_fields(config.to_dict())
     import textwrap
 
     intro = (f"Config fields: --config.<field>=<value>; defaults of {source} (pass --config=<name> with --help "

@@ -30,7 +30,7 @@ from experiments import program as program_lib
 from experiments import workdir_lock
 from experiments.input_pipeline import device_batches, get_datasets, to_device
 from experiments.progress import Progress
-from experiments.validation import NOT_RESULT_FIELDS, Plan, UserError, validate_config
+from experiments.validation import NOT_RESULT_FIELDS, Plan, UserError, flat_fields, validate_config
 
 
 def say(message: str) -> None:
@@ -60,15 +60,7 @@ def run_settings(config, plan: Plan) -> dict:
       >>> s["base_learning_rate"], s["model_kwargs.features"], "log_every_steps" in s
       (0.01, [32, 32, 32], False)
     """
-    def flat(prefix, d, out):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                flat(f"{prefix}{k}.", v, out)
-            else:
-                out[prefix + k] = v
-        return out
-
-    values = flat("", json.loads(config.to_json()), {})
+    values = flat_fields(json.loads(config.to_json()))
     settings = {k: v for k, v in values.items() if k not in NOT_RESULT_FIELDS}
     settings.update(learning_rate=plan.learning_rate, warmup_steps=plan.warmup_steps,
                     steps_per_epoch=plan.steps_per_epoch)

@@ -24,6 +24,30 @@ ENGINES = ("flax", "autocast")
 FREE_FIELDS = ("compare_policies", "num_seeds", "log_every_steps", "eval_every_steps", "checkpoint_every_steps",
                "keep_checkpoints", "progress_bar", "data_dir", "cache_data", "eval_batch_size")
 NOT_RESULT_FIELDS = ("policy", "seed", "num_epochs", "num_train_steps") + FREE_FIELDS
+
+
+def flat_fields(d: dict, prefix: str = "") -> dict:
+    """A nested config dict as ``{"a.b": value}``: the names ``--config.a.b`` takes.
+
+    Args:
+      d: a (nested) dict, e.g. ``config.to_dict()``.
+      prefix: prepended to every name.
+
+    Returns:
+      A flat dict.
+
+    Example:
+      >>> from experiments.validation import flat_fields
+      >>> flat_fields({"a": 1, "m": {"f": [2]}})
+      {'a': 1, 'm.f': [2]}
+    """
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_fields(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 
