@@ -139,11 +139,12 @@ _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
 
 
 def _source(eqn, ctx: _Ctx | None = None) -> str:
-    # source_info_util is internal; degrade to no location rather than fail the report.
+    # Source locations come from a JAX internal (read through the engine's one seam); degrade
+    # to no location rather than fail the report.
     try:
-        from jax._src import source_info_util
+        from jaxmp.engine import internals
 
-        frames = list(itertools.islice(source_info_util.user_frames(eqn.source_info.traceback), 16))
+        frames = list(itertools.islice(internals.user_frames(eqn.source_info.traceback), 16))
         # JAX counts installed libraries (flax, optax) as user code when they do not share the
         # standard library's prefix (a virtualenv): point at the first frame outside them.
         frame = next((f for f in frames if not _INSTALLED.search(f.file_name)), frames[0] if frames else None)
