@@ -125,7 +125,6 @@ def _remat(interp, eqn, vals, comps):
 
 
 def _scan(interp, eqn, vals, comps):
-    p = eqn.params
     closed, (nc, ncarry) = internals.param(eqn, "jaxpr"), internals.scan_counts(eqn)
     consts, init, xs = vals[:nc], vals[nc:nc + ncarry], vals[nc + ncarry:]
     carry_dtypes = _avals_dtypes(closed.in_avals[nc:nc + ncarry])
