@@ -12,7 +12,6 @@ param remainders) and ``diagnostics``.
 """
 
 import importlib as _importlib
-import warnings as _warnings
 
 from jaxmp import fp8
 from jaxmp import lean
@@ -150,11 +149,6 @@ def __getattr__(name):
     if name == "flax" or name in _LAZY_FLAX:
         module = _importlib.import_module("jaxmp.flax")
         return module if name == "flax" else getattr(module, name)
-    if name in parallel.__all__:
-        # Data-parallel plumbing lives under jaxmp.parallel; the top-level names stay one release.
-        _warnings.warn(f"jaxmp.{name} moved to jaxmp.parallel.{name}; the top-level name will be removed "
-                       "in the next release", DeprecationWarning, stacklevel=2)
-        return getattr(parallel, name)
     raise AttributeError(f"module 'jaxmp' has no attribute {name!r}")
 
 

