@@ -17,20 +17,13 @@ import tempfile
 import time
 
 from benchmarks import _common as common
+from benchmarks import _profile as profile_lib
 from benchmarks import flops as flops_lib
+from benchmarks._suite import load_model
 
 NATIVE = {"native-bf16": None, "native-bf16-cudnn": "cudnn"}
 # The custom-call target of cuDNN's fused attention (forward and backward) in compiled HLO.
 CUDNN_ATTENTION = "__cudnn$fmha"
-
-
-def load_model(name: str, classes: int, overrides: dict):
-    """The Flax model of ``experiments.models`` (imported at run time)."""
-    try:
-        from experiments.models import get_model
-    except ImportError as e:  # pragma: no cover - depends on the checkout
-        raise RuntimeError(f"experiments.models is needed for the throughput benchmark: {e}") from e
-    return get_model(name, classes, **overrides)
 
 
 def make_optimizer(kind: str):
@@ -179,8 +172,6 @@ def _profile(compiled, state, batches, timing, entry):
     """Traces ``profile_steps`` more steps and writes the top-kernel table next to the results."""
     import jax
 
-    from benchmarks import kernel_profile
-
     box = {"state": state}
 
     def run():
@@ -189,17 +180,17 @@ def _profile(compiled, state, batches, timing, entry):
         jax.block_until_ready((box["state"], loss))
 
     with tempfile.TemporaryDirectory() as d:
-        prof = kernel_profile.top_kernels(kernel_profile.trace_steps(run, d), top=timing.get("profile_top", 20))
+        prof = profile_lib.top_kernels(profile_lib.trace_steps(run, d), top=timing.get("profile_top", 20))
     dev = jax.devices()[0]
     kind = getattr(dev, "device_kind", str(dev))
-    path = kernel_profile.profile_path(kind, entry["model"], entry["batch_size"], entry["policy"],
+    path = profile_lib.profile_path(kind, entry["model"], entry["batch_size"], entry["policy"],
                                        timing.get("dry_run", False))
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": kind, "jax": jax.__version__, "commit": common.git_commit()["sha"][:10],
             "run": f"{entry['model']} batch {entry['batch_size']} {entry['policy']}",
             "profiled steps": timing.get("profile_steps", 3),
             "command": " ".join(["python", *sys.argv]) if sys.argv else ""}
-    path.write_text(kernel_profile.markdown(prof, f"Top kernels: {meta['run']} on {kind}", meta))
+    path.write_text(profile_lib.markdown(prof, f"Top kernels: {meta['run']} on {kind}", meta))
     entry["profile"] = {"path": str(path.relative_to(common.REPO_ROOT)), "timeline": prof["timeline"],
                         "top": prof["rows"][:5]}
     return box["state"]

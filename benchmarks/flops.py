@@ -231,7 +231,7 @@ def suite_table(suite: dict) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks._runs import load_model
+    from benchmarks._suite import load_model
 
     rows = []
     for key, spec in suite.items():
@@ -255,7 +255,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--models", help="comma list of suite models (default: all)")
     args = parser.parse_args(argv)
     from benchmarks import _common as common
-    from benchmarks.throughput import DRY_SUITE, SUITE
+    from benchmarks._suite import DRY_SUITE, SUITE
 
     suite = DRY_SUITE if args.dry_run else SUITE
     chosen = common.parse_choices(args.models, list(suite), "model")

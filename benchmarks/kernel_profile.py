@@ -13,95 +13,14 @@ for dry runs) together with the share of the traced time each takes.
 
 from __future__ import annotations
 
-import collections
-import glob
-import gzip
-import json
 import sys
 from pathlib import Path
-from typing import Callable
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import _common as common  # noqa: E402
-
-
-def trace_steps(run_steps: Callable[[], None], log_dir: str | Path) -> Path:
-    """Runs ``run_steps()`` (which must synchronise) under ``jax.profiler.trace``.
-
-    Args:
-      run_steps: the work to profile.
-      log_dir: where the profiler writes (a fresh directory).
-
-    Returns:
-      The path of the Chrome/Perfetto ``*.trace.json.gz`` it wrote.
-    """
-    import jax
-
-    with jax.profiler.trace(str(log_dir)):
-        run_steps()
-    found = sorted(glob.glob(str(Path(log_dir) / "**" / "*.trace.json.gz"), recursive=True))
-    if not found:
-        raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {log_dir}")
-    return Path(found[-1])
-
-
-def top_kernels(trace_path: str | Path, top: int = 20) -> dict:
-    """Sums the XLA events of a trace per name.
-
-    Events that carry an ``hlo_op`` argument are XLA's: kernels on a device timeline (GPU, TPU)
-    or thunks on the host (CPU). When the trace has device timelines only those count, so a GPU
-    kernel is not counted twice with its host-side launch.
-
-    Args:
-      trace_path: a ``*.trace.json.gz`` from :func:`trace_steps`.
-      top: rows to keep.
-
-    Returns:
-      ``{"timeline": "device" | "host", "total_us": float, "rows": [{"name", "hlo_op", "count",
-      "total_us", "share"}]}`` with rows sorted by total time.
-    """
-    with gzip.open(trace_path) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    procs = {e.get("pid"): (e.get("args") or {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {pid for pid, name in procs.items() if name.startswith("/device:")}
-    totals: dict = collections.defaultdict(lambda: [0, 0.0, ""])
-    for e in events:
-        args = e.get("args") or {}
-        if e.get("ph") != "X" or "hlo_op" not in args or e["name"].startswith("end: "):
-            continue
-        if device_pids and e.get("pid") not in device_pids:
-            continue
-        row = totals[e["name"]]
-        row[0] += 1
-        row[1] += float(e.get("dur", 0.0))
-        row[2] = args["hlo_op"]
-    total = sum(r[1] for r in totals.values())
-    rows = [{"name": n, "hlo_op": op, "count": c, "total_us": us, "share": us / total if total else 0.0}
-            for n, (c, us, op) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]]
-    return {"timeline": "device" if device_pids else "host", "total_us": total, "rows": rows}
-
-
-def markdown(profile: dict, title: str, meta: dict) -> str:
-    """The profile as a markdown page (title, how it was taken, the table)."""
-    lines = [f"# {title}", "",
-             *[f"- {k}: {v}" for k, v in meta.items()],
-             f"- timeline: {profile['timeline']} (XLA events carrying an `hlo_op`), "
-             f"total {profile['total_us'] / 1e3:.3f} ms over the profiled steps", "",
-             "| # | kernel / thunk | HLO op | calls | total (ms) | share |", "|---:|---|---|---:|---:|---:|"]
-    for i, r in enumerate(profile["rows"], 1):
-        name = r["name"] if len(r["name"]) <= 80 else r["name"][:77] + "..."
-        lines.append(f"| {i} | `{name}` | `{r['hlo_op']}` | {r['count']} | {r['total_us'] / 1e3:.3f} | "
-                     f"{100 * r['share']:.1f}% |")
-    return "\n".join(lines) + "\n"
-
-
-def profile_path(device: str, model: str, batch: int, policy: str, dry_run: bool) -> Path:
-    sub = "dry_run/profiles" if dry_run else "profiles"
-    return common.RESULTS_DIR / sub / f"{common.device_slug(device)}_{model}_b{batch}_{policy}.md"
+# The library (also used by _runs.py) lives in _profile.py; its names stay importable from here.
+from benchmarks._profile import markdown, profile_path, top_kernels, trace_steps  # noqa: E402,F401
 
 
 def main(argv=None):

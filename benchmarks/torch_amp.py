@@ -41,7 +41,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _common as common  # noqa: E402
-from benchmarks.throughput import DRY_SUITE, DRY_TIMING, SUITE, TIMING  # noqa: E402 - plain data, no JAX
+from benchmarks._suite import DRY_SUITE, DRY_TIMING, SUITE, TIMING  # noqa: E402 - plain data, no JAX
 
 VARIANTS = ("fp32-strict", "fp32-tf32", "amp-fp16", "amp-bf16", "compile-amp-fp16", "compile-amp-bf16")
 SKIP_MESSAGE = "PyTorch is not installed: the PyTorch AMP peer is skipped (it is not a jaxmp dependency; " \

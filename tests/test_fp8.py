@@ -140,6 +140,58 @@ def test_misuse_of_the_functions_gets_clear_errors():
         fp8.fp8_max(jnp.float16)
 
 
+def test_the_recipes_are_not_subclasses_of_each_other():
+    current, delayed = fp8.CurrentScaling(), fp8.DelayedScaling(history_length=4)
+    assert not isinstance(delayed, fp8.CurrentScaling) and not isinstance(current, fp8.DelayedScaling)
+    assert not issubclass(fp8.DelayedScaling, fp8.CurrentScaling)
+    assert isinstance(current, fp8.Fp8Recipe) and isinstance(delayed, fp8.Fp8Recipe)
+    assert not isinstance("e4m3", fp8.Fp8Recipe)
+    assert current != fp8.DelayedScaling() and delayed == fp8.DelayedScaling(history_length=4)
+    # The shared fields keep their positions: margin, fwd_dtype, bwd_dtype, emulate.
+    assert fp8.DelayedScaling(1.0, fp8.E5M2).margin == 1.0 and fp8.DelayedScaling(1.0, fp8.E5M2).fwd_dtype == fp8.E5M2
+    with pytest.raises(TypeError, match="CurrentScaling or jaxmp.fp8.DelayedScaling"):
+        type(current).__mro__[1]()  # the shared base is no recipe by itself
+
+
+def test_each_code_path_picks_the_recipe_it_was_given():
+    """Current scaling is stateless, delayed scaling needs its scales: every path tells them apart."""
+    import jaxmp
+    from jaxmp.flax.fp8 import Fp8State, NnxFp8Op
+
+    nnx = pytest.importorskip("flax.nnx")
+    current, delayed = fp8.CurrentScaling(), fp8.DelayedScaling(history_length=4)
+    x, w = jnp.ones((2, 2)), jnp.full((2, 2), 0.5)
+    scales = fp8.layer_scales(fp8.init_layer_state(delayed))
+    # The ops: delayed without scales and current with scales are both refused; each runs as itself.
+    with pytest.raises(TypeError, match="delayed scaling needs scales"):
+        fp8.fp8_dot_general(x, w, DN, recipe=delayed)
+    with pytest.raises(TypeError, match="only used with a DelayedScaling"):
+        fp8.fp8_dot_general(x, w, DN, recipe=current, scales=scales)
+    with pytest.raises(TypeError, match="recipe must be"):
+        fp8.fp8_dot_general(x, w, DN, recipe="e4m3")
+    assert fp8.fp8_dot_general(x, w, DN, recipe=delayed, scales=scales).tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    # Labels, hardware check, state builders.
+    assert fp8.describe(current).endswith("current scaling)") and fp8.describe(delayed).endswith("delayed scaling)")
+    cpu = jax.devices("cpu")[0]
+    assert fp8.check_hardware(current, cpu) == fp8.check_hardware(delayed, cpu) == "emulated"
+    with pytest.raises(TypeError, match="fp8 recipe"):
+        fp8.check_hardware(jaxmp.Policy("float32", "bfloat16", "float32"), cpu)
+    with pytest.raises(TypeError, match="DelayedScaling"):
+        fp8.init_layer_state(current)
+    # autocast takes current scaling only; the presets and the Flax front door take either.
+    assert jaxmp.AutocastRules(fp8_matmuls=current).fp8_matmuls is current
+    with pytest.raises(ValueError, match="delayed scaling"):
+        jaxmp.AutocastRules(fp8_matmuls=delayed)
+    assert type(jaxmp.get_recipe("O2-fp8").fp8) is fp8.DelayedScaling
+    assert type(jaxmp.get_recipe("O2-fp8-current").fp8) is fp8.CurrentScaling
+    for recipe in (current, delayed):
+        assert jaxmp.flax.PrecisionOverrides(fp8=recipe).fp8 is recipe
+    # An NNX fp8 op keeps state for the delayed recipe only.
+    counts = [len(nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0), dot_general=NnxFp8Op(r)), Fp8State))
+              for r in (current, delayed)]
+    assert counts[0] == 0 and counts[1] > 0
+
+
 def test_cpu_reports_emulation():
     available, why = fp8.native_fp8(jax.devices("cpu")[0])
     assert not available and "emulated" in why

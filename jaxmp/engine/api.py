@@ -13,7 +13,8 @@ import numpy as np
 from jaxmp.engine import config as _config
 from jaxmp.engine import internals
 from jaxmp.engine.attention import route_attention
-from jaxmp.engine.interpreter import Interpreter, Val, is_float
+from jaxmp.engine.interpreter import Interpreter
+from jaxmp.engine.values import Val, is_float
 from jaxmp.engine.modules import class_markers
 from jaxmp.engine.rules import AutocastRules, marker
 from jaxmp.dtypes import cast_floating
@@ -97,18 +98,6 @@ def _signature(leaves, dynamic):
     return tuple(parts)
 
 
-_CANARY_DONE = False
-
-
-def _run_canary() -> None:
-    """On a JAX newer than every tested one, checks a few rules once (tested versions: nothing)."""
-    global _CANARY_DONE
-    _CANARY_DONE = True
-    from jaxmp.engine import contract
-
-    contract.run_canary_once()
-
-
 class _Autocast:
     """The callable :func:`autocast` returns (``functools.wraps`` keeps ``fn``'s name and doc)."""
 
@@ -157,8 +146,6 @@ class _Autocast:
         return program
 
     def __call__(self, *args, **kwargs):
-        if not _CANARY_DONE:
-            _run_canary()
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [_is_array(leaf) for leaf in leaves]
         program = self._program(leaves, dynamic, treedef)
@@ -180,71 +167,25 @@ class _Autocast:
         return jax.tree_util.tree_unflatten(program.out_tree, outs)
 
 
-def engine_function(fn: Callable, config: _config.AutocastConfig, *, cast_outputs: bool = True,
-                    cache: bool = True) -> Callable:
-    """``fn`` re-evaluated by the engine under a resolved :class:`AutocastConfig`.
+def build(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = None) -> Callable:
+    """What :func:`jaxmp.autocast` returns, built without its once-per-process canary.
 
-    The entry the Flax front door (:func:`jaxmp.flax.mixed_precision`) uses: it resolves its
-    own config (:func:`jaxmp.engine.flax_config`) and casts module inputs and params itself.
-
-    Args:
-      fn: the function.
-      config: the engine settings.
-      cast_outputs: cast floating outputs to ``config.output_dtype``.
-      cache: trace once per input signature (False: trace every call, as ``module.apply`` does,
-        so trace-time Python effects such as Flax interceptors behave as without jaxmp).
-
-    Returns:
-      The engine function (``fn``'s signature).
-
-    Example:
-      >>> import jax.numpy as jnp, jaxmp
-      >>> from jaxmp.engine import engine_function, resolve_config
-      >>> f = engine_function(lambda w, x: x @ w, resolve_config("O1-bf16", None), cast_outputs=False)
-      >>> f(jnp.ones((2, 2)), jnp.ones((1, 2))).dtype
-      dtype(bfloat16)
-    """
-    return _Autocast(fn, config, cast_outputs, cache)
-
-
-def autocast(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = None) -> Callable:
-    """Op-level mixed precision for any JAX function, like ``torch.autocast``.
-
-    Returns a function with ``fn``'s signature that runs each primitive of ``fn`` in the dtype
-    its rule gives: matmuls and convolutions (the half list) in the compute dtype; exp, log,
-    pow, erf, sqrt/rsqrt and every reduction (the float32 list) in float32; everything else
-    follows its inputs (see :class:`jaxmp.AutocastRules` for the promotion rule). It works on
-    the traced program, so it sees every op of plain JAX, Flax, Equinox or Haiku code, inside
-    ``jit``, ``scan``, ``while_loop``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp`` and
-    ``shard_map``, and it composes with ``jit``, ``grad``, ``vmap`` and the rest in any order.
-
-    Floating outputs come back in the policy's output dtype (float32 for O1/O2); gradients with
-    respect to float32 inputs are float32. Integer, boolean, PRNG-key and non-array arguments
-    pass through untouched. The function is traced once per input signature (like ``jax.jit``:
-    closed-over arrays are captured at trace time); eager calls run a cached compiled program.
+    :mod:`jaxmp.engine.contract` builds its check programs with this, so that the canary's own
+    programs never start the canary again and the contract does not import the public entry
+    points (:mod:`jaxmp.engine.entry`), which run it.
 
     Args:
       fn: the function.
-      policy: ``"O0"`` (identity), ``"O1"``, ``"O2"``, ``"O3"`` (optionally ``-bf16``/``-fp16``;
-        without it the platform's half dtype), ``"mixed_bfloat16"``, a jmp policy string, a
-        :class:`jaxmp.Policy` or ``jmp.Policy``.
-      rules: :class:`jaxmp.AutocastRules` to use instead of the preset's.
+      policy: as for :func:`jaxmp.autocast`.
+      rules: as for :func:`jaxmp.autocast`.
 
     Returns:
       The autocast function.
 
-    Raises:
-      TypeError: ``fn`` is not callable, or ``rules`` is not an :class:`AutocastRules`.
-      ValueError: an unknown preset or malformed policy string.
-
     Example:
-      >>> import jax, jax.numpy as jnp, jaxmp
-      >>> def mlp(params, x):
-      ...     h = jax.nn.relu(x @ params["w1"])
-      ...     return jax.nn.log_softmax(h @ params["w2"])
-      >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 3))}
-      >>> out = jaxmp.autocast(mlp, "O1-bf16")(params, jnp.ones((2, 4)))
-      >>> out.dtype  # matmuls ran in bfloat16, log_softmax in float32
+      >>> import jax.numpy as jnp
+      >>> from jaxmp.engine.api import build
+      >>> build(lambda w, x: x @ w, "O1-bf16")(jnp.ones((2, 2)), jnp.ones((1, 2))).dtype
       dtype('float32')
     """
     if not callable(fn):

@@ -164,7 +164,7 @@ def _args(transform: str) -> tuple:
 
 
 def _composed(program: Callable, transform: str, order: str, policy: str, rules=None) -> Callable:
-    from jaxmp.engine.api import autocast
+    from jaxmp.engine.api import build as autocast
 
     t = TRANSFORMS[transform]
     if order == "T(autocast(f))":
@@ -244,7 +244,7 @@ def construct_checks() -> list[Check]:
     Returns:
       A list of :class:`Check`.
     """
-    from jaxmp.engine.api import autocast
+    from jaxmp.engine.api import build as autocast
 
     out = []
 

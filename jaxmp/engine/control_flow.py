@@ -24,7 +24,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jaxmp.engine import internals
-from jaxmp.engine.interpreter import Val, _np_dtype, dtype_of, is_float
+from jaxmp.engine.values import Val, dtype_of, is_float, np_dtype
 
 #: Ops an accumulator's value may pass through on its way to the next carry.
 _ACCUMULATE = frozenset({"add", "add_any", "sub", "mul", "div", "neg", "convert_element_type", "copy"})
@@ -54,7 +54,7 @@ def accumulators(jaxpr: jcore.Jaxpr, carry_in: Sequence[int], carry_out: Sequenc
     flags = []
     for i_in, i_out in zip(carry_in, carry_out):
         v, added, ok = jaxpr.invars[i_in], False, False
-        if not is_float(_np_dtype(getattr(v.aval, "dtype", None))):
+        if not is_float(np_dtype(getattr(v.aval, "dtype", None))):
             flags.append(False)
             continue
         for _ in range(len(jaxpr.eqns) + 1):
@@ -81,7 +81,7 @@ def _cast(x: Any, dtype: Any) -> Any:
 
 
 def _avals_dtypes(avals) -> list:
-    return [_np_dtype(a.dtype) if hasattr(a, "dtype") else None for a in avals]
+    return [np_dtype(a.dtype) if hasattr(a, "dtype") else None for a in avals]
 
 
 def _run_fn(interp, jaxpr: jcore.Jaxpr, consts, in_flags, comps, out_flags: list) -> Callable:

@@ -13,13 +13,14 @@ Every value carries a few bits besides its array:
   NaN). Data is never saturated: an overflow must still reach the loss-scaling check.
 
 Higher-order primitives are handled in :mod:`jaxmp.engine.control_flow`, which calls back
-into :class:`Interpreter`; every JAX internal is read through :mod:`jaxmp.engine.internals`.
+into the :class:`Interpreter` it is handed (it never imports this module: the values both
+use live in :mod:`jaxmp.engine.values`); every JAX internal is read through :mod:`jaxmp.engine.internals`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,59 +28,10 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jaxmp import fp8
-from jaxmp.engine import internals
+from jaxmp.engine import control_flow, internals
 from jaxmp.engine.config import AutocastConfig
 from jaxmp.engine.rules import COLLECTIVE_OPS, COMBINER_OPS, FLOAT32_OPS, FOLLOW_OPS, HALF_OPS, MARKER, PASSTHROUGH_OPS
-
-_F32 = np.dtype("float32")
-
-
-class Val(NamedTuple):
-    """An interpreted value: the array, whether it is a float32-list result, whether weak-typed,
-    whether it is computed from constants only."""
-
-    x: Any
-    strong: bool = False
-    weak: bool = False
-    const: bool = False
-
-
-def is_float(dtype: Any) -> bool:
-    """Real floating (never complex, PRNG key or float0): the only dtypes the engine casts."""
-    try:
-        return jnp.issubdtype(dtype, jnp.floating)
-    except TypeError:
-        return False
-
-
-def dtype_of(x: Any) -> Any:
-    """The dtype of an array, tracer or Python scalar (extended dtypes such as PRNG keys as they are)."""
-    return _np_dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
-
-
-def _np_dtype(dtype: Any) -> Any:
-    try:
-        return np.dtype(dtype)
-    except TypeError:  # PRNG key and other extended dtypes
-        return dtype
-
-
-def saturate(x: Any, dtype: np.dtype) -> Any:
-    """``x`` narrowed to ``dtype`` with finite values clipped to its finite range (inf, NaN kept)."""
-    hi = float(jnp.finfo(dtype).max)
-    if isinstance(x, (np.ndarray, np.generic, int, float)):
-        a = np.asarray(x)
-        return np.where(np.isfinite(a), np.clip(a, -hi, hi), a).astype(dtype)
-    clipped = jnp.clip(x, -hi, hi)
-    return jax.lax.convert_element_type(jnp.where(jnp.isfinite(x), clipped, x), dtype)
-
-
-def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
-    """The widest floating dtype; two different half dtypes promote to float32."""
-    wide = max(dtypes, key=lambda d: d.itemsize)
-    if wide.itemsize < 4 and len(set(dtypes)) > 1:
-        return _F32
-    return wide
+from jaxmp.engine.values import F32, Val, dtype_of, is_float, np_dtype, saturate, widest
 
 
 class Interpreter:
@@ -152,8 +104,6 @@ class Interpreter:
                 casts[key] = saturate(val.x, dtype) if narrowing else jax.lax.convert_element_type(val.x, dtype)
             return casts[key]
 
-        from jaxmp.engine import control_flow  # the two modules call each other
-
         for eqn in jaxpr.eqns:
             comps = prefix + internals.scope_names(eqn)
             vals = [read(a) for a in eqn.invars]
@@ -184,7 +134,7 @@ class Interpreter:
     def first_order(self, eqn, vals: list[Val], comps: tuple[str, ...], cast) -> list[Val]:
         name = eqn.primitive.name
         region = self.region(comps)
-        traced = [_np_dtype(a.aval.dtype) if hasattr(a.aval, "dtype") else None for a in eqn.invars]
+        traced = [np_dtype(a.aval.dtype) if hasattr(a.aval, "dtype") else None for a in eqn.invars]
         floats = [i for i, v in enumerate(vals) if is_float(dtype_of(v.x))]
         if name == "convert_element_type":
             return self._convert(eqn, vals, traced)
@@ -214,7 +164,7 @@ class Interpreter:
         if name in self.rules.half_ops:
             return self._half(eqn, vals, floats, traced, cast)
         if name in self.rules.float32_ops or (name == "mul" and _squares(eqn, self.rules)):
-            target = widest([_F32] + [dtype_of(vals[i].x) for i in floats])
+            target = widest([F32] + [dtype_of(vals[i].x) for i in floats])
             return self._run_in(eqn, vals, floats, target, cast, "float32 list")
         return self._follow(eqn, vals, floats, cast)
 
@@ -247,7 +197,7 @@ class Interpreter:
             # A preferred type other than the traced operands' is the user's choice: kept.
             explicit = pet is not None and any(traced[i] != np.dtype(pet) for i in floats)
             if not explicit:
-                out = _F32 if self.rules.matmul_output == "float32" else op_dtype
+                out = F32 if self.rules.matmul_output == "float32" else op_dtype
                 params = {**params, "preferred_element_type": out}
         recipe = self.rules.fp8_matmuls
         if recipe is not None and eqn.primitive.name == "dot_general" and len(floats) == 2:
@@ -270,7 +220,7 @@ class Interpreter:
         else:
             halves = [dtype_of(vals[i].x) for i in decisive if dtype_of(vals[i].x).itemsize < 4]
             if halves:  # two different half types: float32, never the narrower range
-                target = halves[0] if len(set(halves)) == 1 else _F32
+                target = halves[0] if len(set(halves)) == 1 else F32
             else:
                 target = widest([dtype_of(vals[i].x) for i in decisive])
         del dts

@@ -52,7 +52,7 @@ NNX_FP8_FIELDS: dict[type, str] = {
 _LINEN_USER_FIELDS = {"dot_general_cls": "dot_general", "conv_general_dilated_cls": "conv_general_dilated"}
 
 
-def _labelled(recipe: fp8.CurrentScaling):
+def _labelled(recipe: fp8.Fp8Recipe):
     # The same name scope autocast uses for its decisions, so precision_report names these ops.
     return jax.named_scope(f"jaxmp.rule={fp8.describe(recipe)}") if explain_enabled() else contextlib.nullcontext()
 
@@ -131,7 +131,7 @@ def linen_fp8_field(module: nn.Module) -> str | None:
 
 
 @contextlib.contextmanager
-def linen_fp8_op(module: nn.Module, field: str, recipe: fp8.CurrentScaling):
+def linen_fp8_op(module: nn.Module, field: str, recipe: fp8.Fp8Recipe):
     """Temporarily gives a bound Linen layer the fp8 op (restored afterwards, as for attention)."""
     cls = Fp8DotGeneral if field == "dot_general_cls" else Fp8ConvGeneralDilated
     object.__setattr__(module, field, functools.partial(cls, recipe=recipe))
@@ -164,8 +164,8 @@ class NnxFp8Op(nnx.Module):
       ((2, 4), 1)
     """
 
-    def __init__(self, recipe: fp8.CurrentScaling, op_name: str = "dot_general"):
-        if not isinstance(recipe, fp8.CurrentScaling):
+    def __init__(self, recipe: fp8.Fp8Recipe, op_name: str = "dot_general"):
+        if not isinstance(recipe, fp8.Fp8Recipe):
             raise TypeError(f"recipe must be a jaxmp.fp8 recipe, got {type(recipe).__name__}")
         if op_name not in ("dot_general", "conv_general_dilated"):
             raise ValueError(f"op_name must be 'dot_general' or 'conv_general_dilated', got {op_name!r}")
@@ -181,7 +181,7 @@ class NnxFp8Op(nnx.Module):
         return _run(self.op_name, self.recipe, scales, args, kwargs)
 
 
-def install_nnx_fp8(model: nnx.Module, recipe: fp8.CurrentScaling, is_half: Any) -> int:
+def install_nnx_fp8(model: nnx.Module, recipe: fp8.Fp8Recipe, is_half: Any) -> int:
     """Gives every fp8-eligible half layer of an NNX model an :class:`NnxFp8Op` (in place).
 
     Args:

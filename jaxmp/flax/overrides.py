@@ -262,7 +262,7 @@ class PrecisionOverrides:
     fp32_paths: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.fp8 is not None and not isinstance(self.fp8, _fp8.CurrentScaling):
+        if self.fp8 is not None and not isinstance(self.fp8, _fp8.Fp8Recipe):
             raise TypeError(f"PrecisionOverrides.fp8 must be a jaxmp.fp8.DelayedScaling / CurrentScaling recipe or "
                             f"None, got {type(self.fp8).__name__}: {self.fp8!r}")
         half = _class_tuple(self.half_modules, "PrecisionOverrides.half_modules")

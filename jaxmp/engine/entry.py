@@ -1,0 +1,89 @@
+"""The engine's public entry points: :func:`autocast` and :func:`engine_function`.
+
+Both build an engine function (:mod:`jaxmp.engine.api`). The first one built in a process on
+a JAX newer than every tested one runs the canary of :mod:`jaxmp.engine.contract` and warns
+about a rule the new JAX breaks; on a tested JAX that costs one cached call. The canary's
+check programs are built one layer down (:func:`jaxmp.engine.api.build`), so they never start
+the canary again, and the contract and the engine functions do not import each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from jaxmp.engine import config as _config
+from jaxmp.engine import contract
+from jaxmp.engine.api import _Autocast, build
+from jaxmp.engine.rules import AutocastRules
+
+
+def engine_function(fn: Callable, config: _config.AutocastConfig, *, cast_outputs: bool = True,
+                    cache: bool = True) -> Callable:
+    """``fn`` re-evaluated by the engine under a resolved :class:`AutocastConfig`.
+
+    The entry the Flax front door (:func:`jaxmp.flax.mixed_precision`) uses: it resolves its
+    own config (:func:`jaxmp.engine.flax_config`) and casts module inputs and params itself.
+
+    Args:
+      fn: the function.
+      config: the engine settings.
+      cast_outputs: cast floating outputs to ``config.output_dtype``.
+      cache: trace once per input signature (False: trace every call, as ``module.apply`` does,
+        so trace-time Python effects such as Flax interceptors behave as without jaxmp).
+
+    Returns:
+      The engine function (``fn``'s signature).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> from jaxmp.engine import engine_function, resolve_config
+      >>> f = engine_function(lambda w, x: x @ w, resolve_config("O1-bf16", None), cast_outputs=False)
+      >>> f(jnp.ones((2, 2)), jnp.ones((1, 2))).dtype
+      dtype(bfloat16)
+    """
+    contract.run_canary_once()
+    return _Autocast(fn, config, cast_outputs, cache)
+
+
+def autocast(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = None) -> Callable:
+    """Op-level mixed precision for any JAX function, like ``torch.autocast``.
+
+    Returns a function with ``fn``'s signature that runs each primitive of ``fn`` in the dtype
+    its rule gives: matmuls and convolutions (the half list) in the compute dtype; exp, log,
+    pow, erf, sqrt/rsqrt and every reduction (the float32 list) in float32; everything else
+    follows its inputs (see :class:`jaxmp.AutocastRules` for the promotion rule). It works on
+    the traced program, so it sees every op of plain JAX, Flax, Equinox or Haiku code, inside
+    ``jit``, ``scan``, ``while_loop``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp`` and
+    ``shard_map``, and it composes with ``jit``, ``grad``, ``vmap`` and the rest in any order.
+
+    Floating outputs come back in the policy's output dtype (float32 for O1/O2); gradients with
+    respect to float32 inputs are float32. Integer, boolean, PRNG-key and non-array arguments
+    pass through untouched. The function is traced once per input signature (like ``jax.jit``:
+    closed-over arrays are captured at trace time); eager calls run a cached compiled program.
+
+    Args:
+      fn: the function.
+      policy: ``"O0"`` (identity), ``"O1"``, ``"O2"``, ``"O3"`` (optionally ``-bf16``/``-fp16``;
+        without it the platform's half dtype), ``"mixed_bfloat16"``, a jmp policy string, a
+        :class:`jaxmp.Policy` or ``jmp.Policy``.
+      rules: :class:`jaxmp.AutocastRules` to use instead of the preset's.
+
+    Returns:
+      The autocast function.
+
+    Raises:
+      TypeError: ``fn`` is not callable, or ``rules`` is not an :class:`AutocastRules`.
+      ValueError: an unknown preset or malformed policy string.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
+      >>> def mlp(params, x):
+      ...     h = jax.nn.relu(x @ params["w1"])
+      ...     return jax.nn.log_softmax(h @ params["w2"])
+      >>> params = {"w1": jnp.ones((4, 8)), "w2": jnp.ones((8, 3))}
+      >>> out = jaxmp.autocast(mlp, "O1-bf16")(params, jnp.ones((2, 4)))
+      >>> out.dtype  # matmuls ran in bfloat16, log_softmax in float32
+      dtype('float32')
+    """
+    contract.run_canary_once()
+    return build(fn, policy, rules=rules)

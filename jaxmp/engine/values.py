@@ -1,0 +1,66 @@
+"""The values the engine computes with: :class:`Val` (an array and the bits the promotion rule
+reads) and the dtype helpers the interpreter and the control-flow handlers share.
+
+Below both :mod:`jaxmp.engine.interpreter` and :mod:`jaxmp.engine.control_flow`, so that the
+interpreter can dispatch to the control-flow handlers and they can build values without the
+two modules importing each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F32 = np.dtype("float32")
+
+
+class Val(NamedTuple):
+    """An interpreted value: the array, whether it is a float32-list result, whether weak-typed,
+    whether it is computed from constants only."""
+
+    x: Any
+    strong: bool = False
+    weak: bool = False
+    const: bool = False
+
+
+def is_float(dtype: Any) -> bool:
+    """Real floating (never complex, PRNG key or float0): the only dtypes the engine casts."""
+    try:
+        return jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:
+        return False
+
+
+def dtype_of(x: Any) -> Any:
+    """The dtype of an array, tracer or Python scalar (extended dtypes such as PRNG keys as they are)."""
+    return np_dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def np_dtype(dtype: Any) -> Any:
+    """``np.dtype(dtype)``, or ``dtype`` itself for extended dtypes (PRNG keys) numpy cannot name."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:  # PRNG key and other extended dtypes
+        return dtype
+
+
+def saturate(x: Any, dtype: np.dtype) -> Any:
+    """``x`` narrowed to ``dtype`` with finite values clipped to its finite range (inf, NaN kept)."""
+    hi = float(jnp.finfo(dtype).max)
+    if isinstance(x, (np.ndarray, np.generic, int, float)):
+        a = np.asarray(x)
+        return np.where(np.isfinite(a), np.clip(a, -hi, hi), a).astype(dtype)
+    clipped = jnp.clip(x, -hi, hi)
+    return jax.lax.convert_element_type(jnp.where(jnp.isfinite(x), clipped, x), dtype)
+
+
+def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The widest floating dtype; two different half dtypes promote to float32."""
+    wide = max(dtypes, key=lambda d: d.itemsize)
+    if wide.itemsize < 4 and len(set(dtypes)) > 1:
+        return F32
+    return wide
