@@ -42,7 +42,7 @@ import numpy as np
 import optax
 
 from jaxmp.dtypes import is_floating_array
-from jaxmp.transform import _check_inner, check_same_structure, find_states
+from jaxmp.transform import check_inner, check_same_structure, find_states
 from jaxmp.transform import master_weights as _master_weights
 
 __all__ = [
@@ -237,7 +237,7 @@ def bf16_moments(inner: optax.GradientTransformation, key: Any = None, *,
       >>> updates["w"].dtype, int(state.count)
       (dtype('float32'), 1)
     """
-    inner = _check_inner(inner)
+    inner = check_inner(inner)
     rounding = _check_rounding(rounding)
     key_data = _key_data(key, "bf16_moments") if rounding == "stochastic" or key is not None \
         else jnp.zeros(2, jnp.uint32)
@@ -323,7 +323,7 @@ def bf16_params(inner: optax.GradientTransformation, key: Any = None, *,
       >>> 0.015 < moved < 0.035
       True
     """
-    inner = _check_inner(inner)
+    inner = check_inner(inner)
     rounding = _check_rounding(rounding)
     key_data = _key_data(key, "bf16_params") if rounding == "stochastic" or key is not None \
         else jnp.zeros(2, jnp.uint32)
@@ -479,7 +479,7 @@ def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTrans
       >>> params["w"].tolist(), master.tolist() == [jnp.float32(1) - jnp.float32(1e-4)] * 2
       ([1.0, 1.0], True)
     """
-    inner = _check_inner(inner)
+    inner = check_inner(inner)
     fix = ("param remainders keep bfloat16 params: a float16 value is not the high half of a float32. Use "
            "jaxmp.loss_scaling(..., master_weights=True) for float16 params")
 
@@ -618,7 +618,7 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
         raise ValueError(f"accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
     stochastic = name in ("masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr")
     base = jax.random.wrap_key_data(_key_data(key, f"preset {name!r}"), impl=_IMPL) if stochastic else None
-    inner = _check_inner(inner)
+    inner = check_inner(inner)
     if name.endswith("bf16-moments") or name == "bf16-sr":
         inner = bf16_moments(inner, jax.random.fold_in(base, 2))
     if accumulate_steps > 1:

@@ -235,7 +235,16 @@ def check_health(opt_state: Any, max_consecutive_skips: int = 50, *, tree: Any =
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
-      >>> jaxmp.check_health(jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)}))
+      >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), "static:1")
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> jaxmp.check_health(state) is None  # no step skipped: nothing to say
+      True
+      >>> for _ in range(2):  # two overflowed steps in a row
+      ...     _, state = tx.update({"w": jnp.full(2, jnp.inf)}, state, {"w": jnp.ones(2)})
+      >>> jaxmp.check_health(state, max_consecutive_skips=1)
+      Traceback (most recent call last):
+      ...
+      jaxmp.opt_state.TrainingDivergedError: 2 consecutive steps were skipped for non-finite gradients ...
     """
     if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, (int, np.integer)) or max_consecutive_skips < 1:
         raise ValueError(f"max_consecutive_skips must be an int >= 1, got {max_consecutive_skips!r}")

@@ -135,7 +135,24 @@ def _verdict(finite: jax.Array, axis_name) -> jax.Array:
     return agreed > 0.5
 
 
-def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
+def check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
+    """``inner`` as an optax transformation with extra-args support, or a ``TypeError``.
+
+    Every wrapper of an inner optimizer checks its argument with this (the transforms here and
+    the lean recipes of :mod:`jaxmp.lean`).
+
+    Args:
+      inner: an optax ``GradientTransformation`` (or anything with ``init`` and ``update``).
+
+    Returns:
+      ``optax.with_extra_args_support(inner)``.
+
+    Example:
+      >>> import optax
+      >>> from jaxmp.transform import check_inner
+      >>> type(check_inner(optax.sgd(0.1))).__name__
+      'GradientTransformationExtraArgs'
+    """
     if not isinstance(inner, optax.GradientTransformation) and not (hasattr(inner, "init") and hasattr(inner, "update")):
         raise TypeError(f"inner must be an optax GradientTransformation, got {type(inner).__name__}")
     return optax.with_extra_args_support(inner)
@@ -168,7 +185,7 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
       >>> state.master_params["w"].dtype, updates["w"].dtype
       (dtype('float32'), dtype('float16'))
     """
-    inner = _check_inner(inner)
+    inner = check_inner(inner)
     master_dtype = float_dtype(master_dtype, "master_dtype")
 
     def init_fn(params):
@@ -300,7 +317,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
       >>> bool(state.last_step_finite), int(state.skip_reason), updates["w"].tolist()
       (False, 2, [-0.0, -0.0])
     """
-    inner = _check_inner(inner)
+    inner = check_inner(inner)
     initial_scale = make_loss_scale(loss_scale)
     if skip_with not in ("auto", "cond", "select"):
         raise ValueError(f"skip_with must be 'auto', 'cond' or 'select', got {skip_with!r}")
@@ -444,6 +461,8 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
       >>> loss, grads = jaxmp.value_and_grad(lambda p: jnp.sum(p["w"] ** 2), state)(params)
       >>> updates, state = tx.update(grads, state, params)
       >>> params = jaxmp.apply_updates(params, updates, state)
+      >>> loss, params["w"]  # the true (unscaled) loss; one Adam step of size 1e-3
+      (Array(3., dtype=float32), Array([0.999, 0.999, 0.999], dtype=float32))
     """
     if not isinstance(master_weights, bool):
         raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")

@@ -56,3 +56,13 @@ def test_docstring_example_runs(test):
         doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE).run(
             test, out=out.append, clear_globs=False)
         pytest.fail("".join(out))
+
+
+def test_every_docstring_example_shows_its_output():
+    """An example with no expected output can only fail by raising: each one shows a result
+    (a value, a printed line or an exception) that the run above checks."""
+    silent = [p.values[0].name for p in EXAMPLES if not any(e.want.strip() or e.exc_msg for e in p.values[0].examples)]
+    assert not silent, f"docstring examples that show no output: {silent}"
+    # The check sees what it should: an example with only statements counts as silent.
+    probe = doctest.DocTestParser().get_examples(">>> x = 1\n>>> y = x + 1\n")
+    assert probe and not any(e.want.strip() or e.exc_msg for e in probe)

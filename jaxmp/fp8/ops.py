@@ -33,10 +33,17 @@ def gradient_loss_scale(loss_scale: Any):
       loss_scale: the scalar the loss is multiplied by (a traced value is fine).
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> with fp8.gradient_loss_scale(jnp.float32(1024.0)):
-      ...     pass
+      >>> recipe = fp8.DelayedScaling(history_length=4)
+      >>> scales = fp8.layer_scales(fp8.init_layer_state(recipe))
+      >>> def scaled_loss(s):
+      ...     with fp8.gradient_loss_scale(1024.0):
+      ...         y = fp8.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())),
+      ...                                 recipe, scales=s)
+      ...     return 1024.0 * jnp.sum(y)
+      >>> float(jax.grad(scaled_loss)(scales).output_grad)  # the cotangent is 1024; its amax, unscaled
+      1.0
     """
     token = _GRAD_LOSS_SCALE.set(loss_scale)
     try:

@@ -110,6 +110,8 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
       >>> p, s = jaxmp.parallel.replicate(params), jaxmp.parallel.replicate(tx.init(params))
       >>> batch = jaxmp.parallel.shard_batch({"x": np.ones((16, 3), np.float32), "y": np.ones(16, np.float32)})
       >>> p, s, metrics = step(p, s, batch)
+      >>> jaxmp.parallel.unreplicate(p)["w"], float(metrics["loss"][0])
+      (Array([0.2, 0.2, 0.2], dtype=float32), 1.0)
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")

@@ -142,7 +142,12 @@ def check_replicated(tree: Any, *, num_replicas: int | None = None, name: str = 
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
-      >>> jaxmp.parallel.check_replicated(jaxmp.parallel.replicate({"w": jnp.ones(3)}))
+      >>> jaxmp.parallel.check_replicated(jaxmp.parallel.replicate({"w": jnp.ones(3)})) is None
+      True
+      >>> jaxmp.parallel.check_replicated({"w": jnp.ones((3, 2))}, num_replicas=2)  # no replica axis
+      Traceback (most recent call last):
+      ...
+      ValueError: state is not replicated: leaf ['w'] has shape (3, 2), expected a leading replica axis ...
     """
     n = jax.local_device_count() if num_replicas is None else int(num_replicas)
     for path, x in jax.tree_util.tree_leaves_with_path(tree):

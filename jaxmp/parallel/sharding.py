@@ -244,6 +244,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
       >>> p, s = jaxmp.parallel.replicate_on_mesh((params, tx.init(params)), mesh)
       >>> batch = jaxmp.parallel.make_global_batch({"x": np.ones((16, 3), np.float32), "y": np.ones(16, np.float32)}, mesh)
       >>> p, s, metrics = step(p, s, batch)
+      >>> float(metrics["loss"]), p["w"]
+      (1.0, Array([0.2, 0.2, 0.2], dtype=float32))
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
