@@ -63,7 +63,7 @@ def _sharded_step(opt):
 
 
 def _single_device(opt, x, y):
-    """The reference: what a user writes for one device (DESIGN.md), on the whole global batch."""
+    """The reference: what a user writes for one device (docs/design.md), on the whole global batch."""
     tx, step = _single_step(opt)
     params = jax.device_put(demo.init_params(), jax.devices()[0])
     state = tx.init(params)
