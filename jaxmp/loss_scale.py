@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxmp import traps
 from jaxmp.dtypes import is_inexact_array
-from jaxmp.skip import all_finite, check_flag, select_tree  # noqa: F401 - re-exported for older imports
+from jaxmp.skip import check_flag
 
 T = TypeVar("T")
 

@@ -23,7 +23,7 @@ import optax
 
 from jaxmp import traps
 from jaxmp.dtypes import float_dtype, is_floating_array, is_inexact_array
-from jaxmp.loss_scale import LOSS_SCALE_TYPES, LossScale, NoOpLossScale, make_loss_scale
+from jaxmp.loss_scale import LossScale, make_loss_scale
 from jaxmp.skip import all_finite, keep_if_finite
 
 #: ``LossScalingState.skip_reason`` values.

@@ -284,6 +284,39 @@ def test_the_canary_warns_naming_the_jax_version_on_a_newer_jax(monkeypatch):
         contract.run_canary_once.cache_clear()
 
 
+def test_building_autocast_functions_starts_the_canary_once(monkeypatch):
+    from jaxmp.engine import engine_function, resolve_config
+
+    calls = []
+    monkeypatch.setattr(tested, "is_newer_than_tested", lambda version: True)
+    monkeypatch.setattr(contract, "canary", lambda: calls.append(1) or [])
+    contract.run_canary_once.cache_clear()
+    try:
+        f = jaxmp.autocast(lambda w, x: x @ w, "O1-bf16")
+        assert calls == [1]  # at build time, before any call
+        jaxmp.autocast(lambda x: x, "O1-fp16")
+        engine_function(lambda x: x, resolve_config("O1-bf16", None))
+        f(jnp.ones((2, 2)), jnp.ones((1, 2)))
+        assert calls == [1]
+    finally:
+        contract.run_canary_once.cache_clear()
+
+
+def test_the_real_canary_on_a_newer_jax_builds_its_checks_without_restarting_itself(monkeypatch):
+    """The checks are built one layer below the public entry points (api.build), so running the
+    canary never re-enters it, and a JAX that honours every rule gets no warning."""
+    import warnings
+
+    monkeypatch.setattr(tested, "is_newer_than_tested", lambda version: True)
+    contract.run_canary_once.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            contract.run_canary_once()
+    finally:
+        contract.run_canary_once.cache_clear()
+
+
 def test_the_real_canary_passes_on_this_jax():
     assert contract.canary() == []
 

@@ -1,4 +1,8 @@
-"""``jaxmp.autocast``: trace the function once per input signature, then re-evaluate it under the rules."""
+"""The engine function: trace a function once per input signature, then re-evaluate it under the rules.
+
+The public entry points that build one (``jaxmp.autocast``, ``engine_function``) are in
+:mod:`jaxmp.engine.entry`; :func:`build` is autocast without the canary they start.
+"""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ them runs a computation bigger than a few dozen elements. Three users:
 * the tests (``tests/test_autocast_contract.py``), which require every check to hold and
   render the composition table in docs/autocast.md;
 * ``python -m jaxmp.selfcheck``, which runs them on the user's JAX and prints what holds;
-* the canary: on a JAX newer than every version CI tests, the first autocast call runs
+* the canary: on a JAX newer than every version CI tests, the first autocast function built runs
   :func:`canary` and warns, naming the JAX version, when a rule is not honoured.
 """
 
