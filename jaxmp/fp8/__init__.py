@@ -17,17 +17,17 @@ GPUs with fp8 Tensor Cores (compute capability >= 8.9) XLA rewrites this pattern
 GEMM, which is how ``flax.linen.fp8_ops`` reaches them too. Under :func:`jaxmp.autocast`,
 ``AutocastRules(fp8_matmuls=CurrentScaling())`` makes every half-list ``dot_general`` one.
 
-Example:
-  >>> import jax.numpy as jnp
-  >>> from jaxmp import fp8
-  >>> float(fp8.compute_scale(jnp.float32(4.0), jnp.float32(1.0), fp8.E4M3))
-  112.0
-
 One module per concern, every public name re-exported here (``from jaxmp import fp8;
 fp8.CurrentScaling``): ``formats`` (E4M3 / E5M2 and their ranges), ``recipes`` (the two
 recipes, :data:`Fp8Recipe`, :class:`Fp8Meta`), ``scaling`` (amax, scale, quantize, the
 history update), ``state`` (the per-layer delayed-scaling variables and their step update),
 ``ops`` (the scaled ``dot_general`` and convolution) and ``hardware`` (native or emulated).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from jaxmp import fp8
+  >>> float(fp8.compute_scale(jnp.float32(4.0), jnp.float32(1.0), fp8.E4M3))
+  112.0
 """
 
 from jaxmp.fp8.formats import E4M3, E5M2, FP8_DTYPES, fp8_max
