@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -318,15 +318,3 @@ def apply_module_rules(rules: ModuleRules, intercept: bool = True) -> Iterator[N
         return
     with _intercepted("flax.linen", rules), _intercepted("haiku", rules):
         yield
-
-
-def class_markers(class_rules) -> contextlib.AbstractContextManager:
-    """``apply_module_rules`` for ``AutocastRules.class_rules`` (kept for callers of the old name).
-
-    Args:
-      class_rules: ``((module_class, dtype), ...)``.
-
-    Returns:
-      A context manager.
-    """
-    return apply_module_rules(ModuleRules.from_class_rules(class_rules))

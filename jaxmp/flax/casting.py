@@ -8,7 +8,6 @@ import jax
 import numpy as np
 
 from jaxmp.dtypes import is_floating_array
-from jaxmp.engine.modules import cast_output, first_floating_dtype  # noqa: F401 (the engine's, re-exported)
 from jaxmp.engine.rules import ModuleRule
 
 #: A module path as strings, e.g. ``("ResBlock_0", "BatchNorm_0")`` or ``("layers", "0")``.
