@@ -241,3 +241,49 @@ def cast_to_half(tree: T) -> T:
       True
     """
     return cast_floating(tree, half_dtype())
+
+
+def float32_backward(fn):
+    """``fn`` as traced on the way forward, differentiated on float32 copies of its inputs.
+
+    A kernel that feeds half operands to a matmul with a float32 result
+    (``preferred_element_type``), such as attention logits, has a transpose that multiplies a
+    float32 cotangent with a half operand: JAX lowers that mixed matmul by promoting, which
+    strict dtype promotion refuses. With this wrapper the backward pass is the vjp of ``fn``
+    at float32 copies of its floating array arguments (the arithmetic the promotion would have
+    done anyway, now explicit), and each cotangent is cast back to its argument's dtype. The
+    forward pass is unchanged.
+
+    Args:
+      fn: a function of arrays (floating arrays are differentiated; ``None`` is allowed).
+
+    Returns:
+      The wrapped function (same signature, positional arguments only).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmp.dtypes import float32_backward
+      >>> def logits(q, k):
+      ...     return jnp.einsum("qd,kd->qk", q, k, preferred_element_type=jnp.float32)
+      >>> q = jnp.ones((2, 4), jnp.bfloat16)
+      >>> with jax.numpy_dtype_promotion("strict"):
+      ...     g = jax.jit(jax.grad(lambda q: float32_backward(logits)(q, q).sum()))(q)
+      >>> g.dtype, float(g[0, 0])
+      (dtype(bfloat16), 4.0)
+    """
+
+    @jax.custom_vjp
+    def wrapped(*xs):
+        return fn(*xs)
+
+    def fwd(*xs):
+        return fn(*xs), xs
+
+    def bwd(xs, ct):
+        wide = [x.astype(jnp.float32) if is_floating_array(x) else x for x in xs]
+        _, vjp = jax.vjp(fn, *wide)
+        grads = vjp(cast_floating(ct, jnp.float32) if ct is not None else ct)
+        return tuple(g.astype(x.dtype) if is_floating_array(x) and g is not None else g for g, x in zip(grads, xs))
+
+    wrapped.defvjp(fwd, bwd)
+    return wrapped

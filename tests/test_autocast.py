@@ -326,6 +326,6 @@ def test_scan_and_remat_around_an_autocast_body():
 
 
 def test_float0_and_integer_inputs_pass_through_grad():
-    f = jaxmp.autocast(lambda w, n: jnp.sum(jnp.tanh(w @ w) * n), "O1-bf16")
+    f = jaxmp.autocast(lambda w, n: jnp.sum(jnp.tanh(w @ w) * n.astype(w.dtype)), "O1-bf16")
     gw, gn = jax.grad(f, argnums=(0, 1), allow_int=True)(jnp.eye(3), jnp.int32(2))
     assert gw.dtype == F32 and gn.dtype == jax.dtypes.float0

@@ -34,14 +34,28 @@ def test_architecture_fp8_statement_holds():
 
 
 def test_architecture_statement_about_flax_rules_matches_the_code():
-    """The page says whether the Flax front door hands its module rules to the engine as class
-    rules; the sentence has to change when the code does."""
+    """The page says the Flax front door's overrides and autocast's class rules are one rule
+    system (both compile to the engine's ``ModuleRules``); that must be what the code does."""
+    nn = pytest.importorskip("flax.linen")
+    from jaxmp.engine import flax_config, resolve_config
+    from jaxmp.engine.rules import ModuleRules
+    from jaxmp.flax import PrecisionOverrides
+
     text = " ".join(page("architecture.md").read_text().split())
-    says_separate = "they are not (yet) expressed as `AutocastRules.class_rules`" in text
-    passes_class_rules = any("class_rules" in p.read_text() for p in (ROOT / "jaxmp" / "flax").glob("*.py"))
-    assert says_separate != passes_class_rules, (
-        "docs/architecture.md's sentence about Flax rules and AutocastRules.class_rules no longer matches "
-        f"jaxmp/flax (which {'passes' if passes_class_rules else 'does not pass'} class_rules)")
+    says_one_system = ("Module rules are one system: `AutocastRules.class_rules` and the Flax front door's "
+                       "`PrecisionOverrides` both compile to `jaxmp.engine.rules.ModuleRules`") in text
+    policy = jaxmp.get_policy("O1-bf16")
+    overrides = PrecisionOverrides.from_recipe("O1")
+    flax_rules = flax_config(policy, overrides).modules
+    autocast_rules = resolve_config("O1-bf16", jaxmp.AutocastRules().with_class(nn.LayerNorm, "float32")).modules
+    one_system = isinstance(flax_rules, ModuleRules) and isinstance(autocast_rules, ModuleRules)
+    assert says_one_system and one_system, (
+        "docs/architecture.md's sentence about Flax overrides and AutocastRules.class_rules no longer matches "
+        f"the code (Flax overrides compile to {type(flax_rules).__name__}, class rules to "
+        f"{type(autocast_rules).__name__})")
+    # ... and both run the ops inside a LayerNorm in float32 (the Flax rule also casts its params).
+    assert flax_rules.rule_at(("norm",), nn.LayerNorm).region == "float32"
+    assert autocast_rules.rule_at(("norm",), nn.LayerNorm).region == "float32"
 
 
 def test_design_page_defaults_are_the_codes():

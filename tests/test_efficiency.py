@@ -34,6 +34,7 @@ def _bytes(model: str) -> dict:
     return {n: overhead.compiled_stats(f, inits[n](), batches[0]) for n, f in steps.items()}
 
 
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the margins are XLA:CPU's")
 @pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=pytest.mark.slow)])
 def test_compiled_step_bytes_within_margin_of_floor(model):

@@ -28,6 +28,7 @@ def _abstract_params(name, shape, num_classes, policy="O0"):
     return model, variables, x
 
 
+@pytest.mark.standard_promotion(reason="flax.linen.avg_pool: divides by an int32 window size")
 @pytest.mark.parametrize("name,shape,num_classes,count", FULL_SIZE)
 def test_full_size_models_shapes_and_multiples_of_8(name, shape, num_classes, count):
     model, variables, x = _abstract_params(name, shape, num_classes)
@@ -49,6 +50,7 @@ def test_full_size_models_shapes_and_multiples_of_8(name, shape, num_classes, co
     ("cnn1d", (40,), {}),
     ("transformer", (8, 8, 1), dict(num_layers=1, model_dim=16, num_heads=2, mlp_dim=16, patch_size=4)),
 ])
+@pytest.mark.standard_promotion(reason="flax.linen.avg_pool: divides by an int32 window size")
 def test_tiny_models_run_under_o2_with_fp32_norms(name, shape, kw):
     module = get_model(name, 10, **kw)
     model = jaxmp.flax.mixed_precision(module, "O2-bf16")

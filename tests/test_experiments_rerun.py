@@ -243,6 +243,7 @@ def _enospc_at(step):
     return save
 
 
+@pytest.mark.standard_promotion(reason="the O0 resume traces optax.adam afresh (bias correction: Python float ** int32 count)")
 def test_disk_full_is_a_clear_error_and_the_resume_is_bit_exact(finished, tmp_path, monkeypatch):
     import orbax.checkpoint as ocp
 

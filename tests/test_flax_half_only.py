@@ -88,6 +88,7 @@ def test_linen_half_only_layer_trains(level):
     assert np.isfinite(losses[-1]) and losses[-1] < 0.7 * losses[0]
 
 
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 @pytest.mark.parametrize("level", LEVELS)
 def test_nnx_half_only_layer_trains(level):
     model = jaxmp.flax.mixed_precision(NNXNet(nnx.Rngs(0)), level)

@@ -78,6 +78,7 @@ def transformer():
     return model, jax.eval_shape(lambda key: model.init(key, SEQ), jax.random.key(0))
 
 
+@pytest.mark.standard_promotion(reason="shows plain Flax promoting float16 inputs with float32 params (Flax's promote_dtype)")
 def test_plain_flax_promotion_undoes_half_inputs():
     # The pitfall the integration exists for: float32 params + float16 inputs => float32 matmul.
     dense = nn.Dense(3)
@@ -148,6 +149,7 @@ def test_transformer_op_dtypes(transformer, strict_promotion):
     assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.standard_promotion(reason="O3 leaves LayerNorm to Flax, whose _normalize mixes its float32 statistics with float16 params")
 def test_recipes_choose_categories(transformer):
     _, variables = transformer
     ops = {}
@@ -442,3 +444,31 @@ def test_o2_softmax_differs_between_the_front_doors_and_the_report_shows_it():
     # The documented route to autocast's O2 behind jaxmp.flax: fp32_softmax=True.
     same = jaxmp.flax.mixed_precision(net, "O2-bf16", PrecisionOverrides(fp32_softmax=True))
     assert _softmax_decisions(jaxmp.precision_report(same.apply, same.init(jax.random.key(0), x), x)) == autocast
+
+
+def test_overrides_and_autocast_class_rules_are_one_rule_system():
+    """Both front doors compile to the engine's ModuleRules; rule_at is the one decision."""
+    from flax import nnx
+
+    from jaxmp.engine import flax_config, resolve_config
+    from jaxmp.engine.modules import install_call_hooks
+    from jaxmp.engine.rules import ModuleRules
+
+    policy = jaxmp.get_policy("O1-bf16")
+    ov = PrecisionOverrides.from_recipe("O1").with_fp32_paths("head").with_policy(nn.Embed, "f32")
+    rules = ov.module_rules(policy)
+    assert isinstance(rules, ModuleRules) and flax_config(policy, ov).modules == rules
+    for path, cls in [(("body",), nn.LayerNorm), (("head",), nn.Dense), (("body",), nn.Dense), (("x",), nn.Embed)]:
+        assert ov.rule_at(path, cls, policy) == rules.rule_at(path, cls)
+    assert [rules.rule_at(p, c).kind for p, c in [(("body",), nn.LayerNorm), (("head",), nn.Dense),
+                                                   (("body",), nn.Dense), (("x",), nn.Embed)]] == \
+        ["fp32", "fp32", "half", "policy"]
+    config = resolve_config("O1-bf16", jaxmp.AutocastRules().with_class(nn.LayerNorm, "float32"))
+    assert config.modules.rule_for(nn.LayerNorm).region == "float32"
+    assert config.modules.rule_for(nn.LayerNorm).kind == "region"
+    # The NNX / Equinox hook is installed once per class and stays Flax's call outside a trace.
+    install_call_hooks([nnx.LayerNorm])
+    hook = nnx.LayerNorm.__call__
+    install_call_hooks([nnx.LayerNorm])
+    assert nnx.LayerNorm.__call__ is hook and hook.__wrapped__ is not None
+    assert not hasattr(nn.Module.param, "__wrapped__")  # Linen params are cast by path, not by a patch

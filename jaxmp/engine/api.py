@@ -19,7 +19,7 @@ from jaxmp.engine import internals
 from jaxmp.engine.attention import route_attention
 from jaxmp.engine.interpreter import Interpreter
 from jaxmp.engine.values import Val, is_float
-from jaxmp.engine.modules import class_markers
+from jaxmp.engine.modules import apply_module_rules
 from jaxmp.engine.rules import AutocastRules, marker
 from jaxmp.dtypes import cast_floating
 
@@ -126,7 +126,8 @@ class _Autocast:
             return flat
 
         dyn_vals = [leaf for leaf, d in zip(leaves, dynamic) if d]
-        with _config.TRACING(self.config), route_attention(), class_markers(self.config.rules.class_rules):
+        with _config.TRACING(self.config), route_attention(), \
+                apply_module_rules(self.config.modules, intercept=not self.config.front_door):
             closed = jax.make_jaxpr(flat_fn)(*dyn_vals)
         tracer_consts = any(internals.is_tracer(c) for c in closed.consts)
         return _Program(closed, out_tree[0], self.config, tracer_consts)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxmp.engine import config as _config
 from jaxmp.engine.rules import marker
-from jaxmp.dtypes import cast_floating
+from jaxmp.dtypes import cast_floating, float32_backward
 
 _log = logging.getLogger("jaxmp.autocast")
 _ORIGINAL = jax.nn.dot_product_attention
@@ -64,12 +64,21 @@ def routed_attention(query, key, value, bias=None, mask=None, *args, implementat
         return _ORIGINAL(query, key, value, bias, mask, *args, implementation=implementation, **kwargs)
     query, key, value, bias = cast_floating((query, key, value, bias), cfg.compute_dtype)
     call = functools.partial(_ORIGINAL, query, key, value, bias, mask, *args, **kwargs)
+
+    def xla(q, k, v, b):
+        # XLA's attention accumulates the half logits in float32; its transpose would multiply a
+        # float32 cotangent with a half operand, which strict promotion refuses when lowered.
+        # Traced again when differentiated, so the promotion setting is set here too.
+        with jax.numpy_dtype_promotion("standard"):
+            return _ORIGINAL(q, k, v, b, mask, *args, implementation="xla", **kwargs)
+
     # JAX's attention promotes with jnp.promote_types, which a caller's strict promotion forbids.
     with _config.TRACING(None), jax.numpy_dtype_promotion("standard"), \
             jax.named_scope(marker("keep", "dot_product_attention")):
         if implementation is not None:
             _note(implementation, "chosen by the caller")
-            return call(implementation=implementation)
+            return call(implementation=implementation) if implementation != "xla" else \
+                float32_backward(xla)(query, key, value, bias)
         if jax.default_backend() == "gpu":
             try:
                 out = call(implementation="cudnn")
@@ -85,7 +94,7 @@ def routed_attention(query, key, value, bias=None, mask=None, *args, implementat
             args32 = cast_floating((query, key, value, bias), jnp.float32)
             out = _ORIGINAL(*args32, mask, *args, implementation="xla", **kwargs)
             return out.astype(jnp.float16)
-        return call(implementation="xla")
+        return float32_backward(xla)(query, key, value, bias)
 
 
 _INSTALLED = False

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxmp import fp8
 from jaxmp.engine import internals
-from jaxmp.engine.rules import PURE_HALF_RULES, AutocastRules
+from jaxmp.engine.rules import PURE_HALF_RULES, AutocastRules, ModuleRules
 from jaxmp.policy import Policy
 from jaxmp.presets import resolve_policy
 from jaxmp.traps import MixedPrecisionWarning
@@ -38,6 +38,11 @@ class AutocastConfig:
         (none: O1), ``"weights"`` (those whose every use is a half-list op: O2) or ``"all"`` (O3).
       rules: the :class:`jaxmp.AutocastRules`.
       identity: the region changes nothing (O0, or a float32 compute dtype).
+      modules: the compiled module rules (:class:`jaxmp.engine.modules.ModuleRules`): the
+        rules' ``class_rules`` under autocast, the ``PrecisionOverrides`` under the Flax front
+        door. The once-installed module hooks read them from the running trace's config.
+      front_door: the config of :func:`jaxmp.flax.mixed_precision`, which intercepts Linen
+        modules itself (the engine only installs the class hooks).
     """
 
     name: str
@@ -46,6 +51,13 @@ class AutocastConfig:
     cast_inputs: str
     rules: AutocastRules
     identity: bool = False
+    modules: ModuleRules = ModuleRules()
+    front_door: bool = False
+
+    def __post_init__(self):
+        if not self.modules and self.rules.class_rules:
+            # Normalising our own frozen record: autocast's class rules, compiled once.
+            object.__setattr__(self, "modules", ModuleRules.from_class_rules(self.rules.class_rules))
 
 
 def _warn_pure_half(policy: str, compute: np.dtype) -> None:
@@ -150,8 +162,9 @@ def current() -> AutocastConfig | None:
 def flax_config(policy: Policy, overrides: Any) -> AutocastConfig:
     """The engine settings of :func:`jaxmp.flax.mixed_precision` for a policy and its overrides.
 
-    The Flax integration casts module inputs and params while the model is traced; the engine
-    then applies the op lists: the default lists when the overrides keep softmax in float32
+    The overrides compile to the engine's module rules (``PrecisionOverrides.module_rules``:
+    class rules and path rules, applied by :mod:`jaxmp.engine.modules`); the engine then
+    applies the op lists: the default lists when the overrides keep softmax in float32
     (O1), pure half otherwise (O2, O3: norms stay float32 through their module rule).
 
     Args:
@@ -170,4 +183,4 @@ def flax_config(policy: Policy, overrides: Any) -> AutocastConfig:
     compute = np.dtype(policy.compute_dtype)
     rules = AutocastRules() if overrides.fp32_softmax else PURE_HALF_RULES
     return AutocastConfig(f"flax {policy}", compute, np.dtype(policy.output_dtype), "", rules,
-                          identity=compute.itemsize >= 4)
+                          identity=compute.itemsize >= 4, modules=overrides.module_rules(policy), front_door=True)

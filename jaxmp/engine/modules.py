@@ -1,55 +1,195 @@
-"""Class rules: mark every call of a module class, whatever the instance is called.
+"""Module rules: the one place where "every LayerNorm in float32" is decided and applied.
 
 Linen's name stack holds module *names*, NNX has none and Equinox none either, so a rule such
-as "every LayerNorm in float32" cannot be a name pattern. While autocast traces, each call of
-an instance of a ruled class runs inside a ``jaxmp[<dtype>]:<ClassName>`` scope that the
-engine reads. Flax Linen and Haiku calls are intercepted with their own (thread-local) method
-interceptors; NNX, Equinox and any other class get a marking ``__call__`` installed once,
-which reads the running trace's rules from a context variable (thread-safe).
-Frameworks are only touched when already imported (nothing heavy is imported here).
+as "every LayerNorm in float32" cannot be a name pattern. Both front doors state such rules as
+data and compile them to one :class:`ModuleRules` (class rules, most specific class wins, and
+path rules, which beat class rules):
+
+* :func:`jaxmp.autocast`'s ``AutocastRules.class_rules`` become *region* rules: ops inside a
+  call of the class run in the rule's dtype (the engine reads the ``jaxmp[<dtype>]`` scope).
+* :func:`jaxmp.flax.mixed_precision`'s ``PrecisionOverrides`` (compiled with the policy by
+  ``PrecisionOverrides.module_rules``) become *casting* rules: the call's floating inputs and
+  the module's params go to the rule's compute dtype, float32 modules and per-class policies
+  also run in a region, and the output is cast as the rule says.
+
+:meth:`ModuleRules.rule_at` decides a module's rule; :func:`call_with_rule` applies it. Two
+interceptors use them: :func:`module_interceptor` for frameworks with method interceptors
+(Flax Linen, Haiku; their interceptor stacks are thread-local), and a marking ``__call__`` for
+NNX, Equinox and any other class, installed once per class and dispatching on the autocast
+trace of the running thread (:func:`jaxmp.engine.config.current`, a per-thread state that is
+part of ``jax.jit``'s cache key). Nothing is patched per trace. Frameworks are only touched when
+already imported (nothing heavy is imported here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
+import numpy as np
 
-from jaxmp.engine.rules import marker
+from jaxmp.dtypes import cast_floating, is_floating_array
+from jaxmp.engine import config as _config
+from jaxmp.engine.rules import ModuleRule, ModuleRules, marker
 
+def first_floating_dtype(tree: Any) -> np.dtype | None:
+    """The dtype of the first floating array leaf of ``tree``.
 
-def _rule_for(obj: Any, class_rules) -> str | None:
-    for cls, dtype in reversed(class_rules):
-        if isinstance(obj, cls):
-            return dtype
+    Args:
+      tree: any pytree (e.g. a module call's ``(args, kwargs)``).
+
+    Returns:
+      A numpy dtype, or None if the tree has no floating array leaf.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp.engine.modules import first_floating_dtype
+      >>> first_floating_dtype(((jnp.int32(1), jnp.ones(2, jnp.bfloat16)), {}))
+      dtype(bfloat16)
+    """
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if is_floating_array(leaf):
+            return np.dtype(leaf.dtype)
     return None
 
 
-def _marking_interceptor(class_rules):
-    """A Linen / Haiku method interceptor that runs ``__call__`` of ruled classes in a marker scope."""
+def cast_output(out: Any, rule: ModuleRule, input_dtype: np.dtype | None) -> Any:
+    """Casts a ruled module's output as its rule says.
+
+    Args:
+      out: the module's return value (any pytree; only floating arrays are cast).
+      rule: the module's :class:`ModuleRule`.
+      input_dtype: the dtype of the module's first floating input, before casting.
+
+    Returns:
+      ``out`` unchanged (``"computed"``), cast back to ``input_dtype`` (``"input"``, the
+      float32 list), or cast to the rule's dtype (a per-class policy's output dtype).
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jaxmp.engine.modules import ModuleRule, cast_output
+      >>> rule = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
+      >>> cast_output(jnp.ones(2), rule, np.dtype("float16")).dtype
+      dtype('float16')
+    """
+    if rule.output == "computed":
+        return out
+    if rule.output == "input":
+        return out if input_dtype is None else cast_floating(out, input_dtype)
+    return cast_floating(out, rule.output)
+
+
+def call_with_rule(rule: ModuleRule, label: str, call: Callable, args: tuple, kwargs: dict) -> Any:
+    """Runs one module call under its rule: input casts, the engine region, the output cast.
+
+    Args:
+      rule: the :class:`ModuleRule` (from :meth:`ModuleRules.rule_at`).
+      label: shown after the region marker in profiles and jaxprs (the class name).
+      call: the call itself, ``call(*args, **kwargs)``.
+      args: positional arguments.
+      kwargs: keyword arguments.
+
+    Returns:
+      The call's output, cast as the rule says.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np
+      >>> from jaxmp.engine.modules import ModuleRule, call_with_rule
+      >>> rule = ModuleRule(np.dtype("bfloat16"), np.dtype("float32"), "computed", "half")
+      >>> call_with_rule(rule, "Dense", lambda x: x * 2, (jnp.ones(2),), {}).dtype
+      dtype(bfloat16)
+    """
+    input_dtype = None
+    if rule.casts:
+        input_dtype = first_floating_dtype((args, kwargs))
+        args, kwargs = cast_floating((args, kwargs), rule.compute_dtype)
+    # Half rules are no region: their casts are in the trace and the op lists decide the rest.
+    scope = jax.named_scope(marker(rule.region, label) if rule.region is not None else label)
+    with scope:
+        out = call(*args, **kwargs)
+    return cast_output(out, rule, input_dtype) if rule.casts else out
+
+
+def is_layer_call(method_name: str) -> bool:
+    """Whether an intercepted method is a layer call (its arguments are activations).
+
+    ``setup`` and private helpers are not; ``__call__`` and public methods (``Embed.attend``) are.
+
+    Example:
+      >>> from jaxmp.engine.modules import is_layer_call
+      >>> is_layer_call("__call__"), is_layer_call("setup"), is_layer_call("_helper")
+      (True, False, False)
+    """
+    return method_name != "setup" and not (method_name.startswith("_") and not method_name.startswith("__"))
+
+
+def module_interceptor(decide: Callable[[Any], ModuleRule | None],
+                       replace: Callable[[Any], Any] | None = None,
+                       observe: Callable[[Any, ModuleRule], None] | None = None,
+                       on_error: Callable[[Any], None] | None = None) -> Callable:
+    """The method interceptor (Flax Linen, Haiku) that applies module rules.
+
+    Args:
+      decide: ``decide(module) -> ModuleRule | None`` (usually :meth:`ModuleRules.rule_at`
+        on the module's path and class).
+      replace: optional ``replace(module) -> module | None``: a module to call instead (a
+        clone with other fields, e.g. the fused attention function); the replacement's call
+        goes through this interceptor again. Nothing is set on the original module.
+      observe: optional ``observe(module, rule)`` for each ruled call (recording).
+      on_error: optional ``on_error(module)`` when a call raises (before it propagates).
+
+    Returns:
+      An interceptor for ``flax.linen.intercept_methods`` / ``haiku.intercept_methods``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> from jaxmp.engine.modules import ModuleRules, module_interceptor
+      >>> rules, seen = ModuleRules.from_class_rules(((nn.Dense, "float32"),)), []
+      >>> icpt = module_interceptor(rules.rule_for, observe=lambda m, r: seen.append((type(m).__name__, r.region)))
+      >>> with nn.intercept_methods(icpt):
+      ...     _ = nn.Dense(2).init(jax.random.key(0), jnp.ones((1, 2)))
+      >>> seen
+      [('Dense', 'float32')]
+    """
 
     def interceptor(next_fun, args, kwargs, context):
-        dtype = _rule_for(context.module, class_rules) if context.method_name == "__call__" else None
-        if dtype is None:
+        if not is_layer_call(context.method_name):
             return next_fun(*args, **kwargs)
-        with jax.named_scope(marker(dtype, type(context.module).__name__)):
-            return next_fun(*args, **kwargs)
+        module = context.module
+        if replace is not None:
+            other = replace(module)
+            if other is not None:
+                return getattr(other, context.method_name)(*args, **kwargs)
+        try:
+            rule = decide(module)
+            if rule is None:
+                return next_fun(*args, **kwargs)
+            if observe is not None:
+                observe(module, rule)
+            return call_with_rule(rule, type(module).__name__, next_fun, args, kwargs)
+        except BaseException:
+            if on_error is not None:
+                on_error(module)
+            raise
 
     return interceptor
 
 
 @contextlib.contextmanager
-def _intercepted(module_name: str, class_rules) -> Iterator[None]:
-    """Flax Linen (``flax.linen``) and Haiku (``haiku``) have method interceptors: use them."""
+def _intercepted(module_name: str, rules: ModuleRules) -> Iterator[None]:
+    """Flax Linen (``flax.linen``) and Haiku (``haiku``) have (thread-local) method interceptors: use them."""
     lib = sys.modules.get(module_name)
-    if lib is None or not any(issubclass(c, lib.Module) for c, _ in class_rules):
+    if lib is None or not any(issubclass(c, lib.Module) for c, _ in rules.classes):
         yield
         return
-    with lib.intercept_methods(_marking_interceptor(class_rules)):
+
+    def decide(module):
+        return rules.rule_for(module)
+
+    with lib.intercept_methods(module_interceptor(decide)):
         yield
 
 
@@ -67,37 +207,58 @@ def _is_intercepted_elsewhere(cls: type) -> bool:
     return bool((linen and issubclass(cls, linen.Module)) or (hk and issubclass(cls, hk.Module)))
 
 
-#: The class rules of the autocast trace running in this thread / context (None outside one).
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxmp_class_rules", default=None)
+#: Per-thread: the instance-rule lookup of the NNX model the Flax front door is running
+#: (:func:`instance_rules`); consulted only while an engine trace is active in this thread.
+_INSTANCES = threading.local()
 _lock = threading.Lock()
 
 
+def _active_rule(obj: Any) -> ModuleRule | None:
+    cfg = _config.current()
+    if cfg is None:
+        return None
+    by_id = getattr(_INSTANCES, "rules", None)
+    if by_id is not None and id(obj) in by_id:
+        return by_id[id(obj)]
+    return cfg.modules.rule_for(obj) if cfg.modules else None
+
+
 def _wrap_call(original):
-    """A ``__call__`` that marks the call when the running trace has a rule for the instance's class."""
+    """A ``__call__`` that applies the running trace's rule for the instance (or just forwards)."""
 
     def __call__(self, *args, **kwargs):
-        rules = _ACTIVE.get()
-        dtype = _rule_for(self, rules) if rules else None
-        if dtype is None:
+        rule = _active_rule(self)
+        if rule is None:
             return original(self, *args, **kwargs)
-        with jax.named_scope(marker(dtype, type(self).__name__)):
-            return original(self, *args, **kwargs)
+        return call_with_rule(rule, type(self).__name__, lambda *a, **k: original(self, *a, **k), args, kwargs)
 
     __call__.__wrapped__ = original
     __call__._jaxmp_marking = True
     return __call__
 
 
-@contextlib.contextmanager
-def _generic(class_rules) -> Iterator[None]:
-    """Classes without method interceptors (NNX, Equinox, plain classes) get a marking ``__call__``.
+def install_call_hooks(classes: Sequence[type]) -> None:
+    """Installs the rule-applying ``__call__`` on ``classes`` (and subclasses), once each.
 
-    The wrapper is installed once per class and stays; it reads the rules of the current trace
-    from a context variable, so two threads tracing with different rules never see each
-    other's (outside a trace the wrapper only forwards the call).
+    Idempotent: a class whose ``__call__`` is already the hook is left alone. The hook reads the
+    rules of the autocast trace running in the calling thread (a per-thread ``jax.jit`` cache-key
+    state) and only forwards the call outside one, so installing it changes nothing for code
+    that runs without jaxmp, in this thread or any other. Linen and Haiku classes are skipped:
+    their method interceptors do this job.
+
+    Args:
+      classes: module classes (NNX, Equinox, plain Python classes with ``__call__``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxmp.engine.modules import install_call_hooks
+      >>> install_call_hooks([nnx.LayerNorm]); install_call_hooks([nnx.LayerNorm])
+      >>> nnx.LayerNorm(2, rngs=nnx.Rngs(0))(jnp.ones((1, 2))).dtype   # outside autocast: unchanged
+      dtype('float32')
     """
     with _lock:
-        for cls, _ in class_rules:
+        for cls in classes:
             if _is_intercepted_elsewhere(cls):
                 continue
             # The ``__call__`` an instance runs may be defined by a base class (eqx.nn.Conv2d
@@ -109,25 +270,51 @@ def _generic(class_rules) -> Iterator[None]:
                 original = vars(owner)["__call__"]
                 if not getattr(original, "_jaxmp_marking", False):
                     type.__setattr__(owner, "__call__", _wrap_call(original))
-    token = _ACTIVE.set(class_rules)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
 
 
 @contextlib.contextmanager
-def class_markers(class_rules) -> Iterator[None]:
-    """While active, calls of instances of the ruled classes run inside marker scopes.
+def instance_rules(by_id: dict[int, ModuleRule]) -> Iterator[None]:
+    """While active, this thread's hooked calls take the rule of their instance from ``by_id``.
+
+    The NNX front door resolves path rules to instances of the graph it runs (NNX modules do
+    not know their path); the mapping is thread-local, and read only inside an engine trace.
 
     Args:
-      class_rules: ``((module_class, dtype), ...)`` from :class:`jaxmp.AutocastRules`.
+      by_id: ``{id(module): rule}`` for the ruled modules of the graph.
 
     Yields:
-      Nothing; restores every patched class on exit.
+      Nothing; the previous mapping is restored on exit.
     """
-    if not class_rules:
+    previous = getattr(_INSTANCES, "rules", None)
+    _INSTANCES.rules = by_id
+    try:
+        yield
+    finally:
+        _INSTANCES.rules = previous
+
+
+@contextlib.contextmanager
+def apply_module_rules(rules: ModuleRules, intercept: bool = True) -> Iterator[None]:
+    """While an autocast trace is active, calls of ruled classes run under their rules.
+
+    Linen and Haiku get the thread-local :func:`module_interceptor`; other classes the
+    once-installed hook of :func:`install_call_hooks`, which reads the rules from the trace's
+    config (:func:`jaxmp.engine.config.current`).
+
+    Args:
+      rules: the compiled :class:`ModuleRules` of the trace.
+      intercept: push the Linen / Haiku interceptor too (False: the Flax front door pushes
+        its own, with its recording and module replacements).
+
+    Yields:
+      Nothing.
+    """
+    if not rules:
         yield
         return
-    with _intercepted("flax.linen", class_rules), _intercepted("haiku", class_rules), _generic(class_rules):
+    install_call_hooks([c for c, _ in rules.classes])
+    if not intercept:
+        yield
+        return
+    with _intercepted("flax.linen", rules), _intercepted("haiku", rules):
         yield

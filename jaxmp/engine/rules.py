@@ -17,7 +17,7 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -334,3 +334,198 @@ def marker(dtype: str, label: str = "") -> str:
 def is_float32(dtype: Any) -> bool:
     """Whether ``dtype`` is float32 (the dtype the float32 list computes in)."""
     return np.dtype(dtype) == np.dtype(jnp.float32)
+
+
+# -- module rules ------------------------------------------------------------------------------
+
+_F32 = np.dtype("float32")
+_KINDS = ("half", "fp32", "policy", "region")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRule:
+    """How one module runs: the engine's unit of a module-level precision rule.
+
+    Attributes:
+      compute_dtype: params and floating inputs are cast to this dtype for the call
+        (None for a ``"region"`` rule, which casts nothing and only marks the ops inside).
+      param_dtype: the dtype params of this module are stored in (used at init; None: as created).
+      output: ``"computed"`` (leave the output as computed), ``"input"`` (cast back to
+        the dtype of the first floating input, as float32 norms do) or a dtype.
+      kind: ``"half"``, ``"fp32"``, ``"policy"`` (the Flax front door's half list, float32
+        list and per-class policies) or ``"region"`` (an ``AutocastRules`` class rule).
+      region: the dtype the engine runs the ops inside the call in (``"float32"``, ``"half"``,
+        ``"keep"`` or a dtype name); None: the op lists decide. Defaults to the compute dtype
+        for ``"fp32"`` and ``"policy"`` rules, None for ``"half"`` rules.
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxmp.engine.rules import ModuleRule
+      >>> ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32").region
+      'float32'
+    """
+
+    compute_dtype: Any
+    param_dtype: Any
+    output: Any = "computed"
+    kind: str = "half"
+    region: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"ModuleRule.kind must be one of {_KINDS}, got {self.kind!r}")
+        if self.kind == "region":
+            if not isinstance(self.region, str):
+                raise TypeError(f"a region ModuleRule needs region= a dtype name, 'half' or 'keep', got {self.region!r}")
+            return
+        # Normalising our own frozen record once, at construction (never a module of the user's).
+        object.__setattr__(self, "compute_dtype", np.dtype(self.compute_dtype))
+        if self.param_dtype is not None:
+            object.__setattr__(self, "param_dtype", np.dtype(self.param_dtype))
+        if self.region is None and self.kind in ("fp32", "policy"):
+            object.__setattr__(self, "region", self.compute_dtype.name)
+
+    @property
+    def casts(self) -> bool:
+        """Whether the rule casts the call's inputs and the module's params (every kind but ``"region"``)."""
+        return self.kind != "region"
+
+
+def _path_prefixes(path: Sequence[Any]) -> list[str]:
+    names = [str(p) for p in path]
+    return ["/".join(names[:k]) for k in range(1, len(names) + 1)] or [""]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRules:
+    """Module-level rules, compiled: class rules and path rules (hashable: part of jit keys).
+
+    Attributes:
+      classes: ``((module_class, ModuleRule), ...)``; a later entry for the same class wins,
+        and for an instance the most specific class of its MRO with a rule decides.
+      paths: ``((glob, ModuleRule), ...)``: a module whose path (joined by ``"/"``, relative to
+        the wrapped model) or an ancestor's matches the glob (:func:`fnmatch.fnmatchcase`,
+        ``*`` also crosses ``/``) takes the first matching rule; path rules beat class rules.
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxmp.engine.rules import ModuleRule, ModuleRules
+      >>> class Norm: pass
+      >>> class MyNorm(Norm): pass
+      >>> f32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
+      >>> rules = ModuleRules(classes=((Norm, f32),), paths=(("head", f32),))
+      >>> rules.rule_at(("x",), MyNorm()).kind, rules.rule_at(("head", "Dense_0"), object) is f32
+      ('fp32', True)
+    """
+
+    classes: tuple = ()
+    paths: tuple = ()
+
+    def __post_init__(self):
+        for cls, rule in self.classes:
+            if not isinstance(cls, type) or not isinstance(rule, ModuleRule):
+                raise TypeError(f"ModuleRules.classes entries must be (class, ModuleRule) pairs, got {(cls, rule)!r}")
+        for pattern, rule in self.paths:
+            if not isinstance(pattern, str) or not isinstance(rule, ModuleRule):
+                raise TypeError(f"ModuleRules.paths entries must be (glob, ModuleRule) pairs, got {(pattern, rule)!r}")
+
+    def __bool__(self) -> bool:
+        return bool(self.classes or self.paths)
+
+    @property
+    def _by_class(self) -> dict:
+        table = self.__dict__.get("_table")
+        if table is None:  # a lookup table, built once per (immutable) instance
+            table = dict(self.classes)
+            self.__dict__["_table"] = table
+        return table
+
+    def path_match(self, path: Sequence[Any]) -> str | None:
+        """The first path glob matching ``path`` or one of its ancestors, or None.
+
+        Args:
+          path: the module path (a tuple of names; ``()`` is the wrapped model itself).
+
+        Returns:
+          The matching glob, or None.
+
+        Example:
+          >>> import numpy as np
+          >>> from jaxmp.engine.rules import ModuleRule, ModuleRules
+          >>> f32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
+          >>> ModuleRules(paths=(("dec*", f32),)).path_match(("decoder", "Dense_0"))
+          'dec*'
+        """
+        if not self.paths:
+            return None
+        prefixes = _path_prefixes(path)
+        for pattern, _ in self.paths:
+            if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes):
+                return pattern
+        return None
+
+    def rule_for(self, module_or_class: Any) -> ModuleRule | None:
+        """The class rule of a module (or class): the most specific class of its MRO with a rule.
+
+        Args:
+          module_or_class: a module instance or class.
+
+        Returns:
+          A :class:`ModuleRule`, or None.
+
+        Example:
+          >>> import numpy as np
+          >>> from jaxmp.engine.rules import ModuleRule, ModuleRules
+          >>> rules = ModuleRules(classes=((int, ModuleRule(None, None, kind="region", region="float32")),))
+          >>> rules.rule_for(True).region, rules.rule_for(1.0)
+          ('float32', None)
+        """
+        cls = module_or_class if isinstance(module_or_class, type) else type(module_or_class)
+        table = self._by_class
+        for klass in cls.__mro__:
+            rule = table.get(klass)
+            if rule is not None:
+                return rule
+        return None
+
+    def rule_at(self, path: Sequence[Any] | None, module_or_class: Any) -> ModuleRule | None:
+        """The rule of the module at ``path``: a path rule if one matches, else its class rule.
+
+        Args:
+          path: the module path (None where the framework has none: class rules only).
+          module_or_class: the module instance or class there.
+
+        Returns:
+          A :class:`ModuleRule`, or None when the module follows its inputs.
+
+        Example:
+          >>> import numpy as np
+          >>> from jaxmp.engine.rules import ModuleRule, ModuleRules
+          >>> f32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
+          >>> ModuleRules(paths=(("head", f32),)).rule_at(("head",), object).kind
+          'fp32'
+        """
+        if path is not None and self.paths:
+            for pattern, rule in self.paths:
+                if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in _path_prefixes(path)):
+                    return rule
+        return self.rule_for(module_or_class)
+
+    @classmethod
+    def from_class_rules(cls, class_rules: Sequence[tuple[type, str]]) -> "ModuleRules":
+        """Region rules from ``AutocastRules.class_rules`` (``((cls, dtype), ...)``).
+
+        Args:
+          class_rules: ``((module_class, dtype), ...)`` with dtype ``"float32"``, ``"half"``,
+            ``"keep"`` or a dtype name.
+
+        Returns:
+          The compiled :class:`ModuleRules`.
+
+        Example:
+          >>> import flax.linen as nn
+          >>> from jaxmp.engine.rules import ModuleRules
+          >>> ModuleRules.from_class_rules(((nn.LayerNorm, "float32"),)).rule_for(nn.LayerNorm).region
+          'float32'
+        """
+        return cls(classes=tuple((c, ModuleRule(None, None, "computed", "region", region=d)) for c, d in class_rules))

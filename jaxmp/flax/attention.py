@@ -9,11 +9,14 @@ so large logits cannot overflow float16 before the softmax sees them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxmp.dtypes import float32_backward
 
 
 def _sow_weights(module: Any, weights: jax.Array) -> None:
@@ -69,7 +72,7 @@ def fp32_softmax_attention(
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp.flax
-      >>> attn = nn.MultiHeadDotProductAttention(2, attention_fn=jaxmp.flax.fp32_softmax_attention)
+      >>> attn = nn.MultiHeadDotProductAttention(2, dtype=jnp.bfloat16, attention_fn=jaxmp.flax.fp32_softmax_attention)
       >>> x = jnp.ones((1, 4, 8), jnp.bfloat16)
       >>> attn.apply(attn.init(jax.random.key(0), x), x).shape
       (1, 4, 8)
@@ -80,9 +83,11 @@ def fp32_softmax_attention(
     query, key, value = (x.astype(dtype) for x in (query, key, value))
     depth = query.shape[-1]
     query = query / jnp.sqrt(depth).astype(dtype)
-    # Half operands, float32 accumulation and result: the logits never exist in float16.
-    logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision,
-                        preferred_element_type=jnp.float32)
+    # Half operands, float32 accumulation and result: the logits never exist in float16. The
+    # gradient is taken in float32 (float32_backward): the transpose of a half x half -> float32
+    # matmul mixes a float32 cotangent with a half operand, which strict promotion refuses.
+    logits = float32_backward(functools.partial(jnp.einsum, "...qhd,...khd->...hqk", precision=precision,
+                                                preferred_element_type=jnp.float32))(query, key)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     if is_causal:
@@ -162,5 +167,8 @@ def fused_attention(
     if mask is not None:
         b, t, n, _ = query.shape
         mask = jnp.broadcast_to(mask.astype(jnp.bool_), (b, n, t, key.shape[1]))
-    out = jax.nn.dot_product_attention(query, key, value, mask=mask)
+    # JAX's attention promotes half inputs with float32 itself (its logits): a deliberate
+    # promotion, allowed here so that a caller's strict promotion only checks the caller's code.
+    with jax.numpy_dtype_promotion("standard"):
+        out = jax.nn.dot_product_attention(query, key, value, mask=mask)
     return out if dtype is None else out.astype(dtype)

@@ -1,4 +1,4 @@
-"""Casting helpers shared by the Linen and NNX integrations."""
+"""Casting by module path, shared by the Linen and NNX integrations (the per-call casts live in the engine)."""
 
 from __future__ import annotations
 
@@ -7,59 +7,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmp.flax.overrides import ModuleRule
-from jaxmp.dtypes import cast_floating, is_floating_array
+from jaxmp.dtypes import is_floating_array
+from jaxmp.engine.rules import ModuleRule
 
 #: A module path as strings, e.g. ``("ResBlock_0", "BatchNorm_0")`` or ``("layers", "0")``.
 Path = tuple[str, ...]
-
-
-def first_floating_dtype(tree: Any) -> np.dtype | None:
-    """The dtype of the first floating array leaf of ``tree``.
-
-    Args:
-      tree: any pytree (e.g. a module call's ``(args, kwargs)``).
-
-    Returns:
-      A numpy dtype, or None if the tree has no floating array leaf.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from jaxmp.flax.casting import first_floating_dtype
-      >>> first_floating_dtype(((jnp.int32(1), jnp.ones(2, jnp.bfloat16)), {}))
-      dtype(bfloat16)
-    """
-    for leaf in jax.tree_util.tree_leaves(tree):
-        if is_floating_array(leaf):
-            return np.dtype(leaf.dtype)
-    return None
-
-
-def cast_output(out: Any, rule: ModuleRule, input_dtype: np.dtype | None) -> Any:
-    """Casts a ruled module's output as its rule says.
-
-    Args:
-      out: the module's return value (any pytree; only floating arrays are cast).
-      rule: the module's :class:`jaxmp.flax.ModuleRule`.
-      input_dtype: the dtype of the module's first floating input, before casting.
-
-    Returns:
-      ``out`` unchanged (``"computed"``), cast back to ``input_dtype`` (``"input"``, the
-      float32 list), or cast to the rule's dtype (a per-class policy's output dtype).
-
-    Example:
-      >>> import jax.numpy as jnp, numpy as np
-      >>> from jaxmp.flax import ModuleRule
-      >>> from jaxmp.flax.casting import cast_output
-      >>> rule = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
-      >>> cast_output(jnp.ones(2), rule, np.dtype("float16")).dtype
-      dtype('float16')
-    """
-    if rule.output == "computed":
-        return out
-    if rule.output == "input":
-        return out if input_dtype is None else cast_floating(out, input_dtype)
-    return cast_floating(out, rule.output)
 
 
 def _key_name(key: Any) -> str:

@@ -4,7 +4,7 @@ Under a policy whose recipe has an fp8 recipe (``"O2-fp8"``, ``"O2-fp8-current"`
 ``PrecisionOverrides(fp8=...)``), every half-list ``Dense``/``DenseGeneral``/``Conv`` (Linen)
 and ``Linear``/``LinearGeneral``/``Conv`` (NNX) that uses the default ``lax`` op gets an fp8 op
 instead: the Linen layer's ``dot_general_cls`` / ``conv_general_dilated_cls`` (as
-``flax.linen.fp8_ops`` does) for the call, the NNX layer's ``dot_general`` /
+``flax.linen.fp8_ops`` does) of a clone called in its place, the NNX layer's ``dot_general`` /
 ``conv_general_dilated`` attribute (set once, when the model is wrapped).
 
 Delayed scaling keeps, per layer, a scale and an amax history for the input, the kernel and the
@@ -29,7 +29,6 @@ keep equal scales.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any
 
 import flax.linen as nn
@@ -128,17 +127,6 @@ def linen_fp8_field(module: nn.Module) -> str | None:
     if field is None or getattr(module, field) is not None or getattr(module, _LINEN_USER_FIELDS[field]) is not None:
         return None  # the user's own op (e.g. flax's Fp8DotGeneralOp) is left alone
     return field
-
-
-@contextlib.contextmanager
-def linen_fp8_op(module: nn.Module, field: str, recipe: fp8.Fp8Recipe):
-    """Temporarily gives a bound Linen layer the fp8 op (restored afterwards, as for attention)."""
-    cls = Fp8DotGeneral if field == "dot_general_cls" else Fp8ConvGeneralDilated
-    object.__setattr__(module, field, functools.partial(cls, recipe=recipe))
-    try:
-        yield
-    finally:
-        object.__setattr__(module, field, None)
 
 
 # -- NNX --------------------------------------------------------------------------------------

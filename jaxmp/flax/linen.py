@@ -1,21 +1,28 @@
 """Run an unmodified Linen module under a precision policy with per-module-class overrides.
 
-How it works (no edit to the model, one trace, no float32 rehearsal):
+How it works (no edit to the model, nothing patched, one trace, no float32 rehearsal):
 
-1. ``apply`` runs the model once, inside :func:`jaxmp.autocast`'s engine. While it is traced,
-   ``nn.intercept_methods`` casts the floating inputs of every ruled module to its compute
-   dtype and its outputs as the rule says (float32 modules hand back their input's dtype), and
-   every param a module reads (``Module.param``) is cast to the compute dtype of the nearest
-   enclosing ruled module (float32 under a ``BatchNorm``, the policy's compute dtype
-   elsewhere). A layer therefore sees half inputs and half params when it is traced: kernels
-   that refuse float32 (cuDNN attention, fp8 dots, Pallas) work. The casts are ``astype`` in the
-   caller's trace, so gradients come back to the stored (float32 master) params.
-2. Float32 modules and per-class policies run inside ``jaxmp[<dtype>]`` regions; the engine's
+1. The overrides compile to the engine's module rules (``PrecisionOverrides.module_rules``) and
+   ``apply`` runs the model once, inside :func:`jaxmp.autocast`'s engine, under the engine's
+   Linen interceptor (:func:`jaxmp.engine.modules.module_interceptor`, pushed on Flax's
+   thread-local interceptor stack): the floating inputs of every ruled module go to its
+   compute dtype and its outputs as the rule says (float32 modules hand back their input's
+   dtype).
+2. The ``params`` collection is cast *by path* before ``apply``
+   (:func:`jaxmp.flax.casting.cast_by_path`): each param takes the compute dtype of the
+   nearest ruled module above it (float32 under a ``BatchNorm``, the policy's compute dtype
+   elsewhere). Which module owns which param is recorded by ``init`` (and by any ``apply``
+   that meets a ruled module not seen before, which then runs once more with the right casts).
+   A layer therefore sees half inputs and half params when it is traced: kernels that refuse
+   float32 (cuDNN attention, fp8 dots, Pallas) work. The casts are ``astype`` in the caller's
+   trace, so gradients come back to the stored (float32 master) params.
+3. Float32 modules and per-class policies run inside ``jaxmp[<dtype>]`` regions; the engine's
    op lists decide the rest (the softmax of Flax's attention and every reduction in float32
    under O1; pure half under O2/O3 outside norms).
-3. Attention modules get :func:`jaxmp.flax.fused_attention`: ``jax.nn.dot_product_attention``
-   (cuDNN on GPUs, XLA with a float32 softmax elsewhere) where the call allows it.
-4. Model inputs are cast to the policy's compute dtype and outputs to its output dtype.
+4. Attention modules with Flax's default attention, and the fp8 layers of an fp8 policy, are
+   called as a clone bound to the same scope with :func:`jaxmp.flax.fused_attention` (routed to
+   cuDNN on GPUs) or the fp8 op as their field: the module itself is never modified.
+5. Model inputs are cast to the policy's compute dtype and outputs to its output dtype.
 
 A half-list module built with ``dtype=float32`` runs in half like the others (Flax casts back to
 float32 and the engine's half list narrows the matmul); the interceptor notes its path and the
@@ -23,15 +30,15 @@ first ``apply`` that reaches it emits one :class:`jaxmp.MixedPrecisionWarning` p
 Modules matching a path rule (``PrecisionOverrides.with_fp32_paths``) get the float32 rule.
 
 Only the ``params`` collection is cast; ``batch_stats`` and other collections are passed
-through untouched (BatchNorm statistics stay float32). ``init`` runs under the same casts,
-records which module owns which param, and stores each param in its rule's param dtype.
+through untouched (BatchNorm statistics stay float32). ``init`` stores each param in its rule's
+param dtype. A param is created and read in the same ``init`` call, so a layer that refuses a
+float32 param is initialised in a second pass, with the params created so far passed in, cast.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -39,17 +46,19 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxmp.engine import flax_config
-from jaxmp.engine import engine_function
-from jaxmp.engine.rules import marker
+from jaxmp.engine import engine_function, flax_config
+from jaxmp.engine.modules import module_interceptor
 from jaxmp.flax.attention import fused_attention
-from jaxmp.flax.fp8 import linen_fp8_field, linen_fp8_op
-from jaxmp.flax.casting import Path, cast_by_path, cast_output, first_floating_dtype
-from jaxmp.flax.overrides import (ModuleRule, PrecisionOverrides, explicit_float32, join_path,
-                                  overridden_float32_message, resolve_overrides)
-from jaxmp.dtypes import cast_floating
+from jaxmp.flax.casting import Path, cast_by_path
+from jaxmp.flax.fp8 import Fp8ConvGeneralDilated, Fp8DotGeneral, linen_fp8_field
+from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, explicit_float32, join_path, \
+    overridden_float32_message, resolve_overrides
 from jaxmp.policy import Policy
 from jaxmp.traps import MixedPrecisionWarning
+
+#: How many times ``init`` re-runs for layers that refuse the float32 params they just created.
+_MAX_INIT_PASSES = 64
+
 
 def _uses_default_attention(module: nn.Module) -> bool:
     return (
@@ -60,111 +69,95 @@ def _uses_default_attention(module: nn.Module) -> bool:
     )
 
 
-@contextlib.contextmanager
-def _fused_attention(module: nn.Module):
-    """Temporarily gives a bound attention module :func:`jaxmp.flax.fused_attention`.
+class _Call:
+    """The Python-side state of one traced ``init`` / ``apply``: rules seen, layers warned about.
 
-    Linen modules are frozen dataclasses, so the field is swapped with ``object.__setattr__``
-    on the bound instance for the duration of the call and restored afterwards; the module
-    the user holds is a different (unbound) object and never changes.
+    Lives for one call only (nothing global): the interceptor built from it is pushed on Flax's
+    thread-local interceptor stack for the duration of the call.
     """
-    old = module.attention_fn
-    object.__setattr__(module, "attention_fn", fused_attention)
-    try:
-        yield
-    finally:
-        object.__setattr__(module, "attention_fn", old)
 
+    def __init__(self, policy: Policy, overrides: PrecisionOverrides, init: bool = False):
+        self.policy, self.overrides, self.init = policy, overrides, init
+        self.rules = overrides.module_rules(policy)
+        self.seen: dict[Path, ModuleRule] = {}
+        self.overridden: dict[str, str] = {}
+        self.failed_params: Any = None  # the params created before a layer raised (init)
+        self._by_class: dict[type, ModuleRule | None] = {}
 
-class _RuleCache:
-    """Module -> rule lookups (path rules first, then class rules), memoised per apply."""
-
-    def __init__(self, policy: Policy, overrides: PrecisionOverrides):
-        self.policy, self.overrides, self._by_class = policy, overrides, {}
-
-    def __call__(self, module: Any) -> ModuleRule | None:
-        if self.overrides.fp32_paths and self.overrides.fp32_path_match(module.path) is not None:
-            return self.overrides.rule_at(module.path, module, self.policy)
+    def decide(self, module: nn.Module) -> ModuleRule | None:
+        if self.rules.paths:
+            return self._at_init(self.rules.rule_at(module.path, module))
         cls = type(module)
-        if cls not in self._by_class:
-            self._by_class[cls] = self.overrides.rule_for(cls, self.policy)
+        if cls not in self._by_class:  # memoised per call: path-free rules depend on the class only
+            self._by_class[cls] = self._at_init(self.rules.rule_for(cls))
         return self._by_class[cls]
 
+    def _at_init(self, rule: ModuleRule | None) -> ModuleRule | None:
+        # At init a half layer reads the float32 params it has just created, so its output is
+        # float32; handing it on in the compute dtype keeps the activations' dtypes those of
+        # apply (a scan carry keeps its type, a cache its dtype).
+        if self.init and rule is not None and rule.kind == "half":
+            return dataclasses.replace(rule, output=rule.compute_dtype)
+        return rule
 
-def _skip(context: Any) -> bool:
-    # setup() and private helpers are not layer calls: their arguments are not activations.
-    name = context.method_name
-    return name == "setup" or (name.startswith("_") and not name.startswith("__"))
+    def replace(self, module: nn.Module) -> nn.Module | None:
+        """A clone bound to the same scope with the fused attention / fp8 op, or None."""
+        updates = {}
+        if self.overrides.fused_attention and _uses_default_attention(module):
+            updates["attention_fn"] = fused_attention
+        if self.overrides.fp8 is not None:
+            field = linen_fp8_field(module)
+            if field is not None:
+                rule = self.decide(module)
+                if rule is not None and rule.kind == "half":
+                    cls = Fp8DotGeneral if field == "dot_general_cls" else Fp8ConvGeneralDilated
+                    updates[field] = functools.partial(cls, recipe=self.overrides.fp8)
+        if not updates:
+            return None
+        # Same scope, same path and name: params, sown values, RNG streams and fp8 state keys
+        # are the module's own; the clone's call comes back through the interceptor.
+        return module.clone(parent=module.scope, **updates)
 
+    def observe(self, module: nn.Module, rule: ModuleRule) -> None:
+        if self.init and rule.kind == "half":
+            rule = dataclasses.replace(rule, output="computed")
+        self.seen.setdefault(tuple(str(p) for p in module.path), rule)
+        if rule.kind == "half" and np.dtype(rule.compute_dtype).itemsize < 4 and explicit_float32(module):
+            self.overridden.setdefault(join_path(module.path), type(module).__name__)
 
-#: The param-dtype stack of the Linen apply traced in this thread / context (None outside one).
-_PARAM_DTYPES: contextvars.ContextVar = contextvars.ContextVar("jaxmp_linen_param_dtypes", default=None)
-_ORIGINAL_PARAM = nn.Module.param
+    def on_error(self, module: nn.Module) -> None:
+        if self.failed_params is None and module.scope is not None:
+            # Everything created so far in this call (the root scope's params), for a second pass.
+            self.failed_params = module.scope.root.variables().get("params")
 
-
-def _casting_param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
-    value = _ORIGINAL_PARAM(self, name, init_fn, *init_args, unbox=unbox, **init_kwargs)
-    stack = _PARAM_DTYPES.get()
-    return value if stack is None else cast_floating(value, stack[-1])
-
-
-_casting_param.__wrapped__ = _ORIGINAL_PARAM
-
-
-@contextlib.contextmanager
-def _params_cast_to(stack: list):
-    """While active, ``Module.param`` returns its value cast to ``stack[-1]`` (floating leaves only).
-
-    Linen has no interceptor for ``param``, so jaxmp installs a casting ``Module.param`` once; it
-    reads the stack from a context variable, so outside a ``mixed_precision`` apply (and in any
-    other thread) it is Flax's own ``param``.
-    """
-    if nn.Module.param is not _casting_param:
-        nn.Module.param = _casting_param
-    token = _PARAM_DTYPES.set(stack)
-    try:
-        yield
-    finally:
-        _PARAM_DTYPES.reset(token)
-
-
-def _region(rule: ModuleRule, module: nn.Module):
-    # Half modules need no region: their traced casts are kept and the op lists do the rest.
-    if rule.kind == "half":
-        return contextlib.nullcontext()
-    return jax.named_scope(marker(np.dtype(rule.compute_dtype).name, type(module).__name__))
+    def interceptor(self) -> Callable:
+        return module_interceptor(self.decide, self.replace, self.observe, self.on_error)
 
 
-def _casting_interceptor(rule_of: _RuleCache, overrides: PrecisionOverrides, param_dtypes: list,
-                         record: dict | None = None, overridden: dict | None = None) -> Callable:
-    def interceptor(next_fun, args, kwargs, context):
-        if _skip(context):
-            return next_fun(*args, **kwargs)
-        module = context.module
-        attention = _fused_attention(module) if overrides.fused_attention and _uses_default_attention(module) \
-            else contextlib.nullcontext()
-        rule = rule_of(module)
-        if rule is None:
-            with attention:
-                return next_fun(*args, **kwargs)
-        if record is not None:
-            record.setdefault(tuple(module.path), rule)
-        if overridden is not None and rule.kind == "half" and np.dtype(rule.compute_dtype).itemsize < 4 \
-                and explicit_float32(module):
-            overridden.setdefault(join_path(module.path), type(module).__name__)
-        input_dtype = first_floating_dtype((args, kwargs))
-        args, kwargs = cast_floating((args, kwargs), rule.compute_dtype)
-        param_dtypes.append(rule.compute_dtype)
-        fp8_field = linen_fp8_field(module) if overrides.fp8 is not None and rule.kind == "half" else None
-        fp8_op = linen_fp8_op(module, fp8_field, overrides.fp8) if fp8_field else contextlib.nullcontext()
-        try:
-            with attention, fp8_op, _region(rule, module):
-                out = next_fun(*args, **kwargs)
-        finally:
-            param_dtypes.pop()
-        return cast_output(out, rule, input_dtype)
+def _param_dtype_at(rules: dict[Path, ModuleRule], path: Path, default: np.dtype) -> np.dtype:
+    for n in range(len(path), -1, -1):  # the nearest ruled module at or above ``path`` (as cast_by_path)
+        rule = rules.get(path[:n])
+        if rule is not None:
+            return np.dtype(rule.compute_dtype)
+    return np.dtype(default)
 
-    return interceptor
+
+def _missed(seen: dict[Path, ModuleRule], used: dict[Path, ModuleRule], default: np.dtype) -> bool:
+    """Whether some ruled module met in a call had its params cast to another dtype than its rule's."""
+    return any(np.dtype(rule.compute_dtype) != _param_dtype_at(used, path, default) for path, rule in seen.items())
+
+
+def _overlay(tree: Any, masters: Any) -> Any:
+    """``tree`` with every leaf that ``masters`` also has taken from ``masters`` (the uncast values)."""
+    if masters is None:
+        return tree
+    flat = {path: leaf for path, leaf in jax.tree_util.tree_flatten_with_path(masters)[0]}
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: flat.get(path, leaf), tree)
+
+
+def _has_new_params(created: Any, known: Any) -> bool:
+    known_paths = {p for p, _ in jax.tree_util.tree_flatten_with_path(known)[0]} if known is not None else set()
+    return any(p not in known_paths for p, _ in jax.tree_util.tree_flatten_with_path(created)[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,13 +220,42 @@ class MixedPrecision:
           >>> variables["params"]["kernel"].dtype
           dtype(bfloat16)
         """
-        rules: dict[Path, ModuleRule] = {}
         args, kwargs = self.policy.cast_to_compute((args, kwargs))
-        with self._casting(rules):  # the same casts as apply: a half-only layer initialises too
-            variables = self.module.init(rngs, *args, method=method, **kwargs)
+        mutable = kwargs.pop("mutable", nn.DenyList("intermediates"))
+        rng_dict = rngs if isinstance(rngs, dict) else {"params": rngs}
+        compute = np.dtype(self.policy.compute_dtype)
+        rules = dict(self._known_rules())
+        known = None  # the params created by earlier passes, uncast (see the module docstring)
+        for _ in range(_MAX_INIT_PASSES):
+            call = _Call(self.policy, self.overrides, init=True)
+            try:
+                # Params are created float32 and read as created in this pass, so it runs under
+                # standard promotion; the params it makes do not depend on the promotion mode.
+                with jax.numpy_dtype_promotion("standard"), nn.intercept_methods(call.interceptor()):
+                    if known is None:
+                        variables = self.module.init(rngs, *args, method=method, mutable=mutable, **kwargs)
+                    else:
+                        pre = {"params": cast_by_path(known, rules, compute, "compute_dtype")}
+                        variables = self.module.apply(pre, *args, rngs=rng_dict, method=method, mutable=mutable,
+                                                      **kwargs)[1]
+            except Exception:
+                rules.update(call.seen)
+                if call.failed_params is None or not _has_new_params(call.failed_params, known):
+                    raise
+                # A layer refused what it was given (a float32 param it had just created): pass
+                # everything created so far back in, cast by path, and run again.
+                known = _overlay(call.failed_params, known)
+                continue
+            break
+        else:
+            raise RuntimeError(f"jaxmp.flax: init did not converge in {_MAX_INIT_PASSES} passes")
+        rules.update(call.seen)
+        self._remember(rules)
+        self._mark_discovered(method)  # init met every module this method reaches: apply needs no abstract pass
         if "params" not in variables:
             return variables
-        params = cast_by_path(variables["params"], rules, self.policy.param_dtype, "param_dtype")
+        params = _overlay(variables["params"], known)
+        params = cast_by_path(params, rules, self.policy.param_dtype, "param_dtype")
         return {**variables, "params": params}
 
     def apply(self, variables: Any, *args, rngs: Any = None, method: Any = None, mutable: Any = False,
@@ -262,42 +284,72 @@ class MixedPrecision:
           >>> logits.dtype, grads["kernel"].dtype          # f32 output, grads for the f32 params
           (dtype('float32'), dtype('float32'))
         """
-        out = self._runner(method, mutable)(variables, args, kwargs, rngs)
+        out, _ = self._apply(variables, args, kwargs, rngs, method, mutable, engine=True)
         if mutable is not False and mutable is not None and isinstance(out, tuple) and len(out) == 2:
             return self.policy.cast_to_output(out[0]), out[1]
         return self.policy.cast_to_output(out)
 
-    def _runner(self, method: Any, mutable: Any) -> Callable:
-        """The engine-wrapped apply for one (method, mutable)."""
-        key = (method, tuple(mutable) if isinstance(mutable, list) else mutable)
-        cache = self.__dict__.setdefault("_runners", {})
-        if key not in cache:
-            def run(variables, args, kwargs, rngs):
+    def _known_rules(self) -> dict[Path, ModuleRule]:
+        """``{module path: rule}`` this wrapper has met (by ``init`` or an earlier ``apply``)."""
+        return self.__dict__.setdefault("_param_rules", {})
+
+    def _mark_discovered(self, method: Any) -> None:
+        """Records that this wrapper knows every module ``method`` reaches (no abstract pass needed)."""
+        try:
+            self.__dict__.setdefault("_discovered", set()).add(method)
+        except TypeError:  # an unhashable method is looked up every time
+            pass
+
+    def _remember(self, rules: dict[Path, ModuleRule]) -> dict[Path, ModuleRule]:
+        known = self._known_rules()
+        known.update(rules)  # paths -> rules is a function of the model: racing threads agree
+        return known
+
+    def _apply(self, variables: Any, args: tuple, kwargs: dict, rngs: Any, method: Any, mutable: Any,
+               engine: bool) -> tuple[Any, _Call]:
+        """Runs the model with params cast by path (rules found by an abstract pass the first time)."""
+        try:
+            first = method not in self.__dict__.get("_discovered", ())
+        except TypeError:  # an unhashable method: look every time
+            first = True
+        if first:
+            # A wrapper that has not run this method yet (e.g. built around restored params) may
+            # not know which module owns which param: find out abstractly, so no ops are emitted.
+            jax.eval_shape(lambda v: self._settled(v, args, kwargs, rngs, method, mutable, False)[0], variables)
+            self._mark_discovered(method)
+        return self._settled(variables, args, kwargs, rngs, method, mutable, engine)
+
+    def _settled(self, variables: Any, args: tuple, kwargs: dict, rngs: Any, method: Any, mutable: Any,
+                 engine: bool) -> tuple[Any, _Call]:
+        """Runs the model once with params cast by path; again if it met a ruled module it had not known."""
+        config = flax_config(self.policy, self.overrides)
+        compute = np.dtype(self.policy.compute_dtype)
+        known = self._known_rules()
+        for _ in range(_MAX_INIT_PASSES):
+            used, call = dict(known), _Call(self.policy, self.overrides)
+
+            def run(variables, args, kwargs, rngs, used=used, call=call):
                 args, kwargs = self.policy.cast_to_compute((args, kwargs))
-                overridden: dict[str, str] = {}
-                with self._casting(overridden=overridden):
-                    out = self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
-                self._warn_overridden(overridden)
-                return out
+                if "params" in variables:
+                    variables = {**variables, "params": cast_by_path(variables["params"], used, compute, "compute_dtype")}
+                with nn.intercept_methods(call.interceptor()):
+                    return self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
 
-            config = flax_config(self.policy, self.overrides)
-            cache[key] = run if config.identity else engine_function(run, config, cast_outputs=False, cache=False)
-        return cache[key]
-
-    @contextlib.contextmanager
-    def _casting(self, record: dict | None = None, overridden: dict | None = None):
-        """While active, ruled modules get their inputs and params in their compute dtype.
-
-        Args:
-          record: if given, filled with ``{module path: rule}`` for the ruled modules that run.
-          overridden: if given, filled with ``{joined path: class name}`` for the half-list
-            modules built with ``dtype=float32`` that run in the policy's half dtype.
-        """
-        param_dtypes = [self.policy.compute_dtype]
-        rule_of = _RuleCache(self.policy, self.overrides)
-        with nn.intercept_methods(_casting_interceptor(rule_of, self.overrides, param_dtypes, record, overridden)), \
-                _params_cast_to(param_dtypes):
-            yield
+            fn = run if (config.identity or not engine) else engine_function(run, config, cast_outputs=False,
+                                                                              cache=False)
+            try:
+                out = fn(variables, args, kwargs, rngs)
+            except Exception:
+                if not _missed(call.seen, used, compute):
+                    raise
+                known = self._remember(call.seen)  # e.g. a float32 norm that got half params: again
+                continue
+            if _missed(call.seen, used, compute):
+                known = self._remember(call.seen)
+                continue
+            self._warn_overridden(call.overridden)
+            return out, call
+        raise RuntimeError(f"jaxmp.flax: the module rules of {type(self.module).__name__} did not settle")
 
     def _warn_overridden(self, overridden: dict[str, str]) -> None:
         """One :class:`jaxmp.MixedPrecisionWarning` per wrapped model for layers whose float32 dtype lost.
@@ -311,7 +363,7 @@ class MixedPrecision:
             return
         warned.update(new)
         warnings.warn(overridden_float32_message(list(new), list(new.values()), self.policy.compute_dtype),
-                      MixedPrecisionWarning, stacklevel=2)
+                      MixedPrecisionWarning, stacklevel=3)
 
     # -- conveniences ------------------------------------------------------------------------
 
@@ -336,12 +388,12 @@ class MixedPrecision:
           (dtype(bfloat16), dtype('float32'))
         """
         rngs, mutable = kwargs.pop("rngs", None), kwargs.pop("mutable", False)
-        rules: dict[Path, ModuleRule] = {}
-        args, kwargs = self.policy.cast_to_compute((args, kwargs))
+        seen: dict[Path, ModuleRule] = {}
 
         def run(v):
-            with self._casting(rules):
-                return self.module.apply(v, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+            out, call = self._apply(v, args, kwargs, rngs, method, mutable, engine=False)
+            seen.update(call.seen)
+            return out
 
         jax.eval_shape(run, variables)
-        return rules
+        return seen

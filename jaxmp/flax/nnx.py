@@ -29,6 +29,7 @@ Rules are looked up by graph path (``nnx.iter_graph``, joined by ``/``) and clas
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from typing import Any, Callable
@@ -38,46 +39,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp.engine import flax_config
-from jaxmp.engine import engine_function
-from jaxmp.engine.rules import marker
+from jaxmp.engine import config as _config
+from jaxmp.engine import engine_function, flax_config
+from jaxmp.engine.modules import install_call_hooks, instance_rules
 from jaxmp.flax.attention import fused_attention
 from jaxmp import fp8
 from jaxmp.flax.fp8 import Fp8State, install_nnx_fp8
-from jaxmp.flax.casting import Path, cast_by_path, cast_output, first_floating_dtype
+from jaxmp.flax.casting import Path, cast_by_path
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
 from jaxmp.flax.overrides import (ModuleRule, PrecisionOverrides, explicit_float32, join_path,
                                   overridden_float32_message, resolve_overrides)
 from jaxmp.traps import MixedPrecisionWarning
-from jaxmp.dtypes import cast_floating
 from jaxmp.policy import Policy
 from jaxmp.skip import keep_if_finite
 from jaxmp.step import Fp8Hooks, make_step
 from jaxmp.transform import LossScalingState, find_states
-
-_CASTING_CLASSES: dict[tuple[type, ModuleRule], type] = {}
-
-
-def _casting_class(cls: type, rule: ModuleRule) -> type:
-    """A subclass of ``cls`` whose ``__call__`` applies ``rule`` (cached per class and rule)."""
-    key = (cls, rule)
-    if key not in _CASTING_CLASSES:
-        def __call__(self, *args, **kwargs):
-            input_dtype = first_floating_dtype((args, kwargs))
-            args, kwargs = cast_floating((args, kwargs), rule.compute_dtype)
-            # Float32 modules and per-class policies are engine regions; half modules are not:
-            # their casts are in the trace and the op lists decide the rest.
-            name = cls.__name__ if rule.kind == "half" else marker(np.dtype(rule.compute_dtype).name, cls.__name__)
-            with jax.named_scope(name):
-                out = cls.__call__(self, *args, **kwargs)
-            return cast_output(out, rule, input_dtype)
-
-        _CASTING_CLASSES[key] = type(cls.__name__, (cls,), {
-            "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-            "_jaxmp_rule": rule,
-        })
-    return _CASTING_CLASSES[key]
-
 
 def _str_path(path: tuple) -> Path:
     return tuple(str(k) for k in path)
@@ -205,16 +181,25 @@ def _is_half(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides):
     return is_half
 
 
-def _install(copy: nnx.Module, policy: Policy, overrides: PrecisionOverrides) -> None:
-    """Swaps classes / attention functions of the ruled modules of a throw-away copy."""
+def _prepare(copy: nnx.Module, policy: Policy, overrides: PrecisionOverrides) -> dict[int, ModuleRule]:
+    """Gives the throw-away copy its attention / fp8 ops; returns ``{id(module): rule}`` for the engine hooks.
+
+    The copy is private to this call (``nnx.merge`` inside the trace), so setting its fields
+    touches nothing the user holds. The rules are applied by the engine's once-installed
+    ``__call__`` hook (:func:`jaxmp.engine.modules.install_call_hooks`), which reads them for
+    this thread's trace only.
+    """
     if overrides.fp8 is not None and not isinstance(overrides.fp8, fp8.DelayedScaling):
         install_nnx_fp8(copy, overrides.fp8, _is_half(copy, policy, overrides))  # stateless: per call
+    by_id: dict[int, ModuleRule] = {}
     for _, node, rule in list(_ruled_modules(copy, policy, overrides)):
         if overrides.fused_attention and isinstance(node, nnx.MultiHeadAttention) \
                 and node.attention_fn is nnx.dot_product_attention:
             node.attention_fn = fused_attention
-        if rule is not None and getattr(type(node), "_jaxmp_rule", None) is None:
-            node.__class__ = _casting_class(type(node), rule)
+        if rule is not None:
+            by_id[id(node)] = rule
+    install_call_hooks({type(node) for _, node, rule in _ruled_modules(copy, policy, overrides) if rule is not None})
+    return by_id
 
 
 def call(model: nnx.Module, *args, policy: Any, overrides: Any = None, **kwargs) -> Any:
@@ -263,9 +248,10 @@ def _call(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides, args
 
     def run(params, rest, args, kwargs):
         copy = nnx.merge(graphdef, cast_by_path(params, rules, policy.compute_dtype, "compute_dtype"), rest)
-        _install(copy, policy, overrides)
+        by_id = _prepare(copy, policy, overrides)
         args, kwargs = policy.cast_to_compute((args, kwargs))
-        out = copy(*args, **kwargs)
+        with instance_rules(by_id), _config.TRACING(config) if config.identity else contextlib.nullcontext():
+            out = copy(*args, **kwargs)
         # Running statistics, RNG counters and sown intermediates come back as outputs: the
         # engine traces ``run`` functionally, so the model is updated after it.
         return out, nnx.state(copy, nnx.Not(nnx.Param))

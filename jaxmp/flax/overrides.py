@@ -29,7 +29,7 @@ class rules (:meth:`PrecisionOverrides.with_fp32`) keep chosen layers in float32
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
+import functools
 from typing import Any, Iterable, Mapping, Sequence
 
 import flax.linen as nn
@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmp import fp8 as _fp8
+from jaxmp.engine.rules import ModuleRule, ModuleRules
 from jaxmp.policy import Policy
 from jaxmp.presets import FP32_CATEGORIES, Recipe, as_policy, get_recipe, resolve_policy
 
@@ -191,24 +192,6 @@ def overridden_float32_message(paths: Sequence[str], classes: Sequence[str], com
         f"{' and '.join(routes)}, where overrides is the PrecisionOverrides in use "
         "(jaxmp.flax.PrecisionOverrides.from_recipe(preset) by default). Warned once per wrapped model."
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class ModuleRule:
-    """How one module runs, resolved from :class:`PrecisionOverrides` and the policy.
-
-    Attributes:
-      compute_dtype: params and floating inputs are cast to this dtype for the call.
-      param_dtype: the dtype params of this module are stored in (used at init).
-      output: ``"computed"`` (leave the output as computed), ``"input"`` (cast back to
-        the dtype of the first floating input, as float32 norms do) or a dtype.
-      kind: ``"half"``, ``"fp32"`` or ``"policy"`` -- which list the rule came from.
-    """
-
-    compute_dtype: np.dtype
-    param_dtype: np.dtype
-    output: Any
-    kind: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,8 +474,31 @@ class PrecisionOverrides:
 
     # -- resolution ----------------------------------------------------------------------
 
+    def module_rules(self, policy: Policy) -> ModuleRules:
+        """These overrides compiled, with ``policy``, to the engine's module rules.
+
+        The one place a module's rule is decided is :meth:`jaxmp.engine.rules.ModuleRules.rule_at`:
+        half-list classes become ``"half"`` rules (inputs and params in the compute dtype, no
+        region), float32-list classes and path rules ``"fp32"`` rules (float32 region, output
+        back in the input's dtype), per-class policies ``"policy"`` rules.
+
+        Args:
+          policy: the model-wide :class:`jaxmp.Policy`.
+
+        Returns:
+          A :class:`jaxmp.engine.rules.ModuleRules` (cached per overrides and policy).
+
+        Example:
+          >>> import flax.linen as nn, jaxmp
+          >>> from jaxmp.flax import PrecisionOverrides
+          >>> rules = PrecisionOverrides().with_fp32_paths("head").module_rules(jaxmp.get_policy("O1-bf16"))
+          >>> rules.rule_at(("head",), nn.Dense).kind, rules.rule_at(("body",), nn.Dense).kind
+          ('fp32', 'half')
+        """
+        return _compile(self, policy)
+
     def rule_for(self, module_or_class: Any, policy: Policy) -> ModuleRule | None:
-        """The rule for a module (or module class) under ``policy``; None if no list names it.
+        """The class rule for a module (or module class) under ``policy``; None if no list names it.
 
         Args:
           module_or_class: a Linen/NNX module instance or class.
@@ -507,18 +513,7 @@ class PrecisionOverrides:
           >>> ov.rule_for(nn.LayerNorm, jaxmp.get_policy("O1-fp16")).compute_dtype
           dtype('float32')
         """
-        cls = module_or_class if isinstance(module_or_class, type) else type(module_or_class)
-        policies = dict(self.module_policies)
-        for klass in cls.__mro__:
-            if klass in policies:
-                p = policies[klass]
-                return ModuleRule(p.compute_dtype, p.param_dtype, p.output_dtype, "policy")
-            if klass in self.fp32_modules:
-                return ModuleRule(_F32, _F32, "input", "fp32")
-            if klass in self.half_modules:
-                return ModuleRule(policy.compute_dtype, policy.param_dtype, "computed", "half")
-        return None
-
+        return self.module_rules(policy).rule_for(module_or_class)
 
     def fp32_path_match(self, path: Sequence[Any]) -> str | None:
         """The first ``fp32_paths`` pattern matching a module path or one of its ancestors.
@@ -535,14 +530,7 @@ class PrecisionOverrides:
           >>> ov.fp32_path_match(("decoder", "Dense_0")), ov.fp32_path_match(("encoder",))
           ('decoder', None)
         """
-        if not self.fp32_paths:
-            return None
-        names = [str(p) for p in path]
-        prefixes = ["/".join(names[:k]) for k in range(1, len(names) + 1)] or [""]
-        for pattern in self.fp32_paths:
-            if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes):
-                return pattern
-        return None
+        return ModuleRules(paths=tuple((p, _FP32_RULE) for p in self.fp32_paths)).path_match(path)
 
     def rule_at(self, path: Sequence[Any], module_or_class: Any, policy: Policy) -> ModuleRule | None:
         """The rule for the module at ``path``: float32 where a path rule matches, else :meth:`rule_for`.
@@ -562,9 +550,22 @@ class PrecisionOverrides:
           >>> ov.rule_at(("head",), nn.Dense, jaxmp.get_policy("O1-bf16")).kind
           'fp32'
         """
-        if self.fp32_path_match(path) is not None:
-            return ModuleRule(_F32, _F32, "input", "fp32")
-        return self.rule_for(module_or_class, policy)
+        return self.module_rules(policy).rule_at(path, module_or_class)
+
+
+_FP32_RULE = ModuleRule(_F32, _F32, "input", "fp32")
+
+
+@functools.lru_cache(maxsize=256)
+def _compile(overrides: PrecisionOverrides, policy: Policy) -> ModuleRules:
+    half = ModuleRule(policy.compute_dtype, policy.param_dtype, "computed", "half")
+    # Later entries win for the same class: per-class policies beat the float32 list, which
+    # beats the half list (a class is on one of them anyway, see PrecisionOverrides.with_*).
+    classes = [(c, half) for c in overrides.half_modules]
+    classes += [(c, _FP32_RULE) for c in overrides.fp32_modules]
+    classes += [(c, ModuleRule(p.compute_dtype, p.param_dtype, p.output_dtype, "policy"))
+                for c, p in overrides.module_policies]
+    return ModuleRules(classes=tuple(classes), paths=tuple((p, _FP32_RULE) for p in overrides.fp32_paths))
 
 
 def resolve_overrides(policy: Any, overrides: PrecisionOverrides | Iterable[str] | None) -> tuple[Policy, PrecisionOverrides]:
