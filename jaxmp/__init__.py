@@ -146,11 +146,22 @@ __all__ = [
 ]
 
 
+# The names that were top level before jaxmp.parallel existed (newer ones, e.g. the state
+# layouts, were never top level and get no forwarding).
+_MOVED_TO_PARALLEL = frozenset({
+    "DistributedInfo", "all_reduce_gradients", "batch_sharding", "check_replicated", "distributed_info",
+    "initialize_distributed", "is_replicated", "make_data_mesh", "make_global_batch", "make_pmap_train_step",
+    "make_sharded_train_step", "per_device_batch_size", "prefetch_to_device", "prefetch_to_mesh",
+    "process_batch_slice", "process_dataset_range", "replicate", "replicate_on_mesh", "replicated_sharding",
+    "shard_batch", "unreplicate", "unshard_batch",
+})
+
+
 def __getattr__(name):
     if name == "flax" or name in _LAZY_FLAX:
         module = _importlib.import_module("jaxmp.flax")
         return module if name == "flax" else getattr(module, name)
-    if name in parallel.__all__:
+    if name in _MOVED_TO_PARALLEL:
         # Data-parallel plumbing lives under jaxmp.parallel; the top-level names stay one release.
         _warnings.warn(f"jaxmp.{name} moved to jaxmp.parallel.{name}; the top-level name will be removed "
                        "in the next release", DeprecationWarning, stacklevel=2)
