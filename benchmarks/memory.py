@@ -23,6 +23,7 @@ do not show here.
 
     python benchmarks/memory.py                    # the 50M-parameter table, N = 1, 2, 4, 8 (minutes)
     python benchmarks/memory.py --dry-run --out -  # a tiny model, seconds (the tests use it)
+    python benchmarks/memory.py --devices 8 --step-time   # + seconds per step of each layout
 
 Writes ``benchmarks/results/memory/memory_<device>.json`` (``dry_run.json`` with ``--dry-run``)
 with the device, JAX version and git commit. Needs 8 devices: on CPU it sets
@@ -129,6 +130,49 @@ def measure(recipe: str, layout: str, n: int, width: int, depth: int, batch_per_
     return row
 
 
+STEP_TIME = dict(width=512, depth=4, batch_per_device=8, rounds=7, steps=5)
+STEP_TIME_DRY = dict(width=64, depth=1, batch_per_device=2, rounds=2, steps=1)
+
+
+def step_times(width: int, depth: int, batch_per_device: int, rounds: int, steps: int, n: int = 8) -> dict:
+    """Seconds per step of each layout (fp32-masters, N devices), timed interleaved.
+
+    On simulated CPU devices this is a regression check only: the devices share the host's cores
+    and their collectives are memory copies, so it says nothing about a real interconnect.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxmp
+
+    params, loss_fn = _model(width, depth)
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(np.random.default_rng(0).normal(size=x.shape) * 0.02,
+                                                          x.dtype), params)
+    tx = _tx("fp32-masters")
+    mesh = jaxmp.parallel.make_data_mesh(jax.devices()[:n])
+    batch = jaxmp.parallel.make_global_batch(
+        {"x": np.random.default_rng(1).normal(size=(batch_per_device * n, width)).astype(np.float32)}, mesh)
+    blocks = {}
+    for layout in LAYOUTS:
+        step = jaxmp.parallel.make_sharded_train_step(loss_fn, tx, mesh, layout=layout, donate=True)
+        box = list(jaxmp.parallel.shard_state((params, tx.init(params)), mesh, layout))
+        box[0], box[1], m = step(box[0], box[1], batch)   # compile and warm up
+        jax.block_until_ready(m)
+
+        def block(step=step, box=box):
+            with common.Timer() as t:
+                for _ in range(steps):
+                    box[0], box[1], m = step(box[0], box[1], batch)
+                jax.block_until_ready((box[0], box[1], m))
+            return t.seconds / steps
+
+        blocks[layout] = block
+    samples = common.time_interleaved(blocks, rounds)
+    return {"label": "regression-only (simulated CPU devices)", "devices": n, "width": width, "depth": depth,
+            "batch_per_device": batch_per_device, "seconds_per_step": {k: common.summarize(v) for k, v in samples.items()}}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(parser, default_out=None)
@@ -137,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", help="comma list of device counts (default 1,2,4,8)")
     parser.add_argument("--width", type=int, help="hidden width (default 2048; dry run 256)")
     parser.add_argument("--depth", type=int, help="layers (default 12; dry run 2)")
+    parser.add_argument("--step-time", action="store_true",
+                        help="also time a step of each layout on a small model (regression-only on CPU)")
     return parser
 
 
@@ -175,8 +221,13 @@ def main(argv=None) -> dict:
                 common.log(f"{recipe} {layout} N={n}: {rows[-1]['bytes_per_param_measured']:.3f} B/param "
                            f"(analytic {rows[-1]['bytes_per_param_analytic']:.3f})", args.quiet)
     print(_table(rows), flush=True)
+    results = {"rows": rows}
+    if args.step_time:
+        results["step_time"] = step_times(**(STEP_TIME_DRY if args.dry_run else STEP_TIME))
+        for k, v in results["step_time"]["seconds_per_step"].items():
+            print(f"step time {k:<11} {v['median'] * 1e3:8.2f} ms (IQR {v['iqr'] * 1e3:.2f}; regression-only on CPU)")
     result = common.make_result("memory", common.jax_env(), {**size, "optimizer": "adamw", "policy": "O2-bf16",
-                                                             "tolerance": TOLERANCE}, {"rows": rows}, args.dry_run)
+                                                             "tolerance": TOLERANCE}, results, args.dry_run)
     out = args.out
     if out is None:
         name = "dry_run.json" if args.dry_run else f"memory_{common.device_slug(result['env']['device'])}.json"

@@ -283,3 +283,19 @@ def test_bad_layout_inputs():
         jaxmp.parallel.shard_state(state, two_d, "zero")
     with pytest.raises(ValueError, match=r"unknown layout"):
         layouts.check_layout(None)
+
+
+@pytest.mark.slow
+def test_memory_benchmark_dry_run_writes_the_table_and_step_times(tmp_path):
+    import json
+
+    from benchmarks import _common as common
+    from benchmarks import memory
+
+    out = tmp_path / "memory.json"
+    memory.main(["--dry-run", "--quiet", "--devices", "8", "--recipes", "fp32-masters", "--step-time", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert common.validate_result(result) == [] and result["env"]["git_commit"]["sha"]
+    assert [r["layout"] for r in result["results"]["rows"]] == list(memory.LAYOUTS)
+    assert set(result["results"]["step_time"]["seconds_per_step"]) == set(memory.LAYOUTS)
+    assert "regression-only" in result["results"]["step_time"]["label"]
