@@ -290,7 +290,9 @@ def shard_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated", 
       state: ``(params, opt_state)``.
       mesh: the mesh.
       layout: ``"replicated"``, ``"zero"`` or ``"fsdp"``.
-      data_axis, param_specs, min_shard_size: as in :func:`state_shardings`.
+      data_axis: as in :func:`state_shardings`.
+      param_specs: as in :func:`state_shardings`.
+      min_shard_size: as in :func:`state_shardings`.
 
     Returns:
       ``(params, opt_state)`` as global ``jax.Array`` leaves with the layout's shardings.
