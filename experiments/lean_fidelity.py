@@ -57,7 +57,7 @@ def docstring_text(packages=TEXT_PACKAGES, limit_bytes: int = 2_000_000) -> byte
     """The docstrings of the installed ``packages``' source files, in sorted file order (offline)."""
     import importlib.util
 
-    parts = []
+    parts, size = [], 0
     for name in packages:
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.submodule_search_locations:
@@ -73,6 +73,9 @@ def docstring_text(packages=TEXT_PACKAGES, limit_bytes: int = 2_000_000) -> byte
                     doc = ast.get_docstring(node)
                     if doc:
                         parts.append(doc)
+                        size += len(doc) + 2
+            if size >= limit_bytes:   # enough text: stop reading sources
+                return "\n\n".join(parts).encode("utf-8", errors="replace")[:limit_bytes]
     text = "\n\n".join(parts).encode("utf-8", errors="replace")
     return text[:limit_bytes]
 
