@@ -504,7 +504,20 @@ def _validate_fp8(result: dict) -> list[str]:
     return p
 
 
+def _validate_memory(result: dict) -> list[str]:
+    rows = result["results"].get("rows") if isinstance(result["results"], dict) else None
+    if not isinstance(rows, list) or not rows:
+        return ["results.rows is not a non-empty list"]
+    p = []
+    for i, r in enumerate(rows):
+        for k in ("recipe", "layout", "devices", "params", "bytes_per_param_measured", "bytes_per_param_analytic"):
+            if k not in r:
+                p.append(f"results.rows[{i}] lacks {k!r}")
+    return p
+
+
 _VALIDATORS = {
+    "memory": _validate_memory,
     "fp8": _validate_fp8,
     "autocast": _validate_autocast,
     "overhead": _validate_overhead,

@@ -21,7 +21,7 @@ def test_all_lists_only_existing_core_names_and_no_parallel_plumbing():
             warnings.simplefilter("error", DeprecationWarning)
             assert getattr(jaxmp, name) is not None, name
     assert not set(jaxmp.parallel.__all__) & set(jaxmp.__all__)
-    assert len(jaxmp.parallel.__all__) == 22
+    assert len(jaxmp.parallel.__all__) == 28  # 22 before the state layouts, which added 6
 
 
 # Names that moved before any release; no release had them at their old place, so they are gone
@@ -154,3 +154,8 @@ def test_the_skip_decision_has_one_owner():
         assert "keep_if_finite" in text, rel
         assert "select_tree(finite" not in text, rel
     assert "apply_if_finite" in (root / "skip.py").read_text()  # says why optax's does not fit
+
+
+def test_layout_helpers_were_never_top_level():
+    with pytest.raises(AttributeError):
+        jaxmp.shard_state  # noqa: B018

@@ -523,6 +523,7 @@ def _train_seeds(make, seeds=(0, 1, 2)):
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion(reason='optax.adamw bias correction: Python float ** int32 count')
 def test_fidelity_stochastic_rounding_against_float32_masters_and_plain_bf16():
     """A tanh MLP (8-16-1, 1024 noisy samples, noise floor 0.01), AdamW with a cosine decay from 1e-2
     to 0 over 1500 steps, bf16 params, 3 seeds.

@@ -13,8 +13,11 @@ import jax
 import numpy as np
 import pytest
 
+import jaxmp
+
 import _multiprocess_checkpoint as ckpt_demo
 import _multiprocess_demo as demo
+import _multiprocess_zero as zero_demo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120
@@ -44,11 +47,12 @@ def _rel(a, b):
 
 
 @contextlib.contextmanager
-def _two_workers(tmp_path, argv):
+def _two_workers(tmp_path, argv, killed=False):
     """Runs ``python <argv>`` as processes 0 and 1 of 2, with 2 CPU devices each, over loopback.
 
     The body of the ``with`` runs meanwhile; on leaving it, both workers must exit 0 within
-    ``TIMEOUT_S`` (the failure shows the worker's log), and none is ever left behind.
+    ``TIMEOUT_S`` (the failure shows the worker's log), and none is ever left behind. With
+    ``killed``, each must instead have died (SIGKILL, or an error once the other one died).
     """
     port = _free_port()
     env = dict(os.environ)
@@ -73,7 +77,10 @@ def _two_workers(tmp_path, argv):
                 rc = p.wait(timeout=TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 pytest.fail(f"process {i} did not finish in {TIMEOUT_S}s:\n{_tail(tmp_path / f'process_{i}.log')}")
-            assert rc == 0, f"process {i} exited with {rc}:\n{_tail(tmp_path / f'process_{i}.log')}"
+            if killed:
+                assert rc != 0, f"process {i} was to be killed but exited 0:\n{_tail(tmp_path / f'process_{i}.log')}"
+            else:
+                assert rc == 0, f"process {i} exited with {rc}:\n{_tail(tmp_path / f'process_{i}.log')}"
     finally:
         # Never leave a worker behind, whatever failed above (it would hold the port and a core).
         for p in procs:
@@ -88,6 +95,7 @@ def _two_workers(tmp_path, argv):
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion(reason='the in-process reference steps optax.adam (bias correction: Python float ** int32 count)')
 def test_two_processes_with_two_devices_each_match_one_process_with_four(tmp_path):
     out = tmp_path / "out"
     with _two_workers(tmp_path, [os.path.join(REPO, "tests", "_multiprocess_demo.py"), "--out", str(out),
@@ -152,3 +160,50 @@ def test_each_process_checksums_its_shards_and_all_reject_a_step_damaged_on_one(
     # Moved aside once each, by process 0.
     assert sorted(e.split(".")[0] for e in os.listdir(workdir / "damaged_checkpoints")) == ["2", "3"]
     assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason='the in-process reference steps optax.adam (bias correction: Python float ** int32 count)')
+def test_zero_sharded_state_checkpointed_killed_resumed_and_resumed_on_another_device_count(tmp_path):
+    from experiments import checkpoint as ckpt_lib
+
+    script = os.path.join(REPO, "tests", "_multiprocess_zero.py")
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    # 1. Uninterrupted: 2 processes x 2 devices, masters and moments sharded 4 ways.
+    with _two_workers(tmp_path, [script, "--workdir", str(ref_dir), "--out", str(ref_dir / "final.npz")]):
+        pass
+    # 2. The same run, killed (SIGKILL, both processes) one step after the checkpoint at step 3.
+    with _two_workers(tmp_path, [script, "--workdir", str(run_dir), "--kill-after", "4"], killed=True):
+        pass
+    assert sorted(os.listdir(run_dir / "checkpoints")) == [str(zero_demo.SAVE_AT)]
+    # 3. Resumed by two new processes, restored straight into the ZeRO layout (each process
+    #    verifies the shards it holds): bitwise the uninterrupted run.
+    with _two_workers(tmp_path, [script, "--workdir", str(run_dir), "--resume", "--out", str(run_dir / "final.npz")]):
+        pass
+    ref, got = dict(np.load(ref_dir / "final.npz")), dict(np.load(run_dir / "final.npz"))
+    assert int(got["start"]) == zero_demo.SAVE_AT and int(ref["start"]) == 0
+    assert ref["finite"].tolist() == [t != zero_demo.NAN_STEP for t in range(zero_demo.STEPS)]  # both skipped it
+    leaves = sorted(k for k in ref if k.startswith("l"))
+    for k in leaves:
+        assert got[k].dtype == ref[k].dtype and got[k].tobytes() == ref[k].tobytes(), k
+
+    # 4. Onto another device count (8 devices of this one process): the ZeRO layout of 8 devices
+    #    would split the saved quarters, which no process could then verify -- a clear error...
+    mesh8 = jaxmp.parallel.make_data_mesh(jax.devices()[:8])
+    ckpt = ckpt_lib.Checkpointer(str(run_dir), max_to_keep=3)
+    try:
+        with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"splits between devices.*then reshard"):
+            ckpt.restore_latest(zero_demo.template(mesh8, "zero"), {k: zero_demo.META[k] for k in ckpt_lib.MUST_MATCH})
+    finally:
+        ckpt.close()
+    # ...so restore onto the replicated layout and re-lay it out (shard_state): the run goes on
+    # over 8 devices, to the uninterrupted run's values up to the reduction order.
+    final8, step = zero_demo.resume_here(str(run_dir), jax.devices()[:8])
+    assert step == zero_demo.SAVE_AT
+    for k in leaves:
+        a, b = ref[k], final8[k]
+        if a.dtype.kind == "f":
+            # A sum over 8 devices instead of 4: a bf16 ulp here and there (norm-wise, well under 1%).
+            assert _rel(a, b.astype(np.float32)) <= 1e-2, (k, _rel(a, b.astype(np.float32)))
+        else:
+            np.testing.assert_array_equal(b, a, err_msg=k)

@@ -3,7 +3,8 @@
 Two paths, same semantics and results:
 
 * :func:`make_sharded_train_step` -- plain ``jax.jit`` over a mesh with a data axis (JAX's
-  recommended path; runs unchanged on several hosts);
+  recommended path; runs unchanged on several hosts), with the state replicated or sharded
+  over the data axis (``layout="zero"`` / ``"fsdp"``; :func:`shard_state`);
 * :func:`make_pmap_train_step` -- ``jax.pmap`` with an explicit gradient all-reduce whose
   dtype you choose (float32 by default).
 
@@ -20,6 +21,12 @@ from jaxmp.parallel.batching import unshard_batch
 from jaxmp.parallel.distributed import DistributedInfo
 from jaxmp.parallel.distributed import distributed_info
 from jaxmp.parallel.distributed import initialize_distributed
+from jaxmp.parallel.layouts import LAYOUTS
+from jaxmp.parallel.layouts import abstract_state
+from jaxmp.parallel.layouts import leaf_spec
+from jaxmp.parallel.layouts import shard_state
+from jaxmp.parallel.layouts import state_bytes_per_device
+from jaxmp.parallel.layouts import state_shardings
 from jaxmp.parallel.pmap import all_reduce_gradients
 from jaxmp.parallel.pmap import make_pmap_train_step
 from jaxmp.parallel.replication import check_replicated
@@ -36,12 +43,15 @@ from jaxmp.parallel.sharding import replicated_sharding
 
 __all__ = [
     "DistributedInfo",
+    "LAYOUTS",
+    "abstract_state",
     "all_reduce_gradients",
     "batch_sharding",
     "check_replicated",
     "distributed_info",
     "initialize_distributed",
     "is_replicated",
+    "leaf_spec",
     "make_data_mesh",
     "make_global_batch",
     "make_pmap_train_step",
@@ -55,6 +65,9 @@ __all__ = [
     "replicate_on_mesh",
     "replicated_sharding",
     "shard_batch",
+    "shard_state",
+    "state_bytes_per_device",
+    "state_shardings",
     "unreplicate",
     "unshard_batch",
 ]

@@ -91,7 +91,8 @@ def check_no_model_state_in_aux(aux: Any) -> None:
 
 def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
                    with_rng: bool, rng_transform: Callable | None = None, with_model_state: bool = False,
-                   reduce_model_state: Callable | None = None, per_replica_aux: bool = False) -> Callable:
+                   reduce_model_state: Callable | None = None, per_replica_aux: bool = False,
+                   wrap_loss: Callable | None = None) -> Callable:
     """The per-step computation shared by the pmap and sharded-jit paths.
 
     ``reduce_grads`` is the gradient all-reduce (pmean under pmap, identity under sharded jit,
@@ -105,6 +106,10 @@ def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: C
     replicas by ``reduce_model_state``, so every replica keeps the same statistics, and kept only
     if the step was applied. With ``per_replica_aux`` (pmap), an ``aux`` dict holding
     ``batch_stats`` is refused: it would be kept per replica and drift apart.
+
+    ``wrap_loss`` (the sharded-jit layouts, :mod:`jaxmp.parallel.layouts`) maps the canonical loss
+    ``(params, model_state, batch, rng) -> (loss, (model_state, aux))`` to another of the same
+    signature before the step builder differentiates it.
     """
     # optax's name for the loss; the loss-scaling state then tells a NaN loss from NaN gradients.
     pass_value = isinstance(tx, optax.GradientTransformationExtraArgs)
@@ -123,7 +128,8 @@ def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: C
             return loss, (new_model_state, aux)
         return loss, (model_state, aux)
 
-    step = make_step(canonical, tx, reduce_grads=reduce_grads, reduce_loss=reduce_loss,
+    step = make_step(canonical if wrap_loss is None else wrap_loss(canonical), tx,
+                     reduce_grads=reduce_grads, reduce_loss=reduce_loss,
                      reduce_model_state=reduce_model_state if with_model_state else None, pass_value=pass_value)
 
     def body(state, opt_state, batch, rng=None):

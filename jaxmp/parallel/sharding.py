@@ -1,6 +1,7 @@
 """The sharded-``jit`` path (JAX's recommended one): a mesh with a data axis, plain ``jax.jit``.
 
-The batch is sharded over the mesh's data axis and the state is replicated. The step is
+The batch is sharded over the mesh's data axis; the state is replicated (default) or sharded
+over the same axis (``layout="zero"`` / ``"fsdp"``, :mod:`jaxmp.parallel.layouts`). The step is
 written as if for one device on the *global* batch; XLA's partitioner inserts the gradient
 all-reduce. So ``jaxmp.loss_scaling(..., axis_name=None)`` is right here: its finite check
 already runs on the global (reduced) gradient and every device computes the same verdict.
@@ -14,9 +15,12 @@ import itertools
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxmp.collectives import check_reduce_dtype
+from jaxmp.parallel import layouts
 from jaxmp.parallel._common import (
     check_divisible, check_positive_int, leading_size, log_once, make_step_body, with_model_state,
 )
@@ -199,87 +203,154 @@ def prefetch_to_mesh(iterator: Iterable[Any], mesh: Mesh, size: int = 2, data_ax
 
 def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *, data_axis: str | None = None,
                             has_aux: bool = False, donate: bool = False,
-                            model_state: bool = False) -> Callable[..., Any]:
-    """A ``jax.jit`` train step with the batch sharded over the mesh's data axis and the state replicated.
+                            model_state: bool = False, layout: str = "replicated",
+                            reduce_dtype: Any = "float32", param_specs: Any = None,
+                            min_shard_size: int = layouts.DEFAULT_MIN_SHARD_SIZE) -> Callable[..., Any]:
+    """A ``jax.jit`` train step with the batch sharded over the mesh's data axis and the state laid out by ``layout``.
 
     Same semantics and results as :func:`jaxmp.parallel.make_pmap_train_step`, without ``pmap``: the step
-    sees the global batch, ``loss_fn``'s mean is the global mean and its gradient is the global
-    gradient (XLA inserts the all-reduce). Build ``tx`` with ``jaxmp.loss_scaling(...,
+    is written for the global batch, ``loss_fn``'s mean is the global mean and its gradient the
+    global gradient (XLA inserts the collectives). Build ``tx`` with ``jaxmp.loss_scaling(...,
     axis_name=None)``: there is no named axis under plain ``jit``, and none is needed because
-    the finite check runs on the global gradient (a ``tx`` built with an axis name fails with
-    a ValueError saying the axis is not bound).
+    the finite check runs on the reduced gradient, so every device reaches the same verdict and
+    keeps the same loss scale (a ``tx`` built with an axis name fails with a ValueError saying
+    the axis is not bound). ``optax.MultiSteps`` inside ``loss_scaling`` works with every layout
+    (its accumulator is laid out like the gradients).
 
-    The all-reduce dtype is XLA's choice here: it reduces where the batch contraction happens,
-    usually in the dtype of the weight-gradient matmul (the compute dtype). A float16 sum that
-    overflows is still caught, because the verdict is on the reduced gradient. For an explicit
-    reduce dtype use the pmap path (or ``shard_map`` with :func:`jaxmp.parallel.all_reduce_gradients`).
+    **Layouts** (:mod:`jaxmp.parallel.layouts`): ``"replicated"`` (every device holds the whole
+    state), ``"zero"`` (float32 masters, moments and remainders sharded over the data axis, each
+    device updates its slice, the half params replicated and gathered in their own dtype after the
+    update) and ``"fsdp"`` (params sharded too, gathered inside the step in their stored dtype,
+    the compute dtype under O2). Place the state with :func:`jaxmp.parallel.shard_state` in the
+    same layout (the step's jit in/out shardings are the layout's, so a state in another layout is
+    resharded on the way in).
+
+    **Gradient reduce dtype**: ``"float32"`` (default) sums the data shards' gradients in float32
+    whatever the params' dtype (see :func:`jaxmp.parallel.layouts.per_shard_loss` for how, in the
+    global view); ``"bfloat16"`` halves the traffic but keeps 8 mantissa bits in the sum of N
+    gradients (a small gradient added to a large one loses its low bits, more so as N grows);
+    ``"float16"`` can overflow (caught: every device skips and backs the scale off). ``None`` is
+    the step before layouts: XLA reduces where the batch contraction happens, in the matmul's
+    dtype (bfloat16 under O2-bf16), and BatchNorm statistics are over the global batch. With a
+    reduce dtype the loss is evaluated per data shard, so model state (BatchNorm statistics) and
+    floating ``aux`` are the mean over the shards and each shard's rng is ``fold_in(rng, shard)``.
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` or ``loss_fn(params, batch, rng)``, returning a scalar
-        float32 loss (the mean over the *global* batch), or ``(loss, aux)`` with ``has_aux``.
+        float32 loss (the mean over the batch it is given), or ``(loss, aux)`` with ``has_aux``.
       tx: an optax transformation holding a :func:`jaxmp.loss_scaling` state (``axis_name=None``).
-      mesh: the mesh (:func:`make_data_mesh`).
-      data_axis: the mesh axis the batch is split over; default the mesh's only axis.
+      mesh: the mesh (:func:`make_data_mesh`, or one with a model axis too).
+      data_axis: the mesh axis the batch (and a sharded state) is split over; default the mesh's only axis.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to ``metrics["aux"]``.
       donate: donate the params and optimizer state buffers.
       model_state: the model has state besides its params (BatchNorm ``batch_stats``): the step
         is then ``step(params, model_state, opt_state, batch[, rng]) -> (params, model_state,
         opt_state, metrics)`` and ``loss_fn(params, model_state, batch[, rng])`` returns ``(loss,
-        new_model_state)``. The global view computes statistics over the global batch, so the
-        replicated model state is one value; it is kept only on applied steps.
+        new_model_state)``. It is replicated and kept only on applied steps.
+      layout: ``"replicated"`` (default), ``"zero"`` or ``"fsdp"``.
+      reduce_dtype: dtype of the gradient reduction over the data axis (``"float32"`` default,
+        ``"bfloat16"``, ``"float16"``, or ``None`` for XLA's choice).
+      param_specs: the params' ``PartitionSpec`` tree over the other (model) mesh axes; kept by
+        every layout. Default: none (params replicated over the other axes).
+      min_shard_size: leaves with fewer elements stay replicated (:func:`jaxmp.parallel.leaf_spec`).
 
     Returns:
-      ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` with params,
-      opt_state and metrics replicated over the mesh and batch sharded over the data axis (pass
-      the output of :func:`make_global_batch`; host arrays are sharded on the way in within one
+      ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` with params and
+      opt_state in the layout, metrics replicated and batch sharded over the data axis (pass the
+      output of :func:`make_global_batch`; host arrays are sharded on the way in within one
       process). ``metrics``: ``loss``, ``loss_scale``, ``last_step_finite``, ``consecutive_skips``,
-      ``total_skips``. The jitted functions are ``step.jitted`` and ``step.jitted_with_rng``.
+      ``total_skips``. ``step.lower(params, opt_state, batch[, rng])`` lowers the jitted step
+      (arrays or ``jax.ShapeDtypeStruct``; compile-only memory estimates), ``step.shardings(params,
+      opt_state)`` gives the layout's ``(param, opt_state)`` shardings.
+
+    Raises:
+      ValueError: unknown layout, a data axis the mesh lacks, a bad ``reduce_dtype``, or (at the
+        call) a batch that does not divide over the data axis.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxmp
       >>> mesh = jaxmp.parallel.make_data_mesh()
-      >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale())
-      >>> params = {"w": jnp.zeros(3)}
-      >>> step = jaxmp.parallel.make_sharded_train_step(lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), tx, mesh)
-      >>> p, s = jaxmp.parallel.replicate_on_mesh((params, tx.init(params)), mesh)
-      >>> batch = jaxmp.parallel.make_global_batch({"x": np.ones((16, 3), np.float32), "y": np.ones(16, np.float32)}, mesh)
+      >>> tx = jaxmp.loss_scaling(optax.adam(0.1), jaxmp.DynamicLossScale(), master_weights=True)
+      >>> params = {"w": jnp.zeros((3, 1024), jnp.bfloat16)}
+      >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"].astype(jnp.float32) - b["y"]) ** 2)
+      >>> step = jaxmp.parallel.make_sharded_train_step(loss, tx, mesh, layout="zero")
+      >>> p, s = jaxmp.parallel.shard_state((params, tx.init(params)), mesh, "zero")
+      >>> batch = jaxmp.parallel.make_global_batch({"x": np.ones((16, 3), np.float32), "y": np.ones((16, 1024), np.float32)}, mesh)
       >>> p, s, metrics = step(p, s, batch)
-      >>> float(metrics["loss"]), p["w"]
-      (1.0, Array([0.2, 0.2, 0.2], dtype=float32))
+      >>> jaxmp.master_params(s)["w"].sharding.spec, p["w"].sharding.is_fully_replicated
+      (P(None, 'data'), True)
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
         raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     axis = _data_axis(mesh, data_axis)
+    layout = layouts.check_layout(layout)
+    reduce_dtype = check_reduce_dtype(reduce_dtype)
+    min_shard_size = layouts._check_min_size(min_shard_size)
     rep = replicated_sharding(mesh)
     data = NamedSharding(mesh, PartitionSpec(axis))
     identity = lambda x: x  # noqa: E731 - the global view needs no explicit reduction
-    common = dict(has_aux=has_aux, reduce_grads=identity, reduce_loss=identity, with_model_state=model_state,
-                  reduce_model_state=identity)
-    body = make_step_body(loss_fn, tx, with_rng=False, **common)
-    body_rng = make_step_body(loss_fn, tx, **common,
-                              with_rng=True)
-    donate_argnums = (0, 1) if donate else ()
-    jitted = jax.jit(body, in_shardings=(rep, rep, data), out_shardings=(rep, rep, rep),
-                     donate_argnums=donate_argnums)
-    jitted_rng = jax.jit(body_rng, in_shardings=(rep, rep, data, rep), out_shardings=(rep, rep, rep),
-                         donate_argnums=donate_argnums)
     num_devices = mesh.shape[axis]
+    donate_argnums = (0, 1) if donate else ()
+    cache: dict = {}
+
+    def build(params, opt_state):
+        """The jitted steps for states of this structure and these shapes (shardings follow shapes)."""
+        p_specs, o_specs, g_specs = layouts.state_specs(params, opt_state, mesh, layout, data_axis=axis,
+                                                        param_specs=param_specs, min_shard_size=min_shard_size)
+        base = layouts._param_tree_specs(params, param_specs)
+        p_sh, o_sh = layouts._named(mesh, p_specs), layouts._named(mesh, o_specs)
+        g_sh = layouts._named(mesh, g_specs)
+
+        def reduce_grads(grads):
+            # Where the reduced gradients go: onto the slices each device updates (zero, fsdp),
+            # so XLA reduce-scatters instead of all-reducing; the finite check then reduces the
+            # per-slice verdicts, identical on every device.
+            return jax.lax.with_sharding_constraint(grads, g_sh)
+
+        common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=identity,
+                      with_model_state=model_state, reduce_model_state=identity,
+                      wrap_loss=None if reduce_dtype is None else layouts.per_shard_loss(mesh, axis, reduce_dtype, base))
+        first = (p_sh, rep) if model_state else p_sh
+        jitted = jax.jit(make_step_body(loss_fn, tx, with_rng=False, **common),
+                         in_shardings=(first, o_sh, data), out_shardings=(first, o_sh, rep),
+                         donate_argnums=donate_argnums)
+        jitted_rng = jax.jit(make_step_body(loss_fn, tx, with_rng=True, **common),
+                             in_shardings=(first, o_sh, data, rep), out_shardings=(first, o_sh, rep),
+                             donate_argnums=donate_argnums)
+        return jitted, jitted_rng, (p_sh, o_sh)
+
+    def get(state, opt_state):
+        params = state[0] if model_state else state
+        sig = jax.tree_util.tree_structure((params, opt_state)), tuple(
+            (tuple(jnp.shape(x)), str(getattr(x, "dtype", type(x)))) for x in jax.tree_util.tree_leaves((params, opt_state)))
+        if sig not in cache:
+            cache[sig] = build(params, opt_state)
+        return cache[sig]
 
     def run(params, opt_state, batch, rng=None):
         # Checked here, not left to jit: its error for an indivisible batch does not say why.
         global_batch = leading_size(batch)
         per_device = check_divisible(global_batch, num_devices)
-        log_once("jaxmp.parallel: sharded step over %d devices (axis %r), global batch %d -> per-device batch %d",
-                 num_devices, axis, global_batch, per_device)
+        log_once("jaxmp.parallel: sharded step over %d devices (axis %r, layout %s), global batch %d -> "
+                 "per-device batch %d", num_devices, axis, layout, global_batch, per_device)
+        jitted, jitted_rng, _ = get(params, opt_state)
         if rng is None:
             return jitted(params, opt_state, batch)
         return jitted_rng(params, opt_state, batch, rng)
 
-    step = with_model_state(run, model_state)
+    def lower(params, opt_state, batch, rng=None):
+        jitted, jitted_rng, _ = get(params, opt_state)
+        return jitted.lower(params, opt_state, batch) if rng is None else jitted_rng.lower(params, opt_state, batch, rng)
 
-    step.jitted = jitted
-    step.jitted_with_rng = jitted_rng
+    step = with_model_state(run, model_state)
+    if model_state:
+        step.lower = lambda params, state, opt_state, batch, rng=None: lower((params, state), opt_state, batch, rng)
+    else:
+        step.lower = lower
+    step.shardings = lambda params, opt_state: get(params, opt_state)[2]
     step.mesh = mesh
+    step.layout = layout
+    step.reduce_dtype = reduce_dtype
     return step

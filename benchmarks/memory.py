@@ -1,0 +1,240 @@
+"""Training-state memory per device, per state layout and lean recipe: compile-only, nothing allocated.
+
+For an O2-bf16 model (bfloat16 params) trained with AdamW under ``jaxmp.loss_scaling``, each
+(recipe, layout, device count N) is lowered and compiled with
+``make_sharded_train_step(...).lower(abstract params, abstract opt state, abstract batch).compile()``
+on a mesh of the first N devices; the state's bytes per device are read from the *compiled*
+program's input shardings (each leaf's ``sharding.shard_shape``), and compared with the analytic
+value (bytes per parameter times the parameter count):
+
+=================  ============  =============  ========
+recipe             replicated    zero           fsdp
+=================  ============  =============  ========
+fp32-masters       14            2 + 12/N       14/N
+remainders         12            2 + 10/N       12/N
+bf16-sr            6             2 + 4/N        6/N
+=================  ============  =============  ========
+
+The compiled program's own memory statistics (``compiled.memory_analysis()``: arguments,
+outputs, temporaries, aliased bytes, and the peak estimate arguments + outputs + temporaries -
+aliased) are reported, not checked: on simulated CPU devices XLA emits an all-reduce and a
+slice for a reduce-scatter and widens bfloat16 collectives, so the temporaries a GPU would save
+do not show here.
+
+    python benchmarks/memory.py                    # the 50M-parameter table, N = 1, 2, 4, 8 (minutes)
+    python benchmarks/memory.py --dry-run --out -  # a tiny model, seconds (the tests use it)
+    python benchmarks/memory.py --devices 8 --step-time   # + seconds per step of each layout
+
+Writes ``benchmarks/results/memory/memory_<device>.json`` (``dry_run.json`` with ``--dry-run``)
+with the device, JAX version and git commit. Needs 8 devices: on CPU it sets
+``--xla_force_host_platform_device_count=8`` itself when JAX is not yet imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common as common  # noqa: E402
+
+RECIPES = ("fp32-masters", "remainders", "bf16-sr")
+LAYOUTS = ("replicated", "zero", "fsdp")
+DEVICE_COUNTS = (1, 2, 4, 8)
+#: Bytes per parameter that are replicated / sharded under ``zero`` (params: 2; the rest: state).
+STATE_BYTES = {"fp32-masters": 12, "remainders": 10, "bf16-sr": 4}
+TOLERANCE = 0.05
+# width 2048, depth 12: 12 * 2048**2 = 50.3M weights (+ 24.6K biases).
+DEFAULT = dict(width=2048, depth=12, batch_per_device=2)
+DRY = dict(width=256, depth=2, batch_per_device=2)
+
+
+def analytic_bytes_per_param(recipe: str, layout: str, n: int) -> float:
+    """The table above: bytes per parameter of params plus optimizer state on one device."""
+    state = STATE_BYTES[recipe]
+    return {"replicated": 2 + state, "zero": 2 + state / n, "fsdp": (2 + state) / n}[layout]
+
+
+def _model(width: int, depth: int):
+    import jax.numpy as jnp
+    import numpy as np
+
+    params = {f"layer{i}": {"w": np.zeros((width, width), jnp.bfloat16), "b": np.zeros((width,), jnp.bfloat16)}
+              for i in range(depth)}
+
+    def loss_fn(p, batch):
+        h = batch["x"].astype(jnp.bfloat16)
+        for i in range(depth):
+            h = jnp.tanh(h @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"])
+        return jnp.mean(jnp.square(h.astype(jnp.float32)))
+
+    return params, loss_fn
+
+
+def _tx(recipe: str):
+    import optax
+
+    import jaxmp
+    from jaxmp import lean
+
+    return jaxmp.loss_scaling(lean.preset(recipe, optax.adamw(1e-3), key=0 if recipe != "fp32-masters" else None),
+                              "none")
+
+
+def measure(recipe: str, layout: str, n: int, width: int, depth: int, batch_per_device: int) -> dict:
+    """One row: compile the step on the first ``n`` devices, read the state's bytes per device."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxmp
+
+    params, loss_fn = _model(width, depth)
+    tx = _tx(recipe)
+    abstract_params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    abstract_state = jax.eval_shape(tx.init, abstract_params)
+    mesh = jaxmp.parallel.make_data_mesh(jax.devices()[:n])
+    # Donated, as a training loop would: the new state then reuses the old state's buffers.
+    step = jaxmp.parallel.make_sharded_train_step(loss_fn, tx, mesh, layout=layout, donate=True)
+    batch = {"x": jax.ShapeDtypeStruct((batch_per_device * n, width), jnp.float32)}
+    compiled = step.lower(abstract_params, abstract_state, batch).compile()
+    (in_shardings, _), = [compiled.input_shardings]
+
+    def per_device(tree, shardings):
+        return sum(int(np.prod(s.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+                   for x, s in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(shardings)))
+
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+    param_bytes = per_device(abstract_params, in_shardings[0])
+    state_bytes = per_device(abstract_state, in_shardings[1])
+    measured = (param_bytes + state_bytes) / n_params
+    analytic = analytic_bytes_per_param(recipe, layout, n)
+    row = {"recipe": recipe, "layout": layout, "devices": n, "params": n_params,
+           "param_bytes_per_device": param_bytes, "opt_state_bytes_per_device": state_bytes,
+           "bytes_per_param_measured": measured, "bytes_per_param_analytic": analytic,
+           "relative_error": abs(measured - analytic) / analytic}
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        stats = {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                                   "temp_size_in_bytes", "alias_size_in_bytes",
+                                                   "generated_code_size_in_bytes") if hasattr(mem, k)}
+        stats["peak_estimate_bytes"] = (stats.get("argument_size_in_bytes", 0) + stats.get("output_size_in_bytes", 0)
+                                        + stats.get("temp_size_in_bytes", 0) - stats.get("alias_size_in_bytes", 0))
+        if getattr(mem, "peak_memory_in_bytes", None):
+            stats["peak_memory_in_bytes"] = int(mem.peak_memory_in_bytes)
+        row["compiled"] = stats
+    return row
+
+
+STEP_TIME = dict(width=512, depth=4, batch_per_device=8, rounds=7, steps=5)
+STEP_TIME_DRY = dict(width=64, depth=1, batch_per_device=2, rounds=2, steps=1)
+
+
+def step_times(width: int, depth: int, batch_per_device: int, rounds: int, steps: int, n: int = 8) -> dict:
+    """Seconds per step of each layout (fp32-masters, N devices), timed interleaved.
+
+    On simulated CPU devices this is a regression check only: the devices share the host's cores
+    and their collectives are memory copies, so it says nothing about a real interconnect.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxmp
+
+    params, loss_fn = _model(width, depth)
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(np.random.default_rng(0).normal(size=x.shape) * 0.02,
+                                                          x.dtype), params)
+    tx = _tx("fp32-masters")
+    mesh = jaxmp.parallel.make_data_mesh(jax.devices()[:n])
+    batch = jaxmp.parallel.make_global_batch(
+        {"x": np.random.default_rng(1).normal(size=(batch_per_device * n, width)).astype(np.float32)}, mesh)
+    blocks = {}
+    for layout in LAYOUTS:
+        step = jaxmp.parallel.make_sharded_train_step(loss_fn, tx, mesh, layout=layout, donate=True)
+        box = list(jaxmp.parallel.shard_state((params, tx.init(params)), mesh, layout))
+        box[0], box[1], m = step(box[0], box[1], batch)   # compile and warm up
+        jax.block_until_ready(m)
+
+        def block(step=step, box=box):
+            with common.Timer() as t:
+                for _ in range(steps):
+                    box[0], box[1], m = step(box[0], box[1], batch)
+                jax.block_until_ready((box[0], box[1], m))
+            return t.seconds / steps
+
+        blocks[layout] = block
+    samples = common.time_interleaved(blocks, rounds)
+    return {"label": "regression-only (simulated CPU devices)", "devices": n, "width": width, "depth": depth,
+            "batch_per_device": batch_per_device, "seconds_per_step": {k: common.summarize(v) for k, v in samples.items()}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common.add_common_args(parser, default_out=None)
+    parser.add_argument("--recipes", help=f"comma list of {', '.join(RECIPES)} (default all)")
+    parser.add_argument("--layouts", help=f"comma list of {', '.join(LAYOUTS)} (default all)")
+    parser.add_argument("--devices", help="comma list of device counts (default 1,2,4,8)")
+    parser.add_argument("--width", type=int, help="hidden width (default 2048; dry run 256)")
+    parser.add_argument("--depth", type=int, help="layers (default 12; dry run 2)")
+    parser.add_argument("--step-time", action="store_true",
+                        help="also time a step of each layout on a small model (regression-only on CPU)")
+    return parser
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'recipe':<14}{'layout':<12}{'N':>3}{'B/param':>10}{'analytic':>10}{'err':>8}"
+             f"{'temp MiB':>11}{'peak MiB':>11}"]
+    for r in rows:
+        c = r.get("compiled", {})
+        lines.append(f"{r['recipe']:<14}{r['layout']:<12}{r['devices']:>3}{r['bytes_per_param_measured']:>10.3f}"
+                     f"{r['bytes_per_param_analytic']:>10.3f}{r['relative_error']:>8.2%}"
+                     f"{c.get('temp_size_in_bytes', 0) / 2**20:>11.1f}{c.get('peak_estimate_bytes', 0) / 2**20:>11.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    if "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=8").strip()
+    import jax
+
+    size = dict(DRY if args.dry_run else DEFAULT)
+    size.update({k: getattr(args, k) for k in ("width", "depth") if getattr(args, k) is not None})
+    recipes = common.parse_choices(args.recipes, RECIPES, "recipe")
+    layouts = common.parse_choices(args.layouts, LAYOUTS, "layout")
+    counts = [int(c) for c in args.devices.split(",")] if args.devices else list(DEVICE_COUNTS)
+    if max(counts) > jax.device_count():
+        raise SystemExit(f"--devices asks for {max(counts)} devices, JAX has {jax.device_count()}")
+    if any(size["width"] % c for c in counts):
+        raise SystemExit(f"--width {size['width']} must be divisible by every device count {counts}")
+    rows = []
+    for recipe in recipes:
+        for layout in layouts:
+            for n in counts:
+                rows.append(measure(recipe, layout, n, **size))
+                common.log(f"{recipe} {layout} N={n}: {rows[-1]['bytes_per_param_measured']:.3f} B/param "
+                           f"(analytic {rows[-1]['bytes_per_param_analytic']:.3f})", args.quiet)
+    print(_table(rows), flush=True)
+    results = {"rows": rows}
+    if args.step_time:
+        results["step_time"] = step_times(**(STEP_TIME_DRY if args.dry_run else STEP_TIME))
+        for k, v in results["step_time"]["seconds_per_step"].items():
+            print(f"step time {k:<11} {v['median'] * 1e3:8.2f} ms (IQR {v['iqr'] * 1e3:.2f}; regression-only on CPU)")
+    result = common.make_result("memory", common.jax_env(), {**size, "optimizer": "adamw", "policy": "O2-bf16",
+                                                             "tolerance": TOLERANCE}, results, args.dry_run)
+    out = args.out
+    if out is None:
+        name = "dry_run.json" if args.dry_run else f"memory_{common.device_slug(result['env']['device'])}.json"
+        out = str(common.RESULTS_DIR / "memory" / name)
+    common.emit(result, out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

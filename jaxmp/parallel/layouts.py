@@ -1,0 +1,430 @@
+"""How the training state is laid out over a mesh's data axis on the sharded-``jit`` path.
+
+Three layouts (``make_sharded_train_step(..., layout=...)``, :func:`shard_state`):
+
+* ``"replicated"`` (default): every device holds the whole state (params, float32 masters,
+  optimizer moments). O2-bf16 + AdamW: 2 + 4 + 8 = 14 bytes per parameter on every device.
+* ``"zero"`` (ZeRO-1/2, Megatron's distributed optimizer): the optimizer state -- float32
+  masters, moments, param remainders -- is sharded over the data axis, each device updates its
+  slice, and the gradients are reduced onto those slices; the (half) params stay replicated and
+  are gathered in their own dtype after the update: 2 + 12/N bytes per parameter.
+* ``"fsdp"`` (ZeRO-3): the params are sharded too and gathered inside the step in their stored
+  (compute) dtype: 14/N bytes per parameter.
+
+Everything is ``NamedSharding`` + ``jit`` in/out shardings + ``jax.lax.with_sharding_constraint``:
+XLA inserts the reduce-scatters and all-gathers.
+
+**Which dimension is sharded** (:func:`leaf_spec`): a leaf is sharded over the data axis along
+its largest dimension whose size (divided by the shards the user's spec already puts on it, if
+any, over another mesh axis) the data-axis size divides, ties going to the first such dimension,
+and only a dimension the user's spec leaves unsharded. Leaves with fewer than ``min_shard_size``
+elements (default 1024: biases, norms, step counters, PRNG keys, loss scale) and leaves with no
+such dimension stay replicated over the data axis. An optimizer-state leaf that belongs to a
+param (a master copy, a moment, a remainder: same tree position under a sub-tree shaped like the
+params, and the same shape) gets its param's rule, so a param, its gradient, its master and its
+moments are always split the same way.
+
+**A second (model) axis**: pass ``param_specs`` (a pytree of ``PartitionSpec`` matching the
+params, over the other mesh axes); those entries are kept for the params and for every state
+leaf that belongs to a param, and the data axis is added on top by the rule above.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+__all__ = ["LAYOUTS", "leaf_spec", "shard_state", "state_bytes_per_device", "state_shardings"]
+
+LAYOUTS = ("replicated", "zero", "fsdp")
+"""The layout names :func:`shard_state` and ``make_sharded_train_step(layout=...)`` take: a full copy
+of the state on every device; optimizer state and float32 masters sharded over the data axis
+(ZeRO-1/2); params sharded too (FSDP / ZeRO-3)."""
+
+DEFAULT_MIN_SHARD_SIZE = 1024
+
+
+def check_layout(layout: Any) -> str:
+    """``layout`` if it is one of :data:`LAYOUTS`, else a ValueError listing them."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}: the layouts are {', '.join(repr(x) for x in LAYOUTS)} "
+                         "(replicated: today's full copy; zero: optimizer state and masters sharded; fsdp: params too)")
+    return layout
+
+
+def check_data_axis(mesh: Any, data_axis: str | None) -> str:
+    """The data axis's name, with a clear error for a mesh that lacks it."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if data_axis is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(f"mesh has axes {mesh.axis_names}: name the data axis with data_axis=...")
+        return mesh.axis_names[0]
+    if data_axis not in mesh.axis_names:
+        raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh (axes: {mesh.axis_names})")
+    return data_axis
+
+
+def _check_min_size(min_shard_size: Any) -> int:
+    if isinstance(min_shard_size, bool) or not isinstance(min_shard_size, (int, np.integer)) or min_shard_size < 0:
+        raise ValueError(f"min_shard_size must be an int >= 0, got {min_shard_size!r}")
+    return int(min_shard_size)
+
+
+def _spec_entries(spec: PartitionSpec, ndim: int) -> list:
+    entries = list(spec) + [None] * (ndim - len(spec))
+    if len(entries) > ndim:
+        raise ValueError(f"PartitionSpec {spec} has more entries than the leaf has dimensions ({ndim})")
+    return entries
+
+
+def _spec(entries: list) -> PartitionSpec:
+    # Trailing unsharded dimensions dropped: P(None, None) and P() are the same layout.
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def _axes_of(entry: Any) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def leaf_spec(shape: Sequence[int], mesh: Mesh, data_axis: str, base: PartitionSpec | None = None, *,
+              min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> PartitionSpec:
+    """The ``PartitionSpec`` of one leaf sharded over ``data_axis`` (the rule in the module docstring).
+
+    Args:
+      shape: the leaf's (global) shape.
+      mesh: the mesh.
+      data_axis: the mesh axis to shard over.
+      base: the user's spec for this leaf over other mesh axes (kept as is); default replicated.
+      min_shard_size: leaves with fewer elements stay replicated over ``data_axis``.
+
+    Returns:
+      ``base`` with ``data_axis`` added on the largest dimension it divides, or ``base`` itself.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import Mesh
+      >>> from jaxmp.parallel import leaf_spec
+      >>> mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+      >>> leaf_spec((6, 4096), mesh, "data"), leaf_spec((6, 10), mesh, "data", min_shard_size=0)
+      (P(None, 'data'), P())
+    """
+    base = PartitionSpec() if base is None else base
+    entries = _spec_entries(base, len(shape))
+    if any(data_axis in _axes_of(e) for e in entries):
+        raise ValueError(f"the parameter spec {base} already uses the data axis {data_axis!r}: param_specs name the "
+                         "other (model) axes only; the layout adds the data axis")
+    n = mesh.shape[data_axis]
+    size = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    if n == 1 or len(shape) == 0 or size < min_shard_size:
+        return _spec(entries)
+    best = None
+    for d, dim in enumerate(shape):
+        if entries[d] is not None:  # the user's own split of this dimension (another axis) stays alone
+            continue
+        if dim % n == 0 and dim > 0 and (best is None or dim > shape[best]):
+            best = d
+    if best is None:
+        return _spec(entries)
+    entries[best] = data_axis
+    return _spec(entries)
+
+
+def _param_tree_specs(params: Any, param_specs: Any) -> Any:
+    treedef = jax.tree_util.tree_structure(params)
+    if param_specs is None:
+        return jax.tree_util.tree_unflatten(treedef, [PartitionSpec()] * treedef.num_leaves)
+    is_spec = lambda x: isinstance(x, (PartitionSpec, NamedSharding)) or x is None  # noqa: E731
+    leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
+    try:
+        flat = treedef.flatten_up_to(jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(param_specs, is_leaf=is_spec), leaves))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"param_specs must be a pytree of PartitionSpec with the params' structure: {e}") from e
+    out = []
+    for s in flat:
+        if isinstance(s, NamedSharding):
+            s = s.spec
+        if s is None:
+            s = PartitionSpec()
+        if not isinstance(s, PartitionSpec):
+            raise TypeError(f"param_specs leaves must be PartitionSpec (or NamedSharding), got {type(s).__name__}")
+        out.append(s)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _is_float(x: Any) -> bool:
+    # Arrays and jax.ShapeDtypeStruct alike (PRNG key arrays are not floating).
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return False
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def _shape(x: Any) -> tuple:
+    return tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
+
+
+def state_specs(params: Any, opt_state: Any, mesh: Mesh, layout: str = "replicated", *,
+                data_axis: str | None = None, param_specs: Any = None,
+                min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[Any, Any, Any]:
+    """``(param_specs, opt_state_specs, grad_specs)``: the ``PartitionSpec`` trees of a layout.
+
+    ``grad_specs`` is where the reduced gradients go: the params' data-sharded specs under
+    ``"zero"`` and ``"fsdp"`` (each device receives the slice it updates), the params' own specs
+    under ``"replicated"``. Arrays or ``jax.ShapeDtypeStruct`` leaves both work (only shapes are read).
+    """
+    layout = check_layout(layout)
+    axis = check_data_axis(mesh, data_axis)
+    min_shard_size = _check_min_size(min_shard_size)
+    base = _param_tree_specs(params, param_specs)
+    p_leaves, p_treedef = jax.tree_util.tree_flatten(params)
+    b_leaves = p_treedef.flatten_up_to(base)
+    for b in b_leaves:
+        for e in b:
+            for a in _axes_of(e):
+                if a not in mesh.axis_names:
+                    raise ValueError(f"param_specs name the axis {a!r}, which the mesh does not have "
+                                     f"(axes: {mesh.axis_names})")
+    sharded = [leaf_spec(_shape(p), mesh, axis, b, min_shard_size=min_shard_size) for p, b in zip(p_leaves, b_leaves)]
+    shard_params = layout == "fsdp"
+    shard_state = layout in ("zero", "fsdp")
+    p_specs = jax.tree_util.tree_unflatten(p_treedef, sharded if shard_params else b_leaves)
+    g_specs = jax.tree_util.tree_unflatten(p_treedef, sharded if shard_state else b_leaves)
+
+    def is_param_tree(x):
+        return jax.tree_util.tree_structure(x) == p_treedef and p_treedef.num_leaves > 0 and not (
+            p_treedef.num_leaves == 1 and jax.tree_util.treedef_is_leaf(p_treedef))
+
+    def spec_of(x, matched=None):
+        # A leaf of a sub-tree shaped like the params: its param's spec when the shapes agree.
+        if matched is not None and _shape(x) == matched[0]:
+            return matched[2] if shard_state else matched[1]
+        if not shard_state or not _is_float(x):
+            # Counters, keys, the loss scale: replicated (they are scalars or tiny anyway).
+            return PartitionSpec()
+        return leaf_spec(_shape(x), mesh, axis, min_shard_size=min_shard_size)
+
+    infos = [(_shape(p), b, s) for p, b, s in zip(p_leaves, b_leaves, sharded)]
+
+    def walk(node):
+        if is_param_tree(node):
+            leaves = p_treedef.flatten_up_to(node)
+            return jax.tree_util.tree_unflatten(p_treedef, [spec_of(x, m) for x, m in zip(leaves, infos)])
+        return None
+
+    top_leaves, top_def = jax.tree_util.tree_flatten(opt_state, is_leaf=lambda x: is_param_tree(x))
+    o_specs = [walk(x) if is_param_tree(x) else spec_of(x) for x in top_leaves]
+    return p_specs, jax.tree_util.tree_unflatten(top_def, o_specs), g_specs
+
+
+def _named(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def state_shardings(params: Any, opt_state: Any, mesh: Mesh, layout: str = "replicated", *,
+                    data_axis: str | None = None, param_specs: Any = None,
+                    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[Any, Any]:
+    """The ``NamedSharding`` trees ``(params, opt_state)`` of a layout.
+
+    Args:
+      params: the params (arrays or ``jax.ShapeDtypeStruct``; only shapes are read).
+      opt_state: the optimizer state (``tx.init(params)``, or ``jax.eval_shape`` of it).
+      mesh: the mesh.
+      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"`` (:data:`LAYOUTS`).
+      data_axis: the mesh axis the state is split over; default the mesh's only axis.
+      param_specs: the params' ``PartitionSpec`` over the other (model) mesh axes; default none.
+      min_shard_size: leaves with fewer elements stay replicated over the data axis.
+
+    Returns:
+      ``(param_shardings, opt_state_shardings)``, trees of ``NamedSharding`` matching the inputs.
+
+    Raises:
+      ValueError: unknown layout, a data axis the mesh lacks, ``param_specs`` naming the data
+        axis or an axis the mesh lacks, or not matching the params.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> tx = jaxmp.loss_scaling(optax.adam(1e-3), "none", master_weights=True)
+      >>> params = {"w": jnp.zeros((8, 1024), jnp.bfloat16)}
+      >>> ps, ss = jaxmp.parallel.state_shardings(params, tx.init(params), mesh, "zero")
+      >>> ps["w"].spec, jaxmp.master_params(ss)["w"].spec
+      (P(), P(None, 'data'))
+    """
+    p, o, _ = state_specs(params, opt_state, mesh, layout, data_axis=data_axis, param_specs=param_specs,
+                          min_shard_size=min_shard_size)
+    return _named(mesh, p), _named(mesh, o)
+
+
+def _place(x: Any, sharding: NamedSharding) -> jax.Array:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        # A global array of several processes: let JAX move the shards (a reshard, no host copy).
+        return jax.device_put(x, sharding)
+    host = np.asarray(jax.device_get(x))
+    # Each process fills its own devices from the same host value (works with several processes).
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated", *, data_axis: str | None = None,
+                param_specs: Any = None, min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[Any, Any]:
+    """Places (or re-lays out) ``(params, opt_state)`` on the mesh in a layout.
+
+    Host arrays, single-device arrays and global arrays in any other layout are all accepted:
+    going from ``"zero"`` back to ``"replicated"``, or onto a mesh of another size, is the same
+    call. With several processes every process passes the same host values (or the same global
+    arrays) and fills only its own devices.
+
+    Args:
+      state: ``(params, opt_state)``.
+      mesh: the mesh.
+      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"``.
+      data_axis: as in :func:`state_shardings`.
+      param_specs: as in :func:`state_shardings`.
+      min_shard_size: as in :func:`state_shardings`.
+
+    Returns:
+      ``(params, opt_state)`` as global ``jax.Array`` leaves with the layout's shardings.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> tx = jaxmp.loss_scaling(optax.adam(1e-3), "none", master_weights=True)
+      >>> params = {"w": jnp.zeros((8, 1024), jnp.bfloat16)}
+      >>> p, s = jaxmp.parallel.shard_state((params, tx.init(params)), mesh, "fsdp")
+      >>> p["w"].addressable_shards[0].data.shape == (8, 1024 // mesh.size)
+      True
+    """
+    if not (isinstance(state, (tuple, list)) and len(state) == 2):
+        raise TypeError(f"state must be a (params, opt_state) pair, got {type(state).__name__}")
+    params, opt_state = state
+    ps, ss = state_shardings(params, opt_state, mesh, layout, data_axis=data_axis, param_specs=param_specs,
+                             min_shard_size=min_shard_size)
+    return jax.tree_util.tree_map(_place, params, ps), jax.tree_util.tree_map(_place, opt_state, ss)
+
+
+def abstract_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated", **kwargs: Any) -> tuple[Any, Any]:
+    """``(params, opt_state)`` as ``jax.ShapeDtypeStruct`` leaves carrying the layout's shardings.
+
+    What a checkpoint restore takes as its target (orbax reshards into it, so a state saved on
+    one mesh restores onto a mesh of another size), and what ``step.lower`` takes to compile a
+    step without allocating the state (``jax.eval_shape(tx.init, params)`` gives an abstract
+    optimizer state for a model too large to initialise).
+
+    Args:
+      state: ``(params, opt_state)``, arrays or ``jax.ShapeDtypeStruct``.
+      mesh: the mesh.
+      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"``.
+      **kwargs: ``data_axis``, ``param_specs``, ``min_shard_size`` as in :func:`state_shardings`.
+
+    Returns:
+      ``(params, opt_state)`` with ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` leaves.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxmp
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> tx = jaxmp.loss_scaling(optax.adam(1e-3), "none", master_weights=True)
+      >>> params = {"w": jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16)}
+      >>> p, s = jaxmp.parallel.abstract_state((params, jax.eval_shape(tx.init, params)), mesh, "fsdp")
+      >>> jaxmp.parallel.state_bytes_per_device(p) * mesh.size == 8 * 1024 * 2
+      True
+    """
+    params, opt_state = state
+    ps, ss = state_shardings(params, opt_state, mesh, layout, **kwargs)
+    to = lambda x, s: jax.ShapeDtypeStruct(_shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,  # noqa: E731
+                                           sharding=s)
+    return jax.tree_util.tree_map(to, params, ps), jax.tree_util.tree_map(to, opt_state, ss)
+
+
+def state_bytes_per_device(tree: Any) -> int:
+    """Bytes of ``tree`` that one device holds: each leaf's shard shape under its sharding.
+
+    Leaves are ``jax.Array`` or ``jax.ShapeDtypeStruct`` with a ``sharding``; computed from the
+    sharding alone (``sharding.shard_shape``), so it works on an abstract state that was never
+    allocated. For a layout whose shards are uneven this is the largest shard.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> w = jaxmp.parallel.shard_state(({"w": jnp.zeros((8, 1024))}, ()), mesh, "fsdp")[0]
+      >>> jaxmp.parallel.state_bytes_per_device(w) == 8 * 1024 * 4 // mesh.size
+      True
+    """
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        shape = _shape(x) if sharding is None else sharding.shard_shape(_shape(x))
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _mean_over_shards(x: jax.Array) -> jax.Array:
+    # Floating leaves (BatchNorm statistics, scalar aux) are averaged over the shards in at least
+    # float32; others (int counters) are the same on every shard: shard 0's.
+    # A leaf equal on every shard (a model state the loss passes through unchanged) is returned as
+    # is: a mean of n equal values need not be that value in floating point.
+    if _is_float(x):
+        acc = jnp.promote_types(x.dtype, jnp.float32)
+        mean = jnp.mean(x.astype(acc), axis=0).astype(x.dtype)
+        return jnp.where(jnp.all(x == x[0]), x[0], mean)
+    return x[0]
+
+
+def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, base_specs: Any) -> Any:
+    """Wraps the canonical loss so that the gradient is reduced over the data axis in ``reduce_dtype``.
+
+    Under plain ``jit`` XLA reduces where the weight gradient's batch contraction happens, in the
+    matmul's own dtype (bfloat16 under O2-bf16). To make the reduce dtype a setting while staying
+    in the global view (no hand-written collective), the loss is evaluated per data shard: the
+    batch is viewed as ``[N, B / N, ...]`` with the leading axis on the data axis, and each shard
+    sees its own copy of the params, ``broadcast(params.astype(reduce_dtype)).astype(param dtype)``,
+    laid out over the data axis too. Differentiating through that broadcast sums the N per-shard
+    gradients *in reduce_dtype* -- the cross-device reduction, which XLA turns into an all-reduce
+    (or a reduce-scatter when the gradients are constrained to a sharded layout) -- and casts the
+    sum back to the param's dtype, exactly what :func:`jaxmp.parallel.all_reduce_gradients` does
+    under pmap. The loss is the mean of the per-shard losses (the global mean, shards being equal);
+    each shard's rng is ``fold_in(rng, shard)``; the new model state and floating aux are averaged
+    over the shards.
+
+    Under ``"fsdp"`` the params arrive sharded; the constraint to ``base_specs`` (their spec
+    without the data axis) gathers them first, in their stored dtype.
+    """
+    n = mesh.shape[axis]
+
+    def wrap(canonical):
+        def loss(params, model_state, batch, rng):
+            def expand(p, spec):
+                p = jax.lax.with_sharding_constraint(p, NamedSharding(mesh, spec))  # the gather (fsdp)
+                wide = p.astype(reduce_dtype) if _is_float(p) else p
+                stacked = jnp.broadcast_to(wide[None], (n,) + p.shape)
+                stacked = jax.lax.with_sharding_constraint(stacked, NamedSharding(mesh, PartitionSpec(axis, *spec)))
+                return stacked.astype(p.dtype)
+
+            stacked = jax.tree_util.tree_map(expand, params, base_specs)
+            shards = jax.tree_util.tree_map(
+                lambda x: jax.lax.with_sharding_constraint(jnp.reshape(x, (n, x.shape[0] // n) + x.shape[1:]),
+                                                           NamedSharding(mesh, PartitionSpec(axis))), batch)
+            keys = None if rng is None else jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(n))
+            losses, (states, aux) = jax.vmap(lambda p, b, k: canonical(p, model_state, b, k),
+                                             in_axes=(0, 0, None if rng is None else 0))(stacked, shards, keys)
+            loss = jnp.mean(jnp.asarray(losses, jnp.float32))
+            return loss, (jax.tree_util.tree_map(_mean_over_shards, states),
+                          jax.tree_util.tree_map(_mean_over_shards, aux))
+
+        return loss
+
+    return wrap

@@ -1,0 +1,311 @@
+"""State layouts on the sharded-jit path, on 8 simulated CPU devices: ZeRO trains bitwise like the
+replicated state, FSDP to a few ulps, every device skips the same steps; the reduce dtype is a
+real setting; a model axis keeps the user's specs; the state's bytes per device match the
+analytic table; bad input is a clear error."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxmp
+from jaxmp import lean
+from jaxmp.parallel import layouts
+
+# Every step here goes through optax.adamw (or lean recipes over it), whose bias correction
+# (Python float ** int32 count) is not strict-promotion clean.
+pytestmark = pytest.mark.standard_promotion(reason='optax.adamw bias correction: Python float ** int32 count')
+
+N = 8
+BF16 = jnp.bfloat16
+STEPS = 100
+NAN_STEPS = (10, 11, 40, 77)   # a NaN in one row of device 3's shard (two in a row: consecutive skips)
+INF_LOSS_STEP = 60             # an inf target: a non-finite loss on device 5 only
+BATCH = 32
+
+
+def _params(dtype=BF16):
+    rng = np.random.default_rng(0)
+    return {"w1": jnp.asarray(rng.normal(size=(16, 64)) / 4, dtype), "b1": jnp.zeros(64, dtype),
+            "w2": jnp.asarray(rng.normal(size=(64, 8)) / 8, dtype)}
+
+
+def _loss(p, b):
+    h = jnp.tanh(b["x"].astype(p["w1"].dtype) @ p["w1"] + p["b1"])
+    return jnp.mean(((h @ p["w2"]).astype(jnp.float32) - b["y"]) ** 2)
+
+
+def _data(steps=STEPS):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(steps, BATCH, 16)).astype(np.float32)
+    y = rng.normal(size=(steps, BATCH, 8)).astype(np.float32)
+    rows = BATCH // N
+    for t in NAN_STEPS:
+        if t < steps:
+            x[t, 3 * rows + 1, 2] = np.nan
+    if INF_LOSS_STEP < steps:
+        y[INF_LOSS_STEP, 5 * rows, 0] = np.inf
+    return x, y
+
+
+def _tx(inner=None):
+    inner = optax.adamw(1e-2) if inner is None else inner
+    return jaxmp.loss_scaling(inner, jaxmp.DynamicLossScale(2.0**15, period=8), master_weights=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _step(layout, key="adamw", reduce_dtype="float32"):
+    tx = _TXS[key]()
+    mesh = jaxmp.parallel.make_data_mesh()
+    return tx, jaxmp.parallel.make_sharded_train_step(_loss, tx, mesh, layout=layout, reduce_dtype=reduce_dtype,
+                                                      min_shard_size=0)
+
+
+_TXS = {
+    "adamw": _tx,
+    "multisteps": lambda: _tx(optax.MultiSteps(optax.adamw(1e-2), 2)),
+    "remainders": lambda: jaxmp.loss_scaling(lean.preset("remainders", optax.adamw(1e-2)), "none"),
+    "bf16-sr": lambda: jaxmp.loss_scaling(lean.preset("bf16-sr", optax.adamw(1e-2), key=3), "none"),
+}
+
+
+def _run(layout, steps=STEPS, key="adamw"):
+    tx, step = _step(layout, key)
+    mesh = step.mesh
+    p, s = jaxmp.parallel.shard_state((_params(), tx.init(_params())), mesh, layout, min_shard_size=0)
+    x, y = _data(steps)
+    finite, losses, scales = [], [], []
+    for t in range(steps):
+        p, s, m = step(p, s, jaxmp.parallel.make_global_batch({"x": x[t], "y": y[t]}, mesh))
+        # Every device holds the same verdict and the same scale (replicated, checked shard by shard).
+        verdicts = {bool(sh.data) for sh in m["last_step_finite"].addressable_shards}
+        scale = {float(sh.data) for sh in m["loss_scale"].addressable_shards}
+        assert len(verdicts) == 1 and len(scale) == 1, (layout, t, verdicts, scale)
+        finite.append(verdicts.pop())
+        losses.append(float(m["loss"]))
+        scales.append(scale.pop())
+    return p, s, finite, np.asarray(losses), scales
+
+
+def _bits(tree):
+    return [np.asarray(jax.device_get(x)).tobytes() for x in jax.tree_util.tree_leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def replicated_run():
+    return _run("replicated")
+
+
+def test_zero_is_bitwise_the_replicated_state_over_100_steps_with_nan_steps(replicated_run):
+    p_ref, s_ref, finite_ref, loss_ref, scale_ref = replicated_run
+    p, s, finite, losses, scales = _run("zero")
+    skipped = [t for t, f in enumerate(finite_ref) if not f]
+    assert skipped == sorted(NAN_STEPS + (INF_LOSS_STEP,))   # the planted steps, and only they
+    assert finite == finite_ref and scales == scale_ref
+    np.testing.assert_array_equal(losses, loss_ref)
+    assert _bits(p) == _bits(p_ref) and _bits(s) == _bits(s_ref)   # params, masters, moments, counters
+    # ...while each device held an eighth of the masters and moments, and the whole bf16 params.
+    master = jaxmp.master_params(s)["w1"]
+    assert master.sharding.spec == P(None, "data") and master.addressable_shards[0].data.shape == (16, 64 // N)
+    assert p["w1"].sharding.is_fully_replicated and p["w1"].dtype == BF16
+    assert np.linalg.norm(np.asarray(p["w1"], np.float32) - np.asarray(_params()["w1"], np.float32)) > 0.1
+
+
+@pytest.mark.slow  # two more compiles; ZeRO's bitwise test covers the default tier
+def test_fsdp_one_step_within_ulps_and_the_same_skips_over_100_steps(replicated_run):
+    p_ref, _, finite_ref, loss_ref, _ = replicated_run
+    # One step from identical state: each leaf within 2 bf16 ulps of the replicated step.
+    one_ref = _run("replicated", steps=1)[0]
+    one = _run("fsdp", steps=1)[0]
+    for k in one_ref:
+        a, b = np.asarray(one_ref[k], np.float32), np.asarray(one[k], np.float32)
+        ulp = np.abs(np.asarray(jnp.nextafter(one_ref[k], jnp.asarray(np.inf, BF16)), np.float32) - a)
+        assert np.all(np.abs(a - b) <= 2 * ulp), k
+    p, s, finite, losses, _ = _run("fsdp")
+    assert finite == finite_ref
+    ok = np.isfinite(loss_ref)
+    np.testing.assert_allclose(losses[ok], loss_ref[ok], rtol=1e-2)   # the loss curve, within noise
+    assert p["w1"].sharding.spec == P(None, "data") and p["w1"].addressable_shards[0].data.shape == (16, 8)
+
+
+@pytest.mark.slow  # compiles several steps: seconds each on the shared CPU
+@pytest.mark.parametrize("layout", ["zero", "fsdp"])
+def test_gradient_accumulation_inside_loss_scaling_with_every_layout(layout):
+    ref = _run("replicated", steps=12, key="multisteps")
+    got = _run(layout, steps=12, key="multisteps")
+    assert got[2] == ref[2]
+    acc = [x for x in jax.tree_util.tree_leaves(got[1]) if getattr(x, "shape", None) == (16, 64)]
+    assert any(x.sharding.spec == P(None, "data") for x in acc)   # the accumulator is sharded too
+    if layout == "zero":
+        assert _bits(got[0]) == _bits(ref[0]) and _bits(got[1]) == _bits(ref[1])
+    else:
+        for a, b in zip(jax.tree_util.tree_leaves(ref[0]), jax.tree_util.tree_leaves(got[0])):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.slow  # compiles several steps: seconds each on the shared CPU
+@pytest.mark.parametrize("key", ["remainders", "bf16-sr"])
+def test_lean_recipes_under_zero_are_bitwise_the_replicated_ones(key):
+    # The stochastic rounding bits do not depend on how the state is sharded (threefry partitionable).
+    ref = _run("replicated", steps=8, key=key)
+    got = _run("zero", steps=8, key=key)
+    assert got[2] == ref[2] and _bits(got[0]) == _bits(ref[0]) and _bits(got[1]) == _bits(ref[1])
+
+
+def _reduce_step_grads(reduce_dtype):
+    # float32 params, w1 = 0 and SGD(lr=1): the new w1 is exactly minus the (reduced) gradient.
+    tx = jaxmp.loss_scaling(optax.sgd(1.0), "none")
+    mesh = jaxmp.parallel.make_data_mesh()
+    step = jaxmp.parallel.make_sharded_train_step(_loss, tx, mesh, layout="zero", reduce_dtype=reduce_dtype,
+                                                  min_shard_size=0)
+    params = {**_params(jnp.float32), "w1": jnp.zeros((16, 64))}
+    p, s = jaxmp.parallel.shard_state((params, tx.init(params)), mesh, "zero", min_shard_size=0)
+    x, y = _data(1)
+    p, _, _ = step(p, s, jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, mesh))
+    return -np.asarray(p["w1"])
+
+
+def test_reduce_dtype_is_the_dtype_the_gradients_are_summed_in():
+    g32, g16 = _reduce_step_grads("float32"), _reduce_step_grads("bfloat16")
+    representable = lambda g: np.array_equal(g.astype(jnp.bfloat16).astype(np.float32), g)  # noqa: E731
+    assert representable(g16) and not representable(g32)
+    np.testing.assert_allclose(g16, g32, rtol=2e-2, atol=1e-4)
+
+
+@pytest.mark.slow  # one more compile
+def test_reduce_dtype_none_is_xlas_own_reduction():
+    # float32 params: XLA reduces in float32 too, so the two agree up to the summation order.
+    np.testing.assert_allclose(_reduce_step_grads(None), _reduce_step_grads("float32"), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow  # compiles several steps: seconds each on the shared CPU
+def test_a_model_axis_keeps_the_users_param_specs():
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model")}
+    tx = _tx()
+    step = jaxmp.parallel.make_sharded_train_step(_loss, tx, mesh, data_axis="data", layout="zero",
+                                                  param_specs=specs, min_shard_size=0)
+    p, s = jaxmp.parallel.shard_state((_params(), tx.init(_params())), mesh, "zero", data_axis="data",
+                                      param_specs=specs, min_shard_size=0)
+    x, y = _data(3)
+    for t in range(3):
+        p, s, m = step(p, s, jaxmp.parallel.make_global_batch({"x": x[t], "y": y[t]}, mesh, "data"))
+    assert p["w1"].sharding.spec == P(None, "model") and p["w2"].sharding.spec == P("model")
+    master = jaxmp.master_params(s)
+    assert master["w1"].sharding.spec == P("data", "model")   # 16 rows over 4: the free dimension
+    assert master["w2"].sharding.spec == P("model", "data")
+    assert master["w1"].addressable_shards[0].data.shape == (4, 32)
+    ref, ref_s, *_ = _run("replicated", steps=3)
+    for k in ref:
+        np.testing.assert_allclose(np.asarray(p[k], np.float32), np.asarray(ref[k], np.float32), atol=2e-2)
+
+
+def test_leaf_spec_rule():
+    mesh = jaxmp.parallel.make_data_mesh()
+    rule = functools.partial(jaxmp.parallel.leaf_spec, mesh=mesh, data_axis="data", min_shard_size=0)
+    assert rule((64, 128)) == P(None, "data")     # the largest dimension the axis size divides
+    assert rule((128, 128)) == P("data")          # ties: the first
+    assert rule((12, 16)) == P(None, "data")      # 12 does not divide over 8
+    assert rule((6, 10)) == P()                   # nothing divides: replicated
+    assert rule(()) == P()
+    assert jaxmp.parallel.leaf_spec((64, 8), mesh, "data") == P()   # fewer than 1024 elements: replicated
+
+
+def test_shard_state_reshards_between_layouts_and_meshes():
+    tx = _tx()
+    state = (_params(), tx.init(_params()))
+    mesh8 = jaxmp.parallel.make_data_mesh()
+    mesh4 = jaxmp.parallel.make_data_mesh(jax.devices()[:4])
+    zero = jaxmp.parallel.shard_state(state, mesh8, "zero", min_shard_size=0)
+    back = jaxmp.parallel.shard_state(zero, mesh4, "fsdp", min_shard_size=0)
+    assert _bits(back) == _bits(state)
+    assert back[0]["w1"].addressable_shards[0].data.shape == (16, 16)
+
+
+def test_state_bytes_per_device_match_the_analytic_table():
+    """The memory table at a small size (N = 8); benchmarks/memory.py makes the 50M-parameter one."""
+    from benchmarks import memory
+
+    params, _ = memory._model(256, 2)
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    mesh = jaxmp.parallel.make_data_mesh()
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    for recipe in memory.RECIPES:
+        opt = jax.eval_shape(memory._tx(recipe).init, abstract)
+        for layout in memory.LAYOUTS:
+            ps, ss = jaxmp.parallel.abstract_state((abstract, opt), mesh, layout)
+            got = (jaxmp.parallel.state_bytes_per_device(ps) + jaxmp.parallel.state_bytes_per_device(ss)) / n_params
+            want = memory.analytic_bytes_per_param(recipe, layout, N)
+            assert abs(got - want) <= memory.TOLERANCE * want, (recipe, layout, got, want)
+
+
+@pytest.mark.slow  # compiles several steps: seconds each on the shared CPU
+def test_compiled_step_uses_the_layouts_shardings():
+    from benchmarks import memory
+
+    row = memory.measure("fp32-masters", "zero", N, width=256, depth=2, batch_per_device=1)
+    assert abs(row["bytes_per_param_measured"] - (2 + 12 / N)) <= 0.05 * (2 + 12 / N)
+    assert row["compiled"]["argument_size_in_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_memory_table_of_a_50m_parameter_model_compile_only(tmp_path):
+    from benchmarks import memory
+
+    result = memory.main(["--quiet", "--devices", "8", "--out", str(tmp_path / "memory.json")])
+    rows = result["results"]["rows"]
+    assert rows[0]["params"] >= 50_000_000 and len(rows) == 9
+    for r in rows:
+        assert r["relative_error"] <= memory.TOLERANCE, r
+
+
+@pytest.mark.parametrize("kwargs,exc,pattern", [
+    (dict(layout="zero3"), ValueError, r"unknown layout 'zero3'.*'replicated', 'zero', 'fsdp'"),
+    (dict(layout="zero", data_axis="batch"), ValueError, r"data_axis 'batch' is not an axis of the mesh"),
+    (dict(reduce_dtype="int8"), (TypeError, ValueError), r"grad_reduce_dtype"),
+    (dict(min_shard_size=-1), ValueError, r"min_shard_size must be an int >= 0"),
+])
+def test_bad_step_arguments(kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        jaxmp.parallel.make_sharded_train_step(_loss, _tx(), jaxmp.parallel.make_data_mesh(), **kwargs)
+
+
+def test_bad_layout_inputs():
+    mesh = jaxmp.parallel.make_data_mesh()
+    tx = _tx()
+    state = (_params(), tx.init(_params()))
+    with pytest.raises(ValueError, match=r"already uses the data axis 'data'"):
+        jaxmp.parallel.shard_state(state, mesh, "zero", param_specs={"w1": P("data"), "b1": P(), "w2": P()})
+    with pytest.raises(ValueError, match=r"name the axis 'model', which the mesh does not have"):
+        jaxmp.parallel.shard_state(state, mesh, "zero", param_specs={"w1": P("model"), "b1": P(), "w2": P()})
+    with pytest.raises(ValueError, match=r"param_specs must be a pytree of PartitionSpec with the params' structure"):
+        jaxmp.parallel.shard_state(state, mesh, "zero", param_specs={"w1": P()})
+    with pytest.raises(TypeError, match=r"state must be a \(params, opt_state\) pair"):
+        jaxmp.parallel.shard_state(_params(), mesh, "zero")
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh"):
+        jaxmp.parallel.state_shardings(_params(), (), "mesh", "zero")
+    two_d = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    with pytest.raises(ValueError, match=r"name the data axis with data_axis"):
+        jaxmp.parallel.shard_state(state, two_d, "zero")
+    with pytest.raises(ValueError, match=r"unknown layout"):
+        layouts.check_layout(None)
+
+
+@pytest.mark.slow
+def test_memory_benchmark_dry_run_writes_the_table_and_step_times(tmp_path):
+    import json
+
+    from benchmarks import _common as common
+    from benchmarks import memory
+
+    out = tmp_path / "memory.json"
+    memory.main(["--dry-run", "--quiet", "--devices", "8", "--recipes", "fp32-masters", "--step-time", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert common.validate_result(result) == [] and result["env"]["git_commit"]["sha"]
+    assert [r["layout"] for r in result["results"]["rows"]] == list(memory.LAYOUTS)
+    assert set(result["results"]["step_time"]["seconds_per_step"]) == set(memory.LAYOUTS)
+    assert "regression-only" in result["results"]["step_time"]["label"]
