@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp.dtypes import float_dtype, is_floating_array
+from jaxmp.dtypes import accumulation_dtype, float_dtype, is_floating_array
 
 
 def check_axis_name(axis_name: Any) -> Any:
@@ -86,7 +86,7 @@ def all_reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: Any = jnp.flo
             out.append(g)
             continue
         s = next(it)
-        acc = jnp.promote_types(g.dtype, jnp.float32)
+        acc = accumulation_dtype(g.dtype)
         # Divide after the sum and in float32: dividing half-precision gradients first would
         # avoid the sum's overflow but flush the small ones to zero, which the loss scale
         # cannot detect (underflow is silent, overflow is not).

@@ -133,6 +133,29 @@ def float_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
     return dt
 
 
+def accumulation_dtype(dtype: Any) -> np.dtype:
+    """The dtype to sum or average values of ``dtype`` in: at least float32.
+
+    Half precision (float16, bfloat16, fp8) accumulates in float32; float32 and float64 stay as
+    they are. Unlike ``jnp.promote_types(dtype, jnp.float32)`` this is not an implicit
+    promotion, so it holds under ``jax.numpy_dtype_promotion("strict")`` too.
+
+    Args:
+      dtype: a floating dtype-like.
+
+    Returns:
+      The numpy dtype to accumulate in.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp.dtypes import accumulation_dtype
+      >>> accumulation_dtype(jnp.bfloat16), accumulation_dtype(jnp.float64)
+      (dtype('float32'), dtype('float64'))
+    """
+    dt = np.dtype(dtype)
+    return dt if dt.itemsize >= 4 else np.dtype(np.float32)
+
+
 #: The earlier name of :func:`float_dtype`.
 canonical_float_dtype = float_dtype
 

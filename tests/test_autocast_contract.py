@@ -541,3 +541,19 @@ def test_an_nn_scan_transformer_body_gains_no_float32_ops_from_the_carry():
     # the loop body does exactly the float32 work of one block (norm statistics, softmax): the
     # residual-stream carry is not an accumulator, so no add runs in float32 because of it
     assert scanned == one, (len(scanned), len(one))
+
+
+def test_masked_attention_under_jit_of_grad_leaks_no_tracer_and_matches_float32():
+    """The attention routing's float32 backward takes the mask (and any array argument) as an
+    input, not a closure: closing over it handed the backward pass a finished trace's tracer."""
+    q = jax.random.normal(jax.random.key(0), (2, 4, 2, 8))
+    mask = jnp.tril(jnp.ones((4, 4), bool))[None, None]
+    lengths = jnp.array([4, 2], jnp.int32)
+
+    def f(q):
+        return jax.nn.dot_product_attention(q, q, q, mask=mask, key_value_seq_lengths=lengths).sum()
+
+    got = jax.jit(jax.grad(jaxmp.autocast(f, "O1-bf16")))(q)
+    want = jax.jit(jax.grad(f))(q)
+    assert got.dtype == F32 and np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, atol=0.05 * float(jnp.abs(want).max()))

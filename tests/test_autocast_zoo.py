@@ -228,6 +228,7 @@ LM_RTOL = {"O1-bf16": 0.10, "O2-bf16": 0.10, "O1-fp16": 0.02}
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["O1-bf16", "O2-bf16", "O1-fp16"])
 @pytest.mark.parametrize("kind", ["bert", "causal"])
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_linen_padded_transformer_trains(kind, preset):
     model, loss_fn, params, batch, control = linen_lm(kind)
     check_program(loss_fn, preset, params, (), batch, min_matmuls=6)
@@ -244,6 +245,7 @@ def test_linen_padded_transformer_trains(kind, preset):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["O1-bf16"])      # O1-fp16 passes too (0.1%): left out for CI time
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_linen_padded_encoder_behind_jaxmp_flax(preset):
     """The same encoder behind the Flax front door, ``jaxmp.flax.mixed_precision`` (attention through
     ``jaxmp.flax.fused_attention``, i.e. ``jax.nn.dot_product_attention``, with the padding mask)."""
@@ -323,6 +325,7 @@ def eqx_mlp():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["O1-bf16", "O1-fp16"])
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_equinox_mlp(preset):
     loss_fn, params, batch, control = eqx_mlp()
     check_program(loss_fn, preset, params, (), batch, min_matmuls=3)
@@ -355,6 +358,7 @@ class EqxAttentionBlock(eqx.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_equinox_attention_layernorm_block_padded():
     params, static = eqx_split(eqx.filter_jit(EqxAttentionBlock)(jax.random.key(0)))
     batch = token_batch(causal=False)
@@ -388,6 +392,7 @@ class EqxConvBN(eqx.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_equinox_conv_batchnorm_state_under_o2():
     model, state = eqx.filter_jit(eqx.nn.make_with_state(EqxConvBN))(jax.random.key(0))
     params, static = eqx_split(model)
@@ -471,10 +476,11 @@ def sequence_batch(n=32, f=4):
     xs = jnp.asarray(RNG(1).normal(size=(n, T, f)), jnp.float32)
     lengths = jnp.asarray(np.resize(LENGTHS[LENGTHS > 0], n))
     pad = jnp.arange(T)[None, :] < lengths[:, None]
-    return xs, pad, (jnp.sum(xs[..., 0] * pad, -1) > 0).astype(jnp.int32)
+    return xs, pad, (jnp.sum(xs[..., 0] * pad.astype(jnp.float32), -1) > 0).astype(jnp.int32)
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_equinox_gru_cell_under_scan():
     params, static = eqx_split(eqx.filter_jit(EqxGRU)(jax.random.key(0)))
     batch = sequence_batch()
@@ -496,6 +502,7 @@ hk = pytest.importorskip("haiku")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["O2-bf16"])      # O1-fp16 passes too (0.04%): left out for CI time
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_haiku_mlp(preset):
     net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([32, 32, 4])(x)))
     batch = classification_batch()
@@ -511,6 +518,7 @@ def test_haiku_mlp(preset):
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion(reason="haiku's moving averages: int32 counter ** float32 decay")
 def test_haiku_resnet_tiny_channels():
     def forward(x, is_training):
         return hk.nets.ResNet(blocks_per_group=(1, 1, 1, 1), num_classes=4, bottleneck=False,
@@ -564,6 +572,7 @@ def nnx_loss(graphdef, forward):
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion(reason="flax.nnx's dtype promotion of the attention inputs (flax/nnx/nn/dtypes.py)")
 def test_nnx_attention_dropout_padded():
     graphdef, params, rest = nnx.split(nnx.jit(lambda: NNXEncoder(nnx.Rngs(0)))(), nnx.Param, ...)
     params = bf16_rounded(params)
@@ -593,6 +602,7 @@ class NNXRecurrent(nnx.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_nnx_batchnorm_gru_rnn_under_o2():
     graphdef, params, rest = nnx.split(nnx.jit(lambda: NNXRecurrent(nnx.Rngs(0)))(), nnx.Param, ...)
     params = bf16_rounded(params)

@@ -48,9 +48,13 @@ SLOW_PAGES = {"diagnostics.md", "fp8.md", "guides/haiku.md", "guides/flax-linen.
 
 #: Pages whose examples run under standard dtype promotion (the rest under strict, as the suite):
 #: what fails under strict is inside the third-party code they call.
-STANDARD_PROMOTION_PAGES = {name: "optax.adam: bias correction is a Python float ** int32 count"
-                            for name in ("concepts.md", "design.md", "getting-started.md", "lean-recipes.md", "migrating/jmp.md",
-                                         "parallel.md")}
+STANDARD_PROMOTION_PAGES = {
+    **{name: "optax.adam: bias correction is a Python float ** int32 count"
+       for name in ("concepts.md", "design.md", "fp8.md", "getting-started.md", "guides/equinox.md",
+                    "guides/flax-linen.md", "guides/flax-nnx.md", "guides/haiku.md", "guides/plain-jax.md",
+                    "lean-recipes.md", "migrating/jmp.md", "parallel.md")},
+    "diagnostics.md": "flax.linen.avg_pool divides a float16 sum by an int32 window size",
+}
 
 
 def _page_marks(path):

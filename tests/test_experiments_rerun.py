@@ -84,6 +84,7 @@ def finished(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_diverged_run_is_read_back_not_retrained(tmp_path):
     wd = tmp_path / "run"
     first = _train(_diverging(), wd)
@@ -106,6 +107,7 @@ def test_completed_run_is_read_back_not_retrained(finished, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_compare_rerun_leaves_results_unchanged(tmp_path):
     from experiments import compare
 
@@ -206,6 +208,7 @@ def test_lock_of_a_killed_run_is_released_by_the_kernel(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_run_that_dies_before_its_first_checkpoint_leaves_the_workdir_reusable(tmp_path, monkeypatch):
     from experiments import train
 

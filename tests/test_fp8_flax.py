@@ -133,6 +133,7 @@ def test_linen_fp8_layers_get_state_in_their_own_collection_and_the_report_names
     assert all("float8_e4m3fn forward, float8_e5m2 backward, delayed scaling" in op.rule for op in rows)
 
 
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_linen_step_records_the_observed_amaxes_and_the_optimizer_never_touches_the_state():
     state = _linen_state()
     x, y = _data()
@@ -153,6 +154,7 @@ def test_linen_step_records_the_observed_amaxes_and_the_optimizer_never_touches_
             assert amax > 0 and float(layer[f"{name}_scale"]) == pytest.approx(top / amax, rel=1e-6)
 
 
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_gradient_history_is_in_unscaled_units_so_a_loss_scale_changes_nothing():
     x, y = _data()
     runs = {}
@@ -172,6 +174,7 @@ def test_gradient_history_is_in_unscaled_units_so_a_loss_scale_changes_nothing()
     assert same_bits(runs[1.0].params, runs[2.0**12].params)
 
 
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_a_skipped_step_leaves_the_fp8_state_bitwise_unchanged():
     state = _linen_state(loss_scale="dynamic")
     x, y = _data()
@@ -184,6 +187,7 @@ def test_a_skipped_step_leaves_the_fp8_state_bitwise_unchanged():
     assert same_bits(new.model_state, state.model_state) and same_bits(new.params, state.params)
 
 
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_fp8_gradients_are_within_tolerance_of_bf16_on_a_small_model():
     x, y = _data()
     grads = {}
@@ -212,6 +216,7 @@ def test_fp8_gradients_are_within_tolerance_of_bf16_on_a_small_model():
         assert 0 < rel < 0.3, (policy, rel)
 
 
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_pmap_over_four_devices_keeps_scales_equal_and_equal_to_the_global_amax():
     devices = jax.devices()[:4]
     state = _linen_state(axis_name="batch")
@@ -233,6 +238,7 @@ def test_pmap_over_four_devices_keeps_scales_equal_and_equal_to_the_global_amax(
     assert float(np.asarray(conv)[0, 1]) == want
 
 
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_fp8_state_round_trips_through_a_checkpoint_bit_exactly(tmp_path):
     import orbax.checkpoint as ocp
 
@@ -257,6 +263,7 @@ def _nnx(policy="O2-fp8", loss_scale="none"):
     return model, opt
 
 
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_nnx_fp8_state_is_updated_by_the_step_not_the_optimizer_and_survives_a_skip():
     model, opt = _nnx(loss_scale="dynamic")
     x, y = _data()
@@ -280,6 +287,7 @@ def test_nnx_fp8_state_is_updated_by_the_step_not_the_optimizer_and_survives_a_s
     assert same_bits(nnx.to_pure_dict(nnx.state(model, Fp8State)), before)
 
 
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_nnx_fp8_trains_like_bf16():
     x, y = _data(64)
     x = x.reshape(len(x), -1)

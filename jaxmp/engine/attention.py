@@ -65,12 +65,23 @@ def routed_attention(query, key, value, bias=None, mask=None, *args, implementat
     query, key, value, bias = cast_floating((query, key, value, bias), cfg.compute_dtype)
     call = functools.partial(_ORIGINAL, query, key, value, bias, mask, *args, **kwargs)
 
-    def xla(q, k, v, b):
+    # The mask and any array among the other arguments (sequence lengths) are passed to the
+    # custom-vjp function explicitly: a closure over them would hand the backward pass tracers
+    # of a trace that has ended (a leaked tracer under jit(grad)).
+    rest, rest_tree = jax.tree_util.tree_flatten((mask, args, kwargs))
+    is_array = [isinstance(x, jax.Array) or hasattr(x, "aval") for x in rest]
+    static = [None if a else x for x, a in zip(rest, is_array)]
+
+    def xla(q, k, v, b, *arrays):
         # XLA's attention accumulates the half logits in float32; its transpose would multiply a
         # float32 cotangent with a half operand, which strict promotion refuses when lowered.
         # Traced again when differentiated, so the promotion setting is set here too.
+        it = iter(arrays)
+        m, a, kw = jax.tree_util.tree_unflatten(rest_tree, [next(it) if arr else x for x, arr in zip(static, is_array)])
         with jax.numpy_dtype_promotion("standard"):
-            return _ORIGINAL(q, k, v, b, mask, *args, implementation="xla", **kwargs)
+            return _ORIGINAL(q, k, v, b, m, *a, implementation="xla", **kw)
+
+    arrays = [x for x, a in zip(rest, is_array) if a]
 
     # JAX's attention promotes with jnp.promote_types, which a caller's strict promotion forbids.
     with _config.TRACING(None), jax.numpy_dtype_promotion("standard"), \
@@ -78,7 +89,7 @@ def routed_attention(query, key, value, bias=None, mask=None, *args, implementat
         if implementation is not None:
             _note(implementation, "chosen by the caller")
             return call(implementation=implementation) if implementation != "xla" else \
-                float32_backward(xla)(query, key, value, bias)
+                float32_backward(xla)(query, key, value, bias, *arrays)
         if jax.default_backend() == "gpu":
             try:
                 out = call(implementation="cudnn")
@@ -94,7 +105,7 @@ def routed_attention(query, key, value, bias=None, mask=None, *args, implementat
             args32 = cast_floating((query, key, value, bias), jnp.float32)
             out = _ORIGINAL(*args32, mask, *args, implementation="xla", **kwargs)
             return out.astype(jnp.float16)
-        return float32_backward(xla)(query, key, value, bias)
+        return float32_backward(xla)(query, key, value, bias, *arrays)
 
 
 _INSTALLED = False

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxmp.dtypes import accumulation_dtype
+
 
 __all__ = ["LAYOUTS", "leaf_spec", "shard_state", "state_bytes_per_device", "state_shardings"]
 
@@ -378,7 +380,7 @@ def _mean_over_shards(x: jax.Array) -> jax.Array:
     # A leaf equal on every shard (a model state the loss passes through unchanged) is returned as
     # is: a mean of n equal values need not be that value in floating point.
     if _is_float(x):
-        acc = jnp.promote_types(x.dtype, jnp.float32)
+        acc = accumulation_dtype(x.dtype)
         mean = jnp.mean(x.astype(acc), axis=0).astype(x.dtype)
         return jnp.where(jnp.all(x == x[0]), x[0], mean)
     return x[0]
