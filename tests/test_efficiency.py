@@ -71,3 +71,43 @@ def test_autocast_train_step_bytes_within_margin_of_native_floor(model):
         assert stats[v]["bytes"] <= STEP_MARGIN[model] * floor["bytes"], (model, v, stats)
         # Casts: never more than the native program's (jaxmp casts each value once per step).
         assert stats[v]["converts"] <= floor["converts"], (model, v, stats)
+
+
+def _direct_uses(jaxpr, tracked: set, found: list) -> None:
+    """Primitives that read a tracked var, following it into sub-jaxprs whose invars mirror the operands."""
+    from jax.extend import core as jcore
+
+    for eqn in jaxpr.eqns:
+        hits = [i for i, a in enumerate(eqn.invars) if not isinstance(a, jcore.Literal) and a in tracked]
+        if not hits:
+            continue
+        found.extend(eqn.primitive.name for _ in hits)
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            offset = len(eqn.invars) - len(sub.invars)  # cond: the predicate comes first
+            if offset in (0, 1):
+                _direct_uses(sub, {sub.invars[i - offset] for i in hits if i >= offset}, found)
+
+
+@pytest.mark.parametrize("policy", ["O1-bf16", pytest.param("O2-bf16", marks=pytest.mark.slow)])
+def test_batch_norm_statistics_are_never_converted_in_the_linen_step(policy):
+    """BatchNorm's running statistics stay float32 end to end: read once by their update and once
+    by the skip, never converted (no per-use round trip through half precision)."""
+    import numpy as np
+    import optax
+
+    import jaxmp
+    import jaxmp.flax
+    from experiments.models import get_model
+
+    x, y = np.ones((2, 8, 8, 3), np.float32), np.array([0, 1])
+    model = jaxmp.flax.mixed_precision(get_model("resnet50", 4, stage_sizes=(1,), width=4), policy)
+    variables = model.init(jax.random.key(0), x, train=False)
+    tx = jaxmp.loss_scaling(optax.sgd(0.1, 0.9), "dynamic", master_weights=policy.startswith("O2"))
+    state = jaxmp.flax.TrainState.create(model, variables, tx)
+    closed = jax.make_jaxpr(jaxmp.flax.make_train_step())(state, (x, y))
+    flat = jax.tree_util.tree_flatten_with_path((state, (x, y)))[0]
+    stats = {v for v, (path, _) in zip(closed.jaxpr.invars, flat) if "batch_stats" in jax.tree_util.keystr(path)}
+    assert len(stats) == len(jax.tree_util.tree_leaves(variables["batch_stats"]))
+    uses: list = []
+    _direct_uses(closed.jaxpr, stats, uses)
+    assert uses and "convert_element_type" not in uses, uses
