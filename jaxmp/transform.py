@@ -402,7 +402,9 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
     ``update(grads, state, params)``:
 
     1. gradients (scaled by :func:`jaxmp.value_and_grad`) are unscaled with the scale that
-       scaled the loss -- before the inner chain, so clipping and weight decay see true values;
+       scaled the loss -- before the inner chain, so clipping and weight decay see true values
+       (a sum of squares such as the global norm is computed on the scaled gradients and divided
+       by ``scale**2``, which is bitwise the same for power-of-two scales: :mod:`jaxmp.fold`);
     2. every floating and complex gradient leaf is checked for inf/NaN; with ``axis_name`` the
        verdict is reduced (``pmin`` in float32) so every replica agrees;
     3. finite: the inner update is applied; non-finite: updates are zero (``-0.0``, so that
