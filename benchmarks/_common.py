@@ -109,6 +109,8 @@ def _host_env() -> dict[str, Any]:
         "machine": platform.machine(),
         "git_commit": git_commit(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        # 1, 5 and 15 minute load averages when the run started: timings on a busy machine are noisy.
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -516,8 +518,26 @@ def _validate_memory(result: dict) -> list[str]:
     return p
 
 
+def _validate_efficiency(result: dict) -> list[str]:
+    models = _models(result)
+    if not models:
+        return ["results.models missing or empty"]
+    p = []
+    for m, r in models.items():
+        for prog, ref in (("grad", "native"), ("step", "floor")):
+            progs = r.get(prog) if isinstance(r, dict) else None
+            if not isinstance(progs, dict) or ref not in progs:
+                p.append(f"{m}: {prog} lacks {ref!r}")
+                continue
+            for v, st in progs.items():
+                if not all(isinstance(st.get(k), (int, float)) for k in ("ops", "converts", "bytes")):
+                    p.append(f"{m}: {prog} {v} lacks ops/converts/bytes")
+    return p
+
+
 _VALIDATORS = {
     "memory": _validate_memory,
+    "efficiency": _validate_efficiency,
     "fp8": _validate_fp8,
     "autocast": _validate_autocast,
     "overhead": _validate_overhead,

@@ -29,6 +29,7 @@ Target: ``jaxmp/floor`` median <= 1.01 (jaxmp costs no more than the finiteness 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -310,6 +311,7 @@ def run(cfg: dict, quiet: bool = False) -> dict:
         "bytes_vs_floor": {n: st["bytes_accessed"] / stats["floor"]["bytes_accessed"] for n, st in stats.items()
                            if "floor" in stats and st.get("bytes_accessed") and stats["floor"].get("bytes_accessed")},
         "skipped_steps": skipped,
+        "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "model": info,
         "target": {
             "what": f"median of per-round {key} step-time ratios",

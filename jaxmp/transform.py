@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp import traps
+from jaxmp import fold, traps
 from jaxmp.dtypes import float_dtype, is_floating_array, is_inexact_array
 from jaxmp.loss_scale import LossScale, make_loss_scale
 from jaxmp.skip import all_finite, keep_if_finite
@@ -242,23 +242,26 @@ def apply_to_params(params, updates, state=None):
     return add_floating(params, updates)
 
 
-def _inner_step(inner, unscale, grads, grads_finite, state, params, use_cond, extra_args, fused):
+def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, params, use_cond, extra_args, fused):
     """The inner update on a finite step; ``-0.0`` updates and the old inner state otherwise.
 
     The gradients are unscaled inside the step, not before it: under ``lax.cond`` XLA can then
     fuse the unscaling into the inner chain's first elementwise ops, and the finiteness check
     (outside) into a single reduction over the scaled gradients, so no unscaled copy of the
-    gradients is ever written out.
+    gradients is ever written out. The inner chain is traced once, to a jaxpr, and evaluated
+    with the unscaling folded out of its reductions (:mod:`jaxmp.fold`: a global norm is
+    computed on the scaled gradients and multiplied by ``1/scale**2``), which XLA:CPU does not
+    fuse on its own.
 
     ``fused``: return the new params instead of the updates (``apply_to_params`` inside the
     taken branch), so that the updates are never written out and read back: the compiled step
     then makes the floor's passes (the optimizer's, plus one finiteness reduction), no more.
     """
-    def inner_update():
-        return inner.update(unscale(grads), state.inner_state, params, **extra_args)
+    def inner_fn(g, ls):
+        return inner.update(_unscale(ls, g, keeps_master), state.inner_state, params, **extra_args)
 
     try:
-        closed, shapes = jax.make_jaxpr(inner_update, return_shape=True)()
+        closed, shapes = jax.make_jaxpr(inner_fn, return_shape=True)(grads, loss_scale)
     except (ValueError, TypeError, AttributeError) as e:
         if params is not None:
             raise
@@ -269,6 +272,14 @@ def _inner_step(inner, unscale, grads, grads_finite, state, params, use_cond, ex
             f"tx.update(grads, state, params) (or use loss_scaling(..., master_weights=True), which keeps its own "
             f"float32 copy). The inner optimizer said: {type(e).__name__}: {e}") from e
     traps.check_update_constants(closed)
+    grad_leaves = jax.tree_util.tree_leaves(grads)
+    scale_leaves = jax.tree_util.tree_leaves(loss_scale)
+    scale_positions = [len(grad_leaves) + i for i, x in enumerate(scale_leaves) if is_floating_array(x)]
+    out_tree = jax.tree_util.tree_structure(shapes)
+
+    def inner_update():
+        flat = fold.eval_folded(closed, [*grad_leaves, *scale_leaves], scale_positions)
+        return jax.tree_util.tree_unflatten(out_tree, flat)
 
     def apply():
         updates, inner_state = inner_update()
@@ -354,8 +365,8 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
 
         grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
         use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
-        out, inner_state = _inner_step(inner, unscale, grads, grads_finite, state, params, use_cond, extra_args,
-                                       fused)
+        out, inner_state = _inner_step(inner, state.loss_scale, keeps_master, grads, grads_finite, state, params,
+                                       use_cond, extra_args, fused)
 
         half_arithmetic = keeps_master or _has_half((grads, state.inner_state))
         if half_arithmetic if check_updates is None else check_updates:
@@ -406,7 +417,9 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
     ``update(grads, state, params)``:
 
     1. gradients (scaled by :func:`jaxmp.value_and_grad`) are unscaled with the scale that
-       scaled the loss -- before the inner chain, so clipping and weight decay see true values;
+       scaled the loss -- before the inner chain, so clipping and weight decay see true values
+       (a sum of squares such as the global norm is computed on the scaled gradients and divided
+       by ``scale**2``, which is bitwise the same for power-of-two scales: :mod:`jaxmp.fold`);
     2. every floating and complex gradient leaf is checked for inf/NaN; with ``axis_name`` the
        verdict is reduced (``pmin`` in float32) so every replica agrees;
     3. finite: the inner update is applied; non-finite: updates are zero (``-0.0``, so that

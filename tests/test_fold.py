@@ -1,0 +1,96 @@
+"""The unscaling folded out of the inner chain's reductions (jaxmp.fold): same numbers, fewer passes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+from jaxmp import fold
+from jaxmp.transform import update_and_apply
+
+
+def _inner():
+    return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=1e-3))
+
+
+def _params():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return {"w": jax.random.normal(k1, (33, 7)), "b": jax.random.normal(k2, (7,))}
+
+
+def _closed(scale):
+    tx = _inner()
+    params = _params()
+    state = tx.init(params)
+
+    def f(g, s):
+        return tx.update(jax.tree_util.tree_map(lambda x: x * (1.0 / s), g), state, params)
+
+    return jax.make_jaxpr(f)(params, jnp.float32(scale)), params
+
+
+def test_global_norm_is_found_and_folded():
+    closed, _ = _closed(4.0)
+    assert fold.has_fold(closed, [2])  # invars: w, b (sorted: b, w), then the scale
+    assert not fold.has_fold(closed, [])
+
+
+@pytest.mark.parametrize("scale", [2.0**15, 2.0**-3, 1.0])
+def test_power_of_two_scale_is_bitwise_the_unfolded_update(scale):
+    closed, params = _closed(scale)
+    grads = jax.tree_util.tree_map(lambda p: p * 3.0 * scale, params)
+    args = [*jax.tree_util.tree_leaves(grads), jnp.float32(scale)]
+    folded = jax.jit(lambda *a: fold.eval_folded(closed, a, [2]))(*args)
+    plain = jax.jit(lambda *a: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *a))(*args)
+    for a, b in zip(folded, plain):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_other_scale_agrees_within_rounding():
+    closed, params = _closed(1000.0)
+    grads = jax.tree_util.tree_map(lambda p: p * 3000.0, params)
+    args = [*jax.tree_util.tree_leaves(grads), jnp.float32(1000.0)]
+    folded = fold.eval_folded(closed, args, [2])
+    plain = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    for a, b in zip(folded, plain):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+
+
+def test_half_precision_reductions_are_not_rewritten():
+    def f(g, s):
+        u = (g * (1.0 / s)).astype(jnp.bfloat16)
+        return jnp.sum(jnp.square(u))
+
+    closed = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.float32(2.0))
+    assert not fold.has_fold(closed, [1])
+
+
+def test_max_norm_is_folded_with_positive_scale():
+    def f(g, s):
+        return jnp.max(jnp.abs(g * (1.0 / s)))
+
+    closed = jax.make_jaxpr(f)(jnp.ones(3), jnp.float32(2.0))
+    assert fold.has_fold(closed, [1])
+    g = jnp.array([-8.0, 2.0, 4.0])
+    assert float(fold.eval_folded(closed, [g, jnp.float32(4.0)], [1])[0]) == 2.0
+
+
+def test_loss_scaling_step_equals_unscale_then_optax():
+    """The whole wrapper (clip + AdamW, dynamic scale 2**15) steps exactly as optax on unscaled gradients."""
+    params = _params()
+    tx = jaxmp.loss_scaling(_inner(), jaxmp.DynamicLossScale())
+    ref = _inner()
+    state, ref_state = tx.init(params), ref.init(params)
+    scale = float(jaxmp.get_loss_scale(state).loss_scale)
+    grads = jax.tree_util.tree_map(lambda p: p * 5.0, params)
+    with pytest.warns(jaxmp.MixedPrecisionWarning):  # the gradients were scaled by hand
+        new, _ = jax.jit(lambda g, s, p: update_and_apply(tx, g, s, p))(
+            jax.tree_util.tree_map(lambda g: g * scale, grads), state, params)
+    u, _ = jax.jit(ref.update)(grads, ref_state, params)
+    want = optax.apply_updates(params, u)
+    for a, b in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)
