@@ -22,6 +22,7 @@ STANDARD_PROMOTION = {
     "jaxmp.flax.nnx.MixedPrecision": _ADAM,
     "jaxmp.flax.train_state.TrainState": _ADAM,
     "jaxmp.lean.bf16_moments": _ADAM,
+    "jaxmp.parallel.sharding.make_sharded_train_step": _ADAM,
     "jaxmp.transform.loss_scaling": _ADAM,
 }
 
