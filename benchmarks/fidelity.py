@@ -358,6 +358,47 @@ def summarize(runs: dict) -> dict:
     return out
 
 
+def _fmt(x: float, metric: str) -> str:
+    return f"{100 * x:.2f}%" if metric == "eval_accuracy" else f"{x:.4f}"
+
+
+def markdown(result: dict) -> str:
+    """The tables of a result: per job, per recipe, the eval loss per seed, its mean, the difference
+    from the float32-master mean and the verdict; accuracy means; then the decayed tail's update/ulp."""
+    from jaxmp import lean
+
+    lines = []
+    for job in result["config"]["jobs"]:
+        out = result["results"][job]
+        summary, seeds = out["summary"], result["config"]["seeds"]
+        lines += [f"**{job}**", "", "| recipe | B/param | " + " | ".join(f"loss seed {s}" for s in seeds)
+                  + " | loss mean | diff vs fp32 masters (tolerance) | within | accuracy mean |",
+                  "|---" * (len(seeds) + 6) + "|"]
+        for recipe in [r for r in RECIPES if r in summary]:
+            row = summary[recipe]
+            loss, acc = row["eval_loss"], row["eval_accuracy"]
+            nbytes = lean.PRESETS[recipe][0] if recipe in lean.PRESETS else 10
+            verdict = "reference" if recipe == REFERENCE else ("yes" if loss["within"] else "**no**")
+            diff = "" if recipe == REFERENCE else f"{loss['diff_from_reference']:+.4f} ({loss['tolerance']:.4f})"
+            lines.append(f"| {recipe} | {nbytes} | " + " | ".join(_fmt(v, "eval_loss") for v in loss["per_seed"])
+                         + f" | {_fmt(loss['mean'], 'eval_loss')} | {diff} | {verdict} | "
+                         f"{_fmt(acc['mean'], 'eval_accuracy')} |")
+        lines.append("")
+        for t in out["tail"]:
+            lines.append(f"- seed {t['seed']}: last {t['tail_steps']} steps (lr {t['lr_at_tail_start']:.2e} to "
+                         f"{t['lr_at_last_step']:.2e}): median float32-master update / ulp(bf16 param) "
+                         f"{t['median_update_over_ulp']:.3f} (first tail step {t['median_update_over_ulp_first_tail_step']:.3f},"
+                         f" last {t['median_update_over_ulp_last_tail_step']:.3f}); "
+                         f"{100 * t['fraction_below_half_ulp']:.1f}% of the updates below half an ulp")
+        changed = {r: np.mean([x["tail_fraction_of_bf16_params_changed_per_step"] for x in rs])
+                   for r, rs in ((r, out["runs"].get(r)) for r in RECIPES) if rs and "tail_fraction_of_bf16_params_changed_per_step" in rs[0]}
+        if changed:
+            lines.append("- bf16 params changed per tail step (mean over seeds): "
+                         + ", ".join(f"{r} {100 * v:.1f}%" for r, v in changed.items()))
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, DEFAULT_OUT)
@@ -369,12 +410,19 @@ def build_parser():
     p.add_argument("--tail-fraction", type=float, default=0.2,
                    help="the decayed tail: this last fraction of the steps (default 0.2)")
     p.add_argument("--main-steps", type=int, default=None, help="override the main job's steps (default: the config's)")
+    p.add_argument("--table", default=None, metavar="JSON",
+                   help="print the markdown tables of a result file written by this script, and exit")
     p.add_argument("--lm-steps", type=int, default=None, help=f"override the LM's steps (default {LM_FULL['steps']})")
     return p
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.table:
+        import json
+
+        print(markdown(json.loads(Path(args.table).read_text())), end="")
+        return {}
     jobs = [j for j in args.jobs.split(",") if j]
     if not jobs or set(jobs) - {"main", "lm"}:
         raise SystemExit(f"--jobs: choose from main, lm; got {args.jobs!r}")
