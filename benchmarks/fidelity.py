@@ -172,12 +172,13 @@ def main_tail(config, seed: int, tail_fraction: float) -> dict:
     first = n - max(1, int(round(tail_fraction * n)))
     idx = _bf16_leaves(state.params)
     stats = TailStats()
+    step_fn = prog.compiled.get("train") or prog.train_step  # the run's own AOT-compiled step, when cached
     for step in range(n):
         tail = step >= first
         if tail:
             params = _host_leaves(state.params, idx)
             before = _host_leaves(jaxmp.master_params(state.opt_state), idx)
-        state, _ = prog.train_step(state, next(batches), rng)
+        state, _ = step_fn(state, next(batches), rng)
         if tail:
             stats.add(update_ulp_ratios(before, _host_leaves(jaxmp.master_params(state.opt_state), idx), params))
     schedule = program_lib.make_schedule(plan, c.lr_schedule)

@@ -128,3 +128,14 @@ def test_fidelity_dry_run_writes_the_result(tmp_path):
 
 def test_fidelity_help():
     assert "--dry-run" in fidelity.build_parser().format_help()
+
+
+def test_docs_table_is_what_the_committed_result_prints():
+    from benchmarks._common import REPO_ROOT
+
+    result = json.loads((REPO_ROOT / "benchmarks" / "results" / "fidelity" / "fidelity_cpu.json").read_text())
+    assert result["dry_run"] is False and result["config"]["seeds"] == [0, 1, 2]
+    assert set(result["config"]["recipes"]) == set(fidelity.RECIPES)
+    page = (REPO_ROOT / "docs" / "lean-recipes.md").read_text()
+    assert fidelity.markdown(result) in page
+    assert "python -m benchmarks.fidelity" in page and result["results"]["lm"]["setup"]["text_sha256"][:16] in page
