@@ -535,9 +535,32 @@ def _validate_efficiency(result: dict) -> list[str]:
     return p
 
 
+def _validate_fidelity(result: dict) -> list[str]:
+    """benchmarks/fidelity.py: per job, runs per recipe with per-seed eval numbers and a summary."""
+    p: list[str] = []
+    res = result["results"]
+    if not isinstance(res, dict) or not res:
+        return ["results is not a non-empty dict of jobs"]
+    for job, out in res.items():
+        if not isinstance(out, dict) or not all(k in out for k in ("setup", "runs", "summary", "tail")):
+            p.append(f"results.{job} lacks setup/runs/summary/tail")
+            continue
+        for recipe, runs in out["runs"].items():
+            if not isinstance(runs, list) or not runs:
+                p.append(f"results.{job}.runs.{recipe} is not a non-empty list")
+                continue
+            for r in runs:
+                if not all(_is_pos(r.get(k)) or r.get(k) == 0 for k in ("eval_loss", "eval_accuracy")):
+                    p.append(f"results.{job}.runs.{recipe}: eval_loss/eval_accuracy missing or negative")
+            if recipe not in out["summary"]:
+                p.append(f"results.{job}.summary lacks {recipe}")
+    return p
+
+
 _VALIDATORS = {
     "memory": _validate_memory,
     "efficiency": _validate_efficiency,
+    "fidelity": _validate_fidelity,
     "fp8": _validate_fp8,
     "autocast": _validate_autocast,
     "overhead": _validate_overhead,

@@ -3,7 +3,8 @@
 * :func:`make_model_apply` is the one place that turns a plain Linen module into the model a
   run calls (``init``/``apply``) under the plan's precision engine and policy;
 * :func:`make_optimizer` wraps the optax chain in ``jaxmp.loss_scaling`` with the recipe's
-  loss scale and master weights (clipping inside, so it sees unscaled gradients);
+  loss scale and master weights (clipping inside, so it sees unscaled gradients), or with a
+  ``jaxmp.lean`` recipe for the state (:func:`lean_optimizer`);
 * :func:`build_program` jits the train and eval steps over a data mesh (sharded ``jit``: the
   batch split over the devices, the state replicated, XLA inserts the gradient all-reduce).
 """
@@ -21,7 +22,7 @@ import optax
 import jaxmp
 import jaxmp.flax
 import jaxmp.parallel as mpp
-from experiments.validation import ENGINES, Plan, UserError
+from experiments.validation import ENGINES, LEAN_NEAREST, Plan, UserError
 
 
 class Program(NamedTuple):
@@ -123,7 +124,35 @@ def make_optimizer(hp: dict, plan: Plan) -> optax.GradientTransformation:
     else:
         parts.append(optax.add_decayed_weights(hp["weight_decay"], mask=decay_mask))
         parts.append(optax.sgd(schedule, momentum=hp["momentum"], nesterov=hp["nesterov"]))
+    if plan.lean_recipe:
+        return jaxmp.loss_scaling(lean_optimizer(optax.chain(*parts), plan.lean_recipe, plan.seed),
+                                  make_loss_scale(plan))
     return jaxmp.loss_scaling(optax.chain(*parts), make_loss_scale(plan), master_weights=plan.master_weights)
+
+
+def lean_is_stochastic(name: str) -> bool:
+    """Whether the ``lean_recipe`` ``name`` rounds stochastically (its key is the run's seed)."""
+    return name not in ("", "fp32-masters", "remainders", LEAN_NEAREST)
+
+
+def lean_optimizer(inner: optax.GradientTransformation, name: str, seed: int) -> optax.GradientTransformation:
+    """``inner`` under the ``lean_recipe`` ``name`` (unwrapped: put it in ``jaxmp.loss_scaling``).
+
+    Args:
+      inner: the optax chain.
+      name: a ``jaxmp.lean`` preset, or ``"bf16-nearest"``: ``jaxmp.lean.bf16_params`` with
+        round-to-nearest (plain bf16 params, no master).
+      seed: the stochastic-rounding key of the stochastic presets.
+
+    Example:
+      >>> import optax
+      >>> tx = lean_optimizer(optax.adamw(1e-3), "bf16-sr", seed=0)
+    """
+    from jaxmp import lean
+
+    if name == LEAN_NEAREST:
+        return lean.bf16_params(inner, rounding="nearest")
+    return lean.preset(name, inner, key=seed if lean_is_stochastic(name) else None)
 
 
 def make_loss_scale(plan: Plan):
@@ -198,7 +227,8 @@ def build_program(plan: Plan, module, hp: dict, num_classes: int, input_key: str
 
     Runs that differ only in the seed -- the seeds of one comparison -- share one, so the
     train step is compiled once per policy: the seed enters only through the initial state,
-    the data order and the dropout key, all runtime values.
+    the data order and the dropout key, all runtime values (except under a stochastic
+    ``lean_recipe``, whose rounding key is the seed: one program per seed).
 
     Args:
       plan: the run's plan.
@@ -209,7 +239,9 @@ def build_program(plan: Plan, module, hp: dict, num_classes: int, input_key: str
       input_key: the batch key of the inputs.
       input_shape: one example's shape.
     """
-    key = json.dumps([repr(module), hp, plan._replace(seed=0), num_classes, input_key, list(input_shape)],
+    # A stochastic lean recipe's key (the seed) is a constant of the compiled init: one program per seed.
+    shared = plan if lean_is_stochastic(plan.lean_recipe) else plan._replace(seed=0)
+    key = json.dumps([repr(module), hp, shared, num_classes, input_key, list(input_shape)],
                      sort_keys=True, default=str)
     if key in _PROGRAMS:
         return _PROGRAMS[key]

@@ -51,7 +51,8 @@ class Run(NamedTuple):
 def run_settings(config, plan: Plan) -> dict:
     """Every config value that changes what the run computes, by ``--config.<field>`` name (nested
     fields flattened, ``model_kwargs.features``), as JSON values, plus the plan's derived
-    ``warmup_steps``, ``steps_per_epoch`` and ``learning_rate``.
+    ``warmup_steps``, ``steps_per_epoch`` and ``learning_rate``. An unset ``lean_recipe`` ("") is
+    left out, so a checkpoint written before that field existed still matches.
 
     Example:
       >>> from experiments import configs
@@ -62,6 +63,8 @@ def run_settings(config, plan: Plan) -> dict:
     """
     values = flat_fields(json.loads(config.to_json()))
     settings = {k: v for k, v in values.items() if k not in NOT_RESULT_FIELDS}
+    if not settings.get("lean_recipe"):  # unset: not recorded, so checkpoints from before the field resume
+        settings.pop("lean_recipe", None)
     settings.update(learning_rate=plan.learning_rate, warmup_steps=plan.warmup_steps,
                     steps_per_epoch=plan.steps_per_epoch)
     return json.loads(json.dumps(settings))  # exactly as a checkpoint's JSON gives it back

@@ -88,6 +88,7 @@ class Plan(NamedTuple):
     dynamic_scale_init: float  # 0 = jaxmp's default
     dynamic_scale_period: int  # 0 = jaxmp's default
     master_weights: bool
+    lean_recipe: str          # "" or one of lean_recipes() (then master_weights is False: the recipe keeps the state)
     log_every_steps: int
     eval_every_steps: int
     checkpoint_every_steps: int
@@ -169,8 +170,39 @@ def check_fields(config) -> None:
                         "to an integer >= 1 (the global batch is per-device x num_devices).")
 
 
+LEAN_NEAREST = "bf16-nearest"
+"""The ``lean_recipe`` of plain bf16 params rounded to nearest with no master (the failure mode)."""
+
+
+def lean_recipes() -> tuple[str, ...]:
+    """The values ``--config.lean_recipe`` takes: "" (the policy's own state), the ``jaxmp.lean``
+    presets and :data:`LEAN_NEAREST`."""
+    from jaxmp import lean
+
+    return ("",) + tuple(lean.PRESETS) + (LEAN_NEAREST,)
+
+
+def _check_lean(config, policy: str, recipe) -> bool:
+    """``--config.lean_recipe`` against the policy; returns the plan's ``master_weights``."""
+    import jax.numpy as jnp
+
+    name = config.get("lean_recipe", "")
+    choices = lean_recipes()
+    if name not in choices:
+        raise UserError(f"--config.lean_recipe={name!r} is invalid: choose one of "
+                        f"{', '.join(repr(c) for c in choices)}.")
+    if not name:
+        return bool(recipe.master_weights)
+    if jnp.dtype(recipe.policy.param_dtype) != jnp.dtype(jnp.bfloat16):
+        raise UserError(f"--config.lean_recipe={name!r} keeps bfloat16 params, but policy {policy} stores "
+                        f"{jnp.dtype(recipe.policy.param_dtype).name} params: use a bf16-param policy "
+                        "(O2-bf16, O3-bf16) or --config.lean_recipe=''.")
+    return False
+
+
 def _check_names(config, policy: str) -> tuple[str, bool]:
-    """Policy, compare policies, model, dataset and loss scale; returns (loss-scale spec, master weights)."""
+    """Policy, compare policies, model, dataset, loss scale and lean recipe; returns (loss-scale spec,
+    master weights)."""
     import jaxmp
     from experiments import data as data_lib
     from experiments import models as models_lib
@@ -201,7 +233,7 @@ def _check_names(config, policy: str) -> tuple[str, bool]:
         init = config.dynamic_scale_init
         init = f"2**{int(math.log2(init))}" if init and math.log2(init).is_integer() else f"{init:g}"
         spec = f"{spec}(init={init},period={config.dynamic_scale_period or 'default'})"
-    return str(spec), bool(recipe.master_weights)
+    return str(spec), _check_lean(config, policy, recipe)
 
 
 def _check_devices(config) -> int:
@@ -271,7 +303,8 @@ def validate_config(config, *, policy: str | None = None, seed: int | None = Non
         global_batch_size=global_batch, eval_batch_size=eval_batch, learning_rate=float(config.learning_rate),
         steps_per_epoch=spe, num_train_steps=steps, warmup_steps=min(int(round(config.warmup_epochs * spe)), steps),
         loss_scale=loss_scale, dynamic_scale_init=float(config.dynamic_scale_init),
-        dynamic_scale_period=int(config.dynamic_scale_period), master_weights=master_weights, log_every_steps=int(config.log_every_steps),
+        dynamic_scale_period=int(config.dynamic_scale_period), master_weights=master_weights,
+        lean_recipe=str(config.get("lean_recipe", "")), log_every_steps=int(config.log_every_steps),
         eval_every_steps=int(config.eval_every_steps), checkpoint_every_steps=int(config.checkpoint_every_steps),
         keep_checkpoints=int(config.keep_checkpoints), max_consecutive_skips=int(config.max_consecutive_skips),
         progress_bar=bool(config.progress_bar))

@@ -99,7 +99,8 @@ class ParamRemaindersState(NamedTuple):
     Attributes:
       inner_state: the wrapped transformation's state, built on the float32 masters.
       remainders: int16 per bfloat16 param leaf, the low 16 bits of its float32 master (see
-        :func:`split_master`); an empty int16 ``[0]`` placeholder for float32 and non-floating leaves.
+        :func:`split_master`); an int16 scalar placeholder (0) for float32 and non-floating leaves (not an empty array:
+        orbax cannot save one).
     """
 
     inner_state: Any
@@ -432,7 +433,9 @@ def merge_master(param: jax.Array, remainder: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(high + low, jnp.float32)
 
 
-_EMPTY = (0,)
+# A float32 or non-floating leaf's remainder: an int16 scalar (2 bytes), not an empty array, which
+# checkpointers refuse (orbax: "Cannot save arrays with zero size").
+_EMPTY = ()
 
 
 def _masters(params: Any, remainders: Any) -> Any:

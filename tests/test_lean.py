@@ -389,7 +389,7 @@ def test_remainders_keep_float32_leaves_as_their_own_masters():
     params = {"w": jnp.ones(3, BF16), "scale": jnp.ones(2)}
     tx = lean.param_remainders(optax.sgd(0.5))
     state = tx.init(params)
-    assert state.remainders["w"].shape == (3,) and state.remainders["scale"].shape == (0,)
+    assert state.remainders["w"].shape == (3,) and state.remainders["scale"].shape == ()
     u, state = tx.update({"w": jnp.ones(3, BF16), "scale": jnp.ones(2)}, state, params)
     new = jaxmp.apply_updates(params, u)
     assert new["scale"].tolist() == [0.5, 0.5] and new["w"].tolist() == [0.5] * 3

@@ -52,6 +52,11 @@ def _precision(config):
     # per-module rules on a Linen module) or "autocast" (jaxmp.autocast around module.apply: op
     # lists only). experiments.program.make_model_apply is where it is used.
     config.engine = "flax"
+    # The optimizer state of a bf16-param policy (O2-bf16, O3-bf16): "" = the policy's own (float32
+    # masters under O2-bf16), a jaxmp.lean preset ("remainders", "sr-params", "bf16-sr", ...; see
+    # jaxmp.lean.PRESETS), or "bf16-nearest": plain bf16 params rounded to nearest, no master (the
+    # failure mode the stochastic-rounding presets fix). Stochastic presets draw from key = seed.
+    config.lean_recipe = ""
 
 
 def _optimization(config):
