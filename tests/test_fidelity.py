@@ -100,6 +100,7 @@ def test_experiments_lean_recipe_is_validated_against_the_policy():
     assert float(jnp.abs(updates["w"]).max()) == 0.0              # below half an ulp: dropped
 
 
+@pytest.mark.slow  # ~25 s: both jobs, every recipe, two seeds (the committed result's schema is checked by the default tier)
 @pytest.mark.standard_promotion(reason="the main job steps optax.adamw (bias correction: Python float ** int32 count)")
 def test_fidelity_dry_run_writes_the_result(tmp_path):
     out = tmp_path / "fid.json"

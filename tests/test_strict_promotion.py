@@ -76,7 +76,8 @@ class LinenNet(nn.Module):
         return nn.Dense(4)(x)
 
 
-@pytest.mark.parametrize("level", ["O1-bf16", "O2-fp16"])
+# One level per front door in the default tier, the other in the slow tier (each ~5 s here).
+@pytest.mark.parametrize("level", ["O1-bf16", pytest.param("O2-fp16", marks=pytest.mark.slow)])
 def test_flax_linen_front_door_under_strict_promotion(level):
     model = jaxmp.flax.mixed_precision(LinenNet(), level)
     recipe = jaxmp.get_recipe(level)
@@ -109,7 +110,7 @@ class NNXNet(nnx.Module):
         return self.out(h)
 
 
-@pytest.mark.parametrize("level", ["O1-bf16", "O2-fp16"])
+@pytest.mark.parametrize("level", [pytest.param("O1-bf16", marks=pytest.mark.slow), "O2-fp16"])
 def test_flax_nnx_front_door_under_strict_promotion(level):
     model = jaxmp.flax.mixed_precision(NNXNet(nnx.Rngs(0)), level)
     recipe = jaxmp.get_recipe(level)

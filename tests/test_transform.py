@@ -352,10 +352,10 @@ def test_master_value_beyond_the_half_range_is_skipped():
 def test_master_weights_with_fp32_grads_for_bf16_params_follow_the_params_dtype():
     tx = jaxmp.loss_scaling(optax.adam(1e-2), "none", master_weights=True)
     params = {"w": jnp.linspace(-1, 1, 64).astype(jnp.bfloat16)}
-    state = tx.init(params)
+    state, update = tx.init(params), jax.jit(tx.update)
     for i in range(30):
         g = {"w": jnp.sin(jnp.arange(64.0) + i)}  # float32 gradients
-        updates, state = tx.update(g, state, params)
+        updates, state = update(g, state, params)
         assert updates["w"].dtype == jnp.bfloat16
         via_optax = optax.apply_updates(params, updates)  # within one bf16 ulp of the master's cast
         params = jaxmp.apply_updates(params, updates, state)  # exactly the master's cast
