@@ -51,18 +51,6 @@ def make_data_mesh(devices: Sequence[Any] | None = None, axis_name: str = "data"
     return Mesh(np.asarray(devices), (axis_name,))
 
 
-def _data_axis(mesh: Mesh, data_axis: str | None) -> str:
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if data_axis is None:
-        if len(mesh.axis_names) != 1:
-            raise ValueError(f"mesh has axes {mesh.axis_names}: name the data axis with data_axis=...")
-        return mesh.axis_names[0]
-    if data_axis not in mesh.axis_names:
-        raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh (axes: {mesh.axis_names})")
-    return data_axis
-
-
 def batch_sharding(mesh: Mesh, data_axis: str | None = None) -> NamedSharding:
     """Sharding of a batch: leading axis split over the data axis, the rest unsplit.
 
@@ -78,7 +66,7 @@ def batch_sharding(mesh: Mesh, data_axis: str | None = None) -> NamedSharding:
       >>> jaxmp.parallel.batch_sharding(jaxmp.parallel.make_data_mesh()).spec
       P('data',)
     """
-    return NamedSharding(mesh, PartitionSpec(_data_axis(mesh, data_axis)))
+    return NamedSharding(mesh, PartitionSpec(layouts.check_data_axis(mesh, data_axis)))
 
 
 def replicated_sharding(mesh: Mesh) -> NamedSharding:
@@ -154,7 +142,7 @@ def make_global_batch(local_batch: Any, mesh: Mesh, data_axis: str | None = None
       >>> b["x"].shape
       (16, 3)
     """
-    axis = _data_axis(mesh, data_axis)
+    axis = layouts.check_data_axis(mesh, data_axis)
     sharding = NamedSharding(mesh, PartitionSpec(axis))
     local = leading_size(local_batch)
     num_devices = mesh.shape[axis]
@@ -284,7 +272,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
         raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
-    axis = _data_axis(mesh, data_axis)
+    axis = layouts.check_data_axis(mesh, data_axis)
     layout = layouts.check_layout(layout)
     reduce_dtype = check_reduce_dtype(reduce_dtype)
     min_shard_size = layouts._check_min_size(min_shard_size)
