@@ -129,6 +129,7 @@ def test_torch_peer_skips_cleanly_without_torch(monkeypatch, capsys, tmp_path):
     _assert_valid(json.loads(out.read_text()), "torch_amp")
 
 
+@pytest.mark.slow  # shares the GPU driver's dry run (~10 s) with the suite tests
 def test_validator_rejects_malformed_results(suite):
     _, result = suite
     tp = result["results"]["throughput"]
@@ -157,6 +158,7 @@ def _fake_run(model, batch, policy, items, peak, framework="jax"):
     return e
 
 
+@pytest.mark.slow  # shares the GPU driver's dry run (~10 s) with the suite tests
 def test_report_targets_pass_fail_and_not_measured(suite):
     _, result = suite
     env = dict(result["results"]["throughput"]["env"], device="Fake GPU", platform="gpu")

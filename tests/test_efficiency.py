@@ -67,9 +67,8 @@ def _autocast_step(model_name: str) -> dict:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the margins are XLA:CPU's")
-@pytest.mark.parametrize("model", ["mlp", pytest.param("mlp32", marks=pytest.mark.slow),
-                                   pytest.param("transformer", marks=pytest.mark.slow),
-                                   pytest.param("resnet", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~6 s per model (three compiled train steps each); CI runs the slow tier
+@pytest.mark.parametrize("model", ["mlp", "mlp32", "transformer", "resnet"])
 @pytest.mark.standard_promotion(reason="the train steps go through optax.adam (bias correction: Python float ** int32 count)")
 def test_autocast_train_step_bytes_within_margin_of_native_floor(model):
     stats = _autocast_step(model)
@@ -95,7 +94,8 @@ def _direct_uses(jaxpr, tracked: set, found: list) -> None:
                 _direct_uses(sub, {sub.invars[i - offset] for i in hits if i >= offset}, found)
 
 
-@pytest.mark.parametrize("policy", ["O1-bf16", pytest.param("O2-bf16", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~6 s per policy: the whole Linen CNN step compiled
+@pytest.mark.parametrize("policy", ["O1-bf16", "O2-bf16"])
 def test_batch_norm_statistics_are_never_converted_in_the_linen_step(policy):
     """BatchNorm's running statistics stay float32 end to end: read once by their update and once
     by the skip, never converted (no per-use round trip through half precision)."""

@@ -54,6 +54,7 @@ def test_power_of_two_scale_is_bitwise_the_unfolded_update(scale):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # ~4 s; the power-of-two cases stay in the default tier
 def test_other_scale_agrees_within_rounding():
     closed, params = _closed(1000.0)
     grads = jax.tree_util.tree_map(lambda p: p * 3000.0, params)

@@ -214,6 +214,7 @@ def _jaxpr_dtypes(closed):
     return out
 
 
+@pytest.mark.slow  # ~4 s of training
 def test_autocast_with_fp8_matmuls_runs_half_list_dots_in_fp8_and_trains_close_to_bf16():
     import jaxmp
 

@@ -101,7 +101,7 @@ def _assert_rel_close(a, b, rtol=1e-6):
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
-@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("opt", [pytest.param("sgd", marks=pytest.mark.slow), "adam"])
 def test_single_device_pmap_and_sharded_jit_train_to_the_same_params(opt):
     x, y = _data()  # includes a NaN in one replica's shard at step NAN_STEP: all three paths skip it
     ref, ref_stats = _single_device(opt, x, y)
