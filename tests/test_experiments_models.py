@@ -46,9 +46,10 @@ def test_full_size_models_shapes_and_multiples_of_8(name, shape, num_classes, co
 
 # The CIFAR/ImageNet models also run (tiny) in test_experiments_configs' smoke tests.
 @pytest.mark.parametrize("name,shape,kw", [
-    ("cnn", (8, 8, 1), dict(features=(8, 8), hidden=16)),
+    pytest.param("cnn", (8, 8, 1), dict(features=(8, 8), hidden=16), marks=pytest.mark.slow),
     ("cnn1d", (40,), {}),
-    ("transformer", (8, 8, 1), dict(num_layers=1, model_dim=16, num_heads=2, mlp_dim=16, patch_size=4)),
+    pytest.param("transformer", (8, 8, 1), dict(num_layers=1, model_dim=16, num_heads=2, mlp_dim=16, patch_size=4),
+                 marks=pytest.mark.slow),
 ])
 @pytest.mark.standard_promotion(reason="flax.linen.avg_pool: divides by an int32 window size")
 def test_tiny_models_run_under_o2_with_fp32_norms(name, shape, kw):

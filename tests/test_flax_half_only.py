@@ -90,7 +90,7 @@ def test_linen_half_only_layer_trains(level):
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", LEVELS[:1] + [pytest.param(lv, marks=pytest.mark.slow) for lv in LEVELS[1:]])
 def test_nnx_half_only_layer_trains(level):
     model = jaxmp.flax.mixed_precision(NNXNet(nnx.Rngs(0)), level)
     recipe = jaxmp.get_recipe(level)
@@ -109,7 +109,8 @@ class Attn(nn.Module):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("level", ["O1-bf16", "O2-bf16", "O1-fp16"])
+@pytest.mark.parametrize("level", ["O1-bf16", pytest.param("O2-bf16", marks=pytest.mark.slow),
+                                   pytest.param("O1-fp16", marks=pytest.mark.slow)])
 def test_attention_under_policy_matches_float32(level, masked):
     x = jax.random.normal(jax.random.key(3), (2, 8, 16))
     mask = nn.make_causal_mask(jnp.ones((2, 8))) if masked else None

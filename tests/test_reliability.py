@@ -352,6 +352,7 @@ def _linen_bn_problem():
     return loss_fn, variables["params"], variables["batch_stats"], x
 
 
+@pytest.mark.slow  # ~3 s: a pmap BatchNorm + dropout step compiled twice
 def test_pmap_step_keeps_flax_batchnorm_statistics_bitwise_equal_with_dropout():
     # A Flax BatchNorm (mean and var), a different dropout mask and batch shard per replica.
     n = 4

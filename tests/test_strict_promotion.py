@@ -76,7 +76,7 @@ class LinenNet(nn.Module):
         return nn.Dense(4)(x)
 
 
-# One level per front door in the default tier, the other in the slow tier (each ~5 s here).
+# One level in the default tier, the other in the slow tier (each ~5-9 s here).
 @pytest.mark.parametrize("level", ["O1-bf16", pytest.param("O2-fp16", marks=pytest.mark.slow)])
 def test_flax_linen_front_door_under_strict_promotion(level):
     model = jaxmp.flax.mixed_precision(LinenNet(), level)
@@ -110,7 +110,8 @@ class NNXNet(nnx.Module):
         return self.out(h)
 
 
-@pytest.mark.parametrize("level", [pytest.param("O1-bf16", marks=pytest.mark.slow), "O2-fp16"])
+@pytest.mark.slow  # ~10 s per level; the Linen front door and autocast stay in the default tier
+@pytest.mark.parametrize("level", ["O1-bf16", "O2-fp16"])
 def test_flax_nnx_front_door_under_strict_promotion(level):
     model = jaxmp.flax.mixed_precision(NNXNet(nnx.Rngs(0)), level)
     recipe = jaxmp.get_recipe(level)
