@@ -344,6 +344,23 @@ def test_every_script_answers_help_and_names_an_unknown_flag(name, capsys):
     assert "unrecognized arguments: --no-such-flag" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_runs_as_a_file_not_only_as_a_module(name):
+    """``python benchmarks/<name>.py`` has no ``benchmarks`` package on its path: a script that
+    imports from it at module level must put the repository root on ``sys.path`` first."""
+    import ast
+
+    tree = ast.parse((ROOT / "benchmarks" / f"{name}.py").read_text())
+    guarded = False
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__package__" in ast.unparse(node.test) and "sys.path" in ast.unparse(node):
+            guarded = True
+        imported = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if any(m == "benchmarks" or m.startswith("benchmarks.") for m in imported):
+            assert guarded, f"benchmarks/{name}.py imports {imported} before putting the repository root on sys.path"
+
+
 def test_unknown_flag_in_a_fresh_process_has_no_traceback():
     import subprocess
 
