@@ -154,7 +154,7 @@ def make_variants(cfg: dict):
     from jaxmp.step import make_step
 
     def jaxmp_factory(loss_scale):
-        tx = jaxmp.loss_scaling(chain(), loss_scale=loss_scale)
+        tx = jaxmp.loss_scaling(chain(), loss_scale=loss_scale, skip_with=cfg.get("skip_with", "auto"))
         body = make_step(lambda p_, s_, b_, r_: (loss_fn(p_, b_), (s_, None)), tx)
 
         def step(state, batch):
@@ -337,6 +337,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--policy", default="O0", help="jaxmp policy of the loss function (default O0: fp32)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
     parser.add_argument("--no-donate", action="store_true", help="do not donate params/optimizer state")
+    parser.add_argument("--skip-with", choices=("auto", "cond", "select"), default="auto",
+                        help="how jaxmp's variants skip a non-finite step (jaxmp.loss_scaling's skip_with; "
+                             "auto: cond except on GPU)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: time.perf_counter; cpu: time.process_time (CPU seconds of this process, all "
                              "threads), which other processes on a shared machine do not inflate")
@@ -365,7 +368,7 @@ def main(argv=None) -> dict:
             notes.append("jmp is not installed here: the jmp variant was left out (pip install jmp)")
             common.log(f"overhead: {notes[-1]}", args.quiet)
     cfg = dict(base, n_batches=args.n_batches, policy=args.policy, variants=variants, donate=not args.no_donate,
-               clock=args.clock,
+               clock=args.clock, skip_with=args.skip_with,
                optimizer="optax.chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=1e-4))",
                loss_scale={"jmp": "jmp.DynamicLossScale(2**15)", "jaxmp": "jaxmp.DynamicLossScale() (2**15)",
                            "jaxmp-noop": "none"},

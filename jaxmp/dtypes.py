@@ -275,7 +275,9 @@ def float32_backward(fn):
     strict dtype promotion refuses. With this wrapper the backward pass is the vjp of ``fn``
     at float32 copies of its floating array arguments (the arithmetic the promotion would have
     done anyway, now explicit), and each cotangent is cast back to its argument's dtype. The
-    forward pass is unchanged.
+    forward pass is unchanged. Pass every array ``fn`` uses as an argument (non-floating ones,
+    such as a boolean mask, get no cotangent): a closure over a traced array would hand the
+    backward pass a tracer of a trace that has ended.
 
     Args:
       fn: a function of arrays (floating arrays are differentiated; ``None`` is allowed).

@@ -69,7 +69,7 @@ def routed_attention(query, key, value, bias=None, mask=None, *args, implementat
     # custom-vjp function explicitly: a closure over them would hand the backward pass tracers
     # of a trace that has ended (a leaked tracer under jit(grad)).
     rest, rest_tree = jax.tree_util.tree_flatten((mask, args, kwargs))
-    is_array = [isinstance(x, jax.Array) or hasattr(x, "aval") for x in rest]
+    is_array = [isinstance(x, jax.Array) for x in rest]  # tracers too
     static = [None if a else x for x, a in zip(rest, is_array)]
 
     def xla(q, k, v, b, *arrays):
