@@ -32,21 +32,6 @@ def check_flag(flag: Any) -> jax.Array:
     return flag
 
 
-def leaf_finite(x: jax.Array) -> jax.Array:
-    """One float32 sum that is finite iff every element of ``x`` is (complex: both parts).
-
-    ``x - x`` is 0 for finite x and NaN for inf/NaN, so the sum carries the verdict and
-    cannot overflow. On CPU this is ~3x cheaper than reducing a boolean ``isfinite`` mask, and,
-    unlike ``x * 0``, it has no scalar operand: XLA:CPU's YNNPACK reductions take every operand
-    from memory, so a scalar zero would be broadcast and written out as a full array first.
-    (XLA does not simplify ``x - x`` for floating point: it is not 0 for inf and NaN.)
-    """
-    zeros = x - x
-    if jnp.iscomplexobj(zeros):
-        zeros = jnp.real(zeros)  # NaN when either part is inf or NaN
-    return jnp.sum(zeros.astype(jnp.float32))
-
-
 def all_finite(tree: Any) -> jax.Array:
     """Whether every floating or complex leaf of ``tree`` is free of inf and NaN.
 
@@ -66,7 +51,13 @@ def all_finite(tree: Any) -> jax.Array:
     leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_inexact_array(x)]
     if not leaves:
         return jnp.array(True)
-    return jnp.isfinite(sum(leaf_finite(x) for x in leaves))
+    # isfinite per element, reduced per leaf: XLA fuses the mask into the gradient's producer
+    # (a weight gradient cast up from half precision and transposed is read once, in half
+    # precision, never written out as float32 for the check). A float reduction such as
+    # sum(x - x) is cheaper on a gradient already in memory, but XLA:CPU's reduction kernels
+    # take their operand from memory, so it writes such a gradient out first (measured: the
+    # O1 MLP train step moved 7% more bytes than the floor).
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 def select_tree(pred: Any, a: T, b: T) -> T:

@@ -242,6 +242,26 @@ def apply_to_params(params, updates, state=None):
     return add_floating(params, updates)
 
 
+def _cond_operands(grad_leaves: list) -> list:
+    """The gradients as the taken branch's operands, laid out so that XLA writes them once.
+
+    XLA:CPU passes an operand into a conditional in the layout its producer wrote: a weight
+    gradient out of a transposed dot (cast up from half precision) stays column-major there,
+    and the branch then copies it to row-major before the optimizer reads it, a float32 array
+    written and read once more than by the same step without the skip. Flattened behind an
+    optimization barrier (which keeps XLA from moving the reshape into the branch), the
+    producer's fusion writes it row-major, as the floor's does, and the branch reads a bitcast.
+    Other backends keep their layouts (a TPU's tiled layout would make the reshape a copy).
+    """
+    if jax.default_backend() != "cpu":
+        return grad_leaves
+    return list(jax.lax.optimization_barrier([g.reshape(-1) for g in grad_leaves]))
+
+
+def _restore(operands: list, grad_leaves: list) -> list:
+    return [x.reshape(g.shape) for x, g in zip(operands, grad_leaves)]
+
+
 def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, params, use_cond, extra_args, fused):
     """The inner update on a finite step; ``-0.0`` updates and the old inner state otherwise.
 
@@ -277,12 +297,12 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
     scale_positions = [len(grad_leaves) + i for i, x in enumerate(scale_leaves) if is_floating_array(x)]
     out_tree = jax.tree_util.tree_structure(shapes)
 
-    def inner_update():
-        flat = fold.eval_folded(closed, [*grad_leaves, *scale_leaves], scale_positions)
+    def inner_update(gl=grad_leaves):
+        flat = fold.eval_folded(closed, [*gl, *scale_leaves], scale_positions)
         return jax.tree_util.tree_unflatten(out_tree, flat)
 
-    def apply():
-        updates, inner_state = inner_update()
+    def apply(gl=grad_leaves):
+        updates, inner_state = inner_update(gl)
         return (apply_to_params(params, updates, inner_state) if fused else updates), inner_state
 
     def skip():
@@ -294,7 +314,8 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
     if use_cond:
         # Only the taken branch runs, so the inner chain never sees non-finite gradients and
         # XLA can update the optimizer state in place.
-        return jax.lax.cond(grads_finite, apply, skip)
+        operands = _cond_operands(grad_leaves)
+        return jax.lax.cond(grads_finite, lambda ops: apply(_restore(ops, grad_leaves)), lambda ops: skip(), operands)
     out, inner_state = apply()
     old, _ = skip() if fused else (jax.tree_util.tree_map(_negative_zeros, out), None)
     return keep_if_finite(grads_finite, out, old), keep_if_finite(grads_finite, inner_state, state.inner_state)

@@ -329,3 +329,61 @@ def test_float0_and_integer_inputs_pass_through_grad():
     f = jaxmp.autocast(lambda w, n: jnp.sum(jnp.tanh(w @ w) * n.astype(w.dtype)), "O1-bf16")
     gw, gn = jax.grad(f, argnums=(0, 1), allow_int=True)(jnp.eye(3), jnp.int32(2))
     assert gw.dtype == F32 and gn.dtype == jax.dtypes.float0
+
+
+def _layer_norm_twice(w, x):
+    """A layer norm written as most models write it: ``h - mu`` appears twice."""
+    h = x @ w
+    mu = jnp.mean(h, -1, keepdims=True)
+    var = jnp.mean(jnp.square(h - mu), -1, keepdims=True)
+    return jnp.sum(jnp.tanh((h - mu) * jax.lax.rsqrt(var + 1e-5)))
+
+
+def _layer_norm_once(w, x):
+    h = x @ w
+    mu = jnp.mean(h, -1, keepdims=True)
+    d = h - mu
+    var = jnp.mean(jnp.square(d), -1, keepdims=True)
+    return jnp.sum(jnp.tanh(d * jax.lax.rsqrt(var + 1e-5)))
+
+
+def _count(closed, name):
+    found = []
+    _collect(closed.jaxpr, name, found)
+    return len(found)
+
+
+def test_a_repeated_computation_is_emitted_once_and_differentiated_once():
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    twice, once = (jaxmp.autocast(f, "O1-bf16") for f in (_layer_norm_twice, _layer_norm_once))
+    assert _count(jax.make_jaxpr(_layer_norm_twice)(w, x), "sub") == 2  # the model does write it twice
+    assert _count(jax.make_jaxpr(twice)(w, x), "sub") == 1
+    # The gradient program is the once-written model's, cast for cast and bit for bit.
+    for fn in (jax.grad, jax.value_and_grad):
+        j_twice, j_once = (jax.make_jaxpr(fn(f, argnums=(0, 1)))(w, x) for f in (twice, once))
+        assert _count(j_twice, "convert_element_type") == _count(j_once, "convert_element_type")
+        for a, b in zip(jax.tree_util.tree_leaves(jax.jit(fn(twice, argnums=(0, 1)))(w, x)),
+                        jax.tree_util.tree_leaves(jax.jit(fn(once, argnums=(0, 1)))(w, x))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_equal_ops_under_different_rules_are_not_merged():
+    w = jnp.eye(4) * 1.001
+    x = jnp.ones((2, 4))
+
+    def f(w, x):
+        return x @ w, jaxmp.autocast_region("float32")(jnp.matmul)(x, w)
+
+    closed = jax.make_jaxpr(jaxmp.autocast(f, "O1-bf16"))(w, x)
+    dots = []
+    _collect(closed.jaxpr, "dot_general", dots)
+    assert sorted(str(e.invars[0].aval.dtype) for e in dots) == ["bfloat16", "float32"]
+
+
+def _collect(jaxpr, name, found):
+    for e in jaxpr.eqns:
+        if e.primitive.name == name:
+            found.append(e)
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            _collect(sub, name, found)

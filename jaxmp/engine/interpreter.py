@@ -12,6 +12,12 @@ Every value carries a few bits besides its array:
   negative finite number instead of becoming ``-inf`` (a fully masked row's softmax would be
   NaN). Data is never saturated: an overflow must still reach the loss-scaling check.
 
+A first-order equation that repeats an earlier one of the same jaxpr (the same primitive,
+parameters, operands and name scopes, and no effects) is not emitted again: its outputs are the
+earlier ones. XLA merges such duplicates in the forward pass, but once differentiated each copy
+has its own transpose, so a model that writes ``h - mu`` twice (a layer norm) would otherwise
+pay for a second cotangent path, its casts included.
+
 Higher-order primitives are handled in :mod:`jaxmp.engine.control_flow`, which calls back
 into the :class:`Interpreter` it is handed (it never imports this module: the values both
 use live in :mod:`jaxmp.engine.values`); every JAX internal is read through :mod:`jaxmp.engine.internals`.
@@ -104,10 +110,16 @@ class Interpreter:
                 casts[key] = saturate(val.x, dtype) if narrowing else jax.lax.convert_element_type(val.x, dtype)
             return casts[key]
 
+        seen: dict[tuple, list[Val]] = {}
         for eqn in jaxpr.eqns:
             comps = prefix + internals.scope_names(eqn)
-            vals = [read(a) for a in eqn.invars]
             handler = control_flow.handler_for(eqn)
+            key = None if handler is not None else _repeat_key(eqn, comps)
+            if key is not None and key in seen:
+                for v, o in zip(eqn.outvars, seen[key]):
+                    env[v] = o
+                continue
+            vals = [read(a) for a in eqn.invars]
             with internals.equation_context(eqn):
                 if handler is not None:
                     outs = handler(self, eqn, vals, comps)
@@ -115,6 +127,8 @@ class Interpreter:
                     outs = self.first_order(eqn, vals, comps, cast)
                     const = _all_const(vals)
                     outs = [o._replace(const=const) for o in outs]
+            if key is not None:
+                seen[key] = outs
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
         return [read(a) for a in jaxpr.outvars]
@@ -242,6 +256,29 @@ class Interpreter:
         # half value to float32 marks the result as deliberately float32 (strong).
         out = self.bind(eqn, [val.x], rule="user cast")[0]
         return [Val(out, new.itemsize >= 4, False)]
+
+
+#: Pure by their effects but not by their values: each call draws anew, so two are never one.
+_NEVER_MERGED = frozenset({"rng_uniform", "optimization_barrier"})
+
+
+def _repeat_key(eqn, comps: tuple[str, ...]) -> tuple | None:
+    """What makes ``eqn`` the same computation as an earlier equation, or None if it may not merge.
+
+    Operands are compared by variable identity (literals by type, dtype and value), parameters by
+    type and value, so two equations with equal keys compute the same values under the same rules.
+    """
+    if eqn.effects or eqn.primitive.name in _NEVER_MERGED:
+        return None
+    operands = tuple(("literal", type(a.val), str(getattr(a.aval, "dtype", "")), a.val)
+                     if isinstance(a, jcore.Literal) else a for a in eqn.invars)
+    key = (eqn.primitive, comps, operands, eqn.ctx,
+           tuple((k, type(v), v) for k, v in sorted(eqn.params.items())))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable parameter (an array, a callable's closure): never merged
+        return None
+    return key
 
 
 def _all_const(vals: Sequence[Val]) -> bool:
