@@ -258,7 +258,8 @@ class Interpreter:
         return [Val(out, new.itemsize >= 4, False)]
 
 
-#: Pure by their effects but not by their values: each call draws anew, so two are never one.
+#: Never merged although they declare no effects: ``rng_uniform`` draws anew on every call, and
+#: a repeated ``optimization_barrier`` is there on purpose.
 _NEVER_MERGED = frozenset({"rng_uniform", "optimization_barrier"})
 
 
