@@ -31,17 +31,18 @@ Variants (each gives ``loss'`` with the loss's signature; the step is
 
 Per variant: the compiled step time (``--rounds`` blocks of ``--steps`` steps, variants
 interleaved with a rotating order in one process; median and IQR), the trace time and the
-trace + lower + compile time of the step (medians of ``--compile-repeats`` fresh wrappers),
-the number of ``convert`` instructions in the compiled HLO, the compiled step's memory
-(``memory_analysis()``: temporaries and arguments + outputs + temporaries), and the loss and
-gradient errors against float32 (``|l - l32| / |l32|``, ``||g - g32|| / ||g32||`` over all
-params). Writes ``benchmarks/results/autocast_<device>.json`` (``dry_run/autocast.json``).
+trace + lower + compile time of the step (medians of ``--compile-repeats`` fresh wrappers, each
+after a ``gc.collect()``), the number of ``convert`` instructions in the compiled HLO, the
+compiled step's memory (``memory_analysis()``: temporaries and arguments + outputs +
+temporaries), and the loss and gradient errors against float32 (``|l - l32| / |l32|``,
+``||g - g32|| / ||g32||`` over all params). Writes ``benchmarks/results/autocast_<device>.json`` (``dry_run/autocast.json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import re
 import statistics
@@ -129,6 +130,10 @@ def _compile_once(factory, params, batch):
     import jax
 
     fn = factory()
+    # Python's cyclic collector runs a full collection once enough objects have survived since
+    # the last one, whichever run allocates them; collected here, a full collection owed by
+    # earlier traces (of any variant) does not land in this one's time.
+    gc.collect()
     # stdout silenced for every variant alike: grampax 0.1.0 prints its arrays while tracing.
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         t0 = time.perf_counter()

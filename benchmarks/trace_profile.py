@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import pstats
 import sys
@@ -33,6 +34,7 @@ MODELS = ("mlp", "mlp32", "transformer", "resnet")
 def _profile(fn, params, batch) -> pstats.Stats:
     import jax
 
+    gc.collect()  # as benchmarks/autocast.py: no full collection owed by earlier traces lands here
     pr = cProfile.Profile()
     pr.enable()
     jax.jit(jax.value_and_grad(fn)).trace(params, *batch)

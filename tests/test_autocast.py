@@ -381,6 +381,58 @@ def test_equal_ops_under_different_rules_are_not_merged():
     assert sorted(str(e.invars[0].aval.dtype) for e in dots) == ["bfloat16", "float32"]
 
 
+def _layers(ws, x):
+    for w in ws:
+        h = x @ w
+        mu = jnp.mean(h, -1, keepdims=True)
+        x = jnp.tanh((h - mu) * jax.lax.rsqrt(jnp.mean(jnp.square(h - mu), -1, keepdims=True) + 1e-5))
+    return jnp.sum(x)
+
+
+def _staged_functions_made(fn, *args) -> int:
+    from jaxmp.engine import internals
+
+    before = internals._staged_primitive.cache_info().currsize
+    jax.jit(fn).trace(*args)
+    return internals._staged_primitive.cache_info().currsize - before
+
+
+def test_under_jit_of_grad_a_layers_ops_are_staged_once_whatever_the_depth():
+    # A width no other test uses: the staged functions are a per-process cache.
+    x = jax.random.normal(jax.random.key(0), (3, 13))
+    ws = [jax.random.normal(jax.random.key(i), (13, 13)) / 4 for i in range(8)]
+    ac = jaxmp.autocast(_layers, "O1-bf16")
+    made = _staged_functions_made(jax.grad(ac), ws[:2], x)
+    assert made > 0  # the layer's repeated ops are bound through cached one-op jits
+    assert _staged_functions_made(jax.grad(ac), ws, x) == 0  # eight layers: the same ops again
+    assert _staged_functions_made(jax.vmap(jax.grad(ac), (None, 0)), ws, x[None]) == 0
+    # A plain jit gains nothing from it and pays nothing for it: its ops are bound directly.
+    x11 = jnp.ones((3, 11))
+    assert _staged_functions_made(ac, [jnp.eye(11)] * 4, x11) == 0
+    # Staging changes how the program is traced, not what it computes: the jitted gradient is
+    # the eager one's (which differentiates the engine's program as one jitted call).
+    for a, b in zip(jax.jit(jax.grad(ac))(ws, x), jax.grad(ac)(ws, x)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_an_eager_grad_runs_the_engines_compiled_program_and_reuses_it(monkeypatch):
+    from jaxmp.engine.interpreter import Interpreter
+
+    runs = []
+    run = Interpreter.run
+    monkeypatch.setattr(Interpreter, "run", lambda self, *a, **k: runs.append(1) or run(self, *a, **k))
+    ws = [jnp.eye(6) * 0.5] * 3
+    x = jnp.ones((2, 6))
+    g = jax.grad(jaxmp.autocast(_layers, "O1-bf16"))
+    first = g(ws, x)
+    traced = len(runs)
+    assert traced >= 1
+    again = g(ws, x)  # neither re-interpreted nor run op by op: the cached jitted program
+    assert len(runs) == traced
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _collect(jaxpr, name, found):
     for e in jaxpr.eqns:
         if e.primitive.name == name:

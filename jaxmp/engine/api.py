@@ -17,7 +17,7 @@ import numpy as np
 from jaxmp.engine import config as _config
 from jaxmp.engine import internals
 from jaxmp.engine.attention import route_attention
-from jaxmp.engine.interpreter import Interpreter
+from jaxmp.engine.interpreter import Interpreter, repeated_ops
 from jaxmp.engine.values import Val, is_float
 from jaxmp.engine.modules import apply_module_rules
 from jaxmp.engine.rules import AutocastRules, marker
@@ -76,6 +76,7 @@ class _Program:
     def __post_init__(self):
         self.jitted = jax.jit(self.run)
         self._weights = None
+        self._repeated = None
 
     def weights(self) -> list[bool]:
         """Which inputs are weights (cast on entry under O2): every use is a half-list op."""
@@ -85,8 +86,14 @@ class _Program:
             self._weights = weight_inputs(self.closed.jaxpr, self.config.rules.half_ops)
         return self._weights
 
+    def repeated(self) -> frozenset:
+        """The ops that occur more than once in the program (bound staged under grad/vmap)."""
+        if self._repeated is None:
+            self._repeated = repeated_ops(self.closed.jaxpr)
+        return self._repeated
+
     def run(self, *xs):
-        interp = Interpreter(self.config, explain=_EXPLAIN.value)
+        interp = Interpreter(self.config, explain=_EXPLAIN.value, repeated=self.repeated())
         outs = interp.run(self.closed.jaxpr, self.closed.consts, [Val(x) for x in xs])
         return [o.x for o in outs]
 
@@ -160,10 +167,12 @@ class _Autocast:
             # biases and other state enter as passed, so a stored float32 statistic stays float32.
             cast = program.weights() if self.config.cast_inputs == "weights" else [True] * len(dyn_vals)
             dyn_vals = [cast_floating(x, self.config.compute_dtype) if c else x for x, c in zip(dyn_vals, cast)]
-        # The cached program runs as one jitted call, eagerly and under outer transformations
-        # alike: grad/vmap then see a single jit equation instead of every re-bound op, which
-        # is much cheaper to trace. A program closing over an outer trace's values cannot.
-        inline = not self.cache or program.has_tracer_consts
+        # Run eagerly (an eager grad or vmap included), the cached program is one jitted call.
+        # While a program is being staged out (jit, make_jaxpr) its ops are bound into the
+        # caller's trace instead: under an outer grad or vmap each repeated op is then a cached
+        # one-op jit (internals.bind) whose linearization or batching JAX caches, where one
+        # opaque jit call would have its body redone equation by equation.
+        inline = not self.cache or program.has_tracer_consts or internals.staging()
         with jax.named_scope(marker("keep", f"autocast({self.config.name})")):
             outs = program.run(*dyn_vals) if inline else program.jitted(*dyn_vals)
         if self.cast_outputs:

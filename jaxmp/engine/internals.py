@@ -15,6 +15,7 @@ stacks) should import ``jax._src``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import pkgutil
 from typing import Any, Callable
@@ -95,11 +96,55 @@ def equation_context(eqn):
         yield
 
 
-def bind(eqn, args, params: dict) -> list[Any]:
-    """Binds ``eqn``'s primitive on ``args`` with ``params`` (as found in a jaxpr); a list of outputs."""
+def bind(eqn, args, params: dict, staged: bool = False) -> list[Any]:
+    """Binds ``eqn``'s primitive on ``args`` with ``params`` (as found in a jaxpr); a list of outputs.
+
+    Args:
+      eqn: the equation whose primitive is bound.
+      args: the operands.
+      params: its parameters.
+      staged: bind through a one-op ``jax.jit(..., inline=True)`` function, the same one for
+        every equal (primitive, parameters), when the equation allows it (no effects, no
+        sub-jaxprs, hashable parameters). Under ``grad`` and ``vmap`` JAX then linearizes or
+        batches each distinct op once per process (its caches are keyed on the jitted
+        function's jaxpr) instead of once per equation: ``jnp`` functions are jitted for the
+        same reason. The staged program is the same: an inline jit leaves no call behind. Only
+        worth it under a transformation (:func:`transformed`): a plain staging trace pays the
+        jit call and gains nothing.
+
+    Returns:
+      The outputs, a list.
+    """
     prim = eqn.primitive
+    if staged and not eqn.effects and not sub_jaxprs(eqn):
+        key = tuple((k, type(v), v) for k, v in sorted(params.items()))
+        try:
+            fn = _staged_primitive(prim, key)
+        except TypeError:  # an unhashable parameter: bound directly
+            fn = None
+        if fn is not None:
+            return list(fn(*args))
     out = prim.bind(*args, **prim.get_bind_params(params))
     return list(out) if prim.multiple_results else [out]
+
+
+def _bind_all(prim, params: dict, *args) -> tuple:
+    out = prim.bind(*args, **params)
+    return tuple(out) if prim.multiple_results else (out,)
+
+
+# A memo of a pure function (primitive, parameters) -> jitted one-op function; bounded, and
+# holding no arrays (parameters with arrays are unhashable and never reach it).
+@functools.lru_cache(maxsize=4096)
+def _staged_primitive(prim, key: tuple) -> Callable:
+    params = prim.get_bind_params({k: v for k, _, v in key})
+    return jax.jit(functools.partial(_bind_all, prim, params), inline=True)
+
+
+@functools.lru_cache(maxsize=64)
+def staged_cast(dtype) -> Callable:
+    """``lax.convert_element_type(x, dtype)`` as a cached inline jit (see :func:`bind`'s ``staged``)."""
+    return jax.jit(functools.partial(jax.lax.convert_element_type, new_dtype=dtype), inline=True)
 
 
 # -- primitives ------------------------------------------------------------------------------
@@ -272,6 +317,23 @@ def shard_map_parts(eqn) -> dict:
 def is_tracer(x: Any) -> bool:
     """Whether ``x`` is a JAX tracer (a value of an enclosing trace)."""
     return isinstance(x, jax.core.Tracer)
+
+
+def staging() -> bool:
+    """Whether the current trace stages a program out (``jit``, ``make_jaxpr``, a loop body),
+    possibly under ``grad``/``vmap`` on top; False when ops run eagerly (an eager ``grad`` too)."""
+    from jax._src import core
+
+    under_jit = getattr(core, "unsafe_am_i_under_a_jit", None)
+    return bool(under_jit()) if under_jit is not None else False
+
+
+def transformed(xs) -> bool:
+    """Whether any of ``xs`` is a tracer of a transformation (``grad``, ``jvp``, ``vmap``...),
+    not only of staging (``jit``, ``make_jaxpr``, a loop body being traced)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    return any(isinstance(x, jax.core.Tracer) and not isinstance(x, pe.DynamicJaxprTracer) for x in xs)
 
 
 def typeof(x: Any) -> Any:

@@ -46,13 +46,19 @@ class Interpreter:
     Args:
       config: the resolved autocast settings.
       explain: wrap every op in a ``jaxmp.rule=...`` name scope, for the precision report.
+      repeated: the signatures (:func:`op_signature`) of the ops that occur more than once in
+        the program (:func:`repeated_ops`); under a transformation only those are bound
+        staged (see :meth:`bind`). None: every op is.
     """
 
-    def __init__(self, config: AutocastConfig, explain: bool = False):
+    def __init__(self, config: AutocastConfig, explain: bool = False, repeated: frozenset | None = None):
         self.config = config
         self.rules = config.rules
         self.explain = explain
+        self.repeated = repeated
         self._regions: dict[tuple[str, ...], Any] = {}
+        self._staged = False  # the jaxpr being run has operands of a transformation
+        self._stage_now = False  # and the equation being run is bound staged
         defaults = HALF_OPS | FLOAT32_OPS | FOLLOW_OPS
         self.follow_ops = (defaults - self.rules.half_ops - self.rules.float32_ops)
 
@@ -87,6 +93,14 @@ class Interpreter:
         Returns:
           One :class:`Val` per outvar.
         """
+        staged, self._staged = self._staged, internals.transformed(
+            [*consts, *(a.x if isinstance(a, Val) else a for a in args)])
+        try:
+            return self._run(jaxpr, consts, args, prefix)
+        finally:
+            self._staged = staged
+
+    def _run(self, jaxpr, consts, args, prefix) -> list[Val]:
         env: dict[Any, Val] = {}
         casts: dict[tuple[Any, np.dtype], Any] = {}
         for v, c in zip(jaxpr.constvars, consts):
@@ -107,7 +121,8 @@ class Interpreter:
                 return saturate(atom.val, dtype) if narrowing else np.asarray(atom.val, dtype)
             key = (atom, dtype)
             if key not in casts:  # a value is cast to a given dtype at most once per trace
-                casts[key] = saturate(val.x, dtype) if narrowing else jax.lax.convert_element_type(val.x, dtype)
+                casts[key] = saturate(val.x, dtype) if narrowing else (
+                    internals.staged_cast(dtype)(val.x) if self._stage_now else jax.lax.convert_element_type(val.x, dtype))
             return casts[key]
 
         seen: dict[tuple, list[Val]] = {}
@@ -124,6 +139,7 @@ class Interpreter:
                 if handler is not None:
                     outs = handler(self, eqn, vals, comps)
                 else:
+                    self._stage_now = self._staged and (self.repeated is None or op_signature(eqn) in self.repeated)
                     outs = self.first_order(eqn, vals, comps, cast)
                     const = _all_const(vals)
                     outs = [o._replace(const=const) for o in outs]
@@ -137,11 +153,18 @@ class Interpreter:
         """Names the deciding rule in the ops' name stack, for ``precision_report`` (explain mode only)."""
         return jax.named_scope(f"jaxmp.rule={rule}") if (self.explain and rule) else contextlib.nullcontext()
 
-    def bind(self, eqn, args: Sequence[Any], params: dict | None = None, rule: str = "") -> list[Any]:
-        """Binds ``eqn``'s primitive on ``args`` (inside the eqn's name stack and context)."""
+    def bind(self, eqn, args: Sequence[Any], params: dict | None = None, rule: str = "",
+             staged: bool = True) -> list[Any]:
+        """Binds ``eqn``'s primitive on ``args`` (inside the eqn's name stack and context).
+
+        ``staged`` (see :func:`jaxmp.engine.internals.bind`) applies while the jaxpr being run
+        has operands of a transformation (grad, vmap) and the op repeats in the program: a
+        one-off op would pay the jit call and JAX's per-op caches for nothing. It is turned
+        off for the ops run as traced: collectives, kernels and primitives the rules do not know.
+        """
         params = eqn.params if params is None else params
         with self._rule_scope(rule):
-            return internals.bind(eqn, args, params)
+            return internals.bind(eqn, args, params, staged=staged and self._stage_now)
 
     # -- first-order ops ---------------------------------------------------------------------
 
@@ -153,7 +176,7 @@ class Interpreter:
         if name == "convert_element_type":
             return self._convert(eqn, vals, traced)
         if not floats or name in PASSTHROUGH_OPS:
-            outs = self.bind(eqn, [v.x for v in vals], rule="follow")
+            outs = self.bind(eqn, [v.x for v in vals], rule="follow", staged=bool(floats))
             strong = any(v.strong for v in vals)
             return [Val(o, strong and is_float(dtype_of(o))) for o in outs]
         opaque = internals.sub_jaxprs(eqn) and name not in COMBINER_OPS
@@ -168,11 +191,11 @@ class Interpreter:
                     for i, (a, v) in enumerate(zip(eqn.invars, vals))]
             strong = any(vals[i].strong for i in floats)
             return [Val(o, strong and is_float(dtype_of(o)) and dtype_of(o).itemsize >= 4)
-                    for o in self.bind(eqn, args, rule="as traced")]
+                    for o in self.bind(eqn, args, rule="as traced", staged=False)]
         if region == "keep" or opaque or name in COMBINER_OPS or not self._known(name):
             args = [cast(a, v, traced[i]) if i in floats and is_float(traced[i]) else v.x
                     for i, (a, v) in enumerate(zip(eqn.invars, vals))]
-            return [Val(o) for o in self.bind(eqn, args, rule="as traced")]
+            return [Val(o) for o in self.bind(eqn, args, rule="as traced", staged=False)]
         if region is not None:
             return self._run_in(eqn, vals, floats, np.dtype(region), cast, "region " + np.dtype(region).name)
         if name in self.rules.half_ops:
@@ -256,6 +279,41 @@ class Interpreter:
         # half value to float32 marks the result as deliberately float32 (strong).
         out = self.bind(eqn, [val.x], rule="user cast")[0]
         return [Val(out, new.itemsize >= 4, False)]
+
+
+def op_signature(eqn) -> tuple | None:
+    """(primitive, parameters, operand types) of a first-order equation; None if unhashable."""
+    key = (eqn.primitive, tuple((k, type(v), v) for k, v in sorted(eqn.params.items())),
+           tuple(a.aval for a in eqn.invars))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def repeated_ops(jaxpr: jcore.Jaxpr) -> frozenset:
+    """The :func:`op_signature` of every op that occurs more than once in ``jaxpr`` and the
+    jaxprs nested in it (a model's layers: the ops worth binding staged under ``grad``).
+
+    Args:
+      jaxpr: an open jaxpr.
+
+    Returns:
+      The repeated signatures.
+    """
+    seen, repeated = set(), set()
+    todo = [jaxpr]
+    while todo:
+        for eqn in todo.pop().eqns:
+            subs = internals.sub_jaxprs(eqn)
+            if subs:
+                todo.extend(j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in subs)
+                continue
+            sig = op_signature(eqn)
+            if sig is not None:
+                (repeated if sig in seen else seen).add(sig)
+    return frozenset(repeated)
 
 
 #: Never merged although they declare no effects: ``rng_uniform`` draws anew on every call, and
