@@ -165,27 +165,41 @@ def measure_model(name: str, sizes: dict, variants: list[str], half: str, timing
 
     model = build_model(name, sizes)
     out: dict = {"sizes": sizes[name], "hand_cast": model.hand_note, "variants": {}, "skipped": {}}
-    compiled, ref = {}, None
+    factories = {}
     for v in ["float32"] + [v for v in variants if v != "float32"]:
         factory, reason = variant_factory(v, model, half)
         if factory is None:
             out["skipped"][v] = reason
             common.log(f"  {name}: {v} skipped: {reason}", quiet)
-            continue
+        else:
+            factories[v] = factory
+    # Compiles interleaved like the steps (rotating order): a slow spell of the machine falls
+    # on every variant alike instead of on whichever compiled during it.
+    runs: dict = {v: [] for v in factories}
+    for r in range(timing["compile_repeats"]):
+        order = list(runs)
+        for v in order[r % len(order):] + order[:r % len(order)]:
+            try:
+                runs[v].append(_compile_once(factories[v], model.params, model.batch))
+            except Exception as e:  # noqa: BLE001 - a peer that fails on this model: recorded, not fatal
+                out["skipped"][v] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+                common.log(f"  {name}: {v} failed: {type(e).__name__}: {str(e)[:200]}", quiet)
+                del runs[v]
+    compiled, ref = {}, None
+    for v, vruns in runs.items():
+        c = vruns[-1][2]
         try:
-            runs = [_compile_once(factory, model.params, model.batch) for _ in range(timing["compile_repeats"])]
-            c = runs[-1][2]
             with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
                 result = jax.block_until_ready(c(model.params, *model.batch))
-        except Exception as e:  # noqa: BLE001 - a peer that fails on this model: recorded, not fatal
+        except Exception as e:  # noqa: BLE001 - as above
             out["skipped"][v] = f"failed: {type(e).__name__}: {str(e)[:300]}"
             common.log(f"  {name}: {v} failed: {type(e).__name__}: {str(e)[:200]}", quiet)
             continue
         ref = result if v == "float32" else ref
         mem = memory_analysis_dict(c) or {}
         out["variants"][v] = {
-            "trace_s": statistics.median(r[0] for r in runs),
-            "trace_lower_compile_s": statistics.median(r[1] for r in runs),
+            "trace_s": statistics.median(r[0] for r in vruns),
+            "trace_lower_compile_s": statistics.median(r[1] for r in vruns),
             "hlo_converts": len(_CONVERT.findall(c.as_text())),
             "temp_bytes": mem.get("temp_size_in_bytes"), "peak_bytes_estimate": mem.get("estimated_peak_bytes"),
             **_rel_errors(result, ref)}

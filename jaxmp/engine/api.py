@@ -87,7 +87,7 @@ class _Program:
         return self._weights
 
     def repeated(self) -> frozenset:
-        """The ops that occur more than once in the program (bound staged under grad/vmap)."""
+        """The equations whose op occurs more than once in the program (bound staged under grad/vmap)."""
         if self._repeated is None:
             self._repeated = repeated_ops(self.closed.jaxpr)
         return self._repeated

@@ -46,9 +46,9 @@ class Interpreter:
     Args:
       config: the resolved autocast settings.
       explain: wrap every op in a ``jaxmp.rule=...`` name scope, for the precision report.
-      repeated: the signatures (:func:`op_signature`) of the ops that occur more than once in
-        the program (:func:`repeated_ops`); under a transformation only those are bound
-        staged (see :meth:`bind`). None: every op is.
+      repeated: the ``id`` of every equation of the program whose op occurs more than once in
+        it (:func:`repeated_ops`); under a transformation only those are bound staged (see
+        :meth:`bind`). None: every op is.
     """
 
     def __init__(self, config: AutocastConfig, explain: bool = False, repeated: frozenset | None = None):
@@ -139,7 +139,7 @@ class Interpreter:
                 if handler is not None:
                     outs = handler(self, eqn, vals, comps)
                 else:
-                    self._stage_now = self._staged and (self.repeated is None or op_signature(eqn) in self.repeated)
+                    self._stage_now = self._staged and (self.repeated is None or id(eqn) in self.repeated)
                     outs = self.first_order(eqn, vals, comps, cast)
                     const = _all_const(vals)
                     outs = [o._replace(const=const) for o in outs]
@@ -293,16 +293,16 @@ def op_signature(eqn) -> tuple | None:
 
 
 def repeated_ops(jaxpr: jcore.Jaxpr) -> frozenset:
-    """The :func:`op_signature` of every op that occurs more than once in ``jaxpr`` and the
-    jaxprs nested in it (a model's layers: the ops worth binding staged under ``grad``).
+    """The equations of ``jaxpr`` and the jaxprs nested in it whose op (:func:`op_signature`)
+    occurs more than once there (a model's layers: the ops worth binding staged under ``grad``).
 
     Args:
-      jaxpr: an open jaxpr.
+      jaxpr: an open jaxpr; the ids are valid while it lives.
 
     Returns:
-      The repeated signatures.
+      The ``id`` of each such equation.
     """
-    seen, repeated = set(), set()
+    by_signature: dict[tuple, list[int]] = {}
     todo = [jaxpr]
     while todo:
         for eqn in todo.pop().eqns:
@@ -310,10 +310,10 @@ def repeated_ops(jaxpr: jcore.Jaxpr) -> frozenset:
             if subs:
                 todo.extend(j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in subs)
                 continue
-            sig = op_signature(eqn)
+            sig = None if eqn.effects else op_signature(eqn)
             if sig is not None:
-                (repeated if sig in seen else seen).add(sig)
-    return frozenset(repeated)
+                by_signature.setdefault(sig, []).append(id(eqn))
+    return frozenset(i for ids in by_signature.values() if len(ids) > 1 for i in ids)
 
 
 #: Never merged although they declare no effects: ``rng_uniform`` draws anew on every call, and
