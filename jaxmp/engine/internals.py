@@ -143,7 +143,14 @@ def _staged_primitive(prim, key: tuple) -> Callable:
 
 @functools.lru_cache(maxsize=64)
 def staged_cast(dtype) -> Callable:
-    """``lax.convert_element_type(x, dtype)`` as a cached inline jit (see :func:`bind`'s ``staged``)."""
+    """``lax.convert_element_type(x, dtype)`` as a cached inline jit (see :func:`bind`'s ``staged``).
+
+    Args:
+      dtype: the target dtype (hashable: a NumPy dtype).
+
+    Returns:
+      A function of one array.
+    """
     return jax.jit(functools.partial(jax.lax.convert_element_type, new_dtype=dtype), inline=True)
 
 
@@ -321,7 +328,12 @@ def is_tracer(x: Any) -> bool:
 
 def staging() -> bool:
     """Whether the current trace stages a program out (``jit``, ``make_jaxpr``, a loop body),
-    possibly under ``grad``/``vmap`` on top; False when ops run eagerly (an eager ``grad`` too)."""
+    possibly under ``grad``/``vmap`` on top; False when ops run eagerly (an eager ``grad`` too).
+
+    Returns:
+      True under a staging trace (JAX's ``unsafe_am_i_under_a_jit``; False on a JAX without it,
+      which keeps the engine's program one jitted call).
+    """
     from jax._src import core
 
     under_jit = getattr(core, "unsafe_am_i_under_a_jit", None)
@@ -330,7 +342,14 @@ def staging() -> bool:
 
 def transformed(xs) -> bool:
     """Whether any of ``xs`` is a tracer of a transformation (``grad``, ``jvp``, ``vmap``...),
-    not only of staging (``jit``, ``make_jaxpr``, a loop body being traced)."""
+    not only of staging (``jit``, ``make_jaxpr``, a loop body being traced).
+
+    Args:
+      xs: values (arrays, tracers, constants).
+
+    Returns:
+      True if any is such a tracer.
+    """
     from jax._src.interpreters import partial_eval as pe
 
     return any(isinstance(x, jax.core.Tracer) and not isinstance(x, pe.DynamicJaxprTracer) for x in xs)
