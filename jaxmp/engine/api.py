@@ -93,7 +93,7 @@ class _Program:
         return self._repeated
 
     def run(self, *xs):
-        interp = Interpreter(self.config, explain=_EXPLAIN.value, repeated=self.repeated())
+        interp = Interpreter(self.config, explain=_EXPLAIN.value, repeated=self.repeated)
         outs = interp.run(self.closed.jaxpr, self.closed.consts, [Val(x) for x in xs])
         return [o.x for o in outs]
 

@@ -26,7 +26,7 @@ use live in :mod:`jaxmp.engine.values`); every JAX internal is read through :mod
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,16 +46,18 @@ class Interpreter:
     Args:
       config: the resolved autocast settings.
       explain: wrap every op in a ``jaxmp.rule=...`` name scope, for the precision report.
-      repeated: the ``id`` of every equation of the program whose op occurs more than once in
-        it (:func:`repeated_ops`); under a transformation only those are bound staged (see
-        :meth:`bind`). None: every op is.
+      repeated: returns the ``id`` of every equation of the program whose op occurs more than
+        once in it (:func:`repeated_ops`); called once, when a transformation is first met:
+        under one only those ops are bound staged (see :meth:`bind`). None: every op is.
     """
 
-    def __init__(self, config: AutocastConfig, explain: bool = False, repeated: frozenset | None = None):
+    def __init__(self, config: AutocastConfig, explain: bool = False,
+                 repeated: Callable[[], frozenset] | None = None):
         self.config = config
         self.rules = config.rules
         self.explain = explain
-        self.repeated = repeated
+        self._repeated_fn = repeated
+        self._repeated: frozenset | None = None
         self._regions: dict[tuple[str, ...], Any] = {}
         self._staged = False  # the jaxpr being run has operands of a transformation
         self._stage_now = False  # and the equation being run is bound staged
@@ -139,7 +141,7 @@ class Interpreter:
                 if handler is not None:
                     outs = handler(self, eqn, vals, comps)
                 else:
-                    self._stage_now = self._staged and (self.repeated is None or id(eqn) in self.repeated)
+                    self._stage_now = self._staged and self._repeats(eqn)
                     outs = self.first_order(eqn, vals, comps, cast)
                     const = _all_const(vals)
                     outs = [o._replace(const=const) for o in outs]
@@ -148,6 +150,13 @@ class Interpreter:
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o
         return [read(a) for a in jaxpr.outvars]
+
+    def _repeats(self, eqn) -> bool:
+        if self._repeated_fn is None:
+            return True
+        if self._repeated is None:
+            self._repeated = self._repeated_fn()
+        return id(eqn) in self._repeated
 
     def _rule_scope(self, rule: str):
         """Names the deciding rule in the ops' name stack, for ``precision_report`` (explain mode only)."""

@@ -8,6 +8,7 @@ two modules importing each other.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -30,14 +31,26 @@ class Val(NamedTuple):
 def is_float(dtype: Any) -> bool:
     """Real floating (never complex, PRNG key or float0): the only dtypes the engine casts."""
     try:
-        return jnp.issubdtype(dtype, jnp.floating)
+        return _is_float(dtype)
+    except TypeError:  # an unhashable stand-in for a dtype: not one the engine casts
+        return False
+
+
+# A memo of a pure function of a dtype (the engine asks it several times per equation).
+@functools.lru_cache(maxsize=256)
+def _is_float(dtype: Any) -> bool:
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
     except TypeError:
         return False
 
 
 def dtype_of(x: Any) -> Any:
     """The dtype of an array, tracer or Python scalar (extended dtypes such as PRNG keys as they are)."""
-    return np_dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+    if hasattr(x, "dtype"):
+        dtype = x.dtype
+        return dtype if isinstance(dtype, np.dtype) else np_dtype(dtype)
+    return np.asarray(x).dtype
 
 
 def np_dtype(dtype: Any) -> Any:
