@@ -32,17 +32,15 @@ def is_float(dtype: Any) -> bool:
     """Real floating (never complex, PRNG key or float0): the only dtypes the engine casts."""
     try:
         return _is_float(dtype)
-    except TypeError:  # an unhashable stand-in for a dtype: not one the engine casts
+    except TypeError:  # not a dtype (or an unhashable stand-in): not one the engine casts
         return False
 
 
-# A memo of a pure function of a dtype (the engine asks it several times per equation).
+# A memo of a pure function of a dtype (the engine asks it several times per equation); a
+# TypeError (unhashable, or not a dtype) reaches is_float uncached.
 @functools.lru_cache(maxsize=256)
 def _is_float(dtype: Any) -> bool:
-    try:
-        return bool(jnp.issubdtype(dtype, jnp.floating))
-    except TypeError:
-        return False
+    return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def dtype_of(x: Any) -> Any:
