@@ -73,6 +73,41 @@ def top_kernels(trace_path: str | Path, top: int = 20) -> dict:
     return {"timeline": "device" if device_pids else "host", "total_us": total, "rows": rows}
 
 
+def kernel_time_by_thread(trace_path: str | Path) -> dict:
+    """Sums the host-side XLA events of a trace per thread pool.
+
+    On CPU the thunks of one program run on whichever threads XLA's runtime hands them to: the
+    PjRt client thread that starts the program (``tf_XLAPjRtCpuClient``), the intra-op pool
+    (``tf_XLAEigen``) or the Python thread. Two programs with the same kernels can differ in wall
+    time only through this placement; this table shows it.
+
+    Args:
+      trace_path: a ``*.trace.json.gz`` from :func:`trace_steps`.
+
+    Returns:
+      ``{pool: total_us}`` where ``pool`` is the thread name up to its first ``/`` (thread names
+      carry an id after it), for events that carry an ``hlo_op`` argument.
+
+    Example::
+
+        path = trace_steps(lambda: run(10), "/tmp/prof")
+        kernel_time_by_thread(path)  # {'tf_XLAEigen': 2950.1, 'tf_XLAPjRtCpuClient': 41.3, ...}
+    """
+    with gzip.open(trace_path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {(e.get("pid"), e.get("tid")): (e.get("args") or {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    totals: dict = collections.defaultdict(float)
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") != "X" or "hlo_op" not in args or e["name"].startswith("end: "):
+            continue
+        pool = names.get((e.get("pid"), e.get("tid")), "") or f"tid {e.get('tid')}"
+        totals[pool.split("/", 1)[0]] += float(e.get("dur", 0.0))
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def markdown(profile: dict, title: str, meta: dict) -> str:
     """The profile as a markdown page (title, how it was taken, the table)."""
     lines = [f"# {title}", "",

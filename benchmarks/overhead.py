@@ -17,7 +17,16 @@ Variants (all jitted whole train steps, params and optimizer state donated):
   ``update_and_apply``, which steps the params inside the skip);
 * ``jaxmp-noop`` -- the same with ``loss_scale="none"`` (bf16/fp32 use);
 * ``jaxmp-optax`` -- the dynamic wrapper in a hand-written optax loop: ``jaxmp.value_and_grad``,
-  ``tx.update``, ``jaxmp.apply_updates`` (the updates are written out and read back).
+  ``tx.update``, ``jaxmp.apply_updates`` (the updates are written out and read back);
+* ``jaxmp-noop-probe`` (not in the default set) -- a control: ``jaxmp-noop`` that also returns
+  the sum of the batch's labels, one tiny reduction independent of the rest of the step. It adds
+  no work worth timing; if it moves the step time, the time is set by where XLA's CPU runtime
+  places the thunks, not by what the wrapper computes.
+
+``--thread-profile`` traces ``--steps`` steps of each variant after the timing and records the
+kernel time per step on each thread pool (``kernel_us_per_step_by_thread``): the PjRt client
+thread that starts a program, XLA's intra-op pool, Python. On a 2-core machine, kernels on the
+client thread run beside the pool's two threads and compete with them for the cores.
 
 Every step is finite, so all variants do the same arithmetic except the loss-scaling
 machinery. Timing: warm-up (compilation and a few steps) excluded, blocks of ``--steps``
@@ -49,6 +58,7 @@ DEFAULTS = {
 }
 DRY = dict(model="mlp", width=32, depth=1, batch_size=8, rounds=3, steps=2, warmup_steps=1)
 VARIANTS = ("bare", "floor", "jmp", "jaxmp", "jaxmp-noop", "jaxmp-optax")
+EXTRA_VARIANTS = ("jaxmp-noop-probe",)  # controls, run only when asked for
 
 
 def build_model(name: str, width: int, depth: int, num_classes: int = 10):
@@ -166,6 +176,10 @@ def make_variants(cfg: dict):
 
     tx_jaxmp, jaxmp_step = jaxmp_factory(jaxmp.DynamicLossScale())
     tx_noop, noop_step = jaxmp_factory("none")
+
+    def noop_probe_step(state, batch):
+        new_state, loss = noop_step(state, batch)
+        return new_state, (loss, batch[1].sum())
     tx_optax = jaxmp.loss_scaling(chain(), loss_scale=jaxmp.DynamicLossScale())
 
     def optax_step(state, batch):  # the hand-written loop of the README
@@ -181,10 +195,11 @@ def make_variants(cfg: dict):
         "jmp": lambda: (copy(params), tx_jmp.init(copy(params)), jmp.DynamicLossScale(jnp.float32(2**15))),
         "jaxmp": lambda: (copy(params), tx_jaxmp.init(copy(params))),
         "jaxmp-noop": lambda: (copy(params), tx_noop.init(copy(params))),
+        "jaxmp-noop-probe": lambda: (copy(params), tx_noop.init(copy(params))),
         "jaxmp-optax": lambda: (copy(params), tx_optax.init(copy(params))),
     }
     fns = {"bare": bare_step, "floor": floor_step, "jmp": jmp_step, "jaxmp": jaxmp_step, "jaxmp-noop": noop_step,
-           "jaxmp-optax": optax_step}
+           "jaxmp-optax": optax_step, "jaxmp-noop-probe": noop_probe_step}
     steps = {n: jax.jit(fns[n], **donate) for n in cfg["variants"]}
     inits = {n: init[n] for n in cfg["variants"]}
     info = {"n_params": n_params, "input_shape": [cfg["batch_size"], *in_shape], "policy": str(policy)}
@@ -230,6 +245,33 @@ def _elements(hlo_line: str) -> int:
     for d in filter(None, m.group(1).split(",")):
         n *= int(d)
     return n
+
+
+def thread_profile(steps: dict, states: dict, batches: list, n_steps: int) -> dict:
+    """Kernel time per step on each thread pool, per variant (one ``jax.profiler`` trace each).
+
+    Returns:
+      ``{variant: {pool: microseconds per step}}`` (see :func:`_profile.kernel_time_by_thread`).
+    """
+    import tempfile
+
+    import jax
+
+    from benchmarks import _profile
+
+    out = {}
+    for n, f in steps.items():
+        def run_steps(n=n, f=f):
+            s = states[n]
+            for i in range(n_steps):
+                s, loss = f(s, batches[i % len(batches)])
+            jax.block_until_ready((s, loss))
+            states[n] = s
+
+        with tempfile.TemporaryDirectory() as d:
+            by_pool = _profile.kernel_time_by_thread(_profile.trace_steps(run_steps, d))
+        out[n] = {pool: us / n_steps for pool, us in by_pool.items()}
+    return out
 
 
 def run(cfg: dict, quiet: bool = False) -> dict:
@@ -282,20 +324,22 @@ def run(cfg: dict, quiet: bool = False) -> dict:
     import jaxmp
 
     skipped = {}
-    for n in ("jaxmp", "jaxmp-noop", "jaxmp-optax"):
+    for n in ("jaxmp", "jaxmp-noop", "jaxmp-optax", "jaxmp-noop-probe"):
         if n in states:
             skipped[n] = int(jaxmp.skipped_steps(states[n][1]))
 
     step_time = {n: common.summarize(v) for n, v in samples.items()}
     ratios, ratio_of_medians = {}, {}
     pairs = [("jaxmp", "floor"), ("floor", "bare"), ("jaxmp", "bare"), ("jmp", "bare"), ("jaxmp", "jmp"),
-             ("jaxmp-noop", "bare"), ("jaxmp-noop", "floor"), ("jaxmp-optax", "floor")]
+             ("jaxmp-noop", "bare"), ("jaxmp-noop", "floor"), ("jaxmp-optax", "floor"),
+             ("jaxmp-noop-probe", "floor")]
     for a, b in pairs:
         if a in samples and b in samples:
             ratios[f"{a}/{b}"] = common.summarize(common.paired_ratios(samples[a], samples[b]))
             ratio_of_medians[f"{a}/{b}"] = step_time[a]["median"] / step_time[b]["median"]
     overhead_us = {f"{n}-bare": (step_time[n]["median"] - step_time["bare"]["median"]) * 1e6
                    for n in steps if n != "bare" and "bare" in step_time}
+    by_thread = thread_profile(steps, states, batches, cfg["steps"]) if cfg.get("thread_profile") else None
     key = "jaxmp/floor" if "jaxmp/floor" in ratios else "jaxmp/bare"
     limit = TARGET if key == "jaxmp/floor" else 1.03
     measured = ratios[key]["median"]
@@ -311,6 +355,7 @@ def run(cfg: dict, quiet: bool = False) -> dict:
         "bytes_vs_floor": {n: st["bytes_accessed"] / stats["floor"]["bytes_accessed"] for n, st in stats.items()
                            if "floor" in stats and st.get("bytes_accessed") and stats["floor"].get("bytes_accessed")},
         "skipped_steps": skipped,
+        **({"kernel_us_per_step_by_thread": by_thread} if by_thread is not None else {}),
         "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "model": info,
         "target": {
@@ -335,7 +380,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup-steps", type=int)
     parser.add_argument("--n-batches", type=int, default=4, help="distinct synthetic batches, cycled")
     parser.add_argument("--policy", default="O0", help="jaxmp policy of the loss function (default O0: fp32)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma list of {VARIANTS + EXTRA_VARIANTS} (default: the first {len(VARIANTS)})")
+    parser.add_argument("--thread-profile", action="store_true",
+                        help="after timing, trace --steps steps per variant and record the kernel time per step "
+                             "on each thread pool (kernel_us_per_step_by_thread)")
     parser.add_argument("--no-donate", action="store_true", help="do not donate params/optimizer state")
     parser.add_argument("--skip-with", choices=("auto", "cond", "select"), default="auto",
                         help="how jaxmp's variants skip a non-finite step (jaxmp.loss_scaling's skip_with; "
@@ -355,8 +404,8 @@ def main(argv=None) -> dict:
             base[k] = v
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
-        if v not in VARIANTS:
-            parser.error(f"unknown variant {v!r}: expected some of {VARIANTS}")
+        if v not in VARIANTS + EXTRA_VARIANTS:
+            parser.error(f"unknown variant {v!r}: expected some of {VARIANTS + EXTRA_VARIANTS}")
     if "bare" not in variants or "jaxmp" not in variants:
         parser.error("the variants must include 'bare' and 'jaxmp'")
     notes = []
@@ -368,7 +417,7 @@ def main(argv=None) -> dict:
             notes.append("jmp is not installed here: the jmp variant was left out (pip install jmp)")
             common.log(f"overhead: {notes[-1]}", args.quiet)
     cfg = dict(base, n_batches=args.n_batches, policy=args.policy, variants=variants, donate=not args.no_donate,
-               clock=args.clock, skip_with=args.skip_with,
+               clock=args.clock, skip_with=args.skip_with, thread_profile=args.thread_profile,
                optimizer="optax.chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=1e-4))",
                loss_scale={"jmp": "jmp.DynamicLossScale(2**15)", "jaxmp": "jaxmp.DynamicLossScale() (2**15)",
                            "jaxmp-noop": "none"},
@@ -384,11 +433,13 @@ def main(argv=None) -> dict:
     lines = [f"device: {env['device']} ({platform}); model {cfg['model']} ({results['model']['n_params']} params), "
              f"batch {cfg['batch_size']}, {cfg['rounds']} rounds x {cfg['steps']} steps"]
     for n, s in results["step_time_s"].items():
-        lines.append(f"  {n:11s} median {s['median'] * 1e3:8.3f} ms  IQR [{s['q25'] * 1e3:.3f}, {s['q75'] * 1e3:.3f}]"
+        lines.append(f"  {n:16s} median {s['median'] * 1e3:8.3f} ms  IQR [{s['q25'] * 1e3:.3f}, {s['q75'] * 1e3:.3f}]"
                      f"  min/max [{s['min'] * 1e3:.3f}, {s['max'] * 1e3:.3f}]")
     for n, s in results["ratios"].items():
-        lines.append(f"  {n:17s} {s['median']:.4f}  IQR [{s['q25']:.4f}, {s['q75']:.4f}]"
+        lines.append(f"  {n:22s} {s['median']:.4f}  IQR [{s['q25']:.4f}, {s['q75']:.4f}]"
                      f"  min/max [{s['min']:.4f}, {s['max']:.4f}]  (ratio of medians {results['ratio_of_medians'][n]:.4f})")
+    for n, pools in results.get("kernel_us_per_step_by_thread", {}).items():
+        lines.append(f"  kernels per step {n:16s} " + ", ".join(f"{k} {v:.0f} us" for k, v in pools.items()))
     lines.append(f"  target {t['what'].split()[3]} <= {t['limit']}: {'PASS' if t['pass'] else 'FAIL'} ({t['measured']:.4f})")
     print("\n".join(lines), flush=True)
 

@@ -316,6 +316,42 @@ def test_profile_writes_a_top_kernel_table(tmp_path):
     assert 1 <= len(rows) <= 5 and e["profile"]["top"][0]["total_us"] > 0
 
 
+def test_kernel_time_by_thread_sums_xla_events_per_pool(tmp_path):
+    import gzip
+
+    from benchmarks import _profile
+
+    meta = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": n}}
+            for t, n in ((10, "tf_XLAEigen/123"), (11, "tf_XLAEigen/-456"), (20, "tf_XLAPjRtCpuClient/7"),
+                         (30, "python"))]
+    x = lambda tid, name, dur, op=True: {"ph": "X", "pid": 1, "tid": tid, "name": name, "dur": dur,  # noqa: E731
+                                          "args": {"hlo_op": name} if op else {}}
+    events = meta + [x(10, "dot", 300.0), x(11, "dot.1", 200.0), x(20, "fusion", 50.0), x(30, "copy", 5.0),
+                     x(20, "ThunkExecutor::Execute", 999.0, op=False),  # runtime, not a kernel
+                     x(99, "fusion.2", 7.0)]  # a thread without a name is reported by id
+    events.append(dict(x(10, "end: dot", 1000.0), ph="X"))  # the profiler's end marker is not a kernel
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert _profile.kernel_time_by_thread(path) == {"tf_XLAEigen": 500.0, "tf_XLAPjRtCpuClient": 50.0,
+                                                    "tid 99": 7.0, "python": 5.0}
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
+def test_overhead_thread_profile_and_the_probe_variant(tmp_path):
+    out = tmp_path / "overhead.json"
+    overhead.main(["--dry-run", "--quiet", "--variants", "bare,jaxmp,jaxmp-noop,jaxmp-noop-probe", "--thread-profile",
+                   "--out", str(out)])
+    r = json.loads(out.read_text())["results"]
+    assert set(r["kernel_us_per_step_by_thread"]) == {"bare", "jaxmp", "jaxmp-noop", "jaxmp-noop-probe"}
+    for pools in r["kernel_us_per_step_by_thread"].values():
+        assert sum(pools.values()) > 0
+    assert r["skipped_steps"]["jaxmp-noop-probe"] == 0
+    with pytest.raises(SystemExit):
+        overhead.main(["--dry-run", "--variants", "bare,jaxmp,jaxmp-noop-probes", "--out", "-"])
+
+
 # ----------------------------------------------------------------------------------------------
 # Command lines: --help lists the flags; an unknown flag is named, without a traceback.
 
