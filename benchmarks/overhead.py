@@ -180,6 +180,7 @@ def make_variants(cfg: dict):
     def noop_probe_step(state, batch):
         new_state, loss = noop_step(state, batch)
         return new_state, (loss, batch[1].sum())
+
     tx_optax = jaxmp.loss_scaling(chain(), loss_scale=jaxmp.DynamicLossScale())
 
     def optax_step(state, batch):  # the hand-written loop of the README
