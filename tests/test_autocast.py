@@ -283,6 +283,38 @@ def test_shard_map_autocast_inside():
     assert_grads_close(ref, f, (w, x))
 
 
+def test_one_autocast_function_serves_eager_and_shard_map_calls_in_either_order():
+    # A program traced inside shard_map varies over the mesh axis ({V:d} in its types), and one
+    # traced for an explicitly sharded input bakes that sharding into its ops: the program cache
+    # must tell them apart from a plain call of the same shapes.
+    mesh = _mesh()
+    w, x = jnp.eye(8) * 0.3, jax.random.normal(jax.random.key(7), (16, 8))
+    f = lambda x, w: jnp.tanh(x @ w)  # noqa: E731
+    for eager_first in (True, False):
+        layer = jaxmp.autocast(f, "O1-bf16")
+        step = jax.jit(jax.shard_map(lambda x, w: layer(x, w), mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d")))
+        calls = [lambda: layer(x[:4], w), lambda: jax.jit(layer)(x[:4], w), lambda: step(x, w)]
+        outs = [c() for c in (calls if eager_first else calls[::-1])]
+        np.testing.assert_array_equal(outs[0] if eager_first else outs[2], layer(x[:4], w))
+        np.testing.assert_allclose(step(x, w), jnp.tanh(x @ w), atol=2e-2)
+        assert len(layer._programs) == 2  # the per-shard program and the plain one, each traced once
+
+
+def test_a_program_is_not_reused_for_an_input_of_another_sharding():
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:4])
+    f = lambda x: x * 2 + jnp.zeros_like(x)  # noqa: E731 - zeros_like's broadcast carries a sharding
+    ac = jaxmp.autocast(f, "O1-bf16")
+    with jax.set_mesh(mesh):
+        x = jnp.arange(64.0).reshape(8, 8)
+        layouts = [jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+                   for spec in (P("d", None), P(), P(None, "d"))]
+        for v in layouts:
+            for call in (ac, jax.jit(ac)):
+                out = call(v)
+                assert out.sharding.spec == f(v).sharding.spec
+                np.testing.assert_array_equal(out, f(v))
+
+
 def test_pmap_around_autocast():
     n = 4
     w = jnp.eye(8) * 0.3

@@ -99,14 +99,11 @@ class _Program:
 
 
 def _signature(leaves, dynamic):
-    parts = []
-    for leaf, dyn in zip(leaves, dynamic):
-        if dyn:
-            aval = internals.typeof(leaf)
-            parts.append((aval.shape, str(aval.dtype), bool(getattr(aval, "weak_type", False))))
-        else:
-            parts.append(("static", leaf))
-    return tuple(parts)
+    # A dynamic leaf is keyed by its whole abstract value, as jit keys its cache: shape, dtype
+    # and weak type, and also its sharding and the shard_map axes it varies over. A program
+    # traced inside shard_map (or for an explicitly sharded input) bakes these into its ops
+    # and cannot be re-run for a value of another layout.
+    return tuple(internals.typeof(leaf) if dyn else ("static", leaf) for leaf, dyn in zip(leaves, dynamic))
 
 
 class _Autocast:
