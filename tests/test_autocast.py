@@ -447,6 +447,20 @@ def test_under_jit_of_grad_a_layers_ops_are_staged_once_whatever_the_depth():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("policy", ["O1-bf16", "O2-bf16", "O1-fp16", "O3-bf16"])
+def test_an_eager_call_and_a_jitted_one_agree_bit_for_bit(policy):
+    # The policy's input casts (O2's weights) and output casts belong to the engine's one
+    # compiled program: run apart from it, a cast is rounded where XLA, compiling the whole
+    # program under the caller's jit, may keep the wider value (excess precision), and the two
+    # calls differ by half-precision rounding.
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    ac = jaxmp.autocast(lambda w, x: (x @ w) * 3.0 + 1.0, policy)
+    np.testing.assert_array_equal(ac(w, x), jax.jit(ac)(w, x))
+    loss = lambda w: jnp.sum(ac(w, x).astype(F32) ** 2)  # noqa: E731
+    np.testing.assert_array_equal(jax.grad(loss)(w), jax.jit(jax.grad(loss))(w))
+
+
 def test_an_eager_grad_runs_the_engines_compiled_program_and_reuses_it(monkeypatch):
     from jaxmp.engine.interpreter import Interpreter
 

@@ -72,9 +72,10 @@ class _Program:
     out_tree: Any
     config: _config.AutocastConfig
     has_tracer_consts: bool
+    cast_outputs: bool = True
 
     def __post_init__(self):
-        self.jitted = jax.jit(self.run)
+        self.jitted = jax.jit(self.call)
         self._weights = None
         self._repeated = None
 
@@ -96,6 +97,21 @@ class _Program:
         interp = Interpreter(self.config, explain=_EXPLAIN.value, repeated=self.repeated)
         outs = interp.run(self.closed.jaxpr, self.closed.consts, [Val(x) for x in xs])
         return [o.x for o in outs]
+
+    def call(self, *xs):
+        """The program with the policy's input and output casts: one computation, so that a
+        call run eagerly (``jitted``) and one staged into a caller's ``jit`` round alike."""
+        if self.config.cast_inputs:
+            # O2: weights (every use a half-list op) are cast once here; running statistics,
+            # biases and other state enter as passed, so a stored float32 statistic stays float32.
+            cast = self.weights() if self.config.cast_inputs == "weights" else [True] * len(xs)
+            xs = [cast_floating(x, self.config.compute_dtype) if c else x for x, c in zip(xs, cast)]
+        with jax.named_scope(marker("keep", f"autocast({self.config.name})")):
+            outs = self.run(*xs)
+        if self.cast_outputs:
+            outs = [cast_floating(o, self.config.output_dtype) if is_float(getattr(o, "dtype", None)) else o
+                    for o in outs]
+        return outs
 
 
 def _signature(leaves, dynamic):
@@ -134,7 +150,7 @@ class _Autocast:
                 apply_module_rules(self.config.modules, intercept=not self.config.front_door):
             closed = jax.make_jaxpr(flat_fn)(*dyn_vals)
         tracer_consts = any(internals.is_tracer(c) for c in closed.consts)
-        return _Program(closed, out_tree[0], self.config, tracer_consts)
+        return _Program(closed, out_tree[0], self.config, tracer_consts, self.cast_outputs)
 
     def _program(self, leaves, dynamic, treedef) -> _Program:
         if not self.cache:
@@ -159,22 +175,13 @@ class _Autocast:
         dynamic = [_is_array(leaf) for leaf in leaves]
         program = self._program(leaves, dynamic, treedef)
         dyn_vals = [leaf for leaf, d in zip(leaves, dynamic) if d]
-        if self.config.cast_inputs:
-            # O2: weights (every use a half-list op) are cast once here; running statistics,
-            # biases and other state enter as passed, so a stored float32 statistic stays float32.
-            cast = program.weights() if self.config.cast_inputs == "weights" else [True] * len(dyn_vals)
-            dyn_vals = [cast_floating(x, self.config.compute_dtype) if c else x for x, c in zip(dyn_vals, cast)]
         # Run eagerly (an eager grad or vmap included), the cached program is one jitted call.
         # While a program is being staged out (jit, make_jaxpr) its ops are bound into the
         # caller's trace instead: under an outer grad or vmap each repeated op is then a cached
         # one-op jit (internals.bind) whose linearization or batching JAX caches, where one
         # opaque jit call would have its body redone equation by equation.
         inline = not self.cache or program.has_tracer_consts or internals.staging()
-        with jax.named_scope(marker("keep", f"autocast({self.config.name})")):
-            outs = program.run(*dyn_vals) if inline else program.jitted(*dyn_vals)
-        if self.cast_outputs:
-            outs = [cast_floating(o, self.config.output_dtype) if is_float(getattr(o, "dtype", None)) else o
-                    for o in outs]
+        outs = program.call(*dyn_vals) if inline else program.jitted(*dyn_vals)
         return jax.tree_util.tree_unflatten(program.out_tree, outs)
 
 
