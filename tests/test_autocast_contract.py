@@ -88,6 +88,26 @@ def test_user_inf_and_nan_stay_and_a_fully_computed_additive_mask_saturates():
     assert np.isposinf(float(b[0])) and np.isneginf(float(b[1])) and np.isnan(float(b[2]))
 
 
+@pytest.mark.parametrize("policy", ["O1-bf16", "O1-fp16", "O3-fp16"])
+def test_a_mask_value_passed_as_a_python_number_saturates_eager_or_jitted(policy):
+    # Eagerly the number is a static argument (a literal of the program); the caller's jit
+    # traces it as a weak scalar. Both must saturate, or jit alone turns the padding row to NaN.
+    def f(w, x, mask, neg):
+        return jax.nn.softmax(jnp.where(mask, x @ w, neg), axis=-1)
+
+    w, x = jnp.ones((4, 4)) * 0.1, jnp.ones((3, 4))
+    mask = jnp.array([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)
+    neg = float(jnp.finfo(jnp.float32).min)
+    ac = jaxmp.autocast(f, policy)
+    eager, jitted = ac(w, x, mask, neg), jax.jit(ac)(w, x, mask, neg)
+    assert bool(jnp.all(jnp.isfinite(jitted))), jitted
+    np.testing.assert_array_equal(eager, jitted)
+    np.testing.assert_allclose(np.asarray(jitted[2], np.float32), 0.25)
+    # A weak-typed array is data, not a number: its overflow is not hidden.
+    big = jax.jit(ac)(w, x, mask, jnp.full((3, 4), neg))
+    assert policy.endswith("bf16") or not bool(jnp.all(jnp.isfinite(big)))
+
+
 def test_an_activation_overflow_is_not_saturated_and_the_step_is_skipped():
     def loss(w, x):
         return jnp.sum((x @ w).astype(jnp.float32)) * 0.0 + jnp.sum(x @ w)

@@ -18,7 +18,7 @@ from jaxmp.engine import config as _config
 from jaxmp.engine import internals
 from jaxmp.engine.attention import route_attention
 from jaxmp.engine.interpreter import Interpreter, repeated_ops
-from jaxmp.engine.values import Val, is_float
+from jaxmp.engine.values import Val, dtype_of, is_float, saturate
 from jaxmp.engine.modules import apply_module_rules
 from jaxmp.engine.rules import AutocastRules, marker
 from jaxmp.dtypes import cast_floating
@@ -95,7 +95,7 @@ class _Program:
 
     def run(self, *xs):
         interp = Interpreter(self.config, explain=_EXPLAIN.value, repeated=self.repeated)
-        outs = interp.run(self.closed.jaxpr, self.closed.consts, [Val(x) for x in xs])
+        outs = interp.run(self.closed.jaxpr, self.closed.consts, [_argument(x) for x in xs])
         return [o.x for o in outs]
 
     def call(self, *xs):
@@ -105,13 +105,34 @@ class _Program:
             # O2: weights (every use a half-list op) are cast once here; running statistics,
             # biases and other state enter as passed, so a stored float32 statistic stays float32.
             cast = self.weights() if self.config.cast_inputs == "weights" else [True] * len(xs)
-            xs = [cast_floating(x, self.config.compute_dtype) if c else x for x, c in zip(xs, cast)]
+            xs = [_cast_input(x, self.config.compute_dtype) if c else x for x, c in zip(xs, cast)]
         with jax.named_scope(marker("keep", f"autocast({self.config.name})")):
             outs = self.run(*xs)
         if self.cast_outputs:
             outs = [cast_floating(o, self.config.output_dtype) if is_float(getattr(o, "dtype", None)) else o
                     for o in outs]
         return outs
+
+
+def _argument(x) -> Val:
+    """An input as the interpreter reads it.
+
+    A weak-typed scalar is a Python number that a caller's ``jit`` traced. Called eagerly, the
+    same number is a static argument, a literal of the program, and literals narrowed to half
+    saturate (``finfo(float32).min`` as a mask value). It is read as a constant, so that the
+    eager call and the jitted one compute the same thing.
+    """
+    aval = internals.typeof(x)
+    weak = bool(getattr(aval, "weak_type", False))
+    return Val(x, weak=weak, const=weak and not aval.shape)
+
+
+def _cast_input(x, dtype):
+    """An input cast to the compute dtype (O2's weights, O3's every input); a weak scalar that
+    narrows saturates, as :func:`_argument` explains."""
+    if _argument(x).const and is_float(dtype_of(x)) and np.dtype(dtype).itemsize < dtype_of(x).itemsize:
+        return saturate(x, np.dtype(dtype))
+    return cast_floating(x, dtype)
 
 
 def _signature(leaves, dynamic):
