@@ -121,6 +121,29 @@ def test_remat_body(data):
     assert_grads_close(f, ac, (w, x))
 
 
+def test_a_named_residual_is_saved_in_the_dtype_it_was_computed_in():
+    # checkpoint_name is an identity: the bf16 matmul output it names is saved as bf16 under a
+    # names policy, as dots_saveable saves it, not widened to float32 (twice the memory).
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
+
+    def block(w, x):
+        return jnp.tanh(checkpoint_name(x @ w, "h"))
+
+    w, x = jnp.eye(8) * 0.3, jax.random.normal(jax.random.key(3), (4, 8))
+    for policy in (jax.checkpoint_policies.save_only_these_names("h"), jax.checkpoint_policies.dots_saveable):
+        f = lambda w, x, policy=policy: jnp.sum(jax.checkpoint(block, policy=policy)(w, x))  # noqa: E731
+        ac = jaxmp.autocast(f, "O1-bf16")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print_saved_residuals(ac, w, x)
+        saved = [line.split()[0] for line in out.getvalue().splitlines() if "from the argument" not in line]
+        assert saved == ["bf16[4,8]"], out.getvalue()
+        assert_grads_close(f, ac, (w, x))
+
+
 @jax.custom_vjp
 def scaled_tanh(x, w):
     return jnp.tanh(x @ w)

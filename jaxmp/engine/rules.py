@@ -49,6 +49,7 @@ FOLLOW_OPS: frozenset[str] = frozenset({
     "stop_gradient", "add_any", "eq", "ne", "lt", "le", "gt", "ge", "argmax", "argmin",
     "reduce_window_max", "reduce_window_min", "top_k", "sharding_constraint", "reshard",
     "split", "tile", "zeros_like", "iota", "select_and_gather_add", "mesh_cast", "pvary",
+    "name",  # checkpoint_name: the remat policy saves the value in the dtype it was computed in
 })
 
 #: Ops with several independent operands: each keeps its own dtype (nothing is cast).
