@@ -466,8 +466,11 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
 
     Schedules inside the inner chain count the inner step counter, which advances on applied
     steps only. Gradient accumulation: put ``optax.MultiSteps`` *inside*
-    (``loss_scaling(optax.MultiSteps(inner, k))``); ``MultiSteps(loss_scaling(...))`` is
-    rejected, since it would average scaled gradients across steps whose scales differ.
+    (``loss_scaling(optax.MultiSteps(inner, k))``): every micro-batch is checked and the scale
+    adjusts on each. ``MultiSteps(loss_scaling(...))`` also trains like the large batch (the
+    scale only changes when the accumulated step is taken, so the micro-batches of one step
+    share it), but only the accumulated gradient is checked and the scale adjusts once per
+    ``k`` micro-batches.
 
     Master weights (Apex O2): with ``master_weights=True`` the model's params may be stored in
     float16/bfloat16; the inner chain runs on a ``master_dtype`` copy kept in the state, and

@@ -401,6 +401,23 @@ def test_sharded_step_carries_model_state_and_keeps_it_on_skipped_steps():
     assert not bool(metrics["last_step_finite"]) and _bits(m) == before
 
 
+def test_a_non_finite_loss_with_finite_gradients_is_applied_the_gradients_decide():
+    from jaxmp.step import make_step
+
+    params = {"w": jnp.ones(3)}
+    tx = jaxmp.loss_scaling(optax.sgd(0.1))
+    loss_fn = lambda p, ms, batch, rng: (jnp.sum(p["w"]) + jax.lax.stop_gradient(batch), (ms, None))  # noqa: E731
+    step = jax.jit(make_step(loss_fn, tx))
+    out = step(params, {}, tx.init(params), jnp.float32(jnp.nan))
+    assert np.isnan(float(out.loss)) and bool(out.finite) and int(out.opt_state.skip_reason) == 0
+    np.testing.assert_allclose(out.params["w"], 0.9)
+    # A non-finite loss that reaches the gradients skips, and says so.
+    loss_fn = lambda p, ms, batch, rng: (jnp.sum(p["w"] * batch), (ms, None))  # noqa: E731
+    out = jax.jit(make_step(loss_fn, tx))(params, {}, tx.init(params), jnp.float32(jnp.nan))
+    assert not bool(out.finite) and int(out.opt_state.skip_reason) == 1
+    np.testing.assert_array_equal(out.params["w"], params["w"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Gradient accumulation: optax.MultiSteps inside and around loss_scaling.
 
