@@ -300,6 +300,7 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
             f"tx.update(grads, state, params) (or use loss_scaling(..., master_weights=True), which keeps its own "
             f"float32 copy). The inner optimizer said: {type(e).__name__}: {e}") from e
     traps.check_update_constants(closed)
+    _check_state_types(state.inner_state, shapes[1])
     grad_leaves = jax.tree_util.tree_leaves(grads)
     scale_leaves = jax.tree_util.tree_leaves(loss_scale)
     scale_positions = [len(grad_leaves) + i for i, x in enumerate(scale_leaves) if is_floating_array(x)]
@@ -327,6 +328,25 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
     out, inner_state = apply()
     old, _ = skip() if fused else (jax.tree_util.tree_map(_negative_zeros, out), None)
     return keep_if_finite(grads_finite, out, old), keep_if_finite(grads_finite, inner_state, state.inner_state)
+
+
+def _check_state_types(old: Any, new: Any) -> None:
+    """A skipped step returns the old inner state: the inner chain must keep its state's types."""
+    old_leaves = jax.tree_util.tree_leaves_with_path(old)
+    new_leaves = jax.tree_util.tree_leaves(new)
+    if len(old_leaves) != len(new_leaves):
+        return  # a structure change: lax.cond / select_tree name it
+    for (path, a), b in zip(old_leaves, new_leaves):
+        a_dtype, b_dtype = getattr(a, "dtype", None), getattr(b, "dtype", None)
+        if a_dtype is None or b_dtype is None:
+            continue
+        if np.dtype(a_dtype) != np.dtype(b_dtype) or tuple(np.shape(a)) != tuple(b.shape):
+            raise ValueError(
+                f"the inner optimizer changes its state on update: {jax.tree_util.keystr(path)} is "
+                f"{np.dtype(a_dtype).name}{list(np.shape(a))} after init and {np.dtype(b_dtype).name}{list(b.shape)} "
+                "after update. A skipped step keeps the old state, so the two must match. This happens with "
+                "bfloat16/float16 params and float32 hyperparameters (optax.inject_hyperparams promotes the moments): "
+                "use loss_scaling(..., master_weights=True), whose inner state is float32.")
 
 
 def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dynamic", *,

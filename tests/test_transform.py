@@ -387,3 +387,19 @@ def test_int_leaves_and_float0_gradients_pass_through_and_donation_works():
 def test_make_loss_scale_accepts_numpy_and_jax_scalars():
     for v in (np.float32(1024), np.int64(8), jnp.float32(8.0)):
         assert float(jaxmp.make_loss_scale(v).loss_scale) == float(v)
+
+
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_an_inner_chain_that_changes_its_state_dtype_is_named_with_the_fix(skip_with):
+    # inject_hyperparams' float32 betas promote a bfloat16 param's moments to float32 on the
+    # first update; a skipped step must return the old state, so the types must not change.
+    params = {"a": jnp.ones(3), "b": jnp.ones((2, 2), jnp.bfloat16)}
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    tx = jaxmp.loss_scaling(inner, "static:1", skip_with=skip_with)
+    with pytest.raises(ValueError, match=r"mu\['b'\] is bfloat16\[2, 2\] after init and float32\[2, 2\].*master_weights=True"):
+        tx.update(grads, tx.init(params), params)
+    tx = jaxmp.loss_scaling(inner, "static:1", skip_with=skip_with, master_weights=True)
+    updates, state = tx.update(grads, tx.init(params), params)
+    assert bool(state.last_step_finite) and updates["b"].dtype == jnp.bfloat16
