@@ -1,20 +1,21 @@
-"""Keeps the gradient unscaling out of memory in the optimizer's own reductions (sums of squares, max norms).
+"""Folds the gradient unscaling into the optimizer's own reductions (sums of squares, max norms).
 
 The inner chain of :func:`jaxmp.loss_scaling` sees unscaled gradients ``u = g * (1/scale)``.
 Elementwise consumers of ``u`` (Adam's moments, the clip's division) fuse the multiply into
-their own pass, but a reduction such as ``clip_by_global_norm``'s ``sum(u**2)`` may not: XLA
-computes ``u`` once for all its consumers, and on XLA:CPU the YNNPACK reduction takes that
-operand from memory, so ``u`` is written out once more and read back (+7% bytes on the
-overhead benchmark's MLP). Here the operand of every reduction that is a chain of elementwise
-ops on ``g`` and the inverse scale is computed again, privately, from the scaled gradients and
-an ``optimization_barrier`` copy of the scale, which XLA cannot identify with the shared ``u``:
-the chain then fuses into the reduction's own pass.
+their own pass, but a reduction such as ``clip_by_global_norm``'s ``sum(u**2)`` may not: on
+XLA:CPU the YNNPACK reduction takes its operand from memory, so ``u`` is written out once
+more and read back (+7% bytes on the overhead benchmark's MLP). Here every reduction whose
+operand is homogeneous in the inverse scale is evaluated on the scaled gradients instead::
 
-The ops are the traced ones, on the same values: the result is bitwise the unfolded one for
-any scale, including where a squared *scaled* gradient would leave float32's range. (An
-earlier version evaluated ``sum(g**2) / scale**2``, which overflowed to inf there and made
-``clip_by_global_norm`` zero the update.) Only float32/float64 reductions are taken;
-half-precision arithmetic is left as traced.
+    sum((g * inv) ** 2)  ->  sum(g ** 2) * inv ** 2
+    max(|g * inv|)       ->  max(|g|) * inv
+
+Equivalence: for a power-of-two scale (every scale jaxmp's dynamic and default static scales
+take) both forms round identically, so the result is bitwise the same, unless a squared
+*scaled* gradient leaves float32's range (``|g * scale| > 1.8e19``), where the folded form
+overflows to inf (and, under a subnormal unscaled square, the folded form is the more exact).
+For another scale the two agree within a rounding of the product. Only float32/float64
+reductions are folded; half-precision arithmetic is never rewritten.
 
 :func:`eval_folded` is ``jax.core.eval_jaxpr`` with that rewrite; nothing else changes.
 """
@@ -29,6 +30,7 @@ from jax import lax
 from jax.extend.core import Literal
 
 _ZERO = "zero"  # a value known to be all zeros: homogeneous of any degree
+_ONE = "one"  # the base of the inverse scale itself
 
 _ELEMENTWISE_SAME = {lax.neg_p, lax.abs_p}
 _FOLDED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -114,8 +116,7 @@ def _foldable(eqn, degs) -> bool:
 
 
 def eval_folded(closed: Any, args: Sequence[Any], scale_positions: Sequence[int]) -> list:
-    """``jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)``, each reduction of the unscaled
-    gradients evaluated from the scaled ones in its own pass.
+    """``jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)`` with the unscaling folded out of reductions.
 
     Args:
       closed: a ClosedJaxpr whose invars include the loss scale.
@@ -124,7 +125,7 @@ def eval_folded(closed: Any, args: Sequence[Any], scale_positions: Sequence[int]
         computed as ``1 / scale`` (or ``x / scale``) are the inverse scale.
 
     Returns:
-      The flat outputs, the same numbers ``eval_jaxpr`` gives (see the module docstring).
+      The flat outputs, as ``eval_jaxpr`` gives them (reductions folded as the module says).
     """
     jaxpr = closed.jaxpr
     scale_vars = [jaxpr.invars[i] for i in scale_positions]
@@ -139,11 +140,8 @@ def eval_folded(closed: Any, args: Sequence[Any], scale_positions: Sequence[int]
         env[v] = x
     for v, x in zip(jaxpr.invars, args):
         env[v] = x
-    scale_var = scale_vars[0]
-    # The same value, which XLA cannot identify with the scale: the unscaling recomputed from
-    # it is not the shared ``g * (1/scale)`` that other consumers read from memory.
-    private_scale = lax.optimization_barrier(env[scale_var])
-    private: dict = {}
+    scale = env[scale_vars[0]]
+    bases: dict = {}
 
     def read(a):
         return a.val if isinstance(a, Literal) else env[a]
@@ -155,23 +153,44 @@ def eval_folded(closed: Any, args: Sequence[Any], scale_positions: Sequence[int]
             return eqn.primitive.bind(*subfuns, *inputs, **params)
         return eqn.primitive.bind(*inputs, **params)
 
-    def recompute(a):
-        """``a`` computed again from the private scale: the same ops, so the same numbers."""
-        if isinstance(a, Literal):
-            return a.val
-        if a is scale_var:
-            return private_scale
-        if degs.of(a) in (0, _ZERO):
-            return env[a]
-        if a not in private:
-            eqn = degs.defn[a]
-            private[a] = bind(eqn, [recompute(v) for v in eqn.invars])
-        return private[a]
+    def base(a):
+        """The value of ``a`` with the inverse scale set to one (or _ONE for the inverse itself)."""
+        d = degs.of(a)
+        if d == 0 or d == _ZERO:
+            return read(a)
+        if a in bases:
+            return bases[a]
+        eqn = degs.defn[a]
+        p, ins = eqn.primitive, eqn.invars
+        if p is lax.div_p:  # 1 / scale, or x / scale
+            out = _ONE if _is_one_literal(ins[0]) else base(ins[0])
+        elif p is lax.mul_p:
+            b0, b1 = base(ins[0]), base(ins[1])
+            out = b1 if b0 is _ONE else b0 if b1 is _ONE else bind(eqn, [b0, b1])
+        else:
+            inputs = [base(v) for v in ins]
+            if any(b is _ONE for b in inputs):  # e.g. square(1 / scale): no array to rebuild from
+                raise _NotFoldable
+            out = bind(eqn, inputs)
+        bases[a] = out
+        return out
 
     for eqn in jaxpr.eqns:
+        out = None
         if _foldable(eqn, degs):
-            out = bind(eqn, [recompute(eqn.invars[0])])
-        else:
+            try:
+                b = base(eqn.invars[0])
+                if b is not _ONE:
+                    red = bind(eqn, [b])
+                    inv = 1.0 / scale.astype(red.dtype)
+                    k = degs.of(eqn.invars[0])
+                    factor = inv
+                    for _ in range(k - 1):
+                        factor = factor * inv
+                    out = red * factor
+            except _NotFoldable:
+                out = None
+        if out is None:
             out = bind(eqn, [read(v) for v in eqn.invars])
         if eqn.primitive.multiple_results:
             for v, x in zip(eqn.outvars, out):
@@ -179,3 +198,7 @@ def eval_folded(closed: Any, args: Sequence[Any], scale_positions: Sequence[int]
         else:
             env[eqn.outvars[0]] = out
     return [read(v) for v in jaxpr.outvars]
+
+
+class _NotFoldable(Exception):
+    pass

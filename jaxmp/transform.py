@@ -277,9 +277,9 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
     fuse the unscaling into the inner chain's first elementwise ops, and the finiteness check
     (outside) into a single reduction over the scaled gradients, so no unscaled copy of the
     gradients is ever written out. The inner chain is traced once, to a jaxpr, and evaluated
-    with each reduction of the unscaled gradients recomputed in its own pass (:mod:`jaxmp.fold`:
-    a global norm reads the scaled gradients, not an unscaled copy written out for it), which
-    XLA:CPU does not do on its own.
+    with the unscaling folded out of its reductions (:mod:`jaxmp.fold`: a global norm is
+    computed on the scaled gradients and multiplied by ``1/scale**2``), which XLA:CPU does not
+    fuse on its own.
 
     ``fused``: return the new params instead of the updates (``apply_to_params`` inside the
     taken branch), so that the updates are never written out and read back: the compiled step
@@ -467,8 +467,10 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
 
     1. gradients (scaled by :func:`jaxmp.value_and_grad`) are unscaled with the scale that
        scaled the loss -- before the inner chain, so clipping and weight decay see true values
-       (a sum of squares such as the global norm is computed in its own pass from the scaled
-       gradients, with the same ops and results: :mod:`jaxmp.fold`);
+       (a sum of squares such as the global norm is computed on the scaled gradients and divided
+       by ``scale**2``, which is bitwise the same for power-of-two scales: :mod:`jaxmp.fold`;
+       known limit: where a squared *scaled* gradient leaves float32, ``|g| * scale > 1.8e19``,
+       the folded norm is inf and ``clip_by_global_norm`` zeroes that step's update);
     2. every floating and complex gradient leaf is checked for inf/NaN; with ``axis_name`` the
        verdict is reduced (``pmin`` in float32) so every replica agrees;
     3. finite: the inner update is applied; non-finite: updates are zero (``-0.0``, so that
