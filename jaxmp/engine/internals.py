@@ -96,6 +96,18 @@ def equation_context(eqn):
         yield
 
 
+def params_key(params: dict) -> tuple:
+    """An equation's parameters as a tuple that compares by type and value (hashable when they are).
+
+    Args:
+      params: the parameters, as found in a jaxpr.
+
+    Returns:
+      ``((name, type, value), ...)`` sorted by name.
+    """
+    return tuple((k, type(v), v) for k, v in sorted(params.items()))
+
+
 def bind(eqn, args, params: dict, staged: bool = False) -> list[Any]:
     """Binds ``eqn``'s primitive on ``args`` with ``params`` (as found in a jaxpr); a list of outputs.
 
@@ -117,9 +129,8 @@ def bind(eqn, args, params: dict, staged: bool = False) -> list[Any]:
     """
     prim = eqn.primitive
     if staged and not eqn.effects and not sub_jaxprs(eqn):
-        key = tuple((k, type(v), v) for k, v in sorted(params.items()))
         try:
-            fn = _staged_primitive(prim, key)
+            fn = _staged_primitive(prim, params_key(params))
         except TypeError:  # an unhashable parameter: bound directly
             fn = None
         if fn is not None:

@@ -292,8 +292,7 @@ class Interpreter:
 
 def op_signature(eqn) -> tuple | None:
     """(primitive, parameters, operand types) of a first-order equation; None if unhashable."""
-    key = (eqn.primitive, tuple((k, type(v), v) for k, v in sorted(eqn.params.items())),
-           tuple(a.aval for a in eqn.invars))
+    key = (eqn.primitive, internals.params_key(eqn.params), tuple(a.aval for a in eqn.invars))
     try:
         hash(key)
     except TypeError:
@@ -340,8 +339,7 @@ def _repeat_key(eqn, comps: tuple[str, ...]) -> tuple | None:
         return None
     operands = tuple(("literal", type(a.val), str(getattr(a.aval, "dtype", "")), a.val)
                      if isinstance(a, jcore.Literal) else a for a in eqn.invars)
-    key = (eqn.primitive, comps, operands, eqn.ctx,
-           tuple((k, type(v), v) for k, v in sorted(eqn.params.items())))
+    key = (eqn.primitive, comps, operands, eqn.ctx, internals.params_key(eqn.params))
     try:
         hash(key)
     except TypeError:  # an unhashable parameter (an array, a callable's closure): never merged
