@@ -18,6 +18,9 @@ Variants (all jitted whole train steps, params and optimizer state donated):
 * ``jaxmp-noop`` -- the same with ``loss_scale="none"`` (bf16/fp32 use);
 * ``jaxmp-optax`` -- the dynamic wrapper in a hand-written optax loop: ``jaxmp.value_and_grad``,
   ``tx.update``, ``jaxmp.apply_updates`` (the updates are written out and read back);
+* ``hand-skip`` (not in the default set) -- a control with no jaxmp in it: ``floor`` whose update
+  is applied under ``lax.cond(finite, ...)``, the smallest skip-on-overflow step one can write by
+  hand with optax. It tells what skipping itself costs, apart from any wrapper;
 * ``jaxmp-noop-probe`` (not in the default set) -- a control: ``jaxmp-noop`` that also returns
   the sum of the batch's labels, one tiny reduction independent of the rest of the step. It adds
   no work worth timing; if it moves the step time, the time is set by where XLA's CPU runtime
@@ -58,7 +61,7 @@ DEFAULTS = {
 }
 DRY = dict(model="mlp", width=32, depth=1, batch_size=8, rounds=3, steps=2, warmup_steps=1)
 VARIANTS = ("bare", "floor", "jmp", "jaxmp", "jaxmp-noop", "jaxmp-optax")
-EXTRA_VARIANTS = ("jaxmp-noop-probe",)  # controls, run only when asked for
+EXTRA_VARIANTS = ("hand-skip", "jaxmp-noop-probe")  # controls, run only when asked for
 
 
 def build_model(name: str, width: int, depth: int, num_classes: int = 10):
@@ -142,6 +145,18 @@ def make_variants(cfg: dict):
         u, o = tx_bare.update(g, o, p)
         return (optax.apply_updates(p, u), o), (loss, finite)
 
+    # the floor that skips a non-finite step by hand: optax and lax.cond, no jaxmp
+    def hand_skip_step(state, batch):
+        p, o = state
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(g)]))
+
+        def apply(po):
+            u, new_o = tx_bare.update(g, po[1], po[0])
+            return optax.apply_updates(po[0], u), new_o
+
+        return jax.lax.cond(finite, apply, lambda po: po, (p, o)), loss
+
     # jmp, as in its README
     tx_jmp = chain()
 
@@ -193,13 +208,14 @@ def make_variants(cfg: dict):
     init = {
         "bare": lambda: (copy(params), tx_bare.init(copy(params))),
         "floor": lambda: (copy(params), tx_bare.init(copy(params))),
+        "hand-skip": lambda: (copy(params), tx_bare.init(copy(params))),
         "jmp": lambda: (copy(params), tx_jmp.init(copy(params)), jmp.DynamicLossScale(jnp.float32(2**15))),
         "jaxmp": lambda: (copy(params), tx_jaxmp.init(copy(params))),
         "jaxmp-noop": lambda: (copy(params), tx_noop.init(copy(params))),
         "jaxmp-noop-probe": lambda: (copy(params), tx_noop.init(copy(params))),
         "jaxmp-optax": lambda: (copy(params), tx_optax.init(copy(params))),
     }
-    fns = {"bare": bare_step, "floor": floor_step, "jmp": jmp_step, "jaxmp": jaxmp_step, "jaxmp-noop": noop_step,
+    fns = {"bare": bare_step, "floor": floor_step, "hand-skip": hand_skip_step, "jmp": jmp_step, "jaxmp": jaxmp_step, "jaxmp-noop": noop_step,
            "jaxmp-optax": optax_step, "jaxmp-noop-probe": noop_probe_step}
     steps = {n: jax.jit(fns[n], **donate) for n in cfg["variants"]}
     inits = {n: init[n] for n in cfg["variants"]}
@@ -333,7 +349,8 @@ def run(cfg: dict, quiet: bool = False) -> dict:
     ratios, ratio_of_medians = {}, {}
     pairs = [("jaxmp", "floor"), ("floor", "bare"), ("jaxmp", "bare"), ("jmp", "bare"), ("jaxmp", "jmp"),
              ("jaxmp-noop", "bare"), ("jaxmp-noop", "floor"), ("jaxmp-optax", "floor"),
-             ("jaxmp-noop-probe", "floor")]
+             ("jaxmp-noop-probe", "floor"), ("hand-skip", "floor"), ("jaxmp-noop", "hand-skip"),
+             ("jaxmp", "hand-skip")]
     for a, b in pairs:
         if a in samples and b in samples:
             ratios[f"{a}/{b}"] = common.summarize(common.paired_ratios(samples[a], samples[b]))

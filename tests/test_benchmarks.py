@@ -341,15 +341,35 @@ def test_kernel_time_by_thread_sums_xla_events_per_pool(tmp_path):
 @pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_overhead_thread_profile_and_the_probe_variant(tmp_path):
     out = tmp_path / "overhead.json"
-    overhead.main(["--dry-run", "--quiet", "--variants", "bare,jaxmp,jaxmp-noop,jaxmp-noop-probe", "--thread-profile",
+    overhead.main(["--dry-run", "--quiet", "--variants", "bare,hand-skip,jaxmp,jaxmp-noop,jaxmp-noop-probe",
+                   "--thread-profile",
                    "--out", str(out)])
     r = json.loads(out.read_text())["results"]
-    assert set(r["kernel_us_per_step_by_thread"]) == {"bare", "jaxmp", "jaxmp-noop", "jaxmp-noop-probe"}
+    assert set(r["kernel_us_per_step_by_thread"]) == {"bare", "hand-skip", "jaxmp", "jaxmp-noop",
+                                                             "jaxmp-noop-probe"}
     for pools in r["kernel_us_per_step_by_thread"].values():
         assert sum(pools.values()) > 0
     assert r["skipped_steps"]["jaxmp-noop-probe"] == 0
     with pytest.raises(SystemExit):
         overhead.main(["--dry-run", "--variants", "bare,jaxmp,jaxmp-noop-probes", "--out", "-"])
+
+
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
+def test_the_hand_skip_control_steps_as_the_floor_and_keeps_a_non_finite_step():
+    import jax
+    import jax.numpy as jnp
+
+    cfg = dict(overhead.DRY, n_batches=2, policy="O0", donate=False, variants=["floor", "hand-skip"])
+    steps, inits, batches, _ = overhead.make_variants(cfg)
+    (p_floor, o_floor), _ = steps["floor"](inits["floor"](), batches[0])
+    (p_hand, o_hand), _ = steps["hand-skip"](inits["hand-skip"](), batches[0])
+    for a, b in zip(jax.tree_util.tree_leaves((p_floor, o_floor)), jax.tree_util.tree_leaves((p_hand, o_hand))):
+        assert jnp.array_equal(a, b)
+    start = inits["hand-skip"]()
+    x, y = batches[0]
+    (p_nan, o_nan), _ = steps["hand-skip"](start, (x.at[0, 0].set(jnp.nan), y))
+    for a, b in zip(jax.tree_util.tree_leaves((p_nan, o_nan)), jax.tree_util.tree_leaves(start)):
+        assert jnp.array_equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------------
