@@ -88,6 +88,94 @@ def test_user_inf_and_nan_stay_and_a_fully_computed_additive_mask_saturates():
     assert np.isposinf(float(b[0])) and np.isneginf(float(b[1])) and np.isnan(float(b[2]))
 
 
+@pytest.mark.parametrize("policy", ["O1-bf16", "O1-fp16"])
+@pytest.mark.parametrize("neg", ["finfo", "1e9"])
+def test_an_additive_mask_built_from_integer_data_keeps_a_padding_row_finite(policy, neg):
+    # The BERT convention: (1 - mask.astype(float32)) * big_negative added to half scores. The
+    # mask is data the program made float32 itself; narrowed, it became -inf and the padding-only
+    # row's softmax (and every gradient) NaN.
+    big = float(jnp.finfo(jnp.float32).min) if neg == "finfo" else -1e9
+
+    def loss(w, x, mask):
+        s = jnp.einsum("btd,bsd->bts", x @ w, x) * 0.125
+        p = jax.nn.softmax(s + (1.0 - mask[:, None, :].astype(jnp.float32)) * big, axis=-1)
+        return jnp.mean(jnp.einsum("bts,bsd->btd", p, x) ** 2)
+
+    w = jax.random.normal(jax.random.PRNGKey(0), (8, 8)) * 0.3
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 8))
+    mask = jnp.array([[1, 1, 1, 0], [0, 0, 0, 0]])
+    want = loss(w, x, mask)
+    got, g = jax.jit(jax.value_and_grad(jaxmp.autocast(loss, policy)))(w, x, mask)
+    assert bool(jnp.all(jnp.isfinite(g))), g
+    np.testing.assert_allclose(float(got), float(want), rtol=2e-2)
+
+
+def test_a_saturated_mask_added_to_negative_fp16_scores_keeps_the_row_uniform():
+    # finfo(float32).min is beyond float16's range: the add runs in float32 instead of adding
+    # -65504 (the saturated constant) to scores below -16, which rounds to -inf.
+    def attn(q, k, mask):
+        return jax.nn.softmax(q @ k.T + jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)[None, :], axis=-1)
+
+    q, k = jnp.ones((2, 8)), -3.0 * jnp.arange(1.0, 5.0)[:, None] * jnp.ones((4, 8))
+    got = jaxmp.autocast(attn, "O1-fp16")(q, k, jnp.zeros((4,), bool))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.full((2, 4), 0.25, np.float32))
+
+
+@pytest.mark.parametrize("policy", ["O1-fp16", "O1-bf16"])
+def test_constants_the_half_type_cannot_hold_run_their_ops_in_float32(policy):
+    # 1e5 overflows float16 (saturated it was 65504: 31% off); 1e-8 is zero in float16 (log(0)).
+    def f(w, x):
+        h = x @ w
+        return h * 1e5, jnp.log(jnp.maximum(jax.nn.relu(h - 1.0), 1e-8)), h / (h + 1e-8)
+
+    w, x = jnp.eye(4), jnp.full((2, 4), 0.5)
+    for got, want in zip(jaxmp.autocast(f, policy)(w, x), f(w, x)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-2)
+
+
+def test_a_float32_result_keeps_float32_through_cond_scan_and_while():
+    # A batch mean passed through control flow is centred in float32, as without it: in fp16
+    # the mean 100.03125 rounds to 100.0 and the variance doubles.
+    x = jnp.where(jnp.arange(8)[:, None] % 2 == 0, 100.0, 100.0625) * jnp.ones((8, 4))
+
+    def via(kind):
+        def var(w, x):
+            h = x @ w
+            if kind == "cond":
+                mu = jax.lax.cond(True, lambda h: h.mean(0), lambda h: jnp.zeros(h.shape[1:]), h)
+            elif kind == "scan":
+                mu = jax.lax.scan(lambda c, _: (h.mean(0), None), jnp.zeros(4), None, length=2)[0]
+            else:
+                mu = jax.lax.while_loop(lambda c: c[1] < 1, lambda c: (h.mean(0), c[1] + 1), (jnp.zeros(4), 0))[0]
+            return jnp.mean((h - mu) ** 2)
+        return var
+
+    for kind in ("cond", "scan", "while"):
+        got = jaxmp.autocast(via(kind), "O1-fp16")(jnp.eye(4), x)
+        assert float(got) == 0.0009765625, (kind, float(got))
+
+
+@pytest.mark.parametrize("policy", ["O1-bf16", "O1-fp16"])
+def test_a_masked_float32_accumulator_in_a_scan_adds_in_float32(policy):
+    # jnp.where(valid, acc + y, acc): the padded-steps form of a running sum.
+    def masked_sum(w, xs, valid):
+        return jax.lax.scan(lambda acc, inp: (jnp.where(inp[1], acc + inp[0] @ w, acc), None),
+                            jnp.zeros((1, 4)), (xs, valid))[0]
+
+    xs, valid = jnp.full((3000, 1, 4), 0.25), jnp.arange(3000) % 3 != 0
+    got = jaxmp.autocast(masked_sum, policy)(jnp.eye(4), xs, valid)
+    np.testing.assert_allclose(np.asarray(got), 500.0)
+
+
+def test_precision_highest_keeps_a_matmul_in_float32():
+    w = jax.random.normal(jax.random.PRNGKey(0), (64, 64))
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 64))
+    f = lambda w, x: jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)  # noqa: E731
+    np.testing.assert_allclose(jaxmp.autocast(f, "O1-bf16")(w, x), f(w, x), rtol=1e-6, atol=1e-6)
+    dots = [op for op in op_dtypes(jaxmp.autocast(f, "O1-bf16"), w, x) if op.primitive == "dot_general"]
+    assert dots and all(op.in_dtypes == (F32, F32) for op in dots), dots
+
+
 @pytest.mark.parametrize("policy", ["O1-bf16", "O1-fp16", "O3-fp16"])
 def test_a_mask_value_passed_as_a_python_number_saturates_eager_or_jitted(policy):
     # Eagerly the number is a static argument (a literal of the program); the caller's jit

@@ -53,25 +53,53 @@ def accumulators(jaxpr: jcore.Jaxpr, carry_in: Sequence[int], carry_out: Sequenc
             out_pos.setdefault(a, []).append(i)
     flags = []
     for i_in, i_out in zip(carry_in, carry_out):
-        v, added, ok = jaxpr.invars[i_in], False, False
+        v = jaxpr.invars[i_in]
         if not is_float(np_dtype(getattr(v.aval, "dtype", None))):
             flags.append(False)
             continue
-        for _ in range(len(jaxpr.eqns) + 1):
-            users, outs = uses.get(v, []), out_pos.get(v, [])
-            if not users and outs == [i_out]:
-                ok = added
-                break
-            if outs or len(users) != 1:
-                break
-            eqn = users[0]
-            if eqn.primitive.name not in _ACCUMULATE or len(eqn.outvars) != 1 or \
-                    sum(a is v for a in eqn.invars) != 1:
-                break
-            added = added or eqn.primitive.name in _ADDS
-            v = eqn.outvars[0]
-        flags.append(ok)
+        flags.append(_accumulates(v, i_out, uses, out_pos))
     return flags
+
+
+def _accumulates(carry: Any, i_out: int, uses: dict, out_pos: dict) -> bool:
+    """Whether every use of ``carry`` is the chain of ops that makes the body's output ``i_out``.
+
+    The chain passes through :data:`_ACCUMULATE` ops (one operand from the chain each) and may
+    branch and rejoin through ``select_n`` -- ``jnp.where(valid, acc + y, acc)``, the masked sum
+    of padded steps -- whose predicate does not come from the chain. It must add something.
+    """
+    chain, todo, added, ends = {carry}, [carry], False, []
+    while todo:
+        v = todo.pop()
+        if out_pos.get(v):
+            ends.append(v)
+        for eqn in uses.get(v, []):
+            name = eqn.primitive.name
+            if len(eqn.outvars) != 1:
+                return False
+            if name == "select_n" or (name in ("jit", "pjit") and _is_where(eqn, chain)):
+                if name == "select_n" and _in(eqn.invars[0], chain):
+                    return False
+            elif name not in _ACCUMULATE or sum(_in(a, chain) for a in eqn.invars) != 1:
+                return False
+            added = added or name in _ADDS
+            o = eqn.outvars[0]
+            if o not in chain:
+                chain.add(o)
+                todo.append(o)
+    return added and len(ends) == 1 and out_pos[ends[0]] == [i_out] and not uses.get(ends[0])
+
+
+def _is_where(eqn, chain: set) -> bool:
+    """A nested jit that only selects (``jnp.where``), its predicates not from ``chain``."""
+    inner, _ = internals.call_jaxpr(eqn)
+    from_chain = {iv for iv, a in zip(inner.invars, eqn.invars) if _in(a, chain)}
+    return len(eqn.outvars) == 1 and all(
+        e.primitive.name == "select_n" and not _in(e.invars[0], from_chain) for e in inner.eqns)
+
+
+def _in(atom: Any, chain: set) -> bool:
+    return not isinstance(atom, jcore.Literal) and atom in chain
 
 
 def _cast(x: Any, dtype: Any) -> Any:
@@ -140,7 +168,9 @@ def _scan(interp, eqn, vals, comps):
     init_x = [_cast(v.x, d) for v, d in zip(init, carry_dtypes)]
     carry, ys = jax.lax.scan(body, init_x, [v.x for v in xs], length=internals.param(eqn, "length"),
                              reverse=internals.param(eqn, "reverse"), unroll=internals.param(eqn, "unroll"))
-    return [Val(c) for c in carry] + [Val(y, *f) for y, f in zip(ys, flags[ncarry:])]
+    carry_flags = [[in_flags[nc + i], flags[i]] for i in range(ncarry)]
+    return [Val(c, _strong_out(c, f)) for c, f in zip(carry, carry_flags)] + \
+        [Val(y, *f) for y, f in zip(ys, flags[ncarry:])]
 
 
 def _while(interp, eqn, vals, comps):
@@ -150,7 +180,8 @@ def _while(interp, eqn, vals, comps):
     acc = accumulators(bj.jaxpr, range(bn, bn + len(init)), range(len(init)))
     carry_flags = [_ACCUMULATOR if a else _PLAIN for a in acc]
     cond_fn = _run_fn(interp, cj.jaxpr, cj.consts, _flags(cconsts) + [_PLAIN] * len(init), comps, [])
-    body_fn = _run_fn(interp, bj.jaxpr, bj.consts, _flags(bconsts) + carry_flags, comps, [])
+    out_flags: list = []
+    body_fn = _run_fn(interp, bj.jaxpr, bj.consts, _flags(bconsts) + carry_flags, comps, out_flags)
 
     def body(carry):
         outs = body_fn(*[c.x for c in bconsts], *carry)
@@ -158,7 +189,8 @@ def _while(interp, eqn, vals, comps):
 
     out = jax.lax.while_loop(lambda c: cond_fn(*[c_.x for c_ in cconsts], *c)[0], body,
                              [_cast(v.x, d) for v, d in zip(init, dtypes)])
-    return [Val(o) for o in out]
+    out_flags = out_flags or [_PLAIN] * len(out)  # filled when while_loop traces the body
+    return [Val(o, _strong_out(o, [c, f])) for o, c, f in zip(out, carry_flags, out_flags)]
 
 
 def _cond(interp, eqn, vals, comps):
@@ -166,12 +198,21 @@ def _cond(interp, eqn, vals, comps):
     index, ops = vals[0], vals[1:]
     dtypes = _avals_dtypes(branches[0].out_avals)
 
+    flags: list[list] = []
+
     def branch(closed):
-        fn = _run_fn(interp, closed.jaxpr, closed.consts, _flags(ops), comps, [])
+        flags.append([])
+        fn = _run_fn(interp, closed.jaxpr, closed.consts, _flags(ops), comps, flags[-1])
         return lambda *xs: [_cast(o, d) for o, d in zip(fn(*xs), dtypes)]
 
     outs = jax.lax.switch(index.x, [branch(b) for b in branches], *[v.x for v in ops])
-    return [Val(o) for o in outs]
+    # A float32 output that any branch computes as float32 (a batch mean) stays float32 for the
+    # ops after the cond, as it would without the cond.
+    return [Val(o, _strong_out(o, [f[i] for f in flags if i < len(f)])) for i, o in enumerate(outs)]
+
+
+def _strong_out(x: Any, flags: Sequence[tuple]) -> bool:
+    return is_float(dtype_of(x)) and dtype_of(x).itemsize >= 4 and any(f[0] for f in flags)
 
 
 def _custom_jvp(interp, eqn, vals, comps):

@@ -6,11 +6,16 @@ Every value carries a few bits besides its array:
   from them), and on float32 accumulators of loops. The promotion rule reads it: a strong
   float32 value promotes the half values it meets, a plain float32 value (an argument, a
   constant) is narrowed to half instead.
+  A value converted from integers or booleans to float32 (``mask.astype(jnp.float32)``) is
+  float32 the program made itself, so it is strong too: a padding mask built from token ids
+  promotes the half scores it is added to, as ``torch.autocast`` promotes ``half + float``.
 * *const* is set on literals, closed-over constants and values computed only from them (a
   boolean or integer operand does not count). Narrowing a constant saturates it to the half
-  type's finite range, so ``jnp.finfo(jnp.float32).min`` as an attention mask stays the most
-  negative finite number instead of becoming ``-inf`` (a fully masked row's softmax would be
-  NaN). Data is never saturated: an overflow must still reach the loss-scaling check.
+  type's finite range. A small concrete constant that the compute type cannot hold (beyond its
+  range, like ``jnp.finfo(jnp.float32).min`` or ``1e5`` in float16, or below its smallest
+  normal, like an epsilon of ``1e-8``) is strong instead: the ops it meets run in float32, so a
+  mask stays finite and an epsilon stays nonzero (:func:`values.lost_in`). Data is never
+  saturated: an overflow must still reach the loss-scaling check.
 
 A first-order equation that repeats an earlier one of the same jaxpr (the same primitive,
 parameters, operands and name scopes, and no effects) is not emitted again: its outputs are the
@@ -37,7 +42,7 @@ from jaxmp import fp8
 from jaxmp.engine import control_flow, internals
 from jaxmp.engine.config import AutocastConfig
 from jaxmp.engine.rules import COLLECTIVE_OPS, COMBINER_OPS, FLOAT32_OPS, FOLLOW_OPS, HALF_OPS, MARKER, PASSTHROUGH_OPS
-from jaxmp.engine.values import F32, Val, dtype_of, is_float, np_dtype, saturate, widest
+from jaxmp.engine.values import F32, Val, dtype_of, is_float, lost_in, np_dtype, saturate, widest
 
 
 class Interpreter:
@@ -105,13 +110,18 @@ class Interpreter:
     def _run(self, jaxpr, consts, args, prefix) -> list[Val]:
         env: dict[Any, Val] = {}
         casts: dict[tuple[Any, np.dtype], Any] = {}
+        # Pure half (no float32 list, O3) keeps every op in half: its constants saturate instead.
+        mixed = self.config.compute_dtype.itemsize < 4 and bool(self.rules.float32_ops)
+        half = self.config.compute_dtype if mixed else None
         for v, c in zip(jaxpr.constvars, consts):
-            env[v] = Val(c, False, False, True)
+            env[v] = Val(c, True, False, True) if half is not None and lost_in(c, half) else Val(c, False, False, True)
         for v, a in zip(jaxpr.invars, args):
             env[v] = a if isinstance(a, Val) else Val(a)
 
         def read(atom) -> Val:
             if isinstance(atom, jcore.Literal):
+                if half is not None and lost_in(atom.val, half):  # decisive, and runs its ops in float32
+                    return Val(atom.val, True, False, True)
                 return Val(atom.val, False, bool(getattr(atom.aval, "weak_type", False)), True)
             return env[atom]
 
@@ -208,6 +218,9 @@ class Interpreter:
         if region is not None:
             return self._run_in(eqn, vals, floats, np.dtype(region), cast, "region " + np.dtype(region).name)
         if name in self.rules.half_ops:
+            if _highest(eqn.params.get("precision")):  # the program asked for full float32 products
+                return self._run_in(eqn, vals, floats, widest([F32] + [dtype_of(vals[i].x) for i in floats]), cast,
+                                    "precision HIGHEST")
             return self._half(eqn, vals, floats, traced, cast)
         if name in self.rules.float32_ops or (name == "mul" and _squares(eqn, self.rules)):
             target = widest([F32] + [dtype_of(vals[i].x) for i in floats])
@@ -281,7 +294,11 @@ class Interpreter:
         cur = dtype_of(val.x)
         if new is None or not is_float(new) or not is_float(cur) or src is None or not is_float(src):
             out = self.bind(eqn, [val.x], rule="as traced")[0]
-            return [Val(out, False, bool(eqn.params.get("weak_type", False)))]
+            weak = bool(eqn.params.get("weak_type", False))
+            # Integers or booleans made float32 (a mask, positions): float32 data of the program's own.
+            made = new is not None and is_float(new) and new.itemsize >= 4 and src is not None and not is_float(src) \
+                and bool(self.rules.float32_ops)
+            return [Val(out, made and not weak, weak)]
         if new == src:  # only the weak type changes: the value keeps its (interpreted) dtype
             return [Val(val.x, val.strong, bool(eqn.params.get("weak_type", False)))]
         # An explicit cast in the traced program is the user's choice: kept. An upcast of a
@@ -345,6 +362,14 @@ def _repeat_key(eqn, comps: tuple[str, ...]) -> tuple | None:
     except TypeError:  # an unhashable parameter (an array, a callable's closure): never merged
         return None
     return key
+
+
+def _highest(precision: Any) -> bool:
+    """``precision=lax.Precision.HIGHEST`` (for both operands) on a matmul or convolution."""
+    if precision is None:
+        return False
+    ps = precision if isinstance(precision, (tuple, list)) else (precision,)
+    return all(p == jax.lax.Precision.HIGHEST for p in ps)
 
 
 def _all_const(vals: Sequence[Val]) -> bool:

@@ -69,6 +69,27 @@ def saturate(x: Any, dtype: np.dtype) -> Any:
     return jax.lax.convert_element_type(jnp.where(jnp.isfinite(x), clipped, x), dtype)
 
 
+def lost_in(x: Any, dtype: np.dtype) -> bool:
+    """Whether narrowing the concrete constant ``x`` to ``dtype`` loses it: a finite value beyond
+    the type's range, or a nonzero one below its smallest normal (zero or a few-bit subnormal).
+
+    Only small concrete constants are read (literals, closed-over scalars); anything else
+    (a tracer, a large array) answers False: it is narrowed as data is.
+    """
+    if not isinstance(x, (np.ndarray, np.generic, int, float)) or np.size(x) > _READ_LIMIT:
+        return False
+    a = np.asarray(x)
+    if not is_float(a.dtype) or a.dtype.itemsize <= np.dtype(dtype).itemsize:
+        return False
+    info = jnp.finfo(dtype)
+    mag = np.abs(a[np.isfinite(a)].astype(np.float64))
+    return bool(np.any(mag > float(info.max)) or np.any((mag > 0) & (mag < float(info.tiny))))
+
+
+#: Constants up to this many elements are read at trace time (:func:`lost_in`).
+_READ_LIMIT = 64
+
+
 def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
     """The widest floating dtype; two different half dtypes promote to float32."""
     wide = max(dtypes, key=lambda d: d.itemsize)
