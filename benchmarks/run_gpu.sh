@@ -12,6 +12,6 @@ export PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxmp_bench_jax_cache}"
 "$PY" benchmarks/run_gpu.py "$@"
 case " $* " in
-  *" --dry-run "*) ;;  # dry runs never touch the committed tables
+  *" --dry-run "*|*" --help "*|*" -h "*) ;;  # dry runs and help never touch the committed tables
   *) "$PY" benchmarks/report.py --write-readme ;;
 esac

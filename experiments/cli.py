@@ -131,7 +131,14 @@ def _check_workdir(workdir: str | None) -> None:
 
 
 def parse_plain(argv: list[str]) -> list[str]:
-    """absl's flag parsing with an unknown or bad flag reported in one line (no traceback)."""
+    """absl's flag parsing with an unknown or bad flag reported in one line (no traceback).
+
+    ``--help`` prints absl's help and exits 0 (absl's own exits 1, which reads as a failure).
+    """
+    if any(a in _HELP for a in argv[1:]):
+        app.usage(shorthelp=True, writeto_stdout=True)
+        sys.stdout.flush()
+        sys.exit(0)
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:

@@ -105,6 +105,9 @@ def compare(config, workdir: str, *, policies=None, num_seeds: int | None = None
     from experiments.validation import validate_config
 
     metrics.preload()
+    if policies is not None and not list(policies):
+        raise cli.UserError("--policies is empty: name the policies to compare, e.g. --policies=O0,O2-bf16 "
+                            "(or leave it out for config.compare_policies).")
     policies = list(policies or config.compare_policies)
     num_seeds = int(config.num_seeds if num_seeds is None else num_seeds)
     if num_seeds < 1:
@@ -179,6 +182,10 @@ def _write_outputs(config, workdir: str, runs: list, demo, info: dict, plots: bo
 
 def main(argv):
     del argv  # cli.run rejects extra arguments
+    if any(a.startswith("--config.policy=") for a in sys.argv[1:]):
+        # compare trains every policy it is given; config.policy is the single run's (experiments.main)
+        raise cli.UserError("experiments.compare trains each policy of --policies (default config.compare_policies), "
+                            "so --config.policy has no effect here: pass --policies=<name>[,<name>...] instead.")
     logging.set_verbosity(logging.WARNING)  # the progress lines and the table say enough
     from ml_collections import config_flags
 

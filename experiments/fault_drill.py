@@ -1,7 +1,7 @@
 """Fault drill: injects the faults a long training run meets and checks that none costs state.
 
   python -m experiments.fault_drill                      # the full drill (minutes)
-  python -m experiments.fault_drill --short              # the version the tests run (seconds)
+  python -m experiments.fault_drill --short              # the version the tests run (about a minute on 2 cores)
   python -m experiments.fault_drill --only=damage,overflow
 
 It prints one table row per check, each PASS or FAIL, and exits 1 if any failed:

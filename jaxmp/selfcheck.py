@@ -35,6 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from jaxmp.engine import contract, internals, tested
+    from jaxmp.engine.config import resolve_config
+
+    try:
+        compute = resolve_config(args.policy, None).compute_dtype
+    except (TypeError, ValueError) as e:
+        parser.error(f"--policy {args.policy!r}: {e}")
+    if compute.itemsize >= 4:
+        parser.error(f"--policy {args.policy!r} computes in {compute.name}: the contract is about mixed precision; "
+                     "check a half-precision preset such as O1-bf16 or O1-fp16")
 
     start = time.perf_counter()
     table = contract.composition_table(args.policy)

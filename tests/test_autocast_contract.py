@@ -441,6 +441,21 @@ def test_selfcheck_prints_what_holds(capsys):
     assert f"jax {jax.__version__}" in out and "checks hold" in out and "FAILS" not in out
 
 
+@pytest.mark.parametrize("policy", ["O1", "mixed_float16"])
+def test_the_contract_reads_the_half_dtype_of_presets_that_name_it_implicitly(policy):
+    # "O1" takes the platform's half type and "mixed_float16" float16: both once read as bf16.
+    assert contract.check_cell("half list", "jit", "T(autocast(f))", policy).holds
+
+
+@pytest.mark.parametrize("policy", ["O0", "O9", "O2-fp8"])
+def test_selfcheck_refuses_a_policy_it_cannot_check_with_a_usage_error(policy, capsys):
+    from jaxmp import selfcheck
+
+    with pytest.raises(SystemExit) as e:
+        selfcheck.main(["--policy", policy])
+    assert e.value.code == 2 and policy in capsys.readouterr().err
+
+
 def test_a_nested_jit_keeps_its_shardings_donation_and_name():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 

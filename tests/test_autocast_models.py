@@ -1,5 +1,6 @@
 """jaxmp.autocast on every kind of JAX model: Equinox, Haiku, Flax Linen (the experiments'
-ResNet with BatchNorm and Transformer with dropout) and Flax NNX; class rules for each."""
+ResNet with BatchNorm and Transformer with dropout) and Flax NNX; class rules for each. The
+Equinox and Haiku tests skip without their extras; the Flax ones always run."""
 
 import jax
 import jax.numpy as jnp
@@ -9,15 +10,13 @@ import pytest
 
 import jaxmp
 from tests._op_dtypes import op_dtypes
-from tests.test_autocast import BF16, F32, check_ops
+from tests.test_autocast import F32, check_ops
 
-eqx = pytest.importorskip("equinox")
-hk = pytest.importorskip("haiku")
-import flax.linen as nn  # noqa: E402
-from flax import nnx  # noqa: E402
+import flax.linen as nn
+from flax import nnx
 
-from experiments.models.resnet import ResNet9  # noqa: E402
-from experiments.models.transformer import TransformerEncoder  # noqa: E402
+from experiments.models.resnet import ResNet9
+from experiments.models.transformer import TransformerEncoder
 
 
 def _ce(logits, y):
@@ -26,19 +25,20 @@ def _ce(logits, y):
 
 # -- Equinox ----------------------------------------------------------------------------------
 
-class EqxNet(eqx.Module):
-    mlp: eqx.nn.MLP
-    norm: eqx.nn.LayerNorm
-
-    def __init__(self, key):
-        self.mlp = eqx.nn.MLP(8, 4, 16, 2, key=key)
-        self.norm = eqx.nn.LayerNorm(8)
-
-    def __call__(self, x):
-        return self.mlp(self.norm(x))
-
-
 def test_equinox_filter_grad_and_class_rule():
+    eqx = pytest.importorskip("equinox")  # here, not at import: the Flax tests below need no extra
+
+    class EqxNet(eqx.Module):
+        mlp: eqx.nn.MLP
+        norm: eqx.nn.LayerNorm
+
+        def __init__(self, key):
+            self.mlp = eqx.nn.MLP(8, 4, 16, 2, key=key)
+            self.norm = eqx.nn.LayerNorm(8)
+
+        def __call__(self, x):
+            return self.mlp(self.norm(x))
+
     model = EqxNet(jax.random.key(0))
     x, y = jax.random.normal(jax.random.key(1), (16, 8)), jnp.arange(16) % 4
 
@@ -62,6 +62,8 @@ def test_equinox_filter_grad_and_class_rule():
 # -- Haiku ------------------------------------------------------------------------------------
 
 def test_haiku_transformed_apply_and_class_rule():
+    hk = pytest.importorskip("haiku")
+
     def forward(x):
         return hk.nets.MLP([16, 4])(hk.LayerNorm(-1, True, True)(x))
 

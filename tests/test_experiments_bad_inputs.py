@@ -114,6 +114,8 @@ def _cli_cases(tmp):
         (["-m", "experiments.main", wd], ["--config is required"]),
         (["-m", "experiments.compare", "--config=cpu", wd, "--seeds=0"], ["seeds", "positive integer"]),
         (["-m", "experiments.compare", "--config=cpu", wd, "--isolate=maybe"], ["isolate", "auto"]),
+        (["-m", "experiments.compare", "--config=cpu", wd, "--config.policy=O9"], ["--config.policy", "--policies"]),
+        (["-m", "experiments.compare", "--config=cpu", wd, "--policies="], ["--policies is empty"]),
         (["-m", "experiments.train", f"--job={tmp}/missing.json"], ["--job", "cannot read"]),
         (["-m", "experiments.train", f"--job={not_json}"], ["--job", "not a JSON job file"]),
         (["-m", "experiments.fault_drill", "--only=bogus"], ["--only", "bogus", "overflow"]),

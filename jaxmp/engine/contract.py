@@ -195,7 +195,9 @@ def check_cell(op_class: str, transform: str, order: str, policy: str = "O1-bf16
     """
     from jaxmp.engine.rules import AutocastRules
 
-    half = np.dtype(jnp.float16) if policy.endswith("fp16") else _BF16
+    from jaxmp.engine.config import resolve_config
+
+    half = np.dtype(resolve_config(policy, None).compute_dtype)  # "O1" and "mixed_float16" name theirs implicitly
     args = _args(transform)
     name = f"{op_class} | {transform} | {order}"
     if op_class == "half list":
