@@ -167,6 +167,17 @@ def test_a_masked_float32_accumulator_in_a_scan_adds_in_float32(policy):
     np.testing.assert_allclose(np.asarray(got), 500.0)
 
 
+def test_a_float32_buffer_written_with_a_half_value_keeps_its_untouched_rows():
+    # dynamic_update_slice keeps the buffer's dtype and concatenate the widest, as .at[].set and
+    # torch's cat do: a float32 KV cache or history is not rounded as a whole to bfloat16.
+    x, w, buf = jnp.ones((8, 8)), jnp.eye(8), jnp.full((16, 8), 1.001)
+    dus = jaxmp.autocast(lambda buf, w, x: jax.lax.dynamic_update_slice(buf, x @ w, (0, 0)), "O1-bf16")(buf, w, x)
+    cat = jaxmp.autocast(lambda buf, w, x: jnp.concatenate([buf[8:], x @ w]), "O1-bf16")(buf, w, x)
+    assert dus.dtype == cat.dtype == F32
+    np.testing.assert_array_equal(np.asarray(dus[8:]), np.asarray(buf[8:]))
+    np.testing.assert_array_equal(np.asarray(cat[:8]), np.asarray(buf[8:]))
+
+
 def test_precision_highest_keeps_a_matmul_in_float32():
     w = jax.random.normal(jax.random.PRNGKey(0), (64, 64))
     x = jax.random.normal(jax.random.PRNGKey(1), (8, 64))

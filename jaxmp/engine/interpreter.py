@@ -272,7 +272,13 @@ class Interpreter:
         dts = [dtype_of(vals[i].x) for i in floats]
         decisive = [i for i in floats if not vals[i].weak] or floats
         strong = [i for i in decisive if vals[i].strong]
-        if self.rules.promote == "widest":
+        name = eqn.primitive.name
+        if name == "dynamic_update_slice" and 0 in floats:
+            # Writing into a buffer keeps the buffer's dtype (a float32 KV cache or history is not
+            # rounded as a whole by a half update), as ``buf.at[i].set(h)`` does.
+            target = dtype_of(vals[0].x)
+        elif self.rules.promote == "widest" or name == "concatenate":
+            # torch.autocast's "promote" ops: joining a float32 array to a half one keeps float32.
             target = widest([dtype_of(vals[i].x) for i in decisive])
         elif strong:
             target = widest([dtype_of(vals[i].x) for i in decisive])
