@@ -178,6 +178,23 @@ def test_a_float32_buffer_written_with_a_half_value_keeps_its_untouched_rows():
     np.testing.assert_array_equal(np.asarray(cat[:8]), np.asarray(buf[8:]))
 
 
+def test_o2_leaves_a_weight_whose_matmul_is_in_a_float32_region_unrounded():
+    # O2 casts weights to half on entry; one used only inside a float32 region (the marker, a
+    # scope rule, a nested O0 autocast) must reach that region as passed, not bf16-rounded.
+    w, x = 1.0 + 1e-3 * jnp.arange(16.0)[:, None] * jnp.ones((16, 16)), jnp.ones((2, 16))
+    want = np.asarray(x @ w)
+
+    def scoped(w, x):
+        with jax.named_scope("head"):
+            return x @ w
+
+    inner = jaxmp.autocast(lambda w, x: x @ w, "O0")
+    for got in (jaxmp.autocast(jaxmp.float32_region(lambda w, x: x @ w), "O2-bf16")(w, x),
+                jaxmp.autocast(scoped, "O2-bf16", rules=jaxmp.AutocastRules().with_scope("head", "float32"))(w, x),
+                jaxmp.autocast(lambda w, x: inner(w, x), "O2-bf16")(w, x)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
 def test_precision_highest_keeps_a_matmul_in_float32():
     w = jax.random.normal(jax.random.PRNGKey(0), (64, 64))
     x = jax.random.normal(jax.random.PRNGKey(1), (8, 64))

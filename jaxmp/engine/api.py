@@ -84,7 +84,14 @@ class _Program:
         if self._weights is None:
             from jaxmp.engine.control_flow import weight_inputs
 
-            self._weights = weight_inputs(self.closed.jaxpr, self.config.rules.half_ops)
+            probe = Interpreter(self.config)
+            half = self.config.compute_dtype
+
+            def runs_in_half(comps):  # a weight used in a float32 region stays float32
+                region = probe.region(comps)
+                return region is None or (region != "keep" and np.dtype(region) == half)
+
+            self._weights = weight_inputs(self.closed.jaxpr, self.config.rules.half_ops, runs_in_half)
         return self._weights
 
     def repeated(self) -> frozenset:

@@ -295,7 +295,8 @@ _LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "con
                      "reshard", "pvary", "mesh_cast"})
 
 
-def weight_inputs(jaxpr: jcore.Jaxpr, half_ops: frozenset[str]) -> list[bool]:
+def weight_inputs(jaxpr: jcore.Jaxpr, half_ops: frozenset[str],
+                  runs_in_half: Callable[[tuple[str, ...]], bool] | None = None) -> list[bool]:
     """Which inputs of ``jaxpr`` are weights: every use of them, through layout ops and into nested
     jits, loops (as constants or scanned inputs), conds, remat and custom derivatives, is a
     half-list op. O2 casts exactly these on entry; everything else (running statistics, biases,
@@ -304,14 +305,16 @@ def weight_inputs(jaxpr: jcore.Jaxpr, half_ops: frozenset[str]) -> list[bool]:
     Args:
       jaxpr: an open jaxpr.
       half_ops: the half list.
+      runs_in_half: whether a half-list op under these name-stack components runs in half (a
+        float32 region, scope rule or nested ``O0`` autocast says no: its weights stay as passed).
 
     Returns:
       One flag per invar.
     """
     memo: dict = {}
 
-    def var(j, v) -> tuple[bool, bool]:  # (every use is half, some use is half)
-        key = (id(j), v)
+    def var(j, v, prefix=()) -> tuple[bool, bool]:  # (every use is half, some use is half)
+        key = (id(j), v, prefix)
         if key in memo:
             return memo[key]
         memo[key] = (False, False)  # cycles cannot happen in a jaxpr; guards recursion anyway
@@ -324,24 +327,27 @@ def weight_inputs(jaxpr: jcore.Jaxpr, half_ops: frozenset[str]) -> list[bool]:
             if not positions:
                 continue
             for i in positions:
-                e, s = use(eqn, i)
+                e, s = use(eqn, i, prefix)
                 every, some = every and e, some or s
             if not every:
                 break
         memo[key] = (every, some)
         return memo[key]
 
-    def inner(j, i) -> tuple[bool, bool]:
-        if isinstance(j, jcore.ClosedJaxpr):
-            j = j.jaxpr
-        return var(j, j.invars[i])
-
-    def use(eqn, i) -> tuple[bool, bool]:
+    def use(eqn, i, prefix) -> tuple[bool, bool]:
         name = eqn.primitive.name
+        comps = prefix + internals.scope_names(eqn)
         if name in half_ops:
-            return True, True
+            half = runs_in_half is None or runs_in_half(comps)
+            return half, half
         if name in _LAYOUT:
-            return var_all(eqn.outvars)
+            return var_all(eqn.outvars, prefix)
+
+        def inner(j, i) -> tuple[bool, bool]:
+            if isinstance(j, jcore.ClosedJaxpr):
+                j = j.jaxpr
+            return var(j, j.invars[i], comps)
+
         kind = internals.primitive_kind(eqn)
         try:
             if kind in ("call", "remat", "shard_map"):
@@ -362,17 +368,14 @@ def weight_inputs(jaxpr: jcore.Jaxpr, half_ops: frozenset[str]) -> list[bool]:
             return False, False
         return False, False
 
-    def var_all(outvars) -> tuple[bool, bool]:
+    def var_all(outvars, prefix) -> tuple[bool, bool]:
         every, some = True, False
         for o in outvars:
-            e, s = var_in_parent(o)
+            e, s = var(parents[o], o, prefix)
             every, some = every and e, some or s
         return every, some
 
     parents: dict = {}
-
-    def var_in_parent(o):
-        return var(parents[o], o)
 
     def index(j):
         for eqn in j.eqns:
