@@ -147,6 +147,11 @@ def test_pmap_replicas_agree_on_skipping():
     assert np.asarray(metrics["finite"]).all()
     kernels = np.asarray(state.params["Dense_1"]["kernel"])
     np.testing.assert_array_equal(kernels[0], kernels[1])
+    # Each replica's BatchNorm saw its own shard; the running statistics are averaged, not left
+    # to drift apart (which would also break the next step's check that replicas agree).
+    mean = np.asarray(state.model_state["batch_stats"]["BatchNorm_0"]["mean"])
+    assert mean[0].tobytes() == mean[1].tobytes() and np.any(mean[0] != 0)
+    jaxmp.parallel.check_replicated(state, num_replicas=2)
     # Only replica 0 sees an inf; both skip, both keep their params.
     x = x.copy()
     x[0] = np.inf

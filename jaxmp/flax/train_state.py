@@ -18,6 +18,7 @@ import optax
 from flax import struct
 
 from jaxmp import fp8
+from jaxmp.collectives import mean_model_state
 from jaxmp.flax.fp8 import FP8_COLLECTION
 from jaxmp.flax.linen import MixedPrecision
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
@@ -205,8 +206,10 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
     Args:
       loss_fn: ``loss_fn(logits, labels) -> scalar``; default
         :func:`jaxmp.flax.softmax_cross_entropy` (integer or one-hot labels).
-      axis_name: the ``pmap`` axis: gradients, loss and accuracy are ``pmean``-ed over it.
-        Build ``tx`` with ``jaxmp.loss_scaling(..., axis_name=axis_name)`` too.
+      axis_name: the ``pmap`` axis: gradients, loss and accuracy are ``pmean``-ed over it, and
+        so is the floating model state (BatchNorm statistics; a leaf equal on every replica is
+        kept exactly), so replicas stay bitwise identical. Build ``tx`` with
+        ``jaxmp.loss_scaling(..., axis_name=axis_name)`` too.
       model_kwargs: extra keyword arguments for the forward pass, e.g. ``{"train": True}``.
       rng_collections: RNG names fed from ``rng`` (folded with the step), e.g. dropout.
 
@@ -244,7 +247,13 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
                                                                rngs, model_kwargs, train=True)
             return loss, (new_model_state, accuracy(logits, labels))
 
+        def reduce_model_state(model_state):
+            # Each replica's BatchNorm saw its own shard: averaged, the statistics stay replicated.
+            # The fp8 state is left out: the hooks replace it by one reduced over the axis already.
+            return {k: v if k == FP8_COLLECTION else mean_model_state(v, axis_name) for k, v in model_state.items()}
+
         step = make_step(loss_and_accuracy, state.tx, axis_name=axis_name,
+                         reduce_model_state=None if axis_name is None else reduce_model_state,
                          fp8_hooks=_fp8_hooks(_fp8_recipe(state), axis_name), pass_value=False)
         out = step(state.params, dict(state.model_state), state.opt_state, None)
         acc = out.aux if axis_name is None else jax.lax.pmean(out.aux, axis_name)
