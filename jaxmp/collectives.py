@@ -92,3 +92,33 @@ def all_reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: Any = jnp.flo
         # cannot detect (underflow is silent, overflow is not).
         out.append((s.astype(acc) / jnp.asarray(n, acc)).astype(g.dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def mean_model_state(state: Any, axis_name: Any) -> Any:
+    """The model state (BatchNorm statistics) averaged over a pmap axis, bitwise equal on every replica.
+
+    Floating leaves are summed over the axis in float32 (:func:`all_reduce_gradients`) and
+    divided by the axis size; a leaf that every replica holds bitwise the same (a state the loss
+    passes through unchanged, statistics of a frozen layer) is returned as it is, since the mean
+    of n equal values need not be that value in floating point and would drift step by step.
+    Other leaves (counters, PRNG keys) pass through.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmp.collectives as c
+      >>> n = jax.local_device_count()
+      >>> f = jax.pmap(lambda s: c.mean_model_state(s, "b"), axis_name="b")
+      >>> bool(f(jnp.full((n,), 0.1, jnp.float32))[0] == jnp.float32(0.1))
+      True
+    """
+    mean = all_reduce_gradients(state, axis_name, jnp.float32)
+
+    def keep_equal(x, m):
+        if not is_floating_array(x):
+            return m
+        # Bitwise equal on every replica iff every replica equals the elementwise max; one
+        # collective of the leaf's size plus a scalar one.
+        same = jnp.all(x == jax.lax.pmax(x, axis_name))
+        same = jax.lax.pmin(same.astype(jnp.int32), axis_name) == 1
+        return jnp.where(same, x, m)
+
+    return jax.tree_util.tree_map(keep_equal, state, mean)

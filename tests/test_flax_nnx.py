@@ -286,3 +286,48 @@ def test_path_rule_bad_inputs():
         jaxmp.flax.PrecisionOverrides().with_fp32_paths(nnx.Linear)
     with pytest.raises(ValueError, match="empty component"):
         jaxmp.flax.PrecisionOverrides().with_fp32_paths("layers//0")
+
+
+class _SeenMask(nnx.Variable):
+    """Where the test reads the dropout mask the step drew (an integer: passed through, per replica)."""
+
+
+class _DropoutBN(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(16, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+        self.seen = _SeenMask(jnp.zeros((8, 8), jnp.int32))
+
+    def __call__(self, x):
+        h = self.drop(nnx.relu(self.bn(self.fc(x))))
+        self.seen[...] = (h != 0).astype(jnp.int32)
+        return self.head(h)
+
+
+@pytest.mark.slow  # ~3 s: a pmap NNX step traced and compiled
+def test_pmap_train_step_averages_batch_stats_and_draws_a_dropout_mask_per_replica():
+    n = 2
+    model = jaxmp.flax.mixed_precision(_DropoutBN(nnx.Rngs(0, dropout=1)), "O1-bf16")
+    optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.01), "none", axis_name="b"), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        metrics = jaxmp.flax.nnx.train_step(model, optimizer, (x, y), axis_name="b")
+        return nnx.state((model, optimizer)), metrics
+
+    rng = np.random.default_rng(0)
+    # Rows scaled per replica: each replica's batch statistics really differ.
+    x = (rng.normal(size=(16, 16)) * np.repeat(np.arange(1, n + 1), 16 // n)[:, None]).astype(np.float32)
+    state, _ = jax.pmap(step, axis_name="b", devices=jax.devices()[:n])(
+        jaxmp.parallel.replicate(state, jax.devices()[:n]), *jaxmp.parallel.shard_batch((x, np.arange(16) % 3), n))
+    inner = state[0]["model"]
+    masks = np.asarray(inner["seen"][...])
+    assert all(not np.array_equal(masks[0], masks[i]) for i in range(1, n))  # one mask per replica
+    mean = np.asarray(inner["bn"]["mean"][...])
+    assert all(mean[i].tobytes() == mean[0].tobytes() for i in range(n)) and np.any(mean[0] != 0)
+    # The stored RNG keys and counters, params and optimizer state stay replicated.
+    for part in (inner["drop"], inner["bn"], inner["fc"], inner["head"], state[1]):
+        jaxmp.parallel.check_replicated(part, num_replicas=n)

@@ -147,6 +147,11 @@ def test_pmap_replicas_agree_on_skipping():
     assert np.asarray(metrics["finite"]).all()
     kernels = np.asarray(state.params["Dense_1"]["kernel"])
     np.testing.assert_array_equal(kernels[0], kernels[1])
+    # Each replica's BatchNorm saw its own shard; the running statistics are averaged, not left
+    # to drift apart (which would also break the next step's check that replicas agree).
+    mean = np.asarray(state.model_state["batch_stats"]["BatchNorm_0"]["mean"])
+    assert mean[0].tobytes() == mean[1].tobytes() and np.any(mean[0] != 0)
+    jaxmp.parallel.check_replicated(state, num_replicas=2)
     # Only replica 0 sees an inf; both skip, both keep their params.
     x = x.copy()
     x[0] = np.inf
@@ -175,3 +180,47 @@ def test_create_rejects_bad_arguments():
         jaxmp.flax.TrainState.create(model, {"batch_stats": {}}, jaxmp.loss_scaling(optax.sgd(0.1)))
     with pytest.raises(ValueError, match="label key"):
         jaxmp.flax.losses.split_batch({"image": 1})
+
+
+_SEEN_MASKS: list = []   # module-level: Linen turns a list attribute into a tuple
+
+
+class _DropoutNet(nn.Module):
+    """Reports each forward pass's dropout mask to the host (the mask the step really drew)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        h = nn.Dropout(0.5, deterministic=not train)(x)
+        jax.debug.callback(lambda m: _SEEN_MASKS.append(np.asarray(m)), h != 0)
+        return nn.Dense(3)(h)
+
+
+def test_the_step_after_a_skipped_step_draws_a_fresh_dropout_mask():
+    x, y = np.ones((4, 16), np.float32), np.arange(4) % 3
+    model = jaxmp.flax.mixed_precision(_DropoutNet(), "O1-fp16")
+    state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x, train=False),
+                                         jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"))
+    jax.effects_barrier()
+    seen = _SEEN_MASKS
+    seen.clear()   # init's (deterministic) forward pass reported too
+    step = jax.jit(jaxmp.flax.make_train_step(model_kwargs={"train": True}), compiler_options=FAST)
+    rng = jax.random.key(7)   # one base key; the step folds in how many steps it has taken
+    finite = []
+    for t in range(3):
+        xx = x.copy()
+        if t == 1:
+            xx[0] = np.inf    # overflows: skipped, state.step stays at 1
+        state, metrics = step(state, (xx, y), rng)
+        finite.append(bool(metrics["finite"]))
+    jax.effects_barrier()
+    assert finite == [True, False, True] and int(state.step) == 2 and len(seen) == 3
+    assert not np.array_equal(seen[2], seen[1]) and not np.array_equal(seen[2], seen[0])
+    # The t-th call draws with fold_in(rng, t), skipped steps counted: in a run that never skips
+    # that is fold_in(rng, state.step), the key Flax's examples use, so such runs are unchanged.
+    masks = list(seen)
+    apply = jax.jit(lambda v, key: model.apply(v, x, train=True, rngs={"dropout": key}), compiler_options=FAST)
+    for t in (0, 2):
+        seen.clear()
+        apply(state.variables, jax.random.fold_in(jax.random.fold_in(rng, t), 0))   # then the collection's index
+        jax.effects_barrier()
+        np.testing.assert_array_equal(seen[0], masks[t])

@@ -363,3 +363,22 @@ def test_check_replicated_handles_prng_keys():
     state = jaxmp.parallel.replicate({"key": jax.random.key(0), "w": jnp.ones(2)})
     jaxmp.parallel.check_replicated(state)
     assert jaxmp.parallel.is_replicated(state)
+
+
+def test_an_integer_params_leaf_is_a_type_error_naming_it_on_both_paths():
+    params = {"w": np.ones((4, 1), np.float32), "idx": np.arange(4, dtype=np.int32)}
+    batch = {"x": np.ones((16, 4), np.float32), "y": np.ones(16, np.float32)}
+
+    def loss_fn(p, b):
+        return jnp.mean(((b["x"][:, p["idx"]] @ p["w"])[:, 0] - b["y"]) ** 2)
+
+    message = r"params leaf at \['idx'\] has dtype int32: .*close over them in loss_fn, pass them in the batch"
+    mesh = jaxmp.parallel.make_data_mesh()
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "none")
+    step = jaxmp.parallel.make_sharded_train_step(loss_fn, tx, mesh)
+    with pytest.raises(TypeError, match=message):
+        step(*jaxmp.parallel.replicate_on_mesh((params, tx.init(params)), mesh), batch)
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "none", axis_name="batch")
+    step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch")
+    with pytest.raises(TypeError, match=message):
+        step(*jaxmp.parallel.replicate((params, tx.init(params))), jaxmp.parallel.shard_batch(batch))

@@ -309,3 +309,77 @@ def test_memory_benchmark_dry_run_writes_the_table_and_step_times(tmp_path):
     assert [r["layout"] for r in result["results"]["rows"]] == list(memory.LAYOUTS)
     assert set(result["results"]["step_time"]["seconds_per_step"]) == set(memory.LAYOUTS)
     assert "regression-only" in result["results"]["step_time"]["label"]
+
+
+def _one_sgd_step(loss_fn, data, params, *, reduce_dtype, has_aux=False):
+    mesh = jaxmp.parallel.make_data_mesh()
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "none")
+    step = jaxmp.parallel.make_sharded_train_step(loss_fn, tx, mesh, has_aux=has_aux, reduce_dtype=reduce_dtype)
+    p, s = jaxmp.parallel.replicate_on_mesh((params, tx.init(params)), mesh)
+    return step(p, s, jaxmp.parallel.make_global_batch(data, mesh))
+
+
+def test_per_shard_aux_comes_back_as_the_global_evaluation_returns_it():
+    """Counts are summed over the shards, metrics averaged, per-example leaves concatenated:
+    the default (per-shard) step's aux is the reduce_dtype=None (global) step's."""
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(4, 3)).astype(np.float32)}
+    data = {"x": rng.normal(size=(64, 4)).astype(np.float32), "y": np.arange(64) % 3}
+
+    def loss_fn(p, b):
+        logits = b["x"] @ p["w"]
+        per_row = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"])
+        hit = jnp.argmax(logits, -1) == b["y"]
+        # Shape (3,) on a shard and on the batch alike (not per-example), though 3 classes
+        # differ from the 8 rows per shard only by chance: the shapes decide, not the size.
+        per_class = jnp.sum(jax.nn.one_hot(b["y"], 3, dtype=jnp.int32), axis=0)
+        return per_row.mean(), {"correct": jnp.sum(hit), "same_everywhere": jnp.int32(1), "mean": per_row.mean(),
+                                "any_hit": jnp.any(hit & (b["y"] == 2)), "pred": jnp.argmax(logits, -1),
+                                "logits": logits, "per_class": per_class}
+
+    _, _, shard = _one_sgd_step(loss_fn, data, params, reduce_dtype="float32", has_aux=True)
+    _, _, whole = _one_sgd_step(loss_fn, data, params, reduce_dtype=None, has_aux=True)
+    shard, whole = jax.device_get((shard["aux"], whole["aux"]))
+    for k in ("correct", "any_hit", "pred", "per_class"):
+        assert shard[k].dtype == whole[k].dtype and np.array_equal(shard[k], whole[k]), k
+    # The rule has no exception for an integer equal on every shard: it is a count, summed (a
+    # constant is therefore N times the global one; put constants in floating aux).
+    assert int(shard["same_everywhere"]) == N and int(whole["same_everywhere"]) == 1
+    assert shard["logits"].shape == (64, 3)
+    np.testing.assert_allclose(shard["logits"], whole["logits"], rtol=1e-6)
+    np.testing.assert_allclose(shard["mean"], whole["mean"], rtol=1e-6)
+
+
+def test_aux_leaf_that_is_neither_per_example_nor_batch_independent_is_refused():
+    def loss_fn(p, b):
+        return jnp.mean(b["x"] @ p["w"]), b["x"][1:]   # all rows but the first: 7 per shard, 63 in all
+
+    with pytest.raises(ValueError, match=r"aux leaf at <root> has shape \(7, 4\) per data shard but \(63, 4\)"
+                                         r".*reduce_dtype=None"):
+        _one_sgd_step(loss_fn, {"x": np.ones((64, 4), np.float32)}, {"w": np.ones(4, np.float32)},
+                      reduce_dtype="float32", has_aux=True)
+
+
+def test_masked_mean_is_per_shard_by_default_and_global_with_reduce_dtype_none():
+    """The documented semantics: the default evaluates the loss per data shard and averages (DDP);
+    reduce_dtype=None evaluates it on the global batch. A masked mean tells them apart."""
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(4, 1)).astype(np.float32)}
+    x, y = rng.normal(size=(64, 4)).astype(np.float32), rng.normal(size=64).astype(np.float32)
+    mask = np.zeros(64, np.float32)
+    mask[:40] = 1   # shards 0-4 full, shard 7 one valid row, shards 5-6 none (padding)
+    mask[60] = 1
+    data = {"x": x, "y": y, "mask": mask}
+
+    def loss_fn(p, b):
+        err = (b["x"] @ p["w"])[:, 0] - b["y"]
+        return jnp.sum(err ** 2 * b["mask"]) / jnp.maximum(jnp.sum(b["mask"]), 1.0)
+
+    sq = ((x @ params["w"])[:, 0] - y) ** 2
+    global_mean = np.sum(sq * mask) / mask.sum()
+    per_shard = [np.sum(s * m) / max(m.sum(), 1.0) for s, m in zip(sq.reshape(N, -1), mask.reshape(N, -1))]
+    _, _, m_default = _one_sgd_step(loss_fn, data, params, reduce_dtype="float32")
+    _, _, m_global = _one_sgd_step(loss_fn, data, params, reduce_dtype=None)
+    np.testing.assert_allclose(float(m_default["loss"]), np.mean(per_shard), rtol=1e-5)
+    np.testing.assert_allclose(float(m_global["loss"]), global_mean, rtol=1e-5)
+    assert abs(np.mean(per_shard) - global_mean) > 0.1   # the two semantics really differ here

@@ -331,6 +331,30 @@ def test_pmap_step_keeps_batch_stats_bitwise_equal_across_replicas():
     jaxmp.parallel.check_replicated((p, m, s), num_replicas=n)
 
 
+def test_pmap_step_returns_a_model_state_equal_on_every_replica_exactly():
+    # A sum of six equal float32 values divided by six is not always the value: a model state the
+    # loss passes through unchanged (frozen statistics) would drift a few ulps per step.
+    n = 6
+    devices = jax.local_devices()[:n]
+    frozen = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    assert np.any((frozen * np.float32(n)) / np.float32(n) != frozen)  # the drift the guard prevents
+
+    def loss_fn(params, model_state, batch):
+        loss, new = _bn_loss(params, {"mean": model_state["mean"]}, batch)
+        return loss, {"mean": new["mean"], "frozen": model_state["frozen"]}
+
+    tx = jaxmp.loss_scaling(optax.sgd(0.05), "dynamic", axis_name="batch")
+    step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch", devices=devices, model_state=True)
+    params, ms, xs, ys = _bn_problem(3, 24)
+    ms = {**ms, "frozen": frozen}
+    p, m, s = (jaxmp.parallel.replicate(t, devices) for t in (params, ms, tx.init(params)))
+    for t in range(3):
+        p, m, s, _ = step(p, m, s, jaxmp.parallel.shard_batch({"x": xs[t], "y": ys[t]}, n))
+    assert np.asarray(m["frozen"]).tobytes() == np.tile(frozen, (n, 1)).tobytes()
+    assert np.any(np.asarray(m["mean"])[0] != 0)  # the statistics that do differ are still averaged
+    jaxmp.parallel.check_replicated((p, m, s), num_replicas=n)
+
+
 def _linen_bn_problem():
     import flax.linen as nn
 

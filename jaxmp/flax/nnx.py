@@ -44,6 +44,7 @@ from jaxmp.engine import engine_function, flax_config
 from jaxmp.engine.modules import install_call_hooks, instance_rules
 from jaxmp.flax.attention import fused_attention
 from jaxmp import fp8
+from jaxmp.collectives import mean_model_state
 from jaxmp.flax.fp8 import Fp8State, install_nnx_fp8
 from jaxmp.flax.casting import Path, cast_by_path
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
@@ -334,6 +335,34 @@ def optimizer_state(optimizer: nnx.Optimizer) -> Any:
     return pure
 
 
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _per_replica_keys(rest: Any, axis_name: Any) -> Any:
+    """The model's RNG keys with the replica's index folded in: a different dropout mask per replica."""
+    index = jax.lax.axis_index(axis_name)
+    fold = jnp.vectorize(lambda k: jax.random.fold_in(k, index))  # split streams hold key arrays
+    return jax.tree_util.tree_map(lambda x: fold(x) if _is_key(x) else x, rest)
+
+
+def _restore_keys(new: Any, folded: Any, original: Any) -> Any:
+    """The stored keys back as they were, so replicas stay identical; only the counters move.
+
+    A key the forward pass replaced itself (a reseed) is kept as the forward left it.
+    """
+    if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(original):
+        return new
+
+    def restore(n, f, o):
+        if not _is_key(n):
+            return n
+        untouched = jnp.all(jax.random.key_data(n) == jax.random.key_data(f))
+        return jnp.where(untouched, o, n)
+
+    return jax.tree_util.tree_map(restore, new, folded, original)
+
+
 def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
                loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
                axis_name: Any = None, **model_kwargs) -> dict[str, jax.Array]:
@@ -354,8 +383,11 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
         ``labels``/``label``/``y``.
       loss_fn: ``loss_fn(logits, labels) -> scalar``; default
         :func:`jaxmp.flax.softmax_cross_entropy` (mean, integer or one-hot labels).
-      axis_name: a bound ``pmap``/``shard_map`` axis: gradients and metrics are averaged
-        over it (build the transform with the same ``axis_name``).
+      axis_name: a bound ``pmap``/``shard_map`` axis: gradients, metrics and the floating
+        model state (``BatchStat`` statistics; a leaf equal on every replica is kept exactly)
+        are averaged over it, and each replica folds its axis index into the model's RNG keys
+        for the forward pass, so dropout masks differ between replicas while the stored keys
+        and counters stay replicated (build the transform with the same ``axis_name``).
       **model_kwargs: forwarded to ``model(inputs, ...)``.
 
     Returns:
@@ -384,12 +416,23 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
     params, model_state = nnx.as_pure(params), nnx.as_pure((fp8_state, stats, rest))
 
     def loss_and_accuracy(params, model_state, batch, rng):
-        copy = nnx.merge(graphdef, params, *model_state)
+        fp8_in, stats_in, rest_in = model_state
+        rest_run = rest_in if axis_name is None else _per_replica_keys(rest_in, axis_name)
+        copy = nnx.merge(graphdef, params, fp8_in, stats_in, rest_run)
         logits = copy(inputs, **model_kwargs)
         if fp32_loss:
             logits = logits.astype(jnp.float32)
         _, _, *new_model_state = nnx.split(copy, optimizer.wrt, Fp8State, nnx.BatchStat, ...)
-        return loss_fn(logits, labels), (tuple(nnx.as_pure(new_model_state)), accuracy(logits, labels))
+        new_model_state = list(nnx.as_pure(new_model_state))
+        if axis_name is not None:
+            new_model_state[2] = _restore_keys(new_model_state[2], rest_run, rest_in)
+        return loss_fn(logits, labels), (tuple(new_model_state), accuracy(logits, labels))
+
+    def reduce_model_state(model_state):
+        # Each replica's BatchNorm saw its own shard: averaged, the statistics stay replicated.
+        # The fp8 state is left out: the hooks replace it by one reduced over the axis already.
+        fp8_state, stats, rest = model_state
+        return fp8_state, mean_model_state(stats, axis_name), mean_model_state(rest, axis_name)
 
     def update_fp8(state, observed):
         new = fp8.update_state(nnx.to_pure_dict(state), nnx.to_pure_dict(observed), recipe, axis_name)
@@ -404,7 +447,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
         return (*keep_if_finite(finite, new[:2], old[:2]), new[2])
 
     step = make_step(loss_and_accuracy, optimizer.tx, axis_name=axis_name, fp8_hooks=hooks, keep_model_state=keep,
-                     pass_value=False)
+                     reduce_model_state=None if axis_name is None else reduce_model_state, pass_value=False)
     out = step(params, model_state, optimizer_state(optimizer), None)
     nnx.update(model, out.params, *out.model_state)
     nnx.update(optimizer.opt_state, nnx.state(out.opt_state))

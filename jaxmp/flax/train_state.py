@@ -18,10 +18,11 @@ import optax
 from flax import struct
 
 from jaxmp import fp8
+from jaxmp.collectives import mean_model_state
 from jaxmp.flax.fp8 import FP8_COLLECTION
 from jaxmp.flax.linen import MixedPrecision
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
-from jaxmp.opt_state import find_loss_scaling_state
+from jaxmp.opt_state import find_loss_scaling_state, skipped_steps
 from jaxmp.skip import keep_if_finite
 from jaxmp.step import Fp8Hooks, make_step
 from jaxmp.transform import update_and_apply
@@ -205,10 +206,14 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
     Args:
       loss_fn: ``loss_fn(logits, labels) -> scalar``; default
         :func:`jaxmp.flax.softmax_cross_entropy` (integer or one-hot labels).
-      axis_name: the ``pmap`` axis: gradients, loss and accuracy are ``pmean``-ed over it.
-        Build ``tx`` with ``jaxmp.loss_scaling(..., axis_name=axis_name)`` too.
+      axis_name: the ``pmap`` axis: gradients, loss and accuracy are ``pmean``-ed over it, and
+        so is the floating model state (BatchNorm statistics; a leaf equal on every replica is
+        kept exactly), so replicas stay bitwise identical. Build ``tx`` with
+        ``jaxmp.loss_scaling(..., axis_name=axis_name)`` too.
       model_kwargs: extra keyword arguments for the forward pass, e.g. ``{"train": True}``.
-      rng_collections: RNG names fed from ``rng`` (folded with the step), e.g. dropout.
+      rng_collections: RNG names fed from ``rng`` (folded with the number of steps taken,
+        ``state.step + jaxmp.skipped_steps(state.opt_state)``, so the step after a skipped one
+        draws a fresh mask), e.g. dropout.
 
     Returns:
       ``train_step(state, batch, rng=None)``; ``batch`` is ``(inputs, labels)`` or a dict
@@ -234,7 +239,10 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
         inputs, labels = split_batch(batch)
         rngs = None
         if rng is not None:
-            rng = jax.random.fold_in(rng, state.step)
+            # Steps taken, applied or skipped: state.step alone stands still on a skipped step,
+            # and the next step would replay the skipped step's dropout mask. Without skips
+            # this is state.step, the key Flax's examples fold in.
+            rng = jax.random.fold_in(rng, state.step + skipped_steps(state.opt_state))
             if axis_name is not None:  # each replica its own dropout mask
                 rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
             rngs = {name: jax.random.fold_in(rng, i) for i, name in enumerate(rng_collections)}
@@ -244,7 +252,13 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
                                                                rngs, model_kwargs, train=True)
             return loss, (new_model_state, accuracy(logits, labels))
 
+        def reduce_model_state(model_state):
+            # Each replica's BatchNorm saw its own shard: averaged, the statistics stay replicated.
+            # The fp8 state is left out: the hooks replace it by one reduced over the axis already.
+            return {k: v if k == FP8_COLLECTION else mean_model_state(v, axis_name) for k, v in model_state.items()}
+
         step = make_step(loss_and_accuracy, state.tx, axis_name=axis_name,
+                         reduce_model_state=None if axis_name is None else reduce_model_state,
                          fp8_hooks=_fp8_hooks(_fp8_recipe(state), axis_name), pass_value=False)
         out = step(state.params, dict(state.model_state), state.opt_state, None)
         acc = out.aux if axis_name is None else jax.lax.pmean(out.aux, axis_name)

@@ -89,6 +89,21 @@ def check_no_model_state_in_aux(aux: Any) -> None:
         )
 
 
+def check_differentiable_params(params: Any) -> None:
+    """A TypeError naming the first params leaf the step cannot differentiate (integer, bool, key).
+
+    Checked at trace time; without it ``jax.grad`` fails with a message that names no leaf.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"params leaf at {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}: the step differentiates "
+                "every params leaf, so each must be floating. Keep integer arrays (indices, counters, masks) out of "
+                "the params: close over them in loss_fn, pass them in the batch, or carry them as model state "
+                "(model_state=True)")
+
+
 def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
                    with_rng: bool, rng_transform: Callable | None = None, with_model_state: bool = False,
                    reduce_model_state: Callable | None = None, per_replica_aux: bool = False,
@@ -134,6 +149,7 @@ def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: C
 
     def body(state, opt_state, batch, rng=None):
         params, model_state = state if with_model_state else (state, None)
+        check_differentiable_params(params)
         if isinstance(model_state, Mapping) and FP8_COLLECTION in model_state:
             # Its update comes from the amaxes the step observes, which this generic step
             # cannot see: the scales would stay at their initial value without a word.

@@ -375,8 +375,8 @@ def state_bytes_per_device(tree: Any) -> int:
 
 
 def _mean_over_shards(x: jax.Array) -> jax.Array:
-    # Floating leaves (BatchNorm statistics, scalar aux) are averaged over the shards in at least
-    # float32; others (int counters) are the same on every shard: shard 0's.
+    # The model state's rule. Floating leaves (BatchNorm statistics) are averaged over the shards
+    # in at least float32; others (int counters, keys) advance alike on every shard: shard 0's.
     # A leaf equal on every shard (a model state the loss passes through unchanged) is returned as
     # is: a mean of n equal values need not be that value in floating point.
     if _is_float(x):
@@ -384,6 +384,43 @@ def _mean_over_shards(x: jax.Array) -> jax.Array:
         mean = jnp.mean(x.astype(acc), axis=0).astype(x.dtype)
         return jnp.where(jnp.all(x == x[0]), x[0], mean)
     return x[0]
+
+
+def _reduce_aux_leaf(x: jax.Array) -> jax.Array:
+    # aux leaves that are not per-example: a floating one is a mean (a metric), an integer one a
+    # count (correct predictions, valid tokens), which only a sum over the shards keeps global,
+    # even when every shard counts the same; a bool is a flag raised on any shard.
+    if _is_float(x):
+        return _mean_over_shards(x)
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.bool_):
+        return jnp.any(x, axis=0)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.integer):
+        return jnp.sum(x, axis=0, dtype=dtype)
+    return x[0]
+
+
+def _reassemble_aux(aux: Any, global_aux: Any, n: int) -> Any:
+    """The per-shard ``aux`` (leaves stacked ``[n, ...]``) in the layout the global evaluation returns.
+
+    ``global_aux`` holds the shapes the loss gives on the whole batch. A leaf whose global shape
+    is ``(n * k, ...)`` where each shard's is ``(k, ...)`` is per-example (predictions, per-row
+    losses): its shards are concatenated in batch order. A leaf of the same shape on both is
+    reduced by :func:`_reduce_aux_leaf`. Any other pair cannot be told apart and is refused.
+    """
+    def leaf(path, x, g):
+        shard, whole = tuple(x.shape[1:]), tuple(g.shape)
+        if shard == whole:
+            return _reduce_aux_leaf(x)
+        if len(shard) >= 1 and len(shard) == len(whole) and shard[1:] == whole[1:] and whole[0] == n * shard[0]:
+            return jnp.reshape(x, whole)
+        raise ValueError(
+            f"aux leaf at {jax.tree_util.keystr(path) or '<root>'} has shape {shard} per data shard but {whole} on the "
+            f"global batch: it is neither per-example (leading axis {n} times the shard's) nor batch-independent, so "
+            "it cannot be rebuilt from the shards; use make_sharded_train_step(..., reduce_dtype=None) to evaluate the "
+            "loss on the global batch")
+
+    return jax.tree_util.tree_map_with_path(leaf, aux, global_aux)
 
 
 def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, base_specs: Any) -> Any:
@@ -398,9 +435,18 @@ def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, base_specs: Any) ->
     gradients *in reduce_dtype* -- the cross-device reduction, which XLA turns into an all-reduce
     (or a reduce-scatter when the gradients are constrained to a sharded layout) -- and casts the
     sum back to the param's dtype, exactly what :func:`jaxmp.parallel.all_reduce_gradients` does
-    under pmap. The loss is the mean of the per-shard losses (the global mean, shards being equal);
-    each shard's rng is ``fold_in(rng, shard)``; the new model state and floating aux are averaged
-    over the shards.
+    under pmap. The loss is the mean of the per-shard losses, which is the global loss only for a
+    mean of per-example terms (shards being equal): a masked mean or an in-batch contrastive loss
+    is evaluated per shard (DDP / pmap semantics). Each shard's rng is ``fold_in(rng, shard)``.
+    The new model state's floating leaves are averaged over the shards (returned exactly when
+    equal on every shard), its other leaves are shard 0's. ``aux`` comes back in the layout the
+    global evaluation gives: a leaf whose global shape is ``(N * k, ...)`` where a shard's is
+    ``(k, ...)`` (per-example: predictions or per-row losses, k = B / N; per-token values
+    flattened, k = B / N * T) is concatenated in batch order,
+    told apart by one abstract (shape-only) evaluation of the loss on the global batch when aux
+    holds arrays; a batch-independent leaf is reduced: floating ones averaged (metrics), integer
+    ones summed (counts, even when every shard counts the same), booleans or-ed. An aux leaf
+    whose shapes fit neither rule is a ValueError.
 
     Under ``"fsdp"`` the params arrive sharded; the constraint to ``base_specs`` (their spec
     without the data axis) gathers them first, in their stored dtype.
@@ -424,8 +470,14 @@ def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, base_specs: Any) ->
             losses, (states, aux) = jax.vmap(lambda p, b, k: canonical(p, model_state, b, k),
                                              in_axes=(0, 0, None if rng is None else 0))(stacked, shards, keys)
             loss = jnp.mean(jnp.asarray(losses, jnp.float32))
-            return loss, (jax.tree_util.tree_map(_mean_over_shards, states),
-                          jax.tree_util.tree_map(_mean_over_shards, aux))
+            if any(jnp.ndim(x) > 1 for x in jax.tree_util.tree_leaves(aux)):
+                # An array in aux may be per-example: the shapes of one abstract evaluation on
+                # the global batch (a trace, no compute) tell which leaves to concatenate.
+                global_aux = jax.eval_shape(lambda p, b, k: canonical(p, model_state, b, k)[1][1], params, batch, rng)
+                aux = _reassemble_aux(aux, global_aux, n)
+            else:
+                aux = jax.tree_util.tree_map(_reduce_aux_leaf, aux)
+            return loss, (jax.tree_util.tree_map(_mean_over_shards, states), aux)
 
         return loss
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmp.collectives import all_reduce_gradients, check_axis_name, check_reduce_dtype
+from jaxmp.collectives import all_reduce_gradients, check_axis_name, check_reduce_dtype, mean_model_state
 from jaxmp.parallel._common import log_once, make_step_body, with_model_state
 from jaxmp.parallel.replication import check_replicated
 
@@ -86,6 +86,11 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
       check_replicas: ``"first"`` (default) checks on the first call that params and optimizer
         state are bitwise identical across replicas (a host sync, once); ``"always"`` on every
         call; ``"never"``. The leading-axis check runs on every call (it is cheap).
+      model_state: the model has state besides its params: the step is then ``step(params,
+        model_state, opt_state, batch[, rng])`` and ``loss_fn(params, model_state, batch[, rng])``
+        returns ``(loss, new_model_state)``. Its floating leaves are averaged over the replicas in
+        float32 (a leaf every replica holds bitwise the same is kept as it is, so a state the loss
+        passes through never drifts by rounding), and it is kept only on applied steps.
 
     Returns:
       ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` where params and
@@ -137,7 +142,7 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
 
     donate_argnums = (0, 1) if donate else ()
     def reduce_model_state(state):
-        return all_reduce_gradients(state, axis_name, jnp.float32)
+        return mean_model_state(state, axis_name)
 
     common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=reduce_loss,
                   with_model_state=model_state, reduce_model_state=reduce_model_state, per_replica_aux=True)

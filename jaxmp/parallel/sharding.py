@@ -197,8 +197,13 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
     """A ``jax.jit`` train step with the batch sharded over the mesh's data axis and the state laid out by ``layout``.
 
     Same semantics and results as :func:`jaxmp.parallel.make_pmap_train_step`, without ``pmap``: the step
-    is written for the global batch, ``loss_fn``'s mean is the global mean and its gradient the
-    global gradient (XLA inserts the collectives). Build ``tx`` with ``jaxmp.loss_scaling(...,
+    takes the global batch and XLA inserts the collectives. **Which batch the loss sees**: with a
+    ``reduce_dtype`` (the default, ``"float32"``) ``loss_fn`` is evaluated on each data shard
+    (``B / N`` rows) and the shard losses are averaged, as under pmap or DDP. That is the global
+    loss, and its gradient the global gradient, only for a mean of per-example terms over equal
+    shards; a masked (token) mean, an in-batch contrastive loss or anything else that mixes rows
+    is then the mean of per-shard values. For global-batch semantics pass ``reduce_dtype=None``
+    (the gradient is then reduced in XLA's dtype), or write the loss for one shard. Build ``tx`` with ``jaxmp.loss_scaling(...,
     axis_name=None)``: there is no named axis under plain ``jit``, and none is needed because
     the finite check runs on the reduced gradient, so every device reaches the same verdict and
     keeps the same loss scale (a ``tx`` built with an axis name fails with a ValueError saying
@@ -220,8 +225,11 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
     ``"float16"`` can overflow (caught: every device skips and backs the scale off). ``None`` is
     the step before layouts: XLA reduces where the batch contraction happens, in the matmul's
     dtype (bfloat16 under O2-bf16), and BatchNorm statistics are over the global batch. With a
-    reduce dtype the loss is evaluated per data shard, so model state (BatchNorm statistics) and
-    floating ``aux`` are the mean over the shards and each shard's rng is ``fold_in(rng, shard)``.
+    reduce dtype the loss is evaluated per data shard, so the floating model state (BatchNorm
+    statistics) is the mean over the shards and each shard's rng is ``fold_in(rng, shard)``;
+    ``aux`` comes back as the global evaluation returns it: per-example leaves (leading axis
+    ``k`` per shard, ``N * k`` on the global batch, e.g. ``k = B / N`` rows) concatenated, other floating leaves averaged,
+    integer leaves (counts) summed, booleans or-ed (:func:`jaxmp.parallel.layouts.per_shard_loss`).
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` or ``loss_fn(params, batch, rng)``, returning a scalar
@@ -229,7 +237,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
       tx: an optax transformation holding a :func:`jaxmp.loss_scaling` state (``axis_name=None``).
       mesh: the mesh (:func:`make_data_mesh`, or one with a model axis too).
       data_axis: the mesh axis the batch (and a sharded state) is split over; default the mesh's only axis.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to ``metrics["aux"]``.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to ``metrics["aux"]``
+        (how it is combined over the shards: above).
       donate: donate the params and optimizer state buffers.
       model_state: the model has state besides its params (BatchNorm ``batch_stats``): the step
         is then ``step(params, model_state, opt_state, batch[, rng]) -> (params, model_state,
@@ -237,7 +246,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
         new_model_state)``. It is replicated and kept only on applied steps.
       layout: ``"replicated"`` (default), ``"zero"`` or ``"fsdp"``.
       reduce_dtype: dtype of the gradient reduction over the data axis (``"float32"`` default,
-        ``"bfloat16"``, ``"float16"``, or ``None`` for XLA's choice).
+        ``"bfloat16"``, ``"float16"``: the loss is then evaluated per data shard and averaged), or
+        ``None`` for XLA's choice (the loss is evaluated on the global batch).
       param_specs: the params' ``PartitionSpec`` tree over the other (model) mesh axes; kept by
         every layout. Default: none (params replicated over the other axes).
       min_shard_size: leaves with fewer elements stay replicated (:func:`jaxmp.parallel.leaf_spec`).
