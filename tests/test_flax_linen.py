@@ -472,3 +472,25 @@ def test_overrides_and_autocast_class_rules_are_one_rule_system():
     install_call_hooks([nnx.LayerNorm])
     assert nnx.LayerNorm.__call__ is hook and hook.__wrapped__ is not None
     assert not hasattr(nn.Module.param, "__wrapped__")  # Linen params are cast by path, not by a patch
+
+
+@pytest.mark.parametrize("override", ["class", "policy"])
+def test_a_block_kept_in_float32_by_a_class_rule_stores_its_layers_params_in_float32_under_o2(override):
+    # with_fp32(Block) names the whole block: its Dense (a half-list layer) computed in float32
+    # but was stored, and so rounded, in bfloat16, 6e-3 off plain float32 Flax.
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(16, name="inner")(x)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="head")(Block(name="enc")(x))
+
+    base = PrecisionOverrides.from_recipe("O2")
+    ov = base.with_fp32(Block) if override == "class" else base.with_policy(Block, "float32")
+    variables = jaxmp.flax.mixed_precision(Net(), "O2-bf16", ov).init(jax.random.key(0), jnp.ones((2, 8)))
+    params = variables["params"]
+    assert params["enc"]["inner"]["kernel"].dtype == np.float32
+    assert params["head"]["kernel"].dtype == jnp.bfloat16

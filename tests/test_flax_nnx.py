@@ -331,3 +331,24 @@ def test_pmap_train_step_averages_batch_stats_and_draws_a_dropout_mask_per_repli
     # The stored RNG keys and counters, params and optimizer state stay replicated.
     for part in (inner["drop"], inner["bn"], inner["fc"], inner["head"], state[1]):
         jaxmp.parallel.check_replicated(part, num_replicas=n)
+
+
+def test_a_block_kept_in_float32_by_a_class_rule_stores_its_layers_params_in_float32_under_o2():
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.inner = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.inner(x)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.enc, self.head = Block(rngs), nnx.Linear(8, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.enc(x))
+
+    ov = jaxmp.flax.PrecisionOverrides.from_recipe("O2").with_fp32(Block)
+    model = jaxmp.flax.nnx.store_params(Net(nnx.Rngs(0)), "O2-bf16", ov)
+    assert model.enc.inner.kernel.value.dtype == np.float32
+    assert model.head.kernel.value.dtype == jnp.bfloat16

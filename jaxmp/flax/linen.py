@@ -83,14 +83,24 @@ class _Call:
         self.overridden: dict[str, str] = {}
         self.failed_params: Any = None  # the params created before a layer raised (init)
         self._by_class: dict[type, ModuleRule | None] = {}
+        self.fp32_paths: dict[Path, ModuleRule] = {}  # modules met with a float32 rule, by path
 
     def decide(self, module: nn.Module) -> ModuleRule | None:
         if self.rules.paths:
-            return self._at_init(self.rules.rule_at(module.path, module))
-        cls = type(module)
-        if cls not in self._by_class:  # memoised per call: path-free rules depend on the class only
-            self._by_class[cls] = self._at_init(self.rules.rule_for(cls))
-        return self._by_class[cls]
+            rule = self._at_init(self.rules.rule_at(module.path, module))
+        else:
+            cls = type(module)
+            if cls not in self._by_class:  # memoised per call: path-free rules depend on the class only
+                self._by_class[cls] = self._at_init(self.rules.rule_for(cls))
+            rule = self._by_class[cls]
+        if rule is not None and rule.kind == "half" and self.fp32_paths:
+            # A half-list layer inside a module kept in float32 by a class rule runs, and stores its
+            # params, in float32 too: the rule names the whole block, as a path rule does.
+            path = tuple(str(p) for p in module.path)
+            outer = next((self.fp32_paths[path[:n]] for n in range(len(path)) if path[:n] in self.fp32_paths), None)
+            if outer is not None:
+                return outer
+        return rule
 
     def _at_init(self, rule: ModuleRule | None) -> ModuleRule | None:
         # At init a half layer reads the float32 params it has just created, so its output is
@@ -122,6 +132,8 @@ class _Call:
         if self.init and rule.kind == "half":
             rule = dataclasses.replace(rule, output="computed")
         self.seen.setdefault(tuple(str(p) for p in module.path), rule)
+        if rule.kind in ("fp32", "policy") and np.dtype(rule.compute_dtype).itemsize >= 4:
+            self.fp32_paths.setdefault(tuple(str(p) for p in module.path), rule)
         if rule.kind == "half" and np.dtype(rule.compute_dtype).itemsize < 4 and explicit_float32(module):
             self.overridden.setdefault(join_path(module.path), type(module).__name__)
 

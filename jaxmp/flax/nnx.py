@@ -94,7 +94,19 @@ def module_rules(model: nnx.Module, policy: Policy, overrides: PrecisionOverride
             rule = overrides.rule_at(_str_path(path), node, policy)
             if rule is not None:
                 rules.setdefault(_str_path(path), rule)
-    return rules
+    return _inherit_float32(rules)
+
+
+def _inherit_float32(rules: dict) -> dict:
+    # A half-list layer inside a module a rule keeps in float32 (with_fp32(Block), a float32
+    # policy) stores its params in float32, as it computes: the rule names the whole block.
+    wide = {p: r for p, r in rules.items() if np.dtype(r.compute_dtype).itemsize >= 4}
+    out = {}
+    for path, rule in rules.items():
+        outer = next((wide[path[:n]] for n in range(len(path)) if path[:n] in wide), None) \
+            if rule.kind == "half" else None
+        out[path] = outer if outer is not None else rule
+    return out
 
 
 def _ruled_modules(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides):
