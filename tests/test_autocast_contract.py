@@ -195,6 +195,21 @@ def test_o2_leaves_a_weight_whose_matmul_is_in_a_float32_region_unrounded():
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
 
 
+def test_an_update_inside_autocast_under_a_float32_region_is_applied_in_float32():
+    # docs/autocast.md: the update belongs outside autocast, or under jaxmp.float32_region; there
+    # p - lr * g runs in float32 and 20 updates of 1e-4 * g move p as float32 does.
+    def step(p, x):
+        g = jax.grad(lambda p, x: jnp.mean((x @ p) ** 2))(p, x)
+        return jaxmp.float32_region(lambda p, g: p - 1e-4 * g)(p, g)
+
+    f = jax.jit(jaxmp.autocast(step, "O1-bf16"))
+    p = q = jnp.eye(4)
+    for _ in range(20):
+        p, q = f(p, jnp.ones((8, 4))), step(q, jnp.ones((8, 4)))
+    assert p.dtype == F32 and float(p[0, 0]) < 0.9991
+    np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-5)
+
+
 def test_precision_highest_keeps_a_matmul_in_float32():
     w = jax.random.normal(jax.random.PRNGKey(0), (64, 64))
     x = jax.random.normal(jax.random.PRNGKey(1), (8, 64))
