@@ -207,7 +207,7 @@ def test_an_update_inside_autocast_under_a_float32_region_is_applied_in_float32(
     for _ in range(20):
         p, q = f(p, jnp.ones((8, 4))), step(q, jnp.ones((8, 4)))
     assert p.dtype == F32 and float(p[0, 0]) < 0.9991
-    np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(p), np.asarray(q), atol=1e-5)  # bf16 gradients: 0.4% of 1e-3
 
 
 def test_precision_highest_keeps_a_matmul_in_float32():
