@@ -23,7 +23,7 @@ import optax
 
 from jaxmp import fold, traps
 from jaxmp.dtypes import float_dtype, is_floating_array, is_inexact_array
-from jaxmp.loss_scale import LossScale, make_loss_scale
+from jaxmp.loss_scale import DynamicLossScale, LossScale, StaticLossScale, make_loss_scale
 from jaxmp.skip import all_finite, keep_if_finite
 
 #: ``LossScalingState.skip_reason`` values.
@@ -270,7 +270,28 @@ def _restore(operands: list, grad_leaves: list) -> list:
     return [x.reshape(g.shape) for x, g in zip(operands, grad_leaves)]
 
 
-def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, params, use_cond, extra_args, fused):
+def _fold_is_exact(loss_scale, initial_scale) -> bool:
+    """Whether the scale is >= 1 on every step, known while tracing: then :mod:`jaxmp.fold` is exact.
+
+    Below 1 the *scaled* squares of a global norm underflow where the unscaled ones do not
+    (XLA:CPU flushes subnormals to zero), and a norm of 0 would leave a step unclipped. A
+    dynamic scale never goes below its floor; a static scale never changes, so the one the
+    transform was built with stands for it under ``jit`` (a concrete one is read directly).
+    """
+    if isinstance(loss_scale, DynamicLossScale):
+        return loss_scale.min_loss_scale >= 1
+    if isinstance(loss_scale, StaticLossScale):
+        value = loss_scale.loss_scale
+        if isinstance(value, jax.core.Tracer):
+            if not isinstance(initial_scale, StaticLossScale):
+                return False
+            value = initial_scale.loss_scale
+        return bool(np.all(np.asarray(value) >= 1))
+    return False
+
+
+def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, params, use_cond, extra_args, fused,
+                fold_ok=True):
     """The inner update on a finite step; ``-0.0`` updates and the old inner state otherwise.
 
     The gradients are unscaled inside the step, not before it: under ``lax.cond`` XLA can then
@@ -303,7 +324,8 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
     _check_state_types(state.inner_state, shapes[1])
     grad_leaves = jax.tree_util.tree_leaves(grads)
     scale_leaves = jax.tree_util.tree_leaves(loss_scale)
-    scale_positions = [len(grad_leaves) + i for i, x in enumerate(scale_leaves) if is_floating_array(x)]
+    scale_positions = [len(grad_leaves) + i for i, x in enumerate(scale_leaves) if is_floating_array(x)] \
+        if fold_ok else []
     out_tree = jax.tree_util.tree_structure(shapes)
 
     def inner_update(gl=grad_leaves):
@@ -415,7 +437,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
         grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
         use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
         out, inner_state = _inner_step(inner, state.loss_scale, keeps_master, grads, grads_finite, state, params,
-                                       use_cond, extra_args, fused)
+                                       use_cond, extra_args, fused, _fold_is_exact(state.loss_scale, initial_scale))
 
         half_arithmetic = keeps_master or _has_half((grads, state.inner_state))
         if half_arithmetic if check_updates is None else check_updates:
@@ -470,7 +492,8 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
        (a sum of squares such as the global norm is computed on the scaled gradients and divided
        by ``scale**2``, which is bitwise the same for power-of-two scales: :mod:`jaxmp.fold`;
        known limit: where a squared *scaled* gradient leaves float32, ``|g| * scale > 1.8e19``,
-       the folded norm is inf and ``clip_by_global_norm`` zeroes that step's update);
+       the folded norm is inf and ``clip_by_global_norm`` zeroes that step's update; a scale
+       that can go below 1 -- ``"torch"``'s floor, a static scale < 1 -- is never folded);
     2. every floating and complex gradient leaf is checked for inf/NaN; with ``axis_name`` the
        verdict is reduced (``pmin`` in float32) so every replica agrees;
     3. finite: the inner update is applied; non-finite: updates are zero (``-0.0``, so that
