@@ -162,7 +162,8 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
                    ) -> optax.GradientTransformationExtraArgs:
     """Keeps a ``master_dtype`` copy of the params and runs ``inner`` on it (Apex O2).
 
-    ``init`` copies the params to ``master_dtype``; ``update`` casts the (unscaled) gradients
+    ``init`` copies the params to ``master_dtype`` (complex params are copied in their own
+    dtype, and stepped like the others); ``update`` casts the (unscaled) gradients
     to it, runs ``inner`` on the master copy (so Adam's moments are float32), steps the
     master, and returns the updates that move each half param onto the cast of the new
     master. :func:`jaxmp.apply_updates` with the state returns exactly that cast. Compose it
@@ -209,12 +210,20 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
         stepped = add_floating(master, updates)
         # The returned updates move the half params onto the new master; apply_updates with
         # the state is the exact path (cast of the master), optax's is within rounding.
-        deltas = jax.tree_util.tree_map(
-            lambda new, old, d: (new.astype(d).astype(master_dtype) - old.astype(d).astype(master_dtype)).astype(d)
-            if is_floating_array(new) else jnp.zeros_like(new), stepped, master, dtypes)
+        deltas = jax.tree_util.tree_map(lambda new, old, d: _delta(new, old, d, master_dtype), stepped, master, dtypes)
         return deltas, MasterWeightsState(inner_state, stepped)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _delta(new, old, dtype, master_dtype):
+    """The update moving a param of ``dtype`` from the cast of ``old`` to the cast of ``new`` (master leaves)."""
+    if not is_inexact_array(new):
+        return jnp.zeros_like(new)
+    # Subtract in the master's precision, where the difference of two casts is exact; a complex
+    # master keeps the param's own dtype (no real master dtype holds it).
+    wide = dtype if jnp.issubdtype(dtype, jnp.complexfloating) else master_dtype
+    return (new.astype(dtype).astype(wide) - old.astype(dtype).astype(wide)).astype(dtype)
 
 
 def _unscale(loss_scale, grads, keeps_master: bool):
@@ -238,7 +247,7 @@ def apply_to_params(params, updates, state=None):
         master = found[0].master_params
         check_same_structure(params, master, "params", "master params")
         return jax.tree_util.tree_map(
-            lambda p, m: m.astype(jnp.asarray(p).dtype) if is_floating_array(m) else p, params, master)
+            lambda p, m: m.astype(jnp.asarray(p).dtype) if is_inexact_array(m) else p, params, master)
     return add_floating(params, updates)
 
 

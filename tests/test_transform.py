@@ -403,3 +403,21 @@ def test_an_inner_chain_that_changes_its_state_dtype_is_named_with_the_fix(skip_
     tx = jaxmp.loss_scaling(inner, "static:1", skip_with=skip_with, master_weights=True)
     updates, state = tx.update(grads, tx.init(params), params)
     assert bool(state.last_step_finite) and updates["b"].dtype == jnp.bfloat16
+
+
+def test_master_weights_step_complex_params_as_optax_does():
+    # complex64 params beside bfloat16 ones: the master keeps them complex64 (no real master dtype
+    # holds them) and both the updates and apply_updates move them; they used to stay frozen.
+    params = {"half": jnp.ones(2, jnp.bfloat16), "c": jnp.array([1 + 1j, 2 - 1j], jnp.complex64)}
+    grads = {"half": jnp.ones(2, jnp.bfloat16), "c": jnp.array([1 + 0j, 0 + 1j], jnp.complex64)}
+    inner = optax.sgd(0.1)
+    want = optax.apply_updates(params, inner.update(grads, inner.init(params), params)[0])["c"]
+    tx = jaxmp.loss_scaling(inner, "none", master_weights=True)
+    state = tx.init(params)
+    assert jaxmp.master_params(state)["c"].dtype == jnp.complex64
+    updates, new_state = tx.update(grads, state, params)
+    np.testing.assert_allclose(np.asarray(params["c"] + updates["c"]), np.asarray(want), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(jaxmp.apply_updates(params, updates, new_state)["c"]), np.asarray(want))
+    fused, fused_state = jaxmp.transform.update_and_apply(tx, grads, state, params)
+    np.testing.assert_array_equal(np.asarray(fused["c"]), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(jaxmp.master_params(fused_state)["c"]), np.asarray(want))
