@@ -120,6 +120,20 @@ def _has_half(tree) -> bool:
     return any(is_floating_array(x) and np.dtype(x.dtype).itemsize < 4 for x in jax.tree_util.tree_leaves(tree))
 
 
+def _half_leaves(tree) -> list:
+    """The float16/bfloat16 leaves of ``tree``: an optimizer state that can overflow on a finite step."""
+    return [x for x in jax.tree_util.tree_leaves(tree) if is_floating_array(x) and np.dtype(x.dtype).itemsize < 4]
+
+
+def _moved_finitely(new, old) -> jax.Array:
+    """Whether every inexact element of ``new`` is finite or equal to ``old``'s (no non-finite update)."""
+    pairs = [(n, o) for n, o in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(old))
+             if is_inexact_array(n)]
+    if not pairs:
+        return jnp.array(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(n) | (n == o)) for n, o in pairs]))
+
+
 def _verdict(finite: jax.Array, axis_name) -> jax.Array:
     if axis_name is None:
         return finite
@@ -223,7 +237,10 @@ def _delta(new, old, dtype, master_dtype):
     # Subtract in the master's precision, where the difference of two casts is exact; a complex
     # master keeps the param's own dtype (no real master dtype holds it).
     wide = dtype if jnp.issubdtype(dtype, jnp.complexfloating) else master_dtype
-    return (new.astype(dtype).astype(wide) - old.astype(dtype).astype(wide)).astype(dtype)
+    a, b = new.astype(dtype).astype(wide), old.astype(dtype).astype(wide)
+    # A param the step leaves as it was gets a zero update, also where it holds inf (a -inf
+    # mask): inf - inf would make it NaN, and the step would be skipped for good.
+    return jnp.where(a == b, jnp.zeros_like(a), a - b).astype(dtype)
 
 
 def _unscale(loss_scale, grads, keeps_master: bool):
@@ -451,10 +468,16 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
         half_arithmetic = keeps_master or _has_half((grads, state.inner_state))
         if half_arithmetic if check_updates is None else check_updates:
             # Finite gradients can still give a non-finite update (Adam's epsilon flushed to zero
-            # in float16, a master value past float16's range): such a step is skipped too. The
-            # fused path checks the new params instead of the updates (a non-finite update, or a
-            # sum that overflows, makes them non-finite); a skipped step is not checked again.
-            updates_finite = _verdict(all_finite(out) | jnp.logical_not(grads_finite), axis_name)
+            # in float16, a master value past float16's range) or a non-finite half-precision
+            # state (pure-fp16 Adam's nu = g**2 past 65504 while the update stays finite, which
+            # would freeze that param for good): such a step is skipped too. The fused path
+            # checks the new params instead of the updates (the updates are never written out),
+            # accepting an element the step leaves as it was, so that a param already holding
+            # -inf (a mask) is judged as the unfused path judges its zero update; a skipped step
+            # is not checked again.
+            ok = _moved_finitely(out, params) if fused else all_finite(out)
+            ok = ok & all_finite(_half_leaves(inner_state))
+            updates_finite = _verdict(ok | jnp.logical_not(grads_finite), axis_name)
             inner_state = keep_if_finite(updates_finite, inner_state, state.inner_state)
             old = params if fused else jax.tree_util.tree_map(_negative_zeros, out)
             out = keep_if_finite(updates_finite, out, old)
@@ -509,9 +532,10 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
        params stay bitwise unchanged, negative zeros included) and the inner state (step counts
        and master copy included) is left bitwise unchanged -- via ``lax.cond`` or
        ``lax.select``, no Python branching on values;
-    4. where half-precision arithmetic can make them so, the updates are checked too
-       (``check_updates``): a finite gradient that still yields a non-finite update (pure-fp16
-       Adam) is skipped, never applied;
+    4. where half-precision arithmetic can make them so, the updates and the new half-precision
+       state leaves are checked too (``check_updates``): a finite gradient that still yields a
+       non-finite update or state (pure-fp16 Adam: epsilon flushed to zero, ``nu`` past 65504)
+       is skipped, never applied;
     5. the loss scale is adjusted (grows after ``period`` finite steps, backs off on overflow)
        and the state records why a skipped step was skipped (``skip_reason``).
 

@@ -421,3 +421,44 @@ def test_master_weights_step_complex_params_as_optax_does():
     fused, fused_state = jaxmp.transform.update_and_apply(tx, grads, state, params)
     np.testing.assert_array_equal(np.asarray(fused["c"]), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(jaxmp.master_params(fused_state)["c"]), np.asarray(want))
+
+
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_pure_fp16_adam_skips_a_step_that_overflows_its_state():
+    # nu = 0.001 * 300**2 overflows float16 while the update (mu / sqrt(inf)) stays finite: applied,
+    # the inf would stay in nu and freeze that param for good. The step is skipped instead.
+    params = {"w": jnp.array([1.0, 1.0], jnp.float16)}
+    tx = jaxmp.loss_scaling(optax.adam(1e-2), "static:1")
+    state = tx.init(params)
+    new, state = jaxmp.transform.update_and_apply(tx, {"w": jnp.array([300.0, 1.0], jnp.float16)}, state, params)
+    assert not bool(state.last_step_finite) and int(state.skip_reason) == jaxmp.transform.NON_FINITE_UPDATES
+    assert _bits(new) == _bits(params)
+    assert bool(jaxmp.all_finite(state.inner_state))
+    updates, state2 = tx.update({"w": jnp.array([300.0, 1.0], jnp.float16)}, tx.init(params), params)
+    assert not bool(state2.last_step_finite) and bool(jaxmp.all_finite(state2.inner_state))
+    new, state = jaxmp.transform.update_and_apply(tx, {"w": jnp.array([1.0, 1.0], jnp.float16)}, state, params)
+    assert bool(state.last_step_finite) and np.all(np.asarray(new["w"]) < 1)
+
+
+@pytest.mark.standard_promotion(reason="optax.adamw: bias correction is a Python float ** int32 count")
+@pytest.mark.parametrize("master", [False, True])
+def test_fused_and_unfused_steps_agree_on_a_param_holding_minus_inf(master):
+    # A -inf mask entry in a param: its update is 0, so the step is applied by both paths (the
+    # fused one used to find the new params non-finite and skip every step).
+    params = {"w": jnp.array([1.0, 2.0], jnp.bfloat16), "mask": jnp.array([0.0, -jnp.inf], jnp.bfloat16)}
+    grads = {"w": jnp.array([1.0, 1.0], jnp.bfloat16), "mask": jnp.zeros(2, jnp.bfloat16)}
+    tx = jaxmp.loss_scaling(optax.sgd(0.5), "none", master_weights=master)
+    state = tx.init(params)
+    fused, fused_state = jaxmp.transform.update_and_apply(tx, grads, state, params)
+    updates, unfused_state = tx.update(grads, state, params)
+    unfused = jaxmp.apply_updates(params, updates, unfused_state)
+    assert bool(fused_state.last_step_finite) and bool(unfused_state.last_step_finite)
+    assert _bits(fused) == _bits(unfused)
+    np.testing.assert_array_equal(np.asarray(fused["w"], np.float32), [0.5, 1.5])
+    assert float(fused["mask"][1]) == -np.inf
+    # A non-finite update is still refused by both.
+    bad = {"w": grads["w"], "mask": jnp.array([0.0, 1.0], jnp.bfloat16)}
+    tx_wd = jaxmp.loss_scaling(optax.adamw(0.5, weight_decay=1.0), "none", master_weights=master)
+    st = tx_wd.init(params)
+    assert not bool(jaxmp.transform.update_and_apply(tx_wd, bad, st, params)[1].last_step_finite)
+    assert not bool(tx_wd.update(bad, st, params)[1].last_step_finite)
