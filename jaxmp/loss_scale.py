@@ -5,7 +5,10 @@ Drop-in for jmp's loss scales with these fixes: they are dataclasses registered 
 is static), so every field survives ``jit``/``tree_map``/checkpointing (jmp drops
 ``min_loss_scale``); the scale is always float32 and is validated after the cast to float32;
 every dynamic scale has a floor (a normal float32 > 0), so no scale can reach 0, a subnormal,
-inf or NaN, and a scale recovers after any number of overflows.
+inf or NaN, and a scale recovers after any number of overflows (one restored damaged -- NaN,
+0, inf -- on its next adjust). A scale given as a concrete array is validated when a transform
+is built with it (:func:`make_loss_scale`), not by the constructor, which JAX calls on every
+tree rebuild.
 """
 
 from __future__ import annotations
@@ -358,8 +361,11 @@ class DynamicLossScale(_Scaling):
         lo = jnp.float32(self.min_loss_scale)
         backed_off = jnp.maximum(scale * jnp.float32(self.backoff_factor), lo)
         new_scale = jnp.where(grads_finite, jnp.where(grow, grown, scale), backed_off)
-        # A scale restored from a damaged state (NaN, 0) falls back to the floor, never stays dead.
+        # A scale restored from a damaged state (NaN, 0) falls back to the floor, and an inf one
+        # to the cap (2**127, the largest power of two float32 holds, under an infinite cap):
+        # none stays dead, as max(inf * backoff, floor) would.
         new_scale = jnp.where(new_scale >= lo, new_scale, lo)
+        new_scale = jnp.where(jnp.isinf(new_scale), jnp.float32(min(self.max_loss_scale, 2.0**127)), new_scale)
         counter = jnp.where(grow, 0, counter).astype(jnp.int32)
         return dataclasses.replace(self, loss_scale=new_scale, counter=counter, scaled_mark=traps.UNSCALED)
 
@@ -383,6 +389,25 @@ def _counter_array(counter: Any) -> Any:
     if isinstance(counter, float):
         raise ValueError(f"counter must be a non-negative integer scalar, got {counter!r}")
     return counter
+
+
+def _check_concrete_scale(ls: Any) -> None:
+    """Validates a scale given as a concrete array, as numbers are validated (once, by the transform).
+
+    The constructors take arrays as they come: JAX rebuilds the dataclass from its leaves on every
+    tree operation, and reading the scale back there would sync the device each time. The scale
+    a transform is built with is read once, here.
+    """
+    value = ls.loss_scale
+    if not isinstance(value, (jax.Array, np.ndarray)) or _is_tracer(value):
+        return
+    v = np.asarray(value, np.float32)
+    lo = getattr(ls, "min_loss_scale", SMALLEST_SCALE)
+    hi = getattr(ls, "max_loss_scale", float(np.finfo(np.float32).max))
+    if not (np.all(np.isfinite(v)) and np.all(v >= max(lo, SMALLEST_SCALE)) and np.all(v <= hi)):
+        raise ValueError(
+            f"{type(ls).__name__}.loss_scale must be a positive finite float32 number in "
+            f"[{max(lo, SMALLEST_SCALE):g}, {hi:g}], got {value}")
 
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
@@ -414,6 +439,8 @@ def make_loss_scale(spec: Any = "dynamic") -> LossScale:
             if isinstance(getattr(spec, name, None), bool) and not isinstance(spec, NoOpLossScale):
                 raise TypeError(f"{type(spec).__name__}.{name} is the bool {getattr(spec, name)!r}: give a number "
                                 f"(e.g. {type(spec).__name__}(2.0**15))")
+        if not isinstance(spec, NoOpLossScale):
+            _check_concrete_scale(spec)
         return spec
     if spec is None:
         return NoOpLossScale()
