@@ -439,7 +439,9 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
         traps.check_inner_state(inner_state)
         return LossScalingState(
             inner_state=inner_state,
-            loss_scale=jax.tree_util.tree_map(jnp.asarray, initial_scale),
+            # Fresh buffers on every init: a state donated to a jitted step deletes its buffers,
+            # which must not be those of every other state this transform hands out.
+            loss_scale=jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), initial_scale),
             last_step_finite=jnp.array(True),
             consecutive_skips=jnp.zeros([], jnp.int32),
             total_skips=jnp.zeros([], jnp.int32),

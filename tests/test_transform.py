@@ -462,3 +462,15 @@ def test_fused_and_unfused_steps_agree_on_a_param_holding_minus_inf(master):
     st = tx_wd.init(params)
     assert not bool(jaxmp.transform.update_and_apply(tx_wd, bad, st, params)[1].last_step_finite)
     assert not bool(tx_wd.update(bad, st, params)[1].last_step_finite)
+
+
+def test_each_init_hands_out_fresh_buffers_that_survive_another_states_donation():
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
+    params = {"w": jnp.ones(3)}
+    s1, s2 = tx.init(params), tx.init(params)
+    step = jax.jit(lambda p, s: jaxmp.transform.update_and_apply(
+        tx, jaxmp.value_and_grad(lambda q: jnp.sum(q["w"] ** 2), s)(p)[1], s, p), donate_argnums=(0, 1))
+    step({"w": jnp.ones(3)}, s1)
+    new, s2 = step({"w": jnp.ones(3)}, s2)  # a deleted (donated) buffer in s2 would raise here
+    assert float(s2.loss_scale.loss_scale) == 2.0**15 and bool(s2.last_step_finite)
+    assert float(tx.init(params).loss_scale.loss_scale) == 2.0**15
