@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any, ClassVar, TypeVar, Union
 
 import jax
@@ -413,6 +414,48 @@ def _check_concrete_scale(ls: Any) -> None:
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
 LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
+_LEAF_FIELDS = {NoOpLossScale: (), StaticLossScale: ("loss_scale",), DynamicLossScale: ("loss_scale", "counter")}
+
+
+def register_flax_serialization(force: bool = False) -> bool:
+    """Registers the loss scales with ``flax.serialization`` (``to_bytes``, ``from_bytes``, state dicts).
+
+    jaxmp does not import Flax: this registers only once Flax is loaded (or imports it with
+    ``force``). It runs when jaxmp is imported after Flax, whenever a loss-scaling transform or
+    its state is built, and when :mod:`jaxmp.flax` is imported, so a state serialized with Flax
+    has its scales registered. The state dict holds the leaves (scale, counter); the
+    configuration comes from the target restored into, as for every Flax state.
+
+    Args:
+      force: import ``flax.serialization`` if it is not loaded yet.
+
+    Returns:
+      Whether the loss scales are registered.
+    """
+    # Registering again is one dict write (Flax's registry is the record, not a flag here); it
+    # runs when a transform or state is built, never per step.
+    serialization = sys.modules.get("flax.serialization")
+    if serialization is None:
+        if not force:
+            return False
+        import flax.serialization as serialization  # noqa: PLC0415 - Flax stays optional
+    for cls, fields in _LEAF_FIELDS.items():
+        def to_state(x, fields=fields):
+            return {f: serialization.to_state_dict(getattr(x, f)) for f in fields}
+
+        def from_state(target, state, fields=fields):
+            missing = [f for f in fields if f not in state]
+            if missing:
+                raise ValueError(f"{type(target).__name__} state dict lacks {missing}, got keys {sorted(state)}")
+            return dataclasses.replace(
+                target, **{f: serialization.from_state_dict(getattr(target, f), state[f], name=f) for f in fields})
+
+        serialization.register_serialization_state(cls, to_state, from_state, override=True)
+    return True
+
+
+register_flax_serialization()
+
 
 def make_loss_scale(spec: Any = "dynamic") -> LossScale:
     """Builds a loss scale from a short description.
@@ -433,6 +476,7 @@ def make_loss_scale(spec: Any = "dynamic") -> LossScale:
       >>> jaxmp.make_loss_scale("static:1024")
       StaticLossScale(loss_scale=Array(1024., dtype=float32))
     """
+    register_flax_serialization()
     if isinstance(spec, LOSS_SCALE_TYPES):
         for name in ("loss_scale", "counter"):
             # A filter-spec placeholder (bool) is fine inside a tree, not as the scale to train with.

@@ -23,7 +23,13 @@ import optax
 
 from jaxmp import fold, traps
 from jaxmp.dtypes import float_dtype, is_floating_array, is_inexact_array
-from jaxmp.loss_scale import DynamicLossScale, LossScale, StaticLossScale, make_loss_scale
+from jaxmp.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    StaticLossScale,
+    make_loss_scale,
+    register_flax_serialization,
+)
 from jaxmp.skip import all_finite, keep_if_finite
 
 #: ``LossScalingState.skip_reason`` values.
@@ -434,6 +440,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
 
     def init_fn(params):
         _check_all_arrays(params, "params")
+        register_flax_serialization()  # Flax may have been imported since the transform was built
         inner_state = inner.init(params)
         traps.check_init(params, inner_state, initial_scale, LossScalingState, MasterWeightsState)
         traps.check_inner_state(inner_state)
