@@ -394,10 +394,11 @@ def _check_state_types(old: Any, new: Any) -> None:
         a_dtype, b_dtype = getattr(a, "dtype", None), getattr(b, "dtype", None)
         if a_dtype is None or b_dtype is None:
             continue
-        if np.dtype(a_dtype) != np.dtype(b_dtype) or tuple(np.shape(a)) != tuple(b.shape):
+        # Compared as JAX dtypes: a PRNG key's (optax.noisy_sgd) is no numpy dtype.
+        if a_dtype != b_dtype or tuple(jnp.shape(a)) != tuple(b.shape):
             raise ValueError(
                 f"the inner optimizer changes its state on update: {jax.tree_util.keystr(path)} is "
-                f"{np.dtype(a_dtype).name}{list(np.shape(a))} after init and {np.dtype(b_dtype).name}{list(b.shape)} "
+                f"{a_dtype}{list(jnp.shape(a))} after init and {b_dtype}{list(b.shape)} "
                 "after update. A skipped step keeps the old state, so the two must match. This happens with "
                 "bfloat16/float16 params and float32 hyperparameters (optax.inject_hyperparams promotes the moments): "
                 "use loss_scaling(..., master_weights=True), whose inner state is float32.")

@@ -474,3 +474,21 @@ def test_each_init_hands_out_fresh_buffers_that_survive_another_states_donation(
     new, s2 = step({"w": jnp.ones(3)}, s2)  # a deleted (donated) buffer in s2 would raise here
     assert float(s2.loss_scale.loss_scale) == 2.0**15 and bool(s2.last_step_finite)
     assert float(tx.init(params).loss_scale.loss_scale) == 2.0**15
+
+
+@pytest.mark.standard_promotion(reason="optax.noisy_sgd: its noise schedule is a Python float ** int32 count")
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_an_inner_state_holding_a_prng_key_steps_and_skips(skip_with):
+    # optax.noisy_sgd keeps a typed key in its state; the state-type check used to crash on it.
+    params = {"w": jnp.ones(3)}
+    inner = optax.noisy_sgd(1e-2, key=jax.random.key(0))
+    want = inner.update({"w": jnp.ones(3)}, inner.init(params), params)[0]["w"]
+    tx = jaxmp.loss_scaling(inner, "none", skip_with=skip_with)
+    state = tx.init(params)
+    updates, applied = tx.update({"w": jnp.ones(3)}, state, params)
+    np.testing.assert_allclose(np.asarray(updates["w"]), np.asarray(want), rtol=1e-6)  # same noise draw
+    _, skipped = tx.update({"w": jnp.array([1.0, jnp.inf, 1.0])}, state, params)
+    assert not bool(skipped.last_step_finite)
+    keys = [x for x in jax.tree_util.tree_leaves(skipped.inner_state) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    old = [x for x in jax.tree_util.tree_leaves(state.inner_state) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    assert keys and all(np.array_equal(jax.random.key_data(a), jax.random.key_data(b)) for a, b in zip(keys, old))
