@@ -267,11 +267,55 @@ def apply_to_params(params, updates, state=None):
     """
     found = find_states(state, MasterWeightsState) if state is not None else []
     if found:
+        _check_nothing_after_master(state)
         master = found[0].master_params
         check_same_structure(params, master, "params", "master params")
         return jax.tree_util.tree_map(
             lambda p, m: m.astype(jnp.asarray(p).dtype) if is_inexact_array(m) else p, params, master)
     return add_floating(params, updates)
+
+
+def _check_nothing_after_master(state) -> None:
+    """Raises when an optax chain runs transforms after the one that keeps the master copy.
+
+    The params are the master's cast, whatever the later transforms did to the updates
+    (``optax.chain(loss_scaling(..., master_weights=True), optax.scale(0.5))`` would silently
+    step at full size). Checked on the state's structure only, at trace time.
+    """
+    if not isinstance(state, tuple) or hasattr(state, "_fields"):
+        return  # not an optax chain's state (NamedTuples are single transforms' states)
+    for i, part in enumerate(state):
+        if find_states(part, MasterWeightsState):
+            if i + 1 < len(state):
+                raise ValueError(
+                    f"the optimizer is an optax chain with {len(state) - i - 1} transform(s) after the one keeping "
+                    "float32 master weights: the params become the master's cast, so their effect on the updates "
+                    "would be dropped. Put them inside: jaxmp.loss_scaling(optax.chain(..., transform), "
+                    "master_weights=True).")
+            _check_nothing_after_master(part)
+            return
+
+
+def _check_state_matches(inner, state_inner, ref) -> None:
+    """Raises a ValueError naming the first leaf where the inner state differs from ``inner.init(ref)``.
+
+    Structure and shapes only, from ``jax.eval_shape`` at trace time: a state built for other
+    params (or another optimizer) would otherwise fail deep inside optax, or broadcast.
+    """
+    try:
+        expected = jax.eval_shape(inner.init, ref)
+    except Exception:  # noqa: BLE001 - an init that cannot be traced abstractly: nothing to compare
+        return
+    te, ts = jax.tree_util.tree_structure(expected), jax.tree_util.tree_structure(state_inner)
+    if te != ts:
+        raise ValueError(
+            "the optimizer state does not belong to this optimizer and these params (was it made by another "
+            f"transform's init?):\n  state: {ts}\n  this optimizer's init gives: {te}")
+    for (path, e), x in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(state_inner)):
+        if tuple(e.shape) != tuple(jnp.shape(x)):
+            raise ValueError(
+                f"optimizer state leaf inner_state{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(x))}, but "
+                f"this optimizer's init for these params gives {tuple(e.shape)}: the state was made for other params")
 
 
 def _cond_operands(grad_leaves: list) -> list:
@@ -465,6 +509,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
         if params is not None:
             check_same_structure(grads, params, "gradients", "params")
         traps.check_gradients(grads, state.loss_scale)
+        _check_state_matches(inner, state.inner_state, grads if params is None else params)
         keeps_master = bool(find_states(state.inner_state, MasterWeightsState))
 
         def unscale(g):
@@ -616,7 +661,9 @@ def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_a
     stepped inside the skip (``lax.cond`` or ``lax.select``), so the compiled program never
     writes the updates out to read them back: it makes the passes of a bare optax step plus one
     finiteness reduction over the gradients. Any other transform (e.g. one that wraps
-    ``loss_scaling`` in an ``optax.chain``) falls back to ``tx.update`` and ``apply_updates``.
+    ``loss_scaling`` in an ``optax.chain``) falls back to ``tx.update`` and ``apply_updates``;
+    a chain with transforms after one keeping master weights raises a ``ValueError`` (their
+    effect would be dropped: the params are the master's cast).
     A skipped step returns the params and every inner state leaf bitwise unchanged.
 
     Args:

@@ -317,6 +317,32 @@ def test_params_of_the_wrong_shape_are_rejected_with_master_weights():
         tx.update({"w": jnp.ones((2, 3), jnp.float16)}, state, {"w": jnp.ones(3, jnp.float16)})
 
 
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_a_state_made_for_other_params_or_another_optimizer_is_named():
+    params = {"w": jnp.ones(3)}
+    tx = jaxmp.loss_scaling(optax.adam(1e-2), "none")
+    with pytest.raises(ValueError, match=r"inner_state\[0\]\.mu\['w'\] has shape \(4,\).*gives \(3,\)"):
+        tx.update(params, tx.init({"w": jnp.ones(4)}), params)
+    with pytest.raises(ValueError, match="does not belong to this optimizer"):
+        tx.update(params, jaxmp.loss_scaling(optax.sgd(1e-2), "none").init(params), params)
+
+
+def test_a_transform_chained_after_master_weights_is_refused_not_dropped():
+    params, grads = {"w": jnp.ones(2, jnp.bfloat16)}, {"w": jnp.ones(2, jnp.bfloat16)}
+    tx = optax.chain(jaxmp.loss_scaling(optax.sgd(0.25), "none", master_weights=True), optax.scale(0.0))
+    state = tx.init(params)
+    updates, new_state = tx.update(grads, state, params)
+    with pytest.raises(ValueError, match="after the one keeping float32 master weights"):
+        jaxmp.apply_updates(params, updates, new_state)
+    with pytest.raises(ValueError, match="after the one keeping float32 master weights"):
+        jaxmp.transform.update_and_apply(tx, grads, state, params)
+    # Nothing after it: fine.
+    tx = optax.chain(jaxmp.loss_scaling(optax.sgd(0.25), "none", master_weights=True))
+    state = tx.init(params)
+    new, _ = jaxmp.transform.update_and_apply(tx, grads, state, params)
+    np.testing.assert_array_equal(np.asarray(new["w"], np.float32), [0.75, 0.75])
+
+
 def test_apply_updates_does_not_broadcast():
     with pytest.raises(ValueError, match=r"updates leaf at \['w'\] has shape \(3,\)"):
         jaxmp.apply_updates({"w": jnp.ones((2, 3))}, {"w": jnp.ones(3)})
