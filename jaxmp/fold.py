@@ -14,8 +14,12 @@ Equivalence: for a power-of-two scale (every scale jaxmp's dynamic and default s
 take) both forms round identically, so the result is bitwise the same, unless a squared
 *scaled* gradient leaves float32's range (``|g * scale| > 1.8e19``), where the folded form
 overflows to inf (and, under a subnormal unscaled square, the folded form is the more exact).
-For another scale the two agree within a rounding of the product. Only float32/float64
-reductions are folded; half-precision arithmetic is never rewritten.
+For another scale the two agree within a rounding of the product. The factor is applied one
+``1/scale`` at a time (``(red * inv) * inv``), never as ``inv ** k``, which would overflow for
+small scales. A scale below 1 is not folded at all (the caller decides, see
+``jaxmp.transform._fold_is_exact``): the *scaled* squares would underflow (XLA:CPU flushes
+subnormals to zero) where the unscaled ones do not. Only float32/float64 reductions are
+folded; half-precision arithmetic is never rewritten.
 
 :func:`eval_folded` is ``jax.core.eval_jaxpr`` with that rewrite; nothing else changes.
 """
@@ -183,11 +187,12 @@ def eval_folded(closed: Any, args: Sequence[Any], scale_positions: Sequence[int]
                 if b is not _ONE:
                     red = bind(eqn, [b])
                     inv = 1.0 / scale.astype(red.dtype)
-                    k = degs.of(eqn.invars[0])
-                    factor = inv
-                    for _ in range(k - 1):
-                        factor = factor * inv
-                    out = red * factor
+                    # One factor of inv at a time, never inv**k: for a scale <= 2**-64, inv**2
+                    # overflows float32 and 0 * inf would make a zero norm NaN, whereas
+                    # (red * inv) * inv stays finite wherever the unfolded result is.
+                    out = red
+                    for _ in range(degs.of(eqn.invars[0])):
+                        out = out * inv
             except _NotFoldable:
                 out = None
         if out is None:

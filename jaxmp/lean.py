@@ -557,8 +557,14 @@ def remainder_master(params: Any, opt_state: Any) -> Any:
     if len(found) != 1:
         raise ValueError(f"expected one param_remainders state in opt_state, found {len(found)}: build the "
                          "optimizer with jaxmp.lean.param_remainders(...) or jaxmp.lean.preset('remainders', ...)")
-    check_same_structure(params, found[0].remainders, "params", "remainders")
-    return _masters(params, found[0].remainders)
+    remainders = found[0].remainders
+    if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(remainders):
+        check_same_structure(params, remainders, "params", "remainders")  # raises, naming both trees
+    # Only bfloat16 params have a remainder of their shape; the others hold an empty placeholder.
+    check_same_structure(params, jax.tree_util.tree_map(
+        lambda p, r: r if is_floating_array(p) and jnp.asarray(p).dtype == jnp.bfloat16 else p, params, remainders),
+        "params", "remainders")
+    return _masters(params, remainders)
 
 
 # --------------------------------------------------------------------------- presets

@@ -5,13 +5,17 @@ Drop-in for jmp's loss scales with these fixes: they are dataclasses registered 
 is static), so every field survives ``jit``/``tree_map``/checkpointing (jmp drops
 ``min_loss_scale``); the scale is always float32 and is validated after the cast to float32;
 every dynamic scale has a floor (a normal float32 > 0), so no scale can reach 0, a subnormal,
-inf or NaN, and a scale recovers after any number of overflows.
+inf or NaN, and a scale recovers after any number of overflows (one restored damaged -- NaN,
+0, inf -- on its next adjust). A scale given as a concrete array is validated when a transform
+is built with it (:func:`make_loss_scale`), not by the constructor, which JAX calls on every
+tree rebuild.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any, ClassVar, TypeVar, Union
 
 import jax
@@ -358,8 +362,11 @@ class DynamicLossScale(_Scaling):
         lo = jnp.float32(self.min_loss_scale)
         backed_off = jnp.maximum(scale * jnp.float32(self.backoff_factor), lo)
         new_scale = jnp.where(grads_finite, jnp.where(grow, grown, scale), backed_off)
-        # A scale restored from a damaged state (NaN, 0) falls back to the floor, never stays dead.
+        # A scale restored from a damaged state (NaN, 0) falls back to the floor, and an inf one
+        # to the cap (2**127, the largest power of two float32 holds, under an infinite cap):
+        # none stays dead, as max(inf * backoff, floor) would.
         new_scale = jnp.where(new_scale >= lo, new_scale, lo)
+        new_scale = jnp.where(jnp.isinf(new_scale), jnp.float32(min(self.max_loss_scale, 2.0**127)), new_scale)
         counter = jnp.where(grow, 0, counter).astype(jnp.int32)
         return dataclasses.replace(self, loss_scale=new_scale, counter=counter, scaled_mark=traps.UNSCALED)
 
@@ -385,8 +392,69 @@ def _counter_array(counter: Any) -> Any:
     return counter
 
 
+def _check_concrete_scale(ls: Any) -> None:
+    """Validates a scale given as a concrete array, as numbers are validated (once, by the transform).
+
+    The constructors take arrays as they come: JAX rebuilds the dataclass from its leaves on every
+    tree operation, and reading the scale back there would sync the device each time. The scale
+    a transform is built with is read once, here.
+    """
+    value = ls.loss_scale
+    if not isinstance(value, (jax.Array, np.ndarray)) or _is_tracer(value):
+        return
+    v = np.asarray(value, np.float32)
+    lo = getattr(ls, "min_loss_scale", SMALLEST_SCALE)
+    hi = getattr(ls, "max_loss_scale", float(np.finfo(np.float32).max))
+    if not (np.all(np.isfinite(v)) and np.all(v >= max(lo, SMALLEST_SCALE)) and np.all(v <= hi)):
+        raise ValueError(
+            f"{type(ls).__name__}.loss_scale must be a positive finite float32 number in "
+            f"[{max(lo, SMALLEST_SCALE):g}, {hi:g}], got {value}")
+
+
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
 LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+
+_LEAF_FIELDS = {NoOpLossScale: (), StaticLossScale: ("loss_scale",), DynamicLossScale: ("loss_scale", "counter")}
+
+
+def register_flax_serialization(force: bool = False) -> bool:
+    """Registers the loss scales with ``flax.serialization`` (``to_bytes``, ``from_bytes``, state dicts).
+
+    jaxmp does not import Flax: this registers only once Flax is loaded (or imports it with
+    ``force``). It runs when jaxmp is imported after Flax, whenever a loss-scaling transform or
+    its state is built, and when :mod:`jaxmp.flax` is imported, so a state serialized with Flax
+    has its scales registered. The state dict holds the leaves (scale, counter); the
+    configuration comes from the target restored into, as for every Flax state.
+
+    Args:
+      force: import ``flax.serialization`` if it is not loaded yet.
+
+    Returns:
+      Whether the loss scales are registered.
+    """
+    # Registering again is one dict write (Flax's registry is the record, not a flag here); it
+    # runs when a transform or state is built, never per step.
+    serialization = sys.modules.get("flax.serialization")
+    if serialization is None:
+        if not force:
+            return False
+        import flax.serialization as serialization  # noqa: PLC0415 - Flax stays optional
+    for cls, fields in _LEAF_FIELDS.items():
+        def to_state(x, fields=fields):
+            return {f: serialization.to_state_dict(getattr(x, f)) for f in fields}
+
+        def from_state(target, state, fields=fields):
+            missing = [f for f in fields if f not in state]
+            if missing:
+                raise ValueError(f"{type(target).__name__} state dict lacks {missing}, got keys {sorted(state)}")
+            return dataclasses.replace(
+                target, **{f: serialization.from_state_dict(getattr(target, f), state[f], name=f) for f in fields})
+
+        serialization.register_serialization_state(cls, to_state, from_state, override=True)
+    return True
+
+
+register_flax_serialization()
 
 
 def make_loss_scale(spec: Any = "dynamic") -> LossScale:
@@ -408,12 +476,15 @@ def make_loss_scale(spec: Any = "dynamic") -> LossScale:
       >>> jaxmp.make_loss_scale("static:1024")
       StaticLossScale(loss_scale=Array(1024., dtype=float32))
     """
+    register_flax_serialization()
     if isinstance(spec, LOSS_SCALE_TYPES):
         for name in ("loss_scale", "counter"):
             # A filter-spec placeholder (bool) is fine inside a tree, not as the scale to train with.
             if isinstance(getattr(spec, name, None), bool) and not isinstance(spec, NoOpLossScale):
                 raise TypeError(f"{type(spec).__name__}.{name} is the bool {getattr(spec, name)!r}: give a number "
                                 f"(e.g. {type(spec).__name__}(2.0**15))")
+        if not isinstance(spec, NoOpLossScale):
+            _check_concrete_scale(spec)
         return spec
     if spec is None:
         return NoOpLossScale()

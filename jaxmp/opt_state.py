@@ -159,7 +159,8 @@ def apply_updates(params: Any, updates: Any, opt_state: Any = None) -> Any:
     Without ``opt_state`` or master weights this is ``optax.apply_updates``, except that
     non-floating leaves (int params, whose gradients are float0) pass through. With a state
     from ``loss_scaling(..., master_weights=True)`` the result is ``master.astype(param.dtype)``
-    leaf by leaf, so half params never drift from their master.
+    leaf by leaf, so half params never drift from their master; a state whose optax chain runs
+    transforms after the master-keeping one raises a ``ValueError`` (their effect would be lost).
 
     Args:
       params: the current params.

@@ -23,7 +23,13 @@ import optax
 
 from jaxmp import fold, traps
 from jaxmp.dtypes import float_dtype, is_floating_array, is_inexact_array
-from jaxmp.loss_scale import LossScale, make_loss_scale
+from jaxmp.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    StaticLossScale,
+    make_loss_scale,
+    register_flax_serialization,
+)
 from jaxmp.skip import all_finite, keep_if_finite
 
 #: ``LossScalingState.skip_reason`` values.
@@ -120,6 +126,20 @@ def _has_half(tree) -> bool:
     return any(is_floating_array(x) and np.dtype(x.dtype).itemsize < 4 for x in jax.tree_util.tree_leaves(tree))
 
 
+def _half_leaves(tree) -> list:
+    """The float16/bfloat16 leaves of ``tree``: an optimizer state that can overflow on a finite step."""
+    return [x for x in jax.tree_util.tree_leaves(tree) if is_floating_array(x) and np.dtype(x.dtype).itemsize < 4]
+
+
+def _moved_finitely(new, old) -> jax.Array:
+    """Whether every inexact element of ``new`` is finite or equal to ``old``'s (no non-finite update)."""
+    pairs = [(n, o) for n, o in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(old))
+             if is_inexact_array(n)]
+    if not pairs:
+        return jnp.array(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(n) | (n == o)) for n, o in pairs]))
+
+
 def _verdict(finite: jax.Array, axis_name) -> jax.Array:
     if axis_name is None:
         return finite
@@ -162,7 +182,8 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
                    ) -> optax.GradientTransformationExtraArgs:
     """Keeps a ``master_dtype`` copy of the params and runs ``inner`` on it (Apex O2).
 
-    ``init`` copies the params to ``master_dtype``; ``update`` casts the (unscaled) gradients
+    ``init`` copies the params to ``master_dtype`` (complex params are copied in their own
+    dtype, and stepped like the others); ``update`` casts the (unscaled) gradients
     to it, runs ``inner`` on the master copy (so Adam's moments are float32), steps the
     master, and returns the updates that move each half param onto the cast of the new
     master. :func:`jaxmp.apply_updates` with the state returns exactly that cast. Compose it
@@ -209,12 +230,23 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
         stepped = add_floating(master, updates)
         # The returned updates move the half params onto the new master; apply_updates with
         # the state is the exact path (cast of the master), optax's is within rounding.
-        deltas = jax.tree_util.tree_map(
-            lambda new, old, d: (new.astype(d).astype(master_dtype) - old.astype(d).astype(master_dtype)).astype(d)
-            if is_floating_array(new) else jnp.zeros_like(new), stepped, master, dtypes)
+        deltas = jax.tree_util.tree_map(lambda new, old, d: _delta(new, old, d, master_dtype), stepped, master, dtypes)
         return deltas, MasterWeightsState(inner_state, stepped)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _delta(new, old, dtype, master_dtype):
+    """The update moving a param of ``dtype`` from the cast of ``old`` to the cast of ``new`` (master leaves)."""
+    if not is_inexact_array(new):
+        return jnp.zeros_like(new)
+    # Subtract in the master's precision, where the difference of two casts is exact; a complex
+    # master keeps the param's own dtype (no real master dtype holds it).
+    wide = dtype if jnp.issubdtype(dtype, jnp.complexfloating) else master_dtype
+    a, b = new.astype(dtype).astype(wide), old.astype(dtype).astype(wide)
+    # A param the step leaves as it was gets a zero update, also where it holds inf (a -inf
+    # mask): inf - inf would make it NaN, and the step would be skipped for good.
+    return jnp.where(a == b, jnp.zeros_like(a), a - b).astype(dtype)
 
 
 def _unscale(loss_scale, grads, keeps_master: bool):
@@ -235,11 +267,55 @@ def apply_to_params(params, updates, state=None):
     """
     found = find_states(state, MasterWeightsState) if state is not None else []
     if found:
+        _check_nothing_after_master(state)
         master = found[0].master_params
         check_same_structure(params, master, "params", "master params")
         return jax.tree_util.tree_map(
-            lambda p, m: m.astype(jnp.asarray(p).dtype) if is_floating_array(m) else p, params, master)
+            lambda p, m: m.astype(jnp.asarray(p).dtype) if is_inexact_array(m) else p, params, master)
     return add_floating(params, updates)
+
+
+def _check_nothing_after_master(state) -> None:
+    """Raises when an optax chain runs transforms after the one that keeps the master copy.
+
+    The params are the master's cast, whatever the later transforms did to the updates
+    (``optax.chain(loss_scaling(..., master_weights=True), optax.scale(0.5))`` would silently
+    step at full size). Checked on the state's structure only, at trace time.
+    """
+    if not isinstance(state, tuple) or hasattr(state, "_fields"):
+        return  # not an optax chain's state (NamedTuples are single transforms' states)
+    for i, part in enumerate(state):
+        if find_states(part, MasterWeightsState):
+            if i + 1 < len(state):
+                raise ValueError(
+                    f"the optimizer is an optax chain with {len(state) - i - 1} transform(s) after the one keeping "
+                    "float32 master weights: the params become the master's cast, so their effect on the updates "
+                    "would be dropped. Put them inside: jaxmp.loss_scaling(optax.chain(..., transform), "
+                    "master_weights=True).")
+            _check_nothing_after_master(part)
+            return
+
+
+def _check_state_matches(inner, state_inner, ref) -> None:
+    """Raises a ValueError naming the first leaf where the inner state differs from ``inner.init(ref)``.
+
+    Structure and shapes only, from ``jax.eval_shape`` at trace time: a state built for other
+    params (or another optimizer) would otherwise fail deep inside optax, or broadcast.
+    """
+    try:
+        expected = jax.eval_shape(inner.init, ref)
+    except Exception:  # noqa: BLE001 - an init that cannot be traced abstractly: nothing to compare
+        return
+    te, ts = jax.tree_util.tree_structure(expected), jax.tree_util.tree_structure(state_inner)
+    if te != ts:
+        raise ValueError(
+            "the optimizer state does not belong to this optimizer and these params (was it made by another "
+            f"transform's init?):\n  state: {ts}\n  this optimizer's init gives: {te}")
+    for (path, e), x in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(state_inner)):
+        if tuple(e.shape) != tuple(jnp.shape(x)):
+            raise ValueError(
+                f"optimizer state leaf inner_state{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(x))}, but "
+                f"this optimizer's init for these params gives {tuple(e.shape)}: the state was made for other params")
 
 
 def _cond_operands(grad_leaves: list) -> list:
@@ -270,7 +346,28 @@ def _restore(operands: list, grad_leaves: list) -> list:
     return [x.reshape(g.shape) for x, g in zip(operands, grad_leaves)]
 
 
-def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, params, use_cond, extra_args, fused):
+def _fold_is_exact(loss_scale, initial_scale) -> bool:
+    """Whether the scale is >= 1 on every step, known while tracing: then :mod:`jaxmp.fold` is exact.
+
+    Below 1 the *scaled* squares of a global norm underflow where the unscaled ones do not
+    (XLA:CPU flushes subnormals to zero), and a norm of 0 would leave a step unclipped. A
+    dynamic scale never goes below its floor; a static scale never changes, so the one the
+    transform was built with stands for it under ``jit`` (a concrete one is read directly).
+    """
+    if isinstance(loss_scale, DynamicLossScale):
+        return loss_scale.min_loss_scale >= 1
+    if isinstance(loss_scale, StaticLossScale):
+        value = loss_scale.loss_scale
+        if isinstance(value, jax.core.Tracer):
+            if not isinstance(initial_scale, StaticLossScale):
+                return False
+            value = initial_scale.loss_scale
+        return bool(np.all(np.asarray(value) >= 1))
+    return False
+
+
+def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, params, use_cond, extra_args, fused,
+                fold_ok=True):
     """The inner update on a finite step; ``-0.0`` updates and the old inner state otherwise.
 
     The gradients are unscaled inside the step, not before it: under ``lax.cond`` XLA can then
@@ -303,7 +400,8 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
     _check_state_types(state.inner_state, shapes[1])
     grad_leaves = jax.tree_util.tree_leaves(grads)
     scale_leaves = jax.tree_util.tree_leaves(loss_scale)
-    scale_positions = [len(grad_leaves) + i for i, x in enumerate(scale_leaves) if is_floating_array(x)]
+    scale_positions = [len(grad_leaves) + i for i, x in enumerate(scale_leaves) if is_floating_array(x)] \
+        if fold_ok else []
     out_tree = jax.tree_util.tree_structure(shapes)
 
     def inner_update(gl=grad_leaves):
@@ -340,10 +438,11 @@ def _check_state_types(old: Any, new: Any) -> None:
         a_dtype, b_dtype = getattr(a, "dtype", None), getattr(b, "dtype", None)
         if a_dtype is None or b_dtype is None:
             continue
-        if np.dtype(a_dtype) != np.dtype(b_dtype) or tuple(np.shape(a)) != tuple(b.shape):
+        # Compared as JAX dtypes: a PRNG key's (optax.noisy_sgd) is no numpy dtype.
+        if a_dtype != b_dtype or tuple(jnp.shape(a)) != tuple(b.shape):
             raise ValueError(
                 f"the inner optimizer changes its state on update: {jax.tree_util.keystr(path)} is "
-                f"{np.dtype(a_dtype).name}{list(np.shape(a))} after init and {np.dtype(b_dtype).name}{list(b.shape)} "
+                f"{a_dtype}{list(jnp.shape(a))} after init and {b_dtype}{list(b.shape)} "
                 "after update. A skipped step keeps the old state, so the two must match. This happens with "
                 "bfloat16/float16 params and float32 hyperparameters (optax.inject_hyperparams promotes the moments): "
                 "use loss_scaling(..., master_weights=True), whose inner state is float32.")
@@ -386,12 +485,15 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
 
     def init_fn(params):
         _check_all_arrays(params, "params")
+        register_flax_serialization()  # Flax may have been imported since the transform was built
         inner_state = inner.init(params)
         traps.check_init(params, inner_state, initial_scale, LossScalingState, MasterWeightsState)
         traps.check_inner_state(inner_state)
         return LossScalingState(
             inner_state=inner_state,
-            loss_scale=jax.tree_util.tree_map(jnp.asarray, initial_scale),
+            # Fresh buffers on every init: a state donated to a jitted step deletes its buffers,
+            # which must not be those of every other state this transform hands out.
+            loss_scale=jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), initial_scale),
             last_step_finite=jnp.array(True),
             consecutive_skips=jnp.zeros([], jnp.int32),
             total_skips=jnp.zeros([], jnp.int32),
@@ -407,6 +509,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
         if params is not None:
             check_same_structure(grads, params, "gradients", "params")
         traps.check_gradients(grads, state.loss_scale)
+        _check_state_matches(inner, state.inner_state, grads if params is None else params)
         keeps_master = bool(find_states(state.inner_state, MasterWeightsState))
 
         def unscale(g):
@@ -415,15 +518,21 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
         grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
         use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
         out, inner_state = _inner_step(inner, state.loss_scale, keeps_master, grads, grads_finite, state, params,
-                                       use_cond, extra_args, fused)
+                                       use_cond, extra_args, fused, _fold_is_exact(state.loss_scale, initial_scale))
 
         half_arithmetic = keeps_master or _has_half((grads, state.inner_state))
         if half_arithmetic if check_updates is None else check_updates:
             # Finite gradients can still give a non-finite update (Adam's epsilon flushed to zero
-            # in float16, a master value past float16's range): such a step is skipped too. The
-            # fused path checks the new params instead of the updates (a non-finite update, or a
-            # sum that overflows, makes them non-finite); a skipped step is not checked again.
-            updates_finite = _verdict(all_finite(out) | jnp.logical_not(grads_finite), axis_name)
+            # in float16, a master value past float16's range) or a non-finite half-precision
+            # state (pure-fp16 Adam's nu = g**2 past 65504 while the update stays finite, which
+            # would freeze that param for good): such a step is skipped too. The fused path
+            # checks the new params instead of the updates (the updates are never written out),
+            # accepting an element the step leaves as it was, so that a param already holding
+            # -inf (a mask) is judged as the unfused path judges its zero update; a skipped step
+            # is not checked again.
+            ok = _moved_finitely(out, params) if fused else all_finite(out)
+            ok = ok & all_finite(_half_leaves(inner_state))
+            updates_finite = _verdict(ok | jnp.logical_not(grads_finite), axis_name)
             inner_state = keep_if_finite(updates_finite, inner_state, state.inner_state)
             old = params if fused else jax.tree_util.tree_map(_negative_zeros, out)
             out = keep_if_finite(updates_finite, out, old)
@@ -470,16 +579,18 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
        (a sum of squares such as the global norm is computed on the scaled gradients and divided
        by ``scale**2``, which is bitwise the same for power-of-two scales: :mod:`jaxmp.fold`;
        known limit: where a squared *scaled* gradient leaves float32, ``|g| * scale > 1.8e19``,
-       the folded norm is inf and ``clip_by_global_norm`` zeroes that step's update);
+       the folded norm is inf and ``clip_by_global_norm`` zeroes that step's update; a scale
+       that can go below 1 -- ``"torch"``'s floor, a static scale < 1 -- is never folded);
     2. every floating and complex gradient leaf is checked for inf/NaN; with ``axis_name`` the
        verdict is reduced (``pmin`` in float32) so every replica agrees;
     3. finite: the inner update is applied; non-finite: updates are zero (``-0.0``, so that
        params stay bitwise unchanged, negative zeros included) and the inner state (step counts
        and master copy included) is left bitwise unchanged -- via ``lax.cond`` or
        ``lax.select``, no Python branching on values;
-    4. where half-precision arithmetic can make them so, the updates are checked too
-       (``check_updates``): a finite gradient that still yields a non-finite update (pure-fp16
-       Adam) is skipped, never applied;
+    4. where half-precision arithmetic can make them so, the updates and the new half-precision
+       state leaves are checked too (``check_updates``): a finite gradient that still yields a
+       non-finite update or state (pure-fp16 Adam: epsilon flushed to zero, ``nu`` past 65504)
+       is skipped, never applied;
     5. the loss scale is adjusted (grows after ``period`` finite steps, backs off on overflow)
        and the state records why a skipped step was skipped (``skip_reason``).
 
@@ -550,7 +661,9 @@ def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_a
     stepped inside the skip (``lax.cond`` or ``lax.select``), so the compiled program never
     writes the updates out to read them back: it makes the passes of a bare optax step plus one
     finiteness reduction over the gradients. Any other transform (e.g. one that wraps
-    ``loss_scaling`` in an ``optax.chain``) falls back to ``tx.update`` and ``apply_updates``.
+    ``loss_scaling`` in an ``optax.chain``) falls back to ``tx.update`` and ``apply_updates``;
+    a chain with transforms after one keeping master weights raises a ``ValueError`` (their
+    effect would be dropped: the params are the master's cast).
     A skipped step returns the params and every inner state leaf bitwise unchanged.
 
     Args:

@@ -12,9 +12,11 @@ Each check runs in Python at trace time (or in ``init``), so it costs nothing pe
   where small updates round away): warn;
 * ``loss_scaling`` nested in ``loss_scaling`` (gradients unscaled twice): raise;
 * integer or boolean gradient leaves, which optax would treat as numbers: raise;
-* an inner update that multiplies by a NaN/inf constant, or a fresh optimizer state holding
-  a NaN/inf hyperparameter (a NaN learning rate, which float32 updates would otherwise carry
-  into the params unchecked): raise.
+* an inner update that multiplies by a NaN constant or by an inf one that reaches the updates
+  (an infinite clipping threshold under a select or max is fine), or a fresh optimizer state
+  holding NaN, or inf among its hyperparameters (a NaN learning rate, which float32 updates
+  would otherwise carry into the params unchecked; ``reduce_on_plateau``'s inf best value is
+  fine): raise.
 """
 
 from __future__ import annotations
@@ -150,16 +152,55 @@ def check_init(params: Any, inner_state: Any, loss_scale: Any, scaling_state: ty
               "(the O2 recipe does) or keep the params in float32.")
 
 
+#: Where a value stops flowing into the updates as a number: chosen between, compared, bounded.
+_GUARDS = {"select_n", "max", "min", "clamp", "lt", "le", "gt", "ge", "eq", "ne", "is_finite"}
+
+
+def _reaches_output_unguarded(jaxpr: Any, var: Any, consumers: dict) -> bool:
+    """Whether ``var`` flows into an output of ``jaxpr`` through arithmetic alone (no select/max/min).
+
+    ``clip_by_global_norm(inf)`` multiplies by inf in the branch that ``select_n`` never takes,
+    ``clip_by_block_rms(inf)`` divides by inf under a ``max``: those are legitimate. Through a
+    call or a loop (sub-jaxprs) the flow is not followed: it counts as reaching the output.
+    """
+    outs = {id(v) for v in jaxpr.outvars if not hasattr(v, "val")}
+    seen, stack = set(), [var]
+    while stack:
+        v = stack.pop()
+        if id(v) in outs:
+            return True
+        for eqn in consumers.get(id(v), ()):
+            if eqn.primitive.name in _GUARDS:
+                continue
+            if jaxprs_in_params(eqn.params):
+                return True
+            for o in eqn.outvars:
+                if id(o) not in seen:
+                    seen.add(id(o))
+                    stack.append(o)
+    return False
+
+
 def _non_finite_literals(jaxpr: Any) -> list:
-    """Non-finite scalar constants (literals and concrete consts) in a jaxpr and its sub-jaxprs."""
+    """Harmful non-finite scalar constants in a jaxpr and its sub-jaxprs.
+
+    NaN in a product or quotient always is; inf only where the product reaches the updates as a
+    number (an inf learning rate, a hyperparameter cast to float16 past its range), not where a
+    select, max or min takes it out (an infinite clipping threshold meaning "no clipping").
+    """
     found = []
+    consumers: dict = {}
     for eqn in jaxpr.eqns:
-        # Only products and quotients: inf is a legitimate operand of max/min/select.
+        for v in eqn.invars:
+            if not hasattr(v, "val"):
+                consumers.setdefault(id(v), []).append(eqn)
+    for eqn in jaxpr.eqns:
         for v in (eqn.invars if eqn.primitive.name in ("mul", "div") else ()):
             val = getattr(v, "val", None)
             if val is not None and np.ndim(val) == 0 and np.issubdtype(np.asarray(val).dtype, np.inexact) \
                     and not np.isfinite(val):
-                found.append((eqn.primitive.name, float(np.real(val))))
+                if np.isnan(val) or _reaches_output_unguarded(jaxpr, eqn.outvars[0], consumers):
+                    found.append((eqn.primitive.name, float(np.real(val))))
         for sub in jaxprs_in_params(eqn.params):
             found += _non_finite_literals(sub)
     return found
@@ -186,7 +227,13 @@ def check_inner_state(inner_state: Any) -> None:
         if isinstance(leaf, jax.core.Tracer) or not hasattr(leaf, "dtype"):
             continue
         # Scalars only: hyperparameters are scalars, and reading moment buffers back would be costly.
-        if jnp.issubdtype(leaf.dtype, jnp.inexact) and leaf.size == 1 and not bool(np.isfinite(np.asarray(leaf)).all()):
+        if not (jnp.issubdtype(leaf.dtype, jnp.inexact) and leaf.size == 1):
+            continue
+        value = np.asarray(leaf)
+        # inf is a legitimate initial value outside the hyperparameters (reduce_on_plateau's
+        # best_value, the line searches' value); NaN never is.
+        in_hyperparams = any(getattr(k, "key", getattr(k, "name", None)) == "hyperparams" for k in path)
+        if np.isnan(value).any() or (in_hyperparams and not np.isfinite(value).all()):
             raise ValueError(
                 f"the optimizer's initial state holds inf/NaN at {jax.tree_util.keystr(path)}: usually a NaN or inf "
                 "hyperparameter (learning rate, weight decay) given to optax.inject_hyperparams. Fix it before training."

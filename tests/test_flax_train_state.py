@@ -224,3 +224,27 @@ def test_the_step_after_a_skipped_step_draws_a_fresh_dropout_mask():
         apply(state.variables, jax.random.fold_in(jax.random.fold_in(rng, t), 0))   # then the collection's index
         jax.effects_barrier()
         np.testing.assert_array_equal(seen[0], masks[t])
+
+
+@pytest.mark.parametrize("spec", ["dynamic", "static:128", "none"])
+def test_flax_msgpack_round_trip_restores_a_loss_scaling_state_exactly(spec):
+    import dataclasses
+
+    import flax.serialization as fs
+    from flax.training import train_state
+
+    params = {"w": jnp.ones(3)}
+    tx = jaxmp.loss_scaling(optax.sgd(1e-2), spec)
+    state = tx.init(params)
+    if spec == "dynamic":  # a scale and counter that differ from the template's
+        ls = dataclasses.replace(state.loss_scale, loss_scale=jnp.float32(2.0**9), counter=jnp.int32(7))
+        state = state._replace(loss_scale=ls, total_skips=jnp.int32(3))
+    back = fs.from_bytes(tx.init(params), fs.to_bytes(state))
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(state)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(state)):
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ts = train_state.TrainState.create(apply_fn=None, params=params, tx=tx).replace(opt_state=state)
+    ts_back = fs.from_bytes(train_state.TrainState.create(apply_fn=None, params=params, tx=tx), fs.to_bytes(ts))
+    assert float(jaxmp.get_loss_scale(ts_back.opt_state).loss_scale) == float(jaxmp.get_loss_scale(state).loss_scale)
+    assert int(ts_back.opt_state.total_skips) == int(state.total_skips)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,6 +105,35 @@ def test_a_gradient_whose_scaled_square_overflows_is_clipped_as_optax_clips_it()
     assert bool(state.last_step_finite)
     np.testing.assert_allclose(new["w"], want["w"], rtol=1e-6)
     np.testing.assert_allclose(new["w"], 0.5, rtol=1e-6)
+
+
+def test_folded_norm_of_zero_gradients_is_zero_at_a_tiny_scale():
+    # 1/scale**2 overflows float32 for scale <= 2**-64: the factor is applied one 1/scale at a
+    # time, so a zero sum of squares stays 0 (0 * inf would be NaN).
+    closed = jax.make_jaxpr(lambda g, s: jnp.sum(jnp.square(g * (1.0 / s))))(jnp.ones(3), jnp.float32(2.0))
+    out = jax.jit(lambda g, s: fold.eval_folded(closed, [g, s], [1])[0])(jnp.zeros(3), jnp.float32(2.0**-70))
+    assert float(out) == 0.0
+
+
+@pytest.mark.parametrize("scale", ["torch-after-overflows", 2.0**-64, 2.0**-70, 2.0**-126])
+def test_scale_below_one_clips_as_optax_clips(scale):
+    # Below 1 the scaled squares underflow (XLA:CPU flushes subnormals): 4 * (2 * 2**-70)**2 is 0,
+    # so a folded norm would leave the step unclipped (4x too large) -- or, with 1/scale**2, NaN.
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    params = {"w": jnp.ones(4)}
+    want = inner.update({"w": jnp.full(4, 2.0)}, inner.init(params), params)[0]["w"]  # norm 4, clipped to 1
+    if scale == "torch-after-overflows":
+        tx = jaxmp.loss_scaling(inner, "torch")
+        state = tx.init(params)
+        ls = dataclasses.replace(state.loss_scale, loss_scale=jnp.float32(2.0**-70))
+        state = state._replace(loss_scale=ls)
+    else:
+        tx = jaxmp.loss_scaling(inner, jaxmp.StaticLossScale(scale))
+        state = tx.init(params)
+    _, g = jaxmp.value_and_grad(lambda p: jnp.sum(p["w"] * 2.0), state)(params)
+    new, state = jax.jit(lambda g, s, p: update_and_apply(tx, g, s, p))(g, state, params)
+    assert bool(state.last_step_finite)
+    np.testing.assert_array_equal(np.asarray(new["w"]), np.asarray(params["w"] + want))
 
 
 def test_half_precision_reductions_are_not_rewritten():

@@ -560,3 +560,20 @@ def test_presets_run_under_strict_dtype_promotion(name, strict_promotion):
     updates, state = jax.jit(tx.update)({"w": jnp.full((4, 3), 0.5, BF16)}, state, params)
     new = jaxmp.apply_updates(params, updates, state)
     assert new["w"].dtype == BF16 and bool((new["w"] < 1).all())
+
+
+@pytest.mark.standard_promotion(reason="optax.adamw: bias correction is a Python float ** int32 count")
+def test_remainder_master_of_mixed_bf16_and_f32_params():
+    # The usual O2 layout (float32 biases beside bfloat16 weights): the float32 leaf's remainder is
+    # an empty placeholder, which the shape check used to reject.
+    params = {"w": jnp.ones((2, 3), jnp.bfloat16), "bias": jnp.zeros(3, jnp.float32)}
+    tx = jaxmp.loss_scaling(lean.preset("remainders", optax.adamw(1e-3)), "none")
+    state = tx.init(params)
+    grads = {"w": jnp.ones((2, 3), jnp.bfloat16), "bias": jnp.ones(3)}
+    params, state = jaxmp.transform.update_and_apply(tx, grads, state, params)
+    masters = lean.remainder_master(params, state)
+    assert masters["w"].dtype == jnp.float32 and masters["w"].shape == (2, 3)
+    assert masters["bias"] is params["bias"]
+    assert np.asarray(masters["w"]).astype(jnp.bfloat16).tobytes() == np.asarray(params["w"]).tobytes()
+    with pytest.raises(ValueError, match=r"\['w'\] has shape"):
+        lean.remainder_master({"w": jnp.ones(3, jnp.bfloat16), "bias": params["bias"]}, state)

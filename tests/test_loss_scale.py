@@ -1,5 +1,6 @@
 """Loss scales: exact trajectories, torch parity, pytree round trips, float32 scale, fp16 underflow."""
 
+import dataclasses
 import math
 
 import jax
@@ -200,3 +201,22 @@ def test_make_loss_scale_specs():
     d = jaxmp.DynamicLossScale()
     assert (float(d.loss_scale), d.period, d.factor, d.backoff_factor, d.min_loss_scale, d.max_loss_scale) == (
         2.0**15, 2000, 2.0, 0.5, 1.0, 2.0**24)
+
+
+@pytest.mark.parametrize("cls", [jaxmp.DynamicLossScale, jaxmp.StaticLossScale])
+@pytest.mark.parametrize("value", [0.0, -4.0, math.inf, math.nan])
+def test_a_scale_given_as_a_bad_array_is_refused_by_the_transform(cls, value):
+    import optax
+
+    with pytest.raises(ValueError, match="loss_scale must be a positive finite"):
+        jaxmp.loss_scaling(optax.sgd(0.1), cls(jnp.array(value, jnp.float32)))
+
+
+@pytest.mark.parametrize("damaged, want", [(math.inf, 2.0**24), (0.0, 1.0), (math.nan, 1.0)])
+def test_a_damaged_dynamic_scale_recovers_on_the_next_adjust(damaged, want):
+    # e.g. restored from a damaged checkpoint: inf used to stay inf (max(inf * 0.5, floor)), every step skipped.
+    ls = dataclasses.replace(jaxmp.DynamicLossScale(), loss_scale=jnp.array(damaged, jnp.float32))
+    for finite in (False, True):
+        assert float(ls.adjust(jnp.array(finite)).loss_scale) == want
+    torch = dataclasses.replace(jaxmp.DynamicLossScale.torch_parity(), loss_scale=jnp.array(math.inf, jnp.float32))
+    assert float(torch.adjust(jnp.array(False)).loss_scale) == 2.0**127

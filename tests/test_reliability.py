@@ -276,6 +276,37 @@ def test_a_nan_learning_rate_on_float32_updates_is_rejected():
         jaxmp.loss_scaling(optax.inject_hyperparams(optax.sgd)(learning_rate=float("nan")), "none").init(params)
 
 
+def test_an_inf_learning_rate_is_still_rejected():
+    params = {"w": jnp.ones(2)}
+    with pytest.raises(ValueError, match="non-finite constant"):
+        jaxmp.loss_scaling(optax.sgd(float("inf")), "none").update(params, jaxmp.loss_scaling(
+            optax.sgd(float("inf")), "none").init(params), params)
+    with pytest.raises(ValueError, match="initial state holds inf/NaN.*learning_rate"):
+        jaxmp.loss_scaling(optax.inject_hyperparams(optax.sgd)(learning_rate=float("inf")), "none").init(params)
+
+
+@pytest.mark.parametrize("clip", [optax.clip_by_global_norm, optax.clip_by_block_rms, optax.clip])
+def test_an_infinite_clipping_threshold_trains_as_optax(clip):
+    # inf means "no clipping": it is multiplied in the branch a select never takes, or divided
+    # under a max, and never reaches the updates.
+    params, grads = {"w": jnp.ones(3)}, {"w": jnp.array([0.1, -0.2, 0.3])}
+    inner = optax.chain(clip(float("inf")), optax.sgd(0.1))
+    want = inner.update(grads, inner.init(params), params)[0]["w"]
+    tx = jaxmp.loss_scaling(inner, "none")
+    np.testing.assert_array_equal(np.asarray(tx.update(grads, tx.init(params), params)[0]["w"]), np.asarray(want))
+
+
+@pytest.mark.parametrize("inner", [
+    lambda: optax.chain(optax.sgd(1e-2), optax.contrib.reduce_on_plateau()),
+    lambda: optax.lbfgs(),
+    lambda: optax.chain(optax.sgd(1.0), optax.scale_by_backtracking_linesearch(max_backtracking_steps=5)),
+], ids=["reduce_on_plateau", "lbfgs", "backtracking_linesearch"])
+def test_a_state_that_starts_at_inf_outside_the_hyperparameters_is_accepted(inner):
+    params = {"w": jnp.ones(3)}
+    state = jaxmp.loss_scaling(inner(), "none").init(params)
+    assert any(np.isinf(np.asarray(x)).any() for x in jax.tree_util.tree_leaves(state.inner_state))
+
+
 # ---------------------------------------------------------------------------------------------
 # Mismatched trees.
 
@@ -284,6 +315,32 @@ def test_params_of_the_wrong_shape_are_rejected_with_master_weights():
     state = tx.init({"w": jnp.ones((2, 3), jnp.float16)})
     with pytest.raises(ValueError, match=r"leaf at \['w'\] has shape \(2, 3\) but the params leaf has \(3,\)"):
         tx.update({"w": jnp.ones((2, 3), jnp.float16)}, state, {"w": jnp.ones(3, jnp.float16)})
+
+
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_a_state_made_for_other_params_or_another_optimizer_is_named():
+    params = {"w": jnp.ones(3)}
+    tx = jaxmp.loss_scaling(optax.adam(1e-2), "none")
+    with pytest.raises(ValueError, match=r"inner_state\[0\]\.mu\['w'\] has shape \(4,\).*gives \(3,\)"):
+        tx.update(params, tx.init({"w": jnp.ones(4)}), params)
+    with pytest.raises(ValueError, match="does not belong to this optimizer"):
+        tx.update(params, jaxmp.loss_scaling(optax.sgd(1e-2), "none").init(params), params)
+
+
+def test_a_transform_chained_after_master_weights_is_refused_not_dropped():
+    params, grads = {"w": jnp.ones(2, jnp.bfloat16)}, {"w": jnp.ones(2, jnp.bfloat16)}
+    tx = optax.chain(jaxmp.loss_scaling(optax.sgd(0.25), "none", master_weights=True), optax.scale(0.0))
+    state = tx.init(params)
+    updates, new_state = tx.update(grads, state, params)
+    with pytest.raises(ValueError, match="after the one keeping float32 master weights"):
+        jaxmp.apply_updates(params, updates, new_state)
+    with pytest.raises(ValueError, match="after the one keeping float32 master weights"):
+        jaxmp.transform.update_and_apply(tx, grads, state, params)
+    # Nothing after it: fine.
+    tx = optax.chain(jaxmp.loss_scaling(optax.sgd(0.25), "none", master_weights=True))
+    state = tx.init(params)
+    new, _ = jaxmp.transform.update_and_apply(tx, grads, state, params)
+    np.testing.assert_array_equal(np.asarray(new["w"], np.float32), [0.75, 0.75])
 
 
 def test_apply_updates_does_not_broadcast():

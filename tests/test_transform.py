@@ -403,3 +403,92 @@ def test_an_inner_chain_that_changes_its_state_dtype_is_named_with_the_fix(skip_
     tx = jaxmp.loss_scaling(inner, "static:1", skip_with=skip_with, master_weights=True)
     updates, state = tx.update(grads, tx.init(params), params)
     assert bool(state.last_step_finite) and updates["b"].dtype == jnp.bfloat16
+
+
+def test_master_weights_step_complex_params_as_optax_does():
+    # complex64 params beside bfloat16 ones: the master keeps them complex64 (no real master dtype
+    # holds them) and both the updates and apply_updates move them; they used to stay frozen.
+    params = {"half": jnp.ones(2, jnp.bfloat16), "c": jnp.array([1 + 1j, 2 - 1j], jnp.complex64)}
+    grads = {"half": jnp.ones(2, jnp.bfloat16), "c": jnp.array([1 + 0j, 0 + 1j], jnp.complex64)}
+    inner = optax.sgd(0.1)
+    want = optax.apply_updates(params, inner.update(grads, inner.init(params), params)[0])["c"]
+    tx = jaxmp.loss_scaling(inner, "none", master_weights=True)
+    state = tx.init(params)
+    assert jaxmp.master_params(state)["c"].dtype == jnp.complex64
+    updates, new_state = tx.update(grads, state, params)
+    np.testing.assert_allclose(np.asarray(params["c"] + updates["c"]), np.asarray(want), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(jaxmp.apply_updates(params, updates, new_state)["c"]), np.asarray(want))
+    fused, fused_state = jaxmp.transform.update_and_apply(tx, grads, state, params)
+    np.testing.assert_array_equal(np.asarray(fused["c"]), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(jaxmp.master_params(fused_state)["c"]), np.asarray(want))
+
+
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_pure_fp16_adam_skips_a_step_that_overflows_its_state():
+    # nu = 0.001 * 300**2 overflows float16 while the update (mu / sqrt(inf)) stays finite: applied,
+    # the inf would stay in nu and freeze that param for good. The step is skipped instead.
+    params = {"w": jnp.array([1.0, 1.0], jnp.float16)}
+    tx = jaxmp.loss_scaling(optax.adam(1e-2), "static:1")
+    state = tx.init(params)
+    new, state = jaxmp.transform.update_and_apply(tx, {"w": jnp.array([300.0, 1.0], jnp.float16)}, state, params)
+    assert not bool(state.last_step_finite) and int(state.skip_reason) == jaxmp.transform.NON_FINITE_UPDATES
+    assert _bits(new) == _bits(params)
+    assert bool(jaxmp.all_finite(state.inner_state))
+    updates, state2 = tx.update({"w": jnp.array([300.0, 1.0], jnp.float16)}, tx.init(params), params)
+    assert not bool(state2.last_step_finite) and bool(jaxmp.all_finite(state2.inner_state))
+    new, state = jaxmp.transform.update_and_apply(tx, {"w": jnp.array([1.0, 1.0], jnp.float16)}, state, params)
+    assert bool(state.last_step_finite) and np.all(np.asarray(new["w"]) < 1)
+
+
+@pytest.mark.standard_promotion(reason="optax.adamw: bias correction is a Python float ** int32 count")
+@pytest.mark.parametrize("master", [False, True])
+def test_fused_and_unfused_steps_agree_on_a_param_holding_minus_inf(master):
+    # A -inf mask entry in a param: its update is 0, so the step is applied by both paths (the
+    # fused one used to find the new params non-finite and skip every step).
+    params = {"w": jnp.array([1.0, 2.0], jnp.bfloat16), "mask": jnp.array([0.0, -jnp.inf], jnp.bfloat16)}
+    grads = {"w": jnp.array([1.0, 1.0], jnp.bfloat16), "mask": jnp.zeros(2, jnp.bfloat16)}
+    tx = jaxmp.loss_scaling(optax.sgd(0.5), "none", master_weights=master)
+    state = tx.init(params)
+    fused, fused_state = jaxmp.transform.update_and_apply(tx, grads, state, params)
+    updates, unfused_state = tx.update(grads, state, params)
+    unfused = jaxmp.apply_updates(params, updates, unfused_state)
+    assert bool(fused_state.last_step_finite) and bool(unfused_state.last_step_finite)
+    assert _bits(fused) == _bits(unfused)
+    np.testing.assert_array_equal(np.asarray(fused["w"], np.float32), [0.5, 1.5])
+    assert float(fused["mask"][1]) == -np.inf
+    # A non-finite update is still refused by both.
+    bad = {"w": grads["w"], "mask": jnp.array([0.0, 1.0], jnp.bfloat16)}
+    tx_wd = jaxmp.loss_scaling(optax.adamw(0.5, weight_decay=1.0), "none", master_weights=master)
+    st = tx_wd.init(params)
+    assert not bool(jaxmp.transform.update_and_apply(tx_wd, bad, st, params)[1].last_step_finite)
+    assert not bool(tx_wd.update(bad, st, params)[1].last_step_finite)
+
+
+def test_each_init_hands_out_fresh_buffers_that_survive_another_states_donation():
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
+    params = {"w": jnp.ones(3)}
+    s1, s2 = tx.init(params), tx.init(params)
+    step = jax.jit(lambda p, s: jaxmp.transform.update_and_apply(
+        tx, jaxmp.value_and_grad(lambda q: jnp.sum(q["w"] ** 2), s)(p)[1], s, p), donate_argnums=(0, 1))
+    step({"w": jnp.ones(3)}, s1)
+    new, s2 = step({"w": jnp.ones(3)}, s2)  # a deleted (donated) buffer in s2 would raise here
+    assert float(s2.loss_scale.loss_scale) == 2.0**15 and bool(s2.last_step_finite)
+    assert float(tx.init(params).loss_scale.loss_scale) == 2.0**15
+
+
+@pytest.mark.standard_promotion(reason="optax.noisy_sgd: its noise schedule is a Python float ** int32 count")
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_an_inner_state_holding_a_prng_key_steps_and_skips(skip_with):
+    # optax.noisy_sgd keeps a typed key in its state; the state-type check used to crash on it.
+    params = {"w": jnp.ones(3)}
+    inner = optax.noisy_sgd(1e-2, key=jax.random.key(0))
+    want = inner.update({"w": jnp.ones(3)}, inner.init(params), params)[0]["w"]
+    tx = jaxmp.loss_scaling(inner, "none", skip_with=skip_with)
+    state = tx.init(params)
+    updates, applied = tx.update({"w": jnp.ones(3)}, state, params)
+    np.testing.assert_allclose(np.asarray(updates["w"]), np.asarray(want), rtol=1e-6)  # same noise draw
+    _, skipped = tx.update({"w": jnp.array([1.0, jnp.inf, 1.0])}, state, params)
+    assert not bool(skipped.last_step_finite)
+    keys = [x for x in jax.tree_util.tree_leaves(skipped.inner_state) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    old = [x for x in jax.tree_util.tree_leaves(state.inner_state) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    assert keys and all(np.array_equal(jax.random.key_data(a), jax.random.key_data(b)) for a, b in zip(keys, old))

@@ -27,6 +27,9 @@ from jaxmp.flax.overrides import (
     PrecisionOverrides,
 )
 from jaxmp.flax.train_state import TrainState, make_eval_step, make_train_step
+from jaxmp.loss_scale import register_flax_serialization as _register_flax_serialization
+
+_register_flax_serialization(force=True)
 
 
 def mixed_precision(model: Any, policy: Any, overrides: Any = None) -> Any:
