@@ -25,6 +25,7 @@ def _ce(logits, y):
 
 # -- Equinox ----------------------------------------------------------------------------------
 
+@pytest.mark.slow  # default-tier time: the slow tier runs it
 def test_equinox_filter_grad_and_class_rule():
     eqx = pytest.importorskip("equinox")  # here, not at import: the Flax tests below need no extra
 
@@ -61,6 +62,7 @@ def test_equinox_filter_grad_and_class_rule():
 
 # -- Haiku ------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # default-tier time: the slow tier runs it
 def test_haiku_transformed_apply_and_class_rule():
     hk = pytest.importorskip("haiku")
 

@@ -354,6 +354,7 @@ def test_overhead_thread_profile_and_the_probe_variant(tmp_path):
         overhead.main(["--dry-run", "--variants", "bare,jaxmp,jaxmp-noop-probes", "--out", "-"])
 
 
+@pytest.mark.slow  # default-tier time: the slow tier runs it
 @pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
 def test_the_hand_skip_control_steps_as_the_floor_and_keeps_a_non_finite_step():
     import jax

@@ -71,6 +71,7 @@ def _autocast_grad(model_name: str) -> dict:
     return {n: efficiency.hlo_stats(c) for n, c in efficiency._grad_programs(model).items()}
 
 
+@pytest.mark.slow  # default-tier time: the slow tier runs it
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the margins are XLA:CPU's")
 @pytest.mark.standard_promotion(reason="the train steps go through optax.adam (bias correction: Python float ** int32 count)")
 def test_autocast_mlp_train_step_at_benchmark_size_moves_the_floors_bytes():

@@ -190,6 +190,7 @@ def test_the_scaled_mark_crosses_jit_arguments_and_multisteps_cond():
         _accumulation_run("around")
 
 
+@pytest.mark.slow  # default-tier time: the slow tier runs it
 def test_the_scaled_mark_reaches_an_nnx_optimizer_state_kept_in_variables():
     from flax import nnx
 
