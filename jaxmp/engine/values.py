@@ -76,14 +76,25 @@ def lost_in(x: Any, dtype: np.dtype) -> bool:
     Only small concrete constants are read (literals, closed-over scalars); anything else
     (a tracer, a large array) answers False: it is narrowed as data is.
     """
-    if not isinstance(x, (np.ndarray, np.generic, int, float)) or np.size(x) > _READ_LIMIT:
+    if isinstance(x, (float, np.floating)) and not isinstance(x, np.ndarray):  # a literal: the common case
+        if np.dtype(getattr(x, "dtype", np.float64)).itemsize <= np.dtype(dtype).itemsize:
+            return False
+        hi, tiny = _range(np.dtype(dtype))
+        mag = abs(float(x))
+        return mag != float("inf") and (mag > hi or 0 < mag < tiny)
+    if not isinstance(x, np.ndarray) or x.size > _READ_LIMIT:
         return False
-    a = np.asarray(x)
-    if not is_float(a.dtype) or a.dtype.itemsize <= np.dtype(dtype).itemsize:
+    if not is_float(x.dtype) or x.dtype.itemsize <= np.dtype(dtype).itemsize:
         return False
+    hi, tiny = _range(np.dtype(dtype))
+    mag = np.abs(x[np.isfinite(x)].astype(np.float64))
+    return bool(np.any(mag > hi) or np.any((mag > 0) & (mag < tiny)))
+
+
+@functools.lru_cache(maxsize=16)
+def _range(dtype: np.dtype) -> tuple[float, float]:
     info = jnp.finfo(dtype)
-    mag = np.abs(a[np.isfinite(a)].astype(np.float64))
-    return bool(np.any(mag > float(info.max)) or np.any((mag > 0) & (mag < float(info.tiny))))
+    return float(info.max), float(info.tiny)
 
 
 #: Constants up to this many elements are read at trace time (:func:`lost_in`).
