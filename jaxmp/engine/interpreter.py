@@ -218,9 +218,6 @@ class Interpreter:
         if region is not None:
             return self._run_in(eqn, vals, floats, np.dtype(region), cast, "region " + np.dtype(region).name)
         if name in self.rules.half_ops:
-            if _highest(eqn.params.get("precision")):  # the program asked for full float32 products
-                return self._run_in(eqn, vals, floats, widest([F32] + [dtype_of(vals[i].x) for i in floats]), cast,
-                                    "precision HIGHEST")
             return self._half(eqn, vals, floats, traced, cast)
         if name in self.rules.float32_ops or (name == "mul" and _squares(eqn, self.rules)):
             target = widest([F32] + [dtype_of(vals[i].x) for i in floats])
@@ -273,9 +270,10 @@ class Interpreter:
         decisive = [i for i in floats if not vals[i].weak] or floats
         strong = [i for i in decisive if vals[i].strong]
         name = eqn.primitive.name
-        if name == "dynamic_update_slice" and 0 in floats:
+        if name == "dynamic_update_slice" and 0 in floats and not strong:
             # Writing into a buffer keeps the buffer's dtype (a float32 KV cache or history is not
-            # rounded as a whole by a half update), as ``buf.at[i].set(h)`` does.
+            # rounded as a whole by a half update), as ``buf.at[i].set(h)`` does; a float32-list
+            # result written into a half buffer promotes it instead (the strong rule below).
             target = dtype_of(vals[0].x)
         elif self.rules.promote == "widest" or name == "concatenate":
             # torch.autocast's "promote" ops: joining a float32 array to a half one keeps float32.
@@ -368,14 +366,6 @@ def _repeat_key(eqn, comps: tuple[str, ...]) -> tuple | None:
     except TypeError:  # an unhashable parameter (an array, a callable's closure): never merged
         return None
     return key
-
-
-def _highest(precision: Any) -> bool:
-    """``precision=lax.Precision.HIGHEST`` (for both operands) on a matmul or convolution."""
-    if precision is None:
-        return False
-    ps = precision if isinstance(precision, (tuple, list)) else (precision,)
-    return all(p == jax.lax.Precision.HIGHEST for p in ps)
 
 
 def _all_const(vals: Sequence[Val]) -> bool:

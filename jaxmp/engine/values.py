@@ -73,8 +73,8 @@ def lost_in(x: Any, dtype: np.dtype) -> bool:
     """Whether narrowing the concrete constant ``x`` to ``dtype`` loses it: a finite value beyond
     the type's range, or a nonzero one below its smallest normal (zero or a few-bit subnormal).
 
-    Only small concrete constants are read (literals, closed-over scalars); anything else
-    (a tracer, a large array) answers False: it is narrowed as data is.
+    Only small concrete constants are read (literals, closed-over numpy or jax arrays); anything
+    else (a tracer, a large array) answers False: it is narrowed as data is.
     """
     if isinstance(x, (float, np.floating)) and not isinstance(x, np.ndarray):  # a literal: the common case
         if np.dtype(getattr(x, "dtype", np.float64)).itemsize <= np.dtype(dtype).itemsize:
@@ -82,6 +82,11 @@ def lost_in(x: Any, dtype: np.dtype) -> bool:
         hi, tiny = _range(np.dtype(dtype))
         mag = abs(float(x))
         return mag != float("inf") and (mag > hi or 0 < mag < tiny)
+    if isinstance(x, jax.Array) and not isinstance(x, np.ndarray) and x.size <= _READ_LIMIT:
+        try:  # a concrete closed-over jax.Array (jnp.float32(1e-8)); a tracer has no value to read
+            x = np.asarray(x)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+            return False
     if not isinstance(x, np.ndarray) or x.size > _READ_LIMIT:
         return False
     if not is_float(x.dtype) or x.dtype.itemsize <= np.dtype(dtype).itemsize:
