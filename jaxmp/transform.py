@@ -126,18 +126,11 @@ def _has_half(tree) -> bool:
     return any(is_floating_array(x) and np.dtype(x.dtype).itemsize < 4 for x in jax.tree_util.tree_leaves(tree))
 
 
-def _half_leaves(tree) -> list:
-    """The float16/bfloat16 leaves of ``tree``: an optimizer state that can overflow on a finite step."""
-    return [x for x in jax.tree_util.tree_leaves(tree) if is_floating_array(x) and np.dtype(x.dtype).itemsize < 4]
-
-
-def _moved_finitely(new, old) -> jax.Array:
-    """Whether every inexact element of ``new`` is finite or equal to ``old``'s (no non-finite update)."""
-    pairs = [(n, o) for n, o in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(old))
-             if is_inexact_array(n)]
-    if not pairs:
-        return jnp.array(True)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(n) | (n == o)) for n, o in pairs]))
+def _float16_leaves(tree) -> list:
+    """The float16 leaves of ``tree``: an optimizer state that can overflow on a finite step
+    (bfloat16 has float32's range: its state overflows only where float32's would, and checking
+    it would cost a pass over the state every step)."""
+    return [x for x in jax.tree_util.tree_leaves(tree) if is_floating_array(x) and np.dtype(x.dtype) == np.float16]
 
 
 def _verdict(finite: jax.Array, axis_name) -> jax.Array:
@@ -282,13 +275,17 @@ def _check_nothing_after_master(state) -> None:
     (``optax.chain(loss_scaling(..., master_weights=True), optax.scale(0.5))`` would silently
     step at full size). Checked on the state's structure only, at trace time.
     """
-    if not isinstance(state, tuple) or hasattr(state, "_fields"):
-        return  # not an optax chain's state (NamedTuples are single transforms' states)
-    for i, part in enumerate(state):
+    if isinstance(state, dict):  # optax.named_chain: its parts in chain order
+        parts = list(state.values())
+    elif isinstance(state, tuple) and not hasattr(state, "_fields"):
+        parts = list(state)
+    else:
+        return  # not a chain's state (NamedTuples are single transforms' states)
+    for i, part in enumerate(parts):
         if find_states(part, MasterWeightsState):
-            if i + 1 < len(state):
+            if i + 1 < len(parts):
                 raise ValueError(
-                    f"the optimizer is an optax chain with {len(state) - i - 1} transform(s) after the one keeping "
+                    f"the optimizer is an optax chain with {len(parts) - i - 1} transform(s) after the one keeping "
                     "float32 master weights: the params become the master's cast, so their effect on the updates "
                     "would be dropped. Put them inside: jaxmp.loss_scaling(optax.chain(..., transform), "
                     "master_weights=True).")
@@ -523,15 +520,14 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
         half_arithmetic = keeps_master or _has_half((grads, state.inner_state))
         if half_arithmetic if check_updates is None else check_updates:
             # Finite gradients can still give a non-finite update (Adam's epsilon flushed to zero
-            # in float16, a master value past float16's range) or a non-finite half-precision
-            # state (pure-fp16 Adam's nu = g**2 past 65504 while the update stays finite, which
-            # would freeze that param for good): such a step is skipped too. The fused path
-            # checks the new params instead of the updates (the updates are never written out),
-            # accepting an element the step leaves as it was, so that a param already holding
-            # -inf (a mask) is judged as the unfused path judges its zero update; a skipped step
-            # is not checked again.
-            ok = _moved_finitely(out, params) if fused else all_finite(out)
-            ok = ok & all_finite(_half_leaves(inner_state))
+            # in float16, a master value past float16's range) or a non-finite float16 state
+            # (pure-fp16 Adam's nu = g**2 past 65504 while the update stays finite, which would
+            # freeze that param for good): such a step is skipped too. The fused path checks the
+            # new params instead of the updates (the updates are never written out; comparing with
+            # the old params would read them a second time), so a param that already holds inf
+            # or NaN makes it skip (docs/reliability.md); a skipped step is not checked again.
+            ok = all_finite(out)
+            ok = ok & all_finite(_float16_leaves(inner_state))
             updates_finite = _verdict(ok | jnp.logical_not(grads_finite), axis_name)
             inner_state = keep_if_finite(updates_finite, inner_state, state.inner_state)
             old = params if fused else jax.tree_util.tree_map(_negative_zeros, out)

@@ -170,15 +170,21 @@ def _reaches_output_unguarded(jaxpr: Any, var: Any, consumers: dict) -> bool:
         if id(v) in outs:
             return True
         for eqn in consumers.get(id(v), ()):
-            if eqn.primitive.name in _GUARDS:
+            if eqn.primitive.name in _GUARDS or _only_guards(eqn):
                 continue
-            if jaxprs_in_params(eqn.params):
+            if next(iter(jaxprs_in_params(eqn.params)), None) is not None:  # a call or loop: not followed
                 return True
             for o in eqn.outvars:
                 if id(o) not in seen:
                     seen.add(id(o))
                     stack.append(o)
     return False
+
+
+def _only_guards(eqn: Any) -> bool:
+    """A nested call made of guards alone: ``jnp.where`` is a ``jit`` of one ``select_n``."""
+    subs = list(jaxprs_in_params(eqn.params))
+    return len(subs) == 1 and bool(subs[0].eqns) and all(e.primitive.name in _GUARDS for e in subs[0].eqns)
 
 
 def _non_finite_literals(jaxpr: Any) -> list:

@@ -565,3 +565,24 @@ def test_cond_and_select_agree_on_every_decision_and_leave_skipped_steps_unchang
     # Same decisions; applied values agree to rounding (XLA may fuse the two programs differently).
     for a, b in zip(results["cond"][1], results["select"][1]):
         np.testing.assert_allclose(a, b, rtol=2e-3)
+
+
+def test_a_named_chain_after_master_weights_is_refused_like_a_chain():
+    inner = jaxmp.loss_scaling(optax.sgd(0.5), "none", master_weights=True)
+    tx = optax.named_chain(("ls", inner), ("scale", optax.scale(0.1)))
+    params = {"w": jnp.ones(2, jnp.bfloat16)}
+    state = tx.init(params)
+    updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    with pytest.raises(ValueError, match="after the one keeping"):
+        jaxmp.apply_updates(params, updates, state)
+
+
+def test_an_infinite_adaptive_clipping_threshold_trains_as_optax():
+    # adaptive_grad_clip(inf) multiplies by inf in the branch jnp.where (a nested jit) never takes.
+    params = {"w": jnp.ones((4, 3))}
+    grads = {"w": jnp.full((4, 3), 0.1)}
+    inner = optax.chain(optax.adaptive_grad_clip(float("inf")), optax.sgd(0.1))
+    tx = jaxmp.loss_scaling(inner, "none")
+    got, _ = tx.update(grads, tx.init(params), params)
+    want, _ = inner.update(grads, inner.init(params), params)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))

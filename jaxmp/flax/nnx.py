@@ -443,8 +443,10 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
     def reduce_model_state(model_state):
         # Each replica's BatchNorm saw its own shard: averaged, the statistics stay replicated.
         # The fp8 state is left out: the hooks replace it by one reduced over the axis already.
+        # So is the rest (frozen params outside the optimizer's wrt, caches): averaging it would
+        # all-reduce a frozen base model every step.
         fp8_state, stats, rest = model_state
-        return fp8_state, mean_model_state(stats, axis_name), mean_model_state(rest, axis_name)
+        return fp8_state, mean_model_state(stats, axis_name), rest
 
     def update_fp8(state, observed):
         new = fp8.update_state(nnx.to_pure_dict(state), nnx.to_pure_dict(observed), recipe, axis_name)

@@ -227,9 +227,11 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
     dtype (bfloat16 under O2-bf16), and BatchNorm statistics are over the global batch. With a
     reduce dtype the loss is evaluated per data shard, so the floating model state (BatchNorm
     statistics) is the mean over the shards and each shard's rng is ``fold_in(rng, shard)``;
-    ``aux`` comes back as the global evaluation returns it: per-example leaves (leading axis
-    ``k`` per shard, ``N * k`` on the global batch, e.g. ``k = B / N`` rows) concatenated, other floating leaves averaged,
-    integer leaves (counts) summed, booleans or-ed (:func:`jaxmp.parallel.layouts.per_shard_loss`).
+    ``aux`` is combined by shape and dtype: per-example leaves (leading axis ``k`` per shard,
+    ``N * k`` on the global batch, e.g. ``k = B / N`` rows) concatenated, other floating leaves
+    averaged, integer leaves (counts) summed, booleans or-ed
+    (:func:`jaxmp.parallel.layouts.per_shard_loss`): what the global evaluation returns for
+    per-example values, means and counts, not for a float sum, a max or an integer length.
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` or ``loss_fn(params, batch, rng)``, returning a scalar
