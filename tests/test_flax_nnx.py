@@ -350,5 +350,5 @@ def test_a_block_kept_in_float32_by_a_class_rule_stores_its_layers_params_in_flo
 
     ov = jaxmp.flax.PrecisionOverrides.from_recipe("O2").with_fp32(Block)
     model = jaxmp.flax.nnx.store_params(Net(nnx.Rngs(0)), "O2-bf16", ov)
-    assert model.enc.inner.kernel.value.dtype == np.float32
-    assert model.head.kernel.value.dtype == jnp.bfloat16
+    assert model.enc.inner.kernel[...].dtype == np.float32
+    assert model.head.kernel[...].dtype == jnp.bfloat16
