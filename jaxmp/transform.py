@@ -14,7 +14,7 @@ weight decay, Adam...) only ever sees true, finite gradients.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -296,8 +296,10 @@ def _check_nothing_after_master(state) -> None:
 def _check_state_matches(inner, state_inner, ref) -> None:
     """Raises a ValueError naming the first leaf where the inner state differs from ``inner.init(ref)``.
 
-    Structure and shapes only, from ``jax.eval_shape`` at trace time: a state built for other
-    params (or another optimizer) would otherwise fail deep inside optax, or broadcast.
+    Structure and shapes only, from ``jax.eval_shape``. Called only once the inner update has
+    failed or changed its state's shapes (an extra abstract ``init`` on every traced update would
+    cost trace time for nothing): a state built for other params (or another optimizer) would
+    otherwise fail deep inside optax, or broadcast.
     """
     try:
         expected = jax.eval_shape(inner.init, ref)
@@ -382,9 +384,11 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
     def inner_fn(g, ls):
         return inner.update(_unscale(ls, g, keeps_master), state.inner_state, params, **extra_args)
 
+    ref = grads if params is None else params
     try:
         closed, shapes = jax.make_jaxpr(inner_fn, return_shape=True)(grads, loss_scale)
     except (ValueError, TypeError, AttributeError) as e:
+        _check_state_matches(inner, state.inner_state, ref)  # a state made for other params: named
         if params is not None:
             raise
         # Weight decay, LAMB/LARS, lookahead... read the params; optax's own message (or a raw
@@ -394,7 +398,7 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
             f"tx.update(grads, state, params) (or use loss_scaling(..., master_weights=True), which keeps its own "
             f"float32 copy). The inner optimizer said: {type(e).__name__}: {e}") from e
     traps.check_update_constants(closed)
-    _check_state_types(state.inner_state, shapes[1])
+    _check_state_types(state.inner_state, shapes[1], lambda: _check_state_matches(inner, state.inner_state, ref))
     grad_leaves = jax.tree_util.tree_leaves(grads)
     scale_leaves = jax.tree_util.tree_leaves(loss_scale)
     scale_positions = [len(grad_leaves) + i for i, x in enumerate(scale_leaves) if is_floating_array(x)] \
@@ -425,8 +429,12 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
     return keep_if_finite(grads_finite, out, old), keep_if_finite(grads_finite, inner_state, state.inner_state)
 
 
-def _check_state_types(old: Any, new: Any) -> None:
-    """A skipped step returns the old inner state: the inner chain must keep its state's types."""
+def _check_state_types(old: Any, new: Any, check_origin: Callable[[], None]) -> None:
+    """A skipped step returns the old inner state: the inner chain must keep its state's types.
+
+    ``check_origin`` runs first on a mismatch: a state made for other params (broadcast by the
+    update) is named as such rather than as a state the optimizer changes.
+    """
     old_leaves = jax.tree_util.tree_leaves_with_path(old)
     new_leaves = jax.tree_util.tree_leaves(new)
     if len(old_leaves) != len(new_leaves):
@@ -437,6 +445,7 @@ def _check_state_types(old: Any, new: Any) -> None:
             continue
         # Compared as JAX dtypes: a PRNG key's (optax.noisy_sgd) is no numpy dtype.
         if a_dtype != b_dtype or tuple(jnp.shape(a)) != tuple(b.shape):
+            check_origin()
             raise ValueError(
                 f"the inner optimizer changes its state on update: {jax.tree_util.keystr(path)} is "
                 f"{a_dtype}{list(jnp.shape(a))} after init and {b_dtype}{list(b.shape)} "
@@ -506,7 +515,6 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
         if params is not None:
             check_same_structure(grads, params, "gradients", "params")
         traps.check_gradients(grads, state.loss_scale)
-        _check_state_matches(inner, state.inner_state, grads if params is None else params)
         keeps_master = bool(find_states(state.inner_state, MasterWeightsState))
 
         def unscale(g):

@@ -326,6 +326,9 @@ def test_a_state_made_for_other_params_or_another_optimizer_is_named():
         tx.update(params, tx.init({"w": jnp.ones(4)}), params)
     with pytest.raises(ValueError, match="does not belong to this optimizer"):
         tx.update(params, jaxmp.loss_scaling(optax.sgd(1e-2), "none").init(params), params)
+    # A state that broadcasts against the params (no error inside optax) is named too.
+    with pytest.raises(ValueError, match=r"inner_state\[0\]\.mu\['w'\] has shape \(1,\).*gives \(3,\)"):
+        tx.update(params, tx.init({"w": jnp.ones(1)}), params)
 
 
 def test_a_transform_chained_after_master_weights_is_refused_not_dropped():
