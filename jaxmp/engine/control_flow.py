@@ -77,9 +77,11 @@ def _accumulates(carry: Any, i_out: int, uses: dict, out_pos: dict) -> bool:
             name = eqn.primitive.name
             if len(eqn.outvars) != 1:
                 return False
-            if name == "select_n" or (name in ("jit", "pjit") and _is_where(eqn, chain)):
-                if name == "select_n" and _in(eqn.invars[0], chain):
+            if name == "select_n":
+                if _in(eqn.invars[0], chain):  # the predicate must not come from the chain
                     return False
+            elif name in ("jit", "pjit") and _is_where(eqn, chain):
+                pass
             elif name not in _ACCUMULATE or sum(_in(a, chain) for a in eqn.invars) != 1:
                 return False
             added = added or name in _ADDS

@@ -14,6 +14,37 @@ from jaxmp.engine.rules import ModuleRule
 Path = tuple[str, ...]
 
 
+def is_float32_rule(rule: ModuleRule) -> bool:
+    """Whether ``rule`` runs its module in float32 or wider (``with_fp32``, a float32 policy).
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxmp.flax import ModuleRule
+      >>> from jaxmp.flax.casting import is_float32_rule
+      >>> is_float32_rule(ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32"))
+      True
+    """
+    return np.dtype(rule.compute_dtype).itemsize >= 4
+
+
+def enclosing_float32(path: Path, float32_rules: dict[Path, ModuleRule]) -> ModuleRule | None:
+    """The rule of the nearest module strictly above ``path`` that ``float32_rules`` holds, or None.
+
+    A half-list layer inside a block a class rule keeps in float32 takes the block's rule, for
+    its compute and its params' storage alike: the rule names the whole block, as a path rule
+    does (Linen and NNX both ask here).
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxmp.flax import ModuleRule
+      >>> from jaxmp.flax.casting import enclosing_float32
+      >>> fp32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
+      >>> enclosing_float32(("enc", "inner"), {("enc",): fp32}) is fp32, enclosing_float32(("enc",), {("enc",): fp32})
+      (True, None)
+    """
+    return next((float32_rules[path[:n]] for n in range(len(path)) if path[:n] in float32_rules), None)
+
+
 def _key_name(key: Any) -> str:
     for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey
         if hasattr(key, attr):

@@ -49,7 +49,7 @@ import numpy as np
 from jaxmp.engine import engine_function, flax_config
 from jaxmp.engine.modules import module_interceptor
 from jaxmp.flax.attention import fused_attention
-from jaxmp.flax.casting import Path, cast_by_path
+from jaxmp.flax.casting import Path, cast_by_path, enclosing_float32, is_float32_rule
 from jaxmp.flax.fp8 import Fp8ConvGeneralDilated, Fp8DotGeneral, linen_fp8_field
 from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, explicit_float32, join_path, \
     overridden_float32_message, resolve_overrides
@@ -94,12 +94,7 @@ class _Call:
                 self._by_class[cls] = self._at_init(self.rules.rule_for(cls))
             rule = self._by_class[cls]
         if rule is not None and rule.kind == "half" and self.fp32_paths:
-            # A half-list layer inside a module kept in float32 by a class rule runs, and stores its
-            # params, in float32 too: the rule names the whole block, as a path rule does.
-            path = tuple(str(p) for p in module.path)
-            outer = next((self.fp32_paths[path[:n]] for n in range(len(path)) if path[:n] in self.fp32_paths), None)
-            if outer is not None:
-                return outer
+            return enclosing_float32(tuple(str(p) for p in module.path), self.fp32_paths) or rule
         return rule
 
     def _at_init(self, rule: ModuleRule | None) -> ModuleRule | None:
@@ -132,7 +127,7 @@ class _Call:
         if self.init and rule.kind == "half":
             rule = dataclasses.replace(rule, output="computed")
         self.seen.setdefault(tuple(str(p) for p in module.path), rule)
-        if rule.kind in ("fp32", "policy") and np.dtype(rule.compute_dtype).itemsize >= 4:
+        if rule.kind != "half" and is_float32_rule(rule):
             self.fp32_paths.setdefault(tuple(str(p) for p in module.path), rule)
         if rule.kind == "half" and np.dtype(rule.compute_dtype).itemsize < 4 and explicit_float32(module):
             self.overridden.setdefault(join_path(module.path), type(module).__name__)

@@ -46,7 +46,7 @@ from jaxmp.flax.attention import fused_attention
 from jaxmp import fp8
 from jaxmp.collectives import mean_model_state
 from jaxmp.flax.fp8 import Fp8State, install_nnx_fp8
-from jaxmp.flax.casting import Path, cast_by_path
+from jaxmp.flax.casting import Path, cast_by_path, enclosing_float32, is_float32_rule
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
 from jaxmp.flax.overrides import (ModuleRule, PrecisionOverrides, explicit_float32, join_path,
                                   overridden_float32_message, resolve_overrides)
@@ -98,15 +98,9 @@ def module_rules(model: nnx.Module, policy: Policy, overrides: PrecisionOverride
 
 
 def _inherit_float32(rules: dict) -> dict:
-    # A half-list layer inside a module a rule keeps in float32 (with_fp32(Block), a float32
-    # policy) stores its params in float32, as it computes: the rule names the whole block.
-    wide = {p: r for p, r in rules.items() if np.dtype(r.compute_dtype).itemsize >= 4}
-    out = {}
-    for path, rule in rules.items():
-        outer = next((wide[path[:n]] for n in range(len(path)) if path[:n] in wide), None) \
-            if rule.kind == "half" else None
-        out[path] = outer if outer is not None else rule
-    return out
+    wide = {p: r for p, r in rules.items() if r.kind != "half" and is_float32_rule(r)}
+    return {path: (enclosing_float32(path, wide) or rule) if rule.kind == "half" else rule
+            for path, rule in rules.items()}
 
 
 def _ruled_modules(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides):
