@@ -98,8 +98,8 @@ def test_autocast_gradient_has_no_more_casts_than_the_native_program(model):
     stats = _autocast_grad(model)
     for v in ("jaxmp-O1", "jaxmp-O2"):
         assert stats[v]["converts"] <= stats["native"]["converts"], (model, v, stats)
-    if model == "mlp":  # the same program as the hand cast, op for op and byte for byte
-        assert stats["jaxmp-O1"] == stats["native"], stats
+    if model == "mlp":  # O2 narrows as the hand cast does: the same program, op for op and byte for byte
+        assert stats["jaxmp-O2"] == stats["native"], stats
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the margins are XLA:CPU's")

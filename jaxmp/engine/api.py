@@ -82,16 +82,7 @@ class _Program:
     def weights(self) -> list[bool]:
         """Which inputs are weights (cast on entry under O2): every use is a half-list op."""
         if self._weights is None:
-            from jaxmp.engine.control_flow import weight_inputs
-
-            probe = Interpreter(self.config)
-            half = self.config.compute_dtype
-
-            def runs_in_half(comps):  # a weight used in a float32 region stays float32
-                region = probe.region(comps)
-                return region is None or (region != "keep" and np.dtype(region) == half)
-
-            self._weights = weight_inputs(self.closed.jaxpr, self.config.rules.half_ops, runs_in_half)
+            self._weights = weight_mask(self.closed.jaxpr, self.config)
         return self._weights
 
     def repeated(self) -> frozenset:
@@ -119,6 +110,29 @@ class _Program:
             outs = [cast_floating(o, self.config.output_dtype) if is_float(getattr(o, "dtype", None)) else o
                     for o in outs]
         return outs
+
+
+def weight_mask(jaxpr: Any, config: _config.AutocastConfig) -> list[bool]:
+    """Which inputs of ``jaxpr`` are weights under ``config``: every use is a half-list op that
+    runs in half (not under a float32 region or rule).
+
+    Args:
+      jaxpr: an open jaxpr, traced as the user wrote it.
+      config: the :class:`AutocastConfig` whose rules and regions decide.
+
+    Returns:
+      One flag per invar.
+    """
+    from jaxmp.engine.control_flow import weight_inputs
+
+    probe = Interpreter(config)
+    half = config.compute_dtype
+
+    def runs_in_half(comps):  # a weight used in a float32 region stays float32
+        region = probe.region(comps)
+        return region is None or (region != "keep" and np.dtype(region) == half)
+
+    return weight_inputs(jaxpr, config.rules.half_ops, runs_in_half)
 
 
 def _argument(x) -> Val:

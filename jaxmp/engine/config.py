@@ -125,7 +125,9 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     weights = level == "O2" or (level is None and np.dtype(resolved.param_dtype).itemsize < 4)
     cast_inputs = "weights" if weights else ""
     output = np.dtype(resolved.output_dtype) if level is None else _F32
-    rules = rules or AutocastRules()
+    # O1 keeps float32 where a value needs it (the accuracy-first default); O2 narrows float32
+    # operands to half (Apex's "almost pure half" speed trade): see AutocastRules.promote.
+    rules = rules or AutocastRules(promote="narrow" if weights else "demand")
     fp8_recipe = getattr(recipe, "fp8", None)
     if fp8_recipe is not None:
         if isinstance(fp8_recipe, fp8.DelayedScaling):

@@ -66,6 +66,7 @@ class Interpreter:
         self._regions: dict[tuple[str, ...], Any] = {}
         self._staged = False  # the jaxpr being run has operands of a transformation
         self._stage_now = False  # and the equation being run is bound staged
+        self._demand: frozenset = frozenset()  # promote="demand": the variables needed in float32
         defaults = HALF_OPS | FLOAT32_OPS | FOLLOW_OPS
         self.follow_ops = (defaults - self.rules.half_ops - self.rules.float32_ops)
 
@@ -138,6 +139,14 @@ class Interpreter:
             return casts[key]
 
         seen: dict[tuple, list[Val]] = {}
+        demand, self._demand = self._demand, (
+            float32_demand(jaxpr, self.rules) if self.rules.promote == "demand" else frozenset())
+        try:
+            return self._eval(jaxpr, env, seen, read, cast, prefix)
+        finally:
+            self._demand = demand
+
+    def _eval(self, jaxpr, env, seen, read, cast, prefix) -> list[Val]:
         for eqn in jaxpr.eqns:
             comps = prefix + internals.scope_names(eqn)
             handler = control_flow.handler_for(eqn)
@@ -267,7 +276,11 @@ class Interpreter:
 
     def _follow(self, eqn, vals, floats, cast) -> list[Val]:
         dts = [dtype_of(vals[i].x) for i in floats]
-        decisive = [i for i in floats if not vals[i].weak] or floats
+        # Python scalars (weak) and plain float32 scalars (``* 0.5``, a scalar parameter) never
+        # decide, as a 0-dim tensor does not in torch; strong scalars (a mean) still do.
+        arrays = [i for i in floats if not vals[i].weak]
+        decisive = [i for i in arrays if vals[i].strong or np.ndim(vals[i].x) > 0
+                    or all(np.ndim(vals[j].x) == 0 for j in arrays)] or arrays or floats
         strong = [i for i in decisive if vals[i].strong]
         name = eqn.primitive.name
         if name == "dynamic_update_slice" and 0 in floats and not strong:
@@ -275,7 +288,8 @@ class Interpreter:
             # rounded as a whole by a half update), as ``buf.at[i].set(h)`` does; a float32-list
             # result written into a half buffer promotes it instead (the strong rule below).
             target = dtype_of(vals[0].x)
-        elif self.rules.promote == "widest" or name == "concatenate":
+        elif self.rules.promote == "widest" or name == "concatenate" or (
+                self.rules.promote == "demand" and any(v in self._demand for v in eqn.outvars)):
             # torch.autocast's "promote" ops: joining a float32 array to a half one keeps float32.
             target = widest([dtype_of(vals[i].x) for i in decisive])
         elif strong:
@@ -309,6 +323,34 @@ class Interpreter:
         # half value to float32 marks the result as deliberately float32 (strong).
         out = self.bind(eqn, [val.x], rule="user cast")[0]
         return [Val(out, new.itemsize >= 4, False)]
+
+
+def float32_demand(jaxpr: jcore.Jaxpr, rules) -> frozenset:
+    """The variables of ``jaxpr`` whose values are needed in float32 (``promote="demand"``).
+
+    A value is needed in float32 when it flows, through ops that follow their inputs, into a
+    float32-list op, an output of the jaxpr, or an op the rules do not type (a loop, a call, a
+    collective, a kernel): there rounding it to half would lose what float32 keeps. A value
+    whose every use is a half-list op (a matmul operand) is not: it is cast to half there anyway.
+
+    Args:
+      jaxpr: an open jaxpr.
+      rules: the :class:`jaxmp.AutocastRules` (its op lists).
+
+    Returns:
+      A frozenset of the jaxpr's variables.
+    """
+    demand = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    follow = FOLLOW_OPS - rules.half_ops - rules.float32_ops
+    for eqn in reversed(jaxpr.eqns):
+        name = eqn.primitive.name
+        if name in rules.half_ops and not internals.sub_jaxprs(eqn):
+            continue
+        if name in follow or name == "convert_element_type":
+            if not any(v in demand for v in eqn.outvars):
+                continue
+        demand.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+    return frozenset(demand)
 
 
 def op_signature(eqn) -> tuple | None:

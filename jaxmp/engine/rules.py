@@ -71,7 +71,7 @@ COMBINER_OPS: frozenset[str] = frozenset({
     "custom_linear_solve", "argsort",
 })
 
-_PROMOTE = ("narrow", "widest")
+_PROMOTE = ("narrow", "widest", "demand")
 _MATMUL_OUT = ("compute", "float32")
 
 
@@ -169,7 +169,7 @@ class AutocastRules:
 
     half_ops: frozenset[str] = HALF_OPS
     float32_ops: frozenset[str] = FLOAT32_OPS
-    promote: str = "narrow"
+    promote: str = "demand"
     matmul_output: str = "compute"
     scope_rules: tuple[tuple[str, str], ...] = ()
     class_rules: tuple[tuple[type, str], ...] = ()
@@ -308,7 +308,7 @@ class AutocastRules:
 
 
 #: The rules of O3: pure half precision, nothing kept in float32.
-PURE_HALF_RULES = AutocastRules(float32_ops=frozenset())
+PURE_HALF_RULES = AutocastRules(float32_ops=frozenset(), promote="narrow")
 
 #: Marker scopes the engine reads: ``jaxmp[float32]``, ``jaxmp[half]``, ``jaxmp[keep]`` (+ ``:label``).
 MARKER = re.compile(r"^jaxmp\[(?P<dtype>[a-z0-9]+)\](?::.*)?$")

@@ -37,6 +37,7 @@ float32 param is initialised in a second pass, with the params created so far pa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -332,21 +333,38 @@ class MixedPrecision:
         config = flax_config(self.policy, self.overrides)
         compute = np.dtype(self.policy.compute_dtype)
         known = self._known_rules()
+        # O1 (promote="demand"): only the weights, params whose every use is a half-list op, go
+        # to half, cast by the engine on entry as O2 autocast casts its weights; a bias or a norm
+        # scale enters float32 and the engine's promotion decides, as under jaxmp.autocast. A
+        # model that refuses float32 params while traced (a half-only kernel) is traced again
+        # with every param cast first, as O2 and O3 always do.
+        weights_only = engine and not config.identity and config.rules.promote == "demand"
         for _ in range(_MAX_INIT_PASSES):
             used, call = dict(known), _Call(self.policy, self.overrides)
 
-            def run(variables, args, kwargs, rngs, used=used, call=call):
+            def run(variables, args, kwargs, rngs, used=used, call=call, weights_only=weights_only):
                 args, kwargs = self.policy.cast_to_compute((args, kwargs))
                 if "params" in variables:
-                    variables = {**variables, "params": cast_by_path(variables["params"], used, compute, "compute_dtype")}
-                with nn.intercept_methods(call.interceptor()):
+                    params = variables["params"]
+                    cast = cast_by_path(params, used, compute, "compute_dtype")
+                    if weights_only:  # only a per-class dtype other than the policy's is cast here
+                        cast = jax.tree.map(lambda c, p: p if c.dtype == compute else c, cast, params)
+                    variables = {**variables, "params": cast}
+                # Float32 biases meet half kernels in Flax's own promote_dtype: traced under standard
+                # promotion (a caller's strict mode would refuse it); the engine then sets every dtype.
+                promotion = jax.numpy_dtype_promotion("standard") if weights_only else contextlib.nullcontext()
+                with promotion, nn.intercept_methods(call.interceptor()):
                     return self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
 
-            fn = run if (config.identity or not engine) else engine_function(run, config, cast_outputs=False,
+            run_config = dataclasses.replace(config, cast_inputs="weights") if weights_only else config
+            fn = run if (config.identity or not engine) else engine_function(run, run_config, cast_outputs=False,
                                                                               cache=False)
             try:
                 out = fn(variables, args, kwargs, rngs)
             except Exception:
+                if weights_only:
+                    weights_only = False
+                    continue
                 if not _missed(call.seen, used, compute):
                     raise
                 known = self._remember(call.seen)  # e.g. a float32 norm that got half params: again
