@@ -55,6 +55,12 @@ def test_compiled_step_bytes_within_margin_of_floor(model):
 #: (loss scale, skip counters, the optimizer's count) dominates; at autocast.py's sizes the
 #: same steps are within 2% (checked on the MLP below).
 STEP_MARGIN = {"mlp": 1.21, "mlp32": 1.23, "transformer": 1.07, "resnet": 1.18}
+#: O1 keeps a float32 value float32 where it is needed (``promote="demand"``: a bias add feeding
+#: a layer norm or the loss), which the narrowing hand cast does not: it moves more bytes than
+#: that floor, by design. Measured (XLA:CPU, jax 0.10.2, 2026-11-26): mlp 1.242, mlp32 1.257,
+#: transformer 1.098, resnet <= 1.18; at autocast.py's MLP size 1.056. 1% on top. O2 narrows as
+#: the floor does and keeps STEP_MARGIN.
+STEP_MARGIN_O1 = {"mlp": 1.26, "mlp32": 1.27, "transformer": 1.11, "resnet": 1.18}
 
 
 def _autocast_step(model_name: str, full_size: bool = False) -> dict:
@@ -86,8 +92,8 @@ def test_autocast_mlp_train_step_at_benchmark_size_moves_the_floors_bytes():
     re-reads the half-precision dot output in two of its passes.
     """
     stats = _autocast_step("mlp", full_size=True)
-    for v in ("jaxmp-O1", "jaxmp-O2"):
-        assert stats[v]["bytes"] <= 1.02 * stats["floor"]["bytes"], (v, stats)
+    for v, margin in (("jaxmp-O1", 1.07), ("jaxmp-O2", 1.02)):  # O1: see STEP_MARGIN_O1
+        assert stats[v]["bytes"] <= margin * stats["floor"]["bytes"], (v, stats)
         assert stats[v]["converts"] <= stats["floor"]["converts"], (v, stats)
 
 
@@ -109,8 +115,8 @@ def test_autocast_gradient_has_no_more_casts_than_the_native_program(model):
 def test_autocast_train_step_bytes_within_margin_of_native_floor(model):
     stats = _autocast_step(model)
     floor = stats["floor"]
-    for v in ("jaxmp-O1", "jaxmp-O2"):
-        assert stats[v]["bytes"] <= STEP_MARGIN[model] * floor["bytes"], (model, v, stats)
+    for v, margins in (("jaxmp-O1", STEP_MARGIN_O1), ("jaxmp-O2", STEP_MARGIN)):
+        assert stats[v]["bytes"] <= margins[model] * floor["bytes"], (model, v, stats)
         # Casts: never more than the native program's (jaxmp casts each value once per step).
         assert stats[v]["converts"] <= floor["converts"], (model, v, stats)
 
