@@ -342,6 +342,7 @@ class MixedPrecision:
                 with nn.intercept_methods(call.interceptor()):
                     return self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
 
+            run.__qualname__ = f"jaxmp.flax.mixed_precision({type(self.module).__name__})"  # as warnings name it
             fn = run if (config.identity or not engine) else engine_function(run, config, cast_outputs=False,
                                                                               cache=False)
             try:
