@@ -31,7 +31,6 @@ use live in :mod:`jaxmp.engine.values`); every JAX internal is read through :mod
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -409,4 +408,4 @@ def _chosen(pet: Any, operands: Sequence[Any]) -> bool:
     if pet is None or not is_float(np_dtype(pet)):
         return False
     dtypes = [d for d in operands if d is not None and is_float(d)]
-    return bool(dtypes) and np.dtype(pet) != functools.reduce(jnp.promote_types, dtypes)
+    return bool(dtypes) and np.dtype(pet) != widest(dtypes)  # widest: the promoted float type
