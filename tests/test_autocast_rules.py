@@ -363,3 +363,45 @@ def test_no_unscaled_fp16_warning_for_bf16_forward_only_or_the_loss_scaled_path(
         jax.jit(jaxmp.autocast(_loss, "O1-fp16"))(w, x)
         jaxmp.value_and_grad(jaxmp.autocast(_loss, "O1-fp16"), state)(w, x)
         jax.jit(lambda w, s: jaxmp.value_and_grad(jaxmp.autocast(_loss, "O1-fp16"), s)(w, x))(w, state)
+
+
+# -- the limits torch.autocast shares (docs/autocast.md), each fixed by a float32 region ------------
+
+def _matmul(a, b):
+    return a @ b
+
+
+def test_a_large_float32_value_fed_to_a_matmul_is_kept_finite_by_a_float32_region():
+    x, w = jnp.full((2, 4), 20.0), jnp.full((4, 3), 1e-4)
+    ref = jnp.exp(x) @ w                                                      # 194066
+    plain = jaxmp.autocast(lambda x, w: jnp.exp(x) @ w, "O1-fp16")(x, w)
+    fixed = jaxmp.autocast(lambda x, w: jaxmp.float32_region(_matmul)(jnp.exp(x), w), "O1-fp16")(x, w)
+    assert not np.any(np.isfinite(plain))                                     # exp(20) is inf in fp16
+    np.testing.assert_allclose(fixed, ref, rtol=1e-6)
+
+
+def test_a_sum_written_as_a_dot_is_kept_finite_by_a_float32_region():
+    x = jnp.ones(100_000)
+    plain = jaxmp.autocast(lambda x: jnp.dot(x, jnp.ones(x.shape[-1])), "O1-fp16")(x)
+    fixed = jaxmp.autocast(lambda x: jaxmp.float32_region(jnp.dot)(x, jnp.ones(x.shape[-1])), "O1-fp16")(x)
+    written_as_sum = jaxmp.autocast(jnp.sum, "O1-fp16")(x)
+    assert not np.isfinite(plain)
+    assert float(fixed) == float(written_as_sum) == 100_000.0
+    # the same for an explicit preferred_element_type=float32 on float32 operands, which the
+    # float32 trace cannot show: the region keeps it
+    pet = lambda x: jnp.dot(x, jnp.ones(x.shape[-1]), preferred_element_type=jnp.float32)
+    assert not np.isfinite(jaxmp.autocast(pet, "O1-fp16")(x))
+    assert float(jaxmp.autocast(jaxmp.float32_region(pet), "O1-fp16")(x)) == 100_000.0
+
+
+@pytest.mark.parametrize("preset", ["O1-bf16", "O1-fp16"])
+def test_cholesky_of_a_gram_matrix_computed_in_a_float32_region_is_not_nan(preset):
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(64, 1))
+    x = jnp.asarray(np.hstack([a + 0.01 * rng.normal(size=(64, 1)) for _ in range(4)]), jnp.float32)
+    ref = jnp.linalg.cholesky(x.T @ x)
+    plain = jaxmp.autocast(lambda x: jnp.linalg.cholesky(x.T @ x), preset)(x)
+    fixed = jaxmp.autocast(lambda x: jnp.linalg.cholesky(jaxmp.float32_region(_matmul)(x.T, x)), preset)(x)
+    assert np.all(np.isfinite(ref)) and not np.all(np.isfinite(plain))       # the half Gram matrix is indefinite
+    # float32's own answer up to summation order, which this ill-conditioned matrix amplifies (~1e-4)
+    np.testing.assert_allclose(fixed, ref, atol=1e-3)
