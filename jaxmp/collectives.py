@@ -27,9 +27,37 @@ def check_axis_name(axis_name: Any) -> Any:
     return axis_name
 
 
-def check_reduce_dtype(dtype: Any) -> np.dtype | None:
-    """``None`` (reduce in each gradient's own dtype) or a floating dtype."""
-    return None if dtype is None else float_dtype(dtype, "grad_reduce_dtype")
+def check_reduce_dtype(dtype: Any, what: str = "grad_reduce_dtype") -> np.dtype | None:
+    """``None`` (reduce in each gradient's own dtype) or a floating dtype that can hold gradients.
+
+    Args:
+      dtype: the user's reduce dtype.
+      what: how the error names it (``"reduce_dtype"`` for the sharded step).
+
+    Returns:
+      None or the numpy dtype (float16, bfloat16, float32 or float64).
+
+    Raises:
+      TypeError: not a floating dtype (an integer or boolean dtype).
+      ValueError: a floating dtype narrower than 16 bits (fp8, fp4): with 2 to 4 significant
+        bits and a range of a few hundred (448 for float8_e4m3fn), a sum of gradients rounds to
+        the wrong value and overflows, and its sign can flip on the way back.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp.collectives import check_reduce_dtype
+      >>> check_reduce_dtype("bf16"), check_reduce_dtype(None)
+      (dtype(bfloat16), None)
+    """
+    if dtype is None:
+        return None
+    dt = float_dtype(dtype, what)
+    if dt.itemsize < 2:
+        raise ValueError(
+            f"{what}={dt.name} cannot hold gradients: {jnp.finfo(dt).nmant + 1} significant bits and a largest "
+            f"value of {float(jnp.finfo(dt).max):g}, so their sum rounds or overflows; reduce in float32 (the "
+            "default), or bfloat16/float16 to halve the traffic (fp8 is for matmul operands, jaxmp.fp8)")
+    return dt
 
 
 def all_reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: Any = jnp.float32) -> Any:
@@ -59,6 +87,7 @@ def all_reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: Any = jnp.flo
     Raises:
       ValueError: ``axis_name`` is not bound (not inside ``pmap``/``shard_map`` with that axis).
       TypeError: ``reduce_dtype`` is not a floating dtype or None.
+      ValueError: ``reduce_dtype`` is an 8-bit (or narrower) float, which cannot hold gradients.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmp

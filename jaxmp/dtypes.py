@@ -113,7 +113,8 @@ def float_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
       The numpy dtype.
 
     Raises:
-      TypeError: ``dtype`` is not a floating dtype.
+      TypeError: ``dtype`` is not a floating dtype (``None`` included: ``np.dtype(None)``
+        would be float64).
 
     Example:
       >>> import numpy as np
@@ -123,6 +124,9 @@ def float_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
     """
     if isinstance(dtype, str) and dtype.strip().lower() in {*_FLOAT_NAMES, "half"}:
         return parse_dtype(dtype)
+    if dtype is None:  # np.dtype(None) is float64: never what a missing dtype meant
+        raise TypeError(f"{what} must be a floating dtype (float16/bfloat16/float32/float64), got None: "
+                        f"pass one, e.g. jnp.float32 or a name from {dtype_names()}")
     try:
         dt = np.dtype(dtype)
     except TypeError as e:

@@ -76,7 +76,8 @@ def value_and_grad(fun: Callable[..., Any], scale_source: Any, argnums: int | Se
     grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True, **kwargs)
 
     def wrapped(*args, **kw):
-        (_, (loss, aux)), grads = grad_fn(*args, **kw)
+        with traps.loss_scaled_grad():  # float16 autocast regions differentiated here are scaled
+            (_, (loss, aux)), grads = grad_fn(*args, **kw)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return wrapped

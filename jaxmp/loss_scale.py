@@ -53,6 +53,14 @@ def _concrete_float(value: Any, name: str) -> float:
         raise TypeError(f"{name} must be a concrete number, not a traced value (build loss scales outside jit)")
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got a bool")
+    if isinstance(value, int):
+        # A Python int past int64 would become an object array; the range check that follows
+        # reports it like the float it stands for (2**200 is as out of range as 2.0**200).
+        try:
+            return float(value)
+        except OverflowError as e:
+            raise ValueError(f"{name} is out of range: got an integer of {value.bit_length()} bits, beyond float32's "
+                             f"largest value {float(np.finfo(np.float32).max):g}") from e
     try:
         arr = np.asarray(value)
     except Exception as e:  # noqa: BLE001 - any conversion failure is a type problem

@@ -190,6 +190,10 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is :class:`MasterWeightsState`.
 
+    Raises:
+      ValueError: a half-precision ``master_dtype`` (updates below half its ulp would never
+        move the master).
+
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
       >>> tx = jaxmp.master_weights(optax.sgd(0.5))
@@ -200,7 +204,7 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
       (dtype('float32'), dtype('float16'))
     """
     inner = check_inner(inner)
-    master_dtype = float_dtype(master_dtype, "master_dtype")
+    master_dtype = _check_master_dtype(master_dtype)
 
     def init_fn(params):
         _check_all_arrays(params, "params")
@@ -227,6 +231,23 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
         return deltas, MasterWeightsState(inner_state, stepped)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_master_dtype(master_dtype: Any) -> np.dtype:
+    """A master dtype that can hold the params' small updates: float32 or wider.
+
+    A float16/bfloat16 master is refused: an update below half an ulp of a param (0.5 * 2**-7
+    of it in bfloat16, e.g. every ``sgd(1e-4)`` step of a weight near 1) rounds away, so the
+    master would never move, which is the failure a master copy exists to prevent.
+    """
+    dt = float_dtype(master_dtype, "master_dtype")
+    if dt.itemsize < 4:
+        raise ValueError(
+            f"master_dtype={dt.name}: a master copy in half precision drops every update smaller than half "
+            f"an ulp of its param ({dt.name} keeps {jnp.finfo(dt).nmant + 1} significant bits, so a small "
+            "learning rate never moves it), which is what a master copy exists to prevent; use "
+            "master_dtype=jnp.float32 (the default), or master_weights=False to train the params directly")
+    return dt
 
 
 def _delta(new, old, dtype, master_dtype):
@@ -620,7 +641,8 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
         (``"dynamic"`` default; ``"none"`` for bfloat16/float32; ``"torch"``; a number).
       axis_name: the ``pmap``/``shard_map`` axis to agree on the finite verdict over.
       master_weights: keep a ``master_dtype`` master copy of the params in the state.
-      master_dtype: dtype of the master copy (float32; ``"f32"``/``"float32"`` accepted).
+      master_dtype: dtype of the master copy (float32 or wider; ``"f32"``/``"float32"``
+        accepted). A half master is refused: updates below half its ulp would never move it.
       skip_with: how a step is skipped inside the compiled program. ``"cond"``: ``lax.cond``
         runs only the taken branch and lets XLA update the optimizer state in place (cheapest
         on CPU and TPU); ``"select"``: compute the inner update, then ``lax.select`` between

@@ -99,6 +99,9 @@ ALLOWED_MODULE_STATE = {
     ("jaxmp/flax/nnx.py", "_CASTING_CLASSES"),
     # Warn once per model: keyed by the model object itself, held weakly.
     ("jaxmp/flax/nnx.py", "_WARNED_CALL"),
+    # Warn once per trace that a float16 region is differentiated with no loss scale: keyed by
+    # the JAX trace object, held weakly.
+    ("jaxmp/engine/unscaled.py", "_WARNED"),
     # Log-once de-duplication of INFO messages; no result depends on it.
     ("jaxmp/parallel/_common.py", "_LOGGED"),
     ("jaxmp/engine/attention.py", "_LOGGED"),

@@ -385,6 +385,21 @@ def test_linalg_norm_and_a_hand_written_rms_norm_square_in_float32():
     assert squares
 
 
+def test_a_product_of_two_equal_matmuls_is_a_square():
+    """Issue 37 item 3: ``(x @ w) * (x @ w)`` traces two matmuls that the engine merges, so the
+    ``mul`` reads one value twice: a square, in float32 like ``(x @ w) ** 2`` (0a46f1b: fp16, inf)."""
+    h = jnp.full((4, 64), 300.0 / 64)
+    f = lambda h, w: jnp.mean((h @ w) * (h @ w))
+    ac = jaxmp.autocast(f, "O1-fp16")
+    np.testing.assert_allclose(ac(h, jnp.ones((64, 8))), 90000.0, rtol=1e-3)
+    ops = op_dtypes(ac, h, jnp.ones((64, 8)))
+    muls = [op for op in ops if op.primitive == "mul"]
+    assert [op.in_dtypes for op in muls] == [(F32, F32)]
+    # the merged product is cast up once, not once per variable that holds it
+    ups = [op for op in ops if op.primitive == "convert_element_type" and op.out_dtypes == (F32,)]
+    assert len(ups) == 1, ups
+
+
 def test_mixed_half_operands_are_never_narrowed_to_float16():
     big_bf16 = jnp.full((2,), 1e6, jnp.bfloat16)
     # The functions mix bfloat16 and float16 on purpose (what does autocast make of that?), which
@@ -703,6 +718,18 @@ def test_the_explicit_accumulate_helper_covers_an_ode_step_the_rule_cannot_see()
     plain = jaxmp.autocast(lambda w, y: euler(w, y, False), "O2-bf16")(w, y0)
     helped = jaxmp.autocast(lambda w, y: euler(w, y, True), "O2-bf16")(w, y0)
     assert err(plain) > 0.05 and err(helped) < 0.01, (err(plain), err(helped))
+
+
+def test_accumulate_refuses_a_delta_the_total_cannot_hold():
+    """Issue 37 item 9: 0.7 added into an int32 total in the total's dtype added 0, silently."""
+    with pytest.raises(TypeError, match=r"float32 delta cannot be added into a total of dtype int32.*make the total"):
+        jaxmp.accumulate(jnp.zeros(3, jnp.int32), jnp.full(3, 0.7))
+    with pytest.raises(TypeError, match=r"imaginary part"):
+        jaxmp.accumulate(jnp.zeros(3), jnp.ones(3, jnp.complex64))
+    # what fits is added: integers into integers or floats, a Python float into a float32 total
+    assert jaxmp.accumulate(jnp.zeros(3, jnp.int32), jnp.full(3, 2, jnp.int32)).tolist() == [2, 2, 2]
+    assert jaxmp.accumulate(jnp.zeros(3), jnp.full(3, 2, jnp.int32)).dtype == F32
+    assert jaxmp.accumulate(jnp.zeros(3), 0.5).tolist() == [0.5, 0.5, 0.5]
 
 
 def test_an_nn_scan_transformer_body_gains_no_float32_ops_from_the_carry():

@@ -272,3 +272,136 @@ def test_loss_scaling_fp16_dynamic_around_an_autocast_loss(preset, param_dtype, 
     assert float(l) < 0.05 and params["w"].dtype == param_dtype
     if masters:
         assert jaxmp.master_params(opt_state)["w"].dtype == F32
+
+
+# -- issue 37 -------------------------------------------------------------------------------------
+
+@pytest.mark.standard_promotion(reason="the user code of the issue: a float32 array times 1j, complex @ float32")
+def test_a_complex_matmul_keeps_its_real_operand_float32():
+    """Item 2: there is no half complex type, so an op with a complex operand runs as traced; at
+    0a46f1b the real ``x`` of ``B @ x`` was read in bf16 (``('complex64', 'bf16')``), off by 2e-3."""
+    def f(w, x):
+        b = w[..., 0] + 1j * w[..., 1]
+        return (b @ x).real.sum()
+
+    w = jax.random.normal(jax.random.key(0), (8, 16, 2))
+    x = jax.random.normal(jax.random.key(1), (16, 4))
+    ac = jaxmp.autocast(f, "O1-bf16")
+    mm = [op for op in op_dtypes(ac, w, x) if op.primitive == "dot_general"]
+    assert mm and all(BF16 not in op.in_dtypes for op in mm), mm
+    np.testing.assert_allclose(ac(w, x), f(w, x), rtol=1e-5)
+
+
+def test_a_preferred_element_type_that_jax_promotion_wrote_is_not_a_choice():
+    """Item 21: ``preferred_element_type`` equal to the promoted operand type (float32 for a bf16
+    weight meeting a float32 scan state, as ``jnp.einsum`` writes it) is JAX's promotion: the op
+    returns the compute dtype. One other than the promoted type (float32 from two half operands,
+    or narrower than the operands) is the program's choice and is kept."""
+    dims = (((1,), (0,)), ((), ()))
+    h, w = jnp.ones((2, 4)), jnp.ones((4, 4), jnp.bfloat16)
+
+    def out_dtypes(fn, *args):
+        return [op.out_dtypes for op in op_dtypes(jaxmp.autocast(fn, "O1-bf16"), *args) if op.primitive == "dot_general"]
+
+    # float32 state x bf16 weight, pet float32 = the promoted type: a half-list op like any other
+    promoted = lambda h, w: jax.lax.dot_general(h, w, dims, preferred_element_type=jnp.float32)
+    assert out_dtypes(promoted, h, w) == [(BF16,)]          # 0a46f1b: float32 (kept as a "choice")
+    # bf16 x bf16 asking for float32: wider than every operand, a choice
+    wider = lambda h, w: jax.lax.dot_general(h.astype(jnp.bfloat16), w, dims, preferred_element_type=jnp.float32)
+    assert out_dtypes(wider, h, w) == [(F32,)]
+    # float32 x float32 asking for bf16: narrower than the promoted type, a choice
+    narrower = lambda h, w: jax.lax.dot_general(h, w.astype(jnp.float32), dims, preferred_element_type=jnp.bfloat16)
+    assert out_dtypes(narrower, h, w) == [(BF16,)]
+    # and the backward pass of the promoted case is all bf16 matmuls, as for a float32 trace
+    grads = op_dtypes(jax.grad(lambda h: jaxmp.autocast(promoted, "O1-bf16")(h, w).sum()), h)
+    mm = [op for op in grads if op.primitive == "dot_general"]
+    assert mm and all(set(op.in_dtypes) == {BF16} for op in mm), mm
+
+
+def test_a_non_array_output_names_the_users_function():
+    """Item 17: 0a46f1b named jaxmp's internal ``flat_fn at jaxmp/engine/api.py:167``."""
+    def my_loss(x):
+        return {"loss": x.sum(), "tag": "hello"}
+
+    with pytest.raises(TypeError, match=r"my_loss \(at .*test_autocast_rules.py:\d+\) returned a str at \['tag'\]"):
+        jaxmp.autocast(my_loss, "O1-bf16")(jnp.ones(3))
+    # every array-like leaf still passes: numbers, bools, numpy arrays, PRNG keys
+    out = jaxmp.autocast(lambda x: (x, 1, 2.0, True, np.zeros(2, np.int32), jax.random.key(0)), "O1-bf16")(jnp.ones(2))
+    assert out[4].dtype == np.int32
+
+
+def _loss(w, x):
+    return jnp.mean((x @ w) ** 2)
+
+
+@pytest.mark.parametrize("how", ["grad", "jit(grad)", "grad(jit)", "closure", "two regions"])
+def test_an_fp16_region_differentiated_without_a_loss_scale_warns(how):
+    """Item 8: ``jax.grad(jaxmp.autocast(loss, "O1-fp16"))`` trains on flushed-to-zero gradients;
+    the differentiation warns when it is traced (once per trace, however many fp16 regions)."""
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    ac = jaxmp.autocast(_loss, "O1-fp16")
+    run = {
+        "grad": lambda: jax.grad(ac)(w, x),
+        "jit(grad)": lambda: jax.jit(jax.grad(ac))(w, x),
+        "grad(jit)": lambda: jax.grad(jax.jit(ac))(w, x),
+        "closure": lambda: jax.grad(lambda w: jaxmp.autocast(lambda x: _loss(w, x), "O1-fp16")(x))(w),
+        "two regions": lambda: jax.jit(jax.grad(lambda w: ac(w, x) + jaxmp.autocast(_loss, "O2-fp16")(w, x)))(w),
+    }[how]
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match=r"float16 .* no loss scale.*jaxmp.loss_scaling\(tx, \"dynamic\"\)") as record:
+        run()
+    assert len([r for r in record if issubclass(r.category, jaxmp.MixedPrecisionWarning)]) == 1
+
+
+def test_no_unscaled_fp16_warning_for_bf16_forward_only_or_the_loss_scaled_path():
+    import warnings
+
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    state = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic").init(w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmp.MixedPrecisionWarning)
+        jax.grad(jaxmp.autocast(_loss, "O1-bf16"))(w, x)
+        jax.jit(jaxmp.autocast(_loss, "O1-fp16"))(w, x)
+        jaxmp.value_and_grad(jaxmp.autocast(_loss, "O1-fp16"), state)(w, x)
+        jax.jit(lambda w, s: jaxmp.value_and_grad(jaxmp.autocast(_loss, "O1-fp16"), s)(w, x))(w, state)
+
+
+# -- the limits torch.autocast shares (docs/autocast.md), each fixed by a float32 region ------------
+
+def _matmul(a, b):
+    return a @ b
+
+
+def test_a_large_float32_value_fed_to_a_matmul_is_kept_finite_by_a_float32_region():
+    x, w = jnp.full((2, 4), 20.0), jnp.full((4, 3), 1e-4)
+    ref = jnp.exp(x) @ w                                                      # 194066
+    plain = jaxmp.autocast(lambda x, w: jnp.exp(x) @ w, "O1-fp16")(x, w)
+    fixed = jaxmp.autocast(lambda x, w: jaxmp.float32_region(_matmul)(jnp.exp(x), w), "O1-fp16")(x, w)
+    assert not np.any(np.isfinite(plain))                                     # exp(20) is inf in fp16
+    np.testing.assert_allclose(fixed, ref, rtol=1e-6)
+
+
+def test_a_sum_written_as_a_dot_is_kept_finite_by_a_float32_region():
+    x = jnp.ones(100_000)
+    plain = jaxmp.autocast(lambda x: jnp.dot(x, jnp.ones(x.shape[-1])), "O1-fp16")(x)
+    fixed = jaxmp.autocast(lambda x: jaxmp.float32_region(jnp.dot)(x, jnp.ones(x.shape[-1])), "O1-fp16")(x)
+    written_as_sum = jaxmp.autocast(jnp.sum, "O1-fp16")(x)
+    assert not np.isfinite(plain)
+    assert float(fixed) == float(written_as_sum) == 100_000.0
+    # the same for an explicit preferred_element_type=float32 on float32 operands, which the
+    # float32 trace cannot show: the region keeps it
+    pet = lambda x: jnp.dot(x, jnp.ones(x.shape[-1]), preferred_element_type=jnp.float32)
+    assert not np.isfinite(jaxmp.autocast(pet, "O1-fp16")(x))
+    assert float(jaxmp.autocast(jaxmp.float32_region(pet), "O1-fp16")(x)) == 100_000.0
+
+
+@pytest.mark.parametrize("preset", ["O1-bf16", "O1-fp16"])
+def test_cholesky_of_a_gram_matrix_computed_in_a_float32_region_is_not_nan(preset):
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(64, 1))
+    x = jnp.asarray(np.hstack([a + 0.01 * rng.normal(size=(64, 1)) for _ in range(4)]), jnp.float32)
+    ref = jnp.linalg.cholesky(x.T @ x)
+    plain = jaxmp.autocast(lambda x: jnp.linalg.cholesky(x.T @ x), preset)(x)
+    fixed = jaxmp.autocast(lambda x: jnp.linalg.cholesky(jaxmp.float32_region(_matmul)(x.T, x)), preset)(x)
+    assert np.all(np.isfinite(ref)) and not np.all(np.isfinite(plain))       # the half Gram matrix is indefinite
+    # float32's own answer up to summation order, which this ill-conditioned matrix amplifies (~1e-4)
+    np.testing.assert_allclose(fixed, ref, atol=1e-3)

@@ -220,3 +220,14 @@ def test_a_damaged_dynamic_scale_recovers_on_the_next_adjust(damaged, want):
         assert float(ls.adjust(jnp.array(finite)).loss_scale) == want
     torch = dataclasses.replace(jaxmp.DynamicLossScale.torch_parity(), loss_scale=jnp.array(math.inf, jnp.float32))
     assert float(torch.adjust(jnp.array(False)).loss_scale) == 2.0**127
+
+
+@pytest.mark.parametrize("value", [2**200, 2.0**200, -(2**200)])
+def test_a_python_int_too_big_for_float32_is_out_of_range_like_the_float(value):
+    """Issue 37 item 18: ``StaticLossScale(2**200)`` said "got object array of shape ()"."""
+    for make in (jaxmp.StaticLossScale, jaxmp.DynamicLossScale):
+        with pytest.raises(ValueError, match=r"loss_scale must be a positive finite number that float32 holds"):
+            make(value)
+    with pytest.raises(ValueError, match=r"loss_scale is out of range: got an integer of 1330 bits"):
+        jaxmp.StaticLossScale(2**1329)
+    assert float(jaxmp.StaticLossScale(2**15).loss_scale) == 32768.0

@@ -334,6 +334,8 @@ def test_argument_validation():
     tx = jaxmp.loss_scaling(optax.sgd(0.1))
     with pytest.raises(TypeError, match=r"grad_reduce_dtype"):
         jaxmp.parallel.make_pmap_train_step(lambda p, b: 0.0, tx, grad_reduce_dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"grad_reduce_dtype=float8_e4m3fn cannot hold gradients"):
+        jaxmp.parallel.make_pmap_train_step(lambda p, b: 0.0, tx, grad_reduce_dtype=jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"check_replicas"):
         jaxmp.parallel.make_pmap_train_step(lambda p, b: 0.0, tx, check_replicas="sometimes")
     with pytest.raises(ValueError, match=r"axis_name must name"):

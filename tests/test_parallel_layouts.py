@@ -266,7 +266,12 @@ def test_memory_table_of_a_50m_parameter_model_compile_only(tmp_path):
 @pytest.mark.parametrize("kwargs,exc,pattern", [
     (dict(layout="zero3"), ValueError, r"unknown layout 'zero3'.*'replicated', 'zero', 'fsdp'"),
     (dict(layout="zero", data_axis="batch"), ValueError, r"data_axis 'batch' is not an axis of the mesh"),
-    (dict(reduce_dtype="int8"), (TypeError, ValueError), r"grad_reduce_dtype"),
+    (dict(reduce_dtype="int8"), (TypeError, ValueError), r"reduce_dtype must be a floating dtype"),
+    (dict(reduce_dtype=jnp.int32), TypeError, r"reduce_dtype must be a floating dtype"),
+    (dict(reduce_dtype=bool), TypeError, r"reduce_dtype must be a floating dtype"),
+    # issue 37 item 6: fp8 was accepted and some updates took the wrong sign
+    (dict(reduce_dtype=jnp.float8_e4m3fn), ValueError, r"reduce_dtype=float8_e4m3fn cannot hold gradients.*float32"),
+    (dict(reduce_dtype=jnp.float8_e5m2), ValueError, r"reduce_dtype=float8_e5m2 cannot hold gradients"),
     (dict(min_shard_size=-1), ValueError, r"min_shard_size must be an int >= 0"),
 ])
 def test_bad_step_arguments(kwargs, exc, pattern):

@@ -197,3 +197,11 @@ class _FakeDevice:
                                                   ("gpu", "7.5", F16), ("cpu", None, F16)])
 def test_preset_half_follows_the_hardware(platform, cc, expected):
     assert jaxmp.presets.preset_half_dtype(_FakeDevice(platform, cc)) == expected
+
+
+@pytest.mark.parametrize("dtypes", [(None, None, None), (jnp.float32, None, jnp.float32)])
+def test_a_missing_dtype_is_refused_not_read_as_float64(dtypes):
+    """Issue 37 item 4: ``Policy(None, None, None)`` was ``Policy(float64, float64, float64)``
+    (``np.dtype(None)`` is float64)."""
+    with pytest.raises(TypeError, match=r"_dtype must be a floating dtype .*got None: pass one"):
+        jaxmp.Policy(*dtypes)

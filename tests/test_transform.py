@@ -486,3 +486,23 @@ def test_an_inner_state_holding_a_prng_key_steps_and_skips(skip_with):
     keys = [x for x in jax.tree_util.tree_leaves(skipped.inner_state) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
     old = [x for x in jax.tree_util.tree_leaves(state.inner_state) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
     assert keys and all(np.array_equal(jax.random.key_data(a), jax.random.key_data(b)) for a, b in zip(keys, old))
+
+
+@pytest.mark.parametrize("master_dtype", [jnp.float16, "bf16", jnp.bfloat16])
+def test_a_half_master_copy_is_refused(master_dtype):
+    """Issue 37 item 5: a half master never moves under small updates (sgd(1e-4) on weights near 1:
+    every update is below half an ulp), so the master copy would protect nothing."""
+    with pytest.raises(ValueError, match=r"master_dtype=(float16|bfloat16): a master copy in half precision drops "
+                                         r"every update .*master_dtype=jnp.float32"):
+        jaxmp.loss_scaling(optax.sgd(1e-4), master_weights=True, master_dtype=master_dtype)
+    with pytest.raises(ValueError, match=r"master copy in half precision"):
+        jaxmp.master_weights(optax.sgd(1e-4), master_dtype=master_dtype)
+    # what the refusal prevents: the bf16 master's params never move, the float32 master's do
+    params = {"w": jnp.ones(4, jnp.bfloat16)}
+    tx = jaxmp.loss_scaling(optax.sgd(1e-4), "none", master_weights=True)
+    state = tx.init(params)
+    for _ in range(100):
+        updates, state = tx.update({"w": jnp.ones(4, jnp.bfloat16)}, state, params)
+        params = jaxmp.apply_updates(params, updates, state)
+    np.testing.assert_allclose(jaxmp.master_params(state)["w"], 1.0 - 100 * 1e-4, rtol=1e-5)
+    assert float(params["w"][0]) < 1.0

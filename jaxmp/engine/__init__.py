@@ -3,7 +3,8 @@
 Layers (imports flow downwards, no cycle; tests/test_architecture.py checks it): ``entry``
 (the public ``autocast`` and ``engine_function``, which start the canary) -> ``contract`` (the
 contract as checks, the canary) -> ``api`` (tracing and caching an engine function) ->
-``interpreter`` -> ``control_flow`` (the engine) -> ``values``; ``regions``, ``modules``,
+``interpreter`` -> ``control_flow`` (the engine) -> ``values``; ``unscaled`` (the warning for a
+float16 program differentiated with no loss scale, used by ``api``) -> ``values``; ``regions``, ``modules``,
 ``attention`` (marking regions while tracing) -> ``config`` (policy -> settings, tracing
 context) -> ``rules`` (the op lists as data).
 """

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from jaxmp.engine import config as _config
-from jaxmp.engine import internals
+from jaxmp.engine import internals, unscaled
 from jaxmp.engine.attention import route_attention
 from jaxmp.engine.interpreter import Interpreter, repeated_ops
 from jaxmp.engine.values import Val, dtype_of, is_float, saturate
@@ -73,6 +73,7 @@ class _Program:
     config: _config.AutocastConfig
     has_tracer_consts: bool
     cast_outputs: bool = True
+    label: str = "an autocast function"  # names the function in warnings
 
     def __post_init__(self):
         self.jitted = jax.jit(self.call)
@@ -93,7 +94,16 @@ class _Program:
 
     def run(self, *xs):
         interp = Interpreter(self.config, explain=_EXPLAIN.value, repeated=self.repeated)
-        outs = interp.run(self.closed.jaxpr, self.closed.consts, [_argument(x) for x in xs])
+        consts = self.closed.consts
+        if self.config.compute_dtype == np.float16:
+            # Differentiating a float16 program outside jaxmp.value_and_grad warns (no loss scale):
+            # through its arguments, or through closed-over values of an outer trace (params).
+            outer = [i for i, c in enumerate(consts) if internals.is_tracer(c)]
+            watched = unscaled.watch([*xs, *(consts[i] for i in outer)], self.label)
+            xs, consts = watched[:len(xs)], list(consts)
+            for i, c in zip(outer, watched[len(xs):]):
+                consts[i] = c
+        outs = interp.run(self.closed.jaxpr, consts, [_argument(x) for x in xs])
         return [o.x for o in outs]
 
     def call(self, *xs):
@@ -156,6 +166,35 @@ def _cast_input(x, dtype):
     return cast_floating(x, dtype)
 
 
+def _check_outputs(fn: Callable, out: Any) -> None:
+    """Every output leaf is an array or a number; else a TypeError naming the user's function
+    (JAX's own message would name the engine's internal wrapper)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if internals.is_tracer(leaf) or isinstance(leaf, (jax.Array, bool, int, float, complex)) or _array_like(leaf):
+            continue
+        where = jax.tree_util.keystr(path) or "the output"
+        name = _name(fn)
+        code = getattr(fn, "__code__", None)
+        at = f" (at {code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        raise TypeError(
+            f"jaxmp.autocast: {name}{at} returned a {type(leaf).__name__} at {where}, which is not an array or a "
+            "number: return only arrays and numbers from the function autocast wraps, and add other values "
+            "(strings, objects) in a wrapper around the autocast call")
+
+
+def _name(fn: Callable) -> str:
+    """The user's function as messages name it."""
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _array_like(leaf: Any) -> bool:
+    """A numpy array or scalar of a dtype JAX holds (numbers, bool, bfloat16, fp8, float0), not text or objects."""
+    if not isinstance(leaf, (np.ndarray, np.generic)):
+        return False
+    dt = leaf.dtype
+    return bool(jax.numpy.issubdtype(dt, jax.numpy.number) or dt == np.bool_ or dt == jax.dtypes.float0)
+
+
 def _signature(leaves, dynamic):
     # A dynamic leaf is keyed by its whole abstract value, as jit keys its cache: shape, dtype
     # and weak type, and also its sharding and the shard_map axes it varies over. A program
@@ -184,6 +223,7 @@ class _Autocast:
             args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
             out = self.fn(*args, **kwargs)
             flat, tree = jax.tree_util.tree_flatten(out)
+            _check_outputs(self.fn, out)
             out_tree.append(tree)
             return flat
 
@@ -192,7 +232,8 @@ class _Autocast:
                 apply_module_rules(self.config.modules, intercept=not self.config.front_door):
             closed = jax.make_jaxpr(flat_fn)(*dyn_vals)
         tracer_consts = any(internals.is_tracer(c) for c in closed.consts)
-        return _Program(closed, out_tree[0], self.config, tracer_consts, self.cast_outputs)
+        label = f"{_name(self.fn)} under {self.config.name!r}"
+        return _Program(closed, out_tree[0], self.config, tracer_consts, self.cast_outputs, label)
 
     def _program(self, leaves, dynamic, treedef) -> _Program:
         if not self.cache:

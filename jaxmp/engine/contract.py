@@ -22,6 +22,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jaxmp.engine import internals, tested
+from jaxmp.traps import MixedPrecisionWarning
 
 _F32, _BF16 = np.dtype("float32"), np.dtype(jnp.bfloat16)
 
@@ -176,6 +177,18 @@ ORDERS = ("T(autocast(f))", "autocast(T(f))")
 OP_CLASSES = ("half list", "float32 list", "region", "scope rule", "accumulator", "float32 gradients")
 
 
+def _unwarned(fn: Callable) -> Callable:
+    """The checks differentiate float16 programs with no loss scale on purpose: no warning for that."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", MixedPrecisionWarning)
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_unwarned
 def check_cell(op_class: str, transform: str, order: str, policy: str = "O1-bf16") -> Check:
     """Whether one cell of the composition table holds.
 

@@ -366,6 +366,21 @@ def transformed(xs) -> bool:
     return any(isinstance(x, jax.core.Tracer) and not isinstance(x, pe.DynamicJaxprTracer) for x in xs)
 
 
+def trace_of(xs) -> Any:
+    """The trace the first tracer among ``xs`` belongs to (a weak-referenceable key), or None.
+
+    Args:
+      xs: values (arrays, tracers).
+
+    Returns:
+      The JAX trace object, or None when no value is a tracer (eager values).
+    """
+    for x in xs:
+        if isinstance(x, jax.core.Tracer):
+            return getattr(x, "_trace", None)
+    return None
+
+
 def typeof(x: Any) -> Any:
     """The abstract value (shape, dtype, weak type) of an array or tracer."""
     return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)

@@ -42,7 +42,7 @@ from jaxmp import fp8
 from jaxmp.engine import control_flow, internals
 from jaxmp.engine.config import AutocastConfig
 from jaxmp.engine.rules import COLLECTIVE_OPS, COMBINER_OPS, FLOAT32_OPS, FOLLOW_OPS, HALF_OPS, MARKER, PASSTHROUGH_OPS
-from jaxmp.engine.values import F32, Val, dtype_of, is_float, lost_in, np_dtype, saturate, widest
+from jaxmp.engine.values import F32, Val, dtype_of, is_complex, is_float, lost_in, np_dtype, saturate, widest
 
 
 class Interpreter:
@@ -110,7 +110,7 @@ class Interpreter:
 
     def _run(self, jaxpr, consts, args, prefix) -> list[Val]:
         env: dict[Any, Val] = {}
-        casts: dict[tuple[Any, np.dtype], Any] = {}
+        casts: dict[tuple[int, np.dtype, bool], tuple[Any, Any]] = {}
         # Pure half (no float32 list, O3) keeps every op in half: its constants saturate instead.
         mixed = self.config.compute_dtype.itemsize < 4 and bool(self.rules.float32_ops)
         half = self.config.compute_dtype if mixed else None
@@ -132,11 +132,13 @@ class Interpreter:
             narrowing = val.const and is_float(dtype) and dtype.itemsize < dtype_of(val.x).itemsize
             if isinstance(atom, jcore.Literal):
                 return saturate(atom.val, dtype) if narrowing else np.asarray(atom.val, dtype)
-            key = (atom, dtype)
-            if key not in casts:  # a value is cast to a given dtype at most once per trace
-                casts[key] = saturate(val.x, dtype) if narrowing else (
-                    internals.staged_cast(dtype)(val.x) if self._stage_now else jax.lax.convert_element_type(val.x, dtype))
-            return casts[key]
+            # A value is cast to a given dtype at most once per trace, also when two variables
+            # hold it (merged duplicate equations): keyed by the array, which the entry keeps alive.
+            key = (id(val.x), dtype, narrowing)
+            if key not in casts:
+                casts[key] = (val.x, saturate(val.x, dtype) if narrowing else (
+                    internals.staged_cast(dtype)(val.x) if self._stage_now else jax.lax.convert_element_type(val.x, dtype)))
+            return casts[key][1]
 
         seen: dict[tuple, list[Val]] = {}
         demand, self._demand = self._demand, (
@@ -220,7 +222,7 @@ class Interpreter:
             strong = any(vals[i].strong for i in floats)
             return [Val(o, strong and is_float(dtype_of(o)) and dtype_of(o).itemsize >= 4)
                     for o in self.bind(eqn, args, rule="as traced", staged=False)]
-        if region == "keep" or opaque or name in COMBINER_OPS or not self._known(name):
+        if region == "keep" or opaque or name in COMBINER_OPS or not self._known(name) or _complex(eqn):
             args = [cast(a, v, traced[i]) if i in floats and is_float(traced[i]) else v.x
                     for i, (a, v) in enumerate(zip(eqn.invars, vals))]
             return [Val(o) for o in self.bind(eqn, args, rule="as traced", staged=False)]
@@ -228,7 +230,7 @@ class Interpreter:
             return self._run_in(eqn, vals, floats, np.dtype(region), cast, "region " + np.dtype(region).name)
         if name in self.rules.half_ops:
             return self._half(eqn, vals, floats, traced, cast)
-        if name in self.rules.float32_ops or (name == "mul" and _squares(eqn, self.rules)):
+        if name in self.rules.float32_ops or (name == "mul" and _squares(eqn, vals, self.rules)):
             target = widest([F32] + [dtype_of(vals[i].x) for i in floats])
             return self._run_in(eqn, vals, floats, target, cast, "float32 list")
         return self._follow(eqn, vals, floats, cast)
@@ -258,10 +260,7 @@ class Interpreter:
         args = [cast(a, v, op_dtype) if i in floats else v.x for i, (a, v) in enumerate(zip(eqn.invars, vals))]
         params = eqn.params
         if "preferred_element_type" in params:
-            pet = params["preferred_element_type"]
-            # A preferred type other than the traced operands' is the user's choice: kept.
-            explicit = pet is not None and any(traced[i] != np.dtype(pet) for i in floats)
-            if not explicit:
+            if not _chosen(params["preferred_element_type"], [traced[i] for i in floats]):
                 out = F32 if self.rules.matmul_output == "float32" else op_dtype
                 params = {**params, "preferred_element_type": out}
         recipe = self.rules.fp8_matmuls
@@ -416,7 +415,39 @@ def _all_const(vals: Sequence[Val]) -> bool:
     return all(v.const for v in (floats or vals))
 
 
-def _squares(eqn, rules) -> bool:
-    """``x * x`` is ``x ** 2`` (norms, RMSNorm, variances): on the float32 list with ``integer_pow``."""
+def _squares(eqn, vals: Sequence[Val], rules) -> bool:
+    """``x * x`` is ``x ** 2`` (norms, RMSNorm, variances): on the float32 list with ``integer_pow``.
+
+    The operands are compared as values, not only as variables: ``(x @ w) * (x @ w)`` traces two
+    matmuls, which the engine merges into one (:func:`_repeat_key`), so the ``mul`` then reads
+    the same value twice and is a square as much as ``h * h`` is.
+    """
     a, b = eqn.invars
-    return (not isinstance(a, jcore.Literal)) and a is b and "integer_pow" in rules.float32_ops
+    if isinstance(a, jcore.Literal) or isinstance(b, jcore.Literal) or "integer_pow" not in rules.float32_ops:
+        return False
+    return a is b or vals[0].x is vals[1].x
+
+
+def _complex(eqn) -> bool:
+    """Whether an operand or result of ``eqn`` is complex: such an op runs as traced.
+
+    There is no half complex type, so a complex matmul or product runs in complex64 whatever
+    autocast does with its real operands: rounding a real float32 operand to half first would
+    cost accuracy and save nothing (``(w_re + 1j * w_im) @ x`` would read ``x`` in bf16).
+    """
+    return any(is_complex(getattr(v.aval, "dtype", None)) for v in (*eqn.invars, *eqn.outvars))
+
+
+def _chosen(pet: Any, operands: Sequence[Any]) -> bool:
+    """Whether a matmul's traced ``preferred_element_type`` is a choice of the program, kept.
+
+    ``jnp.matmul``/``einsum``/``dot`` always fill it in with the promoted type of their
+    operands, so a ``pet`` equal to that type (float32 for bf16 x float32, a float32 scan state
+    meeting a half weight) is JAX's promotion, not a choice, and the op returns the compute
+    dtype like any half-list op. A ``pet`` other than the promoted type is a choice: float32
+    from two half operands (``jax.nn.dot_product_attention``'s logits), or a narrower output.
+    """
+    if pet is None or not is_float(np_dtype(pet)):
+        return False
+    dtypes = [d for d in operands if d is not None and is_float(d)]
+    return bool(dtypes) and np.dtype(pet) != widest(dtypes)  # widest: the promoted float type

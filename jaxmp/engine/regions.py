@@ -137,6 +137,11 @@ def accumulate(total: Any, delta: Any) -> Any:
     Returns:
       ``total + delta``, leaf by leaf, in ``total``'s dtypes.
 
+    Raises:
+      TypeError: a floating (or complex) ``delta`` into an integer or boolean ``total``, or a
+        complex one into a real total: the cast to ``total``'s dtype would drop the fraction
+        (``0.7`` adds 0) or the imaginary part.
+
     Example:
       >>> import jax, jax.numpy as jnp, jaxmp
       >>> def euler(w, y):
@@ -147,7 +152,21 @@ def accumulate(total: Any, delta: Any) -> Any:
       (dtype('float32'), True)
     """
     def add(t, d):
+        _check_accumulable(t, d)
         with jax.named_scope(marker(jax.numpy.dtype(t.dtype).name, "accumulate")):
             return t + jax.numpy.asarray(d).astype(t.dtype)
 
     return jax.tree_util.tree_map(add, total, delta)
+
+
+def _check_accumulable(total: Any, delta: Any) -> None:
+    """Refuses a ``delta`` whose cast to ``total``'s dtype would lose it (see :func:`accumulate`)."""
+    t, d = jax.numpy.result_type(total), jax.numpy.result_type(delta)
+    kind = lambda dt: ("complex" if jax.numpy.issubdtype(dt, jax.numpy.complexfloating) else
+                       "float" if jax.numpy.issubdtype(dt, jax.numpy.floating) else "exact")
+    if (kind(d), kind(t)) in {("float", "exact"), ("complex", "exact"), ("complex", "float")}:
+        raise TypeError(
+            f"jaxmp.accumulate: a {d} delta cannot be added into a total of dtype {t}: the add runs in the total's dtype, "
+            f"which would drop the delta's {'imaginary part' if kind(d) == 'complex' and kind(t) == 'float' else 'fraction'} "
+            f"(0.7 into an integer adds 0); make the total {d} (e.g. jnp.zeros(n, jnp.float32)), or round the delta "
+            "yourself first")

@@ -43,6 +43,19 @@ def _is_float(dtype: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
+def is_complex(dtype: Any) -> bool:
+    """Complex floating (complex64, complex128): ops on these run as traced."""
+    try:
+        return _is_complex(dtype)
+    except TypeError:  # not a dtype (None, an unhashable stand-in)
+        return False
+
+
+@functools.lru_cache(maxsize=256)
+def _is_complex(dtype: Any) -> bool:
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.complexfloating))
+
+
 def dtype_of(x: Any) -> Any:
     """The dtype of an array, tracer or Python scalar (extended dtypes such as PRNG keys as they are)."""
     if hasattr(x, "dtype"):

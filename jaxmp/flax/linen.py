@@ -356,6 +356,7 @@ class MixedPrecision:
                 with promotion, nn.intercept_methods(call.interceptor()):
                     return self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
 
+            run.__qualname__ = f"jaxmp.flax.mixed_precision({type(self.module).__name__})"  # as warnings name it
             run_config = dataclasses.replace(config, cast_inputs="weights") if weights_only else config
             fn = run if (config.identity or not engine) else engine_function(run, run_config, cast_outputs=False,
                                                                               cache=False)

@@ -263,6 +263,7 @@ def _call(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides, args
         # engine traces ``run`` functionally, so the model is updated after it.
         return out, nnx.state(copy, nnx.Not(nnx.Param))
 
+    run.__qualname__ = f"jaxmp.flax.mixed_precision({type(model).__name__})"  # as warnings name it
     config = flax_config(policy, overrides)
     engine = run if config.identity else engine_function(run, config, cast_outputs=False, cache=False)
     out, new_rest = engine(params, rest, args, kwargs)

@@ -105,6 +105,7 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
       ValueError: (when called) params/opt_state/batch without a leading axis of the device
         count, replicas that differ, or an axis name ``tx`` does not know.
       TypeError: a ``grad_reduce_dtype`` that is not a floating dtype.
+      ValueError: an 8-bit ``grad_reduce_dtype`` (fp8), which cannot hold gradients.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxmp

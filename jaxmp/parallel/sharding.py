@@ -264,8 +264,9 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
       opt_state)`` gives the layout's ``(param, opt_state)`` shardings.
 
     Raises:
-      ValueError: unknown layout, a data axis the mesh lacks, a bad ``reduce_dtype``, or (at the
-        call) a batch that does not divide over the data axis.
+      ValueError: unknown layout, a data axis the mesh lacks, a ``reduce_dtype`` that cannot hold
+        gradients (fp8), or (at the call) a batch that does not divide over the data axis.
+      TypeError: a ``reduce_dtype`` that is not a floating dtype (an integer, bool).
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxmp
@@ -286,7 +287,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
         raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     axis = layouts.check_data_axis(mesh, data_axis)
     layout = layouts.check_layout(layout)
-    reduce_dtype = check_reduce_dtype(reduce_dtype)
+    reduce_dtype = check_reduce_dtype(reduce_dtype, "reduce_dtype")
     min_shard_size = layouts._check_min_size(min_shard_size)
     rep = replicated_sharding(mesh)
     data = NamedSharding(mesh, PartitionSpec(axis))

@@ -1,0 +1,64 @@
+"""A warning for float16 regions differentiated with no loss scale.
+
+float16's smallest subnormal is 6e-8: the gradients of a float16 region flush to zero unless the
+loss is multiplied by a loss scale first (often every one of them, with no error). A float16
+autocast program passes its floating inputs through an identity with a custom JVP rule
+(:func:`watch`); JAX runs the rule only when it differentiates the program, whichever way
+(``grad`` outside or inside ``jit``, a ``scan`` body, ``jax.linearize``), and the rule warns
+(:func:`jaxmp.traps.unscaled_fp16_grad`) unless :func:`jaxmp.value_and_grad` is the one
+differentiating. Under ``jit`` the identity costs nothing; it is installed for float16 only.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Sequence
+
+import jax
+
+from jaxmp import traps
+from jaxmp.engine import internals
+from jaxmp.engine.values import dtype_of, is_float
+
+#: The traces a warning was given in, held weakly: a model with many autocast regions warns
+#: once per trace, not once per region.
+_WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def watch(xs: Sequence[Any], where: str) -> list[Any]:
+    """``xs`` unchanged, but differentiating through their floating leaves warns (see the module).
+
+    Args:
+      xs: a program's inputs (arrays or tracers).
+      where: the program, for the warning (e.g. ``"loss under 'O1-fp16'"``).
+
+    Returns:
+      ``xs`` as a list, the floating ones passed through the watching identity.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp.engine.unscaled import watch
+      >>> watch([jnp.ones(2), 3], "f")[1]
+      3
+    """
+    xs = list(xs)
+    floating = [i for i, x in enumerate(xs) if is_float(dtype_of(x))]
+    if floating:
+        for i, y in zip(floating, _identity(where, *[xs[i] for i in floating])):
+            xs[i] = y
+    return xs
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _identity(where, *xs):
+    return xs
+
+
+@_identity.defjvp
+def _identity_jvp(where, primals, tangents):
+    trace = internals.trace_of(primals)
+    if trace is None or trace not in _WARNED:
+        if traps.unscaled_fp16_grad(where) and trace is not None:
+            _WARNED.add(trace)
+    return primals, tangents
