@@ -359,7 +359,7 @@ def run(args) -> dict:
     models = common.parse_choices(args.models, list(MODELS), "model")
     variants = common.parse_choices(args.variants, list(VARIANTS), "variant")
     env = common.jax_env()
-    native, why = fp8.native_fp8(jax.devices()[0])
+    native, why = fp8.hardware.native_fp8(jax.devices()[0])
     common.log(f"fp8: {env['device']}: {why}", args.quiet)
     results = {m: measure_model(m, sizes, variants, timing, args.quiet) for m in models}
     config = {"sizes": {m: sizes[m] for m in models}, "timing": timing, "variants": variants,

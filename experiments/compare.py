@@ -21,6 +21,7 @@ On backends that report allocator statistics (GPU, TPU) every run gets its own p
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -128,26 +129,50 @@ def _compare_locked(config, workdir, policies, num_seeds, isolated, plots, repor
 
     t0 = time.perf_counter()
     runs, demo, reused = [], None, []
-    with Progress(len(jobs) + bool(scale_demo), "comparison (runs)", enabled=config.progress_bar,
+    n_runs = len(jobs) + bool(scale_demo)  # one count for both progress lines: the demo is a run too
+    with Progress(n_runs, "comparison (runs)", enabled=config.progress_bar,
                   interval_s=0) as bar:
         for i, (policy, seed) in enumerate(jobs):
             r = _train(config, os.path.join(workdir, "runs", f"{policy}_seed{seed}"), policy, seed,
-                       f"[{i + 1}/{len(jobs)}] {policy} seed {seed}", report, isolated)
+                       f"[{i + 1}/{n_runs}] {policy} seed {seed}", report, isolated)
             reused.append(r.pop("reused", False))  # the results describe the run, not this command
             print(train.summary_line(r), flush=True)
             runs.append(r)
             bar.update(1, last=f"{policy} seed {seed}")
         if scale_demo:
+            print(demo_sentence(), flush=True)
             demo = _train(demo_config(config), os.path.join(workdir, "runs", "scale_demo_O2-fp16"), DEMO["policy"],
-                          seeds[0], "loss-scale demo", False, isolated)
+                          seeds[0], f"[{n_runs}/{n_runs}] loss-scale demo", False, isolated)
             reused.append(demo.pop("reused", False))
             print("loss-scale demo: " + train.summary_line(demo), flush=True)
             bar.update(1, last="loss-scale demo")
-    total = time.perf_counter() - t0
+    elapsed = total = time.perf_counter() - t0
     if all(reused):  # nothing trained: the tables keep the time the runs took
         total = _previous_total(workdir, total)
-    return _write_outputs(config, workdir, runs, demo, dict(policies=policies, seeds=seeds, total_time_s=total,
-                                                           isolated=isolated, config_name=config_name), plots)
+    out = _write_outputs(config, workdir, runs, demo, dict(policies=policies, seeds=seeds, total_time_s=total,
+                                                          isolated=isolated, config_name=config_name), plots)
+    print(total_line(total, elapsed, sum(reused), len(reused)) + " Wrote "
+          f"{', '.join(sorted(v if isinstance(v, str) else ', '.join(v) for v in out['paths'].values()))}. "
+          f"Metrics: tensorboard --logdir={os.path.join(workdir, 'runs')}", flush=True)
+    return out
+
+
+def demo_sentence() -> str:
+    """What the loss-scale demo run is, printed before it (it is not a row of the table)."""
+    return (f"loss-scale demo (not in the table): {DEMO['policy']} for {DEMO['num_train_steps']} steps with the "
+            f"dynamic loss scale started far too high (2**{int(math.log2(DEMO['dynamic_scale_init']))}) and doubled "
+            f"every {DEMO['dynamic_scale_period']} finite steps, so it overflows, backs off and grows again; "
+            "loss_scale.png plots it.")
+
+
+def total_line(total: float, elapsed: float, n_reused: int, n_runs: int) -> str:
+    """The closing line's time: this command's, and the training time when runs were read back."""
+    if n_reused == n_runs:
+        return (f"\nTotal {total:.1f} s when the runs were trained; this command read all {n_runs} back "
+                f"in {elapsed:.1f} s.")
+    if n_reused:
+        return f"\nTotal {elapsed:.1f} s ({n_reused} of {n_runs} runs read back from an earlier command)."
+    return f"\nTotal {elapsed:.1f} s."
 
 
 def _previous_total(workdir: str, default: float) -> float:
@@ -174,9 +199,6 @@ def _write_outputs(config, workdir: str, runs: list, demo, info: dict, plots: bo
         paths["plots"] = results_lib.write_plots(runs, rows, workdir, title, demo=demo)
     print()
     print(results_lib.format_table(rows, title))
-    print(f"\nTotal {info['total_time_s']:.1f} s. Wrote "
-          f"{', '.join(sorted(v if isinstance(v, str) else ', '.join(v) for v in paths.values()))}. "
-          f"Metrics: tensorboard --logdir={os.path.join(workdir, 'runs')}")
     return {"rows": rows, "runs": runs, "demo": demo, "paths": paths}
 
 

@@ -13,15 +13,11 @@ param remainders) and ``diagnostics``.
 
 import importlib as _importlib
 
+from jaxmp import _deprecations
 from jaxmp import fp8
 from jaxmp import lean
 from jaxmp import parallel
-from jaxmp.diagnostics import GradientStats
-from jaxmp.diagnostics import GroupStats
-from jaxmp.diagnostics import MatmulOp
-from jaxmp.diagnostics import PipelineOverhead
 from jaxmp.diagnostics import PrecisionReport
-from jaxmp.diagnostics import RiskyOp
 from jaxmp.diagnostics import gradient_stats
 from jaxmp.diagnostics import input_pipeline_overhead
 from jaxmp.diagnostics import precision_report
@@ -29,128 +25,103 @@ from jaxmp.dtypes import cast_floating
 from jaxmp.dtypes import cast_to_full
 from jaxmp.dtypes import cast_to_half
 from jaxmp.dtypes import half_dtype
-from jaxmp.dtypes import parse_dtype
 from jaxmp.grad import value_and_grad
 from jaxmp.loss_scale import DynamicLossScale
 from jaxmp.loss_scale import LossScale
 from jaxmp.loss_scale import NoOpLossScale
 from jaxmp.loss_scale import StaticLossScale
 from jaxmp.loss_scale import make_loss_scale
-from jaxmp.platform import Recommendation
 from jaxmp.platform import recommended_policy
 from jaxmp.policy import Policy
-from jaxmp.presets import FP32_CATEGORIES
 from jaxmp.presets import Recipe
 from jaxmp.presets import as_policy
 from jaxmp.presets import get_policy
 from jaxmp.presets import get_recipe
-from jaxmp.presets import resolve_policy
 from jaxmp.skip import all_finite
-from jaxmp.skip import keep_if_finite
 from jaxmp.skip import select_tree
 from jaxmp.opt_state import TrainingDivergedError
 from jaxmp.opt_state import apply_updates
 from jaxmp.opt_state import check_health
-from jaxmp.opt_state import find_loss_scaling_state
-from jaxmp.opt_state import first_non_finite
 from jaxmp.opt_state import get_loss_scale
 from jaxmp.opt_state import last_step_finite
 from jaxmp.opt_state import master_params
 from jaxmp.opt_state import scaling_stats
 from jaxmp.opt_state import skipped_steps
 from jaxmp.transform import LossScalingState
-from jaxmp.transform import MasterWeightsState
 from jaxmp.transform import loss_scaling
-from jaxmp.transform import master_weights
-from jaxmp.transform import unscale_and_skip
 from jaxmp.traps import MixedPrecisionWarning
 
-from jaxmp.engine import AutocastRules
-from jaxmp.engine import autocast
-from jaxmp.engine import accumulate
-from jaxmp.engine import float32_region
-from jaxmp.engine import half_inputs
-from jaxmp.engine import region as autocast_region
+from jaxmp.engine.regions import accumulate
+from jaxmp.engine.entry import autocast
+from jaxmp.engine.rules import AutocastRules
+from jaxmp.engine.regions import float32_region
+from jaxmp.engine.regions import half_inputs
+from jaxmp.engine.regions import region as autocast_region
 
 __version__ = "0.1.0"
 
-# Imported on first use (see __getattr__ below): flax.nnx pulls in IPython and costs ~2 s.
-_LAZY_FLAX = ("PrecisionOverrides", "TrainState", "mixed_precision")
-
+# What the guides use, plus the types users catch, annotate or isinstance; nothing else (the
+# budget is checked by tests/test_api_surface.py; names that left are in jaxmp/_deprecations.py).
 __all__ = [
-    # policies
-    "FP32_CATEGORIES",
+    # policies (jmp's names first: jaxmp keeps jmp's API)
     "Policy",
-    "Recipe",
-    "Recommendation",
-    "as_policy",
-    "cast_floating",
+    "get_policy",
+    "half_dtype",
     "cast_to_full",
     "cast_to_half",
-    "get_policy",
+    "as_policy",
+    "cast_floating",
+    "Recipe",
     "get_recipe",
-    "half_dtype",
-    "parse_dtype",
     "recommended_policy",
-    "resolve_policy",
-    # loss scales and the optax transforms
-    "DynamicLossScale",
+    # loss scales (jmp's) and the optax transform
     "LossScale",
-    "LossScalingState",
-    "MasterWeightsState",
-    "MixedPrecisionWarning",
     "NoOpLossScale",
     "StaticLossScale",
-    "TrainingDivergedError",
+    "DynamicLossScale",
     "all_finite",
-    "apply_updates",
-    "check_health",
-    "find_loss_scaling_state",
-    "first_non_finite",
-    "get_loss_scale",
-    "last_step_finite",
-    "loss_scaling",
-    "keep_if_finite",
-    "make_loss_scale",
-    "master_params",
-    "master_weights",
-    "scaling_stats",
     "select_tree",
-    "skipped_steps",
-    "unscale_and_skip",
+    "make_loss_scale",
+    "loss_scaling",
     "value_and_grad",
+    "apply_updates",
+    "LossScalingState",
+    # reading the optimizer state
+    "get_loss_scale",
+    "scaling_stats",
+    "master_params",
+    "skipped_steps",
+    "last_step_finite",
+    "check_health",
+    "TrainingDivergedError",
+    "MixedPrecisionWarning",
     # op-level autocast (the precision engine)
-    "AutocastRules",
     "autocast",
+    "AutocastRules",
+    "float32_region",
     "accumulate",
     "autocast_region",
-    "float32_region",
     "half_inputs",
     # diagnostics
-    "GradientStats",
-    "GroupStats",
-    "MatmulOp",
-    "PipelineOverhead",
+    "precision_report",
     "PrecisionReport",
-    "RiskyOp",
     "gradient_stats",
     "input_pipeline_overhead",
-    "precision_report",
-    # subpackages and lazily imported Flax names
+    # subpackages (jaxmp.flax is imported on first use: flax.nnx pulls in IPython, ~2 s)
     "flax",
     "fp8",
     "lean",
     "parallel",
-    *_LAZY_FLAX,
 ]
+
+_moved = _deprecations.module_getattr(__name__)
 
 
 def __getattr__(name):
-    if name == "flax" or name in _LAZY_FLAX:
-        module = _importlib.import_module("jaxmp.flax")
-        return module if name == "flax" else getattr(module, name)
-    raise AttributeError(f"module 'jaxmp' has no attribute {name!r}")
+    if name == "flax":
+        return _importlib.import_module("jaxmp.flax")
+    return _moved(name, stacklevel=3)
 
 
 def __dir__():
-    return sorted(set(__all__) | set(globals()))
+    return sorted(set(__all__) | {n for n in globals() if not n.startswith("_")})

@@ -85,7 +85,7 @@ def parse_dtype(value: str) -> np.dtype:
 
     Example:
       >>> import jaxmp
-      >>> jaxmp.parse_dtype("bf16")
+      >>> jaxmp.dtypes.parse_dtype("bf16")
       dtype(bfloat16)
     """
     if not isinstance(value, str):

@@ -34,6 +34,7 @@ draws the same bits, and a run resumed from a checkpoint is bit-exact.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -42,6 +43,8 @@ import numpy as np
 import optax
 
 from jaxmp.dtypes import is_floating_array
+from jaxmp.presets import did_you_mean
+from jaxmp.traps import MixedPrecisionWarning
 from jaxmp.transform import check_inner, check_same_structure, find_states
 from jaxmp.transform import master_weights as _master_weights
 
@@ -88,6 +91,9 @@ class Bf16ParamsState(NamedTuple):
       count: int32 [], updates applied so far (folded into ``key`` for each update's bits).
     """
 
+    #: Read by jaxmp's init check: these params learn without a float32 master copy.
+    keeps_half_params_exact = True
+
     inner_state: Any
     key: jax.Array
     count: jax.Array
@@ -102,6 +108,9 @@ class ParamRemaindersState(NamedTuple):
         :func:`split_master`); an int16 scalar placeholder (0) for float32 and non-floating leaves (not an empty array:
         orbax cannot save one).
     """
+
+    #: Read by jaxmp's init check: these params learn without a float32 master copy.
+    keeps_half_params_exact = True
 
     inner_state: Any
     remainders: Any
@@ -580,6 +589,32 @@ PRESETS: dict[str, tuple[int, str]] = {
 """The names :func:`preset` takes: name -> (bytes per parameter with AdamW, params plus optimizer
 state, O(1) scalars aside; what the recipe trades)."""
 
+#: Bytes per parameter with AdamW when the params are float32, not bfloat16 (plain float32 AdamW:
+#: 12): the params cost 4, a float32 master duplicates them, and a remainder is empty. What the
+#: presets save comes from bfloat16 params; tests/test_lean.py measures these figures.
+_FLOAT32_PARAM_BYTES = {"fp32-masters": 16, "remainders": 12, "masters-bf16-moments": 12, "sr-params": 12,
+                        "remainders-bf16-moments": 8, "bf16-sr": 8}
+_PLAIN_FLOAT32_BYTES = 12
+
+
+def _warn_on_float32_params(name: str, tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
+    """``tx`` whose ``init`` warns when no floating param is bfloat16 (the preset then saves little or nothing)."""
+
+    def init_fn(params):
+        dtypes = {jnp.asarray(p).dtype for p in jax.tree_util.tree_leaves(params) if is_floating_array(p)}
+        if dtypes and jnp.dtype(jnp.bfloat16) not in dtypes:
+            spent = _FLOAT32_PARAM_BYTES[name]
+            saved = "saves nothing" if spent >= _PLAIN_FLOAT32_BYTES else "saves only its bfloat16 moments"
+            warnings.warn(
+                f"jaxmp.lean.preset({name!r}) got no bfloat16 params ({', '.join(sorted(map(str, dtypes)))} only): "
+                f"its {PRESETS[name][0]} bytes per parameter assume bfloat16 params; on these it spends {spent} "
+                f"(plain float32 AdamW: {_PLAIN_FLOAT32_BYTES}), so it {saved}. Store the params in bfloat16 first: "
+                "jaxmp.cast_floating(params, jnp.bfloat16), or a Flax model under an O2-bf16 policy.",
+                MixedPrecisionWarning, stacklevel=3)
+        return tx.init(params)
+
+    return optax.GradientTransformationExtraArgs(init_fn, tx.update)
+
 
 def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
            accumulate_steps: int = 1) -> optax.GradientTransformationExtraArgs:
@@ -609,8 +644,13 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
       An optax transformation; wrap it: ``jaxmp.loss_scaling(preset(...), "none")``.
 
     Raises:
-      ValueError: unknown name, or ``accumulate_steps`` < 1.
+      ValueError: unknown name (with the closest names), or ``accumulate_steps`` < 1.
       TypeError: a stochastic preset without a key.
+
+    Warns:
+      MixedPrecisionWarning: at ``init``, when no floating param is bfloat16: the bytes per
+        parameter of :data:`PRESETS` assume bfloat16 params, and on float32 params the presets
+        save nothing (or only their bfloat16 moments).
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
@@ -621,7 +661,8 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
       6
     """
     if name not in PRESETS:
-        raise ValueError(f"Unknown lean preset {name!r}; the presets are {', '.join(PRESETS)}")
+        raise ValueError(f"Unknown lean preset {name!r}{did_you_mean(name, PRESETS)}; the presets are "
+                         f"{', '.join(PRESETS)}")
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, (int, np.integer)) \
             or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
@@ -633,7 +674,9 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
     if accumulate_steps > 1:
         inner = optax.MultiSteps(inner, accumulate_steps).gradient_transformation()
     if name.startswith("remainders"):
-        return param_remainders(inner)
-    if name in ("sr-params", "bf16-sr"):
-        return bf16_params(inner, jax.random.fold_in(base, 1))
-    return _master_weights(inner)
+        tx = param_remainders(inner)
+    elif name in ("sr-params", "bf16-sr"):
+        tx = bf16_params(inner, jax.random.fold_in(base, 1))
+    else:
+        tx = _master_weights(inner)
+    return _warn_on_float32_params(name, tx)

@@ -38,7 +38,7 @@ def find_loss_scaling_state(tree: Any) -> LossScalingState:
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
       >>> state = jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-      >>> jaxmp.find_loss_scaling_state((state,)) is state
+      >>> jaxmp.opt_state.find_loss_scaling_state((state,)) is state
       True
     """
     if isinstance(tree, LossScalingState):
@@ -130,7 +130,7 @@ def skipped_steps(opt_state: Any) -> jax.Array:
 
 
 def master_params(opt_state: Any) -> Any:
-    """The float32 master copy kept by :func:`jaxmp.master_weights` (``loss_scaling(..., master_weights=True)``).
+    """The float32 master copy kept by :func:`jaxmp.transform.master_weights` (``loss_scaling(..., master_weights=True)``).
 
     Args:
       opt_state: an optimizer state holding a :class:`LossScalingState`.
@@ -207,7 +207,7 @@ def first_non_finite(tree: Any) -> str | None:
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
-      >>> jaxmp.first_non_finite({"a": jnp.ones(2), "b": jnp.array([jnp.nan])})
+      >>> jaxmp.opt_state.first_non_finite({"a": jnp.ones(2), "b": jnp.array([jnp.nan])})
       "['b']"
     """
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):

@@ -5,7 +5,7 @@
 additions: its dtypes are validated and canonicalised when it is built, and its
 casts touch floating array leaves only. :func:`parse_policy_grammar` reads jmp's
 ``"params=...,compute=...,output=..."`` grammar; presets and the string entry points
-(:func:`jaxmp.get_policy`, :func:`jaxmp.resolve_policy`) live in :mod:`jaxmp.presets`.
+(:func:`jaxmp.get_policy`, :func:`jaxmp.presets.resolve_policy`) live in :mod:`jaxmp.presets`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import jmp
 import numpy as np
 
+from jaxmp import _deprecations
 from jaxmp import dtypes as _dtypes
 
 T = TypeVar("T")
@@ -111,3 +112,7 @@ def parse_policy_grammar(text: str) -> Policy:
     params = dtypes.get("params", np.dtype(np.float32))
     compute = dtypes.get("compute", params)
     return Policy(params, compute, dtypes.get("output", compute))
+
+
+# Names that lived here before 0.1.0 raise an AttributeError naming their place (jaxmp/_deprecations.py).
+__getattr__ = _deprecations.module_getattr(__name__)

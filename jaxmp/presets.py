@@ -8,6 +8,7 @@ Every policy string a user passes is parsed once, here, into typed objects:
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, NamedTuple
 
 import jax
@@ -29,6 +30,25 @@ _PRESET_HELP = ("O0, O1, O2, O3 (optionally with -bf16/-fp16, e.g. 'O2-bf16'), O
                 "O2-fp8-current (current scaling), float32, mixed_float16, mixed_bfloat16")
 # fp8 presets: O2-bf16 with the half list's matmuls and convolutions in fp8.
 _FP8_SUFFIXES = {"fp8": _fp8.DelayedScaling, "fp8-delayed": _fp8.DelayedScaling, "fp8-current": _fp8.CurrentScaling}
+#: Every preset name in its documented spelling: what a typo is compared with ("did you mean").
+PRESET_NAMES = (*(f"O{i}{s}" for i in range(4) for s in ("", "-bf16", "-fp16")), "O2-fp8", "O2-fp8-current",
+                *_KERAS)
+
+
+def did_you_mean(text: str, choices: Any) -> str:
+    """``" (did you mean 'X'?)"`` for the choices closest to a mistyped ``text``, else ``""``.
+
+    Example:
+      >>> from jaxmp.presets import PRESET_NAMES, did_you_mean
+      >>> did_you_mean("O2-bf61", PRESET_NAMES)
+      " (did you mean 'O2-bf16'?)"
+    """
+    choices = list(choices)
+    by_lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(str(text).strip().lower(), list(by_lower), n=2, cutoff=0.6)
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(repr(by_lower[c]) for c in close) + "?)"
 
 
 class Recipe(NamedTuple):
@@ -135,14 +155,14 @@ def parse_preset(name: str) -> Recipe | None:
                              f"not {name!r}.")
         return _level_recipe(n, level, jnp.bfloat16)._replace(fp8=_FP8_SUFFIXES[rest.lower()]())
     if rest.lower() not in _HALF_SUFFIXES:
-        raise ValueError(f"Unknown half dtype {rest!r} in preset {name!r}: use e.g. 'O2', 'O2-bf16', 'O2-fp16' "
-                         "or 'O2-fp8'.")
+        raise ValueError(f"Unknown half dtype {rest!r} in preset {name!r}{did_you_mean(n, PRESET_NAMES)}: use e.g. "
+                         "'O2', 'O2-bf16', 'O2-fp16' or 'O2-fp8'.")
     return _level_recipe(n, level, _HALF_SUFFIXES[rest.lower()])
 
 
 def _unknown(text: str) -> ValueError:
     return ValueError(
-        f"Unknown policy {text!r}: expected a preset ({_PRESET_HELP}), a dtype name ({', '.join(dtype_names())}) "
+        f"Unknown policy {text!r}{did_you_mean(text, (*PRESET_NAMES, *dtype_names()))}: expected a preset ({_PRESET_HELP}), a dtype name ({', '.join(dtype_names())}) "
         "or jmp's grammar 'params=float32,compute=bfloat16,output=float32'."
     )
 
@@ -164,7 +184,7 @@ def resolve_policy(policy: Any) -> tuple[Policy, Recipe | None]:
 
     Example:
       >>> import jaxmp
-      >>> policy, recipe = jaxmp.resolve_policy("O2-bf16")
+      >>> policy, recipe = jaxmp.presets.resolve_policy("O2-bf16")
       >>> str(policy), recipe.master_weights
       ('p=bf16,c=bf16,o=f32', True)
     """
@@ -228,7 +248,7 @@ def get_recipe(name: str) -> Recipe:
         raise TypeError(f"preset name must be a string, got {type(name).__name__}")
     recipe = parse_preset(name)
     if recipe is None:
-        raise ValueError(f"Unknown preset {name!r}: expected {_PRESET_HELP}.")
+        raise ValueError(f"Unknown preset {name!r}{did_you_mean(name, PRESET_NAMES)}: expected {_PRESET_HELP}.")
     return recipe
 
 

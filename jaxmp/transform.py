@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp import fold, traps
+from jaxmp import _deprecations, fold, traps
 from jaxmp.dtypes import float_dtype, is_floating_array, is_inexact_array
 from jaxmp.loss_scale import (
     DynamicLossScale,
@@ -196,7 +196,7 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
-      >>> tx = jaxmp.master_weights(optax.sgd(0.5))
+      >>> tx = jaxmp.transform.master_weights(optax.sgd(0.5))
       >>> params = {"w": jnp.ones(2, jnp.float16)}
       >>> state = tx.init(params)
       >>> updates, state = tx.update({"w": jnp.full(2, 1e-3, jnp.float16)}, state, params)
@@ -497,12 +497,19 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
-      >>> tx = jaxmp.unscale_and_skip(optax.sgd(0.1), "static:4")
+      >>> tx = jaxmp.transform.unscale_and_skip(optax.sgd(0.1), "static:4")
       >>> state = tx.init({"w": jnp.ones(2)})
       >>> updates, state = tx.update({"w": jnp.array([4.0, jnp.inf])}, state)
       >>> bool(state.last_step_finite), int(state.skip_reason), updates["w"].tolist()
       (False, 2, [-0.0, -0.0])
     """
+    return _unscale_and_skip(inner, loss_scale, axis_name, skip_with, check_updates, check_bf16=False)
+
+
+def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis_name: Any, skip_with: str,
+                      check_updates: bool | None, *, check_bf16: bool) -> optax.GradientTransformationExtraArgs:
+    # check_bf16: loss_scaling was not told master_weights, so bfloat16 params without a master
+    # copy may be the O2-bf16 mistake (see traps.check_bf16_without_master).
     inner = check_inner(inner)
     initial_scale = make_loss_scale(loss_scale)
     if skip_with not in ("auto", "cond", "select"):
@@ -515,6 +522,8 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
         register_flax_serialization()  # Flax may have been imported since the transform was built
         inner_state = inner.init(params)
         traps.check_init(params, inner_state, initial_scale, LossScalingState, MasterWeightsState)
+        if check_bf16:
+            traps.check_bf16_without_master(params, inner_state, MasterWeightsState)
         traps.check_inner_state(inner_state)
         return LossScalingState(
             inner_state=inner_state,
@@ -590,7 +599,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
 
 
 def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic", *,
-                 axis_name: Any = None, master_weights: bool = False,
+                 axis_name: Any = None, master_weights: bool | None = None,
                  master_dtype: Any = jnp.float32, skip_with: str = "auto",
                  check_updates: bool | None = None) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation with loss scaling, non-finite step skipping and master weights.
@@ -640,7 +649,10 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
       loss_scale: a loss-scale object or a spec for :func:`jaxmp.make_loss_scale`
         (``"dynamic"`` default; ``"none"`` for bfloat16/float32; ``"torch"``; a number).
       axis_name: the ``pmap``/``shard_map`` axis to agree on the finite verdict over.
-      master_weights: keep a ``master_dtype`` master copy of the params in the state.
+      master_weights: keep a ``master_dtype`` master copy of the params in the state. ``None``
+        (default) is ``False``, but ``init`` warns (``MixedPrecisionWarning``) when bfloat16
+        params get no master copy and no stochastic rounding (O2-bf16 without masters, as it
+        warns for float16 params); pass ``False`` to say pure bfloat16 on purpose (O3).
       master_dtype: dtype of the master copy (float32 or wider; ``"f32"``/``"float32"``
         accepted). A half master is refused: updates below half its ulp would never move it.
       skip_with: how a step is skipped inside the compiled program. ``"cond"``: ``lax.cond``
@@ -668,13 +680,14 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
       >>> loss, params["w"]  # the true (unscaled) loss; one Adam step of size 1e-3
       (Array(3., dtype=float32), Array([0.999, 0.999, 0.999], dtype=float32))
     """
-    if not isinstance(master_weights, bool):
+    if master_weights is not None and not isinstance(master_weights, bool):
         raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
     if master_weights:
         inner = _master_weights_factory(inner, master_dtype)
     else:
         float_dtype(master_dtype, "master_dtype")
-    return unscale_and_skip(inner, loss_scale, axis_name=axis_name, skip_with=skip_with, check_updates=check_updates)
+    return _unscale_and_skip(inner, loss_scale, axis_name, skip_with, check_updates,
+                             check_bf16=master_weights is None)
 
 
 _master_weights_factory = master_weights
@@ -719,3 +732,7 @@ def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_a
     if len(found) == 1:  # -0.0 updates keep the params; selecting keeps NaN payloads bit for bit too
         new_params = keep_if_finite(found[0].last_step_finite, new_params, params)
     return new_params, new_state
+
+
+# Names that lived here before 0.1.0 raise an AttributeError naming their place (jaxmp/_deprecations.py).
+__getattr__ = _deprecations.module_getattr(__name__)

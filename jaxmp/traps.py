@@ -12,7 +12,8 @@ Each check runs in Python at trace time (or in ``init``), so it costs nothing pe
   the evidence is a context flag :func:`jaxmp.value_and_grad` sets while it differentiates;
 * an optax chain whose transforms run before ``loss_scaling`` (they see scaled gradients): warn;
 * float16 params with loss scaling but no master copy (O2-fp16 without master weights,
-  where small updates round away): warn;
+  where small updates round away), or bfloat16 params with neither a master copy nor
+  stochastic rounding when ``master_weights`` was not given (O2-bf16 without master weights): warn;
 * ``loss_scaling`` nested in ``loss_scaling`` (gradients unscaled twice): raise;
 * integer or boolean gradient leaves, which optax would treat as numbers: raise;
 * an inner update that multiplies by a NaN constant or by an inf one that reaches the updates
@@ -192,9 +193,27 @@ def check_init(params: Any, inner_state: Any, loss_scale: Any, scaling_state: ty
     fp16 = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(params)
             if hasattr(x, "dtype") and x.dtype == jnp.float16]
     if fp16 and not has_master and type(loss_scale).__name__ != "NoOpLossScale":
-        _warn(f"{len(fp16)} float16 param(s) (first: {fp16[0]}) are updated without a float32 master copy: updates "
-              "smaller than float16's resolution round away and the params stop moving. Pass master_weights=True "
-              "(the O2 recipe does) or keep the params in float32.")
+        _warn(_no_master_message(fp16, "float16"))
+
+
+def _no_master_message(paths: list, dtype: str) -> str:
+    return (f"{len(paths)} {dtype} param(s) (first: {paths[0]}) are updated without a float32 master copy: updates "
+            f"smaller than {dtype}'s resolution round away and the params stop moving. Pass master_weights=True "
+            "(the O2 recipe does) or keep the params in float32.")
+
+
+def check_bf16_without_master(params: Any, inner_state: Any, master_state: type) -> None:
+    """Warns at ``init`` when bfloat16 params get no master copy and no stochastic rounding (O2-bf16
+    without master weights), as float16 params do; a bfloat16 recipe has no loss scale to tell O2
+    from O3, so the caller runs this only when ``master_weights`` was not given."""
+    kept = [x for x in jax.tree_util.tree_leaves(
+        inner_state, is_leaf=lambda x: isinstance(x, master_state) or getattr(x, "keeps_half_params_exact", False))
+        if isinstance(x, master_state) or getattr(x, "keeps_half_params_exact", False)]
+    bf16 = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(params)
+            if hasattr(x, "dtype") and x.dtype == jnp.bfloat16]
+    if bf16 and not kept:
+        _warn(_no_master_message(bf16, "bfloat16") + " For pure bfloat16 on purpose (O3), pass master_weights=False; "
+              "for bfloat16 params without a master copy that still learn, see jaxmp.lean (stochastic rounding).")
 
 
 #: Where a value stops flowing into the updates as a number: chosen between, compared, bounded.

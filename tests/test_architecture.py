@@ -97,6 +97,10 @@ ALLOWED_MODULE_STATE = {
     # (the same subclass each time, so NNX graph definitions stay equal).
     ("jaxmp/engine/internals.py", "_KINDS"),
     ("jaxmp/flax/nnx.py", "_CASTING_CLASSES"),
+    # The traced programs shared by every autocast function built from one function object (so
+    # jaxmp.autocast(f) rebuilt on each eager call does not retrace): keyed by the function's id,
+    # each entry dropped by a weakref callback when the function goes, as jax.jit's cache is.
+    ("jaxmp/engine/api.py", "_SHARED"),
     # Warn once per model: keyed by the model object itself, held weakly.
     ("jaxmp/flax/nnx.py", "_WARNED_CALL"),
     # Warn once per trace that a float16 region is differentiated with no loss scale: keyed by

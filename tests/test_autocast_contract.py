@@ -474,7 +474,8 @@ def test_the_canary_warns_naming_the_jax_version_on_a_newer_jax(monkeypatch):
 
 
 def test_building_autocast_functions_starts_the_canary_once(monkeypatch):
-    from jaxmp.engine import engine_function, resolve_config
+    from jaxmp.engine.config import resolve_config
+    from jaxmp.engine.entry import engine_function
 
     calls = []
     monkeypatch.setattr(tested, "is_newer_than_tested", lambda version: True)

@@ -116,7 +116,7 @@ CASES = [
      r"keeps no master weights"),
     ("bad max_consecutive_skips", lambda: jaxmp.check_health(jaxmp.loss_scaling(optax.sgd(0.1)).init(_P), 0),
      ValueError, r"max_consecutive_skips must be an int >= 1"),
-    ("two loss-scaling states", lambda: jaxmp.find_loss_scaling_state(
+    ("two loss-scaling states", lambda: jaxmp.opt_state.find_loss_scaling_state(
         [jaxmp.loss_scaling(optax.sgd(0.1)).init(_P)] * 2), ValueError, r"found 2 jaxmp.loss_scaling states"),
     # Issue 25, item 12: booleans and int32 overflow in loss scales, omitted params, pmap BatchNorm in aux.
     ("bool dynamic scale", lambda: jaxmp.DynamicLossScale(True), TypeError, r"loss_scale must be a number, got the bool"),

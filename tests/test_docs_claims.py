@@ -30,14 +30,14 @@ def test_architecture_fp8_statement_holds():
 
     model = jaxmp.flax.mixed_precision(nn.Dense(4), "O2-fp8")
     variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
-    assert fp8.FP8_COLLECTION in variables and "input_scale" in str(jax.tree_util.tree_structure(variables))
+    assert fp8.state.FP8_COLLECTION in variables and "input_scale" in str(jax.tree_util.tree_structure(variables))
 
 
 def test_architecture_statement_about_flax_rules_matches_the_code():
     """The page says the Flax front door's overrides and autocast's class rules are one rule
     system (both compile to the engine's ``ModuleRules``); that must be what the code does."""
     nn = pytest.importorskip("flax.linen")
-    from jaxmp.engine import flax_config, resolve_config
+    from jaxmp.engine.config import flax_config, resolve_config
     from jaxmp.engine.rules import ModuleRules
     from jaxmp.flax import PrecisionOverrides
 

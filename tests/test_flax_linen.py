@@ -455,7 +455,7 @@ def test_overrides_and_autocast_class_rules_are_one_rule_system():
     """Both front doors compile to the engine's ModuleRules; rule_at is the one decision."""
     from flax import nnx
 
-    from jaxmp.engine import flax_config, resolve_config
+    from jaxmp.engine.config import flax_config, resolve_config
     from jaxmp.engine.modules import install_call_hooks
     from jaxmp.engine.rules import ModuleRules
 

@@ -511,7 +511,7 @@ def _train_seeds(make, seeds=(0, 1, 2)):
             u, s_new = tx.update(g, s, p)
             new = jaxmp.apply_updates(p, u, s_new)
             ratio = jnp.zeros(())
-            if find_states(s, jaxmp.MasterWeightsState):
+            if find_states(s, jaxmp.transform.MasterWeightsState):
                 step = jaxmp.master_params(s_new)["w1"] - jaxmp.master_params(s)["w1"]
                 ulp = jnp.nextafter(p["w1"], jnp.bfloat16(jnp.inf)).astype(jnp.float32) - p["w1"].astype(jnp.float32)
                 ratio = jnp.median(jnp.abs(step) / jnp.abs(ulp))

@@ -206,13 +206,13 @@ def test_a_model_axis_keeps_the_users_param_specs():
 
 def test_leaf_spec_rule():
     mesh = jaxmp.parallel.make_data_mesh()
-    rule = functools.partial(jaxmp.parallel.leaf_spec, mesh=mesh, data_axis="data", min_shard_size=0)
+    rule = functools.partial(jaxmp.parallel.layouts.leaf_spec, mesh=mesh, data_axis="data", min_shard_size=0)
     assert rule((64, 128)) == P(None, "data")     # the largest dimension the axis size divides
     assert rule((128, 128)) == P("data")          # ties: the first
     assert rule((12, 16)) == P(None, "data")      # 12 does not divide over 8
     assert rule((6, 10)) == P()                   # nothing divides: replicated
     assert rule(()) == P()
-    assert jaxmp.parallel.leaf_spec((64, 8), mesh, "data") == P()   # fewer than 1024 elements: replicated
+    assert jaxmp.parallel.layouts.leaf_spec((64, 8), mesh, "data") == P()   # fewer than 1024 elements: replicated
 
 
 def test_shard_state_reshards_between_layouts_and_meshes():

@@ -16,9 +16,30 @@ COMMANDS = (
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 def test_readme_example_runs():
     blocks = python_blocks(section("Example"))
-    assert len(blocks) == 1 and len(blocks[0].splitlines()) <= 25
+    assert len(blocks) == 1 and len(blocks[0].splitlines()) <= 26
     ns = run_blocks(blocks, "README Example")
     assert float(ns["loss"]) < 0.05
+    printed = ns["__outputs__"][0]
+    # It prints values a reader can read, not reprs: "{'loss_scale': 32768.0, ...}", no "Array(".
+    assert "Array(" not in printed and "dtype=" not in printed, printed
+    assert re.search(r"'loss_scale': \d+\.\d+, 'last_step_finite': (True|False), 'consecutive_skips': \d+, "
+                     r"'total_skips': \d+\}", printed), printed
+
+
+def test_the_main_jobs_time_has_one_source():
+    """README and getting-started quote the main job's time from experiments/recorded/cpu/command_time.json."""
+    import json
+
+    timing = json.loads((ROOT / "experiments" / "recorded" / "cpu" / "command_time.json").read_text())
+    assert timing["command"] == COMMANDS[0]
+    getting_started = (ROOT / "docs" / "getting-started.md").read_text()
+    for name, text in (("README.md", README.read_text()), ("docs/getting-started.md", getting_started)):
+        flat = " ".join(text.split())
+        quiet = re.findall(r"(\d+) s on a quiet", flat)
+        busy = re.findall(r"(\d+) s on a busy", flat)
+        assert quiet == [str(timing["quiet_s"])] and busy == [str(timing["busy_s"])], (
+            f"{name} quotes the main job as {quiet} s quiet / {busy} s busy; "
+            f"experiments/recorded/cpu/command_time.json says {timing['quiet_s']} / {timing['busy_s']}")
 
 
 def test_readme_autocast_example_runs():

@@ -11,23 +11,24 @@ sub-jaxprs), ``_matmul`` (GEMM geometry and FLOPs), ``gradient_stats``, ``input_
 ``_format`` (tables). None of them imports matplotlib, rich or TensorFlow at import time.
 """
 
+from jaxmp import _deprecations
+from jaxmp.diagnostics.autocast_ops import AutocastOp
+# Not public (report.explain() reads it); bound here because its module has the same name.
+from jaxmp.diagnostics.autocast_ops import autocast_ops
 from jaxmp.diagnostics.gradient_stats import GradientStats
 from jaxmp.diagnostics.gradient_stats import GroupStats
 from jaxmp.diagnostics.gradient_stats import gradient_stats
-from jaxmp.diagnostics.gradient_stats import suggest_loss_scale
-from jaxmp.diagnostics.autocast_ops import AutocastOp
-from jaxmp.diagnostics.autocast_ops import autocast_ops
 from jaxmp.diagnostics.input_pipeline import PipelineOverhead
 from jaxmp.diagnostics.input_pipeline import input_pipeline_overhead
 from jaxmp.diagnostics.precision_report import MatmulOp
 from jaxmp.diagnostics.precision_report import PrecisionReport
 from jaxmp.diagnostics.precision_report import RiskyOp
-from jaxmp.diagnostics.precision_report import amdahl
-from jaxmp.diagnostics.precision_report import analyze_jaxpr
 from jaxmp.diagnostics.precision_report import precision_report
 
 __all__ = [
-    "AutocastOp", "GradientStats", "GroupStats", "MatmulOp", "PipelineOverhead", "PrecisionReport", "RiskyOp",
-    "amdahl", "analyze_jaxpr", "autocast_ops", "gradient_stats", "input_pipeline_overhead", "precision_report",
-    "suggest_loss_scale",
+    "precision_report", "PrecisionReport", "MatmulOp", "RiskyOp", "AutocastOp",
+    "gradient_stats", "GradientStats", "GroupStats",
+    "input_pipeline_overhead", "PipelineOverhead",
 ]
+
+__getattr__ = _deprecations.module_getattr(__name__)

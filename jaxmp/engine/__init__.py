@@ -7,34 +7,27 @@ contract as checks, the canary) -> ``api`` (tracing and caching an engine functi
 float16 program differentiated with no loss scale, used by ``api``) -> ``values``; ``regions``, ``modules``,
 ``attention`` (marking regions while tracing) -> ``config`` (policy -> settings, tracing
 context) -> ``rules`` (the op lists as data).
+
+The public names of the engine are top-level (``jaxmp.autocast``, ``jaxmp.AutocastRules``, the
+regions); this namespace adds only the op lists and the tested JAX versions. The seams the Flax
+integration and the diagnostics use are internal: import them from their modules
+(``jaxmp.engine.entry``, ``jaxmp.engine.config``, ...), which may change without notice.
 """
+
+from jaxmp import _deprecations
 
 # The JAX versions CI tests are listed in jaxmp/engine/tested.py; on a newer JAX the first
 # autocast function built runs a small canary (jaxmp/engine/contract.py) and warns if a rule is
 # not honoured.
 from jaxmp.engine.tested import TESTED_JAX
-from jaxmp.engine.api import explain_enabled
-from jaxmp.engine.entry import autocast, engine_function
-from jaxmp.engine.attention import routed_attention
-from jaxmp.engine.config import AutocastConfig, flax_config, resolve_config
-from jaxmp.engine.regions import accumulate, float32_region, half_inputs, region
-from jaxmp.engine.rules import FLOAT32_OPS, HALF_OPS, PURE_HALF_RULES, AutocastRules
+from jaxmp.engine.rules import FLOAT32_OPS, HALF_OPS
+# Loaded with the package (the engine's modules register themselves as they import).
+from jaxmp.engine import api, attention, config, entry, regions, rules  # noqa: F401
 
 __all__ = [
     "FLOAT32_OPS",
     "HALF_OPS",
-    "PURE_HALF_RULES",
     "TESTED_JAX",
-    "AutocastConfig",
-    "AutocastRules",
-    "accumulate",
-    "autocast",
-    "engine_function",
-    "explain_enabled",
-    "flax_config",
-    "float32_region",
-    "half_inputs",
-    "region",
-    "resolve_config",
-    "routed_attention",
 ]
+
+__getattr__ = _deprecations.module_getattr(__name__)

@@ -22,7 +22,7 @@ def engine_function(fn: Callable, config: _config.AutocastConfig, *, cast_output
     """``fn`` re-evaluated by the engine under a resolved :class:`AutocastConfig`.
 
     The entry the Flax front door (:func:`jaxmp.flax.mixed_precision`) uses: it resolves its
-    own config (:func:`jaxmp.engine.flax_config`) and casts module inputs and params itself.
+    own config (:func:`jaxmp.engine.config.flax_config`) and casts module inputs and params itself.
 
     Args:
       fn: the function.
@@ -36,7 +36,7 @@ def engine_function(fn: Callable, config: _config.AutocastConfig, *, cast_output
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
-      >>> from jaxmp.engine import engine_function, resolve_config
+      >>> from jaxmp.engine.config import resolve_config; from jaxmp.engine.entry import engine_function
       >>> f = engine_function(lambda w, x: x @ w, resolve_config("O1-bf16", None), cast_outputs=False)
       >>> f(jnp.ones((2, 2)), jnp.ones((1, 2))).dtype
       dtype(bfloat16)

@@ -269,7 +269,7 @@ class Interpreter:
         return [Val(o) for o in self.bind(eqn, args, params, rule="half list")]
 
     def _fp8_dot(self, eqn, args, params, recipe) -> Any:
-        with self._rule_scope(fp8.describe(recipe)):
+        with self._rule_scope(fp8.recipes.describe(recipe)):
             return fp8.fp8_dot_general(args[0], args[1], params["dimension_numbers"], recipe,
                                        preferred_element_type=params.get("preferred_element_type"))
 

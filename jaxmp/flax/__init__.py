@@ -20,12 +20,8 @@ from flax import nnx as _nnx
 from jaxmp.flax import fp8, linen, nnx
 from jaxmp.flax.attention import fp32_softmax_attention, fused_attention
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy
-from jaxmp.flax.overrides import (
-    DEFAULT_HALF_MODULES,
-    DEFAULT_NORM_MODULES,
-    ModuleRule,
-    PrecisionOverrides,
-)
+from jaxmp import _deprecations
+from jaxmp.flax.overrides import PrecisionOverrides
 from jaxmp.flax.train_state import TrainState, make_eval_step, make_train_step
 from jaxmp.loss_scale import register_flax_serialization as _register_flax_serialization
 
@@ -80,9 +76,6 @@ def mixed_precision(model: Any, policy: Any, overrides: Any = None) -> Any:
 
 
 __all__ = [
-    "DEFAULT_HALF_MODULES",
-    "DEFAULT_NORM_MODULES",
-    "ModuleRule",
     "PrecisionOverrides",
     "TrainState",
     "accuracy",
@@ -96,3 +89,5 @@ __all__ = [
     "nnx",
     "softmax_cross_entropy",
 ]
+
+__getattr__ = _deprecations.module_getattr(__name__)

@@ -19,7 +19,7 @@ def is_float32_rule(rule: ModuleRule) -> bool:
 
     Example:
       >>> import numpy as np
-      >>> from jaxmp.flax import ModuleRule
+      >>> from jaxmp.engine.rules import ModuleRule
       >>> from jaxmp.flax.casting import is_float32_rule
       >>> is_float32_rule(ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32"))
       True
@@ -36,7 +36,7 @@ def enclosing_float32(path: Path, float32_rules: dict[Path, ModuleRule]) -> Modu
 
     Example:
       >>> import numpy as np
-      >>> from jaxmp.flax import ModuleRule
+      >>> from jaxmp.engine.rules import ModuleRule
       >>> from jaxmp.flax.casting import enclosing_float32
       >>> fp32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
       >>> enclosing_float32(("enc", "inner"), {("enc",): fp32}) is fp32, enclosing_float32(("enc",), {("enc",): fp32})
@@ -70,7 +70,7 @@ def cast_by_path(tree: Any, rules: dict[Path, ModuleRule], default: np.dtype, fi
 
     Example:
       >>> import jax.numpy as jnp, numpy as np
-      >>> from jaxmp.flax import ModuleRule
+      >>> from jaxmp.engine.rules import ModuleRule
       >>> from jaxmp.flax.casting import cast_by_path
       >>> rules = {("bn",): ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")}
       >>> t = cast_by_path({"bn": {"scale": jnp.ones(2)}, "fc": {"w": jnp.ones(2)}}, rules, jnp.bfloat16, "compute_dtype")

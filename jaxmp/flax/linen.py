@@ -47,7 +47,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxmp.engine import engine_function, flax_config
+from jaxmp.engine.config import flax_config
+from jaxmp.engine.entry import engine_function
 from jaxmp.engine.modules import module_interceptor
 from jaxmp.flax.attention import fused_attention
 from jaxmp.flax.casting import Path, cast_by_path, enclosing_float32, is_float32_rule

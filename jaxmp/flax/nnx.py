@@ -40,7 +40,8 @@ import numpy as np
 from flax import nnx
 
 from jaxmp.engine import config as _config
-from jaxmp.engine import engine_function, flax_config
+from jaxmp.engine.config import flax_config
+from jaxmp.engine.entry import engine_function
 from jaxmp.engine.modules import install_call_hooks, instance_rules
 from jaxmp.flax.attention import fused_attention
 from jaxmp import fp8

@@ -17,8 +17,8 @@ GPUs with fp8 Tensor Cores (compute capability >= 8.9) XLA rewrites this pattern
 GEMM, which is how ``flax.linen.fp8_ops`` reaches them too. Under :func:`jaxmp.autocast`,
 ``AutocastRules(fp8_matmuls=CurrentScaling())`` makes every half-list ``dot_general`` one.
 
-One module per concern, every public name re-exported here (``from jaxmp import fp8;
-fp8.CurrentScaling``): ``formats`` (E4M3 / E5M2 and their ranges), ``recipes`` (the two
+One module per concern, the names a training script uses re-exported here (``from jaxmp import
+fp8; fp8.CurrentScaling``); the scaling arithmetic stays in its modules: ``formats`` (E4M3 / E5M2 and their ranges), ``recipes`` (the two
 recipes, :data:`Fp8Recipe`, :class:`Fp8Meta`), ``scaling`` (amax, scale, quantize, the
 history update), ``state`` (the per-layer delayed-scaling variables and their step update),
 ``ops`` (the scaled ``dot_general`` and convolution) and ``hardware`` (native or emulated).
@@ -26,49 +26,30 @@ history update), ``state`` (the per-layer delayed-scaling variables and their st
 Example:
   >>> import jax.numpy as jnp
   >>> from jaxmp import fp8
-  >>> float(fp8.compute_scale(jnp.float32(4.0), jnp.float32(1.0), fp8.E4M3))
-  112.0
+  >>> fp8.DelayedScaling().history_length
+  1024
 """
 
-from jaxmp.fp8.formats import E4M3, E5M2, FP8_DTYPES, fp8_max
-from jaxmp.fp8.hardware import check_hardware, native_fp8
+from jaxmp import _deprecations
+from jaxmp.fp8 import formats, scaling, state  # noqa: F401  (loaded with the package)
+from jaxmp.fp8.hardware import check_hardware
 from jaxmp.fp8.ops import fp8_conv_general_dilated, fp8_dot_general, gradient_loss_scale
-from jaxmp.fp8.recipes import REDUCTIONS, CurrentScaling, DelayedScaling, Fp8Meta, Fp8Recipe, describe
-from jaxmp.fp8.scaling import amax, compute_scale, dequantize, qdq, quantize, update_meta
-from jaxmp.fp8.state import FP8_COLLECTION, LAYER_TENSORS, Fp8Scales, init_layer_state, layer_scales, update_state
+from jaxmp.fp8.recipes import CurrentScaling, DelayedScaling, Fp8Meta, Fp8Recipe
+from jaxmp.fp8.state import update_state
 
 __all__ = [
-    # formats
-    "E4M3",
-    "E5M2",
-    "FP8_DTYPES",
-    "fp8_max",
     # recipes
     "CurrentScaling",
     "DelayedScaling",
     "Fp8Recipe",
     "Fp8Meta",
-    "REDUCTIONS",
-    "describe",
-    # scaling
-    "amax",
-    "compute_scale",
-    "dequantize",
-    "qdq",
-    "quantize",
-    "update_meta",
-    # per-layer state
-    "FP8_COLLECTION",
-    "LAYER_TENSORS",
-    "Fp8Scales",
-    "init_layer_state",
-    "layer_scales",
-    "update_state",
-    # ops
-    "fp8_conv_general_dilated",
-    "fp8_dot_general",
-    "gradient_loss_scale",
-    # hardware
     "check_hardware",
-    "native_fp8",
+    # ops
+    "fp8_dot_general",
+    "fp8_conv_general_dilated",
+    "gradient_loss_scale",
+    # the delayed-scaling state's step update
+    "update_state",
 ]
+
+__getattr__ = _deprecations.module_getattr(__name__)

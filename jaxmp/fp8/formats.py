@@ -70,7 +70,7 @@ def fp8_max(dtype: Any) -> float:
 
     Example:
       >>> from jaxmp import fp8
-      >>> fp8.fp8_max(fp8.E5M2)
+      >>> fp8.formats.fp8_max(fp8.formats.E5M2)
       57344.0
     """
     return float(jnp.finfo(fp8_dtype(dtype, "dtype")).max)

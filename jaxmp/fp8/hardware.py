@@ -25,7 +25,7 @@ def native_fp8(device: Any = None) -> tuple[bool, str]:
     Example:
       >>> import jax
       >>> from jaxmp import fp8
-      >>> fp8.native_fp8(jax.devices("cpu")[0])
+      >>> fp8.hardware.native_fp8(jax.devices("cpu")[0])
       (False, 'cpu has no fp8 Tensor Cores: fp8 is emulated (fp8 rounding, matmul in the operand dtype)')
     """
     device = jax.devices()[0] if device is None else device

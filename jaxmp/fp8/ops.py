@@ -36,7 +36,7 @@ def gradient_loss_scale(loss_scale: Any):
       >>> import jax, jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> recipe = fp8.DelayedScaling(history_length=4)
-      >>> scales = fp8.layer_scales(fp8.init_layer_state(recipe))
+      >>> scales = fp8.state.layer_scales(fp8.state.init_layer_state(recipe))
       >>> def scaled_loss(s):
       ...     with fp8.gradient_loss_scale(1024.0):
       ...         y = fp8.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())),
@@ -66,7 +66,7 @@ def _recipe(recipe: Any, scales: Any, name: str) -> Fp8Recipe:
     delayed = isinstance(recipe, DelayedScaling)
     if delayed and scales is None:
         raise TypeError(f"{name}: delayed scaling needs scales=Fp8Scales(...) from the layer's fp8 state "
-                        "(see fp8.init_layer_state); use CurrentScaling() for a stateless op")
+                        "(see fp8.state.init_layer_state); use CurrentScaling() for a stateless op")
     if not delayed and scales is not None:
         raise TypeError(f"{name}: scales are only used with a DelayedScaling recipe")
     return recipe

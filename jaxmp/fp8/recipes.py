@@ -125,9 +125,9 @@ def describe(recipe: Fp8Recipe) -> str:
 
     Example:
       >>> from jaxmp import fp8
-      >>> fp8.describe(fp8.DelayedScaling())
+      >>> fp8.recipes.describe(fp8.DelayedScaling())
       'half list, fp8 (float8_e4m3fn forward, float8_e5m2 backward, delayed scaling)'
-      >>> fp8.describe(fp8.CurrentScaling())
+      >>> fp8.recipes.describe(fp8.CurrentScaling())
       'half list, fp8 (float8_e4m3fn forward, float8_e5m2 backward, current scaling)'
     """
     if not isinstance(recipe, Fp8Recipe):

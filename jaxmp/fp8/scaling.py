@@ -27,7 +27,7 @@ def compute_scale(amax: jax.Array, old_scale: jax.Array, dtype: Any, margin: flo
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> float(fp8.compute_scale(jnp.float32(0.0), jnp.float32(3.0), fp8.E4M3))
+      >>> float(fp8.scaling.compute_scale(jnp.float32(0.0), jnp.float32(3.0), fp8.formats.E4M3))
       3.0
     """
     amax = jnp.asarray(amax, jnp.float32)
@@ -43,7 +43,7 @@ def amax(x: jax.Array) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> float(fp8.amax(jnp.array([1.0, -3.0])))
+      >>> float(fp8.scaling.amax(jnp.array([1.0, -3.0])))
       3.0
     """
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
@@ -67,7 +67,7 @@ def update_meta(meta: Fp8Meta, x: jax.Array, recipe: DelayedScaling, dtype: Any 
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> r = fp8.DelayedScaling(history_length=2)
-      >>> float(fp8.update_meta(r.init_meta(), jnp.array([2.0]), r).scale)
+      >>> float(fp8.scaling.update_meta(r.init_meta(), jnp.array([2.0]), r).scale)
       224.0
     """
     if not isinstance(recipe, DelayedScaling):
@@ -92,7 +92,7 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> fp8.quantize(jnp.array([1000.0]), jnp.float32(1.0), fp8.E4M3).astype(jnp.float32)
+      >>> fp8.scaling.quantize(jnp.array([1000.0]), jnp.float32(1.0), fp8.formats.E4M3).astype(jnp.float32)
       Array([448.], dtype=float32)
     """
     top = fp8_max(dtype)
@@ -106,7 +106,7 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> fp8.dequantize(fp8.quantize(jnp.array([3.0]), jnp.float32(2.0), fp8.E4M3), jnp.float32(2.0), jnp.float32)
+      >>> fp8.scaling.dequantize(fp8.scaling.quantize(jnp.array([3.0]), jnp.float32(2.0), fp8.formats.E4M3), jnp.float32(2.0), jnp.float32)
       Array([3.], dtype=float32)
     """
     return (q.astype(jnp.float32) / scale).astype(dtype)
@@ -118,7 +118,7 @@ def qdq(x: jax.Array, dtype: Any, margin: float = 0.0, scale: jax.Array | None =
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> fp8.qdq(jnp.array([1.0, 0.3]), fp8.E4M3).dtype
+      >>> fp8.scaling.qdq(jnp.array([1.0, 0.3]), fp8.formats.E4M3).dtype
       dtype('float32')
     """
     if scale is None:

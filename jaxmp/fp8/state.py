@@ -48,7 +48,7 @@ def init_layer_state(recipe: DelayedScaling) -> dict[str, jax.Array]:
 
     Example:
       >>> from jaxmp import fp8
-      >>> sorted(fp8.init_layer_state(fp8.DelayedScaling(history_length=4)))[:2]
+      >>> sorted(fp8.state.init_layer_state(fp8.DelayedScaling(history_length=4)))[:2]
       ['input_amax_history', 'input_scale']
     """
     if not isinstance(recipe, DelayedScaling):
@@ -65,7 +65,7 @@ def layer_scales(layer_state: Mapping[str, Any]) -> Fp8Scales:
 
     Example:
       >>> from jaxmp import fp8
-      >>> float(fp8.layer_scales(fp8.init_layer_state(fp8.DelayedScaling())).kernel)
+      >>> float(fp8.state.layer_scales(fp8.state.init_layer_state(fp8.DelayedScaling())).kernel)
       1.0
     """
     return Fp8Scales(*(layer_state[f"{name}_scale"] for name in LAYER_TENSORS))
@@ -108,7 +108,7 @@ def update_state(state: Any, observed: Any, recipe: DelayedScaling, axis_name: A
       >>> import jax, jax.numpy as jnp
       >>> from jaxmp import fp8
       >>> recipe = fp8.DelayedScaling(history_length=4)
-      >>> state = {"dense": fp8.init_layer_state(recipe)}
+      >>> state = {"dense": fp8.state.init_layer_state(recipe)}
       >>> seen = jax.tree.map(lambda a: jnp.full_like(a, 2.0), state)
       >>> float(fp8.update_state(state, seen, recipe)["dense"]["input_scale"])
       224.0

@@ -9,56 +9,45 @@ Two paths, same semantics and results:
   dtype you choose (float32 by default).
 
 Plus replication helpers, batch splitting (per device and per process), prefetching and
-:func:`initialize_distributed` for multi-host runs. See the README section "Data-parallel and multi-host training".
+:func:`initialize_distributed` for multi-host runs. Lower-level helpers (``leaf_spec``,
+``batch_sharding``, ...) live in this package's modules and are not public API. See the README section "Data-parallel and multi-host training".
 """
 
-from jaxmp.parallel.batching import per_device_batch_size
+from jaxmp import _deprecations
 from jaxmp.parallel.batching import prefetch_to_device
 from jaxmp.parallel.batching import process_batch_slice
 from jaxmp.parallel.batching import process_dataset_range
 from jaxmp.parallel.batching import shard_batch
-from jaxmp.parallel.batching import unshard_batch
 from jaxmp.parallel.distributed import DistributedInfo
 from jaxmp.parallel.distributed import distributed_info
 from jaxmp.parallel.distributed import initialize_distributed
-from jaxmp.parallel.layouts import LAYOUTS
 from jaxmp.parallel.layouts import abstract_state
-from jaxmp.parallel.layouts import leaf_spec
 from jaxmp.parallel.layouts import shard_state
 from jaxmp.parallel.layouts import state_bytes_per_device
 from jaxmp.parallel.layouts import state_shardings
 from jaxmp.parallel.pmap import all_reduce_gradients
 from jaxmp.parallel.pmap import make_pmap_train_step
 from jaxmp.parallel.replication import check_replicated
-from jaxmp.parallel.replication import is_replicated
 from jaxmp.parallel.replication import replicate
 from jaxmp.parallel.replication import unreplicate
-from jaxmp.parallel.sharding import batch_sharding
 from jaxmp.parallel.sharding import make_data_mesh
 from jaxmp.parallel.sharding import make_global_batch
 from jaxmp.parallel.sharding import make_sharded_train_step
-from jaxmp.parallel.sharding import prefetch_to_mesh
 from jaxmp.parallel.sharding import replicate_on_mesh
 from jaxmp.parallel.sharding import replicated_sharding
 
 __all__ = [
     "DistributedInfo",
-    "LAYOUTS",
     "abstract_state",
     "all_reduce_gradients",
-    "batch_sharding",
     "check_replicated",
     "distributed_info",
     "initialize_distributed",
-    "is_replicated",
-    "leaf_spec",
     "make_data_mesh",
     "make_global_batch",
     "make_pmap_train_step",
     "make_sharded_train_step",
-    "per_device_batch_size",
     "prefetch_to_device",
-    "prefetch_to_mesh",
     "process_batch_slice",
     "process_dataset_range",
     "replicate",
@@ -69,5 +58,6 @@ __all__ = [
     "state_bytes_per_device",
     "state_shardings",
     "unreplicate",
-    "unshard_batch",
 ]
+
+__getattr__ = _deprecations.module_getattr(__name__)

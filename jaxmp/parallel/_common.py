@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp.fp8 import FP8_COLLECTION
+from jaxmp.fp8.state import FP8_COLLECTION
 from jaxmp.opt_state import scaling_stats
 from jaxmp.step import make_step
 

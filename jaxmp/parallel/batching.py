@@ -36,7 +36,7 @@ def per_device_batch_size(global_batch_size: int, num_devices: int | None = None
 
     Example:
       >>> import jaxmp
-      >>> jaxmp.parallel.per_device_batch_size(256, 8)
+      >>> jaxmp.parallel.batching.per_device_batch_size(256, 8)
       32
     """
     global_batch_size = check_positive_int(global_batch_size, "global_batch_size")
@@ -88,7 +88,7 @@ def unshard_batch(batch: Any) -> Any:
 
     Example:
       >>> import numpy as np, jaxmp
-      >>> jaxmp.parallel.unshard_batch({"x": np.zeros((8, 2, 3))})["x"].shape
+      >>> jaxmp.parallel.batching.unshard_batch({"x": np.zeros((8, 2, 3))})["x"].shape
       (16, 3)
     """
     return jax.tree_util.tree_map(lambda x: x.reshape((-1,) + tuple(x.shape[2:])), batch)

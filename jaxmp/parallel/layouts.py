@@ -41,8 +41,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxmp.dtypes import accumulation_dtype
 
 
-__all__ = ["LAYOUTS", "leaf_spec", "shard_state", "state_bytes_per_device", "state_shardings"]
-
 LAYOUTS = ("replicated", "zero", "fsdp")
 """The layout names :func:`shard_state` and ``make_sharded_train_step(layout=...)`` take: a full copy
 of the state on every device; optimizer state and float32 masters sharded over the data axis
@@ -116,7 +114,7 @@ def leaf_spec(shape: Sequence[int], mesh: Mesh, data_axis: str, base: PartitionS
     Example:
       >>> import jax, numpy as np
       >>> from jax.sharding import Mesh
-      >>> from jaxmp.parallel import leaf_spec
+      >>> from jaxmp.parallel.layouts import leaf_spec
       >>> mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
       >>> leaf_spec((6, 4096), mesh, "data"), leaf_spec((6, 10), mesh, "data", min_shard_size=0)
       (P(None, 'data'), P())

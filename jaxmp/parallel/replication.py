@@ -189,7 +189,7 @@ def is_replicated(tree: Any, *, num_replicas: int | None = None) -> bool:
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
-      >>> jaxmp.parallel.is_replicated(jaxmp.parallel.replicate({"w": jnp.ones(3)}))
+      >>> jaxmp.parallel.replication.is_replicated(jaxmp.parallel.replicate({"w": jnp.ones(3)}))
       True
     """
     try:

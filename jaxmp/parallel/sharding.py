@@ -63,7 +63,7 @@ def batch_sharding(mesh: Mesh, data_axis: str | None = None) -> NamedSharding:
 
     Example:
       >>> import jaxmp
-      >>> jaxmp.parallel.batch_sharding(jaxmp.parallel.make_data_mesh()).spec
+      >>> jaxmp.parallel.sharding.batch_sharding(jaxmp.parallel.make_data_mesh()).spec
       P('data',)
     """
     return NamedSharding(mesh, PartitionSpec(layouts.check_data_axis(mesh, data_axis)))
@@ -171,7 +171,7 @@ def prefetch_to_mesh(iterator: Iterable[Any], mesh: Mesh, size: int = 2, data_ax
 
     Example:
       >>> import numpy as np, jaxmp
-      >>> it = jaxmp.parallel.prefetch_to_mesh(iter([{"x": np.zeros((16, 3))}]), jaxmp.parallel.make_data_mesh())
+      >>> it = jaxmp.parallel.sharding.prefetch_to_mesh(iter([{"x": np.zeros((16, 3))}]), jaxmp.parallel.make_data_mesh())
       >>> next(it)["x"].shape
       (16, 3)
     """
@@ -252,7 +252,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
         ``None`` for XLA's choice (the loss is evaluated on the global batch).
       param_specs: the params' ``PartitionSpec`` tree over the other (model) mesh axes; kept by
         every layout. Default: none (params replicated over the other axes).
-      min_shard_size: leaves with fewer elements stay replicated (:func:`jaxmp.parallel.leaf_spec`).
+      min_shard_size: leaves with fewer elements stay replicated (:func:`jaxmp.parallel.layouts.leaf_spec`).
 
     Returns:
       ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` with params and

@@ -1,0 +1,206 @@
+"""The table of moved names: every name that left a public namespace, and where it is now.
+
+Data, read by one small ``__getattr__`` per namespace (:func:`module_getattr`). Each row is
+``(old place, new place, status)``:
+
+* ``MOVED``: the name is public at its new place; the old one still works for one release and
+  warns (``DeprecationWarning``) with the new place.
+* ``INTERNAL``: the name left the public API (an implementation seam, or a helper no guide
+  uses); the old place still works for one release and warns with where the implementation
+  lives now, which may change without notice.
+* ``REMOVED``: the old place is gone; it raises an ``AttributeError`` that names the new place.
+
+CHANGELOG.md lists every row (tests/test_api_surface.py checks that it does, and that every
+``MOVED``/``INTERNAL`` row warns and resolves to the very object at its new place).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any, Callable
+
+MOVED = "moved"
+INTERNAL = "internal"
+REMOVED = "removed"
+
+#: The release after which ``MOVED`` and ``INTERNAL`` rows become ``REMOVED``.
+REMOVAL = "0.2.0"
+
+_P = "jaxmp.parallel"
+
+TABLE: tuple[tuple[str, str, str], ...] = (
+    # --- jaxmp: names with a home in a subpackage --------------------------------------------
+    ("jaxmp.PrecisionOverrides", "jaxmp.flax.PrecisionOverrides", MOVED),
+    ("jaxmp.TrainState", "jaxmp.flax.TrainState", MOVED),
+    ("jaxmp.mixed_precision", "jaxmp.flax.mixed_precision", MOVED),
+    ("jaxmp.GradientStats", "jaxmp.diagnostics.GradientStats", MOVED),
+    ("jaxmp.GroupStats", "jaxmp.diagnostics.GroupStats", MOVED),
+    ("jaxmp.MatmulOp", "jaxmp.diagnostics.MatmulOp", MOVED),
+    ("jaxmp.PipelineOverhead", "jaxmp.diagnostics.PipelineOverhead", MOVED),
+    ("jaxmp.RiskyOp", "jaxmp.diagnostics.RiskyOp", MOVED),
+    # --- jaxmp: helpers no guide uses (loss_scaling and get_recipe cover them) ---------------
+    ("jaxmp.FP32_CATEGORIES", "jaxmp.presets.FP32_CATEGORIES", INTERNAL),
+    ("jaxmp.Recommendation", "jaxmp.platform.Recommendation", INTERNAL),
+    ("jaxmp.parse_dtype", "jaxmp.dtypes.parse_dtype", INTERNAL),
+    ("jaxmp.resolve_policy", "jaxmp.presets.resolve_policy", INTERNAL),
+    ("jaxmp.keep_if_finite", "jaxmp.skip.keep_if_finite", INTERNAL),
+    ("jaxmp.master_weights", "jaxmp.transform.master_weights", INTERNAL),
+    ("jaxmp.unscale_and_skip", "jaxmp.transform.unscale_and_skip", INTERNAL),
+    ("jaxmp.MasterWeightsState", "jaxmp.transform.MasterWeightsState", INTERNAL),
+    ("jaxmp.find_loss_scaling_state", "jaxmp.opt_state.find_loss_scaling_state", INTERNAL),
+    ("jaxmp.first_non_finite", "jaxmp.opt_state.first_non_finite", INTERNAL),
+    # --- jaxmp.engine: the autocast names are top-level; the rest are the engine's seams -----
+    ("jaxmp.engine.autocast", "jaxmp.autocast", MOVED),
+    ("jaxmp.engine.AutocastRules", "jaxmp.AutocastRules", MOVED),
+    ("jaxmp.engine.accumulate", "jaxmp.accumulate", MOVED),
+    ("jaxmp.engine.float32_region", "jaxmp.float32_region", MOVED),
+    ("jaxmp.engine.half_inputs", "jaxmp.half_inputs", MOVED),
+    ("jaxmp.engine.region", "jaxmp.autocast_region", MOVED),
+    ("jaxmp.engine.PURE_HALF_RULES", "jaxmp.engine.rules.PURE_HALF_RULES", INTERNAL),
+    ("jaxmp.engine.AutocastConfig", "jaxmp.engine.config.AutocastConfig", INTERNAL),
+    ("jaxmp.engine.flax_config", "jaxmp.engine.config.flax_config", INTERNAL),
+    ("jaxmp.engine.resolve_config", "jaxmp.engine.config.resolve_config", INTERNAL),
+    ("jaxmp.engine.engine_function", "jaxmp.engine.entry.engine_function", INTERNAL),
+    ("jaxmp.engine.explain_enabled", "jaxmp.engine.api.explain_enabled", INTERNAL),
+    ("jaxmp.engine.routed_attention", "jaxmp.engine.attention.routed_attention", INTERNAL),
+    # --- jaxmp.parallel ------------------------------------------------------------------------
+    (f"{_P}.LAYOUTS", f"{_P}.layouts.LAYOUTS", INTERNAL),
+    (f"{_P}.leaf_spec", f"{_P}.layouts.leaf_spec", INTERNAL),
+    (f"{_P}.batch_sharding", f"{_P}.sharding.batch_sharding", INTERNAL),
+    (f"{_P}.is_replicated", f"{_P}.replication.is_replicated", INTERNAL),
+    (f"{_P}.prefetch_to_mesh", f"{_P}.sharding.prefetch_to_mesh", INTERNAL),
+    (f"{_P}.per_device_batch_size", f"{_P}.batching.per_device_batch_size", INTERNAL),
+    (f"{_P}.unshard_batch", f"{_P}.batching.unshard_batch", INTERNAL),
+    # --- jaxmp.fp8: the scaling arithmetic and the per-layer state stay in their modules ------
+    ("jaxmp.fp8.E4M3", "jaxmp.fp8.formats.E4M3", INTERNAL),
+    ("jaxmp.fp8.E5M2", "jaxmp.fp8.formats.E5M2", INTERNAL),
+    ("jaxmp.fp8.FP8_DTYPES", "jaxmp.fp8.formats.FP8_DTYPES", INTERNAL),
+    ("jaxmp.fp8.fp8_max", "jaxmp.fp8.formats.fp8_max", INTERNAL),
+    ("jaxmp.fp8.REDUCTIONS", "jaxmp.fp8.recipes.REDUCTIONS", INTERNAL),
+    ("jaxmp.fp8.describe", "jaxmp.fp8.recipes.describe", INTERNAL),
+    ("jaxmp.fp8.amax", "jaxmp.fp8.scaling.amax", INTERNAL),
+    ("jaxmp.fp8.compute_scale", "jaxmp.fp8.scaling.compute_scale", INTERNAL),
+    ("jaxmp.fp8.dequantize", "jaxmp.fp8.scaling.dequantize", INTERNAL),
+    ("jaxmp.fp8.qdq", "jaxmp.fp8.scaling.qdq", INTERNAL),
+    ("jaxmp.fp8.quantize", "jaxmp.fp8.scaling.quantize", INTERNAL),
+    ("jaxmp.fp8.update_meta", "jaxmp.fp8.scaling.update_meta", INTERNAL),
+    ("jaxmp.fp8.FP8_COLLECTION", "jaxmp.fp8.state.FP8_COLLECTION", INTERNAL),
+    ("jaxmp.fp8.LAYER_TENSORS", "jaxmp.fp8.state.LAYER_TENSORS", INTERNAL),
+    ("jaxmp.fp8.Fp8Scales", "jaxmp.fp8.state.Fp8Scales", INTERNAL),
+    ("jaxmp.fp8.init_layer_state", "jaxmp.fp8.state.init_layer_state", INTERNAL),
+    ("jaxmp.fp8.layer_scales", "jaxmp.fp8.state.layer_scales", INTERNAL),
+    ("jaxmp.fp8.native_fp8", "jaxmp.fp8.hardware.native_fp8", INTERNAL),
+    # --- jaxmp.flax -----------------------------------------------------------------------------
+    ("jaxmp.flax.ModuleRule", "jaxmp.engine.rules.ModuleRule", INTERNAL),
+    ("jaxmp.flax.DEFAULT_HALF_MODULES", "jaxmp.flax.overrides.DEFAULT_HALF_MODULES", INTERNAL),
+    ("jaxmp.flax.DEFAULT_NORM_MODULES", "jaxmp.flax.overrides.DEFAULT_NORM_MODULES", INTERNAL),
+    # --- jaxmp.diagnostics ---------------------------------------------------------------------
+    ("jaxmp.diagnostics.amdahl", "jaxmp.diagnostics.precision_report.amdahl", INTERNAL),
+    ("jaxmp.diagnostics.analyze_jaxpr", "jaxmp.diagnostics.precision_report.analyze_jaxpr", INTERNAL),
+    ("jaxmp.diagnostics.suggest_loss_scale", "jaxmp.diagnostics.gradient_stats.suggest_loss_scale", INTERNAL),
+    # --- removed before 0.1.0: the old places raise an AttributeError naming the new one -----
+    *((f"jaxmp.{name}", f"{_P}.{name}", REMOVED) for name in (
+        "all_reduce_gradients", "check_replicated", "distributed_info", "initialize_distributed",
+        "make_data_mesh", "make_global_batch", "make_pmap_train_step", "make_sharded_train_step",
+        "prefetch_to_device", "process_batch_slice", "process_dataset_range",
+        "replicate", "replicate_on_mesh", "replicated_sharding", "shard_batch", "unreplicate",
+        "DistributedInfo")),
+    ("jaxmp.batch_sharding", f"{_P}.sharding.batch_sharding", REMOVED),
+    ("jaxmp.prefetch_to_mesh", f"{_P}.sharding.prefetch_to_mesh", REMOVED),
+    ("jaxmp.is_replicated", f"{_P}.replication.is_replicated", REMOVED),
+    ("jaxmp.per_device_batch_size", f"{_P}.batching.per_device_batch_size", REMOVED),
+    ("jaxmp.unshard_batch", f"{_P}.batching.unshard_batch", REMOVED),
+    ("jaxmp.policy.half_dtype", "jaxmp.half_dtype", REMOVED),
+    ("jaxmp.policy.parse_dtype", "jaxmp.dtypes.parse_dtype", REMOVED),
+    ("jaxmp.policy.canonical_float_dtype", "jaxmp.dtypes.canonical_float_dtype", REMOVED),
+    ("jaxmp.policy.is_floating_array", "jaxmp.dtypes.is_floating_array", REMOVED),
+    ("jaxmp.policy.cast_floating", "jaxmp.cast_floating", REMOVED),
+    ("jaxmp.policy.cast_to_full", "jaxmp.cast_to_full", REMOVED),
+    ("jaxmp.policy.cast_to_half", "jaxmp.cast_to_half", REMOVED),
+    ("jaxmp.policy.FP32_CATEGORIES", "jaxmp.presets.FP32_CATEGORIES", REMOVED),
+    ("jaxmp.policy.Recipe", "jaxmp.Recipe", REMOVED),
+    ("jaxmp.policy.preset_half_dtype", "jaxmp.presets.preset_half_dtype", REMOVED),
+    ("jaxmp.policy.get_recipe", "jaxmp.get_recipe", REMOVED),
+    ("jaxmp.policy.get_policy", "jaxmp.get_policy", REMOVED),
+    ("jaxmp.policy.as_policy", "jaxmp.as_policy", REMOVED),
+    ("jaxmp.policy.Recommendation", "jaxmp.platform.Recommendation", REMOVED),
+    ("jaxmp.policy.recommended_policy", "jaxmp.recommended_policy", REMOVED),
+    ("jaxmp.transform.TrainingDivergedError", "jaxmp.TrainingDivergedError", REMOVED),
+    ("jaxmp.transform.apply_updates", "jaxmp.apply_updates", REMOVED),
+    ("jaxmp.transform.check_health", "jaxmp.check_health", REMOVED),
+    ("jaxmp.transform.get_loss_scale", "jaxmp.get_loss_scale", REMOVED),
+    ("jaxmp.transform.last_step_finite", "jaxmp.last_step_finite", REMOVED),
+    ("jaxmp.transform.master_params", "jaxmp.master_params", REMOVED),
+    ("jaxmp.transform.scaling_stats", "jaxmp.scaling_stats", REMOVED),
+    ("jaxmp.transform.skipped_steps", "jaxmp.skipped_steps", REMOVED),
+    ("jaxmp.transform.find_loss_scaling_state", "jaxmp.opt_state.find_loss_scaling_state", REMOVED),
+)
+
+
+def _split(path: str) -> tuple[str, str]:
+    module, _, name = path.rpartition(".")
+    return module, name
+
+
+def rows_for(module: str) -> dict[str, tuple[str, str]]:
+    """``{name: (new place, status)}`` for the names that left ``module``."""
+    out = {}
+    for old, new, status in TABLE:
+        old_module, name = _split(old)
+        if old_module == module:
+            out[name] = (new, status)
+    return out
+
+
+def resolve(path: str) -> Any:
+    """The object at a dotted ``path`` (``jaxmp.flax.TrainState``, ``jaxmp.fp8.scaling.qdq``).
+
+    The longest importable module prefix wins, so a module shadowed by a function of the same
+    name in its package (``jaxmp.diagnostics.precision_report``) is still reached.
+    """
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(f"cannot resolve {path!r}")
+
+
+def message(old: str, new: str, status: str) -> str:
+    """What the old place says: where the name is now, as an import line."""
+    module, name = _split(new)
+    how = f"`from {module} import {name}`" if _split(new)[1] == _split(old)[1] else f"`{new}`"
+    if status == MOVED:
+        return f"{old} moved to {new} ({how}); the old name will be removed in jaxmp {REMOVAL}"
+    if status == INTERNAL:
+        return (f"{old} is no longer public API; it lives at {new} ({how}), an implementation module "
+                f"that may change without notice; the old name will be removed in jaxmp {REMOVAL}")
+    return f"{old} was removed; it is {new} now ({how})"
+
+
+def module_getattr(module: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that serves ``module``'s rows of :data:`TABLE`.
+
+    ``MOVED``/``INTERNAL`` names warn and return the object at their new place; ``REMOVED`` names
+    and unknown names raise ``AttributeError`` (naming the new place where there is one).
+    """
+    rows = rows_for(module)
+
+    def __getattr__(name: str, stacklevel: int = 2) -> Any:
+        # stacklevel: the warning names the line that read the attribute (3 when called through
+        # another __getattr__, as jaxmp's own).
+        if name in rows:
+            new, status = rows[name]
+            text = message(f"{module}.{name}", new, status)
+            if status == REMOVED:
+                raise AttributeError(f"module {module!r} has no attribute {name!r}: {text}")
+            warnings.warn(text, DeprecationWarning, stacklevel=stacklevel)
+            return resolve(new)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
