@@ -191,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         "Data-parallel scaling MODEL (ring all-reduce; not a measurement). Inputs:",
         *[f"  {m.name}: {m.params / 1e6:.1f}M params, single-device step {m.step_time_s * 1e3:.0f} ms" for m in models],
         f"  link bandwidth {args.bandwidth_gbs:g} GB/s, latency {args.latency_us:g} us/hop, overlap {args.overlap:g}",
-        "  T_comm = 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency; fp32 = 4 bytes/param, half = 2",
+        "  T_comm = 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency",
+        "  fp32 = 4 bytes/param, half = 2",
         "",
     ]
     text = "\n".join(inputs) + format_table(table(models, args.devices, args.bandwidth_gbs, args.latency_us,

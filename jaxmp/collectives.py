@@ -1,7 +1,7 @@
 """The gradient all-reduce over a named axis, in float32 by default (pmap, shard_map).
 
-Below both the train-step builder (:mod:`jaxmp.step`) and the data-parallel helpers, so that
-neither the Flax steps nor the builder import :mod:`jaxmp.parallel`; the public name stays
+Below both the train-step builder (`jaxmp.step`) and the data-parallel helpers, so that
+neither the Flax steps nor the builder import `jaxmp.parallel`; the public name stays
 ``jaxmp.parallel.all_reduce_gradients``.
 """
 
@@ -69,7 +69,7 @@ def all_reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: Any = jnp.flo
 
     A half-precision reduce halves the traffic, but the *sum* of scaled gradients can overflow
     float16 (max 65504) even when every replica's gradient fits. That is safe under
-    :func:`jaxmp.loss_scaling`: the overflow yields inf, the finite check runs on the reduced
+    [`jaxmp.loss_scaling`][jaxmp.loss_scaling]: the overflow yields inf, the finite check runs on the reduced
     gradient, so every replica skips the step and backs the scale off together. It is not free:
     each such overflow costs a step, and the scale settles ~log2(n) lower than with a float32
     reduce (less headroom against underflow). bfloat16 has float32's range, so it does not
@@ -77,7 +77,7 @@ def all_reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: Any = jnp.flo
     enough for a bitwise-reproducible comparison with one device up to summation order.
 
     Args:
-      grads: a pytree of per-replica gradients (scaled, as from :func:`jaxmp.value_and_grad`).
+      grads: a pytree of per-replica gradients (scaled, as from [`jaxmp.value_and_grad`][jaxmp.value_and_grad]).
       axis_name: the bound pmap/shard_map axis to reduce over.
       reduce_dtype: dtype of the all-reduce; ``None`` reduces each leaf in its own dtype.
 
@@ -126,7 +126,7 @@ def all_reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: Any = jnp.flo
 def mean_model_state(state: Any, axis_name: Any) -> Any:
     """The model state (BatchNorm statistics) averaged over a pmap axis, bitwise equal on every replica.
 
-    Floating leaves are summed over the axis in float32 (:func:`all_reduce_gradients`) and
+    Floating leaves are summed over the axis in float32 ([`all_reduce_gradients`][jaxmp.parallel.all_reduce_gradients]) and
     divided by the axis size; a leaf that every replica holds bitwise the same (a state the loss
     passes through unchanged, statistics of a frozen layer) is returned as it is, since the mean
     of n equal values need not be that value in floating point and would drift step by step.

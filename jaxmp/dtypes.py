@@ -2,7 +2,7 @@
 
 The bottom of the package: everything else that reads a dtype name or casts a
 pytree goes through here. Names follow jmp's grammar (``f32``, ``full``, ``bf16``,
-``half`` ...); :func:`float_dtype` is the one parser for user-given dtypes.
+``half`` ...); `float_dtype` is the one parser for user-given dtypes.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ SHORT_NAME = {
 
 
 def dtype_names() -> list[str]:
-    """The dtype names :func:`parse_dtype` accepts.
+    """The dtype names [`parse_dtype`][jaxmp.parse_dtype] accepts.
 
     Returns:
       A sorted list of names.
@@ -55,7 +55,7 @@ def dtype_names() -> list[str]:
 def half_dtype() -> np.dtype:
     """Returns the half-precision dtype jmp picks for the current backend.
 
-    bfloat16 on TPU, float16 elsewhere (jmp's semantics; :func:`jaxmp.recommended_policy`
+    bfloat16 on TPU, float16 elsewhere (jmp's semantics; [`jaxmp.recommended_policy`][jaxmp.recommended_policy]
     is the hardware-aware choice).
 
     Returns:
@@ -254,7 +254,7 @@ def cast_to_full(tree: T) -> T:
 
 
 def cast_to_half(tree: T) -> T:
-    """Casts floating leaves to :func:`half_dtype` (jmp's ``cast_to_half``).
+    """Casts floating leaves to [`half_dtype`][jaxmp.half_dtype] (jmp's ``cast_to_half``).
 
     Args:
       tree: any pytree.

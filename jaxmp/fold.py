@@ -1,6 +1,6 @@
 """Folds the gradient unscaling into the optimizer's own reductions (sums of squares, max norms).
 
-The inner chain of :func:`jaxmp.loss_scaling` sees unscaled gradients ``u = g * (1/scale)``.
+The inner chain of [`jaxmp.loss_scaling`][jaxmp.loss_scaling] sees unscaled gradients ``u = g * (1/scale)``.
 Elementwise consumers of ``u`` (Adam's moments, the clip's division) fuse the multiply into
 their own pass, but a reduction such as ``clip_by_global_norm``'s ``sum(u**2)`` may not: on
 XLA:CPU the YNNPACK reduction takes its operand from memory, so ``u`` is written out once
@@ -21,7 +21,7 @@ small scales. A scale below 1 is not folded at all (the caller decides, see
 subnormals to zero) where the unscaled ones do not. Only float32/float64 reductions are
 folded; half-precision arithmetic is never rewritten.
 
-:func:`eval_folded` is ``jax.core.eval_jaxpr`` with that rewrite; nothing else changes.
+`eval_folded` is ``jax.core.eval_jaxpr`` with that rewrite; nothing else changes.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class _Degrees:
 
 
 def has_fold(closed: Any, scale_positions: Sequence[int]) -> bool:
-    """Whether :func:`eval_folded` would rewrite any reduction of ``closed`` (cheap, no tracing)."""
+    """Whether `eval_folded` would rewrite any reduction of ``closed`` (cheap, no tracing)."""
     jaxpr = closed.jaxpr
     scale_vars = [jaxpr.invars[i] for i in scale_positions]
     if not scale_vars:

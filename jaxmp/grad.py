@@ -26,7 +26,7 @@ def value_and_grad(fun: Callable[..., Any], scale_source: Any, argnums: int | Se
     """Like ``jax.value_and_grad``, but differentiates ``loss * loss_scale``.
 
     The returned loss is the true (unscaled) value; the gradients are scaled, which is
-    what :func:`jaxmp.loss_scaling` expects (it unscales them before the inner chain).
+    what [`jaxmp.loss_scaling`][jaxmp.loss_scaling] expects (it unscales them before the inner chain).
     Scaling marks the loss-scale object of ``scale_source``; ``tx.update`` given the same
     optimizer state reads the mark and warns (``MixedPrecisionWarning``) about gradients from a
     plain ``jax.grad`` with a dynamic scale. A float16 loss warns too: cast it to float32.

@@ -2,21 +2,21 @@
 
 Under O2-bf16 with AdamW the training state costs 14 bytes per parameter: the bf16 param (2),
 its float32 master (4) and two float32 moments (8). The transforms here spend less, each as an
-optax transformation that composes with :func:`jaxmp.loss_scaling` (wrap them in it, as any
+optax transformation that composes with [`jaxmp.loss_scaling`][jaxmp.loss_scaling] (wrap them in it, as any
 inner optimizer) and with ``optax.MultiSteps``:
 
-* :func:`bf16_moments` stores the inner optimizer's moments in bfloat16, does its arithmetic in
+* [`bf16_moments`][jaxmp.lean.bf16_moments] stores the inner optimizer's moments in bfloat16, does its arithmetic in
   float32, and rounds the new moments *stochastically* when it stores them. Round-to-nearest
   stalls: Adam's ``nu`` with ``b2 = 0.999`` and ``g**2 = 1`` sticks at 0.25 in bfloat16, since
   ``0.001 * (1 - 0.25)`` is below half a bfloat16 ulp at 0.25, where float32 reaches 0.993 after
   5000 steps; stochastic rounding tracks float32 in expectation.
-* :func:`bf16_params` keeps bfloat16 params with no master copy: the update is computed in
+* [`bf16_params`][jaxmp.lean.bf16_params] keeps bfloat16 params with no master copy: the update is computed in
   float32 and the new param rounded stochastically (arXiv:2010.06192), so an update far below
   half an ulp still moves the param in expectation.
-* :func:`param_remainders` keeps a bfloat16 param plus the low 16 bits of its float32 master
+* [`param_remainders`][jaxmp.lean.param_remainders] keeps a bfloat16 param plus the low 16 bits of its float32 master
   (Apex ``DistributedFusedAdam(store_param_remainders=True)``): the master is reconstructed bit
   for bit, for 2 bytes instead of 4.
-* :func:`preset` builds the useful combinations by name (:data:`PRESETS`, with their bytes per
+* [`preset`][jaxmp.lean.preset] builds the useful combinations by name (`PRESETS`, with their bytes per
   parameter).
 
 **Random bits.** The PRNG key lives in the optimizer state (a raw ``uint32[2]`` threefry2x32
@@ -27,7 +27,7 @@ threefry2x32 is used whatever ``jax_default_prng_impl`` says; with ``jax_threefr
 (JAX's default since 0.5) the bits of an array do not depend on how it is sharded, so stochastic
 rounding under sharded state equals stochastic rounding replicated, and jitted equals eager.
 
-**Skipped steps.** The counter lives in the inner state that :func:`jaxmp.loss_scaling` keeps
+**Skipped steps.** The counter lives in the inner state that [`jaxmp.loss_scaling`][jaxmp.loss_scaling] keeps
 bitwise unchanged on a skipped step: it advances on applied steps only, a skipped step's retry
 draws the same bits, and a run resumed from a checkpoint is bit-exact.
 """
@@ -68,7 +68,7 @@ _IMPL = "threefry2x32"
 
 
 class Bf16MomentsState(NamedTuple):
-    """State of :func:`bf16_moments`.
+    """State of [`bf16_moments`][jaxmp.lean.bf16_moments].
 
     Attributes:
       inner_state: the wrapped transformation's state, its moment leaves (floating, ``ndim >= 1``)
@@ -83,7 +83,7 @@ class Bf16MomentsState(NamedTuple):
 
 
 class Bf16ParamsState(NamedTuple):
-    """State of :func:`bf16_params`.
+    """State of [`bf16_params`][jaxmp.lean.bf16_params].
 
     Attributes:
       inner_state: the wrapped transformation's state, built on a float32 view of the params.
@@ -100,12 +100,12 @@ class Bf16ParamsState(NamedTuple):
 
 
 class ParamRemaindersState(NamedTuple):
-    """State of :func:`param_remainders`.
+    """State of [`param_remainders`][jaxmp.lean.param_remainders].
 
     Attributes:
       inner_state: the wrapped transformation's state, built on the float32 masters.
       remainders: int16 per bfloat16 param leaf, the low 16 bits of its float32 master (see
-        :func:`split_master`); an int16 scalar placeholder (0) for float32 and non-floating leaves (not an empty array:
+        [`split_master`][jaxmp.lean.split_master]); an int16 scalar placeholder (0) for float32 and non-floating leaves (not an empty array:
         orbax cannot save one).
     """
 
@@ -234,7 +234,7 @@ def bf16_moments(inner: optax.GradientTransformation, key: Any = None, *,
       rounding: ``"stochastic"`` (default) or ``"nearest"``.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`Bf16MomentsState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is [`Bf16MomentsState`][jaxmp.lean.Bf16MomentsState].
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -300,7 +300,7 @@ def bf16_params(inner: optax.GradientTransformation, key: Any = None, *,
     """Updates bfloat16 params with no master copy, rounding each new param stochastically.
 
     ``inner`` runs on a float32 view of the params and float32 gradients (its moments are float32
-    unless wrapped in :func:`bf16_moments`); each bfloat16 param becomes
+    unless wrapped in [`bf16_moments`][jaxmp.lean.bf16_moments]); each bfloat16 param becomes
     ``stochastic_round(float32(param) + update)``, so an update far below half an ulp still moves
     the param by the right amount in expectation ("Revisiting BFloat16 Training",
     arXiv:2010.06192). float32 params (if any) are updated in float32; float16 params are refused.
@@ -318,7 +318,7 @@ def bf16_params(inner: optax.GradientTransformation, key: Any = None, *,
       rounding: ``"stochastic"`` (default) or ``"nearest"``.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`Bf16ParamsState`;
+      An ``optax.GradientTransformationExtraArgs`` whose state is [`Bf16ParamsState`][jaxmp.lean.Bf16ParamsState];
       ``update`` requires ``params``.
 
     Example:
@@ -413,7 +413,7 @@ def split_master(master: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def merge_master(param: jax.Array, remainder: jax.Array) -> jax.Array:
-    """The float32 master held as a bfloat16 param and an int16 remainder (inverse of :func:`split_master`).
+    """The float32 master held as a bfloat16 param and an int16 remainder (inverse of [`split_master`][jaxmp.lean.split_master]).
 
     Args:
       param: a bfloat16 array.
@@ -457,14 +457,14 @@ def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTrans
     """Keeps float32 masters as bfloat16 params plus 16-bit remainders, exactly (Apex ``store_param_remainders``).
 
     The state holds, per bfloat16 param, the int16 low half of its float32 master
-    (:func:`split_master`): 2 bytes instead of the 4 of a master copy. ``update`` reconstructs the
-    masters (:func:`merge_master`), runs ``inner`` on them in float32, steps them, and returns the
+    ([`split_master`][jaxmp.lean.split_master]): 2 bytes instead of the 4 of a master copy. ``update`` reconstructs the
+    masters ([`merge_master`][jaxmp.lean.merge_master]), runs ``inner`` on them in float32, steps them, and returns the
     float32 differences that move each param onto the new master's high half; the new low halves
     go into the state. Applied with ``jaxmp.apply_updates`` or ``optax.apply_updates`` (both add
     in float32 and round to bfloat16), the params and remainders reconstruct the new masters bit
     for bit, so training is bitwise that of ``loss_scaling(..., master_weights=True)`` fed the
     same gradients. Two documented differences: the param is the master rounded with ties away
-    from zero (:func:`split_master`), which only differs from ``astype`` when the low half is
+    from zero ([`split_master`][jaxmp.lean.split_master]), which only differs from ``astype`` when the low half is
     exactly 0x8000; and where a step almost cancels a param (``|new| < 2**-16 |old|``), the
     float32 difference cannot carry the new param exactly and the master snaps to the param
     actually applied (remainder 0): an error below one float32 ulp of the old param.
@@ -476,7 +476,7 @@ def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTrans
       inner: the optax transformation run on the float32 masters (e.g. ``optax.adamw``).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`ParamRemaindersState`;
+      An ``optax.GradientTransformationExtraArgs`` whose state is [`ParamRemaindersState`][jaxmp.lean.ParamRemaindersState];
       ``update`` requires ``params``.
 
     Example:
@@ -542,18 +542,18 @@ def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTrans
 
 
 def remainder_master(params: Any, opt_state: Any) -> Any:
-    """The float32 masters held by :func:`param_remainders`: the params merged with their remainders.
+    """The float32 masters held by [`param_remainders`][jaxmp.lean.param_remainders]: the params merged with their remainders.
 
     Args:
       params: the current (bfloat16) params.
-      opt_state: an optimizer state holding a :class:`ParamRemaindersState` (e.g. the
+      opt_state: an optimizer state holding a [`ParamRemaindersState`][jaxmp.lean.ParamRemaindersState] (e.g. the
         ``loss_scaling`` state around it).
 
     Returns:
       The float32 masters, one per param leaf (float32 and non-floating params as they are).
 
     Raises:
-      ValueError: the state holds no (or several) :class:`ParamRemaindersState`.
+      ValueError: the state holds no (or several) [`ParamRemaindersState`][jaxmp.lean.ParamRemaindersState].
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -586,7 +586,7 @@ PRESETS: dict[str, tuple[int, str]] = {
     "remainders-bf16-moments": (8, "exact masters via remainders, SR bf16 moments"),
     "bf16-sr": (6, "SR bf16 params and SR bf16 moments: the leanest; unbiased but noisier"),
 }
-"""The names :func:`preset` takes: name -> (bytes per parameter with AdamW, params plus optimizer
+"""The names [`preset`][jaxmp.lean.preset] takes: name -> (bytes per parameter with AdamW, params plus optimizer
 state, O(1) scalars aside; what the recipe trades)."""
 
 #: Bytes per parameter with AdamW when the params are float32, not bfloat16 (plain float32 AdamW:
@@ -618,7 +618,7 @@ def _warn_on_float32_params(name: str, tx: optax.GradientTransformationExtraArgs
 
 def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
            accumulate_steps: int = 1) -> optax.GradientTransformationExtraArgs:
-    """A memory-lean recipe by name, to wrap in :func:`jaxmp.loss_scaling` (with bfloat16 params).
+    """A memory-lean recipe by name, to wrap in [`jaxmp.loss_scaling`][jaxmp.loss_scaling] (with bfloat16 params).
 
     | name | bytes/param with AdamW | composition |
     |---|---|---|
@@ -634,7 +634,7 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
     remainders and stochastically rounded params change only on the steps that apply an update.
 
     Args:
-      name: a key of :data:`PRESETS`.
+      name: a key of `PRESETS`.
       inner: the optax optimizer (e.g. ``optax.adamw(1e-3)``).
       key: an int seed or threefry2x32 key; required by the presets that round stochastically
         (the params and the moments draw from ``fold_in(key, 1)`` and ``fold_in(key, 2)``).

@@ -7,7 +7,7 @@ is static), so every field survives ``jit``/``tree_map``/checkpointing (jmp drop
 every dynamic scale has a floor (a normal float32 > 0), so no scale can reach 0, a subnormal,
 inf or NaN, and a scale recovers after any number of overflows (one restored damaged -- NaN,
 0, inf -- on its next adjust). A scale given as a concrete array is validated when a transform
-is built with it (:func:`make_loss_scale`), not by the constructor, which JAX calls on every
+is built with it ([`make_loss_scale`][jaxmp.make_loss_scale]), not by the constructor, which JAX calls on every
 tree rebuild.
 """
 
@@ -243,7 +243,7 @@ def _check_config(period, factor, backoff, lo, hi):
 class DynamicLossScale(_Scaling):
     """Dynamic loss scaling: grow while gradients stay finite, back off when they overflow.
 
-    Exact rule, applied by :meth:`adjust` once per step::
+    Exact rule, applied by [`adjust`][jaxmp.DynamicLossScale.adjust] once per step::
 
         if grads_finite:
             counter += 1
@@ -258,7 +258,7 @@ class DynamicLossScale(_Scaling):
     So with the defaults the scale doubles on the 2000th consecutive finite step.
     Every scale has a floor: ``min_loss_scale`` must be a normal float32 (>= 2**-126), so
     the scale can never reach 0 and recovers once gradients are finite again, after any
-    number of overflows. :meth:`torch_parity` reproduces ``torch.amp.GradScaler``'s sequence
+    number of overflows. [`torch_parity`][jaxmp.DynamicLossScale.torch_parity] reproduces ``torch.amp.GradScaler``'s sequence
     exactly while torch's scale stays >= 2**-126 (torch has no floor and dies at 0).
 
     The scale and counter are pytree leaves (float32 and int32); the configuration
@@ -331,7 +331,7 @@ class DynamicLossScale(_Scaling):
         (pytorch/pytorch#99640); here it stops at the floor and grows back.
 
         Returns:
-          A :class:`DynamicLossScale` whose scale sequence matches GradScaler's for the same
+          A [`DynamicLossScale`][jaxmp.DynamicLossScale] whose scale sequence matches GradScaler's for the same
           sequence of finite / non-finite steps while GradScaler's scale is >= 2**-126.
 
         Example:
@@ -356,10 +356,10 @@ class DynamicLossScale(_Scaling):
         """Returns the next loss scale given whether this step's gradients were finite.
 
         Args:
-          grads_finite: a boolean scalar (e.g. from :func:`all_finite`).
+          grads_finite: a boolean scalar (e.g. from [`all_finite`][jaxmp.all_finite]).
 
         Returns:
-          The new :class:`DynamicLossScale` (same configuration).
+          The new [`DynamicLossScale`][jaxmp.DynamicLossScale] (same configuration).
         """
         grads_finite = check_flag(grads_finite)
         scale = self.loss_scale.astype(jnp.float32)
@@ -430,7 +430,7 @@ def register_flax_serialization(force: bool = False) -> bool:
 
     jaxmp does not import Flax: this registers only once Flax is loaded (or imports it with
     ``force``). It runs when jaxmp is imported after Flax, whenever a loss-scaling transform or
-    its state is built, and when :mod:`jaxmp.flax` is imported, so a state serialized with Flax
+    its state is built, and when `jaxmp.flax` is imported, so a state serialized with Flax
     has its scales registered. The state dict holds the leaves (scale, counter); the
     configuration comes from the target restored into, as for every Flax state.
 
@@ -474,7 +474,7 @@ def make_loss_scale(spec: Any = "dynamic") -> LossScale:
         for a static scale.
 
     Returns:
-      A :class:`NoOpLossScale`, :class:`StaticLossScale` or :class:`DynamicLossScale`.
+      A [`NoOpLossScale`][jaxmp.NoOpLossScale], [`StaticLossScale`][jaxmp.StaticLossScale] or [`DynamicLossScale`][jaxmp.DynamicLossScale].
 
     Raises:
       ValueError: unknown description, or a number that is not a normal float32 > 0.

@@ -1,6 +1,6 @@
 """Reading a loss-scaling optimizer state: the loss scale, telemetry, masters, health.
 
-Works on any pytree holding a :class:`jaxmp.LossScalingState` (``optax.chain`` and
+Works on any pytree holding a [`jaxmp.LossScalingState`][jaxmp.LossScalingState] (``optax.chain`` and
 ``MultiSteps`` states, train states).
 """
 
@@ -19,18 +19,18 @@ from jaxmp.transform import (NON_FINITE_GRADIENTS, NON_FINITE_LOSS, NON_FINITE_U
 
 
 class TrainingDivergedError(FloatingPointError):
-    """Raised by :func:`check_health` when too many steps in a row were skipped."""
+    """Raised by [`check_health`][jaxmp.check_health] when too many steps in a row were skipped."""
 
 
 def find_loss_scaling_state(tree: Any) -> LossScalingState:
-    """Finds the single :class:`LossScalingState` inside an optimizer state (or train state).
+    """Finds the single [`LossScalingState`][jaxmp.LossScalingState] inside an optimizer state (or train state).
 
     Args:
       tree: an optax state, possibly nested (``optax.chain``, ``MultiSteps``), or any
         pytree holding one (e.g. a train state).
 
     Returns:
-      The :class:`LossScalingState`.
+      The [`LossScalingState`][jaxmp.LossScalingState].
 
     Raises:
       ValueError: none or several are found.
@@ -55,7 +55,7 @@ def get_loss_scale(source: Any) -> LossScale:
     """Returns the current loss-scale object from an optimizer state, or ``source`` if it is one.
 
     Args:
-      source: a loss-scale object, a :class:`LossScalingState`, or a pytree holding one.
+      source: a loss-scale object, a [`LossScalingState`][jaxmp.LossScalingState], or a pytree holding one.
 
     Returns:
       The loss-scale pytree.
@@ -75,7 +75,7 @@ def scaling_stats(opt_state: Any) -> dict[str, jax.Array]:
     """Loss-scaling telemetry for logging; works inside ``jit``.
 
     Args:
-      opt_state: an optimizer state holding a :class:`LossScalingState`.
+      opt_state: an optimizer state holding a [`LossScalingState`][jaxmp.LossScalingState].
 
     Returns:
       ``{"loss_scale": f32, "last_step_finite": bool, "consecutive_skips": i32, "total_skips": i32}``.
@@ -99,7 +99,7 @@ def last_step_finite(opt_state: Any) -> jax.Array:
     """Whether the last update's gradients were finite (i.e. it was applied).
 
     Args:
-      opt_state: an optimizer state holding a :class:`LossScalingState`.
+      opt_state: an optimizer state holding a [`LossScalingState`][jaxmp.LossScalingState].
 
     Returns:
       A boolean scalar array.
@@ -116,7 +116,7 @@ def skipped_steps(opt_state: Any) -> jax.Array:
     """Total number of skipped (non-finite) steps since ``init``.
 
     Args:
-      opt_state: an optimizer state holding a :class:`LossScalingState`.
+      opt_state: an optimizer state holding a [`LossScalingState`][jaxmp.LossScalingState].
 
     Returns:
       An int32 scalar array.
@@ -130,10 +130,10 @@ def skipped_steps(opt_state: Any) -> jax.Array:
 
 
 def master_params(opt_state: Any) -> Any:
-    """The float32 master copy kept by :func:`jaxmp.transform.master_weights` (``loss_scaling(..., master_weights=True)``).
+    """The float32 master copy kept by `jaxmp.transform.master_weights` (``loss_scaling(..., master_weights=True)``).
 
     Args:
-      opt_state: an optimizer state holding a :class:`LossScalingState`.
+      opt_state: an optimizer state holding a [`LossScalingState`][jaxmp.LossScalingState].
 
     Returns:
       The master params pytree.
@@ -225,7 +225,7 @@ def check_health(opt_state: Any, max_consecutive_skips: int = 50, *, tree: Any =
     (it syncs). Replicated states (from ``pmap``) are checked on every replica.
 
     Args:
-      opt_state: an optimizer state holding a :class:`jaxmp.LossScalingState`.
+      opt_state: an optimizer state holding a [`jaxmp.LossScalingState`][jaxmp.LossScalingState].
       max_consecutive_skips: how many skipped steps in a row are tolerated (>= 1).
       tree: optionally the gradients (or updates) of the last step: the message then names
         the first leaf holding inf/NaN.

@@ -11,10 +11,10 @@ from jaxmp.presets import Recipe, get_recipe
 
 
 class Recommendation(NamedTuple):
-    """What :func:`recommended_policy` returns.
+    """What [`recommended_policy`][jaxmp.recommended_policy] returns.
 
     Attributes:
-      recipe: the recommended :class:`~jaxmp.Recipe` (its ``policy`` is the dtypes).
+      recipe: the recommended [`Recipe`][jaxmp.Recipe] (its ``policy`` is the dtypes).
       reason: one sentence saying why, naming the device.
     """
 
@@ -54,7 +54,7 @@ def recommended_policy(device: Any = None, *, platform: str | None = None,
       compute_capability: overrides the GPU's compute capability (``"8.0"``).
 
     Returns:
-      A :class:`Recommendation` with ``recipe`` (and ``policy``) and ``reason``.
+      A [`Recommendation`][jaxmp.Recommendation] with ``recipe`` (and ``policy``) and ``reason``.
 
     Raises:
       ValueError: an unknown platform, or a GPU whose compute capability is unknown.

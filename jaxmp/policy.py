@@ -1,11 +1,11 @@
 """The ``Policy`` record: which dtype parameters are stored, computed and returned in.
 
-:class:`Policy` is a ``jmp.Policy`` (a subclass), so it goes wherever jmp's does
+[`Policy`][jaxmp.Policy] is a ``jmp.Policy`` (a subclass), so it goes wherever jmp's does
 (Haiku's ``hk.mixed_precision.set_policy``, code typed against jmp), with two
 additions: its dtypes are validated and canonicalised when it is built, and its
-casts touch floating array leaves only. :func:`parse_policy_grammar` reads jmp's
+casts touch floating array leaves only. `parse_policy_grammar` reads jmp's
 ``"params=...,compute=...,output=..."`` grammar; presets and the string entry points
-(:func:`jaxmp.get_policy`, :func:`jaxmp.presets.resolve_policy`) live in :mod:`jaxmp.presets`.
+(`jaxmp.get_policy`, `jaxmp.presets.resolve_policy`) live in `jaxmp.presets`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Policy(jmp.Policy):
 
 
 def parse_policy_grammar(text: str) -> Policy:
-    """Parses jmp's policy grammar (not presets: see :func:`jaxmp.get_policy`).
+    """Parses jmp's policy grammar (not presets: see [`jaxmp.get_policy`][jaxmp.get_policy]).
 
     ``"params=float32,compute=bfloat16,output=float32"`` with short keys ``p``/``c``/``o``;
     unspecified params default to f32, compute follows params and output follows compute;
@@ -85,7 +85,7 @@ def parse_policy_grammar(text: str) -> Policy:
       text: the string.
 
     Returns:
-      A :class:`Policy`.
+      A [`Policy`][jaxmp.Policy].
 
     Raises:
       ValueError: malformed string, unknown key or unknown dtype name.

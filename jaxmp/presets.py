@@ -1,9 +1,9 @@
 """Presets (Apex ``O0``-``O3``, Keras names) as recipes, and the string entry points.
 
 Every policy string a user passes is parsed once, here, into typed objects:
-:func:`resolve_policy` returns the :class:`~jaxmp.Policy` and, for a preset, the
-:class:`Recipe` that goes with it (master weights, loss scale, fp32 op categories).
-:func:`get_policy`, :func:`as_policy` and :func:`get_recipe` are views of it.
+[`resolve_policy`][jaxmp.resolve_policy] returns the [`Policy`][jaxmp.Policy] and, for a preset, the
+[`Recipe`][jaxmp.Recipe] that goes with it (master weights, loss scale, fp32 op categories).
+[`get_policy`][jaxmp.get_policy], [`as_policy`][jaxmp.as_policy] and [`get_recipe`][jaxmp.get_recipe] are views of it.
 """
 
 from __future__ import annotations
@@ -58,12 +58,12 @@ class Recipe(NamedTuple):
       name: the preset name (``"O2"``, ``"mixed_float16"`` ...).
       policy: the dtypes.
       master_weights: whether the optimizer keeps an fp32 master copy of
-        half-precision params (Apex O2); pass to :func:`jaxmp.loss_scaling`.
-      loss_scale: ``"dynamic"`` or ``"none"``; :func:`jaxmp.make_loss_scale` turns it
+        half-precision params (Apex O2); pass to [`jaxmp.loss_scaling`][jaxmp.loss_scaling].
+      loss_scale: ``"dynamic"`` or ``"none"``; [`jaxmp.make_loss_scale`][jaxmp.make_loss_scale] turns it
         into a loss-scale object.
       keep_fp32: op categories (subset of ``("norm", "softmax", "loss")``) that run in
         float32 whatever the compute dtype.
-      fp8: None, or the :mod:`jaxmp.fp8` recipe (``DelayedScaling`` / ``CurrentScaling``) the
+      fp8: None, or the `jaxmp.fp8` recipe (``DelayedScaling`` / ``CurrentScaling``) the
         half list's matmuls and convolutions run with (the ``O2-fp8`` presets).
     """
 
@@ -79,7 +79,7 @@ def preset_half_dtype(device: Any = None) -> np.dtype:
     """The half dtype a preset without ``-bf16``/``-fp16`` uses: the hardware's fast one.
 
     bfloat16 on TPU and on GPUs of compute capability >= 8.0, float16 elsewhere. (jmp's
-    ``half`` in the policy grammar keeps jmp's meaning: see :func:`jaxmp.half_dtype`.)
+    ``half`` in the policy grammar keeps jmp's meaning: see [`jaxmp.half_dtype`][jaxmp.half_dtype].)
 
     Args:
       device: a ``jax.Device``; defaults to the first local device.
@@ -123,7 +123,7 @@ def _keras_recipe(name: str) -> Recipe:
 
 
 def parse_preset(name: str) -> Recipe | None:
-    """The :class:`Recipe` of a preset name, or None when ``name`` is not one.
+    """The [`Recipe`][jaxmp.Recipe] of a preset name, or None when ``name`` is not one.
 
     Args:
       name: a string.
@@ -168,11 +168,11 @@ def _unknown(text: str) -> ValueError:
 
 
 def resolve_policy(policy: Any) -> tuple[Policy, Recipe | None]:
-    """The one parser of user-given policies: a typed :class:`Policy` and, for presets, the Recipe.
+    """The one parser of user-given policies: a typed [`Policy`][jaxmp.Policy] and, for presets, the Recipe.
 
     Args:
-      policy: a :class:`jaxmp.Policy`, a ``jmp.Policy`` (or any object with
-        ``param_dtype``/``compute_dtype``/``output_dtype``), a :class:`Recipe`, or a string:
+      policy: a [`jaxmp.Policy`][jaxmp.Policy], a ``jmp.Policy`` (or any object with
+        ``param_dtype``/``compute_dtype``/``output_dtype``), a [`Recipe`][jaxmp.Recipe], or a string:
         a preset (``"O1"``, ``"O2-bf16"``, ``"mixed_float16"``), a dtype name or jmp's grammar.
 
     Returns:
@@ -210,9 +210,9 @@ def resolve_policy(policy: Any) -> tuple[Policy, Recipe | None]:
 
 
 def get_recipe(name: str) -> Recipe:
-    """Returns an Apex-style level or Keras policy name as a full :class:`Recipe`.
+    """Returns an Apex-style level or Keras policy name as a full [`Recipe`][jaxmp.Recipe].
 
-    Levels (``half`` is :func:`preset_half_dtype` -- bfloat16 on TPU and Ampere+ GPUs, float16
+    Levels (``half`` is `preset_half_dtype` -- bfloat16 on TPU and Ampere+ GPUs, float16
     elsewhere -- unless the name says ``-bf16`` / ``-fp16``):
 
     * ``O0``: everything float32, no loss scaling.
@@ -224,7 +224,7 @@ def get_recipe(name: str) -> Recipe:
     * ``O2-fp8`` / ``O2-fp8-current``: O2-bf16 with the half list's matmuls and convolutions
       in fp8 (E4M3 forward, E5M2 gradients) under delayed scaling (Transformer Engine's
       defaults: history 1024, max, margin 0) or per-tensor current scaling. Emulated on CPU;
-      native on GPUs with fp8 Tensor Cores (see :func:`jaxmp.fp8.check_hardware`).
+      native on GPUs with fp8 Tensor Cores (see [`jaxmp.fp8.check_hardware`][jaxmp.fp8.check_hardware]).
     * Keras: ``float32`` (= O0), ``mixed_float16`` / ``mixed_bfloat16`` (float32
       params, half compute, float32 output; dynamic scaling for float16).
 
@@ -232,7 +232,7 @@ def get_recipe(name: str) -> Recipe:
       name: the preset name.
 
     Returns:
-      The :class:`Recipe`.
+      The [`Recipe`][jaxmp.Recipe].
 
     Raises:
       TypeError: ``name`` is not a string.
@@ -259,13 +259,13 @@ def get_policy(policy_name: str) -> Policy:
     ``p``/``c``/``o``; unspecified params default to f32, compute follows params and
     output follows compute; a bare dtype name (``"half"``, ``"f32"``) sets all three.
     Presets: ``"O0"``..``"O3"`` (optionally ``"O2-bf16"``), ``"float32"``,
-    ``"mixed_float16"``, ``"mixed_bfloat16"`` -- see :func:`get_recipe`.
+    ``"mixed_float16"``, ``"mixed_bfloat16"`` -- see [`get_recipe`][jaxmp.get_recipe].
 
     Args:
       policy_name: the string.
 
     Returns:
-      A :class:`Policy`.
+      A [`Policy`][jaxmp.Policy].
 
     Raises:
       TypeError: ``policy_name`` is not a string.
@@ -284,13 +284,13 @@ def get_policy(policy_name: str) -> Policy:
 
 
 def as_policy(policy: Any) -> Policy:
-    """Returns a jaxmp :class:`Policy` from a Policy, a ``jmp.Policy``, a Recipe or a policy string.
+    """Returns a jaxmp [`Policy`][jaxmp.Policy] from a Policy, a ``jmp.Policy``, a Recipe or a policy string.
 
     Args:
-      policy: anything :func:`resolve_policy` accepts.
+      policy: anything [`resolve_policy`][jaxmp.resolve_policy] accepts.
 
     Returns:
-      A :class:`Policy`.
+      A [`Policy`][jaxmp.Policy].
 
     Raises:
       TypeError: ``policy`` is none of those.

@@ -1,7 +1,7 @@
 """``python -m jaxmp.selfcheck``: run jaxmp.autocast's contract on this install and print what holds.
 
 Every check traces a small program and reads the dtypes of its ops (see
-:mod:`jaxmp.engine.contract`): the composition table (each op class under each JAX
+`jaxmp.engine.contract`): the composition table (each op class under each JAX
 transformation, in both orders) and the constructs (padding masks, O2 state, custom_vjp,
 norms). Takes well under a minute on a CPU. Exit code 0 when everything holds, 1 otherwise.
 """

@@ -1,13 +1,13 @@
 """The skip decision: is a step finite, and keep the new state or the old one.
 
 One owner for "finite? then the new state, else the old one": the loss-scaling
-transform, both Flax train states and the parallel helpers call :func:`keep_if_finite`.
+transform, both Flax train states and the parallel helpers call [`keep_if_finite`][jaxmp.keep_if_finite].
 
 Why not ``optax.apply_if_finite``: it also skips non-finite updates, but after
 ``max_consecutive_errors`` failures in a row it *applies* the non-finite update, and it
 has no loss scale to back off, so a half-precision run that keeps overflowing would
 write inf/NaN into the params. jaxmp never applies a non-finite update; a run stuck
-skipping is reported by :func:`jaxmp.check_health` instead.
+skipping is reported by [`jaxmp.check_health`][jaxmp.check_health] instead.
 """
 
 from __future__ import annotations

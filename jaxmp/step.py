@@ -1,7 +1,7 @@
 """The one train-step builder: scaled gradients, all-reduce, the fused skip-aware update.
 
-The Linen and NNX steps (:mod:`jaxmp.flax`) and the pmap and sharded-jit steps
-(:mod:`jaxmp.parallel`) are thin adapters over :func:`make_step`: each turns its model into a
+The Linen and NNX steps (`jaxmp.flax`) and the pmap and sharded-jit steps
+(`jaxmp.parallel`) are thin adapters over `make_step`: each turns its model into a
 loss function of ``(params, model_state, batch, rng)`` and calls the step this returns. One
 step, in order:
 
@@ -9,11 +9,11 @@ step, in order:
    state (and, with delayed fp8 scaling, the fp8 state, whose gradient is the observed amaxes);
 2. with ``axis_name`` (pmap / shard_map) the gradients are averaged in ``reduce_dtype``
    (float32) *before* the update, so every replica checks the same gradients;
-3. :func:`jaxmp.transform.update_and_apply`: unscale, check, run the optimizer and step the
+3. `jaxmp.transform.update_and_apply`: unscale, check, run the optimizer and step the
    params inside one skip (``lax.cond`` off GPU, ``lax.select`` on GPU), so the compiled update
    makes the passes of a bare optax step plus one finiteness reduction;
 4. the new model state (BatchNorm statistics, fp8 scales) is kept only if the step was applied
-   (:func:`jaxmp.skip.keep_if_finite`).
+   ([`jaxmp.skip.keep_if_finite`][jaxmp.keep_if_finite]).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Fp8Hooks(NamedTuple):
         gradient is the amaxes the step observed), ``rest`` is not.
       merge: ``(rest, fp8_state) -> model_state``, what the loss function is given (also used
         to put the updated fp8 state into the new model state).
-      update: ``(fp8_state, observed) -> new fp8_state`` (:func:`jaxmp.fp8.update_state`).
+      update: ``(fp8_state, observed) -> new fp8_state`` ([`jaxmp.fp8.update_state`][jaxmp.fp8.update_state]).
     """
 
     split: Callable[[Any], tuple[Any, Any]]
@@ -79,7 +79,7 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
     Args:
       loss_fn: ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, aux))``,
         the loss a scalar (computed in float32).
-      tx: the optax transformation holding a :func:`jaxmp.loss_scaling` state.
+      tx: the optax transformation holding a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state.
       axis_name: a bound pmap / shard_map axis: gradients are averaged over it in
         ``reduce_dtype`` and the loss is ``pmean``-ed. ``None`` under plain or sharded ``jit``.
       reduce_dtype: dtype of the gradient all-reduce (float32; None: each gradient's own).
@@ -88,9 +88,9 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
         is what ``tx.update`` sees, so every replica records the same reason for a skip.
       reduce_model_state: applied to the new model state before it is kept (e.g. a mean of
         BatchNorm statistics over the replicas); default none.
-      fp8_hooks: delayed-scaling fp8 state inside the model state (:class:`Fp8Hooks`).
+      fp8_hooks: delayed-scaling fp8 state inside the model state (`Fp8Hooks`).
       keep_model_state: ``(finite, new, old) -> kept``, the skip rule of the model state
-        (default :func:`jaxmp.skip.keep_if_finite`; NNX keeps RNG counters moving).
+        (default [`jaxmp.skip.keep_if_finite`][jaxmp.keep_if_finite]; NNX keeps RNG counters moving).
       pass_value: give ``tx.update`` the loss as ``value`` (``skip_reason`` then tells a
         non-finite loss from non-finite gradients).
 

@@ -2,12 +2,12 @@
 
 Two small factories that compose, optax style:
 
-* :func:`master_weights` keeps a float32 copy of (half-precision) params and runs the
+* [`master_weights`][jaxmp.master_weights] keeps a float32 copy of (half-precision) params and runs the
   inner chain on it (Apex O2);
-* :func:`unscale_and_skip` unscales gradients, checks them, skips a non-finite step
+* [`unscale_and_skip`][jaxmp.unscale_and_skip] unscales gradients, checks them, skips a non-finite step
   (inner state bitwise unchanged, updates ``-0.0``) and adjusts the loss scale.
 
-:func:`loss_scaling` is ``unscale_and_skip(master_weights(inner))`` (or without the
+[`loss_scaling`][jaxmp.loss_scaling] is ``unscale_and_skip(master_weights(inner))`` (or without the
 master part). It is meant to be the outermost transform: the inner chain (clipping,
 weight decay, Adam...) only ever sees true, finite gradients.
 """
@@ -37,7 +37,7 @@ APPLIED, NON_FINITE_LOSS, NON_FINITE_GRADIENTS, NON_FINITE_UPDATES = 0, 1, 2, 3
 
 
 class MasterWeightsState(NamedTuple):
-    """State of :func:`master_weights`.
+    """State of [`master_weights`][jaxmp.master_weights].
 
     Attributes:
       inner_state: the wrapped transformation's state, built on the master copy.
@@ -49,11 +49,11 @@ class MasterWeightsState(NamedTuple):
 
 
 class LossScalingState(NamedTuple):
-    """State of :func:`unscale_and_skip` (and so of :func:`loss_scaling`).
+    """State of [`unscale_and_skip`][jaxmp.unscale_and_skip] (and so of [`loss_scaling`][jaxmp.loss_scaling]).
 
     Attributes:
       inner_state: the wrapped transformation's state (unchanged on skipped steps); a
-        :class:`MasterWeightsState` when master weights are kept.
+        [`MasterWeightsState`][jaxmp.MasterWeightsState] when master weights are kept.
       loss_scale: the current loss-scale pytree (scale is float32 []).
       last_step_finite: bool [], whether the last update was applied.
       consecutive_skips: int32 [], skipped steps in a row (0 after an applied step).
@@ -72,7 +72,7 @@ class LossScalingState(NamedTuple):
 
     @property
     def master_params(self) -> Any:
-        """The master copy when the inner chain keeps one (:func:`master_weights`), else None."""
+        """The master copy when the inner chain keeps one ([`master_weights`][jaxmp.master_weights]), else None."""
         found = find_states(self.inner_state, MasterWeightsState)
         return found[0].master_params if found else None
 
@@ -152,7 +152,7 @@ def check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
     """``inner`` as an optax transformation with extra-args support, or a ``TypeError``.
 
     Every wrapper of an inner optimizer checks its argument with this (the transforms here and
-    the lean recipes of :mod:`jaxmp.lean`).
+    the lean recipes of `jaxmp.lean`).
 
     Args:
       inner: an optax ``GradientTransformation`` (or anything with ``init`` and ``update``).
@@ -179,8 +179,8 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
     dtype, and stepped like the others); ``update`` casts the (unscaled) gradients
     to it, runs ``inner`` on the master copy (so Adam's moments are float32), steps the
     master, and returns the updates that move each half param onto the cast of the new
-    master. :func:`jaxmp.apply_updates` with the state returns exactly that cast. Compose it
-    under :func:`unscale_and_skip`, which then unscales in ``master_dtype`` and keeps the
+    master. [`jaxmp.apply_updates`][jaxmp.apply_updates] with the state returns exactly that cast. Compose it
+    under [`unscale_and_skip`][jaxmp.unscale_and_skip], which then unscales in ``master_dtype`` and keeps the
     master unchanged on skipped steps.
 
     Args:
@@ -188,7 +188,7 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
       master_dtype: dtype of the master copy (float32; ``"f32"``-style names accepted).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`MasterWeightsState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is [`MasterWeightsState`][jaxmp.MasterWeightsState].
 
     Raises:
       ValueError: a half-precision ``master_dtype`` (updates below half its ulp would never
@@ -276,7 +276,7 @@ def _unscale(loss_scale, grads, keeps_master: bool):
 def apply_to_params(params, updates, state=None):
     """New params from ``updates``; with a master copy in ``state``, its exact cast to each param's dtype.
 
-    The body of :func:`jaxmp.apply_updates`; the fused update of :func:`update_and_apply` runs it
+    The body of [`jaxmp.apply_updates`][jaxmp.apply_updates]; the fused update of `update_and_apply` runs it
     inside the skip, so the params are written once, by the optimizer's own pass.
     """
     found = find_states(state, MasterWeightsState) if state is not None else []
@@ -367,7 +367,7 @@ def _restore(operands: list, grad_leaves: list) -> list:
 
 
 def _fold_is_exact(loss_scale, initial_scale) -> bool:
-    """Whether the scale is >= 1 on every step, known while tracing: then :mod:`jaxmp.fold` is exact.
+    """Whether the scale is >= 1 on every step, known while tracing: then `jaxmp.fold` is exact.
 
     Below 1 the *scaled* squares of a global norm underflow where the unscaled ones do not
     (XLA:CPU flushes subnormals to zero), and a norm of 0 would leave a step unclipped. A
@@ -394,7 +394,7 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
     fuse the unscaling into the inner chain's first elementwise ops, and the finiteness check
     (outside) into a single reduction over the scaled gradients, so no unscaled copy of the
     gradients is ever written out. The inner chain is traced once, to a jaxpr, and evaluated
-    with the unscaling folded out of its reductions (:mod:`jaxmp.fold`: a global norm is
+    with the unscaling folded out of its reductions (`jaxmp.fold`: a global norm is
     computed on the scaled gradients and multiplied by ``1/scale**2``), which XLA:CPU does not
     fuse on its own.
 
@@ -480,18 +480,18 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
                      check_updates: bool | None = None) -> optax.GradientTransformationExtraArgs:
     """Unscales gradients, skips non-finite steps and adjusts the loss scale around ``inner``.
 
-    The loss-scaling half of :func:`loss_scaling` (see it for the full contract); compose with
-    :func:`master_weights` as ``unscale_and_skip(master_weights(inner))``.
+    The loss-scaling half of [`loss_scaling`][jaxmp.loss_scaling] (see it for the full contract); compose with
+    [`master_weights`][jaxmp.master_weights] as ``unscale_and_skip(master_weights(inner))``.
 
     Args:
       inner: the optax transformation to wrap.
-      loss_scale: a loss-scale object or a spec for :func:`jaxmp.make_loss_scale`.
+      loss_scale: a loss-scale object or a spec for [`jaxmp.make_loss_scale`][jaxmp.make_loss_scale].
       axis_name: the ``pmap``/``shard_map`` axis to agree on the finite verdict over.
-      skip_with: ``"cond"``, ``"select"`` or ``"auto"``, as in :func:`loss_scaling`.
-      check_updates: also skip steps whose updates are non-finite; as in :func:`loss_scaling`.
+      skip_with: ``"cond"``, ``"select"`` or ``"auto"``, as in [`loss_scaling`][jaxmp.loss_scaling].
+      check_updates: also skip steps whose updates are non-finite; as in [`loss_scaling`][jaxmp.loss_scaling].
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`LossScalingState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is [`LossScalingState`][jaxmp.LossScalingState].
       ``update`` accepts ``value=loss`` (optax's name for the loss) to tell a non-finite loss
       from non-finite gradients in ``skip_reason``.
 
@@ -608,10 +608,10 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
     ``master_weights`` is set, else ``unscale_and_skip(inner, loss_scale, ...)``. On every
     ``update(grads, state, params)``:
 
-    1. gradients (scaled by :func:`jaxmp.value_and_grad`) are unscaled with the scale that
+    1. gradients (scaled by [`jaxmp.value_and_grad`][jaxmp.value_and_grad]) are unscaled with the scale that
        scaled the loss -- before the inner chain, so clipping and weight decay see true values
        (a sum of squares such as the global norm is computed on the scaled gradients and divided
-       by ``scale**2``, which is bitwise the same for power-of-two scales: :mod:`jaxmp.fold`;
+       by ``scale**2``, which is bitwise the same for power-of-two scales: `jaxmp.fold`;
        known limit: where a squared *scaled* gradient leaves float32, ``|g| * scale > 1.8e19``,
        the folded norm is inf and ``clip_by_global_norm`` zeroes that step's update; a scale
        that can go below 1 -- ``"torch"``'s floor, a static scale < 1 -- is never folded);
@@ -629,7 +629,7 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
        and the state records why a skipped step was skipped (``skip_reason``).
 
     A non-finite update is never applied, however many steps in a row overflow; call
-    :func:`jaxmp.check_health` on the host to stop a run that keeps skipping.
+    [`jaxmp.check_health`][jaxmp.check_health] on the host to stop a run that keeps skipping.
 
     Schedules inside the inner chain count the inner step counter, which advances on applied
     steps only. Gradient accumulation: put ``optax.MultiSteps`` *inside*
@@ -641,12 +641,12 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
 
     Master weights (Apex O2): with ``master_weights=True`` the model's params may be stored in
     float16/bfloat16; the inner chain runs on a ``master_dtype`` copy kept in the state, and
-    :func:`jaxmp.apply_updates` returns the master cast to each param's dtype, bit for bit.
+    [`jaxmp.apply_updates`][jaxmp.apply_updates] returns the master cast to each param's dtype, bit for bit.
     With float32 params leave it off: gradients then come back float32 already.
 
     Args:
       inner: the optax transformation to wrap (e.g. ``optax.chain(clip, adamw)``).
-      loss_scale: a loss-scale object or a spec for :func:`jaxmp.make_loss_scale`
+      loss_scale: a loss-scale object or a spec for [`jaxmp.make_loss_scale`][jaxmp.make_loss_scale]
         (``"dynamic"`` default; ``"none"`` for bfloat16/float32; ``"torch"``; a number).
       axis_name: the ``pmap``/``shard_map`` axis to agree on the finite verdict over.
       master_weights: keep a ``master_dtype`` master copy of the params in the state. ``None``
@@ -667,7 +667,7 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic
         master weights, or when the gradients or the inner state hold float16/bfloat16 leaves.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is :class:`LossScalingState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is [`LossScalingState`][jaxmp.LossScalingState].
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
@@ -694,9 +694,9 @@ _master_weights_factory = master_weights
 
 
 def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_args) -> tuple[Any, Any]:
-    """``tx.update`` then :func:`jaxmp.apply_updates`, as one fused step: ``(new_params, new_opt_state)``.
+    """``tx.update`` then [`jaxmp.apply_updates`][jaxmp.apply_updates], as one fused step: ``(new_params, new_opt_state)``.
 
-    For a transform made by :func:`loss_scaling` / :func:`unscale_and_skip` the params are
+    For a transform made by [`loss_scaling`][jaxmp.loss_scaling] / [`unscale_and_skip`][jaxmp.unscale_and_skip] the params are
     stepped inside the skip (``lax.cond`` or ``lax.select``), so the compiled program never
     writes the updates out to read them back: it makes the passes of a bare optax step plus one
     finiteness reduction over the gradients. Any other transform (e.g. one that wraps
@@ -707,7 +707,7 @@ def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_a
 
     Args:
       tx: the optax transformation (usually ``jaxmp.loss_scaling(...)``).
-      grads: the scaled gradients (from :func:`jaxmp.value_and_grad`).
+      grads: the scaled gradients (from [`jaxmp.value_and_grad`][jaxmp.value_and_grad]).
       opt_state: ``tx``'s state.
       params: the current params.
       **extra_args: forwarded to ``tx.update`` (e.g. ``value=loss``).

@@ -3,9 +3,9 @@
 Each check runs in Python at trace time (or in ``init``), so it costs nothing per step:
 
 * gradients that were never multiplied by the loss scale, given to a dynamic-scale transform
-  (``jax.grad`` instead of :func:`jaxmp.value_and_grad`): warn, eagerly and under ``jit``; the
-  evidence is a mark on the loss-scale object of the state (:class:`ScaledMark`), no global state;
-* a float16 loss given to :func:`jaxmp.value_and_grad` with a loss scale: warn (its gradient
+  (``jax.grad`` instead of [`jaxmp.value_and_grad`][jaxmp.value_and_grad]): warn, eagerly and under ``jit``; the
+  evidence is a mark on the loss-scale object of the state (`ScaledMark`), no global state;
+* a float16 loss given to [`jaxmp.value_and_grad`][jaxmp.value_and_grad] with a loss scale: warn (its gradient
   overflows float16 at any scale >= 2**16);
 * a float16 autocast region differentiated outside :func:`jaxmp.value_and_grad` (no loss scale,
   so small gradients flush to zero): warn when the differentiation is traced, once per trace;

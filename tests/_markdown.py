@@ -44,6 +44,12 @@ def python_blocks(text: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
 
 
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """``(info, body)`` of every fenced code block in ``text`` (any language), in order."""
+    return [(m.group(2).strip(), m.group(3))
+            for m in re.finditer(r"^(`{3,})([^\n`]*)\n(.*?)^\1[ \t]*$", text, flags=re.S | re.M)]
+
+
 def is_skipped(block: str) -> bool:
     """Whether a block carries the visible not-run marker on its first line (with a reason)."""
     first = block.lstrip("\n").split("\n", 1)[0]

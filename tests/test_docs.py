@@ -43,7 +43,9 @@ CHECKS = {"guides/flax-linen.md": _linen_trained, "diagnostics.md": _diagnostics
 REQUIRES = {"guides/equinox.md": "equinox", "guides/haiku.md": "haiku"}
 # Pages whose examples train models end to end: the slow tier (`pytest -m slow`, run by .ci/run).
 SLOW_PAGES = {"diagnostics.md", "fp8.md", "guides/haiku.md", "guides/flax-linen.md", "guides/flax-nnx.md",
-              "guides/plain-jax.md", "guides/equinox.md"}
+              "guides/plain-jax.md", "guides/equinox.md", "guides/sharded-flax.md", "guides/checkpointing.md",
+              # the README's quick start, run in the default tier by tests/test_readme.py
+              "index.md"}
 
 
 #: Pages whose examples run under standard dtype promotion (the rest under strict, as the suite):
@@ -51,6 +53,7 @@ SLOW_PAGES = {"diagnostics.md", "fp8.md", "guides/haiku.md", "guides/flax-linen.
 STANDARD_PROMOTION_PAGES = {
     **{name: "optax.adam: bias correction is a Python float ** int32 count"
        for name in ("concepts.md", "design.md", "fp8.md", "getting-started.md", "guides/equinox.md",
+                    "index.md", "guides/sharded-flax.md", "guides/checkpointing.md",
                     "guides/flax-linen.md", "guides/flax-nnx.md", "guides/haiku.md", "guides/plain-jax.md",
                     "lean-recipes.md", "migrating/jmp.md", "parallel.md")},
     "diagnostics.md": "flax.linen.avg_pool divides a float16 sum by an int32 window size",
@@ -83,7 +86,8 @@ def test_pages_with_code_are_executed():
     names = {str(p.relative_to(DOCS)) for p in RUNNABLE}
     for name in ["getting-started.md", "concepts.md", "guides/flax-linen.md", "guides/flax-nnx.md",
                  "guides/equinox.md", "guides/haiku.md", "guides/plain-jax.md", "parallel.md",
-                 "diagnostics.md", "migrating/jmp.md", "migrating/flax-dynamic-scale.md"]:
+                 "diagnostics.md", "migrating/jmp.md", "migrating/flax-dynamic-scale.md", "index.md",
+                 "choose-your-way-in.md", "guides/sharded-flax.md", "guides/checkpointing.md"]:
         assert name in names, f"docs/{name} has no executed python block"
 
 
@@ -136,3 +140,38 @@ def test_recorded_results_are_included_not_copied():
         assert f'--8<-- "{recorded.relative_to(ROOT).as_posix()}"' in text, f"experiments.md does not show {recorded}"
     for png in re.findall(r"\]\((recorded/[\w/.-]+\.png)\)", text):
         assert (ROOT / "experiments" / png).is_file(), png
+
+
+def test_home_page_leads_with_the_readme_quick_start():
+    # One way in, one source: the docs home shows the README's quick start, block for block.
+    from _markdown import README, section
+    home = page("index.md").read_text()
+    assert home.index("## Quick start") < home.index("## What is inside")
+    readme_blocks = python_blocks(section("Quick start"))
+    assert python_blocks(section("Quick start", page("index.md"))) == readme_blocks
+    assert "choose-your-way-in.md" in section("Quick start", page("index.md"))
+
+
+def test_home_page_shows_every_headline_capability():
+    inside = " ".join(section_text.split()) if (section_text := __import__("_markdown").section(
+        "What is inside", page("index.md"))) else ""
+    for link in ("autocast.md", "concepts.md#master-weights", "guides/flax-linen.md", "guides/flax-nnx.md",
+                 "parallel.md", "guides/sharded-flax.md", "lean-recipes.md", "fp8.md", "diagnostics.md",
+                 "guides/checkpointing.md", "experiments.md"):
+        assert f"]({link})" in inside, link
+    assert 'layout="zero"' in inside and "master_weights=True" in inside
+    # Text for the project's builders lives on the design page, not on user pages.
+    assert "mkdocs" not in page("index.md").read_text()
+    assert "## Why the site is built with mkdocs" in page("design.md").read_text()
+
+
+def test_choose_your_way_in_answers_the_questions():
+    text = " ".join(page("choose-your-way-in.md").read_text().split())
+    for door in ("`jaxmp.autocast(fn, \"O1\")`", "`jaxmp.flax.mixed_precision(model, \"O1\")`",
+                 "`Policy.cast_to_compute`"):
+        assert door in text, door
+    assert "set_global_policy" in text and "no global policy" in text
+    assert "prefer autocast" in text
+    # The global-policy answer points at what exists.
+    for name in ("float32_region", "autocast_region", "recommended_policy"):
+        assert callable(getattr(__import__("jaxmp"), name)), name

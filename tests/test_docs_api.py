@@ -149,3 +149,36 @@ def test_docs_build_strict(tmp_path):
         assert (kinds[path] == "module") == isinstance(obj, types.ModuleType), \
             f"'::: {path}' rendered a {kinds[path]}, but the name is a {type(obj).__name__}"
     assert (site / "recorded" / "cpu").is_dir()  # the recorded plots are published with the site
+    # Cross-references render as links: no Sphinx role reaches a page as raw text.
+    raw = {f"{page.relative_to(site)}: {m}" for page in site.rglob("*.html")
+           for m in SPHINX_ROLE.findall(re.sub(r"<[^>]+>", "", page.read_text()))}
+    assert not raw, f"raw Sphinx roles in the built site (use [`name`][jaxmp.path] or `name`): {sorted(raw)[:20]}"
+    links = len(re.findall(r'<a class="autorefs autorefs-internal"', html))
+    assert links > 100, f"only {links} cross-reference links in the API reference"
+
+
+#: A Sphinx role as it shows when mkdocstrings leaves it alone (the backquotes become <code>).
+SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj):(?:`[^`]*`|[\w.~]+)")
+
+
+def _docstrings(path: pathlib.Path):
+    """(line, text) of every docstring griffe renders: module/class/function docstrings and the string
+    after an assignment (an attribute docstring)."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        body = getattr(node, "body", None)
+        if not isinstance(body, list):
+            continue
+        for i, stmt in enumerate(body):
+            if (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
+                    and (i == 0 or isinstance(body[i - 1], (ast.Assign, ast.AnnAssign)))):
+                yield stmt.lineno, stmt.value.value
+
+
+def test_docstrings_use_markdown_cross_references():
+    # The API reference is Markdown (mkdocstrings): a Sphinx role would show as raw ':class:`x`' text.
+    found = [f"{path.relative_to(ROOT)}:{line}: {m}" for path in sorted((ROOT / "jaxmp").rglob("*.py"))
+             for line, text in _docstrings(path) for m in SPHINX_ROLE.findall(text)]
+    assert not found, "Sphinx roles in docstrings; write [`name`][jaxmp.path] (or `name` for a target the API " \
+                      "reference does not render):\n" + "\n".join(found[:30])

@@ -109,3 +109,14 @@ def test_what_ci_runs_is_the_version_matrix_the_pages_name():
     versions = re.findall(r"(\d+\.\d+(?:\.\d+)+)", named)
     pythons = re.findall(r"Python (\d+\.\d+)", named)
     assert versions == [j for _, j in tested.MATRIX] and set(pythons) == {p for p, _ in tested.MATRIX}
+
+
+def test_ci_builds_and_checks_the_distributions():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r'"\$PY" -m build --outdir "\$dist" \.', ci)
+    assert re.search(r'"\$PY" -m twine check --strict "\$dist"/\*', ci)
+    assert ci.index("-m build") < ci.index("tests, default tier")  # before the tests: a broken package fails early
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    installed = re.search(r'pip install --quiet -e "\.\[([\w,]+)\]"', ci).group(1).split(",")
+    needed = {name.split(">")[0] for extra in installed for name in extras[extra]}
+    assert {"build", "twine"} <= needed, "CI installs no extra that brings build and twine"

@@ -1,10 +1,10 @@
 """Diagnostics: where does mixed precision help, and where could it hurt?
 
-* :func:`precision_report` -- dtypes, FLOPs and Tensor-Core eligibility of every matmul and
+* [`precision_report`][jaxmp.diagnostics.precision_report.precision_report] -- dtypes, FLOPs and Tensor-Core eligibility of every matmul and
   convolution of a (jitted) step, read off its jaxpr; risky and missed half-precision ops.
-* :func:`gradient_stats` -- log2|g| histograms per parameter group and float16
+* [`gradient_stats`][jaxmp.diagnostics.gradient_stats.gradient_stats] -- log2|g| histograms per parameter group and float16
   underflow/overflow fractions at a loss scale; a suggested static scale; a PNG plot.
-* :func:`input_pipeline_overhead` -- exposed data-loading time and the speed-up cap it implies.
+* [`input_pipeline_overhead`][jaxmp.diagnostics.input_pipeline_overhead] -- exposed data-loading time and the speed-up cap it implies.
 
 Modules: ``precision_report`` (the report), ``jaxpr_walk`` (finding ops in a jaxpr and its
 sub-jaxprs), ``_matmul`` (GEMM geometry and FLOPs), ``gradient_stats``, ``input_pipeline`` and

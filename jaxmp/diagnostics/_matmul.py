@@ -55,7 +55,7 @@ def dot_gemm(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbe
       dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
 
     Returns:
-      A :class:`Gemm`; ``tc_dims`` are ``M``, ``N`` and ``K``.
+      A `Gemm`; ``tc_dims`` are ``M``, ``N`` and ``K``.
 
     Example:
       >>> from jaxmp.diagnostics._matmul import dot_gemm
@@ -85,7 +85,7 @@ def conv_gemm(lhs_shape: Sequence[int], rhs_shape: Sequence[int], out_shape: Seq
       batch_group_count: batch grouping (appears in weight gradients of grouped convs).
 
     Returns:
-      A :class:`Gemm` with ``batch=1``; ``tc_dims`` are the input and output channels per group.
+      A `Gemm` with ``batch=1``; ``tc_dims`` are the input and output channels per group.
 
     Example:
       >>> from jaxmp.diagnostics._matmul import conv_gemm

@@ -1,6 +1,6 @@
-"""Which rule of :func:`jaxmp.autocast` chose the dtype of each op ("explain").
+"""Which rule of [`jaxmp.autocast`][jaxmp.autocast] chose the dtype of each op ("explain").
 
-While :func:`jaxmp.precision_report` traces a step, autocast wraps every op it re-emits in a
+While [`jaxmp.precision_report`][jaxmp.diagnostics.precision_report.precision_report] traces a step, autocast wraps every op it re-emits in a
 ``jaxmp.rule=<rule>`` name scope (``half list``, ``float32 list``, ``follow``, ``user cast``,
 ``as traced``, ``region float32`` ...). This module reads those scopes back off the jaxpr.
 """
@@ -64,7 +64,7 @@ def autocast_ops(jaxpr) -> tuple[AutocastOp, ...]:
       jaxpr: a ``Jaxpr`` or ``ClosedJaxpr`` traced while explain mode was on.
 
     Returns:
-      One :class:`AutocastOp` per op, in program order (empty for code without autocast).
+      One [`AutocastOp`][jaxmp.diagnostics.AutocastOp] per op, in program order (empty for code without autocast).
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmp; from jaxmp.diagnostics.autocast_ops import autocast_ops

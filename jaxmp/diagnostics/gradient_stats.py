@@ -93,10 +93,10 @@ class GroupStats(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class GradientStats:
-    """What :func:`gradient_stats` returns.
+    """What [`gradient_stats`][jaxmp.diagnostics.gradient_stats.gradient_stats] returns.
 
     Attributes:
-      groups: one :class:`GroupStats` per parameter group.
+      groups: one [`GroupStats`][jaxmp.diagnostics.GroupStats] per parameter group.
       total: the same statistics over all gradients (``name == "all"``).
       loss_scale: the scale the float16 fractions were evaluated at.
       headroom: the factor kept below 65504 by the suggestion.
@@ -144,7 +144,7 @@ class GradientStats:
         }
 
     def to_json(self, indent: int | None = 2) -> str:
-        """Returns :meth:`to_dict` as a JSON string."""
+        """Returns [`to_dict`][jaxmp.diagnostics.GradientStats.to_dict] as a JSON string."""
         return json.dumps(self.to_dict(), indent=indent)
 
     def table(self, width: int = 160) -> str:
@@ -154,7 +154,7 @@ class GradientStats:
           width: characters per line the table wraps to.
 
         Returns:
-          The table followed by :meth:`summary`.
+          The table followed by [`summary`][jaxmp.diagnostics.GradientStats.summary].
         """
         rows = []
         for g in (*self.groups, self.total):
@@ -175,7 +175,7 @@ class GradientStats:
         """Saves the log2|g| histograms with float16's limits as a PNG.
 
         One panel for all gradients, then one per group (the first ``max_groups``). Vertical
-        lines mark where values underflow, turn subnormal and overflow at :attr:`loss_scale`.
+        lines mark where values underflow, turn subnormal and overflow at `loss_scale`.
 
         Args:
           path: the output file (``.png``).
@@ -325,7 +325,7 @@ def gradient_stats(grads: Any, loss_scale: Any = 1.0, *, group_by: str = "top",
       headroom: factor the suggested scale keeps ``max|g| * scale`` below 65504 by (>= 1).
 
     Returns:
-      A :class:`GradientStats` with ``.groups``, ``.total``, ``.suggested_loss_scale``,
+      A [`GradientStats`][jaxmp.diagnostics.GradientStats] with ``.groups``, ``.total``, ``.suggested_loss_scale``,
       ``.summary()``, ``.table()``, ``.to_dict()``, ``.to_json()`` and ``.plot(path)``.
 
     Raises:

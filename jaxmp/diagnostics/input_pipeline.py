@@ -24,7 +24,7 @@ from jaxmp.diagnostics import _format
 
 
 class PipelineOverhead(NamedTuple):
-    """What :func:`input_pipeline_overhead` returns (times in seconds, per timed loop).
+    """What [`input_pipeline_overhead`][jaxmp.diagnostics.input_pipeline_overhead] returns (times in seconds, per timed loop).
 
     Attributes:
       num_steps: steps per timed loop.
@@ -110,7 +110,7 @@ def input_pipeline_overhead(step_fn: Callable, state: Any, batches: Iterable, nu
       timer: a clock in seconds (``time.perf_counter``; replaceable for tests).
 
     Returns:
-      A :class:`PipelineOverhead` (``exposed_fraction``, ``max_speedup``, ``summary()``).
+      A [`PipelineOverhead`][jaxmp.diagnostics.PipelineOverhead] (``exposed_fraction``, ``max_speedup``, ``summary()``).
 
     Raises:
       TypeError: ``step_fn`` is not callable or ``batches`` is not iterable.

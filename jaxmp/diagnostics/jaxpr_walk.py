@@ -2,7 +2,7 @@
 
 Sub-jaxprs are walked recursively (``scan``, ``cond``, ``while``, ``remat``,
 ``custom_vjp``/``custom_jvp``, nested ``jit``, ``shard_map`` ...). Counting rules, which the
-totals of :class:`jaxmp.PrecisionReport` depend on:
+totals of [`jaxmp.PrecisionReport`][jaxmp.diagnostics.PrecisionReport] depend on:
 
 * ``scan``: the body's FLOPs are multiplied by ``length`` (nested scans multiply).
 * ``cond``: every branch is listed, but only the costliest branch counts towards totals
@@ -101,7 +101,7 @@ class RiskyOp(NamedTuple):
       dtype: the half dtype it runs in.
       shape: its input shape.
       detail: one sentence on why it is risky and what to do.
-      context, name, source: where it is (as in :class:`MatmulOp`).
+      context, name, source: where it is (as in [`MatmulOp`][jaxmp.diagnostics.MatmulOp]).
     """
 
     primitive: str
@@ -374,7 +374,7 @@ def walk_jaxpr(jaxpr, *, compute_half: bool = False, tc_multiple: int = 8, reduc
       reduction_threshold: element count from which a half-precision sum is risky.
 
     Returns:
-      ``(ops, risky, unknown_trip_counts)``: tuples of :class:`MatmulOp` and :class:`RiskyOp`
+      ``(ops, risky, unknown_trip_counts)``: tuples of [`MatmulOp`][jaxmp.diagnostics.MatmulOp] and [`RiskyOp`][jaxmp.diagnostics.RiskyOp]
       in program order, and the number of ``while`` loops counted once.
     """
     col = _Collector(compute_half=compute_half, multiple=tc_multiple, reduction_threshold=reduction_threshold)

@@ -5,9 +5,9 @@ real data: ``jax.ShapeDtypeStruct`` arguments are enough. The jaxpr is the progr
 XLA may fuse or reorder ops but does not change the operand dtypes a ``dot_general`` asks for,
 which is what this report is about.
 
-For each ``dot_general`` / ``conv_general_dilated`` (found by :mod:`jaxmp.diagnostics.jaxpr_walk`,
+For each ``dot_general`` / ``conv_general_dilated`` (found by `jaxmp.diagnostics.jaxpr_walk`,
 sub-jaxprs included) it records operand and accumulation dtypes, shapes, FLOPs (see
-:mod:`jaxmp.diagnostics._matmul` for the hand-checkable formulas) times the trip count of
+`jaxmp.diagnostics._matmul` for the hand-checkable formulas) times the trip count of
 enclosing ``scan`` loops, and whether the op is Tensor-Core eligible. It lists *risky*
 half-precision ops (exp/log/pow, softmax-like exp->sum, large sums, the loss in half precision)
 and *missed* ones (float32 matmuls in a step whose policy computes in half precision), and
@@ -30,7 +30,7 @@ from jaxmp.diagnostics.jaxpr_walk import MatmulOp, RiskyOp, walk_jaxpr
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
-    """What :func:`precision_report` returns.
+    """What [`precision_report`][jaxmp.diagnostics.precision_report.precision_report] returns.
 
     Attributes:
       ops: every matmul/conv found, in program order.
@@ -39,8 +39,8 @@ class PrecisionReport:
       tensor_core_speedup: assumed speed-up of a Tensor-Core op over float32 (Amdahl input).
       unknown_trip_counts: number of ``while`` loops whose body was counted once.
       tc_multiple: the dimension multiple the Tensor-Core rule asks for.
-      decisions: for a step that runs :func:`jaxmp.autocast`, every op it emitted with the
-        rule that chose its dtype (see :meth:`explain`); empty otherwise.
+      decisions: for a step that runs [`jaxmp.autocast`][jaxmp.autocast], every op it emitted with the
+        rule that chose its dtype (see [`explain`][jaxmp.diagnostics.PrecisionReport.explain]); empty otherwise.
     """
 
     ops: tuple[MatmulOp, ...]
@@ -81,7 +81,7 @@ class PrecisionReport:
     def amdahl_bound(self) -> float:
         """Speed-up bound from the low-precision share: ``1 / ((1 - p) + p / s)``.
 
-        ``p`` = :attr:`low_precision_share`, ``s`` = :attr:`tensor_core_speedup`. An upper bound
+        ``p`` = [`low_precision_share`][jaxmp.diagnostics.PrecisionReport.low_precision_share], ``s`` = `tensor_core_speedup`. An upper bound
         on the matmul part only: it assumes time proportional to FLOPs and ignores everything
         that is not a matmul (data loading, element-wise ops, communication).
         """
@@ -89,13 +89,13 @@ class PrecisionReport:
 
     @property
     def amdahl_bound_tensor_core(self) -> float:
-        """As :attr:`amdahl_bound`, from the Tensor-Core-eligible share (shape rule included)."""
+        """As [`amdahl_bound`][jaxmp.diagnostics.PrecisionReport.amdahl_bound], from the Tensor-Core-eligible share (shape rule included)."""
         return amdahl(self.tensor_core_share, self.tensor_core_speedup)
 
     # -- flagged ops --------------------------------------------------------------------------
     @property
     def shape_ineligible(self) -> tuple[MatmulOp, ...]:
-        """Floating ops with a dimension that is not a multiple of :attr:`tc_multiple`."""
+        """Floating ops with a dimension that is not a multiple of `tc_multiple`."""
         return tuple(op for op in self.ops if op.shape_problems)
 
     @property
@@ -132,7 +132,7 @@ class PrecisionReport:
           width: characters per line.
 
         Returns:
-          A text table (empty string when the step does not use :func:`jaxmp.autocast`).
+          A text table (empty string when the step does not use [`jaxmp.autocast`][jaxmp.autocast]).
         """
         if not self.decisions:
             return ""
@@ -165,7 +165,7 @@ class PrecisionReport:
         }
 
     def to_json(self, indent: int | None = 2) -> str:
-        """Returns :meth:`to_dict` as a JSON string."""
+        """Returns [`to_dict`][jaxmp.diagnostics.PrecisionReport.to_dict] as a JSON string."""
         return json.dumps(self.to_dict(), indent=indent)
 
     def table(self, max_rows: int = 40, width: int = 160) -> str:
@@ -261,11 +261,11 @@ def amdahl(share: float, speedup: float) -> float:
 
 def analyze_jaxpr(closed_jaxpr, *, policy: Any = None, tensor_core_speedup: float = 8.0,
                   tc_multiple: int = 8, reduction_threshold: int = 1024) -> PrecisionReport:
-    """Builds a :class:`PrecisionReport` from an already traced jaxpr.
+    """Builds a [`PrecisionReport`][jaxmp.diagnostics.PrecisionReport] from an already traced jaxpr.
 
     Args:
       closed_jaxpr: a ``ClosedJaxpr`` (``jax.make_jaxpr(f)(*args)``) or a ``Jaxpr``.
-      policy: a :class:`jaxmp.Policy`, ``jmp.Policy`` or policy string; when its compute dtype
+      policy: a [`jaxmp.Policy`][jaxmp.Policy], ``jmp.Policy`` or policy string; when its compute dtype
         is half precision, float32 matmuls are reported as *missed*. None: no missed check.
       tensor_core_speedup: assumed speed-up of one Tensor-Core op over float32 (the slides' 8x).
       tc_multiple: the multiple the Tensor-Core shape rule asks for (8 for fp16/bf16; 16 is
@@ -274,7 +274,7 @@ def analyze_jaxpr(closed_jaxpr, *, policy: Any = None, tensor_core_speedup: floa
         (fp16's 11-bit significand: past ~2**10 addends each new term is below the sum's ulp).
 
     Returns:
-      A :class:`PrecisionReport`.
+      A [`PrecisionReport`][jaxmp.diagnostics.PrecisionReport].
 
     Example:
       >>> from jaxmp.diagnostics.precision_report import analyze_jaxpr
@@ -320,7 +320,7 @@ def precision_report(fn: Callable, *args, policy: Any = None, tensor_core_speedu
       fn: the function to inspect, typically a (jitted) train step. A ``ClosedJaxpr`` is
         accepted too.
       *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
-      policy: the mixed-precision policy the step is meant to follow (:class:`jaxmp.Policy`,
+      policy: the mixed-precision policy the step is meant to follow ([`jaxmp.Policy`][jaxmp.Policy],
         ``jmp.Policy`` or a string such as ``"O2"``); enables the *missed* check.
       tensor_core_speedup: assumed per-op speed-up of Tensor Cores over float32, the input of
         the Amdahl bound (8x, from NVIDIA's Volta figures).
@@ -329,7 +329,7 @@ def precision_report(fn: Callable, *args, policy: Any = None, tensor_core_speedu
       **kwargs: keyword arguments of ``fn`` (names above are taken by this function).
 
     Returns:
-      A :class:`PrecisionReport`: ``.table()`` / ``str()``, ``.summary()``, ``.to_dict()``,
+      A [`PrecisionReport`][jaxmp.diagnostics.PrecisionReport]: ``.table()`` / ``str()``, ``.summary()``, ``.to_dict()``,
       ``.to_json()``, and the totals as properties.
 
     Raises:

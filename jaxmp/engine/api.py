@@ -1,7 +1,7 @@
 """The engine function: trace a function once per input signature, then re-evaluate it under the rules.
 
 The public entry points that build one (``jaxmp.autocast``, ``engine_function``) are in
-:mod:`jaxmp.engine.entry`; :func:`build` is autocast without the canary they start.
+`jaxmp.engine.entry`; `build` is autocast without the canary they start.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ _EXPLAIN = internals.jit_key_state(
 def explaining():
     """While active, autocast wraps each op it emits in a ``jaxmp.rule=<rule>`` name scope.
 
-    :func:`jaxmp.precision_report` traces under it; :func:`jaxmp.diagnostics.autocast_ops`
+    [`jaxmp.precision_report`][jaxmp.diagnostics.precision_report.precision_report] traces under it; `jaxmp.diagnostics.autocast_ops`
     reads the scopes back.
 
     Yields:
@@ -70,10 +70,10 @@ def explaining():
 
 
 def explain_enabled() -> bool:
-    """Whether :func:`explaining` is active (ops outside the engine label themselves then, e.g. fp8 layers).
+    """Whether `explaining` is active (ops outside the engine label themselves then, e.g. fp8 layers).
 
     Returns:
-      True while :func:`jaxmp.precision_report` traces a step.
+      True while [`jaxmp.precision_report`][jaxmp.diagnostics.precision_report.precision_report] traces a step.
 
     Example:
       >>> from jaxmp.engine.api import explain_enabled
@@ -183,7 +183,7 @@ def _argument(x) -> Val:
 
 def _cast_input(x, dtype):
     """An input cast to the compute dtype (O2's weights, O3's every input); a weak scalar that
-    narrows saturates, as :func:`_argument` explains."""
+    narrows saturates, as `_argument` explains."""
     if _argument(x).const and is_float(dtype_of(x)) and np.dtype(dtype).itemsize < dtype_of(x).itemsize:
         return saturate(x, np.dtype(dtype))
     return cast_floating(x, dtype)
@@ -227,7 +227,7 @@ def _signature(leaves, dynamic):
 
 
 class _Autocast:
-    """The callable :func:`autocast` returns (``functools.wraps`` keeps ``fn``'s name and doc)."""
+    """The callable [`autocast`][jaxmp.autocast] returns (``functools.wraps`` keeps ``fn``'s name and doc)."""
 
     def __init__(self, fn: Callable, config: _config.AutocastConfig, cast_outputs: bool = True,
                  cache: bool = True):
@@ -293,16 +293,16 @@ class _Autocast:
 
 
 def build(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = None) -> Callable:
-    """What :func:`jaxmp.autocast` returns, built without its once-per-process canary.
+    """What [`jaxmp.autocast`][jaxmp.autocast] returns, built without its once-per-process canary.
 
-    :mod:`jaxmp.engine.contract` builds its check programs with this, so that the canary's own
+    `jaxmp.engine.contract` builds its check programs with this, so that the canary's own
     programs never start the canary again and the contract does not import the public entry
-    points (:mod:`jaxmp.engine.entry`), which run it.
+    points (`jaxmp.engine.entry`), which run it.
 
     Args:
       fn: the function.
-      policy: as for :func:`jaxmp.autocast`.
-      rules: as for :func:`jaxmp.autocast`.
+      policy: as for [`jaxmp.autocast`][jaxmp.autocast].
+      rules: as for [`jaxmp.autocast`][jaxmp.autocast].
 
     Returns:
       The autocast function.

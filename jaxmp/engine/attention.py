@@ -6,7 +6,7 @@ here: query, key and value go to the compute dtype; on a GPU the cuDNN fused ker
 refuses the call (CPU, shapes, dtypes, an unsupported mask or bias) JAX's XLA attention runs
 with the same half inputs, which computes the logits and the softmax in float32. Only calls
 that look the function up on ``jax.nn`` at call time are caught (``jax.nn.dot_product_attention(...)``);
-code that imported the function object earlier can route itself with :func:`jaxmp.half_inputs`.
+code that imported the function object earlier can route itself with [`jaxmp.half_inputs`][jaxmp.half_inputs].
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ _INSTALLED = False
 
 @contextlib.contextmanager
 def route_attention():
-    """While active, calls through ``jax.nn.dot_product_attention`` go to :func:`routed_attention`.
+    """While active, calls through ``jax.nn.dot_product_attention`` go to [`routed_attention`][jaxmp.engine.routed_attention].
 
     The routing function is installed on ``jax.nn`` once and stays: outside an autocast trace
     (``jaxmp.engine.config.current()`` is None, a per-thread JAX context) it calls JAX's own

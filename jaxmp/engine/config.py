@@ -1,7 +1,7 @@
-"""The resolved settings of one :func:`jaxmp.autocast` call, and the tracing context.
+"""The resolved settings of one [`jaxmp.autocast`][jaxmp.autocast] call, and the tracing context.
 
-:class:`AutocastConfig` is what a policy argument means under autocast (see the preset
-table in :func:`resolve_config`). The tracing context is a JAX config state that is part of
+[`AutocastConfig`][jaxmp.engine.AutocastConfig] is what a policy argument means under autocast (see the preset
+table in [`resolve_config`][jaxmp.engine.resolve_config]). The tracing context is a JAX config state that is part of
 ``jax.jit``'s cache key: code traced inside an autocast region (a half-input kernel, routed
 attention) gets its own cache entry, so the same jitted function called outside autocast
 afterwards runs as written, in float32.
@@ -36,12 +36,12 @@ class AutocastConfig:
       output_dtype: floating outputs are cast to it.
       cast_inputs: which floating arguments are cast to ``compute_dtype`` on entry: ``""``
         (none: O1), ``"weights"`` (those whose every use is a half-list op: O2) or ``"all"`` (O3).
-      rules: the :class:`jaxmp.AutocastRules`.
+      rules: the [`jaxmp.AutocastRules`][jaxmp.AutocastRules].
       identity: the region changes nothing (O0, or a float32 compute dtype).
-      modules: the compiled module rules (:class:`jaxmp.engine.modules.ModuleRules`): the
+      modules: the compiled module rules (`jaxmp.engine.modules.ModuleRules`): the
         rules' ``class_rules`` under autocast, the ``PrecisionOverrides`` under the Flax front
         door. The once-installed module hooks read them from the running trace's config.
-      front_door: the config of :func:`jaxmp.flax.mixed_precision`, which intercepts Linen
+      front_door: the config of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision], which intercepts Linen
         modules itself (the engine only installs the class hooks).
     """
 
@@ -71,7 +71,7 @@ def _warn_pure_half(policy: str, compute: np.dtype) -> None:
 
 
 def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
-    """Turns autocast's ``policy`` / ``rules`` arguments into an :class:`AutocastConfig`.
+    """Turns autocast's ``policy`` / ``rules`` arguments into an [`AutocastConfig`][jaxmp.engine.AutocastConfig].
 
     ======  ==================================================================================
     preset  under autocast
@@ -86,22 +86,22 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     ======  ==================================================================================
 
     A preset without ``-bf16``/``-fp16`` takes the platform's half dtype, as
-    :func:`jaxmp.get_policy` does. A :class:`jaxmp.Policy` (or jmp string / ``jmp.Policy``)
+    [`jaxmp.get_policy`][jaxmp.get_policy] does. A [`jaxmp.Policy`][jaxmp.Policy] (or jmp string / ``jmp.Policy``)
     acts as O1 with its compute and output dtypes, casting arguments on entry when its param
     dtype is half. A bare half dtype name (``"fp16"``, ``"bf16"``, ``"half"``) is jmp's pure-half
     policy and is kept so, with a ``MixedPrecisionWarning`` naming ``"O1-fp16"``/``"O1-bf16"``,
     which is what ``torch.autocast``'s ``"fp16"`` means.
 
     Args:
-      policy: a preset name, policy string, :class:`jaxmp.Policy`, ``jmp.Policy`` or
-        :class:`jaxmp.Recipe`.
-      rules: explicit :class:`jaxmp.AutocastRules`, or None for the preset's.
+      policy: a preset name, policy string, [`jaxmp.Policy`][jaxmp.Policy], ``jmp.Policy`` or
+        [`jaxmp.Recipe`][jaxmp.Recipe].
+      rules: explicit [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for the preset's.
 
     Returns:
-      The :class:`AutocastConfig`.
+      The [`AutocastConfig`][jaxmp.engine.AutocastConfig].
 
     Raises:
-      TypeError: ``rules`` is not an :class:`AutocastRules`, or a non-floating policy.
+      TypeError: ``rules`` is not an [`AutocastRules`][jaxmp.AutocastRules], or a non-floating policy.
       ValueError: an unknown preset or malformed policy string.
 
     Example:
@@ -147,7 +147,7 @@ TRACING = internals.jit_key_state(
 
 
 def current() -> AutocastConfig | None:
-    """The :class:`AutocastConfig` of the autocast region being traced, or None.
+    """The [`AutocastConfig`][jaxmp.engine.AutocastConfig] of the autocast region being traced, or None.
 
     Returns:
       The config while autocast traces a function, None otherwise (including inside a
@@ -162,19 +162,19 @@ def current() -> AutocastConfig | None:
 
 
 def flax_config(policy: Policy, overrides: Any) -> AutocastConfig:
-    """The engine settings of :func:`jaxmp.flax.mixed_precision` for a policy and its overrides.
+    """The engine settings of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision] for a policy and its overrides.
 
     The overrides compile to the engine's module rules (``PrecisionOverrides.module_rules``:
-    class rules and path rules, applied by :mod:`jaxmp.engine.modules`); the engine then
+    class rules and path rules, applied by `jaxmp.engine.modules`); the engine then
     applies the op lists: the default lists when the overrides keep softmax in float32
     (O1), pure half otherwise (O2, O3: norms stay float32 through their module rule).
 
     Args:
-      policy: the model-wide :class:`jaxmp.Policy`.
-      overrides: the :class:`jaxmp.flax.PrecisionOverrides`.
+      policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
+      overrides: the [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
 
     Returns:
-      An :class:`AutocastConfig` (``identity`` for a float32 compute dtype).
+      An [`AutocastConfig`][jaxmp.engine.AutocastConfig] (``identity`` for a float32 compute dtype).
 
     Example:
       >>> import jaxmp; from jaxmp.engine.config import current, flax_config, resolve_config

@@ -1,4 +1,4 @@
-"""What a user can rely on from :func:`jaxmp.autocast`, as checks that run on any install.
+"""What a user can rely on from [`jaxmp.autocast`][jaxmp.autocast], as checks that run on any install.
 
 Each check traces a small program and reads the dtypes of its ops off the jaxpr; none of
 them runs a computation bigger than a few dozen elements. Three users:
@@ -7,7 +7,7 @@ them runs a computation bigger than a few dozen elements. Three users:
   render the composition table in docs/autocast.md;
 * ``python -m jaxmp.selfcheck``, which runs them on the user's JAX and prints what holds;
 * the canary: on a JAX newer than every version CI tests, the first autocast function built runs
-  :func:`canary` and warns, naming the JAX version, when a rule is not honoured.
+  `canary` and warns, naming the JAX version, when a rule is not honoured.
 """
 
 from __future__ import annotations
@@ -193,13 +193,13 @@ def check_cell(op_class: str, transform: str, order: str, policy: str = "O1-bf16
     """Whether one cell of the composition table holds.
 
     Args:
-      op_class: one of :data:`OP_CLASSES`.
-      transform: one of :data:`TRANSFORMS`.
-      order: one of :data:`ORDERS`.
+      op_class: one of `OP_CLASSES`.
+      transform: one of `TRANSFORMS`.
+      order: one of `ORDERS`.
       policy: the autocast preset (a half dtype; ``"O1-bf16"`` by default).
 
     Returns:
-      A :class:`Check`.
+      A `Check`.
 
     Example:
       >>> from jaxmp.engine.contract import check_cell
@@ -248,7 +248,7 @@ def composition_table(policy: str = "O1-bf16") -> list[Check]:
       policy: the autocast preset.
 
     Returns:
-      A list of :class:`Check`, one per (op class, transformation, order).
+      A list of `Check`, one per (op class, transformation, order).
     """
     return [check_cell(c, t, o, policy) for c in OP_CLASSES for t in TRANSFORMS for o in ORDERS]
 
@@ -257,7 +257,7 @@ def construct_checks() -> list[Check]:
     """The behaviours that do not depend on a transformation: padding masks, O2 state, kernels.
 
     Returns:
-      A list of :class:`Check`.
+      A list of `Check`.
     """
     from jaxmp.engine.api import build as autocast
 
@@ -302,7 +302,7 @@ def canary() -> list[Check]:
     scan accumulator, a ``custom_vjp``.
 
     Returns:
-      The failed :class:`Check`\\ s (empty when every rule is honoured).
+      The failed `Check`\\ s (empty when every rule is honoured).
     """
     checks = [check_cell("region", "grad", "autocast(T(f))"), check_cell("region", "grad", "T(autocast(f))"),
               check_cell("accumulator", "jit", "autocast(T(f))")]
@@ -312,7 +312,7 @@ def canary() -> list[Check]:
 
 @functools.lru_cache(maxsize=1)
 def run_canary_once() -> None:
-    """On an untested (newer) JAX, runs :func:`canary` once per process and warns about failures."""
+    """On an untested (newer) JAX, runs `canary` once per process and warns about failures."""
     if not tested.is_newer_than_tested(internals.JAX_VERSION):
         return
     try:
@@ -333,7 +333,7 @@ def render_table(checks: list[Check]) -> str:
     """The composition table as markdown: op classes as rows, transformations x orders as columns.
 
     Args:
-      checks: the output of :func:`composition_table`.
+      checks: the output of `composition_table`.
 
     Returns:
       A markdown table (``yes`` where the cell holds, ``NO`` where it does not, ``n/a``).

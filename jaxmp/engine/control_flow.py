@@ -64,7 +64,7 @@ def accumulators(jaxpr: jcore.Jaxpr, carry_in: Sequence[int], carry_out: Sequenc
 def _accumulates(carry: Any, i_out: int, uses: dict, out_pos: dict) -> bool:
     """Whether every use of ``carry`` is the chain of ops that makes the body's output ``i_out``.
 
-    The chain passes through :data:`_ACCUMULATE` ops (one operand from the chain each) and may
+    The chain passes through `_ACCUMULATE` ops (one operand from the chain each) and may
     branch and rejoin through ``select_n`` -- ``jnp.where(valid, acc + y, acc)``, the masked sum
     of padded steps -- whose predicate does not come from the chain. It must add something.
     """

@@ -1,9 +1,9 @@
-"""The engine's public entry points: :func:`autocast` and :func:`engine_function`.
+"""The engine's public entry points: [`autocast`][jaxmp.autocast] and [`engine_function`][jaxmp.engine.engine_function].
 
-Both build an engine function (:mod:`jaxmp.engine.api`). The first one built in a process on
-a JAX newer than every tested one runs the canary of :mod:`jaxmp.engine.contract` and warns
+Both build an engine function (`jaxmp.engine.api`). The first one built in a process on
+a JAX newer than every tested one runs the canary of `jaxmp.engine.contract` and warns
 about a rule the new JAX breaks; on a tested JAX that costs one cached call. The canary's
-check programs are built one layer down (:func:`jaxmp.engine.api.build`), so they never start
+check programs are built one layer down (`jaxmp.engine.api.build`), so they never start
 the canary again, and the contract and the engine functions do not import each other.
 """
 
@@ -19,10 +19,10 @@ from jaxmp.engine.rules import AutocastRules
 
 def engine_function(fn: Callable, config: _config.AutocastConfig, *, cast_outputs: bool = True,
                     cache: bool = True) -> Callable:
-    """``fn`` re-evaluated by the engine under a resolved :class:`AutocastConfig`.
+    """``fn`` re-evaluated by the engine under a resolved `AutocastConfig`.
 
-    The entry the Flax front door (:func:`jaxmp.flax.mixed_precision`) uses: it resolves its
-    own config (:func:`jaxmp.engine.config.flax_config`) and casts module inputs and params itself.
+    The entry the Flax front door (`jaxmp.flax.mixed_precision`) uses: it resolves its
+    own config (`jaxmp.engine.config.flax_config`) and casts module inputs and params itself.
 
     Args:
       fn: the function.
@@ -51,7 +51,7 @@ def autocast(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = 
     Returns a function with ``fn``'s signature that runs each primitive of ``fn`` in the dtype
     its rule gives: matmuls and convolutions (the half list) in the compute dtype; exp, log,
     pow, erf, sqrt/rsqrt and every reduction (the float32 list) in float32; everything else
-    follows its inputs (see :class:`jaxmp.AutocastRules` for the promotion rule). It works on
+    follows its inputs (see [`jaxmp.AutocastRules`][jaxmp.AutocastRules] for the promotion rule). It works on
     the traced program, so it sees every op of plain JAX, Flax, Equinox or Haiku code, inside
     ``jit``, ``scan``, ``while_loop``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp`` and
     ``shard_map``, and it composes with ``jit``, ``grad``, ``vmap`` and the rest in any order.
@@ -65,14 +65,14 @@ def autocast(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = 
       fn: the function.
       policy: ``"O0"`` (identity), ``"O1"``, ``"O2"``, ``"O3"`` (optionally ``-bf16``/``-fp16``;
         without it the platform's half dtype), ``"mixed_bfloat16"``, a jmp policy string, a
-        :class:`jaxmp.Policy` or ``jmp.Policy``.
-      rules: :class:`jaxmp.AutocastRules` to use instead of the preset's.
+        [`jaxmp.Policy`][jaxmp.Policy] or ``jmp.Policy``.
+      rules: [`jaxmp.AutocastRules`][jaxmp.AutocastRules] to use instead of the preset's.
 
     Returns:
       The autocast function.
 
     Raises:
-      TypeError: ``fn`` is not callable, or ``rules`` is not an :class:`AutocastRules`.
+      TypeError: ``fn`` is not callable, or ``rules`` is not an [`AutocastRules`][jaxmp.AutocastRules].
       ValueError: an unknown preset or malformed policy string.
 
     Example:

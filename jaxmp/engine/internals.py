@@ -5,10 +5,10 @@ parameters of ``scan``/``while``/``cond``/``custom_jvp``/``custom_vjp``/``shard_
 primitive that inlines a call (``closed_call`` became ``eval_jaxpr``), the structure of name
 stacks, jit-keyed config states. Every such access lives here, behind a named adapter, so a
 new JAX release is one file to read. An adapter that finds a parameter missing raises
-:class:`JaxInternalsError` naming the parameter and the JAX version, never a ``KeyError``
+`JaxInternalsError` naming the parameter and the JAX version, never a ``KeyError``
 deep inside a trace.
 
-Nothing outside :mod:`jaxmp.engine` (and :mod:`jaxmp.diagnostics`, which reads the same name
+Nothing outside `jaxmp.engine` (and `jaxmp.diagnostics`, which reads the same name
 stacks) should import ``jax._src``.
 """
 
@@ -42,7 +42,7 @@ def _missing(what: str, where: str) -> JaxInternalsError:
 
 
 def param(eqn, name: str) -> Any:
-    """``eqn.params[name]``, or a :class:`JaxInternalsError` naming the parameter and JAX version."""
+    """``eqn.params[name]``, or a `JaxInternalsError` naming the parameter and JAX version."""
     try:
         return eqn.params[name]
     except KeyError:
@@ -121,7 +121,7 @@ def bind(eqn, args, params: dict, staged: bool = False) -> list[Any]:
         batches each distinct op once per process (its caches are keyed on the jitted
         function's jaxpr) instead of once per equation: ``jnp`` functions are jitted for the
         same reason. The staged program is the same: an inline jit leaves no call behind. Only
-        worth it under a transformation (:func:`transformed`): a plain staging trace pays the
+        worth it under a transformation (`transformed`): a plain staging trace pays the
         jit call and gains nothing.
 
     Returns:
@@ -154,7 +154,7 @@ def _staged_primitive(prim, key: tuple) -> Callable:
 
 @functools.lru_cache(maxsize=64)
 def staged_cast(dtype) -> Callable:
-    """``lax.convert_element_type(x, dtype)`` as a cached inline jit (see :func:`bind`'s ``staged``).
+    """``lax.convert_element_type(x, dtype)`` as a cached inline jit (see `bind`'s ``staged``).
 
     Args:
       dtype: the target dtype (hashable: a NumPy dtype).
@@ -322,7 +322,7 @@ def instantiate_zero(x: Any) -> Any:
 
 
 def shard_map_parts(eqn) -> dict:
-    """The arguments to re-create a ``shard_map`` equation with :func:`jax.shard_map`."""
+    """The arguments to re-create a ``shard_map`` equation with `jax.shard_map`."""
     p = eqn.params
     axes = p.get("newly_manual_axes", p.get("manual_axes"))
     if axes is None:

@@ -14,7 +14,7 @@ Every value carries a few bits besides its array:
   type's finite range. A small concrete constant that the compute type cannot hold (beyond its
   range, like ``jnp.finfo(jnp.float32).min`` or ``1e5`` in float16, or below its smallest
   normal, like an epsilon of ``1e-8``) is strong instead: the ops it meets run in float32, so a
-  mask stays finite and an epsilon stays nonzero (:func:`values.lost_in`). Data is never
+  mask stays finite and an epsilon stays nonzero (`values.lost_in`). Data is never
   saturated: an overflow must still reach the loss-scaling check.
 
 A first-order equation that repeats an earlier one of the same jaxpr (the same primitive,
@@ -23,9 +23,9 @@ earlier ones. XLA merges such duplicates in the forward pass, but once different
 has its own transpose, so a model that writes ``h - mu`` twice (a layer norm) would otherwise
 pay for a second cotangent path, its casts included.
 
-Higher-order primitives are handled in :mod:`jaxmp.engine.control_flow`, which calls back
-into the :class:`Interpreter` it is handed (it never imports this module: the values both
-use live in :mod:`jaxmp.engine.values`); every JAX internal is read through :mod:`jaxmp.engine.internals`.
+Higher-order primitives are handled in `jaxmp.engine.control_flow`, which calls back
+into the `Interpreter` it is handed (it never imports this module: the values both
+use live in `jaxmp.engine.values`); every JAX internal is read through `jaxmp.engine.internals`.
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ from jaxmp.engine.values import F32, Val, dtype_of, is_complex, is_float, lost_i
 
 
 class Interpreter:
-    """Runs jaxprs under one :class:`AutocastConfig`.
+    """Runs jaxprs under one [`AutocastConfig`][jaxmp.engine.AutocastConfig].
 
     Args:
       config: the resolved autocast settings.
       explain: wrap every op in a ``jaxmp.rule=...`` name scope, for the precision report.
       repeated: returns the ``id`` of every equation of the program whose op occurs more than
-        once in it (:func:`repeated_ops`); called once, when a transformation is first met:
-        under one only those ops are bound staged (see :meth:`bind`). None: every op is.
+        once in it (`repeated_ops`); called once, when a transformation is first met:
+        under one only those ops are bound staged (see `bind`). None: every op is.
     """
 
     def __init__(self, config: AutocastConfig, explain: bool = False,
@@ -95,11 +95,11 @@ class Interpreter:
         Args:
           jaxpr: an open jaxpr.
           consts: values of its constvars (arrays; they are weak, like arguments).
-          args: :class:`Val` inputs, one per invar, in any dtypes.
+          args: `Val` inputs, one per invar, in any dtypes.
           prefix: the name-stack components of the enclosing ops (for region rules).
 
         Returns:
-          One :class:`Val` per outvar.
+          One `Val` per outvar.
         """
         staged, self._staged = self._staged, internals.transformed(
             [*consts, *(a.x if isinstance(a, Val) else a for a in args)])
@@ -187,7 +187,7 @@ class Interpreter:
              staged: bool = True) -> list[Any]:
         """Binds ``eqn``'s primitive on ``args`` (inside the eqn's name stack and context).
 
-        ``staged`` (see :func:`jaxmp.engine.internals.bind`) applies while the jaxpr being run
+        ``staged`` (see `jaxmp.engine.internals.bind`) applies while the jaxpr being run
         has operands of a transformation (grad, vmap) and the op repeats in the program: a
         one-off op would pay the jit call and JAX's per-op caches for nothing. It is turned
         off for the ops run as traced: collectives, kernels and primitives the rules do not know.
@@ -363,7 +363,7 @@ def op_signature(eqn) -> tuple | None:
 
 
 def repeated_ops(jaxpr: jcore.Jaxpr) -> frozenset:
-    """The equations of ``jaxpr`` and the jaxprs nested in it whose op (:func:`op_signature`)
+    """The equations of ``jaxpr`` and the jaxprs nested in it whose op (`op_signature`)
     occurs more than once there (a model's layers: the ops worth binding staged under ``grad``).
 
     Args:

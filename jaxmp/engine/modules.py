@@ -2,21 +2,21 @@
 
 Linen's name stack holds module *names*, NNX has none and Equinox none either, so a rule such
 as "every LayerNorm in float32" cannot be a name pattern. Both front doors state such rules as
-data and compile them to one :class:`ModuleRules` (class rules, most specific class wins, and
+data and compile them to one `ModuleRules` (class rules, most specific class wins, and
 path rules, which beat class rules):
 
-* :func:`jaxmp.autocast`'s ``AutocastRules.class_rules`` become *region* rules: ops inside a
+* [`jaxmp.autocast`][jaxmp.autocast]'s ``AutocastRules.class_rules`` become *region* rules: ops inside a
   call of the class run in the rule's dtype (the engine reads the ``jaxmp[<dtype>]`` scope).
-* :func:`jaxmp.flax.mixed_precision`'s ``PrecisionOverrides`` (compiled with the policy by
+* [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision]'s ``PrecisionOverrides`` (compiled with the policy by
   ``PrecisionOverrides.module_rules``) become *casting* rules: the call's floating inputs and
   the module's params go to the rule's compute dtype, float32 modules and per-class policies
   also run in a region, and the output is cast as the rule says.
 
-:meth:`ModuleRules.rule_at` decides a module's rule; :func:`call_with_rule` applies it. Two
-interceptors use them: :func:`module_interceptor` for frameworks with method interceptors
+`ModuleRules.rule_at` decides a module's rule; `call_with_rule` applies it. Two
+interceptors use them: `module_interceptor` for frameworks with method interceptors
 (Flax Linen, Haiku; their interceptor stacks are thread-local), and a marking ``__call__`` for
 NNX, Equinox and any other class, installed once per class and dispatching on the autocast
-trace of the running thread (:func:`jaxmp.engine.config.current`, a per-thread state that is
+trace of the running thread (`jaxmp.engine.config.current`, a per-thread state that is
 part of ``jax.jit``'s cache key). Nothing is patched per trace. Frameworks are only touched when
 already imported (nothing heavy is imported here).
 """
@@ -61,7 +61,7 @@ def cast_output(out: Any, rule: ModuleRule, input_dtype: np.dtype | None) -> Any
 
     Args:
       out: the module's return value (any pytree; only floating arrays are cast).
-      rule: the module's :class:`ModuleRule`.
+      rule: the module's [`ModuleRule`][jaxmp.flax.ModuleRule].
       input_dtype: the dtype of the module's first floating input, before casting.
 
     Returns:
@@ -86,7 +86,7 @@ def call_with_rule(rule: ModuleRule, label: str, call: Callable, args: tuple, kw
     """Runs one module call under its rule: input casts, the engine region, the output cast.
 
     Args:
-      rule: the :class:`ModuleRule` (from :meth:`ModuleRules.rule_at`).
+      rule: the [`ModuleRule`][jaxmp.flax.ModuleRule] (from `ModuleRules.rule_at`).
       label: shown after the region marker in profiles and jaxprs (the class name).
       call: the call itself, ``call(*args, **kwargs)``.
       args: positional arguments.
@@ -133,7 +133,7 @@ def module_interceptor(decide: Callable[[Any], ModuleRule | None],
     """The method interceptor (Flax Linen, Haiku) that applies module rules.
 
     Args:
-      decide: ``decide(module) -> ModuleRule | None`` (usually :meth:`ModuleRules.rule_at`
+      decide: ``decide(module) -> ModuleRule | None`` (usually `ModuleRules.rule_at`
         on the module's path and class).
       replace: optional ``replace(module) -> module | None``: a module to call instead (a
         clone with other fields, e.g. the fused attention function); the replacement's call
@@ -297,12 +297,12 @@ def instance_rules(by_id: dict[int, ModuleRule]) -> Iterator[None]:
 def apply_module_rules(rules: ModuleRules, intercept: bool = True) -> Iterator[None]:
     """While an autocast trace is active, calls of ruled classes run under their rules.
 
-    Linen and Haiku get the thread-local :func:`module_interceptor`; other classes the
-    once-installed hook of :func:`install_call_hooks`, which reads the rules from the trace's
-    config (:func:`jaxmp.engine.config.current`).
+    Linen and Haiku get the thread-local `module_interceptor`; other classes the
+    once-installed hook of `install_call_hooks`, which reads the rules from the trace's
+    config (`jaxmp.engine.config.current`).
 
     Args:
-      rules: the compiled :class:`ModuleRules` of the trace.
+      rules: the compiled `ModuleRules` of the trace.
       intercept: push the Linen / Haiku interceptor too (False: the Flax front door pushes
         its own, with its recording and module replacements).
 

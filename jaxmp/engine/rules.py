@@ -1,13 +1,13 @@
-"""The op lists of :func:`jaxmp.autocast` as data: which primitive runs in which dtype.
+"""The op lists of [`jaxmp.autocast`][jaxmp.autocast] as data: which primitive runs in which dtype.
 
 Three lists, as NVIDIA's AMP and ``torch.autocast`` have them:
 
 * the *half list* runs in the compute dtype (matmuls and convolutions: Tensor Core work);
 * the *float32 list* runs in float32 (transcendentals, powers and every reduction: the ops
   whose range or rounding error grows with the size of the data);
-* everything else *follows* its inputs under a promotion rule (see :class:`AutocastRules`).
+* everything else *follows* its inputs under a promotion rule (see [`AutocastRules`][jaxmp.AutocastRules]).
 
-:class:`AutocastRules` is a frozen, hashable record a user can copy and edit; region rules
+[`AutocastRules`][jaxmp.AutocastRules] is a frozen, hashable record a user can copy and edit; region rules
 (``jax.named_scope`` patterns and module classes) live on it too.
 """
 
@@ -129,10 +129,10 @@ def _module_class(cls: Any, where: str) -> type:
 
 @dataclasses.dataclass(frozen=True)
 class AutocastRules:
-    """What :func:`jaxmp.autocast` does with each op: three op lists, promotion, regions.
+    """What [`jaxmp.autocast`][jaxmp.autocast] does with each op: three op lists, promotion, regions.
 
     Instances are frozen and hashable; edit them with the ``with_*`` methods, which return
-    copies. The default lists are :data:`HALF_OPS`, :data:`FLOAT32_OPS` and the ops that follow.
+    copies. The default lists are `HALF_OPS`, `FLOAT32_OPS` and the ops that follow.
 
     **Promotion** (``promote``) decides the dtype of an op that follows its inputs when their
     floating dtypes differ:
@@ -153,9 +153,9 @@ class AutocastRules:
       scope_rules: ``((pattern, dtype), ...)``: ops under a ``jax.named_scope`` whose name
         matches the glob ``pattern`` run in ``dtype`` (``"float32"``, ``"half"``, a dtype, or
         ``"keep"``: as traced).
-      fp8_matmuls: a :class:`jaxmp.fp8.CurrentScaling` recipe, or None: half-list
+      fp8_matmuls: a [`jaxmp.fp8.CurrentScaling`][jaxmp.fp8.CurrentScaling] recipe, or None: half-list
         ``dot_general`` ops become scaled fp8 dots (E4M3 operands, E5M2 cotangents;
-        :func:`jaxmp.fp8.fp8_dot_general`). Delayed scaling needs state across steps, which
+        [`jaxmp.fp8.fp8_dot_general`][jaxmp.fp8.fp8_dot_general]). Delayed scaling needs state across steps, which
         autocast's functional form has none of: it is refused.
       class_rules: ``((module_class, dtype), ...)``: ops inside calls of instances of that
         class (Flax Linen / NNX, Equinox, Haiku; subclasses too) run in ``dtype``.
@@ -216,7 +216,7 @@ class AutocastRules:
           *ops: primitive names, e.g. ``"dot_general"``.
 
         Returns:
-          A new :class:`AutocastRules`.
+          A new [`AutocastRules`][jaxmp.AutocastRules].
 
         Example:
           >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
@@ -233,7 +233,7 @@ class AutocastRules:
           *ops: primitive names, e.g. ``"tanh"``.
 
         Returns:
-          A new :class:`AutocastRules`.
+          A new [`AutocastRules`][jaxmp.AutocastRules].
 
         Example:
           >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
@@ -250,7 +250,7 @@ class AutocastRules:
           *ops: primitive names.
 
         Returns:
-          A new :class:`AutocastRules`.
+          A new [`AutocastRules`][jaxmp.AutocastRules].
 
         Example:
           >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
@@ -271,7 +271,7 @@ class AutocastRules:
           dtype: ``"float32"``, ``"half"``, ``"keep"`` or a floating dtype.
 
         Returns:
-          A new :class:`AutocastRules`.
+          A new [`AutocastRules`][jaxmp.AutocastRules].
 
         Example:
           >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
@@ -290,7 +290,7 @@ class AutocastRules:
           dtype: ``"float32"``, ``"half"``, ``"keep"`` or a floating dtype.
 
         Returns:
-          A new :class:`AutocastRules`.
+          A new [`AutocastRules`][jaxmp.AutocastRules].
 
         Example:
           >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
@@ -405,7 +405,7 @@ class ModuleRules:
       classes: ``((module_class, ModuleRule), ...)``; a later entry for the same class wins,
         and for an instance the most specific class of its MRO with a rule decides.
       paths: ``((glob, ModuleRule), ...)``: a module whose path (joined by ``"/"``, relative to
-        the wrapped model) or an ancestor's matches the glob (:func:`fnmatch.fnmatchcase`,
+        the wrapped model) or an ancestor's matches the glob (`fnmatch.fnmatchcase`,
         ``*`` also crosses ``/``) takes the first matching rule; path rules beat class rules.
 
     Example:
@@ -472,7 +472,7 @@ class ModuleRules:
           module_or_class: a module instance or class.
 
         Returns:
-          A :class:`ModuleRule`, or None.
+          A [`ModuleRule`][jaxmp.flax.ModuleRule], or None.
 
         Example:
           >>> import numpy as np
@@ -497,7 +497,7 @@ class ModuleRules:
           module_or_class: the module instance or class there.
 
         Returns:
-          A :class:`ModuleRule`, or None when the module follows its inputs.
+          A [`ModuleRule`][jaxmp.flax.ModuleRule], or None when the module follows its inputs.
 
         Example:
           >>> import numpy as np
@@ -521,7 +521,7 @@ class ModuleRules:
             ``"keep"`` or a dtype name.
 
         Returns:
-          The compiled :class:`ModuleRules`.
+          The compiled `ModuleRules`.
 
         Example:
           >>> import flax.linen as nn

@@ -3,7 +3,7 @@
 ``.ci/run`` builds one virtual environment per row (``python .ci/matrix.py`` prints them) and
 runs the engine and core tests in it. The engine reads the same rows: on a JAX newer than
 every tested version, the first autocast function built runs a small canary
-(:func:`jaxmp.engine.contract.run_canary_once`); tested versions pay nothing.
+(`jaxmp.engine.contract.run_canary_once`); tested versions pay nothing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The values the engine computes with: :class:`Val` (an array and the bits the promotion rule
+"""The values the engine computes with: `Val` (an array and the bits the promotion rule
 reads) and the dtype helpers the interpreter and the control-flow handlers share.
 
-Below both :mod:`jaxmp.engine.interpreter` and :mod:`jaxmp.engine.control_flow`, so that the
+Below both `jaxmp.engine.interpreter` and `jaxmp.engine.control_flow`, so that the
 interpreter can dispatch to the control-flow handlers and they can build values without the
 two modules importing each other.
 """

@@ -1,11 +1,11 @@
 """Flax integration: run Linen and NNX models under a precision policy.
 
-* :func:`mixed_precision` wraps a Linen module (init/apply) or an NNX module (a module)
+* [`mixed_precision`][jaxmp.flax.mixed_precision] wraps a Linen module (init/apply) or an NNX module (a module)
   so that matmuls and convolutions run in the compute dtype while normalisation,
-  softmax and the loss stay float32 (:class:`PrecisionOverrides` says which classes).
-* :class:`TrainState`, :func:`make_train_step`, :func:`make_eval_step`: Linen training
+  softmax and the loss stay float32 ([`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides] says which classes).
+* [`TrainState`][jaxmp.flax.TrainState], [`make_train_step`][jaxmp.flax.make_train_step], [`make_eval_step`][jaxmp.flax.make_eval_step]: Linen training
   with loss scaling, applied-steps counting and exact skipped steps (batch_stats too).
-* :func:`jaxmp.flax.nnx.train_step`: the same for NNX with ``nnx.Optimizer``.
+* [`jaxmp.flax.nnx.train_step`][jaxmp.flax.nnx.train_step]: the same for NNX with ``nnx.Optimizer``.
 
 See the README section "Flax: Linen and NNX models under a policy".
 """
@@ -38,16 +38,16 @@ def mixed_precision(model: Any, policy: Any, overrides: Any = None) -> Any:
 
     Args:
       model: a ``flax.linen.Module`` or ``flax.nnx.Module`` instance.
-      policy: a :class:`jaxmp.Policy`, a preset name (``"O1"``, ``"O1-bf16"``, ``"O2-fp16"``,
+      policy: a [`jaxmp.Policy`][jaxmp.Policy], a preset name (``"O1"``, ``"O1-bf16"``, ``"O2-fp16"``,
         ``"mixed_bfloat16"``), a jmp policy string (``"p=f32,c=bf16,o=f32"``), a
-        :class:`jaxmp.Recipe` or a ``jmp.Policy``. Presets also choose the overrides from
+        [`jaxmp.Recipe`][jaxmp.Recipe] or a ``jmp.Policy``. Presets also choose the overrides from
         their ``keep_fp32`` categories (O1: norm, softmax, loss; O2: norm, loss; O3: none).
-      overrides: a :class:`PrecisionOverrides`, a tuple of ``keep_fp32`` categories, or
+      overrides: a [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides], a tuple of ``keep_fp32`` categories, or
         None for the preset's defaults (all three categories for a bare policy).
 
     Returns:
-      For Linen, a :class:`jaxmp.flax.linen.MixedPrecision` with ``init`` / ``apply``
-      like the module's. For NNX, a :class:`jaxmp.flax.nnx.MixedPrecision` module
+      For Linen, a [`jaxmp.flax.linen.MixedPrecision`][jaxmp.flax.linen.MixedPrecision] with ``init`` / ``apply``
+      like the module's. For NNX, a [`jaxmp.flax.nnx.MixedPrecision`][jaxmp.flax.nnx.MixedPrecision] module
       wrapping the model (its params are cast in place to their storage dtype).
 
     Raises:

@@ -48,7 +48,7 @@ def fp32_softmax_attention(
     """``flax.linen.dot_product_attention`` / ``flax.nnx.dot_product_attention`` with an fp32 softmax.
 
     A drop-in ``attention_fn`` for ``nn.MultiHeadDotProductAttention`` and
-    ``nnx.MultiHeadAttention``; :func:`jaxmp.flax.mixed_precision` installs it in the
+    ``nnx.MultiHeadAttention``; [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision] installs it in the
     attention modules of the half list when the overrides keep softmax in float32.
 
     Args:
@@ -122,11 +122,11 @@ def fused_attention(
     module: Any = None,
     **unused: Any,
 ) -> jax.Array:
-    """The ``attention_fn`` :func:`jaxmp.flax.mixed_precision` gives attention modules.
+    """The ``attention_fn`` [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision] gives attention modules.
 
     Calls that a fused kernel can take (4-D ``[batch, length, heads, depth]`` inputs, no bias,
     no attention dropout, no sown weights, default precision; a mask is fine) go through
-    ``jax.nn.dot_product_attention``, which :func:`jaxmp.autocast` routes to the cuDNN kernel on
+    ``jax.nn.dot_product_attention``, which [`jaxmp.autocast`][jaxmp.autocast] routes to the cuDNN kernel on
     GPUs (half inputs, float32 softmax accumulation, no [T, T] scores in memory) and to XLA's
     attention with a float32 softmax elsewhere. Other calls run Flax's own attention, whose
     softmax the autocast float32 list keeps in float32.

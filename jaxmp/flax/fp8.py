@@ -11,17 +11,17 @@ Delayed scaling keeps, per layer, a scale and an amax history for the input, the
 output gradient (keys as ``flax.linen.fp8_ops``: ``input_scale``, ``input_amax_history`` ...).
 That state is not a parameter:
 
-* Linen: the ``"fp8_meta"`` collection (:data:`FP8_COLLECTION`), next to ``batch_stats`` in
-  :class:`jaxmp.flax.TrainState`'s ``model_state``. Its keys are module paths
+* Linen: the ``"fp8_meta"`` collection (`FP8_COLLECTION`), next to ``batch_stats`` in
+  [`jaxmp.flax.TrainState`][jaxmp.flax.TrainState]'s ``model_state``. Its keys are module paths
   (``Dense_0/Fp8DotGeneral_0/input_scale``), so they survive any change of the model code that
   does not rename or reorder the layer itself.
-* NNX: :class:`Fp8State` variables on the layer's op (``layer.dot_general.input_scale``),
+* NNX: [`Fp8State`][jaxmp.flax.fp8.Fp8State] variables on the layer's op (``layer.dot_general.input_scale``),
   outside ``nnx.Param``, so ``nnx.Optimizer(..., wrt=nnx.Param)`` never sees them.
 
 The train steps differentiate the loss with respect to params *and* the fp8 state: each op
 reports the amax it saw for a tensor as the gradient of that tensor's scale (the gradient amax
-divided by the loss scale, see :func:`jaxmp.fp8.gradient_loss_scale`), and the step records
-it with :func:`jaxmp.fp8.update_state` -- after the step is known to be finite, so a skipped
+divided by the loss scale, see [`jaxmp.fp8.gradient_loss_scale`][jaxmp.fp8.gradient_loss_scale]), and the step records
+it with [`jaxmp.fp8.update_state`][jaxmp.fp8.update_state] -- after the step is known to be finite, so a skipped
 step leaves the fp8 state bitwise unchanged, and maxed over the ``pmap`` axis, so replicas
 keep equal scales.
 """
@@ -67,7 +67,7 @@ def _run(op_name: str, recipe, scales, args, kwargs):
 # -- Linen ------------------------------------------------------------------------------------
 
 class _LinenFp8Op(nn.Module):
-    """A Linen fp8 op; delayed scaling keeps its state in :data:`FP8_COLLECTION`."""
+    """A Linen fp8 op; delayed scaling keeps its state in `FP8_COLLECTION`."""
 
     recipe: Any = None
     op_name: str = "dot_general"
@@ -83,7 +83,7 @@ class _LinenFp8Op(nn.Module):
 
 
 class Fp8DotGeneral(_LinenFp8Op):
-    """Linen ``dot_general_cls`` running :func:`jaxmp.fp8.fp8_dot_general` (see the module docstring).
+    """Linen ``dot_general_cls`` running [`jaxmp.fp8.fp8_dot_general`][jaxmp.fp8.fp8_dot_general] (see the module docstring).
 
     Example:
       >>> import functools, jax, jax.numpy as jnp, flax.linen as nn
@@ -99,7 +99,7 @@ class Fp8DotGeneral(_LinenFp8Op):
 
 
 class Fp8ConvGeneralDilated(_LinenFp8Op):
-    """Linen ``conv_general_dilated_cls`` running :func:`jaxmp.fp8.fp8_conv_general_dilated`.
+    """Linen ``conv_general_dilated_cls`` running [`jaxmp.fp8.fp8_conv_general_dilated`][jaxmp.fp8.fp8_conv_general_dilated].
 
     Example:
       >>> import functools, jax, jax.numpy as jnp, flax.linen as nn
@@ -139,7 +139,7 @@ class NnxFp8Op(nnx.Module):
     """An NNX layer's ``dot_general`` / ``conv_general_dilated`` in fp8 (see the module docstring).
 
     Args:
-      recipe: a :class:`jaxmp.fp8.CurrentScaling` or :class:`jaxmp.fp8.DelayedScaling`.
+      recipe: a [`jaxmp.fp8.CurrentScaling`][jaxmp.fp8.CurrentScaling] or [`jaxmp.fp8.DelayedScaling`][jaxmp.fp8.DelayedScaling].
       op_name: ``"dot_general"`` or ``"conv_general_dilated"``.
 
     Example:
@@ -170,7 +170,7 @@ class NnxFp8Op(nnx.Module):
 
 
 def install_nnx_fp8(model: nnx.Module, recipe: fp8.Fp8Recipe, is_half: Any) -> int:
-    """Gives every fp8-eligible half layer of an NNX model an :class:`NnxFp8Op` (in place).
+    """Gives every fp8-eligible half layer of an NNX model an [`NnxFp8Op`][jaxmp.flax.fp8.NnxFp8Op] (in place).
 
     Args:
       model: the NNX model.

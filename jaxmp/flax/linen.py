@@ -3,13 +3,13 @@
 How it works (no edit to the model, nothing patched, one trace, no float32 rehearsal):
 
 1. The overrides compile to the engine's module rules (``PrecisionOverrides.module_rules``) and
-   ``apply`` runs the model once, inside :func:`jaxmp.autocast`'s engine, under the engine's
-   Linen interceptor (:func:`jaxmp.engine.modules.module_interceptor`, pushed on Flax's
+   ``apply`` runs the model once, inside [`jaxmp.autocast`][jaxmp.autocast]'s engine, under the engine's
+   Linen interceptor (`jaxmp.engine.modules.module_interceptor`, pushed on Flax's
    thread-local interceptor stack): the floating inputs of every ruled module go to its
    compute dtype and its outputs as the rule says (float32 modules hand back their input's
    dtype).
 2. The ``params`` collection is cast *by path* before ``apply``
-   (:func:`jaxmp.flax.casting.cast_by_path`): each param takes the compute dtype of the
+   (`jaxmp.flax.casting.cast_by_path`): each param takes the compute dtype of the
    nearest ruled module above it (float32 under a ``BatchNorm``, the policy's compute dtype
    elsewhere). Which module owns which param is recorded by ``init`` (and by any ``apply``
    that meets a ruled module not seen before, which then runs once more with the right casts).
@@ -20,13 +20,13 @@ How it works (no edit to the model, nothing patched, one trace, no float32 rehea
    op lists decide the rest (the softmax of Flax's attention and every reduction in float32
    under O1; pure half under O2/O3 outside norms).
 4. Attention modules with Flax's default attention, and the fp8 layers of an fp8 policy, are
-   called as a clone bound to the same scope with :func:`jaxmp.flax.fused_attention` (routed to
+   called as a clone bound to the same scope with [`jaxmp.flax.fused_attention`][jaxmp.flax.fused_attention] (routed to
    cuDNN on GPUs) or the fp8 op as their field: the module itself is never modified.
 5. Model inputs are cast to the policy's compute dtype and outputs to its output dtype.
 
 A half-list module built with ``dtype=float32`` runs in half like the others (Flax casts back to
 float32 and the engine's half list narrows the matmul); the interceptor notes its path and the
-first ``apply`` that reaches it emits one :class:`jaxmp.MixedPrecisionWarning` per wrapped model.
+first ``apply`` that reaches it emits one [`jaxmp.MixedPrecisionWarning`][jaxmp.MixedPrecisionWarning] per wrapped model.
 Modules matching a path rule (``PrecisionOverrides.with_fp32_paths``) get the float32 rule.
 
 Only the ``params`` collection is cast; ``batch_stats`` and other collections are passed
@@ -173,13 +173,13 @@ def _has_new_params(created: Any, known: Any) -> bool:
 class MixedPrecision:
     """A Linen module run under a policy: ``init`` and ``apply`` like the module's own.
 
-    Build it with :func:`jaxmp.flax.mixed_precision`. Hashable, so it can be static data
-    (e.g. a field of :class:`jaxmp.flax.TrainState`).
+    Build it with [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision]. Hashable, so it can be static data
+    (e.g. a field of [`jaxmp.flax.TrainState`][jaxmp.flax.TrainState]).
 
     Attributes:
       module: the unmodified Linen module.
-      policy: the model-wide :class:`jaxmp.Policy` (a string / jmp.Policy / Recipe is resolved).
-      overrides: the :class:`jaxmp.flax.PrecisionOverrides` (None: the preset's defaults).
+      policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy] (a string / jmp.Policy / Recipe is resolved).
+      overrides: the [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides] (None: the preset's defaults).
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp, jaxmp.flax
@@ -379,7 +379,7 @@ class MixedPrecision:
         raise RuntimeError(f"jaxmp.flax: the module rules of {type(self.module).__name__} did not settle")
 
     def _warn_overridden(self, overridden: dict[str, str]) -> None:
-        """One :class:`jaxmp.MixedPrecisionWarning` per wrapped model for layers whose float32 dtype lost.
+        """One [`jaxmp.MixedPrecisionWarning`][jaxmp.MixedPrecisionWarning] per wrapped model for layers whose float32 dtype lost.
 
         Runs at trace time; a layer is named at most once per wrapped model (a later trace that
         reaches layers not seen before, e.g. another ``method``, names only those).
@@ -398,10 +398,10 @@ class MixedPrecision:
         """Which modules have a rule and what it is, as seen by tracing one call.
 
         Args:
-          variables: the variables, as for :meth:`apply`.
-          *args: inputs, as for :meth:`apply`.
-          method: as for :meth:`apply`.
-          **kwargs: as for :meth:`apply` (``mutable``/``rngs`` accepted).
+          variables: the variables, as for [`apply`][jaxmp.flax.linen.MixedPrecision.apply].
+          *args: inputs, as for [`apply`][jaxmp.flax.linen.MixedPrecision.apply].
+          method: as for [`apply`][jaxmp.flax.linen.MixedPrecision.apply].
+          **kwargs: as for [`apply`][jaxmp.flax.linen.MixedPrecision.apply] (``mutable``/``rngs`` accepted).
 
         Returns:
           ``{module path: ModuleRule}`` for the ruled modules that ran.

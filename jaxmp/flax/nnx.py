@@ -7,7 +7,7 @@ works on a throw-away copy of the model:
    dtype of its nearest ruled module (float32 under a norm). The cast happens inside the
    caller's trace, so ``nnx.grad`` returns gradients for the stored params in their own
    (float32 master) dtype.
-2. ``nnx.merge`` a copy, inside :func:`jaxmp.autocast`'s engine: the call is traced once,
+2. ``nnx.merge`` a copy, inside [`jaxmp.autocast`][jaxmp.autocast]'s engine: the call is traced once,
    in the policy's dtypes, and the engine's op lists decide what the module rules leave open
    (softmax and reductions in float32 under O1). Non-param variables (``BatchStat``, RNG
    counters, sown intermediates) come back from the traced call and update the model, so
@@ -15,7 +15,7 @@ works on a throw-away copy of the model:
 3. In the copy, each ruled module's class is swapped for a cached subclass whose
    ``__call__`` casts inputs and outputs; float32 modules and per-class policies run inside
    ``jaxmp[<dtype>]`` engine regions (visible in profiles and jaxprs). Attention modules get
-   :func:`jaxmp.flax.fused_attention`. The user's model is never modified.
+   [`jaxmp.flax.fused_attention`][jaxmp.flax.fused_attention]. The user's model is never modified.
 4. Model inputs go to the compute dtype, outputs to the output dtype.
 
 Only ``__call__`` is wrapped: other public methods of ruled modules (e.g. ``Embed.attend``)
@@ -23,8 +23,8 @@ run with cast params but uncast inputs.
 
 Rules are looked up by graph path (``nnx.iter_graph``, joined by ``/``) and class: a path rule
 (``PrecisionOverrides.with_fp32_paths``) beats class rules. Half-list layers built with
-``dtype=float32`` run in half; :class:`MixedPrecision` warns once, when it is built, naming them
-(:func:`overridden_float32`); :func:`call` once per model object.
+``dtype=float32`` run in half; [`MixedPrecision`][jaxmp.flax.nnx.MixedPrecision] warns once, when it is built, naming them
+(`overridden_float32`); [`call`][jaxmp.flax.nnx.call] once per model object.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def module_rules(model: nnx.Module, policy: Policy, overrides: PrecisionOverride
 
     Args:
       model: the NNX model.
-      policy: the model-wide :class:`jaxmp.Policy`.
-      overrides: the :class:`jaxmp.flax.PrecisionOverrides`.
+      policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
+      overrides: the [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
 
     Returns:
       The rules of the modules some list names.
@@ -118,8 +118,8 @@ def overridden_float32(model: nnx.Module, policy: Policy, overrides: PrecisionOv
 
     Args:
       model: the NNX model.
-      policy: the model-wide :class:`jaxmp.Policy`.
-      overrides: the :class:`jaxmp.flax.PrecisionOverrides` (its path and class rules keep
+      policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
+      overrides: the [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides] (its path and class rules keep
         a layer float32, and such a layer is not listed).
 
     Returns:
@@ -162,7 +162,7 @@ def store_params(model: nnx.Module, policy: Any, overrides: Any = None) -> nnx.M
     Args:
       model: the NNX model (modified in place).
       policy: a policy, preset name or Recipe.
-      overrides: :class:`jaxmp.flax.PrecisionOverrides`, categories, or None.
+      overrides: [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides], categories, or None.
 
     Returns:
       ``model``.
@@ -194,7 +194,7 @@ def _prepare(copy: nnx.Module, policy: Policy, overrides: PrecisionOverrides) ->
 
     The copy is private to this call (``nnx.merge`` inside the trace), so setting its fields
     touches nothing the user holds. The rules are applied by the engine's once-installed
-    ``__call__`` hook (:func:`jaxmp.engine.modules.install_call_hooks`), which reads them for
+    ``__call__`` hook (`jaxmp.engine.modules.install_call_hooks`), which reads them for
     this thread's trace only.
     """
     if overrides.fp8 is not None and not isinstance(overrides.fp8, fp8.DelayedScaling):
@@ -211,14 +211,14 @@ def _prepare(copy: nnx.Module, policy: Policy, overrides: PrecisionOverrides) ->
 
 
 def call(model: nnx.Module, *args, policy: Any, overrides: Any = None, **kwargs) -> Any:
-    """Calls an NNX model under a policy; the functional form of :class:`MixedPrecision`.
+    """Calls an NNX model under a policy; the functional form of [`MixedPrecision`][jaxmp.flax.nnx.MixedPrecision].
 
     Args:
       model: the NNX model (its params are not modified; running statistics are updated
         in place as in a normal call).
       *args: inputs; floating ones are cast to the compute dtype.
       policy: a policy, preset name or Recipe.
-      overrides: :class:`jaxmp.flax.PrecisionOverrides`, categories, or None.
+      overrides: [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides], categories, or None.
       **kwargs: forwarded to the model; floating arrays among them are cast.
 
     Returns:
@@ -277,12 +277,12 @@ class MixedPrecision(nnx.Module):
 
     The wrapped model sits at ``self.model`` (so state paths gain a ``model`` prefix).
     On construction its params are cast in place to their storage dtype
-    (:func:`store_params`: float32 for O1, half except norms for O2).
+    ([`store_params`][jaxmp.flax.nnx.store_params]: float32 for O1, half except norms for O2).
 
     Args:
       model: the NNX model.
-      policy: a :class:`jaxmp.Policy`, preset name (``"O1-bf16"``), jmp string, Recipe or jmp.Policy.
-      overrides: :class:`jaxmp.flax.PrecisionOverrides`, keep_fp32 categories, or None
+      policy: a [`jaxmp.Policy`][jaxmp.Policy], preset name (``"O1-bf16"``), jmp string, Recipe or jmp.Policy.
+      overrides: [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides], keep_fp32 categories, or None
         for the preset's defaults.
 
     Raises:
@@ -297,8 +297,8 @@ class MixedPrecision(nnx.Module):
       >>> metrics["finite"]
       Array(True, dtype=bool)
 
-    Under an ``O2-fp8`` policy (delayed scaling) the layers' matmuls get :class:`jaxmp.flax.fp8.NnxFp8Op`
-    ops holding :class:`jaxmp.flax.fp8.Fp8State` variables; :func:`train_step` updates them.
+    Under an ``O2-fp8`` policy (delayed scaling) the layers' matmuls get [`jaxmp.flax.fp8.NnxFp8Op`][jaxmp.flax.fp8.NnxFp8Op]
+    ops holding [`jaxmp.flax.fp8.Fp8State`][jaxmp.flax.fp8.Fp8State] variables; [`train_step`][jaxmp.flax.nnx.train_step] updates them.
     """
 
     def __init__(self, model: nnx.Module, policy: Any, overrides: Any = None):
@@ -317,8 +317,8 @@ class MixedPrecision(nnx.Module):
 def optimizer_state(optimizer: nnx.Optimizer) -> Any:
     """The plain optax state of an ``nnx.Optimizer`` (arrays, not ``OptState`` variables).
 
-    Pass it to :func:`jaxmp.scaling_stats`, :func:`jaxmp.get_loss_scale`,
-    :func:`jaxmp.last_step_finite` or :func:`jaxmp.check_health`.
+    Pass it to [`jaxmp.scaling_stats`][jaxmp.scaling_stats], [`jaxmp.get_loss_scale`][jaxmp.get_loss_scale],
+    [`jaxmp.last_step_finite`][jaxmp.last_step_finite] or [`jaxmp.check_health`][jaxmp.check_health].
 
     Args:
       optimizer: an ``nnx.Optimizer`` built with a ``jaxmp.loss_scaling`` transform.
@@ -377,7 +377,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
     """One supervised step for an NNX model with an ``nnx.Optimizer`` around ``jaxmp.loss_scaling``.
 
     The model is split into pure state and run through the shared step builder
-    (:func:`jaxmp.step.make_step`): the loss is scaled by the optimizer's current loss scale
+    (`jaxmp.step.make_step`): the loss is scaled by the optimizer's current loss scale
     and differentiated, the optimizer's transform unscales / checks / skips / adjusts and steps
     the params in one fused update, and a skipped step is exact: params, ``BatchStat`` running
     statistics, fp8 scaling state and ``optimizer.step`` stay bitwise unchanged
@@ -385,12 +385,12 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
     weights the params are the exact cast of the float32 master. Call it inside ``nnx.jit``.
 
     Args:
-      model: the model (usually a :class:`MixedPrecision`); updated in place.
+      model: the model (usually a [`MixedPrecision`][jaxmp.flax.nnx.MixedPrecision]); updated in place.
       optimizer: ``nnx.Optimizer(model, jaxmp.loss_scaling(...), wrt=nnx.Param)``; updated in place.
       batch: ``(inputs, labels)`` or a dict with ``inputs``/``image``/``x`` and
         ``labels``/``label``/``y``.
       loss_fn: ``loss_fn(logits, labels) -> scalar``; default
-        :func:`jaxmp.flax.softmax_cross_entropy` (mean, integer or one-hot labels).
+        [`jaxmp.flax.softmax_cross_entropy`][jaxmp.flax.softmax_cross_entropy] (mean, integer or one-hot labels).
       axis_name: a bound ``pmap``/``shard_map`` axis: gradients, metrics and the floating
         model state (``BatchStat`` statistics; a leaf equal on every replica is kept exactly)
         are averaged over it, and each replica folds its axis index into the model's RNG keys

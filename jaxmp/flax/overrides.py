@@ -12,18 +12,18 @@ The NVIDIA AMP op lists, at the granularity Flax gives us (module classes):
 * everything else follows its inputs: activations, pooling, residual adds, and user
   modules not named in either list (their own params take the policy's compute dtype).
 
-These module rules are the Flax layer of the one precision engine (:func:`jaxmp.autocast`):
+These module rules are the Flax layer of the one precision engine ([`jaxmp.autocast`][jaxmp.autocast]):
 the model runs inside the engine, and what the module rules leave open the engine's op lists
 decide. Softmax is a function, not a module: with ``"softmax"`` kept (O1) the engine's float32
 list keeps it (and every reduction) in float32; attention modules get
-:func:`jaxmp.flax.fused_attention` (cuDNN on GPUs, a float32 softmax elsewhere); the train
+[`jaxmp.flax.fused_attention`][jaxmp.flax.fused_attention] (cuDNN on GPUs, a float32 softmax elsewhere); the train
 steps compute the loss on float32 logits. The recipe's ``keep_fp32`` categories (``"norm"``,
 ``"softmax"``, ``"loss"``) switch the three on and off.
 
 The policy wins over a half-list layer's own ``dtype=float32`` (wrapping a model is the request
 for mixed precision; Flax's examples set ``dtype`` on every layer): such layers run in half and
-the wrapper warns once, naming them. Path rules (:meth:`PrecisionOverrides.with_fp32_paths`) and
-class rules (:meth:`PrecisionOverrides.with_fp32`) keep chosen layers in float32.
+the wrapper warns once, naming them. Path rules ([`PrecisionOverrides.with_fp32_paths`][jaxmp.flax.PrecisionOverrides.with_fp32_paths]) and
+class rules ([`PrecisionOverrides.with_fp32`][jaxmp.flax.PrecisionOverrides.with_fp32]) keep chosen layers in float32.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def overridden_float32_message(paths: Sequence[str], classes: Sequence[str], com
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionOverrides:
-    """Per-module-class precision rules applied on top of a :class:`jaxmp.Policy`.
+    """Per-module-class precision rules applied on top of a [`jaxmp.Policy`][jaxmp.Policy].
 
     Instances are immutable and hashable (usable as static data under ``jit``); the
     ``with_*``/``without`` methods return modified copies. Subclasses match their base's
@@ -214,16 +214,16 @@ class PrecisionOverrides:
         transcendentals in float32, as O1); False: pure half outside float32 modules (O2, O3).
       fp32_loss: the train steps compute the loss on float32 logits.
       fused_attention: attention modules with Flax's default attention run
-        :func:`jaxmp.flax.fused_attention` (cuDNN on GPUs, XLA with a float32 softmax
+        [`jaxmp.flax.fused_attention`][jaxmp.flax.fused_attention] (cuDNN on GPUs, XLA with a float32 softmax
         elsewhere); False keeps Flax's own attention under the op lists.
-      fp8: None, or a :mod:`jaxmp.fp8` recipe (``DelayedScaling()`` / ``CurrentScaling()``):
+      fp8: None, or a `jaxmp.fp8` recipe (``DelayedScaling()`` / ``CurrentScaling()``):
         the half-list ``Dense``/``DenseGeneral``/``Conv`` (Linen) and
         ``Linear``/``LinearGeneral``/``Conv`` (NNX) layers run their matmul or convolution
-        in fp8 (:mod:`jaxmp.flax.fp8`). Set by the ``O2-fp8`` presets.
-      fp32_paths: globs (:func:`fnmatch.fnmatchcase`, ``*`` also crosses ``/``) on module
+        in fp8 (`jaxmp.flax.fp8`). Set by the ``O2-fp8`` presets.
+      fp32_paths: globs (`fnmatch.fnmatchcase`, ``*`` also crosses ``/``) on module
         paths joined by ``"/"`` (Linen ``module.path``, NNX graph paths, relative to the
         wrapped model): a matching module and everything under it run in float32, as a
-        float32-list class does. A path rule beats every class rule. See :meth:`with_fp32_paths`.
+        float32-list class does. A path rule beats every class rule. See [`with_fp32_paths`][jaxmp.flax.PrecisionOverrides.with_fp32_paths].
 
     Example:
       >>> import flax.linen as nn, jaxmp, jaxmp.flax
@@ -280,7 +280,7 @@ class PrecisionOverrides:
             ``"softmax"`` sets ``fp32_softmax``, ``"loss"`` sets ``fp32_loss``.
 
         Returns:
-          A :class:`PrecisionOverrides`.
+          A [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
 
         Raises:
           ValueError: an unknown category.
@@ -310,10 +310,10 @@ class PrecisionOverrides:
         O0 and O1 keep norm, softmax and loss in float32; O2 norm and loss; O3 nothing.
 
         Args:
-          recipe: a :class:`jaxmp.Recipe` or a preset name for :func:`jaxmp.get_recipe`.
+          recipe: a [`jaxmp.Recipe`][jaxmp.Recipe] or a preset name for [`jaxmp.get_recipe`][jaxmp.get_recipe].
 
         Returns:
-          A :class:`PrecisionOverrides`.
+          A [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
 
         Example:
           >>> import jaxmp.flax
@@ -337,7 +337,7 @@ class PrecisionOverrides:
           *classes: Linen or NNX module classes (yours too).
 
         Returns:
-          A new :class:`PrecisionOverrides`.
+          A new [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
 
         Raises:
           TypeError: an argument is not a module class.
@@ -359,7 +359,7 @@ class PrecisionOverrides:
           *classes: Linen or NNX module classes (yours too).
 
         Returns:
-          A new :class:`PrecisionOverrides`.
+          A new [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
 
         Raises:
           TypeError: an argument is not a module class.
@@ -381,7 +381,7 @@ class PrecisionOverrides:
 
         The per-layer route for one layer of a class the policy runs in half, e.g. the
         output head of a model whose other ``Dense`` layers should stay in half. A pattern
-        is a glob (:func:`fnmatch.fnmatchcase`; ``*`` matches across ``/`` too) on the
+        is a glob (`fnmatch.fnmatchcase`; ``*`` matches across ``/`` too) on the
         module path joined by ``"/"``, relative to the wrapped model: Linen ``module.path``
         (``"decoder/head"``, ``"Dense_0"``), NNX attribute paths (``"layers/2"``). A module
         matches when its path or an ancestor's does; it then runs as a float32-list class:
@@ -392,7 +392,7 @@ class PrecisionOverrides:
           *patterns: module path strings or globs, e.g. ``"decoder/head"``, ``"*/logits"``.
 
         Returns:
-          A new :class:`PrecisionOverrides`.
+          A new [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
 
         Raises:
           TypeError: a pattern is not a string (a tuple path, a module class).
@@ -420,10 +420,10 @@ class PrecisionOverrides:
 
         Args:
           cls: a Linen or NNX module class.
-          policy: a :class:`jaxmp.Policy`, policy string or ``jmp.Policy``.
+          policy: a [`jaxmp.Policy`][jaxmp.Policy], policy string or ``jmp.Policy``.
 
         Returns:
-          A new :class:`PrecisionOverrides`.
+          A new [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
 
         Raises:
           TypeError: ``cls`` is not a module class or ``policy`` is not a policy.
@@ -448,7 +448,7 @@ class PrecisionOverrides:
           *classes: Linen or NNX module classes.
 
         Returns:
-          A new :class:`PrecisionOverrides`.
+          A new [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
 
         Raises:
           TypeError: an argument is not a module class.
@@ -477,16 +477,16 @@ class PrecisionOverrides:
     def module_rules(self, policy: Policy) -> ModuleRules:
         """These overrides compiled, with ``policy``, to the engine's module rules.
 
-        The one place a module's rule is decided is :meth:`jaxmp.engine.rules.ModuleRules.rule_at`:
+        The one place a module's rule is decided is `jaxmp.engine.rules.ModuleRules.rule_at`:
         half-list classes become ``"half"`` rules (inputs and params in the compute dtype, no
         region), float32-list classes and path rules ``"fp32"`` rules (float32 region, output
         back in the input's dtype), per-class policies ``"policy"`` rules.
 
         Args:
-          policy: the model-wide :class:`jaxmp.Policy`.
+          policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
 
         Returns:
-          A :class:`jaxmp.engine.rules.ModuleRules` (cached per overrides and policy).
+          A `jaxmp.engine.rules.ModuleRules` (cached per overrides and policy).
 
         Example:
           >>> import flax.linen as nn, jaxmp
@@ -502,10 +502,10 @@ class PrecisionOverrides:
 
         Args:
           module_or_class: a Linen/NNX module instance or class.
-          policy: the model-wide :class:`jaxmp.Policy`.
+          policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
 
         Returns:
-          A :class:`ModuleRule`, or None when the module follows its inputs.
+          A [`ModuleRule`][jaxmp.flax.ModuleRule], or None when the module follows its inputs.
 
         Example:
           >>> import flax.linen as nn, jaxmp, jaxmp.flax
@@ -533,15 +533,15 @@ class PrecisionOverrides:
         return ModuleRules(paths=tuple((p, _FP32_RULE) for p in self.fp32_paths)).path_match(path)
 
     def rule_at(self, path: Sequence[Any], module_or_class: Any, policy: Policy) -> ModuleRule | None:
-        """The rule for the module at ``path``: float32 where a path rule matches, else :meth:`rule_for`.
+        """The rule for the module at ``path``: float32 where a path rule matches, else [`rule_for`][jaxmp.flax.PrecisionOverrides.rule_for].
 
         Args:
           path: the module path (a tuple of names, relative to the wrapped model).
           module_or_class: the Linen/NNX module instance or class there.
-          policy: the model-wide :class:`jaxmp.Policy`.
+          policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
 
         Returns:
-          A :class:`ModuleRule`, or None when the module follows its inputs.
+          A [`ModuleRule`][jaxmp.flax.ModuleRule], or None when the module follows its inputs.
 
         Example:
           >>> import flax.linen as nn, jaxmp
@@ -572,10 +572,10 @@ def resolve_overrides(policy: Any, overrides: PrecisionOverrides | Iterable[str]
     """Turns the user's ``policy`` / ``overrides`` arguments into a Policy and overrides.
 
     Args:
-      policy: a :class:`jaxmp.Policy`, ``jmp.Policy``, :class:`jaxmp.Recipe` or policy
+      policy: a [`jaxmp.Policy`][jaxmp.Policy], ``jmp.Policy``, [`jaxmp.Recipe`][jaxmp.Recipe] or policy
         string. A preset name (``"O1"``, ``"O2-bf16"``, ``"mixed_float16"`` ...) or a
         Recipe also picks the default overrides from its ``keep_fp32`` categories.
-      overrides: a :class:`PrecisionOverrides`, a list of ``keep_fp32`` categories, or
+      overrides: a [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides], a list of ``keep_fp32`` categories, or
         None for the preset's (or, for a bare policy, all three categories).
 
     Returns:
@@ -583,7 +583,7 @@ def resolve_overrides(policy: Any, overrides: PrecisionOverrides | Iterable[str]
 
     Raises:
       TypeError: a policy whose dtypes are not floating, or overrides of the wrong type.
-      ValueError: an fp8 recipe this hardware cannot run (:func:`jaxmp.fp8.check_hardware`).
+      ValueError: an fp8 recipe this hardware cannot run ([`jaxmp.fp8.check_hardware`][jaxmp.fp8.check_hardware]).
 
     Example:
       >>> import jaxmp.flax

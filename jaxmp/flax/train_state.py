@@ -36,9 +36,9 @@ class TrainState(struct.PyTreeNode):
       params: the model's params as stored (float32 masters for O1; half for O2, whose
         float32 master copy lives in ``opt_state``).
       model_state: the other variable collections, e.g. ``{"batch_stats": ...}`` (float32).
-      opt_state: the state of ``tx``; holds a :class:`jaxmp.LossScalingState`.
-      model: the :class:`jaxmp.flax.linen.MixedPrecision` model (static: policy, overrides).
-      tx: the optax transformation, wrapped in :func:`jaxmp.loss_scaling` (static).
+      opt_state: the state of ``tx``; holds a [`jaxmp.LossScalingState`][jaxmp.LossScalingState].
+      model: the [`jaxmp.flax.linen.MixedPrecision`][jaxmp.flax.linen.MixedPrecision] model (static: policy, overrides).
+      tx: the optax transformation, wrapped in [`jaxmp.loss_scaling`][jaxmp.loss_scaling] (static).
 
     Example:
       >>> import jax, numpy as np, optax, flax.linen as nn, jaxmp, jaxmp.flax
@@ -63,16 +63,16 @@ class TrainState(struct.PyTreeNode):
         """Builds the state from a policy-wrapped model, its variables and a loss-scaling optimizer.
 
         Args:
-          model: from :func:`jaxmp.flax.mixed_precision` on a Linen module.
+          model: from [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision] on a Linen module.
           variables: ``model.init(...)`` output (``params`` plus other collections).
           tx: ``jaxmp.loss_scaling(inner, loss_scale, master_weights=..., axis_name=...)``.
 
         Returns:
-          A :class:`TrainState` at step 0.
+          A [`TrainState`][jaxmp.flax.TrainState] at step 0.
 
         Raises:
-          TypeError: ``model`` is not a Linen :class:`MixedPrecision`, or ``tx`` is not
-            wrapped in :func:`jaxmp.loss_scaling`.
+          TypeError: ``model`` is not a Linen [`MixedPrecision`][jaxmp.flax.linen.MixedPrecision], or ``tx`` is not
+            wrapped in [`jaxmp.loss_scaling`][jaxmp.loss_scaling].
           ValueError: ``variables`` has no ``params``.
 
         Example:
@@ -104,12 +104,12 @@ class TrainState(struct.PyTreeNode):
 
     @property
     def policy(self):
-        """The model-wide :class:`jaxmp.Policy`."""
+        """The model-wide [`jaxmp.Policy`][jaxmp.Policy]."""
         return self.model.policy
 
     @property
     def overrides(self):
-        """The :class:`jaxmp.flax.PrecisionOverrides`."""
+        """The [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides]."""
         return self.model.overrides
 
     @property
@@ -121,7 +121,7 @@ class TrainState(struct.PyTreeNode):
         """Applies scaled gradients; on a non-finite step nothing but the loss scale changes.
 
         Args:
-          grads: gradients of the *scaled* loss (from :func:`jaxmp.value_and_grad` given this
+          grads: gradients of the *scaled* loss (from [`jaxmp.value_and_grad`][jaxmp.value_and_grad] given this
             state's ``opt_state``, in the same jitted step), already averaged over replicas if
             data-parallel.
           model_state: the updated collections from this step's forward pass (e.g. new
@@ -201,11 +201,11 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
     The step runs the model under its policy with every non-param collection mutable,
     computes the loss on float32 logits (when the overrides keep the loss in fp32),
     differentiates the scaled loss, averages gradients over ``axis_name`` (pmap), and
-    calls :meth:`TrainState.apply_gradients`.
+    calls [`TrainState.apply_gradients`][jaxmp.flax.TrainState.apply_gradients].
 
     Args:
       loss_fn: ``loss_fn(logits, labels) -> scalar``; default
-        :func:`jaxmp.flax.softmax_cross_entropy` (integer or one-hot labels).
+        [`jaxmp.flax.softmax_cross_entropy`][jaxmp.flax.softmax_cross_entropy] (integer or one-hot labels).
       axis_name: the ``pmap`` axis: gradients, loss and accuracy are ``pmean``-ed over it, and
         so is the floating model state (BatchNorm statistics; a leaf equal on every replica is
         kept exactly), so replicas stay bitwise identical. Build ``tx`` with
@@ -275,7 +275,7 @@ def make_eval_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | Non
     """Returns ``eval_step(state, batch) -> metrics`` (no mutation, no gradients).
 
     Args:
-      loss_fn: as for :func:`make_train_step`.
+      loss_fn: as for [`make_train_step`][jaxmp.flax.make_train_step].
       axis_name: the ``pmap`` axis to average the metrics over.
       model_kwargs: extra keyword arguments for the forward pass, e.g. ``{"train": False}``.
 

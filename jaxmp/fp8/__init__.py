@@ -5,21 +5,21 @@ per-tensor *scale* before the cast and divided by it after, the scale chosen so 
 absolute maximum (amax) lands near the format's largest value. Two recipes, as in NVIDIA's
 Transformer Engine:
 
-* :class:`CurrentScaling`: the scale comes from the tensor's own amax in the same step. No
+* [`CurrentScaling`][jaxmp.fp8.CurrentScaling]: the scale comes from the tensor's own amax in the same step. No
   state; invariant to a loss scale (a scaled gradient gets a proportionally smaller scale).
-* :class:`DelayedScaling`: the scale comes from a history of past amaxes (:class:`Fp8Meta`,
-  updated by :func:`update_meta`), so the cast needs no reduction over the tensor first.
+* [`DelayedScaling`][jaxmp.fp8.DelayedScaling]: the scale comes from a history of past amaxes ([`Fp8Meta`][jaxmp.fp8.Fp8Meta],
+  updated by [`update_meta`][jaxmp.fp8.update_meta]), so the cast needs no reduction over the tensor first.
 
-Forward operands use E4M3 and gradients E5M2 (the "hybrid" format). :func:`fp8_dot_general`
+Forward operands use E4M3 and gradients E5M2 (the "hybrid" format). [`fp8_dot_general`][jaxmp.fp8.fp8_dot_general]
 quantizes and dequantizes its operands around a ``lax.dot_general`` (and the cotangent in its
 backward pass). On CPU that is the emulation (fp8 rounding, matmul in the operands' dtype); on
 GPUs with fp8 Tensor Cores (compute capability >= 8.9) XLA rewrites this pattern into an fp8
-GEMM, which is how ``flax.linen.fp8_ops`` reaches them too. Under :func:`jaxmp.autocast`,
+GEMM, which is how ``flax.linen.fp8_ops`` reaches them too. Under [`jaxmp.autocast`][jaxmp.autocast],
 ``AutocastRules(fp8_matmuls=CurrentScaling())`` makes every half-list ``dot_general`` one.
 
 One module per concern, the names a training script uses re-exported here (``from jaxmp import
 fp8; fp8.CurrentScaling``); the scaling arithmetic stays in its modules: ``formats`` (E4M3 / E5M2 and their ranges), ``recipes`` (the two
-recipes, :data:`Fp8Recipe`, :class:`Fp8Meta`), ``scaling`` (amax, scale, quantize, the
+recipes, `Fp8Recipe`, `Fp8Meta`), ``scaling`` (amax, scale, quantize, the
 history update), ``state`` (the per-layer delayed-scaling variables and their step update),
 ``ops`` (the scaled ``dot_general`` and convolution) and ``hardware`` (native or emulated).
 

@@ -13,7 +13,7 @@ from jaxmp.fp8.recipes import Fp8Recipe
 def native_fp8(device: Any = None) -> tuple[bool, str]:
     """Whether ``device`` has fp8 Tensor Cores, and why (compute capability >= 8.9 on NVIDIA).
 
-    Elsewhere (CPU, TPU, older GPUs) :func:`fp8_dot_general` still runs, emulated: fp8 rounding
+    Elsewhere (CPU, TPU, older GPUs) `fp8_dot_general` still runs, emulated: fp8 rounding
     and scaling, the matmul in the operands' dtype.
 
     Args:
@@ -51,7 +51,7 @@ def check_hardware(recipe: Fp8Recipe, device: Any = None) -> str:
     (``emulate=True``). ``emulate=False`` requires fp8 Tensor Cores.
 
     Args:
-      recipe: a :class:`CurrentScaling` or :class:`DelayedScaling`.
+      recipe: a `CurrentScaling` or `DelayedScaling`.
       device: a ``jax.Device`` (default: the first device).
 
     Returns:

@@ -1,6 +1,6 @@
 """The scaled fp8 ops: ``dot_general`` and ``conv_general_dilated`` on fp8-rounded operands
 (E4M3) with an fp8-rounded cotangent (E5M2), under either recipe; and the loss-scale context
-delayed-scaling ops read (:func:`gradient_loss_scale`)."""
+delayed-scaling ops read ([`gradient_loss_scale`][jaxmp.fp8.gradient_loss_scale])."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def gradient_loss_scale(loss_scale: Any):
     unscaled units, so a change of the loss scale never corrupts the E5M2 history: inside,
     each op quantizes the (scaled) cotangent with ``output_grad / loss_scale`` and, by the
     chain rule through that division, reports ``amax(cotangent) / loss_scale``. The train
-    steps of :mod:`jaxmp.flax` enter it for you; call it yourself around the forward pass of a
+    steps of `jaxmp.flax` enter it for you; call it yourself around the forward pass of a
     hand-written step that scales the loss.
 
     Args:
@@ -126,15 +126,15 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: F
     pass the incoming cotangent is quantized to the gradient format the same way (so a loss
     scale cancels out), then the gradients are the dot's transposes on the quantized values.
     Delayed scaling: the scales come from ``scales`` (the layer's state, see
-    :func:`init_layer_state`) and the amaxes seen this step come back as their gradients.
+    `init_layer_state`) and the amaxes seen this step come back as their gradients.
 
     Args:
       lhs: left operand (floating), as for ``jax.lax.dot_general``.
       rhs: right operand (floating).
       dimension_numbers: as for ``jax.lax.dot_general``.
-      recipe: a :class:`CurrentScaling` (default) or :class:`DelayedScaling`.
+      recipe: a [`CurrentScaling`][jaxmp.fp8.CurrentScaling] (default) or [`DelayedScaling`][jaxmp.fp8.DelayedScaling].
       preferred_element_type: the output dtype, as for ``jax.lax.dot_general``.
-      scales: the :class:`Fp8Scales` of a delayed recipe (None for current scaling).
+      scales: the [`Fp8Scales`][jaxmp.fp8.Fp8Scales] of a delayed recipe (None for current scaling).
       precision: as for ``jax.lax.dot_general``.
 
     Returns:
@@ -162,7 +162,7 @@ def fp8_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, pad
                              batch_group_count: int = 1, precision: Any = None,
                              preferred_element_type: Any = None, *, recipe: Fp8Recipe | None = None,
                              scales: Fp8Scales | None = None) -> jax.Array:
-    """``lax.conv_general_dilated`` with fp8 operands and cotangent, like :func:`fp8_dot_general`.
+    """``lax.conv_general_dilated`` with fp8 operands and cotangent, like [`fp8_dot_general`][jaxmp.fp8.fp8_dot_general].
 
     Args:
       lhs: the input (floating), as for ``jax.lax.conv_general_dilated``.
@@ -176,8 +176,8 @@ def fp8_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, pad
       batch_group_count: as for ``jax.lax.conv_general_dilated``.
       precision: as for ``jax.lax.conv_general_dilated``.
       preferred_element_type: as for ``jax.lax.conv_general_dilated``.
-      recipe: a :class:`CurrentScaling` (default) or :class:`DelayedScaling`.
-      scales: the :class:`Fp8Scales` of a delayed recipe.
+      recipe: a [`CurrentScaling`][jaxmp.fp8.CurrentScaling] (default) or [`DelayedScaling`][jaxmp.fp8.DelayedScaling].
+      scales: the [`Fp8Scales`][jaxmp.fp8.Fp8Scales] of a delayed recipe.
 
     Returns:
       The convolution of the fp8-rounded operands.

@@ -1,9 +1,9 @@
-"""The fp8 scaling recipes: :class:`CurrentScaling` and :class:`DelayedScaling`, and the
-per-tensor state a delayed recipe keeps (:class:`Fp8Meta`).
+"""The fp8 scaling recipes: [`CurrentScaling`][jaxmp.fp8.CurrentScaling] and [`DelayedScaling`][jaxmp.fp8.DelayedScaling], and the
+per-tensor state a delayed recipe keeps ([`Fp8Meta`][jaxmp.fp8.Fp8Meta]).
 
 The two recipes share their format and headroom fields through a non-public base, and neither
 subclasses the other: ``isinstance(recipe, CurrentScaling)`` means current scaling exactly.
-:data:`Fp8Recipe` (``CurrentScaling | DelayedScaling``) is what "any fp8 recipe" means, for
+[`Fp8Recipe`][jaxmp.fp8.Fp8Recipe] (``CurrentScaling | DelayedScaling``) is what "any fp8 recipe" means, for
 ``isinstance`` and for annotations alike.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 from jaxmp.fp8.formats import E4M3, E5M2, check_margin, fp8_dtype
 
 REDUCTIONS = ("max", "most_recent")
-"""How :class:`DelayedScaling` reduces its amax history to one reference amax."""
+"""How [`DelayedScaling`][jaxmp.fp8.DelayedScaling] reduces its amax history to one reference amax."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class CurrentScaling(_ScalingRecipe):
       bwd_dtype: format of gradients (E5M2).
       emulate: None (default): native fp8 on GPUs with fp8 Tensor Cores, the emulation on CPU,
         and a clear error elsewhere (older GPUs, TPU); True: emulate anywhere (opt-in);
-        False: require fp8 Tensor Cores. See :func:`jaxmp.fp8.check_hardware`.
+        False: require fp8 Tensor Cores. See [`jaxmp.fp8.check_hardware`][jaxmp.fp8.check_hardware].
 
     Example:
       >>> from jaxmp import fp8
@@ -64,16 +64,16 @@ class CurrentScaling(_ScalingRecipe):
 class DelayedScaling(_ScalingRecipe):
     """Delayed scaling: the scale from a history of past amaxes (Transformer Engine's defaults).
 
-    Not a :class:`CurrentScaling`: code that accepts either checks ``isinstance(recipe,
+    Not a [`CurrentScaling`][jaxmp.fp8.CurrentScaling]: code that accepts either checks ``isinstance(recipe,
     fp8.Fp8Recipe)``.
 
     Attributes:
       history_length: amaxes kept per tensor (>= 1; 1024 by default).
       reduction: ``"max"`` over the history, or ``"most_recent"``.
-      margin: as in :class:`CurrentScaling`.
-      fwd_dtype: as in :class:`CurrentScaling`.
-      bwd_dtype: as in :class:`CurrentScaling`.
-      emulate: as in :class:`CurrentScaling`.
+      margin: as in [`CurrentScaling`][jaxmp.fp8.CurrentScaling].
+      fwd_dtype: as in [`CurrentScaling`][jaxmp.fp8.CurrentScaling].
+      bwd_dtype: as in [`CurrentScaling`][jaxmp.fp8.CurrentScaling].
+      emulate: as in [`CurrentScaling`][jaxmp.fp8.CurrentScaling].
 
     Example:
       >>> from jaxmp import fp8
@@ -93,7 +93,7 @@ class DelayedScaling(_ScalingRecipe):
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
 
     def init_meta(self) -> Fp8Meta:
-        """A fresh :class:`Fp8Meta`: scale 1 and an all-zero history."""
+        """A fresh [`Fp8Meta`][jaxmp.fp8.Fp8Meta]: scale 1 and an all-zero history."""
         return Fp8Meta(scale=jnp.ones((), jnp.float32), amax_history=jnp.zeros((self.history_length,), jnp.float32))
 
 
@@ -115,10 +115,10 @@ class Fp8Meta(NamedTuple):
 
 
 def describe(recipe: Fp8Recipe) -> str:
-    """How :func:`jaxmp.precision_report` labels an op run under ``recipe``.
+    """How [`jaxmp.precision_report`][jaxmp.diagnostics.precision_report.precision_report] labels an op run under ``recipe``.
 
     Args:
-      recipe: a :class:`CurrentScaling` or :class:`DelayedScaling`.
+      recipe: a [`CurrentScaling`][jaxmp.fp8.CurrentScaling] or [`DelayedScaling`][jaxmp.fp8.DelayedScaling].
 
     Returns:
       The label, naming the formats and the kind of scaling.

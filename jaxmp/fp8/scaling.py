@@ -1,5 +1,5 @@
 """The arithmetic of a scale: amaxes, the scale an amax gives, quantize / dequantize, and the
-delayed-scaling update of one tensor's history (:func:`update_meta`)."""
+delayed-scaling update of one tensor's history ([`update_meta`][jaxmp.fp8.update_meta])."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def update_meta(meta: Fp8Meta, x: jax.Array, recipe: DelayedScaling, dtype: Any 
       dtype: the fp8 format (default: the recipe's forward format).
 
     Returns:
-      The new :class:`Fp8Meta`.
+      The new [`Fp8Meta`][jaxmp.fp8.Fp8Meta].
 
     Example:
       >>> import jax.numpy as jnp

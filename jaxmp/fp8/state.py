@@ -25,7 +25,7 @@ class Fp8Scales(NamedTuple):
       input: the scale of the activation (left operand, forward format).
       kernel: the scale of the weight (right operand, forward format).
       output_grad: the scale of the incoming gradient (backward format), in *unscaled* units:
-        the op divides it by the loss scale of :func:`gradient_loss_scale`.
+        the op divides it by the loss scale of `gradient_loss_scale`.
     """
 
     input: jax.Array
@@ -41,7 +41,7 @@ def init_layer_state(recipe: DelayedScaling) -> dict[str, jax.Array]:
     ``output_grad_amax_history``. It is state, not a parameter: never give it to an optimizer.
 
     Args:
-      recipe: the :class:`DelayedScaling` recipe (its history length).
+      recipe: the [`DelayedScaling`][jaxmp.fp8.DelayedScaling] recipe (its history length).
 
     Returns:
       ``{name: float32 array}``: scales 1, histories zero.
@@ -61,7 +61,7 @@ def init_layer_state(recipe: DelayedScaling) -> dict[str, jax.Array]:
 
 
 def layer_scales(layer_state: Mapping[str, Any]) -> Fp8Scales:
-    """The :class:`Fp8Scales` of one layer's state (from :func:`init_layer_state`).
+    """The [`Fp8Scales`][jaxmp.fp8.Fp8Scales] of one layer's state (from [`init_layer_state`][jaxmp.fp8.init_layer_state]).
 
     Example:
       >>> from jaxmp import fp8
@@ -91,13 +91,13 @@ def update_state(state: Any, observed: Any, recipe: DelayedScaling, axis_name: A
 
     ``observed`` is the gradient of the loss with respect to ``state``: a delayed-scaling op
     reports the amax it saw for each tensor as the gradient of that tensor's scale (the
-    gradient amax in unscaled units, see :func:`gradient_loss_scale`). A layer called twice in
+    gradient amax in unscaled units, see `gradient_loss_scale`). A layer called twice in
     a step reports the sum of its amaxes: a scale that errs towards headroom, never overflow.
 
     Args:
-      state: a pytree holding layer states (:func:`init_layer_state` dicts, at any depth).
+      state: a pytree holding layer states ([`init_layer_state`][jaxmp.fp8.init_layer_state] dicts, at any depth).
       observed: the same structure, from differentiating with respect to ``state``.
-      recipe: the :class:`DelayedScaling` recipe.
+      recipe: the [`DelayedScaling`][jaxmp.fp8.DelayedScaling] recipe.
       axis_name: a bound ``pmap``/``shard_map`` axis: the amaxes are maxed over it first, so
         every replica keeps the same scales. (Under sharded ``jit`` they are global already.)
 

@@ -2,14 +2,14 @@
 
 Two paths, same semantics and results:
 
-* :func:`make_sharded_train_step` -- plain ``jax.jit`` over a mesh with a data axis (JAX's
+* [`make_sharded_train_step`][jaxmp.parallel.make_sharded_train_step] -- plain ``jax.jit`` over a mesh with a data axis (JAX's
   recommended path; runs unchanged on several hosts), with the state replicated or sharded
-  over the data axis (``layout="zero"`` / ``"fsdp"``; :func:`shard_state`);
-* :func:`make_pmap_train_step` -- ``jax.pmap`` with an explicit gradient all-reduce whose
+  over the data axis (``layout="zero"`` / ``"fsdp"``; [`shard_state`][jaxmp.parallel.shard_state]);
+* [`make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step] -- ``jax.pmap`` with an explicit gradient all-reduce whose
   dtype you choose (float32 by default).
 
 Plus replication helpers, batch splitting (per device and per process), prefetching and
-:func:`initialize_distributed` for multi-host runs. Lower-level helpers (``leaf_spec``,
+`initialize_distributed` for multi-host runs. Lower-level helpers (``leaf_spec``,
 ``batch_sharding``, ...) live in this package's modules and are not public API. See the README section "Data-parallel and multi-host training".
 """
 

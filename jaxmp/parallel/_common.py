@@ -122,7 +122,7 @@ def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: C
     if the step was applied. With ``per_replica_aux`` (pmap), an ``aux`` dict holding
     ``batch_stats`` is refused: it would be kept per replica and drift apart.
 
-    ``wrap_loss`` (the sharded-jit layouts, :mod:`jaxmp.parallel.layouts`) maps the canonical loss
+    ``wrap_loss`` (the sharded-jit layouts, `jaxmp.parallel.layouts`) maps the canonical loss
     ``(params, model_state, batch, rng) -> (loss, (model_state, aux))`` to another of the same
     signature before the step builder differentiates it.
     """

@@ -50,7 +50,7 @@ def shard_batch(batch: Any, num_devices: int | None = None) -> Any:
     """Reshapes a batch ``[B, ...]`` into per-device batches ``[num_devices, B // num_devices, ...]``.
 
     Host (numpy) leaves stay on the host, so this is cheap inside an input pipeline; the pmapped
-    step (or :func:`prefetch_to_device`) moves each slice to its device. Example ``i`` goes to
+    step (or [`prefetch_to_device`][jaxmp.parallel.prefetch_to_device]) moves each slice to its device. Example ``i`` goes to
     device ``i // (B // num_devices)``: contiguous blocks, the same split as the sharded-jit path,
     so both paths see the same per-device batches.
 
@@ -78,7 +78,7 @@ def shard_batch(batch: Any, num_devices: int | None = None) -> Any:
 
 
 def unshard_batch(batch: Any) -> Any:
-    """Inverse of :func:`shard_batch`: ``[n, b, ...] -> [n * b, ...]``.
+    """Inverse of [`shard_batch`][jaxmp.parallel.shard_batch]: ``[n, b, ...] -> [n * b, ...]``.
 
     Args:
       batch: a pytree of per-device batches.
@@ -169,7 +169,7 @@ def prefetch_to_device(iterator: Iterable[Any], size: int = 2, devices: Sequence
     """Shards each batch of an iterator and keeps ``size`` of them in flight on the devices (pmap layout).
 
     Like ``flax.jax_utils.prefetch_to_device``, but it takes this process's *global* batch
-    ``[B, ...]`` and does the :func:`shard_batch` split itself (with its divisibility check and
+    ``[B, ...]`` and does the [`shard_batch`][jaxmp.parallel.shard_batch] split itself (with its divisibility check and
     logging). Transfers are asynchronous, so with ``size=2`` the next batch is copied while the
     current step runs (mostly useful on GPUs).
 

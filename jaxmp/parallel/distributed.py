@@ -2,7 +2,7 @@
 
 jaxmp adds nothing to JAX's multi-controller model: every process runs the same program,
 ``jax.devices()`` lists all processes' devices, and the sharded-jit step from
-:mod:`jaxmp.parallel.sharding` runs unchanged. This module only resolves the connection
+`jaxmp.parallel.sharding` runs unchanged. This module only resolves the connection
 settings (arguments, then ``JAXMP_*`` environment variables, then JAX's auto-detection on
 TPU pods, SLURM, Open MPI...) and picks working CPU collectives for local testing.
 """
@@ -24,7 +24,7 @@ ENV_LOCAL_DEVICE_IDS = "JAXMP_LOCAL_DEVICE_IDS"
 
 
 class DistributedInfo(NamedTuple):
-    """Where this process stands after :func:`initialize_distributed`.
+    """Where this process stands after [`initialize_distributed`][jaxmp.parallel.initialize_distributed].
 
     Attributes:
       process_index: this process (0 .. process_count - 1).
@@ -82,7 +82,7 @@ def distributed_info() -> DistributedInfo:
     """This process's place in the run (works with or without ``jax.distributed``).
 
     Returns:
-      A :class:`DistributedInfo`; ``coordinator_address`` is ``None``.
+      A [`DistributedInfo`][jaxmp.parallel.DistributedInfo]; ``coordinator_address`` is ``None``.
 
     Example:
       >>> import jaxmp
@@ -117,7 +117,7 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
       **kwargs: forwarded to ``jax.distributed.initialize`` (e.g. ``heartbeat_timeout_seconds``).
 
     Returns:
-      A :class:`DistributedInfo` (process index and count, local and global device counts).
+      A [`DistributedInfo`][jaxmp.parallel.DistributedInfo] (process index and count, local and global device counts).
 
     Raises:
       ValueError: a malformed address or inconsistent numbers, or nothing given and no

@@ -1,6 +1,6 @@
 """How the training state is laid out over a mesh's data axis on the sharded-``jit`` path.
 
-Three layouts (``make_sharded_train_step(..., layout=...)``, :func:`shard_state`):
+Three layouts (``make_sharded_train_step(..., layout=...)``, [`shard_state`][jaxmp.parallel.shard_state]):
 
 * ``"replicated"`` (default): every device holds the whole state (params, float32 masters,
   optimizer moments). O2-bf16 + AdamW: 2 + 4 + 8 = 14 bytes per parameter on every device.
@@ -14,7 +14,7 @@ Three layouts (``make_sharded_train_step(..., layout=...)``, :func:`shard_state`
 Everything is ``NamedSharding`` + ``jit`` in/out shardings + ``jax.lax.with_sharding_constraint``:
 XLA inserts the reduce-scatters and all-gathers.
 
-**Which dimension is sharded** (:func:`leaf_spec`): a leaf is sharded over the data axis along
+**Which dimension is sharded** ([`leaf_spec`][jaxmp.parallel.leaf_spec]): a leaf is sharded over the data axis along
 its largest dimension whose size (divided by the shards the user's spec already puts on it, if
 any, over another mesh axis) the data-axis size divides, ties going to the first such dimension,
 and only a dimension the user's spec leaves unsharded. Leaves with fewer than ``min_shard_size``
@@ -42,7 +42,7 @@ from jaxmp.dtypes import accumulation_dtype
 
 
 LAYOUTS = ("replicated", "zero", "fsdp")
-"""The layout names :func:`shard_state` and ``make_sharded_train_step(layout=...)`` take: a full copy
+"""The layout names [`shard_state`][jaxmp.parallel.shard_state] and ``make_sharded_train_step(layout=...)`` take: a full copy
 of the state on every device; optimizer state and float32 masters sharded over the data axis
 (ZeRO-1/2); params sharded too (FSDP / ZeRO-3)."""
 
@@ -50,7 +50,7 @@ DEFAULT_MIN_SHARD_SIZE = 1024
 
 
 def check_layout(layout: Any) -> str:
-    """``layout`` if it is one of :data:`LAYOUTS`, else a ValueError listing them."""
+    """``layout`` if it is one of `LAYOUTS`, else a ValueError listing them."""
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}: the layouts are {', '.join(repr(x) for x in LAYOUTS)} "
                          "(replicated: today's full copy; zero: optimizer state and masters sharded; fsdp: params too)")
@@ -242,7 +242,7 @@ def state_shardings(params: Any, opt_state: Any, mesh: Mesh, layout: str = "repl
       params: the params (arrays or ``jax.ShapeDtypeStruct``; only shapes are read).
       opt_state: the optimizer state (``tx.init(params)``, or ``jax.eval_shape`` of it).
       mesh: the mesh.
-      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"`` (:data:`LAYOUTS`).
+      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"`` (`LAYOUTS`).
       data_axis: the mesh axis the state is split over; default the mesh's only axis.
       param_specs: the params' ``PartitionSpec`` over the other (model) mesh axes; default none.
       min_shard_size: leaves with fewer elements stay replicated over the data axis.
@@ -290,9 +290,9 @@ def shard_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated", 
       state: ``(params, opt_state)``.
       mesh: the mesh.
       layout: ``"replicated"``, ``"zero"`` or ``"fsdp"``.
-      data_axis: as in :func:`state_shardings`.
-      param_specs: as in :func:`state_shardings`.
-      min_shard_size: as in :func:`state_shardings`.
+      data_axis: as in [`state_shardings`][jaxmp.parallel.state_shardings].
+      param_specs: as in [`state_shardings`][jaxmp.parallel.state_shardings].
+      min_shard_size: as in [`state_shardings`][jaxmp.parallel.state_shardings].
 
     Returns:
       ``(params, opt_state)`` as global ``jax.Array`` leaves with the layout's shardings.
@@ -326,7 +326,7 @@ def abstract_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated
       state: ``(params, opt_state)``, arrays or ``jax.ShapeDtypeStruct``.
       mesh: the mesh.
       layout: ``"replicated"``, ``"zero"`` or ``"fsdp"``.
-      **kwargs: ``data_axis``, ``param_specs``, ``min_shard_size`` as in :func:`state_shardings`.
+      **kwargs: ``data_axis``, ``param_specs``, ``min_shard_size`` as in [`state_shardings`][jaxmp.parallel.state_shardings].
 
     Returns:
       ``(params, opt_state)`` with ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` leaves.
@@ -404,7 +404,7 @@ def _reassemble_aux(aux: Any, global_aux: Any, n: int) -> Any:
     ``global_aux`` holds the shapes the loss gives on the whole batch. A leaf whose global shape
     is ``(n * k, ...)`` where each shard's is ``(k, ...)`` is per-example (predictions, per-row
     losses): its shards are concatenated in batch order. A leaf of the same shape on both is
-    reduced by :func:`_reduce_aux_leaf`. Any other pair cannot be told apart and is refused.
+    reduced by `_reduce_aux_leaf`. Any other pair cannot be told apart and is refused.
     """
     def leaf(path, x, g):
         shard, whole = tuple(x.shape[1:]), tuple(g.shape)
@@ -432,7 +432,7 @@ def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, base_specs: Any) ->
     laid out over the data axis too. Differentiating through that broadcast sums the N per-shard
     gradients *in reduce_dtype* -- the cross-device reduction, which XLA turns into an all-reduce
     (or a reduce-scatter when the gradients are constrained to a sharded layout) -- and casts the
-    sum back to the param's dtype, exactly what :func:`jaxmp.parallel.all_reduce_gradients` does
+    sum back to the param's dtype, exactly what [`jaxmp.parallel.all_reduce_gradients`][jaxmp.parallel.all_reduce_gradients] does
     under pmap. The loss is the mean of the per-shard losses, which is the global loss only for a
     mean of per-example terms (shards being equal): a masked mean or an in-batch contrastive loss
     is evaluated per shard (DDP / pmap semantics). Each shard's rng is ``fold_in(rng, shard)``.

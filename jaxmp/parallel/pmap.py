@@ -1,7 +1,7 @@
 """The ``jax.pmap`` path: a data-parallel train step whose replicas agree on every skip.
 
 JAX keeps ``pmap`` in maintenance and recommends sharded ``jit`` (see
-:mod:`jaxmp.parallel.sharding`); this path remains for code bases built on ``pmap`` and
+`jaxmp.parallel.sharding`); this path remains for code bases built on ``pmap`` and
 for explicit control of the gradient all-reduce dtype.
 """
 
@@ -55,8 +55,8 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
     """A ``jax.pmap``-ed data-parallel train step with loss scaling that every replica agrees on.
 
     Each step, on every device: the loss of the device's batch shard is scaled and
-    differentiated (:func:`jaxmp.value_and_grad` reads the scale from ``opt_state``), the
-    gradients are all-reduced (:func:`all_reduce_gradients`, a mean, in ``grad_reduce_dtype``),
+    differentiated ([`jaxmp.value_and_grad`][jaxmp.value_and_grad] reads the scale from ``opt_state``), the
+    gradients are all-reduced ([`all_reduce_gradients`][jaxmp.parallel.all_reduce_gradients], a mean, in ``grad_reduce_dtype``),
     then ``tx.update`` unscales them, checks them for inf/NaN, applies or skips the step and
     adjusts the scale. Because the check runs *after* the all-reduce, a NaN in one replica's
     shard, or an overflow of a half-precision sum, reaches every replica: all of them skip and
@@ -65,18 +65,18 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
     for another axis name fails with a ValueError naming the unbound axis).
 
     The gradient is the mean of per-device mean gradients, which equals the global-batch mean
-    because :func:`jaxmp.parallel.shard_batch` only makes equal shards.
+    because [`jaxmp.parallel.shard_batch`][jaxmp.parallel.shard_batch] only makes equal shards.
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` or, when the step is called with an rng,
         ``loss_fn(params, batch, rng)``; returns a scalar float32 loss, or ``(loss, aux)`` with
         ``has_aux``. Cast to the compute dtype inside (``policy.cast_to_compute``) and return
         the loss in float32.
-      tx: an optax transformation whose state holds a :func:`jaxmp.loss_scaling` state.
+      tx: an optax transformation whose state holds a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state.
       axis_name: the pmap axis name.
       grad_reduce_dtype: dtype of the gradient all-reduce: float32 (default, safe); float16 or
         bfloat16 to halve communication (float16's sum can overflow, which costs a skipped step,
-        see :func:`all_reduce_gradients`); ``None`` for each gradient's own dtype.
+        see [`all_reduce_gradients`][jaxmp.parallel.all_reduce_gradients]); ``None`` for each gradient's own dtype.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is returned per replica in
         ``metrics["aux"]`` (not reduced). BatchNorm statistics go through ``model_state=True``,
         never through ``aux`` (an aux dict with ``batch_stats`` is a ValueError: it would drift).
@@ -94,8 +94,8 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
 
     Returns:
       ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` where params and
-      opt_state are replicated (:func:`jaxmp.parallel.replicate`), batch is sharded
-      ``[num_devices, per_device_batch, ...]`` (:func:`jaxmp.parallel.shard_batch`), rng is one PRNG key
+      opt_state are replicated ([`jaxmp.parallel.replicate`][jaxmp.parallel.replicate]), batch is sharded
+      ``[num_devices, per_device_batch, ...]`` ([`jaxmp.parallel.shard_batch`][jaxmp.parallel.shard_batch]), rng is one PRNG key
       (each device folds in its axis index, so dropout masks differ between devices), and
       metrics holds, per replica, ``loss`` (the global mean loss), ``loss_scale``,
       ``last_step_finite``, ``consecutive_skips`` and ``total_skips``. The pmapped function is

@@ -67,7 +67,7 @@ def unreplicate(tree: Any) -> Any:
 
     Args:
       tree: a pytree whose leaves carry a leading replica axis (e.g. the output of a pmapped
-        train step, or of :func:`replicate`).
+        train step, or of [`replicate`][jaxmp.parallel.replicate]).
 
     Returns:
       The pytree with the leading axis removed, taken from this process's first device.
@@ -137,7 +137,7 @@ def check_replicated(tree: Any, *, num_replicas: int | None = None, name: str = 
 
     Raises:
       ValueError: a leaf has the wrong leading size (e.g. it was never passed through
-        :func:`replicate`), or two replicas differ (the leaf path, replica indices and the
+        [`replicate`][jaxmp.parallel.replicate]), or two replicas differ (the leaf path, replica indices and the
         largest difference are named).
 
     Example:
@@ -178,11 +178,11 @@ def check_replicated(tree: Any, *, num_replicas: int | None = None, name: str = 
 
 
 def is_replicated(tree: Any, *, num_replicas: int | None = None) -> bool:
-    """Whether :func:`check_replicated` passes.
+    """Whether [`check_replicated`][jaxmp.parallel.check_replicated] passes.
 
     Args:
       tree: a pytree.
-      num_replicas: as in :func:`check_replicated`.
+      num_replicas: as in [`check_replicated`][jaxmp.parallel.check_replicated].
 
     Returns:
       ``True`` if every leaf has the replica axis and identical copies.

@@ -1,11 +1,11 @@
 """The sharded-``jit`` path (JAX's recommended one): a mesh with a data axis, plain ``jax.jit``.
 
 The batch is sharded over the mesh's data axis; the state is replicated (default) or sharded
-over the same axis (``layout="zero"`` / ``"fsdp"``, :mod:`jaxmp.parallel.layouts`). The step is
+over the same axis (``layout="zero"`` / ``"fsdp"``, `jaxmp.parallel.layouts`). The step is
 written as if for one device on the *global* batch; XLA's partitioner inserts the gradient
 all-reduce. So ``jaxmp.loss_scaling(..., axis_name=None)`` is right here: its finite check
 already runs on the global (reduced) gradient and every device computes the same verdict.
-The same code runs unchanged on several hosts (see :mod:`jaxmp.parallel.distributed`).
+The same code runs unchanged on several hosts (see `jaxmp.parallel.distributed`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def make_data_mesh(devices: Sequence[Any] | None = None, axis_name: str = "data"
 
     Args:
       devices: default ``jax.devices()`` (all processes' devices, in process order, which is
-        what :func:`make_global_batch` and :func:`jaxmp.parallel.process_batch_slice` assume).
+        what [`make_global_batch`][jaxmp.parallel.make_global_batch] and [`jaxmp.parallel.process_batch_slice`][jaxmp.parallel.process_batch_slice] assume).
       axis_name: name of the data axis.
 
     Returns:
@@ -55,7 +55,7 @@ def batch_sharding(mesh: Mesh, data_axis: str | None = None) -> NamedSharding:
     """Sharding of a batch: leading axis split over the data axis, the rest unsplit.
 
     Args:
-      mesh: the mesh (e.g. from :func:`make_data_mesh`).
+      mesh: the mesh (e.g. from [`make_data_mesh`][jaxmp.parallel.make_data_mesh]).
       data_axis: the mesh axis to split over; default the mesh's only axis.
 
     Returns:
@@ -120,13 +120,13 @@ def make_global_batch(local_batch: Any, mesh: Mesh, data_axis: str | None = None
     """Assembles this process's batch into global arrays sharded over the data axis.
 
     With one process this is a sharded ``device_put`` of the global batch. With several, each
-    process passes only its own rows (:func:`jaxmp.parallel.process_batch_slice`) and
+    process passes only its own rows ([`jaxmp.parallel.process_batch_slice`][jaxmp.parallel.process_batch_slice]) and
     ``jax.make_array_from_process_local_data`` stitches them into one global array of
     ``process_count`` times the rows; no process ever holds the whole batch.
 
     Args:
       local_batch: a pytree of host arrays with a leading batch axis (this process's part).
-      mesh: the mesh (e.g. :func:`make_data_mesh`).
+      mesh: the mesh (e.g. [`make_data_mesh`][jaxmp.parallel.make_data_mesh]).
       data_axis: the mesh axis to split the batch over; default the mesh's only axis.
 
     Returns:
@@ -167,7 +167,7 @@ def prefetch_to_mesh(iterator: Iterable[Any], mesh: Mesh, size: int = 2, data_ax
       data_axis: default the mesh's only axis.
 
     Yields:
-      Global batches as from :func:`make_global_batch`.
+      Global batches as from [`make_global_batch`][jaxmp.parallel.make_global_batch].
 
     Example:
       >>> import numpy as np, jaxmp
@@ -196,7 +196,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
                             min_shard_size: int = layouts.DEFAULT_MIN_SHARD_SIZE) -> Callable[..., Any]:
     """A ``jax.jit`` train step with the batch sharded over the mesh's data axis and the state laid out by ``layout``.
 
-    Same semantics and results as :func:`jaxmp.parallel.make_pmap_train_step`, without ``pmap``: the step
+    Same semantics and results as [`jaxmp.parallel.make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step], without ``pmap``: the step
     takes the global batch and XLA inserts the collectives. **Which batch the loss sees**: with a
     ``reduce_dtype`` (the default, ``"float32"``) ``loss_fn`` is evaluated on each data shard
     (``B / N`` rows) and the shard losses are averaged, as under pmap or DDP. That is the global
@@ -210,16 +210,16 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
     the axis is not bound). ``optax.MultiSteps`` inside ``loss_scaling`` works with every layout
     (its accumulator is laid out like the gradients).
 
-    **Layouts** (:mod:`jaxmp.parallel.layouts`): ``"replicated"`` (every device holds the whole
+    **Layouts** (`jaxmp.parallel.layouts`): ``"replicated"`` (every device holds the whole
     state), ``"zero"`` (float32 masters, moments and remainders sharded over the data axis, each
     device updates its slice, the half params replicated and gathered in their own dtype after the
     update) and ``"fsdp"`` (params sharded too, gathered inside the step in their stored dtype,
-    the compute dtype under O2). Place the state with :func:`jaxmp.parallel.shard_state` in the
+    the compute dtype under O2). Place the state with [`jaxmp.parallel.shard_state`][jaxmp.parallel.shard_state] in the
     same layout (the step's jit in/out shardings are the layout's, so a state in another layout is
     resharded on the way in).
 
     **Gradient reduce dtype**: ``"float32"`` (default) sums the data shards' gradients in float32
-    whatever the params' dtype (see :func:`jaxmp.parallel.layouts.per_shard_loss` for how, in the
+    whatever the params' dtype (see `jaxmp.parallel.layouts.per_shard_loss` for how, in the
     global view); ``"bfloat16"`` halves the traffic but keeps 8 mantissa bits in the sum of N
     gradients (a small gradient added to a large one loses its low bits, more so as N grows);
     ``"float16"`` can overflow (caught: every device skips and backs the scale off). ``None`` is
@@ -230,14 +230,14 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
     ``aux`` is combined by shape and dtype: per-example leaves (leading axis ``k`` per shard,
     ``N * k`` on the global batch, e.g. ``k = B / N`` rows) concatenated, other floating leaves
     averaged, integer leaves (counts) summed, booleans or-ed
-    (:func:`jaxmp.parallel.layouts.per_shard_loss`): what the global evaluation returns for
+    (`jaxmp.parallel.layouts.per_shard_loss`): what the global evaluation returns for
     per-example values, means and counts, not for a float sum, a max or an integer length.
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` or ``loss_fn(params, batch, rng)``, returning a scalar
         float32 loss (the mean over the batch it is given), or ``(loss, aux)`` with ``has_aux``.
-      tx: an optax transformation holding a :func:`jaxmp.loss_scaling` state (``axis_name=None``).
-      mesh: the mesh (:func:`make_data_mesh`, or one with a model axis too).
+      tx: an optax transformation holding a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state (``axis_name=None``).
+      mesh: the mesh ([`make_data_mesh`][jaxmp.parallel.make_data_mesh], or one with a model axis too).
       data_axis: the mesh axis the batch (and a sharded state) is split over; default the mesh's only axis.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to ``metrics["aux"]``
         (how it is combined over the shards: above).
@@ -252,12 +252,12 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
         ``None`` for XLA's choice (the loss is evaluated on the global batch).
       param_specs: the params' ``PartitionSpec`` tree over the other (model) mesh axes; kept by
         every layout. Default: none (params replicated over the other axes).
-      min_shard_size: leaves with fewer elements stay replicated (:func:`jaxmp.parallel.layouts.leaf_spec`).
+      min_shard_size: leaves with fewer elements stay replicated (`jaxmp.parallel.layouts.leaf_spec`).
 
     Returns:
       ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` with params and
       opt_state in the layout, metrics replicated and batch sharded over the data axis (pass the
-      output of :func:`make_global_batch`; host arrays are sharded on the way in within one
+      output of [`make_global_batch`][jaxmp.parallel.make_global_batch]; host arrays are sharded on the way in within one
       process). ``metrics``: ``loss``, ``loss_scale``, ``last_step_finite``, ``consecutive_skips``,
       ``total_skips``. ``step.lower(params, opt_state, batch[, rng])`` lowers the jitted step
       (arrays or ``jax.ShapeDtypeStruct``; compile-only memory estimates), ``step.shardings(params,
