@@ -39,7 +39,7 @@ SHORT_NAME = {
 
 
 def dtype_names() -> list[str]:
-    """The dtype names [`parse_dtype`][jaxmp.parse_dtype] accepts.
+    """The dtype names `jaxmp.dtypes.parse_dtype` accepts.
 
     Returns:
       A sorted list of names.

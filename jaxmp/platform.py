@@ -54,7 +54,7 @@ def recommended_policy(device: Any = None, *, platform: str | None = None,
       compute_capability: overrides the GPU's compute capability (``"8.0"``).
 
     Returns:
-      A [`Recommendation`][jaxmp.Recommendation] with ``recipe`` (and ``policy``) and ``reason``.
+      A `jaxmp.platform.Recommendation` with ``recipe`` (and ``policy``) and ``reason``.
 
     Raises:
       ValueError: an unknown platform, or a GPU whose compute capability is unknown.

@@ -1,7 +1,7 @@
 """Presets (Apex ``O0``-``O3``, Keras names) as recipes, and the string entry points.
 
 Every policy string a user passes is parsed once, here, into typed objects:
-[`resolve_policy`][jaxmp.resolve_policy] returns the [`Policy`][jaxmp.Policy] and, for a preset, the
+`jaxmp.presets.resolve_policy` returns the [`Policy`][jaxmp.Policy] and, for a preset, the
 [`Recipe`][jaxmp.Recipe] that goes with it (master weights, loss scale, fp32 op categories).
 [`get_policy`][jaxmp.get_policy], [`as_policy`][jaxmp.as_policy] and [`get_recipe`][jaxmp.get_recipe] are views of it.
 """
@@ -41,7 +41,7 @@ def did_you_mean(text: str, choices: Any) -> str:
     Example:
       >>> from jaxmp.presets import PRESET_NAMES, did_you_mean
       >>> did_you_mean("O2-bf61", PRESET_NAMES)
-      " (did you mean 'O2-bf16'?)"
+      " (did you mean 'O2-bf16' or 'O3-bf16'?)"
     """
     choices = list(choices)
     by_lower = {c.lower(): c for c in choices}
@@ -287,7 +287,7 @@ def as_policy(policy: Any) -> Policy:
     """Returns a jaxmp [`Policy`][jaxmp.Policy] from a Policy, a ``jmp.Policy``, a Recipe or a policy string.
 
     Args:
-      policy: anything [`resolve_policy`][jaxmp.resolve_policy] accepts.
+      policy: anything `jaxmp.presets.resolve_policy` accepts.
 
     Returns:
       A [`Policy`][jaxmp.Policy].

@@ -13,7 +13,7 @@ step, in order:
    params inside one skip (``lax.cond`` off GPU, ``lax.select`` on GPU), so the compiled update
    makes the passes of a bare optax step plus one finiteness reduction;
 4. the new model state (BatchNorm statistics, fp8 scales) is kept only if the step was applied
-   ([`jaxmp.skip.keep_if_finite`][jaxmp.keep_if_finite]).
+   (`jaxmp.skip.keep_if_finite`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
         BatchNorm statistics over the replicas); default none.
       fp8_hooks: delayed-scaling fp8 state inside the model state (`Fp8Hooks`).
       keep_model_state: ``(finite, new, old) -> kept``, the skip rule of the model state
-        (default [`jaxmp.skip.keep_if_finite`][jaxmp.keep_if_finite]; NNX keeps RNG counters moving).
+        (default `jaxmp.skip.keep_if_finite`; NNX keeps RNG counters moving).
       pass_value: give ``tx.update`` the loss as ``value`` (``skip_reason`` then tells a
         non-finite loss from non-finite gradients).
 

@@ -2,9 +2,9 @@
 
 Two small factories that compose, optax style:
 
-* [`master_weights`][jaxmp.master_weights] keeps a float32 copy of (half-precision) params and runs the
+* `jaxmp.transform.master_weights` keeps a float32 copy of (half-precision) params and runs the
   inner chain on it (Apex O2);
-* [`unscale_and_skip`][jaxmp.unscale_and_skip] unscales gradients, checks them, skips a non-finite step
+* `jaxmp.transform.unscale_and_skip` unscales gradients, checks them, skips a non-finite step
   (inner state bitwise unchanged, updates ``-0.0``) and adjusts the loss scale.
 
 [`loss_scaling`][jaxmp.loss_scaling] is ``unscale_and_skip(master_weights(inner))`` (or without the
@@ -37,7 +37,7 @@ APPLIED, NON_FINITE_LOSS, NON_FINITE_GRADIENTS, NON_FINITE_UPDATES = 0, 1, 2, 3
 
 
 class MasterWeightsState(NamedTuple):
-    """State of [`master_weights`][jaxmp.master_weights].
+    """State of `jaxmp.transform.master_weights`.
 
     Attributes:
       inner_state: the wrapped transformation's state, built on the master copy.
@@ -49,11 +49,11 @@ class MasterWeightsState(NamedTuple):
 
 
 class LossScalingState(NamedTuple):
-    """State of [`unscale_and_skip`][jaxmp.unscale_and_skip] (and so of [`loss_scaling`][jaxmp.loss_scaling]).
+    """State of `jaxmp.transform.unscale_and_skip` (and so of [`loss_scaling`][jaxmp.loss_scaling]).
 
     Attributes:
       inner_state: the wrapped transformation's state (unchanged on skipped steps); a
-        [`MasterWeightsState`][jaxmp.MasterWeightsState] when master weights are kept.
+        `jaxmp.transform.MasterWeightsState` when master weights are kept.
       loss_scale: the current loss-scale pytree (scale is float32 []).
       last_step_finite: bool [], whether the last update was applied.
       consecutive_skips: int32 [], skipped steps in a row (0 after an applied step).
@@ -72,7 +72,7 @@ class LossScalingState(NamedTuple):
 
     @property
     def master_params(self) -> Any:
-        """The master copy when the inner chain keeps one ([`master_weights`][jaxmp.master_weights]), else None."""
+        """The master copy when the inner chain keeps one (`jaxmp.transform.master_weights`), else None."""
         found = find_states(self.inner_state, MasterWeightsState)
         return found[0].master_params if found else None
 
@@ -180,7 +180,7 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
     to it, runs ``inner`` on the master copy (so Adam's moments are float32), steps the
     master, and returns the updates that move each half param onto the cast of the new
     master. [`jaxmp.apply_updates`][jaxmp.apply_updates] with the state returns exactly that cast. Compose it
-    under [`unscale_and_skip`][jaxmp.unscale_and_skip], which then unscales in ``master_dtype`` and keeps the
+    under `jaxmp.transform.unscale_and_skip`, which then unscales in ``master_dtype`` and keeps the
     master unchanged on skipped steps.
 
     Args:
@@ -188,7 +188,7 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
       master_dtype: dtype of the master copy (float32; ``"f32"``-style names accepted).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is [`MasterWeightsState`][jaxmp.MasterWeightsState].
+      An ``optax.GradientTransformationExtraArgs`` whose state is `jaxmp.transform.MasterWeightsState`.
 
     Raises:
       ValueError: a half-precision ``master_dtype`` (updates below half its ulp would never
@@ -481,7 +481,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
     """Unscales gradients, skips non-finite steps and adjusts the loss scale around ``inner``.
 
     The loss-scaling half of [`loss_scaling`][jaxmp.loss_scaling] (see it for the full contract); compose with
-    [`master_weights`][jaxmp.master_weights] as ``unscale_and_skip(master_weights(inner))``.
+    `jaxmp.transform.master_weights` as ``unscale_and_skip(master_weights(inner))``.
 
     Args:
       inner: the optax transformation to wrap.
@@ -696,7 +696,7 @@ _master_weights_factory = master_weights
 def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_args) -> tuple[Any, Any]:
     """``tx.update`` then [`jaxmp.apply_updates`][jaxmp.apply_updates], as one fused step: ``(new_params, new_opt_state)``.
 
-    For a transform made by [`loss_scaling`][jaxmp.loss_scaling] / [`unscale_and_skip`][jaxmp.unscale_and_skip] the params are
+    For a transform made by [`loss_scaling`][jaxmp.loss_scaling] / `jaxmp.transform.unscale_and_skip` the params are
     stepped inside the skip (``lax.cond`` or ``lax.select``), so the compiled program never
     writes the updates out to read them back: it makes the passes of a bare optax step plus one
     finiteness reduction over the gradients. Any other transform (e.g. one that wraps

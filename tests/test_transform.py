@@ -496,7 +496,7 @@ def test_a_half_master_copy_is_refused(master_dtype):
                                          r"every update .*master_dtype=jnp.float32"):
         jaxmp.loss_scaling(optax.sgd(1e-4), master_weights=True, master_dtype=master_dtype)
     with pytest.raises(ValueError, match=r"master copy in half precision"):
-        jaxmp.master_weights(optax.sgd(1e-4), master_dtype=master_dtype)
+        jaxmp.transform.master_weights(optax.sgd(1e-4), master_dtype=master_dtype)
     # what the refusal prevents: the bf16 master's params never move, the float32 master's do
     params = {"w": jnp.ones(4, jnp.bfloat16)}
     tx = jaxmp.loss_scaling(optax.sgd(1e-4), "none", master_weights=True)

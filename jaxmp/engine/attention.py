@@ -113,7 +113,7 @@ _INSTALLED = False
 
 @contextlib.contextmanager
 def route_attention():
-    """While active, calls through ``jax.nn.dot_product_attention`` go to [`routed_attention`][jaxmp.engine.routed_attention].
+    """While active, calls through ``jax.nn.dot_product_attention`` go to `jaxmp.engine.attention.routed_attention`.
 
     The routing function is installed on ``jax.nn`` once and stays: outside an autocast trace
     (``jaxmp.engine.config.current()`` is None, a per-thread JAX context) it calls JAX's own

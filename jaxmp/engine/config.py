@@ -1,7 +1,7 @@
 """The resolved settings of one [`jaxmp.autocast`][jaxmp.autocast] call, and the tracing context.
 
-[`AutocastConfig`][jaxmp.engine.AutocastConfig] is what a policy argument means under autocast (see the preset
-table in [`resolve_config`][jaxmp.engine.resolve_config]). The tracing context is a JAX config state that is part of
+`jaxmp.engine.config.AutocastConfig` is what a policy argument means under autocast (see the preset
+table in `jaxmp.engine.config.resolve_config`). The tracing context is a JAX config state that is part of
 ``jax.jit``'s cache key: code traced inside an autocast region (a half-input kernel, routed
 attention) gets its own cache entry, so the same jitted function called outside autocast
 afterwards runs as written, in float32.
@@ -71,7 +71,7 @@ def _warn_pure_half(policy: str, compute: np.dtype) -> None:
 
 
 def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
-    """Turns autocast's ``policy`` / ``rules`` arguments into an [`AutocastConfig`][jaxmp.engine.AutocastConfig].
+    """Turns autocast's ``policy`` / ``rules`` arguments into an `jaxmp.engine.config.AutocastConfig`.
 
     ======  ==================================================================================
     preset  under autocast
@@ -98,7 +98,7 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
       rules: explicit [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for the preset's.
 
     Returns:
-      The [`AutocastConfig`][jaxmp.engine.AutocastConfig].
+      The `jaxmp.engine.config.AutocastConfig`.
 
     Raises:
       TypeError: ``rules`` is not an [`AutocastRules`][jaxmp.AutocastRules], or a non-floating policy.
@@ -147,7 +147,7 @@ TRACING = internals.jit_key_state(
 
 
 def current() -> AutocastConfig | None:
-    """The [`AutocastConfig`][jaxmp.engine.AutocastConfig] of the autocast region being traced, or None.
+    """The `jaxmp.engine.config.AutocastConfig` of the autocast region being traced, or None.
 
     Returns:
       The config while autocast traces a function, None otherwise (including inside a
@@ -174,7 +174,7 @@ def flax_config(policy: Policy, overrides: Any) -> AutocastConfig:
       overrides: the [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
 
     Returns:
-      An [`AutocastConfig`][jaxmp.engine.AutocastConfig] (``identity`` for a float32 compute dtype).
+      An `jaxmp.engine.config.AutocastConfig` (``identity`` for a float32 compute dtype).
 
     Example:
       >>> import jaxmp; from jaxmp.engine.config import current, flax_config, resolve_config

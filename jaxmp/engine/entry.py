@@ -1,4 +1,4 @@
-"""The engine's public entry points: [`autocast`][jaxmp.autocast] and [`engine_function`][jaxmp.engine.engine_function].
+"""The engine's public entry points: [`autocast`][jaxmp.autocast] and `jaxmp.engine.entry.engine_function`.
 
 Both build an engine function (`jaxmp.engine.api`). The first one built in a process on
 a JAX newer than every tested one runs the canary of `jaxmp.engine.contract` and warns

@@ -4,8 +4,10 @@ Every value carries a few bits besides its array:
 
 * *strong* is set on the results of float32-list ops (and of anything computed in float32
   from them), and on float32 accumulators of loops. The promotion rule reads it: a strong
-  float32 value promotes the half values it meets, a plain float32 value (an argument, a
-  constant) is narrowed to half instead.
+  float32 value promotes the half values it meets; a plain float32 value (an argument, a
+  constant) is narrowed to half, unless the rule is ``"demand"`` (O1) and the op's result is
+  needed in float32 (``float32_demand``: it flows into a float32-list op, an output or a
+  loop carry), or the rule is ``"widest"``.
   A value converted from integers or booleans to float32 (``mask.astype(jnp.float32)``) is
   float32 the program made itself, so it is strong too: a padding mask built from token ids
   promotes the half scores it is added to, as ``torch.autocast`` promotes ``half + float``.
@@ -46,7 +48,7 @@ from jaxmp.engine.values import F32, Val, dtype_of, is_complex, is_float, lost_i
 
 
 class Interpreter:
-    """Runs jaxprs under one [`AutocastConfig`][jaxmp.engine.AutocastConfig].
+    """Runs jaxprs under one `jaxmp.engine.config.AutocastConfig`.
 
     Args:
       config: the resolved autocast settings.

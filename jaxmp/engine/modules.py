@@ -61,7 +61,7 @@ def cast_output(out: Any, rule: ModuleRule, input_dtype: np.dtype | None) -> Any
 
     Args:
       out: the module's return value (any pytree; only floating arrays are cast).
-      rule: the module's [`ModuleRule`][jaxmp.flax.ModuleRule].
+      rule: the module's `jaxmp.engine.rules.ModuleRule`.
       input_dtype: the dtype of the module's first floating input, before casting.
 
     Returns:
@@ -86,7 +86,7 @@ def call_with_rule(rule: ModuleRule, label: str, call: Callable, args: tuple, kw
     """Runs one module call under its rule: input casts, the engine region, the output cast.
 
     Args:
-      rule: the [`ModuleRule`][jaxmp.flax.ModuleRule] (from `ModuleRules.rule_at`).
+      rule: the `jaxmp.engine.rules.ModuleRule` (from `ModuleRules.rule_at`).
       label: shown after the region marker in profiles and jaxprs (the class name).
       call: the call itself, ``call(*args, **kwargs)``.
       args: positional arguments.

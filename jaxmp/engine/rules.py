@@ -137,16 +137,22 @@ class AutocastRules:
     **Promotion** (``promote``) decides the dtype of an op that follows its inputs when their
     floating dtypes differ:
 
-    * ``"narrow"`` (default): a float32 *input or constant* meeting a half value takes the half
-      dtype (a bias add after a bf16 matmul stays bf16); the *result of a float32-list op* stays
-      float32 and promotes what it meets (``x - mean(x)`` and ``var + eps`` of a layer norm run in
-      float32). Python scalars are weak-typed and never decide.
-    * ``"widest"``: ``torch.autocast``'s rule, the widest input dtype wins.
+    * ``"demand"`` (default; O1): a float32 value meeting a half one computes in float32 where
+      float32 is needed: where the result flows, through ops that follow, into a float32-list
+      op, an output or loop carry, or an op the rules do not type. Otherwise (the result only
+      feeds matmuls) it is narrowed. A bias add feeding a layer norm or the logits is float32.
+    * ``"narrow"`` (O2): a float32 *input or constant* meeting a half value takes the half
+      dtype (a bias add after a bf16 matmul stays bf16).
+    * ``"widest"``: ``torch.autocast``'s rule for every op, the widest input wins.
+
+    Under each, the *result of a float32-list op* stays float32 and promotes what it meets
+    (``x - mean(x)`` of a layer norm runs in float32), and Python scalars and plain float32
+    scalars never decide. docs/autocast.md has the measured cost of each rule.
 
     Attributes:
       half_ops: primitive names run in the compute dtype.
       float32_ops: primitive names run in float32.
-      promote: ``"narrow"`` or ``"widest"``.
+      promote: ``"demand"``, ``"narrow"`` or ``"widest"``.
       matmul_output: ``"compute"`` (half-list ops return the compute dtype) or ``"float32"``
         (they return float32 via ``preferred_element_type``); GPUs and TPUs accumulate in
         float32 either way.
@@ -472,7 +478,7 @@ class ModuleRules:
           module_or_class: a module instance or class.
 
         Returns:
-          A [`ModuleRule`][jaxmp.flax.ModuleRule], or None.
+          A `jaxmp.engine.rules.ModuleRule`, or None.
 
         Example:
           >>> import numpy as np
@@ -497,7 +503,7 @@ class ModuleRules:
           module_or_class: the module instance or class there.
 
         Returns:
-          A [`ModuleRule`][jaxmp.flax.ModuleRule], or None when the module follows its inputs.
+          A `jaxmp.engine.rules.ModuleRule`, or None when the module follows its inputs.
 
         Example:
           >>> import numpy as np

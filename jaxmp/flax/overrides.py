@@ -505,7 +505,7 @@ class PrecisionOverrides:
           policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
 
         Returns:
-          A [`ModuleRule`][jaxmp.flax.ModuleRule], or None when the module follows its inputs.
+          A `jaxmp.engine.rules.ModuleRule`, or None when the module follows its inputs.
 
         Example:
           >>> import flax.linen as nn, jaxmp, jaxmp.flax
@@ -541,7 +541,7 @@ class PrecisionOverrides:
           policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
 
         Returns:
-          A [`ModuleRule`][jaxmp.flax.ModuleRule], or None when the module follows its inputs.
+          A `jaxmp.engine.rules.ModuleRule`, or None when the module follows its inputs.
 
         Example:
           >>> import flax.linen as nn, jaxmp

@@ -8,7 +8,7 @@ Transformer Engine:
 * [`CurrentScaling`][jaxmp.fp8.CurrentScaling]: the scale comes from the tensor's own amax in the same step. No
   state; invariant to a loss scale (a scaled gradient gets a proportionally smaller scale).
 * [`DelayedScaling`][jaxmp.fp8.DelayedScaling]: the scale comes from a history of past amaxes ([`Fp8Meta`][jaxmp.fp8.Fp8Meta],
-  updated by [`update_meta`][jaxmp.fp8.update_meta]), so the cast needs no reduction over the tensor first.
+  updated by `jaxmp.fp8.scaling.update_meta`), so the cast needs no reduction over the tensor first.
 
 Forward operands use E4M3 and gradients E5M2 (the "hybrid" format). [`fp8_dot_general`][jaxmp.fp8.fp8_dot_general]
 quantizes and dequantizes its operands around a ``lax.dot_general`` (and the cotangent in its

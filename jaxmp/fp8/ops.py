@@ -134,7 +134,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: F
       dimension_numbers: as for ``jax.lax.dot_general``.
       recipe: a [`CurrentScaling`][jaxmp.fp8.CurrentScaling] (default) or [`DelayedScaling`][jaxmp.fp8.DelayedScaling].
       preferred_element_type: the output dtype, as for ``jax.lax.dot_general``.
-      scales: the [`Fp8Scales`][jaxmp.fp8.Fp8Scales] of a delayed recipe (None for current scaling).
+      scales: the `jaxmp.fp8.state.Fp8Scales` of a delayed recipe (None for current scaling).
       precision: as for ``jax.lax.dot_general``.
 
     Returns:
@@ -177,7 +177,7 @@ def fp8_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, pad
       precision: as for ``jax.lax.conv_general_dilated``.
       preferred_element_type: as for ``jax.lax.conv_general_dilated``.
       recipe: a [`CurrentScaling`][jaxmp.fp8.CurrentScaling] (default) or [`DelayedScaling`][jaxmp.fp8.DelayedScaling].
-      scales: the [`Fp8Scales`][jaxmp.fp8.Fp8Scales] of a delayed recipe.
+      scales: the `jaxmp.fp8.state.Fp8Scales` of a delayed recipe.
 
     Returns:
       The convolution of the fp8-rounded operands.

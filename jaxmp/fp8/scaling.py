@@ -1,5 +1,5 @@
 """The arithmetic of a scale: amaxes, the scale an amax gives, quantize / dequantize, and the
-delayed-scaling update of one tensor's history ([`update_meta`][jaxmp.fp8.update_meta])."""
+delayed-scaling update of one tensor's history (`jaxmp.fp8.scaling.update_meta`)."""
 
 from __future__ import annotations
 

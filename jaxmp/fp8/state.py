@@ -61,7 +61,7 @@ def init_layer_state(recipe: DelayedScaling) -> dict[str, jax.Array]:
 
 
 def layer_scales(layer_state: Mapping[str, Any]) -> Fp8Scales:
-    """The [`Fp8Scales`][jaxmp.fp8.Fp8Scales] of one layer's state (from [`init_layer_state`][jaxmp.fp8.init_layer_state]).
+    """The `jaxmp.fp8.state.Fp8Scales` of one layer's state (from `jaxmp.fp8.state.init_layer_state`).
 
     Example:
       >>> from jaxmp import fp8
@@ -95,7 +95,7 @@ def update_state(state: Any, observed: Any, recipe: DelayedScaling, axis_name: A
     a step reports the sum of its amaxes: a scale that errs towards headroom, never overflow.
 
     Args:
-      state: a pytree holding layer states ([`init_layer_state`][jaxmp.fp8.init_layer_state] dicts, at any depth).
+      state: a pytree holding layer states (`jaxmp.fp8.state.init_layer_state` dicts, at any depth).
       observed: the same structure, from differentiating with respect to ``state``.
       recipe: the [`DelayedScaling`][jaxmp.fp8.DelayedScaling] recipe.
       axis_name: a bound ``pmap``/``shard_map`` axis: the amaxes are maxed over it first, so

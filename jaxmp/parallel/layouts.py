@@ -14,7 +14,7 @@ Three layouts (``make_sharded_train_step(..., layout=...)``, [`shard_state`][jax
 Everything is ``NamedSharding`` + ``jit`` in/out shardings + ``jax.lax.with_sharding_constraint``:
 XLA inserts the reduce-scatters and all-gathers.
 
-**Which dimension is sharded** ([`leaf_spec`][jaxmp.parallel.leaf_spec]): a leaf is sharded over the data axis along
+**Which dimension is sharded** (`jaxmp.parallel.layouts.leaf_spec`): a leaf is sharded over the data axis along
 its largest dimension whose size (divided by the shards the user's spec already puts on it, if
 any, over another mesh axis) the data-axis size divides, ties going to the first such dimension,
 and only a dimension the user's spec leaves unsharded. Leaves with fewer than ``min_shard_size``
