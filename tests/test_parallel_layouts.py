@@ -4,6 +4,7 @@ real setting; a model axis keeps the user's specs; the state's bytes per device 
 analytic table; bad input is a clear error."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -413,3 +414,65 @@ def test_a_pmap_replicated_state_is_refused_with_the_way_to_convert_it():
     with pytest.raises(ValueError, match=r"params leaf at \['b1'\] is pmap-replicated .*jaxmp.parallel.unreplicate"
                                          r".*shard_state\(\(params, opt_state\), mesh, 'zero'\)"):
         step(*replicated, batch)
+
+
+_COLLECTIVE = re.compile(r'"stablehlo\.(all_reduce|reduce_scatter|all_gather)"')
+_SIGNATURE = re.compile(r": \((tensor<[^)]*?)\) ->")
+_HLO_COLLECTIVE = re.compile(r"= ([^=]*?) (all-reduce|reduce-scatter)(?:-start)?\(")
+_ELEMENT_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
+
+
+def _lowered_collectives(text):
+    """``(kind, element type, bytes)`` of each collective jaxmp writes into the program (StableHLO)."""
+    out = []
+    for m in _COLLECTIVE.finditer(text):
+        tensor = _SIGNATURE.search(text, m.end()).group(1).split(",")[0]
+        dims = tensor[len("tensor<"):-1].split("x")
+        elem, shape = dims[-1], [int(d) for d in dims[:-1]]
+        out.append((m.group(1), elem, int(np.prod(shape, dtype=np.int64)) * _ELEMENT_BYTES[elem]))
+    return out
+
+
+def _lowered_step(layout, reduce_dtype, dtype=BF16):
+    tx = jaxmp.loss_scaling(optax.adamw(1e-2), "none", master_weights=dtype != jnp.float32)
+    mesh = jaxmp.parallel.make_data_mesh()
+    step = jaxmp.parallel.make_sharded_train_step(_loss, tx, mesh, layout=layout, reduce_dtype=reduce_dtype,
+                                                  min_shard_size=0)
+    ps, ss = jaxmp.parallel.abstract_state((_params(dtype), tx.init(_params(dtype))), mesh, layout, min_shard_size=0)
+    batch = {"x": jax.ShapeDtypeStruct((BATCH, 16), jnp.float32), "y": jax.ShapeDtypeStruct((BATCH, 8), jnp.float32)}
+    return step.lower(ps, ss, batch)
+
+
+@pytest.mark.parametrize("layout", jaxmp.parallel.LAYOUTS)
+@pytest.mark.parametrize("reduce_dtype,elem", [("bfloat16", "bf16"), ("float32", "f32")])
+def test_every_gradient_reduction_of_the_program_runs_in_the_layouts_reduce_dtype(layout, reduce_dtype, elem):
+    # Read from the program jaxmp hands XLA (the lowered StableHLO): XLA:CPU then widens bf16
+    # collectives to f32 (its compiled text shows f32 for every one), a GPU keeps them.
+    found = _lowered_collectives(_lowered_step(layout, reduce_dtype).as_text())
+    reductions = [(k, e) for k, e, _ in found if k != "all_gather"]
+    kind = "all_reduce" if layout == "replicated" else "reduce_scatter"
+    # One per gradient leaf (w1, b1, w2), each reduced onto the slices each device updates.
+    assert reductions == [(kind, elem)] * 3, reductions
+
+
+@pytest.mark.slow  # three compiles
+@pytest.mark.parametrize("layout", jaxmp.parallel.LAYOUTS)
+def test_reduce_dtype_none_reduces_in_the_compute_dtype(layout):
+    # float16 params (XLA:CPU keeps f16 collectives; it widens only bf16): with reduce_dtype=None
+    # XLA reduces each gradient in the matmul's dtype, and jaxmp writes no collective of its own.
+    lowered = _lowered_step(layout, None, jnp.float16)
+    assert _lowered_collectives(lowered.as_text()) == []
+    ops = _HLO_COLLECTIVE.findall(lowered.compile().as_text())
+    # Tensors only: the scalar f32 all-reduce is the loss's mean, the pred ones the finite checks.
+    tensors = [d for t, _ in ops for d in re.findall(r"\b(f16|bf16|f32|f64)\[\d", t)]
+    assert tensors and set(tensors) == {"f16"}, ops
+
+
+def test_o2_bf16_fsdp_gathers_half_the_bytes_of_o0():
+    gathers = {}
+    for dtype in (BF16, jnp.float32):
+        found = _lowered_collectives(_lowered_step("fsdp", "float32", dtype).as_text())
+        gathers[dtype] = [(e, b) for k, e, b in found if k == "all_gather"]
+    # The params are gathered in their stored (compute) dtype: bf16 under O2, half of O0's f32.
+    assert [e for e, _ in gathers[BF16]] == ["bf16"] * 3 and [e for e, _ in gathers[jnp.float32]] == ["f32"] * 3
+    assert sum(b for _, b in gathers[BF16]) * 2 == sum(b for _, b in gathers[jnp.float32]) > 0
