@@ -83,19 +83,24 @@ def _block(s: Shape, x, p):
     return x + jax.nn.gelu(h @ p["fc_w"] + p["fc_b"]) @ p["out_w"] + p["out_b"]
 
 
-def loss_fn(s: Shape, scanned: bool, layer_params: Callable | None = None, remat: Any = None) -> Callable:
+def loss_fn(s: Shape, scanned: bool, layer_params: Callable | None = None, remat: Any = None,
+            per_layer: bool = False) -> Callable:
     """``loss(params, batch)``: next-token cross-entropy (float32) of the model.
 
     ``layer_params`` maps one layer's params before use (the per-layer FSDP gather,
     :func:`jaxmp.parallel.gather_params`); ``remat`` a ``jax.checkpoint`` policy for the
     scanned body (the hand-written baseline's remat; jaxmp's step takes ``remat=`` itself).
+    ``per_layer``: scan with :func:`jaxmp.parallel.scan_layers` (each layer gathered in the body).
     """
     use = layer_params or (lambda p: p)
 
     def loss(params, batch):
         tokens = batch["tokens"]
         x = params["wte"][tokens] + params["wpe"][: tokens.shape[1]]
-        if scanned:
+        if scanned and per_layer:
+            from jaxmp.parallel import scan_layers
+            x, _ = scan_layers(lambda h, p: (_block(s, h, p), None), x, params["layers"])
+        elif scanned:
             def body(h, p):
                 return _block(s, h, use(p)), None
             if remat is not None:

@@ -27,6 +27,9 @@ from jaxmp.parallel.layouts import leaf_spec
 from jaxmp.parallel.layouts import shard_state
 from jaxmp.parallel.layouts import state_bytes_per_device
 from jaxmp.parallel.layouts import state_shardings
+from jaxmp.parallel.per_layer import gather_params
+from jaxmp.parallel.per_layer import remat_policy
+from jaxmp.parallel.per_layer import scan_layers
 from jaxmp.parallel.pmap import all_reduce_gradients
 from jaxmp.parallel.pmap import make_pmap_train_step
 from jaxmp.parallel.replication import check_replicated
@@ -49,6 +52,7 @@ __all__ = [
     "batch_sharding",
     "check_replicated",
     "distributed_info",
+    "gather_params",
     "initialize_distributed",
     "is_replicated",
     "leaf_spec",
@@ -59,11 +63,13 @@ __all__ = [
     "per_device_batch_size",
     "prefetch_to_device",
     "prefetch_to_mesh",
+    "remat_policy",
     "process_batch_slice",
     "process_dataset_range",
     "replicate",
     "replicate_on_mesh",
     "replicated_sharding",
+    "scan_layers",
     "shard_batch",
     "shard_state",
     "state_bytes_per_device",

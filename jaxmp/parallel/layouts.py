@@ -428,7 +428,48 @@ def _manual_spec(spec: PartitionSpec, axis: str) -> PartitionSpec:
     return _spec([axis if axis in _axes_of(e) else None for e in spec])
 
 
-def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_specs: Any) -> Any:
+def recorded_leaves(canonical: Any, params: Any, model_state: Any, batch: Any, rng: Any) -> set:
+    """Indices (in ``tree_leaves(params)`` order) of the params leaves the loss gathers itself
+    (:func:`jaxmp.parallel.gather_params` / :func:`jaxmp.parallel.scan_layers`), found by one
+    abstract trace of the loss (shapes only, nothing computed)."""
+    from jaxmp.parallel import per_layer
+
+    ctx = per_layer._Context("record")
+    found: set = set()
+
+    def trace(p):
+        ids = [id(x) for x in jax.tree_util.tree_leaves(p)]
+        with per_layer.context(ctx):
+            out = canonical(p, model_state, batch, rng)
+        found.update(i for i, x in enumerate(ids) if x in ctx.recorded)
+        return out[0]
+
+    jax.eval_shape(trace, params)
+    return found
+
+
+def global_view_loss(mesh: Mesh, layout: str, base_specs: Any, remat: Any) -> Any:
+    """The loss wrapper of ``reduce_dtype=None`` (the global view): it only sets what
+    :func:`jaxmp.parallel.gather_params` and :func:`jaxmp.parallel.scan_layers` do in it (under
+    ``"fsdp"``: ``with_sharding_constraint`` to the param's spec without the data axis, i.e.
+    gathered where used; the remat policy)."""
+    from jaxmp.parallel import per_layer
+
+    def wrap(canonical):
+        def loss(params, model_state, batch, rng):
+            leaves = {}
+            if layout == "fsdp":
+                p_leaves, treedef = jax.tree_util.tree_flatten(params)
+                leaves = {id(p): NamedSharding(mesh, b) for p, b in zip(p_leaves, treedef.flatten_up_to(base_specs))}
+            with per_layer.context(per_layer._Context("global", leaves=leaves, remat=remat, mesh=mesh)):
+                return canonical(params, model_state, batch, rng)
+
+        return loss
+
+    return wrap
+
+
+def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_specs: Any, remat: Any = None) -> Any:
     """Wraps the canonical loss so that the gradient is reduced over the data axis in ``reduce_dtype``.
 
     Under plain ``jit`` XLA reduces where the weight gradient's batch contraction happens, in the
@@ -443,7 +484,9 @@ def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_s
     ``grad_specs`` entry) under ``"zero"`` and ``"fsdp"``. The cast happens per leaf in the
     backward, so a float32 reduce costs one float32 gradient buffer and no float32 copy of
     the params. Under ``"fsdp"`` the params arrive sliced and are all-gathered in their stored
-    dtype where the loss starts.
+    dtype where the loss starts, except those the loss gathers itself, per layer
+    (:func:`jaxmp.parallel.scan_layers`, :func:`jaxmp.parallel.gather_params`; found by one
+    abstract trace), which enter it still sliced. ``remat`` is the policy those helpers apply.
 
     The loss is the mean of the per-shard losses, which is the global loss only for a mean of
     per-example terms (shards being equal): a masked mean or an in-batch contrastive loss is
@@ -458,7 +501,7 @@ def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_s
     ones summed (counts, even when every shard counts the same), booleans or-ed. An aux leaf
     whose shapes fit neither rule is a ValueError.
     """
-    from jaxmp.parallel import _reduce
+    from jaxmp.parallel import _reduce, per_layer
 
     n = mesh.shape[axis]
 
@@ -466,8 +509,9 @@ def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_s
         def loss(params, model_state, batch, rng):
             leaves, treedef = jax.tree_util.tree_flatten(params)
             g_leaves = treedef.flatten_up_to(grad_specs)
+            deferred = recorded_leaves(canonical, params, model_state, batch, rng) if layout == "fsdp" else set()
             ins, in_specs, kinds = [], [], []
-            for p, g in zip(leaves, g_leaves):
+            for i, (p, g) in enumerate(zip(leaves, g_leaves)):
                 dims = [d for d, e in enumerate(g) if axis in _axes_of(e)]
                 if layout == "replicated" or not dims:
                     kinds.append(("all", None))
@@ -478,14 +522,17 @@ def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_s
                     ins += [jax.lax.stop_gradient(p), p]
                     in_specs += [PartitionSpec(), _manual_spec(g, axis)]
                 else:
-                    kinds.append(("gather", dims[0]))
+                    kinds.append(("defer" if i in deferred else "gather", dims[0]))
                     ins.append(p)
                     in_specs.append(_manual_spec(g, axis))
 
             def body(ins, model_state, batch, rng):
-                it, used = iter(ins), []
+                it, used, sliced = iter(ins), [], {}
                 for kind, dim in kinds:
-                    if kind == "all":
+                    if kind == "defer":  # the loss gathers it where it is used
+                        used.append(next(it))
+                        sliced[id(used[-1])] = dim
+                    elif kind == "all":
                         used.append(_reduce.all_reduced(next(it), axis, reduce_dtype))
                     elif kind == "scatter":
                         full, piece = next(it), next(it)
@@ -493,7 +540,10 @@ def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_s
                     else:
                         used.append(_reduce.gathered(next(it), axis, dim, reduce_dtype))
                 key = None if rng is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
-                value, (state, aux) = canonical(jax.tree_util.tree_unflatten(treedef, used), model_state, batch, key)
+                ctx = per_layer._Context("manual", axis=axis, reduce_dtype=reduce_dtype, leaves=sliced, remat=remat)
+                with per_layer.context(ctx):
+                    value, (state, aux) = canonical(jax.tree_util.tree_unflatten(treedef, used), model_state, batch,
+                                                    key)
                 stack = lambda x: jnp.asarray(x)[None]  # noqa: E731 - one row per shard
                 return stack(value), jax.tree_util.tree_map(stack, state), jax.tree_util.tree_map(stack, aux)
 

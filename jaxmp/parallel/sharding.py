@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp.collectives import check_reduce_dtype
-from jaxmp.parallel import layouts
+from jaxmp.parallel import layouts, per_layer
 from jaxmp.parallel.replication import _REPLICA_AXIS
 from jaxmp.parallel._common import (
     check_divisible, check_positive_int, leading_size, log_once, make_step_body, with_model_state,
@@ -226,7 +226,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
                             has_aux: bool = False, donate: bool = False,
                             model_state: bool = False, layout: str = "replicated",
                             reduce_dtype: Any = "float32", param_specs: Any = None,
-                            min_shard_size: int = layouts.DEFAULT_MIN_SHARD_SIZE) -> Callable[..., Any]:
+                            min_shard_size: int = layouts.DEFAULT_MIN_SHARD_SIZE,
+                            remat: Any = None) -> Callable[..., Any]:
     """A ``jax.jit`` train step with the batch sharded over the mesh's data axis and the state laid out by ``layout``.
 
     Same semantics and results as :func:`jaxmp.parallel.make_pmap_train_step`, without ``pmap``: the step
@@ -289,6 +290,10 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
       param_specs: the params' ``PartitionSpec`` tree over the other (model) mesh axes; kept by
         every layout. Default: none (params replicated over the other axes).
       min_shard_size: leaves with fewer elements stay replicated (:func:`jaxmp.parallel.leaf_spec`).
+      remat: the rematerialisation policy of each layer of a loss that scans over layers with
+        :func:`jaxmp.parallel.scan_layers`: ``None`` (default: keep the activations),
+        ``"nothing_saveable"`` (keep each layer's input only; under ``"fsdp"`` the layer's params
+        are gathered again in the backward), ``"dots_saveable"``, or a ``jax.checkpoint`` policy.
 
     Returns:
       ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` with params and
@@ -324,6 +329,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
     layout = layouts.check_layout(layout)
     reduce_dtype = check_reduce_dtype(reduce_dtype)
     min_shard_size = layouts._check_min_size(min_shard_size)
+    remat = per_layer.remat_policy(remat)
     rep = replicated_sharding(mesh)
     data = NamedSharding(mesh, PartitionSpec(axis))
     identity = lambda x: x  # noqa: E731 - the global view needs no explicit reduction
@@ -337,6 +343,10 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
                                                         param_specs=param_specs, min_shard_size=min_shard_size)
         p_sh, o_sh = layouts._named(mesh, p_specs), layouts._named(mesh, o_specs)
         g_sh = layouts._named(mesh, g_specs)
+        if reduce_dtype is None:
+            wrap_loss = layouts.global_view_loss(mesh, layout, layouts._param_tree_specs(params, param_specs), remat)
+        else:
+            wrap_loss = layouts.per_shard_loss(mesh, axis, reduce_dtype, layout, g_specs, remat)
 
         def reduce_grads(grads):
             # Where the reduced gradients go: onto the slices each device updates (zero, fsdp),
@@ -346,8 +356,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
 
         common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=identity,
                       with_model_state=model_state, reduce_model_state=identity,
-                      wrap_loss=None if reduce_dtype is None else layouts.per_shard_loss(mesh, axis, reduce_dtype, layout,
-                                                                                               g_specs))
+                      wrap_loss=wrap_loss)
         first = (p_sh, rep) if model_state else p_sh
         jitted = jax.jit(make_step_body(loss_fn, tx, with_rng=False, **common),
                          in_shardings=(first, o_sh, data), out_shardings=(first, o_sh, rep),
