@@ -476,3 +476,72 @@ def test_o2_bf16_fsdp_gathers_half_the_bytes_of_o0():
     # The params are gathered in their stored (compute) dtype: bf16 under O2, half of O0's f32.
     assert [e for e, _ in gathers[BF16]] == ["bf16"] * 3 and [e for e, _ in gathers[jnp.float32]] == ["f32"] * 3
     assert sum(b for _, b in gathers[BF16]) * 2 == sum(b for _, b in gathers[jnp.float32]) > 0
+
+
+LAYERS = 3
+
+
+def _scan_params(width=64, layers=LAYERS):
+    rng = np.random.default_rng(2)
+    return {"w_in": jnp.asarray(rng.normal(size=(16, width)) / 4, BF16),
+            "layers": {"w": jnp.asarray(rng.normal(size=(layers, width, width)) / 8, BF16),
+                       "b": jnp.zeros((layers, width), BF16)},
+            "w_out": jnp.asarray(rng.normal(size=(width, 8)) / 8, BF16)}
+
+
+def _scan_loss(p, b):
+    def layer(h, q):
+        return jnp.tanh(h @ q["w"] + q["b"]), None
+    h, _ = jaxmp.parallel.scan_layers(layer, b["x"].astype(BF16) @ p["w_in"], p["layers"])
+    return jnp.mean(((h @ p["w_out"]).astype(jnp.float32) - b["y"]) ** 2)
+
+
+def _scan_step(layout, remat=None, params=None):
+    params = _scan_params() if params is None else params
+    tx = _tx()
+    mesh = jaxmp.parallel.make_data_mesh()
+    step = jaxmp.parallel.make_sharded_train_step(_scan_loss, tx, mesh, layout=layout, min_shard_size=0, remat=remat)
+    return step, jaxmp.parallel.shard_state((params, tx.init(params)), mesh, layout, min_shard_size=0)
+
+
+def test_fsdp_gathers_each_scanned_layer_inside_the_scan_body_and_trains_like_replicated():
+    x, y = _data(1)
+    results = {}
+    for layout in ("replicated", "fsdp"):
+        step, (p, s) = _scan_step(layout)
+        batch = jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, step.mesh)
+        lowered = step.lower(p, s, batch).as_text()
+        results[layout] = step(p, s, batch)[0]
+    gathers = [t for k, t, _ in _lowered_collectives(lowered) if k == "all_gather"]
+    # One layer's weight (64 x 64) is gathered in the scan body, never the stacked (3, 64, 64).
+    shapes = re.findall(r'"stablehlo\.all_gather".*?-> tensor<([0-9x]+)xbf16>', lowered, re.S)
+    assert "64x64" in shapes and f"{LAYERS}x64x64" not in shapes and gathers, shapes
+    assert results["fsdp"]["layers"]["w"].sharding.spec == P(None, "data")
+    for k in ("w_in", "w_out"):
+        a, b = np.asarray(results["replicated"][k], np.float32), np.asarray(results["fsdp"][k], np.float32)
+        ulp = np.abs(np.asarray(jnp.nextafter(results["replicated"][k], jnp.asarray(np.inf, BF16)), np.float32) - a)
+        assert np.all(np.abs(a - b) <= 2 * ulp), k
+    np.testing.assert_allclose(np.asarray(results["fsdp"]["layers"]["w"], np.float32),
+                               np.asarray(results["replicated"]["layers"]["w"], np.float32), atol=2e-2)
+
+
+def test_remat_setting_wraps_each_scanned_layer():
+    x, y = _data(1)
+    texts = {}
+    for remat in (None, "nothing_saveable"):
+        step, (p, s) = _scan_step("fsdp", remat)
+        texts[remat] = step.lower(p, s, jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, step.mesh)).as_text()
+    # jax.checkpoint's recomputation in the backward is fenced by optimization barriers.
+    assert texts["nothing_saveable"].count("optimization_barrier") > texts[None].count("optimization_barrier")
+    with pytest.raises(ValueError, match=r"remat must be None, a policy callable or one of 'nothing_saveable'"):
+        jaxmp.parallel.make_sharded_train_step(_scan_loss, _tx(), step.mesh, remat="everything")
+
+
+def test_a_stacked_leaf_sharded_along_its_layer_axis_is_refused_clearly():
+    # 8 layers of width 4: the layer axis is the only dimension 8 divides.
+    params = {"w_in": jnp.ones((16, 4), BF16), "layers": {"w": jnp.ones((8, 4, 4), BF16), "b": jnp.zeros((8, 4), BF16)},
+              "w_out": jnp.ones((4, 8), BF16)}
+    step, (p, s) = _scan_step("fsdp", params=params)
+    x, y = _data(1)
+    with pytest.raises(ValueError, match=r"stacked params leaf \['b'\] is sharded along its layer axis"):
+        step(p, s, jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, step.mesh))
