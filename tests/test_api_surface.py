@@ -21,7 +21,7 @@ def test_all_lists_only_existing_core_names_and_no_parallel_plumbing():
             warnings.simplefilter("error", DeprecationWarning)
             assert getattr(jaxmp, name) is not None, name
     assert not set(jaxmp.parallel.__all__) & set(jaxmp.__all__)
-    assert len(jaxmp.parallel.__all__) == 28  # 22 before the state layouts, which added 6
+    assert len(jaxmp.parallel.__all__) == 31  # 22 before the state layouts (+6), per-layer FSDP gathers (+3)
 
 
 # Names that moved before any release; no release had them at their old place, so they are gone
