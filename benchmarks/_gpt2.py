@@ -136,8 +136,6 @@ def hand_written_step(loss: Callable, params: Any, mesh: Any, layout: str, reduc
     ``gathered_loss`` (FSDP): the loss that gathers each layer's params where they are used.
     """
     import optax
-    from jax.experimental.shard_map import shard_map
-
     from jaxmp.parallel import leaf_spec
 
     axis = mesh.axis_names[0]
@@ -176,8 +174,8 @@ def hand_written_step(loss: Callable, params: Any, mesh: Any, layout: str, reduc
                                jax.lax.psum(x.astype(jnp.float32), axis)) / n, g, specs)
             return jax.lax.pmean(value, axis), g
 
-        return shard_map(local, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), specs),
-                         check_rep=False)(params, batch)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), specs),
+                             check_vma=False)(params, batch)
 
     def step(params, masters, opt_state, batch):
         value, grads = grads_of(params, batch)

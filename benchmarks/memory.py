@@ -181,13 +181,15 @@ def step_times(width: int, depth: int, batch_per_device: int, rounds: int, steps
 
 
 GPT2_CASES = (
-    # (who, layout, reduce_dtype, scanned, remat)
-    ("hand", "zero", None, False, None),
-    ("jaxmp", "zero", None, False, None),
-    ("hand", "zero", "float32", False, None),
-    ("jaxmp", "zero", "float32", False, None),
-    ("jaxmp", "fsdp", "float32", True, None),
-    ("jaxmp", "fsdp", "float32", True, "nothing_saveable"),
+    # (who, layout, reduce_dtype, model, remat): "scanned" gathers at the loss's start (plain
+    # lax.scan), "scan_layers" gathers each layer in the scan body.
+    ("hand", "zero", None, "unrolled", None),
+    ("jaxmp", "zero", None, "unrolled", None),
+    ("hand", "zero", "float32", "unrolled", None),
+    ("jaxmp", "zero", "float32", "unrolled", None),
+    ("jaxmp", "fsdp", "float32", "scanned", None),
+    ("jaxmp", "fsdp", "float32", "scan_layers", None),
+    ("jaxmp", "fsdp", "float32", "scan_layers", "nothing_saveable"),
 )
 
 
@@ -200,7 +202,7 @@ def _compiled_stats(compiled) -> dict:
     return stats
 
 
-def measure_gpt2(who: str, layout: str, reduce_dtype, scanned: bool, remat, n: int, batch_per_device: int = 1,
+def measure_gpt2(who: str, layout: str, reduce_dtype, model: str, remat, n: int, batch_per_device: int = 1,
                  shape=None) -> dict:
     """One compile-only row of the GPT-2-small-shaped model: jaxmp's step or the hand-written one."""
     import jax
@@ -211,10 +213,11 @@ def measure_gpt2(who: str, layout: str, reduce_dtype, scanned: bool, remat, n: i
     from jaxmp import lean
 
     shape = _gpt2.GPT2_SMALL if shape is None else shape
+    scanned = model != "unrolled"
     params = _gpt2.abstract_params(shape, scanned)
     mesh = jaxmp.parallel.make_data_mesh(jax.devices()[:n])
     batch = _gpt2.abstract_batch(shape, batch_per_device * n)
-    loss = _gpt2.loss_fn(shape, scanned, per_layer=scanned)
+    loss = _gpt2.loss_fn(shape, scanned, per_layer=model == "scan_layers")
     if who == "hand":
         jitted, (p, m, o) = _gpt2.hand_written_step(loss, params, mesh, layout, reduce_dtype)
         compiled = jitted.lower(p, m, o, batch).compile()
@@ -224,16 +227,16 @@ def measure_gpt2(who: str, layout: str, reduce_dtype, scanned: bool, remat, n: i
                                                       reduce_dtype=reduce_dtype, remat=remat)
         p, o = jaxmp.parallel.abstract_state((params, jax.eval_shape(tx.init, params)), mesh, layout)
         compiled = step.lower(p, o, batch).compile()
-    return {"who": who, "layout": layout, "reduce_dtype": reduce_dtype, "scanned": scanned, "remat": remat,
+    return {"who": who, "layout": layout, "reduce_dtype": reduce_dtype, "model": model, "remat": remat,
             "devices": n, "batch_per_device": batch_per_device, "params": _gpt2.param_count(shape),
             "compiled": _compiled_stats(compiled)}
 
 
 def _gpt2_table(rows: list[dict]) -> str:
-    lines = [f"{'who':<7}{'layout':<7}{'reduce':<9}{'model':<9}{'remat':<18}{'N':>3}{'temp MiB':>11}{'peak MiB':>11}"]
+    lines = [f"{'who':<7}{'layout':<7}{'reduce':<9}{'model':<12}{'remat':<18}{'N':>3}{'temp MiB':>11}{'peak MiB':>11}"]
     for r in rows:
         c = r["compiled"]
-        lines.append(f"{r['who']:<7}{r['layout']:<7}{str(r['reduce_dtype']):<9}{'scanned' if r['scanned'] else 'unrolled':<9}"
+        lines.append(f"{r['who']:<7}{r['layout']:<7}{str(r['reduce_dtype']):<9}{r['model']:<12}"
                      f"{str(r['remat']):<18}{r['devices']:>3}{c['temp_size_in_bytes'] / 2**20:>11.1f}"
                      f"{c['peak_estimate_bytes'] / 2**20:>11.1f}")
     return "\n".join(lines)

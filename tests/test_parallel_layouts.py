@@ -547,13 +547,14 @@ def test_a_stacked_leaf_sharded_along_its_layer_axis_is_refused_clearly():
         step(p, s, jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, step.mesh))
 
 
-@pytest.mark.slow  # twelve compiles of a tiny Transformer
+@pytest.mark.slow  # fourteen compiles of a tiny Transformer
 def test_gpt2_memory_benchmark_dry_run_compares_jaxmp_with_hand_written_zero(tmp_path):
     from benchmarks import memory
 
     rows = memory.main(["--gpt2", "--dry-run", "--quiet", "--devices", "2,8",
                         "--out", str(tmp_path / "gpt2.json")])["results"]["rows"]
-    peak = {(r["who"], r["layout"], r["reduce_dtype"], r["remat"], r["devices"]): r["compiled"] for r in rows}
+    peak = {(r["who"], r["layout"], r["reduce_dtype"], r["remat"], r["devices"]): r["compiled"] for r in rows
+            if r["model"] != "scanned"}
     # jaxmp's float32-reduce ZeRO stays near the hand-written shard_map psum_scatter one...
     assert peak["jaxmp", "zero", "float32", None, 8]["peak_estimate_bytes"] <= 1.15 * peak[
         "hand", "zero", "float32", None, 8]["peak_estimate_bytes"]
