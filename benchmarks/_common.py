@@ -518,6 +518,20 @@ def _validate_memory(result: dict) -> list[str]:
     return p
 
 
+def _validate_memory_gpt2(result: dict) -> list[str]:
+    rows = result["results"].get("rows") if isinstance(result["results"], dict) else None
+    if not isinstance(rows, list) or not rows:
+        return ["results.rows is not a non-empty list"]
+    p = []
+    for i, r in enumerate(rows):
+        for k in ("who", "layout", "reduce_dtype", "devices", "params", "compiled"):
+            if k not in r:
+                p.append(f"results.rows[{i}] lacks {k!r}")
+        if not isinstance(r.get("compiled", {}).get("peak_estimate_bytes"), int):
+            p.append(f"results.rows[{i}] lacks compiled.peak_estimate_bytes")
+    return p
+
+
 def _validate_efficiency(result: dict) -> list[str]:
     models = _models(result)
     if not models:
@@ -559,6 +573,7 @@ def _validate_fidelity(result: dict) -> list[str]:
 
 _VALIDATORS = {
     "memory": _validate_memory,
+    "memory_gpt2": _validate_memory_gpt2,
     "efficiency": _validate_efficiency,
     "fidelity": _validate_fidelity,
     "fp8": _validate_fp8,

@@ -24,6 +24,13 @@ do not show here.
     python benchmarks/memory.py                    # the 50M-parameter table, N = 1, 2, 4, 8 (minutes)
     python benchmarks/memory.py --dry-run --out -  # a tiny model, seconds (the tests use it)
     python benchmarks/memory.py --devices 8 --step-time   # + seconds per step of each layout
+    python benchmarks/memory.py --gpt2 --devices 8        # GPT-2-small shape vs hand-written ZeRO (minutes)
+
+``--gpt2`` compiles a GPT-2-small-shaped Transformer (124.4M params, ``benchmarks/_gpt2.py``;
+unrolled for ZeRO, scanned with ``jaxmp.parallel.scan_layers`` for FSDP) with jaxmp's layouts
+and with the hand-written ZeRO a user would write (optax + ``NamedSharding`` +
+``with_sharding_constraint`` + ``optax.apply_if_finite``; a ``shard_map`` ``psum_scatter`` for
+the float32 reduce), at the same reduce dtype, and reports temporaries and peak of each.
 
 Writes ``benchmarks/results/memory/memory_<device>.json`` (``dry_run.json`` with ``--dry-run``)
 with the device, JAX version and git commit. Needs 8 devices: on CPU it sets
@@ -173,6 +180,68 @@ def step_times(width: int, depth: int, batch_per_device: int, rounds: int, steps
             "batch_per_device": batch_per_device, "seconds_per_step": {k: common.summarize(v) for k, v in samples.items()}}
 
 
+GPT2_CASES = (
+    # (who, layout, reduce_dtype, model, remat): "scanned" gathers at the loss's start (plain
+    # lax.scan), "scan_layers" gathers each layer in the scan body.
+    ("hand", "zero", None, "unrolled", None),
+    ("jaxmp", "zero", None, "unrolled", None),
+    ("hand", "zero", "float32", "unrolled", None),
+    ("jaxmp", "zero", "float32", "unrolled", None),
+    ("jaxmp", "fsdp", "float32", "scanned", None),
+    ("jaxmp", "fsdp", "float32", "scan_layers", None),
+    ("jaxmp", "fsdp", "float32", "scan_layers", "nothing_saveable"),
+)
+
+
+def _compiled_stats(compiled) -> dict:
+    mem = compiled.memory_analysis()
+    stats = {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                                               "alias_size_in_bytes")}
+    stats["peak_estimate_bytes"] = (stats["argument_size_in_bytes"] + stats["output_size_in_bytes"]
+                                    + stats["temp_size_in_bytes"] - stats["alias_size_in_bytes"])
+    return stats
+
+
+def measure_gpt2(who: str, layout: str, reduce_dtype, model: str, remat, n: int, batch_per_device: int = 1,
+                 shape=None) -> dict:
+    """One compile-only row of the GPT-2-small-shaped model: jaxmp's step or the hand-written one."""
+    import jax
+    import optax
+
+    import jaxmp
+    from benchmarks import _gpt2
+    from jaxmp import lean
+
+    shape = _gpt2.GPT2_SMALL if shape is None else shape
+    scanned = model != "unrolled"
+    params = _gpt2.abstract_params(shape, scanned)
+    mesh = jaxmp.parallel.make_data_mesh(jax.devices()[:n])
+    batch = _gpt2.abstract_batch(shape, batch_per_device * n)
+    loss = _gpt2.loss_fn(shape, scanned, per_layer=model == "scan_layers")
+    if who == "hand":
+        jitted, (p, m, o) = _gpt2.hand_written_step(loss, params, mesh, layout, reduce_dtype)
+        compiled = jitted.lower(p, m, o, batch).compile()
+    else:
+        tx = jaxmp.loss_scaling(lean.preset("fp32-masters", optax.adamw(1e-3)), "none")
+        step = jaxmp.parallel.make_sharded_train_step(loss, tx, mesh, layout=layout, donate=True,
+                                                      reduce_dtype=reduce_dtype, remat=remat)
+        p, o = jaxmp.parallel.abstract_state((params, jax.eval_shape(tx.init, params)), mesh, layout)
+        compiled = step.lower(p, o, batch).compile()
+    return {"who": who, "layout": layout, "reduce_dtype": reduce_dtype, "model": model, "remat": remat,
+            "devices": n, "batch_per_device": batch_per_device, "params": _gpt2.param_count(shape),
+            "compiled": _compiled_stats(compiled)}
+
+
+def _gpt2_table(rows: list[dict]) -> str:
+    lines = [f"{'who':<7}{'layout':<7}{'reduce':<9}{'model':<12}{'remat':<18}{'N':>3}{'temp MiB':>11}{'peak MiB':>11}"]
+    for r in rows:
+        c = r["compiled"]
+        lines.append(f"{r['who']:<7}{r['layout']:<7}{str(r['reduce_dtype']):<9}{r['model']:<12}"
+                     f"{str(r['remat']):<18}{r['devices']:>3}{c['temp_size_in_bytes'] / 2**20:>11.1f}"
+                     f"{c['peak_estimate_bytes'] / 2**20:>11.1f}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(parser, default_out=None)
@@ -181,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", help="comma list of device counts (default 1,2,4,8)")
     parser.add_argument("--width", type=int, help="hidden width (default 2048; dry run 256)")
     parser.add_argument("--depth", type=int, help="layers (default 12; dry run 2)")
+    parser.add_argument("--gpt2", action="store_true",
+                        help="the GPT-2-small-shaped model: jaxmp's layouts against hand-written ZeRO (compile-only)")
     parser.add_argument("--step-time", action="store_true",
                         help="also time a step of each layout on a small model (regression-only on CPU)")
     return parser
@@ -213,6 +284,24 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--devices asks for {max(counts)} devices, JAX has {jax.device_count()}")
     if any(size["width"] % c for c in counts):
         raise SystemExit(f"--width {size['width']} must be divisible by every device count {counts}")
+    if args.gpt2:
+        from benchmarks import _gpt2
+
+        shape = _gpt2.TINY if args.dry_run else _gpt2.GPT2_SMALL
+        rows = []
+        for n in counts:
+            for case in GPT2_CASES:
+                rows.append(measure_gpt2(*case, n=n, shape=shape))
+                common.log(f"gpt2 {case} N={n}: peak {rows[-1]['compiled']['peak_estimate_bytes'] / 2**20:.1f} MiB",
+                           args.quiet)
+        print(_gpt2_table(rows), flush=True)
+        result = common.make_result("memory_gpt2", common.jax_env(), {"shape": str(shape), "optimizer": "adamw",
+                                                                      "policy": "O2-bf16", "label": "CPU compile-only"},
+                                    {"rows": rows}, args.dry_run)
+        out = args.out or str(common.RESULTS_DIR / "memory" / ("gpt2_dry_run.json" if args.dry_run else
+                                                               f"gpt2_{common.device_slug(result['env']['device'])}.json"))
+        common.emit(result, out)
+        return result
     rows = []
     for recipe in recipes:
         for layout in layouts:

@@ -1,6 +1,6 @@
 """The table of moved names: every name that left a public namespace, and where it is now.
 
-Data, read by one small ``__getattr__`` per namespace (:func:`module_getattr`). Each row is
+Data, read by one small ``__getattr__`` per namespace (`module_getattr`). Each row is
 ``(old place, new place, status)``:
 
 * ``MOVED``: the name is public at its new place; the old one still works for one release and
@@ -184,7 +184,7 @@ def message(old: str, new: str, status: str) -> str:
 
 
 def module_getattr(module: str) -> Callable[[str], Any]:
-    """A module ``__getattr__`` that serves ``module``'s rows of :data:`TABLE`.
+    """A module ``__getattr__`` that serves ``module``'s rows of `TABLE`.
 
     ``MOVED``/``INTERNAL`` names warn and return the object at their new place; ``REMOVED`` names
     and unknown names raise ``AttributeError`` (naming the new place where there is one).

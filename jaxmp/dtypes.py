@@ -160,7 +160,7 @@ def accumulation_dtype(dtype: Any) -> np.dtype:
     return dt if dt.itemsize >= 4 else np.dtype(np.float32)
 
 
-#: The earlier name of :func:`float_dtype`.
+#: The earlier name of `float_dtype`.
 canonical_float_dtype = float_dtype
 
 

@@ -649,7 +649,7 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
 
     Warns:
       MixedPrecisionWarning: at ``init``, when no floating param is bfloat16: the bytes per
-        parameter of :data:`PRESETS` assume bfloat16 params, and on float32 params the presets
+        parameter of `PRESETS` assume bfloat16 params, and on float32 params the presets
         save nothing (or only their bfloat16 moments).
 
     Example:

@@ -203,7 +203,7 @@ class StaticLossScale(_Scaling):
     """
 
     loss_scale: Any
-    #: Whether this scale multiplied a loss (set by :meth:`scale`; see ``jaxmp.traps.ScaledMark``).
+    #: Whether this scale multiplied a loss (set by `scale`; see ``jaxmp.traps.ScaledMark``).
     scaled_mark: Any = dataclasses.field(default=traps.UNSCALED, kw_only=True, repr=False, metadata=_STATIC)
 
     def __post_init__(self):
@@ -289,7 +289,7 @@ class DynamicLossScale(_Scaling):
     min_loss_scale: float = dataclasses.field(default=DEFAULT_MIN_SCALE, metadata=_STATIC)
     backoff_factor: float | None = dataclasses.field(default=None, kw_only=True, metadata=_STATIC)
     max_loss_scale: float = dataclasses.field(default=DEFAULT_MAX_SCALE, kw_only=True, metadata=_STATIC)
-    #: Whether this scale multiplied a loss (set by :meth:`scale`; see ``jaxmp.traps.ScaledMark``).
+    #: Whether this scale multiplied a loss (set by `scale`; see ``jaxmp.traps.ScaledMark``).
     scaled_mark: Any = dataclasses.field(default=traps.UNSCALED, kw_only=True, repr=False, metadata=_STATIC)
 
     # Configurations already validated: JAX rebuilds the dataclass on every tree operation.

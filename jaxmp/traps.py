@@ -7,9 +7,9 @@ Each check runs in Python at trace time (or in ``init``), so it costs nothing pe
   evidence is a mark on the loss-scale object of the state (`ScaledMark`), no global state;
 * a float16 loss given to [`jaxmp.value_and_grad`][jaxmp.value_and_grad] with a loss scale: warn (its gradient
   overflows float16 at any scale >= 2**16);
-* a float16 autocast region differentiated outside :func:`jaxmp.value_and_grad` (no loss scale,
+* a float16 autocast region differentiated outside `jaxmp.value_and_grad` (no loss scale,
   so small gradients flush to zero): warn when the differentiation is traced, once per trace;
-  the evidence is a context flag :func:`jaxmp.value_and_grad` sets while it differentiates;
+  the evidence is a context flag `jaxmp.value_and_grad` sets while it differentiates;
 * an optax chain whose transforms run before ``loss_scaling`` (they see scaled gradients): warn;
 * float16 params with loss scaling but no master copy (O2-fp16 without master weights,
   where small updates round away), or bfloat16 params with neither a master copy nor
@@ -40,14 +40,14 @@ class MixedPrecisionWarning(UserWarning):
     """A mixed-precision set-up that runs but probably does not do what was meant."""
 
 
-#: True while :func:`jaxmp.value_and_grad` differentiates (its loss is multiplied by a loss
+#: True while `jaxmp.value_and_grad` differentiates (its loss is multiplied by a loss
 #: scale): float16 autocast regions differentiated then are not warned about (``unscaled_fp16_grad``).
 _LOSS_SCALED_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxmp_loss_scaled_grad", default=False)
 
 
 @contextlib.contextmanager
 def loss_scaled_grad() -> Iterator[None]:
-    """While active, differentiation is of a loss-scaled loss (set by :func:`jaxmp.value_and_grad`).
+    """While active, differentiation is of a loss-scaled loss (set by `jaxmp.value_and_grad`).
 
     Yields:
       Nothing.
@@ -61,7 +61,7 @@ def loss_scaled_grad() -> Iterator[None]:
 
 def unscaled_fp16_grad(where: str) -> bool:
     """Warns that a float16 region is differentiated with no loss scale, unless
-    :func:`loss_scaled_grad` is active (called by the engine's differentiation hook).
+    `loss_scaled_grad` is active (called by the engine's differentiation hook).
 
     Args:
       where: the region, for the message (e.g. ``"loss under 'O1-fp16'"``).

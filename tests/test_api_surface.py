@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: raising a budget is a decision to make in review, not a number to bump.
 BUDGETS = {
     "jaxmp": 43,  # 39 names and 4 subpackages; 11 of the names are jmp's API, kept for `import jaxmp as jmp`
-    "jaxmp.parallel": 21,
+    "jaxmp.parallel": 24,  # +3 for per-layer FSDP: scan_layers, gather_params, remat_policy
     "jaxmp.flax": 12,  # 3 of them the subpackages linen, nnx, fp8
     "jaxmp.lean": 12,
     "jaxmp.diagnostics": 10,

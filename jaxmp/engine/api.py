@@ -48,7 +48,7 @@ def _shared_programs(fn: Callable, key: Any) -> collections.OrderedDict:
         return collections.OrderedDict()
     return entry[1].setdefault(key, collections.OrderedDict())
 
-#: While True (see :func:`explaining`), each op carries the rule that chose its dtype. A jit
+#: While True (see `explaining`), each op carries the rule that chose its dtype. A jit
 #: cache key, so a step traced for a report is never reused by training.
 _EXPLAIN = internals.jit_key_state(
     "jaxmp_autocast_explain", False,
@@ -151,7 +151,7 @@ def weight_mask(jaxpr: Any, config: _config.AutocastConfig) -> list[bool]:
 
     Args:
       jaxpr: an open jaxpr, traced as the user wrote it.
-      config: the :class:`AutocastConfig` whose rules and regions decide.
+      config: the `AutocastConfig` whose rules and regions decide.
 
     Returns:
       One flag per invar.

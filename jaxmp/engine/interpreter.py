@@ -336,7 +336,7 @@ def float32_demand(jaxpr: jcore.Jaxpr, rules) -> frozenset:
 
     Args:
       jaxpr: an open jaxpr.
-      rules: the :class:`jaxmp.AutocastRules` (its op lists).
+      rules: the `jaxmp.AutocastRules` (its op lists).
 
     Returns:
       A frozenset of the jaxpr's variables.
@@ -421,7 +421,7 @@ def _squares(eqn, vals: Sequence[Val], rules) -> bool:
     """``x * x`` is ``x ** 2`` (norms, RMSNorm, variances): on the float32 list with ``integer_pow``.
 
     The operands are compared as values, not only as variables: ``(x @ w) * (x @ w)`` traces two
-    matmuls, which the engine merges into one (:func:`_repeat_key`), so the ``mul`` then reads
+    matmuls, which the engine merges into one (`_repeat_key`), so the ``mul`` then reads
     the same value twice and is a square as much as ``h * h`` is.
     """
     a, b = eqn.invars

@@ -208,7 +208,7 @@ def _is_intercepted_elsewhere(cls: type) -> bool:
 
 
 #: Per-thread: the instance-rule lookup of the NNX model the Flax front door is running
-#: (:func:`instance_rules`); consulted only while an engine trace is active in this thread.
+#: (`instance_rules`); consulted only while an engine trace is active in this thread.
 _INSTANCES = threading.local()
 _lock = threading.Lock()
 

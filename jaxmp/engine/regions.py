@@ -160,7 +160,7 @@ def accumulate(total: Any, delta: Any) -> Any:
 
 
 def _check_accumulable(total: Any, delta: Any) -> None:
-    """Refuses a ``delta`` whose cast to ``total``'s dtype would lose it (see :func:`accumulate`)."""
+    """Refuses a ``delta`` whose cast to ``total``'s dtype would lose it (see `accumulate`)."""
     t, d = jax.numpy.result_type(total), jax.numpy.result_type(delta)
     kind = lambda dt: ("complex" if jax.numpy.issubdtype(dt, jax.numpy.complexfloating) else
                        "float" if jax.numpy.issubdtype(dt, jax.numpy.floating) else "exact")

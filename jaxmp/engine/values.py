@@ -115,7 +115,7 @@ def _range(dtype: np.dtype) -> tuple[float, float]:
     return float(info.max), float(info.tiny)
 
 
-#: Constants up to this many elements are read at trace time (:func:`lost_in`).
+#: Constants up to this many elements are read at trace time (`lost_in`).
 _READ_LIMIT = 64
 
 

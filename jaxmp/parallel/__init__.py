@@ -25,6 +25,9 @@ from jaxmp.parallel.layouts import abstract_state
 from jaxmp.parallel.layouts import shard_state
 from jaxmp.parallel.layouts import state_bytes_per_device
 from jaxmp.parallel.layouts import state_shardings
+from jaxmp.parallel.per_layer import gather_params
+from jaxmp.parallel.per_layer import remat_policy
+from jaxmp.parallel.per_layer import scan_layers
 from jaxmp.parallel.pmap import all_reduce_gradients
 from jaxmp.parallel.pmap import make_pmap_train_step
 from jaxmp.parallel.replication import check_replicated
@@ -42,17 +45,20 @@ __all__ = [
     "all_reduce_gradients",
     "check_replicated",
     "distributed_info",
+    "gather_params",
     "initialize_distributed",
     "make_data_mesh",
     "make_global_batch",
     "make_pmap_train_step",
     "make_sharded_train_step",
     "prefetch_to_device",
+    "remat_policy",
     "process_batch_slice",
     "process_dataset_range",
     "replicate",
     "replicate_on_mesh",
     "replicated_sharding",
+    "scan_layers",
     "shard_batch",
     "shard_state",
     "state_bytes_per_device",

@@ -16,7 +16,7 @@ import jax
 
 from jaxmp.parallel._common import logger
 
-#: Environment variables read by :func:`initialize_distributed` when an argument is not given.
+#: Environment variables read by `initialize_distributed` when an argument is not given.
 ENV_COORDINATOR_ADDRESS = "JAXMP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXMP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXMP_PROCESS_ID"

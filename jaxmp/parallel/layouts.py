@@ -421,21 +421,74 @@ def _reassemble_aux(aux: Any, global_aux: Any, n: int) -> Any:
     return jax.tree_util.tree_map_with_path(leaf, aux, global_aux)
 
 
-def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, base_specs: Any) -> Any:
+def _manual_spec(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    # shard_map is manual over the data axis only; a model axis stays XLA's (auto).
+    return _spec([axis if axis in _axes_of(e) else None for e in spec])
+
+
+def recorded_leaves(canonical: Any, params: Any, model_state: Any, batch: Any, rng: Any) -> set:
+    """Indices (in ``tree_leaves(params)`` order) of the params leaves the loss gathers itself
+    (`jaxmp.parallel.gather_params` / `jaxmp.parallel.scan_layers`), found by one
+    abstract trace of the loss (shapes only, nothing computed)."""
+    from jaxmp.parallel import per_layer
+
+    ctx = per_layer._Context("record")
+    found: set = set()
+
+    def trace(p):
+        ids = [id(x) for x in jax.tree_util.tree_leaves(p)]
+        with per_layer.context(ctx):
+            out = canonical(p, model_state, batch, rng)
+        found.update(i for i, x in enumerate(ids) if x in ctx.recorded)
+        return out[0]
+
+    jax.eval_shape(trace, params)
+    return found
+
+
+def global_view_loss(mesh: Mesh, layout: str, base_specs: Any, remat: Any) -> Any:
+    """The loss wrapper of ``reduce_dtype=None`` (the global view): it only sets what
+    `jaxmp.parallel.gather_params` and `jaxmp.parallel.scan_layers` do in it (under
+    ``"fsdp"``: ``with_sharding_constraint`` to the param's spec without the data axis, i.e.
+    gathered where used; the remat policy)."""
+    from jaxmp.parallel import per_layer
+
+    def wrap(canonical):
+        def loss(params, model_state, batch, rng):
+            leaves = {}
+            if layout == "fsdp":
+                p_leaves, treedef = jax.tree_util.tree_flatten(params)
+                leaves = {id(p): NamedSharding(mesh, b) for p, b in zip(p_leaves, treedef.flatten_up_to(base_specs))}
+            with per_layer.context(per_layer._Context("global", leaves=leaves, remat=remat, mesh=mesh)):
+                return canonical(params, model_state, batch, rng)
+
+        return loss
+
+    return wrap
+
+
+def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_specs: Any, remat: Any = None) -> Any:
     """Wraps the canonical loss so that the gradient is reduced over the data axis in ``reduce_dtype``.
 
     Under plain ``jit`` XLA reduces where the weight gradient's batch contraction happens, in the
-    matmul's own dtype (bfloat16 under O2-bf16). To make the reduce dtype a setting while staying
-    in the global view (no hand-written collective), the loss is evaluated per data shard: the
-    batch is viewed as ``[N, B / N, ...]`` with the leading axis on the data axis, and each shard
-    sees its own copy of the params, ``broadcast(params.astype(reduce_dtype)).astype(param dtype)``,
-    laid out over the data axis too. Differentiating through that broadcast sums the N per-shard
-    gradients *in reduce_dtype* -- the cross-device reduction, which XLA turns into an all-reduce
-    (or a reduce-scatter when the gradients are constrained to a sharded layout) -- and casts the
-    sum back to the param's dtype, exactly what [`jaxmp.parallel.all_reduce_gradients`][jaxmp.parallel.all_reduce_gradients] does
-    under pmap. The loss is the mean of the per-shard losses, which is the global loss only for a
-    mean of per-example terms (shards being equal): a masked mean or an in-batch contrastive loss
-    is evaluated per shard (DDP / pmap semantics). Each shard's rng is ``fold_in(rng, shard)``.
+    matmul's own dtype (bfloat16 under O2-bf16). To make the reduce dtype a setting, the loss is
+    evaluated per data shard in a ``shard_map`` over the data axis (manual over that axis only;
+    a model axis stays XLA's): each shard sees its ``B / N`` rows and the full params, each of
+    which enters through a ``custom_vjp`` identity (`jaxmp.parallel._reduce`) whose
+    backward reduces that leaf's gradient over the data axis in ``reduce_dtype`` and casts the
+    sum back to the param's dtype, exactly what `jaxmp.parallel.all_reduce_gradients`
+    does under pmap: an all-reduce for a leaf every device updates whole (``"replicated"``,
+    leaves under ``min_shard_size``), a reduce-scatter onto the device's slice (its
+    ``grad_specs`` entry) under ``"zero"`` and ``"fsdp"``. The cast happens per leaf in the
+    backward, so a float32 reduce costs one float32 gradient buffer and no float32 copy of
+    the params. Under ``"fsdp"`` the params arrive sliced and are all-gathered in their stored
+    dtype where the loss starts, except those the loss gathers itself, per layer
+    (`jaxmp.parallel.scan_layers`, `jaxmp.parallel.gather_params`; found by one
+    abstract trace), which enter it still sliced. ``remat`` is the policy those helpers apply.
+
+    The loss is the mean of the per-shard losses, which is the global loss only for a mean of
+    per-example terms (shards being equal): a masked mean or an in-batch contrastive loss is
+    evaluated per shard (DDP / pmap semantics). Each shard's rng is ``fold_in(rng, shard)``.
     The new model state's floating leaves are averaged over the shards (returned exactly when
     equal on every shard), its other leaves are shard 0's. ``aux`` comes back in the layout the
     global evaluation gives: a leaf whose global shape is ``(N * k, ...)`` where a shard's is
@@ -445,28 +498,57 @@ def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, base_specs: Any) ->
     holds arrays; a batch-independent leaf is reduced: floating ones averaged (metrics), integer
     ones summed (counts, even when every shard counts the same), booleans or-ed. An aux leaf
     whose shapes fit neither rule is a ValueError.
-
-    Under ``"fsdp"`` the params arrive sharded; the constraint to ``base_specs`` (their spec
-    without the data axis) gathers them first, in their stored dtype.
     """
+    from jaxmp.parallel import _reduce, per_layer
+
     n = mesh.shape[axis]
 
     def wrap(canonical):
         def loss(params, model_state, batch, rng):
-            def expand(p, spec):
-                p = jax.lax.with_sharding_constraint(p, NamedSharding(mesh, spec))  # the gather (fsdp)
-                wide = p.astype(reduce_dtype) if _is_float(p) else p
-                stacked = jnp.broadcast_to(wide[None], (n,) + p.shape)
-                stacked = jax.lax.with_sharding_constraint(stacked, NamedSharding(mesh, PartitionSpec(axis, *spec)))
-                return stacked.astype(p.dtype)
+            leaves, treedef = jax.tree_util.tree_flatten(params)
+            g_leaves = treedef.flatten_up_to(grad_specs)
+            deferred = recorded_leaves(canonical, params, model_state, batch, rng) if layout == "fsdp" else set()
+            ins, in_specs, kinds = [], [], []
+            for i, (p, g) in enumerate(zip(leaves, g_leaves)):
+                dims = [d for d, e in enumerate(g) if axis in _axes_of(e)]
+                if layout == "replicated" or not dims:
+                    kinds.append(("all", None))
+                    ins.append(p)
+                    in_specs.append(PartitionSpec())
+                elif layout == "zero":
+                    kinds.append(("scatter", dims[0]))
+                    ins += [jax.lax.stop_gradient(p), p]
+                    in_specs += [PartitionSpec(), _manual_spec(g, axis)]
+                else:
+                    kinds.append(("defer" if i in deferred else "gather", dims[0]))
+                    ins.append(p)
+                    in_specs.append(_manual_spec(g, axis))
 
-            stacked = jax.tree_util.tree_map(expand, params, base_specs)
-            shards = jax.tree_util.tree_map(
-                lambda x: jax.lax.with_sharding_constraint(jnp.reshape(x, (n, x.shape[0] // n) + x.shape[1:]),
-                                                           NamedSharding(mesh, PartitionSpec(axis))), batch)
-            keys = None if rng is None else jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(n))
-            losses, (states, aux) = jax.vmap(lambda p, b, k: canonical(p, model_state, b, k),
-                                             in_axes=(0, 0, None if rng is None else 0))(stacked, shards, keys)
+            def body(ins, model_state, batch, rng):
+                it, used, sliced = iter(ins), [], {}
+                for kind, dim in kinds:
+                    if kind == "defer":  # the loss gathers it where it is used
+                        used.append(next(it))
+                        sliced[id(used[-1])] = dim
+                    elif kind == "all":
+                        used.append(_reduce.all_reduced(next(it), axis, reduce_dtype))
+                    elif kind == "scatter":
+                        full, piece = next(it), next(it)
+                        used.append(_reduce.scattered(full, piece, axis, dim, reduce_dtype))
+                    else:
+                        used.append(_reduce.gathered(next(it), axis, dim, reduce_dtype))
+                key = None if rng is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
+                ctx = per_layer._Context("manual", axis=axis, reduce_dtype=reduce_dtype, leaves=sliced, remat=remat)
+                with per_layer.context(ctx):
+                    value, (state, aux) = canonical(jax.tree_util.tree_unflatten(treedef, used), model_state, batch,
+                                                    key)
+                stack = lambda x: jnp.asarray(x)[None]  # noqa: E731 - one row per shard
+                return stack(value), jax.tree_util.tree_map(stack, state), jax.tree_util.tree_map(stack, aux)
+
+            mapped = jax.shard_map(body, mesh=mesh, in_specs=(in_specs, PartitionSpec(), PartitionSpec(axis),
+                                                             PartitionSpec()),
+                                   out_specs=PartitionSpec(axis), axis_names=frozenset({axis}))
+            losses, states, aux = mapped(ins, model_state, batch, rng)
             loss = jnp.mean(jnp.asarray(losses, jnp.float32))
             if any(jnp.ndim(x) > 1 for x in jax.tree_util.tree_leaves(aux)):
                 # An array in aux may be per-example: the shapes of one abstract evaluation on

@@ -20,7 +20,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp.collectives import check_reduce_dtype
-from jaxmp.parallel import layouts
+from jaxmp.parallel import layouts, per_layer
+from jaxmp.parallel.replication import _REPLICA_AXIS
 from jaxmp.parallel._common import (
     check_divisible, check_positive_int, leading_size, log_once, make_step_body, with_model_state,
 )
@@ -189,11 +190,44 @@ def prefetch_to_mesh(iterator: Iterable[Any], mesh: Mesh, size: int = 2, data_ax
         enqueue(1)
 
 
+def _describe(sharding: Any) -> str:
+    if isinstance(sharding, NamedSharding):
+        return f"{sharding.spec} on a mesh {dict(sharding.mesh.shape)}"
+    return type(sharding).__name__
+
+
+def enter_layout(tree: Any, shardings: Any, mesh: Mesh, layout: str, what: str) -> Any:
+    """``tree`` with every ``jax.Array`` leaf in its step sharding: a leaf laid out for another
+    layout or mesh is resharded (``jax.device_put``, logged once); host arrays pass as they are
+    (``jit`` places them). A pmap-replicated leaf (a leading device axis) is a ValueError: its
+    shape is not the state's, so no resharding can make it one."""
+    def enter(path, x, sharding):
+        current = getattr(x, "sharding", None)
+        if not isinstance(x, jax.Array) or current is None:
+            return x
+        name = jax.tree_util.keystr(path) or "<root>"
+        if type(current).__name__ == "PmapSharding" or (  # flax.jax_utils.replicate (no public class in 0.10)
+                isinstance(current, NamedSharding) and current.mesh.axis_names == (_REPLICA_AXIS,)):
+            raise ValueError(
+                f"{what} leaf at {name} is pmap-replicated (shape {x.shape}: a leading axis of one copy per device, "
+                f"from jaxmp.parallel.replicate or flax.jax_utils.replicate), not a state for the sharded step's "
+                f"layout {layout!r}: take one copy with jaxmp.parallel.unreplicate(state) and lay it out with "
+                f"jaxmp.parallel.shard_state((params, opt_state), mesh, {layout!r})")
+        if current.is_equivalent_to(sharding, x.ndim):
+            return x
+        log_once("jaxmp.parallel: %s laid out as %s (first at %s) resharded to the step's layout %r (%s)",
+                 what, _describe(current), name, layout, _describe(sharding))
+        return jax.device_put(x, sharding)
+
+    return jax.tree_util.tree_map_with_path(enter, tree, shardings)
+
+
 def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *, data_axis: str | None = None,
                             has_aux: bool = False, donate: bool = False,
                             model_state: bool = False, layout: str = "replicated",
                             reduce_dtype: Any = "float32", param_specs: Any = None,
-                            min_shard_size: int = layouts.DEFAULT_MIN_SHARD_SIZE) -> Callable[..., Any]:
+                            min_shard_size: int = layouts.DEFAULT_MIN_SHARD_SIZE,
+                            remat: Any = None) -> Callable[..., Any]:
     """A ``jax.jit`` train step with the batch sharded over the mesh's data axis and the state laid out by ``layout``.
 
     Same semantics and results as [`jaxmp.parallel.make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step], without ``pmap``: the step
@@ -214,9 +248,12 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
     state), ``"zero"`` (float32 masters, moments and remainders sharded over the data axis, each
     device updates its slice, the half params replicated and gathered in their own dtype after the
     update) and ``"fsdp"`` (params sharded too, gathered inside the step in their stored dtype,
-    the compute dtype under O2). Place the state with [`jaxmp.parallel.shard_state`][jaxmp.parallel.shard_state] in the
-    same layout (the step's jit in/out shardings are the layout's, so a state in another layout is
-    resharded on the way in).
+    the compute dtype under O2). Place the state with `jaxmp.parallel.shard_state` in the
+    same layout. A state laid out for another layout or another mesh is resharded on the way in
+    (``jax.device_put`` to the step's shardings, logged once on the ``jaxmp.parallel`` logger;
+    it costs a transfer on every such call, so re-lay it out once with ``shard_state``); a
+    pmap-replicated state (``jaxmp.parallel.replicate``: a leading device axis) is a ValueError
+    that says how to convert it.
 
     **Gradient reduce dtype**: ``"float32"`` (default) sums the data shards' gradients in float32
     whatever the params' dtype (see `jaxmp.parallel.layouts.per_shard_loss` for how, in the
@@ -253,6 +290,10 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
       param_specs: the params' ``PartitionSpec`` tree over the other (model) mesh axes; kept by
         every layout. Default: none (params replicated over the other axes).
       min_shard_size: leaves with fewer elements stay replicated (`jaxmp.parallel.layouts.leaf_spec`).
+      remat: the rematerialisation policy of each layer of a loss that scans over layers with
+        `jaxmp.parallel.scan_layers`: ``None`` (default: keep the activations),
+        ``"nothing_saveable"`` (keep each layer's input only; under ``"fsdp"`` the layer's params
+        are gathered again in the backward), ``"dots_saveable"``, or a ``jax.checkpoint`` policy.
 
     Returns:
       ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` with params and
@@ -289,6 +330,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
     layout = layouts.check_layout(layout)
     reduce_dtype = check_reduce_dtype(reduce_dtype, "reduce_dtype")
     min_shard_size = layouts._check_min_size(min_shard_size)
+    remat = per_layer.remat_policy(remat)
     rep = replicated_sharding(mesh)
     data = NamedSharding(mesh, PartitionSpec(axis))
     identity = lambda x: x  # noqa: E731 - the global view needs no explicit reduction
@@ -300,9 +342,12 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
         """The jitted steps for states of this structure and these shapes (shardings follow shapes)."""
         p_specs, o_specs, g_specs = layouts.state_specs(params, opt_state, mesh, layout, data_axis=axis,
                                                         param_specs=param_specs, min_shard_size=min_shard_size)
-        base = layouts._param_tree_specs(params, param_specs)
         p_sh, o_sh = layouts._named(mesh, p_specs), layouts._named(mesh, o_specs)
         g_sh = layouts._named(mesh, g_specs)
+        if reduce_dtype is None:
+            wrap_loss = layouts.global_view_loss(mesh, layout, layouts._param_tree_specs(params, param_specs), remat)
+        else:
+            wrap_loss = layouts.per_shard_loss(mesh, axis, reduce_dtype, layout, g_specs, remat)
 
         def reduce_grads(grads):
             # Where the reduced gradients go: onto the slices each device updates (zero, fsdp),
@@ -312,7 +357,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
 
         common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=identity,
                       with_model_state=model_state, reduce_model_state=identity,
-                      wrap_loss=None if reduce_dtype is None else layouts.per_shard_loss(mesh, axis, reduce_dtype, base))
+                      wrap_loss=wrap_loss)
         first = (p_sh, rep) if model_state else p_sh
         jitted = jax.jit(make_step_body(loss_fn, tx, with_rng=False, **common),
                          in_shardings=(first, o_sh, data), out_shardings=(first, o_sh, rep),
@@ -336,7 +381,14 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
         per_device = check_divisible(global_batch, num_devices)
         log_once("jaxmp.parallel: sharded step over %d devices (axis %r, layout %s), global batch %d -> "
                  "per-device batch %d", num_devices, axis, layout, global_batch, per_device)
-        jitted, jitted_rng, _ = get(params, opt_state)
+        jitted, jitted_rng, (p_sh, o_sh) = get(params, opt_state)
+        if model_state:
+            params = (enter_layout(params[0], p_sh, mesh, layout, "params"),
+                      enter_layout(params[1], jax.tree_util.tree_map(lambda _: rep, params[1]), mesh, layout,
+                                   "model state"))
+        else:
+            params = enter_layout(params, p_sh, mesh, layout, "params")
+        opt_state = enter_layout(opt_state, o_sh, mesh, layout, "opt_state")
         if rng is None:
             return jitted(params, opt_state, batch)
         return jitted_rng(params, opt_state, batch, rng)

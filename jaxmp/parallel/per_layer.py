@@ -1,0 +1,194 @@
+"""Per-layer FSDP gathers and the step's remat policy, for models that scan (or loop) over layers.
+
+Under ``make_sharded_train_step(..., layout="fsdp")`` the params are sharded at rest. By default
+the step gathers every param where the loss starts, so all of them are live at once and the
+temporaries do not fall with N. A loss that calls `scan_layers` (or `gather_params`
+on one layer's params) instead keeps those params sharded until that layer runs: each layer's
+params are gathered inside the scan body, in the compute dtype (cast first, then gathered: a
+bf16 gather is half an fp32 one), and, with the step's ``remat`` policy, released after the
+forward and gathered again in the backward. What the step gathers where the loss starts is then
+only the params the loss does not gather itself (embeddings, final norm).
+
+How the step knows: it traces the loss once abstractly (shapes only) and records which params
+leaves reach these helpers; those enter the loss sharded. Outside a jaxmp sharded step (or under
+another layout) the helpers are a plain cast and a plain ``lax.scan`` (with the remat policy
+applied only inside a step), so the same loss runs anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxmp.parallel import _reduce
+
+__all__ = ["gather_params", "remat_policy", "scan_layers"]
+
+_LOCAL = threading.local()
+
+REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
+
+
+def remat_policy(remat: Any) -> Callable | None:
+    """The ``jax.checkpoint`` policy of a step's ``remat`` setting.
+
+    Args:
+      remat: ``None`` (no remat), a name in ``jax.checkpoint_policies`` (``"nothing_saveable"``:
+        keep only each layer's input and recompute the rest in the backward; ``"dots_saveable"``:
+        keep matmul outputs) or a policy callable.
+
+    Returns:
+      The policy, or ``None``.
+
+    Example:
+      >>> from jaxmp.parallel import remat_policy
+      >>> remat_policy("nothing_saveable") is not None, remat_policy(None)
+      (True, None)
+    """
+    if remat is None or callable(remat):
+        return remat
+    if isinstance(remat, str) and remat in REMAT_POLICIES:
+        return getattr(jax.checkpoint_policies, remat)
+    raise ValueError(f"remat must be None, a policy callable or one of {', '.join(map(repr, REMAT_POLICIES))}; "
+                     f"got {remat!r}")
+
+
+class _Context:
+    """What the helpers do inside one trace of a step's loss.
+
+    ``mode``: ``"record"`` (the abstract trace: note which leaves are gathered), ``"manual"``
+    (inside the per-shard ``shard_map``: ``leaves`` maps a sharded leaf's id to its data-axis
+    dimension) or ``"global"`` (``reduce_dtype=None``: ``leaves`` maps an id to the
+    ``NamedSharding`` the gathered leaf takes).
+    """
+
+    def __init__(self, mode: str, *, axis: str | None = None, reduce_dtype: Any = None, leaves: dict | None = None,
+                 remat: Callable | None = None, mesh: Any = None):
+        self.mode, self.axis, self.reduce_dtype, self.remat, self.mesh = mode, axis, reduce_dtype, remat, mesh
+        self.leaves = {} if leaves is None else leaves
+        self.recorded: set = set()
+
+
+def _current() -> _Context | None:
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def context(ctx: _Context):
+    """Makes ``ctx`` the helpers' context for the trace inside (a stack: nested steps work)."""
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    stack.append(ctx)
+    try:
+        yield ctx
+    finally:
+        stack.pop()
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    return x.astype(dtype) if dtype is not None and _reduce.is_float(x) else x
+
+
+def _gather(ctx: _Context | None, x: Any, info: Any, dtype: Any) -> Any:
+    if ctx is None or info is None:
+        return _cast(x, dtype)
+    if ctx.mode == "manual":
+        return _reduce.gathered(_cast(x, dtype), ctx.axis, info, ctx.reduce_dtype)
+    return jax.lax.with_sharding_constraint(_cast(x, dtype), info)
+
+
+def gather_params(tree: Any, dtype: Any = None) -> Any:
+    """One layer's (or any sub-tree's) params, gathered where they are used (FSDP).
+
+    Inside a ``make_sharded_train_step(..., layout="fsdp")`` step the leaves of ``tree`` stay
+    sharded until this call, which casts them to ``dtype`` (if given) and then all-gathers them;
+    their gradients are reduce-scattered back onto each device's slice in the step's
+    ``reduce_dtype``. Elsewhere it is only the cast. Pass the params as the loss received them
+    (``params["block3"]``), not a computed value.
+
+    Args:
+      tree: a sub-tree of the params the loss was given.
+      dtype: the compute dtype to cast floating leaves to before gathering (``None``: as stored;
+        under O2-bf16 they are stored bf16 already).
+
+    Returns:
+      ``tree`` with every leaf whole (and cast).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp.parallel import gather_params
+      >>> gather_params({"w": jnp.ones((2, 2))}, jnp.bfloat16)["w"].dtype
+      dtype(bfloat16)
+    """
+    ctx = _current()
+    if ctx is not None and ctx.mode == "record":
+        ctx.recorded.update(id(x) for x in jax.tree_util.tree_leaves(tree))
+        return jax.tree_util.tree_map(lambda x: _cast(x, dtype), tree)
+    lookup = (lambda x: None) if ctx is None else (lambda x: ctx.leaves.get(id(x)))  # noqa: E731
+    return jax.tree_util.tree_map(lambda x: _gather(ctx, x, lookup(x), dtype), tree)
+
+
+def _slice_info(ctx: _Context, info: Any, name: str) -> Any:
+    # The layer axis (0) is scanned over: the sharded dimension of one layer's slice is one lower.
+    if info is None:
+        return None
+    if ctx.mode == "manual":
+        if info == 0:
+            raise ValueError(f"the stacked params leaf {name} is sharded along its layer axis (0), so one layer's "
+                             "slice cannot be gathered on its own: its largest dimension that the device count "
+                             "divides is the layer count; raise min_shard_size past its size to keep it replicated, "
+                             "or give it a wider dimension")
+        return info - 1
+    spec = list(info.spec) + [None]
+    return NamedSharding(info.mesh, PartitionSpec(*spec[1:]))
+
+
+def scan_layers(body: Callable, init: Any, layers: Any, *, dtype: Any = None, unroll: int = 1) -> tuple[Any, Any]:
+    """``lax.scan(body, init, layers)`` over stacked layers, each layer's params gathered in its body.
+
+    ``layers`` is the sub-tree of params holding every layer's params stacked on a leading axis.
+    Inside an FSDP step each layer's slice is cast to ``dtype`` and gathered inside the scan
+    body (`gather_params`), so about one layer's params are whole at a time; the step's
+    ``remat`` policy (``make_sharded_train_step(..., remat=...)``) wraps the body, so with
+    ``"nothing_saveable"`` a layer's gathered params and activations are dropped after the
+    forward and recomputed (re-gathered) in the backward.
+
+    Args:
+      body: ``body(carry, layer_params) -> (carry, y)``, as for ``lax.scan``.
+      init: the initial carry (the activations).
+      layers: the stacked layers' params, as the loss received them (``params["layers"]``).
+      dtype: the compute dtype to cast floating params to before gathering (``None``: as stored).
+      unroll: as for ``lax.scan``.
+
+    Returns:
+      ``(carry, ys)`` as from ``lax.scan``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp.parallel import scan_layers
+      >>> carry, _ = scan_layers(lambda h, p: (h @ p["w"], None), jnp.ones(4), {"w": jnp.stack([jnp.eye(4)] * 3)})
+      >>> carry.tolist()
+      [1.0, 1.0, 1.0, 1.0]
+    """
+    ctx = _current()
+    leaves, treedef = jax.tree_util.tree_flatten(layers)
+    if ctx is not None and ctx.mode == "record":
+        ctx.recorded.update(id(x) for x in leaves)
+        infos = [None] * len(leaves)
+    else:
+        names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(layers)]
+        infos = [None if ctx is None else _slice_info(ctx, ctx.leaves.get(id(x)), n) for x, n in zip(leaves, names)]
+
+    def step(carry, xs):
+        used = [_gather(ctx, x, info, dtype) for x, info in zip(treedef.flatten_up_to(xs), infos)]
+        return body(carry, jax.tree_util.tree_unflatten(treedef, used))
+
+    if ctx is not None and ctx.remat is not None:
+        step = jax.checkpoint(step, policy=ctx.remat)
+    return jax.lax.scan(step, init, layers, unroll=unroll)
