@@ -48,7 +48,7 @@ def test_each_namespace_stays_within_its_budget(namespace):
         warnings.simplefilter("error")  # no public name is itself a deprecated path
         for name in names:
             assert getattr(module, name) is not None, f"{namespace}.{name}"
-    assert sum(len(importlib.import_module(n).__all__) for n in BUDGETS) <= 110
+    assert sum(len(importlib.import_module(n).__all__) for n in BUDGETS) <= 113  # 110, +3 for per-layer FSDP (issue 41)
 
 
 def _prose() -> str:
