@@ -50,6 +50,17 @@ def _select_mismatch():
     return jaxmp.select_tree(jnp.array(True), {"a": jnp.ones(2)}, {"b": jnp.ones(2)})
 
 
+def _master_state_to_plain(master_first):
+    with_master = jaxmp.loss_scaling(optax.sgd(0.1), "none", master_weights=True)
+    plain = jaxmp.loss_scaling(optax.sgd(0.1), "none")
+    tx, made_by = (plain, with_master) if master_first else (with_master, plain)
+    return tx.update(_P, made_by.init(_P), _P)
+
+
+def _accumulate_in_loop_with_new_shape():
+    return jax.lax.fori_loop(0, 3, lambda i, y: jaxmp.accumulate(y, jnp.ones((2, 3))), jnp.zeros(3))
+
+
 CASES = [
     # (id, callable, exception, message regex)
     ("unknown dtype name", lambda: jaxmp.get_policy("p=f32,c=f12"), ValueError, r"Unknown dtype name 'f12'"),
@@ -153,6 +164,25 @@ CASES = [
     ("non-threefry key", lambda: jaxmp.lean.bf16_moments(optax.adam(0.1), jax.random.key(0, impl="rbg")), ValueError,
      r"threefry2x32 key.*got a rbg key"),
     ("unknown lean preset", lambda: jaxmp.lean.preset("fp4", optax.adam(0.1)), ValueError, r"Unknown lean preset 'fp4'"),
+    # Issue 37.
+    ("seed past 32 bits", lambda: jaxmp.lean.bf16_params(optax.sgd(0.1), key=2**40), ValueError,
+     r"int seed must fit in 32 bits.*got 1099511627776.*repeat the stream of seed 0"),
+    ("numpy seed past 32 bits", lambda: jaxmp.lean.bf16_moments(optax.adam(0.1), key=np.int64(-2**33)), ValueError,
+     r"int seed must fit in 32 bits"),
+    ("master-weights state to a plain loss_scaling", lambda: _master_state_to_plain(True), ValueError,
+     r"state has a float32 master copy.*this optimizer keeps none.*master_weights=True.*master_weights=False"),
+    ("plain state to a master-weights loss_scaling", lambda: _master_state_to_plain(False), ValueError,
+     r"state has no float32 master copy.*keeps float32 master weights.*tx.init\(params\)"),
+    ("axis_name list holding a list", lambda: jaxmp.loss_scaling(optax.sgd(0.1), axis_name=[["b"]]), TypeError,
+     r"axis_name must be a str, or a tuple or list of str"),
+    ("empty axis_name list", lambda: jaxmp.loss_scaling(optax.sgd(0.1), axis_name=[]), ValueError,
+     r"axis_name must name at least one axis"),
+    ("accumulate mismatched trees", lambda: jaxmp.accumulate({"a": jnp.zeros(3)}, {"b": jnp.ones(3)}), ValueError,
+     r"accumulate: total and delta must have the same tree structure"),
+    ("accumulate into a Python float", lambda: jaxmp.accumulate(0.0, jnp.ones(3)), TypeError,
+     r"accumulate: total must be an array, got the float 0.0.*jnp.float32\(0.0\)"),
+    ("accumulate changing the carry shape in a loop", _accumulate_in_loop_with_new_shape, ValueError,
+     r"accumulate: delta has shape \(2, 3\), which would change total's shape \(3,\) to \(2, 3\).*delta.sum\(0\)"),
 ]
 
 
@@ -206,3 +236,4 @@ def test_mixed_precision_presets_under_autocast_do_not_warn():
         warnings.simplefilter("error", jaxmp.MixedPrecisionWarning)
         for policy in ("O1-fp16", "O1-bf16", "O2-fp16", "O3-fp16", "float32", "p=f32,c=f16,o=f32"):
             jaxmp.autocast(lambda x: jnp.sum(x), policy)
+
