@@ -589,6 +589,52 @@ class Restored(NamedTuple):
     step: int
 
 
+def check_file_list(step_dir: str, process: int) -> None:
+    """Checks the files process ``process`` wrote in one step against its list (sizes, SHA-256).
+
+    Run before orbax (TensorStore) reads the state: a truncated, zeroed or bit-flipped file is
+    named here, instead of failing inside TensorStore with ``DATA_LOSS``/``OUT_OF_RANGE`` or,
+    worse, being read. No list (a run killed between finalize and writing it) passes.
+
+    Raises:
+      _Damaged: a file is missing, has another size or content, or the list itself is damaged.
+    """
+    name = FILE_LIST.format(process)
+    path = os.path.join(step_dir, name)
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            body = json.load(f)
+        files = body["files"]
+        assert body["sha256"] == _sha256(_canonical([process, files]))
+    except Exception:  # noqa: BLE001 - any defect of the list itself is damage
+        raise _Damaged(f"{name}: unreadable or edited") from None
+    state_dir = os.path.join(step_dir, "state")
+    for rel, want in sorted(files.items()):
+        full = os.path.join(state_dir, rel)
+        if not os.path.isfile(full):
+            raise _Damaged(f"file state/{rel}: missing")
+        size = os.path.getsize(full)
+        if size != want["size"]:
+            raise _Damaged(f"file state/{rel}: {size} bytes, saved {want['size']} (truncated or overwritten)")
+        with open(full, "rb") as f:
+            if _sha256(f.read()) != want["sha256"]:
+                raise _Damaged(f"file state/{rel}: content checksum mismatch")
+
+
+def unreadable(error: BaseException) -> _Damaged:
+    """The damage report for an orbax/TensorStore failure to read a step's arrays.
+
+    TensorStore raises ``ValueError``s whose text starts with a status (``DATA_LOSS``,
+    ``OUT_OF_RANGE``, ``FAILED_PRECONDITION``, ``NOT_FOUND``...), orbax its own errors; on a step
+    that passed its checks any of them means a damaged file, so the first line is kept as the
+    detail and the rest (a chain of TensorStore contexts) dropped.
+    """
+    first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+    return _Damaged(f"state arrays unreadable ({type(error).__name__}: {first})")
+
+
 class Checkpointer:
     """Saves and verifies ``(state, meta)`` under ``<workdir>/checkpoints``.
 
@@ -701,31 +747,6 @@ class Checkpointer:
             json.dump(body, f)
         os.replace(out + ".tmp", out)
 
-    def _check_file_list(self, step: int, process: int) -> None:
-        """Checks the files process ``process`` wrote against its list; no list (killed before it) passes."""
-        name = FILE_LIST.format(process)
-        path = os.path.join(self.directory, str(step), name)
-        if not os.path.exists(path):
-            return
-        try:
-            with open(path) as f:
-                body = json.load(f)
-            files = body["files"]
-            assert body["sha256"] == _sha256(_canonical([process, files]))
-        except Exception:  # noqa: BLE001 - any defect of the list itself is damage
-            raise _Damaged(f"{name}: unreadable or edited") from None
-        state_dir = os.path.join(self.directory, str(step), "state")
-        for rel, want in sorted(files.items()):
-            full = os.path.join(state_dir, rel)
-            if not os.path.isfile(full):
-                raise _Damaged(f"file state/{rel}: missing")
-            size = os.path.getsize(full)
-            if size != want["size"]:
-                raise _Damaged(f"file state/{rel}: {size} bytes, saved {want['size']} (truncated or overwritten)")
-            with open(full, "rb") as f:
-                if _sha256(f.read()) != want["sha256"]:
-                    raise _Damaged(f"file state/{rel}: content checksum mismatch")
-
     def _read_json(self, step: int, item: str) -> Any:
         """One JSON item of a step (``manifest``, ``meta``); any failure to read is damage."""
         from etils import epath  # orbax's path type (an orbax dependency)
@@ -771,7 +792,7 @@ class Checkpointer:
         # count is unchanged), so no file is hashed twice.
         me, count = jax.process_index(), jax.process_count()
         for process in range(me, manifest["process_count"], count):
-            self._check_file_list(step, process)
+            check_file_list(os.path.join(self.directory, str(step)), process)
         return meta, by_key
 
     def _read_state(self, step: int, target: Any, by_key: dict[str, list[dict]]) -> Any:
@@ -783,8 +804,7 @@ class Checkpointer:
             state = self._state_reader.restore(epath.Path(self.directory) / str(step) / "state",
                                                args=ocp.args.StandardRestore(target))
         except Exception as e:  # noqa: BLE001 - orbax/TensorStore errors on damaged files become a report
-            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-            raise _Damaged(f"state arrays unreadable ({type(e).__name__}: {first})") from None
+            raise unreadable(e) from None
         check_shards(state, by_key)
         return state
 
@@ -882,29 +902,57 @@ class Checkpointer:
 def load_state(workdir: str, step: int | None = None) -> tuple[int, Any]:
     """Reads a checkpoint's state as host arrays without a template (one process) and checks every shard.
 
+    The checks of :meth:`Checkpointer.restore_latest`, read-only (nothing is moved aside): the
+    manifest, every process's file list (sizes and SHA-256 of the state's files, before
+    TensorStore reads them), then each piece against its shard checksum.
+
     Args:
-      workdir: the run's directory.
+      workdir: the run's directory (the one given as ``--workdir``).
       step: which step; default the newest.
 
     Returns:
       ``(step, state)``.
 
     Raises:
-      CheckpointDamagedError: the step does not match its manifest and shard checksums.
+      CheckpointDamagedError: the step is damaged (a file truncated, zeroed or changed; a
+        manifest or shard file missing; an array not matching its checksum).
+      UserError: ``workdir`` is not a directory, holds no checkpoints, or has no step ``step``.
+
+    Example:
+      >>> step, state = load_state("/tmp/run")  # doctest: +SKIP
     """
     import orbax.checkpoint as ocp
 
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    workdir = os.path.abspath(workdir)
+    if not os.path.isdir(workdir):
+        what = "is a file" if os.path.exists(workdir) else "does not exist"
+        raise UserError(f"load_state: {workdir} {what}; pass a run's workdir, the directory given as --workdir "
+                        "(it holds checkpoints/<step>/).")
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        raise UserError(f"load_state: {workdir} holds no checkpoints (no {directory} directory); is it a run's "
+                        "--workdir?")
     manager = ocp.CheckpointManager(directory)
     try:
-        step = manager.latest_step() if step is None else step
-        out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
-                                                            manifest=ocp.args.JsonRestore()))
+        steps = sorted(manager.all_steps())
+        if not steps:
+            raise UserError(f"load_state: {directory} holds no finalized checkpoint.")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise UserError(f"load_state: {directory} has no finalized step {step}; its steps: {steps or 'none'}.")
+        step_dir = os.path.join(directory, str(step))
+        try:
+            manifest = _read_json_file(os.path.join(step_dir, "manifest", "metadata"), "manifest")
+            _check_manifest(manifest, step)
+            for process in range(manifest["process_count"]):
+                check_file_list(step_dir, process)
+            try:
+                state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+            except Exception as e:  # noqa: BLE001 - TensorStore's DATA_LOSS/OUT_OF_RANGE/... on a damaged file
+                raise unreadable(e) from None
+            check_shards(state, read_shard_records(step_dir, manifest, step))
+        except _Damaged as e:
+            raise CheckpointDamagedError(f"step {step} of {workdir}: {e}") from None
     finally:
         manager.close()
-    try:
-        _check_manifest(out["manifest"], step)
-        check_shards(out["state"], read_shard_records(os.path.join(directory, str(step)), out["manifest"], step))
-    except _Damaged as e:
-        raise CheckpointDamagedError(f"step {step} of {workdir}: {e}") from None
-    return step, out["state"]
+    return step, state
