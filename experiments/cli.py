@@ -86,15 +86,22 @@ def _resolve_config(value: str) -> str:
 def _load_config_file(path: str):
     import importlib.util
 
+    import ml_collections
+
     try:
         spec = importlib.util.spec_from_file_location("_jaxmp_cfg", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return module.get_config()
+        config = module.get_config()
     except Exception as e:  # noqa: BLE001 - a user's file: report what broke, not a traceback
         where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
         fail(f"config file {path} could not be loaded{where}: {type(e).__name__}: {e}. It must define "
              "get_config() returning an ml_collections.ConfigDict, like experiments/configs/cpu.py.")
+    if not isinstance(config, ml_collections.ConfigDict):
+        fail(f"config file {path}: get_config() returned {type(config).__name__} {config!r:.80}, not an "
+             "ml_collections.ConfigDict; return one, like experiments/configs/cpu.py (start from "
+             "experiments.configs.default.get_config() and change its fields).")
+    return config
 
 
 def _check_overrides(argv: list[str], config_arg: str) -> None:
