@@ -55,6 +55,7 @@ from typing import Any, Callable, NamedTuple, TypeVar
 import jax
 import numpy as np
 
+from experiments.orbax_noise import drop_closed_loop_noise, quiet_save
 from experiments.validation import RunFailedError, UserError
 
 FORMAT = "jaxmp-experiments-checkpoint/2"
@@ -301,16 +302,36 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _root_cause(error: BaseException) -> str:
-    """The OSError behind ``error`` (orbax and TensorStore wrap it), in words."""
+# TensorStore reports the OS error of a failed write inside its message, not as an OSError:
+# "... Failed to write 50360 bytes to file 16: File too large [os_error_code='27']".
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)'?|\[Errno (\d+)\]|OS error (\d+)")
+_SPACE_ERRNOS = ("ENOSPC", "EDQUOT")
+
+
+def _errno(error: BaseException) -> int | None:
+    """The errno behind ``error``: an OSError in its cause chain, or the code in a TensorStore message."""
     seen, e = set(), error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno:
-            return f"{os.strerror(e.errno)} ({errno_name(e.errno)})"
+            return e.errno
+        m = _OS_ERROR_CODE.search(str(e))
+        if m:
+            return int(next(g for g in m.groups() if g))
         e = e.__cause__ or e.__context__
-    first = (str(error).strip().splitlines() or [""])[0][:200]
-    return f"{type(error).__name__}: {first}"
+    return None
+
+
+def _root_cause(error: BaseException, code: int | None) -> str:
+    """The failure in words: the errno's meaning first (``File too large (EFBIG)``), then the
+    library's own first line, whole, so the file it failed on stays in the message."""
+    first = (str(error).strip().splitlines() or [""])[0][:1000]
+    if code is None:
+        return f"{type(error).__name__}: {first}"
+    meaning = f"{os.strerror(code)} ({errno_name(code)})"
+    if isinstance(error, OSError) and error.errno == code and not error.filename:
+        return meaning
+    return f"{meaning}; {type(error).__name__}: {first}"
 
 
 def errno_name(code: int) -> str:
@@ -319,9 +340,21 @@ def errno_name(code: int) -> str:
     return errno.errorcode.get(code, str(code))
 
 
+def _way_out(code: int | None) -> str:
+    """What to fix before running again, for the errno the write failed with."""
+    name = None if code is None else errno_name(code)
+    if name in _SPACE_ERRNOS:
+        return "free space"
+    if name == "EFBIG":
+        return "raise the file-size limit (ulimit -f, or the filesystem's; more free space does not help)"
+    if name in ("EACCES", "EPERM", "EROFS"):
+        return "make the workdir writable"
+    return "fix the cause"
+
+
 def write_failure(workdir: str, what: str, error: BaseException) -> CheckpointWriteError:
-    """The clear error for a failed write in a run's workdir: what failed and why, the space the
-    last checkpoint took and the space free now, and how to go on.
+    """The clear error for a failed write in a run's workdir: what failed and why (the errno's
+    meaning first), the space the last checkpoint took and the space free now, and how to go on.
 
     Args:
       workdir: the run's directory.
@@ -329,22 +362,25 @@ def write_failure(workdir: str, what: str, error: BaseException) -> CheckpointWr
       error: the exception the write raised.
     """
     workdir = os.path.abspath(workdir)
+    code = _errno(error)
+    fix = _way_out(code)
     directory = os.path.join(workdir, "checkpoints")
     steps = sorted(int(d) for d in (os.listdir(directory) if os.path.isdir(directory) else []) if d.isdigit())
     if steps:
         last = steps[-1]
         space = (f"The last checkpoint (step {last}) takes {_mib(_tree_bytes(os.path.join(directory, str(last))))}; "
                  "the next one needs about as much")
-        go_on = (f"Checkpoint step {last} and older are intact: free space (or fix the cause) and run the same "
+        go_on = (f"Checkpoint step {last} and older are intact: {fix} and run the same "
                  f"command again; it resumes from step {last} exactly")
     else:
         space = "No checkpoint has been written yet"
-        go_on = "Free space (or fix the cause) and run the same command again; it starts from step 0"
+        go_on = f"{fix[0].upper()}{fix[1:]} and run the same command again; it starts from step 0"
     try:
         free = f", {_mib(shutil.disk_usage(workdir).free)} free now"
     except OSError:
         free = ""
-    return CheckpointWriteError(f"could not write {what} in {workdir}: {_root_cause(error)}. {space}{free}. {go_on}.")
+    return CheckpointWriteError(
+        f"could not write {what} in {workdir}: {_root_cause(error, code)}. {space}{free}. {go_on}.")
 
 
 def _read_json_file(path: str, name: str) -> Any:
@@ -654,6 +690,7 @@ class Checkpointer:
     def __init__(self, workdir: str, max_to_keep: int = 2):
         import orbax.checkpoint as ocp  # lazy: only runs that checkpoint pay the import
 
+        drop_closed_loop_noise()
         if max_to_keep < 1:
             raise UserError(f"keep_checkpoints={max_to_keep} is invalid: use an integer >= 1.")
         self._ocp = ocp
@@ -713,9 +750,15 @@ class Checkpointer:
             raise write_failure(self.workdir, f"the file list of checkpoint step {step}", e) from e
 
     def _write_step(self, step: int, args: Any) -> None:
-        """orbax's save of one step, finalized (atomically renamed) before it returns."""
-        self._manager.save(step, args=args, force=True)
-        self._manager.wait_until_finished()
+        """orbax's save of one step, finalized (atomically renamed) before it returns.
+
+        A failed write fails in orbax's writer threads first, each logging its traceback: they
+        are held back (:func:`experiments.orbax_noise.quiet_save`), and the failure is reported
+        once, by :meth:`save`.
+        """
+        with quiet_save():
+            self._manager.save(step, args=args, force=True)
+            self._manager.wait_until_finished()
 
     def _discard_unfinished(self, step: int) -> None:
         """Removes what a failed save of ``step`` left half-written (never a finalized step), to free its space."""
@@ -923,6 +966,7 @@ def load_state(workdir: str, step: int | None = None) -> tuple[int, Any]:
     """
     import orbax.checkpoint as ocp
 
+    drop_closed_loop_noise()  # a damaged file's failed read leaves late TensorStore callbacks
     workdir = os.path.abspath(workdir)
     if not os.path.isdir(workdir):
         what = "is a file" if os.path.exists(workdir) else "does not exist"

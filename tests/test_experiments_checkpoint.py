@@ -283,3 +283,64 @@ def test_load_state_of_a_file_or_an_empty_directory_is_a_clear_error(tmp_path):
     ckpt.close()
     with pytest.raises(ckpt_lib.UserError, match=r"has no finalized step 5; its steps: \[1\]"):
         ckpt_lib.load_state(str(tmp_path / "run"), 5)
+
+
+_READ_DAMAGED = """
+import glob, os, sys
+import numpy as np
+from experiments import checkpoint as ckpt_lib
+base = sys.argv[1]
+meta = {"policy": "O2-fp16", "loss_scale": "dynamic", "master_weights": True, "engine": "flax", "seed": 0,
+        "model": "mlp", "dataset": "digits", "global_batch_size": 32, "num_train_steps": 10, "history": [],
+        "data_position": 1}
+ckpt = ckpt_lib.Checkpointer(base)
+rng = np.random.default_rng(0)
+ckpt.save(1, {f"w{i}": rng.normal(size=(64, 32)).astype(np.float32) for i in range(8)}, meta)
+ckpt.close()
+step_dir = os.path.join(base, "checkpoints", "1")
+os.remove(os.path.join(step_dir, ckpt_lib.FILE_LIST.format(0)))  # TensorStore itself meets the damage
+for f in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True):
+    data = bytearray(open(f, "rb").read())
+    data[len(data) // 2] ^= 1
+    open(f, "wb").write(bytes(data))
+for _ in range(3):
+    try:
+        ckpt_lib.load_state(base)
+    except ckpt_lib.CheckpointDamagedError as e:
+        print("damaged:", str(e)[:60])
+"""
+
+
+@pytest.mark.slow  # ~15 s: a fresh process imports orbax
+def test_a_script_reading_a_damaged_checkpoint_prints_no_closed_event_loop_tracebacks(tmp_path):
+    # Issue 37, item 20: TensorStore's late callbacks onto the asyncio loop orbax had closed
+    # printed "Exception ignored ... RuntimeError: Event loop is closed" tracebacks, often at exit.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _READ_DAMAGED, str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=300, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("damaged: step 1 of") == 3, out.stdout
+    assert "Event loop is closed" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+def test_quiet_save_holds_orbax_errors_back_and_logs_them_after_a_save_that_succeeded(caplog):
+    import logging
+
+    from experiments import orbax_noise
+
+    def orbax_record(msg):
+        return logging.LogRecord("absl", logging.ERROR, "/x/site-packages/orbax/checkpoint/future.py", 1, msg, None,
+                                 None)
+
+    with pytest.raises(OSError):
+        with orbax_noise.quiet_save() as held:
+            logging.getLogger("absl").handle(orbax_record("writer thread failed"))
+            logging.getLogger("absl").error("not orbax")  # passes
+            raise OSError("disk full")
+    assert [r.getMessage() for r in held.records] == ["writer thread failed"]
+    assert "not orbax" in caplog.text and "writer thread failed" not in caplog.text
+    with orbax_noise.quiet_save() as held:
+        logging.getLogger("absl").handle(orbax_record("recovered"))
+    assert "recovered" in caplog.text  # nothing is lost when the save went through
