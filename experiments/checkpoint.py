@@ -24,7 +24,7 @@ and SHA-256 of the files of the state it wrote (orbax's ``ocdbt.process_<i>/`` a
 before orbax (TensorStore) reads them. A step killed before these lists exist is verified by
 its shard checksums alone; a step without its manifest or any process's shard file is damaged.
 
-:meth:`Checkpointer.restore_latest` verifies a step before trusting it, each process its part:
+`Checkpointer.restore_latest` verifies a step before trusting it, each process its part:
 first the metadata, the shard files and its share of the file lists, then, after restoring,
 every recorded piece that lies in the data it holds, whichever process wrote it (the shard
 index says where the piece is). After each of the two phases the processes exchange verdicts
@@ -34,8 +34,8 @@ A damaged step (a flipped bit, a garbled or truncated file, a deleted array file
 shard file or metadata, edited metadata) is named with what is wrong -- step, array, shard
 index, and in a multi-process run which process found it --, moved aside by process 0 to
 ``<workdir>/damaged_checkpoints`` (never deleted), and the next older step is tried, with a loud
-:class:`CheckpointDamageWarning` on every process. With no intact step left the run stops with
-:class:`CheckpointDamagedError`; it never starts over silently in a workdir that has history.
+`CheckpointDamageWarning` on every process. With no intact step left the run stops with
+`CheckpointDamagedError`; it never starts over silently in a workdir that has history.
 Nothing is pickled: metadata is JSON, validated on load. The checkpoint directory must be one
 filesystem shared by all processes, as orbax requires.
 """
@@ -55,6 +55,7 @@ from typing import Any, Callable, NamedTuple, TypeVar
 import jax
 import numpy as np
 
+from experiments.orbax_noise import drop_closed_loop_noise, quiet_save
 from experiments.validation import RunFailedError, UserError
 
 FORMAT = "jaxmp-experiments-checkpoint/2"
@@ -170,7 +171,7 @@ def shard_records(state: Any) -> list[dict]:
     """The checksum records of the pieces of ``state`` that this process writes.
 
     Args:
-      state: a pytree as returned by :func:`saveable`.
+      state: a pytree as returned by `saveable`.
 
     Returns:
       Per piece: ``path``, ``key``, global ``index``, ``shape``, ``dtype`` and ``sha256`` of its bytes.
@@ -301,16 +302,36 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _root_cause(error: BaseException) -> str:
-    """The OSError behind ``error`` (orbax and TensorStore wrap it), in words."""
+# TensorStore reports the OS error of a failed write inside its message, not as an OSError:
+# "... Failed to write 50360 bytes to file 16: File too large [os_error_code='27']".
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)'?|\[Errno (\d+)\]|OS error (\d+)")
+_SPACE_ERRNOS = ("ENOSPC", "EDQUOT")
+
+
+def _errno(error: BaseException) -> int | None:
+    """The errno behind ``error``: an OSError in its cause chain, or the code in a TensorStore message."""
     seen, e = set(), error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno:
-            return f"{os.strerror(e.errno)} ({errno_name(e.errno)})"
+            return e.errno
+        m = _OS_ERROR_CODE.search(str(e))
+        if m:
+            return int(next(g for g in m.groups() if g))
         e = e.__cause__ or e.__context__
-    first = (str(error).strip().splitlines() or [""])[0][:200]
-    return f"{type(error).__name__}: {first}"
+    return None
+
+
+def _root_cause(error: BaseException, code: int | None) -> str:
+    """The failure in words: the errno's meaning first (``File too large (EFBIG)``), then the
+    library's own first line, whole, so the file it failed on stays in the message."""
+    first = (str(error).strip().splitlines() or [""])[0][:1000]
+    if code is None:
+        return f"{type(error).__name__}: {first}"
+    meaning = f"{os.strerror(code)} ({errno_name(code)})"
+    if isinstance(error, OSError) and error.errno == code and not error.filename:
+        return meaning
+    return f"{meaning}; {type(error).__name__}: {first}"
 
 
 def errno_name(code: int) -> str:
@@ -319,9 +340,21 @@ def errno_name(code: int) -> str:
     return errno.errorcode.get(code, str(code))
 
 
+def _way_out(code: int | None) -> str:
+    """What to fix before running again, for the errno the write failed with."""
+    name = None if code is None else errno_name(code)
+    if name in _SPACE_ERRNOS:
+        return "free space"
+    if name == "EFBIG":
+        return "raise the file-size limit (ulimit -f, or the filesystem's; more free space does not help)"
+    if name in ("EACCES", "EPERM", "EROFS"):
+        return "make the workdir writable"
+    return "fix the cause"
+
+
 def write_failure(workdir: str, what: str, error: BaseException) -> CheckpointWriteError:
-    """The clear error for a failed write in a run's workdir: what failed and why, the space the
-    last checkpoint took and the space free now, and how to go on.
+    """The clear error for a failed write in a run's workdir: what failed and why (the errno's
+    meaning first), the space the last checkpoint took and the space free now, and how to go on.
 
     Args:
       workdir: the run's directory.
@@ -329,22 +362,25 @@ def write_failure(workdir: str, what: str, error: BaseException) -> CheckpointWr
       error: the exception the write raised.
     """
     workdir = os.path.abspath(workdir)
+    code = _errno(error)
+    fix = _way_out(code)
     directory = os.path.join(workdir, "checkpoints")
     steps = sorted(int(d) for d in (os.listdir(directory) if os.path.isdir(directory) else []) if d.isdigit())
     if steps:
         last = steps[-1]
         space = (f"The last checkpoint (step {last}) takes {_mib(_tree_bytes(os.path.join(directory, str(last))))}; "
                  "the next one needs about as much")
-        go_on = (f"Checkpoint step {last} and older are intact: free space (or fix the cause) and run the same "
+        go_on = (f"Checkpoint step {last} and older are intact: {fix} and run the same "
                  f"command again; it resumes from step {last} exactly")
     else:
         space = "No checkpoint has been written yet"
-        go_on = "Free space (or fix the cause) and run the same command again; it starts from step 0"
+        go_on = f"{fix[0].upper()}{fix[1:]} and run the same command again; it starts from step 0"
     try:
         free = f", {_mib(shutil.disk_usage(workdir).free)} free now"
     except OSError:
         free = ""
-    return CheckpointWriteError(f"could not write {what} in {workdir}: {_root_cause(error)}. {space}{free}. {go_on}.")
+    return CheckpointWriteError(
+        f"could not write {what} in {workdir}: {_root_cause(error, code)}. {space}{free}. {go_on}.")
 
 
 def _read_json_file(path: str, name: str) -> Any:
@@ -393,7 +429,7 @@ def read_shard_records(step_dir: str, manifest: dict, step: int) -> dict[str, li
 
     Args:
       step_dir: the step's directory.
-      manifest: its checked manifest (:func:`_check_manifest`).
+      manifest: its checked manifest (`_check_manifest`).
       step: the step.
 
     Returns:
@@ -445,7 +481,7 @@ def check_shards(state: Any, by_key: dict[str, list[dict]]) -> int:
     Args:
       state: the restored state: host arrays (every piece is held) or ``jax.Array`` objects (the
         pieces inside this process's addressable shards are).
-      by_key: :func:`read_shard_records`.
+      by_key: `read_shard_records`.
 
     Returns:
       How many pieces were checked.
@@ -589,11 +625,57 @@ class Restored(NamedTuple):
     step: int
 
 
+def check_file_list(step_dir: str, process: int) -> None:
+    """Checks the files process ``process`` wrote in one step against its list (sizes, SHA-256).
+
+    Run before orbax (TensorStore) reads the state: a truncated, zeroed or bit-flipped file is
+    named here, instead of failing inside TensorStore with ``DATA_LOSS``/``OUT_OF_RANGE`` or,
+    worse, being read. No list (a run killed between finalize and writing it) passes.
+
+    Raises:
+      _Damaged: a file is missing, has another size or content, or the list itself is damaged.
+    """
+    name = FILE_LIST.format(process)
+    path = os.path.join(step_dir, name)
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            body = json.load(f)
+        files = body["files"]
+        assert body["sha256"] == _sha256(_canonical([process, files]))
+    except Exception:  # noqa: BLE001 - any defect of the list itself is damage
+        raise _Damaged(f"{name}: unreadable or edited") from None
+    state_dir = os.path.join(step_dir, "state")
+    for rel, want in sorted(files.items()):
+        full = os.path.join(state_dir, rel)
+        if not os.path.isfile(full):
+            raise _Damaged(f"file state/{rel}: missing")
+        size = os.path.getsize(full)
+        if size != want["size"]:
+            raise _Damaged(f"file state/{rel}: {size} bytes, saved {want['size']} (truncated or overwritten)")
+        with open(full, "rb") as f:
+            if _sha256(f.read()) != want["sha256"]:
+                raise _Damaged(f"file state/{rel}: content checksum mismatch")
+
+
+def unreadable(error: BaseException) -> _Damaged:
+    """The damage report for an orbax/TensorStore failure to read a step's arrays.
+
+    TensorStore raises ``ValueError``s whose text starts with a status (``DATA_LOSS``,
+    ``OUT_OF_RANGE``, ``FAILED_PRECONDITION``, ``NOT_FOUND``...), orbax its own errors; on a step
+    that passed its checks any of them means a damaged file, so the first line is kept as the
+    detail and the rest (a chain of TensorStore contexts) dropped.
+    """
+    first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+    return _Damaged(f"state arrays unreadable ({type(error).__name__}: {first})")
+
+
 class Checkpointer:
     """Saves and verifies ``(state, meta)`` under ``<workdir>/checkpoints``.
 
     In a multi-process run every process creates one, with the same ``workdir``, and calls
-    :meth:`save` and :meth:`restore_latest` at the same points.
+    `save` and `restore_latest` at the same points.
 
     Args:
       workdir: the run's directory (on a filesystem all processes share).
@@ -608,6 +690,7 @@ class Checkpointer:
     def __init__(self, workdir: str, max_to_keep: int = 2):
         import orbax.checkpoint as ocp  # lazy: only runs that checkpoint pay the import
 
+        drop_closed_loop_noise()
         if max_to_keep < 1:
             raise UserError(f"keep_checkpoints={max_to_keep} is invalid: use an integer >= 1.")
         self._ocp = ocp
@@ -667,9 +750,15 @@ class Checkpointer:
             raise write_failure(self.workdir, f"the file list of checkpoint step {step}", e) from e
 
     def _write_step(self, step: int, args: Any) -> None:
-        """orbax's save of one step, finalized (atomically renamed) before it returns."""
-        self._manager.save(step, args=args, force=True)
-        self._manager.wait_until_finished()
+        """orbax's save of one step, finalized (atomically renamed) before it returns.
+
+        A failed write fails in orbax's writer threads first, each logging its traceback: they
+        are held back (`experiments.orbax_noise.quiet_save`), and the failure is reported
+        once, by `save`.
+        """
+        with quiet_save():
+            self._manager.save(step, args=args, force=True)
+            self._manager.wait_until_finished()
 
     def _discard_unfinished(self, step: int) -> None:
         """Removes what a failed save of ``step`` left half-written (never a finalized step), to free its space."""
@@ -700,31 +789,6 @@ class Checkpointer:
         with open(out + ".tmp", "w") as f:
             json.dump(body, f)
         os.replace(out + ".tmp", out)
-
-    def _check_file_list(self, step: int, process: int) -> None:
-        """Checks the files process ``process`` wrote against its list; no list (killed before it) passes."""
-        name = FILE_LIST.format(process)
-        path = os.path.join(self.directory, str(step), name)
-        if not os.path.exists(path):
-            return
-        try:
-            with open(path) as f:
-                body = json.load(f)
-            files = body["files"]
-            assert body["sha256"] == _sha256(_canonical([process, files]))
-        except Exception:  # noqa: BLE001 - any defect of the list itself is damage
-            raise _Damaged(f"{name}: unreadable or edited") from None
-        state_dir = os.path.join(self.directory, str(step), "state")
-        for rel, want in sorted(files.items()):
-            full = os.path.join(state_dir, rel)
-            if not os.path.isfile(full):
-                raise _Damaged(f"file state/{rel}: missing")
-            size = os.path.getsize(full)
-            if size != want["size"]:
-                raise _Damaged(f"file state/{rel}: {size} bytes, saved {want['size']} (truncated or overwritten)")
-            with open(full, "rb") as f:
-                if _sha256(f.read()) != want["sha256"]:
-                    raise _Damaged(f"file state/{rel}: content checksum mismatch")
 
     def _read_json(self, step: int, item: str) -> Any:
         """One JSON item of a step (``manifest``, ``meta``); any failure to read is damage."""
@@ -771,7 +835,7 @@ class Checkpointer:
         # count is unchanged), so no file is hashed twice.
         me, count = jax.process_index(), jax.process_count()
         for process in range(me, manifest["process_count"], count):
-            self._check_file_list(step, process)
+            check_file_list(os.path.join(self.directory, str(step)), process)
         return meta, by_key
 
     def _read_state(self, step: int, target: Any, by_key: dict[str, list[dict]]) -> Any:
@@ -783,8 +847,7 @@ class Checkpointer:
             state = self._state_reader.restore(epath.Path(self.directory) / str(step) / "state",
                                                args=ocp.args.StandardRestore(target))
         except Exception as e:  # noqa: BLE001 - orbax/TensorStore errors on damaged files become a report
-            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-            raise _Damaged(f"state arrays unreadable ({type(e).__name__}: {first})") from None
+            raise unreadable(e) from None
         check_shards(state, by_key)
         return state
 
@@ -832,11 +895,11 @@ class Checkpointer:
           template: the state's structure, shapes and dtypes. Host (numpy) arrays and ``jax.Array``
             leaves on this process's devices are restored on the host; ``jax.Array`` leaves that
             span processes and ``jax.ShapeDtypeStruct`` leaves with a sharding are restored onto
-            that sharding (see :func:`restore_target`).
-          expected: the current run's values of :data:`MUST_MATCH`.
+            that sharding (see `restore_target`).
+          expected: the current run's values of `MUST_MATCH`.
 
         Returns:
-          A :class:`Restored`, or ``None`` when there is nothing to resume.
+          A `Restored`, or ``None`` when there is nothing to resume.
 
         Raises:
           CheckpointMismatchError: the intact checkpoint belongs to a different run, or the
@@ -882,29 +945,58 @@ class Checkpointer:
 def load_state(workdir: str, step: int | None = None) -> tuple[int, Any]:
     """Reads a checkpoint's state as host arrays without a template (one process) and checks every shard.
 
+    The checks of `Checkpointer.restore_latest`, read-only (nothing is moved aside): the
+    manifest, every process's file list (sizes and SHA-256 of the state's files, before
+    TensorStore reads them), then each piece against its shard checksum.
+
     Args:
-      workdir: the run's directory.
+      workdir: the run's directory (the one given as ``--workdir``).
       step: which step; default the newest.
 
     Returns:
       ``(step, state)``.
 
     Raises:
-      CheckpointDamagedError: the step does not match its manifest and shard checksums.
+      CheckpointDamagedError: the step is damaged (a file truncated, zeroed or changed; a
+        manifest or shard file missing; an array not matching its checksum).
+      UserError: ``workdir`` is not a directory, holds no checkpoints, or has no step ``step``.
+
+    Example:
+      >>> step, state = load_state("/tmp/run")  # doctest: +SKIP
     """
     import orbax.checkpoint as ocp
 
-    directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    drop_closed_loop_noise()  # a damaged file's failed read leaves late TensorStore callbacks
+    workdir = os.path.abspath(workdir)
+    if not os.path.isdir(workdir):
+        what = "is a file" if os.path.exists(workdir) else "does not exist"
+        raise UserError(f"load_state: {workdir} {what}; pass a run's workdir, the directory given as --workdir "
+                        "(it holds checkpoints/<step>/).")
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        raise UserError(f"load_state: {workdir} holds no checkpoints (no {directory} directory); is it a run's "
+                        "--workdir?")
     manager = ocp.CheckpointManager(directory)
     try:
-        step = manager.latest_step() if step is None else step
-        out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
-                                                            manifest=ocp.args.JsonRestore()))
+        steps = sorted(manager.all_steps())
+        if not steps:
+            raise UserError(f"load_state: {directory} holds no finalized checkpoint.")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise UserError(f"load_state: {directory} has no finalized step {step}; its steps: {steps or 'none'}.")
+        step_dir = os.path.join(directory, str(step))
+        try:
+            manifest = _read_json_file(os.path.join(step_dir, "manifest", "metadata"), "manifest")
+            _check_manifest(manifest, step)
+            for process in range(manifest["process_count"]):
+                check_file_list(step_dir, process)
+            try:
+                state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+            except Exception as e:  # noqa: BLE001 - TensorStore's DATA_LOSS/OUT_OF_RANGE/... on a damaged file
+                raise unreadable(e) from None
+            check_shards(state, read_shard_records(step_dir, manifest, step))
+        except _Damaged as e:
+            raise CheckpointDamagedError(f"step {step} of {workdir}: {e}") from None
     finally:
         manager.close()
-    try:
-        _check_manifest(out["manifest"], step)
-        check_shards(out["state"], read_shard_records(os.path.join(directory, str(step)), out["manifest"], step))
-    except _Damaged as e:
-        raise CheckpointDamagedError(f"step {step} of {workdir}: {e}") from None
-    return step, out["state"]
+    return step, state

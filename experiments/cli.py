@@ -3,10 +3,10 @@
 absl + ml_collections as in the Flax examples, with clear errors instead of tracebacks:
 ``--config`` takes a path *or* a config name (``cpu``, ``gpu_t4``...); an unknown config, a
 config file that does not load, an unknown ``--config.<field>``, a bad value (checked by
-:func:`experiments.validation.check_fields` before JAX is imported), a bad ``--workdir``, an
+`experiments.validation.check_fields` before JAX is imported), a bad ``--workdir``, an
 unknown flag, or a user error raised by the run prints one message that says what is wrong
 and what is valid, and exits with status 2. A run that fails for another reason it can name (a
-full disk: :class:`experiments.validation.RunFailedError`) prints its message and exits with
+full disk: `experiments.validation.RunFailedError`) prints its message and exits with
 status 1; so does an unexpected exception (absl prints its traceback). Success is 0.
 ``--help`` of the config-taking commands lists the flags and every config field with its
 default, and exits 0.
@@ -86,15 +86,22 @@ def _resolve_config(value: str) -> str:
 def _load_config_file(path: str):
     import importlib.util
 
+    import ml_collections
+
     try:
         spec = importlib.util.spec_from_file_location("_jaxmp_cfg", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return module.get_config()
+        config = module.get_config()
     except Exception as e:  # noqa: BLE001 - a user's file: report what broke, not a traceback
         where = f" (line {e.lineno})" if isinstance(e, SyntaxError) else ""
         fail(f"config file {path} could not be loaded{where}: {type(e).__name__}: {e}. It must define "
              "get_config() returning an ml_collections.ConfigDict, like experiments/configs/cpu.py.")
+    if not isinstance(config, ml_collections.ConfigDict):
+        fail(f"config file {path}: get_config() returned {type(config).__name__} {config!r:.80}, not an "
+             "ml_collections.ConfigDict; return one, like experiments/configs/cpu.py (start from "
+             "experiments.configs.default.get_config() and change its fields).")
+    return config
 
 
 def _check_overrides(argv: list[str], config_arg: str) -> None:
@@ -211,7 +218,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 def _finish(code: int, message: str | None = None) -> None:
     """Ends the process with ``code`` after a run, printing ``error: message`` first if given.
 
-    The background TensorFlow import (:func:`experiments.metrics.preload`) is waited for, so
+    The background TensorFlow import (`experiments.metrics.preload`) is waited for, so
     interpreter shutdown never cuts a C++ import short. After an error the process then ends
     with ``os._exit``, once its streams are flushed: a clear error must end in its own exit
     status, and a normal shutdown runs C++ static destructors (TensorFlow's, TensorStore's)
@@ -237,13 +244,13 @@ def _finish(code: int, message: str | None = None) -> None:
 def run(main, *, parse: bool = True) -> None:
     """``app.run(main)`` with the exit codes 0 (success), 1 (failed run) and 2 (usage error).
 
-    A user error (:class:`UserError`, a missing dataset) prints one line and exits 2; a
-    :class:`RunFailedError` (a full disk...) prints its message and exits 1; an unexpected
+    A user error (`UserError`, a missing dataset) prints one line and exits 2; a
+    `RunFailedError` (a full disk...) prints its message and exits 1; an unexpected
     exception is absl's traceback and exit 1.
 
     Args:
       main: the command's ``main(argv)``.
-      parse: use :func:`parse_flags` (``--config``/``--workdir`` commands) rather than plain parsing.
+      parse: use `parse_flags` (``--config``/``--workdir`` commands) rather than plain parsing.
     """
     from experiments.data import DatasetUnavailableError
 

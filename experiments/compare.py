@@ -78,7 +78,7 @@ def _train(config, workdir, policy, seed, desc, report, isolated) -> dict:
 
 
 def demo_config(config):
-    """``config`` changed into the loss-scale demonstration run (see :data:`DEMO`)."""
+    """``config`` changed into the loss-scale demonstration run (see `DEMO`)."""
     demo = config.copy_and_resolve_references()
     with demo.unlocked():
         for k, v in DEMO.items():

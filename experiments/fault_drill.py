@@ -66,7 +66,7 @@ def run_drills(only=DRILLS, *, workdir: str, short: bool = False, steps: int = 1
     """Runs the named drills and returns their rows (``drill``, ``check``, ``result``, ``ok``).
 
     Args:
-      only: which of :data:`DRILLS`.
+      only: which of `DRILLS`.
       workdir: scratch directory.
       short: the quick version (100 injection steps, 1 kill, 3 bit flips).
       steps, fault_rate, devices, kills, bitflips, overflows, seed: see ``--help``.

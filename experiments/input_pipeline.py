@@ -14,7 +14,7 @@ from experiments.validation import UserError
 
 
 def get_datasets(config) -> tuple[Any, Any]:
-    """The (train, eval) sources of ``config``; an unknown name is a :class:`UserError`."""
+    """The (train, eval) sources of ``config``; an unknown name is a `UserError`."""
     try:
         return data_lib.get_datasets(config)
     except ValueError as e:

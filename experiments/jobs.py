@@ -13,7 +13,7 @@ _FIELDS = {"config": dict, "workdir": str, "policy": str, "seed": int, "desc": s
 
 
 def write_job(path: str, config, **fields) -> None:
-    """Writes ``config`` (a ``ConfigDict``) and the run's ``fields`` (see :data:`_FIELDS`) to ``path``."""
+    """Writes ``config`` (a ``ConfigDict``) and the run's ``fields`` (see `_FIELDS`) to ``path``."""
     job = {"config": json.loads(config.to_json()), **fields}
     for key, typ in _FIELDS.items():
         if not isinstance(job.get(key), typ):

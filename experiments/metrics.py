@@ -7,7 +7,7 @@ interval), ``loss_scale``, ``skipped_steps`` (total so far), ``step_time`` (seco
 holds one TensorBoard run per (policy, seed). The same rows go to ``history.jsonl`` (and into
 the checkpoint metadata), the machine-readable record the tables and plots are drawn from.
 
-``clu.metric_writers`` imports TensorFlow (seconds): :func:`preload` starts that import in a
+``clu.metric_writers`` imports TensorFlow (seconds): `preload` starts that import in a
 background thread at the start of a command so it overlaps with data loading and compilation.
 """
 
@@ -97,7 +97,7 @@ class MetricsLog:
         os.replace(path + ".tmp", path)
 
     def close(self) -> None:
-        """Closes the event files. ``history.jsonl`` is written only with a checkpoint (:meth:`flush`),
+        """Closes the event files. ``history.jsonl`` is written only with a checkpoint (`flush`),
         so it never runs ahead of one: a run that dies before its first checkpoint leaves none, and
         its workdir stays usable for the corrected rerun."""
         self._tb.flush()

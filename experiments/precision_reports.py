@@ -43,7 +43,7 @@ def make_config(model: str, batch_size: int, input_shape=None, **model_kwargs) -
     """The experiment config of ``model`` on one device, with ``batch_size`` examples per step.
 
     Args:
-      model: a key of :data:`SETUPS`.
+      model: a key of `SETUPS`.
       batch_size: the global (= per-device) batch.
       input_shape: one example's shape (default: the setup's).
       **model_kwargs: module attributes overriding the setup's (e.g. a tiny width for tests).
@@ -100,7 +100,7 @@ def build(model: str, policy: str, batch_size: int = 128, input_shape=None, **mo
 
 def train_step_report(model: str, policy: str, batch_size: int = 128, input_shape=None,
                       **model_kwargs) -> jaxmp.PrecisionReport:
-    """``jaxmp.precision_report`` of :func:`build`'s train step (same arguments)."""
+    """``jaxmp.precision_report`` of `build`'s train step (same arguments)."""
     step, args, policy = build(model, policy, batch_size, input_shape, **model_kwargs)
     return jaxmp.precision_report(step, *args, policy=policy)
 

@@ -1,11 +1,11 @@
 """What a run compiles: the model under its policy, the optimizer and the jitted steps.
 
-* :func:`make_model_apply` is the one place that turns a plain Linen module into the model a
+* `make_model_apply` is the one place that turns a plain Linen module into the model a
   run calls (``init``/``apply``) under the plan's precision engine and policy;
-* :func:`make_optimizer` wraps the optax chain in ``jaxmp.loss_scaling`` with the recipe's
+* `make_optimizer` wraps the optax chain in ``jaxmp.loss_scaling`` with the recipe's
   loss scale and master weights (clipping inside, so it sees unscaled gradients), or with a
-  ``jaxmp.lean`` recipe for the state (:func:`lean_optimizer`);
-* :func:`build_program` jits the train and eval steps over a data mesh (sharded ``jit``: the
+  ``jaxmp.lean`` recipe for the state (`lean_optimizer`);
+* `build_program` jits the train and eval steps over a data mesh (sharded ``jit``: the
   batch split over the devices, the state replicated, XLA inserts the gradient all-reduce).
 """
 
@@ -64,11 +64,11 @@ def make_model_apply(plan: Plan, module) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class AutocastModel:
-    """A Linen module run by :func:`jaxmp.autocast` (op lists only, no module rules).
+    """A Linen module run by `jaxmp.autocast` (op lists only, no module rules).
 
     ``init`` stores floating params in the preset's param dtype (float32 for O1, half for O2,
     with float32 masters in the optimizer); ``apply`` is ``jaxmp.autocast(module.apply, policy)``.
-    ``policy`` and ``overrides`` are what :class:`jaxmp.flax.TrainState` reads (the loss is
+    ``policy`` and ``overrides`` are what `jaxmp.flax.TrainState` reads (the loss is
     computed on float32 logits).
 
     Example:
@@ -223,7 +223,7 @@ _PROGRAMS: dict[str, Program] = {}
 
 
 def build_program(plan: Plan, module, hp: dict, num_classes: int, input_key: str, input_shape) -> Program:
-    """Builds (or reuses) the :class:`Program` of a run.
+    """Builds (or reuses) the `Program` of a run.
 
     Runs that differ only in the seed -- the seeds of one comparison -- share one, so the
     train step is compiled once per policy: the seed enters only through the initial state,
@@ -233,7 +233,7 @@ def build_program(plan: Plan, module, hp: dict, num_classes: int, input_key: str
     Args:
       plan: the run's plan.
       module: the plain Linen module.
-      hp: the optimizer and loss fields of the config (see :func:`make_optimizer`, plus
+      hp: the optimizer and loss fields of the config (see `make_optimizer`, plus
         ``label_smoothing``).
       num_classes: classes of the dataset.
       input_key: the batch key of the inputs.

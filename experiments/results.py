@@ -32,7 +32,7 @@ def aggregate(runs: list[dict], chance_accuracy: float = 0.1) -> list[dict]:
     """Turns per-(policy, seed) results into one row per policy, in first-seen order.
 
     Args:
-      runs: results of :func:`experiments.train.train_and_evaluate`.
+      runs: results of `experiments.train.train_and_evaluate`.
       chance_accuracy: a policy whose mean accuracy is below twice this did not converge.
     """
     order, by_policy = [], {}

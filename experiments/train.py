@@ -1,10 +1,10 @@
-"""Training and evaluation loop: :func:`train_and_evaluate` trains one config under one policy.
+"""Training and evaluation loop: `train_and_evaluate` trains one config under one policy.
 
-The config is read once, into a :class:`experiments.validation.Plan` and the compiled
-:class:`experiments.program.Program`; everything after that sees only those. A run in a
+The config is read once, into a `experiments.validation.Plan` and the compiled
+`experiments.program.Program`; everything after that sees only those. A run in a
 workdir that holds a checkpoint resumes from its newest intact step exactly (same batches,
 same dropout keys, same loss-scale counters). Metrics go to TensorBoard and ``history.jsonl``
-(:mod:`experiments.metrics`), results to ``<workdir>/results.json``.
+(`experiments.metrics`), results to ``<workdir>/results.json``.
 
 Run by ``compare.py --isolate`` as ``python -m experiments.train --job=<workdir>/job.json``.
 """
@@ -212,7 +212,7 @@ def train_loop(run: Run, state, start: int, log: metrics_lib.MetricsLog, ckpt, d
                finished: str | None = None) -> LoopOut:
     """Trains from ``start`` to the plan's last step (or until the loss scale cannot recover).
 
-    A ``finished`` run (see :class:`Start`) is not trained: only its step is compiled, for the results.
+    A ``finished`` run (see `Start`) is not trained: only its step is compiled, for the results.
     """
     plan, prog = run.plan, run.prog
     rng = jax.random.key(plan.seed + 1)  # dropout keys: a function of (seed, step) only
@@ -325,7 +325,7 @@ def train_and_evaluate(config, workdir: str, *, policy: str | None = None, seed:
       report: also run jaxmp's diagnostics and write ``report.txt``.
       desc: progress label.
 
-    The workdir is locked for the run (:mod:`experiments.workdir_lock`). A workdir whose newest
+    The workdir is locked for the run (`experiments.workdir_lock`). A workdir whose newest
     checkpoint ends a run -- completed, or stopped because it diverged -- is read back
     (``results.json``), never trained on; its checkpoint's settings must match ``config`` all
     the same.
@@ -361,7 +361,7 @@ def _read_back(path: str, steps: int) -> dict | None:
 
 
 def _train_locked(run: Run, workdir: str, report: bool, desc: str | None, t_start: float) -> dict:
-    """:func:`train_and_evaluate` with the workdir locked."""
+    """`train_and_evaluate` with the workdir locked."""
     plan = run.plan
     done = os.path.join(workdir, "results.json")
     ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=plan.keep_checkpoints)

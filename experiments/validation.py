@@ -1,9 +1,9 @@
-"""Config validation: every user mistake becomes one clear :class:`UserError` before any work starts.
+"""Config validation: every user mistake becomes one clear `UserError` before any work starts.
 
-:func:`check_fields` checks the values of a config (ranges, finiteness, known names that need
+`check_fields` checks the values of a config (ranges, finiteness, known names that need
 no JAX); it is cheap and runs while the command line is parsed, so a bad
-``--config.<field>`` is a usage error before JAX is imported. :func:`validate_config` adds the
-checks that need JAX (policy names, devices) and derives the run's :class:`Plan`: the config is
+``--config.<field>`` is a usage error before JAX is imported. `validate_config` adds the
+checks that need JAX (policy names, devices) and derives the run's `Plan`: the config is
 read here once, and the rest of the run sees only the plan.
 """
 
@@ -58,7 +58,7 @@ class UserError(ValueError, app.UsageError):
     It is a ``ValueError`` for library callers and an absl ``UsageError`` for the command lines.
     """
 
-    exitcode = 2  # what absl's usage handler and :func:`experiments.cli.run` exit with
+    exitcode = 2  # what absl's usage handler and `experiments.cli.run` exit with
 
 
 class RunFailedError(RuntimeError):
@@ -168,6 +168,39 @@ def check_fields(config) -> None:
     if gb is not None and not (_is_int(gb) and gb >= 1):
         raise UserError(f"--config.global_batch_size={gb!r} is invalid: set --config.per_device_batch_size "
                         "to an integer >= 1 (the global batch is per-device x num_devices).")
+    _check_model_kwargs(config.get("model_kwargs"))
+
+
+def _check_model_kwargs(kwargs) -> None:
+    """The model attributes (``model_kwargs``) as the models take them: sizes are integers >= 1
+    (``features=(32, 32)``, ``width=64``), rates numbers in [0, 1), switches booleans.
+
+    Without this a size of 0 fails as a ZeroDivisionError inside the model, and a string becomes a
+    shape of characters inside JAX.
+    """
+    if kwargs is None:
+        return
+    items = kwargs.items() if hasattr(kwargs, "items") else None
+    if items is None:
+        raise UserError(f"--config.model_kwargs={kwargs!r} is invalid: it holds the model's attributes, e.g. "
+                        "model_kwargs = ml_collections.ConfigDict(dict(features=(32, 32)))")
+    for name, v in items:
+        flag = f"--config.model_kwargs.{name}={v!r}"
+        if isinstance(v, bool):
+            continue
+        if name.endswith("_rate"):
+            if not (_is_real(v) and 0 <= v < 1):
+                raise UserError(f"{flag} is invalid: use a number in [0, 1).")
+        elif _is_real(v) and not _is_int(v):
+            if v <= 0:
+                raise UserError(f"{flag} is invalid: use a finite number > 0.")
+        elif isinstance(v, (tuple, list)):
+            if not v or not all(_is_int(x) and x >= 1 for x in v):
+                raise UserError(f"{flag} is invalid: use a non-empty tuple of integers >= 1, e.g. "
+                                f"--config.model_kwargs.{name}=(32,32).")
+        elif not (_is_int(v) and v >= 1):
+            raise UserError(f"{flag} is invalid: model sizes are integers >= 1 (or tuples of them, e.g. "
+                            f"features=(32,32)); rates (*_rate) numbers in [0, 1); switches True or False.")
 
 
 LEAN_NEAREST = "bf16-nearest"
@@ -176,7 +209,7 @@ LEAN_NEAREST = "bf16-nearest"
 
 def lean_recipes() -> tuple[str, ...]:
     """The values ``--config.lean_recipe`` takes: "" (the policy's own state), the ``jaxmp.lean``
-    presets and :data:`LEAN_NEAREST`."""
+    presets and `LEAN_NEAREST`."""
     from jaxmp import lean
 
     return ("",) + tuple(lean.PRESETS) + (LEAN_NEAREST,)
@@ -280,7 +313,7 @@ def validate_config(config, *, policy: str | None = None, seed: int | None = Non
       num_train_examples: the training split's size (to turn epochs into steps).
 
     Returns:
-      The :class:`Plan`.
+      The `Plan`.
 
     Raises:
       UserError: a bad value, an unknown name, a batch that does not divide the devices, more
@@ -294,6 +327,12 @@ def validate_config(config, *, policy: str | None = None, seed: int | None = Non
     loss_scale, master_weights = _check_names(config, policy)
     n = _check_devices(config)
     per_device, global_batch, eval_batch = _batches(config, n)
+    if num_train_examples is not None and global_batch > num_train_examples:
+        more = (" or raise --config.mnist1d_num_samples (80% of it is the training split)"
+                if config.get("dataset") == "mnist1d" else "")
+        raise UserError(f"the global batch {global_batch} ({n} device(s) x per_device_batch_size {per_device}) is "
+                        f"larger than the {num_train_examples} training examples of {config.get('dataset')}: lower "
+                        f"--config.per_device_batch_size{more}.")
     spe = max(1, num_train_examples // global_batch) if num_train_examples else 1
     steps = int(config.num_train_steps) if config.num_train_steps > 0 else int(math.ceil(config.num_epochs * spe))
     if steps < 1:

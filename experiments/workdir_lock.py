@@ -2,13 +2,13 @@
 
 A run takes an exclusive ``fcntl.flock`` on ``<workdir>/.jaxmp.lock`` before it reads or writes
 anything there and holds it until it has written its results; a second run in the same workdir
-(``main.py``, ``compare.py``, a ``train.py`` job) stops at once with :class:`WorkdirBusyError`,
+(``main.py``, ``compare.py``, a ``train.py`` job) stops at once with `WorkdirBusyError`,
 which names the process holding the lock (pid, host, start time and command, written into the
 lock file by the holder), and touches nothing. The kernel drops the lock when the holder's file
 descriptor closes, so a run that is killed (SIGKILL included) or crashes never leaves a stale
 lock behind: the file stays, its contents describe the last holder, and the next run simply
 takes it. In a multi-process run only process 0 takes the lock (once for the run), and every
-process learns the verdict (:func:`experiments.checkpoint.agreed`), so all of them stop together.
+process learns the verdict (`experiments.checkpoint.agreed`), so all of them stop together.
 
 ``flock`` is reliable on local filesystems. Nothing is promised on network filesystems (NFS,
 SMB, FUSE mounts such as GCS or S3 buckets): some ignore ``flock`` or emulate it per host, so two
@@ -66,7 +66,7 @@ class WorkdirLock:
         self._fd: int | None = None
 
     def acquire(self) -> "WorkdirLock":
-        """Takes the lock or raises :class:`WorkdirBusyError` naming its holder."""
+        """Takes the lock or raises `WorkdirBusyError` naming its holder."""
         os.makedirs(self.workdir, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

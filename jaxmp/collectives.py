@@ -17,14 +17,41 @@ from jaxmp.dtypes import accumulation_dtype, float_dtype, is_floating_array
 
 
 def check_axis_name(axis_name: Any) -> Any:
-    """``axis_name`` if it can name a pmap axis (not None, hashable), else a clear error."""
+    """``axis_name`` if it can name a pmap axis (not None, hashable), else a clear error.
+
+    A list of axis names (``["data", "model"]``) is taken as the tuple JAX's collectives
+    accept; a list is not hashable and ``lax.pmin`` would fail on it deep inside JAX.
+
+    Args:
+      axis_name: a str (or any hashable name), or a tuple/list of them.
+
+    Returns:
+      ``axis_name``, a list turned into a tuple.
+
+    Example:
+      >>> from jaxmp.collectives import check_axis_name
+      >>> check_axis_name(["data"])
+      ('data',)
+    """
     if axis_name is None:
         raise ValueError("axis_name must name the pmap axis (e.g. 'batch'), got None")
-    try:
-        hash(axis_name)
-    except TypeError as e:
-        raise TypeError(f"axis_name must be hashable (a str), got {type(axis_name).__name__}") from e
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    for name in names:
+        try:
+            hash(name)
+        except TypeError as e:
+            raise TypeError(f"axis_name must be a str, or a tuple or list of str, got {axis_name!r} (a "
+                            f"{type(name).__name__} in it is not hashable)") from e
+    if not names:
+        raise ValueError("axis_name must name at least one axis, got an empty sequence")
     return axis_name
+
+
+def optional_axis_name(axis_name: Any) -> Any:
+    """``None`` (no axis), or ``axis_name`` checked by `check_axis_name` (a list becomes a tuple)."""
+    return None if axis_name is None else check_axis_name(axis_name)
 
 
 def check_reduce_dtype(dtype: Any, what: str = "grad_reduce_dtype") -> np.dtype | None:

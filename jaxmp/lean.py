@@ -127,6 +127,12 @@ def _key_data(key: Any, what: str) -> jax.Array:
     if isinstance(key, (bool, np.bool_)):
         raise TypeError(f"{what}: key must be an int seed or a threefry2x32 PRNG key, got the bool {key}")
     if isinstance(key, (int, np.integer)):
+        # With x64 off jax.random.key keeps only the low 32 bits of a seed: 2**40 would draw the
+        # same rounding stream as 0, silently, so a seed must fit in 32 bits.
+        if not -2**31 <= int(key) < 2**32:
+            raise ValueError(f"{what}: an int seed must fit in 32 bits (-2**31 <= key < 2**32), got {int(key)}; "
+                             "jax.random.key keeps only the low 32 bits with x64 off, so it would repeat the stream "
+                             f"of seed {int(key) % 2**32}: pass a smaller seed or a jax.random.key(...)")
         return jax.random.key_data(jax.random.key(int(key), impl=_IMPL))
     dtype = getattr(key, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmp import fp8
-from jaxmp.collectives import all_reduce_gradients
+from jaxmp.collectives import all_reduce_gradients, optional_axis_name
 from jaxmp.grad import value_and_grad
 from jaxmp.opt_state import find_loss_scaling_state, get_loss_scale
 from jaxmp.skip import keep_if_finite
@@ -107,6 +107,7 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
       >>> float(out.loss), bool(out.finite)
       (9.0, True)
     """
+    axis_name = optional_axis_name(axis_name)
     if reduce_grads is None:
         def reduce_grads(grads):
             return grads if axis_name is None else all_reduce_gradients(grads, axis_name, reduce_dtype)

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from jaxmp import _deprecations, fold, traps
+from jaxmp.collectives import optional_axis_name
 from jaxmp.dtypes import float_dtype, is_floating_array, is_inexact_array
 from jaxmp.loss_scale import (
     DynamicLossScale,
@@ -171,6 +172,55 @@ def check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
     return optax.with_extra_args_support(inner)
 
 
+def _all_inexact(tree) -> bool:
+    return all(is_inexact_array(x) for x in jax.tree_util.tree_leaves(tree))
+
+
+def numeric_leaves_only(inner: Any) -> optax.GradientTransformationExtraArgs:
+    """``inner`` run on the floating and complex leaves only; the others pass through untouched.
+
+    Integer and bool params (whose gradients from ``jax.grad(..., allow_int=True)`` are
+    ``float0``) and PRNG-key params cannot be stepped: optax's own transforms multiply every
+    leaf and fail on them ("Called multiply with a float0 array"). With such leaves present the
+    inner chain is run through ``optax.masked``, optax's way to leave leaves alone: it keeps no
+    state for them and their updates are the gradients as given (``float0``), which
+    `jaxmp.apply_updates` skips. Params with only inexact leaves get ``inner`` itself, so
+    their state is exactly ``inner``'s. The params decide (the gradients when ``update`` is given
+    none: an int or key param's gradient is ``float0``).
+
+    Args:
+      inner: the optax transformation to run on the inexact leaves.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; its state is ``inner``'s, or an
+      ``optax.MaskedState`` around it when the params hold non-inexact leaves.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from jaxmp.transform import numeric_leaves_only
+      >>> tx = numeric_leaves_only(optax.sgd(0.1, momentum=0.9))
+      >>> params = {"w": jnp.ones(2), "key": jax.random.key(0)}
+      >>> grads = {"w": jnp.ones(2), "key": jnp.zeros((), jax.dtypes.float0)}
+      >>> updates, _ = tx.update(grads, tx.init(params), params)
+      >>> updates["w"], updates["key"].dtype
+      (Array([-0.1, -0.1], dtype=float32), dtype([('float0', 'V')]))
+    """
+    inner = check_inner(inner)
+    if getattr(inner.update, "passes_non_inexact", False):
+        return inner  # already leaves them alone (master_weights, or wrapped before)
+    masked = optax.masked(inner, lambda tree: jax.tree_util.tree_map(is_inexact_array, tree))
+
+    def init_fn(params):
+        return inner.init(params) if _all_inexact(params) else masked.init(params)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        tx = inner if _all_inexact(updates if params is None else params) else masked
+        return tx.update(updates, state, params, **extra_args)
+
+    update_fn.passes_non_inexact = True
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.float32
                    ) -> optax.GradientTransformationExtraArgs:
     """Keeps a ``master_dtype`` copy of the params and runs ``inner`` on it (Apex O2).
@@ -204,6 +254,8 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
       (dtype('float32'), dtype('float16'))
     """
     inner = check_inner(inner)
+    # The master copy keeps int and key leaves as they are; the inner chain never sees them.
+    inner = numeric_leaves_only(inner)
     master_dtype = _check_master_dtype(master_dtype)
 
     def init_fn(params):
@@ -230,6 +282,8 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
         deltas = jax.tree_util.tree_map(lambda new, old, d: _delta(new, old, d, master_dtype), stepped, master, dtypes)
         return deltas, MasterWeightsState(inner_state, stepped)
 
+    update_fn.passes_non_inexact = True
+    update_fn.keeps_master = True
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -450,6 +504,29 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
     return keep_if_finite(grads_finite, out, old), keep_if_finite(grads_finite, inner_state, state.inner_state)
 
 
+def _check_master_matches(inner, state_keeps_master: bool, ref) -> None:
+    """A state from ``loss_scaling(..., master_weights=True)`` given to one without (or the reverse).
+
+    Named here, before the step: otherwise ``lax.cond`` fails on its branches' pytree
+    structures, or optax on a state it does not know. A transform whose inner chain holds the
+    master weights deeper down (``optax.chain(master_weights(...), ...)``) is asked its init
+    (abstractly) only when the state has a master copy and the inner is not master_weights itself.
+    """
+    built_with = getattr(inner.update, "keeps_master", False)
+    if not built_with and state_keeps_master:
+        try:
+            built_with = bool(find_states(jax.eval_shape(inner.init, ref), MasterWeightsState))
+        except Exception:  # noqa: BLE001 - an init that cannot be traced abstractly: let the step say it
+            return
+    if built_with != state_keeps_master:
+        has, lacks = ("has a", "keeps none") if state_keeps_master else ("has no", "keeps float32 master weights")
+        raise ValueError(
+            f"the optimizer state {has} float32 master copy (MasterWeightsState) but this optimizer {lacks}: the "
+            "state was made by a jaxmp.loss_scaling built with master_weights="
+            f"{state_keeps_master} and this one with master_weights={built_with}. Make the state with this "
+            "optimizer's own tx.init(params), or build both with the same master_weights.")
+
+
 def _check_state_types(old: Any, new: Any, check_origin: Callable[[], None]) -> None:
     """A skipped step returns the old inner state: the inner chain must keep its state's types.
 
@@ -511,6 +588,9 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
     # check_bf16: loss_scaling was not told master_weights, so bfloat16 params without a master
     # copy may be the O2-bf16 mistake (see traps.check_bf16_without_master).
     inner = check_inner(inner)
+    # Int, bool and PRNG-key params (float0 gradients) pass through; optax would multiply them.
+    inner = numeric_leaves_only(inner)
+    axis_name = optional_axis_name(axis_name)  # a list of names becomes the tuple JAX takes
     initial_scale = make_loss_scale(loss_scale)
     if skip_with not in ("auto", "cond", "select"):
         raise ValueError(f"skip_with must be 'auto', 'cond' or 'select', got {skip_with!r}")
@@ -546,6 +626,7 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
             check_same_structure(grads, params, "gradients", "params")
         traps.check_gradients(grads, state.loss_scale)
         keeps_master = bool(find_states(state.inner_state, MasterWeightsState))
+        _check_master_matches(inner, keeps_master, grads if params is None else params)
 
         def unscale(g):
             return _unscale(state.loss_scale, g, keeps_master)

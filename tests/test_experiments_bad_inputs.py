@@ -85,6 +85,50 @@ def test_config_combinations():
         validate_config(configs_lib.get_config("cpu"), seed=-3)
 
 
+MODEL_KWARGS_CASES = [
+    # (field, value, words): issue 37, item 16 -- these failed inside the model (ZeroDivisionError, a JAX shape error)
+    ("features", ("abc",), ["model_kwargs.features=('abc',)", "tuple of integers >= 1"]),
+    ("features", (0,), ["model_kwargs.features=(0,)", "tuple of integers >= 1"]),
+    ("features", (), ["model_kwargs.features=()", "non-empty"]),
+    ("use_batchnorm", "yes", ["model_kwargs.use_batchnorm='yes'", "switches True or False"]),
+    ("dropout_rate", 1.5, ["model_kwargs.dropout_rate=1.5", "[0, 1)"]),
+    ("width", 0, ["model_kwargs.width=0", "integers >= 1"]),
+]
+
+
+@pytest.mark.parametrize("field,value,words", MODEL_KWARGS_CASES, ids=[f"{c[0]}={c[1]}" for c in MODEL_KWARGS_CASES])
+def test_bad_model_attribute_is_a_clear_user_error(field, value, words):
+    c = configs_lib.get_config("cpu")
+    with c.ignore_type():
+        c.model_kwargs[field] = value
+    with pytest.raises(UserError) as e:
+        validate_config(c)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("over", [{"per_device_batch_size": 100000}, {"mnist1d_num_samples": 10}])
+def test_a_batch_larger_than_the_training_set_is_a_clear_user_error(over):
+    # Issue 37, item 16: a ValueError from the data source, after JAX and the data had loaded.
+    c = configs_lib.get_config("cpu")
+    c.update(over)
+    n_train = int(c.mnist1d_num_samples * 0.8)
+    with pytest.raises(UserError, match=rf"global batch {c.per_device_batch_size} .* larger than the {n_train} "
+                                        r"training examples of mnist1d: lower --config.per_device_batch_size"):
+        validate_config(c, num_train_examples=n_train)
+
+
+def test_a_config_file_whose_get_config_returns_no_config_dict_exits_2(tmp_path, capsys):
+    from experiments import cli
+
+    path = tmp_path / "int_config.py"
+    path.write_text("def get_config():\n    return 3\n")
+    with pytest.raises(SystemExit) as e:
+        cli._load_config_file(str(path))
+    assert e.value.code == 2
+    assert "get_config() returned int 3, not an ml_collections.ConfigDict" in capsys.readouterr().err
+
+
 # ---- the command lines: (argv, words the one-line error must contain) ----
 
 
@@ -121,6 +165,37 @@ def _cli_cases(tmp):
         (["-m", "experiments.fault_drill", "--only=bogus"], ["--only", "bogus", "overflow"]),
         (["-m", "experiments.precision_reports", "--batch_size=0"], ["batch_size", "positive integer"]),
     ]
+
+
+def _issue_37_cli_cases(tmp):
+    int_cfg = os.path.join(tmp, "int_config.py")
+    with open(int_cfg, "w") as f:
+        f.write("def get_config():\n    return 3\n")
+    main = ["-m", "experiments.main", "--config=cpu", f"--workdir={tmp}/wd37"]
+    return [
+        (["-m", "experiments.main", f"--config={int_cfg}", f"--workdir={tmp}/wd37"], ["returned int 3"]),
+        (main + ["--config.model_kwargs.features=abc"], ["model_kwargs.features", "integers >= 1"]),
+        (main + ["--config.model_kwargs.features=(0,)"], ["model_kwargs.features=(0,)", "integers >= 1"]),
+        (main + ["--config.per_device_batch_size=100000"], ["global batch 100000", "16000 training examples"]),
+        (main + ["--config.mnist1d_num_samples=10"], ["8 training examples", "mnist1d_num_samples"]),
+    ]
+
+
+@pytest.mark.slow
+def test_issue_37_command_lines_exit_2_with_one_message(tmp_path):
+    # Each was a traceback and exit 1; the model and data cases fail only after JAX has started.
+    cases = _issue_37_cli_cases(str(tmp_path))
+
+    def run(args):
+        return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(run, [a for a, _ in cases]))
+    for (args, words), out in zip(cases, outs):
+        assert out.returncode == 2, (args, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr and out.stderr.count("error:") == 1, (args, out.stderr[-2000:])
+        for w in words:
+            assert w in out.stderr, (args, w, out.stderr[-800:])
 
 
 @pytest.mark.slow

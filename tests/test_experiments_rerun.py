@@ -292,3 +292,47 @@ def test_disk_full_on_the_command_line_exits_1_with_one_clear_message(tmp_path):
     assert "Traceback" not in text and "terminate called" not in text, text[-2000:]
     assert f"error: could not write checkpoint step {STEPS} in {wd}: No space left on device" in text, text[-2000:]
     assert time.perf_counter() - t0 < 120
+
+
+# ---- issue 37, items 19 and 20: the errno's meaning first; one message, no writer-thread tracebacks ----
+
+
+def test_a_tensorstore_write_error_is_named_by_its_errno_first_with_the_cause_kept():
+    # TensorStore carries the OS error in its message, not as an OSError: it used to be cut off
+    # after 200 characters, and "free space" was the advice for a file-size limit.
+    path = "/w/checkpoints/10.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_0/d/6c8312ce0883915f"
+    err = ValueError(f'OUT_OF_RANGE: Error writing "params.bias/0" in OCDBT database at local file "/w/": Failed '
+                     f'writing: "{path}": Failed to write 17955 bytes to file 16: File too large [os_error_code=\'27\']')
+    msg = str(ckpt_lib.write_failure("/tmp/jaxmp_no_such_workdir", "checkpoint step 10", err))
+    assert msg.startswith("could not write checkpoint step 10 in /tmp/jaxmp_no_such_workdir: File too large (EFBIG); "
+                          "ValueError: OUT_OF_RANGE"), msg
+    assert path in msg and "[os_error_code='27']" in msg  # the cause, whole
+    assert "ulimit -f" in msg and "Free space" not in msg and "free space and" not in msg, msg
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    msg = str(ckpt_lib.write_failure("/tmp/jaxmp_no_such_workdir", "results.json", full))
+    assert ": No space left on device (ENOSPC). No checkpoint" in msg and "Free space and run" in msg, msg
+
+
+_FILE_SIZE_LIMIT = 40 * 1024  # bytes: the first checkpoint's largest file is ~50 KB
+
+
+@pytest.mark.slow  # ~30 s: a fresh process trains to its first checkpoint
+def test_a_write_past_the_file_size_limit_exits_1_with_one_message_naming_efbig(tmp_path):
+    # A real failing write inside orbax's writer threads (RLIMIT_FSIZE, as `ulimit -f`; Python
+    # ignores SIGXFSZ, so the write fails with EFBIG): the threads' tracebacks used to come first.
+    import resource
+
+    wd = tmp_path / "run"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (_FILE_SIZE_LIMIT, _FILE_SIZE_LIMIT))
+
+    out = subprocess.run([sys.executable, "-m", "experiments.main", *FLAGS, f"--workdir={wd}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
+    assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr, out.stderr[-3000:]
+    # The run's plan line (logged at start), then the one message; nothing else.
+    errors = [line for line in out.stderr.splitlines() if line.strip() and not line.startswith("O0 (loss scale")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert errors[0].startswith(f"error: could not write checkpoint step 10 in {wd}: File too large (EFBIG); "), errors
+    assert "os_error_code='27'" in errors[0] and "ulimit -f" in errors[0], errors

@@ -4,6 +4,8 @@ The Flax guides' code blocks run in tests/test_docs.py.
 """
 
 
+import pathlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -248,3 +250,22 @@ def test_flax_msgpack_round_trip_restores_a_loss_scaling_state_exactly(spec):
     ts_back = fs.from_bytes(train_state.TrainState.create(apply_fn=None, params=params, tx=tx), fs.to_bytes(ts))
     assert float(jaxmp.get_loss_scale(ts_back.opt_state).loss_scale) == float(jaxmp.get_loss_scale(state).loss_scale)
     assert int(ts_back.opt_state.total_skips) == int(state.total_skips)
+
+
+def test_labels_outside_the_classes_give_the_documented_nan_and_the_documented_check_catches_them():
+    # Issue 37, item 7: a NaN loss (optax's behaviour, finite gradient, the step applied) is
+    # documented with the host-side check to call, in the docstring and the Linen guide.
+    x, y = np.ones((4, 3), np.float32), np.array([0, 1, 0, 7])
+    model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-bf16")
+    state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
+                                         jaxmp.loss_scaling(optax.sgd(0.1), "none"))
+    _, metrics = jax.jit(jaxmp.flax.make_train_step())(state, (x, y))
+    assert np.isnan(float(metrics["loss"])) and bool(metrics["finite"])
+    check = "assert 0 <= labels.min() and labels.max() < num_classes"
+    doc = jaxmp.flax.make_train_step.__doc__
+    assert "Labels outside the model's classes" in doc and check in doc
+    labels, num_classes = y, 2
+    with pytest.raises(AssertionError):
+        exec(check)  # the documented check, as written, stops this batch
+    guide = (pathlib.Path(__file__).parents[1] / "docs/guides/flax-linen.md").read_text()
+    assert "Labels outside the model's classes" in guide and "y.max() < num_classes" in guide

@@ -384,3 +384,39 @@ def test_an_integer_params_leaf_is_a_type_error_naming_it_on_both_paths():
     step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch")
     with pytest.raises(TypeError, match=message):
         step(*jaxmp.parallel.replicate((params, tx.init(params))), jaxmp.parallel.shard_batch(batch))
+
+
+_REUSE_DONATED = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, numpy as np, optax, jaxmp
+mesh = jaxmp.parallel.make_data_mesh()
+tx = jaxmp.loss_scaling(optax.sgd(0.1), "none")
+step = jaxmp.parallel.make_sharded_train_step(lambda p, b: jnp.mean(b["x"] @ p["w"]), tx, mesh, donate=True)
+params, state = jaxmp.parallel.replicate_on_mesh(({"w": jnp.ones(3)}, tx.init({"w": jnp.ones(3)})), mesh)
+batch = {"x": np.ones((8, 3), np.float32)}
+new_params, new_state, _ = step(params, state, batch)
+for args in ((params, state), (new_params, state)):  # the donated state again; then only its opt_state
+    try:
+        step(*args, batch)
+    except ValueError as e:
+        print("ValueError:", e)
+new_params, new_state, _ = step(new_params, new_state, batch)  # the returned state still works
+print("step ok", float(new_params["w"][0]))
+"""
+
+
+def test_a_donated_state_used_again_is_a_clear_error_not_a_segfault():
+    # Issue 37, item 14: XLA:CPU crashed the process (SIGSEGV) on a deleted input buffer. Run in a
+    # child process: before the fix the crash would take the test runner with it.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _REUSE_DONATED], capture_output=True, text=True, timeout=300,
+                         cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-2000:]}"
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("ValueError: params leaf at ['w'] was donated to an earlier call of this step")
+    assert "pass the params and opt_state the last call returned" in lines[0]
+    assert lines[1].startswith("ValueError: opt_state leaf at ") and "donated" in lines[1]
+    assert lines[2].startswith("step ok")

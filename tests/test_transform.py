@@ -506,3 +506,47 @@ def test_a_half_master_copy_is_refused(master_dtype):
         params = jaxmp.apply_updates(params, updates, state)
     np.testing.assert_allclose(jaxmp.master_params(state)["w"], 1.0 - 100 * 1e-4, rtol=1e-5)
     assert float(params["w"][0]) < 1.0
+
+
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("skip_with", ["cond", "select"])
+def test_float0_gradients_and_prng_key_params_pass_through_a_full_update(master, skip_with):
+    # Issue 37, item 10: optax.adam multiplies every leaf ("Called power with a float0 array",
+    # "multiply does not accept ... key<fry>"); int and key params now pass through untouched.
+    tx = jaxmp.loss_scaling(optax.adam(0.1), "dynamic", master_weights=master, skip_with=skip_with)
+    params = {"w": jnp.ones(3), "n": jnp.int32(2), "key": jax.random.key(7)}
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, x):
+        def loss(p):
+            return jnp.sum((p["w"] * x) ** 2) * p["n"].astype(jnp.float32)
+
+        _, grads = jaxmp.value_and_grad(loss, state, allow_int=True)(params)
+        assert grads["n"].dtype == jax.dtypes.float0 and grads["key"].dtype == jax.dtypes.float0
+        updates, state = tx.update(grads, state, params)
+        return jaxmp.apply_updates(params, updates, state), state
+
+    new, state = step(params, state, jnp.ones(3))
+    assert bool(state.last_step_finite)
+    assert int(new["n"]) == 2 and new["n"].dtype == jnp.int32
+    np.testing.assert_array_equal(jax.random.key_data(new["key"]), jax.random.key_data(params["key"]))
+    np.testing.assert_allclose(np.asarray(new["w"]), 0.9, rtol=1e-4)  # Adam's first step: lr * sign
+    skipped, state = step(new, state, jnp.full(3, jnp.inf))  # a skipped step keeps everything
+    assert not bool(state.last_step_finite)
+    np.testing.assert_array_equal(np.asarray(skipped["w"]), np.asarray(new["w"]))
+    assert int(skipped["n"]) == 2
+
+
+def test_a_list_of_axis_names_is_taken_as_the_tuple_jax_accepts():
+    # Issue 37, item 12: axis_name=["b"] failed inside lax.pmin (a list is not hashable).
+    devices = jax.local_devices()[:2]
+    params = {"w": jnp.ones(3)}
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "static:1", axis_name=["b"])
+    update = jax.pmap(lambda g, s, p: tx.update(g, s, p), axis_name="b", devices=devices)
+    grads = jnp.stack([jnp.ones(3), jnp.full(3, jnp.inf)])  # one row per replica
+    updates, state = update({"w": grads}, *jaxmp.parallel.replicate((tx.init(params), params), devices))
+    # the replica with inf gradients makes both skip: the verdict was reduced over the axis
+    assert not np.asarray(state.last_step_finite).any()
+    np.testing.assert_array_equal(np.asarray(updates["w"]), np.zeros((2, 3)))

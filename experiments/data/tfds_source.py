@@ -45,7 +45,7 @@ def split_name(dataset: str, train: bool) -> str:
 
 
 class TFDSSource:
-    """One split of a TFDS dataset as a :class:`~experiments.data.base.Source`.
+    """One split of a TFDS dataset as a `experiments.data.base.Source`.
 
     Args:
       name: the TFDS name (``cifar10``, ``mnist``, ``imagenet2012``).

@@ -28,7 +28,7 @@ def get_model(name: str, num_classes: int, **overrides):
     """Builds a model by name.
 
     Args:
-      name: one of :data:`MODELS`.
+      name: one of `MODELS`.
       num_classes: logits the model returns.
       **overrides: module attributes (e.g. ``widen_factor=1`` for a tiny WRN).
 

@@ -121,6 +121,34 @@ def half_inputs(fn: Callable | None = None, *, dtype: Any = None) -> Callable:
     return wrapper
 
 
+def _check_accumulate(total: Any, delta: Any) -> None:
+    """Raises naming the leaf where ``accumulate(total, delta)`` cannot be an accumulator's update.
+
+    The total must be an array (it fixes the dtype of the sum: a Python float has none), both
+    trees must have one structure, and ``delta`` must not change ``total``'s shape: a loop carry
+    updated to another shape fails inside ``scan``/``while_loop`` far from the call.
+    """
+    t_def, d_def = jax.tree_util.tree_structure(total), jax.tree_util.tree_structure(delta)
+    if t_def != d_def:
+        raise ValueError(f"jaxmp.accumulate: total and delta must have the same tree structure, got\n"
+                         f"  total: {t_def}\n  delta: {d_def}")
+    for (path, t), d in zip(jax.tree_util.tree_leaves_with_path(total), jax.tree_util.tree_leaves(delta)):
+        where = f" at {jax.tree_util.keystr(path)}" if path else ""
+        if not hasattr(t, "dtype") or not hasattr(t, "shape"):
+            raise TypeError(f"jaxmp.accumulate: total{where} must be an array, got the {type(t).__name__} {t!r}: "
+                            "its dtype is the accumulator's, so make it one, e.g. jnp.float32(0.0) or "
+                            "jnp.zeros(shape, jnp.float32)")
+        d_shape = jax.numpy.shape(d)
+        try:
+            out = jax.numpy.broadcast_shapes(t.shape, d_shape)
+        except ValueError:
+            out = None
+        if out != tuple(t.shape):
+            raise ValueError(f"jaxmp.accumulate: delta{where} has shape {d_shape}, which would change total's shape "
+                             f"{tuple(t.shape)}{'' if out is None else f' to {out}'}; a running total (a loop carry) "
+                             "keeps its shape: reduce delta first (e.g. delta.sum(0)) or give total the full shape")
+
+
 def accumulate(total: Any, delta: Any) -> Any:
     """``total + delta`` computed in ``total``'s dtype under autocast: an explicit accumulator.
 
@@ -141,6 +169,8 @@ def accumulate(total: Any, delta: Any) -> Any:
       TypeError: a floating (or complex) ``delta`` into an integer or boolean ``total``, or a
         complex one into a real total: the cast to ``total``'s dtype would drop the fraction
         (``0.7`` adds 0) or the imaginary part.
+      ValueError: the trees differ, or ``delta`` would change ``total``'s shape.
+      TypeError: a ``total`` leaf is not an array (a Python float has no dtype to keep).
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmp
@@ -151,6 +181,8 @@ def accumulate(total: Any, delta: Any) -> Any:
       >>> y.dtype, bool(jnp.allclose(y, euler(jnp.eye(4), jnp.ones((2, 4))), rtol=1e-2))
       (dtype('float32'), True)
     """
+    _check_accumulate(total, delta)
+
     def add(t, d):
         _check_accumulable(t, d)
         with jax.named_scope(marker(jax.numpy.dtype(t.dtype).name, "accumulate")):

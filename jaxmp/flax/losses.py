@@ -23,7 +23,9 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
       labels: integer class ids ``[batch...]`` or (soft) one-hot ``[batch..., classes]``.
 
     Returns:
-      A float32 scalar.
+      A float32 scalar; NaN when an integer label is outside ``[0, classes)`` (optax's
+      behaviour, with a finite gradient: check labels on the host,
+      ``assert 0 <= labels.min() and labels.max() < classes``).
 
     Raises:
       ValueError: labels whose shape fits neither form.

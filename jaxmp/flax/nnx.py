@@ -45,7 +45,7 @@ from jaxmp.engine.entry import engine_function
 from jaxmp.engine.modules import install_call_hooks, instance_rules
 from jaxmp.flax.attention import fused_attention
 from jaxmp import fp8
-from jaxmp.collectives import mean_model_state
+from jaxmp.collectives import mean_model_state, optional_axis_name
 from jaxmp.flax.fp8 import Fp8State, install_nnx_fp8
 from jaxmp.flax.casting import Path, cast_by_path, enclosing_float32, is_float32_rule
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
@@ -414,6 +414,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
     """
     inputs, labels = split_batch(batch)
     loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
+    axis_name = optional_axis_name(axis_name)
     fp32_loss = model.overrides.fp32_loss if isinstance(model, MixedPrecision) else True
     recipe = model.overrides.fp8 if isinstance(model, MixedPrecision) else None
     delayed = isinstance(recipe, fp8.DelayedScaling)

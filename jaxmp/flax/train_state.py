@@ -18,7 +18,7 @@ import optax
 from flax import struct
 
 from jaxmp import fp8
-from jaxmp.collectives import mean_model_state
+from jaxmp.collectives import mean_model_state, optional_axis_name
 from jaxmp.flax.fp8 import FP8_COLLECTION
 from jaxmp.flax.linen import MixedPrecision
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
@@ -221,9 +221,17 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
       ``{"loss", "accuracy", "loss_scale", "finite"}`` (``loss_scale``: the scale this
       step's loss was multiplied by; ``finite``: whether the step was applied).
 
+    Labels outside the model's classes: an integer label ``< 0`` or ``>= classes`` makes the
+    default loss NaN (optax's ``softmax_cross_entropy_with_integer_labels`` reads the logit
+    out of range as NaN), while its gradient stays finite, so the step is *applied* and only
+    ``metrics["loss"]`` shows it. Nothing inside the compiled step can raise on it; check the
+    labels on the host, where the batch is still a NumPy array, before the step:
+    ``assert 0 <= labels.min() and labels.max() < num_classes`` (or pass one-hot labels).
+
     Example:
       >>> import jax, numpy as np, optax, flax.linen as nn, jaxmp, jaxmp.flax
       >>> x, y = np.ones((4, 3), np.float32), np.array([0, 1, 0, 1])
+      >>> assert 0 <= y.min() and y.max() < 2  # the labels fit the model's 2 classes
       >>> model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-fp16")
       >>> state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
       ...                                      jaxmp.loss_scaling(optax.sgd(0.1)))
@@ -234,6 +242,7 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
     """
     loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
     model_kwargs = dict(model_kwargs or {})
+    axis_name = optional_axis_name(axis_name)
 
     def train_step(state: TrainState, batch: Any, rng: jax.Array | None = None):
         inputs, labels = split_batch(batch)
@@ -294,6 +303,7 @@ def make_eval_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | Non
     """
     loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
     model_kwargs = dict(model_kwargs or {})
+    axis_name = optional_axis_name(axis_name)
 
     def eval_step(state: TrainState, batch: Any):
         inputs, labels = split_batch(batch)

@@ -168,6 +168,27 @@ def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: C
     return body
 
 
+def check_not_donated(params: Any, opt_state: Any) -> None:
+    """Raises a ValueError naming a params / optimizer-state leaf whose buffer was donated already.
+
+    With ``donate=True`` the step's inputs are deleted by the call; passing the same state again
+    (instead of the state the step returned) makes XLA:CPU's runtime crash the process with a
+    segmentation fault, not raise. Reading ``jax.Array.is_deleted`` is a host-side flag per
+    leaf: no device work, no synchronisation.
+    """
+    for what, tree in (("params", params), ("opt_state", opt_state)):
+        # Plain leaves first (the common case, every step); the paths only to name a deleted one.
+        if not any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(tree)):
+            continue
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise ValueError(
+                    f"{what} leaf at {jax.tree_util.keystr(path)} was donated to an earlier call of this step "
+                    "(donate=True deletes the step's inputs): pass the params and opt_state the last call returned, "
+                    "e.g. params, opt_state, metrics = step(params, opt_state, batch), or build the step with "
+                    "donate=False to keep the inputs")
+
+
 def with_model_state(run: Callable, model_state: bool) -> Callable:
     """The public step signature: ``(params, state, opt_state, batch, rng)`` when the model has
     state (BatchNorm statistics), else ``run``'s own ``(params, opt_state, batch, rng)``."""

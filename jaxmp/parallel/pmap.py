@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp.collectives import all_reduce_gradients, check_axis_name, check_reduce_dtype, mean_model_state
-from jaxmp.parallel._common import log_once, make_step_body, with_model_state
+from jaxmp.parallel._common import check_not_donated, log_once, make_step_body, with_model_state
 from jaxmp.parallel.replication import check_replicated
 
 _CHECK_MODES = ("first", "always", "never")
@@ -167,6 +167,8 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = 
             )
 
     def run(params, opt_state, batch, rng=None):
+        if donate:  # a donated state used again would crash or fail deep inside pmap
+            check_not_donated(params, opt_state)
         check_leading(params, "params", "replicate them with jaxmp.parallel.replicate(params)")
         check_leading(opt_state, "opt_state", "replicate it with jaxmp.parallel.replicate(tx.init(params))")
         check_leading(batch, "batch", f"split the global batch with jaxmp.parallel.shard_batch(batch, {n})")

@@ -23,7 +23,7 @@ from jaxmp.collectives import check_reduce_dtype
 from jaxmp.parallel import layouts, per_layer
 from jaxmp.parallel.replication import _REPLICA_AXIS
 from jaxmp.parallel._common import (
-    check_divisible, check_positive_int, leading_size, log_once, make_step_body, with_model_state,
+    check_divisible, check_not_donated, check_positive_int, leading_size, log_once, make_step_body, with_model_state,
 )
 
 
@@ -376,6 +376,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *,
         return cache[sig]
 
     def run(params, opt_state, batch, rng=None):
+        if donate:  # a donated state used again crashes the process (SIGSEGV) instead of raising
+            check_not_donated(params, opt_state)
         # Checked here, not left to jit: its error for an indivisible batch does not say why.
         global_batch = leading_size(batch)
         per_device = check_divisible(global_batch, num_devices)
