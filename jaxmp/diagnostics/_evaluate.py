@@ -325,6 +325,22 @@ _ENTER: dict[str, Callable] = {"call": _inline, "remat": _inline, "custom_jvp": 
                                "scan": _scan, "while": _while, "cond": _cond}
 
 
+#: Compiler options of the debugger's programs: XLA may otherwise keep a half value in float32
+#: inside a fusion (``xla_allow_excess_precision``), and an overflow or a rounding the program
+#: asks for would not show. The debugger measures what the dtypes say.
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+def compile_strict(fn: Callable, *args) -> Callable:
+    """``jax.jit(fn)`` lowered for ``args`` and compiled with :data:`COMPILER_OPTIONS` (called at once)."""
+    lowered = jax.jit(fn).lower(*args)
+    try:
+        compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
+    except Exception:  # noqa: BLE001 - a backend without the option: its default
+        compiled = lowered.compile()
+    return compiled(*args)
+
+
 def trace(fn: Callable, args: Sequence[Any], kwargs: dict) -> tuple[Any, Any]:
     """``fn(*args, **kwargs)`` traced in explain mode: ``(closed jaxpr, output tree)``.
 

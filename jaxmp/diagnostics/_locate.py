@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp.diagnostics import _format
-from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, evaluate, trace
+from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, trace
 
 _MAX_INPUTS = 4
 _DOCS = "docs/debugging.md"
@@ -282,7 +282,7 @@ def locate_non_finite(fn: Callable, *args, policy: Any = None, grad: bool | None
         return state
 
     leaves = jax.tree_util.tree_leaves((args, kwargs))
-    first, mags, nan = jax.device_get(jax.jit(program)(list(closed.consts), leaves))
+    first, mags, nan = jax.device_get(compile_strict(program, list(closed.consts), leaves))
     if int(first) < 0:
         return NonFiniteCulprit(False)
     return culprit(sites.sites[int(first)], mags, bool(nan))

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp.diagnostics import _format
-from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, evaluate, trace
+from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, trace
 
 _F32 = np.dtype(np.float32)
 #: Ops that move or select values: exact in any dtype, they add no rounding of their own.
@@ -298,9 +298,9 @@ class _Program:
 
         self._both = both
         if attribute:
-            self.analyse = jax.jit(jax.value_and_grad(both, has_aux=True))
+            self.analyse = jax.value_and_grad(both, has_aux=True)
         else:
-            self.analyse = jax.jit(lambda t, c, l: (both(t, c, l), jnp.zeros(n, jnp.float32)))
+            self.analyse = lambda t, c, l: (both(t, c, l), jnp.zeros(n, jnp.float32))
 
         def shadow_only(consts, leaves):
             hooks = _Shadow(n, False)
@@ -313,7 +313,7 @@ class _Program:
     def run(self, args):
         leaves = jax.tree_util.tree_leaves(tuple(args))
         t = jnp.zeros(len(self.sites), jnp.float32)
-        (_, (p, s, errs)), contrib = self.analyse(t, list(self.closed.consts), leaves)
+        (_, (p, s, errs)), contrib = compile_strict(self.analyse, t, list(self.closed.consts), leaves)
         return p, s, np.asarray(errs), np.asarray(contrib)
 
     def shadow_outputs(self, args):
