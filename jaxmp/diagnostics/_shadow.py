@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp.diagnostics import _format
+from jaxmp.engine import internals
+from jaxmp.engine.rules import COMBINER_OPS
 from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, trace
 
 _F32 = np.dtype(np.float32)
@@ -62,13 +64,17 @@ def _shadow_bind(eqn, xs: list) -> list:
     if name == "reduce_precision" or (name == "convert_element_type" and _floating(xs[0])
                                       and _format.is_floating(eqn.params["new_dtype"])):
         return [_up(xs[0])]
-    try:
-        return [_up(o) for o in bind(eqn, xs, _f32_params(eqn))]
-    except Exception:  # noqa: BLE001 - an op typed for its traced dtypes (a combiner jaxpr): run it so
-        traced = [getattr(getattr(a, "aval", None), "dtype", None) for a in eqn.invars]
-        args = [x.astype(d) if _floating(x) and d is not None and _format.is_floating(d) else x
-                for x, d in zip(xs, traced)]
-        return [_up(o) for o in bind(eqn, args)]
+    if name not in COMBINER_OPS and not internals.sub_jaxprs(eqn):
+        try:
+            return [_up(o) for o in bind(eqn, xs, _f32_params(eqn))]
+        except (TypeError, ValueError):  # an op whose parameters pin its dtypes: run as traced, below
+            pass
+    # Ops that carry a combiner typed for their traced dtypes (scatter-add, reduce, sort) run in
+    # those dtypes: their shadow is as precise as the policy run there.
+    traced = [getattr(getattr(a, "aval", None), "dtype", None) for a in eqn.invars]
+    args = [x.astype(d) if _floating(x) and d is not None and _format.is_floating(d) else x
+            for x, d in zip(xs, traced)]
+    return [_up(o) for o in bind(eqn, args)]
 
 
 class _Shadow(Hooks):
@@ -340,13 +346,17 @@ def _modules(sites: Sites, errs, contrib, total: float) -> list[ModuleError]:
         m["half"] += int(site.half)
     mods = [ModuleError(p, d["impact"], d["impact"] / total if total else float("nan"), d["act"], d["grad"],
                         d["half"], d["first"]) for p, d in by.items()]
-    # The jump: in program order, the module whose error rises most over every module before it.
-    order = sorted(mods, key=lambda m: m.first_site)
-    best, best_ratio, prev = None, 2.0, 0.0
-    for m in order:
-        if prev > 0 and m.activation_error / prev > best_ratio:
-            best, best_ratio = m.path, m.activation_error / prev
-        prev = max(prev, m.activation_error)
+    # The jump: in program order, the forward op whose error rises most over every op before it
+    # (at least 4x); its module is marked.
+    best, best_ratio, prev = None, 4.0, 0.0
+    for site in sites.sites:
+        if site.backward:
+            continue
+        e = float(errs[site.index])
+        if prev > 0 and np.isfinite(e) and e / prev > best_ratio:
+            best, best_ratio = site.path, e / prev
+        if np.isfinite(e):
+            prev = max(prev, e)
     return [dataclasses.replace(m, jump=m.path == best) for m in mods]
 
 
