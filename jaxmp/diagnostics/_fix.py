@@ -16,7 +16,52 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jaxmp.diagnostics._shadow import Fix, ShadowReport, _train
+from jaxmp.diagnostics import _format
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """The override suggested for the top offender, measured.
+
+    Attributes:
+      path: the module it keeps in float32.
+      code: the override, as code to paste.
+      error_before, error_after: relative loss error against float32 without and with it
+        (after ``steps`` optimizer steps when the comparison trained), NaN when not measured.
+      gap_closed: ``1 - error_after / error_before``.
+      matmul_flops_leaving_half: the share of matmul FLOPs the override moves out of half precision.
+      measured: False when the override could not be applied automatically (the code says how).
+    """
+
+    path: str
+    code: str
+    error_before: float = float("nan")
+    error_after: float = float("nan")
+    gap_closed: float = float("nan")
+    matmul_flops_leaving_half: float = float("nan")
+    measured: bool = False
+
+    def __str__(self) -> str:
+        lines = [f"suggested fix: keep {self.path!r} in float32", "    " + self.code.replace("\n", "\n    ")]
+        if self.measured:
+            lines.append(f"  measured: loss error vs float32 {self.error_before:.3g} -> {self.error_after:.3g} "
+                         f"({_format.fmt_pct(self.gap_closed)} of the gap closed); "
+                         f"{_format.fmt_pct(self.matmul_flops_leaving_half)} of matmul FLOPs leave half precision")
+        else:
+            lines.append("  not measured here: apply it and run compare_to_float32 again to see the error after it")
+        return "\n".join(lines)
+
+
+def train(loss_and_grad: Callable, params, rest, steps: int, tx) -> tuple[Any, list[float]]:
+    """``steps`` optimizer steps of ``tx`` on ``loss_and_grad(params, *rest) -> (loss, grads)``: (params, losses)."""
+    opt_state = tx.init(params)
+    losses = []
+    for _ in range(steps):
+        loss, grads = loss_and_grad(params, *rest)
+        losses.append(float(loss))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = jax.tree_util.tree_map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+    return params, losses
 
 
 def rules_code(rules, component: str) -> str:
@@ -47,8 +92,8 @@ def _matmul_low_flops(run: Callable, args: Sequence[Any]) -> tuple[int, int]:
     return rep.low_precision_flops, rep.total_flops
 
 
-def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, report: ShadowReport, steps: int,
-                tx: Any) -> Fix:
+def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_error: float, loss_float32: float,
+                steps: int, tx: Any) -> Fix:
     """The override keeping module ``path`` in float32, measured when ``policy`` is an autocast policy.
 
     Args:
@@ -56,7 +101,8 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, repor
       args: its inputs (``args[0]``: the parameters).
       policy: the autocast policy, or None (``fn`` runs its own precision: not measured).
       path: the module path of the top offender.
-      report: the comparison (its loss error is the "before").
+      loss_error: the comparison's relative loss error (the "before").
+      loss_float32: the float32 shadow's loss (after ``steps`` steps).
       steps: optimizer steps of the comparison (the fix is trained as long).
       tx: the optax transformation those steps used.
 
@@ -79,12 +125,12 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, repor
     code = f"fn = jaxmp.autocast(fn, {str(policy)!r}, rules={rules_code(rules, component)})"
     fixed = autocast(fn, policy, rules=fixed_rules)
     if steps:
-        params, _ = _train(jax.jit(jax.value_and_grad(fixed)), args[0], args[1:], steps, tx)
+        params, _ = train(jax.jit(jax.value_and_grad(fixed)), args[0], args[1:], steps, tx)
         loss_fix = float(jax.jit(fixed)(params, *args[1:]))
     else:
         loss_fix = float(jax.jit(fixed)(*args))
-    ref = max(abs(report.loss_float32), 1e-30)
-    before, after = report.loss_error, abs(loss_fix - report.loss_float32) / ref
+    ref = max(abs(loss_float32), 1e-30)
+    before, after = loss_error, abs(loss_fix - loss_float32) / ref
     low_b, total = _matmul_low_flops(jax.value_and_grad(autocast(fn, policy)), args)
     low_a, _ = _matmul_low_flops(jax.value_and_grad(fixed), args)
     leaving = (low_b - low_a) / total if total else 0.0

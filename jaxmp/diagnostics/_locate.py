@@ -144,6 +144,9 @@ class _Locate(Hooks):
             sizes = [int(np.size(x)) for x in xs]
             flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in xs])
             seg = jnp.asarray(np.repeat(np.arange(len(xs), dtype=np.int32), sizes))
+            # A barrier: values computed from constants only would otherwise be constant-folded
+            # through the scatter below, which XLA does slowly (seconds per op).
+            flat = jax.lax.optimization_barrier(flat)
             a = jnp.abs(flat)
             mags = jax.ops.segment_max(jnp.where(jnp.isnan(a), jnp.inf, a), seg, len(xs), indices_are_sorted=True)
             nans = jax.ops.segment_max(jnp.isnan(a).astype(jnp.int32), seg, len(xs), indices_are_sorted=True) > 0

@@ -27,6 +27,7 @@ import numpy as np
 from jaxmp.diagnostics import _format
 from jaxmp.engine import internals
 from jaxmp.engine.rules import COMBINER_OPS
+from jaxmp.diagnostics._fix import Fix, suggest_fix, train
 from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, trace
 
 _F32 = np.dtype(np.float32)
@@ -133,6 +134,7 @@ class _Shadow(Hooks):
         sizes = [int(np.size(p)) for _, p, _ in frame]
         p = jnp.concatenate([jnp.ravel(p).astype(jnp.float32) for _, p, _ in frame])
         s = jax.lax.stop_gradient(jnp.concatenate([jnp.ravel(s).astype(jnp.float32) for _, _, s in frame]))
+        p, s = jax.lax.optimization_barrier((p, s))  # no constant folding through the scatter
         seg = jnp.asarray(np.repeat(np.arange(len(frame), dtype=np.int32), sizes))
         num = jax.ops.segment_sum(jnp.square(p - s), seg, len(frame), indices_are_sorted=True)
         den = jax.ops.segment_sum(jnp.square(s), seg, len(frame), indices_are_sorted=True)
@@ -165,39 +167,6 @@ class ModuleError:
     half_ops: int
     first_site: int
     jump: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Fix:
-    """The override suggested for the top offender, measured.
-
-    Attributes:
-      path: the module it keeps in float32.
-      code: the override, as code to paste.
-      error_before, error_after: relative loss error against float32 without and with it
-        (after ``steps`` optimizer steps when the comparison trained), NaN when not measured.
-      gap_closed: ``1 - error_after / error_before``.
-      matmul_flops_leaving_half: the share of matmul FLOPs the override moves out of half precision.
-      measured: False when the override could not be applied automatically (the code says how).
-    """
-
-    path: str
-    code: str
-    error_before: float = float("nan")
-    error_after: float = float("nan")
-    gap_closed: float = float("nan")
-    matmul_flops_leaving_half: float = float("nan")
-    measured: bool = False
-
-    def __str__(self) -> str:
-        lines = [f"suggested fix: keep {self.path!r} in float32", "    " + self.code.replace("\n", "\n    ")]
-        if self.measured:
-            lines.append(f"  measured: loss error vs float32 {self.error_before:.3g} -> {self.error_after:.3g} "
-                         f"({_format.fmt_pct(self.gap_closed)} of the gap closed); "
-                         f"{_format.fmt_pct(self.matmul_flops_leaving_half)} of matmul FLOPs leave half precision")
-        else:
-            lines.append("  not measured here: apply it and run compare_to_float32 again to see the error after it")
-        return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,17 +329,6 @@ def _modules(sites: Sites, errs, contrib, total: float) -> list[ModuleError]:
     return [dataclasses.replace(m, jump=m.path == best) for m in mods]
 
 
-def _train(loss_and_grad: Callable, params, rest, steps: int, tx) -> tuple[Any, list[float]]:
-    opt_state = tx.init(params)
-    losses = []
-    for _ in range(steps):
-        loss, grads = loss_and_grad(params, *rest)
-        losses.append(float(loss))
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = jax.tree_util.tree_map(lambda p, u: (p + u).astype(p.dtype), params, updates)
-    return params, losses
-
-
 def compare_to_float32(fn: Callable, *args, policy: Any = None, steps: int = 0, optimizer: Any = None,
                        per_op: bool = False, grad: bool | None = None, fix: bool = True) -> ShadowReport:
     """Runs ``fn`` under a policy and as its float32 shadow on the same inputs; ranks modules by error.
@@ -436,13 +394,13 @@ def compare_to_float32(fn: Callable, *args, policy: Any = None, steps: int = 0, 
 
         tx = optax.adam(1e-3) if optimizer is None else optimizer
         rest = args[1:]
-        params_p, losses = _train(jax.jit(step), args[0], rest, steps, tx)
+        params_p, losses = train(jax.jit(step), args[0], rest, steps, tx)
 
         def f32_step(params, *r):
             outs = prog.shadow_outputs((params, *r))
             return jax.tree_util.tree_unflatten(prog.out_tree, outs)
 
-        params_f, losses_f = _train(f32_step, args[0], rest, steps, tx)
+        params_f, losses_f = train(f32_step, args[0], rest, steps, tx)
         eval_args = (params_p, *rest)
         loss_f = float(jax.tree_util.tree_leaves(f32_step(params_f, *rest))[0])
     p, s, errs, contrib = prog.run(eval_args)
@@ -466,7 +424,6 @@ def compare_to_float32(fn: Callable, *args, policy: Any = None, steps: int = 0, 
     report = ShadowReport(tuple(mods), loss, loss_f, grads, ops, steps, tuple(losses), tuple(losses_f),
                           None, 0.0, None if policy is None else str(policy))
     if fix and has_loss and mods and mods[0].path and np.isfinite(loss):
-        from jaxmp.diagnostics._fix import suggest_fix
-
-        report = dataclasses.replace(report, fix=suggest_fix(fn, args, policy, mods[0].path, report, steps, tx))
+        report = dataclasses.replace(report, fix=suggest_fix(fn, args, policy, mods[0].path, report.loss_error,
+                                                             report.loss_float32, steps, tx))
     return dataclasses.replace(report, seconds=time.perf_counter() - t0)
