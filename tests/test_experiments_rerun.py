@@ -292,3 +292,14 @@ def test_disk_full_on_the_command_line_exits_1_with_one_clear_message(tmp_path):
     assert "Traceback" not in text and "terminate called" not in text, text[-2000:]
     assert f"error: could not write checkpoint step {STEPS} in {wd}: No space left on device" in text, text[-2000:]
     assert time.perf_counter() - t0 < 120
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
+def test_a_run_stopped_for_skips_names_the_culprit_layer(tmp_path):
+    r = _train(_diverging(), tmp_path / "run")
+    culprits = [h["culprit"] for h in r["history"] if "culprit" in h]
+    assert r["diverged"] and len(culprits) == 1, culprits
+    # O2-fp16 from scale 2**24: a float16 gradient matmul overflows, named with its layer and the model's source
+    assert "dot_general in CNN1D/" in culprits[0] and "backward" in culprits[0], culprits
+    assert "experiments/models" in culprits[0], culprits

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import re
 from collections import defaultdict
 from typing import NamedTuple
@@ -136,6 +137,7 @@ class _Collector:
 
 
 _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the jaxmp package
 
 
 def _source(eqn, ctx: _Ctx | None = None) -> str:
@@ -147,7 +149,9 @@ def _source(eqn, ctx: _Ctx | None = None) -> str:
         frames = list(itertools.islice(internals.user_frames(eqn.source_info.traceback), 16))
         # JAX counts installed libraries (flax, optax) as user code when they do not share the
         # standard library's prefix (a virtualenv): point at the first frame outside them.
-        frame = next((f for f in frames if not _INSTALLED.search(f.file_name)), frames[0] if frames else None)
+        # jaxmp's own wrappers (the Flax door's module hooks) are not where the user's op is either.
+        frame = next((f for f in frames if not _INSTALLED.search(f.file_name) and not f.file_name.startswith(_OWN)),
+                     next((f for f in frames if not _INSTALLED.search(f.file_name)), frames[0] if frames else None))
         col = f":{frame.start_column}" if frame and frame.start_column else ""
         own = f"{frame.file_name}:{frame.start_line}{col} ({frame.function_name})" if frame else ""
     except Exception:  # pragma: no cover - depends on JAX internals
