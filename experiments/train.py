@@ -184,16 +184,37 @@ def _compile(run: Run, state, batch, rng):
     return compiled
 
 
-def _bookkeeping(run, state, step, pending, seconds, log, ckpt, t_train) -> bool:
-    """Logs, evaluates and checkpoints at ``step`` as the plan says; returns whether the run diverged."""
+def locate_culprit(run: Run, state, batch, rng) -> str:
+    """Names the op that first made inf/NaN in the train step on ``batch`` (one re-run, off the hot path).
+
+    Called only when a run stops for consecutive skips: the step is re-evaluated op by op
+    (``jaxmp.diagnostics.locate_non_finite``) so the error names the layer. A failure of the
+    diagnosis is reported in the string, never raised over the divergence it explains.
+    """
+    from jaxmp.diagnostics import locate_non_finite
+
+    try:
+        return locate_non_finite(run.prog.train_step, state, batch, rng).summary()
+    except Exception as e:  # noqa: BLE001
+        return f"locating the culprit failed: {type(e).__name__}: {e}"
+
+
+def _bookkeeping(run, state, step, pending, seconds, log, ckpt, t_train, locate=None) -> bool:
+    """Logs, evaluates and checkpoints at ``step`` as the plan says; returns whether the run diverged.
+
+    ``locate`` (no arguments) names the culprit op when the run diverges (see :func:`locate_culprit`).
+    """
     plan = run.plan
     last = step == plan.num_train_steps
     row = interval_row(plan, step, pending, seconds)
     row["wall_time"] = time.perf_counter() - t_train  # since training started (after the compile)
     diverged = row["consecutive_skips"] > plan.max_consecutive_skips
     if diverged:
-        logging.error("%s: %d steps in a row were skipped (non-finite values); stopping (not converged).",
-                      plan.policy, row["consecutive_skips"])
+        culprit = locate() if locate is not None else None
+        if culprit:
+            row["culprit"] = culprit
+        logging.error("%s: %d steps in a row were skipped (non-finite values); stopping (not converged).%s",
+                      plan.policy, row["consecutive_skips"], f" Culprit: {culprit}." if culprit else "")
     if diverged or last or step % plan.eval_every_steps == 0:
         row.update(evaluate(run, state))
     log.write(row)
@@ -229,6 +250,7 @@ def train_loop(run: Run, state, start: int, log: metrics_lib.MetricsLog, ckpt, d
             state, metrics = compiled(state, batch, rng)
             pending.append(metrics)
             step += 1
+            last_batch = batch
             if step < plan.num_train_steps:
                 batch = next(batches)
             if step < plan.num_train_steps and all(step % p for p in points):
@@ -237,7 +259,8 @@ def train_loop(run: Run, state, start: int, log: metrics_lib.MetricsLog, ckpt, d
             jax.block_until_ready(state)  # the bookkeeping below is not training time
             seconds = time.perf_counter() - t_loop
             train_time += seconds
-            diverged = _bookkeeping(run, state, step, pending, seconds, log, ckpt, t_train)
+            diverged = _bookkeeping(run, state, step, pending, seconds, log, ckpt, t_train,
+                                    locate=lambda: locate_culprit(run, state, last_batch, rng))
             pending = []
             row = log.history[-1]
             bar.update(1, loss=f"{row['train_loss']:.3f}", scale=f"{row['loss_scale']:g}", skips=row["total_skips"])

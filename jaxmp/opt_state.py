@@ -216,7 +216,8 @@ def first_non_finite(tree: Any) -> str | None:
     return None
 
 
-def check_health(opt_state: Any, max_consecutive_skips: int = 50, *, tree: Any = None) -> None:
+def check_health(opt_state: Any, max_consecutive_skips: int = 50, *, tree: Any = None,
+                 locate: Any = None) -> None:
     """Host-side check that raises when training keeps skipping steps, saying why.
 
     The transform itself never applies a non-finite update; this turns a run that is
@@ -229,6 +230,11 @@ def check_health(opt_state: Any, max_consecutive_skips: int = 50, *, tree: Any =
       max_consecutive_skips: how many skipped steps in a row are tolerated (>= 1).
       tree: optionally the gradients (or updates) of the last step: the message then names
         the first leaf holding inf/NaN.
+      locate: optionally a function of no arguments that finds the culprit op, called only when
+        the check fires (so a healthy run pays nothing), typically
+        ``lambda: jaxmp.diagnostics.locate_non_finite(loss_fn, params, batch, loss_scale=s)``;
+        the message then names the layer and op that first made inf/NaN. If it fails, the
+        message says so and the check still raises.
 
     Raises:
       TrainingDivergedError: more than ``max_consecutive_skips`` consecutive skips.
@@ -266,7 +272,18 @@ def check_health(opt_state: Any, max_consecutive_skips: int = 50, *, tree: Any =
         hint = f"The loss scale is now {scale:g}."
     leaf = first_non_finite(tree) if tree is not None else None
     where = f" The first non-finite leaf is {leaf}." if leaf is not None else ""
+    culprit = ""
+    if locate is not None:
+        if not callable(locate):
+            raise TypeError(f"check_health(locate=...) expects a function of no arguments, got {type(locate).__name__}")
+        try:
+            found = locate()
+            line = found.summary() if hasattr(found, "summary") else str(found)
+            culprit = f" Culprit: {line}."
+        except Exception as e:  # noqa: BLE001 - the diagnosis must not hide the divergence it explains
+            culprit = f" (locating the culprit failed: {type(e).__name__}: {e})"
     raise TrainingDivergedError(
         f"{consecutive} consecutive steps were skipped for {what} ({total} skipped in total); "
-        f"params and optimizer state were left unchanged each time. {hint}{where} {fix}"
+        f"params and optimizer state were left unchanged each time. {hint}{where}{culprit} {fix} "
+        "See docs/debugging.md."
     )

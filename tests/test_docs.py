@@ -42,7 +42,7 @@ CHECKS = {"guides/flax-linen.md": _linen_trained, "diagnostics.md": _diagnostics
 # Pages that need an optional extra (CI installs them: .ci/run).
 REQUIRES = {"guides/equinox.md": "equinox", "guides/haiku.md": "haiku"}
 # Pages whose examples train models end to end: the slow tier (`pytest -m slow`, run by .ci/run).
-SLOW_PAGES = {"diagnostics.md", "fp8.md", "guides/haiku.md", "guides/flax-linen.md", "guides/flax-nnx.md",
+SLOW_PAGES = {"diagnostics.md", "debugging.md", "fp8.md", "guides/haiku.md", "guides/flax-linen.md", "guides/flax-nnx.md",
               "guides/plain-jax.md", "guides/equinox.md", "guides/sharded-flax.md", "guides/checkpointing.md",
               # the README's quick start, run in the default tier by tests/test_readme.py
               "index.md"}
@@ -52,7 +52,7 @@ SLOW_PAGES = {"diagnostics.md", "fp8.md", "guides/haiku.md", "guides/flax-linen.
 #: what fails under strict is inside the third-party code they call.
 STANDARD_PROMOTION_PAGES = {
     **{name: "optax.adam: bias correction is a Python float ** int32 count"
-       for name in ("concepts.md", "design.md", "fp8.md", "getting-started.md", "guides/equinox.md",
+       for name in ("concepts.md", "debugging.md", "design.md", "fp8.md", "getting-started.md", "guides/equinox.md",
                     "index.md", "guides/sharded-flax.md", "guides/checkpointing.md",
                     "guides/flax-linen.md", "guides/flax-nnx.md", "guides/haiku.md", "guides/plain-jax.md",
                     "lean-recipes.md", "migrating/jmp.md", "parallel.md")},

@@ -336,3 +336,14 @@ def test_a_write_past_the_file_size_limit_exits_1_with_one_message_naming_efbig(
     assert len(errors) == 1, out.stderr[-3000:]
     assert errors[0].startswith(f"error: could not write checkpoint step 10 in {wd}: File too large (EFBIG); "), errors
     assert "os_error_code='27'" in errors[0] and "ulimit -f" in errors[0], errors
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
+def test_a_run_stopped_for_skips_names_the_culprit_layer(tmp_path):
+    r = _train(_diverging(), tmp_path / "run")
+    culprits = [h["culprit"] for h in r["history"] if "culprit" in h]
+    assert r["diverged"] and len(culprits) == 1, culprits
+    # O2-fp16 from scale 2**24: a float16 gradient matmul overflows, named with its layer and the model's source
+    assert "dot_general in CNN1D/" in culprits[0] and "backward" in culprits[0], culprits
+    assert "experiments/models" in culprits[0], culprits

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import re
 from collections import defaultdict
 from typing import NamedTuple
@@ -136,6 +137,7 @@ class _Collector:
 
 
 _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the jaxmp package
 
 
 def _source(eqn, ctx: _Ctx | None = None) -> str:
@@ -147,7 +149,9 @@ def _source(eqn, ctx: _Ctx | None = None) -> str:
         frames = list(itertools.islice(internals.user_frames(eqn.source_info.traceback), 16))
         # JAX counts installed libraries (flax, optax) as user code when they do not share the
         # standard library's prefix (a virtualenv): point at the first frame outside them.
-        frame = next((f for f in frames if not _INSTALLED.search(f.file_name)), frames[0] if frames else None)
+        # jaxmp's own wrappers (the Flax door's module hooks) are not where the user's op is either.
+        frame = next((f for f in frames if not _INSTALLED.search(f.file_name) and not f.file_name.startswith(_OWN)),
+                     next((f for f in frames if not _INSTALLED.search(f.file_name)), frames[0] if frames else None))
         col = f":{frame.start_column}" if frame and frame.start_column else ""
         own = f"{frame.file_name}:{frame.start_line}{col} ({frame.function_name})" if frame else ""
     except Exception:  # pragma: no cover - depends on JAX internals
@@ -155,6 +159,18 @@ def _source(eqn, ctx: _Ctx | None = None) -> str:
     if ctx is not None and (not own or own.startswith("unknown")):
         return ctx.source
     return own
+
+
+def source_of(eqn) -> str:
+    """``file:line:col (function)`` of the user code that emitted ``eqn`` ("" when unknown).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmp.diagnostics.jaxpr_walk import source_of
+      >>> ":" in source_of(jax.make_jaxpr(jnp.sin)(1.0).jaxpr.eqns[0]) or True
+      True
+    """
+    return _source(eqn)
 
 
 def _name(eqn, ctx: _Ctx) -> str:
@@ -216,7 +232,31 @@ def _feeds_sum(var, consumers, depth: int = 4) -> bool:
     return False
 
 
-def _risk(eqn, ctx: _Ctx, col: _Collector, consumers) -> RiskyOp | None:
+def classify_risk(eqn, consumers=None, reduction_threshold: int = 1024) -> tuple[str, str] | None:
+    """The one definition of a *risky* half-precision op, shared by the report and strict mode.
+
+    An op is risky when its first operand is float16/bfloat16/fp8 and it is an ``exp`` (a
+    ``"softmax"`` when its result reaches a sum), a ``log``, a power or ``rsqrt`` (norm
+    statistics), a sum or product over at least ``reduction_threshold`` elements, or a half
+    all-reduce. `jaxmp.precision_report` lists these as advice with the default threshold;
+    `jaxmp.diagnostics.strict_precision` raises on them with a threshold of 1 when the
+    policy's float32 list covers the primitive.
+
+    Args:
+      eqn: a jaxpr equation.
+      consumers: ``{var: [eqns reading it]}`` of its jaxpr (to tell a softmax's exp); None: unknown.
+      reduction_threshold: element count from which a half sum is risky.
+
+    Returns:
+      ``(category, why)``, or None when the op is not risky.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmp.diagnostics.jaxpr_walk import classify_risk
+      >>> jx = jax.make_jaxpr(jnp.exp)(jnp.ones(4, jnp.float16))
+      >>> classify_risk(jx.jaxpr.eqns[0])[0]
+      'exp'
+    """
     prim = eqn.primitive.name
     if not eqn.invars or not hasattr(eqn.invars[0], "aval"):
         return None
@@ -227,7 +267,7 @@ def _risk(eqn, ctx: _Ctx, col: _Collector, consumers) -> RiskyOp | None:
     d = _format.short_dtype(dtype)
     category = detail = None
     if prim in _EXP_PRIMS:
-        if _feeds_sum(eqn.outvars[0], consumers):
+        if consumers is not None and _feeds_sum(eqn.outvars[0], consumers):
             category = "softmax"
             detail = f"exp->sum (softmax/logsumexp) in {d}: small probabilities underflow; compute softmax in float32"
         else:
@@ -244,7 +284,7 @@ def _risk(eqn, ctx: _Ctx, col: _Collector, consumers) -> RiskyOp | None:
         if axes is None and "axis" in eqn.params:
             axes = (eqn.params["axis"],)
         n = int(np.prod([aval.shape[a] for a in (axes or ())], dtype=np.int64)) if axes else 1
-        if n >= col.reduction_threshold:
+        if n >= reduction_threshold:
             category = "reduction"
             detail = (f"{prim} over {n} elements accumulates in {d}: the running sum loses the small terms; "
                       "sum in float32 (jnp.sum upcasts, lax.reduce_sum does not)")
@@ -253,8 +293,16 @@ def _risk(eqn, ctx: _Ctx, col: _Collector, consumers) -> RiskyOp | None:
         detail = f"all-reduce in {d} can overflow when replicas add up; reduce in float32"
     if category is None:
         return None
-    return RiskyOp(prim, category, d, tuple(map(int, aval.shape)), detail,
-                   " > ".join(ctx.context), _name(eqn, ctx), _source(eqn, ctx))
+    return category, detail
+
+
+def _risk(eqn, ctx: _Ctx, col: _Collector, consumers) -> RiskyOp | None:
+    found = classify_risk(eqn, consumers, col.reduction_threshold)
+    if found is None:
+        return None
+    aval = eqn.invars[0].aval
+    return RiskyOp(eqn.primitive.name, found[0], _format.short_dtype(aval.dtype), tuple(map(int, aval.shape)),
+                   found[1], " > ".join(ctx.context), _name(eqn, ctx), _source(eqn, ctx))
 
 
 def _reads_half(var, producers) -> bool:

@@ -52,7 +52,6 @@ __all__ = [
     "make_pmap_train_step",
     "make_sharded_train_step",
     "prefetch_to_device",
-    "remat_policy",
     "process_batch_slice",
     "process_dataset_range",
     "replicate",

@@ -1,0 +1,356 @@
+"""Re-evaluating a traced program op by op, with a hook per op and a state carried through loops.
+
+The precision debugger (`jaxmp.diagnostics._locate`, `jaxmp.diagnostics._shadow`)
+needs to see every op of a step run on real data: which one produced the first inf, how far a
+half-precision value drifted from its float32 twin. It traces the step once to a jaxpr and
+re-runs that jaxpr here, binding each first-order primitive itself and calling a hook with its
+operands and results. The whole re-run is staged into one ``jax.jit``, so it costs about as much
+as the step, not one dispatch per op.
+
+Higher-order primitives are entered, not run opaquely: ``jit`` and friends, ``remat`` and the
+primal of ``custom_jvp``/``custom_vjp`` are inlined (their derivatives are already in a traced
+gradient); ``scan``, ``while`` and ``cond`` become ``lax.scan``/``while_loop``/``switch`` whose
+bodies are re-evaluated, with the hook's state threaded through the carry, so "the first" means
+first in execution order. Anything else (``shard_map``, custom kernels) is one op to the hook.
+
+Every op gets a `Site`: its primitive, module path (name scopes: Flax/Equinox/Haiku
+module scopes and ``jax.named_scope``), whether it belongs to the backward pass, the autocast
+rule that chose its dtype (in explain mode) and its source line. JAX internals are read through
+`jaxmp.engine.internals` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from jaxmp.diagnostics import _format
+from jaxmp.diagnostics.jaxpr_walk import source_of
+from jaxmp.engine import internals
+from jaxmp.engine.rules import MARKER
+
+_RULE = "jaxmp.rule="
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One first-order op of the program, where it is and who chose its dtype.
+
+    Attributes:
+      index: its position in the (pre-order) walk of the program.
+      eqn: the equation.
+      primitive: the primitive's name.
+      path: the module path: name scopes without autocast's marker and rule scopes, joined by ``/``.
+      backward: the op belongs to a gradient (its name stack has a ``transpose`` transformation).
+      rule: the autocast rule that chose its dtype (explain mode), ``""`` outside autocast.
+      region: the innermost ``jaxmp[...]`` region marker around it, ``""`` if none.
+      context: the enclosing loops, e.g. ``"scan x10"``.
+    """
+
+    index: int
+    eqn: Any
+    primitive: str
+    path: str
+    backward: bool
+    rule: str
+    region: str
+    context: str
+
+    @property
+    def source(self) -> str:
+        """``file:line (function)`` of the user code that emitted the op (read lazily: it walks a traceback)."""
+        return source_of(self.eqn)
+
+    @property
+    def in_dtypes(self) -> tuple[str, ...]:
+        return tuple(_short(a) for a in self.eqn.invars)
+
+    @property
+    def out_dtypes(self) -> tuple[str, ...]:
+        return tuple(_short(a) for a in self.eqn.outvars)
+
+    @property
+    def half(self) -> bool:
+        """Whether a floating operand or result of the op is half precision (it rounds)."""
+        return any(_format.is_low_precision(d) for d in _dtypes(self.eqn.invars) + _dtypes(self.eqn.outvars))
+
+
+def _dtypes(atoms) -> list:
+    out = []
+    for a in atoms:
+        dtype = getattr(getattr(a, "aval", None), "dtype", None)
+        if dtype is not None and _format.is_floating(dtype):
+            out.append(dtype)
+    return out
+
+
+def _short(atom) -> str:
+    dtype = getattr(getattr(atom, "aval", None), "dtype", None)
+    if dtype is None:
+        return "?"
+    try:
+        return _format.short_dtype(dtype)
+    except TypeError:
+        return str(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    scopes: tuple[str, ...] = ()
+    backward: bool = False
+    context: tuple[str, ...] = ()
+
+
+def _where(eqn, outer: _Where) -> _Where:
+    stack = eqn.source_info.name_stack
+    items = getattr(stack, "stack", ())
+    transforms = {getattr(i, "name", "") for i in items if type(i).__name__ == "Transform"}
+    return _Where(outer.scopes + internals.scope_names(eqn), outer.backward or "transpose" in transforms,
+                  outer.context)
+
+
+def _site(index: int, eqn, where: _Where) -> Site:
+    rules = [s[len(_RULE):] for s in where.scopes if s.startswith(_RULE)]
+    markers = [s for s in where.scopes if MARKER.match(s)]
+    path = "/".join(s for s in where.scopes if not s.startswith(_RULE) and not MARKER.match(s))
+    rule = next((r for r in rules if "fp8" in r), rules[-1] if rules else "")
+    return Site(index, eqn, eqn.primitive.name, path, where.backward, rule, markers[-1] if markers else "",
+                " > ".join(where.context))
+
+
+def _inner(eqn) -> list[tuple[Any, str]]:
+    """The jaxprs this evaluator enters for ``eqn`` with a context label ("" for inlined calls)."""
+    kind = internals.primitive_kind(eqn)
+    if kind == "call":
+        return [(internals.call_jaxpr(eqn)[0], "")]
+    if kind == "remat":
+        j = internals.param(eqn, "jaxpr")
+        return [(j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j, "")]
+    if kind in ("custom_jvp", "custom_vjp"):
+        return [(internals.param(eqn, "call_jaxpr").jaxpr, "")]
+    if kind == "scan":
+        return [(internals.param(eqn, "jaxpr").jaxpr, f"scan x{internals.param(eqn, 'length')}")]
+    if kind == "while":
+        cj, bj, _, _ = internals.while_parts(eqn)
+        return [(cj.jaxpr, "while"), (bj.jaxpr, "while")]
+    if kind == "cond":
+        branches = internals.param(eqn, "branches")
+        return [(b.jaxpr, f"cond branch {i}/{len(branches)}") for i, b in enumerate(branches)]
+    return []
+
+
+class Sites:
+    """Every first-order op of a program, numbered in one pre-order walk (entered constructs nested).
+
+    Args:
+      jaxpr: the program (an open jaxpr).
+    """
+
+    def __init__(self, jaxpr):
+        self.sites: list[Site] = []
+        self._ids: dict[tuple, int] = {}
+        self._walk(jaxpr, _Where(), ())
+
+    def _walk(self, jaxpr, where: _Where, key: tuple) -> None:
+        for eqn in jaxpr.eqns:
+            w = _where(eqn, where)
+            inner = _inner(eqn)
+            if inner:
+                for j, label in inner:
+                    ctx = w.context + ((label,) if label else ())
+                    self._walk(j, dataclasses.replace(w, context=ctx), key + (id(eqn), label))
+                continue
+            self._ids[key + (id(eqn),)] = len(self.sites)
+            self.sites.append(_site(len(self.sites), eqn, w))
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def index(self, eqn, key: tuple) -> int:
+        return self._ids[key + (id(eqn),)]
+
+
+class Hooks:
+    """What an evaluation does with values; subclasses say how values look and what each op records.
+
+    A *value* is whatever the subclass keeps per variable (an array; a pair of arrays); it must be
+    a pytree of arrays with the variable's leading axis, so that ``lax.scan`` can slice it.
+    """
+
+    def lift(self, x: Any, aval: Any) -> Any:
+        """The value of a concrete array (an argument or a closed-over constant)."""
+        return x
+
+    def literal(self, atom) -> Any:
+        return self.lift(np.asarray(atom.val, atom.aval.dtype), atom.aval)
+
+    def index(self, value: Any) -> Any:
+        """The integer or boolean array that a ``cond`` branch index or ``while`` predicate is."""
+        return value
+
+    def first_order(self, site: Site, eqn, ins: list, state: Any) -> tuple[list, Any]:
+        """Runs one op; returns its output values and the new state."""
+        raise NotImplementedError
+
+    def barrier(self, values: list) -> list:
+        """Values entering a ``while`` loop (reverse-mode differentiation cannot cross one)."""
+        return values
+
+    def flush(self, state: Any) -> Any:
+        """Folds what the ops since the last flush recorded into ``state`` (before a loop, at a body's end)."""
+        return state
+
+
+def bind(eqn, args: Sequence[Any], params: dict | None = None) -> list:
+    """Binds ``eqn``'s primitive on ``args`` with its (or the given) parameters."""
+    return internals.bind(eqn, list(args), eqn.params if params is None else params)
+
+
+def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], state: Any, hooks: Hooks, sites: Sites,
+             key: tuple = ()) -> tuple[list, Any]:
+    """Evaluates ``jaxpr`` on hook values; returns the output values and the final state.
+
+    Args:
+      jaxpr: an open jaxpr (the program, or a body inside it).
+      consts: values of its constvars.
+      args: values of its invars.
+      state: the hook's state (a pytree of arrays with a fixed structure).
+      hooks: the `Hooks`.
+      sites: the `Sites` of the whole program.
+      key: where ``jaxpr`` sits in the program (internal: the enclosing equations).
+
+    Returns:
+      ``(outputs, state)``.
+    """
+    env: dict = {}
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+
+    def read(atom):
+        return hooks.literal(atom) if isinstance(atom, jcore.Literal) else env[atom]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(a) for a in eqn.invars]
+        kind = internals.primitive_kind(eqn) if _inner(eqn) else None
+        if kind is None:
+            outs, state = hooks.first_order(sites.sites[sites.index(eqn, key)], eqn, ins, state)
+        else:
+            if kind in ("scan", "while", "cond"):
+                state = hooks.flush(state)
+            outs, state = _ENTER[kind](eqn, ins, state, hooks, sites, key + (id(eqn),))
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    return [read(a) for a in jaxpr.outvars], hooks.flush(state)
+
+
+def _lift_all(hooks: Hooks, closed) -> list:
+    return [hooks.lift(c, internals.typeof(c)) for c in closed.consts]
+
+
+def _inline(eqn, ins, state, hooks, sites, key):
+    (jaxpr, label), = _inner(eqn)
+    consts = []
+    if internals.primitive_kind(eqn) == "call":
+        consts = [hooks.lift(c, internals.typeof(c)) for c in internals.call_jaxpr(eqn)[1]]
+    elif internals.primitive_kind(eqn) in ("custom_jvp", "custom_vjp"):
+        consts = _lift_all(hooks, internals.param(eqn, "call_jaxpr"))
+    elif isinstance(internals.param(eqn, "jaxpr"), jcore.ClosedJaxpr):
+        consts = _lift_all(hooks, internals.param(eqn, "jaxpr"))
+    return evaluate(jaxpr, consts, ins, state, hooks, sites, key + (label,))
+
+
+def _scan(eqn, ins, state, hooks, sites, key):
+    closed = internals.param(eqn, "jaxpr")
+    nc, ncarry = internals.scan_counts(eqn)
+    length = internals.param(eqn, "length")
+    consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
+    body_consts = _lift_all(hooks, closed)
+    label = f"scan x{length}"
+
+    def body(carry, x):
+        c, st = carry
+        outs, st = evaluate(closed.jaxpr, body_consts, [*consts, *c, *x], st, hooks, sites, key + (label,))
+        return (outs[:ncarry], st), outs[ncarry:]
+
+    (carry, state), ys = jax.lax.scan(body, (list(init), state), list(xs), length=length,
+                                      reverse=internals.param(eqn, "reverse"))
+    return [*carry, *ys], state
+
+
+def _while(eqn, ins, state, hooks, sites, key):
+    cj, bj, cn, bn = internals.while_parts(eqn)
+    ins = hooks.barrier(list(ins))
+    cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+    cc, bc = hooks.barrier(_lift_all(hooks, cj)), hooks.barrier(_lift_all(hooks, bj))
+
+    def cond_fn(carry):
+        c, st = carry
+        outs, _ = evaluate(cj.jaxpr, cc, [*cconsts, *c], st, hooks, sites, key + ("while",))
+        return hooks.index(outs[0])
+
+    def body_fn(carry):
+        c, st = carry
+        outs, st = evaluate(bj.jaxpr, bc, [*bconsts, *c], st, hooks, sites, key + ("while",))
+        return outs, st
+
+    out, state = jax.lax.while_loop(cond_fn, body_fn, (list(init), state))
+    return out, state
+
+
+def _cond(eqn, ins, state, hooks, sites, key):
+    branches = internals.param(eqn, "branches")
+    index, ops = ins[0], ins[1:]
+
+    def branch(i, closed):
+        consts = _lift_all(hooks, closed)
+
+        def run(ops, st):
+            return evaluate(closed.jaxpr, consts, ops, st, hooks, sites, key + (f"cond branch {i}/{len(branches)}",))
+        return run
+
+    fns = [branch(i, b) for i, b in enumerate(branches)]
+    idx = hooks.index(index)
+    if np.dtype(idx.dtype) == np.dtype(bool):
+        idx = idx.astype(np.int32)
+    return jax.lax.switch(idx, fns, list(ops), state)
+
+
+_ENTER: dict[str, Callable] = {"call": _inline, "remat": _inline, "custom_jvp": _inline, "custom_vjp": _inline,
+                               "scan": _scan, "while": _while, "cond": _cond}
+
+
+#: Compiler options of the debugger's programs: XLA may otherwise keep a half value in float32
+#: inside a fusion (``xla_allow_excess_precision``), and an overflow or a rounding the program
+#: asks for would not show. The debugger measures what the dtypes say.
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+def compile_strict(fn: Callable, *args) -> Callable:
+    """``jax.jit(fn)`` lowered for ``args`` and compiled with `COMPILER_OPTIONS` (called at once)."""
+    lowered = jax.jit(fn).lower(*args)
+    try:
+        compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
+    except Exception:  # noqa: BLE001 - a backend without the option: its default
+        compiled = lowered.compile()
+    return compiled(*args)
+
+
+def trace(fn: Callable, args: Sequence[Any], kwargs: dict) -> tuple[Any, Any]:
+    """``fn(*args, **kwargs)`` traced in explain mode: ``(closed jaxpr, output tree)``.
+
+    Explain mode makes `jaxmp.autocast` record the rule of every op it emits, which the
+    sites read back. Arguments are flattened: the jaxpr's invars are the array leaves.
+    """
+    from jaxmp.engine.api import explaining
+
+    if not callable(fn):
+        raise TypeError(f"expected a callable (a loss function or a train step), got {type(fn).__name__}: {fn!r}")
+    with explaining():
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+    return closed, jax.tree_util.tree_structure(shape)

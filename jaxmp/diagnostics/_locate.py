@@ -1,0 +1,303 @@
+"""A culprit for a non-finite step: the first op whose output is inf/NaN while its inputs are finite.
+
+`locate_non_finite` re-runs a step once, off the hot path, on the inputs that overflowed:
+it traces the function (and, for a scalar loss, its gradient) and re-evaluates the program op by
+op (`jaxmp.diagnostics._evaluate`) in one jitted pass that carries "the first op so far"
+through every loop. Nothing of this runs unless it is called: a training step pays nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp.diagnostics import _format
+from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, trace
+
+_MAX_INPUTS = 4
+_DOCS = "docs/debugging.md"
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteCulprit:
+    """What `locate_non_finite` found.
+
+    Attributes:
+      found: whether an op produced inf/NaN from finite inputs (False: the step is finite on
+        these inputs, or the inputs themselves hold inf/NaN; see ``bad_input``).
+      primitive: the op (``"dot_general"``, ``"exp"`` ...).
+      path: its module path (Flax/Equinox/Haiku scopes, ``jax.named_scope`` names).
+      source: ``file:line (function)`` of the code that emitted it.
+      backward: the op belongs to the gradient (backward pass).
+      in_dtypes, out_dtypes: short dtype names of its operands and results.
+      input_absmax: max |x| of each floating operand (up to four).
+      dtype_max: the largest finite value of the op's result dtype.
+      kind: ``"inf"`` or ``"nan"``.
+      rule: the autocast rule that chose the dtype (``"half list"`` ...), or a note when the
+        program does not run under autocast.
+      context: enclosing loops (``"scan x12"``).
+      bad_input: the path of an argument that already held inf/NaN, if any.
+    """
+
+    found: bool
+    primitive: str = ""
+    path: str = ""
+    source: str = ""
+    backward: bool = False
+    in_dtypes: tuple[str, ...] = ()
+    out_dtypes: tuple[str, ...] = ()
+    input_absmax: tuple[float, ...] = ()
+    dtype_max: float = float("nan")
+    kind: str = ""
+    rule: str = ""
+    context: str = ""
+    bad_input: str | None = None
+
+    def summary(self) -> str:
+        """One line, for error messages."""
+        if self.bad_input is not None:
+            return f"the input {self.bad_input} already holds inf/NaN"
+        if not self.found:
+            return "no op produced inf/NaN from finite inputs on these inputs"
+        where = self.path or "(top level)"
+        mags = ", ".join(f"{m:.3g}" for m in self.input_absmax) or "-"
+        return (f"first {self.kind} from finite inputs: {self.primitive} in {where} "
+                f"({'backward' if self.backward else 'forward'}, {','.join(self.in_dtypes)} -> "
+                f"{','.join(self.out_dtypes)}, inputs max|x| {mags} vs {self.out_dtypes[0] if self.out_dtypes else ''} "
+                f"max {self.dtype_max:.5g}) at {self.source or 'unknown source'}")
+
+    def __str__(self) -> str:
+        if not self.found:
+            return "locate_non_finite: " + self.summary()
+        mags = ", ".join(f"{m:.4g}" for m in self.input_absmax) or "-"
+        lines = [
+            f"locate_non_finite: the first {self.kind} comes from {self.primitive} "
+            f"in the {'backward' if self.backward else 'forward'} pass",
+            f"  module path : {self.path or '(top level)'}",
+            f"  source      : {self.source or 'unknown'}",
+            f"  dtypes      : {', '.join(self.in_dtypes)} -> {', '.join(self.out_dtypes)}",
+            f"  inputs      : max|x| = {mags}; finite max of {self.out_dtypes[0] if self.out_dtypes else '?'} "
+            f"is {self.dtype_max:.6g}",
+            f"  dtype chosen: {self.rule}",
+        ]
+        if self.context:
+            lines.append(f"  inside      : {self.context}")
+        lines.append(f"  fix         : {self.advice()}")
+        return "\n".join(lines)
+
+    def advice(self) -> str:
+        """What usually fixes this kind of overflow."""
+        halves = any(d in ("f16", "bf16") for d in self.in_dtypes + self.out_dtypes)
+        if not halves:
+            return ("the op runs in float32 here: the values themselves diverge (learning rate, data, "
+                    "an unguarded log/div); see " + _DOCS)
+        where = f"the module {self.path.rsplit('/', 1)[-1]!r}" if self.path else "this op"
+        if self.backward:
+            return (f"the gradient overflows the half dtype in {where}: lower the loss scale (a dynamic scale "
+                    "backs off by itself), or keep " + where + " in float32 (a float32 region / fp32 path rule, "
+                    "see " + _DOCS + "), or train in bfloat16")
+        return (f"keep {where} in float32 (jaxmp.AutocastRules().with_scope(...), "
+                "PrecisionOverrides.with_fp32_paths(...) or @jaxmp.float32_region), normalise its input, "
+                "or use bfloat16 (float32's range); see " + _DOCS)
+
+
+class _Locate(Hooks):
+    """Values are arrays; the state is (site, input max|x|, output is NaN) of the first bad op.
+
+    Ops only record which values they read and wrote; `flush` (before a loop, at the end
+    of a body) measures every new value of the frame in one concatenated segment reduction and
+    decides for all the frame's ops at once. One reduction per value would be one kernel per
+    value, and XLA takes seconds to compile a few hundred of them.
+    """
+
+    def __init__(self):
+        self._mag: dict[int, tuple[Any, Any, Any]] = {}  # id -> (value, max|x| (inf if non-finite), has NaN)
+        self._frame: list = []
+
+    def first_order(self, site: Site, eqn, ins, state):
+        outs = bind(eqn, ins)
+        out_f = [o for o in outs if _floating(o)]
+        if out_f:
+            self._frame.append((site.index, [x for x in ins if _floating(x)], out_f))
+        return outs, state
+
+    def _measure(self, values: list) -> tuple[dict, Any, Any]:
+        """Positions of ``values`` in two vectors: max|x| (inf where non-finite) and has-NaN."""
+        new, old = {}, {}
+        for x in values:
+            hit = self._mag.get(id(x))
+            if hit is not None and hit[0] is x:
+                old.setdefault(id(x), hit)
+            else:
+                new.setdefault(id(x), x)
+        parts_m, parts_n, pos = [jnp.zeros(1, jnp.float32)], [jnp.zeros(1, bool)], {}
+        if old:
+            parts_m.append(jnp.stack([h[1] for h in old.values()]))
+            parts_n.append(jnp.stack([h[2] for h in old.values()]))
+            pos.update({k: 1 + i for i, k in enumerate(old)})
+        if new:
+            xs = list(new.values())
+            sizes = [int(np.size(x)) for x in xs]
+            flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in xs])
+            seg = jnp.asarray(np.repeat(np.arange(len(xs), dtype=np.int32), sizes))
+            # A barrier: values computed from constants only would otherwise be constant-folded
+            # through the scatter below, which XLA does slowly (seconds per op).
+            flat = jax.lax.optimization_barrier(flat)
+            a = jnp.abs(flat)
+            mags = jax.ops.segment_max(jnp.where(jnp.isnan(a), jnp.inf, a), seg, len(xs), indices_are_sorted=True)
+            nans = jax.ops.segment_max(jnp.isnan(a).astype(jnp.int32), seg, len(xs), indices_are_sorted=True) > 0
+            mags = jnp.where(np.array(sizes) == 0, 0.0, mags)
+            start = 1 + len(old)
+            for i, (k, x) in enumerate(new.items()):
+                self._mag[k] = (x, mags[i], nans[i])
+                pos[k] = start + i
+            parts_m.append(mags)
+            parts_n.append(nans)
+        return pos, jnp.concatenate(parts_m), jnp.concatenate(parts_n)
+
+    def flush(self, state):
+        if not self._frame:
+            return state
+        frame, self._frame = self._frame, []
+        pos, mag, nan_of = self._measure([x for _, ins, outs in frame for x in (*ins, *outs)])
+        k_in = max(1, max(len(ins) for _, ins, _ in frame))
+        k_out = max(len(outs) for _, _, outs in frame)
+        # Index 0 is a zero entry: padding that is finite and not NaN.
+        in_idx = np.array([[pos[id(x)] for x in ins] + [0] * (k_in - len(ins)) for _, ins, _ in frame], np.int32)
+        out_idx = np.array([[pos[id(o)] for o in outs] + [pos[id(outs[0])]] * (k_out - len(outs))
+                            for _, _, outs in frame], np.int32)
+        flags = jnp.all(jnp.isfinite(mag[in_idx]), axis=1) & ~jnp.all(jnp.isfinite(mag[out_idx]), axis=1)
+        i = jnp.argmax(flags)
+        first, mags, nan = state
+        new = (first < 0) & flags[i]
+        head = np.pad(in_idx[:, :_MAX_INPUTS], ((0, 0), (0, max(0, _MAX_INPUTS - k_in))))
+        ids = jnp.asarray(np.array([f[0] for f in frame], np.int32))
+        return (jnp.where(new, ids[i], first), jnp.where(new, mag[jnp.asarray(head)[i]], mags),
+                jnp.where(new, jnp.any(nan_of[jnp.asarray(out_idx)[i]]), nan))
+
+
+def _floating(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and _format.is_floating(dtype)
+
+
+def _absmax(x):
+    return jnp.max(jnp.abs(x).astype(jnp.float32), initial=0.0) if jnp.size(x) else jnp.zeros((), jnp.float32)
+
+
+def _with_gradient(fn: Callable, loss_scale: float) -> Callable:
+    """``fn`` and its gradient (w.r.t. every floating argument), the cotangent seeded with ``loss_scale``."""
+
+    def both(*args, **kwargs):
+        flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+        diff = [i for i, x in enumerate(flat) if _floating(x)]
+
+        def of(*xs):
+            full = list(flat)
+            for i, x in zip(diff, xs):
+                full[i] = x
+            a, k = jax.tree_util.tree_unflatten(tree, full)
+            return fn(*a, **k)
+
+        out, vjp = jax.vjp(of, *[flat[i] for i in diff])
+        cts = jax.tree_util.tree_map(lambda o: jnp.full(jnp.shape(o), loss_scale, o.dtype) if _floating(o)
+                                     else np.zeros(jnp.shape(o), jax.dtypes.float0), out)
+        return out, vjp(cts)
+
+    return both
+
+
+def _scalar_float(shape_tree) -> bool:
+    leaves = jax.tree_util.tree_leaves(shape_tree)
+    return len(leaves) >= 1 and getattr(leaves[0], "shape", None) == () and _floating(leaves[0])
+
+
+def locate_non_finite(fn: Callable, *args, policy: Any = None, grad: bool | None = None,
+                      loss_scale: float = 1.0, **kwargs) -> NonFiniteCulprit:
+    """Names the first op, forward or backward, whose output is inf/NaN while its inputs are finite.
+
+    Re-runs ``fn`` once on these inputs, op by op (one jitted re-evaluation of its jaxpr; loops,
+    conds, remat and nested jits are entered), and reports the op: primitive, module path,
+    source line, dtypes, its inputs' magnitudes against the dtype's largest finite value, and
+    the autocast rule that chose the dtype. Call it off the hot path, when a run keeps skipping
+    steps (``jaxmp.check_health(..., locate=...)`` does): a step that does not call it pays nothing.
+
+    Args:
+      fn: a loss function (``fn(params, batch) -> scalar``), a forward pass, or a whole train
+        step (its gradient is inside it already).
+      *args: the inputs of the step that overflowed.
+      policy: run ``fn`` under ``jaxmp.autocast(fn, policy)`` (a preset such as ``"O1-fp16"``);
+        None: ``fn`` already runs in its precision (Flax door, ``Policy.cast_to_compute``).
+      grad: also run the backward pass (``jax.vjp`` of ``fn``). None: when ``fn`` returns a
+        floating scalar first (a loss).
+      loss_scale: the cotangent the backward pass is seeded with (the run's loss scale: float16
+        gradients overflow at the scale, not at 1).
+      **kwargs: keyword arguments of ``fn``.
+
+    Returns:
+      A `NonFiniteCulprit` (``str()`` is a readable report; ``.summary()`` one line).
+
+    Raises:
+      TypeError: ``fn`` is not callable.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmp.diagnostics import locate_non_finite
+      >>> def loss(w, x):
+      ...     with jax.named_scope("encoder"):
+      ...         h = (x @ w).astype(jnp.float16) * 1000.0
+      ...     return jnp.mean(h.astype(jnp.float32))
+      >>> found = locate_non_finite(loss, jnp.full((4, 4), 30.0), jnp.ones((2, 4)))
+      >>> found.primitive, found.path, found.backward
+      ('mul', 'encoder', False)
+    """
+    if not callable(fn):
+        raise TypeError(f"locate_non_finite expects a callable (a loss function or train step), got "
+                        f"{type(fn).__name__}: {fn!r}")
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float, np.floating)) or not loss_scale > 0:
+        raise ValueError(f"loss_scale must be a positive number, got {loss_scale!r}")
+    from jaxmp.opt_state import first_non_finite
+
+    bad = first_non_finite((args, kwargs))
+    if bad is not None:
+        return NonFiniteCulprit(False, bad_input=bad)
+    run = fn
+    if policy is not None:
+        from jaxmp.engine.entry import autocast
+
+        run = autocast(fn, policy)
+    if grad is None:
+        _, shape = jax.eval_shape(lambda *a, **k: (0, run(*a, **k)), *args, **kwargs)
+        grad = _scalar_float(shape)
+    if grad:
+        run = _with_gradient(run, float(loss_scale))
+    closed, _ = trace(run, args, kwargs)
+    sites = Sites(closed.jaxpr)
+    hooks = _Locate()
+
+    def program(consts, leaves):
+        state = (jnp.int32(-1), jnp.zeros(_MAX_INPUTS, jnp.float32), jnp.array(False))
+        _, state = evaluate(closed.jaxpr, consts, leaves, state, hooks, sites)
+        return state
+
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    first, mags, nan = jax.device_get(compile_strict(program, list(closed.consts), leaves))
+    if int(first) < 0:
+        return NonFiniteCulprit(False)
+    return culprit(sites.sites[int(first)], mags, bool(nan))
+
+
+def culprit(site: Site, mags, nan: bool) -> NonFiniteCulprit:
+    """The `NonFiniteCulprit` of ``site`` with the recorded magnitudes."""
+    n_in = sum(1 for a in site.eqn.invars if _floating(getattr(a, "aval", None)))
+    out_dtype = next((a.aval.dtype for a in site.eqn.outvars if _floating(a.aval)), np.float32)
+    rule = site.rule or ("region " + site.region if site.region else
+                         "as written (not under jaxmp.autocast: the code or its policy casts chose it)")
+    return NonFiniteCulprit(
+        True, site.primitive, site.path, site.source, site.backward, site.in_dtypes, site.out_dtypes,
+        tuple(float(m) for m in np.asarray(mags)[:min(n_in, _MAX_INPUTS)]),
+        float(jnp.finfo(out_dtype).max), "nan" if nan else "inf", rule, site.context)

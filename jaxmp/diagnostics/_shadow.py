@@ -1,0 +1,429 @@
+"""A float32 shadow run, ranked by module, and the override that fixes the top offender.
+
+`compare_to_float32` traces the step as the policy runs it and re-evaluates that program
+twice in one jitted pass (`jaxmp.diagnostics._evaluate`): once as traced, and once as its
+*float32 shadow*, the same ops with every floating value in float32 (half casts become no-ops,
+half matmuls float32 ones). The shadow is the float32 run of the very same program, so every op
+of the policy run has its float32 twin, whatever front door produced it (``jaxmp.autocast``, the
+Flax door, ``Policy.cast_to_compute``, ``dtype=bfloat16`` layers, O3).
+
+Per op it measures the relative error of the policy's value against its twin, and, when the
+function returns a scalar loss, how much of the loss error each op's own rounding causes: the
+first-order estimate ``<dL/dy_i, delta_i>``, with ``delta_i`` the rounding of op ``i`` on exact
+(shadow) inputs and ``dL/dy_i`` the float32 loss's sensitivity to its output. Relative errors
+accumulate downstream and so cannot say where they come from; the attribution does, and ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp.diagnostics import _format
+from jaxmp.engine import internals
+from jaxmp.engine.rules import COMBINER_OPS
+from jaxmp.diagnostics._fix import Fix, suggest_fix, train
+from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, trace
+
+_F32 = np.dtype(np.float32)
+#: Ops that move or select values: exact in any dtype, they add no rounding of their own.
+_EXACT = frozenset({
+    "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "dynamic_slice",
+    "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "copy", "copy_p", "select_n", "max", "min",
+    "neg", "abs", "sign", "reduce_max", "reduce_min", "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge",
+    "stop_gradient", "sharding_constraint", "iota", "floor", "ceil", "round", "is_finite", "clamp",
+    "cummax", "cummin", "sort", "split", "pvary", "optimization_barrier", "name",
+})
+
+
+def _floating(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and _format.is_floating(dtype)
+
+
+def _up(x):
+    return x.astype(jnp.float32) if _floating(x) and np.dtype(x.dtype) != _F32 else x
+
+
+def _f32_params(eqn) -> dict:
+    p = dict(eqn.params)
+    for name in ("new_dtype", "preferred_element_type", "dtype"):
+        d = p.get(name)
+        if d is not None and _format.is_floating(d) and np.dtype(d).itemsize < 4:
+            p[name] = _F32
+    return p
+
+
+def _shadow_bind(eqn, xs: list) -> list:
+    """``eqn`` on float32 operands, as float32 (a narrowing is the identity there)."""
+    name = eqn.primitive.name
+    if name == "reduce_precision" or (name == "convert_element_type" and _floating(xs[0])
+                                      and _format.is_floating(eqn.params["new_dtype"])):
+        return [_up(xs[0])]
+    if name not in COMBINER_OPS and not internals.sub_jaxprs(eqn):
+        try:
+            return [_up(o) for o in bind(eqn, xs, _f32_params(eqn))]
+        except (TypeError, ValueError):  # an op whose parameters pin its dtypes: run as traced, below
+            pass
+    # Ops that carry a combiner typed for their traced dtypes (scatter-add, reduce, sort) run in
+    # those dtypes: their shadow is as precise as the policy run there.
+    traced = [getattr(getattr(a, "aval", None), "dtype", None) for a in eqn.invars]
+    args = [x.astype(d) if _floating(x) and d is not None and _format.is_floating(d) else x
+            for x, d in zip(xs, traced)]
+    return [_up(o) for o in bind(eqn, args)]
+
+
+class _Shadow(Hooks):
+    """Values are (policy array, float32 twin); the state is the max relative error per site."""
+
+    def __init__(self, n: int, attribute: bool):
+        self.n, self.attribute, self.t = n, attribute, None
+        self._frame: list = []
+
+    def lift(self, x, aval):
+        return (x, _up(jnp.asarray(x)) if _floating(x) else x)
+
+    def literal(self, atom):
+        x = np.asarray(atom.val, atom.aval.dtype)
+        return (x, x.astype(np.float32) if _format.is_floating(x.dtype) else x)
+
+    def index(self, value):
+        return value[0]
+
+    def barrier(self, values):
+        return [(p, jax.lax.stop_gradient(s)) for p, s in values]
+
+    def first_order(self, site: Site, eqn, ins, state):
+        ps, ss = [v[0] for v in ins], [v[1] for v in ins]
+        p_out = bind(eqn, ps)
+        s_out = _shadow_bind(eqn, ss)
+        k = next((i for i, o in enumerate(p_out) if _floating(o)), None)
+        if k is None:
+            return list(zip(p_out, s_out)), state
+        if self.attribute and self.t is not None and site.half and not site.backward \
+                and site.primitive not in _EXACT:
+            s_out[k] = s_out[k] + self.t[site.index] * jax.lax.stop_gradient(self._rounding(eqn, ss, k))
+        self._frame.append((site.index, p_out[k], s_out[k]))
+        return list(zip(p_out, s_out)), state
+
+    @staticmethod
+    def _rounding(eqn, ss, k):
+        """Op ``eqn``'s own rounding: as traced on its (rounded) exact inputs, minus float32 on the same."""
+        traced = [getattr(getattr(a, "aval", None), "dtype", None) for a in eqn.invars]
+        rounded = [x.astype(d) if _floating(x) and d is not None and _format.is_floating(d) else x
+                   for x, d in zip(ss, traced)]
+        out = bind(eqn, rounded)[k]
+        local = _up(out)
+        if np.dtype(out.dtype).itemsize < 4:
+            # XLA may keep a half result in float32 inside a fusion (xla_allow_excess_precision);
+            # reduce_precision is never elided, so the op's rounding is measured as the dtype has it.
+            fi = jnp.finfo(out.dtype)
+            local = jax.lax.reduce_precision(local, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+        exact = _shadow_bind(eqn, [_up(x) for x in rounded])[k]
+        return local - exact
+
+    def flush(self, errs):
+        if not self._frame:
+            return errs
+        frame, self._frame = self._frame, []
+        sizes = [int(np.size(p)) for _, p, _ in frame]
+        p = jnp.concatenate([jnp.ravel(p).astype(jnp.float32) for _, p, _ in frame])
+        s = jax.lax.stop_gradient(jnp.concatenate([jnp.ravel(s).astype(jnp.float32) for _, _, s in frame]))
+        p, s = jax.lax.optimization_barrier((p, s))  # no constant folding through the scatter
+        seg = jnp.asarray(np.repeat(np.arange(len(frame), dtype=np.int32), sizes))
+        num = jax.ops.segment_sum(jnp.square(p - s), seg, len(frame), indices_are_sorted=True)
+        den = jax.ops.segment_sum(jnp.square(s), seg, len(frame), indices_are_sorted=True)
+        err = jnp.sqrt(num) / jnp.maximum(jnp.sqrt(den), jnp.finfo(jnp.float32).tiny)
+        err = jnp.where((num == 0) & (den == 0), 0.0, err)
+        ids = jnp.asarray(np.array([f[0] for f in frame], np.int32))
+        return errs.at[ids].max(err)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleError:
+    """The error of one module (name-scope path) of the policy run against its float32 shadow.
+
+    Attributes:
+      path: the module path.
+      impact: the loss error its ops' own rounding causes (first-order estimate; signed).
+      share: ``impact`` as a fraction of the loss error of the whole run (NaN without a loss).
+      activation_error: the largest relative error of its forward ops' results.
+      gradient_error: the largest relative error of its backward ops' results (NaN: none).
+      half_ops: how many of its ops compute or round in half precision.
+      first_site: its first op's position in the program (program order).
+      jump: the point where the error jumps (the largest rise over the modules before it).
+    """
+
+    path: str
+    impact: float
+    share: float
+    activation_error: float
+    gradient_error: float
+    half_ops: int
+    first_site: int
+    jump: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ShadowReport:
+    """What `compare_to_float32` returns.
+
+    Attributes:
+      modules: per-module errors, ranked (largest loss impact first; by activation error when
+        the function has no scalar loss).
+      loss: the policy run's loss (first output), NaN without one.
+      loss_float32: the float32 shadow's loss.
+      gradient_errors: ``((param path, relative error), ...)`` of the gradients, largest first.
+      ops: per-op rows ``(site, relative error, impact)`` when ``per_op=True``, else ().
+      steps: optimizer steps both runs took before the comparison (0: one step).
+      losses, losses_float32: the loss at each of those steps (policy, float32).
+      fix: the `Fix` for the top offender, or None.
+      seconds: wall time of the comparison.
+      policy: the policy it ran under (str), or None when ``fn`` runs its own precision.
+    """
+
+    modules: tuple[ModuleError, ...]
+    loss: float
+    loss_float32: float
+    gradient_errors: tuple[tuple[str, float], ...]
+    ops: tuple = ()
+    steps: int = 0
+    losses: tuple[float, ...] = ()
+    losses_float32: tuple[float, ...] = ()
+    fix: Fix | None = None
+    seconds: float = 0.0
+    policy: str | None = None
+
+    @property
+    def loss_error(self) -> float:
+        """``|loss - loss_float32| / |loss_float32|``."""
+        return abs(self.loss - self.loss_float32) / max(abs(self.loss_float32), 1e-30)
+
+    @property
+    def top(self) -> ModuleError | None:
+        """The top offender (first of `modules`), or None."""
+        return self.modules[0] if self.modules else None
+
+    def clean(self, tolerance: float = 0.05) -> bool:
+        """No alarm: the loss is within ``tolerance`` (relative) of float32's."""
+        return bool(np.isfinite(self.loss)) and self.loss_error <= tolerance
+
+    def table(self, max_rows: int = 12) -> str:
+        """The ranked modules, gradient errors and the fix, as text."""
+        head = (f"compare_to_float32{f' ({self.policy})' if self.policy else ''}"
+                f"{f' after {self.steps} steps' if self.steps else ''}: loss {self.loss:.6g} vs float32 "
+                f"{self.loss_float32:.6g} (relative error {self.loss_error:.3g})")
+        rows = []
+        for i, m in enumerate(self.modules[:max_rows]):
+            rows.append([str(i + 1), m.path or "(top level)", f"{m.impact:+.3g}",
+                         _format.fmt_pct(m.share) if np.isfinite(m.share) else "-",
+                         f"{m.activation_error:.3g}", "-" if np.isnan(m.gradient_error) else f"{m.gradient_error:.3g}",
+                         str(m.half_ops), "<- error jumps here" if m.jump else ""])
+        footer = None if len(self.modules) <= max_rows else f"... {len(self.modules) - max_rows} more modules"
+        out = [head, _format.render_table("Modules ranked by the loss error their rounding causes",
+                                          ["#", "module", "loss impact", "share", "act. rel err", "grad rel err",
+                                           "half ops", ""], rows, footer, 160)]
+        if self.gradient_errors:
+            grows = [[p, f"{e:.3g}"] for p, e in self.gradient_errors[:max_rows]]
+            out.append(_format.render_table("Gradient relative error per parameter", ["param", "rel err"], grows,
+                                            None, 160))
+        if self.ops:
+            orows = [[str(s.index), s.primitive, s.path, ",".join(s.in_dtypes) + "->" + ",".join(s.out_dtypes),
+                      f"{e:.3g}", f"{c:+.3g}", s.rule] for s, e, c in self.ops[:max_rows * 3]]
+            out.append(_format.render_table("Ops", ["#", "op", "module", "dtypes", "rel err", "loss impact", "rule"],
+                                            orows, None, 160))
+        if self.fix is not None:
+            out.append(str(self.fix))
+        out.append(f"({self.seconds:.2f} s)")
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# -- running ---------------------------------------------------------------------------------
+
+def _scalar_first(shape_tree) -> bool:
+    leaves = jax.tree_util.tree_leaves(shape_tree)
+    return bool(leaves) and getattr(leaves[0], "shape", None) == () and _floating(leaves[0])
+
+
+class _Program:
+    """One traced step, its sites, and jitted runners (policy+shadow with attribution; shadow only)."""
+
+    def __init__(self, run: Callable, args: Sequence[Any], attribute: bool):
+        self.closed, self.out_tree = trace(run, tuple(args), {})
+        self.sites = Sites(self.closed.jaxpr)
+        self.attribute = attribute
+        n = len(self.sites)
+
+        def both(t, consts, leaves):
+            hooks = _Shadow(n, attribute)
+            hooks.t = t
+            lifted = [hooks.lift(x, None) for x in leaves]
+            outs, errs = evaluate(self.closed.jaxpr, [hooks.lift(c, None) for c in consts], lifted,
+                                  jnp.zeros(n, jnp.float32), hooks, self.sites)
+            loss = outs[0][1] if attribute else jnp.zeros((), jnp.float32)
+            return jnp.asarray(loss, jnp.float32).reshape(()), ([o[0] for o in outs], [o[1] for o in outs], errs)
+
+        self._both = both
+        if attribute:
+            self.analyse = jax.value_and_grad(both, has_aux=True)
+        else:
+            self.analyse = lambda t, c, l: (both(t, c, l), jnp.zeros(n, jnp.float32))
+
+        def shadow_only(consts, leaves):
+            hooks = _Shadow(n, False)
+            outs, _ = evaluate(self.closed.jaxpr, [hooks.lift(c, None) for c in consts],
+                               [hooks.lift(x, None) for x in leaves], jnp.zeros(n, jnp.float32), hooks, self.sites)
+            return [o[1] for o in outs]
+
+        self.shadow = jax.jit(shadow_only)
+
+    def run(self, args):
+        leaves = jax.tree_util.tree_leaves(tuple(args))
+        t = jnp.zeros(len(self.sites), jnp.float32)
+        (_, (p, s, errs)), contrib = compile_strict(self.analyse, t, list(self.closed.consts), leaves)
+        return p, s, np.asarray(errs), np.asarray(contrib)
+
+    def shadow_outputs(self, args):
+        return self.shadow(list(self.closed.consts), jax.tree_util.tree_leaves(tuple(args)))
+
+
+def _relerr(p, s) -> float:
+    p, s = np.asarray(p, np.float64), np.asarray(s, np.float64)
+    den = np.linalg.norm(s)
+    num = np.linalg.norm(p - s)
+    return float(num / den) if den > 0 else float(num)
+
+
+def _modules(sites: Sites, errs, contrib, total: float) -> list[ModuleError]:
+    by: dict[str, dict] = {}
+    for site in sites.sites:
+        m = by.setdefault(site.path, {"impact": 0.0, "act": 0.0, "grad": float("nan"), "half": 0, "first": site.index})
+        e = float(errs[site.index])
+        if site.backward:
+            m["grad"] = e if np.isnan(m["grad"]) else max(m["grad"], e)
+        else:
+            m["impact"] += float(contrib[site.index])
+            m["act"] = max(m["act"], e)
+        m["half"] += int(site.half)
+    mods = [ModuleError(p, d["impact"], d["impact"] / total if total else float("nan"), d["act"], d["grad"],
+                        d["half"], d["first"]) for p, d in by.items()]
+    # The jump: in program order, the forward op whose error rises most over every op before it
+    # (at least 4x); its module is marked.
+    best, best_ratio, prev = None, 4.0, 0.0
+    for site in sites.sites:
+        if site.backward:
+            continue
+        e = float(errs[site.index])
+        if prev > 0 and np.isfinite(e) and e / prev > best_ratio:
+            best, best_ratio = site.path, e / prev
+        if np.isfinite(e):
+            prev = max(prev, e)
+    return [dataclasses.replace(m, jump=m.path == best) for m in mods]
+
+
+def compare_to_float32(fn: Callable, *args, policy: Any = None, steps: int = 0, optimizer: Any = None,
+                       per_op: bool = False, grad: bool | None = None, fix: bool = True) -> ShadowReport:
+    """Runs ``fn`` under a policy and as its float32 shadow on the same inputs; ranks modules by error.
+
+    Both runs evaluate the same traced program (see the module docstring), so this works for
+    any front door: give ``policy`` to run ``fn`` (float32 code) under ``jaxmp.autocast(fn,
+    policy)``, or leave it None when ``fn`` already computes in its precision (a Flax-door model,
+    ``Policy.cast_to_compute``, ``dtype=bfloat16`` layers). ``jit``, ``scan``, ``remat``, ``cond``
+    and ``while`` inside ``fn`` are entered.
+
+    Args:
+      fn: ``fn(params, *batch) -> loss`` (a floating scalar first); any other function is
+        compared on its outputs, without loss attribution or gradients.
+      *args: its inputs; ``args[0]`` are the parameters when training (``steps > 0``).
+      policy: a preset or policy for ``jaxmp.autocast``; None: ``fn`` runs its own precision.
+      steps: 0 compares one step. ``k > 0`` first trains both runs ``k`` optimizer steps from the
+        same parameters on the same inputs, then compares (some losses only show as drift).
+      optimizer: the optax transformation for ``steps`` (default ``optax.adam(1e-3)``).
+      per_op: also list every op with its error and loss impact.
+      grad: compare gradients too (w.r.t. ``args[0]``). None: when ``fn`` returns a scalar loss.
+      fix: for the top offender, write the override and measure it (under ``policy``).
+
+    Returns:
+      A `ShadowReport` (``str()`` is the ranked table, the jump marked, and the fix).
+
+    Raises:
+      TypeError: ``fn`` is not callable, or ``steps > 0`` without a scalar loss.
+      ValueError: ``steps < 0``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmp.diagnostics import compare_to_float32
+      >>> def loss(p, x):
+      ...     with jax.named_scope("sched"):
+      ...         g = x @ p["w"] + p["b"]
+      ...     return jnp.mean(jnp.exp(g - 13.0))
+      >>> p = {"w": jnp.full((4, 1), 0.01), "b": jnp.full((1,), 13.3)}
+      >>> rep = compare_to_float32(loss, p, jnp.ones((8, 4)), policy="O2-bf16", fix=False)
+      >>> rep.top.path
+      'sched'
+    """
+    t0 = time.perf_counter()
+    if not callable(fn):
+        raise TypeError(f"compare_to_float32 expects a callable, got {type(fn).__name__}: {fn!r}")
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    run = fn
+    if policy is not None:
+        from jaxmp.engine.entry import autocast
+
+        run = autocast(fn, policy)
+    has_loss = _scalar_first(jax.eval_shape(lambda *a: (run(*a),), *args)[0])
+    if steps and not has_loss:
+        raise TypeError("compare_to_float32(steps=k) trains on fn's loss: fn must return a floating scalar first")
+    grad = has_loss if grad is None else bool(grad and has_loss)
+    step = jax.value_and_grad(run) if grad else run
+    prog = _Program(step, args, attribute=has_loss)
+    losses, losses_f = (), ()
+    eval_args = args
+    tx = None
+    if steps:
+        import optax
+
+        tx = optax.adam(1e-3) if optimizer is None else optimizer
+        rest = args[1:]
+        params_p, losses = train(jax.jit(step), args[0], rest, steps, tx)
+
+        def f32_step(params, *r):
+            outs = prog.shadow_outputs((params, *r))
+            return jax.tree_util.tree_unflatten(prog.out_tree, outs)
+
+        params_f, losses_f = train(f32_step, args[0], rest, steps, tx)
+        eval_args = (params_p, *rest)
+        loss_f = float(jax.tree_util.tree_leaves(f32_step(params_f, *rest))[0])
+    p, s, errs, contrib = prog.run(eval_args)
+    loss = float(p[0]) if has_loss else float("nan")
+    if not steps:
+        loss_f = float(s[0]) if has_loss else float("nan")
+    total = float(np.sum(contrib)) if has_loss else 0.0
+    mods = _modules(prog.sites, errs, contrib, total)
+    key = (lambda m: -abs(m.impact)) if has_loss else (lambda m: -m.activation_error)
+    mods.sort(key=key)
+    grads = ()
+    if grad:
+        g_tree = jax.tree_util.tree_unflatten(prog.out_tree, list(zip(p, s)))[1]
+        rows = [(jax.tree_util.keystr(path), _relerr(*pair))
+                for path, pair in jax.tree_util.tree_leaves_with_path(g_tree, is_leaf=lambda x: isinstance(x, tuple))]
+        grads = tuple(sorted(rows, key=lambda r: -r[1]))
+    ops = ()
+    if per_op:
+        ops = tuple(sorted(((site, float(errs[site.index]), float(contrib[site.index])) for site in prog.sites.sites),
+                           key=lambda r: (-abs(r[2]), -r[1])))
+    report = ShadowReport(tuple(mods), loss, loss_f, grads, ops, steps, tuple(losses), tuple(losses_f),
+                          None, 0.0, None if policy is None else str(policy))
+    if fix and has_loss and mods and mods[0].path and np.isfinite(loss):
+        report = dataclasses.replace(report, fix=suggest_fix(fn, args, policy, mods[0].path, report.loss_error,
+                                                             report.loss_float32, steps, tx))
+    return dataclasses.replace(report, seconds=time.perf_counter() - t0)

@@ -1,0 +1,217 @@
+"""The precision debugger (issue 40) on seeded faults: the locator names the layer that overflows
+(forward and backward), the float32 shadow ranks the narrowed path first and its fix closes the
+gap, strict mode raises on a hand-written half reduction only; clean models raise no alarm."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+from jaxmp.diagnostics import (StrictPrecisionError, compare_to_float32, locate_non_finite,
+                               strict_precision)
+
+
+class Net(nn.Module):
+    """embed -> blowup -> head; ``gain`` scales blowup's output (the seeded overflow)."""
+
+    gain: float = 1.0
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(16, name="embed")(x))
+        x = nn.Dense(16, name="blowup")(x) * self.gain
+        return nn.Dense(4, name="head")(nn.relu(x))
+
+
+X = jax.random.normal(jax.random.key(0), (8, 8))
+
+
+def _net(gain):
+    net = Net(gain)
+    return net, net.init(jax.random.key(1), X)
+
+
+# ---- (a) forward overflow: named ----
+
+@pytest.mark.slow  # ~10-20 s on a shared 2-core CPU: XLA compiles the instrumented program
+def test_forward_overflow_names_the_layer_and_op():
+    net, v = _net(1.0)
+    v = jax.tree_util.tree_map(lambda x: x, v)
+    v["params"]["blowup"]["kernel"] = v["params"]["blowup"]["kernel"] * 3e4  # blowup's matmul > 65504
+    loss = lambda p, x: jnp.mean(net.apply(p, x))  # noqa: E731
+    assert np.isfinite(jaxmp.autocast(loss, "O1-fp16")(v, X))  # finite on small inputs ...
+    found = locate_non_finite(loss, v, X * 30.0, policy="O1-fp16")  # ... not on these
+    assert found.found and not found.backward
+    assert found.primitive == "dot_general" and found.path.endswith("blowup"), found
+    assert found.dtype_max == 65504.0 and found.out_dtypes == ("f16",)
+    assert all(np.isfinite(found.input_absmax)) and max(found.input_absmax) < 65504.0
+    assert found.rule == "half list" and "test_diagnostics_debugger.py" in found.source
+    text = str(found)
+    assert "blowup" in text and "forward" in text and "65504" in text
+
+
+# ---- (b) backward overflow: named ----
+
+@pytest.mark.slow  # ~10-20 s on a shared 2-core CPU: XLA compiles the instrumented program
+def test_backward_overflow_at_the_loss_scale_is_named():
+    net, v = _net(300.0)
+    loss = lambda p, x: jnp.mean(net.apply(p, x))  # noqa: E731
+    assert not locate_non_finite(loss, v, X, policy="O1-fp16").found  # finite at scale 1
+    found = locate_non_finite(loss, v, X, policy="O1-fp16", loss_scale=2.0 ** 15)
+    assert found.found and found.backward and found.path.endswith("head"), found
+    assert found.primitive == "dot_general" and "backward" in str(found)
+
+
+def test_overflow_inside_scan_remat_and_jit_is_found_with_its_loop():
+    def layer(h, w):
+        with jax.named_scope("cell"):
+            return jnp.tanh(h @ w.astype(h.dtype)) * 5e3, None
+
+    def loss(w, h):
+        body = jax.checkpoint(jax.jit(lambda c, _: (layer(c, w)[0].astype(jnp.float16) * 30.0, None)))
+        h, _ = jax.lax.scan(body, h.astype(jnp.float16), None, length=3)
+        return jnp.mean(h.astype(jnp.float32))
+
+    found = locate_non_finite(loss, jnp.eye(4), jnp.ones((2, 4)))
+    assert found.found and found.primitive == "mul" and "scan x3" in found.context, found
+
+
+def test_input_already_non_finite_is_said_and_bad_arguments_are_refused():
+    found = locate_non_finite(lambda x: jnp.sum(x), jnp.array([1.0, jnp.nan]))
+    assert not found.found and found.bad_input == "[0][0]" and "already holds" in str(found)
+    with pytest.raises(TypeError, match="callable"):
+        locate_non_finite("not a function", 1.0)
+    with pytest.raises(ValueError, match="loss_scale"):
+        locate_non_finite(lambda x: x, 1.0, loss_scale=0)
+
+
+def test_check_health_names_the_culprit_only_when_it_fires():
+    calls = []
+
+    def locate():
+        calls.append(1)
+        return locate_non_finite(lambda w, x: jnp.mean((x @ w).astype(jnp.float16) * 1e4), jnp.full((4, 4), 9.0),
+                                 jnp.ones((2, 4)))
+
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "static:1")
+    state = tx.init({"w": jnp.ones(2)})
+    jaxmp.check_health(state, max_consecutive_skips=1, locate=locate)
+    assert calls == []  # healthy: the locator never ran
+    for _ in range(2):
+        _, state = tx.update({"w": jnp.full(2, jnp.inf)}, state, {"w": jnp.ones(2)})
+    with pytest.raises(jaxmp.TrainingDivergedError, match=r"Culprit: first inf from finite inputs: mul"):
+        jaxmp.check_health(state, max_consecutive_skips=1, locate=locate)
+    assert calls == [1]
+
+
+# ---- (c) a float32 bias narrowed under O2: ranked first, fixed ----
+
+def _schedule_model():
+    def loss(p, x, y):
+        with jax.named_scope("encoder"):
+            h = jnp.tanh(x @ p["w1"])
+        with jax.named_scope("sched"):  # a learned noise schedule: float32 bias near 13.3
+            gamma = h @ p["ws"] + p["bs"]
+        with jax.named_scope("head"):
+            out = h @ p["w2"]
+        return jnp.mean((out * jnp.exp(gamma - 13.0) - y) ** 2)
+
+    k = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(k[0], (64, 16))
+    p = {"w1": jax.random.normal(k[1], (16, 32)) / 4, "ws": jax.random.normal(k[2], (32, 1)) * 0.01,
+         "bs": jnp.full((1,), 13.3), "w2": jax.random.normal(k[3], (32, 1)) / 6}
+    true = dict(p, bs=jnp.full((1,), 13.33), w2=p["w2"] * 1.1)
+    h = jnp.tanh(x @ true["w1"])
+    y = (h @ true["w2"]) * jnp.exp(h @ true["ws"] + true["bs"] - 13.0)
+    return loss, p, x, y
+
+
+@pytest.mark.slow  # ~10-20 s on a shared 2-core CPU: XLA compiles the instrumented program
+def test_shadow_ranks_the_narrowed_bias_path_first():
+    loss, p, x, y = _schedule_model()
+    rep = compare_to_float32(loss, p, x, y, policy="O2-bf16", fix=False, per_op=True)
+    assert rep.top.path == "sched", rep
+    # The op is the narrowing of the float32 bias: the engine's cast to bf16 inside the schedule.
+    site, _, impact = rep.ops[0]
+    assert site.primitive == "convert_element_type" and site.path == "sched" and site.out_dtypes == ("bf16",)
+    # The first-order attribution explains the loss error of the run.
+    total = sum(m.impact for m in rep.modules)
+    assert np.isclose(total, rep.loss - rep.loss_float32, rtol=0.35), (total, rep.loss - rep.loss_float32)
+    assert {g for g, _ in rep.gradient_errors} == {"['bs']", "['w1']", "['w2']", "['ws']"}
+    assert "sched" in str(rep)
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_suggested_override_closes_the_gap_after_50_steps():
+    loss, p, x, y = _schedule_model()
+    rep = compare_to_float32(loss, p, x, y, policy="O2-bf16", steps=50, optimizer=optax.adam(2e-3))
+    assert rep.top.path == "sched" and rep.steps == 50 and len(rep.losses) == 50
+    assert rep.loss_error > 1.0  # the narrowed schedule trains to a loss far above float32's
+    fix = rep.fix
+    assert fix.measured and fix.gap_closed >= 0.9, fix
+    assert "with_scope('sched', \"float32\")" in fix.code and "O2-bf16" in fix.code
+    assert 0.0 < fix.matmul_flops_leaving_half < 0.5
+    # The printed code is the rule that was measured: applying it gives the same loss.
+    fixed = jaxmp.autocast(loss, "O2-bf16", rules=jaxmp.AutocastRules().with_scope("sched", "float32"))
+    assert np.isfinite(float(fixed(p, x, y)))
+
+
+@pytest.mark.slow  # ~10-20 s on a shared 2-core CPU: XLA compiles the instrumented program
+def test_flax_door_and_cast_to_compute_are_compared_on_their_own_program():
+    net, v = _net(1.0)
+    model = jaxmp.flax.mixed_precision(net, "O1-bf16")
+    rep = compare_to_float32(lambda p, x: jnp.mean(model.apply(p, x) ** 2), v, X)
+    assert rep.policy is None and rep.clean(0.05) and rep.fix is None or not rep.fix.measured
+    paths = {m.path for m in rep.modules}
+    assert any("blowup" in p for p in paths), paths
+    policy = jaxmp.get_policy("p=f32,c=bf16,o=f32")
+    rep = compare_to_float32(lambda p, x: jnp.mean(policy.cast_to_output(
+        net.apply(policy.cast_to_compute(p), policy.cast_to_compute(x))) ** 2), v, X, fix=False)
+    assert rep.clean(0.05) and rep.modules[0].half_ops > 0
+
+
+# ---- (d) strict mode ----
+
+def test_strict_mode_raises_on_a_hand_written_half_reduction_only():
+    x = jnp.ones((4, 8), jnp.bfloat16)
+    with pytest.raises(StrictPrecisionError, match=r"reduce_sum runs in bf16.*\n  module path: pool"):
+        def pooled(x):
+            with jax.named_scope("pool"):
+                return jax.lax.reduce_sum(x, (1,))
+        jax.jit(strict_precision(pooled, policy="O2"))(x)
+    # autodiff's own reductions: grad of max counts ties with a half sum; a bias gradient sums in half
+    strict_precision(jax.grad(lambda x: jnp.max(x).astype(jnp.float32)), policy="O2")(x)
+    strict_precision(jax.grad(lambda b: jnp.sum((x + b).astype(jnp.float32))), policy="O2")(jnp.ones(8, jnp.bfloat16))
+    # the policy's own float32 reductions (the engine's float32 list; jnp.sum upcasts)
+    strict_precision(jaxmp.autocast(lambda x: jax.nn.softmax(x @ x.T), "O1-bf16"), policy="O1")(x.astype(jnp.float32))
+    strict_precision(jnp.mean, policy="O1")(x)
+    # a softmax in half written with cast_to_compute trips it, naming the category
+    with pytest.raises(StrictPrecisionError, match="exp runs in bf16.*softmax"):
+        strict_precision(jax.nn.softmax, policy=jaxmp.get_policy("p=f32,c=bf16,o=f32"))(x)
+    # a policy that puts the op in half is obeyed
+    strict_precision(lambda x: jax.lax.reduce_sum(x, (1,)), rules=jaxmp.AutocastRules().with_half("reduce_sum"))(x)
+
+
+# ---- a clean model: no false alarm ----
+
+@pytest.mark.slow  # ~10-20 s on a shared 2-core CPU: XLA compiles the instrumented program
+def test_clean_model_raises_no_alarm():
+    net, v = _net(1.0)
+    loss = lambda p, x: jnp.mean(net.apply(p, x) ** 2)  # noqa: E731
+    assert not locate_non_finite(loss, v, X, policy="O1-fp16", loss_scale=2.0 ** 10).found
+    rep = compare_to_float32(loss, v, X, policy="O1-bf16", fix=False)
+    assert rep.clean(0.05) and rep.loss_error < 0.05, rep
+    strict_precision(jax.value_and_grad(jaxmp.autocast(loss, "O1-bf16")), policy="O1")(v, X)
+
+
+def test_bad_arguments_are_refused_clearly():
+    with pytest.raises(ValueError, match="steps"):
+        compare_to_float32(lambda x: x, 1.0, steps=-1)
+    with pytest.raises(TypeError, match="scalar"):
+        compare_to_float32(lambda x: x * 2, jnp.ones(3), steps=2)
+    with pytest.raises(TypeError, match="callable"):
+        strict_precision(3)
