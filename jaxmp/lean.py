@@ -616,7 +616,7 @@ def _warn_on_float32_params(name: str, tx: optax.GradientTransformationExtraArgs
                 f"its {PRESETS[name][0]} bytes per parameter assume bfloat16 params; on these it spends {spent} "
                 f"(plain float32 AdamW: {_PLAIN_FLOAT32_BYTES}), so it {saved}. Store the params in bfloat16 first: "
                 "jaxmp.cast_floating(params, jnp.bfloat16), or a Flax model under an O2-bf16 policy.",
-                MixedPrecisionWarning, stacklevel=3)
+                MixedPrecisionWarning, stacklevel=_user_stacklevel())
         return tx.init(params)
 
     return optax.GradientTransformationExtraArgs(init_fn, tx.update)
@@ -686,3 +686,15 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
     else:
         tx = _master_weights(inner)
     return _warn_on_float32_params(name, tx)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside jaxmp and optax (the user's ``init`` call):
+    wrappers (``loss_scaling``, ``optax.masked``) add frames between it and the warning."""
+    import sys
+
+    frame, level = sys._getframe(2), 2
+    while frame is not None and any(part in frame.f_code.co_filename for part in ("/jaxmp/", "/optax/")):
+        frame, level = frame.f_back, level + 1
+    return level
+
