@@ -164,3 +164,48 @@ def test_model_code_trains_within_5_percent_of_float32_through_both_doors_at_o1(
     # 0a46f1b: noise schedule +16,800% (both doors), encoder +28.6% (autocast)
     for door in losses:
         assert final[door] <= 1.05 * final["float32"], (case, final)
+
+
+def test_the_nnx_door_keeps_a_float32_bias_float32_at_o1():
+    # The NNX door casts only the weights at O1, as the Linen door and autocast's O2 entry do: a
+    # bias near -13.3 after a half matmul moves with Adam's 2e-3 steps (the narrowed one does not).
+    from flax import nnx
+
+    def fit(policy):
+        layer = nnx.Linear(1, 1, rngs=nnx.Rngs(0), kernel_init=nnx.initializers.constant(18.3),
+                           bias_init=nnx.initializers.constant(-13.3))
+        model = jaxmp.flax.mixed_precision(layer, policy) if policy else layer
+        optimizer = nnx.Optimizer(model, optax.adam(2e-3), wrt=nnx.Param)
+        t = jnp.zeros((4, 1))
+
+        @nnx.jit
+        def step(model, optimizer):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(t) + 13.29) ** 2))(model)
+            optimizer.update(model, grads)
+            return loss
+
+        for _ in range(40):
+            step(model, optimizer)
+        return float(jnp.mean((layer(t) + 13.29) ** 2))
+
+    ref, o1, o2 = fit(None), fit("O1-bf16"), fit("O2-bf16")
+    assert ref < 1e-6 and o1 <= 10 * ref, (ref, o1)
+    assert o2 > 100 * ref, (ref, o2)   # O2 narrows (its params are stored in half too)
+
+
+def test_precision_report_names_a_float32_value_narrowed_to_half_with_its_ulp():
+    # Under O2 the schedule's float32 bias is rounded to bf16 before its add: reported, with
+    # |b| = 13.3 and the bf16 ulp there (1/16). O1 adds it in float32: nothing to report.
+    params = {"w": jnp.full((1, 1), 18.3), "b": jnp.full((1,), -13.3)}
+    t = jnp.zeros((4,))
+    o2 = jaxmp.precision_report(jaxmp.autocast(_schedule_loss, "O2-bf16"), params, t)
+    narrowed = [r for r in o2.risky if r.category == "narrowed"]
+    assert len(narrowed) == 1 and narrowed[0].primitive == "add", o2.risky
+    assert "13.3" in narrowed[0].detail and "ulp is 0.0625" in narrowed[0].detail, narrowed[0].detail
+    o1 = jaxmp.precision_report(jaxmp.autocast(_schedule_loss, "O1-bf16"), params, t)
+    assert not [r for r in o1.risky if r.category == "narrowed"], o1.risky
+    # A hand cast (jmp-style) narrows it too; shapes only (no values): reported without |x|.
+    hand = lambda p, t: _schedule_loss(jaxmp.cast_floating(p, jnp.bfloat16), t.astype(jnp.bfloat16))
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, t))
+    rep = jaxmp.precision_report(hand, *shapes)
+    assert [r.category for r in rep.risky].count("narrowed") >= 1, rep.risky

@@ -134,6 +134,11 @@ class _Collector:
     unknown_trip_counts: int = 0
     # ids of 0-d half vars already reported as a half reduction (Literals are unhashable, so ids).
     half_scalars: set = dataclasses.field(default_factory=set)
+    # concrete values of the program's inputs, followed into calls ({var: array}), and the
+    # converts already reported as narrowing a float32 value
+    values: dict = dataclasses.field(default_factory=dict)
+    inputs: set = dataclasses.field(default_factory=set)
+    narrowed: set = dataclasses.field(default_factory=set)
 
 
 _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
@@ -345,6 +350,57 @@ def _half_scalar_reduction(eqn, producers, seen: set):
     return None, False
 
 
+#: Elementwise ops where a float32 operand rounded to half loses what it keeps.
+_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "max", "min", "select_n"})  # not add_any: autodiff's sums
+#: Ops that move a value without changing it (followed back to the input it came from).
+_LAYOUT = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose", "copy", "expand_dims"})
+
+
+def _nmant(dtype) -> int:
+    import jax.numpy as jnp  # numpy's finfo does not know bfloat16
+
+    return int(jnp.finfo(dtype).nmant)
+
+
+def _narrowed(eqn, ctx: _Ctx, col: _Collector, producers) -> list[RiskyOp]:
+    """A float32 value rounded to half right before an elementwise op (a bias after a half
+    matmul under O2 or a hand cast): with its magnitude and the half ulp there when known."""
+    out = []
+    if eqn.primitive.name not in _ELEMENTWISE or not eqn.outvars:
+        return out
+    out_dtype = getattr(eqn.outvars[0].aval, "dtype", None)
+    if out_dtype is None or not _format.is_low_precision(out_dtype):
+        return out
+    for v in eqn.invars:
+        conv = producers.get(v) if isinstance(v, _core.Var) else None
+        if conv is None or conv.primitive.name != "convert_element_type" or id(conv) in col.narrowed:
+            continue
+        src = conv.invars[0]
+        src_dtype = np.dtype(getattr(src.aval, "dtype", np.float16)) if hasattr(src, "aval") else None
+        if src_dtype is None or src_dtype.kind != "f" or src_dtype.itemsize < 4:
+            continue
+        root = src
+        while isinstance(root, _core.Var) and root in producers and producers[root].primitive.name in _LAYOUT:
+            root = producers[root].invars[0]
+        if not (isinstance(root, _core.Var) and root in col.inputs):
+            continue  # an activation made in float32 (a norm's output): not a value that moves in small steps
+        col.narrowed.add(id(conv))
+        d = _format.short_dtype(out_dtype)
+        value = col.values.get(root) if isinstance(root, _core.Var) else None
+        if value is not None:
+            mag = float(np.max(np.abs(np.asarray(value, np.float64)))) if np.size(value) else 0.0
+            ulp = float(2.0 ** (np.floor(np.log2(mag)) - (_nmant(out_dtype)))) if mag else 0.0
+            size = f"|x| up to {mag:.4g}, where the {d} ulp is {ulp:.3g}: a change smaller than {ulp / 2:.3g} is lost"
+        else:
+            size = f"its {d} ulp is 2**-{_nmant(out_dtype)} of its magnitude"
+        out.append(RiskyOp(
+            eqn.primitive.name, "narrowed", d, tuple(map(int, getattr(src.aval, "shape", ()))),
+            f"a {src_dtype.name} value is rounded to {d} before an elementwise {eqn.primitive.name} ({size}); "
+            "a parameter or state that moves in small steps stalls: keep it float32 (O1, jaxmp.float32_region)",
+            " > ".join(ctx.context), _name(eqn, ctx), _source(eqn, ctx)))
+    return out
+
+
 def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
     """Appends the ops of ``jaxpr`` (recursively) to ``col``; returns the FLOPs that count."""
     consumers = defaultdict(list)
@@ -367,6 +423,7 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
         risky = _risk(eqn, ctx, col, consumers)
         if risky is not None:
             col.risky.append(risky)
+        col.risky.extend(_narrowed(eqn, ctx, col, producers))
         red, new = _half_scalar_reduction(eqn, producers, reductions_seen)
         if red is not None:
             col.half_scalars.add(id(eqn.outvars[0]))
@@ -408,11 +465,17 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
                 label = f"{prim}({eqn.params['name']})"
             for value in eqn.params.values():
                 for sub_jaxpr in _sub_jaxprs(value):
+                    if len(sub_jaxpr.invars) == len(eqn.invars):  # a call: its inputs are the operands
+                        col.values.update({i: col.values[o] for i, o in zip(sub_jaxpr.invars, eqn.invars)
+                                           if isinstance(o, _core.Var) and o in col.values})
+                        col.inputs.update(i for i, o in zip(sub_jaxpr.invars, eqn.invars)
+                                          if isinstance(o, _core.Var) and o in col.inputs)
                     flops += _walk(sub_jaxpr, _Ctx(ctx.calls, ctx.context + (label,), prefix, src), col)
     return flops
 
 
-def walk_jaxpr(jaxpr, *, compute_half: bool = False, tc_multiple: int = 8, reduction_threshold: int = 1024):
+def walk_jaxpr(jaxpr, *, compute_half: bool = False, tc_multiple: int = 8, reduction_threshold: int = 1024,
+               values=None):
     """Collects the matmuls/convs and risky ops of ``jaxpr`` and all its sub-jaxprs.
 
     Args:
@@ -420,12 +483,18 @@ def walk_jaxpr(jaxpr, *, compute_half: bool = False, tc_multiple: int = 8, reduc
       compute_half: whether the policy computes in half precision (float32 matmuls are missed).
       tc_multiple: the multiple the Tensor-Core shape rule asks for.
       reduction_threshold: element count from which a half-precision sum is risky.
+      values: concrete arrays of ``jaxpr``'s inputs, one per invar, or None: the magnitude of a
+        narrowed float32 input is then reported with the half ulp there.
 
     Returns:
       ``(ops, risky, unknown_trip_counts)``: tuples of [`MatmulOp`][jaxmp.diagnostics.MatmulOp] and [`RiskyOp`][jaxmp.diagnostics.RiskyOp]
       in program order, and the number of ``while`` loops counted once.
     """
     col = _Collector(compute_half=compute_half, multiple=tc_multiple, reduction_threshold=reduction_threshold)
+    col.inputs = set(jaxpr.invars)
+    if values is not None and len(values) == len(jaxpr.invars):
+        col.values = {v: x for v, x in zip(jaxpr.invars, values)
+                      if getattr(x, "shape", None) == getattr(v.aval, "shape", ())}
     _walk(jaxpr, _Ctx(), col)
     # A scalar half-precision output of a step is nearly always the loss.
     for i, v in enumerate(jaxpr.outvars):

@@ -21,6 +21,7 @@ import json
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.extend import core as _core
 
 from jaxmp.diagnostics import _format
@@ -260,7 +261,7 @@ def amdahl(share: float, speedup: float) -> float:
 
 
 def analyze_jaxpr(closed_jaxpr, *, policy: Any = None, tensor_core_speedup: float = 8.0,
-                  tc_multiple: int = 8, reduction_threshold: int = 1024) -> PrecisionReport:
+                  tc_multiple: int = 8, reduction_threshold: int = 1024, values: Any = None) -> PrecisionReport:
     """Builds a [`PrecisionReport`][jaxmp.diagnostics.PrecisionReport] from an already traced jaxpr.
 
     Args:
@@ -272,6 +273,8 @@ def analyze_jaxpr(closed_jaxpr, *, policy: Any = None, tensor_core_speedup: floa
         the safer choice for fp8).
       reduction_threshold: half-precision sums over at least this many elements are risky
         (fp16's 11-bit significand: past ~2**10 addends each new term is below the sum's ulp).
+      values: the concrete input arrays, one per jaxpr input, or None: a float32 input narrowed
+        to half by an elementwise op is then reported with its magnitude and the half ulp there.
 
     Returns:
       A [`PrecisionReport`][jaxmp.diagnostics.PrecisionReport].
@@ -303,7 +306,7 @@ def analyze_jaxpr(closed_jaxpr, *, policy: Any = None, tensor_core_speedup: floa
         pol = as_policy(policy)
     ops, risky, unknown = walk_jaxpr(
         jaxpr, compute_half=pol is not None and _format.is_low_precision(pol.compute_dtype),
-        tc_multiple=tc_multiple, reduction_threshold=reduction_threshold)
+        tc_multiple=tc_multiple, reduction_threshold=reduction_threshold, values=values)
     return PrecisionReport(ops, risky, None if pol is None else str(pol), float(tensor_core_speedup),
                            unknown, tc_multiple, autocast_ops(jaxpr))
 
@@ -355,5 +358,8 @@ def precision_report(fn: Callable, *args, policy: Any = None, tensor_core_speedu
 
         with explaining():  # autocast steps record which rule chose each op's dtype
             jaxpr = fn.trace(*args, **kwargs).jaxpr if hasattr(fn, "trace") else jax.make_jaxpr(fn)(*args, **kwargs)
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    concrete = all(isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, jax.core.Tracer) for x in leaves)
     return analyze_jaxpr(jaxpr, policy=policy, tensor_core_speedup=tensor_core_speedup,
-                         tc_multiple=tc_multiple, reduction_threshold=reduction_threshold)
+                         tc_multiple=tc_multiple, reduction_threshold=reduction_threshold,
+                         values=leaves if concrete and leaves else None)

@@ -30,6 +30,7 @@ Rules are looked up by graph path (``nnx.iter_graph``, joined by ``/``) and clas
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 import weakref
 from typing import Any, Callable
@@ -253,21 +254,41 @@ def call(model: nnx.Module, *args, policy: Any, overrides: Any = None, **kwargs)
 def _call(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides, args: tuple, kwargs: dict) -> Any:
     rules = module_rules(model, policy, overrides)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def run(params, rest, args, kwargs):
-        copy = nnx.merge(graphdef, cast_by_path(params, rules, policy.compute_dtype, "compute_dtype"), rest)
-        by_id = _prepare(copy, policy, overrides)
-        args, kwargs = policy.cast_to_compute((args, kwargs))
-        with instance_rules(by_id), _config.TRACING(config) if config.identity else contextlib.nullcontext():
-            out = copy(*args, **kwargs)
-        # Running statistics, RNG counters and sown intermediates come back as outputs: the
-        # engine traces ``run`` functionally, so the model is updated after it.
-        return out, nnx.state(copy, nnx.Not(nnx.Param))
-
-    run.__qualname__ = f"jaxmp.flax.mixed_precision({type(model).__name__})"  # as warnings name it
     config = flax_config(policy, overrides)
-    engine = run if config.identity else engine_function(run, config, cast_outputs=False, cache=False)
-    out, new_rest = engine(params, rest, args, kwargs)
+    compute = np.dtype(policy.compute_dtype)
+    # O1 (promote="demand"): only the weights (params whose every use is a half-list op) go to
+    # half, cast by the engine on entry; a bias or norm scale enters float32 and the engine's
+    # promotion decides, as under jaxmp.autocast (see jaxmp.flax.linen). A model that refuses
+    # float32 params while traced (a half-only kernel) is traced again with every param cast.
+    weights_only = not config.identity and config.rules.promote == "demand"
+
+    def make_run(weights_only):
+        def run(params, rest, args, kwargs):
+            cast = cast_by_path(params, rules, policy.compute_dtype, "compute_dtype")
+            if weights_only:  # only a per-class dtype other than the policy's is cast here
+                cast = jax.tree.map(lambda c, p: p if c.dtype == compute else c, cast, params)
+            copy = nnx.merge(graphdef, cast, rest)
+            by_id = _prepare(copy, policy, overrides)
+            args, kwargs = policy.cast_to_compute((args, kwargs))
+            promotion = jax.numpy_dtype_promotion("standard") if weights_only else contextlib.nullcontext()
+            with promotion, instance_rules(by_id), _config.TRACING(config) if config.identity else contextlib.nullcontext():
+                out = copy(*args, **kwargs)
+            # Running statistics, RNG counters and sown intermediates come back as outputs: the
+            # engine traces ``run`` functionally, so the model is updated after it.
+            return out, nnx.state(copy, nnx.Not(nnx.Param))
+
+        run.__qualname__ = f"jaxmp.flax.mixed_precision({type(model).__name__})"  # as warnings name it
+        if config.identity:
+            return run
+        run_config = dataclasses.replace(config, cast_inputs="weights") if weights_only else config
+        return engine_function(run, run_config, cast_outputs=False, cache=False)
+
+    try:
+        out, new_rest = make_run(weights_only)(params, rest, args, kwargs)
+    except Exception:
+        if not weights_only:
+            raise
+        out, new_rest = make_run(False)(params, rest, args, kwargs)
     nnx.update(model, new_rest)
     return policy.cast_to_output(out)
 
