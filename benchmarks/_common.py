@@ -585,8 +585,9 @@ _VALIDATORS = {
 }
 
 
-def run_child(script: str | os.PathLike, argv_tail: list[str], timeout: float | None) -> dict:
-    """Runs ``script argv_tail --child-out FILE`` in a fresh process and returns FILE's JSON.
+def run_child(module: str, argv_tail: list[str], timeout: float | None) -> dict:
+    """Runs ``python -m module argv_tail --child-out FILE`` from the repository root in a fresh
+    process and returns FILE's JSON.
 
     A child that times out, crashes or runs out of memory gives an entry with ``status``
     ``"error"`` / ``"oom"`` and the tail of its output, so the caller records it and goes on.
@@ -595,7 +596,7 @@ def run_child(script: str | os.PathLike, argv_tail: list[str], timeout: float | 
 
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "one.json"
-        cmd = [sys.executable, str(script), *argv_tail, "--child-out", str(out)]
+        cmd = [sys.executable, "-m", module, *argv_tail, "--child-out", str(out)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
         except subprocess.TimeoutExpired:

@@ -1,8 +1,8 @@
 """jaxmp.autocast against a hand cast, float32 and its peers: step, trace and compile time, converts, error.
 
-    python benchmarks/autocast.py                       # CPU or GPU, the default sizes
-    python benchmarks/autocast.py --dry-run --out -     # tiny sizes, seconds
-    python benchmarks/autocast.py --models mlp,mlp32 --variants float32,hand,jaxmp
+    python -m benchmarks.autocast                       # CPU or GPU, the default sizes
+    python -m benchmarks.autocast --dry-run --out -     # tiny sizes, seconds
+    python -m benchmarks.autocast --models mlp,mlp32 --variants float32,hand,jaxmp
 
 Models (loss functions ``loss(params, x, y)``, ``benchmarks/_autocast_models.py``):
 
@@ -46,14 +46,9 @@ import gc
 import os
 import re
 import statistics
-import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
+from benchmarks import _common as common
 
 MODELS = ("mlp", "mlp32", "transformer", "resnet")
 VARIANTS = ("float32", "hand", "jaxmp", "grampax", "jaxamp", "mpx")

@@ -1,7 +1,7 @@
 """O2-fp8 and O2-fp8-current against O2-bf16: step time and the loss curve, in one process.
 
-    python benchmarks/fp8.py                    # GPU (H100 or newer: fp8 Tensor Cores)
-    python benchmarks/fp8.py --dry-run --out -  # tiny sizes on CPU (fp8 emulated), seconds
+    python -m benchmarks.fp8                    # GPU (H100 or newer: fp8 Tensor Cores)
+    python -m benchmarks.fp8 --dry-run --out -  # tiny sizes on CPU (fp8 emulated), seconds
 
 Models (plain Linen modules, one definition for every variant; MSE regression on synthetic data):
 
@@ -39,14 +39,9 @@ the fp8 variants are recorded as skipped with the reason. Writes
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
+from benchmarks import _common as common
 
 MODELS = ("mlp", "transformer")
 VARIANTS = ("bf16", "fp8", "fp8-current")

@@ -2,8 +2,8 @@
 
 One command, one run, every variant on the same model, data, optimizer and device::
 
-    python benchmarks/overhead.py                      # CPU here, GPU where present
-    python benchmarks/overhead.py --dry-run --out -    # tiny, seconds (the tests use it)
+    python -m benchmarks.overhead                      # CPU here, GPU where present
+    python -m benchmarks.overhead --dry-run --out -    # tiny, seconds (the tests use it)
 
 Variants (all jitted whole train steps, params and optimizer state donated):
 
@@ -42,14 +42,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
+from benchmarks import _common as common
 
 #: jaxmp / floor: within 1% of the cheapest possible skip-on-overflow step, on every platform.
 TARGET = 1.01

@@ -2,9 +2,9 @@
 
 One command runs every (model, batch, policy) of the suite and writes one JSON::
 
-    python benchmarks/throughput.py                          # the full suite (GPU)
-    python benchmarks/throughput.py --models resnet50        # a subset
-    python benchmarks/throughput.py --dry-run --out -        # tiny models on CPU, seconds
+    python -m benchmarks.throughput                          # the full suite (GPU)
+    python -m benchmarks.throughput --models resnet50        # a subset
+    python -m benchmarks.throughput --dry-run --out -        # tiny models on CPU, seconds
 
 Suite (synthetic data, on device, a few batches cycled):
 
@@ -39,18 +39,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Callable
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
-from benchmarks import flops  # noqa: E402
+from benchmarks import _common as common
+from benchmarks import flops
 
 # The suite itself is data in _suite.py (flops.py and torch_amp.py read it too); re-exported here.
-from benchmarks._suite import (  # noqa: E402
+from benchmarks._suite import (
     DRY_MATMUL_N, DRY_SUITE, DRY_TIMING, MATMUL_N, POLICIES, SUITE, TIMING)
 
 
@@ -60,7 +56,7 @@ from benchmarks._suite import (  # noqa: E402
 
 def _child(argv_tail: list[str], timeout: float | None) -> dict:
     """Runs this script in a fresh process (fresh device memory statistics) and reads its JSON."""
-    return common.run_child(Path(__file__).resolve(), argv_tail, timeout)
+    return common.run_child("benchmarks.throughput", argv_tail, timeout)
 
 
 def _child_main(args) -> None:

@@ -1,7 +1,7 @@
 """The PyTorch peer: the throughput suite's models with torch.autocast + GradScaler on the same GPU.
 
-    python benchmarks/torch_amp.py                      # full suite on a CUDA GPU
-    python benchmarks/torch_amp.py --dry-run --out -    # tiny models on CPU (needs CPU torch)
+    python -m benchmarks.torch_amp                      # full suite on a CUDA GPU
+    python -m benchmarks.torch_amp --dry-run --out -    # tiny models on CPU (needs CPU torch)
 
 PyTorch is not a dependency of jaxmp: it is imported here only, and when it is missing the
 script says so, writes a ``"status": "skipped"`` result and exits 0.
@@ -32,16 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
-from benchmarks._suite import DRY_SUITE, DRY_TIMING, SUITE, TIMING  # noqa: E402 - plain data, no JAX
+from benchmarks import _common as common
+from benchmarks._suite import DRY_SUITE, DRY_TIMING, SUITE, TIMING  # plain data, no JAX
 
 VARIANTS = ("fp32-strict", "fp32-tf32", "amp-fp16", "amp-bf16", "compile-amp-fp16", "compile-amp-bf16")
 SKIP_MESSAGE = "PyTorch is not installed: the PyTorch AMP peer is skipped (it is not a jaxmp dependency; " \
@@ -359,8 +355,7 @@ def run_suite(args, on_progress: Callable[[dict], None] | None = None) -> dict:
         for b in batches:
             for v in variants:
                 if isolate:
-                    e = common.run_child(Path(__file__).resolve(), ["--single", f"{m}:{b}:{v}", *_child_tail(args)],
-                                         args.timeout)
+                    e = common.run_child("benchmarks.torch_amp", ["--single", f"{m}:{b}:{v}", *_child_tail(args)], args.timeout)
                     e.setdefault("model", m), e.setdefault("batch_size", b), e.setdefault("policy", v)
                     if e.get("status") != "ok":
                         common.log(f"  {m} b{b} {v}: {e.get('status')}: {str(e.get('error'))[:300]}", args.quiet)
