@@ -25,7 +25,6 @@ instructions anywhere in the optimized module, fused ones included), ``bytes`` (
 
 from __future__ import annotations
 
-import argparse
 import re
 
 from benchmarks import _common as common
@@ -134,9 +133,7 @@ def table(results: dict) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out=None)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all)")
     args = parser.parse_args(argv)
 

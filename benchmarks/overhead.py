@@ -40,7 +40,6 @@ Target: ``jaxmp/floor`` median <= 1.01 (jaxmp costs no more than the finiteness 
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -381,9 +380,7 @@ def run(cfg: dict, quiet: bool = False) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out=None)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--model", choices=("mlp", "cnn"))
     parser.add_argument("--width", type=int)
     parser.add_argument("--depth", type=int)

@@ -15,7 +15,6 @@ file, ``results/parts/``, after each of its runs), so a time-out loses one run, 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import subprocess
@@ -85,9 +84,7 @@ def comparison(tp: dict, tr: dict | None) -> list[dict]:
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out=None)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--models", help="comma list of throughput models (default: all)")
     parser.add_argument("--batches", help="comma list of batch sizes overriding each model's")
     parser.add_argument("--policies", help="comma list of jaxmp policies and native baselines (default: all)")

@@ -187,9 +187,7 @@ def summary_table(result: dict) -> str:
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out=None)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--models", help=f"comma list of {', '.join(SUITE)} (default: all)")
     parser.add_argument("--batches", help="comma list of batch sizes overriding each model's")
     parser.add_argument("--policies", help=f"comma list of {', '.join(POLICIES)} (default: all; "
@@ -213,25 +211,10 @@ def build_parser():
     return parser
 
 
-def default_out(result: dict, dry_run: bool) -> str:
-    slug = common.device_slug(result["env"]["device"])
-    return str(common.RESULTS_DIR / ("dry_run/throughput.json" if dry_run else f"throughput_{slug}.json"))
-
-
 def run_main(args) -> dict | None:
     """Runs the suite from parsed arguments, writing the JSON after every run."""
-    if args.single:
-        _child_main(args)
-        return None
-
-    def progress(partial):
-        if args.out != "-":
-            common.write_json(args.out or default_out(partial, args.dry_run), partial)
-
-    result = run_suite(args, on_progress=progress)
-    print(summary_table(result), flush=True)
-    common.emit(result, args.out or default_out(result, args.dry_run))
-    return result
+    return common.run_suite_main("throughput", args, run_suite, _child_main,
+                                 lambda result: print(summary_table(result), flush=True))
 
 
 def main(argv=None) -> dict | None:

@@ -369,9 +369,7 @@ def run_suite(args, on_progress: Callable[[dict], None] | None = None) -> dict:
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out=None)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--models", help=f"comma list of {', '.join(SUITE)} (default: all)")
     parser.add_argument("--batches", help="comma list of batch sizes overriding each model's")
     parser.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: all)")
@@ -391,23 +389,7 @@ def build_parser():
     return parser
 
 
-def default_out(result: dict, dry_run: bool) -> str:
-    if dry_run:
-        return str(common.RESULTS_DIR / "dry_run/torch_amp.json")
-    return str(common.RESULTS_DIR / f"torch_amp_{common.device_slug(result['env']['device'])}.json")
-
-
-def main(argv=None) -> dict | None:
-    args = build_parser().parse_args(argv)
-    if args.single:
-        _child_main(args)
-        return None
-
-    def progress(partial):
-        if args.out != "-":
-            common.write_json(args.out or default_out(partial, args.dry_run), partial)
-
-    result = run_suite(args, on_progress=progress)
+def _print_runs(result: dict) -> None:
     for e in result["results"]["runs"]:
         if e.get("status") == "ok":
             st = e["step_time_s"]
@@ -415,8 +397,10 @@ def main(argv=None) -> dict | None:
                   f"step {st['median'] * 1e3:.2f} ms ({st['q25'] * 1e3:.2f}-{st['q75'] * 1e3:.2f})", flush=True)
         else:
             print(f"{e['model']:12s} {e['batch_size']:5d} {e['policy']:16s} {e['status']}: {e.get('error', '')[:100]}")
-    common.emit(result, args.out or default_out(result, args.dry_run))
-    return result
+
+
+def main(argv=None) -> dict | None:
+    return common.run_suite_main("torch_amp", build_parser().parse_args(argv), run_suite, _child_main, _print_runs)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ the timings without a profiler are ``benchmarks/autocast.py``'s.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import gc
 import os
@@ -76,9 +75,7 @@ def measure(name: str, sizes: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out="-")
+    parser = common.script_parser(__doc__, default_out="-")
     parser.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all)")
     args = parser.parse_args(argv)
 
