@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -270,10 +270,7 @@ def add_timing_args(parser, warmup_help: str = "untimed steps per variant"):
 
 def emit_to_default(result: dict, out: str | None, name: str) -> None:
     """:func:`emit` to ``out``, or to ``results/<name>_<device>.json`` (``dry_run/<name>.json``)."""
-    if out is None:
-        slug = device_slug(result["env"]["device"])
-        out = str(RESULTS_DIR / (f"dry_run/{name}.json" if result["dry_run"] else f"{name}_{slug}.json"))
-    emit(result, out)
+    emit(result, suite_out(name, result, result["dry_run"]) if out is None else out)
 
 
 def timing_from_args(args, default: Mapping[str, int], dry: Mapping[str, int]) -> dict[str, int]:
@@ -385,12 +382,16 @@ def _check_run_entry(entry: Any, where: str, unit_key: str) -> list[str]:
     p += _check_stats(entry.get("step_time_s"), f"{where}.step_time_s")
     if not _is_pos(entry.get(unit_key)):
         p.append(f"{where}.{unit_key} is not a positive number")
-    mem = entry.get("memory")
-    if not isinstance(mem, dict) or not isinstance(mem.get("source"), str):
-        p.append(f"{where}.memory must be a dict with a 'source'")
-    elif mem.get("peak_bytes") is not None and not _is_pos(mem["peak_bytes"]):
-        p.append(f"{where}.memory.peak_bytes is not positive")
-    return p
+    return p + _check_sourced(entry.get("memory"), f"{where}.memory", "peak_bytes")
+
+
+def _check_sourced(value: Any, where: str, amount: str) -> list[str]:
+    """A dict with a ``source`` string and, where not None, a positive ``amount``."""
+    if not isinstance(value, dict) or not isinstance(value.get("source"), str):
+        return [f"{where} must be a dict with a 'source'"]
+    if value.get(amount) is not None and not _is_pos(value[amount]):
+        return [f"{where}.{amount} is not positive"]
+    return []
 
 
 def _validate_throughput(result: dict) -> list[str]:
@@ -404,11 +405,7 @@ def _validate_throughput(result: dict) -> list[str]:
     for i, e in enumerate(runs):
         p += _check_run_entry(e, f"results.runs[{i}]", "items_per_s")
         if isinstance(e, dict) and e.get("status") == "ok":
-            fl = e.get("flops")
-            if not isinstance(fl, dict) or not isinstance(fl.get("source"), str):
-                p.append(f"results.runs[{i}].flops must be a dict with a 'source'")
-            elif fl.get("per_step") is not None and not _is_pos(fl["per_step"]):
-                p.append(f"results.runs[{i}].flops.per_step is not positive")
+            p += _check_sourced(e.get("flops"), f"results.runs[{i}].flops", "per_step")
     peak = r.get("matmul_peak")
     if not isinstance(peak, dict) or not _is_pos(peak.get("tflops")):
         p.append("results.matmul_peak.tflops is not a positive number")
@@ -451,7 +448,9 @@ def _models(result: dict) -> dict | None:
     return models if isinstance(models, dict) and models else None
 
 
-def _validate_autocast(result: dict) -> list[str]:
+def _validate_variant_models(result: dict, check_variant, need_one: bool = False) -> list[str]:
+    """``results.models.<m>``: ``variants`` (timed, each checked by ``check_variant(name, entry,
+    variants, where)``) and ``skipped`` (a reason each); ``need_one``: a model must have either."""
     models = _models(result)
     if models is None:
         return ["results.models must be a non-empty dict"]
@@ -460,74 +459,67 @@ def _validate_autocast(result: dict) -> list[str]:
         if not isinstance(r, dict) or not isinstance(r.get("variants"), dict) or not isinstance(r.get("skipped"), dict):
             p.append(f"results.models.{m} needs 'variants' and 'skipped' dicts")
             continue
-        for v, x in r["variants"].items():
-            where = f"results.models.{m}.variants.{v}"
-            p += _check_stats(x.get("step_time_s"), f"{where}.step_time_s")
-            for k in ("trace_s", "trace_lower_compile_s"):
-                if not _is_pos(x.get(k)):
-                    p.append(f"{where}.{k} is not a positive number")
-            if not (isinstance(x.get("hlo_converts"), int) and x["hlo_converts"] >= 0):
-                p.append(f"{where}.hlo_converts is not a count")
-            if not (isinstance(x.get("loss_rel_error"), (int, float)) and x["loss_rel_error"] >= 0):
-                p.append(f"{where}.loss_rel_error is not a non-negative number")
-        for v, why in r["skipped"].items():
-            if not isinstance(why, str) or not why:
-                p.append(f"results.models.{m}.skipped.{v} gives no reason")
-    return p
-
-
-def _validate_fp8(result: dict) -> list[str]:
-    models = _models(result)
-    if models is None:
-        return ["results.models must be a non-empty dict"]
-    p = []
-    for m, r in models.items():
-        if not isinstance(r, dict) or not isinstance(r.get("variants"), dict) or not isinstance(r.get("skipped"), dict):
-            p.append(f"results.models.{m} needs 'variants' and 'skipped' dicts")
-            continue
-        if not r["variants"] and not r["skipped"]:
+        if need_one and not r["variants"] and not r["skipped"]:
             p.append(f"results.models.{m} has no variants")
         for v, x in r["variants"].items():
             where = f"results.models.{m}.variants.{v}"
             p += _check_stats(x.get("step_time_s"), f"{where}.step_time_s")
-            curve = x.get("loss_curve")
-            if not (isinstance(curve, list) and curve and all(isinstance(c, float) for c in curve)):
-                p.append(f"{where}.loss_curve is not a non-empty list of floats")
-            if not isinstance(x.get("policy"), str):
-                p.append(f"{where}.policy is not a preset name")
-            state = x.get("fp8_state")
-            if x.get("policy") == "O2-fp8" and not (isinstance(state, dict) and _is_pos(state.get("amaxes_recorded_min"))):
-                p.append(f"{where}.fp8_state must show recorded amaxes (delayed scaling)")
-            if v != "bf16" and "bf16" in r["variants"] and not isinstance(x.get("max_rel_loss_gap_last_half"), float):
-                p.append(f"{where}.max_rel_loss_gap_last_half is not a number")
+            p += check_variant(v, x, r["variants"], where)
         for v, why in r["skipped"].items():
             if not isinstance(why, str) or not why:
                 p.append(f"results.models.{m}.skipped.{v} gives no reason")
     return p
 
 
-def _validate_memory(result: dict) -> list[str]:
-    rows = result["results"].get("rows") if isinstance(result["results"], dict) else None
-    if not isinstance(rows, list) or not rows:
-        return ["results.rows is not a non-empty list"]
-    p = []
-    for i, r in enumerate(rows):
-        for k in ("recipe", "layout", "devices", "params", "bytes_per_param_measured", "bytes_per_param_analytic"):
-            if k not in r:
-                p.append(f"results.rows[{i}] lacks {k!r}")
+def _check_autocast_variant(v: str, x: dict, variants: dict, where: str) -> list[str]:
+    p = [f"{where}.{k} is not a positive number" for k in ("trace_s", "trace_lower_compile_s") if not _is_pos(x.get(k))]
+    if not (isinstance(x.get("hlo_converts"), int) and x["hlo_converts"] >= 0):
+        p.append(f"{where}.hlo_converts is not a count")
+    if not (isinstance(x.get("loss_rel_error"), (int, float)) and x["loss_rel_error"] >= 0):
+        p.append(f"{where}.loss_rel_error is not a non-negative number")
     return p
 
 
-def _validate_memory_gpt2(result: dict) -> list[str]:
+def _check_fp8_variant(v: str, x: dict, variants: dict, where: str) -> list[str]:
+    p = []
+    curve = x.get("loss_curve")
+    if not (isinstance(curve, list) and curve and all(isinstance(c, float) for c in curve)):
+        p.append(f"{where}.loss_curve is not a non-empty list of floats")
+    if not isinstance(x.get("policy"), str):
+        p.append(f"{where}.policy is not a preset name")
+    state = x.get("fp8_state")
+    if x.get("policy") == "O2-fp8" and not (isinstance(state, dict) and _is_pos(state.get("amaxes_recorded_min"))):
+        p.append(f"{where}.fp8_state must show recorded amaxes (delayed scaling)")
+    if v != "bf16" and "bf16" in variants and not isinstance(x.get("max_rel_loss_gap_last_half"), float):
+        p.append(f"{where}.max_rel_loss_gap_last_half is not a number")
+    return p
+
+
+def _validate_autocast(result: dict) -> list[str]:
+    return _validate_variant_models(result, _check_autocast_variant)
+
+
+def _validate_fp8(result: dict) -> list[str]:
+    return _validate_variant_models(result, _check_fp8_variant, need_one=True)
+
+
+#: The keys every ``results.rows`` entry of a rows schema has.
+_ROW_KEYS = {
+    "memory": ("recipe", "layout", "devices", "params", "bytes_per_param_measured", "bytes_per_param_analytic"),
+    "memory_gpt2": ("who", "layout", "reduce_dtype", "devices", "params", "compiled"),
+}
+
+
+def _validate_rows(result: dict) -> list[str]:
+    """``results.rows``: a non-empty list, each row with the schema's `_ROW_KEYS` (memory_gpt2: and
+    an integer ``compiled.peak_estimate_bytes``)."""
     rows = result["results"].get("rows") if isinstance(result["results"], dict) else None
     if not isinstance(rows, list) or not rows:
         return ["results.rows is not a non-empty list"]
     p = []
     for i, r in enumerate(rows):
-        for k in ("who", "layout", "reduce_dtype", "devices", "params", "compiled"):
-            if k not in r:
-                p.append(f"results.rows[{i}] lacks {k!r}")
-        if not isinstance(r.get("compiled", {}).get("peak_estimate_bytes"), int):
+        p += [f"results.rows[{i}] lacks {k!r}" for k in _ROW_KEYS[result["benchmark"]] if k not in r]
+        if result["benchmark"] == "memory_gpt2" and not isinstance(r.get("compiled", {}).get("peak_estimate_bytes"), int):
             p.append(f"results.rows[{i}] lacks compiled.peak_estimate_bytes")
     return p
 
@@ -572,8 +564,8 @@ def _validate_fidelity(result: dict) -> list[str]:
 
 
 _VALIDATORS = {
-    "memory": _validate_memory,
-    "memory_gpt2": _validate_memory_gpt2,
+    "memory": _validate_rows,
+    "memory_gpt2": _validate_rows,
     "efficiency": _validate_efficiency,
     "fidelity": _validate_fidelity,
     "fp8": _validate_fp8,
@@ -585,8 +577,9 @@ _VALIDATORS = {
 }
 
 
-def run_child(script: str | os.PathLike, argv_tail: list[str], timeout: float | None) -> dict:
-    """Runs ``script argv_tail --child-out FILE`` in a fresh process and returns FILE's JSON.
+def run_child(module: str, argv_tail: list[str], timeout: float | None) -> dict:
+    """Runs ``python -m module argv_tail --child-out FILE`` from the repository root in a fresh
+    process and returns FILE's JSON.
 
     A child that times out, crashes or runs out of memory gives an entry with ``status``
     ``"error"`` / ``"oom"`` and the tail of its output, so the caller records it and goes on.
@@ -595,7 +588,7 @@ def run_child(script: str | os.PathLike, argv_tail: list[str], timeout: float | 
 
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "one.json"
-        cmd = [sys.executable, str(script), *argv_tail, "--child-out", str(out)]
+        cmd = [sys.executable, "-m", module, *argv_tail, "--child-out", str(out)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
         except subprocess.TimeoutExpired:
@@ -614,6 +607,67 @@ def add_common_args(parser, default_out: str | None):
     parser.add_argument("--out", default=default_out, help="where to write the JSON result ('-' for stdout only)")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
     return parser
+
+
+def script_parser(doc: str, default_out: str | None = None):
+    """A script's parser: its docstring's first paragraph as the description, and the common flags."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_common_args(parser, default_out=default_out)
+
+
+class RunSetup(NamedTuple):
+    """What a variants benchmark runs: sizes and timing (dry-run or full, flags applied), the chosen
+    models and variants, and the JAX environment."""
+
+    sizes: dict
+    timing: dict
+    models: list
+    variants: list
+    env: dict
+
+
+def run_setup(args, sizes: tuple[Mapping, Mapping], timing: tuple[Mapping, Mapping], models, variants,
+              **timing_flags) -> RunSetup:
+    """The sizes and timing of ``(full, dry-run)`` for ``args.dry_run`` (``timing_flags``: timing
+    keys set from flags when given), ``--models`` and ``--variants`` (all when not given), and the
+    JAX environment."""
+    timing = timing_from_args(args, *timing)
+    timing.update({k: v for k, v in timing_flags.items() if v is not None})
+    return RunSetup(sizes[1] if args.dry_run else sizes[0], timing, parse_choices(args.models, list(models), "model"),
+                    parse_choices(args.variants, list(variants), "variant"), jax_env())
+
+
+def suite_out(name: str, result: dict, dry_run: bool) -> str:
+    """Where a suite's JSON goes by default: ``results/<name>_<device>.json`` (``dry_run/<name>.json``)."""
+    return str(RESULTS_DIR / (f"dry_run/{name}.json" if dry_run else f"{name}_{device_slug(result['env']['device'])}.json"))
+
+
+def run_and_emit(name: str, args, run) -> dict:
+    """``run(args)``, its result written to ``--out`` or the default place (:func:`emit_to_default`)."""
+    result = run(args)
+    emit_to_default(result, args.out, name)
+    return result
+
+
+def run_suite_main(name: str, args, run_suite, child_main, print_summary) -> dict | None:
+    """The driver of a suite whose runs may each be a fresh process: ``--single`` is one run (a
+    child, ``child_main(args)``); otherwise ``run_suite(args, on_progress=...)`` runs them all, the
+    JSON rewritten after every run, then ``print_summary(result)`` and the JSON written
+    (``--out``, or :func:`suite_out`)."""
+    if args.single:
+        child_main(args)
+        return None
+
+    def progress(partial):
+        if args.out != "-":
+            write_json(args.out or suite_out(name, partial, args.dry_run), partial)
+
+    result = run_suite(args, on_progress=progress)
+    print_summary(result)
+    emit(result, args.out or suite_out(name, result, args.dry_run))
+    return result
 
 
 def log(msg: str, quiet: bool = False) -> None:

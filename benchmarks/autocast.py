@@ -1,8 +1,8 @@
 """jaxmp.autocast against a hand cast, float32 and its peers: step, trace and compile time, converts, error.
 
-    python benchmarks/autocast.py                       # CPU or GPU, the default sizes
-    python benchmarks/autocast.py --dry-run --out -     # tiny sizes, seconds
-    python benchmarks/autocast.py --models mlp,mlp32 --variants float32,hand,jaxmp
+    python -m benchmarks.autocast                       # CPU or GPU, the default sizes
+    python -m benchmarks.autocast --dry-run --out -     # tiny sizes, seconds
+    python -m benchmarks.autocast --models mlp,mlp32 --variants float32,hand,jaxmp
 
 Models (loss functions ``loss(params, x, y)``, ``benchmarks/_autocast_models.py``):
 
@@ -40,20 +40,14 @@ temporaries), and the loss and gradient errors against float32 (``|l - l32| / |l
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import os
 import re
 import statistics
-import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
+from benchmarks import _common as common
 
 MODELS = ("mlp", "mlp32", "transformer", "resnet")
 VARIANTS = ("float32", "hand", "jaxmp", "grampax", "jaxamp", "mpx")
@@ -245,13 +239,8 @@ def _ratios(out: dict) -> None:
 
 
 def run(args) -> dict:
-    sizes = DRY_SIZES if args.dry_run else SIZES
-    timing = common.timing_from_args(args, TIMING, DRY_TIMING)
-    if args.compile_repeats is not None:
-        timing["compile_repeats"] = args.compile_repeats
-    models = common.parse_choices(args.models, list(MODELS), "model")
-    variants = common.parse_choices(args.variants, list(VARIANTS), "variant")
-    env = common.jax_env()
+    sizes, timing, models, variants, env = common.run_setup(args, (SIZES, DRY_SIZES), (TIMING, DRY_TIMING), MODELS,
+                                                            VARIANTS, compile_repeats=args.compile_repeats)
     env["versions"].update({p: common._version(d) for p, d in
                             (("grampax", "grampax"), ("jaxamp", "jaxamp"), ("mpx", "mixed-precision-for-jax"))})
     common.log(f"autocast: {env['device']}, jax {env['versions']['jax']}, half {args.half}; models {models}", args.quiet)
@@ -279,9 +268,7 @@ def summary(name: str, r: dict) -> str:
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out=None)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: all; peers that do not "
                                            "import are skipped and named)")
@@ -292,10 +279,7 @@ def build_parser():
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
-    result = run(args)
-    common.emit_to_default(result, args.out, "autocast")
-    return result
+    return common.run_and_emit("autocast", build_parser().parse_args(argv), run)
 
 
 if __name__ == "__main__":

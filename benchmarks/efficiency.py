@@ -1,7 +1,7 @@
 """Deterministic efficiency of the compiled programs: HLO ops, converts and bytes accessed, no timing.
 
-    python benchmarks/efficiency.py                     # autocast.py's sizes, CPU: results/efficiency_cpu.json
-    python benchmarks/efficiency.py --dry-run --out -   # tiny sizes, seconds (the tests use it)
+    python -m benchmarks.efficiency                     # autocast.py's sizes, CPU: results/efficiency_cpu.json
+    python -m benchmarks.efficiency --dry-run --out -   # tiny sizes, seconds (the tests use it)
 
 For each model of ``benchmarks/autocast.py`` (MLP, 32-layer MLP, Transformer, ResNet with
 BatchNorm in training mode) it compiles, without running:
@@ -25,15 +25,9 @@ instructions anywhere in the optimized module, fused ones included), ``bytes`` (
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
+from benchmarks import _common as common
 
 MODELS = ("mlp", "mlp32", "transformer", "resnet")
 NATIVE = {"mlp": "hand cast (mlp_hand_loss)", "mlp32": "hand cast (mlp_hand_loss)",
@@ -139,9 +133,7 @@ def table(results: dict) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out=None)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all)")
     args = parser.parse_args(argv)
 

@@ -42,10 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):  # run as a script: python benchmarks/fidelity.py
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import REPO_ROOT, add_common_args, emit, jax_env, log, make_result  # noqa: E402
+from benchmarks._common import REPO_ROOT, add_common_args, emit, jax_env, log, make_result
 
 RECIPES = ("fp32-masters", "remainders", "masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr",
            "bf16-nearest")

@@ -267,9 +267,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    if __package__ in (None, ""):
-        import sys
-        from pathlib import Path
-
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     main()

@@ -1,7 +1,7 @@
 """O2-fp8 and O2-fp8-current against O2-bf16: step time and the loss curve, in one process.
 
-    python benchmarks/fp8.py                    # GPU (H100 or newer: fp8 Tensor Cores)
-    python benchmarks/fp8.py --dry-run --out -  # tiny sizes on CPU (fp8 emulated), seconds
+    python -m benchmarks.fp8                    # GPU (H100 or newer: fp8 Tensor Cores)
+    python -m benchmarks.fp8 --dry-run --out -  # tiny sizes on CPU (fp8 emulated), seconds
 
 Models (plain Linen modules, one definition for every variant; MSE regression on synthetic data):
 
@@ -39,14 +39,9 @@ the fp8 variants are recorded as skipped with the reason. Writes
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
+from benchmarks import _common as common
 
 MODELS = ("mlp", "transformer")
 VARIANTS = ("bf16", "fp8", "fp8-current")
@@ -352,13 +347,8 @@ def run(args) -> dict:
 
     from jaxmp import fp8
 
-    sizes = DRY_SIZES if args.dry_run else SIZES
-    timing = common.timing_from_args(args, TIMING, DRY_TIMING)
-    if args.train_steps is not None:
-        timing["train_steps"] = args.train_steps
-    models = common.parse_choices(args.models, list(MODELS), "model")
-    variants = common.parse_choices(args.variants, list(VARIANTS), "variant")
-    env = common.jax_env()
+    sizes, timing, models, variants, env = common.run_setup(args, (SIZES, DRY_SIZES), (TIMING, DRY_TIMING), MODELS,
+                                                            VARIANTS, train_steps=args.train_steps)
     native, why = fp8.hardware.native_fp8(jax.devices()[0])
     common.log(f"fp8: {env['device']}: {why}", args.quiet)
     results = {m: measure_model(m, sizes, variants, timing, args.quiet) for m in models}
@@ -388,9 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
       The ``argparse`` parser (unknown flags exit 2 with their name).
     """
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out=None)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: all)")
     common.add_timing_args(parser, "untimed blocks per variant")
@@ -407,10 +395,7 @@ def main(argv=None) -> dict:
     Returns:
       The result dict.
     """
-    args = build_parser().parse_args(argv)
-    result = run(args)
-    common.emit_to_default(result, args.out, "fp8")
-    return result
+    return common.run_and_emit("fp8", build_parser().parse_args(argv), run)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Top kernels by time of a benchmark run, from a ``jax.profiler`` trace, as a markdown table.
 
-    python benchmarks/kernel_profile.py --models transformer --policies O2-bf16       # GPU
-    python benchmarks/kernel_profile.py --dry-run --models resnet50 --policies O1     # CPU, seconds
+    python -m benchmarks.kernel_profile --models transformer --policies O2-bf16       # GPU
+    python -m benchmarks.kernel_profile --dry-run --models resnet50 --policies O1     # CPU, seconds
 
 Runs ``throughput.py --profile`` for the chosen runs (one process each unless ``--dry-run``):
 each run is compiled and timed as usual, then ``--profile-steps`` more steps run under
@@ -13,14 +13,8 @@ for dry runs) together with the share of the traced time each takes.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 # The library (also used by _runs.py) lives in _profile.py; its names stay importable from here.
-from benchmarks._profile import markdown, profile_path, top_kernels, trace_steps  # noqa: E402,F401
+from benchmarks._profile import markdown, profile_path, top_kernels, trace_steps  # noqa: F401
 
 
 def main(argv=None):

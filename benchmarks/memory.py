@@ -21,10 +21,10 @@ aliased) are reported, not checked: on simulated CPU devices XLA emits an all-re
 slice for a reduce-scatter and widens bfloat16 collectives, so the temporaries a GPU would save
 do not show here.
 
-    python benchmarks/memory.py                    # the 50M-parameter table, N = 1, 2, 4, 8 (minutes)
-    python benchmarks/memory.py --dry-run --out -  # a tiny model, seconds (the tests use it)
-    python benchmarks/memory.py --devices 8 --step-time   # + seconds per step of each layout
-    python benchmarks/memory.py --gpt2 --devices 8        # GPT-2-small shape vs hand-written ZeRO (minutes)
+    python -m benchmarks.memory                    # the 50M-parameter table, N = 1, 2, 4, 8 (minutes)
+    python -m benchmarks.memory --dry-run --out -  # a tiny model, seconds (the tests use it)
+    python -m benchmarks.memory --devices 8 --step-time   # + seconds per step of each layout
+    python -m benchmarks.memory --gpt2 --devices 8        # GPT-2-small shape vs hand-written ZeRO (minutes)
 
 ``--gpt2`` compiles a GPT-2-small-shaped Transformer (124.4M params, ``benchmarks/_gpt2.py``;
 unrolled for ZeRO, scanned with ``jaxmp.parallel.scan_layers`` for FSDP) with jaxmp's layouts
@@ -42,12 +42,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
+from benchmarks import _common as common
 
 RECIPES = ("fp32-masters", "remainders", "bf16-sr")
 LAYOUTS = ("replicated", "zero", "fsdp")

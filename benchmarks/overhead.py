@@ -2,8 +2,8 @@
 
 One command, one run, every variant on the same model, data, optimizer and device::
 
-    python benchmarks/overhead.py                      # CPU here, GPU where present
-    python benchmarks/overhead.py --dry-run --out -    # tiny, seconds (the tests use it)
+    python -m benchmarks.overhead                      # CPU here, GPU where present
+    python -m benchmarks.overhead --dry-run --out -    # tiny, seconds (the tests use it)
 
 Variants (all jitted whole train steps, params and optimizer state donated):
 
@@ -40,16 +40,10 @@ Target: ``jaxmp/floor`` median <= 1.01 (jaxmp costs no more than the finiteness 
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
+from benchmarks import _common as common
 
 #: jaxmp / floor: within 1% of the cheapest possible skip-on-overflow step, on every platform.
 TARGET = 1.01
@@ -386,9 +380,7 @@ def run(cfg: dict, quiet: bool = False) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out=None)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--model", choices=("mlp", "cnn"))
     parser.add_argument("--width", type=int)
     parser.add_argument("--depth", type=int)

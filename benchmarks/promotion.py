@@ -7,20 +7,15 @@ Transformer whose biases are separate adds. CPU times are printed but informatio
 """
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax.numpy as jnp
 import numpy as np
 
 import jaxmp
 from jaxmp.engine.rules import AutocastRules
-from benchmarks import autocast as ab  # noqa: E402
-from benchmarks import efficiency as eff  # noqa: E402
+from benchmarks import autocast as ab
+from benchmarks import efficiency as eff
 
 def plain_transformer(key, layers=4, d=256, mlp=1024, seq=128, batch=8, heads=4):
     ks = iter(jax.random.split(key, 64))

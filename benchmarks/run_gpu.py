@@ -2,7 +2,7 @@
 
     bash benchmarks/run_gpu.sh                      # everything -> benchmarks/results/gpu_<device>.json
     bash benchmarks/run_gpu.sh --models resnet50    # a part; add --merge to keep the file's other runs
-    python benchmarks/run_gpu.py --dry-run          # tiny, on CPU (the tests use it)
+    python -m benchmarks.run_gpu --dry-run          # tiny, on CPU (the tests use it)
 
 Runs ``throughput.py`` (jaxmp policies and the native Flax bf16 baselines, one fresh process
 per model/batch/policy), ``torch_amp.py`` (eager autocast and ``torch.compile``, one fresh
@@ -15,31 +15,25 @@ file, ``results/parts/``, after each of its runs), so a time-out loses one run, 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
-from benchmarks import report  # noqa: E402
-from benchmarks import throughput  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
+from benchmarks import _common as common
+from benchmarks import report
+from benchmarks import throughput
 
 
 def _script(name: str, argv: list[str], timeout: float, out: Path) -> dict:
-    """Runs ``benchmarks/<name>.py argv --out out`` in a fresh process and returns its JSON.
+    """Runs ``python -m benchmarks.<name> argv --out out`` in a fresh process and returns its JSON.
 
     The script rewrites ``out`` after each of its runs, so a time-out keeps what it finished.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(HERE / f"{name}.py"), *argv, "--out", str(out)]
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", *argv, "--out", str(out)]
     print(f"run_gpu: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     try:
         rc = subprocess.run(cmd, cwd=common.REPO_ROOT, timeout=timeout, stdout=sys.stderr).returncode
@@ -47,7 +41,7 @@ def _script(name: str, argv: list[str], timeout: float, out: Path) -> dict:
         rc = "timeout"
     if out.exists():
         return json.loads(out.read_text())
-    return {"error": f"{name}.py failed (exit {rc}); see the log above"}
+    return {"error": f"benchmarks.{name} failed (exit {rc}); see the log above"}
 
 
 def _merge_runs(old: dict | None, new: dict) -> dict:
@@ -90,9 +84,7 @@ def comparison(tp: dict, tr: dict | None) -> list[dict]:
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out=None)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--models", help="comma list of throughput models (default: all)")
     parser.add_argument("--batches", help="comma list of batch sizes overriding each model's")
     parser.add_argument("--policies", help="comma list of jaxmp policies and native baselines (default: all)")

@@ -27,8 +27,8 @@ Defaults (override them with your own measurements):
 
 Usage::
 
-    python benchmarks/scaling_model.py
-    python benchmarks/scaling_model.py --step-time resnet50=0.15 --bandwidth-gbs 100 --overlap 0.8
+    python -m benchmarks.scaling_model
+    python -m benchmarks.scaling_model --step-time resnet50=0.15 --bandwidth-gbs 100 --overlap 0.8
 """
 
 from __future__ import annotations

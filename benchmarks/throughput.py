@@ -2,9 +2,9 @@
 
 One command runs every (model, batch, policy) of the suite and writes one JSON::
 
-    python benchmarks/throughput.py                          # the full suite (GPU)
-    python benchmarks/throughput.py --models resnet50        # a subset
-    python benchmarks/throughput.py --dry-run --out -        # tiny models on CPU, seconds
+    python -m benchmarks.throughput                          # the full suite (GPU)
+    python -m benchmarks.throughput --models resnet50        # a subset
+    python -m benchmarks.throughput --dry-run --out -        # tiny models on CPU, seconds
 
 Suite (synthetic data, on device, a few batches cycled):
 
@@ -39,18 +39,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Callable
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
-from benchmarks import flops  # noqa: E402
+from benchmarks import _common as common
+from benchmarks import flops
 
 # The suite itself is data in _suite.py (flops.py and torch_amp.py read it too); re-exported here.
-from benchmarks._suite import (  # noqa: E402
+from benchmarks._suite import (
     DRY_MATMUL_N, DRY_SUITE, DRY_TIMING, MATMUL_N, POLICIES, SUITE, TIMING)
 
 
@@ -60,7 +56,7 @@ from benchmarks._suite import (  # noqa: E402
 
 def _child(argv_tail: list[str], timeout: float | None) -> dict:
     """Runs this script in a fresh process (fresh device memory statistics) and reads its JSON."""
-    return common.run_child(Path(__file__).resolve(), argv_tail, timeout)
+    return common.run_child("benchmarks.throughput", argv_tail, timeout)
 
 
 def _child_main(args) -> None:
@@ -191,9 +187,7 @@ def summary_table(result: dict) -> str:
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out=None)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--models", help=f"comma list of {', '.join(SUITE)} (default: all)")
     parser.add_argument("--batches", help="comma list of batch sizes overriding each model's")
     parser.add_argument("--policies", help=f"comma list of {', '.join(POLICIES)} (default: all; "
@@ -217,25 +211,10 @@ def build_parser():
     return parser
 
 
-def default_out(result: dict, dry_run: bool) -> str:
-    slug = common.device_slug(result["env"]["device"])
-    return str(common.RESULTS_DIR / ("dry_run/throughput.json" if dry_run else f"throughput_{slug}.json"))
-
-
 def run_main(args) -> dict | None:
     """Runs the suite from parsed arguments, writing the JSON after every run."""
-    if args.single:
-        _child_main(args)
-        return None
-
-    def progress(partial):
-        if args.out != "-":
-            common.write_json(args.out or default_out(partial, args.dry_run), partial)
-
-    result = run_suite(args, on_progress=progress)
-    print(summary_table(result), flush=True)
-    common.emit(result, args.out or default_out(result, args.dry_run))
-    return result
+    return common.run_suite_main("throughput", args, run_suite, _child_main,
+                                 lambda result: print(summary_table(result), flush=True))
 
 
 def main(argv=None) -> dict | None:

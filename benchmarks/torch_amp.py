@@ -1,7 +1,7 @@
 """The PyTorch peer: the throughput suite's models with torch.autocast + GradScaler on the same GPU.
 
-    python benchmarks/torch_amp.py                      # full suite on a CUDA GPU
-    python benchmarks/torch_amp.py --dry-run --out -    # tiny models on CPU (needs CPU torch)
+    python -m benchmarks.torch_amp                      # full suite on a CUDA GPU
+    python -m benchmarks.torch_amp --dry-run --out -    # tiny models on CPU (needs CPU torch)
 
 PyTorch is not a dependency of jaxmp: it is imported here only, and when it is missing the
 script says so, writes a ``"status": "skipped"`` result and exits 0.
@@ -32,16 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
-from benchmarks._suite import DRY_SUITE, DRY_TIMING, SUITE, TIMING  # noqa: E402 - plain data, no JAX
+from benchmarks import _common as common
+from benchmarks._suite import DRY_SUITE, DRY_TIMING, SUITE, TIMING  # plain data, no JAX
 
 VARIANTS = ("fp32-strict", "fp32-tf32", "amp-fp16", "amp-bf16", "compile-amp-fp16", "compile-amp-bf16")
 SKIP_MESSAGE = "PyTorch is not installed: the PyTorch AMP peer is skipped (it is not a jaxmp dependency; " \
@@ -359,8 +355,7 @@ def run_suite(args, on_progress: Callable[[dict], None] | None = None) -> dict:
         for b in batches:
             for v in variants:
                 if isolate:
-                    e = common.run_child(Path(__file__).resolve(), ["--single", f"{m}:{b}:{v}", *_child_tail(args)],
-                                         args.timeout)
+                    e = common.run_child("benchmarks.torch_amp", ["--single", f"{m}:{b}:{v}", *_child_tail(args)], args.timeout)
                     e.setdefault("model", m), e.setdefault("batch_size", b), e.setdefault("policy", v)
                     if e.get("status") != "ok":
                         common.log(f"  {m} b{b} {v}: {e.get('status')}: {str(e.get('error'))[:300]}", args.quiet)
@@ -374,9 +369,7 @@ def run_suite(args, on_progress: Callable[[dict], None] | None = None) -> dict:
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out=None)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--models", help=f"comma list of {', '.join(SUITE)} (default: all)")
     parser.add_argument("--batches", help="comma list of batch sizes overriding each model's")
     parser.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: all)")
@@ -396,23 +389,7 @@ def build_parser():
     return parser
 
 
-def default_out(result: dict, dry_run: bool) -> str:
-    if dry_run:
-        return str(common.RESULTS_DIR / "dry_run/torch_amp.json")
-    return str(common.RESULTS_DIR / f"torch_amp_{common.device_slug(result['env']['device'])}.json")
-
-
-def main(argv=None) -> dict | None:
-    args = build_parser().parse_args(argv)
-    if args.single:
-        _child_main(args)
-        return None
-
-    def progress(partial):
-        if args.out != "-":
-            common.write_json(args.out or default_out(partial, args.dry_run), partial)
-
-    result = run_suite(args, on_progress=progress)
+def _print_runs(result: dict) -> None:
     for e in result["results"]["runs"]:
         if e.get("status") == "ok":
             st = e["step_time_s"]
@@ -420,8 +397,10 @@ def main(argv=None) -> dict | None:
                   f"step {st['median'] * 1e3:.2f} ms ({st['q25'] * 1e3:.2f}-{st['q75'] * 1e3:.2f})", flush=True)
         else:
             print(f"{e['model']:12s} {e['batch_size']:5d} {e['policy']:16s} {e['status']}: {e.get('error', '')[:100]}")
-    common.emit(result, args.out or default_out(result, args.dry_run))
-    return result
+
+
+def main(argv=None) -> dict | None:
+    return common.run_suite_main("torch_amp", build_parser().parse_args(argv), run_suite, _child_main, _print_runs)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where jaxmp.autocast's trace time goes: the engine's own Python per equation vs JAX's tracing.
 
-    python benchmarks/trace_profile.py                    # autocast.py's sizes, all four models
-    python benchmarks/trace_profile.py --dry-run --out -  # tiny sizes, seconds
+    python -m benchmarks.trace_profile                    # autocast.py's sizes, all four models
+    python -m benchmarks.trace_profile --dry-run --out -  # tiny sizes, seconds
 
 For each model of ``benchmarks/autocast.py`` it traces ``jit(value_and_grad(loss'))`` once
 to warm JAX's global caches, then profiles (``cProfile``) one trace of a *fresh* wrapper for the
@@ -15,7 +15,6 @@ the timings without a profiler are ``benchmarks/autocast.py``'s.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import gc
 import os
@@ -23,10 +22,7 @@ import pstats
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import _common as common  # noqa: E402
+from benchmarks import _common as common
 
 MODELS = ("mlp", "mlp32", "transformer", "resnet")
 
@@ -79,9 +75,7 @@ def measure(name: str, sizes: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_args(parser, default_out="-")
+    parser = common.script_parser(__doc__, default_out="-")
     parser.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all)")
     args = parser.parse_args(argv)
 

@@ -145,9 +145,10 @@ def main(argv: Any = None) -> None:
     # 3. A bit flipped on process 1's write path, after its pieces were hashed.
     real = ckpt_lib.shard_records
     intact = state(3)
-    ckpt_lib.shard_records = lambda s: real(ckpt_lib.saveable(intact))
+    # Checkpointer.save looks shard_records up in its own module (experiments/checkpoint/_checkpointer.py).
+    ckpt_lib._checkpointer.shard_records = lambda s: real(ckpt_lib.saveable(intact))
     ckpt.save(3, state(3, w=flipped_w(3)), {**META, "data_position": 3})
-    ckpt_lib.shard_records = real
+    ckpt_lib._checkpointer.shard_records = real
     report["restores"].append(_restore(ckpt, ckpt_lib))
 
     multihost_utils.sync_global_devices("done")

@@ -1,6 +1,6 @@
 """The benchmark scripts in dry-run mode (tiny models, CPU) and the schema of what they write.
 
-The real numbers come from ``python benchmarks/overhead.py`` (CPU) and ``bash benchmarks/run_gpu.sh``
+The real numbers come from ``python -m benchmarks.overhead`` (CPU) and ``bash benchmarks/run_gpu.sh``
 (GPU); these tests only check that every script runs end to end and writes well-formed JSON,
 that the PyTorch peer skips cleanly without torch, and that the report's targets logic and the
 README's generated section agree with the committed results.
@@ -192,7 +192,7 @@ def test_every_script_has_a_dry_run_flag():
         assert "--dry-run" in mod.build_parser().format_help()
     for script in ("overhead.py", "run_gpu.py", "throughput.py", "torch_amp.py"):
         assert "--dry-run" in (ROOT / "benchmarks" / script).read_text()
-    assert "run_gpu.py" in (ROOT / "benchmarks" / "run_gpu.sh").read_text()
+    assert "-m benchmarks.run_gpu" in (ROOT / "benchmarks" / "run_gpu.sh").read_text()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,10 +380,7 @@ SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.nam
 
 
 def _script_main(name):
-    spec = importlib.util.spec_from_file_location(f"_bench_cli_{name}", ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+    return importlib.import_module(f"benchmarks.{name}").main
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -401,28 +398,49 @@ def test_every_script_answers_help_and_names_an_unknown_flag(name, capsys):
     assert "unrecognized arguments: --no-such-flag" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_every_script_runs_as_a_file_not_only_as_a_module(name):
-    """``python benchmarks/<name>.py`` has no ``benchmarks`` package on its path: a script that
-    imports from it at module level must put the repository root on ``sys.path`` first."""
+def test_no_benchmark_module_edits_sys_path():
+    """The scripts are modules of the ``benchmarks`` package, run as ``python -m benchmarks.<name>``
+    from the repository root: none of them (helpers included) puts anything on ``sys.path``."""
     import ast
 
-    tree = ast.parse((ROOT / "benchmarks" / f"{name}.py").read_text())
-    guarded = False
-    for node in tree.body:
-        if isinstance(node, ast.If) and "__package__" in ast.unparse(node.test) and "sys.path" in ast.unparse(node):
-            guarded = True
-        imported = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-        if any(m == "benchmarks" or m.startswith("benchmarks.") for m in imported):
-            assert guarded, f"benchmarks/{name}.py imports {imported} before putting the repository root on sys.path"
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and ast.unparse(node.value) == "sys":
+                pytest.fail(f"benchmarks/{path.name}:{node.lineno} uses sys.path; run it as `python -m "
+                            f"benchmarks.{path.stem}` instead")
+
+
+def test_every_script_runs_as_a_module_in_a_fresh_process():
+    """``python -m benchmarks.<name> --help`` from the repository root, each in its own process
+    (started together, so the file stays fast): usage on stdout, exit 0."""
+    import subprocess
+
+    procs = {name: subprocess.Popen([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=ROOT,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in SCRIPTS}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0 and out.startswith("usage:"), (name, err[-2000:])
+
+
+def test_docs_show_benchmarks_run_as_modules():
+    """No page, README or docstring shows ``python benchmarks/<name>.py``, which no longer finds the
+    ``benchmarks`` package; recorded results keep the command they were made with."""
+    import re
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "*.md", "*.py", "*.sh"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    pattern = re.compile(r"python[0-9.]* benchmarks/[a-z_0-9]+\.py")
+    found = [f"{f}: {m.group(0)}" for f in files if not f.startswith("benchmarks/results/")
+             for m in pattern.finditer((ROOT / f).read_text())]
+    assert found == [], found
 
 
 def test_unknown_flag_in_a_fresh_process_has_no_traceback():
     import subprocess
 
     for name in ("overhead", "run_gpu"):
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--no-such-flag"],
+        proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--no-such-flag"],
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and "--no-such-flag" in proc.stderr and "Traceback" not in proc.stderr
 

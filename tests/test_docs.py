@@ -111,7 +111,7 @@ def test_every_page_is_in_the_navigation():
 
 def test_scaling_table_is_what_the_script_prints():
     text = page("parallel.md").read_text()
-    documented = re.search(r"`python benchmarks/scaling_model.py` prints:\n\n```text\n(.*?)```", text, flags=re.S)
+    documented = re.search(r"`python -m benchmarks.scaling_model` prints:\n\n```text\n(.*?)```", text, flags=re.S)
     assert documented, "parallel.md must quote the output of benchmarks/scaling_model.py"
     module = runpy.run_path(str(ROOT / "benchmarks" / "scaling_model.py"), run_name="scaling_model")
     with contextlib.redirect_stdout(io.StringIO()):

@@ -1,4 +1,4 @@
-"""Per-shard checksums of experiments/checkpoint.py on 8 simulated devices (one process): each
+"""Per-shard checksums of experiments/checkpoint/ on 8 simulated devices (one process): each
 piece a process writes is recorded with its shard index and the SHA-256 of its bytes, a flipped
 bit in one shard is named with that index, and a missing shard file makes the step damaged.
 The two-process run is in test_parallel_multiprocess.py."""
@@ -119,7 +119,8 @@ def test_a_bit_flipped_in_one_shard_is_named_with_its_shard_index(layout, tmp_pa
     flipped.view(np.uint32)[9, 4] ^= 1 << 7
     bad = {**intact, "w": jax.device_put(flipped, NamedSharding(mesh, SPECS["w"]))}
     real = ckpt_lib.shard_records
-    monkeypatch.setattr(ckpt_lib, "shard_records", lambda state: real(ckpt_lib.saveable(intact)))
+    # Checkpointer.save looks shard_records up in its own module (experiments/checkpoint/_checkpointer.py).
+    monkeypatch.setattr(ckpt_lib._checkpointer, "shard_records", lambda state: real(ckpt_lib.saveable(intact)))
     _save(ckpt, 2, bad)
     monkeypatch.undo()
 

@@ -1,0 +1,25 @@
+"""What a checkpoint raises and warns: the public errors and the internal verdict `_Damaged`."""
+
+from __future__ import annotations
+
+from experiments.validation import RunFailedError, UserError
+
+
+class CheckpointMismatchError(UserError):
+    """The workdir holds checkpoints of a different run (policy, loss scale, model...)."""
+
+
+class CheckpointDamagedError(UserError):
+    """The workdir holds checkpoints, but none of them is intact."""
+
+
+class CheckpointWriteError(RunFailedError):
+    """A checkpoint (or another file of the run) could not be written: a full disk, a quota, an I/O error."""
+
+
+class CheckpointDamageWarning(UserWarning):
+    """A checkpoint step was damaged and skipped; the run resumed from an older one."""
+
+
+class _Damaged(Exception):
+    """One step failed verification; the message says which array and what."""

@@ -1,0 +1,37 @@
+"""The on-disk format of a checkpoint: item and file names, format versions, the metadata schema,
+and the canonical JSON and hashing every checksum is made with."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+FORMAT = "jaxmp-experiments-checkpoint/2"
+# Formats this version recognises but cannot verify (whole-array checksums, no shard files).
+OLD_FORMATS = ("jaxmp-experiments-checkpoint/1",)
+SHARDS = "shards"  # orbax item: shards/process_<i>.json, the checksums of what process i wrote
+FILE_LIST = "state_files_process_{}.json"  # per-process file checksums of the state, written after finalize
+# Settings a resumed run must share with the run that wrote the checkpoint.
+MUST_MATCH = ("policy", "loss_scale", "master_weights", "engine", "seed", "model", "dataset",
+              "global_batch_size", "num_train_steps")
+_META_TYPES = {"policy": str, "loss_scale": str, "master_weights": bool, "engine": str, "seed": int,
+               "model": str, "dataset": str, "global_batch_size": int, "num_train_steps": int,
+               "data_position": int, "history": list}
+# Besides MUST_MATCH, ``meta["settings"]`` holds every config value that changes what a run
+# computes (flattened ``--config.<field>`` names -> JSON values, see experiments.train.run_settings);
+# a resume, or a finished run read back, under other values is refused, naming each field.
+SETTINGS = "settings"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _key(path) -> str:
+    """A path as ``a/b/0``: the same for a state and for orbax's template-free dict of it."""
+    return "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
