@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import DTypeLike
 
 from jaxmp.dtypes import is_floating_array
 from jaxmp.presets import did_you_mean
@@ -166,7 +167,7 @@ def _check_rounding(rounding: Any) -> str:
     return rounding
 
 
-def stochastic_round(x: jax.Array, key: Any, dtype: Any = jnp.bfloat16) -> jax.Array:
+def stochastic_round(x: jax.Array, key: jax.Array | int, dtype: DTypeLike = jnp.bfloat16) -> jax.Array:
     """Rounds float32 ``x`` to bfloat16 stochastically: up with probability equal to the distance.
 
     A value between two bfloat16 neighbours ``lo < x < hi`` becomes ``hi`` with probability
@@ -220,7 +221,7 @@ def _is_moment(x: Any) -> bool:
     return is_floating_array(x) and jnp.ndim(x) >= 1 and jnp.asarray(x).dtype in (jnp.float32, jnp.bfloat16)
 
 
-def bf16_moments(inner: optax.GradientTransformation, key: Any = None, *,
+def bf16_moments(inner: optax.GradientTransformation, key: jax.Array | int | None = None, *,
                  rounding: str = "stochastic") -> optax.GradientTransformationExtraArgs:
     """Stores ``inner``'s moments in bfloat16, computes in float32, rounds stochastically on store.
 
@@ -301,7 +302,7 @@ def _to_f32(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: jnp.asarray(x).astype(jnp.float32) if is_floating_array(x) else x, tree)
 
 
-def bf16_params(inner: optax.GradientTransformation, key: Any = None, *,
+def bf16_params(inner: optax.GradientTransformation, key: jax.Array | int | None = None, *,
                 rounding: str = "stochastic") -> optax.GradientTransformationExtraArgs:
     """Updates bfloat16 params with no master copy, rounding each new param stochastically.
 
@@ -547,7 +548,7 @@ def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTrans
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def remainder_master(params: Any, opt_state: Any) -> Any:
+def remainder_master(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
     """The float32 masters held by [`param_remainders`][jaxmp.lean.param_remainders]: the params merged with their remainders.
 
     Args:
@@ -622,7 +623,7 @@ def _warn_on_float32_params(name: str, tx: optax.GradientTransformationExtraArgs
     return optax.GradientTransformationExtraArgs(init_fn, tx.update)
 
 
-def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
+def preset(name: str, inner: optax.GradientTransformation, *, key: jax.Array | int | None = None,
            accumulate_steps: int = 1) -> optax.GradientTransformationExtraArgs:
     """A memory-lean recipe by name, to wrap in [`jaxmp.loss_scaling`][jaxmp.loss_scaling] (with bfloat16 params).
 

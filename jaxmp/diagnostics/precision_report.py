@@ -24,6 +24,7 @@ import jax
 from jax.extend import core as _core
 
 from jaxmp.diagnostics import _format
+from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics.autocast_ops import AutocastOp, autocast_ops
 from jaxmp.diagnostics.jaxpr_walk import MatmulOp, RiskyOp, walk_jaxpr
 
@@ -259,7 +260,7 @@ def amdahl(share: float, speedup: float) -> float:
 
 
 
-def analyze_jaxpr(closed_jaxpr, *, policy: Any = None, tensor_core_speedup: float = 8.0,
+def analyze_jaxpr(closed_jaxpr, *, policy: PolicyLike | None = None, tensor_core_speedup: float = 8.0,
                   tc_multiple: int = 8, reduction_threshold: int = 1024) -> PrecisionReport:
     """Builds a [`PrecisionReport`][jaxmp.diagnostics.PrecisionReport] from an already traced jaxpr.
 
@@ -308,7 +309,7 @@ def analyze_jaxpr(closed_jaxpr, *, policy: Any = None, tensor_core_speedup: floa
                            unknown, tc_multiple, autocast_ops(jaxpr))
 
 
-def precision_report(fn: Callable, *args, policy: Any = None, tensor_core_speedup: float = 8.0,
+def precision_report(fn: Callable, *args, policy: PolicyLike | None = None, tensor_core_speedup: float = 8.0,
                      tc_multiple: int = 8, reduction_threshold: int = 1024, **kwargs) -> PrecisionReport:
     """Traces ``fn(*args, **kwargs)`` and reports the precision of every matmul and convolution.
 
