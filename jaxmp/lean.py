@@ -43,6 +43,7 @@ import numpy as np
 import optax
 from jax.typing import DTypeLike
 
+from jaxmp._typing import PyTree
 from jaxmp.dtypes import is_floating_array
 from jaxmp.presets import did_you_mean
 from jaxmp.traps import MixedPrecisionWarning
@@ -78,7 +79,7 @@ class Bf16MomentsState(NamedTuple):
       count: int32 [], updates applied so far (folded into ``key`` for each update's bits).
     """
 
-    inner_state: Any
+    inner_state: optax.OptState
     key: jax.Array
     count: jax.Array
 
@@ -95,7 +96,7 @@ class Bf16ParamsState(NamedTuple):
     #: Read by jaxmp's init check: these params learn without a float32 master copy.
     keeps_half_params_exact = True
 
-    inner_state: Any
+    inner_state: optax.OptState
     key: jax.Array
     count: jax.Array
 
@@ -113,8 +114,8 @@ class ParamRemaindersState(NamedTuple):
     #: Read by jaxmp's init check: these params learn without a float32 master copy.
     keeps_half_params_exact = True
 
-    inner_state: Any
-    remainders: Any
+    inner_state: optax.OptState
+    remainders: PyTree
 
 
 # --------------------------------------------------------------------------- keys and rounding

@@ -73,7 +73,7 @@ class Recipe(NamedTuple):
     master_weights: bool
     loss_scale: str
     keep_fp32: tuple[str, ...]
-    fp8: Any = None
+    fp8: _fp8.Fp8Recipe | None = None
 
 
 def preset_half_dtype(device: jax.Device | None = None) -> np.dtype:

@@ -46,8 +46,8 @@ class MasterWeightsState(NamedTuple):
       master_params: the ``master_dtype`` (float32) copy of the params.
     """
 
-    inner_state: Any
-    master_params: Any
+    inner_state: optax.OptState
+    master_params: optax.Params
 
 
 class LossScalingState(NamedTuple):
@@ -65,7 +65,7 @@ class LossScalingState(NamedTuple):
         but non-finite updates.
     """
 
-    inner_state: Any
+    inner_state: optax.OptState
     loss_scale: LossScale
     last_step_finite: jax.Array
     consecutive_skips: jax.Array

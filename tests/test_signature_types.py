@@ -17,6 +17,7 @@ import importlib
 import inspect
 import sys
 import types
+import typing
 
 import pytest
 
@@ -49,15 +50,27 @@ def _callables():
                 yield f"{ns}.{name}", obj, getattr(obj, "__module__", ns)
 
 
+def _fields(cls: type) -> list[inspect.Parameter]:
+    """A NamedTuple's or dataclass's fields as parameters: a NamedTuple's generated ``__new__`` carries
+    no annotations, but the API reference shows the field types from the class body."""
+    annotations = inspect.get_annotations(cls)
+    return [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation)
+            for name, annotation in annotations.items() if "ClassVar" not in str(annotation)]
+
+
 def _annotated_parameters():
     for qualname, obj, module in _callables():
         try:
-            signature = inspect.signature(obj)
+            params = list(inspect.signature(obj).parameters.values())
         except (TypeError, ValueError):  # a builtin or C callable: no Python signature to read
-            continue
-        for param in signature.parameters.values():
+            params = []
+        if inspect.isclass(obj):
+            params += [f for f in _fields(obj) if f.name not in {p.name for p in params}]
+        for param in params:
             if param.name in ("self", "cls") or param.annotation is inspect.Parameter.empty:
                 continue
+            if isinstance(param.annotation, typing.ForwardRef):  # a NamedTuple's fields under postponed annotations
+                param = param.replace(annotation=param.annotation.__forward_arg__)
             yield qualname, param, module
 
 
@@ -87,7 +100,8 @@ def test_every_parameter_is_checked():
     names = {f"{q}({p.name})" for q, p, _ in params}
     assert len(params) > 300, len(params)
     assert {"jaxmp.loss_scaling(loss_scale)", "jaxmp.Policy(compute_dtype)", "jaxmp.parallel.shard_batch(batch)",
-            "jaxmp.flax.TrainState(opt_state)", "jaxmp.lean.stochastic_round(key)"} <= names
+            "jaxmp.flax.TrainState(opt_state)", "jaxmp.lean.stochastic_round(key)",
+            "jaxmp.Recipe(fp8)", "jaxmp.LossScalingState(inner_state)"} <= names
 
 
 @functools.cache
@@ -136,3 +150,8 @@ def test_public_annotations_name_things_that_exist():
                                                ("dict[str, Any]", False), ("Callable[..., Any]", False)])
 def test_plain_any_detection(annotation, plain):
     assert _is_plain_any(annotation) is plain
+
+
+def test_unresolved_names_are_found():
+    assert _unresolved("optax.NoSuchAlias | Bogus | None", "jaxmp.transform") == ["optax.NoSuchAlias", "Bogus"]
+    assert _unresolved("jax.typing.DTypeLike | LossScaleLike", "jaxmp.transform") == []
