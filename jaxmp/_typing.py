@@ -1,14 +1,14 @@
-"""The type aliases jaxmp's public signatures share, so the API reference shows what a parameter takes.
+"""The names jaxmp's signatures use for what a parameter takes, where no JAX or optax type says it.
 
-Each alias names what the parameter accepts in words a reader knows ("a policy or its name", "a pytree
-of arrays") where the precise type is a long union or is no checkable type at all (a pytree). The
-modules import the alias they need from here, so one definition serves every signature. Dtypes and
-arrays use JAX's own ``jax.typing.DTypeLike`` and ``jax.typing.ArrayLike`` / ``jax.Array``.
-
-The objects the unions name (``Policy``, ``Recipe``, ``LossScale``) are imported for type checkers
-only: this module is imported by the modules that define them, and importing them back here at run
-time would be a cycle. The aliases therefore hold forward references; nothing in jaxmp evaluates them.
+Elsewhere the signatures use JAX's ``jax.typing.DTypeLike`` (a dtype or its name),
+``jax.typing.ArrayLike`` and ``jax.Array``, ``jax.Device``, ``jax.sharding.Mesh``, and optax's
+``Params``, ``Updates``, ``OptState`` and ``GradientTransformation``.
 """
+
+# One definition serves every signature: the modules import the alias they need from here. The
+# objects the unions name (Policy, Recipe, LossScale) are imported for type checkers only: the modules
+# that define them import this one, so importing them back at run time would be a cycle. The aliases
+# hold forward references instead; nothing in jaxmp evaluates them (griffe reads them as written).
 
 from __future__ import annotations
 
