@@ -12,11 +12,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
+
+from jaxmp._typing import AxisName, PyTree
 
 from jaxmp.dtypes import accumulation_dtype, float_dtype, is_floating_array
 
 
-def check_axis_name(axis_name: Any) -> Any:
+def check_axis_name(axis_name: AxisName) -> AxisName:
     """``axis_name`` if it can name a pmap axis (not None, hashable), else a clear error.
 
     A list of axis names (``["data", "model"]``) is taken as the tuple JAX's collectives
@@ -49,12 +52,12 @@ def check_axis_name(axis_name: Any) -> Any:
     return axis_name
 
 
-def optional_axis_name(axis_name: Any) -> Any:
+def optional_axis_name(axis_name: AxisName | None) -> AxisName | None:
     """``None`` (no axis), or ``axis_name`` checked by `check_axis_name` (a list becomes a tuple)."""
     return None if axis_name is None else check_axis_name(axis_name)
 
 
-def check_reduce_dtype(dtype: Any, what: str = "grad_reduce_dtype") -> np.dtype | None:
+def check_reduce_dtype(dtype: DTypeLike | None, what: str = "grad_reduce_dtype") -> np.dtype | None:
     """``None`` (reduce in each gradient's own dtype) or a floating dtype that can hold gradients.
 
     Args:
@@ -87,7 +90,8 @@ def check_reduce_dtype(dtype: Any, what: str = "grad_reduce_dtype") -> np.dtype 
     return dt
 
 
-def all_reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: Any = jnp.float32) -> Any:
+def all_reduce_gradients(grads: PyTree, axis_name: AxisName,
+                         reduce_dtype: DTypeLike | None = jnp.float32) -> PyTree:
     """Mean of the gradients over a pmap/shard_map axis, communicated in ``reduce_dtype``.
 
     Floating leaves are cast to ``reduce_dtype``, summed over the axis in one all-reduce
@@ -150,7 +154,7 @@ def all_reduce_gradients(grads: Any, axis_name: Any, reduce_dtype: Any = jnp.flo
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def mean_model_state(state: Any, axis_name: Any) -> Any:
+def mean_model_state(state: PyTree, axis_name: AxisName) -> PyTree:
     """The model state (BatchNorm statistics) averaged over a pmap axis, bitwise equal on every replica.
 
     Floating leaves are summed over the axis in float32 ([`all_reduce_gradients`][jaxmp.parallel.all_reduce_gradients]) and

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 T = TypeVar("T")
 
@@ -98,7 +99,7 @@ def parse_dtype(value: str) -> np.dtype:
     return np.dtype(_FLOAT_NAMES[name])
 
 
-def float_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
+def float_dtype(dtype: DTypeLike, what: str = "dtype") -> np.dtype:
     """Returns a user-given dtype as a numpy floating dtype, or raises naming ``what``.
 
     Strings are parsed once here: jmp's names (``"bf16"``, ``"half"``) and numpy's
@@ -137,7 +138,7 @@ def float_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
     return dt
 
 
-def accumulation_dtype(dtype: Any) -> np.dtype:
+def accumulation_dtype(dtype: DTypeLike) -> np.dtype:
     """The dtype to sum or average values of ``dtype`` in: at least float32.
 
     Half precision (float16, bfloat16, fp8) accumulates in float32; float32 and float64 stay as
@@ -213,7 +214,7 @@ def is_inexact_array(x: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
-def cast_floating(tree: T, dtype: Any) -> T:
+def cast_floating(tree: T, dtype: DTypeLike) -> T:
     """Casts the floating array leaves of ``tree`` to ``dtype``; other leaves pass through.
 
     Args:

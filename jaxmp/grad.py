@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmp import traps
+from jaxmp._typing import PyTree
+from jaxmp.loss_scale import LossScale
 from jaxmp.opt_state import get_loss_scale
 from jaxmp.transform import LossScalingState
 
@@ -21,7 +23,7 @@ def _check_loss(loss: Any) -> jax.Array:
     return loss
 
 
-def value_and_grad(fun: Callable[..., Any], scale_source: Any, argnums: int | Sequence[int] = 0,
+def value_and_grad(fun: Callable[..., Any], scale_source: LossScale | PyTree, argnums: int | Sequence[int] = 0,
                    has_aux: bool = False, **kwargs) -> Callable[..., Any]:
     """Like ``jax.value_and_grad``, but differentiates ``loss * loss_scale``.
 

@@ -41,7 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import DTypeLike
 
+from jaxmp._typing import PyTree
 from jaxmp.dtypes import is_floating_array
 from jaxmp.presets import did_you_mean
 from jaxmp.traps import MixedPrecisionWarning
@@ -77,7 +79,7 @@ class Bf16MomentsState(NamedTuple):
       count: int32 [], updates applied so far (folded into ``key`` for each update's bits).
     """
 
-    inner_state: Any
+    inner_state: optax.OptState
     key: jax.Array
     count: jax.Array
 
@@ -94,7 +96,7 @@ class Bf16ParamsState(NamedTuple):
     #: Read by jaxmp's init check: these params learn without a float32 master copy.
     keeps_half_params_exact = True
 
-    inner_state: Any
+    inner_state: optax.OptState
     key: jax.Array
     count: jax.Array
 
@@ -112,8 +114,8 @@ class ParamRemaindersState(NamedTuple):
     #: Read by jaxmp's init check: these params learn without a float32 master copy.
     keeps_half_params_exact = True
 
-    inner_state: Any
-    remainders: Any
+    inner_state: optax.OptState
+    remainders: PyTree
 
 
 # --------------------------------------------------------------------------- keys and rounding
@@ -166,7 +168,7 @@ def _check_rounding(rounding: Any) -> str:
     return rounding
 
 
-def stochastic_round(x: jax.Array, key: Any, dtype: Any = jnp.bfloat16) -> jax.Array:
+def stochastic_round(x: jax.Array, key: jax.Array | int, dtype: DTypeLike = jnp.bfloat16) -> jax.Array:
     """Rounds float32 ``x`` to bfloat16 stochastically: up with probability equal to the distance.
 
     A value between two bfloat16 neighbours ``lo < x < hi`` becomes ``hi`` with probability
@@ -220,7 +222,7 @@ def _is_moment(x: Any) -> bool:
     return is_floating_array(x) and jnp.ndim(x) >= 1 and jnp.asarray(x).dtype in (jnp.float32, jnp.bfloat16)
 
 
-def bf16_moments(inner: optax.GradientTransformation, key: Any = None, *,
+def bf16_moments(inner: optax.GradientTransformation, key: jax.Array | int | None = None, *,
                  rounding: str = "stochastic") -> optax.GradientTransformationExtraArgs:
     """Stores ``inner``'s moments in bfloat16, computes in float32, rounds stochastically on store.
 
@@ -301,7 +303,7 @@ def _to_f32(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: jnp.asarray(x).astype(jnp.float32) if is_floating_array(x) else x, tree)
 
 
-def bf16_params(inner: optax.GradientTransformation, key: Any = None, *,
+def bf16_params(inner: optax.GradientTransformation, key: jax.Array | int | None = None, *,
                 rounding: str = "stochastic") -> optax.GradientTransformationExtraArgs:
     """Updates bfloat16 params with no master copy, rounding each new param stochastically.
 
@@ -547,7 +549,7 @@ def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTrans
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def remainder_master(params: Any, opt_state: Any) -> Any:
+def remainder_master(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
     """The float32 masters held by [`param_remainders`][jaxmp.lean.param_remainders]: the params merged with their remainders.
 
     Args:
@@ -622,7 +624,7 @@ def _warn_on_float32_params(name: str, tx: optax.GradientTransformationExtraArgs
     return optax.GradientTransformationExtraArgs(init_fn, tx.update)
 
 
-def preset(name: str, inner: optax.GradientTransformation, *, key: Any = None,
+def preset(name: str, inner: optax.GradientTransformation, *, key: jax.Array | int | None = None,
            accumulate_steps: int = 1) -> optax.GradientTransformationExtraArgs:
     """A memory-lean recipe by name, to wrap in [`jaxmp.loss_scaling`][jaxmp.loss_scaling] (with bfloat16 params).
 

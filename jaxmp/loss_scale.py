@@ -21,8 +21,10 @@ from typing import Any, ClassVar, TypeVar, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxmp import traps
+from jaxmp._typing import LossScaleLike
 from jaxmp.dtypes import is_inexact_array
 from jaxmp.skip import check_flag
 
@@ -202,9 +204,9 @@ class StaticLossScale(_Scaling):
       256.0
     """
 
-    loss_scale: Any
+    loss_scale: ArrayLike
     #: Whether this scale multiplied a loss (set by `scale`; see ``jaxmp.traps.ScaledMark``).
-    scaled_mark: Any = dataclasses.field(default=traps.UNSCALED, kw_only=True, repr=False, metadata=_STATIC)
+    scaled_mark: traps.ScaledMark = dataclasses.field(default=traps.UNSCALED, kw_only=True, repr=False, metadata=_STATIC)
 
     def __post_init__(self):
         object.__setattr__(self, "loss_scale", _scale_array(self.loss_scale, "loss_scale"))
@@ -282,15 +284,15 @@ class DynamicLossScale(_Scaling):
       65536.0
     """
 
-    loss_scale: Any = DEFAULT_INITIAL_SCALE
-    counter: Any = 0
+    loss_scale: ArrayLike = DEFAULT_INITIAL_SCALE
+    counter: ArrayLike = 0
     period: int = dataclasses.field(default=DEFAULT_GROWTH_INTERVAL, metadata=_STATIC)
     factor: float = dataclasses.field(default=DEFAULT_GROWTH_FACTOR, metadata=_STATIC)
     min_loss_scale: float = dataclasses.field(default=DEFAULT_MIN_SCALE, metadata=_STATIC)
     backoff_factor: float | None = dataclasses.field(default=None, kw_only=True, metadata=_STATIC)
     max_loss_scale: float = dataclasses.field(default=DEFAULT_MAX_SCALE, kw_only=True, metadata=_STATIC)
     #: Whether this scale multiplied a loss (set by `scale`; see ``jaxmp.traps.ScaledMark``).
-    scaled_mark: Any = dataclasses.field(default=traps.UNSCALED, kw_only=True, repr=False, metadata=_STATIC)
+    scaled_mark: traps.ScaledMark = dataclasses.field(default=traps.UNSCALED, kw_only=True, repr=False, metadata=_STATIC)
 
     # Configurations already validated: JAX rebuilds the dataclass on every tree operation.
     _valid: ClassVar[set] = set()
@@ -465,7 +467,7 @@ def register_flax_serialization(force: bool = False) -> bool:
 register_flax_serialization()
 
 
-def make_loss_scale(spec: Any = "dynamic") -> LossScale:
+def make_loss_scale(spec: LossScaleLike = "dynamic") -> LossScale:
     """Builds a loss scale from a short description.
 
     Args:

@@ -6,11 +6,14 @@ Works on any pytree holding a [`jaxmp.LossScalingState`][jaxmp.LossScalingState]
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+
+from jaxmp._typing import PyTree
 
 from jaxmp.dtypes import is_inexact_array
 from jaxmp.loss_scale import LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale
@@ -22,7 +25,7 @@ class TrainingDivergedError(FloatingPointError):
     """Raised by [`check_health`][jaxmp.check_health] when too many steps in a row were skipped."""
 
 
-def find_loss_scaling_state(tree: Any) -> LossScalingState:
+def find_loss_scaling_state(tree: PyTree) -> LossScalingState:
     """Finds the single [`LossScalingState`][jaxmp.LossScalingState] inside an optimizer state (or train state).
 
     Args:
@@ -51,7 +54,7 @@ def find_loss_scaling_state(tree: Any) -> LossScalingState:
     return found[0]
 
 
-def get_loss_scale(source: Any) -> LossScale:
+def get_loss_scale(source: LossScale | PyTree) -> LossScale:
     """Returns the current loss-scale object from an optimizer state, or ``source`` if it is one.
 
     Args:
@@ -71,7 +74,7 @@ def get_loss_scale(source: Any) -> LossScale:
     return find_loss_scaling_state(source).loss_scale
 
 
-def scaling_stats(opt_state: Any) -> dict[str, jax.Array]:
+def scaling_stats(opt_state: optax.OptState) -> dict[str, jax.Array]:
     """Loss-scaling telemetry for logging; works inside ``jit``.
 
     Args:
@@ -95,7 +98,7 @@ def scaling_stats(opt_state: Any) -> dict[str, jax.Array]:
     }
 
 
-def last_step_finite(opt_state: Any) -> jax.Array:
+def last_step_finite(opt_state: optax.OptState) -> jax.Array:
     """Whether the last update's gradients were finite (i.e. it was applied).
 
     Args:
@@ -112,7 +115,7 @@ def last_step_finite(opt_state: Any) -> jax.Array:
     return find_loss_scaling_state(opt_state).last_step_finite
 
 
-def skipped_steps(opt_state: Any) -> jax.Array:
+def skipped_steps(opt_state: optax.OptState) -> jax.Array:
     """Total number of skipped (non-finite) steps since ``init``.
 
     Args:
@@ -129,7 +132,7 @@ def skipped_steps(opt_state: Any) -> jax.Array:
     return find_loss_scaling_state(opt_state).total_skips
 
 
-def master_params(opt_state: Any) -> Any:
+def master_params(opt_state: optax.OptState) -> optax.Params:
     """The float32 master copy kept by `jaxmp.transform.master_weights` (``loss_scaling(..., master_weights=True)``).
 
     Args:
@@ -153,7 +156,8 @@ def master_params(opt_state: Any) -> Any:
     return found[0].master_params
 
 
-def apply_updates(params: Any, updates: Any, opt_state: Any = None) -> Any:
+def apply_updates(params: optax.Params, updates: optax.Updates,
+                  opt_state: optax.OptState | None = None) -> optax.Params:
     """Applies updates; with master weights, returns the master cast to each param's dtype exactly.
 
     Without ``opt_state`` or master weights this is ``optax.apply_updates``, except that
@@ -196,7 +200,7 @@ _REASONS = {
 }
 
 
-def first_non_finite(tree: Any) -> str | None:
+def first_non_finite(tree: PyTree) -> str | None:
     """The path of the first floating or complex leaf of ``tree`` holding inf or NaN (host-side).
 
     Args:
@@ -216,8 +220,8 @@ def first_non_finite(tree: Any) -> str | None:
     return None
 
 
-def check_health(opt_state: Any, max_consecutive_skips: int = 50, *, tree: Any = None,
-                 locate: Any = None) -> None:
+def check_health(opt_state: optax.OptState, max_consecutive_skips: int = 50, *, tree: PyTree = None,
+                 locate: Callable[[], Any] | None = None) -> None:
     """Host-side check that raises when training keeps skipping steps, saying why.
 
     The transform itself never applies a non-finite update; this turns a run that is

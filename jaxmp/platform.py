@@ -40,7 +40,7 @@ def _gpu_recommendation(kind: str, cc: Any) -> Recommendation:
     return Recommendation(get_recipe("float32"), f"{kind} (compute capability {cc}) predates Tensor Cores: half precision saves memory but not time, so float32.")
 
 
-def recommended_policy(device: Any = None, *, platform: str | None = None,
+def recommended_policy(device: jax.Device | None = None, *, platform: str | None = None,
                        compute_capability: str | float | None = None) -> Recommendation:
     """Recommends a mixed-precision recipe for a device.
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import jmp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jaxmp import _deprecations
 from jaxmp import dtypes as _dtypes
@@ -40,9 +41,9 @@ class Policy(jmp.Policy):
       (dtype(bfloat16), True)
     """
 
-    param_dtype: Any
-    compute_dtype: Any
-    output_dtype: Any
+    param_dtype: DTypeLike
+    compute_dtype: DTypeLike
+    output_dtype: DTypeLike
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -60,7 +61,7 @@ class Policy(jmp.Policy):
         """Casts floating leaves of ``x`` to the output dtype."""
         return _dtypes.cast_floating(x, self.output_dtype)
 
-    def with_output_dtype(self, output_dtype: Any) -> "Policy":
+    def with_output_dtype(self, output_dtype: DTypeLike) -> "Policy":
         """Returns a copy with another output dtype."""
         return dataclasses.replace(self, output_dtype=output_dtype)
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import fp8 as _fp8
+from jaxmp._typing import PolicyLike
 from jaxmp.dtypes import dtype_names
 from jaxmp.policy import Policy, parse_policy_grammar
 
@@ -72,10 +73,10 @@ class Recipe(NamedTuple):
     master_weights: bool
     loss_scale: str
     keep_fp32: tuple[str, ...]
-    fp8: Any = None
+    fp8: _fp8.Fp8Recipe | None = None
 
 
-def preset_half_dtype(device: Any = None) -> np.dtype:
+def preset_half_dtype(device: jax.Device | None = None) -> np.dtype:
     """The half dtype a preset without ``-bf16``/``-fp16`` uses: the hardware's fast one.
 
     bfloat16 on TPU and on GPUs of compute capability >= 8.0, float16 elsewhere. (jmp's
@@ -167,7 +168,7 @@ def _unknown(text: str) -> ValueError:
     )
 
 
-def resolve_policy(policy: Any) -> tuple[Policy, Recipe | None]:
+def resolve_policy(policy: PolicyLike) -> tuple[Policy, Recipe | None]:
     """The one parser of user-given policies: a typed [`Policy`][jaxmp.Policy] and, for presets, the Recipe.
 
     Args:
@@ -283,7 +284,7 @@ def get_policy(policy_name: str) -> Policy:
     return resolve_policy(policy_name)[0]
 
 
-def as_policy(policy: Any) -> Policy:
+def as_policy(policy: PolicyLike) -> Policy:
     """Returns a jaxmp [`Policy`][jaxmp.Policy] from a Policy, a ``jmp.Policy``, a Recipe or a policy string.
 
     Args:

@@ -16,13 +16,16 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxmp._typing import PyTree
 
 from jaxmp.dtypes import is_inexact_array
 
 T = TypeVar("T")
 
 
-def check_flag(flag: Any) -> jax.Array:
+def check_flag(flag: ArrayLike) -> jax.Array:
     """Returns ``flag`` as a boolean scalar array, or raises naming what is wrong."""
     flag = jnp.asarray(flag)
     if flag.shape != ():
@@ -32,7 +35,7 @@ def check_flag(flag: Any) -> jax.Array:
     return flag
 
 
-def all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: PyTree) -> jax.Array:
     """Whether every floating or complex leaf of ``tree`` is free of inf and NaN.
 
     Non-inexact leaves (ints, bools, PRNG keys, float0) are ignored.
@@ -60,7 +63,7 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
-def select_tree(pred: Any, a: T, b: T) -> T:
+def select_tree(pred: ArrayLike, a: T, b: T) -> T:
     """Selects ``a`` where ``pred`` is true else ``b``, leaf by leaf (``lax.select``).
 
     Args:
@@ -93,7 +96,7 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     return jax.tree_util.tree_map(sel, a, b)
 
 
-def keep_if_finite(finite: Any, new: T, old: T) -> T:
+def keep_if_finite(finite: ArrayLike, new: T, old: T) -> T:
     """The skip decision for any state pytree: ``new`` if the step was finite, else ``old`` bit for bit.
 
     Args:

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from jaxmp import _deprecations, fold, traps
+from jaxmp._typing import AxisName, LossScaleLike
 from jaxmp.collectives import optional_axis_name
 from jaxmp.dtypes import float_dtype, is_floating_array, is_inexact_array
 from jaxmp.loss_scale import (
@@ -45,8 +46,8 @@ class MasterWeightsState(NamedTuple):
       master_params: the ``master_dtype`` (float32) copy of the params.
     """
 
-    inner_state: Any
-    master_params: Any
+    inner_state: optax.OptState
+    master_params: optax.Params
 
 
 class LossScalingState(NamedTuple):
@@ -64,7 +65,7 @@ class LossScalingState(NamedTuple):
         but non-finite updates.
     """
 
-    inner_state: Any
+    inner_state: optax.OptState
     loss_scale: LossScale
     last_step_finite: jax.Array
     consecutive_skips: jax.Array
@@ -679,9 +680,9 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def loss_scaling(inner: optax.GradientTransformation, loss_scale: Any = "dynamic", *,
-                 axis_name: Any = None, master_weights: bool | None = None,
-                 master_dtype: Any = jnp.float32, skip_with: str = "auto",
+def loss_scaling(inner: optax.GradientTransformation, loss_scale: LossScaleLike = "dynamic", *,
+                 axis_name: AxisName | None = None, master_weights: bool | None = None,
+                 master_dtype: jax.typing.DTypeLike = jnp.float32, skip_with: str = "auto",
                  check_updates: bool | None = None) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation with loss scaling, non-finite step skipping and master weights.
 

@@ -153,9 +153,17 @@ def test_docs_build_strict(tmp_path):
     raw = {f"{page.relative_to(site)}: {m}" for page in site.rglob("*.html")
            for m in SPHINX_ROLE.findall(re.sub(r"<[^>]+>", "", page.read_text()))}
     assert not raw, f"raw Sphinx roles in the built site (use [`name`][jaxmp.path] or `name`): {sorted(raw)[:20]}"
+    # Parameter types are the signatures' annotations: no parameter reads plain "Any" but forwarded ``**kwargs``.
+    typed_any = [f"{page.relative_to(site)}: {name}" for page in (site / "api").rglob("*.html")
+                 for name, kind in PARAM_ROW.findall(page.read_text())
+                 if re.sub(r"<[^>]+>", "", kind).strip() == "Any" and not name.startswith("**")]
+    assert not typed_any, f"parameters typed Any in the API reference (annotate the signature): {typed_any[:20]}"
     links = len(re.findall(r'<a class="autorefs autorefs-internal"', html))
     assert links > 100, f"only {links} cross-reference links in the API reference"
 
+
+#: A row of a rendered parameter table: the parameter's name and its type cell.
+PARAM_ROW = re.compile(r'<tr class="doc-section-item">\s*<td>\s*<code>(.*?)</code>\s*</td>\s*<td>(.*?)</td>', re.S)
 
 #: A Sphinx role as it shows when mkdocstrings leaves it alone (the backquotes become <code>).
 SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|attr|exc|data|obj):(?:`[^`]*`|[\w.~]+)")

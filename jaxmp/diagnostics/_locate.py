@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp.diagnostics import _format
+from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, trace
 
 _MAX_INPUTS = 4
@@ -216,7 +217,7 @@ def _scalar_float(shape_tree) -> bool:
     return len(leaves) >= 1 and getattr(leaves[0], "shape", None) == () and _floating(leaves[0])
 
 
-def locate_non_finite(fn: Callable, *args, policy: Any = None, grad: bool | None = None,
+def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, grad: bool | None = None,
                       loss_scale: float = 1.0, **kwargs) -> NonFiniteCulprit:
     """Names the first op, forward or backward, whose output is inf/NaN while its inputs are finite.
 

@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxmp.diagnostics import _format
+from jaxmp._typing import PolicyLike
 from jaxmp.engine import internals
 from jaxmp.engine.rules import COMBINER_OPS
 from jaxmp.diagnostics._fix import Fix, suggest_fix, train
 from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, trace
+
+if TYPE_CHECKING:  # optax is imported where it is used: the report alone does not need it
+    import optax
 
 _F32 = np.dtype(np.float32)
 #: Ops that move or select values: exact in any dtype, they add no rounding of their own.
@@ -329,7 +333,8 @@ def _modules(sites: Sites, errs, contrib, total: float) -> list[ModuleError]:
     return [dataclasses.replace(m, jump=m.path == best) for m in mods]
 
 
-def compare_to_float32(fn: Callable, *args, policy: Any = None, steps: int = 0, optimizer: Any = None,
+def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, steps: int = 0,
+                       optimizer: optax.GradientTransformation | None = None,
                        per_op: bool = False, grad: bool | None = None, fix: bool = True) -> ShadowReport:
     """Runs ``fn`` under a policy and as its float32 shadow on the same inputs; ranks modules by error.
 

@@ -19,14 +19,18 @@ bias gradient; the forward op was checked already).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 from jax.extend import core as jcore
 
 from jaxmp.diagnostics import _format
+from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics._evaluate import Sites, _inner
 from jaxmp.diagnostics.jaxpr_walk import classify_risk
+
+if TYPE_CHECKING:  # imported in the functions that need them at run time (an import cycle otherwise)
+    from jaxmp.engine.rules import AutocastRules
 
 _DOCS = "docs/debugging.md"
 
@@ -111,7 +115,7 @@ def _message(site, category: str, why: str) -> str:
             f"float32 list in float32), or mark the region with @jaxmp.float32_region; see {_DOCS}")
 
 
-def strict_precision(fn: Callable, *, policy: Any = None, rules: Any = None) -> Callable:
+def strict_precision(fn: Callable, *, policy: PolicyLike | None = None, rules: AutocastRules | None = None) -> Callable:
     """Wraps ``fn`` so that tracing it raises where a float32-list op runs in half precision.
 
     Each new input signature is traced once to a jaxpr and checked before ``fn`` runs (under

@@ -25,12 +25,17 @@ import dataclasses
 import json
 import math
 from collections import Counter
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxmp.diagnostics import _format
+from jaxmp._typing import PyTree
+
+if TYPE_CHECKING:
+    from jaxmp.loss_scale import LossScale
 
 FP16_MIN_SUBNORMAL = 2.0**-24
 FP16_MIN_NORMAL = 2.0**-14
@@ -308,7 +313,7 @@ def suggest_loss_scale(max_abs: float, headroom: float = 8.0) -> float:
     return float(min(max(2.0**exponent, MIN_SUGGESTED_SCALE), MAX_SUGGESTED_SCALE))
 
 
-def gradient_stats(grads: Any, loss_scale: Any = 1.0, *, group_by: str = "top",
+def gradient_stats(grads: PyTree, loss_scale: ArrayLike | LossScale = 1.0, *, group_by: str = "top",
                    headroom: float = 8.0) -> GradientStats:
     """Histograms log2|g| per parameter group and counts what float16 would lose at ``loss_scale``.
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import jax
 
 from jaxmp.diagnostics import _format
+from jaxmp._typing import PyTree
 
 
 class PipelineOverhead(NamedTuple):
@@ -83,7 +84,7 @@ def _next(it, needed: int, taken: int):
                          f"input_pipeline_overhead needs {needed} (warmup + repeats * num_steps)") from None
 
 
-def input_pipeline_overhead(step_fn: Callable, state: Any, batches: Iterable, num_steps: int = 50, *,
+def input_pipeline_overhead(step_fn: Callable, state: PyTree, batches: Iterable, num_steps: int = 50, *,
                             warmup: int = 2, repeats: int = 1, has_aux: bool = False,
                             device_put: bool = True, timer: Callable[[], float] = time.perf_counter
                             ) -> PipelineOverhead:

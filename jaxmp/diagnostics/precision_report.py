@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 from jax.extend import core as _core
 
 from jaxmp.diagnostics import _format
+from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics.autocast_ops import AutocastOp, autocast_ops
 from jaxmp.diagnostics.jaxpr_walk import MatmulOp, RiskyOp, walk_jaxpr
 
@@ -260,8 +261,9 @@ def amdahl(share: float, speedup: float) -> float:
 
 
 
-def analyze_jaxpr(closed_jaxpr, *, policy: Any = None, tensor_core_speedup: float = 8.0,
-                  tc_multiple: int = 8, reduction_threshold: int = 1024, values: Any = None) -> PrecisionReport:
+def analyze_jaxpr(closed_jaxpr, *, policy: PolicyLike | None = None, tensor_core_speedup: float = 8.0,
+                  tc_multiple: int = 8, reduction_threshold: int = 1024,
+                  values: Sequence[jax.Array] | None = None) -> PrecisionReport:
     """Builds a [`PrecisionReport`][jaxmp.diagnostics.PrecisionReport] from an already traced jaxpr.
 
     Args:
@@ -311,7 +313,7 @@ def analyze_jaxpr(closed_jaxpr, *, policy: Any = None, tensor_core_speedup: floa
                            unknown, tc_multiple, autocast_ops(jaxpr))
 
 
-def precision_report(fn: Callable, *args, policy: Any = None, tensor_core_speedup: float = 8.0,
+def precision_report(fn: Callable, *args, policy: PolicyLike | None = None, tensor_core_speedup: float = 8.0,
                      tc_multiple: int = 8, reduction_threshold: int = 1024, **kwargs) -> PrecisionReport:
     """Traces ``fn(*args, **kwargs)`` and reports the precision of every matmul and convolution.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from jaxmp.engine import config as _config
+from jaxmp._typing import PolicyLike
 from jaxmp.engine import contract
 from jaxmp.engine.api import _Autocast, build
 from jaxmp.engine.rules import AutocastRules
@@ -45,7 +46,7 @@ def engine_function(fn: Callable, config: _config.AutocastConfig, *, cast_output
     return _Autocast(fn, config, cast_outputs, cache)
 
 
-def autocast(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = None) -> Callable:
+def autocast(fn: Callable, policy: PolicyLike = "O1", *, rules: AutocastRules | None = None) -> Callable:
     """Op-level mixed precision for any JAX function, like ``torch.autocast``.
 
     Returns a function with ``fn``'s signature that runs each primitive of ``fn`` in the dtype

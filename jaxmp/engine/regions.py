@@ -11,6 +11,9 @@ import functools
 from typing import Any, Callable
 
 import jax
+from jax.typing import DTypeLike
+
+from jaxmp._typing import PyTree
 
 from jaxmp.engine import config as _config
 from jaxmp.engine.rules import _region_dtype, marker
@@ -21,7 +24,7 @@ def _label(fn: Callable) -> str:
     return getattr(fn, "__qualname__", getattr(fn, "__name__", type(fn).__name__))
 
 
-def region(dtype: Any) -> Callable[[Callable], Callable]:
+def region(dtype: DTypeLike) -> Callable[[Callable], Callable]:
     """Decorator: every floating op of the function runs in ``dtype`` under autocast.
 
     Outside autocast the function is unchanged. ``"keep"`` leaves its ops exactly as traced
@@ -77,7 +80,7 @@ Example:
 """
 
 
-def half_inputs(fn: Callable | None = None, *, dtype: Any = None) -> Callable:
+def half_inputs(fn: Callable | None = None, *, dtype: DTypeLike | None = None) -> Callable:
     """Decorator for kernels that refuse float32 (cuDNN attention, fp8 dots, Pallas kernels).
 
     The spirit of ``torch.amp.custom_fwd(cast_inputs=...)``: inside an autocast region the
@@ -149,7 +152,7 @@ def _check_accumulate(total: Any, delta: Any) -> None:
                              "keeps its shape: reduce delta first (e.g. delta.sum(0)) or give total the full shape")
 
 
-def accumulate(total: Any, delta: Any) -> Any:
+def accumulate(total: PyTree, delta: PyTree) -> PyTree:
     """``total + delta`` computed in ``total``'s dtype under autocast: an explicit accumulator.
 
     autocast finds a loop's accumulators itself when a carry is used only by the add chain that

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jaxmp import fp8
 from jaxmp.dtypes import float_dtype
@@ -179,7 +180,7 @@ class AutocastRules:
     matmul_output: str = "compute"
     scope_rules: tuple[tuple[str, str], ...] = ()
     class_rules: tuple[tuple[type, str], ...] = ()
-    fp8_matmuls: Any = None
+    fp8_matmuls: fp8.CurrentScaling | None = None
 
     def __post_init__(self):
         if isinstance(self.fp8_matmuls, fp8.DelayedScaling):
@@ -266,7 +267,7 @@ class AutocastRules:
         ops_ = _op_set(ops, "with_follow")
         return dataclasses.replace(self, float32_ops=self.float32_ops - ops_, half_ops=self.half_ops - ops_)
 
-    def with_scope(self, pattern: str, dtype: Any) -> "AutocastRules":
+    def with_scope(self, pattern: str, dtype: DTypeLike) -> "AutocastRules":
         """Copy where ops under a ``jax.named_scope`` matching the glob ``pattern`` run in ``dtype``.
 
         The pattern is matched against each component of the name stack (``"attn*"``
@@ -286,7 +287,7 @@ class AutocastRules:
         """
         return dataclasses.replace(self, scope_rules=self.scope_rules + ((pattern, dtype),))
 
-    def with_class(self, cls: type, dtype: Any) -> "AutocastRules":
+    def with_class(self, cls: type, dtype: DTypeLike) -> "AutocastRules":
         """Copy where every call of a module of class ``cls`` (or a subclass) runs in ``dtype``.
 
         Works for Flax Linen and NNX, Equinox and Haiku modules, whatever the instance is called.

@@ -12,7 +12,7 @@ See the README section "Flax: Linen and NNX models under a policy".
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import flax.linen as _nn
 from flax import nnx as _nnx
@@ -21,6 +21,7 @@ from jaxmp.flax import fp8, linen, nnx
 from jaxmp.flax.attention import fp32_softmax_attention, fused_attention
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy
 from jaxmp import _deprecations
+from jaxmp._typing import PolicyLike
 from jaxmp.flax.overrides import PrecisionOverrides
 from jaxmp.flax.train_state import TrainState, make_eval_step, make_train_step
 from jaxmp.loss_scale import register_flax_serialization as _register_flax_serialization
@@ -28,7 +29,9 @@ from jaxmp.loss_scale import register_flax_serialization as _register_flax_seria
 _register_flax_serialization(force=True)
 
 
-def mixed_precision(model: Any, policy: Any, overrides: Any = None) -> Any:
+def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike,
+                    overrides: PrecisionOverrides | Iterable[str] | None = None
+                    ) -> linen.MixedPrecision | nnx.MixedPrecision:
     """Runs an unmodified Linen or NNX model under a precision policy.
 
     Params are cast per module for the forward pass (gradients return to the stored

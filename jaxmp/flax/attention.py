@@ -10,13 +10,18 @@ so large logits cannot overflow float16 before the softmax sees them.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jaxmp.dtypes import float32_backward
+
+if TYPE_CHECKING:  # flax is imported where it is used
+    import flax.linen as nn
+    from flax import nnx
 
 
 def _sow_weights(module: Any, weights: jax.Array) -> None:
@@ -39,9 +44,9 @@ def fp32_softmax_attention(
     dropout_rng: jax.Array | None = None,
     dropout_rate: float = 0.0,
     deterministic: bool = False,
-    dtype: Any = None,
-    precision: Any = None,
-    module: Any = None,
+    dtype: DTypeLike | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    module: nn.Module | nnx.Module | None = None,
     is_causal: bool = False,
     **unused: Any,
 ) -> jax.Array:
@@ -117,9 +122,9 @@ def fused_attention(
     dropout_rng: jax.Array | None = None,
     dropout_rate: float = 0.0,
     deterministic: bool = False,
-    dtype: Any = None,
-    precision: Any = None,
-    module: Any = None,
+    dtype: DTypeLike | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    module: nn.Module | nnx.Module | None = None,
     **unused: Any,
 ) -> jax.Array:
     """The ``attention_fn`` [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision] gives attention modules.

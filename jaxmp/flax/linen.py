@@ -41,13 +41,14 @@ import contextlib
 import dataclasses
 import functools
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import flax.linen as nn
 import jax
 import numpy as np
 
 from jaxmp.engine.config import flax_config
+from jaxmp._typing import PolicyLike, PyTree
 from jaxmp.engine.entry import engine_function
 from jaxmp.engine.modules import module_interceptor
 from jaxmp.flax.attention import fused_attention
@@ -192,8 +193,8 @@ class MixedPrecision:
     """
 
     module: nn.Module
-    policy: Any
-    overrides: Any = None
+    policy: PolicyLike
+    overrides: PrecisionOverrides | Iterable[str] | None = None
 
     def __post_init__(self):
         if isinstance(self.module, type) and issubclass(self.module, nn.Module):
@@ -206,7 +207,8 @@ class MixedPrecision:
 
     # -- the two Linen entry points --------------------------------------------------------
 
-    def init(self, rngs: Any, *args, method: Any = None, **kwargs) -> Any:
+    def init(self, rngs: jax.Array | dict[str, jax.Array], *args, method: str | Callable | None = None,
+             **kwargs) -> PyTree:
         """Initialises the module; params are stored in their rule's param dtype.
 
         Params under float32-list modules stay float32; params under a per-class policy
@@ -267,7 +269,8 @@ class MixedPrecision:
         params = cast_by_path(params, rules, self.policy.param_dtype, "param_dtype")
         return {**variables, "params": params}
 
-    def apply(self, variables: Any, *args, rngs: Any = None, method: Any = None, mutable: Any = False,
+    def apply(self, variables: PyTree, *args, rngs: jax.Array | dict[str, jax.Array] | None = None,
+              method: str | Callable | None = None, mutable: bool | str | Sequence[str] = False,
               **kwargs) -> Any:
         """Runs the module under the policy; same signature and return as ``module.apply``.
 
@@ -394,7 +397,7 @@ class MixedPrecision:
 
     # -- conveniences ------------------------------------------------------------------------
 
-    def module_rules(self, variables: Any, *args, method: Any = None, **kwargs) -> dict[Path, ModuleRule]:
+    def module_rules(self, variables: PyTree, *args, method: str | Callable | None = None, **kwargs) -> dict[Path, ModuleRule]:
         """Which modules have a rule and what it is, as seen by tracing one call.
 
         Args:

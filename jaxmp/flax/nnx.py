@@ -46,6 +46,7 @@ from jaxmp.engine.entry import engine_function
 from jaxmp.engine.modules import install_call_hooks, instance_rules
 from jaxmp.flax.attention import fused_attention
 from jaxmp import fp8
+from jaxmp._typing import AxisName, PolicyLike, PyTree
 from jaxmp.collectives import mean_model_state, optional_axis_name
 from jaxmp.flax.fp8 import Fp8State, install_nnx_fp8
 from jaxmp.flax.casting import Path, cast_by_path, enclosing_float32, is_float32_rule
@@ -154,7 +155,8 @@ def _warn_overridden(model: nnx.Module, policy: Policy, overrides: PrecisionOver
                       MixedPrecisionWarning, stacklevel=stacklevel)
 
 
-def store_params(model: nnx.Module, policy: Any, overrides: Any = None) -> nnx.Module:
+def store_params(model: nnx.Module, policy: PolicyLike,
+                 overrides: PrecisionOverrides | tuple[str, ...] | None = None) -> nnx.Module:
     """Casts the model's params in place to their storage dtype (policy or per-module rule).
 
     Params under float32-list modules stay float32, params under a per-class policy take
@@ -211,7 +213,8 @@ def _prepare(copy: nnx.Module, policy: Policy, overrides: PrecisionOverrides) ->
     return by_id
 
 
-def call(model: nnx.Module, *args, policy: Any, overrides: Any = None, **kwargs) -> Any:
+def call(model: nnx.Module, *args, policy: PolicyLike, overrides: PrecisionOverrides | tuple[str, ...] | None = None,
+         **kwargs) -> Any:
     """Calls an NNX model under a policy; the functional form of [`MixedPrecision`][jaxmp.flax.nnx.MixedPrecision].
 
     Args:
@@ -322,7 +325,8 @@ class MixedPrecision(nnx.Module):
     ops holding [`jaxmp.flax.fp8.Fp8State`][jaxmp.flax.fp8.Fp8State] variables; [`train_step`][jaxmp.flax.nnx.train_step] updates them.
     """
 
-    def __init__(self, model: nnx.Module, policy: Any, overrides: Any = None):
+    def __init__(self, model: nnx.Module, policy: PolicyLike,
+                 overrides: PrecisionOverrides | tuple[str, ...] | None = None):
         _check_model(model)
         self.policy, self.overrides = resolve_overrides(policy, overrides)
         if isinstance(self.overrides.fp8, fp8.DelayedScaling):
@@ -392,9 +396,9 @@ def _restore_keys(new: Any, folded: Any, original: Any) -> Any:
     return jax.tree_util.tree_map(restore, new, folded, original)
 
 
-def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
+def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
                loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
-               axis_name: Any = None, **model_kwargs) -> dict[str, jax.Array]:
+               axis_name: AxisName | None = None, **model_kwargs) -> dict[str, jax.Array]:
     """One supervised step for an NNX model with an ``nnx.Optimizer`` around ``jaxmp.loss_scaling``.
 
     The model is split into pure state and run through the shared step builder

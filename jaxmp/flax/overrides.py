@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmp import fp8 as _fp8
+from jaxmp._typing import PolicyLike
 from jaxmp.engine.rules import ModuleRule, ModuleRules
 from jaxmp.policy import Policy
 from jaxmp.presets import FP32_CATEGORIES, Recipe, as_policy, get_recipe, resolve_policy
@@ -237,11 +238,11 @@ class PrecisionOverrides:
 
     half_modules: tuple[type, ...] = DEFAULT_HALF_MODULES
     fp32_modules: tuple[type, ...] = DEFAULT_NORM_MODULES
-    module_policies: Any = ()
+    module_policies: tuple[tuple[type, PolicyLike], ...] | Mapping[type, PolicyLike] = ()
     fp32_softmax: bool = True
     fp32_loss: bool = True
     fused_attention: bool = True
-    fp8: Any = None
+    fp8: _fp8.Fp8Recipe | None = None
     fp32_paths: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -412,7 +413,7 @@ class PrecisionOverrides:
             raise TypeError("with_fp32_paths: give at least one module path, e.g. with_fp32_paths('decoder/head')")
         return self._replace(fp32_paths=self.fp32_paths + _path_tuple(patterns, "with_fp32_paths"))
 
-    def with_policy(self, cls: type, policy: Any) -> "PrecisionOverrides":
+    def with_policy(self, cls: type, policy: PolicyLike) -> "PrecisionOverrides":
         """Copy where module class ``cls`` runs under its own policy (and is off both lists).
 
         Its params and inputs are cast to the policy's compute dtype, its output to the
@@ -497,7 +498,7 @@ class PrecisionOverrides:
         """
         return _compile(self, policy)
 
-    def rule_for(self, module_or_class: Any, policy: Policy) -> ModuleRule | None:
+    def rule_for(self, module_or_class: nn.Module | nnx.Module | type, policy: Policy) -> ModuleRule | None:
         """The class rule for a module (or module class) under ``policy``; None if no list names it.
 
         Args:
@@ -532,7 +533,8 @@ class PrecisionOverrides:
         """
         return ModuleRules(paths=tuple((p, _FP32_RULE) for p in self.fp32_paths)).path_match(path)
 
-    def rule_at(self, path: Sequence[Any], module_or_class: Any, policy: Policy) -> ModuleRule | None:
+    def rule_at(self, path: Sequence[Any], module_or_class: nn.Module | nnx.Module | type,
+                policy: Policy) -> ModuleRule | None:
         """The rule for the module at ``path``: float32 where a path rule matches, else [`rule_for`][jaxmp.flax.PrecisionOverrides.rule_for].
 
         Args:
@@ -568,7 +570,7 @@ def _compile(overrides: PrecisionOverrides, policy: Policy) -> ModuleRules:
     return ModuleRules(classes=tuple(classes), paths=tuple((p, _FP32_RULE) for p in overrides.fp32_paths))
 
 
-def resolve_overrides(policy: Any, overrides: PrecisionOverrides | Iterable[str] | None) -> tuple[Policy, PrecisionOverrides]:
+def resolve_overrides(policy: PolicyLike, overrides: PrecisionOverrides | Iterable[str] | None) -> tuple[Policy, PrecisionOverrides]:
     """Turns the user's ``policy`` / ``overrides`` arguments into a Policy and overrides.
 
     Args:

@@ -18,6 +18,7 @@ import optax
 from flax import struct
 
 from jaxmp import fp8
+from jaxmp._typing import AxisName, PyTree
 from jaxmp.collectives import mean_model_state, optional_axis_name
 from jaxmp.flax.fp8 import FP8_COLLECTION
 from jaxmp.flax.linen import MixedPrecision
@@ -52,14 +53,14 @@ class TrainState(struct.PyTreeNode):
     """
 
     step: jax.Array
-    params: Any
-    model_state: Any
-    opt_state: Any
+    params: optax.Params
+    model_state: PyTree
+    opt_state: optax.OptState
     model: MixedPrecision = struct.field(pytree_node=False)
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
 
     @classmethod
-    def create(cls, model: MixedPrecision, variables: Any, tx: optax.GradientTransformation) -> "TrainState":
+    def create(cls, model: MixedPrecision, variables: PyTree, tx: optax.GradientTransformation) -> "TrainState":
         """Builds the state from a policy-wrapped model, its variables and a loss-scaling optimizer.
 
         Args:
@@ -117,7 +118,7 @@ class TrainState(struct.PyTreeNode):
         """``{"params": ..., **model_state}``, ready for ``model.apply``."""
         return {"params": self.params, **self.model_state}
 
-    def apply_gradients(self, grads: Any, model_state: Any = None) -> "TrainState":
+    def apply_gradients(self, grads: optax.Updates, model_state: PyTree | None = None) -> "TrainState":
         """Applies scaled gradients; on a non-finite step nothing but the loss scale changes.
 
         Args:
@@ -194,7 +195,7 @@ def _fp8_hooks(recipe: fp8.DelayedScaling | None, axis_name: Any) -> Fp8Hooks | 
 
 
 def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
-                    axis_name: Any = None, model_kwargs: dict | None = None,
+                    axis_name: AxisName | None = None, model_kwargs: dict | None = None,
                     rng_collections: tuple[str, ...] = ("dropout",)) -> Callable:
     """Returns ``train_step(state, batch, rng=None) -> (state, metrics)`` for supervised training.
 
@@ -280,7 +281,7 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
 
 
 def make_eval_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
-                   axis_name: Any = None, model_kwargs: dict | None = None) -> Callable:
+                   axis_name: AxisName | None = None, model_kwargs: dict | None = None) -> Callable:
     """Returns ``eval_step(state, batch) -> metrics`` (no mutation, no gradients).
 
     Args:

@@ -10,7 +10,7 @@ import jax
 from jaxmp.fp8.recipes import Fp8Recipe
 
 
-def native_fp8(device: Any = None) -> tuple[bool, str]:
+def native_fp8(device: jax.Device | None = None) -> tuple[bool, str]:
     """Whether ``device`` has fp8 Tensor Cores, and why (compute capability >= 8.9 on NVIDIA).
 
     Elsewhere (CPU, TPU, older GPUs) `fp8_dot_general` still runs, emulated: fp8 rounding
@@ -42,7 +42,7 @@ def native_fp8(device: Any = None) -> tuple[bool, str]:
     return True, f"{device.device_kind} (compute capability {cc}) has fp8 Tensor Cores"
 
 
-def check_hardware(recipe: Fp8Recipe, device: Any = None) -> str:
+def check_hardware(recipe: Fp8Recipe, device: jax.Device | None = None) -> str:
     """Whether ``recipe`` runs natively or emulated on ``device``; a clear error if neither is allowed.
 
     ``recipe.emulate`` None (default): native on fp8 Tensor Cores (NVIDIA compute capability

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
 
 from jaxmp.fp8.recipes import CurrentScaling, DelayedScaling, Fp8Recipe
 from jaxmp.fp8.scaling import amax, dequantize, qdq, quantize
@@ -19,7 +20,7 @@ _GRAD_LOSS_SCALE: contextvars.ContextVar = contextvars.ContextVar("jaxmp_fp8_gra
 
 
 @contextlib.contextmanager
-def gradient_loss_scale(loss_scale: Any):
+def gradient_loss_scale(loss_scale: ArrayLike):
     """Tells delayed-scaling fp8 ops traced inside that gradients carry ``loss_scale``.
 
     The gradient scale and the gradient amax a delayed-scaling op reports are kept in
@@ -118,8 +119,8 @@ def _scaled_bilinear(op, lhs, rhs, recipe: Fp8Recipe, scales: Fp8Scales | None):
 
 
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: Fp8Recipe | None = None,
-                    preferred_element_type: Any = None, *, scales: Fp8Scales | None = None,
-                    precision: Any = None) -> jax.Array:
+                    preferred_element_type: DTypeLike | None = None, *, scales: Fp8Scales | None = None,
+                    precision: jax.lax.PrecisionLike = None) -> jax.Array:
     """``lax.dot_general`` with fp8 operands (E4M3) and an fp8 cotangent (E5M2).
 
     Current scaling: each operand is quantized with the scale of its own amax; in the backward
@@ -159,8 +160,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: F
 
 def fp8_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, padding, lhs_dilation=None,
                              rhs_dilation=None, dimension_numbers=None, feature_group_count: int = 1,
-                             batch_group_count: int = 1, precision: Any = None,
-                             preferred_element_type: Any = None, *, recipe: Fp8Recipe | None = None,
+                             batch_group_count: int = 1, precision: jax.lax.PrecisionLike = None,
+                             preferred_element_type: DTypeLike | None = None, *, recipe: Fp8Recipe | None = None,
                              scales: Fp8Scales | None = None) -> jax.Array:
     """``lax.conv_general_dilated`` with fp8 operands and cotangent, like [`fp8_dot_general`][jaxmp.fp8.fp8_dot_general].
 

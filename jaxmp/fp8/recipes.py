@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jaxmp.fp8.formats import E4M3, E5M2, check_margin, fp8_dtype
 
@@ -27,8 +28,8 @@ class _ScalingRecipe:
     """The fields both recipes have: formats, headroom, emulation (not a recipe by itself)."""
 
     margin: float = 0.0
-    fwd_dtype: Any = E4M3
-    bwd_dtype: Any = E5M2
+    fwd_dtype: DTypeLike = E4M3
+    bwd_dtype: DTypeLike = E5M2
     emulate: bool | None = None
 
     def __post_init__(self):

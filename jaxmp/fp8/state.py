@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 
 import jax
 
+from jaxmp._typing import AxisName, PyTree
+
 from jaxmp.fp8.recipes import DelayedScaling, Fp8Meta
 from jaxmp.fp8.scaling import update_meta
 
@@ -86,7 +88,8 @@ def _update_layer(layer: Mapping, seen: Mapping, recipe: DelayedScaling) -> dict
     return out
 
 
-def update_state(state: Any, observed: Any, recipe: DelayedScaling, axis_name: Any = None) -> Any:
+def update_state(state: PyTree, observed: PyTree, recipe: DelayedScaling,
+                 axis_name: AxisName | None = None) -> PyTree:
     """Records one step's amaxes in every layer's history and recomputes the scales.
 
     ``observed`` is the gradient of the loss with respect to ``state``: a delayed-scaling op

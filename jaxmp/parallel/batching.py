@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp.parallel._common import check_divisible, check_positive_int, leading_size, log_once
+from jaxmp._typing import PyTree
 
 _PREFETCH_AXIS = "_jaxmp_prefetch"
 
@@ -46,7 +47,7 @@ def per_device_batch_size(global_batch_size: int, num_devices: int | None = None
     return per_device
 
 
-def shard_batch(batch: Any, num_devices: int | None = None) -> Any:
+def shard_batch(batch: PyTree, num_devices: int | None = None) -> PyTree:
     """Reshapes a batch ``[B, ...]`` into per-device batches ``[num_devices, B // num_devices, ...]``.
 
     Host (numpy) leaves stay on the host, so this is cheap inside an input pipeline; the pmapped
@@ -77,7 +78,7 @@ def shard_batch(batch: Any, num_devices: int | None = None) -> Any:
     return jax.tree_util.tree_map(lambda x: x.reshape((n, per_device) + tuple(x.shape[1:])), batch)
 
 
-def unshard_batch(batch: Any) -> Any:
+def unshard_batch(batch: PyTree) -> PyTree:
     """Inverse of [`shard_batch`][jaxmp.parallel.shard_batch]: ``[n, b, ...] -> [n * b, ...]``.
 
     Args:

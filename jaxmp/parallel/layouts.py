@@ -36,9 +36,12 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp.dtypes import accumulation_dtype
+
+from jaxmp._typing import PyTree
 
 
 LAYOUTS = ("replicated", "zero", "fsdp")
@@ -175,8 +178,8 @@ def _shape(x: Any) -> tuple:
     return tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
 
 
-def state_specs(params: Any, opt_state: Any, mesh: Mesh, layout: str = "replicated", *,
-                data_axis: str | None = None, param_specs: Any = None,
+def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, layout: str = "replicated", *,
+                data_axis: str | None = None, param_specs: PyTree | None = None,
                 min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[Any, Any, Any]:
     """``(param_specs, opt_state_specs, grad_specs)``: the ``PartitionSpec`` trees of a layout.
 
@@ -233,8 +236,8 @@ def _named(mesh: Mesh, specs: Any) -> Any:
                                   is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def state_shardings(params: Any, opt_state: Any, mesh: Mesh, layout: str = "replicated", *,
-                    data_axis: str | None = None, param_specs: Any = None,
+def state_shardings(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, layout: str = "replicated", *,
+                    data_axis: str | None = None, param_specs: PyTree | None = None,
                     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[Any, Any]:
     """The ``NamedSharding`` trees ``(params, opt_state)`` of a layout.
 
@@ -278,7 +281,7 @@ def _place(x: Any, sharding: NamedSharding) -> jax.Array:
 
 
 def shard_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated", *, data_axis: str | None = None,
-                param_specs: Any = None, min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[Any, Any]:
+                param_specs: PyTree | None = None, min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[Any, Any]:
     """Places (or re-lays out) ``(params, opt_state)`` on the mesh in a layout.
 
     Host arrays, single-device arrays and global arrays in any other layout are all accepted:
@@ -347,7 +350,7 @@ def abstract_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated
     return jax.tree_util.tree_map(to, params, ps), jax.tree_util.tree_map(to, opt_state, ss)
 
 
-def state_bytes_per_device(tree: Any) -> int:
+def state_bytes_per_device(tree: PyTree) -> int:
     """Bytes of ``tree`` that one device holds: each leaf's shard shape under its sharding.
 
     Leaves are ``jax.Array`` or ``jax.ShapeDtypeStruct`` with a ``sharding``; computed from the

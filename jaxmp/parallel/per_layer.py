@@ -25,6 +25,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmp.parallel import _reduce
+from jaxmp._typing import PyTree
 
 __all__ = ["gather_params", "remat_policy", "scan_layers"]
 
@@ -33,7 +34,7 @@ _LOCAL = threading.local()
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 
 
-def remat_policy(remat: Any) -> Callable | None:
+def remat_policy(remat: str | Callable[..., bool] | None) -> Callable | None:
     """The ``jax.checkpoint`` policy of a step's ``remat`` setting.
 
     Args:
@@ -103,7 +104,7 @@ def _gather(ctx: _Context | None, x: Any, info: Any, dtype: Any) -> Any:
     return jax.lax.with_sharding_constraint(_cast(x, dtype), info)
 
 
-def gather_params(tree: Any, dtype: Any = None) -> Any:
+def gather_params(tree: PyTree, dtype: jax.typing.DTypeLike | None = None) -> PyTree:
     """One layer's (or any sub-tree's) params, gathered where they are used (FSDP).
 
     Inside a ``make_sharded_train_step(..., layout="fsdp")`` step the leaves of ``tree`` stay
@@ -149,7 +150,8 @@ def _slice_info(ctx: _Context, info: Any, name: str) -> Any:
     return NamedSharding(info.mesh, PartitionSpec(*spec[1:]))
 
 
-def scan_layers(body: Callable, init: Any, layers: Any, *, dtype: Any = None, unroll: int = 1) -> tuple[Any, Any]:
+def scan_layers(body: Callable, init: PyTree, layers: PyTree, *, dtype: jax.typing.DTypeLike | None = None,
+                unroll: int = 1) -> tuple[PyTree, PyTree]:
     """``lax.scan(body, init, layers)`` over stacked layers, each layer's params gathered in its body.
 
     ``layers`` is the sub-tree of params holding every layer's params stacked on a leading axis.

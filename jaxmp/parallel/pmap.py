@@ -12,9 +12,12 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp.collectives import all_reduce_gradients, check_axis_name, check_reduce_dtype, mean_model_state
+
+from jaxmp._typing import AxisName
 from jaxmp.parallel._common import check_not_donated, log_once, make_step_body, with_model_state
 from jaxmp.parallel.replication import check_replicated
 
@@ -48,8 +51,9 @@ def _leading_sizes(tree: Any) -> set:
     return {jnp.shape(x)[0] if jnp.ndim(x) else None for x in jax.tree_util.tree_leaves(tree)}
 
 
-def make_pmap_train_step(loss_fn: Callable[..., Any], tx: Any, axis_name: Any = "batch", *,
-                         grad_reduce_dtype: Any = jnp.float32, has_aux: bool = False,
+def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
+                         axis_name: AxisName = "batch", *,
+                         grad_reduce_dtype: jax.typing.DTypeLike | None = jnp.float32, has_aux: bool = False,
                          devices: Sequence[Any] | None = None, donate: bool = False,
                          check_replicas: str = "first", model_state: bool = False) -> Callable[..., Any]:
     """A ``jax.pmap``-ed data-parallel train step with loss scaling that every replica agrees on.

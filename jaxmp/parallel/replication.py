@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxmp._typing import PyTree
+
 _REPLICA_AXIS = "_jaxmp_replicas"
 
 
@@ -26,7 +28,7 @@ def _local_devices(devices: Sequence[Any] | None) -> list:
     return devices
 
 
-def replicate(tree: Any, devices: Sequence[Any] | None = None) -> Any:
+def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
     """Puts one copy of every leaf on each device, stacked on a new leading axis (pmap layout).
 
     Each device receives its own copy directly (no ``n``-times stacked array is built on one
@@ -58,7 +60,7 @@ def replicate(tree: Any, devices: Sequence[Any] | None = None) -> Any:
     return jax.tree_util.tree_map(rep, tree)
 
 
-def unreplicate(tree: Any) -> Any:
+def unreplicate(tree: PyTree) -> PyTree:
     """Takes the first replica of a replicated (pmap-layout) pytree.
 
     Reads the first addressable shard instead of indexing ``x[0]``: indexing would launch a
@@ -121,7 +123,7 @@ def _replica_slices(x: Any) -> list[tuple[Any, np.ndarray]]:
     return [(i, x[i]) for i in range(x.shape[0])]
 
 
-def check_replicated(tree: Any, *, num_replicas: int | None = None, name: str = "state") -> None:
+def check_replicated(tree: PyTree, *, num_replicas: int | None = None, name: str = "state") -> None:
     """Raises a ValueError unless every leaf is replicated: right leading size, identical copies.
 
     A pmap state is replicated when each leaf's leading axis equals the local device count and

@@ -17,9 +17,11 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp.collectives import check_reduce_dtype
+from jaxmp._typing import PyTree
 from jaxmp.parallel import layouts, per_layer
 from jaxmp.parallel.replication import _REPLICA_AXIS
 from jaxmp.parallel._common import (
@@ -89,7 +91,7 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def replicate_on_mesh(tree: Any, mesh: Mesh) -> Any:
+def replicate_on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
     """Places a full copy of every leaf on every device of the mesh (the sharded-jit state layout).
 
     Works with several processes too: each process passes the same host value and fills its
@@ -117,7 +119,7 @@ def replicate_on_mesh(tree: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map(rep, tree)
 
 
-def make_global_batch(local_batch: Any, mesh: Mesh, data_axis: str | None = None) -> Any:
+def make_global_batch(local_batch: PyTree, mesh: Mesh, data_axis: str | None = None) -> PyTree:
     """Assembles this process's batch into global arrays sharded over the data axis.
 
     With one process this is a sharded ``device_put`` of the global batch. With several, each
@@ -222,12 +224,12 @@ def enter_layout(tree: Any, shardings: Any, mesh: Mesh, layout: str, what: str) 
     return jax.tree_util.tree_map_with_path(enter, tree, shardings)
 
 
-def make_sharded_train_step(loss_fn: Callable[..., Any], tx: Any, mesh: Mesh, *, data_axis: str | None = None,
+def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, mesh: Mesh, *, data_axis: str | None = None,
                             has_aux: bool = False, donate: bool = False,
                             model_state: bool = False, layout: str = "replicated",
-                            reduce_dtype: Any = "float32", param_specs: Any = None,
+                            reduce_dtype: jax.typing.DTypeLike | None = "float32", param_specs: PyTree | None = None,
                             min_shard_size: int = layouts.DEFAULT_MIN_SHARD_SIZE,
-                            remat: Any = None) -> Callable[..., Any]:
+                            remat: str | Callable[..., bool] | None = None) -> Callable[..., Any]:
     """A ``jax.jit`` train step with the batch sharded over the mesh's data axis and the state laid out by ``layout``.
 
     Same semantics and results as [`jaxmp.parallel.make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step], without ``pmap``: the step
