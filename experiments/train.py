@@ -125,7 +125,10 @@ def restore_or_init(run: Run, ckpt: ckpt_lib.Checkpointer) -> Start:
     if finished not in ("completed", "diverged"):
         finished = "completed" if restored.step >= run.plan.num_train_steps else None
     if finished is None:
-        say(f"resumed from {ckpt.directory} at step {restored.step}")
+        saved_n = (restored.meta.get(ckpt_lib.SETTINGS) or {}).get("num_devices")
+        moved = (f", from {saved_n} onto {run.plan.num_devices} devices (same global batch "
+                 f"{run.plan.global_batch_size})" if saved_n not in (None, run.plan.num_devices) else "")
+        say(f"resumed from {ckpt.directory} at step {restored.step}{moved}")
     # The history travels inside the checkpoint, so it is exactly as of the restored step.
     history = [r for r in restored.meta["history"] if r["step"] <= restored.step]
     return Start(mpp.replicate_on_mesh(restored.state, run.prog.mesh), restored.step, history, finished)

@@ -16,9 +16,9 @@ save, before the end); ``--resume`` restores the latest step and trains to the e
 ``--out``, process 0 writes the final state (gathered to the host) as ``.npz``.
 
 :func:`resume_here` resumes the same checkpoint in *one* process onto any number of local
-devices: it restores onto the replicated layout of the new mesh (every saved piece lies whole
-in it, so every piece is verified) and re-lays the state out with
-:func:`jaxmp.parallel.shard_state`.
+devices: it restores straight into the layout on the new mesh (orbax reads each device's
+block; a saved piece that lies across several of this process's blocks is joined and
+verified), so no whole copy of the state is made on the way.
 """
 
 from __future__ import annotations
@@ -136,11 +136,12 @@ def resume_here(workdir: str, devices: Any, layout: str = "zero") -> tuple[dict,
     mesh = jaxmp.parallel.make_data_mesh(devices)
     ckpt = ckpt_lib.Checkpointer(workdir, max_to_keep=3)
     try:
-        restored = ckpt.restore_latest(template(mesh, "replicated"), {k: META[k] for k in ckpt_lib.MUST_MATCH})
+        restored = ckpt.restore_latest(template(mesh, layout), {k: META[k] for k in ckpt_lib.MUST_MATCH})
     finally:
         ckpt.close()
     params = init_params()
     state = _unflat(restored.state, (params, make_tx().init(params)))
+    # Already in the layout on this mesh: shard_state checks it and moves nothing.
     state = jaxmp.parallel.shard_state(state, mesh, layout, min_shard_size=0)
     state, _ = train(state, mesh, restored.step, STEPS)
     return host_state(state), restored.step

@@ -177,23 +177,57 @@ def test_a_step_missing_or_failing_its_checksum_files_is_damaged(name, tmp_path)
         _assert_equal(restored.state, 1)
 
 
-def test_a_restore_sharding_that_splits_saved_shards_is_refused(tmp_path):
-    mesh = _mesh()
+def _on(n, spec, devices=None):
+    """A sharding over the first ``n`` devices: rows over "x" (``spec``)."""
+    return NamedSharding(Mesh(np.array(jax.devices()[:n]), ("x",)), spec)
+
+
+@pytest.mark.parametrize("n", [8, 2, 1])
+def test_a_state_saved_on_4_devices_restores_onto_another_device_count_bitwise(n, tmp_path):
+    # Saved with rows over 4 devices; restored with rows over n: on 8 each saved piece lies across
+    # two devices' blocks (orbax reads it; the checkpointer joins the blocks to check the piece),
+    # on 2 and 1 a block holds several pieces.
     ckpt = ckpt_lib.Checkpointer(str(tmp_path))
-    _save(ckpt, 1, _state(1, mesh))
-    # Rows in 8 blocks of 2 split the saved blocks of 4 rows: no device holds a saved piece whole.
-    rows8 = Mesh(np.array(jax.devices()[:8]), ("x",))
-    template = {**_sharded_template(mesh), "w": jax.ShapeDtypeStruct((16, 6), np.float32,
-                                                                     sharding=NamedSharding(rows8, P("x")))}
-    with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"array \['w'\] was saved in pieces .* splits"):
-        ckpt.restore_latest(template, EXPECTED)
-    assert os.listdir(tmp_path / "checkpoints") == ["1"]  # not damage: nothing moved
-    # A coarser sharding holds every saved piece whole: 2 blocks of 8 rows.
-    rows2 = Mesh(np.array(jax.devices()[:2]), ("x",))
-    template["w"] = jax.ShapeDtypeStruct((16, 6), np.float32, sharding=NamedSharding(rows2, P("x")))
+    v = _values(1)
+    specs = {"w": P("x"), "u": P("x"), "b": P()}
+    _save(ckpt, 1, {**{k: jax.device_put(v[k], _on(4, s)) for k, s in specs.items()}, "step": v["step"]})
+    template = {**{k: jax.ShapeDtypeStruct(v[k].shape, v[k].dtype, sharding=_on(n, s)) for k, s in specs.items()},
+                "step": v["step"]}
     restored, warned = _restore(ckpt, template)
     assert restored.step == 1 and not warned
-    np.testing.assert_array_equal(np.asarray(restored.state["w"]), _values(1)["w"])
+    for k, s in specs.items():
+        assert restored.state[k].sharding == _on(n, s), k
+        np.testing.assert_array_equal(np.asarray(restored.state[k]), v[k], err_msg=k)
+    manifest = json.loads((tmp_path / "checkpoints" / "1" / "manifest" / "metadata").read_text())
+    by_key = ckpt_lib.read_shard_records(str(tmp_path / "checkpoints" / "1"), manifest, 1)
+    # Every saved piece is checked: 4 of w, 4 of u, b and step.
+    assert ckpt_lib.check_shards(restored.state, by_key) == 10
+
+
+def test_a_bit_flipped_in_a_piece_split_between_devices_is_found(tmp_path, monkeypatch):
+    ckpt = ckpt_lib.Checkpointer(str(tmp_path), max_to_keep=3)
+    v = _values(1)
+    _save(ckpt, 1, {"w": jax.device_put(v["w"], _on(4, P("x"))), "step": v["step"]})
+    intact = {"w": jax.device_put(_values(2)["w"], _on(4, P("x"))), "step": _values(2)["step"]}
+    flipped = _values(2)["w"].copy()
+    flipped.view(np.uint32)[5, 4] ^= 1 << 7  # in saved piece rows 4:8, restored block rows 4:6
+    real = ckpt_lib.shard_records
+    monkeypatch.setattr(ckpt_lib, "shard_records", lambda state: real(ckpt_lib.saveable(intact)))
+    _save(ckpt, 2, {**intact, "w": jax.device_put(flipped, _on(4, P("x")))})
+    monkeypatch.undo()
+    template = {"w": jax.ShapeDtypeStruct((16, 6), np.float32, sharding=_on(8, P("x"))), "step": v["step"]}
+    restored, warned = _restore(ckpt, template)
+    assert restored.step == 1 and len(warned) == 1, warned
+    assert "array ['w']: shard [[4, 8], [0, 6]] (written by process 0): content checksum mismatch" in warned[0]
+    np.testing.assert_array_equal(np.asarray(restored.state["w"]), v["w"])
+
+
+def test_only_a_piece_split_between_processes_cannot_be_checked():
+    blocks = {"[[0, 4]]": [[0, 4]], "[[4, 8]]": [[4, 8]]}
+    assert ckpt_lib.held_by_one_process([[0, 8]], {0: blocks})              # two blocks of one process
+    assert ckpt_lib.held_by_one_process([[4, 8]], {0: {"[[0, 16]]": [[0, 16]]}})  # inside one block
+    assert not ckpt_lib.held_by_one_process([[0, 8]], {0: {"[[0, 4]]": [[0, 4]]}, 1: {"[[4, 8]]": [[4, 8]]}})
+    assert not ckpt_lib.held_by_one_process([[0, 8]], {0: {"[[0, 4]]": [[0, 4]]}})  # half of it
 
 
 def test_a_step_of_the_previous_format_is_a_clear_mismatch_not_damage(tmp_path):

@@ -159,6 +159,34 @@ def test_resume_with_other_learning_rate_is_refused_and_same_settings_resume(fin
     assert r["settings"]["base_learning_rate"] == 0.01 and r["settings"] == ref["settings"]
 
 
+def test_the_device_count_is_free_on_a_resume_but_the_global_batch_is_not():
+    saved = {"num_devices": 1, "per_device_batch_size": 128, "base_learning_rate": 0.01}
+    now = {"num_devices": 4, "per_device_batch_size": 32, "base_learning_rate": 0.01}
+    assert ckpt_lib.settings_diffs(saved, now, 10, "d") == {}
+    assert ckpt_lib.settings_diffs(saved, {**now, "base_learning_rate": 0.5}, 10, "d") == {
+        "base_learning_rate": (0.01, 0.5)}
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
+def test_a_run_saved_on_1_device_resumes_on_4_with_the_same_global_batch(finished, tmp_path, capfd):
+    wd = tmp_path / "run"
+    shutil.copytree(finished, wd)
+    shutil.rmtree(wd / "checkpoints" / str(STEPS))  # as if killed after step 10's checkpoint
+    os.remove(wd / "results.json")
+    # 4 devices x 128 is another global batch (512): another run, refused by name.
+    with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"global_batch_size: checkpoint 128 vs now 512"):
+        _train(_config(num_devices=4), wd)
+    capfd.readouterr()
+    r = _train(_config(num_devices=4, per_device_batch_size=32), wd)  # 4 x 32 = 128, as saved
+    assert "at step 10, from 1 onto 4 devices (same global batch 128)" in capfd.readouterr().err
+    ref = json.loads((finished / "results.json").read_text())
+    assert r["resumed_from"] == 10 and r["steps"] == STEPS
+    # The same steps on the same examples; only the order of the gradient sum over devices differs.
+    assert abs(r["val_accuracy"] - ref["val_accuracy"]) <= 0.01, (r["val_accuracy"], ref["val_accuracy"])
+    assert abs(r["history"][-1]["train_loss"] - ref["history"][-1]["train_loss"]) <= 1e-3 * ref["history"][-1]["train_loss"]
+
+
 # ---- item 10: one run per workdir ----
 
 

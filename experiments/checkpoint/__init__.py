@@ -54,15 +54,16 @@ from experiments.checkpoint._format import (FILE_LIST, FORMAT, MUST_MATCH, OLD_F
                                             _key, _sha256)
 from experiments.checkpoint._load import load_state
 from experiments.checkpoint._records import array_specs, make_manifest, make_shard_file, region, saveable, shard_records
-from experiments.checkpoint._verify import (check_file_list, check_meta, check_shards, read_shard_records,
-                                            settings_diffs, unreadable)
+from experiments.checkpoint._verify import (check_file_list, check_meta, check_shards, held_by_one_process,
+                                            read_shard_records, settings_diffs, unreadable)
+from experiments.checkpoint._format import RESHARDABLE
 from experiments.checkpoint._write_errors import errno_name, write_failure
 from experiments.validation import UserError
 
 __all__ = [
-    "FILE_LIST", "FORMAT", "MUST_MATCH", "OLD_FORMATS", "SETTINGS", "SHARDS", "CheckpointDamageWarning",
+    "FILE_LIST", "FORMAT", "MUST_MATCH", "OLD_FORMATS", "RESHARDABLE", "SETTINGS", "SHARDS", "CheckpointDamageWarning",
     "CheckpointDamagedError", "CheckpointMismatchError", "CheckpointWriteError", "Checkpointer", "Restored", "UserError",
-    "agreed", "allgather_text", "array_specs", "check_file_list", "check_meta", "check_shards", "errno_name",
+    "agreed", "allgather_text", "array_specs", "check_file_list", "check_meta", "check_shards", "held_by_one_process", "errno_name",
     "load_state", "make_manifest", "make_shard_file", "read_shard_records", "region", "restore_target", "saveable",
     "settings_diffs", "shard_records", "unreadable", "write_failure",
 ]

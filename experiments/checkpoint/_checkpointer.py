@@ -284,7 +284,7 @@ class Checkpointer:
 
         Raises:
           CheckpointMismatchError: the intact checkpoint belongs to a different run, or the
-            restore sharding splits the pieces it was saved in.
+            restore sharding splits a piece it was saved in between processes.
           CheckpointDamagedError: checkpoints exist but none is intact.
         """
         target = restore_target(template)

@@ -22,6 +22,12 @@ _META_TYPES = {"policy": str, "loss_scale": str, "master_weights": bool, "engine
 # computes (flattened ``--config.<field>`` names -> JSON values, see experiments.train.run_settings);
 # a resume, or a finished run read back, under other values is refused, naming each field.
 SETTINGS = "settings"
+# Settings recorded but free to change on a resume: the device count and the per-device batch it
+# implies. The global batch (MUST_MATCH) and every other setting still must match, so the run
+# computes the same steps on the same examples; the state, saved as host copies or per shard, is
+# restored onto the new mesh (orbax reshards; `check_shards` verifies the pieces however they are
+# split). Only the order of the cross-device gradient sum changes, by rounding.
+RESHARDABLE = ("num_devices", "per_device_batch_size")
 
 
 def _sha256(data: bytes) -> str:

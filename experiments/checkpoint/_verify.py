@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from experiments.checkpoint._errors import CheckpointMismatchError, _Damaged
-from experiments.checkpoint._format import (_META_TYPES, FILE_LIST, FORMAT, OLD_FORMATS, SHARDS, _canonical, _key,
+from experiments.checkpoint._format import (_META_TYPES, FILE_LIST, FORMAT, OLD_FORMATS, RESHARDABLE, SHARDS, _canonical, _key,
                                             _sha256)
 from experiments.checkpoint._records import _contains, region
 
@@ -58,7 +58,8 @@ def check_meta(meta: Any, manifest: dict, step: int) -> dict:
 
 
 def settings_diffs(saved: Any, now: dict, step: int, directory: str) -> dict[str, tuple[Any, Any]]:
-    """``{field: (checkpoint value, current value)}`` for every setting that differs.
+    """``{field: (checkpoint value, current value)}`` for every setting that differs (`RESHARDABLE`
+    ones aside: a run may resume on another number of devices with the same global batch).
 
     Raises:
       CheckpointMismatchError: the checkpoint records no settings (written by an older version), so
@@ -69,7 +70,8 @@ def settings_diffs(saved: Any, now: dict, step: int, directory: str) -> dict[str
             f"checkpoint step {step} in {directory} records no run settings (it was written by an older version "
             "of experiments/), so resuming it could mix two runs unnoticed. Finish it with the version that wrote "
             "it, or use a new --workdir.")
-    return {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
+    return {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k) and k not in RESHARDABLE}
 
 
 def _flag_value(v: Any) -> str:
@@ -162,10 +164,45 @@ def _blocks(x: Any) -> list[tuple[list, Any]]:
     return [(region((), a.shape), a)]
 
 
-def _compare(record: dict, block: list, data: Any) -> None:
-    """Hashes the part of ``data`` (the block at global ``block``) that ``record`` covers."""
-    crop = tuple(slice(i[0] - o[0], i[1] - o[0]) for o, i in zip(block, record["index"]))
-    a = np.asarray(data)[crop]
+def _overlap(a: list, b: list) -> list | None:
+    """The intersection of two regions (``[start, stop]`` per dimension), or ``None`` if empty."""
+    out = [[max(x[0], y[0]), min(x[1], y[1])] for x, y in zip(a, b)]
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def _size(r: list) -> int:
+    return math.prod(b - a for a, b in r)
+
+
+def _covers(blocks: list[list], piece: list) -> bool:
+    """Whether distinct blocks of one sharding (they never overlap) together hold all of ``piece``."""
+    return sum(_size(o) for o in (_overlap(b, piece) for b in blocks) if o is not None) == _size(piece)
+
+
+def _assemble(piece: list, blocks: list[tuple[list, Any]]) -> Any | None:
+    """The data of ``piece`` put together from this process's blocks, or ``None`` if they do not
+    hold all of it. A piece saved on fewer devices than it is restored onto (4 -> 8) lies across
+    several blocks; the usual case, one block holding it whole, is a slice and no copy."""
+    whole = next(((b, d) for b, d in blocks if _contains(b, piece)), None)
+    if whole is not None:
+        b, d = whole
+        return np.asarray(d)[tuple(slice(i[0] - o[0], i[1] - o[0]) for o, i in zip(b, piece))]
+    parts = [(o, b, d) for b, d in blocks if (o := _overlap(b, piece)) is not None]
+    if sum(_size(o) for o, _, _ in parts) != _size(piece):
+        return None
+    out = None
+    for o, b, d in parts:
+        data = np.asarray(d)
+        if out is None:
+            out = np.empty([hi - lo for lo, hi in piece], data.dtype)
+        out[tuple(slice(i[0] - p[0], i[1] - p[0]) for p, i in zip(piece, o))] = \
+            data[tuple(slice(i[0] - c[0], i[1] - c[0]) for c, i in zip(b, o))]
+    return out
+
+
+def _compare(record: dict, data: Any) -> None:
+    """Hashes ``data``, the restored piece that ``record`` covers."""
+    a = np.asarray(data)
     where = f"array {record['path']}: shard {record['index']} (written by process {record['process']})"
     if list(a.shape) != record["shape"] or str(a.dtype) != record["dtype"]:
         raise _Damaged(f"{where}: restored as {list(a.shape)} {a.dtype}, saved {record['shape']} {record['dtype']}")
@@ -178,7 +215,7 @@ def check_shards(state: Any, by_key: dict[str, list[dict]]) -> int:
 
     Args:
       state: the restored state: host arrays (every piece is held) or ``jax.Array`` objects (the
-        pieces inside this process's addressable shards are).
+        pieces that this process's addressable shards hold, whole or between them, are).
       by_key: `read_shard_records`.
 
     Returns:
@@ -195,31 +232,55 @@ def check_shards(state: Any, by_key: dict[str, list[dict]]) -> int:
     for path, x in leaves:
         blocks = _blocks(x)
         for r in by_key[_key(path)]:
-            block = next(((b, d) for b, d in blocks if _contains(b, r["index"])), None)
-            if block is not None:
-                _compare(r, *block)
+            piece = _assemble(r["index"], blocks)
+            if piece is not None:
+                _compare(r, piece)
                 checked += 1
     return checked
 
 
+def held_by_one_process(piece: list, by_process: dict[int, dict[str, list]]) -> bool:
+    """Whether one process's blocks together hold all of a saved piece.
+
+    Args:
+      piece: the piece's global region, ``[start, stop]`` per dimension.
+      by_process: per process, its distinct blocks of the restore layout (``{str(region): region}``).
+
+    Example:
+      >>> held_by_one_process([[0, 8]], {0: {"[[0, 4]]": [[0, 4]], "[[4, 8]]": [[4, 8]]}})
+      True
+      >>> held_by_one_process([[0, 8]], {0: {"[[0, 4]]": [[0, 4]]}, 1: {"[[4, 8]]": [[4, 8]]}})
+      False
+    """
+    # The usual case, restoring onto the layout it was saved with, is a dict lookup.
+    return any(str(piece) in blocks or _covers(list(blocks.values()), piece) for blocks in by_process.values())
+
+
 def _check_layout(target: Any, by_key: dict[str, list[dict]], step: int) -> None:
-    """Every recorded piece lies whole in one device's block of the restore layout, so some
-    process holds it and checks it: a layout that splits saved pieces would leave them unchecked.
+    """Every recorded piece lies in the blocks one process holds of the restore layout, so that
+    process can check it: the same layout, a coarser one, or a finer one (saved on 4 devices,
+    restored onto 8: a piece lies across two blocks of one process, `_assemble` joins them).
+    Only a piece split between processes could not be checked by anyone.
 
     Raises:
-      CheckpointMismatchError: naming the array and a piece the layout splits.
+      CheckpointMismatchError: naming the array, a piece no one process holds, and both layouts.
     """
     for path, t in jax.tree_util.tree_leaves_with_path(target):
         if not isinstance(t, jax.ShapeDtypeStruct):
             continue  # a host array: every process holds all of it
-        blocks = {str(b): b for b in (region(i, t.shape) for i in t.sharding.devices_indices_map(t.shape).values())}
+        by_process: dict[int, dict[str, list]] = {}
+        for d, i in t.sharding.devices_indices_map(t.shape).items():
+            b = region(i, t.shape)
+            by_process.setdefault(d.process_index, {})[str(b)] = b
         for r in by_key[_key(path)]:
-            # The usual case, restoring onto the layout it was saved with, is a dict lookup.
-            if str(r["index"]) not in blocks and not any(_contains(b, r["index"]) for b in blocks.values()):
-                raise CheckpointMismatchError(
-                    f"step {step}: array {r['path']} was saved in pieces (e.g. {r['index']}) that the restore "
-                    f"sharding {t.sharding} splits between devices, so no process could verify them. Restore onto "
-                    "the sharding it was saved with (or a coarser one, or host arrays), then reshard.")
+            piece = r["index"]
+            if held_by_one_process(piece, by_process):
+                continue
+            raise CheckpointMismatchError(
+                f"step {step}: array {r['path']} was saved in pieces (e.g. {piece}, written by process "
+                f"{r['process']}) that the restore sharding {t.sharding} splits between processes, so no process "
+                "could verify them. Restore onto a layout where each process holds whole saved pieces (the one it "
+                "was saved with, a coarser or finer one on the same processes, or host arrays), then reshard.")
 
 
 def check_file_list(step_dir: str, process: int) -> None:
