@@ -212,7 +212,7 @@ def test_a_bit_flipped_in_a_piece_split_between_devices_is_found(tmp_path, monke
     flipped = _values(2)["w"].copy()
     flipped.view(np.uint32)[5, 4] ^= 1 << 7  # in saved piece rows 4:8, restored block rows 4:6
     real = ckpt_lib.shard_records
-    monkeypatch.setattr(ckpt_lib, "shard_records", lambda state: real(ckpt_lib.saveable(intact)))
+    monkeypatch.setattr(ckpt_lib._checkpointer, "shard_records", lambda state: real(ckpt_lib.saveable(intact)))
     _save(ckpt, 2, {**intact, "w": jax.device_put(flipped, _on(4, P("x")))})
     monkeypatch.undo()
     template = {"w": jax.ShapeDtypeStruct((16, 6), np.float32, sharding=_on(8, P("x"))), "step": v["step"]}
