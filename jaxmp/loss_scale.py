@@ -455,10 +455,6 @@ LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 _LEAF_FIELDS = {NoOpLossScale: (), StaticLossScale: ("loss_scale",), DynamicLossScale: ("loss_scale", "counter")}
 
 
-#: The ``flax.serialization`` module the loss scales are registered with (None until then).
-_REGISTERED_WITH: list = [None]
-
-
 def register_flax_serialization(force: bool = False) -> bool:
     """Registers the loss scales with ``flax.serialization`` (``to_bytes``, ``from_bytes``, state dicts).
 
@@ -480,8 +476,9 @@ def register_flax_serialization(force: bool = False) -> bool:
         if not force:
             return False
         import flax.serialization as serialization  # noqa: PLC0415 - Flax stays optional
-    if _REGISTERED_WITH[0] is serialization:
-        return True  # once per Flax (a reloaded flax.serialization is a new registry)
+    if isinstance(serialization.to_state_dict(NoOpLossScale()), dict):
+        # Once per Flax: Flax's registry is the record (an unregistered object comes back as is).
+        return True
     for cls, fields in _LEAF_FIELDS.items():
         def to_state(x, fields=fields):
             return {f: serialization.to_state_dict(getattr(x, f)) for f in fields}
@@ -494,7 +491,6 @@ def register_flax_serialization(force: bool = False) -> bool:
                 target, **{f: serialization.from_state_dict(getattr(target, f), state[f], name=f) for f in fields})
 
         serialization.register_serialization_state(cls, to_state, from_state, override=True)
-    _REGISTERED_WITH[0] = serialization
     return True
 
 
