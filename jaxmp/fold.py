@@ -17,7 +17,7 @@ overflows to inf (and, under a subnormal unscaled square, the folded form is the
 For another scale the two agree within a rounding of the product. The factor is applied one
 ``1/scale`` at a time (``(red * inv) * inv``), never as ``inv ** k``, which would overflow for
 small scales. A scale below 1 is not folded at all (the caller decides, see
-``jaxmp.transform._fold_is_exact``): the *scaled* squares would underflow (XLA:CPU flushes
+the loss scale's ``fold_is_exact``): the *scaled* squares would underflow (XLA:CPU flushes
 subnormals to zero) where the unscaled ones do not. Only float32/float64 reductions are
 folded; half-precision arithmetic is never rewritten.
 

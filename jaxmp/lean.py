@@ -43,11 +43,12 @@ import numpy as np
 import optax
 from jax.typing import DTypeLike
 
+from jaxmp import _tree
 from jaxmp._typing import PyTree
 from jaxmp.dtypes import is_floating_array
 from jaxmp.presets import did_you_mean
 from jaxmp.traps import MixedPrecisionWarning
-from jaxmp.transform import check_inner, check_same_structure, find_states
+from jaxmp.transform import check_inner
 from jaxmp.transform import master_weights as _master_weights
 
 __all__ = [
@@ -355,7 +356,7 @@ def bf16_params(inner: optax.GradientTransformation, key: jax.Array | int | None
         if not isinstance(state, Bf16ParamsState):
             raise TypeError(f"state must be the Bf16ParamsState made by bf16_params' init, got {type(state).__name__}")
         _need_params(params, "bf16_params")
-        check_same_structure(grads, params, "gradients", "params")
+        _tree.check_same_structure(grads, params, "gradients", "params")
         _check_param_dtypes(params, "bf16_params", (jnp.bfloat16, jnp.float32), fix)
         wide = _to_f32(params)
         updates, inner_state = inner.update(_to_f32(grads), state.inner_state, wide, **extra_args)
@@ -515,7 +516,7 @@ def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTrans
             raise TypeError(f"state must be the ParamRemaindersState made by param_remainders' init, got "
                             f"{type(state).__name__}")
         _need_params(params, "param_remainders")
-        check_same_structure(grads, params, "gradients", "params")
+        _tree.check_same_structure(grads, params, "gradients", "params")
         if jax.tree_util.tree_structure(state.remainders) != jax.tree_util.tree_structure(params):
             raise ValueError("params and the remainders in the state have different tree structures")
         _check_param_dtypes(params, "param_remainders", (jnp.bfloat16, jnp.float32), fix)
@@ -570,15 +571,15 @@ def remainder_master(params: optax.Params, opt_state: optax.OptState) -> optax.P
       >>> remainder_master(params, param_remainders(optax.sgd(0.1)).init(params))["w"].dtype
       dtype('float32')
     """
-    found = find_states(opt_state, ParamRemaindersState)
+    found = _tree.find_states(opt_state, ParamRemaindersState)
     if len(found) != 1:
         raise ValueError(f"expected one param_remainders state in opt_state, found {len(found)}: build the "
                          "optimizer with jaxmp.lean.param_remainders(...) or jaxmp.lean.preset('remainders', ...)")
     remainders = found[0].remainders
     if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(remainders):
-        check_same_structure(params, remainders, "params", "remainders")  # raises, naming both trees
+        _tree.check_same_structure(params, remainders, "params", "remainders")  # raises, naming both trees
     # Only bfloat16 params have a remainder of their shape; the others hold an empty placeholder.
-    check_same_structure(params, jax.tree_util.tree_map(
+    _tree.check_same_structure(params, jax.tree_util.tree_map(
         lambda p, r: r if is_floating_array(p) and jnp.asarray(p).dtype == jnp.bfloat16 else p, params, remainders),
         "params", "remainders")
     return _masters(params, remainders)

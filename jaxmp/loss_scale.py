@@ -156,6 +156,10 @@ class NoOpLossScale:
         check_flag(grads_finite)
         return self
 
+    def fold_is_exact(self, built_with: Any = None) -> bool:
+        """False: there is no scale to fold (see `jaxmp.fold`)."""
+        return False
+
 
 class _Scaling:
     """``scale``/``unscale`` by ``self.loss_scale``, shared by the static and dynamic scales."""
@@ -215,6 +219,20 @@ class StaticLossScale(_Scaling):
         """Returns ``self`` (unmarked, see ``jaxmp.traps.ScaledMark``): a static scale never changes."""
         check_flag(grads_finite)
         return dataclasses.replace(self, scaled_mark=traps.UNSCALED) if traps.was_scaled(self) else self
+
+    def fold_is_exact(self, built_with: Any = None) -> bool:
+        """Whether the scale is >= 1, so that `jaxmp.fold` is exact (see `DynamicLossScale.fold_is_exact`).
+
+        Args:
+          built_with: the scale the transform was built with: a static scale never changes, so
+            under ``jit`` (a traced scale) its value stands for this one's.
+        """
+        value = self.loss_scale
+        if _is_tracer(value):
+            if not isinstance(built_with, StaticLossScale):
+                return False
+            value = built_with.loss_scale
+        return bool(np.all(np.asarray(value) >= 1))
 
 
 def _check_config(period, factor, backoff, lo, hi):
@@ -354,6 +372,18 @@ class DynamicLossScale(_Scaling):
         """Alias of ``factor`` (torch's name)."""
         return self.factor
 
+    def fold_is_exact(self, built_with: Any = None) -> bool:
+        """Whether the scale is >= 1 on every step, known while tracing: then `jaxmp.fold` is exact.
+
+        Below 1 the *scaled* squares of a global norm underflow where the unscaled ones do not
+        (XLA:CPU flushes subnormals to zero), and a norm of 0 would leave a step unclipped. A
+        dynamic scale never goes below its floor (``min_loss_scale``, static configuration).
+
+        Args:
+          built_with: unused (the floor is configuration); there for the static scale's sake.
+        """
+        return self.min_loss_scale >= 1
+
     def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
         """Returns the next loss scale given whether this step's gradients were finite.
 
@@ -431,10 +461,11 @@ def register_flax_serialization(force: bool = False) -> bool:
     """Registers the loss scales with ``flax.serialization`` (``to_bytes``, ``from_bytes``, state dicts).
 
     jaxmp does not import Flax: this registers only once Flax is loaded (or imports it with
-    ``force``). It runs when jaxmp is imported after Flax, whenever a loss-scaling transform or
-    its state is built, and when `jaxmp.flax` is imported, so a state serialized with Flax
-    has its scales registered. The state dict holds the leaves (scale, counter); the
-    configuration comes from the target restored into, as for every Flax state.
+    ``force``), and only once per Flax. `jaxmp.flax` registers on import; without it, jaxmp
+    registers when it is imported after Flax and when a loss-scaling transform is built
+    ([`make_loss_scale`][jaxmp.make_loss_scale]), so a state serialized with Flax has its
+    scales registered. The state dict holds the leaves (scale, counter); the configuration
+    comes from the target restored into, as for every Flax state.
 
     Args:
       force: import ``flax.serialization`` if it is not loaded yet.
@@ -442,13 +473,14 @@ def register_flax_serialization(force: bool = False) -> bool:
     Returns:
       Whether the loss scales are registered.
     """
-    # Registering again is one dict write (Flax's registry is the record, not a flag here); it
-    # runs when a transform or state is built, never per step.
     serialization = sys.modules.get("flax.serialization")
     if serialization is None:
         if not force:
             return False
         import flax.serialization as serialization  # noqa: PLC0415 - Flax stays optional
+    if isinstance(serialization.to_state_dict(NoOpLossScale()), dict):
+        # Once per Flax: Flax's registry is the record (an unregistered object comes back as is).
+        return True
     for cls, fields in _LEAF_FIELDS.items():
         def to_state(x, fields=fields):
             return {f: serialization.to_state_dict(getattr(x, f)) for f in fields}
@@ -464,6 +496,7 @@ def register_flax_serialization(force: bool = False) -> bool:
     return True
 
 
+# Flax loaded before jaxmp: register now (never imports Flax itself; `import jaxmp` stays light).
 register_flax_serialization()
 
 
@@ -486,6 +519,8 @@ def make_loss_scale(spec: LossScaleLike = "dynamic") -> LossScale:
       >>> jaxmp.make_loss_scale("static:1024")
       StaticLossScale(loss_scale=Array(1024., dtype=float32))
     """
+    # Every transform's scale comes through here: Flax imported after jaxmp (without jaxmp.flax)
+    # is registered when the transform is built, before any state exists to serialize.
     register_flax_serialization()
     if isinstance(spec, LOSS_SCALE_TYPES):
         for name in ("loss_scale", "counter"):

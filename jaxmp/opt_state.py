@@ -15,10 +15,11 @@ import optax
 
 from jaxmp._typing import PyTree
 
+from jaxmp import _tree
 from jaxmp.dtypes import is_inexact_array
 from jaxmp.loss_scale import LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale
 from jaxmp.transform import (NON_FINITE_GRADIENTS, NON_FINITE_LOSS, NON_FINITE_UPDATES, LossScalingState,
-                             MasterWeightsState, apply_to_params, find_states)
+                             MasterWeightsState, apply_to_params)
 
 
 class TrainingDivergedError(FloatingPointError):
@@ -46,7 +47,7 @@ def find_loss_scaling_state(tree: PyTree) -> LossScalingState:
     """
     if isinstance(tree, LossScalingState):
         return tree
-    found = find_states(tree, LossScalingState)
+    found = _tree.find_states(tree, LossScalingState)
     if not found:
         raise ValueError("no jaxmp.loss_scaling state found: build the optimizer with jaxmp.loss_scaling(...)")
     if len(found) > 1:
@@ -150,7 +151,7 @@ def master_params(opt_state: optax.OptState) -> optax.Params:
       >>> jaxmp.master_params(tx.init({"w": jnp.ones(2, jnp.float16)}))["w"].dtype
       dtype('float32')
     """
-    found = find_states(opt_state, MasterWeightsState)
+    found = _tree.find_states(opt_state, MasterWeightsState)
     if not found:
         raise ValueError("this optimizer keeps no master weights: build it with jaxmp.loss_scaling(..., master_weights=True)")
     return found[0].master_params

@@ -21,17 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp import _deprecations, fold, traps
+from jaxmp import _cpu_layout, _deprecations, _tree, fold, traps
 from jaxmp._typing import AxisName, LossScaleLike
 from jaxmp.collectives import optional_axis_name
 from jaxmp.dtypes import float_dtype, is_floating_array, is_inexact_array
-from jaxmp.loss_scale import (
-    DynamicLossScale,
-    LossScale,
-    StaticLossScale,
-    make_loss_scale,
-    register_flax_serialization,
-)
+from jaxmp.loss_scale import LOSS_SCALE_TYPES, LossScale, make_loss_scale
 from jaxmp.skip import all_finite, keep_if_finite
 
 #: ``LossScalingState.skip_reason`` values.
@@ -75,32 +69,8 @@ class LossScalingState(NamedTuple):
     @property
     def master_params(self) -> Any:
         """The master copy when the inner chain keeps one (`jaxmp.transform.master_weights`), else None."""
-        found = find_states(self.inner_state, MasterWeightsState)
+        found = _tree.find_states(self.inner_state, MasterWeightsState)
         return found[0].master_params if found else None
-
-
-def find_states(tree: Any, cls: type) -> list:
-    """Every ``cls`` instance in a pytree (optax states are nested tuples and NamedTuples)."""
-    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, cls)) if isinstance(x, cls)]
-
-
-def _check_all_arrays(tree, what):
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-            raise TypeError(f"{what} leaf at {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array")
-
-
-def check_same_structure(tree, ref, what, ref_what):
-    """Raises a ValueError naming the first leaf where two trees differ in structure or shape."""
-    tg, tr = jax.tree_util.tree_structure(tree), jax.tree_util.tree_structure(ref)
-    if tg != tr:
-        raise ValueError(f"{what} and {ref_what} have different tree structures:\n  {what}: {tg}\n  {ref_what}: {tr}")
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree_util.tree_leaves(ref)):
-        if jnp.shape(g) != jnp.shape(r):
-            raise ValueError(
-                f"{what} leaf at {jax.tree_util.keystr(path)} has shape {jnp.shape(g)} but the {ref_what} leaf "
-                f"has {jnp.shape(r)}"
-            )
 
 
 def _negative_zeros(x):
@@ -111,7 +81,7 @@ def _negative_zeros(x):
 
 def add_floating(params, updates):
     """``optax.apply_updates`` on floating leaves; other leaves (ints, with float0 updates) pass through."""
-    check_same_structure(updates, params, "updates", "params")
+    _tree.check_same_structure(updates, params, "updates", "params")
 
     def add(p, u):
         if not is_inexact_array(p):
@@ -148,6 +118,58 @@ def _verdict(finite: jax.Array, axis_name) -> jax.Array:
             "or shard_map with that mesh axis, or build loss_scaling with axis_name=None"
         ) from e
     return agreed > 0.5
+
+
+class _NumericLeavesOnly(optax.GradientTransformationExtraArgs):
+    """A transform that leaves int, bool and key leaves alone itself: `numeric_leaves_only`
+    returns it as it is."""
+
+
+class _MasterWeights(_NumericLeavesOnly):
+    """`master_weights`' transform: its state holds the master copy (`_check_master_matches`)."""
+
+
+class FusedTransformation(optax.GradientTransformationExtraArgs):
+    """An optax ``GradientTransformationExtraArgs`` whose update can also step the params.
+
+    What `jaxmp.transform.unscale_and_skip` and [`loss_scaling`][jaxmp.loss_scaling] return: ``init``
+    and ``update`` as optax's, plus ``update_and_apply(grads, state, params, **extra_args)``,
+    which returns ``(new_params, new_state)`` with the params stepped inside the skip, so the
+    updates are never written out and read back. optax's wrappers (``chain``, ``MultiSteps``,
+    ``masked``, ``inject_hyperparams``) build a plain transform from ``init`` and ``update``
+    and so leave ``update_and_apply`` out; `jaxmp.transform.update_and_apply` then runs
+    ``update`` and [`jaxmp.apply_updates`][jaxmp.apply_updates], with the same result.
+
+    Args:
+      init: as optax's.
+      update: as optax's.
+      update_and_apply: ``(grads, state, params, **extra_args) -> (new_params, new_state)``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> tx = jaxmp.loss_scaling(optax.sgd(0.5), "static:4")
+      >>> params = {"w": jnp.ones(2)}
+      >>> tx.update_and_apply({"w": jnp.full(2, 4.0)}, tx.init(params), params)[0]["w"]
+      Array([0.5, 0.5], dtype=float32)
+    """
+
+    update_and_apply: Callable[..., tuple[Any, Any]]
+
+    def __new__(cls, init: Callable, update: Callable, update_and_apply: Callable[..., tuple[Any, Any]]):
+        self = super().__new__(cls, init, update)
+        # optax's transforms are NamedTuples of (init, update); the third entry is an attribute
+        # of this type, so that unpacking, isinstance and optax's wrappers see optax's two.
+        self.update_and_apply = update_and_apply
+        return self
+
+    def __getnewargs__(self):  # copy and pickle rebuild all three
+        return (*self, self.update_and_apply)
+
+    @classmethod
+    def _make(cls, iterable):
+        # _replace(update=...) builds from init and update alone: a plain transform, since the
+        # fused entry would no longer match the new update.
+        return optax.GradientTransformationExtraArgs(*iterable)
 
 
 def check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
@@ -207,7 +229,7 @@ def numeric_leaves_only(inner: Any) -> optax.GradientTransformationExtraArgs:
       (Array([-0.1, -0.1], dtype=float32), dtype([('float0', 'V')]))
     """
     inner = check_inner(inner)
-    if getattr(inner.update, "passes_non_inexact", False):
+    if isinstance(inner, _NumericLeavesOnly):
         return inner  # already leaves them alone (master_weights, or wrapped before)
     masked = optax.masked(inner, lambda tree: jax.tree_util.tree_map(is_inexact_array, tree))
 
@@ -218,8 +240,7 @@ def numeric_leaves_only(inner: Any) -> optax.GradientTransformationExtraArgs:
         tx = inner if _all_inexact(updates if params is None else params) else masked
         return tx.update(updates, state, params, **extra_args)
 
-    update_fn.passes_non_inexact = True
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _NumericLeavesOnly(init_fn, update_fn)
 
 
 def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.float32
@@ -260,7 +281,7 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
     master_dtype = _check_master_dtype(master_dtype)
 
     def init_fn(params):
-        _check_all_arrays(params, "params")
+        _tree.check_all_arrays(params, "params")
         # A real copy: float32 params (norms under O2) would otherwise share buffers with the
         # master, and donating the state would donate the same buffer twice.
         master = jax.tree_util.tree_map(
@@ -269,9 +290,9 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
 
     def update_fn(grads, state, params=None, **extra_args):
         master = state.master_params
-        check_same_structure(grads, master, "gradients", "master params")
+        _tree.check_same_structure(grads, master, "gradients", "master params")
         if params is not None:
-            check_same_structure(params, master, "params", "master params")
+            _tree.check_same_structure(params, master, "params", "master params")
         # The half params' dtypes; gradients may arrive in float32 for bfloat16 params.
         ref = grads if params is None else params
         dtypes = jax.tree_util.tree_map(lambda p: jnp.asarray(p).dtype, ref)
@@ -283,9 +304,7 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
         deltas = jax.tree_util.tree_map(lambda new, old, d: _delta(new, old, d, master_dtype), stepped, master, dtypes)
         return deltas, MasterWeightsState(inner_state, stepped)
 
-    update_fn.passes_non_inexact = True
-    update_fn.keeps_master = True
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return _MasterWeights(init_fn, update_fn)
 
 
 def _check_master_dtype(master_dtype: Any) -> np.dtype:
@@ -334,11 +353,11 @@ def apply_to_params(params, updates, state=None):
     The body of [`jaxmp.apply_updates`][jaxmp.apply_updates]; the fused update of `update_and_apply` runs it
     inside the skip, so the params are written once, by the optimizer's own pass.
     """
-    found = find_states(state, MasterWeightsState) if state is not None else []
+    found = _tree.find_states(state, MasterWeightsState) if state is not None else []
     if found:
         _check_nothing_after_master(state)
         master = found[0].master_params
-        check_same_structure(params, master, "params", "master params")
+        _tree.check_same_structure(params, master, "params", "master params")
         return jax.tree_util.tree_map(
             lambda p, m: m.astype(jnp.asarray(p).dtype) if is_inexact_array(m) else p, params, master)
     return add_floating(params, updates)
@@ -358,7 +377,7 @@ def _check_nothing_after_master(state) -> None:
     else:
         return  # not a chain's state (NamedTuples are single transforms' states)
     for i, part in enumerate(parts):
-        if find_states(part, MasterWeightsState):
+        if _tree.find_states(part, MasterWeightsState):
             if i + 1 < len(parts):
                 raise ValueError(
                     f"the optimizer is an optax chain with {len(parts) - i - 1} transform(s) after the one keeping "
@@ -391,54 +410,6 @@ def _check_state_matches(inner, state_inner, ref) -> None:
             raise ValueError(
                 f"optimizer state leaf inner_state{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(x))}, but "
                 f"this optimizer's init for these params gives {tuple(e.shape)}: the state was made for other params")
-
-
-def _cond_operands(grad_leaves: list) -> list:
-    """The gradients as the taken branch's operands, laid out so that XLA writes them once.
-
-    XLA:CPU passes an operand into a conditional in the layout its producer wrote: a weight
-    gradient out of a transposed dot (``dot(x.T, cotangent)``, cast up from half precision)
-    stays column-major there, and the branch then copies it to row-major before the optimizer
-    reads it, a float32 matrix written and read once more than by the same step without the
-    skip. Flattened behind an optimization barrier (which keeps XLA from moving the reshape
-    into the branch), the producer's fusion writes it row-major, as the floor's does, and the
-    branch reads a bitcast. Only matrices: a convolution kernel's gradient has no such
-    transposed producer, and the barrier cost the CNN step 4% of its time (measured with
-    ``benchmarks/overhead.py``). Other backends keep their layouts (a TPU's tiled layout would
-    make the reshape a copy).
-    """
-    if jax.default_backend() != "cpu":
-        return grad_leaves
-    matrices = [i for i, g in enumerate(grad_leaves) if g.ndim == 2]
-    flat = jax.lax.optimization_barrier([grad_leaves[i].reshape(-1) for i in matrices])
-    operands = list(grad_leaves)
-    for i, f in zip(matrices, flat):
-        operands[i] = f
-    return operands
-
-
-def _restore(operands: list, grad_leaves: list) -> list:
-    return [x.reshape(g.shape) for x, g in zip(operands, grad_leaves)]
-
-
-def _fold_is_exact(loss_scale, initial_scale) -> bool:
-    """Whether the scale is >= 1 on every step, known while tracing: then `jaxmp.fold` is exact.
-
-    Below 1 the *scaled* squares of a global norm underflow where the unscaled ones do not
-    (XLA:CPU flushes subnormals to zero), and a norm of 0 would leave a step unclipped. A
-    dynamic scale never goes below its floor; a static scale never changes, so the one the
-    transform was built with stands for it under ``jit`` (a concrete one is read directly).
-    """
-    if isinstance(loss_scale, DynamicLossScale):
-        return loss_scale.min_loss_scale >= 1
-    if isinstance(loss_scale, StaticLossScale):
-        value = loss_scale.loss_scale
-        if isinstance(value, jax.core.Tracer):
-            if not isinstance(initial_scale, StaticLossScale):
-                return False
-            value = initial_scale.loss_scale
-        return bool(np.all(np.asarray(value) >= 1))
-    return False
 
 
 def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, params, use_cond, extra_args, fused,
@@ -498,8 +469,8 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
     if use_cond:
         # Only the taken branch runs, so the inner chain never sees non-finite gradients and
         # XLA can update the optimizer state in place.
-        operands = _cond_operands(grad_leaves)
-        return jax.lax.cond(grads_finite, lambda ops: apply(_restore(ops, grad_leaves)), lambda ops: skip(), operands)
+        operands = _cpu_layout.cond_operands(grad_leaves)  # XLA:CPU layouts: see there
+        return jax.lax.cond(grads_finite, lambda ops: apply(_cpu_layout.restore(ops, grad_leaves)), lambda ops: skip(), operands)
     out, inner_state = apply()
     old, _ = skip() if fused else (jax.tree_util.tree_map(_negative_zeros, out), None)
     return keep_if_finite(grads_finite, out, old), keep_if_finite(grads_finite, inner_state, state.inner_state)
@@ -513,10 +484,10 @@ def _check_master_matches(inner, state_keeps_master: bool, ref) -> None:
     master weights deeper down (``optax.chain(master_weights(...), ...)``) is asked its init
     (abstractly) only when the state has a master copy and the inner is not master_weights itself.
     """
-    built_with = getattr(inner.update, "keeps_master", False)
+    built_with = isinstance(inner, _MasterWeights)
     if not built_with and state_keeps_master:
         try:
-            built_with = bool(find_states(jax.eval_shape(inner.init, ref), MasterWeightsState))
+            built_with = bool(_tree.find_states(jax.eval_shape(inner.init, ref), MasterWeightsState))
         except Exception:  # noqa: BLE001 - an init that cannot be traced abstractly: let the step say it
             return
     if built_with != state_keeps_master:
@@ -555,7 +526,7 @@ def _check_state_types(old: Any, new: Any, check_origin: Callable[[], None]) -> 
 
 def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dynamic", *,
                      axis_name: Any = None, skip_with: str = "auto",
-                     check_updates: bool | None = None) -> optax.GradientTransformationExtraArgs:
+                     check_updates: bool | None = None) -> FusedTransformation:
     """Unscales gradients, skips non-finite steps and adjusts the loss scale around ``inner``.
 
     The loss-scaling half of [`loss_scaling`][jaxmp.loss_scaling] (see it for the full contract); compose with
@@ -569,7 +540,8 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
       check_updates: also skip steps whose updates are non-finite; as in [`loss_scaling`][jaxmp.loss_scaling].
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is [`LossScalingState`][jaxmp.LossScalingState].
+      A `jaxmp.transform.FusedTransformation` (an ``optax.GradientTransformationExtraArgs``) whose state is
+      [`LossScalingState`][jaxmp.LossScalingState].
       ``update`` accepts ``value=loss`` (optax's name for the loss) to tell a non-finite loss
       from non-finite gradients in ``skip_reason``.
 
@@ -585,7 +557,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
 
 
 def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis_name: Any, skip_with: str,
-                      check_updates: bool | None, *, check_bf16: bool) -> optax.GradientTransformationExtraArgs:
+                      check_updates: bool | None, *, check_bf16: bool) -> FusedTransformation:
     # check_bf16: loss_scaling was not told master_weights, so bfloat16 params without a master
     # copy may be the O2-bf16 mistake (see traps.check_bf16_without_master).
     inner = check_inner(inner)
@@ -599,8 +571,7 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
         raise TypeError(f"check_updates must be None or a bool, got {type(check_updates).__name__}")
 
     def init_fn(params):
-        _check_all_arrays(params, "params")
-        register_flax_serialization()  # Flax may have been imported since the transform was built
+        _tree.check_all_arrays(params, "params")
         inner_state = inner.init(params)
         traps.check_init(params, inner_state, initial_scale, LossScalingState, MasterWeightsState)
         if check_bf16:
@@ -617,16 +588,29 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
             skip_reason=jnp.zeros([], jnp.int32),
         )
 
-    def update_fn(grads, state, params=None, *, _jaxmp_fused=False, **extra_args):
-        # One frame for both entries, so that traps' warnings point at the caller of update.
-        fused = _jaxmp_fused
+    def check_args(grads, state, params):
         if not isinstance(state, LossScalingState):
             raise TypeError(f"state must be the LossScalingState made by this transform's init, got {type(state).__name__}")
-        _check_all_arrays(grads, "gradient")
+        _tree.check_all_arrays(grads, "gradient")
         if params is not None:
-            check_same_structure(grads, params, "gradients", "params")
+            _tree.check_same_structure(grads, params, "gradients", "params")
+
+    def update_fn(grads, state, params=None, **extra_args):
+        check_args(grads, state, params)
+        # Called from each entry itself: traps' warnings name the line that called the entry.
         traps.check_gradients(grads, state.loss_scale)
-        keeps_master = bool(find_states(state.inner_state, MasterWeightsState))
+        return step(grads, state, params, extra_args, fused=False)
+
+    def update_and_apply_fn(grads, state, params, **extra_args):
+        if params is None:
+            raise ValueError("update_and_apply needs the params")
+        check_args(grads, state, params)
+        traps.check_gradients(grads, state.loss_scale)
+        return step(grads, state, params, extra_args, fused=True)
+
+    def step(grads, state, params, extra_args, fused):
+        """Both entries' step; ``fused``: return the new params instead of the updates."""
+        keeps_master = bool(_tree.find_states(state.inner_state, MasterWeightsState))
         _check_master_matches(inner, keeps_master, grads if params is None else params)
 
         def unscale(g):
@@ -635,7 +619,7 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
         grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
         use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
         out, inner_state = _inner_step(inner, state.loss_scale, keeps_master, grads, grads_finite, state, params,
-                                       use_cond, extra_args, fused, _fold_is_exact(state.loss_scale, initial_scale))
+                                       use_cond, extra_args, fused, fold_ok(state.loss_scale))
 
         half_arithmetic = keeps_master or _has_half((grads, state.inner_state))
         if half_arithmetic if check_updates is None else check_updates:
@@ -671,19 +655,17 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
         )
         return out, new_state
 
-    def update_and_apply_fn(grads, state, params, **extra_args):
-        if params is None:
-            raise ValueError("update_and_apply needs the params")
-        return update_fn(grads, state, params, _jaxmp_fused=True, **extra_args)
+    def fold_ok(loss_scale):
+        # Whether jaxmp.fold is exact for this scale (the loss scale knows; see fold_is_exact).
+        return isinstance(loss_scale, LOSS_SCALE_TYPES) and loss_scale.fold_is_exact(initial_scale)
 
-    update_fn.update_and_apply = update_and_apply_fn
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return FusedTransformation(init_fn, update_fn, update_and_apply_fn)
 
 
 def loss_scaling(inner: optax.GradientTransformation, loss_scale: LossScaleLike = "dynamic", *,
                  axis_name: AxisName | None = None, master_weights: bool | None = None,
                  master_dtype: jax.typing.DTypeLike = jnp.float32, skip_with: str = "auto",
-                 check_updates: bool | None = None) -> optax.GradientTransformationExtraArgs:
+                 check_updates: bool | None = None) -> FusedTransformation:
     """Wraps an optax transformation with loss scaling, non-finite step skipping and master weights.
 
     ``unscale_and_skip(master_weights(inner, master_dtype), loss_scale, ...)`` when
@@ -749,7 +731,8 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: LossScaleLike 
         master weights, or when the gradients or the inner state hold float16/bfloat16 leaves.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is [`LossScalingState`][jaxmp.LossScalingState].
+      A `jaxmp.transform.FusedTransformation` (an ``optax.GradientTransformationExtraArgs``) whose state is
+      [`LossScalingState`][jaxmp.LossScalingState].
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
@@ -805,12 +788,11 @@ def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_a
       >>> update_and_apply(tx, {"w": jnp.full(2, 4.0)}, tx.init(params), params)[0]["w"]
       Array([0.5, 0.5], dtype=float32)
     """
-    fused = getattr(tx.update, "update_and_apply", None)
-    if fused is not None:
-        return fused(grads, opt_state, params, **extra_args)
+    if isinstance(tx, FusedTransformation):
+        return tx.update_and_apply(grads, opt_state, params, **extra_args)
     updates, new_state = tx.update(grads, opt_state, params, **extra_args)
     new_params = apply_to_params(params, updates, new_state)
-    found = find_states(new_state, LossScalingState)
+    found = _tree.find_states(new_state, LossScalingState)
     if len(found) == 1:  # -0.0 updates keep the params; selecting keeps NaN payloads bit for bit too
         new_params = keep_if_finite(found[0].last_step_finite, new_params, params)
     return new_params, new_state

@@ -27,7 +27,8 @@ PACKAGES = ("jaxmp", "benchmarks")
 # The layers of jaxmp, lowest first: a module may import its own layer and the layers below it,
 # never one above. A unit is a top-level module or a subpackage of jaxmp (what the table shows).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("numerics", ("jaxmp._deprecations", "jaxmp.dtypes", "jaxmp.traps", "jaxmp.fp8", "jaxmp.fold")),
+    ("numerics", ("jaxmp._deprecations", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp.dtypes", "jaxmp.traps",
+                  "jaxmp.fp8", "jaxmp.fold")),
     ("policies and loss scales", ("jaxmp.policy", "jaxmp.presets", "jaxmp.platform", "jaxmp.skip",
                                   "jaxmp.loss_scale")),
     ("optax transforms and gradients", ("jaxmp.transform", "jaxmp.opt_state", "jaxmp.grad", "jaxmp.lean",

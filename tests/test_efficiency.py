@@ -87,7 +87,7 @@ def test_autocast_mlp_train_step_at_benchmark_size_moves_the_floors_bytes():
     paths; autocast now emits a repeated computation once), a float32 finiteness reduction that
     made XLA write each half-precision weight gradient out as float32, and the skip's
     conditional taking those gradients in the transposed layout of their dot and copying them
-    (see ``jaxmp.transform._cond_operands``). Measured: 1.0128. What is left: inside the taken
+    (see ``jaxmp._cpu_layout``). Measured: 1.0128. What is left: inside the taken
     branch the optimizer reads the float32 gradient the branch was handed, where the floor
     re-reads the half-precision dot output in two of its passes.
     """

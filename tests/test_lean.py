@@ -14,7 +14,7 @@ import pytest
 
 import jaxmp
 from jaxmp import lean
-from jaxmp.transform import find_states
+from jaxmp._tree import find_states
 
 BF16 = jnp.bfloat16
 

@@ -6,6 +6,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxmp
@@ -231,3 +232,59 @@ def test_a_python_int_too_big_for_float32_is_out_of_range_like_the_float(value):
     with pytest.raises(ValueError, match=r"loss_scale is out of range: got an integer of 1330 bits"):
         jaxmp.StaticLossScale(2**1329)
     assert float(jaxmp.StaticLossScale(2**15).loss_scale) == 32768.0
+
+
+def test_fold_exactness_is_a_property_of_the_loss_scale():
+    # Issue 38, item 2: the scale says whether jaxmp.fold is exact (scale >= 1 on every step).
+    assert jaxmp.DynamicLossScale().fold_is_exact()
+    assert not jaxmp.DynamicLossScale.torch_parity().fold_is_exact()  # no floor at 1
+    assert not jaxmp.DynamicLossScale(1.0, min_loss_scale=0.5).fold_is_exact()
+    assert jaxmp.StaticLossScale(4.0).fold_is_exact() and not jaxmp.StaticLossScale(0.5).fold_is_exact()
+    assert not jaxmp.NoOpLossScale().fold_is_exact()
+    # Traced, a static scale is known by the one the transform was built with.
+    traced = jax.jit(lambda s, built: jnp.float32(s.fold_is_exact(built)), static_argnums=1)
+    assert float(traced(jaxmp.StaticLossScale(4.0), jaxmp.StaticLossScale(4.0))) == 1.0
+    assert float(traced(jaxmp.StaticLossScale(4.0), jaxmp.StaticLossScale(0.5))) == 0.0
+    assert float(traced(jaxmp.StaticLossScale(4.0), None)) == 0.0
+
+
+def test_flax_serialization_is_registered_once_not_on_every_init(monkeypatch):
+    import flax.serialization
+
+    from jaxmp.loss_scale import register_flax_serialization
+
+    assert register_flax_serialization(force=True)
+    calls = []
+    real = flax.serialization.register_serialization_state
+    monkeypatch.setattr(flax.serialization, "register_serialization_state",
+                        lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
+    for _ in range(3):
+        tx.init({"w": jnp.ones(2)})
+    assert register_flax_serialization()
+    assert calls == []  # registered once per Flax: not again per build, per init or per call
+
+
+def test_a_flax_checkpoint_round_trips_with_only_jaxmp_imported_and_flax_imported_after_it():
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import jax.numpy as jnp, optax, jaxmp
+assert "flax" not in sys.modules and "jaxmp.flax" not in sys.modules
+import flax.serialization as fs
+tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(2.0 ** 9))
+state = tx.init({"w": jnp.ones(2)})
+back = fs.from_bytes(jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)}), fs.to_bytes(state))
+assert float(back.loss_scale.loss_scale) == 512.0, back.loss_scale
+assert "jaxmp.flax" not in sys.modules
+print("ok")
+"""
+    import os
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]  # this checkout's jaxmp
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -550,3 +550,55 @@ def test_a_list_of_axis_names_is_taken_as_the_tuple_jax_accepts():
     # the replica with inf gradients makes both skip: the verdict was reduced over the axis
     assert not np.asarray(state.last_step_finite).any()
     np.testing.assert_array_equal(np.asarray(updates["w"]), np.zeros((2, 3)))
+
+
+def test_the_fused_step_is_an_explicit_entry_of_a_typed_transform():
+    # Issue 38, item 2: no hidden keyword on update and no attribute set on the update function.
+    import inspect
+
+    from jaxmp.transform import FusedTransformation
+
+    tx = jaxmp.loss_scaling(optax.sgd(0.5), "static:4")
+    assert isinstance(tx, FusedTransformation) and isinstance(tx, optax.GradientTransformationExtraArgs)
+    assert len(tx) == 2 and list(inspect.signature(tx.update).parameters) == ["grads", "state", "params", "extra_args"]
+    assert not vars(tx.update)  # nothing rides on the function
+    params = {"w": jnp.ones(2)}
+    new, state = tx.update_and_apply({"w": jnp.full(2, 4.0)}, tx.init(params), params)
+    np.testing.assert_array_equal(new["w"], [0.5, 0.5])
+    # Rebuilt from init and update (what _replace does), the fused entry is gone, not stale.
+    assert type(tx._replace(update=tx.update)) is optax.GradientTransformationExtraArgs
+    assert jaxmp.transform.update_and_apply(tx._replace(update=tx.update), {"w": jnp.full(2, 4.0)},
+                                            tx.init(params), params)[0]["w"].tolist() == [0.5, 0.5]
+
+
+@pytest.mark.standard_promotion(reason="optax.MultiSteps: float32 gradients / int32 count")
+@pytest.mark.parametrize("wrap", ["multisteps", "chain", "inject"])
+def test_update_and_apply_falls_back_for_a_wrapped_loss_scaling_and_trains_the_same(wrap):
+    # optax's wrappers rebuild a plain (init, update): update_and_apply must take the unfused path
+    # and give exactly what tx.update + jaxmp.apply_updates give, skipped steps included.
+    from jaxmp.transform import FusedTransformation
+
+    inner = jaxmp.loss_scaling(optax.adam(1e-2), "dynamic")
+    tx = {"multisteps": lambda: optax.MultiSteps(inner, every_k_schedule=2),
+          "chain": lambda: optax.chain(inner, optax.identity()),
+          "inject": lambda: optax.inject_hyperparams(
+              lambda learning_rate: jaxmp.loss_scaling(optax.adam(learning_rate), "dynamic"))(learning_rate=1e-2),
+          }[wrap]()
+    assert not isinstance(tx, FusedTransformation)
+    params = _params()
+    fused_p, fused_s = params, tx.init(params)
+    plain_p, plain_s = params, tx.init(params)
+    x, y = _batch()
+    losses = []
+    for t in range(8):
+        loss, grads = jaxmp.value_and_grad(_loss, fused_s)(fused_p, x, y)
+        if t == 7:  # an overflow: a skipped step (the last: optax's MultiSteps keeps an inf accumulator)
+            grads = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.inf), grads)
+        losses.append(float(loss))
+        fused_p, fused_s = jaxmp.transform.update_and_apply(tx, grads, fused_s, fused_p)
+        updates, plain_s = tx.update(grads, plain_s, plain_p)
+        plain_p = jaxmp.apply_updates(plain_p, updates, plain_s)
+        assert _bits(fused_p) == _bits(plain_p) and _bits(fused_s) == _bits(plain_s)
+        assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree_util.tree_leaves(fused_p))
+    assert losses[-1] < losses[0]  # it trains
+    assert int(jaxmp.skipped_steps(fused_s)) == 1

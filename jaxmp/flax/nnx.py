@@ -45,7 +45,7 @@ from jaxmp.engine.config import flax_config
 from jaxmp.engine.entry import engine_function
 from jaxmp.engine.modules import install_call_hooks, instance_rules
 from jaxmp.flax.attention import fused_attention
-from jaxmp import fp8
+from jaxmp import _tree, fp8
 from jaxmp._typing import AxisName, PolicyLike, PyTree
 from jaxmp.collectives import mean_model_state, optional_axis_name
 from jaxmp.flax.fp8 import Fp8State, install_nnx_fp8
@@ -57,7 +57,7 @@ from jaxmp.traps import MixedPrecisionWarning
 from jaxmp.policy import Policy
 from jaxmp.skip import keep_if_finite
 from jaxmp.step import Fp8Hooks, make_step
-from jaxmp.transform import LossScalingState, find_states
+from jaxmp.transform import LossScalingState
 
 def _str_path(path: tuple) -> Path:
     return tuple(str(k) for k in path)
@@ -360,7 +360,7 @@ def optimizer_state(optimizer: nnx.Optimizer) -> Any:
       Array(32768., dtype=float32)
     """
     pure = nnx.as_pure(optimizer.opt_state)
-    stored, copy = find_states(optimizer.opt_state, LossScalingState), find_states(pure, LossScalingState)
+    stored, copy = _tree.find_states(optimizer.opt_state, LossScalingState), _tree.find_states(pure, LossScalingState)
     if len(stored) == len(copy) == 1:
         # Scaling a loss with this copy's scale also marks the stored one, which optimizer.update
         # reads: the unscaled-gradient check (jaxmp.traps.ScaledMark) then sees it.
