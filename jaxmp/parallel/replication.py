@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-_REPLICA_AXIS = "_jaxmp_replicas"
+REPLICA_AXIS = "_jaxmp_replicas"
 
 
 def _local_devices(devices: Sequence[Any] | None) -> list:
@@ -48,7 +48,7 @@ def replicate(tree: Any, devices: Sequence[Any] | None = None) -> Any:
       True
     """
     devices = _local_devices(devices)
-    sharding = NamedSharding(Mesh(np.asarray(devices), (_REPLICA_AXIS,)), PartitionSpec(_REPLICA_AXIS))
+    sharding = NamedSharding(Mesh(np.asarray(devices), (REPLICA_AXIS,)), PartitionSpec(REPLICA_AXIS))
 
     def rep(x):
         x = x if isinstance(x, jax.Array) else jnp.asarray(x)
