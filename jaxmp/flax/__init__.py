@@ -22,7 +22,8 @@ from jaxmp.flax.attention import fp32_softmax_attention, fused_attention
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy
 from jaxmp import _deprecations
 from jaxmp.flax.overrides import PrecisionOverrides
-from jaxmp.flax.train_state import TrainState, make_eval_step, make_train_step
+from jaxmp.flax.steps import make_eval_step, make_train_step
+from jaxmp.flax.train_state import TrainState
 from jaxmp.loss_scale import register_flax_serialization as _register_flax_serialization
 
 _register_flax_serialization(force=True)

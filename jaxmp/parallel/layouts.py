@@ -528,7 +528,7 @@ def recorded_leaves(canonical: Any, params: Any, model_state: Any, batch: Any, r
     abstract trace of the loss (shapes only, nothing computed)."""
     from jaxmp.parallel import per_layer
 
-    ctx = per_layer._Context("record")
+    ctx = per_layer.LayerContext("record")
     found: set = set()
 
     def trace(p):
@@ -555,7 +555,7 @@ def global_view_loss(mesh: Mesh, layout: str, base_specs: Any, remat: Any) -> An
             if layout == "fsdp":
                 p_leaves, treedef = jax.tree_util.tree_flatten(params)
                 leaves = {id(p): NamedSharding(mesh, b) for p, b in zip(p_leaves, treedef.flatten_up_to(base_specs))}
-            with per_layer.context(per_layer._Context("global", leaves=leaves, remat=remat, mesh=mesh)):
+            with per_layer.context(per_layer.LayerContext("global", leaves=leaves, remat=remat, mesh=mesh)):
                 return canonical(params, model_state, batch, rng)
 
         return loss
@@ -634,7 +634,7 @@ def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_s
                     else:
                         used.append(_reduce.gathered(next(it), axis, dim, reduce_dtype))
                 key = None if rng is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
-                ctx = per_layer._Context("manual", axis=axis, reduce_dtype=reduce_dtype, leaves=sliced, remat=remat)
+                ctx = per_layer.LayerContext("manual", axis=axis, reduce_dtype=reduce_dtype, leaves=sliced, remat=remat)
                 with per_layer.context(ctx):
                     value, (state, aux) = canonical(jax.tree_util.tree_unflatten(treedef, used), model_state, batch,
                                                     key)
