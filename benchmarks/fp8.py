@@ -212,7 +212,7 @@ class Variant:
         for i in range(steps):
             state, metrics = self.step(state, batches[i % len(batches)])
             curve.append(float(metrics["loss"]))
-            skipped += not bool(metrics["finite"])
+            skipped += not bool(metrics["last_step_finite"])
         return curve, skipped, state
 
 

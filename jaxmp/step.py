@@ -1,8 +1,10 @@
 """The one train-step builder: scaled gradients, all-reduce, the fused skip-aware update.
 
-The Linen and NNX steps (`jaxmp.flax`) and the pmap and sharded-jit steps
+The Linen and NNX steps (`jaxmp.flax.steps`) and the pmap and sharded-jit steps
 (`jaxmp.parallel`) are thin adapters over `make_step`: each turns its model into a
-loss function of ``(params, model_state, batch, rng)`` and calls the step this returns. One
+loss function of ``(params, model_state, batch, rng)`` and calls the step this returns (the
+parallel steps through `make_generic_step`, the adapter for a user's ``loss_fn(params[,
+model_state], batch[, rng])``). Every step reports the same metrics (`step_metrics`). One
 step, in order:
 
 1. ``jaxmp.value_and_grad`` differentiates the loss times the scale held in the optimizer
@@ -18,15 +20,19 @@ step, in order:
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxmp import fp8
 from jaxmp.collectives import all_reduce_gradients, optional_axis_name
+from jaxmp.fp8.state import FP8_COLLECTION
 from jaxmp.grad import value_and_grad
-from jaxmp.opt_state import find_loss_scaling_state, get_loss_scale
+from jaxmp.opt_state import find_loss_scaling_state, get_loss_scale, scaling_stats
 from jaxmp.skip import keep_if_finite
 from jaxmp.transform import update_and_apply
 
@@ -144,3 +150,200 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
         return StepResult(new_params, new_model_state, new_opt_state, loss, aux, finite, scale)
 
     return step
+
+
+#: Metrics keys renamed so that every step reports the same ones: ``{old: new}``. The old key
+#: still reads (with a DeprecationWarning) for one release; see CHANGELOG.md.
+DEPRECATED_METRICS = {"finite": "last_step_finite"}
+
+
+class StepMetrics(dict):
+    """The metrics dict every train step returns; a pytree, so ``jit`` / ``pmap`` can return it.
+
+    Keys (every step): ``loss``, ``loss_scale``, ``last_step_finite``, ``consecutive_skips``,
+    ``total_skips``; plus ``accuracy`` (the Flax steps) or ``aux`` (a parallel step with
+    ``has_aux``). Reading a renamed key (`DEPRECATED_METRICS`, e.g. ``"finite"``) returns the
+    new key's value with a DeprecationWarning naming it; the old key is not stored, so
+    iterating, ``len`` and logging see the new keys only.
+
+    Example:
+      >>> import warnings, jax.numpy as jnp
+      >>> from jaxmp.step import StepMetrics
+      >>> m = StepMetrics(loss=jnp.float32(1.0), last_step_finite=jnp.bool_(True))
+      >>> with warnings.catch_warnings(record=True) as w:
+      ...     warnings.simplefilter("always")
+      ...     bool(m["finite"]), w[0].category.__name__
+      (True, 'DeprecationWarning')
+    """
+
+    __slots__ = ()
+
+    @staticmethod
+    def _renamed(key: Any) -> Any:
+        new = DEPRECATED_METRICS.get(key) if isinstance(key, str) else None
+        if new is not None:
+            warnings.warn(f"metrics[{key!r}] is deprecated and will be removed in the next release: read "
+                          f"metrics[{new!r}] (every jaxmp train step now reports the same keys)",
+                          DeprecationWarning, stacklevel=3)
+        return new
+
+    def __missing__(self, key: Any) -> Any:
+        # dict.__getitem__ calls this only for a key it does not hold, so reading a stored key
+        # costs nothing extra.
+        new = self._renamed(key)
+        if new is None or new not in self:
+            raise KeyError(key)
+        return dict.__getitem__(self, new)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key in self:
+            return dict.__getitem__(self, key)
+        new = self._renamed(key)
+        return dict.get(self, new, default) if new is not None else default
+
+    def __repr__(self) -> str:
+        return f"StepMetrics({dict.__repr__(self)})"
+
+
+def _flatten_metrics(m: StepMetrics):
+    keys = tuple(sorted(m))  # as JAX orders a dict's keys
+    return tuple((jax.tree_util.DictKey(k), dict.__getitem__(m, k)) for k in keys), keys
+
+
+jax.tree_util.register_pytree_with_keys(
+    StepMetrics, _flatten_metrics, lambda keys, values: StepMetrics(zip(keys, values)))
+
+
+def step_metrics(out: StepResult, *, scale: str = "next", **extra: Any) -> StepMetrics:
+    """The metrics of one step, the same keys for every step.
+
+    Args:
+      out: the step's `StepResult`.
+      scale: which loss scale ``loss_scale`` reports: ``"next"`` (the scale after this step's
+        adjustment, the one the next step uses: the parallel steps) or ``"used"`` (the scale
+        this step's loss was multiplied by: the Flax steps).
+      **extra: further entries (``accuracy``, ``aux``).
+
+    Returns:
+      A `StepMetrics`: ``loss``, ``loss_scale``, ``last_step_finite`` (whether the step was
+      applied), ``consecutive_skips``, ``total_skips``, and ``extra``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> from jaxmp.step import make_step, step_metrics
+      >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
+      >>> loss_fn = lambda p, s, b, rng: (jnp.mean((b @ p["w"]) ** 2), (s, None))
+      >>> params = {"w": jnp.ones(3)}
+      >>> sorted(step_metrics(make_step(loss_fn, tx)(params, {}, tx.init(params), jnp.ones((4, 3)))))
+      ['consecutive_skips', 'last_step_finite', 'loss', 'loss_scale', 'total_skips']
+    """
+    if scale not in ("next", "used"):
+        raise ValueError(f"scale must be 'next' or 'used', got {scale!r}")
+    stats = scaling_stats(out.opt_state)
+    if scale == "used":
+        stats["loss_scale"] = out.loss_scale
+    return StepMetrics(loss=out.loss, **stats, **extra)
+
+
+def check_no_model_state_in_aux(aux: Any) -> None:
+    """Raises when a per-replica ``aux`` carries BatchNorm statistics (they would drift apart)."""
+    if isinstance(aux, Mapping) and "batch_stats" in aux:
+        raise ValueError(
+            "loss_fn returned 'batch_stats' in its aux: under pmap aux is per replica and never reduced, so each "
+            "replica's BatchNorm statistics would drift apart. Build the step with model_state=True and return "
+            "(loss, new_model_state): the statistics are then averaged over the replicas (bitwise equal on every "
+            "one) and kept unchanged on skipped steps."
+        )
+
+
+def check_differentiable_params(params: Any) -> None:
+    """A TypeError naming the first params leaf the step cannot differentiate (integer, bool, key).
+
+    Checked at trace time; without it ``jax.grad`` fails with a message that names no leaf.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"params leaf at {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}: the step differentiates "
+                "every params leaf, so each must be floating. Keep integer arrays (indices, counters, masks) out of "
+                "the params: close over them in loss_fn, pass them in the batch, or carry them as model state "
+                "(model_state=True)")
+
+
+def make_generic_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
+                      with_rng: bool, rng_transform: Callable | None = None, with_model_state: bool = False,
+                      reduce_model_state: Callable | None = None, per_replica_aux: bool = False,
+                      wrap_loss: Callable | None = None) -> Callable:
+    """`make_step` for a user's ``loss_fn(params[, model_state], batch[, rng])``: the pmap and sharded-jit steps.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch)``, with ``model_state`` after the params and ``rng``
+        last when asked; returns the loss, ``(loss, aux)`` with ``has_aux``, ``(loss,
+        new_model_state)`` with ``with_model_state``, or ``(loss, (new_model_state, aux))`` with both.
+      tx: the optax transformation holding a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state.
+      has_aux: whether ``loss_fn`` returns ``aux`` (reported as ``metrics["aux"]``).
+      reduce_grads: the gradient all-reduce (pmean under pmap; a sharding constraint under
+        sharded jit, where the global-view mean already is the all-reduce). It runs before
+        ``tx.update``, so a NaN on one replica is seen by every replica's finite check.
+      reduce_loss: the loss's reduction over the replicas.
+      with_rng: whether the step takes an rng (passed to ``loss_fn`` last).
+      rng_transform: maps the step's rng to this replica's (e.g. folds in the axis index).
+      with_model_state: the step's first argument is ``(params, model_state)``.
+      reduce_model_state: averages the new model state over the replicas before it is kept.
+      per_replica_aux: refuse an ``aux`` dict holding ``batch_stats`` (pmap: it would drift).
+      wrap_loss: maps the canonical loss ``(params, model_state, batch, rng) -> (loss,
+        (model_state, aux))`` to another of the same signature (the sharded-jit layouts).
+
+    Returns:
+      ``body(state, opt_state, batch, rng=None) -> (state, opt_state, metrics)`` (not
+      jitted), ``metrics`` from `step_metrics` (``scale="next"``).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> from jaxmp.step import make_generic_step
+      >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
+      >>> body = make_generic_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), tx, has_aux=False,
+      ...                          reduce_grads=lambda g: g, reduce_loss=lambda x: x, with_rng=False)
+      >>> params = {"w": jnp.ones(3)}
+      >>> float(body(params, tx.init(params), jnp.ones((4, 3)))[2]["loss"])
+      9.0
+    """
+    # optax's name for the loss; the loss-scaling state then tells a NaN loss from NaN gradients.
+    pass_value = isinstance(tx, optax.GradientTransformationExtraArgs)
+
+    def canonical(params, model_state, batch, key):
+        # The builder's loss signature, (params, model_state, batch, rng) -> (loss, (state, aux)).
+        args = ((model_state,) if with_model_state else ()) + (batch,) + ((key,) if with_rng else ())
+        out = loss_fn(params, *args)
+        if not (has_aux or with_model_state):
+            return out, (model_state, None)
+        loss, aux = out
+        if per_replica_aux and has_aux and not with_model_state:
+            check_no_model_state_in_aux(aux)
+        if with_model_state:
+            new_model_state, aux = aux if has_aux else (aux, None)
+            return loss, (new_model_state, aux)
+        return loss, (model_state, aux)
+
+    step = make_step(canonical if wrap_loss is None else wrap_loss(canonical), tx,
+                     reduce_grads=reduce_grads, reduce_loss=reduce_loss,
+                     reduce_model_state=reduce_model_state if with_model_state else None, pass_value=pass_value)
+
+    def body(state, opt_state, batch, rng=None):
+        params, model_state = state if with_model_state else (state, None)
+        check_differentiable_params(params)
+        if isinstance(model_state, Mapping) and FP8_COLLECTION in model_state:
+            # Its update comes from the amaxes the step observes, which this generic step
+            # cannot see: the scales would stay at their initial value without a word.
+            raise ValueError(f"the model state holds delayed fp8 scaling state ({FP8_COLLECTION!r}), which this "
+                             "generic step would never update: use jaxmp.flax.make_train_step(axis_name=...) "
+                             "under pmap, or the 'O2-fp8-current' preset (no state)")
+        key = (rng_transform(rng) if rng_transform is not None else rng) if with_rng else None
+        out = step(params, model_state, opt_state, batch, key)
+        metrics = step_metrics(out, **({"aux": out.aux} if has_aux else {}))
+        if with_model_state:
+            return (out.params, out.model_state), out.opt_state, metrics
+        return out.params, out.opt_state, metrics
+
+    return body

@@ -267,7 +267,7 @@ def test_the_skip_decision_has_one_owner():
     import pathlib
 
     root = pathlib.Path(jaxmp.__file__).parent
-    users = ["transform.py", "flax/train_state.py", "flax/nnx.py"]
+    users = ["transform.py", "flax/train_state.py", "flax/steps.py"]
     for rel in users:
         text = (root / rel).read_text()
         assert "keep_if_finite" in text, rel

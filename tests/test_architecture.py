@@ -162,3 +162,38 @@ def test_the_module_state_scan_finds_counters_and_containers(tmp_path, source, n
     path = tmp_path / "m.py"
     path.write_text(source)
     assert _module_state(path) == names
+
+
+def _private_reaches(package: pathlib.Path) -> list[str]:
+    """``module: name`` for every ``_private`` name one module of ``package`` imports from, or reads
+    off, a sibling module (``from pkg.sib import _x``, ``sib._x``); private *modules* whose public
+    names are imported (``_common.log_once``) are fine: the name is the contract."""
+    siblings = {p.stem for p in package.glob("*.py")}
+    dotted = "jaxmp." + package.name
+    found = []
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mod = node.module.rsplit(".", 1)
+                if node.module.startswith(dotted + ".") and mod[-1] in siblings and mod[-1] != path.stem:
+                    found += [f"{path.stem}: {mod[-1]}.{a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+                if node.module == dotted:
+                    aliases.update({a.asname or a.name: a.name for a in node.names if a.name in siblings})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and aliases[node.value.id] != path.stem and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                found.append(f"{path.stem}: {aliases[node.value.id]}.{node.attr}")
+    return sorted(set(found))
+
+
+def test_no_module_of_jaxmp_parallel_reaches_into_a_siblings_private_names(tmp_path):
+    assert _private_reaches(graph_lib.ROOT / "jaxmp" / "parallel") == []
+    _write(tmp_path, {"parallel/a.py": "_x = 1\nHELPER = 2\n",
+                      "parallel/b.py": "from jaxmp.parallel.a import _x, HELPER\nfrom jaxmp.parallel import a\na._x\n",
+                      "parallel/_c.py": "def ok(): pass\n",
+                      "parallel/d.py": "from jaxmp.parallel._c import ok\n"})
+    assert _private_reaches(tmp_path / "parallel") == ["b: a._x"]

@@ -170,7 +170,7 @@ def test_training_with_nnx_optimizer(kind, level):
     losses = []
     for _ in range(5):
         metrics = step(model, optimizer, (x, y))
-        assert bool(metrics["finite"])
+        assert bool(metrics["last_step_finite"])
         losses.append(float(metrics["loss"]))
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
     assert all(p.dtype == F32 for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -180,7 +180,7 @@ def test_training_with_nnx_optimizer(kind, level):
     x = x.copy()
     x[0] = np.inf
     metrics = step(model, optimizer, (x, y))
-    assert not bool(metrics["finite"])
+    assert not bool(metrics["last_step_finite"])
     after = (nnx.state(model, nnx.Param), nnx.state(model, nnx.BatchStat),
              jaxmp.flax.nnx.optimizer_state(optimizer).inner_state)
     assert same_bits(after, before)

@@ -97,7 +97,7 @@ def test_training_and_forced_overflow(kind, level):
     losses = []
     for _ in range(5):
         state, metrics = step(state, batch)
-        assert bool(metrics["finite"]) and metrics["loss"].dtype == F32
+        assert bool(metrics["last_step_finite"]) and metrics["loss"].dtype == F32
         losses.append(float(metrics["loss"]))
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
     assert int(state.step) == 5
@@ -109,7 +109,7 @@ def test_training_and_forced_overflow(kind, level):
     x = x.copy()
     x[0] = np.inf
     new, metrics = step(state, (x, y))
-    assert not bool(metrics["finite"])
+    assert not bool(metrics["last_step_finite"])
     assert same_bits(new.params, state.params)
     assert same_bits(new.model_state, state.model_state)  # batch_stats: the ImageNet example's miss
     assert same_bits(new.opt_state.inner_state, state.opt_state.inner_state)
@@ -146,7 +146,7 @@ def test_pmap_replicas_agree_on_skipping():
     shard = lambda a: a.reshape((2, -1) + a.shape[1:])
     p_step = jax.pmap(jaxmp.flax.make_train_step(axis_name="batch"), axis_name="batch", devices=devices)
     state, metrics = p_step(state, (shard(x), shard(y)))
-    assert np.asarray(metrics["finite"]).all()
+    assert np.asarray(metrics["last_step_finite"]).all()
     kernels = np.asarray(state.params["Dense_1"]["kernel"])
     np.testing.assert_array_equal(kernels[0], kernels[1])
     # Each replica's BatchNorm saw its own shard; the running statistics are averaged, not left
@@ -158,7 +158,7 @@ def test_pmap_replicas_agree_on_skipping():
     x = x.copy()
     x[0] = np.inf
     new, metrics = p_step(state, (shard(x), shard(y)))
-    assert not np.asarray(metrics["finite"]).any()
+    assert not np.asarray(metrics["last_step_finite"]).any()
     assert same_bits(new.params, state.params) and same_bits(new.model_state, state.model_state)
     assert np.asarray(new.step).tolist() == [1, 1]
 
@@ -213,7 +213,7 @@ def test_the_step_after_a_skipped_step_draws_a_fresh_dropout_mask():
         if t == 1:
             xx[0] = np.inf    # overflows: skipped, state.step stays at 1
         state, metrics = step(state, (xx, y), rng)
-        finite.append(bool(metrics["finite"]))
+        finite.append(bool(metrics["last_step_finite"]))
     jax.effects_barrier()
     assert finite == [True, False, True] and int(state.step) == 2 and len(seen) == 3
     assert not np.array_equal(seen[2], seen[1]) and not np.array_equal(seen[2], seen[0])
@@ -260,7 +260,7 @@ def test_labels_outside_the_classes_give_the_documented_nan_and_the_documented_c
     state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
                                          jaxmp.loss_scaling(optax.sgd(0.1), "none"))
     _, metrics = jax.jit(jaxmp.flax.make_train_step())(state, (x, y))
-    assert np.isnan(float(metrics["loss"])) and bool(metrics["finite"])
+    assert np.isnan(float(metrics["loss"])) and bool(metrics["last_step_finite"])
     check = "assert 0 <= labels.min() and labels.max() < num_classes"
     doc = jaxmp.flax.make_train_step.__doc__
     assert "Labels outside the model's classes" in doc and check in doc

@@ -138,7 +138,7 @@ def test_linen_step_records_the_observed_amaxes_and_the_optimizer_never_touches_
     state = _linen_state()
     x, y = _data()
     new, metrics = jax.jit(jaxmp.flax.make_train_step())(state, (x, y))
-    assert bool(metrics["finite"])
+    assert bool(metrics["last_step_finite"])
     hidden = new.model_state[FP8_COLLECTION]["hidden"]["Fp8DotGeneral_0"]
     out = new.model_state[FP8_COLLECTION]["out"]["Fp8DotGeneral_0"]
     # Hand computation: the kernel's amax is that of the stored (bf16) kernel before the step;
@@ -163,7 +163,7 @@ def test_gradient_history_is_in_unscaled_units_so_a_loss_scale_changes_nothing()
         step = jax.jit(jaxmp.flax.make_train_step())
         for _ in range(3):
             state, metrics = step(state, (x, y))
-        assert bool(metrics["finite"])
+        assert bool(metrics["last_step_finite"])
         runs[scale] = state
     a, b = (runs[s].model_state[FP8_COLLECTION] for s in (1.0, 2.0**12))
     grad_a = [v for p, v in jax.tree_util.tree_leaves_with_path(a) if "output_grad" in jax.tree_util.keystr(p)]
@@ -183,7 +183,7 @@ def test_a_skipped_step_leaves_the_fp8_state_bitwise_unchanged():
     bad = x.copy()
     bad[3, 2, 1] = np.nan
     new, metrics = step(state, (bad, y))
-    assert not bool(metrics["finite"])
+    assert not bool(metrics["last_step_finite"])
     assert same_bits(new.model_state, state.model_state) and same_bits(new.params, state.params)
 
 
@@ -227,7 +227,7 @@ def test_pmap_over_four_devices_keeps_scales_equal_and_equal_to_the_global_amax(
     p_step = jax.pmap(jaxmp.flax.make_train_step(axis_name="batch"), axis_name="batch", devices=devices)
     for _ in range(2):
         replicated, metrics = p_step(replicated, (shard(x), shard(y)))
-    assert np.asarray(metrics["finite"]).all()
+    assert np.asarray(metrics["last_step_finite"]).all()
     meta = replicated.model_state[FP8_COLLECTION]
     for leaf in jax.tree.leaves(meta):
         leaf = np.asarray(leaf)
@@ -273,7 +273,7 @@ def test_nnx_fp8_state_is_updated_by_the_step_not_the_optimizer_and_survives_a_s
     k_amax = float(jnp.max(jnp.abs(layer0.kernel[...].astype(jnp.float32))))
     step = nnx.jit(jaxmp.flax.nnx.train_step)
     metrics = step(model, opt, (x, y))
-    assert bool(metrics["finite"])
+    assert bool(metrics["last_step_finite"])
     assert float(layer0.dot_general.kernel_amax_history[...][0]) == k_amax
     assert float(layer0.dot_general.input_amax_history[...][0]) == float(
         jnp.max(jnp.abs(jnp.asarray(x, jnp.bfloat16))).astype(jnp.float32))
@@ -283,7 +283,7 @@ def test_nnx_fp8_state_is_updated_by_the_step_not_the_optimizer_and_survives_a_s
     bad = x.copy()
     bad[0, 0] = np.inf
     metrics = step(model, opt, (bad, y))
-    assert not bool(metrics["finite"])
+    assert not bool(metrics["last_step_finite"])
     assert same_bits(nnx.to_pure_dict(nnx.state(model, Fp8State)), before)
 
 

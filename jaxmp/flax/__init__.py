@@ -23,7 +23,8 @@ from jaxmp.flax.losses import accuracy, softmax_cross_entropy
 from jaxmp import _deprecations
 from jaxmp._typing import PolicyLike
 from jaxmp.flax.overrides import PrecisionOverrides
-from jaxmp.flax.train_state import TrainState, make_eval_step, make_train_step
+from jaxmp.flax.steps import make_eval_step, make_train_step
+from jaxmp.flax.train_state import TrainState
 from jaxmp.loss_scale import register_flax_serialization as _register_flax_serialization
 
 _register_flax_serialization(force=True)

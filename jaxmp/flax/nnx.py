@@ -36,7 +36,6 @@ import weakref
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -47,16 +46,13 @@ from jaxmp.engine.modules import install_call_hooks, instance_rules
 from jaxmp.flax.attention import fused_attention
 from jaxmp import _tree, fp8
 from jaxmp._typing import AxisName, PolicyLike, PyTree
-from jaxmp.collectives import mean_model_state, optional_axis_name
-from jaxmp.flax.fp8 import Fp8State, install_nnx_fp8
+from jaxmp.flax import steps
+from jaxmp.flax.fp8 import install_nnx_fp8
 from jaxmp.flax.casting import Path, cast_by_path, enclosing_float32, is_float32_rule
-from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
 from jaxmp.flax.overrides import (ModuleRule, PrecisionOverrides, explicit_float32, join_path,
                                   overridden_float32_message, resolve_overrides)
 from jaxmp.traps import MixedPrecisionWarning
 from jaxmp.policy import Policy
-from jaxmp.skip import keep_if_finite
-from jaxmp.step import Fp8Hooks, make_step
 from jaxmp.transform import LossScalingState
 
 def _str_path(path: tuple) -> Path:
@@ -318,7 +314,7 @@ class MixedPrecision(nnx.Module):
       >>> model = jaxmp.flax.mixed_precision(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O1-bf16")
       >>> optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.adam(1e-3), "none"), wrt=nnx.Param)
       >>> metrics = jaxmp.flax.nnx.train_step(model, optimizer, (jnp.ones((2, 4)), jnp.array([0, 2])))
-      >>> metrics["finite"]
+      >>> metrics["last_step_finite"]
       Array(True, dtype=bool)
 
     Under an ``O2-fp8`` policy (delayed scaling) the layers' matmuls get [`jaxmp.flax.fp8.NnxFp8Op`][jaxmp.flax.fp8.NnxFp8Op]
@@ -368,41 +364,13 @@ def optimizer_state(optimizer: nnx.Optimizer) -> Any:
     return pure
 
 
-def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _per_replica_keys(rest: Any, axis_name: Any) -> Any:
-    """The model's RNG keys with the replica's index folded in: a different dropout mask per replica."""
-    index = jax.lax.axis_index(axis_name)
-    fold = jnp.vectorize(lambda k: jax.random.fold_in(k, index))  # split streams hold key arrays
-    return jax.tree_util.tree_map(lambda x: fold(x) if _is_key(x) else x, rest)
-
-
-def _restore_keys(new: Any, folded: Any, original: Any) -> Any:
-    """The stored keys back as they were, so replicas stay identical; only the counters move.
-
-    A key the forward pass replaced itself (a reseed) is kept as the forward left it.
-    """
-    if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(original):
-        return new
-
-    def restore(n, f, o):
-        if not _is_key(n):
-            return n
-        untouched = jnp.all(jax.random.key_data(n) == jax.random.key_data(f))
-        return jnp.where(untouched, o, n)
-
-    return jax.tree_util.tree_map(restore, new, folded, original)
-
-
-def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
+def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
                loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
                axis_name: AxisName | None = None, **model_kwargs) -> dict[str, jax.Array]:
     """One supervised step for an NNX model with an ``nnx.Optimizer`` around ``jaxmp.loss_scaling``.
 
     The model is split into pure state and run through the shared step builder
-    (`jaxmp.step.make_step`): the loss is scaled by the optimizer's current loss scale
+    (`jaxmp.step.make_step`, beside the Linen step in `jaxmp.flax.steps`): the loss is scaled by the optimizer's current loss scale
     and differentiated, the optimizer's transform unscales / checks / skips / adjusts and steps
     the params in one fused update, and a skipped step is exact: params, ``BatchStat`` running
     statistics, fp8 scaling state and ``optimizer.step`` stay bitwise unchanged
@@ -424,8 +392,10 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
       **model_kwargs: forwarded to ``model(inputs, ...)``.
 
     Returns:
-      ``{"loss", "accuracy", "loss_scale", "finite"}``; ``loss_scale`` is the scale this
-      step's loss was multiplied by.
+      A `jaxmp.step.StepMetrics` (the keys of every jaxmp step, plus ``accuracy``): ``loss``,
+      ``accuracy``, ``loss_scale`` (the scale this step's loss was multiplied by),
+      ``last_step_finite`` (whether the step was applied; ``"finite"``, its old name, still
+      reads with a DeprecationWarning), ``consecutive_skips``, ``total_skips``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -434,59 +404,10 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
       >>> optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"), wrt=nnx.Param)
       >>> step = nnx.jit(jaxmp.flax.nnx.train_step)
       >>> metrics = step(model, optimizer, (jnp.ones((2, 4)), jnp.array([0, 2])))
-      >>> metrics["loss_scale"], metrics["finite"]
+      >>> metrics["loss_scale"], metrics["last_step_finite"]
       (Array(32768., dtype=float32), Array(True, dtype=bool))
     """
-    inputs, labels = split_batch(batch)
-    loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
-    axis_name = optional_axis_name(axis_name)
-    fp32_loss = model.overrides.fp32_loss if isinstance(model, MixedPrecision) else True
-    recipe = model.overrides.fp8 if isinstance(model, MixedPrecision) else None
-    delayed = isinstance(recipe, fp8.DelayedScaling)
-    # The model as pure state: the params the optimizer steps, then the model state in three
-    # groups: fp8 scaling state and running statistics (restored on a skipped step), and the
-    # rest (RNG counters, which keep moving: a skipped step must not replay a dropout mask).
-    graphdef, params, fp8_state, stats, rest = nnx.split(model, optimizer.wrt, Fp8State, nnx.BatchStat, ...)
-    params, model_state = nnx.as_pure(params), nnx.as_pure((fp8_state, stats, rest))
-
-    def loss_and_accuracy(params, model_state, batch, rng):
-        fp8_in, stats_in, rest_in = model_state
-        rest_run = rest_in if axis_name is None else _per_replica_keys(rest_in, axis_name)
-        copy = nnx.merge(graphdef, params, fp8_in, stats_in, rest_run)
-        logits = copy(inputs, **model_kwargs)
-        if fp32_loss:
-            logits = logits.astype(jnp.float32)
-        _, _, *new_model_state = nnx.split(copy, optimizer.wrt, Fp8State, nnx.BatchStat, ...)
-        new_model_state = list(nnx.as_pure(new_model_state))
-        if axis_name is not None:
-            new_model_state[2] = _restore_keys(new_model_state[2], rest_run, rest_in)
-        return loss_fn(logits, labels), (tuple(new_model_state), accuracy(logits, labels))
-
-    def reduce_model_state(model_state):
-        # Each replica's BatchNorm saw its own shard: averaged, the statistics stay replicated.
-        # The fp8 state is left out: the hooks replace it by one reduced over the axis already.
-        # So is the rest (frozen params outside the optimizer's wrt, caches): averaging it would
-        # all-reduce a frozen base model every step.
-        fp8_state, stats, rest = model_state
-        return fp8_state, mean_model_state(stats, axis_name), rest
-
-    def update_fp8(state, observed):
-        new = fp8.update_state(nnx.to_pure_dict(state), nnx.to_pure_dict(observed), recipe, axis_name)
-        state = jax.tree_util.tree_map(lambda x: x, state)  # a new container: the old one is kept on a skip
-        nnx.replace_by_pure_dict(state, new)
-        return state
-
-    hooks = Fp8Hooks(split=lambda ms: (ms[0], ms[1:]), merge=lambda others, f: (f, *others),
-                     update=update_fp8) if delayed else None
-
-    def keep(finite, new, old):
-        return (*keep_if_finite(finite, new[:2], old[:2]), new[2])
-
-    step = make_step(loss_and_accuracy, optimizer.tx, axis_name=axis_name, fp8_hooks=hooks, keep_model_state=keep,
-                     reduce_model_state=None if axis_name is None else reduce_model_state, pass_value=False)
-    out = step(params, model_state, optimizer_state(optimizer), None)
-    nnx.update(model, out.params, *out.model_state)
-    nnx.update(optimizer.opt_state, nnx.state(out.opt_state))
-    optimizer.step[...] = jnp.where(out.finite, optimizer.step[...] + 1, optimizer.step[...])
-    acc = out.aux if axis_name is None else jax.lax.pmean(out.aux, axis_name)
-    return {"loss": out.loss, "accuracy": acc, "loss_scale": out.loss_scale, "finite": out.finite}
+    mixed = isinstance(model, MixedPrecision)
+    return steps.nnx_train_step(model, optimizer, optimizer_state(optimizer), batch, loss_fn=loss_fn,
+                                axis_name=axis_name, fp32_loss=model.overrides.fp32_loss if mixed else True,
+                                recipe=model.overrides.fp8 if mixed else None, model_kwargs=model_kwargs)

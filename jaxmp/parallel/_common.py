@@ -1,19 +1,15 @@
-"""Helpers shared by the pmap and sharded-jit paths: logging, validation, the step body."""
+"""Helpers shared by the pmap and sharded-jit paths: logging and input validation.
+
+The step body both paths run is `jaxmp.step.make_generic_step`."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-
-from jaxmp.fp8.state import FP8_COLLECTION
-from jaxmp.opt_state import scaling_stats
-from jaxmp.step import make_step
 
 logger = logging.getLogger("jaxmp.parallel")
 
@@ -76,96 +72,6 @@ def check_divisible(global_batch: int, num_devices: int, what: str = "global bat
             f"only then); use {options} instead"
         )
     return global_batch // num_devices
-
-
-def check_no_model_state_in_aux(aux: Any) -> None:
-    """Raises when a per-replica ``aux`` carries BatchNorm statistics (they would drift apart)."""
-    if isinstance(aux, Mapping) and "batch_stats" in aux:
-        raise ValueError(
-            "loss_fn returned 'batch_stats' in its aux: under pmap aux is per replica and never reduced, so each "
-            "replica's BatchNorm statistics would drift apart. Build the step with model_state=True and return "
-            "(loss, new_model_state): the statistics are then averaged over the replicas (bitwise equal on every "
-            "one) and kept unchanged on skipped steps."
-        )
-
-
-def check_differentiable_params(params: Any) -> None:
-    """A TypeError naming the first params leaf the step cannot differentiate (integer, bool, key).
-
-    Checked at trace time; without it ``jax.grad`` fails with a message that names no leaf.
-    """
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        dtype = getattr(leaf, "dtype", None)
-        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
-            raise TypeError(
-                f"params leaf at {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}: the step differentiates "
-                "every params leaf, so each must be floating. Keep integer arrays (indices, counters, masks) out of "
-                "the params: close over them in loss_fn, pass them in the batch, or carry them as model state "
-                "(model_state=True)")
-
-
-def make_step_body(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
-                   with_rng: bool, rng_transform: Callable | None = None, with_model_state: bool = False,
-                   reduce_model_state: Callable | None = None, per_replica_aux: bool = False,
-                   wrap_loss: Callable | None = None) -> Callable:
-    """The per-step computation shared by the pmap and sharded-jit paths.
-
-    ``reduce_grads`` is the gradient all-reduce (pmean under pmap, identity under sharded jit,
-    where the global-view mean already is the all-reduce). It runs *before* ``tx.update``, so the
-    finite check inside ``jaxmp.loss_scaling`` sees the reduced gradient: a NaN on one replica,
-    or an overflow of a half-precision sum, is seen by every replica.
-
-    With ``with_model_state`` the first argument is ``(params, model_state)``; ``loss_fn`` gets the
-    model state after the params and returns ``(loss, new_model_state)`` (or ``(loss,
-    (new_model_state, aux))``). The new model state (BatchNorm statistics) is averaged over the
-    replicas by ``reduce_model_state``, so every replica keeps the same statistics, and kept only
-    if the step was applied. With ``per_replica_aux`` (pmap), an ``aux`` dict holding
-    ``batch_stats`` is refused: it would be kept per replica and drift apart.
-
-    ``wrap_loss`` (the sharded-jit layouts, `jaxmp.parallel.layouts`) maps the canonical loss
-    ``(params, model_state, batch, rng) -> (loss, (model_state, aux))`` to another of the same
-    signature before the step builder differentiates it.
-    """
-    # optax's name for the loss; the loss-scaling state then tells a NaN loss from NaN gradients.
-    pass_value = isinstance(tx, optax.GradientTransformationExtraArgs)
-
-    def canonical(params, model_state, batch, key):
-        # The builder's loss signature, (params, model_state, batch, rng) -> (loss, (state, aux)).
-        args = ((model_state,) if with_model_state else ()) + (batch,) + ((key,) if with_rng else ())
-        out = loss_fn(params, *args)
-        if not (has_aux or with_model_state):
-            return out, (model_state, None)
-        loss, aux = out
-        if per_replica_aux and has_aux and not with_model_state:
-            check_no_model_state_in_aux(aux)
-        if with_model_state:
-            new_model_state, aux = aux if has_aux else (aux, None)
-            return loss, (new_model_state, aux)
-        return loss, (model_state, aux)
-
-    step = make_step(canonical if wrap_loss is None else wrap_loss(canonical), tx,
-                     reduce_grads=reduce_grads, reduce_loss=reduce_loss,
-                     reduce_model_state=reduce_model_state if with_model_state else None, pass_value=pass_value)
-
-    def body(state, opt_state, batch, rng=None):
-        params, model_state = state if with_model_state else (state, None)
-        check_differentiable_params(params)
-        if isinstance(model_state, Mapping) and FP8_COLLECTION in model_state:
-            # Its update comes from the amaxes the step observes, which this generic step
-            # cannot see: the scales would stay at their initial value without a word.
-            raise ValueError(f"the model state holds delayed fp8 scaling state ({FP8_COLLECTION!r}), which this "
-                             "generic step would never update: use jaxmp.flax.make_train_step(axis_name=...) "
-                             "under pmap, or the 'O2-fp8-current' preset (no state)")
-        key = (rng_transform(rng) if rng_transform is not None else rng) if with_rng else None
-        out = step(params, model_state, opt_state, batch, key)
-        metrics = {"loss": out.loss, **scaling_stats(out.opt_state)}
-        if has_aux:
-            metrics["aux"] = out.aux
-        if with_model_state:
-            return (out.params, out.model_state), out.opt_state, metrics
-        return out.params, out.opt_state, metrics
-
-    return body
 
 
 def check_not_donated(params: Any, opt_state: Any) -> None:

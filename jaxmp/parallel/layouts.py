@@ -31,6 +31,7 @@ leaf that belongs to a param, and the data axis is added on top by the rule abov
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -73,10 +74,95 @@ def check_data_axis(mesh: Any, data_axis: str | None) -> str:
     return data_axis
 
 
-def _check_min_size(min_shard_size: Any) -> int:
+def check_min_size(min_shard_size: Any) -> int:
+    """``min_shard_size`` as an int, or a ValueError for anything but an int >= 0."""
     if isinstance(min_shard_size, bool) or not isinstance(min_shard_size, (int, np.integer)) or min_shard_size < 0:
         raise ValueError(f"min_shard_size must be an int >= 0, got {min_shard_size!r}")
     return int(min_shard_size)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """Where a training state lives: the mesh, the layout and its options, given once.
+
+    A sharded train step carries its own as ``step.layout``; pass that to
+    [`shard_state`][jaxmp.parallel.shard_state] (or `state_shardings`, `abstract_state`) in
+    place of the mesh, and the state is laid out exactly as the step expects, with no second
+    spelling of the layout to keep in sync. Build one with `resolve_layout`.
+
+    Attributes:
+      mesh: the ``jax.sharding.Mesh``.
+      name: ``"replicated"``, ``"zero"`` or ``"fsdp"`` (`LAYOUTS`).
+      data_axis: the mesh axis the batch and a sharded state are split over.
+      param_specs: the params' ``PartitionSpec`` tree over the other (model) axes, or None.
+      min_shard_size: leaves with fewer elements stay replicated over the data axis.
+
+    Example:
+      >>> import jaxmp
+      >>> from jaxmp.parallel.layouts import resolve_layout
+      >>> layout = resolve_layout(jaxmp.parallel.make_data_mesh(), "zero")
+      >>> layout.name, layout.data_axis
+      ('zero', 'data')
+    """
+
+    mesh: Mesh
+    name: str
+    data_axis: str
+    param_specs: Any = None
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def resolve_layout(mesh: Any, layout: Any = None, *, data_axis: str | None = None, param_specs: Any = None,
+                   min_shard_size: Any = None) -> Layout:
+    """One `Layout` from either spelling: a mesh plus a layout name and options, or a `Layout`.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh``, or a `Layout` (e.g. a sharded step's ``step.layout``).
+      layout: ``"replicated"`` (None means it), ``"zero"``, ``"fsdp"``, or a `Layout` on ``mesh``.
+      data_axis: the mesh axis the state is split over; default the mesh's only axis.
+      param_specs: the params' ``PartitionSpec`` tree over the other mesh axes.
+      min_shard_size: leaves with fewer elements stay replicated over the data axis (None:
+        `DEFAULT_MIN_SHARD_SIZE`, 1024).
+
+    Returns:
+      The validated `Layout`.
+
+    Raises:
+      ValueError: a `Layout` given together with options that differ from its own (the
+        layout is given once), a `Layout` on another mesh, or any invalid option.
+
+    Example:
+      >>> import jaxmp
+      >>> from jaxmp.parallel.layouts import resolve_layout
+      >>> zero = resolve_layout(jaxmp.parallel.make_data_mesh(), "zero")
+      >>> resolve_layout(zero) is zero
+      True
+    """
+    given = mesh if isinstance(mesh, Layout) else layout if isinstance(layout, Layout) else None
+    if given is None:
+        return Layout(mesh=mesh, name=check_layout("replicated" if layout is None else layout),
+                      data_axis=check_data_axis(mesh, data_axis), param_specs=param_specs,
+                      min_shard_size=check_min_size(DEFAULT_MIN_SHARD_SIZE if min_shard_size is None
+                                                    else min_shard_size))
+    if isinstance(mesh, Layout) and layout is not None and layout is not mesh:
+        raise ValueError(f"the layout is given twice: a Layout ({mesh.name!r}) in place of the mesh and "
+                         f"layout={layout!r}; pass the Layout alone")
+    if not isinstance(mesh, Layout) and mesh is not given.mesh:
+        raise ValueError("layout is a Layout on another mesh than the mesh passed with it: pass the Layout in "
+                         "place of the mesh, alone")
+    conflicts = [name for name, value, own in (("data_axis", data_axis, given.data_axis),
+                                               ("param_specs", param_specs, given.param_specs))
+                 if value is not None and value is not own and value != own]
+    if min_shard_size is not None and min_shard_size != given.min_shard_size:
+        conflicts.append("min_shard_size")
+    if conflicts:
+        raise ValueError(f"{', '.join(conflicts)} given besides a Layout that sets them already: the Layout "
+                         "carries the whole layout, so pass it alone (or build the state's layout from the "
+                         "same options)")
+    return given
 
 
 def _spec_entries(spec: PartitionSpec, ndim: int) -> list:
@@ -143,7 +229,8 @@ def leaf_spec(shape: Sequence[int], mesh: Mesh, data_axis: str, base: PartitionS
     return _spec(entries)
 
 
-def _param_tree_specs(params: Any, param_specs: Any) -> Any:
+def param_tree_specs(params: Any, param_specs: Any) -> Any:
+    """The user's ``param_specs`` as a ``PartitionSpec`` per params leaf (``PartitionSpec()`` where none)."""
     treedef = jax.tree_util.tree_structure(params)
     if param_specs is None:
         return jax.tree_util.tree_unflatten(treedef, [PartitionSpec()] * treedef.num_leaves)
@@ -189,8 +276,8 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
     """
     layout = check_layout(layout)
     axis = check_data_axis(mesh, data_axis)
-    min_shard_size = _check_min_size(min_shard_size)
-    base = _param_tree_specs(params, param_specs)
+    min_shard_size = check_min_size(min_shard_size)
+    base = param_tree_specs(params, param_specs)
     p_leaves, p_treedef = jax.tree_util.tree_flatten(params)
     b_leaves = p_treedef.flatten_up_to(base)
     for b in b_leaves:
@@ -231,24 +318,25 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
     return p_specs, jax.tree_util.tree_unflatten(top_def, o_specs), g_specs
 
 
-def _named(mesh: Mesh, specs: Any) -> Any:
+def named_shardings(mesh: Mesh, specs: Any) -> Any:
+    """A tree of ``PartitionSpec`` as the ``NamedSharding`` tree on ``mesh``."""
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
                                   is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def state_shardings(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, layout: str = "replicated", *,
+def state_shardings(params: optax.Params, opt_state: optax.OptState, mesh: Mesh | Layout, layout: str | None = None, *,
                     data_axis: str | None = None, param_specs: PyTree | None = None,
-                    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[Any, Any]:
+                    min_shard_size: int | None = None) -> tuple[Any, Any]:
     """The ``NamedSharding`` trees ``(params, opt_state)`` of a layout.
 
     Args:
       params: the params (arrays or ``jax.ShapeDtypeStruct``; only shapes are read).
       opt_state: the optimizer state (``tx.init(params)``, or ``jax.eval_shape`` of it).
-      mesh: the mesh.
-      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"`` (`LAYOUTS`).
+      mesh: the mesh, or a `Layout` (a sharded step's ``step.layout``: then nothing else).
+      layout: ``"replicated"`` (default), ``"zero"`` or ``"fsdp"`` (`LAYOUTS`).
       data_axis: the mesh axis the state is split over; default the mesh's only axis.
       param_specs: the params' ``PartitionSpec`` over the other (model) mesh axes; default none.
-      min_shard_size: leaves with fewer elements stay replicated over the data axis.
+      min_shard_size: leaves with fewer elements stay replicated over the data axis (default 1024).
 
     Returns:
       ``(param_shardings, opt_state_shardings)``, trees of ``NamedSharding`` matching the inputs.
@@ -266,9 +354,10 @@ def state_shardings(params: optax.Params, opt_state: optax.OptState, mesh: Mesh,
       >>> ps["w"].spec, jaxmp.master_params(ss)["w"].spec
       (P(), P(None, 'data'))
     """
-    p, o, _ = state_specs(params, opt_state, mesh, layout, data_axis=data_axis, param_specs=param_specs,
-                          min_shard_size=min_shard_size)
-    return _named(mesh, p), _named(mesh, o)
+    lay = resolve_layout(mesh, layout, data_axis=data_axis, param_specs=param_specs, min_shard_size=min_shard_size)
+    p, o, _ = state_specs(params, opt_state, lay.mesh, lay.name, data_axis=lay.data_axis,
+                          param_specs=lay.param_specs, min_shard_size=lay.min_shard_size)
+    return named_shardings(lay.mesh, p), named_shardings(lay.mesh, o)
 
 
 def _place(x: Any, sharding: NamedSharding) -> jax.Array:
@@ -280,8 +369,8 @@ def _place(x: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def shard_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated", *, data_axis: str | None = None,
-                param_specs: PyTree | None = None, min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[Any, Any]:
+def shard_state(state: tuple[Any, Any], mesh: Mesh | Layout, layout: str | None = None, *, data_axis: str | None = None,
+                param_specs: PyTree | None = None, min_shard_size: int | None = None) -> tuple[Any, Any]:
     """Places (or re-lays out) ``(params, opt_state)`` on the mesh in a layout.
 
     Host arrays, single-device arrays and global arrays in any other layout are all accepted:
@@ -291,8 +380,9 @@ def shard_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated", 
 
     Args:
       state: ``(params, opt_state)``.
-      mesh: the mesh.
-      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"``.
+      mesh: the mesh, or a sharded step's ``step.layout`` (`Layout`: mesh, layout and options
+        at once, so the layout is spelled only where the step is built).
+      layout: ``"replicated"`` (default), ``"zero"`` or ``"fsdp"``.
       data_axis: as in [`state_shardings`][jaxmp.parallel.state_shardings].
       param_specs: as in [`state_shardings`][jaxmp.parallel.state_shardings].
       min_shard_size: as in [`state_shardings`][jaxmp.parallel.state_shardings].
@@ -308,6 +398,11 @@ def shard_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated", 
       >>> p, s = jaxmp.parallel.shard_state((params, tx.init(params)), mesh, "fsdp")
       >>> p["w"].addressable_shards[0].data.shape == (8, 1024 // mesh.size)
       True
+
+      The layout given once, where the step is built:
+
+      >>> step = jaxmp.parallel.make_sharded_train_step(lambda p, b: (b @ p["w"]).mean(), tx, mesh, layout="fsdp")
+      >>> p, s = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)
     """
     if not (isinstance(state, (tuple, list)) and len(state) == 2):
         raise TypeError(f"state must be a (params, opt_state) pair, got {type(state).__name__}")
@@ -317,7 +412,8 @@ def shard_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated", 
     return jax.tree_util.tree_map(_place, params, ps), jax.tree_util.tree_map(_place, opt_state, ss)
 
 
-def abstract_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated", **kwargs: Any) -> tuple[Any, Any]:
+def abstract_state(state: tuple[Any, Any], mesh: Mesh | Layout, layout: str | None = None,
+                   **kwargs: Any) -> tuple[Any, Any]:
     """``(params, opt_state)`` as ``jax.ShapeDtypeStruct`` leaves carrying the layout's shardings.
 
     What a checkpoint restore takes as its target (orbax reshards into it, so a state saved on
@@ -327,8 +423,8 @@ def abstract_state(state: tuple[Any, Any], mesh: Mesh, layout: str = "replicated
 
     Args:
       state: ``(params, opt_state)``, arrays or ``jax.ShapeDtypeStruct``.
-      mesh: the mesh.
-      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"``.
+      mesh: the mesh, or a sharded step's ``step.layout`` (`Layout`).
+      layout: ``"replicated"`` (default), ``"zero"`` or ``"fsdp"``.
       **kwargs: ``data_axis``, ``param_specs``, ``min_shard_size`` as in [`state_shardings`][jaxmp.parallel.state_shardings].
 
     Returns:
@@ -435,7 +531,7 @@ def recorded_leaves(canonical: Any, params: Any, model_state: Any, batch: Any, r
     abstract trace of the loss (shapes only, nothing computed)."""
     from jaxmp.parallel import per_layer
 
-    ctx = per_layer._Context("record")
+    ctx = per_layer.LayerContext("record")
     found: set = set()
 
     def trace(p):
@@ -462,7 +558,7 @@ def global_view_loss(mesh: Mesh, layout: str, base_specs: Any, remat: Any) -> An
             if layout == "fsdp":
                 p_leaves, treedef = jax.tree_util.tree_flatten(params)
                 leaves = {id(p): NamedSharding(mesh, b) for p, b in zip(p_leaves, treedef.flatten_up_to(base_specs))}
-            with per_layer.context(per_layer._Context("global", leaves=leaves, remat=remat, mesh=mesh)):
+            with per_layer.context(per_layer.LayerContext("global", leaves=leaves, remat=remat, mesh=mesh)):
                 return canonical(params, model_state, batch, rng)
 
         return loss
@@ -541,7 +637,7 @@ def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_s
                     else:
                         used.append(_reduce.gathered(next(it), axis, dim, reduce_dtype))
                 key = None if rng is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
-                ctx = per_layer._Context("manual", axis=axis, reduce_dtype=reduce_dtype, leaves=sliced, remat=remat)
+                ctx = per_layer.LayerContext("manual", axis=axis, reduce_dtype=reduce_dtype, leaves=sliced, remat=remat)
                 with per_layer.context(ctx):
                     value, (state, aux) = canonical(jax.tree_util.tree_unflatten(treedef, used), model_state, batch,
                                                     key)

@@ -58,7 +58,7 @@ def remat_policy(remat: str | Callable[..., bool] | None) -> Callable | None:
                      f"got {remat!r}")
 
 
-class _Context:
+class LayerContext:
     """What the helpers do inside one trace of a step's loss.
 
     ``mode``: ``"record"`` (the abstract trace: note which leaves are gathered), ``"manual"``
@@ -74,13 +74,13 @@ class _Context:
         self.recorded: set = set()
 
 
-def _current() -> _Context | None:
+def _current() -> LayerContext | None:
     stack = getattr(_LOCAL, "stack", None)
     return stack[-1] if stack else None
 
 
 @contextlib.contextmanager
-def context(ctx: _Context):
+def context(ctx: LayerContext):
     """Makes ``ctx`` the helpers' context for the trace inside (a stack: nested steps work)."""
     stack = getattr(_LOCAL, "stack", None)
     if stack is None:
@@ -96,7 +96,7 @@ def _cast(x: Any, dtype: Any) -> Any:
     return x.astype(dtype) if dtype is not None and _reduce.is_float(x) else x
 
 
-def _gather(ctx: _Context | None, x: Any, info: Any, dtype: Any) -> Any:
+def _gather(ctx: LayerContext | None, x: Any, info: Any, dtype: Any) -> Any:
     if ctx is None or info is None:
         return _cast(x, dtype)
     if ctx.mode == "manual":
@@ -135,7 +135,7 @@ def gather_params(tree: PyTree, dtype: jax.typing.DTypeLike | None = None) -> Py
     return jax.tree_util.tree_map(lambda x: _gather(ctx, x, lookup(x), dtype), tree)
 
 
-def _slice_info(ctx: _Context, info: Any, name: str) -> Any:
+def _slice_info(ctx: LayerContext, info: Any, name: str) -> Any:
     # The layer axis (0) is scanned over: the sharded dimension of one layer's slice is one lower.
     if info is None:
         return None

@@ -18,8 +18,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxmp.collectives import all_reduce_gradients, check_axis_name, check_reduce_dtype, mean_model_state
 
 from jaxmp._typing import AxisName
-from jaxmp.parallel._common import check_not_donated, log_once, make_step_body, with_model_state
+from jaxmp.parallel._common import check_not_donated, log_once, with_model_state
 from jaxmp.parallel.replication import check_replicated
+from jaxmp.step import make_generic_step
 
 _CHECK_MODES = ("first", "always", "never")
 
@@ -101,8 +102,9 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
       opt_state are replicated ([`jaxmp.parallel.replicate`][jaxmp.parallel.replicate]), batch is sharded
       ``[num_devices, per_device_batch, ...]`` ([`jaxmp.parallel.shard_batch`][jaxmp.parallel.shard_batch]), rng is one PRNG key
       (each device folds in its axis index, so dropout masks differ between devices), and
-      metrics holds, per replica, ``loss`` (the global mean loss), ``loss_scale``,
-      ``last_step_finite``, ``consecutive_skips`` and ``total_skips``. The pmapped function is
+      metrics (a `jaxmp.step.StepMetrics`, the keys of every jaxmp step) holds, per replica,
+      ``loss`` (the global mean loss), ``loss_scale``, ``last_step_finite``,
+      ``consecutive_skips`` and ``total_skips`` (and ``aux`` with ``has_aux``). The pmapped function is
       ``step.pmapped`` (and ``step.pmapped_with_rng``).
 
     Raises:
@@ -151,8 +153,8 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
 
     common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=reduce_loss,
                   with_model_state=model_state, reduce_model_state=reduce_model_state, per_replica_aux=True)
-    body = make_step_body(loss_fn, tx, with_rng=False, **common)
-    body_rng = make_step_body(loss_fn, tx, with_rng=True, rng_transform=per_device_key, **common)
+    body = make_generic_step(loss_fn, tx, with_rng=False, **common)
+    body_rng = make_generic_step(loss_fn, tx, with_rng=True, rng_transform=per_device_key, **common)
     pmapped = jax.pmap(body, axis_name=axis_name, devices=devices, donate_argnums=donate_argnums)
     pmapped_rng = jax.pmap(body_rng, axis_name=axis_name, in_axes=(0, 0, 0, None), devices=devices,
                            donate_argnums=donate_argnums)

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp._typing import PyTree
 
-_REPLICA_AXIS = "_jaxmp_replicas"
+REPLICA_AXIS = "_jaxmp_replicas"
 
 
 def _local_devices(devices: Sequence[Any] | None) -> list:
@@ -50,7 +50,7 @@ def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTr
       True
     """
     devices = _local_devices(devices)
-    sharding = NamedSharding(Mesh(np.asarray(devices), (_REPLICA_AXIS,)), PartitionSpec(_REPLICA_AXIS))
+    sharding = NamedSharding(Mesh(np.asarray(devices), (REPLICA_AXIS,)), PartitionSpec(REPLICA_AXIS))
 
     def rep(x):
         x = x if isinstance(x, jax.Array) else jnp.asarray(x)

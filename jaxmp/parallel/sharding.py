@@ -23,10 +23,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxmp.collectives import check_reduce_dtype
 from jaxmp._typing import PyTree
 from jaxmp.parallel import layouts, per_layer
-from jaxmp.parallel.replication import _REPLICA_AXIS
 from jaxmp.parallel._common import (
-    check_divisible, check_not_donated, check_positive_int, leading_size, log_once, make_step_body, with_model_state,
+    check_divisible, check_not_donated, check_positive_int, leading_size, log_once, with_model_state,
 )
+from jaxmp.parallel.replication import REPLICA_AXIS
+from jaxmp.step import make_generic_step
 
 
 def make_data_mesh(devices: Sequence[Any] | None = None, axis_name: str = "data") -> Mesh:
@@ -209,7 +210,7 @@ def enter_layout(tree: Any, shardings: Any, mesh: Mesh, layout: str, what: str) 
             return x
         name = jax.tree_util.keystr(path) or "<root>"
         if type(current).__name__ == "PmapSharding" or (  # flax.jax_utils.replicate (no public class in 0.10)
-                isinstance(current, NamedSharding) and current.mesh.axis_names == (_REPLICA_AXIS,)):
+                isinstance(current, NamedSharding) and current.mesh.axis_names == (REPLICA_AXIS,)):
             raise ValueError(
                 f"{what} leaf at {name} is pmap-replicated (shape {x.shape}: a leading axis of one copy per device, "
                 f"from jaxmp.parallel.replicate or flax.jax_utils.replicate), not a state for the sharded step's "
@@ -224,11 +225,11 @@ def enter_layout(tree: Any, shardings: Any, mesh: Mesh, layout: str, what: str) 
     return jax.tree_util.tree_map_with_path(enter, tree, shardings)
 
 
-def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, mesh: Mesh, *, data_axis: str | None = None,
-                            has_aux: bool = False, donate: bool = False,
-                            model_state: bool = False, layout: str = "replicated",
+def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, mesh: Mesh | layouts.Layout, *,
+                            data_axis: str | None = None, has_aux: bool = False, donate: bool = False,
+                            model_state: bool = False, layout: str | None = None,
                             reduce_dtype: jax.typing.DTypeLike | None = "float32", param_specs: PyTree | None = None,
-                            min_shard_size: int = layouts.DEFAULT_MIN_SHARD_SIZE,
+                            min_shard_size: int | None = None,
                             remat: str | Callable[..., bool] | None = None) -> Callable[..., Any]:
     """A ``jax.jit`` train step with the batch sharded over the mesh's data axis and the state laid out by ``layout``.
 
@@ -250,8 +251,9 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
     state), ``"zero"`` (float32 masters, moments and remainders sharded over the data axis, each
     device updates its slice, the half params replicated and gathered in their own dtype after the
     update) and ``"fsdp"`` (params sharded too, gathered inside the step in their stored dtype,
-    the compute dtype under O2). Place the state with `jaxmp.parallel.shard_state` in the
-    same layout. A state laid out for another layout or another mesh is resharded on the way in
+    the compute dtype under O2). Place the state with ``jaxmp.parallel.shard_state(state,
+    step.layout)``: ``step.layout`` carries the mesh, the layout and its options, so they are
+    spelled once (passing the mesh and the same layout name again still works). A state laid out for another layout or another mesh is resharded on the way in
     (``jax.device_put`` to the step's shardings, logged once on the ``jaxmp.parallel`` logger;
     it costs a transfer on every such call, so re-lay it out once with ``shard_state``); a
     pmap-replicated state (``jaxmp.parallel.replicate``: a leading device axis) is a ValueError
@@ -276,7 +278,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
       loss_fn: ``loss_fn(params, batch)`` or ``loss_fn(params, batch, rng)``, returning a scalar
         float32 loss (the mean over the batch it is given), or ``(loss, aux)`` with ``has_aux``.
       tx: an optax transformation holding a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state (``axis_name=None``).
-      mesh: the mesh ([`make_data_mesh`][jaxmp.parallel.make_data_mesh], or one with a model axis too).
+      mesh: the mesh ([`make_data_mesh`][jaxmp.parallel.make_data_mesh], or one with a model axis too), or
+        another step's ``step.layout`` (then no layout options besides it).
       data_axis: the mesh axis the batch (and a sharded state) is split over; default the mesh's only axis.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to ``metrics["aux"]``
         (how it is combined over the shards: above).
@@ -291,7 +294,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         ``None`` for XLA's choice (the loss is evaluated on the global batch).
       param_specs: the params' ``PartitionSpec`` tree over the other (model) mesh axes; kept by
         every layout. Default: none (params replicated over the other axes).
-      min_shard_size: leaves with fewer elements stay replicated (`jaxmp.parallel.layouts.leaf_spec`).
+      min_shard_size: leaves with fewer elements stay replicated (`jaxmp.parallel.layouts.leaf_spec`;
+        default 1024).
       remat: the rematerialisation policy of each layer of a loss that scans over layers with
         `jaxmp.parallel.scan_layers`: ``None`` (default: keep the activations),
         ``"nothing_saveable"`` (keep each layer's input only; under ``"fsdp"`` the layer's params
@@ -301,8 +305,9 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
       ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` with params and
       opt_state in the layout, metrics replicated and batch sharded over the data axis (pass the
       output of [`make_global_batch`][jaxmp.parallel.make_global_batch]; host arrays are sharded on the way in within one
-      process). ``metrics``: ``loss``, ``loss_scale``, ``last_step_finite``, ``consecutive_skips``,
-      ``total_skips``. ``step.lower(params, opt_state, batch[, rng])`` lowers the jitted step
+      process). ``metrics`` (a `jaxmp.step.StepMetrics`, the keys of every jaxmp step): ``loss``,
+      ``loss_scale``, ``last_step_finite``, ``consecutive_skips``, ``total_skips`` (``aux`` with
+      ``has_aux``). ``step.layout`` is the state's layout (pass it to ``shard_state``); ``step.lower(params, opt_state, batch[, rng])`` lowers the jitted step
       (arrays or ``jax.ShapeDtypeStruct``; compile-only memory estimates), ``step.shardings(params,
       opt_state)`` gives the layout's ``(param, opt_state)`` shardings.
 
@@ -318,7 +323,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
       >>> params = {"w": jnp.zeros((3, 1024), jnp.bfloat16)}
       >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"].astype(jnp.float32) - b["y"]) ** 2)
       >>> step = jaxmp.parallel.make_sharded_train_step(loss, tx, mesh, layout="zero")
-      >>> p, s = jaxmp.parallel.shard_state((params, tx.init(params)), mesh, "zero")
+      >>> p, s = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)
       >>> batch = jaxmp.parallel.make_global_batch({"x": np.ones((16, 3), np.float32), "y": np.ones((16, 1024), np.float32)}, mesh)
       >>> p, s, metrics = step(p, s, batch)
       >>> jaxmp.master_params(s)["w"].sharding.spec, p["w"].sharding.is_fully_replicated
@@ -328,10 +333,11 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
         raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
-    axis = layouts.check_data_axis(mesh, data_axis)
-    layout = layouts.check_layout(layout)
+    state_layout = layouts.resolve_layout(mesh, layout, data_axis=data_axis, param_specs=param_specs,
+                                          min_shard_size=min_shard_size)
+    mesh, layout, axis = state_layout.mesh, state_layout.name, state_layout.data_axis
+    param_specs, min_shard_size = state_layout.param_specs, state_layout.min_shard_size
     reduce_dtype = check_reduce_dtype(reduce_dtype, "reduce_dtype")
-    min_shard_size = layouts._check_min_size(min_shard_size)
     remat = per_layer.remat_policy(remat)
     rep = replicated_sharding(mesh)
     data = NamedSharding(mesh, PartitionSpec(axis))
@@ -344,10 +350,10 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         """The jitted steps for states of this structure and these shapes (shardings follow shapes)."""
         p_specs, o_specs, g_specs = layouts.state_specs(params, opt_state, mesh, layout, data_axis=axis,
                                                         param_specs=param_specs, min_shard_size=min_shard_size)
-        p_sh, o_sh = layouts._named(mesh, p_specs), layouts._named(mesh, o_specs)
-        g_sh = layouts._named(mesh, g_specs)
+        p_sh, o_sh = layouts.named_shardings(mesh, p_specs), layouts.named_shardings(mesh, o_specs)
+        g_sh = layouts.named_shardings(mesh, g_specs)
         if reduce_dtype is None:
-            wrap_loss = layouts.global_view_loss(mesh, layout, layouts._param_tree_specs(params, param_specs), remat)
+            wrap_loss = layouts.global_view_loss(mesh, layout, layouts.param_tree_specs(params, param_specs), remat)
         else:
             wrap_loss = layouts.per_shard_loss(mesh, axis, reduce_dtype, layout, g_specs, remat)
 
@@ -361,10 +367,10 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
                       with_model_state=model_state, reduce_model_state=identity,
                       wrap_loss=wrap_loss)
         first = (p_sh, rep) if model_state else p_sh
-        jitted = jax.jit(make_step_body(loss_fn, tx, with_rng=False, **common),
+        jitted = jax.jit(make_generic_step(loss_fn, tx, with_rng=False, **common),
                          in_shardings=(first, o_sh, data), out_shardings=(first, o_sh, rep),
                          donate_argnums=donate_argnums)
-        jitted_rng = jax.jit(make_step_body(loss_fn, tx, with_rng=True, **common),
+        jitted_rng = jax.jit(make_generic_step(loss_fn, tx, with_rng=True, **common),
                              in_shardings=(first, o_sh, data, rep), out_shardings=(first, o_sh, rep),
                              donate_argnums=donate_argnums)
         return jitted, jitted_rng, (p_sh, o_sh)
@@ -408,6 +414,6 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         step.lower = lower
     step.shardings = lambda params, opt_state: get(params, opt_state)[2]
     step.mesh = mesh
-    step.layout = layout
+    step.layout = state_layout
     step.reduce_dtype = reduce_dtype
     return step
