@@ -13,14 +13,10 @@ Elsewhere the signatures use JAX's ``jax.typing.DTypeLike`` (a dtype or its name
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and the API reference (griffe reads it)
-    import jmp
-
-    from jaxmp.loss_scale import LossScale
-    from jaxmp.policy import Policy
-    from jaxmp.presets import Recipe
+# The forward references name their modules in full: importing them here, even for type
+# checkers only, would make this bottom-layer module import the layers that use it.
 
 PyTree = Any
 """A JAX pytree: arrays (or scalars) nested in lists, tuples, dicts, dataclasses or any registered node.
@@ -28,12 +24,12 @@ PyTree = Any
 A pytree has no checkable type, so this alias is ``Any`` to a type checker; it is named here so a
 signature says "a pytree" rather than "anything"."""
 
-PolicyLike = Union["Policy", "Recipe", "jmp.Policy", str]
+PolicyLike = Union["jaxmp.policy.Policy", "jaxmp.presets.Recipe", "jmp.Policy", str]
 """A precision policy: a [`Policy`][jaxmp.Policy], a [`Recipe`][jaxmp.Recipe], a ``jmp.Policy``, or a
 string (a preset such as ``"O1"`` or ``"O2-bf16"``, a dtype name, or jmp's ``"p=f32,c=bf16,o=f32"``
 grammar). [`jaxmp.as_policy`][jaxmp.as_policy] turns any of them into a `Policy`."""
 
-LossScaleLike = Union["LossScale", str, float, None]
+LossScaleLike = Union["jaxmp.loss_scale.LossScale", str, float, None]
 """A loss scale or its description: a loss-scale object (returned as is), ``"dynamic"``, ``"torch"``,
 ``"none"``/``None``, a positive number or ``"static:1024"``. See
 [`jaxmp.make_loss_scale`][jaxmp.make_loss_scale]."""

@@ -156,7 +156,7 @@ class NoOpLossScale:
         check_flag(grads_finite)
         return self
 
-    def fold_is_exact(self, built_with: Any = None) -> bool:
+    def fold_is_exact(self, built_with: "LossScale | None" = None) -> bool:
         """False: there is no scale to fold (see `jaxmp.fold`)."""
         return False
 
@@ -220,7 +220,7 @@ class StaticLossScale(_Scaling):
         check_flag(grads_finite)
         return dataclasses.replace(self, scaled_mark=traps.UNSCALED) if traps.was_scaled(self) else self
 
-    def fold_is_exact(self, built_with: Any = None) -> bool:
+    def fold_is_exact(self, built_with: "LossScale | None" = None) -> bool:
         """Whether the scale is >= 1, so that `jaxmp.fold` is exact (see `DynamicLossScale.fold_is_exact`).
 
         Args:
@@ -372,7 +372,7 @@ class DynamicLossScale(_Scaling):
         """Alias of ``factor`` (torch's name)."""
         return self.factor
 
-    def fold_is_exact(self, built_with: Any = None) -> bool:
+    def fold_is_exact(self, built_with: "LossScale | None" = None) -> bool:
         """Whether the scale is >= 1 on every step, known while tracing: then `jaxmp.fold` is exact.
 
         Below 1 the *scaled* squares of a global norm underflow where the unscaled ones do not

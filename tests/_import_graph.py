@@ -27,7 +27,7 @@ PACKAGES = ("jaxmp", "benchmarks")
 # The layers of jaxmp, lowest first: a module may import its own layer and the layers below it,
 # never one above. A unit is a top-level module or a subpackage of jaxmp (what the table shows).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("numerics", ("jaxmp._deprecations", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp.dtypes", "jaxmp.traps",
+    ("numerics", ("jaxmp._deprecations", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp.dtypes", "jaxmp.traps",
                   "jaxmp.fp8", "jaxmp.fold")),
     ("policies and loss scales", ("jaxmp.policy", "jaxmp.presets", "jaxmp.platform", "jaxmp.skip",
                                   "jaxmp.loss_scale")),
@@ -178,6 +178,11 @@ def layering_violations(graph: dict[str, set[str]], root: pathlib.Path = ROOT) -
     return problems
 
 
+#: Private modules every unit may import names from: the package's own type aliases (names for
+#: annotations, no behaviour), so a signature can say ``PolicyLike`` rather than ``Any``.
+SHARED_PRIVATE = frozenset({"jaxmp._typing"})
+
+
 def private_uses(module: str, path: pathlib.Path, modules) -> list[str]:
     """``_private`` modules or names of another jaxmp unit that ``module`` imports or reads:
     ``from jaxmp.engine._x import y``, ``from jaxmp.transform import _y``, and ``alias._y`` where
@@ -191,7 +196,7 @@ def private_uses(module: str, path: pathlib.Path, modules) -> list[str]:
                 full = f"{node.module}.{alias.name}"
                 if full in modules:
                     aliases[alias.asname or alias.name] = full
-            if dst is None or dst == src:
+            if dst is None or dst == src or node.module in SHARED_PRIVATE:
                 continue
             private_module = [p for p in node.module.split(".") if p.startswith("_")]
             private_names = [a.name for a in node.names if a.name.startswith("_")]

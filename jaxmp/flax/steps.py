@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmp import fp8
+from jaxmp._typing import AxisName
 from jaxmp.collectives import mean_model_state, optional_axis_name
 from jaxmp.flax.fp8 import FP8_COLLECTION, Fp8State
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
@@ -79,7 +80,7 @@ def _fp8_hooks(recipe: fp8.DelayedScaling | None, axis_name: Any) -> Fp8Hooks | 
 
 
 def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
-                    axis_name: Any = None, model_kwargs: dict | None = None,
+                    axis_name: AxisName | None = None, model_kwargs: dict | None = None,
                     rng_collections: tuple[str, ...] = ("dropout",)) -> Callable:
     """Returns ``train_step(state, batch, rng=None) -> (state, metrics)`` for supervised training.
 
@@ -164,7 +165,7 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
 
 
 def make_eval_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
-                   axis_name: Any = None, model_kwargs: dict | None = None) -> Callable:
+                   axis_name: AxisName | None = None, model_kwargs: dict | None = None) -> Callable:
     """Returns ``eval_step(state, batch) -> metrics`` (no mutation, no gradients).
 
     Args:
