@@ -178,7 +178,7 @@ def test_flax_door_and_cast_to_compute_are_compared_on_their_own_program():
 
 def test_strict_mode_raises_on_a_hand_written_half_reduction_only():
     x = jnp.ones((4, 8), jnp.bfloat16)
-    with pytest.raises(StrictPrecisionError, match=r"reduce_sum runs in bf16.*\n  module path: pool"):
+    with pytest.raises(StrictPrecisionError, match=r"(?s)reduce_sum runs in bf16.*\n  module path: pool"):
         def pooled(x):
             with jax.named_scope("pool"):
                 return jax.lax.reduce_sum(x, (1,))
@@ -190,7 +190,7 @@ def test_strict_mode_raises_on_a_hand_written_half_reduction_only():
     strict_precision(jaxmp.autocast(lambda x: jax.nn.softmax(x @ x.T), "O1-bf16"), policy="O1")(x.astype(jnp.float32))
     strict_precision(jnp.mean, policy="O1")(x)
     # a softmax in half written with cast_to_compute trips it, naming the category
-    with pytest.raises(StrictPrecisionError, match="exp runs in bf16.*softmax"):
+    with pytest.raises(StrictPrecisionError, match="(?s)exp runs in bf16.*softmax"):
         strict_precision(jax.nn.softmax, policy=jaxmp.get_policy("p=f32,c=bf16,o=f32"))(x)
     # a policy that puts the op in half is obeyed
     strict_precision(lambda x: jax.lax.reduce_sum(x, (1,)), rules=jaxmp.AutocastRules().with_half("reduce_sum"))(x)
@@ -215,3 +215,23 @@ def test_bad_arguments_are_refused_clearly():
         compare_to_float32(lambda x: x * 2, jnp.ones(3), steps=2)
     with pytest.raises(TypeError, match="callable"):
         strict_precision(3)
+
+
+def test_reports_fit_88_columns():
+    # The reports are read in terminals, logs and on docs/debugging.md: no line over 88 columns,
+    # however long the advice, the policy's rules or a module path.
+    from jaxmp.diagnostics import NonFiniteCulprit, ShadowReport
+    from jaxmp.diagnostics._fix import Fix, rules_code
+    from jaxmp.diagnostics._shadow import ModuleError
+
+    culprit = NonFiniteCulprit(True, "dot_general", "Net/blowup", "/tmp/x.py:1:2 (f)", False, ("f16", "f16"),
+                               ("f16",), (75.8, 1.6e4), 65504.0, "inf", "half list")
+    rules = jaxmp.AutocastRules(float32_ops=frozenset()).with_scope("encoder/block_0", "bfloat16")
+    code = rules_code(rules, "sched") + "\nfn = jaxmp.autocast(fn, 'O2-bf16', rules=rules)"
+    exec(compile(code, "fix", "exec"), {"jaxmp": jaxmp, "fn": lambda x: x})  # the code still runs
+    fix = Fix("sched", code, 8.52, 0.256, 0.97, 0.079, True)
+    mods = (ModuleError("ResNet/Block_0/Conv_1/a_very_long_module_name", -0.003, 0.99, 0.005, 0.137, 10, 0, True),)
+    report = ShadowReport(mods, 0.000242492, 2.54666e-05, (("['ws']", 0.8),), steps=50, fix=fix, policy="O2-bf16")
+    for text in (str(culprit), str(report), str(Fix("a/b", "x"))):
+        assert max(map(len, text.splitlines())) <= 88, text
+    assert "keep the module 'blowup' in float32" in " ".join(str(culprit).split())

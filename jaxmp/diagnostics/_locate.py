@@ -87,7 +87,8 @@ class NonFiniteCulprit:
         if self.context:
             lines.append(f"  inside      : {self.context}")
         lines.append(f"  fix         : {self.advice()}")
-        return "\n".join(lines)
+        # Fields continue under their value, so the report reads at 88 columns (a log, a docs page).
+        return "\n".join(_format.wrap(line, hang=14) for line in lines)
 
     def advice(self) -> str:
         """What usually fixes this kind of overflow."""

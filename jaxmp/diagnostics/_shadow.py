@@ -215,28 +215,29 @@ class ShadowReport:
 
     def table(self, max_rows: int = 12) -> str:
         """The ranked modules, gradient errors and the fix, as text."""
-        head = (f"compare_to_float32{f' ({self.policy})' if self.policy else ''}"
+        head = _format.wrap(f"compare_to_float32{f' ({self.policy})' if self.policy else ''}"
                 f"{f' after {self.steps} steps' if self.steps else ''}: loss {self.loss:.6g} vs float32 "
                 f"{self.loss_float32:.6g} (relative error {self.loss_error:.3g})")
+        # Every table fits 88 columns (a terminal, a log, a docs page): long module paths fold.
         rows = []
         for i, m in enumerate(self.modules[:max_rows]):
             rows.append([str(i + 1), m.path or "(top level)", f"{m.impact:+.3g}",
                          _format.fmt_pct(m.share) if np.isfinite(m.share) else "-",
                          f"{m.activation_error:.3g}", "-" if np.isnan(m.gradient_error) else f"{m.gradient_error:.3g}",
-                         str(m.half_ops), "<- error jumps here" if m.jump else ""])
+                         str(m.half_ops), "<- jump" if m.jump else ""])
         footer = None if len(self.modules) <= max_rows else f"... {len(self.modules) - max_rows} more modules"
         out = [head, _format.render_table("Modules ranked by the loss error their rounding causes",
-                                          ["#", "module", "loss impact", "share", "act. rel err", "grad rel err",
-                                           "half ops", ""], rows, footer, 160)]
+                                          ["#", "module", "loss impact", "share", "act err", "grad err",
+                                           "half", ""], rows, footer, _format.WIDTH)]
         if self.gradient_errors:
             grows = [[p, f"{e:.3g}"] for p, e in self.gradient_errors[:max_rows]]
             out.append(_format.render_table("Gradient relative error per parameter", ["param", "rel err"], grows,
-                                            None, 160))
+                                            None, _format.WIDTH))
         if self.ops:
             orows = [[str(s.index), s.primitive, s.path, ",".join(s.in_dtypes) + "->" + ",".join(s.out_dtypes),
                       f"{e:.3g}", f"{c:+.3g}", s.rule] for s, e, c in self.ops[:max_rows * 3]]
             out.append(_format.render_table("Ops", ["#", "op", "module", "dtypes", "rel err", "loss impact", "rule"],
-                                            orows, None, 160))
+                                            orows, None, _format.WIDTH))
         if self.fix is not None:
             out.append(str(self.fix))
         out.append(f"({self.seconds:.2f} s)")
