@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp.diagnostics import _format
-from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, trace
+from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, leaf_paths, trace
 
 _MAX_INPUTS = 4
 _DOCS = "docs/debugging.md"
@@ -277,7 +277,7 @@ def locate_non_finite(fn: Callable, *args, policy: Any = None, grad: bool | None
     if grad:
         run = _with_gradient(run, float(loss_scale))
     closed, _ = trace(run, args, kwargs)
-    sites = Sites(closed.jaxpr)
+    sites = Sites(closed.jaxpr, leaf_paths(args, kwargs))
     hooks = _Locate()
 
     def program(consts, leaves):

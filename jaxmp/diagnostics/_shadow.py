@@ -28,7 +28,8 @@ from jaxmp.diagnostics import _format
 from jaxmp.engine import internals
 from jaxmp.engine.rules import COMBINER_OPS
 from jaxmp.diagnostics._fix import Fix, suggest_fix, train
-from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, trace
+from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, bind, compile_strict, evaluate, leaf_paths,
+                                         trace)
 
 _F32 = np.dtype(np.float32)
 #: Ops that move or select values: exact in any dtype, they add no rounding of their own.
@@ -259,7 +260,7 @@ class _Program:
 
     def __init__(self, run: Callable, args: Sequence[Any], attribute: bool):
         self.closed, self.out_tree = trace(run, tuple(args), {})
-        self.sites = Sites(self.closed.jaxpr)
+        self.sites = Sites(self.closed.jaxpr, leaf_paths(args, {}))
         self.attribute = attribute
         n = len(self.sites)
 
