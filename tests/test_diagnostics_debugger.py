@@ -151,6 +151,8 @@ def test_suggested_override_closes_the_gap_after_50_steps():
     rep = compare_to_float32(loss, p, x, y, policy="O2-bf16", steps=50, optimizer=optax.adam(2e-3))
     assert rep.top.path == "sched" and rep.steps == 50 and len(rep.losses) == 50
     assert rep.loss_error > 1.0  # the narrowed schedule trains to a loss far above float32's
+    # ... far above what noise of the run's own gradient error gives float32: an alarm.
+    assert rep.loss_error > 10 * rep.noise_floor and not rep.clean(), rep.noise_floor
     fix = rep.fix
     assert fix.measured and fix.gap_closed >= 0.9, fix
     assert "with_scope('sched', \"float32\")" in fix.code and "O2-bf16" in fix.code
@@ -335,3 +337,15 @@ def test_shadow_ranks_the_path_inside_scan_and_remat(remat_only):
     inside = [impact for site, _, impact in rep.ops if site.path == "sched" and site.primitive != "convert_element_type"
               and ("scan x3" in site.context) != remat_only]
     assert inside and max(map(abs, inside)) > 0, rep.ops
+
+
+@pytest.mark.slow  # ~15 s on a shared 2-core CPU: three 10-step runs and the instrumented program
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_clean_model_after_10_steps_is_clean_against_its_noise_floor():
+    net, v = _net(1.0)
+    y = jax.random.normal(jax.random.key(2), (8, 4))
+    loss = lambda p, x, y: jnp.mean((net.apply(p, x) - y) ** 2)  # noqa: E731
+    rep = compare_to_float32(loss, v, X, y, policy="O1-bf16", steps=10, optimizer=optax.adam(1e-2), fix=False)
+    assert np.isfinite(rep.noise_floor) and rep.noise_floor > 0, rep
+    assert rep.clean(), (rep.loss_error, rep.noise_floor)
+    assert "rounding noise alone" in str(rep)
