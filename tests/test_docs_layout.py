@@ -30,17 +30,8 @@ def _too_long(path):
     return out
 
 
-#: Pages not yet reflowed, each with its reason (an entry is a debt, not a pass).
-NOT_YET_REFLOWED = {
-    "docs/debugging.md": "issue 40's page, merged last in its session; most blocks quote the tools' output "
-                         "verbatim; to reflow next",
-}
-
-
 @pytest.mark.parametrize("path", [README, *pages()], ids=lambda p: str(p.relative_to(ROOT)))
 def test_code_block_lines_fit(path):
-    if str(path.relative_to(ROOT)) in NOT_YET_REFLOWED:
-        pytest.xfail(NOT_YET_REFLOWED[str(path.relative_to(ROOT))])
     long = _too_long(path)
     assert not long, f"code-block lines over {MAX} characters (reflow them):\n" + "\n".join(long)
 

@@ -22,6 +22,7 @@ rule that chose its dtype (in explain mode) and its source line. JAX internals a
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -143,6 +144,32 @@ def _inner(eqn) -> list[tuple[Any, str]]:
     return []
 
 
+#: Ops whose result is still "the parameter" (its cast, its copy) for naming what reads it.
+_CARRIES_PARAM = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision", "pvary",
+                            "sharding_constraint", "transpose", "reshape", "broadcast_in_dim"})
+_PARAM_LEAVES = frozenset({"kernel", "bias", "weight", "scale", "embedding", "value", "w", "b", "raw_value"})
+
+
+def _module_of(keypath: str) -> str:
+    """``"[0][0]['params']['sched']['kernel']"`` or ``"[0][0].sched.kernel.value"`` -> ``"sched"``."""
+    parts = [p for p in re.findall(r"\['([^']*)'\]|\.(\w+)|\[(\d+)\]", keypath)]
+    names = [a or b or (f"[{c}]" if c else "") for a, b, c in parts]
+    names = [n for n in names if n]
+    while names and names[0].startswith("["):  # the argument's position (a bare data array: no module)
+        names = names[1:]
+    while names and names[-1] in _PARAM_LEAVES:
+        names = names[:-1]
+    if names and names[0] == "params":  # Linen's collection name
+        names = names[1:]
+    return "/".join(n.strip("[]") if n.startswith("[") else n for n in names)
+
+
+def _unnamed(path: str) -> bool:
+    """No instance name in ``path``: empty, or only class scopes (Equinox's ``eqx.nn.Linear``, which
+    the parameter's path replaces: ``sched`` says which of the model's Linears it is)."""
+    return all("." in part for part in path.split("/")) if path else True
+
+
 class Sites:
     """Every first-order op of a program, numbered in one pre-order walk (entered constructs nested).
 
@@ -150,22 +177,42 @@ class Sites:
       jaxpr: the program (an open jaxpr).
     """
 
-    def __init__(self, jaxpr):
+    def __init__(self, jaxpr, leaf_paths: Sequence[str] | None = None):
         self.sites: list[Site] = []
         self._ids: dict[tuple, int] = {}
-        self._walk(jaxpr, _Where(), ())
+        # Frameworks that emit no name scope per module instance (Flax NNX; Equinox names the class,
+        # not the attribute) still say which parameter an op reads: a site without an instance
+        # path is named after the module of the parameter it consumes (``.sched.kernel`` -> ``sched``).
+        origin = {}
+        if leaf_paths is not None and len(leaf_paths) == len(jaxpr.invars):
+            origin = {v: m for v, m in zip(jaxpr.invars, map(_module_of, leaf_paths)) if m}
+        self._walk(jaxpr, _Where(), (), origin)
 
-    def _walk(self, jaxpr, where: _Where, key: tuple) -> None:
+    def _walk(self, jaxpr, where: _Where, key: tuple, origin: dict) -> None:
         for eqn in jaxpr.eqns:
             w = _where(eqn, where)
             inner = _inner(eqn)
+            from_param = next((origin[a] for a in eqn.invars if not isinstance(a, jcore.Literal) and a in origin), "")
             if inner:
                 for j, label in inner:
                     ctx = w.context + ((label,) if label else ())
-                    self._walk(j, dataclasses.replace(w, context=ctx), key + (id(eqn), label))
+                    # Operands map onto a body's binders one to one (a cond's body skips the index).
+                    n = len(eqn.invars) - len(j.invars)
+                    outer = list(eqn.invars)[n:] if n in (0, 1) and internals.primitive_kind(eqn) != "while" else []
+                    sub = {b: origin[a] for b, a in zip(j.invars, outer)
+                           if not isinstance(a, jcore.Literal) and a in origin}
+                    self._walk(j, dataclasses.replace(w, context=ctx), key + (id(eqn), label), sub)
+                    if not label and len(j.outvars) == len(eqn.outvars):  # an inlined call passes them on
+                        origin.update({o: sub[r] for o, r in zip(eqn.outvars, j.outvars)
+                                       if not isinstance(r, jcore.Literal) and r in sub})
                 continue
             self._ids[key + (id(eqn),)] = len(self.sites)
-            self.sites.append(_site(len(self.sites), eqn, w))
+            site = _site(len(self.sites), eqn, w)
+            if from_param and _unnamed(site.path):
+                site = dataclasses.replace(site, path=from_param)
+            self.sites.append(site)
+            if from_param and eqn.primitive.name in _CARRIES_PARAM:
+                origin.update({o: from_param for o in eqn.outvars})
 
     def __len__(self) -> int:
         return len(self.sites)
@@ -339,6 +386,11 @@ def compile_strict(fn: Callable, *args) -> Callable:
     except Exception:  # noqa: BLE001 - a backend without the option: its default
         compiled = lowered.compile()
     return compiled(*args)
+
+
+def leaf_paths(args: Sequence[Any], kwargs: dict) -> list[str]:
+    """The key path of every leaf of ``(args, kwargs)``, in the order of the traced program's inputs."""
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path((tuple(args), kwargs))]
 
 
 def trace(fn: Callable, args: Sequence[Any], kwargs: dict) -> tuple[Any, Any]:

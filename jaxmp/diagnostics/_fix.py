@@ -12,11 +12,15 @@ applied: the function cannot be rebuilt from outside.
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from typing import Any, Callable, Sequence
 
 import jax
 
 from jaxmp.diagnostics import _format
+
+#: The fix's code is printed indented by 4: lines of 84 fit a docs page's 88 columns.
+_FIT = _format.WIDTH - 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +53,8 @@ class Fix:
                          f"{_format.fmt_pct(self.matmul_flops_leaving_half)} of matmul FLOPs leave half precision")
         else:
             lines.append("  not measured here: apply it and run compare_to_float32 again to see the error after it")
-        return "\n".join(lines)
+        # The code is laid out to fit already (`rules_code`); the prose wraps at 88 columns.
+        return "\n".join(lines[:2] + [_format.wrap(line) for line in lines[2:]])
 
 
 def train(loss_and_grad: Callable, params, rest, steps: int, tx) -> tuple[Any, list[float]]:
@@ -65,7 +70,10 @@ def train(loss_and_grad: Callable, params, rest, steps: int, tx) -> tuple[Any, l
 
 
 def rules_code(rules, component: str) -> str:
-    """``rules`` plus a float32 scope rule for ``component``, spelled as code to paste."""
+    """``rules`` plus a float32 scope rule for ``component``, spelled as code to paste.
+
+    One line when it fits 84 columns (the fix is printed indented by 4), else one call per line.
+    """
     from jaxmp.engine.rules import AutocastRules
 
     default = AutocastRules()
@@ -79,10 +87,13 @@ def rules_code(rules, component: str) -> str:
         kw.append(f"promote={rules.promote!r}")
     if rules.matmul_output != default.matmul_output:
         kw.append(f"matmul_output={rules.matmul_output!r}")
-    code = f"jaxmp.AutocastRules({', '.join(kw)})"
-    for pattern, dtype in rules.scope_rules:
-        code += f".with_scope({pattern!r}, {dtype!r})"
-    return code + f".with_scope({component!r}, \"float32\")"
+    calls = [f"jaxmp.AutocastRules({', '.join(kw)})"]
+    calls += [f".with_scope({pattern!r}, {dtype!r})" for pattern, dtype in rules.scope_rules]
+    calls.append(f".with_scope({component!r}, \"float32\")")
+    one = "rules = " + "".join(calls)
+    if len(one) <= _FIT:
+        return one
+    return "rules = (" + ("\n         ".join(calls)) + ")"
 
 
 def _matmul_low_flops(run: Callable, args: Sequence[Any]) -> tuple[int, int]:
@@ -111,18 +122,20 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     """
     component = path.rsplit("/", 1)[-1]
     if policy is None:
-        code = (f"# Flax door: jaxmp.flax.mixed_precision(model, policy,\n"
-                f"#     overrides=jaxmp.flax.PrecisionOverrides().with_fp32_paths({component!r}))\n"
-                f"# your own casts (Policy.cast_to_compute, dtype=bfloat16): compute {path!r} on float32 "
-                "params and inputs,\n# or run the function under jaxmp.autocast with "
-                f"rules=jaxmp.AutocastRules().with_scope({component!r}, \"float32\")")
+        code = "\n".join([
+            "# Flax door: jaxmp.flax.mixed_precision(model, policy, overrides=",
+            f"#     jaxmp.flax.PrecisionOverrides().with_fp32_paths({component!r}))",
+            *textwrap.wrap(f"your own casts (Policy.cast_to_compute, dtype=bfloat16): compute {path!r} on "
+                           "float32 params and inputs, or run the function under jaxmp.autocast with", _FIT - 2,
+                           initial_indent="# ", subsequent_indent="# ", break_long_words=False),
+            f"#     rules=jaxmp.AutocastRules().with_scope({component!r}, \"float32\")"])
         return Fix(path, code)
     from jaxmp.engine.config import resolve_config
     from jaxmp.engine.entry import autocast
 
     rules = resolve_config(policy, None).rules
     fixed_rules = rules.with_scope(component, "float32")
-    code = f"fn = jaxmp.autocast(fn, {str(policy)!r}, rules={rules_code(rules, component)})"
+    code = rules_code(rules, component) + f"\nfn = jaxmp.autocast(fn, {str(policy)!r}, rules=rules)"
     fixed = autocast(fn, policy, rules=fixed_rules)
     if steps:
         params, _ = train(jax.jit(jax.value_and_grad(fixed)), args[0], args[1:], steps, tx)

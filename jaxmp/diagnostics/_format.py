@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+import textwrap
 from typing import Sequence
 
 import numpy as np
@@ -61,6 +62,41 @@ def fmt_pct(x: float) -> str:
     return f"{100.0 * x:.1f}%"
 
 
+#: The width reports wrap their prose to: a docs page shows 88 columns without scrolling.
+WIDTH = 88
+
+
+def wrap(text: str, width: int = WIDTH, hang: int = 4) -> str:
+    """Wraps each line of ``text`` over ``width`` characters at spaces (words are never split).
+
+    Continuation lines keep the line's indent plus ``hang`` spaces, so a wrapped field reads as
+    one item. Paths and code longer than ``width`` stay whole on their own line.
+
+    Args:
+      text: the text, possibly several lines.
+      width: the column limit.
+      hang: extra indent of continuation lines.
+
+    Returns:
+      The wrapped text.
+
+    Example:
+      >>> print(wrap("  fix: " + "word " * 20, width=40))
+        fix: word word word word word word
+            word word word word word word word
+            word word word word word word word
+    """
+    out = []
+    for line in text.split("\n"):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = line[:len(line) - len(line.lstrip())]
+        out.append(textwrap.fill(line.strip(), width, initial_indent=indent, subsequent_indent=indent + " " * hang,
+                                 break_long_words=False, break_on_hyphens=False))
+    return "\n".join(out)
+
+
 def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
                  footer: str | None = None, width: int = 160) -> str:
     """Returns a table as text: rich's box table if rich is installed, else plain columns.
@@ -93,7 +129,8 @@ def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
     console.print(table)
     if footer:
         console.print(footer, highlight=False, markup=False, soft_wrap=True)
-    return buf.getvalue().rstrip("\n")
+    # rich pads the title to the table's width: trailing blanks are noise in a log or a page.
+    return "\n".join(line.rstrip() for line in buf.getvalue().rstrip("\n").split("\n"))
 
 
 def _plain_table(title, headers, rows, footer) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
-from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, trace
+from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, leaf_paths, trace
 
 _MAX_INPUTS = 4
 _DOCS = "docs/debugging.md"
@@ -88,7 +88,8 @@ class NonFiniteCulprit:
         if self.context:
             lines.append(f"  inside      : {self.context}")
         lines.append(f"  fix         : {self.advice()}")
-        return "\n".join(lines)
+        # Fields continue under their value, so the report reads at 88 columns (a log, a docs page).
+        return "\n".join(_format.wrap(line, hang=14) for line in lines)
 
     def advice(self) -> str:
         """What usually fixes this kind of overflow."""
@@ -277,7 +278,7 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
     if grad:
         run = _with_gradient(run, float(loss_scale))
     closed, _ = trace(run, args, kwargs)
-    sites = Sites(closed.jaxpr)
+    sites = Sites(closed.jaxpr, leaf_paths(args, kwargs))
     hooks = _Locate()
 
     def program(consts, leaves):

@@ -108,11 +108,13 @@ def violations(jaxpr, float32_ops: frozenset[str]) -> list[tuple[Any, str, str]]
 
 
 def _message(site, category: str, why: str) -> str:
-    return (f"strict precision: {site.primitive} runs in {site.in_dtypes[0]} although the policy's float32 list "
-            f"covers it ({category}): {why}.\n  module path: {site.path or '(top level)'}"
-            f"{' (backward pass)' if site.backward else ''}\n  source: {site.source or 'unknown'}\n"
-            "  fix: upcast its input (x.astype(jnp.float32)), run the code under jaxmp.autocast (which keeps the "
-            f"float32 list in float32), or mark the region with @jaxmp.float32_region; see {_DOCS}")
+    # Wrapped at 88 columns: the message is read in a terminal, a log and on docs/debugging.md.
+    return _format.wrap(
+        f"strict precision: {site.primitive} runs in {site.in_dtypes[0]} although the policy's float32 "
+        f"list covers it ({category}): {why}.\n  module path: {site.path or '(top level)'}"
+        f"{' (backward pass)' if site.backward else ''}\n  source: {site.source or 'unknown'}\n"
+        "  fix: upcast its input (x.astype(jnp.float32)), run the code under jaxmp.autocast (which keeps "
+        f"the float32 list in float32), or mark the region with @jaxmp.float32_region; see {_DOCS}")
 
 
 def strict_precision(fn: Callable, *, policy: PolicyLike | None = None, rules: AutocastRules | None = None) -> Callable:
