@@ -81,6 +81,7 @@ def wrap(text: str, width: int = WIDTH, hang: int = 4) -> str:
       The wrapped text.
 
     Example:
+      >>> from jaxmp.diagnostics._format import wrap
       >>> print(wrap("  fix: " + "word " * 20, width=40))
         fix: word word word word word word
             word word word word word word word
