@@ -349,3 +349,19 @@ def test_clean_model_after_10_steps_is_clean_against_its_noise_floor():
     assert np.isfinite(rep.noise_floor) and rep.noise_floor > 0, rep
     assert rep.clean(), (rep.loss_error, rep.noise_floor)
     assert "rounding noise alone" in str(rep)
+
+
+def test_strict_jit_compiles_once_per_shapes_and_keeps_half_rounding():
+    """The debugger's programs are cached per input shapes (the k-step mode and the fix call one
+    program several times) and, with the fast-compile options, still round half values where
+    the dtypes say (excess precision off)."""
+    from jaxmp.diagnostics._evaluate import StrictJit
+
+    # 1 + 2**-9 is not a bfloat16; kept in float32 inside a fusion, the sum would be exact.
+    f = StrictJit(lambda a, b: (a.astype(jnp.bfloat16) + b.astype(jnp.bfloat16)).astype(jnp.float32) - a)
+    one, tiny = jnp.ones((4,), jnp.float32), jnp.full((4,), 2.0 ** -9, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(f(one, tiny)), 0.0)
+    f(one * 2, tiny)
+    assert len(f.compiled) == 1
+    f(jnp.ones((3,), jnp.float32), tiny[:3])
+    assert len(f.compiled) == 2

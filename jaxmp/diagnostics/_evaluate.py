@@ -377,15 +377,59 @@ _ENTER: dict[str, Callable] = {"call": _inline, "remat": _inline, "custom_jvp": 
 #: asks for would not show. The debugger measures what the dtypes say.
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
+#: Added where the backend accepts them: the debugger's programs run once or a few times, so
+#: XLA's backend optimization (LLVM codegen; about half of a CPU compile of the instrumented
+#: program) costs more than it saves. It changes code generation only, not the HLO the numbers
+#: come from (``benchmarks/debugger.py`` measures the gain).
+FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
 
-def compile_strict(fn: Callable, *args) -> Callable:
-    """``jax.jit(fn)`` lowered for ``args`` and compiled with `COMPILER_OPTIONS` (called at once)."""
-    lowered = jax.jit(fn).lower(*args)
-    try:
-        compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
-    except Exception:  # noqa: BLE001 - a backend without the option: its default
-        compiled = lowered.compile()
-    return compiled(*args)
+
+def _signature(args: Sequence[Any]) -> tuple:
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
+
+
+class StrictJit:
+    """``fn`` compiled with `COMPILER_OPTIONS` (and `FAST_COMPILE_OPTIONS`), once per input shapes.
+
+    A drop-in for ``jax.jit(fn)`` in the debugger: the k-step comparison and the fix call the
+    same program on new parameters of the same shapes, and compile it once.
+
+    Args:
+      fn: the function to stage (positional arguments only).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> f = StrictJit(lambda x: x * 2)
+      >>> float(f(jnp.float32(3.0))), len(f.compiled)
+      (6.0, 1)
+    """
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.compiled: dict = {}
+
+    def __call__(self, *args):
+        key = _signature(args)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            lowered = jax.jit(self.fn).lower(*args)
+            compiled = None
+            for options in ({**COMPILER_OPTIONS, **FAST_COMPILE_OPTIONS}, COMPILER_OPTIONS):
+                try:
+                    compiled = lowered.compile(compiler_options=options)
+                    break
+                except Exception:  # noqa: BLE001 - a backend without the option: try fewer
+                    continue
+            if compiled is None:
+                compiled = lowered.compile()
+            self.compiled[key] = compiled
+        return compiled(*args)
+
+
+def compile_strict(fn: Callable, *args) -> Any:
+    """``StrictJit(fn)(*args)``: ``fn`` compiled for ``args`` with the debugger's options, called at once."""
+    return StrictJit(fn)(*args)
 
 
 def leaf_paths(args: Sequence[Any], kwargs: dict) -> list[str]:

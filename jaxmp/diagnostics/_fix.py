@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from jaxmp.diagnostics import _format
+from jaxmp.diagnostics._evaluate import StrictJit
 
 #: The fix's code is printed indented by 4: lines of 84 fit a docs page's 88 columns.
 _FIT = _format.WIDTH - 4
@@ -138,10 +139,11 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     code = rules_code(rules, component) + f"\nfn = jaxmp.autocast(fn, {str(policy)!r}, rules=rules)"
     fixed = autocast(fn, policy, rules=fixed_rules)
     if steps:
-        params, _ = train(jax.jit(jax.value_and_grad(fixed)), args[0], args[1:], steps, tx)
-        loss_fix = float(jax.jit(fixed)(params, *args[1:]))
+        step = StrictJit(jax.value_and_grad(fixed))
+        params, _ = train(step, args[0], args[1:], steps, tx)
+        loss_fix = float(step(params, *args[1:])[0])  # the compiled step's loss: no second compile
     else:
-        loss_fix = float(jax.jit(fixed)(*args))
+        loss_fix = float(StrictJit(fixed)(*args))
     ref = max(abs(loss_float32), 1e-30)
     before, after = loss_error, abs(loss_fix - loss_float32) / ref
     low_b, total = _matmul_low_flops(jax.value_and_grad(autocast(fn, policy)), args)

@@ -29,7 +29,7 @@ from jaxmp._typing import PolicyLike
 from jaxmp.engine import internals
 from jaxmp.engine.rules import COMBINER_OPS
 from jaxmp.diagnostics._fix import Fix, suggest_fix, train
-from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, bind, compile_strict, evaluate, leaf_paths,
+from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths,
                                          trace)
 
 if TYPE_CHECKING:  # optax is imported where it is used: the report alone does not need it
@@ -298,9 +298,12 @@ class _Program:
 
         self._both = both
         if attribute:
-            self.analyse = jax.value_and_grad(both, has_aux=True)
+            analyse = jax.value_and_grad(both, has_aux=True)
         else:
-            self.analyse = lambda t, c, l: (both(t, c, l), jnp.zeros(n, jnp.float32))
+            def analyse(t, c, l):
+                return both(t, c, l), jnp.zeros(n, jnp.float32)
+        # Compiled once per input shapes: the k-step mode runs it on the first and the last step.
+        self.analyse = StrictJit(analyse)
 
         def shadow_only(consts, leaves):
             hooks = _Shadow(n, False)
@@ -308,12 +311,12 @@ class _Program:
                                [hooks.lift(x, None) for x in leaves], jnp.zeros(n, jnp.float32), hooks, self.sites)
             return [o[1] for o in outs]
 
-        self.shadow = jax.jit(shadow_only)
+        self.shadow = StrictJit(shadow_only)
 
     def run(self, args):
         leaves = jax.tree_util.tree_leaves(tuple(args))
         t = jnp.zeros(len(self.sites), jnp.float32)
-        (_, (p, s, errs)), contrib = compile_strict(self.analyse, t, list(self.closed.consts), leaves)
+        (_, (p, s, errs)), contrib = self.analyse(t, list(self.closed.consts), leaves)
         return p, s, np.asarray(errs), np.asarray(contrib)
 
     def shadow_outputs(self, args):
@@ -465,7 +468,7 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
 
         tx = optax.adam(1e-3) if optimizer is None else optimizer
         rest = args[1:]
-        params_p, losses = train(jax.jit(step), args[0], rest, steps, tx)
+        params_p, losses = train(StrictJit(step), args[0], rest, steps, tx)
 
         def f32_step(params, *r):
             outs = prog.shadow_outputs((params, *r))
