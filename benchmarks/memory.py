@@ -178,7 +178,8 @@ def step_times(width: int, depth: int, batch_per_device: int, rounds: int, steps
 
 GPT2_CASES = (
     # (who, layout, reduce_dtype, model, remat): "scanned" gathers at the loss's start (plain
-    # lax.scan), "scan_layers" gathers each layer in the scan body.
+    # lax.scan), "scan_layers" gathers each layer in the scan body; "scan_gather" is the
+    # hand-written FSDP's scan over layers, each layer gathered in the body by a constraint.
     ("hand", "zero", None, "unrolled", None),
     ("jaxmp", "zero", None, "unrolled", None),
     ("hand", "zero", "float32", "unrolled", None),
@@ -186,6 +187,10 @@ GPT2_CASES = (
     ("jaxmp", "fsdp", "float32", "scanned", None),
     ("jaxmp", "fsdp", "float32", "scan_layers", None),
     ("jaxmp", "fsdp", "float32", "scan_layers", "nothing_saveable"),
+    ("hand", "fsdp", None, "scan_gather", None),
+    ("jaxmp", "fsdp", None, "scan_layers", None),
+    ("hand", "fsdp", None, "scan_gather", "nothing_saveable"),
+    ("jaxmp", "fsdp", None, "scan_layers", "nothing_saveable"),
 )
 
 
@@ -215,7 +220,11 @@ def measure_gpt2(who: str, layout: str, reduce_dtype, model: str, remat, n: int,
     batch = _gpt2.abstract_batch(shape, batch_per_device * n)
     loss = _gpt2.loss_fn(shape, scanned, per_layer=model == "scan_layers")
     if who == "hand":
-        jitted, (p, m, o) = _gpt2.hand_written_step(loss, params, mesh, layout, reduce_dtype)
+        gathered = None
+        if model == "scan_gather":
+            policy = None if remat is None else getattr(jax.checkpoint_policies, remat)
+            gathered = _gpt2.loss_fn(shape, True, layer_params=_gpt2.layer_gather(mesh), remat=policy)
+        jitted, (p, m, o) = _gpt2.hand_written_step(loss, params, mesh, layout, reduce_dtype, gathered_loss=gathered)
         compiled = jitted.lower(p, m, o, batch).compile()
     else:
         tx = jaxmp.loss_scaling(lean.preset("fp32-masters", optax.adamw(1e-3)), "none")
