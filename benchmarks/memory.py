@@ -30,7 +30,10 @@ do not show here.
 unrolled for ZeRO, scanned with ``jaxmp.parallel.scan_layers`` for FSDP) with jaxmp's layouts
 and with the hand-written ZeRO a user would write (optax + ``NamedSharding`` +
 ``with_sharding_constraint`` + ``optax.apply_if_finite``; a ``shard_map`` ``psum_scatter`` for
-the float32 reduce), at the same reduce dtype, and reports temporaries and peak of each.
+the float32 reduce), and with the hand-written scan-over-layers FSDP (each layer's params
+gathered inside the ``lax.scan`` body by ``with_sharding_constraint``, with and without
+``jax.checkpoint(policy=nothing_saveable)``), at the same reduce dtype, and reports
+temporaries and peak of each.
 
 Writes ``benchmarks/results/memory/memory_<device>.json`` (``dry_run.json`` with ``--dry-run``)
 with the device, JAX version and git commit. Needs 8 devices: on CPU it sets
