@@ -118,6 +118,17 @@ def loss_fn(s: Shape, scanned: bool, layer_params: Callable | None = None, remat
     return loss
 
 
+def layer_gather(mesh: Any) -> Callable:
+    """The hand-written per-layer FSDP gather: one layer's params constrained to replicated.
+
+    Used as ``loss_fn(..., layer_params=layer_gather(mesh))`` inside the scan body, the
+    constraint makes XLA all-gather each layer's slices where that layer runs (what MaxText
+    does), instead of gathering the activations or every layer at the loss's start.
+    """
+    replicated = NamedSharding(mesh, P())
+    return lambda p: jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, replicated), p)
+
+
 def abstract_batch(s: Shape, global_batch: int) -> dict:
     return {"tokens": jax.ShapeDtypeStruct((global_batch, s.seq), jnp.int32)}
 

@@ -30,7 +30,10 @@ do not show here.
 unrolled for ZeRO, scanned with ``jaxmp.parallel.scan_layers`` for FSDP) with jaxmp's layouts
 and with the hand-written ZeRO a user would write (optax + ``NamedSharding`` +
 ``with_sharding_constraint`` + ``optax.apply_if_finite``; a ``shard_map`` ``psum_scatter`` for
-the float32 reduce), at the same reduce dtype, and reports temporaries and peak of each.
+the float32 reduce), and with the hand-written scan-over-layers FSDP (each layer's params
+gathered inside the ``lax.scan`` body by ``with_sharding_constraint``, with and without
+``jax.checkpoint(policy=nothing_saveable)``), at the same reduce dtype, and reports
+temporaries and peak of each.
 
 Writes ``benchmarks/results/memory/memory_<device>.json`` (``dry_run.json`` with ``--dry-run``)
 with the device, JAX version and git commit. Needs 8 devices: on CPU it sets
@@ -178,7 +181,8 @@ def step_times(width: int, depth: int, batch_per_device: int, rounds: int, steps
 
 GPT2_CASES = (
     # (who, layout, reduce_dtype, model, remat): "scanned" gathers at the loss's start (plain
-    # lax.scan), "scan_layers" gathers each layer in the scan body.
+    # lax.scan), "scan_layers" gathers each layer in the scan body; "scan_gather" is the
+    # hand-written FSDP's scan over layers, each layer gathered in the body by a constraint.
     ("hand", "zero", None, "unrolled", None),
     ("jaxmp", "zero", None, "unrolled", None),
     ("hand", "zero", "float32", "unrolled", None),
@@ -186,6 +190,10 @@ GPT2_CASES = (
     ("jaxmp", "fsdp", "float32", "scanned", None),
     ("jaxmp", "fsdp", "float32", "scan_layers", None),
     ("jaxmp", "fsdp", "float32", "scan_layers", "nothing_saveable"),
+    ("hand", "fsdp", None, "scan_gather", None),
+    ("jaxmp", "fsdp", None, "scan_layers", None),
+    ("hand", "fsdp", None, "scan_gather", "nothing_saveable"),
+    ("jaxmp", "fsdp", None, "scan_layers", "nothing_saveable"),
 )
 
 
@@ -215,7 +223,11 @@ def measure_gpt2(who: str, layout: str, reduce_dtype, model: str, remat, n: int,
     batch = _gpt2.abstract_batch(shape, batch_per_device * n)
     loss = _gpt2.loss_fn(shape, scanned, per_layer=model == "scan_layers")
     if who == "hand":
-        jitted, (p, m, o) = _gpt2.hand_written_step(loss, params, mesh, layout, reduce_dtype)
+        gathered = None
+        if model == "scan_gather":
+            policy = None if remat is None else getattr(jax.checkpoint_policies, remat)
+            gathered = _gpt2.loss_fn(shape, True, layer_params=_gpt2.layer_gather(mesh), remat=policy)
+        jitted, (p, m, o) = _gpt2.hand_written_step(loss, params, mesh, layout, reduce_dtype, gathered_loss=gathered)
         compiled = jitted.lower(p, m, o, batch).compile()
     else:
         tx = jaxmp.loss_scaling(lean.preset("fp32-masters", optax.adamw(1e-3)), "none")
