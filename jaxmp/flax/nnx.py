@@ -364,7 +364,7 @@ def optimizer_state(optimizer: nnx.Optimizer) -> Any:
     return pure
 
 
-def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, *,
+def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
                loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
                axis_name: AxisName | None = None, **model_kwargs) -> dict[str, jax.Array]:
     """One supervised step for an NNX model with an ``nnx.Optimizer`` around ``jaxmp.loss_scaling``.
