@@ -400,6 +400,7 @@ class StrictJit:
 
     Example:
       >>> import jax.numpy as jnp
+      >>> from jaxmp.diagnostics._evaluate import StrictJit
       >>> f = StrictJit(lambda x: x * 2)
       >>> float(f(jnp.float32(3.0))), len(f.compiled)
       (6.0, 1)
