@@ -497,13 +497,21 @@ def test_a_half_master_copy_is_refused(master_dtype):
         jaxmp.loss_scaling(optax.sgd(1e-4), master_weights=True, master_dtype=master_dtype)
     with pytest.raises(ValueError, match=r"master copy in half precision"):
         jaxmp.transform.master_weights(optax.sgd(1e-4), master_dtype=master_dtype)
-    # what the refusal prevents: the bf16 master's params never move, the float32 master's do
+
+
+def test_a_float32_master_moves_where_a_half_one_would_not():
+    # what the refusal above prevents: the bf16 master's params never move, the float32 master's do
     params = {"w": jnp.ones(4, jnp.bfloat16)}
     tx = jaxmp.loss_scaling(optax.sgd(1e-4), "none", master_weights=True)
     state = tx.init(params)
-    for _ in range(100):
+
+    @jax.jit
+    def step(params, state):
         updates, state = tx.update({"w": jnp.ones(4, jnp.bfloat16)}, state, params)
-        params = jaxmp.apply_updates(params, updates, state)
+        return jaxmp.apply_updates(params, updates, state), state
+
+    for _ in range(100):
+        params, state = step(params, state)
     np.testing.assert_allclose(jaxmp.master_params(state)["w"], 1.0 - 100 * 1e-4, rtol=1e-5)
     assert float(params["w"][0]) < 1.0
 
@@ -571,6 +579,7 @@ def test_the_fused_step_is_an_explicit_entry_of_a_typed_transform():
                                             tx.init(params), params)[0]["w"].tolist() == [0.5, 0.5]
 
 
+@pytest.mark.slow  # 10-20 s each: 8 steps of each wrapped transform, eager
 @pytest.mark.standard_promotion(reason="optax.MultiSteps: float32 gradients / int32 count")
 @pytest.mark.parametrize("wrap", ["multisteps", "chain", "inject"])
 def test_update_and_apply_falls_back_for_a_wrapped_loss_scaling_and_trains_the_same(wrap):
