@@ -9,6 +9,7 @@ import argparse
 import json
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -16,6 +17,7 @@ import jaxmp
 from jaxmp.engine.rules import AutocastRules
 from benchmarks import autocast as ab
 from benchmarks import efficiency as eff
+
 
 def plain_transformer(key, layers=4, d=256, mlp=1024, seq=128, batch=8, heads=4):
     ks = iter(jax.random.split(key, 64))
@@ -71,9 +73,12 @@ def main(argv=None):
         out[name] = row
         for k, v in row.items():
             print(f"{name:22s} {k:10s} bytes {v['MiB']:9.1f} MiB  peak {v['peak MiB']:8.1f} MiB  converts {v['converts']:4d}  cpu {v['ms']:7.2f} ms", flush=True)
-    if args.out:
+    if args.out:  # provenance beside the table: device, JAX version, commit
+        from benchmarks import _common as common
+
         with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump({"env": common.jax_env(), "commit": common.git_commit(), "utc": common.utc_now(),
+                       "units": "bytes and peak in MiB, cpu time in ms (informational)", "models": out}, f, indent=1)
     return out
 
 
