@@ -1,15 +1,8 @@
 """The optax transforms: loss scaling with skip-on-non-finite, and fp32 master weights.
 
-Two small factories that compose, optax style:
-
-* `jaxmp.transform.master_weights` keeps a float32 copy of (half-precision) params and runs the
-  inner chain on it (Apex O2);
-* `jaxmp.transform.unscale_and_skip` unscales gradients, checks them, skips a non-finite step
-  (inner state bitwise unchanged, updates ``-0.0``) and adjusts the loss scale.
-
-[`loss_scaling`][jaxmp.loss_scaling] is ``unscale_and_skip(master_weights(inner))`` (or without the
-master part). It is meant to be the outermost transform: the inner chain (clipping,
-weight decay, Adam...) only ever sees true, finite gradients.
+`jaxmp.transform.master_weights` keeps a float32 copy of the params and runs the inner chain on
+it; `jaxmp.transform.unscale_and_skip` unscales, checks, skips a non-finite step and adjusts the
+scale. [`loss_scaling`][jaxmp.loss_scaling] composes the two. See docs/design.md#loss-scaling.
 """
 
 from __future__ import annotations
@@ -132,13 +125,10 @@ class _MasterWeights(_NumericLeavesOnly):
 class FusedTransformation(optax.GradientTransformationExtraArgs):
     """An optax ``GradientTransformationExtraArgs`` whose update can also step the params.
 
-    What `jaxmp.transform.unscale_and_skip` and [`loss_scaling`][jaxmp.loss_scaling] return: ``init``
-    and ``update`` as optax's, plus ``update_and_apply(grads, state, params, **extra_args)``,
-    which returns ``(new_params, new_state)`` with the params stepped inside the skip, so the
-    updates are never written out and read back. optax's wrappers (``chain``, ``MultiSteps``,
-    ``masked``, ``inject_hyperparams``) build a plain transform from ``init`` and ``update``
-    and so leave ``update_and_apply`` out; `jaxmp.transform.update_and_apply` then runs
-    ``update`` and [`jaxmp.apply_updates`][jaxmp.apply_updates], with the same result.
+    Adds ``update_and_apply(grads, state, params, **extra_args) -> (new_params, new_state)``,
+    which steps the params inside the skip. optax's wrappers drop it; `jaxmp.transform.update_and_apply`
+    then falls back to ``update`` and [`jaxmp.apply_updates`][jaxmp.apply_updates].
+    See docs/design.md#loss-scaling.
 
     Args:
       init: as optax's.
@@ -173,16 +163,16 @@ class FusedTransformation(optax.GradientTransformationExtraArgs):
 
 
 def check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
-    """``inner`` as an optax transformation with extra-args support, or a ``TypeError``.
-
-    Every wrapper of an inner optimizer checks its argument with this (the transforms here and
-    the lean recipes of `jaxmp.lean`).
+    """``inner`` as an optax transformation with extra-args support.
 
     Args:
       inner: an optax ``GradientTransformation`` (or anything with ``init`` and ``update``).
 
     Returns:
       ``optax.with_extra_args_support(inner)``.
+
+    Raises:
+      TypeError: ``inner`` has no ``init`` and ``update``.
 
     Example:
       >>> import optax
@@ -202,14 +192,8 @@ def _all_inexact(tree) -> bool:
 def numeric_leaves_only(inner: Any) -> optax.GradientTransformationExtraArgs:
     """``inner`` run on the floating and complex leaves only; the others pass through untouched.
 
-    Integer and bool params (whose gradients from ``jax.grad(..., allow_int=True)`` are
-    ``float0``) and PRNG-key params cannot be stepped: optax's own transforms multiply every
-    leaf and fail on them ("Called multiply with a float0 array"). With such leaves present the
-    inner chain is run through ``optax.masked``, optax's way to leave leaves alone: it keeps no
-    state for them and their updates are the gradients as given (``float0``), which
-    `jaxmp.apply_updates` skips. Params with only inexact leaves get ``inner`` itself, so
-    their state is exactly ``inner``'s. The params decide (the gradients when ``update`` is given
-    none: an int or key param's gradient is ``float0``).
+    Integer, bool and PRNG-key leaves (``float0`` gradients) keep their gradients as updates,
+    through ``optax.masked``. See docs/design.md#loss-scaling.
 
     Args:
       inner: the optax transformation to run on the inexact leaves.
@@ -221,7 +205,7 @@ def numeric_leaves_only(inner: Any) -> optax.GradientTransformationExtraArgs:
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from jaxmp.transform import numeric_leaves_only
-      >>> tx = numeric_leaves_only(optax.sgd(0.1, momentum=0.9))
+      >>> tx = numeric_leaves_only(optax.sgd(0.1))
       >>> params = {"w": jnp.ones(2), "key": jax.random.key(0)}
       >>> grads = {"w": jnp.ones(2), "key": jnp.zeros((), jax.dtypes.float0)}
       >>> updates, _ = tx.update(grads, tx.init(params), params)
@@ -247,31 +231,26 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
                    ) -> optax.GradientTransformationExtraArgs:
     """Keeps a ``master_dtype`` copy of the params and runs ``inner`` on it (Apex O2).
 
-    ``init`` copies the params to ``master_dtype`` (complex params are copied in their own
-    dtype, and stepped like the others); ``update`` casts the (unscaled) gradients
-    to it, runs ``inner`` on the master copy (so Adam's moments are float32), steps the
-    master, and returns the updates that move each half param onto the cast of the new
-    master. [`jaxmp.apply_updates`][jaxmp.apply_updates] with the state returns exactly that cast. Compose it
-    under `jaxmp.transform.unscale_and_skip`, which then unscales in ``master_dtype`` and keeps the
-    master unchanged on skipped steps.
+    ``update`` returns the updates that move each half param onto the cast of the new master;
+    [`jaxmp.apply_updates`][jaxmp.apply_updates] with the state returns exactly that cast. Compose it
+    under `jaxmp.transform.unscale_and_skip`. See docs/design.md#loss-scaling.
 
     Args:
       inner: the optax transformation run on the master copy.
-      master_dtype: dtype of the master copy (float32; ``"f32"``-style names accepted).
+      master_dtype: dtype of the master copy (float32 or wider).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is `jaxmp.transform.MasterWeightsState`.
 
     Raises:
-      ValueError: a half-precision ``master_dtype`` (updates below half its ulp would never
-        move the master).
+      ValueError: a half-precision ``master_dtype``.
 
     Example:
-      >>> import jax.numpy as jnp, optax, jaxmp
-      >>> tx = jaxmp.transform.master_weights(optax.sgd(0.5))
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxmp.transform import master_weights
+      >>> tx = master_weights(optax.sgd(0.5))
       >>> params = {"w": jnp.ones(2, jnp.float16)}
-      >>> state = tx.init(params)
-      >>> updates, state = tx.update({"w": jnp.full(2, 1e-3, jnp.float16)}, state, params)
+      >>> updates, state = tx.update({"w": jnp.full(2, 1e-3, jnp.float16)}, tx.init(params), params)
       >>> state.master_params["w"].dtype, updates["w"].dtype
       (dtype('float32'), dtype('float16'))
     """
@@ -308,12 +287,7 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
 
 
 def _check_master_dtype(master_dtype: Any) -> np.dtype:
-    """A master dtype that can hold the params' small updates: float32 or wider.
-
-    A float16/bfloat16 master is refused: an update below half an ulp of a param (0.5 * 2**-7
-    of it in bfloat16, e.g. every ``sgd(1e-4)`` step of a weight near 1) rounds away, so the
-    master would never move, which is the failure a master copy exists to prevent.
-    """
+    """A master dtype that can hold the params' small updates: float32 or wider (docs/design.md#loss-scaling)."""
     dt = float_dtype(master_dtype, "master_dtype")
     if dt.itemsize < 4:
         raise ValueError(
@@ -348,11 +322,7 @@ def _unscale(loss_scale, grads, keeps_master: bool):
 
 
 def apply_to_params(params, updates, state=None):
-    """New params from ``updates``; with a master copy in ``state``, its exact cast to each param's dtype.
-
-    The body of [`jaxmp.apply_updates`][jaxmp.apply_updates]; the fused update of `update_and_apply` runs it
-    inside the skip, so the params are written once, by the optimizer's own pass.
-    """
+    """New params from ``updates``; with a master copy in ``state``, its exact cast to each param's dtype."""
     found = _tree.find_states(state, MasterWeightsState) if state is not None else []
     if found:
         _check_nothing_after_master(state)
@@ -364,12 +334,7 @@ def apply_to_params(params, updates, state=None):
 
 
 def _check_nothing_after_master(state) -> None:
-    """Raises when an optax chain runs transforms after the one that keeps the master copy.
-
-    The params are the master's cast, whatever the later transforms did to the updates
-    (``optax.chain(loss_scaling(..., master_weights=True), optax.scale(0.5))`` would silently
-    step at full size). Checked on the state's structure only, at trace time.
-    """
+    """Raises when an optax chain runs transforms after the one keeping the master copy (state structure only)."""
     if isinstance(state, dict):  # optax.named_chain: its parts in chain order
         parts = list(state.values())
     elif isinstance(state, tuple) and not hasattr(state, "_fields"):
@@ -391,10 +356,8 @@ def _check_nothing_after_master(state) -> None:
 def _check_state_matches(inner, state_inner, ref) -> None:
     """Raises a ValueError naming the first leaf where the inner state differs from ``inner.init(ref)``.
 
-    Structure and shapes only, from ``jax.eval_shape``. Called only once the inner update has
-    failed or changed its state's shapes (an extra abstract ``init`` on every traced update would
-    cost trace time for nothing): a state built for other params (or another optimizer) would
-    otherwise fail deep inside optax, or broadcast.
+    Structure and shapes only (``jax.eval_shape``); called only once the inner update has failed or
+    changed its state's shapes, so that a traced update pays no extra ``init``.
     """
     try:
         expected = jax.eval_shape(inner.init, ref)
@@ -416,17 +379,9 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
                 fold_ok=True):
     """The inner update on a finite step; ``-0.0`` updates and the old inner state otherwise.
 
-    The gradients are unscaled inside the step, not before it: under ``lax.cond`` XLA can then
-    fuse the unscaling into the inner chain's first elementwise ops, and the finiteness check
-    (outside) into a single reduction over the scaled gradients, so no unscaled copy of the
-    gradients is ever written out. The inner chain is traced once, to a jaxpr, and evaluated
-    with the unscaling folded out of its reductions (`jaxmp.fold`: a global norm is
-    computed on the scaled gradients and multiplied by ``1/scale**2``), which XLA:CPU does not
-    fuse on its own.
-
-    ``fused``: return the new params instead of the updates (``apply_to_params`` inside the
-    taken branch), so that the updates are never written out and read back: the compiled step
-    then makes the floor's passes (the optimizer's, plus one finiteness reduction), no more.
+    The gradients are unscaled inside the step, so XLA fuses the unscaling into the inner chain and
+    no unscaled copy is written out; reductions are folded (`jaxmp.fold`). ``fused``: return the new
+    params instead of the updates, so the updates are never written out and read back.
     """
     def inner_fn(g, ls):
         return inner.update(_unscale(ls, g, keeps_master), state.inner_state, params, **extra_args)
@@ -477,13 +432,7 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
 
 
 def _check_master_matches(inner, state_keeps_master: bool, ref) -> None:
-    """A state from ``loss_scaling(..., master_weights=True)`` given to one without (or the reverse).
-
-    Named here, before the step: otherwise ``lax.cond`` fails on its branches' pytree
-    structures, or optax on a state it does not know. A transform whose inner chain holds the
-    master weights deeper down (``optax.chain(master_weights(...), ...)``) is asked its init
-    (abstractly) only when the state has a master copy and the inner is not master_weights itself.
-    """
+    """Raises when a state with a master copy meets a transform without one (or the reverse), before the step."""
     built_with = isinstance(inner, _MasterWeights)
     if not built_with and state_keeps_master:
         try:
@@ -502,8 +451,7 @@ def _check_master_matches(inner, state_keeps_master: bool, ref) -> None:
 def _check_state_types(old: Any, new: Any, check_origin: Callable[[], None]) -> None:
     """A skipped step returns the old inner state: the inner chain must keep its state's types.
 
-    ``check_origin`` runs first on a mismatch: a state made for other params (broadcast by the
-    update) is named as such rather than as a state the optimizer changes.
+    ``check_origin`` runs first on a mismatch, so a state made for other params is named as such.
     """
     old_leaves = jax.tree_util.tree_leaves_with_path(old)
     new_leaves = jax.tree_util.tree_leaves(new)
@@ -529,7 +477,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
                      check_updates: bool | None = None) -> FusedTransformation:
     """Unscales gradients, skips non-finite steps and adjusts the loss scale around ``inner``.
 
-    The loss-scaling half of [`loss_scaling`][jaxmp.loss_scaling] (see it for the full contract); compose with
+    The loss-scaling half of [`loss_scaling`][jaxmp.loss_scaling]; compose with
     `jaxmp.transform.master_weights` as ``unscale_and_skip(master_weights(inner))``.
 
     Args:
@@ -537,19 +485,21 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
       loss_scale: a loss-scale object or a spec for [`jaxmp.make_loss_scale`][jaxmp.make_loss_scale].
       axis_name: the ``pmap``/``shard_map`` axis to agree on the finite verdict over.
       skip_with: ``"cond"``, ``"select"`` or ``"auto"``, as in [`loss_scaling`][jaxmp.loss_scaling].
-      check_updates: also skip steps whose updates are non-finite; as in [`loss_scaling`][jaxmp.loss_scaling].
+      check_updates: also skip steps whose updates are non-finite, as in [`loss_scaling`][jaxmp.loss_scaling].
 
     Returns:
-      A `jaxmp.transform.FusedTransformation` (an ``optax.GradientTransformationExtraArgs``) whose state is
-      [`LossScalingState`][jaxmp.LossScalingState].
-      ``update`` accepts ``value=loss`` (optax's name for the loss) to tell a non-finite loss
-      from non-finite gradients in ``skip_reason``.
+      A `jaxmp.transform.FusedTransformation` whose state is [`LossScalingState`][jaxmp.LossScalingState];
+      ``update`` takes ``value=loss`` to tell a non-finite loss from non-finite gradients.
+
+    Raises:
+      ValueError: an unknown ``skip_with``.
+      TypeError: ``check_updates`` is not None or a bool.
 
     Example:
-      >>> import jax.numpy as jnp, optax, jaxmp
-      >>> tx = jaxmp.transform.unscale_and_skip(optax.sgd(0.1), "static:4")
-      >>> state = tx.init({"w": jnp.ones(2)})
-      >>> updates, state = tx.update({"w": jnp.array([4.0, jnp.inf])}, state)
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxmp.transform import unscale_and_skip
+      >>> tx = unscale_and_skip(optax.sgd(0.1), "static:4")
+      >>> updates, state = tx.update({"w": jnp.array([4.0, jnp.inf])}, tx.init({"w": jnp.ones(2)}))
       >>> bool(state.last_step_finite), int(state.skip_reason), updates["w"].tolist()
       (False, 2, [-0.0, -0.0])
     """
@@ -668,81 +618,40 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: LossScaleLike 
                  check_updates: bool | None = None) -> FusedTransformation:
     """Wraps an optax transformation with loss scaling, non-finite step skipping and master weights.
 
-    ``unscale_and_skip(master_weights(inner, master_dtype), loss_scale, ...)`` when
-    ``master_weights`` is set, else ``unscale_and_skip(inner, loss_scale, ...)``. On every
-    ``update(grads, state, params)``:
-
-    1. gradients (scaled by [`jaxmp.value_and_grad`][jaxmp.value_and_grad]) are unscaled with the scale that
-       scaled the loss -- before the inner chain, so clipping and weight decay see true values
-       (a sum of squares such as the global norm is computed on the scaled gradients and divided
-       by ``scale**2``, which is bitwise the same for power-of-two scales: `jaxmp.fold`;
-       known limit: where a squared *scaled* gradient leaves float32, ``|g| * scale > 1.8e19``,
-       the folded norm is inf and ``clip_by_global_norm`` zeroes that step's update; a scale
-       that can go below 1 -- ``"torch"``'s floor, a static scale < 1 -- is never folded);
-    2. every floating and complex gradient leaf is checked for inf/NaN; with ``axis_name`` the
-       verdict is reduced (``pmin`` in float32) so every replica agrees;
-    3. finite: the inner update is applied; non-finite: updates are zero (``-0.0``, so that
-       params stay bitwise unchanged, negative zeros included) and the inner state (step counts
-       and master copy included) is left bitwise unchanged -- via ``lax.cond`` or
-       ``lax.select``, no Python branching on values;
-    4. where half-precision arithmetic can make them so, the updates and the new half-precision
-       state leaves are checked too (``check_updates``): a finite gradient that still yields a
-       non-finite update or state (pure-fp16 Adam: epsilon flushed to zero, ``nu`` past 65504)
-       is skipped, never applied;
-    5. the loss scale is adjusted (grows after ``period`` finite steps, backs off on overflow)
-       and the state records why a skipped step was skipped (``skip_reason``).
-
-    A non-finite update is never applied, however many steps in a row overflow; call
-    [`jaxmp.check_health`][jaxmp.check_health] on the host to stop a run that keeps skipping.
-
-    Schedules inside the inner chain count the inner step counter, which advances on applied
-    steps only. Gradient accumulation: put ``optax.MultiSteps`` *inside*
-    (``loss_scaling(optax.MultiSteps(inner, k))``): every micro-batch is checked and the scale
-    adjusts on each. ``MultiSteps(loss_scaling(...))`` also trains like the large batch (the
-    scale only changes when the accumulated step is taken, so the micro-batches of one step
-    share it), but only the accumulated gradient is checked and the scale adjusts once per
-    ``k`` micro-batches.
-
-    Master weights (Apex O2): with ``master_weights=True`` the model's params may be stored in
-    float16/bfloat16; the inner chain runs on a ``master_dtype`` copy kept in the state, and
-    [`jaxmp.apply_updates`][jaxmp.apply_updates] returns the master cast to each param's dtype, bit for bit.
-    With float32 params leave it off: gradients then come back float32 already.
+    ``unscale_and_skip(master_weights(inner, master_dtype), loss_scale, ...)`` with ``master_weights``,
+    else ``unscale_and_skip(inner, loss_scale, ...)``. Each update unscales the gradients before the
+    inner chain, skips a step whose gradients (or, under half arithmetic, updates) are non-finite
+    (``-0.0`` updates, inner state bitwise unchanged) and adjusts the scale. What one update does,
+    gradient accumulation and master weights: see docs/design.md#loss-scaling.
 
     Args:
       inner: the optax transformation to wrap (e.g. ``optax.chain(clip, adamw)``).
       loss_scale: a loss-scale object or a spec for [`jaxmp.make_loss_scale`][jaxmp.make_loss_scale]
         (``"dynamic"`` default; ``"none"`` for bfloat16/float32; ``"torch"``; a number).
       axis_name: the ``pmap``/``shard_map`` axis to agree on the finite verdict over.
-      master_weights: keep a ``master_dtype`` master copy of the params in the state. ``None``
-        (default) is ``False``, but ``init`` warns (``MixedPrecisionWarning``) when bfloat16
-        params get no master copy and no stochastic rounding (O2-bf16 without masters, as it
-        warns for float16 params); pass ``False`` to say pure bfloat16 on purpose (O3).
-      master_dtype: dtype of the master copy (float32 or wider; ``"f32"``/``"float32"``
-        accepted). A half master is refused: updates below half its ulp would never move it.
-      skip_with: how a step is skipped inside the compiled program. ``"cond"``: ``lax.cond``
-        runs only the taken branch and lets XLA update the optimizer state in place (cheapest
-        on CPU and TPU); ``"select"``: compute the inner update, then ``lax.select`` between
-        new and old state; ``"auto"`` (default): ``"select"`` on GPU, ``"cond"`` elsewhere.
-        Both give the same result for a single update; whole jitted train steps compiled with
-        one or the other can differ in the last bits, since XLA fuses the two programs
-        differently.
-      check_updates: also skip a step whose *updates* are non-finite although its gradients
-        were finite. ``None`` (default) checks exactly when half arithmetic can cause it: with
-        master weights, or when the gradients or the inner state hold float16/bfloat16 leaves.
+      master_weights: keep a ``master_dtype`` copy of the params in the state. ``None`` (default)
+        is ``False`` but warns when bfloat16 params get no master copy; ``False`` says so on purpose.
+      master_dtype: dtype of the master copy, float32 or wider.
+      skip_with: ``"cond"``, ``"select"`` or ``"auto"`` (default: ``"select"`` on GPU, ``"cond"``
+        elsewhere): how a step is skipped inside the compiled program.
+      check_updates: also skip a step whose updates are non-finite. ``None`` (default): exactly
+        when half arithmetic can cause it (master weights, or half gradients or state).
 
     Returns:
-      A `jaxmp.transform.FusedTransformation` (an ``optax.GradientTransformationExtraArgs``) whose state is
-      [`LossScalingState`][jaxmp.LossScalingState].
+      A `jaxmp.transform.FusedTransformation` whose state is [`LossScalingState`][jaxmp.LossScalingState].
+
+    Raises:
+      TypeError: ``master_weights`` or ``check_updates`` is not a bool.
+      ValueError: a half-precision ``master_dtype``, or an unknown ``skip_with``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
-      >>> tx = jaxmp.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))
+      >>> tx = jaxmp.loss_scaling(optax.adam(1e-3))
       >>> params = {"w": jnp.ones(3)}
       >>> state = tx.init(params)
       >>> loss, grads = jaxmp.value_and_grad(lambda p: jnp.sum(p["w"] ** 2), state)(params)
       >>> updates, state = tx.update(grads, state, params)
-      >>> params = jaxmp.apply_updates(params, updates, state)
-      >>> loss, params["w"]  # the true (unscaled) loss; one Adam step of size 1e-3
+      >>> loss, jaxmp.apply_updates(params, updates, state)["w"]
       (Array(3., dtype=float32), Array([0.999, 0.999, 0.999], dtype=float32))
     """
     if master_weights is not None and not isinstance(master_weights, bool):
@@ -759,16 +668,10 @@ _master_weights_factory = master_weights
 
 
 def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_args) -> tuple[Any, Any]:
-    """``tx.update`` then [`jaxmp.apply_updates`][jaxmp.apply_updates], as one fused step: ``(new_params, new_opt_state)``.
+    """``tx.update`` then [`jaxmp.apply_updates`][jaxmp.apply_updates] as one fused step.
 
-    For a transform made by [`loss_scaling`][jaxmp.loss_scaling] / `jaxmp.transform.unscale_and_skip` the params are
-    stepped inside the skip (``lax.cond`` or ``lax.select``), so the compiled program never
-    writes the updates out to read them back: it makes the passes of a bare optax step plus one
-    finiteness reduction over the gradients. Any other transform (e.g. one that wraps
-    ``loss_scaling`` in an ``optax.chain``) falls back to ``tx.update`` and ``apply_updates``;
-    a chain with transforms after one keeping master weights raises a ``ValueError`` (their
-    effect would be dropped: the params are the master's cast).
-    A skipped step returns the params and every inner state leaf bitwise unchanged.
+    A [`loss_scaling`][jaxmp.loss_scaling] transform steps the params inside the skip; any other
+    transform falls back to ``tx.update`` and ``apply_updates``. See docs/design.md#loss-scaling.
 
     Args:
       tx: the optax transformation (usually ``jaxmp.loss_scaling(...)``).
@@ -779,6 +682,9 @@ def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_a
 
     Returns:
       ``(new_params, new_opt_state)``.
+
+    Raises:
+      ValueError: an optax chain with transforms after the one keeping master weights.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
