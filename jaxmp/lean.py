@@ -1,35 +1,11 @@
 """Memory-lean optimizer recipes: bfloat16 moments and params with stochastic rounding, param remainders.
 
-Under O2-bf16 with AdamW the training state costs 14 bytes per parameter: the bf16 param (2),
-its float32 master (4) and two float32 moments (8). The transforms here spend less, each as an
-optax transformation that composes with [`jaxmp.loss_scaling`][jaxmp.loss_scaling] (wrap them in it, as any
-inner optimizer) and with ``optax.MultiSteps``:
-
-* [`bf16_moments`][jaxmp.lean.bf16_moments] stores the inner optimizer's moments in bfloat16, does its arithmetic in
-  float32, and rounds the new moments *stochastically* when it stores them. Round-to-nearest
-  stalls: Adam's ``nu`` with ``b2 = 0.999`` and ``g**2 = 1`` sticks at 0.25 in bfloat16, since
-  ``0.001 * (1 - 0.25)`` is below half a bfloat16 ulp at 0.25, where float32 reaches 0.993 after
-  5000 steps; stochastic rounding tracks float32 in expectation.
-* [`bf16_params`][jaxmp.lean.bf16_params] keeps bfloat16 params with no master copy: the update is computed in
-  float32 and the new param rounded stochastically (arXiv:2010.06192), so an update far below
-  half an ulp still moves the param in expectation.
-* [`param_remainders`][jaxmp.lean.param_remainders] keeps a bfloat16 param plus the low 16 bits of its float32 master
-  (Apex ``DistributedFusedAdam(store_param_remainders=True)``): the master is reconstructed bit
-  for bit, for 2 bytes instead of 4.
-* [`preset`][jaxmp.lean.preset] builds the useful combinations by name (`PRESETS`, with their bytes per
-  parameter).
-
-**Random bits.** The PRNG key lives in the optimizer state (a raw ``uint32[2]`` threefry2x32
-key, so it checkpoints with the rest) with a step counter. Each update folds the counter into
-the key, then the leaf's index in the params' (or state's) leaf order
-(``fold_in(fold_in(key, count), leaf)``), and draws ``jax.random.bits`` of the leaf's shape.
-threefry2x32 is used whatever ``jax_default_prng_impl`` says; with ``jax_threefry_partitionable``
-(JAX's default since 0.5) the bits of an array do not depend on how it is sharded, so stochastic
-rounding under sharded state equals stochastic rounding replicated, and jitted equals eager.
-
-**Skipped steps.** The counter lives in the inner state that [`jaxmp.loss_scaling`][jaxmp.loss_scaling] keeps
-bitwise unchanged on a skipped step: it advances on applied steps only, a skipped step's retry
-draws the same bits, and a run resumed from a checkpoint is bit-exact.
+Each is an optax transformation to wrap in [`jaxmp.loss_scaling`][jaxmp.loss_scaling]:
+[`bf16_moments`][jaxmp.lean.bf16_moments] (bfloat16 moments), [`bf16_params`][jaxmp.lean.bf16_params]
+(bfloat16 params, no master), [`param_remainders`][jaxmp.lean.param_remainders] (a float32 master
+as a bfloat16 param plus 16 bits) and [`preset`][jaxmp.lean.preset] (the combinations by name).
+Why round stochastically, where the random bits come from and what a skipped step draws:
+see docs/lean-recipes.md.
 """
 
 from __future__ import annotations
@@ -172,15 +148,12 @@ def _check_rounding(rounding: Any) -> str:
 def stochastic_round(x: jax.Array, key: jax.Array | int, dtype: DTypeLike = jnp.bfloat16) -> jax.Array:
     """Rounds float32 ``x`` to bfloat16 stochastically: up with probability equal to the distance.
 
-    A value between two bfloat16 neighbours ``lo < x < hi`` becomes ``hi`` with probability
-    ``(x - lo) / (hi - lo)``, so ``E[stochastic_round(x)] == x``: 16 random bits are added to the
-    low half of ``x``'s float32 bit pattern, which is then truncated. Values that bfloat16
-    represents, infinities and NaN are returned unchanged.
+    ``E[stochastic_round(x)] == x``; values bfloat16 represents, infinities and NaN are unchanged.
 
     Args:
       x: a float32 array.
       key: a threefry2x32 PRNG key (or an int seed).
-      dtype: the target dtype; only bfloat16 (the high half of a float32) is supported.
+      dtype: the target dtype; only bfloat16 is supported.
 
     Returns:
       A bfloat16 array of ``x``'s shape.
@@ -193,8 +166,8 @@ def stochastic_round(x: jax.Array, key: jax.Array | int, dtype: DTypeLike = jnp.
       >>> import jax, jax.numpy as jnp
       >>> from jaxmp.lean import stochastic_round
       >>> x = jnp.full(10_000, 1.0 + 2.0**-9, jnp.float32)      # a quarter of the way to the next bf16
-      >>> r = stochastic_round(x, jax.random.key(0))
-      >>> sorted(set(r.astype(jnp.float32).tolist())), round(float(r.astype(jnp.float32).mean()), 4)
+      >>> r = stochastic_round(x, jax.random.key(0)).astype(jnp.float32)
+      >>> sorted(set(r.tolist())), round(float(r.mean()), 4)
       ([1.0, 1.0078125], 1.002)
     """
     if np.dtype(dtype) != np.dtype(jnp.bfloat16):
@@ -227,15 +200,9 @@ def bf16_moments(inner: optax.GradientTransformation, key: jax.Array | int | Non
                  rounding: str = "stochastic") -> optax.GradientTransformationExtraArgs:
     """Stores ``inner``'s moments in bfloat16, computes in float32, rounds stochastically on store.
 
-    Every floating leaf of ``inner``'s state with ``ndim >= 1`` (Adam's ``mu`` and ``nu``, momentum
-    buffers) is kept in bfloat16; scalars (step counts, injected hyperparameters) keep their dtype.
-    ``update`` casts the stored moments to float32, runs ``inner`` (whose updates therefore come
-    from float32 moments), and rounds the new moments to bfloat16 when it stores them.
-
-    ``rounding="nearest"`` is the failure mode, kept for comparison: Adam's ``nu`` with
-    ``b2 = 0.999`` and ``g**2 = 1`` sticks at 0.25 (the increment ``0.001 * 0.75`` is below half
-    a bfloat16 ulp at 0.25), where float32 reaches 0.9933 after 5000 steps. ``"stochastic"``
-    (the default) tracks float32 in expectation.
+    Floating state leaves with ``ndim >= 1`` are stored in bfloat16; scalars keep their dtype.
+    ``rounding="nearest"`` is the stalling failure mode, kept for comparison.
+    See docs/lean-recipes.md#bf16-moments-need-stochastic-rounding.
 
     Args:
       inner: the optax transformation whose state is stored in bfloat16 (e.g. ``optax.adamw``).
@@ -245,16 +212,18 @@ def bf16_moments(inner: optax.GradientTransformation, key: jax.Array | int | Non
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is [`Bf16MomentsState`][jaxmp.lean.Bf16MomentsState].
 
+    Raises:
+      TypeError: no ``key`` for stochastic rounding.
+      ValueError: an unknown ``rounding``.
+
     Example:
       >>> import jax.numpy as jnp, optax
       >>> from jaxmp.lean import bf16_moments
       >>> tx = bf16_moments(optax.adam(1e-3), key=0)
       >>> state = tx.init({"w": jnp.zeros(3)})
-      >>> state.inner_state[0].nu["w"].dtype
-      dtype(bfloat16)
       >>> updates, state = tx.update({"w": jnp.ones(3)}, state)
-      >>> updates["w"].dtype, int(state.count)
-      (dtype('float32'), 1)
+      >>> state.inner_state[0].nu["w"].dtype, updates["w"].dtype
+      (dtype(bfloat16), dtype('float32'))
     """
     inner = check_inner(inner)
     rounding = _check_rounding(rounding)
@@ -308,27 +277,21 @@ def bf16_params(inner: optax.GradientTransformation, key: jax.Array | int | None
                 rounding: str = "stochastic") -> optax.GradientTransformationExtraArgs:
     """Updates bfloat16 params with no master copy, rounding each new param stochastically.
 
-    ``inner`` runs on a float32 view of the params and float32 gradients (its moments are float32
-    unless wrapped in [`bf16_moments`][jaxmp.lean.bf16_moments]); each bfloat16 param becomes
-    ``stochastic_round(float32(param) + update)``, so an update far below half an ulp still moves
-    the param by the right amount in expectation ("Revisiting BFloat16 Training",
-    arXiv:2010.06192). float32 params (if any) are updated in float32; float16 params are refused.
-
-    The returned updates are float32 differences ``new - old``: ``jaxmp.apply_updates`` and
-    ``optax.apply_updates`` both add them in float32 and round to the param's dtype, which gives
-    the new param exactly unless the step almost cancels the param (``|new| < 2**-16 |old|``),
-    where the result may differ from it by up to one float32 ulp of ``old``.
-    ``rounding="nearest"`` is plain bfloat16 training (the failure mode: updates below half an ulp
-    are lost).
+    ``inner`` runs in float32; each bfloat16 param becomes ``stochastic_round(float32(param) + update)``
+    (arXiv:2010.06192); the returned updates are the float32 differences. float32 params are updated
+    in float32. See docs/lean-recipes.md#bf16-params-with-stochastic-rounding-no-master.
 
     Args:
       inner: the optax transformation run in float32 (e.g. ``optax.adamw``).
       key: an int seed or a threefry2x32 ``jax.random.key``; required for stochastic rounding.
-      rounding: ``"stochastic"`` (default) or ``"nearest"``.
+      rounding: ``"stochastic"`` (default) or ``"nearest"`` (updates below half an ulp are lost).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is [`Bf16ParamsState`][jaxmp.lean.Bf16ParamsState];
       ``update`` requires ``params``.
+
+    Raises:
+      TypeError: float16 params, or no ``key`` for stochastic rounding.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
@@ -337,8 +300,7 @@ def bf16_params(inner: optax.GradientTransformation, key: jax.Array | int | None
       >>> params = {"w": jnp.ones(4096, jnp.bfloat16)}      # the bf16 below 1.0 is 2**-8 away: 39x the step
       >>> state = tx.init(params)
       >>> updates, state = tx.update({"w": jnp.ones(4096, jnp.bfloat16)}, state, params)
-      >>> params = jaxmp.apply_updates(params, updates, state)
-      >>> moved = float((params["w"] != 1).mean())           # ~1/39 of them moved one ulp down
+      >>> moved = float((jaxmp.apply_updates(params, updates, state)["w"] != 1).mean())  # ~1/39
       >>> 0.015 < moved < 0.035
       True
     """
@@ -386,12 +348,9 @@ def bf16_params(inner: optax.GradientTransformation, key: jax.Array | int | None
 def split_master(master: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Splits a float32 master into a bfloat16 param and an int16 remainder, losslessly.
 
-    The param is the master rounded to nearest bfloat16 with ties *away from zero* (the high 16
-    bits of the float32 pattern, plus one when the low 16 bits are >= 0x8000); the remainder is
-    the low 16 bits, read as a signed int16. Round-half-even would not do: it maps 65537 float32
-    patterns onto an even bfloat16 and 65535 onto an odd one, so 16 bits could not tell them
-    apart. The param therefore differs from ``master.astype(jnp.bfloat16)`` (ties to even) only
-    when the master's low 16 bits are exactly 0x8000 and its high half is even.
+    The param is the master rounded to nearest bfloat16 with ties away from zero (ties to even
+    could not be undone from 16 bits); the remainder is the low 16 bits.
+    See docs/lean-recipes.md#param-remainders-the-fp32-master-in-2-2-bytes.
 
     Args:
       master: a float32 array.
@@ -465,21 +424,10 @@ def _masters(params: Any, remainders: Any) -> Any:
 def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     """Keeps float32 masters as bfloat16 params plus 16-bit remainders, exactly (Apex ``store_param_remainders``).
 
-    The state holds, per bfloat16 param, the int16 low half of its float32 master
-    ([`split_master`][jaxmp.lean.split_master]): 2 bytes instead of the 4 of a master copy. ``update`` reconstructs the
-    masters ([`merge_master`][jaxmp.lean.merge_master]), runs ``inner`` on them in float32, steps them, and returns the
-    float32 differences that move each param onto the new master's high half; the new low halves
-    go into the state. Applied with ``jaxmp.apply_updates`` or ``optax.apply_updates`` (both add
-    in float32 and round to bfloat16), the params and remainders reconstruct the new masters bit
-    for bit, so training is bitwise that of ``loss_scaling(..., master_weights=True)`` fed the
-    same gradients. Two documented differences: the param is the master rounded with ties away
-    from zero ([`split_master`][jaxmp.lean.split_master]), which only differs from ``astype`` when the low half is
-    exactly 0x8000; and where a step almost cancels a param (``|new| < 2**-16 |old|``), the
-    float32 difference cannot carry the new param exactly and the master snaps to the param
-    actually applied (remainder 0): an error below one float32 ulp of the old param.
-
-    The params must be bfloat16 (float32 leaves are updated in float32 as their own masters);
-    float16 params are refused: a float16 value is not the high half of a float32.
+    ``update`` rebuilds the masters ([`merge_master`][jaxmp.lean.merge_master]), runs ``inner`` on them
+    in float32 and returns the float32 differences that move each param onto the new master's high
+    half: bitwise the training of ``loss_scaling(..., master_weights=True)``, but for ties and
+    cancellation (docs/lean-recipes.md#param-remainders-the-fp32-master-in-2-2-bytes).
 
     Args:
       inner: the optax transformation run on the float32 masters (e.g. ``optax.adamw``).
@@ -487,6 +435,9 @@ def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTrans
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is [`ParamRemaindersState`][jaxmp.lean.ParamRemaindersState];
       ``update`` requires ``params``.
+
+    Raises:
+      TypeError: float16 params (a float16 value is not the high half of a float32).
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
@@ -496,8 +447,7 @@ def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTrans
       >>> state = tx.init(params)
       >>> updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
       >>> params = jaxmp.apply_updates(params, updates, state)
-      >>> master = remainder_master(params, state)["w"]
-      >>> params["w"].tolist(), master.tolist() == [jnp.float32(1) - jnp.float32(1e-4)] * 2
+      >>> params["w"].tolist(), remainder_master(params, state)["w"].tolist() == [jnp.float32(1) - jnp.float32(1e-4)] * 2
       ([1.0, 1.0], True)
     """
     inner = check_inner(inner)
@@ -638,16 +588,12 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: jax.Array | i
     | ``"remainders-bf16-moments"`` | 8 | ``param_remainders(bf16_moments(inner))`` |
     | ``"bf16-sr"`` | 6 | ``bf16_params(bf16_moments(inner))`` |
 
-    With ``accumulate_steps > 1``, ``optax.MultiSteps`` goes between the param-level transform and
-    the moments (its float32 gradient accumulator adds 4 bytes per parameter), so the masters,
-    remainders and stochastically rounded params change only on the steps that apply an update.
-
     Args:
       name: a key of `PRESETS`.
       inner: the optax optimizer (e.g. ``optax.adamw(1e-3)``).
-      key: an int seed or threefry2x32 key; required by the presets that round stochastically
-        (the params and the moments draw from ``fold_in(key, 1)`` and ``fold_in(key, 2)``).
-      accumulate_steps: gradient accumulation over this many steps (``optax.MultiSteps``).
+      key: an int seed or threefry2x32 key; required by the presets that round stochastically.
+      accumulate_steps: gradient accumulation over this many steps (``optax.MultiSteps``, placed
+        as docs/lean-recipes.md#gradient-accumulation says).
 
     Returns:
       An optax transformation; wrap it: ``jaxmp.loss_scaling(preset(...), "none")``.
@@ -657,17 +603,14 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: jax.Array | i
       TypeError: a stochastic preset without a key.
 
     Warns:
-      MixedPrecisionWarning: at ``init``, when no floating param is bfloat16: the bytes per
-        parameter of `PRESETS` assume bfloat16 params, and on float32 params the presets
-        save nothing (or only their bfloat16 moments).
+      MixedPrecisionWarning: at ``init``, when no floating param is bfloat16 (the presets then save little).
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
-      >>> from jaxmp.lean import PRESETS, preset
+      >>> from jaxmp.lean import preset
       >>> tx = jaxmp.loss_scaling(preset("bf16-sr", optax.adamw(1e-3), key=0), "none")
-      >>> state = tx.init({"w": jnp.ones((4, 4), jnp.bfloat16)})
-      >>> PRESETS["bf16-sr"][0]
-      6
+      >>> type(tx.init({"w": jnp.ones((4, 4), jnp.bfloat16)})).__name__
+      'LossScalingState'
     """
     if name not in PRESETS:
         raise ValueError(f"Unknown lean preset {name!r}{did_you_mean(name, PRESETS)}; the presets are "
