@@ -102,20 +102,15 @@ def parse_dtype(value: str) -> np.dtype:
 def float_dtype(dtype: DTypeLike, what: str = "dtype") -> np.dtype:
     """Returns a user-given dtype as a numpy floating dtype, or raises naming ``what``.
 
-    Strings are parsed once here: jmp's names (``"bf16"``, ``"half"``) and numpy's
-    (``"bfloat16"``); anything else goes through ``np.dtype``.
-
     Args:
-      dtype: a dtype-like (``jnp.float16``, ``"bfloat16"``, ``np.dtype``) or a
-        jmp-grammar name.
+      dtype: a dtype-like (``jnp.float16``, ``"bfloat16"``, ``np.dtype``) or a jmp-grammar name.
       what: how the error message calls this value (e.g. ``"compute_dtype"``).
 
     Returns:
       The numpy dtype.
 
     Raises:
-      TypeError: ``dtype`` is not a floating dtype (``None`` included: ``np.dtype(None)``
-        would be float64).
+      TypeError: ``dtype`` is not a floating dtype (``None`` included).
 
     Example:
       >>> import numpy as np
@@ -139,11 +134,7 @@ def float_dtype(dtype: DTypeLike, what: str = "dtype") -> np.dtype:
 
 
 def accumulation_dtype(dtype: DTypeLike) -> np.dtype:
-    """The dtype to sum or average values of ``dtype`` in: at least float32.
-
-    Half precision (float16, bfloat16, fp8) accumulates in float32; float32 and float64 stay as
-    they are. Unlike ``jnp.promote_types(dtype, jnp.float32)`` this is not an implicit
-    promotion, so it holds under ``jax.numpy_dtype_promotion("strict")`` too.
+    """The dtype to sum or average values of ``dtype`` in: at least float32 (no implicit promotion).
 
     Args:
       dtype: a floating dtype-like.
@@ -274,15 +265,10 @@ def cast_to_half(tree: T) -> T:
 def float32_backward(fn):
     """``fn`` as traced on the way forward, differentiated on float32 copies of its inputs.
 
-    A kernel that feeds half operands to a matmul with a float32 result
-    (``preferred_element_type``), such as attention logits, has a transpose that multiplies a
-    float32 cotangent with a half operand: JAX lowers that mixed matmul by promoting, which
-    strict dtype promotion refuses. With this wrapper the backward pass is the vjp of ``fn``
-    at float32 copies of its floating array arguments (the arithmetic the promotion would have
-    done anyway, now explicit), and each cotangent is cast back to its argument's dtype. The
-    forward pass is unchanged. Pass every array ``fn`` uses as an argument (non-floating ones,
-    such as a boolean mask, get no cotangent): a closure over a traced array would hand the
-    backward pass a tracer of a trace that has ended.
+    For kernels that feed half operands to a matmul with a float32 result (attention logits): their
+    transpose mixes dtypes, which strict promotion refuses. Pass every array ``fn`` uses as an
+    argument; a closure over a traced array would leak a tracer into the backward pass.
+    See docs/design.md#float32-backward.
 
     Args:
       fn: a function of arrays (floating arrays are differentiated; ``None`` is allowed).

@@ -1,14 +1,7 @@
 """Loss scales as pytrees: no-op, static and dynamic.
 
-Drop-in for jmp's loss scales with these fixes: they are dataclasses registered with
-``jax.tree_util.register_dataclass`` (the scale and counter are leaves, the configuration
-is static), so every field survives ``jit``/``tree_map``/checkpointing (jmp drops
-``min_loss_scale``); the scale is always float32 and is validated after the cast to float32;
-every dynamic scale has a floor (a normal float32 > 0), so no scale can reach 0, a subnormal,
-inf or NaN, and a scale recovers after any number of overflows (one restored damaged -- NaN,
-0, inf -- on its next adjust). A scale given as a concrete array is validated when a transform
-is built with it ([`make_loss_scale`][jaxmp.make_loss_scale]), not by the constructor, which JAX calls on every
-tree rebuild.
+Drop-in for jmp's loss scales, with every field a pytree leaf or static configuration, a float32
+scale and a floor no scale goes below. See docs/design.md#loss-scales.
 """
 
 from __future__ import annotations
@@ -275,15 +268,8 @@ class DynamicLossScale(_Scaling):
             counter = 0
             loss_scale = max(loss_scale * backoff_factor, min_loss_scale)
 
-    So with the defaults the scale doubles on the 2000th consecutive finite step.
-    Every scale has a floor: ``min_loss_scale`` must be a normal float32 (>= 2**-126), so
-    the scale can never reach 0 and recovers once gradients are finite again, after any
-    number of overflows. [`torch_parity`][jaxmp.DynamicLossScale.torch_parity] reproduces ``torch.amp.GradScaler``'s sequence
-    exactly while torch's scale stays >= 2**-126 (torch has no floor and dies at 0).
-
-    The scale and counter are pytree leaves (float32 and int32); the configuration
-    (period, factor, backoff, min, max) is static dataclass metadata, so it survives
-    ``jax.jit(lambda s: s)``, ``tree_map`` and a checkpoint restored into a template.
+    The scale (float32) and counter (int32) are leaves, the configuration static metadata.
+    See docs/design.md#loss-scales.
 
     Args:
       loss_scale: initial scale (validated after the cast to float32); default ``2**15``.
@@ -293,6 +279,10 @@ class DynamicLossScale(_Scaling):
       min_loss_scale: floor applied on back-off (a normal float32, >= 2**-126).
       backoff_factor: multiplier on overflow, in (0, 1); default ``1 / factor``.
       max_loss_scale: cap on growth (``inf`` allowed: growth still stops short of inf).
+
+    Raises:
+      TypeError: a non-number scale, counter or period.
+      ValueError: a configuration out of range, or an initial scale outside [min, max].
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
@@ -346,13 +336,11 @@ class DynamicLossScale(_Scaling):
     def torch_parity(cls) -> "DynamicLossScale":
         """``torch.amp.GradScaler()``'s defaults: init 2**16, x2 after 2000 finite steps, x0.5 on overflow.
 
-        One deviation from torch: a floor at 2**-126 (the smallest normal float32). torch has
-        none, so after ~150 overflows in a row its scale is flushed to 0 and never recovers
-        (pytorch/pytorch#99640); here it stops at the floor and grows back.
+        One deviation: a floor at 2**-126, where torch's scale dies at 0 (docs/design.md#loss-scales).
 
         Returns:
-          A [`DynamicLossScale`][jaxmp.DynamicLossScale] whose scale sequence matches GradScaler's for the same
-          sequence of finite / non-finite steps while GradScaler's scale is >= 2**-126.
+          A [`DynamicLossScale`][jaxmp.DynamicLossScale] whose sequence matches GradScaler's while
+          GradScaler's scale is >= 2**-126.
 
         Example:
           >>> import jaxmp
@@ -373,11 +361,7 @@ class DynamicLossScale(_Scaling):
         return self.factor
 
     def fold_is_exact(self, built_with: "LossScale | None" = None) -> bool:
-        """Whether the scale is >= 1 on every step, known while tracing: then `jaxmp.fold` is exact.
-
-        Below 1 the *scaled* squares of a global norm underflow where the unscaled ones do not
-        (XLA:CPU flushes subnormals to zero), and a norm of 0 would leave a step unclipped. A
-        dynamic scale never goes below its floor (``min_loss_scale``, static configuration).
+        """Whether the scale is >= 1 on every step (its floor is): then `jaxmp.fold` is exact.
 
         Args:
           built_with: unused (the floor is configuration); there for the static scale's sake.
@@ -433,11 +417,10 @@ def _counter_array(counter: Any) -> Any:
 
 
 def _check_concrete_scale(ls: Any) -> None:
-    """Validates a scale given as a concrete array, as numbers are validated (once, by the transform).
+    """Validates a scale given as a concrete array, once, when a transform is built with it.
 
-    The constructors take arrays as they come: JAX rebuilds the dataclass from its leaves on every
-    tree operation, and reading the scale back there would sync the device each time. The scale
-    a transform is built with is read once, here.
+    (The constructors cannot: JAX rebuilds the dataclass on every tree operation, and reading the
+    scale there would sync the device each time.)
     """
     value = ls.loss_scale
     if not isinstance(value, (jax.Array, np.ndarray)) or _is_tracer(value):
@@ -460,12 +443,9 @@ _LEAF_FIELDS = {NoOpLossScale: (), StaticLossScale: ("loss_scale",), DynamicLoss
 def register_flax_serialization(force: bool = False) -> bool:
     """Registers the loss scales with ``flax.serialization`` (``to_bytes``, ``from_bytes``, state dicts).
 
-    jaxmp does not import Flax: this registers only once Flax is loaded (or imports it with
-    ``force``), and only once per Flax. `jaxmp.flax` registers on import; without it, jaxmp
-    registers when it is imported after Flax and when a loss-scaling transform is built
-    ([`make_loss_scale`][jaxmp.make_loss_scale]), so a state serialized with Flax has its
-    scales registered. The state dict holds the leaves (scale, counter); the configuration
-    comes from the target restored into, as for every Flax state.
+    Registers only once Flax is loaded (or imports it with ``force``), once per Flax; `jaxmp.flax`
+    and [`make_loss_scale`][jaxmp.make_loss_scale] call it. The state dict holds the leaves; the
+    configuration comes from the target restored into.
 
     Args:
       force: import ``flax.serialization`` if it is not loaded yet.
