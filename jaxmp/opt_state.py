@@ -161,11 +161,8 @@ def apply_updates(params: optax.Params, updates: optax.Updates,
                   opt_state: optax.OptState | None = None) -> optax.Params:
     """Applies updates; with master weights, returns the master cast to each param's dtype exactly.
 
-    Without ``opt_state`` or master weights this is ``optax.apply_updates``, except that
-    non-floating leaves (int params, whose gradients are float0) pass through. With a state
-    from ``loss_scaling(..., master_weights=True)`` the result is ``master.astype(param.dtype)``
-    leaf by leaf, so half params never drift from their master; a state whose optax chain runs
-    transforms after the master-keeping one raises a ``ValueError`` (their effect would be lost).
+    Without a master copy in ``opt_state`` this is ``optax.apply_updates``, but non-floating leaves
+    (``float0`` updates) pass through.
 
     Args:
       params: the current params.
@@ -175,12 +172,14 @@ def apply_updates(params: optax.Params, updates: optax.Updates,
     Returns:
       The new params, each leaf in its previous dtype.
 
+    Raises:
+      ValueError: an optax chain runs transforms after the one keeping master weights.
+
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
       >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), "none", master_weights=True)
       >>> params = {"w": jnp.ones(2, jnp.float16)}
-      >>> state = tx.init(params)
-      >>> updates, state = tx.update({"w": jnp.ones(2, jnp.float16)}, state, params)
+      >>> updates, state = tx.update({"w": jnp.ones(2, jnp.float16)}, tx.init(params), params)
       >>> jaxmp.apply_updates(params, updates, state)["w"]
       Array([0.9, 0.9], dtype=float16)
     """
@@ -225,32 +224,25 @@ def check_health(opt_state: optax.OptState, max_consecutive_skips: int = 50, *, 
                  locate: Callable[[], Any] | None = None) -> None:
     """Host-side check that raises when training keeps skipping steps, saying why.
 
-    The transform itself never applies a non-finite update; this turns a run that is
-    stuck skipping into a clear error naming the cause recorded in the state (non-finite
-    loss, gradients, or updates) and the usual fix. Call it every few steps outside ``jit``
-    (it syncs). Replicated states (from ``pmap``) are checked on every replica.
+    Names the cause the state recorded (non-finite loss, gradients or updates) and the usual fix.
+    Call it every few steps outside ``jit`` (it syncs); replicated states are checked on every replica.
 
     Args:
       opt_state: an optimizer state holding a [`jaxmp.LossScalingState`][jaxmp.LossScalingState].
       max_consecutive_skips: how many skipped steps in a row are tolerated (>= 1).
-      tree: optionally the gradients (or updates) of the last step: the message then names
-        the first leaf holding inf/NaN.
-      locate: optionally a function of no arguments that finds the culprit op, called only when
-        the check fires (so a healthy run pays nothing), typically
-        ``lambda: jaxmp.diagnostics.locate_non_finite(loss_fn, params, batch, loss_scale=s)``;
-        the message then names the layer and op that first made inf/NaN. If it fails, the
-        message says so and the check still raises.
+      tree: optionally the last step's gradients (or updates): the message names the first inf/NaN leaf.
+      locate: optionally a function of no arguments that finds the culprit op, called only when the
+        check fires, e.g. ``lambda: jaxmp.diagnostics.locate_non_finite(loss_fn, params, batch)``.
 
     Raises:
       TrainingDivergedError: more than ``max_consecutive_skips`` consecutive skips.
       ValueError: ``max_consecutive_skips`` < 1.
+      TypeError: ``locate`` is not callable.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
       >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), "static:1")
       >>> state = tx.init({"w": jnp.ones(2)})
-      >>> jaxmp.check_health(state) is None  # no step skipped: nothing to say
-      True
       >>> for _ in range(2):  # two overflowed steps in a row
       ...     _, state = tx.update({"w": jnp.full(2, jnp.inf)}, state, {"w": jnp.ones(2)})
       >>> jaxmp.check_health(state, max_consecutive_skips=1)

@@ -1,21 +1,8 @@
 """The one train-step builder: scaled gradients, all-reduce, the fused skip-aware update.
 
-The Linen and NNX steps (`jaxmp.flax.steps`) and the pmap and sharded-jit steps
-(`jaxmp.parallel`) are thin adapters over `make_step`: each turns its model into a
-loss function of ``(params, model_state, batch, rng)`` and calls the step this returns (the
-parallel steps through `make_generic_step`, the adapter for a user's ``loss_fn(params[,
-model_state], batch[, rng])``). Every step reports the same metrics (`step_metrics`). One
-step, in order:
-
-1. ``jaxmp.value_and_grad`` differentiates the loss times the scale held in the optimizer
-   state (and, with delayed fp8 scaling, the fp8 state, whose gradient is the observed amaxes);
-2. with ``axis_name`` (pmap / shard_map) the gradients are averaged in ``reduce_dtype``
-   (float32) *before* the update, so every replica checks the same gradients;
-3. `jaxmp.transform.update_and_apply`: unscale, check, run the optimizer and step the
-   params inside one skip (``lax.cond`` off GPU, ``lax.select`` on GPU), so the compiled update
-   makes the passes of a bare optax step plus one finiteness reduction;
-4. the new model state (BatchNorm statistics, fp8 scales) is kept only if the step was applied
-   (`jaxmp.skip.keep_if_finite`).
+The Linen and NNX steps (`jaxmp.flax.steps`) and the pmap and sharded-jit steps (`jaxmp.parallel`)
+are thin adapters over `make_step`; every step reports the same metrics (`step_metrics`).
+What one step does, in order: see docs/design.md#the-train-step.
 """
 
 from __future__ import annotations

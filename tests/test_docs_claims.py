@@ -120,3 +120,45 @@ def test_ci_builds_and_checks_the_distributions():
     installed = re.search(r'pip install --quiet -e "\.\[([\w,]+)\]"', ci).group(1).split(",")
     needed = {name.split(">")[0] for extra in installed for name in extras[extra]}
     assert {"build", "twine"} <= needed, "CI installs no extra that brings build and twine"
+
+
+#: A plain-text pointer from a docstring to a section of a page: ``docs/<page>.md#<anchor>``.
+DOC_POINTER = re.compile(r"docs/([\w/-]+\.md)(?:#([\w-]+))?")
+
+
+def _anchors(path) -> set[str]:
+    """The ids mkdocs gives the headings of a page (Python-Markdown's toc slugify, as mkdocs.yml uses)."""
+    from markdown.extensions.toc import slugify
+
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)  # no '#' comments of code blocks
+    return {slugify(re.sub(r"[`*]", "", h), "-") for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+def _docstring_pointers() -> list[tuple[str, str, str | None]]:
+    import ast
+
+    out = []
+    for path in sorted((ROOT / "jaxmp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            doc = ast.get_docstring(node) if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                                                 ast.AsyncFunctionDef)) else None
+            for name, anchor in DOC_POINTER.findall(doc or ""):
+                out.append((f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 1)}", name, anchor or None))
+    return out
+
+
+def test_docstring_pointers_to_the_docs_resolve():
+    # Docstrings keep their summary, arguments and example; the reasoning lives on a page, named by
+    # a plain-text "See docs/<page>.md#<section>" that must name a page and a heading that exist.
+    pointers = _docstring_pointers()
+    assert sum(1 for _, name, _ in pointers if name == "design.md") >= 5
+    broken = [f"{where}: docs/{name}" + (f"#{anchor}" if anchor else "") for where, name, anchor in pointers
+              if not (ROOT / "docs" / name).is_file() or (anchor and anchor not in _anchors(ROOT / "docs" / name))]
+    assert not broken, "docstrings point at pages or sections that do not exist:\n" + "\n".join(broken)
+
+
+def test_the_pointer_check_sees_a_missing_section(tmp_path):
+    page_ = tmp_path / "p.md"
+    page_.write_text("# Top\n\n## Loss scales\n\n```python\n# not a heading\n```\n\n### Under `jaxmp.autocast`\n")
+    assert _anchors(page_) == {"top", "loss-scales", "under-jaxmpautocast"}
+    assert DOC_POINTER.findall("See docs/design.md#loss-scaling.") == [("design.md", "loss-scaling")]

@@ -35,36 +35,29 @@ def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike,
                     ) -> linen.MixedPrecision | nnx.MixedPrecision:
     """Runs an unmodified Linen or NNX model under a precision policy.
 
-    Params are cast per module for the forward pass (gradients return to the stored
-    float32 params), inputs to the compute dtype, outputs to the output dtype; the
-    overrides keep normalisation (params, statistics, arithmetic), attention softmax and
-    the loss in float32 as the NVIDIA AMP lists prescribe.
+    Params are cast per module for the forward pass, inputs to the compute dtype, outputs to the
+    output dtype; the overrides keep normalisation, attention softmax and the loss in float32.
 
     Args:
       model: a ``flax.linen.Module`` or ``flax.nnx.Module`` instance.
-      policy: a [`jaxmp.Policy`][jaxmp.Policy], a preset name (``"O1"``, ``"O1-bf16"``, ``"O2-fp16"``,
-        ``"mixed_bfloat16"``), a jmp policy string (``"p=f32,c=bf16,o=f32"``), a
-        [`jaxmp.Recipe`][jaxmp.Recipe] or a ``jmp.Policy``. Presets also choose the overrides from
-        their ``keep_fp32`` categories (O1: norm, softmax, loss; O2: norm, loss; O3: none).
-      overrides: a [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides], a tuple of ``keep_fp32`` categories, or
-        None for the preset's defaults (all three categories for a bare policy).
+      policy: a [`jaxmp.Policy`][jaxmp.Policy], a preset name (``"O1-bf16"``, ``"O2-fp16"`` ...), a jmp
+        policy string (``"p=f32,c=bf16,o=f32"``), a [`jaxmp.Recipe`][jaxmp.Recipe] or a ``jmp.Policy``.
+      overrides: a [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides], a tuple of ``keep_fp32``
+        categories, or None for the preset's defaults.
 
     Returns:
-      For Linen, a [`jaxmp.flax.linen.MixedPrecision`][jaxmp.flax.linen.MixedPrecision] with ``init`` / ``apply``
-      like the module's. For NNX, a [`jaxmp.flax.nnx.MixedPrecision`][jaxmp.flax.nnx.MixedPrecision] module
-      wrapping the model (its params are cast in place to their storage dtype).
+      For Linen, a [`jaxmp.flax.linen.MixedPrecision`][jaxmp.flax.linen.MixedPrecision] with the module's
+      ``init`` / ``apply``; for NNX, a [`jaxmp.flax.nnx.MixedPrecision`][jaxmp.flax.nnx.MixedPrecision]
+      module wrapping the model.
 
     Raises:
-      TypeError: not a Linen/NNX module instance (e.g. a class, a function, a Haiku
-        module), or a policy whose dtypes are not floating, or bad overrides.
+      TypeError: not a Linen/NNX module instance, a policy whose dtypes are not floating, or bad overrides.
 
     Example:
-      >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp, jaxmp.flax
-      >>> net = nn.Sequential([nn.Conv(4, (3, 3)), nn.BatchNorm(use_running_average=True), nn.Dense(10)])
-      >>> model = jaxmp.flax.mixed_precision(net, "O1-bf16")
-      >>> x = jnp.ones((2, 8, 8, 3))
-      >>> variables = model.init(jax.random.key(0), x)
-      >>> model.apply(variables, x).dtype          # bf16 conv and dense, f32 BatchNorm, f32 logits
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp.flax
+      >>> model = jaxmp.flax.mixed_precision(nn.Sequential([nn.Dense(4), nn.LayerNorm()]), "O1-bf16")
+      >>> x = jnp.ones((2, 3))
+      >>> model.apply(model.init(jax.random.key(0), x), x).dtype   # the output dtype: float32
       dtype('float32')
     """
     if isinstance(model, _nn.Module):

@@ -129,12 +129,10 @@ def fused_attention(
 ) -> jax.Array:
     """The ``attention_fn`` [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision] gives attention modules.
 
-    Calls that a fused kernel can take (4-D ``[batch, length, heads, depth]`` inputs, no bias,
-    no attention dropout, no sown weights, default precision; a mask is fine) go through
-    ``jax.nn.dot_product_attention``, which [`jaxmp.autocast`][jaxmp.autocast] routes to the cuDNN kernel on
-    GPUs (half inputs, float32 softmax accumulation, no [T, T] scores in memory) and to XLA's
-    attention with a float32 softmax elsewhere. Other calls run Flax's own attention, whose
-    softmax the autocast float32 list keeps in float32.
+    Calls a fused kernel can take (4-D inputs; no bias, dropout, sown weights or non-default
+    precision) go through ``jax.nn.dot_product_attention`` (cuDNN on GPUs under
+    [`jaxmp.autocast`][jaxmp.autocast]); others run Flax's attention with a float32 softmax.
+    See docs/autocast.md#half-only-kernels-and-attention.
 
     Args:
       query: ``[batch, q_length, num_heads, depth]``.

@@ -1,29 +1,10 @@
 """fp8 matmuls and convolutions for Linen and NNX models under an ``O2-fp8`` policy.
 
-Under a policy whose recipe has an fp8 recipe (``"O2-fp8"``, ``"O2-fp8-current"``, or
-``PrecisionOverrides(fp8=...)``), every half-list ``Dense``/``DenseGeneral``/``Conv`` (Linen)
-and ``Linear``/``LinearGeneral``/``Conv`` (NNX) that uses the default ``lax`` op gets an fp8 op
-instead: the Linen layer's ``dot_general_cls`` / ``conv_general_dilated_cls`` (as
-``flax.linen.fp8_ops`` does) of a clone called in its place, the NNX layer's ``dot_general`` /
-``conv_general_dilated`` attribute (set once, when the model is wrapped).
-
-Delayed scaling keeps, per layer, a scale and an amax history for the input, the kernel and the
-output gradient (keys as ``flax.linen.fp8_ops``: ``input_scale``, ``input_amax_history`` ...).
-That state is not a parameter:
-
-* Linen: the ``"fp8_meta"`` collection (`FP8_COLLECTION`), next to ``batch_stats`` in
-  [`jaxmp.flax.TrainState`][jaxmp.flax.TrainState]'s ``model_state``. Its keys are module paths
-  (``Dense_0/Fp8DotGeneral_0/input_scale``), so they survive any change of the model code that
-  does not rename or reorder the layer itself.
-* NNX: [`Fp8State`][jaxmp.flax.fp8.Fp8State] variables on the layer's op (``layer.dot_general.input_scale``),
-  outside ``nnx.Param``, so ``nnx.Optimizer(..., wrt=nnx.Param)`` never sees them.
-
-The train steps differentiate the loss with respect to params *and* the fp8 state: each op
-reports the amax it saw for a tensor as the gradient of that tensor's scale (the gradient amax
-divided by the loss scale, see [`jaxmp.fp8.gradient_loss_scale`][jaxmp.fp8.gradient_loss_scale]), and the step records
-it with [`jaxmp.fp8.update_state`][jaxmp.fp8.update_state] -- after the step is known to be finite, so a skipped
-step leaves the fp8 state bitwise unchanged, and maxed over the ``pmap`` axis, so replicas
-keep equal scales.
+Every half-list ``Dense``/``DenseGeneral``/``Conv`` (Linen) and ``Linear``/``LinearGeneral``/``Conv``
+(NNX) gets an fp8 op. Delayed-scaling state is no parameter: the Linen ``"fp8_meta"`` collection
+(`FP8_COLLECTION`), or NNX [`Fp8State`][jaxmp.flax.fp8.Fp8State] variables; the train steps update it
+from the amaxes each op reports as its scale's gradient, after the step is known to be finite.
+See docs/fp8.md#fp8-state-is-not-a-gradient.
 """
 
 from __future__ import annotations

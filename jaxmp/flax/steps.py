@@ -84,47 +84,36 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
                     rng_collections: tuple[str, ...] = ("dropout",)) -> Callable:
     """Returns ``train_step(state, batch, rng=None) -> (state, metrics)`` for supervised training.
 
-    The step runs the model under its policy with every non-param collection mutable,
-    computes the loss on float32 logits (when the overrides keep the loss in fp32),
-    differentiates the scaled loss, averages gradients over ``axis_name`` (pmap), and
-    calls [`TrainState.apply_gradients`][jaxmp.flax.TrainState.apply_gradients].
+    Runs the model under its policy with every non-param collection mutable, computes the loss on
+    float32 logits, differentiates the scaled loss and calls
+    [`TrainState.apply_gradients`][jaxmp.flax.TrainState.apply_gradients].
+
+    Labels outside the model's classes make the default loss NaN with a finite gradient, so the step
+    is applied and only ``metrics["loss"]`` shows it: check them on the host before the step,
+    ``assert 0 <= labels.min() and labels.max() < num_classes`` (or pass one-hot labels).
 
     Args:
       loss_fn: ``loss_fn(logits, labels) -> scalar``; default
         [`jaxmp.flax.softmax_cross_entropy`][jaxmp.flax.softmax_cross_entropy] (integer or one-hot labels).
-      axis_name: the ``pmap`` axis: gradients, loss and accuracy are ``pmean``-ed over it, and
-        so is the floating model state (BatchNorm statistics; a leaf equal on every replica is
-        kept exactly), so replicas stay bitwise identical. Build ``tx`` with
-        ``jaxmp.loss_scaling(..., axis_name=axis_name)`` too.
+      axis_name: the ``pmap`` axis: gradients, loss, accuracy and the floating model state are
+        ``pmean``-ed over it. Build ``tx`` with ``jaxmp.loss_scaling(..., axis_name=axis_name)`` too.
       model_kwargs: extra keyword arguments for the forward pass, e.g. ``{"train": True}``.
-      rng_collections: RNG names fed from ``rng`` (folded with the number of steps taken,
-        ``state.step + jaxmp.skipped_steps(state.opt_state)``, so the step after a skipped one
-        draws a fresh mask), e.g. dropout.
+      rng_collections: RNG names fed from ``rng`` (folded with the steps taken, skipped ones
+        included, so each step draws a fresh mask), e.g. dropout.
 
     Returns:
-      ``train_step(state, batch, rng=None)``; ``batch`` is ``(inputs, labels)`` or a dict
-      with ``image``/``inputs``/``x`` and ``label``/``labels``/``y``. Metrics (a
-      `jaxmp.step.StepMetrics`, the keys of every jaxmp step, plus ``accuracy``): ``loss``,
-      ``accuracy``, ``loss_scale`` (the scale this step's loss was multiplied by),
-      ``last_step_finite`` (whether the step was applied; ``"finite"``, its old name, still
-      reads with a DeprecationWarning), ``consecutive_skips``, ``total_skips``.
-
-    Labels outside the model's classes: an integer label ``< 0`` or ``>= classes`` makes the
-    default loss NaN (optax's ``softmax_cross_entropy_with_integer_labels`` reads the logit
-    out of range as NaN), while its gradient stays finite, so the step is *applied* and only
-    ``metrics["loss"]`` shows it. Nothing inside the compiled step can raise on it; check the
-    labels on the host, where the batch is still a NumPy array, before the step:
-    ``assert 0 <= labels.min() and labels.max() < num_classes`` (or pass one-hot labels).
+      ``train_step(state, batch, rng=None)``; ``batch`` is ``(inputs, labels)`` or a dict with
+      ``image``/``inputs``/``x`` and ``label``/``labels``/``y``. Its metrics (a
+      `jaxmp.step.StepMetrics`): ``loss``, ``accuracy``, ``loss_scale`` (the scale this step used),
+      ``last_step_finite``, ``consecutive_skips``, ``total_skips``.
 
     Example:
       >>> import jax, numpy as np, optax, flax.linen as nn, jaxmp, jaxmp.flax
       >>> x, y = np.ones((4, 3), np.float32), np.array([0, 1, 0, 1])
-      >>> assert 0 <= y.min() and y.max() < 2  # the labels fit the model's 2 classes
       >>> model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-fp16")
       >>> state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
       ...                                      jaxmp.loss_scaling(optax.sgd(0.1)))
-      >>> train_step = jax.jit(jaxmp.flax.make_train_step())
-      >>> state, metrics = train_step(state, {"image": x, "label": y})
+      >>> state, metrics = jax.jit(jaxmp.flax.make_train_step())(state, {"image": x, "label": y})
       >>> sorted(metrics)
       ['accuracy', 'consecutive_skips', 'last_step_finite', 'loss', 'loss_scale', 'total_skips']
     """

@@ -1,11 +1,8 @@
-"""A mixed-precision train state for Linen models and ready-made supervised train / eval steps.
+"""A mixed-precision train state for Linen models.
 
-In the spirit of ``flax.training.train_state.TrainState``, plus what mixed precision adds:
-the model state (``batch_stats``) next to the params, the loss scale inside the optimizer
-state, the policy and overrides as static data, and a step count of *applied* steps only.
-A skipped (non-finite) step leaves params, inner optimizer state and ``batch_stats``
-bitwise unchanged -- Flax's ImageNet example restores params and optimizer state but
-keeps the batch statistics of the overflowing step.
+``flax.training.train_state.TrainState`` plus the model state next to the params, the loss scale
+in the optimizer state, the policy as static data and a count of *applied* steps; a skipped step
+leaves params, inner optimizer state and ``batch_stats`` bitwise unchanged.
 """
 
 from __future__ import annotations
@@ -117,16 +114,14 @@ class TrainState(struct.PyTreeNode):
         """Applies scaled gradients; on a non-finite step nothing but the loss scale changes.
 
         Args:
-          grads: gradients of the *scaled* loss (from [`jaxmp.value_and_grad`][jaxmp.value_and_grad] given this
-            state's ``opt_state``, in the same jitted step), already averaged over replicas if
-            data-parallel.
-          model_state: the updated collections from this step's forward pass (e.g. new
-            ``batch_stats``); kept only if the step is applied. None keeps the current one.
+          grads: gradients of the *scaled* loss (from [`jaxmp.value_and_grad`][jaxmp.value_and_grad] given
+            this state's ``opt_state``), already averaged over replicas if data-parallel.
+          model_state: this step's updated collections (e.g. ``batch_stats``), kept only if the step
+            is applied; None keeps the current one.
 
         Returns:
-          The new state: ``step`` + 1, new params / model state / optimizer state when the
-          gradients were finite; otherwise params, model state and the inner optimizer state
-          bitwise unchanged, the loss scale backed off and the skip counters advanced.
+          The new state (``step`` + 1 when applied; params, model state and inner optimizer state
+          bitwise unchanged and the skip counters advanced when skipped).
 
         Example:
           >>> import jax, numpy as np, optax, flax.linen as nn, jaxmp, jaxmp.flax
@@ -134,15 +129,11 @@ class TrainState(struct.PyTreeNode):
           >>> model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-fp16")
           >>> state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
           ...                                      jaxmp.loss_scaling(optax.sgd(0.1)))
-          >>> @jax.jit
-          ... def train_step(state):
-          ...     def loss_fn(params):
-          ...         logits = state.model.apply({"params": params}, x)
-          ...         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-          ...     loss, grads = jaxmp.value_and_grad(loss_fn, state.opt_state)(state.params)
-          ...     return state.apply_gradients(grads)
-          >>> state = train_step(state)
-          >>> int(state.step)
+          >>> def loss_fn(params):
+          ...     logits = state.model.apply({"params": params}, x)
+          ...     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+          >>> loss, grads = jaxmp.value_and_grad(loss_fn, state.opt_state)(state.params)
+          >>> int(state.apply_gradients(grads).step)
           1
         """
         # One fused update (jaxmp.transform.update_and_apply): a skipped step returns the old

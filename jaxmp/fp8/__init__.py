@@ -1,30 +1,13 @@
 """fp8 scaling: recipes, scale and amax-history updates, and a scaled fp8 ``dot_general``.
 
-fp8 has so little range (E4M3: +-448, E5M2: +-57344) that every tensor is multiplied by a
-per-tensor *scale* before the cast and divided by it after, the scale chosen so the tensor's
-absolute maximum (amax) lands near the format's largest value. Two recipes, as in NVIDIA's
-Transformer Engine:
-
-* [`CurrentScaling`][jaxmp.fp8.CurrentScaling]: the scale comes from the tensor's own amax in the same step. No
-  state; invariant to a loss scale (a scaled gradient gets a proportionally smaller scale).
-* [`DelayedScaling`][jaxmp.fp8.DelayedScaling]: the scale comes from a history of past amaxes ([`Fp8Meta`][jaxmp.fp8.Fp8Meta],
-  updated by `jaxmp.fp8.scaling.update_meta`), so the cast needs no reduction over the tensor first.
-
-Forward operands use E4M3 and gradients E5M2 (the "hybrid" format). [`fp8_dot_general`][jaxmp.fp8.fp8_dot_general]
-quantizes and dequantizes its operands around a ``lax.dot_general`` (and the cotangent in its
-backward pass). On CPU that is the emulation (fp8 rounding, matmul in the operands' dtype); on
-GPUs with fp8 Tensor Cores (compute capability >= 8.9) XLA rewrites this pattern into an fp8
-GEMM, which is how ``flax.linen.fp8_ops`` reaches them too. Under [`jaxmp.autocast`][jaxmp.autocast],
-``AutocastRules(fp8_matmuls=CurrentScaling())`` makes every half-list ``dot_general`` one.
-
-One module per concern, the names a training script uses re-exported here (``from jaxmp import
-fp8; fp8.CurrentScaling``); the scaling arithmetic stays in its modules: ``formats`` (E4M3 / E5M2 and their ranges), ``recipes`` (the two
-recipes, `Fp8Recipe`, `Fp8Meta`), ``scaling`` (amax, scale, quantize, the
-history update), ``state`` (the per-layer delayed-scaling variables and their step update),
-``ops`` (the scaled ``dot_general`` and convolution) and ``hardware`` (native or emulated).
+Two recipes, as in Transformer Engine: [`CurrentScaling`][jaxmp.fp8.CurrentScaling] (the scale from
+the tensor's own amax, no state) and [`DelayedScaling`][jaxmp.fp8.DelayedScaling] (from a history of
+past amaxes, [`Fp8Meta`][jaxmp.fp8.Fp8Meta]). Forward operands are E4M3, gradients E5M2.
+[`fp8_dot_general`][jaxmp.fp8.fp8_dot_general] quantizes around a ``lax.dot_general``, which XLA
+rewrites to an fp8 GEMM on GPUs of compute capability >= 8.9 (emulated elsewhere).
+See docs/fp8.md.
 
 Example:
-  >>> import jax.numpy as jnp
   >>> from jaxmp import fp8
   >>> fp8.DelayedScaling().history_length
   1024
