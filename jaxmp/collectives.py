@@ -68,13 +68,10 @@ def check_reduce_dtype(dtype: DTypeLike | None, what: str = "grad_reduce_dtype")
       None or the numpy dtype (float16, bfloat16, float32 or float64).
 
     Raises:
-      TypeError: not a floating dtype (an integer or boolean dtype).
-      ValueError: a floating dtype narrower than 16 bits (fp8, fp4): with 2 to 4 significant
-        bits and a range of a few hundred (448 for float8_e4m3fn), a sum of gradients rounds to
-        the wrong value and overflows, and its sign can flip on the way back.
+      TypeError: not a floating dtype.
+      ValueError: a float narrower than 16 bits (fp8, fp4), whose sums round and overflow.
 
     Example:
-      >>> import jax.numpy as jnp
       >>> from jaxmp.collectives import check_reduce_dtype
       >>> check_reduce_dtype("bf16"), check_reduce_dtype(None)
       (dtype(bfloat16), None)
@@ -94,18 +91,10 @@ def all_reduce_gradients(grads: PyTree, axis_name: AxisName,
                          reduce_dtype: DTypeLike | None = jnp.float32) -> PyTree:
     """Mean of the gradients over a pmap/shard_map axis, communicated in ``reduce_dtype``.
 
-    Floating leaves are cast to ``reduce_dtype``, summed over the axis in one all-reduce
-    (``lax.psum`` of the whole tree), divided by the axis size in at least float32 and cast
-    back to their own dtype; non-floating leaves (int counters, float0) pass through.
-
-    A half-precision reduce halves the traffic, but the *sum* of scaled gradients can overflow
-    float16 (max 65504) even when every replica's gradient fits. That is safe under
-    [`jaxmp.loss_scaling`][jaxmp.loss_scaling]: the overflow yields inf, the finite check runs on the reduced
-    gradient, so every replica skips the step and backs the scale off together. It is not free:
-    each such overflow costs a step, and the scale settles ~log2(n) lower than with a float32
-    reduce (less headroom against underflow). bfloat16 has float32's range, so it does not
-    overflow, but it keeps only 8 bits of mantissa in the sum. float32 (the default) is exact
-    enough for a bitwise-reproducible comparison with one device up to summation order.
+    Floating leaves are cast to ``reduce_dtype``, summed in one ``lax.psum``, divided by the axis
+    size in at least float32 and cast back; other leaves pass through. A float16 sum can overflow
+    (every replica then skips together); bfloat16 keeps 8 mantissa bits.
+    See docs/parallel.md#gradient-reduce-dtype.
 
     Args:
       grads: a pytree of per-replica gradients (scaled, as from [`jaxmp.value_and_grad`][jaxmp.value_and_grad]).
@@ -116,9 +105,8 @@ def all_reduce_gradients(grads: PyTree, axis_name: AxisName,
       The mean gradients, identical on every replica, each leaf in its original dtype.
 
     Raises:
-      ValueError: ``axis_name`` is not bound (not inside ``pmap``/``shard_map`` with that axis).
+      ValueError: ``axis_name`` is not bound, or ``reduce_dtype`` is an 8-bit (or narrower) float.
       TypeError: ``reduce_dtype`` is not a floating dtype or None.
-      ValueError: ``reduce_dtype`` is an 8-bit (or narrower) float, which cannot hold gradients.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmp
@@ -157,17 +145,21 @@ def all_reduce_gradients(grads: PyTree, axis_name: AxisName,
 def mean_model_state(state: PyTree, axis_name: AxisName) -> PyTree:
     """The model state (BatchNorm statistics) averaged over a pmap axis, bitwise equal on every replica.
 
-    Floating leaves are summed over the axis in float32 ([`all_reduce_gradients`][jaxmp.parallel.all_reduce_gradients]) and
-    divided by the axis size; a leaf that every replica holds bitwise the same (a state the loss
-    passes through unchanged, statistics of a frozen layer) is returned as it is, since the mean
-    of n equal values need not be that value in floating point and would drift step by step.
-    Other leaves (counters, PRNG keys) pass through.
+    Floating leaves are averaged in float32; a leaf every replica holds bitwise the same is returned
+    as it is (a mean of equal values can drift); other leaves pass through.
+
+    Args:
+      state: the per-replica model state.
+      axis_name: the bound pmap axis.
+
+    Returns:
+      The averaged model state.
 
     Example:
-      >>> import jax, jax.numpy as jnp, jaxmp.collectives as c
-      >>> n = jax.local_device_count()
-      >>> f = jax.pmap(lambda s: c.mean_model_state(s, "b"), axis_name="b")
-      >>> bool(f(jnp.full((n,), 0.1, jnp.float32))[0] == jnp.float32(0.1))
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmp.collectives import mean_model_state
+      >>> f = jax.pmap(lambda s: mean_model_state(s, "b"), axis_name="b")
+      >>> bool(f(jnp.full((jax.local_device_count(),), 0.1, jnp.float32))[0] == jnp.float32(0.1))
       True
     """
     mean = all_reduce_gradients(state, axis_name, jnp.float32)

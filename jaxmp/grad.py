@@ -27,16 +27,11 @@ def value_and_grad(fun: Callable[..., Any], scale_source: LossScale | PyTree, ar
                    has_aux: bool = False, **kwargs) -> Callable[..., Any]:
     """Like ``jax.value_and_grad``, but differentiates ``loss * loss_scale``.
 
-    The returned loss is the true (unscaled) value; the gradients are scaled, which is
-    what [`jaxmp.loss_scaling`][jaxmp.loss_scaling] expects (it unscales them before the inner chain).
-    Scaling marks the loss-scale object of ``scale_source``; ``tx.update`` given the same
-    optimizer state reads the mark and warns (``MixedPrecisionWarning``) about gradients from a
-    plain ``jax.grad`` with a dynamic scale. A float16 loss warns too: cast it to float32.
+    Returns the true (unscaled) loss and scaled gradients, which [`jaxmp.loss_scaling`][jaxmp.loss_scaling]
+    unscales. ``tx.update`` warns when given gradients of a plain ``jax.grad`` under a dynamic scale.
 
     Args:
-      fun: returns a scalar floating loss (or ``(loss, aux)`` with ``has_aux``). Compute
-        the loss in float32 (``policy.cast_to_output``): a float16 loss times a large scale
-        overflows.
+      fun: returns a scalar floating loss (or ``(loss, aux)`` with ``has_aux``), best in float32.
       scale_source: the optimizer state of a ``jaxmp.loss_scaling`` transform (or any pytree
         holding it, e.g. a train state), or a loss-scale object.
       argnums: as in ``jax.value_and_grad``.
@@ -44,12 +39,14 @@ def value_and_grad(fun: Callable[..., Any], scale_source: LossScale | PyTree, ar
       **kwargs: forwarded to ``jax.value_and_grad`` (e.g. ``allow_int``).
 
     Returns:
-      A function with ``fun``'s signature returning ``(loss, grads)`` or
-      ``((loss, aux), grads)``.
+      A function with ``fun``'s signature returning ``(loss, grads)`` or ``((loss, aux), grads)``.
 
     Raises:
       ValueError: no loss scale found in ``scale_source``, or a non-scalar loss.
       TypeError: a non-floating loss.
+
+    Warns:
+      MixedPrecisionWarning: a float16 loss (a large scale overflows it: cast it to float32).
 
     Example:
       >>> import jax.numpy as jnp, jaxmp

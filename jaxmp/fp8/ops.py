@@ -23,12 +23,10 @@ _GRAD_LOSS_SCALE: contextvars.ContextVar = contextvars.ContextVar("jaxmp_fp8_gra
 def gradient_loss_scale(loss_scale: ArrayLike):
     """Tells delayed-scaling fp8 ops traced inside that gradients carry ``loss_scale``.
 
-    The gradient scale and the gradient amax a delayed-scaling op reports are kept in
-    unscaled units, so a change of the loss scale never corrupts the E5M2 history: inside,
-    each op quantizes the (scaled) cotangent with ``output_grad / loss_scale`` and, by the
-    chain rule through that division, reports ``amax(cotangent) / loss_scale``. The train
-    steps of `jaxmp.flax` enter it for you; call it yourself around the forward pass of a
-    hand-written step that scales the loss.
+    The ops then keep gradient scales and amaxes in unscaled units, so a change of the loss scale
+    never corrupts the E5M2 history. The `jaxmp.flax` steps enter it for you; a hand-written step
+    that scales the loss enters it around its forward pass.
+    See docs/fp8.md#fp8-state-is-not-a-gradient.
 
     Args:
       loss_scale: the scalar the loss is multiplied by (a traced value is fine).

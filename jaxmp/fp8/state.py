@@ -92,17 +92,14 @@ def update_state(state: PyTree, observed: PyTree, recipe: DelayedScaling,
                  axis_name: AxisName | None = None) -> PyTree:
     """Records one step's amaxes in every layer's history and recomputes the scales.
 
-    ``observed`` is the gradient of the loss with respect to ``state``: a delayed-scaling op
-    reports the amax it saw for each tensor as the gradient of that tensor's scale (the
-    gradient amax in unscaled units, see `gradient_loss_scale`). A layer called twice in
-    a step reports the sum of its amaxes: a scale that errs towards headroom, never overflow.
+    ``observed`` is the gradient of the loss with respect to ``state``: each delayed-scaling op
+    reports the amax it saw as its scale's gradient (see docs/fp8.md#fp8-state-is-not-a-gradient).
 
     Args:
       state: a pytree holding layer states (`jaxmp.fp8.state.init_layer_state` dicts, at any depth).
       observed: the same structure, from differentiating with respect to ``state``.
       recipe: the [`DelayedScaling`][jaxmp.fp8.DelayedScaling] recipe.
-      axis_name: a bound ``pmap``/``shard_map`` axis: the amaxes are maxed over it first, so
-        every replica keeps the same scales. (Under sharded ``jit`` they are global already.)
+      axis_name: a bound ``pmap``/``shard_map`` axis: the amaxes are maxed over it first.
 
     Returns:
       The new state; non-finite amaxes (an overflowed step) leave their tensor unchanged.
