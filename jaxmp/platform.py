@@ -58,6 +58,8 @@ def recommended_policy(device: jax.Device | None = None, *, platform: str | None
 
     Raises:
       ValueError: an unknown platform, or a GPU whose compute capability is unknown.
+      TypeError: ``device`` is not a device (a platform name given positionally), or
+        ``platform`` is not a string.
 
     Example:
       >>> import jaxmp
@@ -65,6 +67,14 @@ def recommended_policy(device: jax.Device | None = None, *, platform: str | None
       >>> str(rec.policy), rec.recipe.loss_scale
       ('p=f32,c=f16,o=f32', 'dynamic')
     """
+    if isinstance(device, str):
+        # recommended_policy("gpu") reads naturally, but the name lands in `device`.
+        raise TypeError(f"device must be a jax.Device, got the str {device!r}: pass a platform name as "
+                        f"recommended_policy(platform={device!r})")
+    if device is not None and not hasattr(device, "platform"):
+        raise TypeError(f"device must be a jax.Device (e.g. jax.devices()[0]), got {type(device).__name__}")
+    if platform is not None and not isinstance(platform, str):
+        raise TypeError(f"platform must be a str ('cpu', 'gpu' or 'tpu'), got {type(platform).__name__}")
     if device is None and platform is None:
         device = jax.devices()[0]
     if platform is None:

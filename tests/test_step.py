@@ -130,3 +130,124 @@ def test_the_sharded_steps_layout_is_the_value_shard_state_takes():
         jaxmp.parallel.shard_state((params, tx.init(params)), step.layout, min_shard_size=0)
     step2 = jaxmp.parallel.make_sharded_train_step(_loss, tx, step.layout)
     assert step2.layout is step.layout
+
+
+# ---------------------------------------------------------------------------------------------
+# make_step, step_metrics, make_generic_step and the checks, unit by unit.
+
+from jaxmp.step import (StepResult, check_differentiable_params, check_no_model_state_in_aux,  # noqa: E402
+                        make_generic_step, make_step, step_metrics)
+
+
+def _quad(p, s, b, rng):
+    return jnp.mean((b @ p["w"]) ** 2), ({"calls": s["calls"] + 1}, {"rng": rng})
+
+
+def test_make_step_applies_a_finite_step_and_keeps_the_model_state():
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "static:4")
+    params, ms = {"w": jnp.ones(3)}, {"calls": jnp.int32(0)}
+    out = jax.jit(make_step(_quad, tx))(params, ms, tx.init(params), jnp.ones((2, 3)), jnp.uint32(7))
+    assert isinstance(out, StepResult) and bool(out.finite)
+    assert float(out.loss) == 9.0 and out.loss.dtype == jnp.float32 and float(out.loss_scale) == 4.0
+    # d/dw mean((b @ w)^2) = 2 * (b @ w) * b averaged = 6 per entry: w - 0.1 * 6 (unscaled).
+    np.testing.assert_allclose(out.params["w"], np.full(3, 0.4), rtol=1e-6)
+    assert int(out.model_state["calls"]) == 1 and int(out.aux["rng"]) == 7
+
+
+def test_make_step_skips_a_non_finite_step_and_keeps_the_old_model_state_bitwise():
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
+    params, ms = {"w": jnp.array([1.0, -0.0, 2.0])}, {"calls": jnp.int32(5)}
+    batch = jnp.array([[jnp.inf, 1.0, 1.0]])
+    out = jax.jit(make_step(_quad, tx))(params, ms, tx.init(params), batch)
+    assert not bool(out.finite) and int(out.model_state["calls"]) == 5
+    assert np.asarray(out.params["w"]).tobytes() == np.asarray(params["w"]).tobytes()
+    s = jaxmp.opt_state.find_loss_scaling_state(out.opt_state)
+    assert int(s.skip_reason) == 1  # the loss (given as value) was the non-finite thing
+    assert float(s.loss_scale.loss_scale) == 2.0 ** 14  # backed off
+    # Without the loss passed as value, the same step blames the gradients.
+    out = jax.jit(make_step(_quad, tx, pass_value=False))(params, ms, tx.init(params), batch)
+    assert int(jaxmp.opt_state.find_loss_scaling_state(out.opt_state).skip_reason) == 2
+
+
+def test_make_step_uses_the_given_reducers_and_skip_rule():
+    tx = jaxmp.loss_scaling(optax.sgd(1.0), "none")
+    params = {"w": jnp.ones(3)}
+    seen = {}
+    step = make_step(_quad, tx, reduce_grads=lambda g: jax.tree_util.tree_map(jnp.zeros_like, g),
+                     reduce_loss=lambda x: x * 0 + 1, reduce_model_state=lambda s: {"calls": s["calls"] * 10},
+                     keep_model_state=lambda f, new, old: seen.setdefault("kept", new))
+    out = step(params, {"calls": jnp.int32(1)}, tx.init(params), jnp.ones((2, 3)))
+    assert out.params["w"].tolist() == [1.0] * 3  # zeroed gradients: no move
+    assert float(out.loss) == 1.0 and int(out.model_state["calls"]) == 20
+
+
+def test_make_step_averages_gradients_over_a_pmap_axis_before_the_update():
+    n = jax.local_device_count()
+    tx = jaxmp.loss_scaling(optax.sgd(1.0), "none", axis_name="b")
+    params = {"w": jnp.zeros(())}
+    step = make_step(lambda p, s, b, r: (jnp.sum(p["w"] * b), (s, None)), tx, axis_name=["b"])
+    rep = lambda x: jax.tree_util.tree_map(lambda a: jnp.stack([a] * n), x)  # noqa: E731
+    out = jax.pmap(step, axis_name="b")(rep(params), rep({}), rep(tx.init(params)), jnp.arange(n, dtype=jnp.float32))
+    np.testing.assert_allclose(out.params["w"], np.full(n, -(n - 1) / 2))  # every replica steps by the mean
+    np.testing.assert_allclose(out.loss, np.zeros(n))
+
+
+def test_step_metrics_reports_the_next_or_the_used_scale():
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(8.0, period=1))
+    params = {"w": jnp.ones(3)}
+    out = make_step(_quad, tx)(params, {"calls": jnp.int32(0)}, tx.init(params), jnp.ones((2, 3)))
+    assert float(step_metrics(out)["loss_scale"]) == 16.0  # grown after one finite step
+    m = step_metrics(out, scale="used", accuracy=jnp.float32(0.5))
+    assert float(m["loss_scale"]) == 8.0 and float(m["accuracy"]) == 0.5 and isinstance(m, StepMetrics)
+    with pytest.raises(ValueError, match="scale must be 'next' or 'used', got 'last'"):
+        step_metrics(out, scale="last")
+
+
+def test_the_checks_name_the_offending_leaf_and_the_way_out():
+    check_differentiable_params({"w": jnp.ones(1), "h": jnp.ones(1, jnp.bfloat16)})
+    with pytest.raises(TypeError, match=r"params leaf at \['idx'\] has dtype int32.*model_state=True"):
+        check_differentiable_params({"w": jnp.ones(1), "idx": jnp.arange(2)})
+    with pytest.raises(TypeError, match="leaf at <root> has dtype None"):
+        check_differentiable_params("weights")
+    check_no_model_state_in_aux({"acc": 1})
+    check_no_model_state_in_aux(("batch_stats",))
+    with pytest.raises(ValueError, match="'batch_stats' in its aux.*model_state=True"):
+        check_no_model_state_in_aux({"batch_stats": {}})
+
+
+def _generic(loss_fn, **kw):
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "none")
+    kw = {"has_aux": False, "reduce_grads": lambda g: g, "reduce_loss": lambda x: x, "with_rng": False, **kw}
+    return tx, make_generic_step(loss_fn, tx, **kw)
+
+
+def test_make_generic_step_calls_each_loss_signature_as_declared():
+    params = {"w": jnp.ones(2)}
+    calls = []
+
+    def loss(p, s, b, rng):
+        calls.append((s, rng))
+        return jnp.sum(p["w"] * b), ({"n": s["n"] + 1}, "aux")
+
+    tx, body = _generic(loss, has_aux=True, with_model_state=True, with_rng=True,
+                        rng_transform=lambda r: r + 1, reduce_model_state=lambda s: s)
+    (p, s), _, m = body((params, {"n": jnp.int32(0)}), tx.init(params), jnp.ones(2), jnp.uint32(4))
+    assert int(calls[-1][1]) == 5 and int(s["n"]) == 1 and m["aux"] == "aux"
+    np.testing.assert_allclose(p["w"], [0.9, 0.9])
+    assert set(m) == STEP_KEYS | {"aux"}
+    tx, body = _generic(lambda p, b: (jnp.sum(p["w"] * b), {"x": 1}), has_aux=True)
+    p, _, m = body(params, tx.init(params), jnp.ones(2))
+    assert m["aux"] == {"x": 1} and set(m) == STEP_KEYS | {"aux"}
+
+
+def test_make_generic_step_refuses_per_replica_batch_stats_fp8_state_and_integer_params():
+    params = {"w": jnp.ones(2)}
+    tx, body = _generic(lambda p, b: (jnp.sum(p["w"]), {"batch_stats": 0}), has_aux=True, per_replica_aux=True)
+    with pytest.raises(ValueError, match="batch_stats"):
+        body(params, tx.init(params), jnp.ones(2))
+    tx, body = _generic(lambda p, s, b: (jnp.sum(p["w"]), s), with_model_state=True)
+    with pytest.raises(ValueError, match="delayed fp8 scaling state"):
+        body((params, {jaxmp.fp8.state.FP8_COLLECTION: {}}), tx.init(params), jnp.ones(2))
+    tx, body = _generic(lambda p, b: jnp.sum(p["w"]))
+    with pytest.raises(TypeError, match=r"\['n'\] has dtype int32"):
+        body({"w": jnp.ones(2), "n": jnp.int32(0)}, tx.init(params), jnp.ones(2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -10,6 +11,20 @@ import optax
 
 _INPUT_KEYS = ("inputs", "image", "x")
 _LABEL_KEYS = ("labels", "label", "y")
+
+
+def _integer_labels(logits: jax.Array, labels: jax.Array) -> bool:
+    """Whether ``labels`` are integer class ids; raises when such ids do not have the batch shape.
+
+    Checked for accuracy too: ``[batch, 1]`` ids would broadcast against the ``[batch]``
+    predictions into a ``[batch, batch]`` comparison, a plausible but wrong value.
+    """
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        return False
+    if labels.shape != logits.shape[:-1]:
+        squeeze = " (squeeze the last axis: labels[..., 0])" if labels.shape == (*logits.shape[:-1], 1) else ""
+        raise ValueError(f"integer labels must have shape {logits.shape[:-1]}, got {labels.shape}{squeeze}")
+    return True
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -36,9 +51,7 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
       Array(1.3862944, dtype=float32)
     """
     logits = logits.astype(jnp.float32)
-    if jnp.issubdtype(labels.dtype, jnp.integer):
-        if labels.shape != logits.shape[:-1]:
-            raise ValueError(f"integer labels must have shape {logits.shape[:-1]}, got {labels.shape}")
+    if _integer_labels(logits, labels):
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     if labels.shape != logits.shape:
         raise ValueError(f"one-hot labels must have the logits' shape {logits.shape}, got {labels.shape}")
@@ -55,12 +68,15 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     Returns:
       The fraction of correct argmax predictions.
 
+    Raises:
+      ValueError: integer labels whose shape is not the logits' batch shape (they would broadcast).
+
     Example:
       >>> import jax.numpy as jnp, jaxmp
       >>> float(jaxmp.flax.accuracy(jnp.eye(3), jnp.array([0, 1, 0])))
       0.6666666865348816
     """
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
+    if not _integer_labels(logits, labels):
         labels = jnp.argmax(labels, axis=-1)
     return jnp.mean((jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32))
 
@@ -84,7 +100,7 @@ def split_batch(batch: Any) -> tuple[Any, jax.Array]:
       >>> jaxmp.flax.losses.split_batch({"image": "x", "label": "y"})
       ('x', 'y')
     """
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, a FrozenDict, any mapping
         inputs = next((batch[k] for k in _INPUT_KEYS if k in batch), None)
         labels = next((batch[k] for k in _LABEL_KEYS if k in batch), None)
         if inputs is None or labels is None:

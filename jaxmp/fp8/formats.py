@@ -54,7 +54,9 @@ def check_margin(margin: Any) -> float:
       >>> check_margin(1)
       1.0
     """
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not np.isfinite(margin) or margin < 0:
+    # numpy scalars count (a margin computed with numpy is a np.float32, not a float); bools do not.
+    if isinstance(margin, (bool, np.bool_)) or not isinstance(margin, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(margin) or margin < 0:
         raise ValueError(f"margin must be a finite number >= 0 (powers of two of headroom), got {margin!r}")
     return float(margin)
 
