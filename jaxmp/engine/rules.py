@@ -154,10 +154,13 @@ def _path_pattern(pattern: Any, where: str) -> str:
         joined = "/".join(str(p) for p in pattern)
         raise TypeError(f"{where}: a module path is one string joined by '/', got the sequence {pattern!r}; "
                         f"pass {joined!r}")
-    if not isinstance(pattern, str):
-        name = pattern.__name__ if isinstance(pattern, type) else type(pattern).__name__
+    if isinstance(pattern, type):
         raise TypeError(f"{where}: expected a module path such as 'decoder/head' (a glob on the path joined by '/'), "
-                        f"got {name}: {pattern!r}; for a whole class use with_class({name}, 'float32')")
+                        f"got the class {pattern.__name__}; for a whole class use "
+                        f"with_class({pattern.__name__}, 'float32')")
+    if not isinstance(pattern, str):
+        raise TypeError(f"{where}: expected a module path string such as 'decoder/head', "
+                        f"got {type(pattern).__name__}: {pattern!r}")
     if not pattern.strip():
         raise ValueError(f"{where}: empty module path {pattern!r}; the model itself has no path, so keep its class "
                          "in float32 with with_class(cls, 'float32')")
