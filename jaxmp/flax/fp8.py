@@ -1,7 +1,7 @@
 """fp8 matmuls and convolutions for Linen and NNX models under an ``O2-fp8`` policy.
 
 Under a policy whose recipe has an fp8 recipe (``"O2-fp8"``, ``"O2-fp8-current"``, or
-``PrecisionOverrides(fp8=...)``), every half-list ``Dense``/``DenseGeneral``/``Conv`` (Linen)
+rules with ``fp8_matmuls=...``), every half-list ``Dense``/``DenseGeneral``/``Conv`` (Linen)
 and ``Linear``/``LinearGeneral``/``Conv`` (NNX) that uses the default ``lax`` op gets an fp8 op
 instead: the Linen layer's ``dot_general_cls`` / ``conv_general_dilated_cls`` (as
 ``flax.linen.fp8_ops`` does) of a clone called in its place, the NNX layer's ``dot_general`` /
