@@ -96,7 +96,6 @@ TABLE: tuple[tuple[str, str, str], ...] = (
     # PrecisionOverrides is kept one release, its methods warning with their AutocastRules spelling.
     ("jaxmp.flax.PrecisionOverrides", "jaxmp.flax.overrides.PrecisionOverrides", INTERNAL),
     ("jaxmp.flax.fp32_softmax_attention", "jaxmp.flax.float32_softmax_attention", MOVED),
-    ("jaxmp.presets.FP32_CATEGORIES", "jaxmp.presets.FLOAT32_CATEGORIES", INTERNAL),
     ("jaxmp.flax.ModuleRule", "jaxmp.engine.rules.ModuleRule", INTERNAL),
     ("jaxmp.flax.DEFAULT_HALF_MODULES", "jaxmp.flax.overrides.DEFAULT_HALF_MODULES", INTERNAL),
     ("jaxmp.flax.DEFAULT_NORM_MODULES", "jaxmp.flax.overrides.DEFAULT_NORM_MODULES", INTERNAL),

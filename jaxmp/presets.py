@@ -315,5 +315,3 @@ def as_policy(policy: PolicyLike) -> Policy:
     """
     return resolve_policy(policy)[0]
 
-
-__getattr__ = _deprecations.module_getattr(__name__)
