@@ -264,8 +264,10 @@ def test_autocast_fp8_composes_with_dynamic_loss_scaling_and_skips_overflow():
 def test_autocast_refuses_delayed_scaling_and_non_recipes():
     import jaxmp
 
+    # The rules object takes delayed scaling (the Flax door keeps its state); autocast refuses it when called.
+    rules = jaxmp.AutocastRules(fp8_matmuls=fp8.DelayedScaling())
     with pytest.raises(ValueError, match="delayed scaling"):
-        jaxmp.AutocastRules(fp8_matmuls=fp8.DelayedScaling())
+        jaxmp.autocast(lambda x: x @ x, "O1-bf16", rules=rules)(jnp.ones((2, 2)))
     with pytest.raises(TypeError, match="fp8_matmuls"):
         jaxmp.AutocastRules(fp8_matmuls="e4m3")
 
