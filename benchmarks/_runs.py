@@ -78,7 +78,7 @@ def _setup(policy: str, spec: dict, entry: dict):
     recipe = jaxmp.get_recipe(preset)
     precision = "highest" if policy == "O0-strict" else None
     entry.update(recipe={"name": recipe.name, "policy": str(recipe.policy), "master_weights": recipe.master_weights,
-                         "loss_scale": recipe.loss_scale, "keep_fp32": list(recipe.keep_fp32)},
+                         "loss_scale": recipe.loss_scale, "keep_fp32": list(recipe.keep_float32)},
                  matmul_precision=precision or "default")
     ctx = jax.default_matmul_precision(precision) if precision else contextlib.nullcontext()
     tx = jaxmp.loss_scaling(make_optimizer(spec["optimizer"]), loss_scale=recipe.loss_scale,

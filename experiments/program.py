@@ -68,7 +68,7 @@ class AutocastModel:
 
     ``init`` stores floating params in the preset's param dtype (float32 for O1, half for O2,
     with float32 masters in the optimizer); ``apply`` is ``jaxmp.autocast(module.apply, policy)``.
-    ``policy`` and ``overrides`` are what `jaxmp.flax.TrainState` reads (the loss is
+    ``policy`` and ``rules`` are what `jaxmp.flax.TrainState` reads (the loss is
     computed on float32 logits).
 
     Example:
@@ -84,8 +84,8 @@ class AutocastModel:
         return jaxmp.get_policy(self.preset)
 
     @property
-    def overrides(self) -> Any:
-        return jaxmp.flax.PrecisionOverrides()
+    def rules(self) -> Any:
+        return jaxmp.flax.default_rules()
 
     def init(self, rngs: Any, *args, **kwargs) -> Any:
         variables = self.module.init(rngs, *args, **kwargs)

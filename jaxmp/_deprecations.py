@@ -31,7 +31,7 @@ _P = "jaxmp.parallel"
 
 TABLE: tuple[tuple[str, str, str], ...] = (
     # --- jaxmp: names with a home in a subpackage --------------------------------------------
-    ("jaxmp.PrecisionOverrides", "jaxmp.flax.PrecisionOverrides", MOVED),
+    ("jaxmp.PrecisionOverrides", "jaxmp.flax.overrides.PrecisionOverrides", INTERNAL),
     ("jaxmp.TrainState", "jaxmp.flax.TrainState", MOVED),
     ("jaxmp.mixed_precision", "jaxmp.flax.mixed_precision", MOVED),
     ("jaxmp.GradientStats", "jaxmp.diagnostics.GradientStats", MOVED),
@@ -40,7 +40,7 @@ TABLE: tuple[tuple[str, str, str], ...] = (
     ("jaxmp.PipelineOverhead", "jaxmp.diagnostics.PipelineOverhead", MOVED),
     ("jaxmp.RiskyOp", "jaxmp.diagnostics.RiskyOp", MOVED),
     # --- jaxmp: helpers no guide uses (loss_scaling and get_recipe cover them) ---------------
-    ("jaxmp.FP32_CATEGORIES", "jaxmp.presets.FP32_CATEGORIES", INTERNAL),
+    ("jaxmp.FP32_CATEGORIES", "jaxmp.presets.FLOAT32_CATEGORIES", INTERNAL),
     ("jaxmp.Recommendation", "jaxmp.platform.Recommendation", INTERNAL),
     ("jaxmp.parse_dtype", "jaxmp.dtypes.parse_dtype", INTERNAL),
     ("jaxmp.resolve_policy", "jaxmp.presets.resolve_policy", INTERNAL),
@@ -92,6 +92,10 @@ TABLE: tuple[tuple[str, str, str], ...] = (
     ("jaxmp.fp8.layer_scales", "jaxmp.fp8.state.layer_scales", INTERNAL),
     ("jaxmp.fp8.native_fp8", "jaxmp.fp8.hardware.native_fp8", INTERNAL),
     # --- jaxmp.flax -----------------------------------------------------------------------------
+    # One rule vocabulary: the Flax door takes jaxmp.AutocastRules (jaxmp.flax.default_rules);
+    # PrecisionOverrides is kept one release, its methods warning with their AutocastRules spelling.
+    ("jaxmp.flax.PrecisionOverrides", "jaxmp.flax.overrides.PrecisionOverrides", INTERNAL),
+    ("jaxmp.flax.fp32_softmax_attention", "jaxmp.flax.float32_softmax_attention", MOVED),
     ("jaxmp.flax.ModuleRule", "jaxmp.engine.rules.ModuleRule", INTERNAL),
     ("jaxmp.flax.DEFAULT_HALF_MODULES", "jaxmp.flax.overrides.DEFAULT_HALF_MODULES", INTERNAL),
     ("jaxmp.flax.DEFAULT_NORM_MODULES", "jaxmp.flax.overrides.DEFAULT_NORM_MODULES", INTERNAL),
@@ -118,7 +122,7 @@ TABLE: tuple[tuple[str, str, str], ...] = (
     ("jaxmp.policy.cast_floating", "jaxmp.cast_floating", REMOVED),
     ("jaxmp.policy.cast_to_full", "jaxmp.cast_to_full", REMOVED),
     ("jaxmp.policy.cast_to_half", "jaxmp.cast_to_half", REMOVED),
-    ("jaxmp.policy.FP32_CATEGORIES", "jaxmp.presets.FP32_CATEGORIES", REMOVED),
+    ("jaxmp.policy.FP32_CATEGORIES", "jaxmp.presets.FLOAT32_CATEGORIES", REMOVED),
     ("jaxmp.policy.Recipe", "jaxmp.Recipe", REMOVED),
     ("jaxmp.policy.preset_half_dtype", "jaxmp.presets.preset_half_dtype", REMOVED),
     ("jaxmp.policy.get_recipe", "jaxmp.get_recipe", REMOVED),

@@ -2,26 +2,28 @@
 
 Every policy string a user passes is parsed once, here, into typed objects:
 `jaxmp.presets.resolve_policy` returns the [`Policy`][jaxmp.Policy] and, for a preset, the
-[`Recipe`][jaxmp.Recipe] that goes with it (master weights, loss scale, fp32 op categories).
+[`Recipe`][jaxmp.Recipe] that goes with it (master weights, loss scale, float32 categories).
 [`get_policy`][jaxmp.get_policy], [`as_policy`][jaxmp.as_policy] and [`get_recipe`][jaxmp.get_recipe] are views of it.
 """
 
 from __future__ import annotations
 
 import difflib
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp import _deprecations
 from jaxmp import fp8 as _fp8
 from jaxmp._typing import PolicyLike
 from jaxmp.dtypes import dtype_names
 from jaxmp.policy import Policy, parse_policy_grammar
 
 #: Op categories that a recipe keeps in float32 (read by the Flax integration).
-FP32_CATEGORIES = ("norm", "softmax", "loss")
+FLOAT32_CATEGORIES = ("norm", "softmax", "loss")
 
 _F32 = np.dtype(jnp.float32)
 _HALF_SUFFIXES = {"": None, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp16": jnp.float16,
@@ -58,22 +60,32 @@ class Recipe(NamedTuple):
     Attributes:
       name: the preset name (``"O2"``, ``"mixed_float16"`` ...).
       policy: the dtypes.
-      master_weights: whether the optimizer keeps an fp32 master copy of
+      master_weights: whether the optimizer keeps a float32 master copy of
         half-precision params (Apex O2); pass to [`jaxmp.loss_scaling`][jaxmp.loss_scaling].
       loss_scale: ``"dynamic"`` or ``"none"``; [`jaxmp.make_loss_scale`][jaxmp.make_loss_scale] turns it
         into a loss-scale object.
-      keep_fp32: op categories (subset of ``("norm", "softmax", "loss")``) that run in
+      keep_float32: op categories (subset of ``("norm", "softmax", "loss")``) that run in
         float32 whatever the compute dtype.
       fp8: None, or the `jaxmp.fp8` recipe (``DelayedScaling`` / ``CurrentScaling``) the
         half list's matmuls and convolutions run with (the ``O2-fp8`` presets).
+      level: the Apex level the preset is (``"O0"``..``"O3"``; Keras ``float32`` is O0 and
+        ``mixed_*`` O1); None for a hand-made recipe, which autocast runs as a bare policy.
     """
 
     name: str
     policy: Policy
     master_weights: bool
     loss_scale: str
-    keep_fp32: tuple[str, ...]
+    keep_float32: tuple[str, ...]
     fp8: _fp8.Fp8Recipe | None = None
+    level: str | None = None
+
+    @property
+    def keep_fp32(self) -> tuple[str, ...]:
+        """Deprecated: the old name of ``keep_float32``."""
+        warnings.warn("Recipe.keep_fp32 is deprecated: read Recipe.keep_float32; keep_fp32 will be removed in "
+                      f"jaxmp {_deprecations.REMOVAL}", DeprecationWarning, stacklevel=2)
+        return self.keep_float32
 
 
 def preset_half_dtype(device: jax.Device | None = None) -> np.dtype:
@@ -107,20 +119,20 @@ def _level_recipe(name: str, level: str, half: Any) -> Recipe:
     half = np.dtype(half) if half is not None else preset_half_dtype()
     scale = "dynamic" if half == np.dtype(jnp.float16) else "none"
     if level == "O0":
-        return Recipe(level, Policy(_F32, _F32, _F32), False, "none", ())
+        return Recipe(level, Policy(_F32, _F32, _F32), False, "none", (), level=level)
     if level == "O1":
-        return Recipe(name, Policy(_F32, half, _F32), False, scale, FP32_CATEGORIES)
+        return Recipe(name, Policy(_F32, half, _F32), False, scale, FLOAT32_CATEGORIES, level=level)
     if level == "O2":
-        return Recipe(name, Policy(half, half, _F32), True, scale, ("norm", "loss"))
-    return Recipe(name, Policy(half, half, half), False, "none", ())
+        return Recipe(name, Policy(half, half, _F32), True, scale, ("norm", "loss"), level=level)
+    return Recipe(name, Policy(half, half, half), False, "none", (), level=level)
 
 
 def _keras_recipe(name: str) -> Recipe:
     if name == "float32":
-        return Recipe(name, Policy(_F32, _F32, _F32), False, "none", ())
+        return Recipe(name, Policy(_F32, _F32, _F32), False, "none", (), level="O0")
     half = jnp.float16 if name == "mixed_float16" else jnp.bfloat16
     return Recipe(name, Policy(_F32, half, _F32), False, "dynamic" if half == jnp.float16 else "none",
-                  FP32_CATEGORIES)
+                  FLOAT32_CATEGORIES, level="O1")
 
 
 def parse_preset(name: str) -> Recipe | None:
@@ -219,9 +231,9 @@ def get_recipe(name: str) -> Recipe:
     * ``O0``: everything float32, no loss scaling.
     * ``O1``: float32 params, half compute, float32 output; norms, softmax and the
       loss in float32; dynamic loss scaling for float16 (none for bfloat16).
-    * ``O2``: half params with an fp32 master copy in the optimizer, half compute,
+    * ``O2``: half params with a float32 master copy in the optimizer, half compute,
       float32 output; norms and the loss in float32; dynamic scaling for float16.
-    * ``O3``: pure half, no master weights, no loss scaling, nothing kept in fp32.
+    * ``O3``: pure half, no master weights, no loss scaling, nothing kept in float32.
     * ``O2-fp8`` / ``O2-fp8-current``: O2-bf16 with the half list's matmuls and convolutions
       in fp8 (E4M3 forward, E5M2 gradients) under delayed scaling (Transformer Engine's
       defaults: history 1024, max, margin 0) or per-tensor current scaling. Emulated on CPU;
@@ -302,3 +314,4 @@ def as_policy(policy: PolicyLike) -> Policy:
       dtype(bfloat16)
     """
     return resolve_policy(policy)[0]
+

@@ -405,3 +405,15 @@ def test_cholesky_of_a_gram_matrix_computed_in_a_float32_region_is_not_nan(prese
     assert np.all(np.isfinite(ref)) and not np.all(np.isfinite(plain))       # the half Gram matrix is indefinite
     # float32's own answer up to summation order, which this ill-conditioned matrix amplifies (~1e-4)
     np.testing.assert_allclose(fixed, ref, atol=1e-3)
+
+
+def test_a_preset_carries_its_level_as_data_not_in_its_name():
+    """resolve_config reads Recipe.level: a renamed O3 recipe is still O3 (the name is not sliced)."""
+    from jaxmp.engine.config import resolve_config
+
+    recipe = jaxmp.get_recipe("O3-bf16")._replace(name="my pure half")
+    assert recipe.level == "O3" and jaxmp.get_recipe("mixed_float16").level == "O1"
+    config = resolve_config(recipe, None)
+    assert config.cast_inputs == "all" and config.rules.float32_ops == frozenset()
+    with pytest.warns(DeprecationWarning, match="keep_float32"):
+        assert recipe.keep_fp32 == recipe.keep_float32 == ()

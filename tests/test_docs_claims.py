@@ -34,24 +34,23 @@ def test_architecture_fp8_statement_holds():
 
 
 def test_architecture_statement_about_flax_rules_matches_the_code():
-    """The page says the Flax front door's overrides and autocast's class rules are one rule
-    system (both compile to the engine's ``ModuleRules``); that must be what the code does."""
+    """The page says both front doors take one rule object whose class and path rules compile to the
+    engine's ``ModuleRules``; that must be what the code does."""
     nn = pytest.importorskip("flax.linen")
     from jaxmp.engine.config import flax_config, resolve_config
+    import jaxmp.flax
     from jaxmp.engine.rules import ModuleRules
-    from jaxmp.flax import PrecisionOverrides
 
     text = " ".join(page("architecture.md").read_text().split())
-    says_one_system = ("Module rules are one system: `AutocastRules.class_rules` and the Flax front door's "
-                       "`PrecisionOverrides` both compile to `jaxmp.engine.rules.ModuleRules`") in text
+    says_one_system = ("Module rules are one system: both front doors take a `jaxmp.AutocastRules`, whose "
+                       "class and path rules compile to `jaxmp.engine.rules.ModuleRules`") in text
     policy = jaxmp.get_policy("O1-bf16")
-    overrides = PrecisionOverrides.from_recipe("O1")
-    flax_rules = flax_config(policy, overrides).modules
+    flax_rules = flax_config(policy, jaxmp.flax.default_rules("O1")).modules
     autocast_rules = resolve_config("O1-bf16", jaxmp.AutocastRules().with_class(nn.LayerNorm, "float32")).modules
     one_system = isinstance(flax_rules, ModuleRules) and isinstance(autocast_rules, ModuleRules)
     assert says_one_system and one_system, (
-        "docs/architecture.md's sentence about Flax overrides and AutocastRules.class_rules no longer matches "
-        f"the code (Flax overrides compile to {type(flax_rules).__name__}, class rules to "
+        "docs/architecture.md's sentence about the one rule object no longer matches "
+        f"the code (the Flax door's rules compile to {type(flax_rules).__name__}, class rules to "
         f"{type(autocast_rules).__name__})")
     # ... and both run the ops inside a LayerNorm in float32 (the Flax rule also casts its params).
     assert flax_rules.rule_at(("norm",), nn.LayerNorm).region == "float32"

@@ -1,4 +1,4 @@
-"""Linen models under a policy: the dtype of every matmul, conv, norm and softmax, and the overrides API.
+"""Linen models under a policy: the dtype of every matmul, conv, norm and softmax, and the rules API.
 
 Dtypes are read from the traced program (``jax.make_jaxpr``), which is the ground truth for
 what precision each primitive ran in; Linen's name stack tells which module emitted it.
@@ -18,7 +18,7 @@ from _op_dtypes import (
 )
 
 import jaxmp
-from jaxmp.flax import PrecisionOverrides
+from jaxmp.flax import default_rules
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
@@ -164,7 +164,7 @@ def test_recipes_choose_categories(transformer):
     assert [op.in_dtypes for op in ops["O2-fp16"] if op.primitive == "exp"] == [(F32,)]
     assert any("jaxmp[keep]:dot_product_attention" in op.scope for op in ops["O2-fp16"])
     unfused = jaxmp.flax.mixed_precision(
-        TinyTransformer(), "O2-fp16", dataclasses.replace(PrecisionOverrides.from_recipe("O2"), fused_attention=False))
+        TinyTransformer(), "O2-fp16", dataclasses.replace(default_rules("O2"), fused_attention=False))
     assert [op.in_dtypes for op in op_dtypes(lambda p: unfused.apply(p, SEQ), variables)
             if op.primitive == "exp"] == [(F16,)]
     # O3: nothing kept in float32 by jaxmp: LayerNorm's scale and bias arrive in half (Flax
@@ -203,11 +203,11 @@ class UsesMyNorm(nn.Module):
 
 def test_user_class_overrides(strict_promotion):
     x = jnp.ones((2, 8))
-    overrides = PrecisionOverrides.from_recipe("O1").with_fp32(MyNorm).with_policy(nn.Dense, "f32")
-    model = jaxmp.flax.mixed_precision(UsesMyNorm(), "O1-bf16", overrides)
+    rules = default_rules("O1").with_class(MyNorm, "float32").with_class(nn.Dense, jaxmp.get_policy("f32"))
+    model = jaxmp.flax.mixed_precision(UsesMyNorm(), "O1-bf16", rules)
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
     rules = model.module_rules(variables, x)
-    assert rules[("MyNorm_0",)].kind == "fp32" and rules[("Dense_0",)].kind == "policy"
+    assert rules[("MyNorm_0",)].action == "float32" and rules[("Dense_0",)].action == "policy"
     ops = op_dtypes(lambda v: model.apply(v, x), variables)
     # Every Dense has its own float32 policy, under a bf16 model policy; MyNorm runs in float32.
     assert [op.in_dtypes for op in ops if op.primitive == "dot_general"] == [(F32, F32)] * 3
@@ -223,33 +223,72 @@ def test_user_class_overrides(strict_promotion):
     assert muls and all(d == F32 for op in muls for d in op.in_dtypes)
 
 
-def test_override_lists_edit():
-    ov = PrecisionOverrides()
-    assert nn.BatchNorm in ov.fp32_modules and nn.Dense in ov.half_modules
-    moved = ov.with_half(nn.BatchNorm)
-    assert nn.BatchNorm in moved.half_modules and nn.BatchNorm not in moved.fp32_modules
-    gone = ov.without(nn.Dense, nn.LayerNorm)
-    assert nn.Dense not in gone.half_modules and nn.LayerNorm not in gone.fp32_modules
-    assert gone.rule_for(nn.Dense(3), jaxmp.get_policy("O1-bf16")) is None
-    assert ov.rule_for(nn.SelfAttention, jaxmp.get_policy("O1-bf16")).kind == "half"  # subclass
-    assert hash(ov) == hash(PrecisionOverrides())
-    assert PrecisionOverrides.from_categories(("norm", "loss")) == PrecisionOverrides.from_recipe("O2")
-    assert PrecisionOverrides.from_recipe("O3").fp32_modules == ()
+def test_class_rules_edit():
+    rules, policy = default_rules(), jaxmp.get_policy("O1-bf16")
+    assert dict(rules.class_rules)[nn.BatchNorm] == "float32" and dict(rules.class_rules)[nn.Dense] == "half"
+    moved = rules.with_class(nn.BatchNorm, "half")
+    assert dict(moved.class_rules)[nn.BatchNorm] == "half"
+    gone = rules.with_class(nn.Dense, "follow").with_class(nn.LayerNorm, "follow")
+    assert nn.Dense not in dict(gone.class_rules) and nn.LayerNorm not in dict(gone.class_rules)
+    assert gone.module_rules(policy).rule_for(nn.Dense(3)) is None
+    assert rules.module_rules(policy).rule_for(nn.SelfAttention).action == "half"  # subclass
+    assert hash(rules) == hash(default_rules())
+    assert default_rules(keep_float32=("norm", "loss")) == default_rules("O2")
+    assert "float32" not in dict(default_rules("O3").class_rules).values()
 
 
-@pytest.mark.parametrize("bad", ["BatchNorm", nn.BatchNorm(), jnp.tanh, int])
-def test_override_must_name_a_module_class(bad):
-    with pytest.raises(TypeError, match="Module subclass"):
-        PrecisionOverrides().with_fp32(bad)
-    with pytest.raises(TypeError, match="Module subclass"):
-        PrecisionOverrides(fp32_modules=(bad,))
+@pytest.mark.parametrize("bad", ["BatchNorm", nn.BatchNorm(), jnp.tanh])
+def test_a_class_rule_must_name_a_class(bad):
+    with pytest.raises(TypeError, match="module class"):
+        default_rules().with_class(bad, "float32")
+    with pytest.raises(TypeError, match="module class"):
+        jaxmp.AutocastRules(class_rules=((bad, "float32"),))
+
+
+def test_the_old_precision_overrides_spelling_warns_and_compiles_to_the_same_rules():
+    """PrecisionOverrides is kept one release: each method warns with its AutocastRules spelling and
+    the Flax door runs exactly the rules the new spelling gives."""
+    from jaxmp.flax.overrides import PrecisionOverrides
+
+    policy = jaxmp.get_policy("O2-bf16")
+
+    class MyNorm(nn.Module):
+        pass
+
+    with pytest.warns(DeprecationWarning, match=r"default_rules\(recipe\)"):
+        base = PrecisionOverrides.from_recipe("O2")
+    pairs = [
+        (lambda: base.with_fp32(MyNorm), default_rules("O2").with_class(MyNorm, "float32"), "with_class"),
+        (lambda: base.with_half(nn.Embed), default_rules("O2").with_class(nn.Embed, "half"), '"half"'),
+        (lambda: base.with_policy(nn.Embed, "f32"), default_rules("O2").with_class(nn.Embed, jaxmp.get_policy("f32")),
+         "get_policy"),
+        (lambda: base.without(nn.LayerNorm), default_rules("O2").with_class(nn.LayerNorm, "follow"), '"follow"'),
+        (lambda: base.with_fp32_paths("head"), default_rules("O2").with_path("head", "float32"), "with_path"),
+    ]
+    probe = [((p,), c) for p in ("head", "body") for c in (MyNorm, nn.Embed, nn.LayerNorm, nn.Dense)]
+    for old, new, spelling in pairs:
+        with pytest.warns(DeprecationWarning, match=spelling):
+            ov = old()
+        old_rules, new_rules = ov.module_rules(policy), new.module_rules(policy)
+        assert [old_rules.rule_at(p, c) for p, c in probe] == [new_rules.rule_at(p, c) for p, c in probe]
+        with pytest.warns(DeprecationWarning, match="rules="):
+            model = jaxmp.flax.mixed_precision(nn.Dense(3), "O2-bf16", ov)
+        assert model.rules == ov.to_rules()
+    with pytest.warns(DeprecationWarning, match="rules="):
+        assert jaxmp.flax.mixed_precision(nn.Dense(3), "O2", overrides=("norm",)).rules == \
+            default_rules(jaxmp.get_policy("O2"), keep_float32=("norm",))
+    with pytest.warns(DeprecationWarning, match="action"):
+        assert default_rules().module_rules(policy).rule_for(nn.LayerNorm).kind == "fp32"
+    for bad in ("BatchNorm", nn.BatchNorm(), jnp.tanh, int):
+        with pytest.raises(TypeError, match="Module subclass"), pytest.warns(DeprecationWarning):
+            base.with_fp32(bad)
+    with pytest.raises(ValueError, match="both"):
+        PrecisionOverrides(half_modules=(nn.Dense,), fp32_modules=(nn.Dense,))
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="both"):
-        PrecisionOverrides(half_modules=(nn.Dense,), fp32_modules=(nn.Dense,))
     with pytest.raises(ValueError, match="categories"):
-        PrecisionOverrides.from_categories(("norm", "matmul"))
+        default_rules(keep_float32=("norm", "matmul"))
     with pytest.raises(ValueError, match="int8"):
         jaxmp.flax.mixed_precision(nn.Dense(3), "p=f32,c=int8")
     with pytest.raises(TypeError, match="floating"):
@@ -260,8 +299,8 @@ def test_bad_arguments():
         jaxmp.flax.mixed_precision(nn.Dense, "O1")
     with pytest.raises(TypeError, match="Module instance"):
         jaxmp.flax.mixed_precision(lambda x: x, "O1")
-    with pytest.raises(TypeError, match="overrides"):
-        jaxmp.flax.mixed_precision(nn.Dense(3), "O1", overrides=3)
+    with pytest.raises(TypeError, match="rules must be a jaxmp.AutocastRules"):
+        jaxmp.flax.mixed_precision(nn.Dense(3), "O1", rules=3)
 
 
 class ScannedLayers(nn.Module):
@@ -281,21 +320,21 @@ def test_lifted_transforms(strict_promotion):
     x = jnp.ones((2, 8))
     model = jaxmp.flax.mixed_precision(ScannedLayers(), "O1-bf16")
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
-    assert {rule.kind for rule in model.module_rules(variables, x).values()} == {"half", "fp32"}
+    assert {rule.action for rule in model.module_rules(variables, x).values()} == {"half", "float32"}
     ops = op_dtypes(lambda v: model.apply(v, x), variables)
     assert_matmuls_in(ops, BF16)
     assert {op.in_dtypes for op in ops if op.primitive == "rsqrt"} == {(F32,)}
 
 
-def test_fp32_softmax_attention_matches_flax():
+def test_float32_softmax_attention_matches_flax():
     q, k, v = (np.random.default_rng(i).normal(size=(2, 5, 2, 4)).astype(np.float32) for i in range(3))
     mask = np.tril(np.ones((5, 5), bool))[None, None]
 
     @jax.jit
     def both(q, k, v):
         ref = nn.dot_product_attention(q, k, v, mask=mask)
-        out = jaxmp.flax.fp32_softmax_attention(q, k, v, mask=mask)
-        half = jaxmp.flax.fp32_softmax_attention(q.astype(F16), k.astype(F16), v.astype(F16), is_causal=True)
+        out = jaxmp.flax.float32_softmax_attention(q, k, v, mask=mask)
+        half = jaxmp.flax.float32_softmax_attention(q.astype(F16), k.astype(F16), v.astype(F16), is_causal=True)
         return ref, out, half
 
     ref, out, half = both(q, k, v)
@@ -344,12 +383,12 @@ def test_explicit_float32_layer_runs_in_half_and_warns_once(f32_head):
     assert dots == {"body": (BF16, BF16), "head": (BF16, BF16), "out": (BF16, BF16)}
     [w] = _overridden_warnings(record)
     message = str(w.message)
-    assert "'head' (Dense)" in message and "with_fp32_paths('head')" in message and "bfloat16" in message
+    assert "'head' (Dense)" in message and "with_path('head', 'float32')" in message and "bfloat16" in message
     assert "'body'" not in message and "'out'" not in message
 
 
-@pytest.mark.parametrize("overrides", [PrecisionOverrides().with_fp32_paths("head"),
-                                       PrecisionOverrides().with_fp32_paths("he*")],
+@pytest.mark.parametrize("overrides", [default_rules().with_path("head", "float32"),
+                                       default_rules().with_path("he*", "float32")],
                          ids=["path", "glob"])
 def test_path_rule_keeps_exactly_that_layer_float32(f32_head, overrides, recwarn):
     x, variables = f32_head
@@ -358,7 +397,7 @@ def test_path_rule_keeps_exactly_that_layer_float32(f32_head, overrides, recwarn
     assert model.apply(variables, x).dtype == F32
     assert not _overridden_warnings(recwarn.list)
     rules = model.module_rules(variables, x)
-    assert rules[("head",)].kind == "fp32" and rules[("body",)].kind == "half"
+    assert rules[("head",)].action == "float32" and rules[("body",)].action == "half"
 
 
 def test_path_rule_covers_a_subtree_and_o2_storage(recwarn):
@@ -368,7 +407,7 @@ def test_path_rule_covers_a_subtree_and_o2_storage(recwarn):
             return nn.Dense(2, name="keep")(F32Head(name="block")(x))
 
     x = jnp.ones((2, 3))
-    model = jaxmp.flax.mixed_precision(Outer(), "O2-bf16", PrecisionOverrides.from_recipe("O2").with_fp32_paths("block"))
+    model = jaxmp.flax.mixed_precision(Outer(), "O2-bf16", default_rules("O2").with_path("block", "float32"))
     variables = model.init(jax.random.key(0), x)
     params = variables["params"]
     assert {params["block"][k]["kernel"].dtype for k in ("body", "head", "out")} == {F32}   # stored float32
@@ -380,7 +419,7 @@ def test_path_rule_covers_a_subtree_and_o2_storage(recwarn):
 
 def test_class_rule_keeps_explicit_float32_layers_float32(f32_head, recwarn):
     x, variables = f32_head
-    model = jaxmp.flax.mixed_precision(F32Head(), "O1-bf16", PrecisionOverrides().with_fp32(nn.Dense))
+    model = jaxmp.flax.mixed_precision(F32Head(), "O1-bf16", default_rules().with_class(nn.Dense, "float32"))
     assert set(_dots(model.apply, variables, x).values()) == {(F32, F32)}
     assert not _overridden_warnings(recwarn.list)
 
@@ -393,7 +432,7 @@ def test_float32_policy_does_not_warn(f32_head, recwarn):
 
 @pytest.mark.parametrize("bad, error, match", [
     (("decoder", "head"), TypeError, "pass 'decoder/head'"),
-    (nn.Dense, TypeError, r"with_fp32\(Dense\)"),
+    (nn.Dense, TypeError, r"with_class\(Dense, 'float32'\)"),
     (3, TypeError, "module path string"),
     ("", ValueError, "empty module path"),
     ("/head", ValueError, "empty component"),
@@ -403,21 +442,21 @@ def test_float32_policy_does_not_warn(f32_head, recwarn):
 ])
 def test_path_rule_rejects_bad_paths(bad, error, match):
     with pytest.raises(error, match=match):
-        PrecisionOverrides().with_fp32_paths(bad)
+        default_rules().with_path(bad, "float32")
     with pytest.raises(error, match=match):
-        PrecisionOverrides(fp32_paths=(bad,))
+        jaxmp.AutocastRules(path_rules=((bad, "float32"),))
 
 
 def test_path_rule_is_immutable_and_hashable():
-    base = PrecisionOverrides()
-    ov = base.with_fp32_paths("a/b", "*/logits", "a/b")
-    assert base.fp32_paths == () and ov.fp32_paths == ("a/b", "*/logits")
-    assert hash(ov) == hash(PrecisionOverrides(fp32_paths=("a/b", "*/logits"))) and ov != base
-    assert PrecisionOverrides(fp32_paths="a").fp32_paths == ("a",)
-    with pytest.raises(TypeError, match="at least one"):
-        base.with_fp32_paths()
+    base = jaxmp.AutocastRules()
+    rules = base.with_path("a/b", "float32").with_path("*/logits", "float32").with_path("a/b", "float32")
+    assert base.path_rules == () and rules.path_rules == (("a/b", "float32"), ("*/logits", "float32"))
+    assert hash(rules) == hash(jaxmp.AutocastRules(path_rules=(("a/b", "float32"), ("*/logits", "float32"))))
+    assert rules != base
+    with pytest.raises(ValueError, match="keeps a layer in 'float32'"):
+        base.with_path("a", "half")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        ov.fp32_paths = ()
+        rules.path_rules = ()
 
 
 # -- O2 at the two front doors: autocast keeps softmax in float32, jaxmp.flax runs it in half ----------
@@ -446,8 +485,8 @@ def test_o2_softmax_differs_between_the_front_doors_and_the_report_shows_it():
     # jaxmp.flax (Apex O2): pure half outside norms -- the max and exp in bf16 (JAX's own sum upcasts).
     assert flax_o2["reduce_max"] == (("bf16",), "follow") and flax_o2["exp"] == (("bf16",), "follow")
     assert flax_o2["reduce_sum"][1] != "float32 list"
-    # The documented route to autocast's O2 behind jaxmp.flax: fp32_softmax=True.
-    same = jaxmp.flax.mixed_precision(net, "O2-bf16", PrecisionOverrides(fp32_softmax=True))
+    # The documented route to autocast's O2 behind jaxmp.flax: keep the "softmax" category.
+    same = jaxmp.flax.mixed_precision(net, "O2-bf16", default_rules("O2-bf16", ("norm", "softmax", "loss")))
     assert _softmax_decisions(jaxmp.precision_report(same.apply, same.init(jax.random.key(0), x), x)) == autocast
 
 
@@ -460,17 +499,20 @@ def test_overrides_and_autocast_class_rules_are_one_rule_system():
     from jaxmp.engine.rules import ModuleRules
 
     policy = jaxmp.get_policy("O1-bf16")
-    ov = PrecisionOverrides.from_recipe("O1").with_fp32_paths("head").with_policy(nn.Embed, "f32")
+    ov = default_rules("O1").with_path("head", "float32").with_class(nn.Embed, jaxmp.get_policy("f32"))
     rules = ov.module_rules(policy)
     assert isinstance(rules, ModuleRules) and flax_config(policy, ov).modules == rules
-    for path, cls in [(("body",), nn.LayerNorm), (("head",), nn.Dense), (("body",), nn.Dense), (("x",), nn.Embed)]:
-        assert ov.rule_at(path, cls, policy) == rules.rule_at(path, cls)
-    assert [rules.rule_at(p, c).kind for p, c in [(("body",), nn.LayerNorm), (("head",), nn.Dense),
-                                                   (("body",), nn.Dense), (("x",), nn.Embed)]] == \
-        ["fp32", "fp32", "half", "policy"]
+    assert [rules.rule_at(p, c).action for p, c in [(("body",), nn.LayerNorm), (("head",), nn.Dense),
+                                                     (("body",), nn.Dense), (("x",), nn.Embed)]] == \
+        ["float32", "float32", "half", "policy"]
     config = resolve_config("O1-bf16", jaxmp.AutocastRules().with_class(nn.LayerNorm, "float32"))
     assert config.modules.rule_for(nn.LayerNorm).region == "float32"
-    assert config.modules.rule_for(nn.LayerNorm).kind == "region"
+    assert config.modules.rule_for(nn.LayerNorm).action == "region"
+    # The Flax door's rules are refused by autocast by name, not run half-way.
+    with pytest.raises(ValueError, match="path rules"):
+        resolve_config("O1-bf16", ov.with_class(nn.Embed, "follow"))
+    with pytest.raises(TypeError, match="Flax door rule"):
+        resolve_config("O1-bf16", jaxmp.AutocastRules().with_class(nn.Embed, jaxmp.get_policy("f32")))
     # The NNX / Equinox hook is installed once per class and stays Flax's call outside a trace.
     install_call_hooks([nnx.LayerNorm])
     hook = nnx.LayerNorm.__call__
@@ -481,7 +523,7 @@ def test_overrides_and_autocast_class_rules_are_one_rule_system():
 
 @pytest.mark.parametrize("override", ["class", "policy"])
 def test_a_block_kept_in_float32_by_a_class_rule_stores_its_layers_params_in_float32_under_o2(override):
-    # with_fp32(Block) names the whole block: its Dense (a half-list layer) computed in float32
+    # with_class(Block, "float32") names the whole block: its Dense (a half-list layer) computed in float32
     # but was stored, and so rounded, in bfloat16, 6e-3 off plain float32 Flax.
     class Block(nn.Module):
         @nn.compact
@@ -493,8 +535,8 @@ def test_a_block_kept_in_float32_by_a_class_rule_stores_its_layers_params_in_flo
         def __call__(self, x):
             return nn.Dense(4, name="head")(Block(name="enc")(x))
 
-    base = PrecisionOverrides.from_recipe("O2")
-    ov = base.with_fp32(Block) if override == "class" else base.with_policy(Block, "float32")
+    base = default_rules("O2")
+    ov = base.with_class(Block, "float32" if override == "class" else jaxmp.get_policy("float32"))
     variables = jaxmp.flax.mixed_precision(Net(), "O2-bf16", ov).init(jax.random.key(0), jnp.ones((2, 8)))
     params = variables["params"]
     assert params["enc"]["inner"]["kernel"].dtype == np.float32

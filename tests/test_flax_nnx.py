@@ -118,8 +118,8 @@ def test_storage_and_wrapper_behaviour():
     assert o1.model.conv0.kernel.dtype == F32
     # The user's model object is never re-classed; only the throw-away copy is.
     assert type(o1.model.bn0) is nnx.BatchNorm
-    rules = jaxmp.flax.nnx.module_rules(o1.model, o1.policy, o1.overrides)
-    assert rules[("bn0",)].kind == "fp32" and rules[("conv0",)].kind == "half"
+    rules = jaxmp.flax.nnx.module_rules(o1.model, o1.policy, o1.rules)
+    assert rules[("bn0",)].action == "float32" and rules[("conv0",)].action == "half"
 
 
 def test_bad_models():
@@ -131,8 +131,8 @@ def test_bad_models():
 
     with pytest.raises(TypeError, match="__call__"):
         jaxmp.flax.mixed_precision(NoCall(), "O1")
-    with pytest.raises(TypeError, match="Module subclass"):
-        jaxmp.flax.PrecisionOverrides().with_fp32("nnx.BatchNorm")
+    with pytest.raises(TypeError, match="pass the class itself"):
+        jaxmp.flax.default_rules().with_class("nnx.BatchNorm", "float32")
 
 
 def same_bits(a, b):
@@ -230,7 +230,7 @@ def test_explicit_float32_layer_runs_in_half_and_warns_once(f32_head):
     assert dots == [(BF16, BF16)] * 3
     [w] = _overridden_warnings(record)
     message = str(w.message)
-    assert "'head' (Linear)" in message and "with_fp32_paths('head')" in message
+    assert "'head' (Linear)" in message and "with_path('head', 'float32')" in message
     assert "'body'" not in message and "'out'" not in message
 
 
@@ -242,8 +242,8 @@ def test_functional_call_warns_once_per_model(f32_head):
     assert len(_overridden_warnings(record)) == 1
 
 
-@pytest.mark.parametrize("overrides", [jaxmp.flax.PrecisionOverrides().with_fp32_paths("head"),
-                                       jaxmp.flax.PrecisionOverrides().with_fp32_paths("h*d")],
+@pytest.mark.parametrize("overrides", [jaxmp.flax.default_rules().with_path("head", "float32"),
+                                       jaxmp.flax.default_rules().with_path("h*d", "float32")],
                          ids=["path", "glob"])
 def test_path_rule_keeps_exactly_that_layer_float32(f32_head, overrides, recwarn):
     x = jnp.ones((2, 3))
@@ -263,7 +263,7 @@ def test_path_rule_o2_storage_and_subtree(recwarn):
             return self.keep(self.block(x))
 
     x = jnp.ones((2, 3))
-    ov = jaxmp.flax.PrecisionOverrides.from_recipe("O2").with_fp32_paths("block")
+    ov = jaxmp.flax.default_rules("O2").with_path("block", "float32")
     model = jaxmp.flax.mixed_precision(Outer(nnx.Rngs(0)), "O2-bf16", ov)
     assert {model.model.block.body.kernel.dtype, model.model.block.head.kernel.dtype} == {F32}
     assert model.model.keep.kernel.dtype == BF16
@@ -274,18 +274,18 @@ def test_path_rule_o2_storage_and_subtree(recwarn):
 def test_class_rule_keeps_explicit_float32_layers_float32(f32_head, recwarn):
     x = jnp.ones((2, 3))
     model = jaxmp.flax.mixed_precision(nnx.clone(f32_head), "O1-bf16",
-                                       jaxmp.flax.PrecisionOverrides().with_fp32(nnx.Linear))
+                                       jaxmp.flax.default_rules().with_class(nnx.Linear, "float32"))
     assert _dots(model, x) == [(F32, F32)] * 3
     assert not _overridden_warnings(recwarn.list)
 
 
 def test_path_rule_bad_inputs():
     with pytest.raises(TypeError, match="pass 'layers/0'"):
-        jaxmp.flax.PrecisionOverrides().with_fp32_paths(("layers", 0))
-    with pytest.raises(TypeError, match=r"with_fp32\(Linear\)"):
-        jaxmp.flax.PrecisionOverrides().with_fp32_paths(nnx.Linear)
+        jaxmp.flax.default_rules().with_path(("layers", 0), "float32")
+    with pytest.raises(TypeError, match=r"with_class\(Linear, 'float32'\)"):
+        jaxmp.flax.default_rules().with_path(nnx.Linear, "float32")
     with pytest.raises(ValueError, match="empty component"):
-        jaxmp.flax.PrecisionOverrides().with_fp32_paths("layers//0")
+        jaxmp.flax.default_rules().with_path("layers//0", "float32")
 
 
 class _SeenMask(nnx.Variable):
@@ -348,7 +348,7 @@ def test_a_block_kept_in_float32_by_a_class_rule_stores_its_layers_params_in_flo
         def __call__(self, x):
             return self.head(self.enc(x))
 
-    ov = jaxmp.flax.PrecisionOverrides.from_recipe("O2").with_fp32(Block)
+    ov = jaxmp.flax.default_rules("O2").with_class(Block, "float32")
     model = jaxmp.flax.nnx.store_params(Net(nnx.Rngs(0)), "O2-bf16", ov)
     assert model.enc.inner.kernel[...].dtype == np.float32
     assert model.head.kernel[...].dtype == jnp.bfloat16

@@ -168,7 +168,7 @@ def test_state_survives_jit_identity():
     same = jax.jit(lambda s: s)(state)
     assert jax.tree.structure(same) == jax.tree.structure(state)
     assert same.model is state.model and same_bits(same, state)
-    assert same.policy == jaxmp.get_policy("O1-fp16") and same.overrides.fp32_softmax
+    assert same.policy == jaxmp.get_policy("O1-fp16") and same.rules.float32_ops
 
 
 def test_create_rejects_bad_arguments():

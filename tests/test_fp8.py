@@ -180,12 +180,12 @@ def test_each_code_path_picks_the_recipe_it_was_given():
         fp8.state.init_layer_state(current)
     # autocast takes current scaling only; the presets and the Flax front door take either.
     assert jaxmp.AutocastRules(fp8_matmuls=current).fp8_matmuls is current
-    with pytest.raises(ValueError, match="delayed scaling"):
-        jaxmp.AutocastRules(fp8_matmuls=delayed)
+    with pytest.raises(ValueError, match="delayed scaling"):  # refused where autocast is called
+        jaxmp.autocast(lambda x: x @ x, "O1-bf16", rules=jaxmp.AutocastRules(fp8_matmuls=delayed))(jnp.ones((2, 2)))
     assert type(jaxmp.get_recipe("O2-fp8").fp8) is fp8.DelayedScaling
     assert type(jaxmp.get_recipe("O2-fp8-current").fp8) is fp8.CurrentScaling
     for recipe in (current, delayed):
-        assert jaxmp.flax.PrecisionOverrides(fp8=recipe).fp8 is recipe
+        assert jaxmp.AutocastRules(fp8_matmuls=recipe).fp8_matmuls is recipe
     # An NNX fp8 op keeps state for the delayed recipe only.
     counts = [len(nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0), dot_general=NnxFp8Op(r)), Fp8State))
               for r in (current, delayed)]
@@ -264,8 +264,10 @@ def test_autocast_fp8_composes_with_dynamic_loss_scaling_and_skips_overflow():
 def test_autocast_refuses_delayed_scaling_and_non_recipes():
     import jaxmp
 
+    # The rules object takes delayed scaling (the Flax door keeps its state); autocast refuses it when called.
+    rules = jaxmp.AutocastRules(fp8_matmuls=fp8.DelayedScaling())
     with pytest.raises(ValueError, match="delayed scaling"):
-        jaxmp.AutocastRules(fp8_matmuls=fp8.DelayedScaling())
+        jaxmp.autocast(lambda x: x @ x, "O1-bf16", rules=rules)(jnp.ones((2, 2)))
     with pytest.raises(TypeError, match="fp8_matmuls"):
         jaxmp.AutocastRules(fp8_matmuls="e4m3")
 

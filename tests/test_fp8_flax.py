@@ -32,7 +32,7 @@ def _recipe():
 
 
 def _overrides():
-    return dataclasses.replace(jaxmp.flax.PrecisionOverrides.from_recipe("O2-fp8"), fp8=_recipe())
+    return dataclasses.replace(jaxmp.flax.default_rules("O2-fp8"), fp8_matmuls=_recipe())
 
 
 class Net(nn.Module):
@@ -69,20 +69,20 @@ def test_fp8_presets_are_o2_bf16_with_an_fp8_recipe_and_transformer_engine_defau
     delayed, current = jaxmp.get_recipe("O2-fp8"), jaxmp.get_recipe("O2-fp8-current")
     bf16 = jaxmp.get_recipe("O2-bf16")
     for r in (delayed, current):
-        assert (r.policy, r.master_weights, r.loss_scale, r.keep_fp32) == \
-            (bf16.policy, bf16.master_weights, bf16.loss_scale, bf16.keep_fp32)
+        assert (r.policy, r.master_weights, r.loss_scale, r.keep_float32, r.level) == \
+            (bf16.policy, bf16.master_weights, bf16.loss_scale, bf16.keep_float32, "O2")
     assert isinstance(delayed.fp8, fp8.DelayedScaling) and type(current.fp8) is fp8.CurrentScaling
     assert (delayed.fp8.history_length, delayed.fp8.reduction, delayed.fp8.margin) == (1024, "max", 0.0)
     assert (delayed.fp8.fwd_dtype, delayed.fp8.bwd_dtype) == (fp8.formats.E4M3, fp8.formats.E5M2)
     assert jaxmp.get_recipe("O2-bf16").fp8 is None
-    assert jaxmp.flax.PrecisionOverrides.from_recipe("O2-fp8").fp8 == delayed.fp8
+    assert jaxmp.flax.default_rules("O2-fp8").fp8_matmuls == delayed.fp8
 
 
 @pytest.mark.parametrize("make, error, match", [
     (lambda: jaxmp.get_recipe("O1-fp8"), ValueError, "O2-based"),
     (lambda: jaxmp.get_recipe("O2-fp8-later"), ValueError, "O2-fp8"),
-    (lambda: jaxmp.flax.PrecisionOverrides(fp8="e4m3"), TypeError, "fp8 must be a jaxmp.fp8"),
-    (lambda: jaxmp.flax.PrecisionOverrides(fp8=fp8.DelayedScaling(fwd_dtype=jnp.bfloat16)), ValueError,
+    (lambda: jaxmp.AutocastRules(fp8_matmuls="e4m3"), TypeError, "fp8_matmuls must be a jaxmp.fp8"),
+    (lambda: jaxmp.AutocastRules(fp8_matmuls=fp8.DelayedScaling(fwd_dtype=jnp.bfloat16)), ValueError,
      "fwd_dtype must be an fp8 dtype"),
     (lambda: fp8.DelayedScaling(history_length=0), ValueError, "history_length"),
     (lambda: fp8.DelayedScaling(margin=-1), ValueError, "margin"),

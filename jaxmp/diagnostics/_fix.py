@@ -124,8 +124,8 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     component = path.rsplit("/", 1)[-1]
     if policy is None:
         code = "\n".join([
-            "# Flax door: jaxmp.flax.mixed_precision(model, policy, overrides=",
-            f"#     jaxmp.flax.PrecisionOverrides().with_fp32_paths({component!r}))",
+            "# Flax door: jaxmp.flax.mixed_precision(model, policy, rules=",
+            f"#     jaxmp.flax.default_rules().with_path({component!r}, \"float32\"))",
             *textwrap.wrap(f"your own casts (Policy.cast_to_compute, dtype=bfloat16): compute {path!r} on "
                            "float32 params and inputs, or run the function under jaxmp.autocast with", _FIT - 2,
                            initial_indent="# ", subsequent_indent="# ", break_long_words=False),

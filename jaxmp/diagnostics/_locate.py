@@ -100,10 +100,10 @@ class NonFiniteCulprit:
         where = f"the module {self.path.rsplit('/', 1)[-1]!r}" if self.path else "this op"
         if self.backward:
             return (f"the gradient overflows the half dtype in {where}: lower the loss scale (a dynamic scale "
-                    "backs off by itself), or keep " + where + " in float32 (a float32 region / fp32 path rule, "
+                    "backs off by itself), or keep " + where + " in float32 (a float32 region / float32 path rule, "
                     "see " + _DOCS + "), or train in bfloat16")
         return (f"keep {where} in float32 (jaxmp.AutocastRules().with_scope(...), "
-                "PrecisionOverrides.with_fp32_paths(...) or @jaxmp.float32_region), normalise its input, "
+                "AutocastRules.with_path(..., 'float32') or @jaxmp.float32_region), normalise its input, "
                 "or use bfloat16 (float32's range); see " + _DOCS)
 
 

@@ -38,9 +38,10 @@ class AutocastConfig:
         (none: O1), ``"weights"`` (those whose every use is a half-list op: O2) or ``"all"`` (O3).
       rules: the [`jaxmp.AutocastRules`][jaxmp.AutocastRules].
       identity: the region changes nothing (O0, or a float32 compute dtype).
-      modules: the compiled module rules (`jaxmp.engine.modules.ModuleRules`): the
-        rules' ``class_rules`` under autocast, the ``PrecisionOverrides`` under the Flax front
-        door. The once-installed module hooks read them from the running trace's config.
+      modules: the compiled module rules (`jaxmp.engine.modules.ModuleRules`): the rules'
+        class rules as regions under autocast, as casting rules under the Flax front door
+        (``AutocastRules.module_rules``). The once-installed module hooks read them from the
+        running trace's config.
       front_door: the config of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision], which intercepts Linen
         modules itself (the engine only installs the class hooks).
     """
@@ -57,7 +58,7 @@ class AutocastConfig:
     def __post_init__(self):
         if not self.modules and self.rules.class_rules:
             # Normalising our own frozen record: autocast's class rules, compiled once.
-            object.__setattr__(self, "modules", ModuleRules.from_class_rules(self.rules.class_rules))
+            object.__setattr__(self, "modules", self.rules.module_rules())
 
 
 def _warn_pure_half(policy: str, compute: np.dtype) -> None:
@@ -111,12 +112,18 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     """
     if rules is not None and not isinstance(rules, AutocastRules):
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}: {rules!r}")
+    if rules is not None:
+        if isinstance(rules.fp8_matmuls, fp8.DelayedScaling):
+            raise ValueError("AutocastRules.fp8_matmuls: delayed scaling keeps amax histories across steps, which "
+                             "autocast's functional form has no state for; use fp8.CurrentScaling() (or the Flax "
+                             "door, jaxmp.flax.mixed_precision, which keeps them)")
+        rules.module_rules()  # path rules and per-class policies are the Flax door's: refused here, by name
     resolved, recipe = resolve_policy(policy)
     compute = np.dtype(resolved.compute_dtype)
     if isinstance(policy, str) and recipe is None and "=" not in policy and compute.itemsize < 4:
         _warn_pure_half(policy, compute)
     name = recipe.name if recipe is not None else str(resolved)
-    level = recipe.name[:2].upper() if recipe is not None and recipe.name[:1] in "oO" else None
+    level = recipe.level if recipe is not None else None
     if compute.itemsize >= 4:
         return AutocastConfig(name, compute, np.dtype(resolved.output_dtype), "",
                               rules or AutocastRules(), identity=True)
@@ -161,28 +168,29 @@ def current() -> AutocastConfig | None:
     return TRACING.value
 
 
-def flax_config(policy: Policy, overrides: Any) -> AutocastConfig:
-    """The engine settings of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision] for a policy and its overrides.
+def flax_config(policy: Policy, rules: AutocastRules) -> AutocastConfig:
+    """The engine settings of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision] for a policy and its rules.
 
-    The overrides compile to the engine's module rules (``PrecisionOverrides.module_rules``:
-    class rules and path rules, applied by `jaxmp.engine.modules`); the engine then
-    applies the op lists: the default lists when the overrides keep softmax in float32
-    (O1), pure half otherwise (O2, O3: norms stay float32 through their module rule).
+    The class and path rules compile with the policy to casting module rules
+    (``AutocastRules.module_rules(policy)``, applied by `jaxmp.engine.modules`); the engine
+    applies the op lists, scope rules and promotion. fp8 is the door's own (it swaps the
+    layers' dot ops), so the engine's ``fp8_matmuls`` stays off.
 
     Args:
       policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
-      overrides: the [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
+      rules: the [`jaxmp.AutocastRules`][jaxmp.AutocastRules] of the door
+        ([`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] by default).
 
     Returns:
       An `jaxmp.engine.config.AutocastConfig` (``identity`` for a float32 compute dtype).
 
     Example:
-      >>> import jaxmp; from jaxmp.engine.config import current, flax_config, resolve_config
-      >>> from jaxmp.flax import PrecisionOverrides
-      >>> flax_config(jaxmp.get_policy("O2-bf16"), PrecisionOverrides.from_recipe("O2")).rules.float32_ops
+      >>> import jaxmp, jaxmp.flax; from jaxmp.engine.config import flax_config
+      >>> flax_config(jaxmp.get_policy("O2-bf16"), jaxmp.flax.default_rules("O2")).rules.float32_ops
       frozenset()
     """
     compute = np.dtype(policy.compute_dtype)
-    rules = AutocastRules() if overrides.fp32_softmax else PURE_HALF_RULES
-    return AutocastConfig(f"flax {policy}", compute, np.dtype(policy.output_dtype), "", rules,
-                          identity=compute.itemsize >= 4, modules=overrides.module_rules(policy), front_door=True)
+    ops = dataclasses.replace(rules, class_rules=(), path_rules=(), fp8_matmuls=None, float32_loss=True,
+                              fused_attention=True)
+    return AutocastConfig(f"flax {policy}", compute, np.dtype(policy.output_dtype), "", ops,
+                          identity=compute.itemsize >= 4, modules=rules.module_rules(policy), front_door=True)

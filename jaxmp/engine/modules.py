@@ -7,8 +7,8 @@ path rules, which beat class rules):
 
 * [`jaxmp.autocast`][jaxmp.autocast]'s ``AutocastRules.class_rules`` become *region* rules: ops inside a
   call of the class run in the rule's dtype (the engine reads the ``jaxmp[<dtype>]`` scope).
-* [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision]'s ``PrecisionOverrides`` (compiled with the policy by
-  ``PrecisionOverrides.module_rules``) become *casting* rules: the call's floating inputs and
+* [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision]'s rules (compiled with the policy by
+  ``AutocastRules.module_rules(policy)``) become *casting* rules: the call's floating inputs and
   the module's params go to the rule's compute dtype, float32 modules and per-class policies
   also run in a region, and the output is cast as the rule says.
 
@@ -71,7 +71,7 @@ def cast_output(out: Any, rule: ModuleRule, input_dtype: np.dtype | None) -> Any
     Example:
       >>> import jax.numpy as jnp, numpy as np
       >>> from jaxmp.engine.modules import ModuleRule, cast_output
-      >>> rule = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
+      >>> rule = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "float32")
       >>> cast_output(jnp.ones(2), rule, np.dtype("float16")).dtype
       dtype('float16')
     """
@@ -146,8 +146,9 @@ def module_interceptor(decide: Callable[[Any], ModuleRule | None],
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
-      >>> from jaxmp.engine.modules import ModuleRules, module_interceptor
-      >>> rules, seen = ModuleRules.from_class_rules(((nn.Dense, "float32"),)), []
+      >>> import jaxmp
+      >>> from jaxmp.engine.modules import module_interceptor
+      >>> rules, seen = jaxmp.AutocastRules().with_class(nn.Dense, "float32").module_rules(), []
       >>> icpt = module_interceptor(rules.rule_for, observe=lambda m, r: seen.append((type(m).__name__, r.region)))
       >>> with nn.intercept_methods(icpt):
       ...     _ = nn.Dense(2).init(jax.random.key(0), jnp.ones((1, 2)))

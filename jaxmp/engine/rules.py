@@ -7,8 +7,10 @@ Three lists, as NVIDIA's AMP and ``torch.autocast`` have them:
   whose range or rounding error grows with the size of the data);
 * everything else *follows* its inputs under a promotion rule (see [`AutocastRules`][jaxmp.AutocastRules]).
 
-[`AutocastRules`][jaxmp.AutocastRules] is a frozen, hashable record a user can copy and edit; region rules
-(``jax.named_scope`` patterns and module classes) live on it too.
+[`AutocastRules`][jaxmp.AutocastRules] is a frozen, hashable record a user can copy and edit, the one rule
+vocabulary of both front doors (``jaxmp.autocast(..., rules=)`` and ``jaxmp.flax.mixed_precision(...,
+rules=)``): the op lists, and scope, class and path rules that each say what they do (``"half"``,
+``"float32"``, ``"keep"``, a dtype; ``"follow"`` takes a class rule off).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 import fnmatch
 import functools
 import re
+import warnings
 from typing import Any, Iterable, Sequence
 
 import jax.numpy as jnp
@@ -25,6 +28,7 @@ from jax.typing import DTypeLike
 
 from jaxmp import fp8
 from jaxmp.dtypes import float_dtype
+from jaxmp.policy import Policy
 
 #: Matmuls and convolutions: cast to the compute dtype (torch: matmul, conv, linear, einsum, baddbmm).
 HALF_OPS: frozenset[str] = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
@@ -84,7 +88,7 @@ def known_primitive_names() -> frozenset[str]:
       A frozenset of primitive names, e.g. ``"dot_general"``, ``"exp"``.
 
     Example:
-      >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
+      >>> from jaxmp.engine.rules import known_primitive_names
       >>> "dot_general" in known_primitive_names()
       True
     """
@@ -122,18 +126,60 @@ def _region_dtype(dtype: Any, where: str) -> str:
 
 
 def _module_class(cls: Any, where: str) -> type:
-    if not isinstance(cls, type):
-        raise TypeError(f"{where}: expected a module class (e.g. flax.linen.LayerNorm, equinox.nn.LayerNorm), "
-                        f"got {type(cls).__name__}: {cls!r}")
-    return cls
+    if isinstance(cls, type):
+        return cls
+    if isinstance(cls, str):
+        hint = f"the string {cls!r}; pass the class itself, e.g. flax.linen.{cls}"
+    elif type(cls).__module__ != "builtins":
+        hint = f"an instance; pass its class, type(x) = {type(cls).__name__}"
+    else:
+        hint = f"{type(cls).__name__}: {cls!r}"
+    raise TypeError(f"{where}: expected a module class (e.g. flax.linen.LayerNorm, equinox.nn.LayerNorm), got {hint}")
+
+
+def _class_action(action: Any, where: str) -> Any:
+    """A class rule's action: a region dtype, ``"follow"``, or a per-class `jaxmp.Policy` (Flax door)."""
+    if isinstance(action, str) and action == "follow":
+        return action
+    if not isinstance(action, str) and all(hasattr(action, f) for f in ("param_dtype", "compute_dtype",
+                                                                          "output_dtype")):
+        return action if isinstance(action, Policy) else Policy(action.param_dtype, action.compute_dtype,
+                                                                action.output_dtype)
+    return _region_dtype(action, where)
+
+
+def _path_pattern(pattern: Any, where: str) -> str:
+    """Returns ``pattern`` if it is a valid module-path glob, else raises naming ``where``."""
+    if isinstance(pattern, (tuple, list)) and pattern and all(isinstance(p, (str, int)) for p in pattern):
+        joined = "/".join(str(p) for p in pattern)
+        raise TypeError(f"{where}: a module path is one string joined by '/', got the sequence {pattern!r}; "
+                        f"pass {joined!r}")
+    if isinstance(pattern, type):
+        raise TypeError(f"{where}: expected a module path such as 'decoder/head' (a glob on the path joined by '/'), "
+                        f"got the class {pattern.__name__}; for a whole class use "
+                        f"with_class({pattern.__name__}, 'float32')")
+    if not isinstance(pattern, str):
+        raise TypeError(f"{where}: expected a module path string such as 'decoder/head', "
+                        f"got {type(pattern).__name__}: {pattern!r}")
+    if not pattern.strip():
+        raise ValueError(f"{where}: empty module path {pattern!r}; the model itself has no path, so keep its class "
+                         "in float32 with with_class(cls, 'float32')")
+    if pattern != pattern.strip():
+        raise ValueError(f"{where}: module path {pattern!r} has leading or trailing whitespace")
+    if pattern.startswith("/") or pattern.endswith("/") or "//" in pattern:
+        raise ValueError(f"{where}: module path {pattern!r} has an empty component; paths are relative to the "
+                         "wrapped model and joined by single '/', e.g. 'decoder/head' or '*/logits'")
+    return pattern
 
 
 @dataclasses.dataclass(frozen=True)
 class AutocastRules:
-    """What [`jaxmp.autocast`][jaxmp.autocast] does with each op: three op lists, promotion, regions.
+    """What each op and module runs in: the one rule object of ``jaxmp.autocast`` and the Flax door.
 
     Instances are frozen and hashable; edit them with the ``with_*`` methods, which return
-    copies. The default lists are `HALF_OPS`, `FLOAT32_OPS` and the ops that follow.
+    copies. The default lists are `HALF_OPS`, `FLOAT32_OPS` and the ops that follow. Both front
+    doors take it (``rules=``); [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] gives the Flax door's per-preset
+    starting point (matmul layers ``"half"``, norm layers ``"float32"``).
 
     **Promotion** (``promote``) decides the dtype of an op that follows its inputs when their
     floating dtypes differ:
@@ -160,15 +206,24 @@ class AutocastRules:
       scope_rules: ``((pattern, dtype), ...)``: ops under a ``jax.named_scope`` whose name
         matches the glob ``pattern`` run in ``dtype`` (``"float32"``, ``"half"``, a dtype, or
         ``"keep"``: as traced).
-      fp8_matmuls: a [`jaxmp.fp8.CurrentScaling`][jaxmp.fp8.CurrentScaling] recipe, or None: half-list
-        ``dot_general`` ops become scaled fp8 dots (E4M3 operands, E5M2 cotangents;
-        [`jaxmp.fp8.fp8_dot_general`][jaxmp.fp8.fp8_dot_general]). Delayed scaling needs state across steps, which
-        autocast's functional form has none of: it is refused.
-      class_rules: ``((module_class, dtype), ...)``: ops inside calls of instances of that
-        class (Flax Linen / NNX, Equinox, Haiku; subclasses too) run in ``dtype``.
+      class_rules: ``((module_class, dtype), ...)``: calls of instances of that class (Flax
+        Linen / NNX, Equinox, Haiku; subclasses too) run in ``dtype``. Under autocast the ops
+        inside run in it; the Flax door, which owns the params, also casts the layer's params
+        and inputs (``"half"``: the policy's compute dtype; ``"float32"``: float32, output back
+        in the input's dtype). The Flax door also takes a [`jaxmp.Policy`][jaxmp.Policy] (the class runs
+        under its own policy).
+      path_rules: ``((glob, "float32"), ...)`` (Flax door): the module at a matching path
+        (joined by ``"/"``, relative to the wrapped model; `fnmatch.fnmatchcase`, ``*``
+        also crosses ``/``) and everything under it run in float32; beats class rules.
+      fp8_matmuls: None or a `jaxmp.fp8` recipe: half-list matmuls run as scaled fp8 dots
+        (E4M3 operands, E5M2 cotangents). Autocast takes ``CurrentScaling`` only (delayed
+        scaling keeps state across steps); the Flax door takes both (the ``O2-fp8`` presets).
+      float32_loss: the Flax door's train steps compute the loss on float32 logits.
+      fused_attention: the Flax door runs attention modules with Flax's default attention
+        through [`jaxmp.flax.fused_attention`][jaxmp.flax.fused_attention] (cuDNN on GPUs, a float32 softmax elsewhere).
 
     Example:
-      >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
+      >>> import flax.linen, jaxmp
       >>> rules = jaxmp.AutocastRules().with_float32("tanh").with_class(flax.linen.LayerNorm, "float32")
       >>> "tanh" in rules.float32_ops
       True
@@ -179,24 +234,27 @@ class AutocastRules:
     promote: str = "demand"
     matmul_output: str = "compute"
     scope_rules: tuple[tuple[str, str], ...] = ()
-    class_rules: tuple[tuple[type, str], ...] = ()
-    fp8_matmuls: fp8.CurrentScaling | None = None
+    class_rules: tuple[tuple[type, Any], ...] = ()
+    fp8_matmuls: fp8.Fp8Recipe | None = None
+    path_rules: tuple[tuple[str, str], ...] = ()
+    float32_loss: bool = True
+    fused_attention: bool = True
 
     def __post_init__(self):
-        if isinstance(self.fp8_matmuls, fp8.DelayedScaling):
-            raise ValueError("AutocastRules.fp8_matmuls: delayed scaling keeps amax histories across steps, "
-                             "which autocast's functional form has no state for; use fp8.CurrentScaling()")
-        if self.fp8_matmuls is not None and not isinstance(self.fp8_matmuls, fp8.CurrentScaling):
-            raise TypeError(f"AutocastRules.fp8_matmuls must be a jaxmp.fp8.CurrentScaling or None, "
-                            f"got {type(self.fp8_matmuls).__name__}")
+        if self.fp8_matmuls is not None and not isinstance(self.fp8_matmuls, fp8.Fp8Recipe):
+            raise TypeError(f"AutocastRules.fp8_matmuls must be a jaxmp.fp8.CurrentScaling / DelayedScaling recipe "
+                            f"or None, got {type(self.fp8_matmuls).__name__}: {self.fp8_matmuls!r}")
         half = _op_set(self.half_ops, "AutocastRules.half_ops")
-        fp32 = _op_set(self.float32_ops, "AutocastRules.float32_ops")
-        if half & fp32:
-            raise ValueError(f"ops {sorted(half & fp32)} are in both half_ops and float32_ops; pick one")
+        f32 = _op_set(self.float32_ops, "AutocastRules.float32_ops")
+        if half & f32:
+            raise ValueError(f"ops {sorted(half & f32)} are in both half_ops and float32_ops; pick one")
         if self.promote not in _PROMOTE:
             raise ValueError(f"AutocastRules.promote must be one of {_PROMOTE}, got {self.promote!r}")
         if self.matmul_output not in _MATMUL_OUT:
             raise ValueError(f"AutocastRules.matmul_output must be one of {_MATMUL_OUT}, got {self.matmul_output!r}")
+        for name in ("float32_loss", "fused_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"AutocastRules.{name} must be a bool, got {getattr(self, name)!r}")
         scopes = []
         for item in self.scope_rules:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
@@ -207,12 +265,24 @@ class AutocastRules:
             if not (isinstance(item, tuple) and len(item) == 2):
                 raise TypeError(f"class_rules entries must be (module class, dtype) pairs, got {item!r}")
             cls = _module_class(item[0], "AutocastRules.class_rules")
-            classes = [(c, d) for c, d in classes if c is not cls]
-            classes.append((cls, _region_dtype(item[1], f"class rule {cls.__name__}")))
+            action = _class_action(item[1], f"class rule {cls.__name__}")
+            # A later rule for the same class replaces the earlier one; "follow" only removes it.
+            classes = [(c, d) for c, d in classes if c is not cls] + ([] if action == "follow" else [(cls, action)])
+        paths: list[tuple[str, str]] = []
+        for item in self.path_rules:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(f"path_rules entries must be (module path glob, 'float32') pairs, got {item!r}")
+            pattern = _path_pattern(item[0], "AutocastRules.path_rules")
+            if _region_dtype(item[1], f"path rule {pattern!r}") != "float32":
+                raise ValueError(f"path rule {pattern!r}: a path rule keeps a layer in 'float32' (the Flax door's "
+                                 f"per-layer opt-out), got {item[1]!r}; for other dtypes use with_class or with_scope")
+            if pattern not in [p for p, _ in paths]:
+                paths.append((pattern, "float32"))
         object.__setattr__(self, "half_ops", half)
-        object.__setattr__(self, "float32_ops", fp32)
+        object.__setattr__(self, "float32_ops", f32)
         object.__setattr__(self, "scope_rules", tuple(scopes))
         object.__setattr__(self, "class_rules", tuple(classes))
+        object.__setattr__(self, "path_rules", tuple(paths))
 
     # -- copies ---------------------------------------------------------------------------
 
@@ -226,7 +296,7 @@ class AutocastRules:
           A new [`AutocastRules`][jaxmp.AutocastRules].
 
         Example:
-          >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
+          >>> import jaxmp
           >>> "tanh" in jaxmp.AutocastRules().with_half("tanh").half_ops
           True
         """
@@ -243,7 +313,7 @@ class AutocastRules:
           A new [`AutocastRules`][jaxmp.AutocastRules].
 
         Example:
-          >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
+          >>> import jaxmp
           >>> "dot_general" in jaxmp.AutocastRules().with_float32("dot_general").float32_ops
           True
         """
@@ -260,7 +330,7 @@ class AutocastRules:
           A new [`AutocastRules`][jaxmp.AutocastRules].
 
         Example:
-          >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
+          >>> import jaxmp
           >>> "reduce_max" in jaxmp.AutocastRules().with_follow("reduce_max").float32_ops
           False
         """
@@ -281,30 +351,60 @@ class AutocastRules:
           A new [`AutocastRules`][jaxmp.AutocastRules].
 
         Example:
-          >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
+          >>> import jaxmp
           >>> jaxmp.AutocastRules().with_scope("head", "float32").scope_rules
           (('head', 'float32'),)
         """
         return dataclasses.replace(self, scope_rules=self.scope_rules + ((pattern, dtype),))
 
-    def with_class(self, cls: type, dtype: DTypeLike) -> "AutocastRules":
+    def with_class(self, cls: type, dtype: Any) -> "AutocastRules":
         """Copy where every call of a module of class ``cls`` (or a subclass) runs in ``dtype``.
 
         Works for Flax Linen and NNX, Equinox and Haiku modules, whatever the instance is called.
+        A later rule for the same class replaces an earlier one; ``"follow"`` takes the class's
+        rule off (it then follows its inputs).
 
         Args:
           cls: the module class, e.g. ``flax.linen.LayerNorm``.
-          dtype: ``"float32"``, ``"half"``, ``"keep"`` or a floating dtype.
+          dtype: ``"float32"``, ``"half"``, ``"keep"``, a floating dtype, ``"follow"``, or (Flax
+            door) a [`jaxmp.Policy`][jaxmp.Policy] the class runs under.
 
         Returns:
           A new [`AutocastRules`][jaxmp.AutocastRules].
 
         Example:
-          >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
+          >>> import flax.linen, jaxmp
           >>> jaxmp.AutocastRules().with_class(flax.linen.LayerNorm, "float32").class_rules[0][1]
           'float32'
         """
         return dataclasses.replace(self, class_rules=self.class_rules + ((cls, dtype),))
+
+    def with_path(self, pattern: str, dtype: DTypeLike = "float32") -> "AutocastRules":
+        """Copy where the module at ``pattern`` (and everything under it) runs in float32 (Flax door).
+
+        The per-layer route for one layer of a class that runs in half, e.g. the output head.
+        ``pattern`` is a glob (`fnmatch.fnmatchcase`; ``*`` crosses ``/`` too) on the module
+        path joined by ``"/"``, relative to the wrapped model: Linen ``module.path``
+        (``"decoder/head"``), NNX attribute paths (``"layers/2"``). The module runs as a
+        ``"float32"`` class rule does; a path rule beats class rules.
+
+        Args:
+          pattern: a module path or glob, e.g. ``"decoder/head"``, ``"*/logits"``.
+          dtype: ``"float32"`` (the one dtype a path rule takes).
+
+        Returns:
+          A new [`AutocastRules`][jaxmp.AutocastRules].
+
+        Raises:
+          TypeError: ``pattern`` is not a string (a tuple path, a module class).
+          ValueError: an empty pattern or component (``"a//b"``), or another dtype.
+
+        Example:
+          >>> import jaxmp
+          >>> jaxmp.AutocastRules().with_path("decoder/head", "float32").path_rules
+          (('decoder/head', 'float32'),)
+        """
+        return dataclasses.replace(self, path_rules=self.path_rules + ((pattern, dtype),))
 
     def scope_dtype(self, component: str) -> str | None:
         """The region dtype a scope rule gives a name-stack component, or None."""
@@ -312,6 +412,27 @@ class AutocastRules:
             if fnmatch.fnmatchcase(component, pattern):
                 return dtype
         return None
+
+    def module_rules(self, policy: Policy | None = None) -> "ModuleRules":
+        """The class and path rules compiled to the engine's `ModuleRules`.
+
+        Args:
+          policy: None under autocast (it owns no params: every class rule marks a region, the
+            ops inside run in its dtype); the model-wide [`jaxmp.Policy`][jaxmp.Policy] under the Flax door
+            (``"half"`` and ``"float32"`` class rules and path rules also cast the layer's params
+            and inputs, a `jaxmp.Policy` runs the class under it, other dtypes mark a region).
+
+        Returns:
+          The compiled `ModuleRules` (cached per rules and policy).
+
+        Example:
+          >>> import flax.linen as nn, jaxmp
+          >>> rules = jaxmp.AutocastRules().with_class(nn.Dense, "half").with_path("head", "float32")
+          >>> compiled = rules.module_rules(jaxmp.get_policy("O1-bf16"))
+          >>> compiled.rule_at(("head",), nn.Dense).action, compiled.rule_at(("body",), nn.Dense).action
+          ('float32', 'half')
+        """
+        return _compile(self.class_rules, self.path_rules, policy)
 
 
 #: The rules of O3: pure half precision, nothing kept in float32.
@@ -332,7 +453,7 @@ def marker(dtype: str, label: str = "") -> str:
       The scope name, e.g. ``"jaxmp[float32]:LayerNorm"``.
 
     Example:
-      >>> import flax.linen, jaxmp; from jaxmp.engine.rules import known_primitive_names, marker
+      >>> from jaxmp.engine.rules import marker
       >>> marker("float32", "LayerNorm")
       'jaxmp[float32]:LayerNorm'
     """
@@ -347,7 +468,8 @@ def is_float32(dtype: Any) -> bool:
 # -- module rules ------------------------------------------------------------------------------
 
 _F32 = np.dtype("float32")
-_KINDS = ("half", "fp32", "policy", "region")
+_ACTIONS = ("half", "float32", "policy", "region")
+_OLD_KINDS = {"half": "half", "float32": "fp32", "policy": "policy", "region": "region"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,29 +482,32 @@ class ModuleRule:
       param_dtype: the dtype params of this module are stored in (used at init; None: as created).
       output: ``"computed"`` (leave the output as computed), ``"input"`` (cast back to
         the dtype of the first floating input, as float32 norms do) or a dtype.
-      kind: ``"half"``, ``"fp32"``, ``"policy"`` (the Flax front door's half list, float32
-        list and per-class policies) or ``"region"`` (an ``AutocastRules`` class rule).
+      action: what the rule does. ``"half"``: cast params and inputs to the policy's compute
+        dtype and let the op lists decide (an enclosing ``"float32"`` rule wins);
+        ``"float32"``: cast them to float32 and run the ops inside in float32;
+        ``"policy"``: run under a per-class policy (its compute dtype, region and output);
+        ``"region"``: cast nothing, run the ops inside in ``region``.
       region: the dtype the engine runs the ops inside the call in (``"float32"``, ``"half"``,
         ``"keep"`` or a dtype name); None: the op lists decide. Defaults to the compute dtype
-        for ``"fp32"`` and ``"policy"`` rules, None for ``"half"`` rules.
+        for ``"float32"`` and ``"policy"`` rules, None for ``"half"`` rules.
 
     Example:
       >>> import numpy as np
       >>> from jaxmp.engine.rules import ModuleRule
-      >>> ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32").region
+      >>> ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "float32").region
       'float32'
     """
 
     compute_dtype: Any
     param_dtype: Any
     output: Any = "computed"
-    kind: str = "half"
+    action: str = "half"
     region: str | None = None
 
     def __post_init__(self):
-        if self.kind not in _KINDS:
-            raise ValueError(f"ModuleRule.kind must be one of {_KINDS}, got {self.kind!r}")
-        if self.kind == "region":
+        if self.action not in _ACTIONS:
+            raise ValueError(f"ModuleRule.action must be one of {_ACTIONS}, got {self.action!r}")
+        if self.action == "region":
             if not isinstance(self.region, str):
                 raise TypeError(f"a region ModuleRule needs region= a dtype name, 'half' or 'keep', got {self.region!r}")
             return
@@ -390,13 +515,51 @@ class ModuleRule:
         object.__setattr__(self, "compute_dtype", np.dtype(self.compute_dtype))
         if self.param_dtype is not None:
             object.__setattr__(self, "param_dtype", np.dtype(self.param_dtype))
-        if self.region is None and self.kind in ("fp32", "policy"):
+        if self.region is None and self.action in ("float32", "policy"):
             object.__setattr__(self, "region", self.compute_dtype.name)
 
     @property
     def casts(self) -> bool:
-        """Whether the rule casts the call's inputs and the module's params (every kind but ``"region"``)."""
-        return self.kind != "region"
+        """Whether the rule casts the call's inputs and the module's params (every action but ``"region"``)."""
+        return self.action != "region"
+
+    @property
+    def kind(self) -> str:
+        """Deprecated: the old name of `action` (``"fp32"`` for ``"float32"``)."""
+        warnings.warn("ModuleRule.kind is deprecated: read ModuleRule.action ('float32' where kind said 'fp32'); "
+                      "kind will be removed in jaxmp 0.2.0", DeprecationWarning, stacklevel=2)
+        return _OLD_KINDS[self.action]
+
+
+_FLOAT32_RULE = ModuleRule(_F32, _F32, "input", "float32")
+
+
+@functools.lru_cache(maxsize=256)
+def _compile(class_rules: tuple, path_rules: tuple, policy: Policy | None) -> "ModuleRules":
+    """``AutocastRules.module_rules``: class and path rules to `ModuleRules` (see there)."""
+    if policy is None:
+        if any(isinstance(d, Policy) for _, d in class_rules):
+            raise TypeError("a class rule with a jaxmp.Policy is a Flax door rule (it sets how params are stored); "
+                            "under jaxmp.autocast give the class a dtype: with_class(cls, 'float32')")
+        if path_rules:
+            raise ValueError(f"path rules {[p for p, _ in path_rules]} need the Flax door, which knows module paths "
+                             "(jaxmp.flax.mixed_precision(model, policy, rules=...)); under jaxmp.autocast use "
+                             "with_scope(pattern, dtype) or with_class(cls, dtype)")
+        return ModuleRules(classes=tuple((c, ModuleRule(None, None, "computed", "region", region=d))
+                                         for c, d in class_rules))
+    half = ModuleRule(policy.compute_dtype, policy.param_dtype, "computed", "half")
+
+    def rule(action):
+        if isinstance(action, Policy):
+            return ModuleRule(action.compute_dtype, action.param_dtype, action.output_dtype, "policy")
+        if action == "half":
+            return half
+        if action == "float32":
+            return _FLOAT32_RULE
+        return ModuleRule(None, None, "computed", "region", region=action)
+
+    return ModuleRules(classes=tuple((c, rule(d)) for c, d in class_rules),
+                       paths=tuple((p, _FLOAT32_RULE) for p, _ in path_rules))
 
 
 def _path_prefixes(path: Sequence[Any]) -> list[str]:
@@ -420,10 +583,10 @@ class ModuleRules:
       >>> from jaxmp.engine.rules import ModuleRule, ModuleRules
       >>> class Norm: pass
       >>> class MyNorm(Norm): pass
-      >>> f32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
+      >>> f32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "float32")
       >>> rules = ModuleRules(classes=((Norm, f32),), paths=(("head", f32),))
-      >>> rules.rule_at(("x",), MyNorm()).kind, rules.rule_at(("head", "Dense_0"), object) is f32
-      ('fp32', True)
+      >>> rules.rule_at(("x",), MyNorm()).action, rules.rule_at(("head", "Dense_0"), object) is f32
+      ('float32', True)
     """
 
     classes: tuple = ()
@@ -460,7 +623,7 @@ class ModuleRules:
         Example:
           >>> import numpy as np
           >>> from jaxmp.engine.rules import ModuleRule, ModuleRules
-          >>> f32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
+          >>> f32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "float32")
           >>> ModuleRules(paths=(("dec*", f32),)).path_match(("decoder", "Dense_0"))
           'dec*'
         """
@@ -484,7 +647,7 @@ class ModuleRules:
         Example:
           >>> import numpy as np
           >>> from jaxmp.engine.rules import ModuleRule, ModuleRules
-          >>> rules = ModuleRules(classes=((int, ModuleRule(None, None, kind="region", region="float32")),))
+          >>> rules = ModuleRules(classes=((int, ModuleRule(None, None, action="region", region="float32")),))
           >>> rules.rule_for(True).region, rules.rule_for(1.0)
           ('float32', None)
         """
@@ -509,31 +672,12 @@ class ModuleRules:
         Example:
           >>> import numpy as np
           >>> from jaxmp.engine.rules import ModuleRule, ModuleRules
-          >>> f32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
-          >>> ModuleRules(paths=(("head", f32),)).rule_at(("head",), object).kind
-          'fp32'
+          >>> f32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "float32")
+          >>> ModuleRules(paths=(("head", f32),)).rule_at(("head",), object).action
+          'float32'
         """
         if path is not None and self.paths:
             for pattern, rule in self.paths:
                 if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in _path_prefixes(path)):
                     return rule
         return self.rule_for(module_or_class)
-
-    @classmethod
-    def from_class_rules(cls, class_rules: Sequence[tuple[type, str]]) -> "ModuleRules":
-        """Region rules from ``AutocastRules.class_rules`` (``((cls, dtype), ...)``).
-
-        Args:
-          class_rules: ``((module_class, dtype), ...)`` with dtype ``"float32"``, ``"half"``,
-            ``"keep"`` or a dtype name.
-
-        Returns:
-          The compiled `ModuleRules`.
-
-        Example:
-          >>> import flax.linen as nn
-          >>> from jaxmp.engine.rules import ModuleRules
-          >>> ModuleRules.from_class_rules(((nn.LayerNorm, "float32"),)).rule_for(nn.LayerNorm).region
-          'float32'
-        """
-        return cls(classes=tuple((c, ModuleRule(None, None, "computed", "region", region=d)) for c, d in class_rules))

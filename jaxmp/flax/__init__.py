@@ -2,7 +2,7 @@
 
 * [`mixed_precision`][jaxmp.flax.mixed_precision] wraps a Linen module (init/apply) or an NNX module (a module)
   so that matmuls and convolutions run in the compute dtype while normalisation,
-  softmax and the loss stay float32 ([`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides] says which classes).
+  softmax and the loss stay float32 (its [`jaxmp.AutocastRules`][jaxmp.AutocastRules] say which: [`default_rules`][jaxmp.flax.default_rules]).
 * [`TrainState`][jaxmp.flax.TrainState], [`make_train_step`][jaxmp.flax.make_train_step], [`make_eval_step`][jaxmp.flax.make_eval_step]: Linen training
   with loss scaling, applied-steps counting and exact skipped steps (batch_stats too).
 * [`jaxmp.flax.nnx.train_step`][jaxmp.flax.nnx.train_step]: the same for NNX with ``nnx.Optimizer``.
@@ -12,17 +12,18 @@ See the README section "Flax: Linen and NNX models under a policy".
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import flax.linen as _nn
 from flax import nnx as _nnx
 
 from jaxmp.flax import fp8, linen, nnx
-from jaxmp.flax.attention import fp32_softmax_attention, fused_attention
+from jaxmp.flax.attention import float32_softmax_attention, fused_attention
 from jaxmp.flax.losses import accuracy, softmax_cross_entropy
 from jaxmp import _deprecations
 from jaxmp._typing import PolicyLike
-from jaxmp.flax.overrides import PrecisionOverrides
+from jaxmp.engine.rules import AutocastRules as _AutocastRules
+from jaxmp.flax.overrides import default_rules, resolve_rules
 from jaxmp.flax.steps import make_eval_step, make_train_step
 from jaxmp.flax.train_state import TrainState
 from jaxmp.loss_scale import register_flax_serialization as _register_flax_serialization
@@ -30,20 +31,20 @@ from jaxmp.loss_scale import register_flax_serialization as _register_flax_seria
 _register_flax_serialization(force=True)
 
 
-def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike,
-                    overrides: PrecisionOverrides | Iterable[str] | None = None
-                    ) -> linen.MixedPrecision | nnx.MixedPrecision:
+def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike, rules: _AutocastRules | None = None, *,
+                    overrides: Any = None) -> linen.MixedPrecision | nnx.MixedPrecision:
     """Runs an unmodified Linen or NNX model under a precision policy.
 
     Params are cast per module for the forward pass, inputs to the compute dtype, outputs to the
-    output dtype; the overrides keep normalisation, attention softmax and the loss in float32.
+    output dtype; the rules keep normalisation, attention softmax and the loss in float32.
 
     Args:
       model: a ``flax.linen.Module`` or ``flax.nnx.Module`` instance.
       policy: a [`jaxmp.Policy`][jaxmp.Policy], a preset name (``"O1-bf16"``, ``"O2-fp16"`` ...), a jmp
         policy string (``"p=f32,c=bf16,o=f32"``), a [`jaxmp.Recipe`][jaxmp.Recipe] or a ``jmp.Policy``.
-      overrides: a [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides], a tuple of ``keep_fp32``
-        categories, or None for the preset's defaults.
+      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules] (start from
+        [`default_rules`][jaxmp.flax.default_rules]), or None for the preset's defaults.
+      overrides: the deprecated name of ``rules`` (one release, with a ``DeprecationWarning``).
 
     Returns:
       For Linen, a [`jaxmp.flax.linen.MixedPrecision`][jaxmp.flax.linen.MixedPrecision] with the module's
@@ -51,7 +52,7 @@ def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike,
       module wrapping the model.
 
     Raises:
-      TypeError: not a Linen/NNX module instance, a policy whose dtypes are not floating, or bad overrides.
+      TypeError: not a Linen/NNX module instance, a policy whose dtypes are not floating, or bad rules.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp.flax
@@ -60,10 +61,9 @@ def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike,
       >>> model.apply(model.init(jax.random.key(0), x), x).dtype   # the output dtype: float32
       dtype('float32')
     """
-    if isinstance(model, _nn.Module):
-        return linen.MixedPrecision(model, policy, overrides)
-    if isinstance(model, _nnx.Module):
-        return nnx.MixedPrecision(model, policy, overrides)
+    if isinstance(model, (_nn.Module, _nnx.Module)):
+        policy, rules = resolve_rules(policy, rules, overrides)
+        return (linen.MixedPrecision if isinstance(model, _nn.Module) else nnx.MixedPrecision)(model, policy, rules)
     if isinstance(model, type) and issubclass(model, (_nn.Module, _nnx.Module)):
         raise TypeError(f"mixed_precision expects a module instance, got the class {model.__name__}; instantiate it first")
     raise TypeError(
@@ -73,11 +73,11 @@ def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike,
 
 
 __all__ = [
-    "PrecisionOverrides",
     "TrainState",
     "accuracy",
+    "default_rules",
+    "float32_softmax_attention",
     "fp8",
-    "fp32_softmax_attention",
     "fused_attention",
     "linen",
     "make_eval_step",

@@ -34,7 +34,7 @@ def _sow_weights(module: Any, weights: jax.Array) -> None:
         module.sow("intermediates", "attention_weights", weights)
 
 
-def fp32_softmax_attention(
+def float32_softmax_attention(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
@@ -50,7 +50,7 @@ def fp32_softmax_attention(
     is_causal: bool = False,
     **unused: Any,
 ) -> jax.Array:
-    """``flax.linen.dot_product_attention`` / ``flax.nnx.dot_product_attention`` with an fp32 softmax.
+    """``flax.linen.dot_product_attention`` / ``flax.nnx.dot_product_attention`` with a float32 softmax.
 
     A drop-in ``attention_fn`` for ``nn.MultiHeadDotProductAttention`` and
     ``nnx.MultiHeadAttention``; [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision] installs it in the
@@ -77,7 +77,7 @@ def fp32_softmax_attention(
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp.flax
-      >>> attn = nn.MultiHeadDotProductAttention(2, dtype=jnp.bfloat16, attention_fn=jaxmp.flax.fp32_softmax_attention)
+      >>> attn = nn.MultiHeadDotProductAttention(2, dtype=jnp.bfloat16, attention_fn=jaxmp.flax.float32_softmax_attention)
       >>> x = jnp.ones((1, 4, 8), jnp.bfloat16)
       >>> attn.apply(attn.init(jax.random.key(0), x), x).shape
       (1, 4, 8)

@@ -15,13 +15,13 @@ Path = tuple[str, ...]
 
 
 def is_float32_rule(rule: ModuleRule) -> bool:
-    """Whether ``rule`` runs its module in float32 or wider (``with_fp32``, a float32 policy).
+    """Whether ``rule`` runs its module in float32 or wider (a ``"float32"`` class or path rule, a float32 policy).
 
     Example:
       >>> import numpy as np
       >>> from jaxmp.engine.rules import ModuleRule
       >>> from jaxmp.flax.casting import is_float32_rule
-      >>> is_float32_rule(ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32"))
+      >>> is_float32_rule(ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "float32"))
       True
     """
     return np.dtype(rule.compute_dtype).itemsize >= 4
@@ -38,7 +38,7 @@ def enclosing_float32(path: Path, float32_rules: dict[Path, ModuleRule]) -> Modu
       >>> import numpy as np
       >>> from jaxmp.engine.rules import ModuleRule
       >>> from jaxmp.flax.casting import enclosing_float32
-      >>> fp32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")
+      >>> fp32 = ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "float32")
       >>> enclosing_float32(("enc", "inner"), {("enc",): fp32}) is fp32, enclosing_float32(("enc",), {("enc",): fp32})
       (True, None)
     """
@@ -72,7 +72,7 @@ def cast_by_path(tree: Any, rules: dict[Path, ModuleRule], default: np.dtype, fi
       >>> import jax.numpy as jnp, numpy as np
       >>> from jaxmp.engine.rules import ModuleRule
       >>> from jaxmp.flax.casting import cast_by_path
-      >>> rules = {("bn",): ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "fp32")}
+      >>> rules = {("bn",): ModuleRule(np.dtype("float32"), np.dtype("float32"), "input", "float32")}
       >>> t = cast_by_path({"bn": {"scale": jnp.ones(2)}, "fc": {"w": jnp.ones(2)}}, rules, jnp.bfloat16, "compute_dtype")
       >>> t["bn"]["scale"].dtype, t["fc"]["w"].dtype
       (dtype('float32'), dtype(bfloat16))

@@ -1,8 +1,8 @@
-"""Run an unmodified Linen module under a precision policy with per-module-class overrides.
+"""Run an unmodified Linen module under a precision policy and its rules (class and path rules).
 
 How it works (no edit to the model, nothing patched, one trace, no float32 rehearsal):
 
-1. The overrides compile to the engine's module rules (``PrecisionOverrides.module_rules``) and
+1. The rules compile to the engine's module rules (``AutocastRules.module_rules(policy)``) and
    ``apply`` runs the model once, inside [`jaxmp.autocast`][jaxmp.autocast]'s engine, under the engine's
    Linen interceptor (`jaxmp.engine.modules.module_interceptor`, pushed on Flax's
    thread-local interceptor stack): the floating inputs of every ruled module go to its
@@ -27,7 +27,7 @@ How it works (no edit to the model, nothing patched, one trace, no float32 rehea
 A half-list module built with ``dtype=float32`` runs in half like the others (Flax casts back to
 float32 and the engine's half list narrows the matmul); the interceptor notes its path and the
 first ``apply`` that reaches it emits one [`jaxmp.MixedPrecisionWarning`][jaxmp.MixedPrecisionWarning] per wrapped model.
-Modules matching a path rule (``PrecisionOverrides.with_fp32_paths``) get the float32 rule.
+Modules matching a path rule (``AutocastRules.with_path(pattern, "float32")``) get the float32 rule.
 
 Only the ``params`` collection is cast; ``batch_stats`` and other collections are passed
 through untouched (BatchNorm statistics stay float32). ``init`` stores each param in its rule's
@@ -41,7 +41,7 @@ import contextlib
 import dataclasses
 import functools
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -54,8 +54,8 @@ from jaxmp.engine.modules import module_interceptor
 from jaxmp.flax.attention import fused_attention
 from jaxmp.flax.casting import Path, cast_by_path, enclosing_float32, is_float32_rule
 from jaxmp.flax.fp8 import Fp8ConvGeneralDilated, Fp8DotGeneral, linen_fp8_field
-from jaxmp.flax.overrides import ModuleRule, PrecisionOverrides, explicit_float32, join_path, \
-    overridden_float32_message, resolve_overrides
+from jaxmp.engine.rules import AutocastRules, ModuleRule
+from jaxmp.flax.overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
 from jaxmp.policy import Policy
 from jaxmp.traps import MixedPrecisionWarning
 
@@ -79,47 +79,47 @@ class _Call:
     thread-local interceptor stack for the duration of the call.
     """
 
-    def __init__(self, policy: Policy, overrides: PrecisionOverrides, init: bool = False):
-        self.policy, self.overrides, self.init = policy, overrides, init
-        self.rules = overrides.module_rules(policy)
+    def __init__(self, policy: Policy, rules: AutocastRules, init: bool = False):
+        self.policy, self.rules, self.init = policy, rules, init
+        self.compiled = rules.module_rules(policy)
         self.seen: dict[Path, ModuleRule] = {}
         self.overridden: dict[str, str] = {}
         self.failed_params: Any = None  # the params created before a layer raised (init)
         self._by_class: dict[type, ModuleRule | None] = {}
-        self.fp32_paths: dict[Path, ModuleRule] = {}  # modules met with a float32 rule, by path
+        self.float32_paths: dict[Path, ModuleRule] = {}  # modules met with a float32 rule, by path
 
     def decide(self, module: nn.Module) -> ModuleRule | None:
-        if self.rules.paths:
-            rule = self._at_init(self.rules.rule_at(module.path, module))
+        if self.compiled.paths:
+            rule = self._at_init(self.compiled.rule_at(module.path, module))
         else:
             cls = type(module)
             if cls not in self._by_class:  # memoised per call: path-free rules depend on the class only
-                self._by_class[cls] = self._at_init(self.rules.rule_for(cls))
+                self._by_class[cls] = self._at_init(self.compiled.rule_for(cls))
             rule = self._by_class[cls]
-        if rule is not None and rule.kind == "half" and self.fp32_paths:
-            return enclosing_float32(tuple(str(p) for p in module.path), self.fp32_paths) or rule
+        if rule is not None and rule.action == "half" and self.float32_paths:
+            return enclosing_float32(tuple(str(p) for p in module.path), self.float32_paths) or rule
         return rule
 
     def _at_init(self, rule: ModuleRule | None) -> ModuleRule | None:
         # At init a half layer reads the float32 params it has just created, so its output is
         # float32; handing it on in the compute dtype keeps the activations' dtypes those of
         # apply (a scan carry keeps its type, a cache its dtype).
-        if self.init and rule is not None and rule.kind == "half":
+        if self.init and rule is not None and rule.action == "half":
             return dataclasses.replace(rule, output=rule.compute_dtype)
         return rule
 
     def replace(self, module: nn.Module) -> nn.Module | None:
         """A clone bound to the same scope with the fused attention / fp8 op, or None."""
         updates = {}
-        if self.overrides.fused_attention and _uses_default_attention(module):
+        if self.rules.fused_attention and _uses_default_attention(module):
             updates["attention_fn"] = fused_attention
-        if self.overrides.fp8 is not None:
+        if self.rules.fp8_matmuls is not None:
             field = linen_fp8_field(module)
             if field is not None:
                 rule = self.decide(module)
-                if rule is not None and rule.kind == "half":
+                if rule is not None and rule.action == "half":
                     cls = Fp8DotGeneral if field == "dot_general_cls" else Fp8ConvGeneralDilated
-                    updates[field] = functools.partial(cls, recipe=self.overrides.fp8)
+                    updates[field] = functools.partial(cls, recipe=self.rules.fp8_matmuls)
         if not updates:
             return None
         # Same scope, same path and name: params, sown values, RNG streams and fp8 state keys
@@ -127,12 +127,12 @@ class _Call:
         return module.clone(parent=module.scope, **updates)
 
     def observe(self, module: nn.Module, rule: ModuleRule) -> None:
-        if self.init and rule.kind == "half":
+        if self.init and rule.action == "half":
             rule = dataclasses.replace(rule, output="computed")
         self.seen.setdefault(tuple(str(p) for p in module.path), rule)
-        if rule.kind != "half" and is_float32_rule(rule):
-            self.fp32_paths.setdefault(tuple(str(p) for p in module.path), rule)
-        if rule.kind == "half" and np.dtype(rule.compute_dtype).itemsize < 4 and explicit_float32(module):
+        if rule.action != "half" and is_float32_rule(rule):
+            self.float32_paths.setdefault(tuple(str(p) for p in module.path), rule)
+        if rule.action == "half" and np.dtype(rule.compute_dtype).itemsize < 4 and explicit_float32(module):
             self.overridden.setdefault(join_path(module.path), type(module).__name__)
 
     def on_error(self, module: nn.Module) -> None:
@@ -180,7 +180,7 @@ class MixedPrecision:
     Attributes:
       module: the unmodified Linen module.
       policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy] (a string / jmp.Policy / Recipe is resolved).
-      overrides: the [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides] (None: the preset's defaults).
+      rules: the [`jaxmp.AutocastRules`][jaxmp.AutocastRules] (None: [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset).
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp, jaxmp.flax
@@ -194,16 +194,23 @@ class MixedPrecision:
 
     module: nn.Module
     policy: PolicyLike
-    overrides: PrecisionOverrides | Iterable[str] | None = None
+    rules: AutocastRules | None = None
 
     def __post_init__(self):
         if isinstance(self.module, type) and issubclass(self.module, nn.Module):
             raise TypeError(f"expected a Linen module instance, got the class {self.module.__name__}; instantiate it first")
         if not isinstance(self.module, nn.Module):
             raise TypeError(f"expected a flax.linen.Module instance, got {type(self.module).__name__}")
-        policy, overrides = resolve_overrides(self.policy, self.overrides)
+        policy, rules = resolve_rules(self.policy, self.rules)
         object.__setattr__(self, "policy", policy)
-        object.__setattr__(self, "overrides", overrides)
+        object.__setattr__(self, "rules", rules)
+
+    @property
+    def overrides(self) -> AutocastRules:
+        """Deprecated: the old name of ``rules`` (now a [`jaxmp.AutocastRules`][jaxmp.AutocastRules])."""
+        warnings.warn("MixedPrecision.overrides is deprecated: read .rules (a jaxmp.AutocastRules); overrides will "
+                      "be removed in jaxmp 0.2.0", DeprecationWarning, stacklevel=2)
+        return self.rules
 
     # -- the two Linen entry points --------------------------------------------------------
 
@@ -238,7 +245,7 @@ class MixedPrecision:
         rules = dict(self._known_rules())
         known = None  # the params created by earlier passes, uncast (see the module docstring)
         for _ in range(_MAX_INIT_PASSES):
-            call = _Call(self.policy, self.overrides, init=True)
+            call = _Call(self.policy, self.rules, init=True)
             try:
                 # Params are created float32 and read as created in this pass, so it runs under
                 # standard promotion; the params it makes do not depend on the promotion mode.
@@ -334,7 +341,7 @@ class MixedPrecision:
     def _settled(self, variables: Any, args: tuple, kwargs: dict, rngs: Any, method: Any, mutable: Any,
                  engine: bool) -> tuple[Any, _Call]:
         """Runs the model once with params cast by path; again if it met a ruled module it had not known."""
-        config = flax_config(self.policy, self.overrides)
+        config = flax_config(self.policy, self.rules)
         compute = np.dtype(self.policy.compute_dtype)
         known = self._known_rules()
         # O1 (promote="demand"): only the weights, params whose every use is a half-list op, go
@@ -344,7 +351,7 @@ class MixedPrecision:
         # with every param cast first, as O2 and O3 always do.
         weights_only = engine and not config.identity and config.rules.promote == "demand"
         for _ in range(_MAX_INIT_PASSES):
-            used, call = dict(known), _Call(self.policy, self.overrides)
+            used, call = dict(known), _Call(self.policy, self.rules)
 
             def run(variables, args, kwargs, rngs, used=used, call=call, weights_only=weights_only):
                 args, kwargs = self.policy.cast_to_compute((args, kwargs))

@@ -1,4 +1,4 @@
-"""Run an unmodified Flax NNX model under a precision policy with per-module-class overrides.
+"""Run an unmodified Flax NNX model under a precision policy and its rules (class and path rules).
 
 NNX has no method interceptors, but its modules are plain Python objects, so each call
 works on a throw-away copy of the model:
@@ -22,7 +22,7 @@ Only ``__call__`` is wrapped: other public methods of ruled modules (e.g. ``Embe
 run with cast params but uncast inputs.
 
 Rules are looked up by graph path (``nnx.iter_graph``, joined by ``/``) and class: a path rule
-(``PrecisionOverrides.with_fp32_paths``) beats class rules. Half-list layers built with
+(``AutocastRules.with_path``) beats class rules. Half-list layers built with
 ``dtype=float32`` run in half; [`MixedPrecision`][jaxmp.flax.nnx.MixedPrecision] warns once, when it is built, naming them
 (`overridden_float32`); [`call`][jaxmp.flax.nnx.call] once per model object.
 """
@@ -49,8 +49,8 @@ from jaxmp._typing import AxisName, PolicyLike, PyTree
 from jaxmp.flax import steps
 from jaxmp.flax.fp8 import install_nnx_fp8
 from jaxmp.flax.casting import Path, cast_by_path, enclosing_float32, is_float32_rule
-from jaxmp.flax.overrides import (ModuleRule, PrecisionOverrides, explicit_float32, join_path,
-                                  overridden_float32_message, resolve_overrides)
+from jaxmp.engine.rules import AutocastRules, ModuleRule
+from jaxmp.flax.overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
 from jaxmp.traps import MixedPrecisionWarning
 from jaxmp.policy import Policy
 from jaxmp.transform import LossScalingState
@@ -68,13 +68,13 @@ def _check_model(model: Any) -> None:
         raise TypeError(f"{type(model).__name__} defines no __call__, so it cannot be run under a policy")
 
 
-def module_rules(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides) -> dict[Path, ModuleRule]:
+def module_rules(model: nnx.Module, policy: Policy, rules: AutocastRules) -> dict[Path, ModuleRule]:
     """``{module path: rule}`` for every ruled submodule of an NNX model (paths as strings).
 
     Args:
       model: the NNX model.
       policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
-      overrides: the [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
+      rules: the [`jaxmp.AutocastRules`][jaxmp.AutocastRules] (as [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] gives).
 
     Returns:
       The rules of the modules some list names.
@@ -83,41 +83,42 @@ def module_rules(model: nnx.Module, policy: Policy, overrides: PrecisionOverride
       >>> import jaxmp, jaxmp.flax
       >>> from flax import nnx
       >>> model = nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
-      >>> rules = jaxmp.flax.nnx.module_rules(model, jaxmp.get_policy("O1-bf16"), jaxmp.flax.PrecisionOverrides())
+      >>> rules = jaxmp.flax.nnx.module_rules(model, jaxmp.get_policy("O1-bf16"), jaxmp.flax.default_rules())
       >>> rules[("layers", "0")].compute_dtype, rules[("layers", "1")].compute_dtype
       (dtype(bfloat16), dtype('float32'))
     """
-    rules = {}
+    compiled, found = rules.module_rules(policy), {}
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module):
-            rule = overrides.rule_at(_str_path(path), node, policy)
+            rule = compiled.rule_at(_str_path(path), node)
             if rule is not None:
-                rules.setdefault(_str_path(path), rule)
-    return _inherit_float32(rules)
+                found.setdefault(_str_path(path), rule)
+    return _inherit_float32(found)
 
 
 def _inherit_float32(rules: dict) -> dict:
-    wide = {p: r for p, r in rules.items() if r.kind != "half" and is_float32_rule(r)}
-    return {path: (enclosing_float32(path, wide) or rule) if rule.kind == "half" else rule
+    wide = {p: r for p, r in rules.items() if r.action != "half" and is_float32_rule(r)}
+    return {path: (enclosing_float32(path, wide) or rule) if rule.action == "half" else rule
             for path, rule in rules.items()}
 
 
-def _ruled_modules(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides):
+def _ruled_modules(model: nnx.Module, policy: Policy, rules: AutocastRules):
     """``(path, module, rule)`` for each module of the graph, once each (its first path), rule None if unruled."""
     seen: set[int] = set()
+    compiled = rules.module_rules(policy)
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and id(node) not in seen:
             seen.add(id(node))
-            yield _str_path(path), node, overrides.rule_at(_str_path(path), node, policy)
+            yield _str_path(path), node, compiled.rule_at(_str_path(path), node)
 
 
-def overridden_float32(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides) -> dict[str, str]:
+def overridden_float32(model: nnx.Module, policy: Policy, rules: AutocastRules) -> dict[str, str]:
     """``{joined path: class name}`` of half-list layers built with ``dtype=float32`` that run in half.
 
     Args:
       model: the NNX model.
       policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
-      overrides: the [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides] (its path and class rules keep
+      rules: the [`jaxmp.AutocastRules`][jaxmp.AutocastRules] (its path and class rules keep
         a layer float32, and such a layer is not listed).
 
     Returns:
@@ -128,31 +129,31 @@ def overridden_float32(model: nnx.Module, policy: Policy, overrides: PrecisionOv
       >>> from flax import nnx
       >>> model = nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0)),
       ...                        nnx.Linear(3, 2, dtype=jnp.float32, rngs=nnx.Rngs(0)))
-      >>> policy, ov = jaxmp.get_policy("O1-bf16"), jaxmp.flax.PrecisionOverrides()
-      >>> jaxmp.flax.nnx.overridden_float32(model, policy, ov)
+      >>> policy, rules = jaxmp.get_policy("O1-bf16"), jaxmp.flax.default_rules()
+      >>> jaxmp.flax.nnx.overridden_float32(model, policy, rules)
       {'layers/1': 'Linear'}
-      >>> jaxmp.flax.nnx.overridden_float32(model, policy, ov.with_fp32_paths("layers/1"))
+      >>> jaxmp.flax.nnx.overridden_float32(model, policy, rules.with_path("layers/1", "float32"))
       {}
     """
     if np.dtype(policy.compute_dtype).itemsize >= 4:
         return {}
-    return {join_path(path): type(node).__name__ for path, node, rule in _ruled_modules(model, policy, overrides)
-            if rule is not None and rule.kind == "half" and explicit_float32(node)}
+    return {join_path(path): type(node).__name__ for path, node, rule in _ruled_modules(model, policy, rules)
+            if rule is not None and rule.action == "half" and explicit_float32(node)}
 
 
 # Models nnx.call has already warned about (a weak set: the warning is once per model object).
 _WARNED_CALL: "weakref.WeakSet[nnx.Module]" = weakref.WeakSet()
 
 
-def _warn_overridden(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides, stacklevel: int = 3) -> None:
-    overridden = overridden_float32(model, policy, overrides)
+def _warn_overridden(model: nnx.Module, policy: Policy, rules: AutocastRules, stacklevel: int = 3) -> None:
+    overridden = overridden_float32(model, policy, rules)
     if overridden:
         warnings.warn(overridden_float32_message(list(overridden), list(overridden.values()), policy.compute_dtype),
                       MixedPrecisionWarning, stacklevel=stacklevel)
 
 
-def store_params(model: nnx.Module, policy: PolicyLike,
-                 overrides: PrecisionOverrides | tuple[str, ...] | None = None) -> nnx.Module:
+def store_params(model: nnx.Module, policy: PolicyLike, rules: AutocastRules | None = None, *,
+                 overrides: Any = None) -> nnx.Module:
     """Casts the model's params in place to their storage dtype (policy or per-module rule).
 
     Params under float32-list modules stay float32, params under a per-class policy take
@@ -161,7 +162,8 @@ def store_params(model: nnx.Module, policy: PolicyLike,
     Args:
       model: the NNX model (modified in place).
       policy: a policy, preset name or Recipe.
-      overrides: [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides], categories, or None.
+      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
+      overrides: deprecated name of ``rules``.
 
     Returns:
       ``model``.
@@ -172,23 +174,23 @@ def store_params(model: nnx.Module, policy: PolicyLike,
       >>> jaxmp.flax.nnx.store_params(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O2-bf16").kernel.dtype
       dtype(bfloat16)
     """
-    policy, overrides = resolve_overrides(policy, overrides)
-    rules = module_rules(model, policy, overrides)
+    policy, rules = resolve_rules(policy, rules, overrides)
+    by_path = module_rules(model, policy, rules)
     params = nnx.as_pure(nnx.state(model, nnx.Param))
-    nnx.update(model, cast_by_path(params, rules, policy.param_dtype, "param_dtype"))
+    nnx.update(model, cast_by_path(params, by_path, policy.param_dtype, "param_dtype"))
     return model
 
 
-def _is_half(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides):
-    half = {id(node) for _, node, rule in _ruled_modules(model, policy, overrides)
-            if rule is not None and rule.kind == "half"}
+def _is_half(model: nnx.Module, policy: Policy, rules: AutocastRules):
+    half = {id(node) for _, node, rule in _ruled_modules(model, policy, rules)
+            if rule is not None and rule.action == "half"}
 
     def is_half(node) -> bool:
         return id(node) in half
     return is_half
 
 
-def _prepare(copy: nnx.Module, policy: Policy, overrides: PrecisionOverrides) -> dict[int, ModuleRule]:
+def _prepare(copy: nnx.Module, policy: Policy, rules: AutocastRules) -> dict[int, ModuleRule]:
     """Gives the throw-away copy its attention / fp8 ops; returns ``{id(module): rule}`` for the engine hooks.
 
     The copy is private to this call (``nnx.merge`` inside the trace), so setting its fields
@@ -196,20 +198,20 @@ def _prepare(copy: nnx.Module, policy: Policy, overrides: PrecisionOverrides) ->
     ``__call__`` hook (`jaxmp.engine.modules.install_call_hooks`), which reads them for
     this thread's trace only.
     """
-    if overrides.fp8 is not None and not isinstance(overrides.fp8, fp8.DelayedScaling):
-        install_nnx_fp8(copy, overrides.fp8, _is_half(copy, policy, overrides))  # stateless: per call
+    if rules.fp8_matmuls is not None and not isinstance(rules.fp8_matmuls, fp8.DelayedScaling):
+        install_nnx_fp8(copy, rules.fp8_matmuls, _is_half(copy, policy, rules))  # stateless: per call
     by_id: dict[int, ModuleRule] = {}
-    for _, node, rule in list(_ruled_modules(copy, policy, overrides)):
-        if overrides.fused_attention and isinstance(node, nnx.MultiHeadAttention) \
+    for _, node, rule in list(_ruled_modules(copy, policy, rules)):
+        if rules.fused_attention and isinstance(node, nnx.MultiHeadAttention) \
                 and node.attention_fn is nnx.dot_product_attention:
             node.attention_fn = fused_attention
         if rule is not None:
             by_id[id(node)] = rule
-    install_call_hooks({type(node) for _, node, rule in _ruled_modules(copy, policy, overrides) if rule is not None})
+    install_call_hooks({type(node) for _, node, rule in _ruled_modules(copy, policy, rules) if rule is not None})
     return by_id
 
 
-def call(model: nnx.Module, *args, policy: PolicyLike, overrides: PrecisionOverrides | tuple[str, ...] | None = None,
+def call(model: nnx.Module, *args, policy: PolicyLike, rules: AutocastRules | None = None, overrides: Any = None,
          **kwargs) -> Any:
     """Calls an NNX model under a policy; the functional form of [`MixedPrecision`][jaxmp.flax.nnx.MixedPrecision].
 
@@ -218,7 +220,8 @@ def call(model: nnx.Module, *args, policy: PolicyLike, overrides: PrecisionOverr
         in place as in a normal call).
       *args: inputs; floating ones are cast to the compute dtype.
       policy: a policy, preset name or Recipe.
-      overrides: [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides], categories, or None.
+      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
+      overrides: deprecated name of ``rules``.
       **kwargs: forwarded to the model; floating arrays among them are cast.
 
     Returns:
@@ -233,8 +236,8 @@ def call(model: nnx.Module, *args, policy: PolicyLike, overrides: PrecisionOverr
       (dtype('float32'), dtype('float32'))
     """
     _check_model(model)
-    policy, overrides = resolve_overrides(policy, overrides)
-    if isinstance(overrides.fp8, fp8.DelayedScaling):
+    policy, rules = resolve_rules(policy, rules, overrides)
+    if isinstance(rules.fp8_matmuls, fp8.DelayedScaling):
         raise ValueError("delayed fp8 scaling keeps scales and amax histories in the model: wrap it with "
                          "jaxmp.flax.mixed_precision(model, policy) instead of calling jaxmp.flax.nnx.call")
     try:
@@ -242,18 +245,18 @@ def call(model: nnx.Module, *args, policy: PolicyLike, overrides: PrecisionOverr
     except TypeError:  # not weak-referenceable: warn every call rather than never
         first = True
     if first:
-        _warn_overridden(model, policy, overrides)
+        _warn_overridden(model, policy, rules)
         try:
             _WARNED_CALL.add(model)
         except TypeError:
             pass
-    return _call(model, policy, overrides, args, kwargs)
+    return _call(model, policy, rules, args, kwargs)
 
 
-def _call(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides, args: tuple, kwargs: dict) -> Any:
-    rules = module_rules(model, policy, overrides)
+def _call(model: nnx.Module, policy: Policy, rules: AutocastRules, args: tuple, kwargs: dict) -> Any:
+    by_path = module_rules(model, policy, rules)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    config = flax_config(policy, overrides)
+    config = flax_config(policy, rules)
     compute = np.dtype(policy.compute_dtype)
     # O1 (promote="demand"): only the weights (params whose every use is a half-list op) go to
     # half, cast by the engine on entry; a bias or norm scale enters float32 and the engine's
@@ -263,11 +266,11 @@ def _call(model: nnx.Module, policy: Policy, overrides: PrecisionOverrides, args
 
     def make_run(weights_only):
         def run(params, rest, args, kwargs):
-            cast = cast_by_path(params, rules, policy.compute_dtype, "compute_dtype")
+            cast = cast_by_path(params, by_path, policy.compute_dtype, "compute_dtype")
             if weights_only:  # only a per-class dtype other than the policy's is cast here
                 cast = jax.tree.map(lambda c, p: p if c.dtype == compute else c, cast, params)
             copy = nnx.merge(graphdef, cast, rest)
-            by_id = _prepare(copy, policy, overrides)
+            by_id = _prepare(copy, policy, rules)
             args, kwargs = policy.cast_to_compute((args, kwargs))
             promotion = jax.numpy_dtype_promotion("standard") if weights_only else contextlib.nullcontext()
             with promotion, instance_rules(by_id), _config.TRACING(config) if config.identity else contextlib.nullcontext():
@@ -302,8 +305,8 @@ class MixedPrecision(nnx.Module):
     Args:
       model: the NNX model.
       policy: a [`jaxmp.Policy`][jaxmp.Policy], preset name (``"O1-bf16"``), jmp string, Recipe or jmp.Policy.
-      overrides: [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides], keep_fp32 categories, or None
-        for the preset's defaults.
+      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
+      overrides: deprecated name of ``rules``.
 
     Raises:
       TypeError: ``model`` is not a callable NNX module instance, or a non-floating policy.
@@ -321,18 +324,25 @@ class MixedPrecision(nnx.Module):
     ops holding [`jaxmp.flax.fp8.Fp8State`][jaxmp.flax.fp8.Fp8State] variables; [`train_step`][jaxmp.flax.nnx.train_step] updates them.
     """
 
-    def __init__(self, model: nnx.Module, policy: PolicyLike,
-                 overrides: PrecisionOverrides | tuple[str, ...] | None = None):
+    def __init__(self, model: nnx.Module, policy: PolicyLike, rules: AutocastRules | None = None, *,
+                 overrides: Any = None):
         _check_model(model)
-        self.policy, self.overrides = resolve_overrides(policy, overrides)
-        if isinstance(self.overrides.fp8, fp8.DelayedScaling):
+        self.policy, self.rules = resolve_rules(policy, rules, overrides)
+        if isinstance(self.rules.fp8_matmuls, fp8.DelayedScaling):
             # The layers' fp8 ops hold the delayed-scaling state (Fp8State variables).
-            install_nnx_fp8(model, self.overrides.fp8, _is_half(model, self.policy, self.overrides))
-        _warn_overridden(model, self.policy, self.overrides)  # once per wrapped model: here, not per call
-        self.model = store_params(model, self.policy, self.overrides)
+            install_nnx_fp8(model, self.rules.fp8_matmuls, _is_half(model, self.policy, self.rules))
+        _warn_overridden(model, self.policy, self.rules)  # once per wrapped model: here, not per call
+        self.model = store_params(model, self.policy, self.rules)
 
     def __call__(self, *args, **kwargs) -> Any:
-        return _call(self.model, self.policy, self.overrides, args, kwargs)
+        return _call(self.model, self.policy, self.rules, args, kwargs)
+
+    @property
+    def overrides(self) -> AutocastRules:
+        """Deprecated: the old name of ``rules`` (now a [`jaxmp.AutocastRules`][jaxmp.AutocastRules])."""
+        warnings.warn("MixedPrecision.overrides is deprecated: read .rules (a jaxmp.AutocastRules); overrides will "
+                      "be removed in jaxmp 0.2.0", DeprecationWarning, stacklevel=2)
+        return self.rules
 
 
 def optimizer_state(optimizer: nnx.Optimizer) -> Any:
@@ -409,5 +419,5 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
     """
     mixed = isinstance(model, MixedPrecision)
     return steps.nnx_train_step(model, optimizer, optimizer_state(optimizer), batch, loss_fn=loss_fn,
-                                axis_name=axis_name, fp32_loss=model.overrides.fp32_loss if mixed else True,
-                                recipe=model.overrides.fp8 if mixed else None, model_kwargs=model_kwargs)
+                                axis_name=axis_name, float32_loss=model.rules.float32_loss if mixed else True,
+                                recipe=model.rules.fp8_matmuls if mixed else None, model_kwargs=model_kwargs)

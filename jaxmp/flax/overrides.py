@@ -1,35 +1,29 @@
-"""Per-module-class precision overrides: which Flax layers run in half, which in float32.
+"""The Flax door's rules: its per-preset defaults, and the deprecated ``PrecisionOverrides``.
 
-The NVIDIA AMP op lists, at the granularity Flax gives us (module classes):
+The Flax door takes the one rule object of the engine, [`jaxmp.AutocastRules`][jaxmp.AutocastRules]
+(``mixed_precision(model, policy, rules=...)``). [`default_rules`][jaxmp.flax.default_rules] gives its
+per-preset starting point, NVIDIA AMP's lists at the granularity Flax gives (module classes):
 
-* half list ("whitelist"): matmuls and convolutions -- ``Dense``, ``DenseGeneral``,
-  ``Conv``, ``ConvTranspose``, ``ConvLocal``, ``Einsum``, attention (Linen) and
-  ``Linear``, ``LinearGeneral``, ``Conv``, ``ConvTranspose``, ``Einsum``,
-  ``MultiHeadAttention`` (NNX). Their params and inputs are cast to the compute dtype.
-* float32 list ("blacklist"): normalisation -- ``BatchNorm``, ``LayerNorm``,
-  ``GroupNorm``, ``RMSNorm``, ``InstanceNorm`` (Linen and NNX). Params, statistics and
-  arithmetic are float32; the output goes back to the dtype of the input.
-* everything else follows its inputs: activations, pooling, residual adds, and user
-  modules not named in either list (their own params take the policy's compute dtype).
+* ``"half"`` class rules: matmuls and convolutions -- ``Dense``, ``DenseGeneral``, ``Conv``,
+  ``ConvTranspose``, ``ConvLocal``, ``Einsum``, attention (Linen) and ``Linear``,
+  ``LinearGeneral``, ``Conv``, ``ConvTranspose``, ``Einsum``, ``MultiHeadAttention`` (NNX):
+  params and inputs cast to the compute dtype.
+* ``"float32"`` class rules (the ``"norm"`` category): ``BatchNorm``, ``LayerNorm``,
+  ``GroupNorm``, ``RMSNorm``, ``InstanceNorm``: params, statistics and arithmetic in float32,
+  the output back in the input's dtype.
+* everything else follows its inputs; the op lists (float32 softmax and reductions with the
+  ``"softmax"`` category) decide inside, as under [`jaxmp.autocast`][jaxmp.autocast].
 
-These module rules are the Flax layer of the one precision engine ([`jaxmp.autocast`][jaxmp.autocast]):
-the model runs inside the engine, and what the module rules leave open the engine's op lists
-decide. Softmax is a function, not a module: with ``"softmax"`` kept (O1) the engine's float32
-list keeps it (and every reduction) in float32; attention modules get
-[`jaxmp.flax.fused_attention`][jaxmp.flax.fused_attention] (cuDNN on GPUs, a float32 softmax elsewhere); the train
-steps compute the loss on float32 logits. The recipe's ``keep_fp32`` categories (``"norm"``,
-``"softmax"``, ``"loss"``) switch the three on and off.
-
-The policy wins over a half-list layer's own ``dtype=float32`` (wrapping a model is the request
-for mixed precision; Flax's examples set ``dtype`` on every layer): such layers run in half and
-the wrapper warns once, naming them. Path rules ([`PrecisionOverrides.with_fp32_paths`][jaxmp.flax.PrecisionOverrides.with_fp32_paths]) and
-class rules ([`PrecisionOverrides.with_fp32`][jaxmp.flax.PrecisionOverrides.with_fp32]) keep chosen layers in float32.
+The policy wins over a half layer's own ``dtype=float32`` (wrapping a model is the request for
+mixed precision): such layers run in half and the wrapper warns once, naming them. Path rules
+(``rules.with_path("decoder/head", "float32")``) and class rules
+(``rules.with_class(MyNorm, "float32")``) keep chosen layers in float32.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 import flax.linen as nn
@@ -37,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxmp import _deprecations
 from jaxmp import fp8 as _fp8
 from jaxmp._typing import PolicyLike
-from jaxmp.engine.rules import ModuleRule, ModuleRules
+from jaxmp.engine.rules import PURE_HALF_RULES, AutocastRules, ModuleRule, ModuleRules
 from jaxmp.policy import Policy
-from jaxmp.presets import FP32_CATEGORIES, Recipe, as_policy, get_recipe, resolve_policy
+from jaxmp.presets import FLOAT32_CATEGORIES, Recipe, as_policy, get_recipe, resolve_policy
 
 #: Linen and NNX matmul / convolution / attention classes that run in the compute dtype.
 DEFAULT_HALF_MODULES: tuple[type, ...] = (
@@ -80,44 +75,6 @@ def _class_tuple(classes: Iterable[Any], where: str) -> tuple[type, ...]:
         c = _check_module_class(c, where)
         if c not in out:
             out.append(c)
-    return tuple(out)
-
-
-def _check_path_pattern(pattern: Any, where: str) -> str:
-    """Returns ``pattern`` if it is a valid module-path glob, else raises naming ``where``."""
-    if isinstance(pattern, (tuple, list)) and pattern and all(isinstance(p, (str, int)) for p in pattern):
-        joined = "/".join(str(p) for p in pattern)
-        raise TypeError(f"{where}: a module path is one string joined by '/', got the sequence {pattern!r}; "
-                        f"pass {joined!r}")
-    if isinstance(pattern, type) or isinstance(pattern, (nn.Module, nnx.Module)):
-        name = pattern.__name__ if isinstance(pattern, type) else type(pattern).__name__
-        raise TypeError(f"{where}: expected a module path such as 'decoder/head' (a glob on the path joined by '/'), "
-                        f"got the module {'class' if isinstance(pattern, type) else 'instance'} {name}; "
-                        f"for a whole class use PrecisionOverrides.with_fp32({name})")
-    if not isinstance(pattern, str):
-        raise TypeError(f"{where}: expected a module path string such as 'decoder/head', "
-                        f"got {type(pattern).__name__}: {pattern!r}")
-    if not pattern.strip():
-        raise ValueError(f"{where}: empty module path {pattern!r}; the model itself has no path, so keep its class "
-                         "in float32 with PrecisionOverrides.with_fp32(cls)")
-    if pattern != pattern.strip():
-        raise ValueError(f"{where}: module path {pattern!r} has leading or trailing whitespace")
-    if pattern.startswith("/") or pattern.endswith("/") or "//" in pattern:
-        raise ValueError(f"{where}: module path {pattern!r} has an empty component; paths are relative to the "
-                         "wrapped model and joined by single '/', e.g. 'decoder/head' or '*/logits'")
-    return pattern
-
-
-def _path_tuple(patterns: Any, where: str) -> tuple[str, ...]:
-    if isinstance(patterns, str):
-        patterns = (patterns,)
-    elif not isinstance(patterns, (tuple, list)):
-        raise TypeError(f"{where}: expected a tuple of module path strings, got {type(patterns).__name__}: {patterns!r}")
-    out: list[str] = []
-    for p in patterns:
-        p = _check_path_pattern(p, where)
-        if p not in out:
-            out.append(p)
     return tuple(out)
 
 
@@ -182,58 +139,139 @@ def overridden_float32_message(paths: Sequence[str], classes: Sequence[str], com
     layers = ", ".join(f"{p!r} ({c})" if p else f"the wrapped model itself ({c})" for p, c in zip(paths, classes))
     routes = []
     if named:
-        routes.append("overrides.with_fp32_paths(" + ", ".join(repr(p) for p in named) + ")")
+        routes.append("rules" + "".join(f".with_path({p!r}, 'float32')" for p in named))
     roots = [c for p, c in zip(paths, classes) if not p]
     if roots:
-        routes.append(f"overrides.with_fp32({roots[0]}) (the class rule; the model itself has no path)")
+        routes.append(f"rules.with_class({roots[0]}, 'float32') (the class rule; the model itself has no path)")
     return (
         f"jaxmp.flax.mixed_precision: {len(paths)} half-list layer(s) set dtype=float32, but the policy runs their "
         f"matmuls and convolutions in {np.dtype(compute_dtype).name} (wrapping a model asks for the policy; a "
         f"layer's dtype does not opt out): {layers}. To keep them in float32, pass "
-        f"{' and '.join(routes)}, where overrides is the PrecisionOverrides in use "
-        "(jaxmp.flax.PrecisionOverrides.from_recipe(preset) by default). Warned once per wrapped model."
+        f"{' and '.join(routes)} as rules=, where rules is the jaxmp.AutocastRules in use "
+        "(jaxmp.flax.default_rules(preset) by default). Warned once per wrapped model."
     )
+
+
+def default_rules(policy: PolicyLike = "O1", keep_float32: Iterable[str] | None = None) -> AutocastRules:
+    """The Flax door's rules for a preset: its matmul layers in half, its norm layers in float32.
+
+    What [`mixed_precision`][jaxmp.flax.mixed_precision] uses when no rules are given; edit the result
+    (``.with_path("head", "float32")``, ``.with_class(MyNorm, "float32")``) and pass it as ``rules=``.
+
+    Args:
+      policy: a preset (``"O1"``, ``"O2-fp16"``, ``"O2-fp8"``, ``"mixed_bfloat16"``), a
+        [`jaxmp.Recipe`][jaxmp.Recipe] or any policy (a bare policy keeps all three categories).
+      keep_float32: the categories kept in float32, a subset of ``("norm", "softmax", "loss")``
+        (None: the preset's; O0 and O1 keep all three, O2 norm and loss, O3 none). ``"norm"``:
+        the norm classes get ``"float32"`` rules; ``"softmax"``: the engine's float32 op list
+        (softmax, reductions, transcendentals) applies, else none does and float32 operands
+        narrow (O2, O3); ``"loss"``: ``float32_loss``.
+
+    Returns:
+      An [`AutocastRules`][jaxmp.AutocastRules] (with the preset's fp8 recipe, if any).
+
+    Raises:
+      ValueError: an unknown category or preset.
+
+    Example:
+      >>> import flax.linen as nn, jaxmp.flax
+      >>> rules = jaxmp.flax.default_rules("O2")
+      >>> dict(rules.class_rules)[nn.LayerNorm], dict(rules.class_rules)[nn.Dense], rules.float32_loss
+      ('float32', 'half', True)
+    """
+    _, recipe = resolve_policy(policy)
+    if keep_float32 is None:
+        # O0 is all float32 anyway; keeping the default lists makes its rules inert, not different.
+        keep = recipe.keep_float32 if recipe is not None and recipe.level != "O0" else FLOAT32_CATEGORIES
+    else:
+        keep = (keep_float32,) if isinstance(keep_float32, str) else tuple(keep_float32)
+        unknown = [c for c in keep if c not in FLOAT32_CATEGORIES]
+        if unknown:
+            raise ValueError(f"unknown keep_float32 categories {unknown}: expected a subset of {FLOAT32_CATEGORIES}")
+    ops = AutocastRules() if "softmax" in keep else PURE_HALF_RULES
+    classes = tuple((c, "half") for c in DEFAULT_HALF_MODULES)
+    if "norm" in keep:
+        classes += tuple((c, "float32") for c in DEFAULT_NORM_MODULES)
+    return dataclasses.replace(ops, class_rules=classes, float32_loss="loss" in keep,
+                               fp8_matmuls=recipe.fp8 if recipe is not None else None)
+
+
+def resolve_rules(policy: PolicyLike, rules: Any = None, overrides: Any = None) -> tuple[Policy, AutocastRules]:
+    """Turns the Flax door's ``policy`` / ``rules`` arguments into a Policy and rules.
+
+    Args:
+      policy: a [`jaxmp.Policy`][jaxmp.Policy], ``jmp.Policy``, [`jaxmp.Recipe`][jaxmp.Recipe] or policy string;
+        a preset also picks the default rules ([`default_rules`][jaxmp.flax.default_rules]).
+      rules: an [`AutocastRules`][jaxmp.AutocastRules], or None for the preset's. (Deprecated, one
+        release: a ``PrecisionOverrides`` or a tuple of categories.)
+      overrides: the deprecated keyword of the same argument.
+
+    Returns:
+      ``(policy, rules)``.
+
+    Raises:
+      TypeError: a policy whose dtypes are not floating, or rules of the wrong type.
+      ValueError: an fp8 recipe this hardware cannot run ([`jaxmp.fp8.check_hardware`][jaxmp.fp8.check_hardware]).
+
+    Example:
+      >>> from jaxmp.flax.overrides import resolve_rules
+      >>> policy, rules = resolve_rules("O2-bf16")
+      >>> rules.float32_ops
+      frozenset()
+    """
+    if overrides is not None:
+        if rules is not None:
+            raise TypeError("give rules= only (overrides= is its deprecated name), not both")
+        warnings.warn("the overrides= argument of the Flax door is deprecated: pass rules= a jaxmp.AutocastRules "
+                      f"(jaxmp.flax.default_rules(preset) to start from); overrides= will be removed in jaxmp "
+                      f"{_deprecations.REMOVAL}", DeprecationWarning, stacklevel=3)
+        rules = overrides
+    resolved, recipe = resolve_policy(policy)
+    if rules is None:
+        rules = default_rules(recipe if recipe is not None else resolved)
+    elif isinstance(rules, PrecisionOverrides):
+        warnings.warn("PrecisionOverrides is deprecated: pass rules= a jaxmp.AutocastRules (overrides.to_rules() is "
+                      "the same rules; jaxmp.flax.default_rules(preset) to start from); it will be removed in jaxmp "
+                      f"{_deprecations.REMOVAL}", DeprecationWarning, stacklevel=3)
+        rules = rules.to_rules()
+    elif isinstance(rules, (str, tuple, list, frozenset, set)) and not isinstance(rules, AutocastRules):
+        warnings.warn(f"a tuple of categories as the Flax door's rules is deprecated: pass "
+                      f"rules=jaxmp.flax.default_rules(policy, keep_float32={tuple(rules)!r}); it will be removed "
+                      f"in jaxmp {_deprecations.REMOVAL}", DeprecationWarning, stacklevel=3)
+        rules = default_rules(resolved, keep_float32=rules)
+    elif not isinstance(rules, AutocastRules):
+        raise TypeError(f"rules must be a jaxmp.AutocastRules (jaxmp.flax.default_rules(preset) to start from), "
+                        f"got {type(rules).__name__}: {rules!r}")
+    if rules.fp8_matmuls is not None:
+        _fp8.check_hardware(rules.fp8_matmuls)  # native, emulated on CPU, or a clear error naming the device
+    return resolved, rules
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"PrecisionOverrides.{old} is deprecated: use {new} on a jaxmp.AutocastRules "
+                  f"(jaxmp.flax.default_rules(preset) to start from); PrecisionOverrides will be removed in jaxmp "
+                  f"{_deprecations.REMOVAL}", DeprecationWarning, stacklevel=3)
 
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionOverrides:
-    """Per-module-class precision rules applied on top of a [`jaxmp.Policy`][jaxmp.Policy].
+    """Deprecated: the Flax door's old rule object; use [`jaxmp.AutocastRules`][jaxmp.AutocastRules].
 
-    Instances are immutable and hashable (usable as static data under ``jit``); the
-    ``with_*``/``without`` methods return modified copies. Subclasses match their base's
-    entry; the most specific class in a module's MRO wins, and a per-class policy beats
-    both lists for the same class.
+    Kept for one release. Every spelling maps to one of the rules object (`to_rules`):
 
-    Attributes:
-      half_modules: classes whose params and inputs are cast to the policy's compute dtype.
-      fp32_modules: classes that run entirely in float32 (params, inputs, statistics);
-        their output is cast back to their input's dtype.
-      module_policies: ``((cls, Policy), ...)`` -- classes with a policy of their own
-        (params and inputs in its compute dtype, output in its output dtype). A mapping
-        ``{cls: policy}`` is accepted and a policy may be a string or ``jmp.Policy``.
-      fp32_softmax: the engine's float32 list applies (softmax, every reduction and the
-        transcendentals in float32, as O1); False: pure half outside float32 modules (O2, O3).
-      fp32_loss: the train steps compute the loss on float32 logits.
-      fused_attention: attention modules with Flax's default attention run
-        [`jaxmp.flax.fused_attention`][jaxmp.flax.fused_attention] (cuDNN on GPUs, XLA with a float32 softmax
-        elsewhere); False keeps Flax's own attention under the op lists.
-      fp8: None, or a `jaxmp.fp8` recipe (``DelayedScaling()`` / ``CurrentScaling()``):
-        the half-list ``Dense``/``DenseGeneral``/``Conv`` (Linen) and
-        ``Linear``/``LinearGeneral``/``Conv`` (NNX) layers run their matmul or convolution
-        in fp8 (`jaxmp.flax.fp8`). Set by the ``O2-fp8`` presets.
-      fp32_paths: globs (`fnmatch.fnmatchcase`, ``*`` also crosses ``/``) on module
-        paths joined by ``"/"`` (Linen ``module.path``, NNX graph paths, relative to the
-        wrapped model): a matching module and everything under it run in float32, as a
-        float32-list class does. A path rule beats every class rule. See [`with_fp32_paths`][jaxmp.flax.PrecisionOverrides.with_fp32_paths].
-
-    Example:
-      >>> import flax.linen as nn, jaxmp, jaxmp.flax
-      >>> class MyNorm(nn.Module): pass
-      >>> ov = jaxmp.flax.PrecisionOverrides.from_recipe("O1")
-      >>> ov = ov.with_fp32(MyNorm).without(nn.GroupNorm).with_policy(nn.Embed, "f32")
-      >>> policy = jaxmp.get_policy("O1-bf16")
-      >>> ov.rule_for(MyNorm, policy).kind, ov.rule_for(nn.Embed, policy).kind, ov.rule_for(nn.GroupNorm, policy)
-      ('fp32', 'policy', None)
+    ==============================================  ==================================================
+    PrecisionOverrides                              AutocastRules
+    ==============================================  ==================================================
+    ``PrecisionOverrides.from_recipe(r)``           ``jaxmp.flax.default_rules(r)``
+    ``PrecisionOverrides.from_categories(c)``       ``jaxmp.flax.default_rules(keep_float32=c)``
+    ``.with_half(C)`` / ``.with_fp32(C)``           ``.with_class(C, "half")`` / ``.with_class(C, "float32")``
+    ``.with_policy(C, p)``                          ``.with_class(C, jaxmp.get_policy(p))``
+    ``.without(C)``                                 ``.with_class(C, "follow")``
+    ``.with_fp32_paths(p)``                         ``.with_path(p, "float32")``
+    ``fp32_softmax=False``                          ``float32_ops=frozenset(), promote="narrow"``
+    ``fp32_loss`` / ``fp8``                         ``float32_loss`` / ``fp8_matmuls``
+    ``.module_rules(policy)`` / ``.rule_at(...)``   ``.module_rules(policy)`` / ``.module_rules(policy).rule_at(...)``
+    ==============================================  ==================================================
     """
 
     half_modules: tuple[type, ...] = DEFAULT_HALF_MODULES
@@ -250,8 +288,8 @@ class PrecisionOverrides:
             raise TypeError(f"PrecisionOverrides.fp8 must be a jaxmp.fp8.DelayedScaling / CurrentScaling recipe or "
                             f"None, got {type(self.fp8).__name__}: {self.fp8!r}")
         half = _class_tuple(self.half_modules, "PrecisionOverrides.half_modules")
-        fp32 = _class_tuple(self.fp32_modules, "PrecisionOverrides.fp32_modules")
-        both = [c.__name__ for c in half if c in fp32]
+        f32 = _class_tuple(self.fp32_modules, "PrecisionOverrides.fp32_modules")
+        both = [c.__name__ for c in half if c in f32]
         if both:
             raise ValueError(f"module classes {both} are in both half_modules and fp32_modules; pick one")
         items = self.module_policies.items() if isinstance(self.module_policies, Mapping) else self.module_policies
@@ -264,203 +302,74 @@ class PrecisionOverrides:
         for name in ("fp32_softmax", "fp32_loss", "fused_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PrecisionOverrides.{name} must be a bool, got {getattr(self, name)!r}")
+        paths = (self.fp32_paths,) if isinstance(self.fp32_paths, str) else self.fp32_paths
+        if not isinstance(paths, (tuple, list)):
+            raise TypeError(f"PrecisionOverrides.fp32_paths: expected a tuple of module path strings, "
+                            f"got {type(paths).__name__}: {paths!r}")
+        paths = AutocastRules(path_rules=tuple((p, "float32") for p in paths)).path_rules  # validated, deduplicated
         object.__setattr__(self, "half_modules", half)
-        object.__setattr__(self, "fp32_modules", fp32)
+        object.__setattr__(self, "fp32_modules", f32)
         object.__setattr__(self, "module_policies", tuple(policies))
-        object.__setattr__(self, "fp32_paths", _path_tuple(self.fp32_paths, "PrecisionOverrides.fp32_paths"))
+        object.__setattr__(self, "fp32_paths", tuple(p for p, _ in paths))
 
-    # -- construction ---------------------------------------------------------------------
+    def to_rules(self) -> AutocastRules:
+        """The same rules as an [`jaxmp.AutocastRules`][jaxmp.AutocastRules] (what the Flax door runs)."""
+        ops = AutocastRules() if self.fp32_softmax else PURE_HALF_RULES
+        classes = tuple((c, "half") for c in self.half_modules) + tuple((c, "float32") for c in self.fp32_modules)
+        return dataclasses.replace(ops, class_rules=classes + self.module_policies,
+                                   path_rules=tuple((p, "float32") for p in self.fp32_paths),
+                                   float32_loss=self.fp32_loss, fused_attention=self.fused_attention, fp8_matmuls=self.fp8)
 
     @classmethod
-    def from_categories(cls, keep_fp32: Iterable[str] = FP32_CATEGORIES) -> "PrecisionOverrides":
-        """Default lists with the recipe categories kept in float32.
-
-        Args:
-          keep_fp32: a subset of ``("norm", "softmax", "loss")``: ``"norm"`` puts the
-            normalisation classes in the float32 list (else they follow the policy),
-            ``"softmax"`` sets ``fp32_softmax``, ``"loss"`` sets ``fp32_loss``.
-
-        Returns:
-          A [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
-
-        Raises:
-          ValueError: an unknown category.
-
-        Example:
-          >>> import jaxmp.flax
-          >>> jaxmp.flax.PrecisionOverrides.from_categories(("norm", "loss")).fp32_softmax
-          False
-        """
-        if isinstance(keep_fp32, str):
-            keep_fp32 = (keep_fp32,)
-        keep = tuple(keep_fp32)
-        unknown = [c for c in keep if c not in FP32_CATEGORIES]
-        if unknown:
-            raise ValueError(f"unknown keep_fp32 categories {unknown}: expected a subset of {FP32_CATEGORIES}")
-        return cls(
-            half_modules=DEFAULT_HALF_MODULES,
-            fp32_modules=DEFAULT_NORM_MODULES if "norm" in keep else (),
-            fp32_softmax="softmax" in keep,
-            fp32_loss="loss" in keep,
-        )
+    def from_categories(cls, keep_fp32: Iterable[str] = FLOAT32_CATEGORIES) -> "PrecisionOverrides":
+        """Deprecated: ``jaxmp.flax.default_rules(keep_float32=...)``."""
+        _deprecated("from_categories", "jaxmp.flax.default_rules(keep_float32=...)")
+        keep = (keep_fp32,) if isinstance(keep_fp32, str) else tuple(keep_fp32)
+        default_rules(keep_float32=keep)  # validates the categories
+        return cls(fp32_modules=DEFAULT_NORM_MODULES if "norm" in keep else (), fp32_softmax="softmax" in keep,
+                   fp32_loss="loss" in keep)
 
     @classmethod
     def from_recipe(cls, recipe: Recipe | str) -> "PrecisionOverrides":
-        """Default lists with the recipe's ``keep_fp32`` categories.
-
-        O0 and O1 keep norm, softmax and loss in float32; O2 norm and loss; O3 nothing.
-
-        Args:
-          recipe: a [`jaxmp.Recipe`][jaxmp.Recipe] or a preset name for [`jaxmp.get_recipe`][jaxmp.get_recipe].
-
-        Returns:
-          A [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
-
-        Example:
-          >>> import jaxmp.flax
-          >>> jaxmp.flax.PrecisionOverrides.from_recipe("O3").fp32_modules
-          ()
-        """
-        if isinstance(recipe, str):
-            recipe = get_recipe(recipe)
+        """Deprecated: ``jaxmp.flax.default_rules(recipe)``."""
+        _deprecated("from_recipe", "jaxmp.flax.default_rules(recipe)")
+        recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
         if not isinstance(recipe, Recipe):
             raise TypeError(f"expected a jaxmp.Recipe or a preset name, got {type(recipe).__name__}")
-        # O0 is all float32 anyway; keeping the default lists makes its overrides inert, not different.
-        keep = FP32_CATEGORIES if recipe.name == "O0" or recipe.name == "float32" else recipe.keep_fp32
-        return dataclasses.replace(cls.from_categories(keep), fp8=recipe.fp8)
-
-    # -- modified copies -----------------------------------------------------------------
+        keep = FLOAT32_CATEGORIES if recipe.level == "O0" else recipe.keep_float32
+        return cls(fp32_modules=DEFAULT_NORM_MODULES if "norm" in keep else (), fp32_softmax="softmax" in keep,
+                   fp32_loss="loss" in keep, fp8=recipe.fp8)
 
     def with_half(self, *classes: type) -> "PrecisionOverrides":
-        """Copy with ``classes`` moved to the half list (and off the float32 list / policies).
-
-        Args:
-          *classes: Linen or NNX module classes (yours too).
-
-        Returns:
-          A new [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
-
-        Raises:
-          TypeError: an argument is not a module class.
-
-        Example:
-          >>> import flax.linen as nn, jaxmp
-          >>> from jaxmp.flax import PrecisionOverrides
-          >>> policy = jaxmp.get_policy("O1-bf16")
-          >>> PrecisionOverrides().with_half(nn.Embed).rule_for(nn.Embed, policy).kind
-          'half'
-        """
+        """Deprecated: ``AutocastRules.with_class(cls, "half")``."""
+        _deprecated("with_half", 'with_class(cls, "half")')
         add = _class_tuple(classes, "with_half")
         return self._without(add)._replace(half_modules=self.half_modules + add)
 
     def with_fp32(self, *classes: type) -> "PrecisionOverrides":
-        """Copy with ``classes`` moved to the float32 list (and off the half list / policies).
-
-        Args:
-          *classes: Linen or NNX module classes (yours too).
-
-        Returns:
-          A new [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
-
-        Raises:
-          TypeError: an argument is not a module class.
-
-        Example:
-          >>> import flax.linen as nn, jaxmp
-          >>> from jaxmp.flax import PrecisionOverrides
-          >>> policy = jaxmp.get_policy("O1-bf16")
-          >>> class MyNorm(nn.Module): pass
-          >>> PrecisionOverrides().with_fp32(MyNorm).rule_for(MyNorm, policy).compute_dtype
-          dtype('float32')
-        """
+        """Deprecated: ``AutocastRules.with_class(cls, "float32")``."""
+        _deprecated("with_fp32", 'with_class(cls, "float32")')
         add = _class_tuple(classes, "with_fp32")
         base = self._without(add)
         return base._replace(fp32_modules=base.fp32_modules + add)
 
     def with_fp32_paths(self, *patterns: str) -> "PrecisionOverrides":
-        """Copy where the modules at these paths (and everything under them) run in float32.
-
-        The per-layer route for one layer of a class the policy runs in half, e.g. the
-        output head of a model whose other ``Dense`` layers should stay in half. A pattern
-        is a glob (`fnmatch.fnmatchcase`; ``*`` matches across ``/`` too) on the
-        module path joined by ``"/"``, relative to the wrapped model: Linen ``module.path``
-        (``"decoder/head"``, ``"Dense_0"``), NNX attribute paths (``"layers/2"``). A module
-        matches when its path or an ancestor's does; it then runs as a float32-list class:
-        float32 params (also in storage under O2), inputs and arithmetic, output back in its
-        input's dtype. A path rule beats class rules.
-
-        Args:
-          *patterns: module path strings or globs, e.g. ``"decoder/head"``, ``"*/logits"``.
-
-        Returns:
-          A new [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
-
-        Raises:
-          TypeError: a pattern is not a string (a tuple path, a module class).
-          ValueError: an empty pattern, or one with an empty component (``"a//b"``, ``"/a"``).
-
-        Example:
-          >>> import flax.linen as nn, jaxmp
-          >>> from jaxmp.flax import PrecisionOverrides
-          >>> policy = jaxmp.get_policy("O1-bf16")
-          >>> ov = PrecisionOverrides().with_fp32_paths("decoder/head", "*/logits")
-          >>> ov.rule_at(("decoder", "head"), nn.Dense, policy).compute_dtype
-          dtype('float32')
-          >>> ov.rule_at(("decoder", "Dense_0"), nn.Dense, policy).compute_dtype
-          dtype(bfloat16)
-        """
+        """Deprecated: ``AutocastRules.with_path(pattern, "float32")``."""
+        _deprecated("with_fp32_paths", 'with_path(pattern, "float32")')
         if not patterns:
             raise TypeError("with_fp32_paths: give at least one module path, e.g. with_fp32_paths('decoder/head')")
-        return self._replace(fp32_paths=self.fp32_paths + _path_tuple(patterns, "with_fp32_paths"))
+        return self._replace(fp32_paths=self.fp32_paths + tuple(patterns))
 
     def with_policy(self, cls: type, policy: PolicyLike) -> "PrecisionOverrides":
-        """Copy where module class ``cls`` runs under its own policy (and is off both lists).
-
-        Its params and inputs are cast to the policy's compute dtype, its output to the
-        policy's output dtype, and its params are stored in the policy's param dtype.
-
-        Args:
-          cls: a Linen or NNX module class.
-          policy: a [`jaxmp.Policy`][jaxmp.Policy], policy string or ``jmp.Policy``.
-
-        Returns:
-          A new [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
-
-        Raises:
-          TypeError: ``cls`` is not a module class or ``policy`` is not a policy.
-
-        Example:
-          >>> import flax.linen as nn, jaxmp
-          >>> from jaxmp.flax import PrecisionOverrides
-          >>> policy = jaxmp.get_policy("O1-bf16")
-          >>> PrecisionOverrides().with_policy(nn.Dense, "f32").rule_for(nn.Dense, policy).kind
-          'policy'
-        """
+        """Deprecated: ``AutocastRules.with_class(cls, jaxmp.get_policy(policy))``."""
+        _deprecated("with_policy", "with_class(cls, jaxmp.get_policy(policy))")
         cls = _check_module_class(cls, "with_policy")
         base = self._without((cls,))
         return base._replace(module_policies=base.module_policies + ((cls, as_policy(policy)),))
 
     def without(self, *classes: type) -> "PrecisionOverrides":
-        """Copy with ``classes`` removed from both lists and the per-class policies.
-
-        Such modules follow their inputs, and their params take the policy's compute dtype.
-
-        Args:
-          *classes: Linen or NNX module classes.
-
-        Returns:
-          A new [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides].
-
-        Raises:
-          TypeError: an argument is not a module class.
-
-        Example:
-          >>> import flax.linen as nn, jaxmp
-          >>> from jaxmp.flax import PrecisionOverrides
-          >>> policy = jaxmp.get_policy("O1-bf16")
-          >>> PrecisionOverrides().without(nn.GroupNorm).rule_for(nn.GroupNorm, policy) is None
-          True
-        """
+        """Deprecated: ``AutocastRules.with_class(cls, "follow")``."""
+        _deprecated("without", 'with_class(cls, "follow")')
         return self._without(_class_tuple(classes, "without"))
 
     def _without(self, classes: tuple[type, ...]) -> "PrecisionOverrides":
@@ -473,136 +382,18 @@ class PrecisionOverrides:
     def _replace(self, **changes) -> "PrecisionOverrides":
         return dataclasses.replace(self, **changes)
 
-    # -- resolution ----------------------------------------------------------------------
-
     def module_rules(self, policy: Policy) -> ModuleRules:
-        """These overrides compiled, with ``policy``, to the engine's module rules.
+        """Deprecated: ``AutocastRules.module_rules(policy)``."""
+        return self.to_rules().module_rules(policy)
 
-        The one place a module's rule is decided is `jaxmp.engine.rules.ModuleRules.rule_at`:
-        half-list classes become ``"half"`` rules (inputs and params in the compute dtype, no
-        region), float32-list classes and path rules ``"fp32"`` rules (float32 region, output
-        back in the input's dtype), per-class policies ``"policy"`` rules.
-
-        Args:
-          policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
-
-        Returns:
-          A `jaxmp.engine.rules.ModuleRules` (cached per overrides and policy).
-
-        Example:
-          >>> import flax.linen as nn, jaxmp
-          >>> from jaxmp.flax import PrecisionOverrides
-          >>> rules = PrecisionOverrides().with_fp32_paths("head").module_rules(jaxmp.get_policy("O1-bf16"))
-          >>> rules.rule_at(("head",), nn.Dense).kind, rules.rule_at(("body",), nn.Dense).kind
-          ('fp32', 'half')
-        """
-        return _compile(self, policy)
-
-    def rule_for(self, module_or_class: nn.Module | nnx.Module | type, policy: Policy) -> ModuleRule | None:
-        """The class rule for a module (or module class) under ``policy``; None if no list names it.
-
-        Args:
-          module_or_class: a Linen/NNX module instance or class.
-          policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
-
-        Returns:
-          A `jaxmp.engine.rules.ModuleRule`, or None when the module follows its inputs.
-
-        Example:
-          >>> import flax.linen as nn, jaxmp, jaxmp.flax
-          >>> ov = jaxmp.flax.PrecisionOverrides()
-          >>> ov.rule_for(nn.LayerNorm, jaxmp.get_policy("O1-fp16")).compute_dtype
-          dtype('float32')
-        """
+    def rule_for(self, module_or_class: Any, policy: Policy) -> ModuleRule | None:
+        """Deprecated: ``AutocastRules.module_rules(policy).rule_for(module_or_class)``."""
         return self.module_rules(policy).rule_for(module_or_class)
 
-    def fp32_path_match(self, path: Sequence[Any]) -> str | None:
-        """The first ``fp32_paths`` pattern matching a module path or one of its ancestors.
-
-        Args:
-          path: the module path (a tuple of names; ``()`` is the wrapped model itself).
-
-        Returns:
-          The matching pattern, or None.
-
-        Example:
-          >>> from jaxmp.flax import PrecisionOverrides
-          >>> ov = PrecisionOverrides().with_fp32_paths("decoder")
-          >>> ov.fp32_path_match(("decoder", "Dense_0")), ov.fp32_path_match(("encoder",))
-          ('decoder', None)
-        """
-        return ModuleRules(paths=tuple((p, _FP32_RULE) for p in self.fp32_paths)).path_match(path)
-
-    def rule_at(self, path: Sequence[Any], module_or_class: nn.Module | nnx.Module | type,
-                policy: Policy) -> ModuleRule | None:
-        """The rule for the module at ``path``: float32 where a path rule matches, else [`rule_for`][jaxmp.flax.PrecisionOverrides.rule_for].
-
-        Args:
-          path: the module path (a tuple of names, relative to the wrapped model).
-          module_or_class: the Linen/NNX module instance or class there.
-          policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
-
-        Returns:
-          A `jaxmp.engine.rules.ModuleRule`, or None when the module follows its inputs.
-
-        Example:
-          >>> import flax.linen as nn, jaxmp
-          >>> from jaxmp.flax import PrecisionOverrides
-          >>> ov = PrecisionOverrides().with_fp32_paths("head")
-          >>> ov.rule_at(("head",), nn.Dense, jaxmp.get_policy("O1-bf16")).kind
-          'fp32'
-        """
+    def rule_at(self, path: Sequence[Any], module_or_class: Any, policy: Policy) -> ModuleRule | None:
+        """Deprecated: ``AutocastRules.module_rules(policy).rule_at(path, module_or_class)``."""
         return self.module_rules(policy).rule_at(path, module_or_class)
 
-
-_FP32_RULE = ModuleRule(_F32, _F32, "input", "fp32")
-
-
-@functools.lru_cache(maxsize=256)
-def _compile(overrides: PrecisionOverrides, policy: Policy) -> ModuleRules:
-    half = ModuleRule(policy.compute_dtype, policy.param_dtype, "computed", "half")
-    # Later entries win for the same class: per-class policies beat the float32 list, which
-    # beats the half list (a class is on one of them anyway, see PrecisionOverrides.with_*).
-    classes = [(c, half) for c in overrides.half_modules]
-    classes += [(c, _FP32_RULE) for c in overrides.fp32_modules]
-    classes += [(c, ModuleRule(p.compute_dtype, p.param_dtype, p.output_dtype, "policy"))
-                for c, p in overrides.module_policies]
-    return ModuleRules(classes=tuple(classes), paths=tuple((p, _FP32_RULE) for p in overrides.fp32_paths))
-
-
-def resolve_overrides(policy: PolicyLike, overrides: PrecisionOverrides | Iterable[str] | None) -> tuple[Policy, PrecisionOverrides]:
-    """Turns the user's ``policy`` / ``overrides`` arguments into a Policy and overrides.
-
-    Args:
-      policy: a [`jaxmp.Policy`][jaxmp.Policy], ``jmp.Policy``, [`jaxmp.Recipe`][jaxmp.Recipe] or policy
-        string. A preset name (``"O1"``, ``"O2-bf16"``, ``"mixed_float16"`` ...) or a
-        Recipe also picks the default overrides from its ``keep_fp32`` categories.
-      overrides: a [`PrecisionOverrides`][jaxmp.flax.PrecisionOverrides], a list of ``keep_fp32`` categories, or
-        None for the preset's (or, for a bare policy, all three categories).
-
-    Returns:
-      ``(policy, overrides)``.
-
-    Raises:
-      TypeError: a policy whose dtypes are not floating, or overrides of the wrong type.
-      ValueError: an fp8 recipe this hardware cannot run ([`jaxmp.fp8.check_hardware`][jaxmp.fp8.check_hardware]).
-
-    Example:
-      >>> import jaxmp.flax
-      >>> policy, ov = jaxmp.flax.overrides.resolve_overrides("O2-bf16", None)
-      >>> ov.fp32_softmax
-      False
-    """
-    resolved, recipe = resolve_policy(policy)
-    if overrides is None:
-        overrides = PrecisionOverrides.from_recipe(recipe) if recipe is not None else PrecisionOverrides()
-    elif not isinstance(overrides, PrecisionOverrides):
-        if isinstance(overrides, (str, tuple, list, frozenset, set)):
-            overrides = PrecisionOverrides.from_categories(overrides)
-        else:
-            raise TypeError(
-                f"overrides must be a jaxmp.flax.PrecisionOverrides or keep_fp32 categories, got {type(overrides).__name__}"
-            )
-    if overrides.fp8 is not None:
-        _fp8.check_hardware(overrides.fp8)  # native, emulated on CPU, or a clear error naming the device
-    return resolved, overrides
+    def fp32_path_match(self, path: Sequence[Any]) -> str | None:
+        """Deprecated: ``AutocastRules.module_rules(policy).path_match(path)``."""
+        return self.to_rules().module_rules(Policy(_F32, _F32, _F32)).path_match(path)

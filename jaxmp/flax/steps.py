@@ -53,7 +53,7 @@ def _loss_and_logits(state: Any, params: Any, model_state: Any, inputs: Any, lab
     mutable = ([c for c in model_state if c != FP8_COLLECTION] or False) if train else False
     out = state.model.apply({"params": params, **model_state}, inputs, rngs=rngs, mutable=mutable, **model_kwargs)
     logits, new_model_state = out if mutable else (out, {})
-    if state.overrides.fp32_loss:
+    if state.rules.float32_loss:
         logits = logits.astype(jnp.float32)
     return loss_fn(logits, labels), (logits, {**model_state, **new_model_state})
 
@@ -62,11 +62,11 @@ def _fp8_recipe(state: Any) -> fp8.DelayedScaling | None:
     """The delayed-scaling recipe whose state the step updates, or None (no fp8 state)."""
     if FP8_COLLECTION not in state.model_state:
         return None
-    recipe = getattr(state.overrides, "fp8", None)
+    recipe = getattr(state.rules, "fp8_matmuls", None)
     if not isinstance(recipe, fp8.DelayedScaling):
         raise ValueError(f"the variables hold a {FP8_COLLECTION!r} collection (delayed fp8 scaling) but the model's "
                          f"policy has no DelayedScaling recipe (got {recipe!r}): wrap the model with an 'O2-fp8' "
-                         "policy or PrecisionOverrides(fp8=jaxmp.fp8.DelayedScaling())")
+                         "policy or rules with fp8_matmuls=jaxmp.fp8.DelayedScaling()")
     return recipe
 
 
@@ -85,7 +85,7 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
     """Returns ``train_step(state, batch, rng=None) -> (state, metrics)`` for supervised training.
 
     Runs the model under its policy with every non-param collection mutable, computes the loss on
-    float32 logits, differentiates the scaled loss and calls
+    float32 logits (when the rules' ``float32_loss`` is on), differentiates the scaled loss and calls
     [`TrainState.apply_gradients`][jaxmp.flax.TrainState.apply_gradients].
 
     Labels outside the model's classes make the default loss NaN with a finite gradient, so the step
@@ -220,7 +220,7 @@ def _restore_keys(new: Any, folded: Any, original: Any) -> Any:
 
 
 def nnx_train_step(model: nnx.Module, optimizer: nnx.Optimizer, opt_state: Any, batch: Any, *,
-                   loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None, axis_name: Any, fp32_loss: bool,
+                   loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None, axis_name: Any, float32_loss: bool,
                    recipe: Any, model_kwargs: dict) -> StepMetrics:
     """The NNX step behind [`jaxmp.flax.nnx.train_step`][jaxmp.flax.nnx.train_step], which documents it.
 
@@ -231,7 +231,7 @@ def nnx_train_step(model: nnx.Module, optimizer: nnx.Optimizer, opt_state: Any, 
       batch: ``(inputs, labels)`` or a dict (`jaxmp.flax.losses.split_batch`).
       loss_fn: ``loss_fn(logits, labels)``; None for softmax cross-entropy.
       axis_name: a bound pmap / shard_map axis, or None.
-      fp32_loss: cast the logits to float32 before the loss.
+      float32_loss: cast the logits to float32 before the loss.
       recipe: the model's fp8 recipe (a ``DelayedScaling`` is updated by the step), or None.
       model_kwargs: forwarded to ``model(inputs, ...)``.
 
@@ -263,7 +263,7 @@ def nnx_train_step(model: nnx.Module, optimizer: nnx.Optimizer, opt_state: Any, 
         rest_run = rest_in if axis_name is None else _per_replica_keys(rest_in, axis_name)
         copy = nnx.merge(graphdef, params, fp8_in, stats_in, rest_run)
         logits = copy(inputs, **model_kwargs)
-        if fp32_loss:
+        if float32_loss:
             logits = logits.astype(jnp.float32)
         _, _, *new_model_state = nnx.split(copy, optimizer.wrt, Fp8State, nnx.BatchStat, ...)
         new_model_state = list(nnx.as_pure(new_model_state))

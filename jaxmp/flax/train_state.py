@@ -1,12 +1,13 @@
 """A mixed-precision train state for Linen models.
 
 ``flax.training.train_state.TrainState`` plus the model state next to the params, the loss scale
-in the optimizer state, the policy as static data and a count of *applied* steps; a skipped step
+in the optimizer state, the policy and rules as static data and a count of *applied* steps; a skipped step
 leaves params, inner optimizer state and ``batch_stats`` bitwise unchanged.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -30,7 +31,7 @@ class TrainState(struct.PyTreeNode):
         float32 master copy lives in ``opt_state``).
       model_state: the other variable collections, e.g. ``{"batch_stats": ...}`` (float32).
       opt_state: the state of ``tx``; holds a [`jaxmp.LossScalingState`][jaxmp.LossScalingState].
-      model: the [`jaxmp.flax.linen.MixedPrecision`][jaxmp.flax.linen.MixedPrecision] model (static: policy, overrides).
+      model: the [`jaxmp.flax.linen.MixedPrecision`][jaxmp.flax.linen.MixedPrecision] model (static: policy, rules).
       tx: the optax transformation, wrapped in [`jaxmp.loss_scaling`][jaxmp.loss_scaling] (static).
 
     Example:
@@ -77,9 +78,9 @@ class TrainState(struct.PyTreeNode):
           >>> int(state.step)
           0
         """
-        # Any hashable object with Linen's apply plus a policy and overrides will do (e.g. a
+        # Any hashable object with Linen's apply plus a policy and rules will do (e.g. a
         # module whose apply runs under jaxmp.autocast); MixedPrecision is the usual one.
-        if not (isinstance(model, MixedPrecision) or all(hasattr(model, a) for a in ("apply", "policy", "overrides"))):
+        if not (isinstance(model, MixedPrecision) or all(hasattr(model, a) for a in ("apply", "policy", "rules"))):
             raise TypeError(
                 f"model must be a Linen model wrapped by jaxmp.flax.mixed_precision(module, policy), got {type(model).__name__}"
             )
@@ -101,9 +102,16 @@ class TrainState(struct.PyTreeNode):
         return self.model.policy
 
     @property
+    def rules(self):
+        """The model's [`jaxmp.AutocastRules`][jaxmp.AutocastRules]."""
+        return self.model.rules
+
+    @property
     def overrides(self):
-        """The [`jaxmp.flax.PrecisionOverrides`][jaxmp.flax.PrecisionOverrides]."""
-        return self.model.overrides
+        """Deprecated: the old name of [`rules`][jaxmp.flax.TrainState.rules]."""
+        warnings.warn("TrainState.overrides is deprecated: read TrainState.rules (a jaxmp.AutocastRules); overrides "
+                      "will be removed in jaxmp 0.2.0", DeprecationWarning, stacklevel=2)
+        return self.model.rules
 
     @property
     def variables(self) -> dict:
