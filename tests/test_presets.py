@@ -8,7 +8,7 @@ import pytest
 
 from jaxmp import fp8
 from jaxmp.policy import Policy
-from jaxmp.presets import (FP32_CATEGORIES, PRESET_NAMES, Recipe, as_policy, did_you_mean, get_policy, get_recipe,
+from jaxmp.presets import (FLOAT32_CATEGORIES, PRESET_NAMES, Recipe, as_policy, did_you_mean, get_policy, get_recipe,
                            parse_preset, preset_half_dtype, resolve_policy)
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
@@ -16,18 +16,18 @@ BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float
 
 @pytest.mark.parametrize("name,p,c,o,master,scale,keep", [
     ("O0", F32, F32, F32, False, "none", ()),
-    ("O1-fp16", F32, F16, F32, False, "dynamic", FP32_CATEGORIES),
-    ("O1-bf16", F32, BF16, F32, False, "none", FP32_CATEGORIES),
+    ("O1-fp16", F32, F16, F32, False, "dynamic", FLOAT32_CATEGORIES),
+    ("O1-bf16", F32, BF16, F32, False, "none", FLOAT32_CATEGORIES),
     ("O2-fp16", F16, F16, F32, True, "dynamic", ("norm", "loss")),
     ("O2-bf16", BF16, BF16, F32, True, "none", ("norm", "loss")),
     ("O3-fp16", F16, F16, F16, False, "none", ()),
     ("float32", F32, F32, F32, False, "none", ()),
-    ("mixed_float16", F32, F16, F32, False, "dynamic", FP32_CATEGORIES),
-    ("mixed_bfloat16", F32, BF16, F32, False, "none", FP32_CATEGORIES)])
+    ("mixed_float16", F32, F16, F32, False, "dynamic", FLOAT32_CATEGORIES),
+    ("mixed_bfloat16", F32, BF16, F32, False, "none", FLOAT32_CATEGORIES)])
 def test_each_preset_is_its_documented_recipe(name, p, c, o, master, scale, keep):
     r = get_recipe(name)
     assert (r.policy.param_dtype, r.policy.compute_dtype, r.policy.output_dtype) == (p, c, o)
-    assert (r.master_weights, r.loss_scale, r.keep_fp32, r.fp8) == (master, scale, keep, None)
+    assert (r.master_weights, r.loss_scale, r.keep_float32, r.fp8) == (master, scale, keep, None)
 
 
 def test_every_listed_preset_name_parses():
