@@ -112,7 +112,7 @@ class StackItem(NamedTuple):
     name: str
 
 
-def name_stack(eqn: Any) -> tuple[StackItem, ...]:
+def stack_of(eqn: Any) -> tuple[StackItem, ...]:
     """``eqn``'s own name stack as data, outermost first (relative to an enclosing equation)."""
     stack = eqn.source_info.name_stack
     items = getattr(stack, "stack", None)
@@ -129,7 +129,7 @@ def scope_names(eqn: Any) -> tuple[str, ...]:
     apply to (``jvp(jaxmp[float32]:head)``, ``transpose(...)``, ``vmap(...)``). A rule keyed on a
     scope must hold whatever transformation ran inside the region, so only the scopes count.
     """
-    return tuple(i.name for i in name_stack(eqn) if i.kind == "scope")
+    return tuple(i.name for i in stack_of(eqn) if i.kind == "scope")
 
 
 def render(stack: tuple[StackItem, ...]) -> str:
@@ -253,7 +253,7 @@ def walk(jaxpr: Any, stack: tuple[StackItem, ...] = ()) -> Iterator[Equation]:
 
 def _walk(jaxpr, stack, parent, depth) -> Iterator[Equation]:
     for eqn in jaxpr.eqns:
-        here = Equation(eqn, stack + name_stack(eqn), parent, depth)
+        here = Equation(eqn, stack + stack_of(eqn), parent, depth)
         yield here
         for sub in sub_jaxprs(eqn, opened=True):
             yield from _walk(sub, here.stack, here, depth + 1)

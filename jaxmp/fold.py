@@ -64,7 +64,7 @@ class _Degrees:
                 self.deg[o] = d if len(outs) == 1 else (0 if not self._depends(eqn) else None)
 
     def of(self, atom):
-        if isinstance(atom, Literal):
+        if _jaxpr.is_literal(atom):
             return 0
         return self.deg.get(atom, 0)  # invars and constvars: independent (the scale itself is handled by div)
 
@@ -73,7 +73,7 @@ class _Degrees:
 
     def _eqn_degree(self, eqn, scale_vars):
         p, ins = eqn.primitive, eqn.invars
-        if p is lax.div_p and len(ins) == 2 and not isinstance(ins[1], Literal) and ins[1] in scale_vars:
+        if p is lax.div_p and len(ins) == 2 and not _jaxpr.is_literal(ins[1]) and ins[1] in scale_vars:
             if _is_one_literal(ins[0]):
                 return 1
             d = self.of(ins[0])

@@ -107,7 +107,7 @@ class _Where:
 
 
 def _where(eqn, outer: _Where) -> _Where:
-    stack = _jaxpr.name_stack(eqn)
+    stack = _jaxpr.stack_of(eqn)
     transforms = {i.name for i in stack if i.kind == "transform"}
     return _Where(outer.scopes + tuple(i.name for i in stack if i.kind == "scope"), outer.backward or "transpose" in transforms,
                   outer.context)
