@@ -32,9 +32,6 @@ from jaxmp._jaxpr import (Literal, equation_context, equations, is_literal, open
 #: The running JAX version as a tuple of ints, e.g. ``(0, 10, 2)``.
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
-#: jax >= 0.11 packs scan's const / carry counts into a flat tree (``ft_in``).
-SCAN_PACKS_COUNTS = JAX_VERSION >= (0, 11)
-
 
 class JaxInternalsError(RuntimeError):
     """A JAX internal the engine relies on is missing or changed shape in this JAX release."""
