@@ -2,9 +2,9 @@
 
 The engine reads jaxprs, and jaxprs expose details that JAX changes between releases: the
 parameters of ``scan``/``while``/``cond``/``custom_jvp``/``custom_vjp``/``shard_map``, the
-primitive that inlines a call (``closed_call`` became ``eval_jaxpr``), the structure of name
-stacks, jit-keyed config states. Every such access lives here, behind a named adapter, so a
-new JAX release is one file to read. An adapter that finds a parameter missing raises
+primitive that inlines a call (``closed_call`` became ``eval_jaxpr``), jit-keyed config states,
+tracer kinds. Every such access lives here (or, for reading a jaxpr, in `jaxmp._jaxpr` under
+it), behind a named adapter, so a new JAX release is two files to read. An adapter that finds a parameter missing raises
 `JaxInternalsError` naming the parameter and the JAX version, never a ``KeyError``
 deep inside a trace.
 
