@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from jaxmp import _jaxpr
+
 #: Dense (no sparsity) bf16 tensor peak in TFLOP/s from the vendors' datasheets, matched by
 #: substring of ``device.device_kind`` in this order (the first match wins).
 DATASHEET_BF16_TFLOPS = (
@@ -97,19 +99,13 @@ def _sub_jaxprs(eqn):
     name = eqn.primitive.name
     if name == "cond":
         return [("max", [b.jaxpr for b in eqn.params["branches"]])]
-    out = []
     mult = eqn.params.get("length", 1) if name == "scan" else 1
-    for v in eqn.params.values():
-        for item in (v if isinstance(v, (tuple, list)) else (v,)):
-            j = getattr(item, "jaxpr", item)
-            if hasattr(j, "eqns"):
-                out.append((mult, [j]))
-    return out
+    return [(mult, [j]) for j in _jaxpr.sub_jaxprs(eqn, opened=True)]
 
 
 def _walk(jaxpr, layers: list, scale: int) -> int:
     total = 0
-    for eqn in jaxpr.eqns:
+    for eqn in _jaxpr.equations(jaxpr):
         name = eqn.primitive.name
         if name in ("dot_general", "conv_general_dilated"):
             f = (_dot_flops if name == "dot_general" else _conv_flops)(eqn) * scale

@@ -31,7 +31,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from jax import lax
-from jax.extend.core import Literal
+
+from jaxmp import _jaxpr
 
 _ZERO = "zero"  # a value known to be all zeros: homogeneous of any degree
 _ONE = "one"  # the base of the inverse scale itself
@@ -41,11 +42,11 @@ _FOLDED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _is_zero_literal(x) -> bool:
-    return isinstance(x, Literal) and np.ndim(x.val) == 0 and float(np.asarray(x.val)) == 0.0
+    return _jaxpr.is_literal(x) and np.ndim(x.val) == 0 and float(np.asarray(x.val)) == 0.0
 
 
 def _is_one_literal(x) -> bool:
-    return isinstance(x, Literal) and np.ndim(x.val) == 0 and float(np.asarray(x.val)) == 1.0
+    return _jaxpr.is_literal(x) and np.ndim(x.val) == 0 and float(np.asarray(x.val)) == 1.0
 
 
 class _Degrees:
@@ -55,7 +56,7 @@ class _Degrees:
         self.deg: dict = {}
         self.defn: dict = {}
         scale_vars = set(scale_vars)
-        for eqn in jaxpr.eqns:
+        for eqn in _jaxpr.equations(jaxpr):
             outs = eqn.outvars
             d = self._eqn_degree(eqn, scale_vars) if len(outs) == 1 else None
             for o in outs:
@@ -63,7 +64,7 @@ class _Degrees:
                 self.deg[o] = d if len(outs) == 1 else (0 if not self._depends(eqn) else None)
 
     def of(self, atom):
-        if isinstance(atom, Literal):
+        if _jaxpr.is_literal(atom):
             return 0
         return self.deg.get(atom, 0)  # invars and constvars: independent (the scale itself is handled by div)
 
@@ -72,7 +73,7 @@ class _Degrees:
 
     def _eqn_degree(self, eqn, scale_vars):
         p, ins = eqn.primitive, eqn.invars
-        if p is lax.div_p and len(ins) == 2 and not isinstance(ins[1], Literal) and ins[1] in scale_vars:
+        if p is lax.div_p and len(ins) == 2 and not _jaxpr.is_literal(ins[1]) and ins[1] in scale_vars:
             if _is_one_literal(ins[0]):
                 return 1
             d = self.of(ins[0])
@@ -109,7 +110,7 @@ def has_fold(closed: Any, scale_positions: Sequence[int]) -> bool:
     if not scale_vars:
         return False
     degs = _Degrees(jaxpr, scale_vars)
-    return any(_foldable(eqn, degs) for eqn in jaxpr.eqns)
+    return any(_foldable(eqn, degs) for eqn in _jaxpr.equations(jaxpr))
 
 
 def _foldable(eqn, degs) -> bool:
@@ -136,7 +137,7 @@ def eval_folded(closed: Any, args: Sequence[Any], scale_positions: Sequence[int]
     if len(scale_vars) != 1:
         return jax.core.eval_jaxpr(jaxpr, closed.consts, *args)
     degs = _Degrees(jaxpr, scale_vars)
-    if not any(_foldable(eqn, degs) for eqn in jaxpr.eqns):
+    if not any(_foldable(eqn, degs) for eqn in _jaxpr.equations(jaxpr)):
         return jax.core.eval_jaxpr(jaxpr, closed.consts, *args)
 
     env: dict = {}
@@ -148,14 +149,11 @@ def eval_folded(closed: Any, args: Sequence[Any], scale_positions: Sequence[int]
     bases: dict = {}
 
     def read(a):
-        return a.val if isinstance(a, Literal) else env[a]
+        return a.val if _jaxpr.is_literal(a) else env[a]
 
     def bind(eqn, inputs):
-        params = eqn.primitive.get_bind_params(eqn.params)
-        if isinstance(params, tuple):  # older JAX: (subfuns, params)
-            subfuns, params = params
-            return eqn.primitive.bind(*subfuns, *inputs, **params)
-        return eqn.primitive.bind(*inputs, **params)
+        out = _jaxpr.bind(eqn, inputs)
+        return out if eqn.primitive.multiple_results else out[0]
 
     def base(a):
         """The value of ``a`` with the inverse scale set to one (or _ONE for the inverse itself)."""
@@ -179,7 +177,7 @@ def eval_folded(closed: Any, args: Sequence[Any], scale_positions: Sequence[int]
         bases[a] = out
         return out
 
-    for eqn in jaxpr.eqns:
+    for eqn in _jaxpr.equations(jaxpr):
         out = None
         if _foldable(eqn, degs):
             try:

@@ -33,7 +33,8 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxprs_in_params
+
+from jaxmp import _jaxpr
 
 
 class MixedPrecisionWarning(UserWarning):
@@ -236,7 +237,7 @@ def _reaches_output_unguarded(jaxpr: Any, var: Any, consumers: dict) -> bool:
         for eqn in consumers.get(id(v), ()):
             if eqn.primitive.name in _GUARDS or _only_guards(eqn):
                 continue
-            if next(iter(jaxprs_in_params(eqn.params)), None) is not None:  # a call or loop: not followed
+            if _jaxpr.sub_jaxprs(eqn):  # a call or loop: not followed
                 return True
             for o in eqn.outvars:
                 if id(o) not in seen:
@@ -247,8 +248,9 @@ def _reaches_output_unguarded(jaxpr: Any, var: Any, consumers: dict) -> bool:
 
 def _only_guards(eqn: Any) -> bool:
     """A nested call made of guards alone: ``jnp.where`` is a ``jit`` of one ``select_n``."""
-    subs = list(jaxprs_in_params(eqn.params))
-    return len(subs) == 1 and bool(subs[0].eqns) and all(e.primitive.name in _GUARDS for e in subs[0].eqns)
+    subs = _jaxpr.sub_jaxprs(eqn, opened=True)
+    return len(subs) == 1 and bool(_jaxpr.equations(subs[0])) and all(
+        e.primitive.name in _GUARDS for e in _jaxpr.equations(subs[0]))
 
 
 def _non_finite_literals(jaxpr: Any) -> list:
@@ -260,18 +262,18 @@ def _non_finite_literals(jaxpr: Any) -> list:
     """
     found = []
     consumers: dict = {}
-    for eqn in jaxpr.eqns:
+    for eqn in _jaxpr.equations(jaxpr):
         for v in eqn.invars:
             if not hasattr(v, "val"):
                 consumers.setdefault(id(v), []).append(eqn)
-    for eqn in jaxpr.eqns:
+    for eqn in _jaxpr.equations(jaxpr):
         for v in (eqn.invars if eqn.primitive.name in ("mul", "div") else ()):
             val = getattr(v, "val", None)
             if val is not None and np.ndim(val) == 0 and np.issubdtype(np.asarray(val).dtype, np.inexact) \
                     and not np.isfinite(val):
                 if np.isnan(val) or _reaches_output_unguarded(jaxpr, eqn.outvars[0], consumers):
                     found.append((eqn.primitive.name, float(np.real(val))))
-        for sub in jaxprs_in_params(eqn.params):
+        for sub in _jaxpr.sub_jaxprs(eqn, opened=True):
             found += _non_finite_literals(sub)
     return found
 

@@ -27,7 +27,7 @@ PACKAGES = ("jaxmp", "benchmarks")
 # The layers of jaxmp, lowest first: a module may import its own layer and the layers below it,
 # never one above. A unit is a top-level module or a subpackage of jaxmp (what the table shows).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("numerics", ("jaxmp._deprecations", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp.dtypes", "jaxmp.traps",
+    ("numerics", ("jaxmp._jaxpr", "jaxmp._deprecations", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp.dtypes", "jaxmp.traps",
                   "jaxmp.fp8", "jaxmp.fold")),
     ("policies and loss scales", ("jaxmp.policy", "jaxmp.presets", "jaxmp.platform", "jaxmp.skip",
                                   "jaxmp.loss_scale")),
@@ -179,8 +179,10 @@ def layering_violations(graph: dict[str, set[str]], root: pathlib.Path = ROOT) -
 
 
 #: Private modules every unit may import names from: the package's own type aliases (names for
-#: annotations, no behaviour), so a signature can say ``PolicyLike`` rather than ``Any``.
-SHARED_PRIVATE = frozenset({"jaxmp._typing"})
+#: annotations, no behaviour), so a signature can say ``PolicyLike`` rather than ``Any``; and the
+#: one jaxpr reader (JAX internals, no stability promise: private, but shared by every unit that
+#: reads a traced program).
+SHARED_PRIVATE = frozenset({"jaxmp._typing", "jaxmp._jaxpr"})
 
 
 def private_uses(module: str, path: pathlib.Path, modules) -> list[str]:

@@ -12,6 +12,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
+from jaxmp import _jaxpr
+
 
 class Op(NamedTuple):
     """One primitive application: its name, name scope, input and output dtypes."""
@@ -22,17 +24,6 @@ class Op(NamedTuple):
     out_dtypes: tuple[np.dtype, ...]
 
 
-def _sub_jaxprs(params: dict) -> list:
-    subs = []
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, jax.extend.core.ClosedJaxpr):
-                subs.append(v.jaxpr)
-            elif isinstance(v, jax.extend.core.Jaxpr):
-                subs.append(v)
-    return subs
-
-
 def _dtype(dtype):
     try:
         return np.dtype(dtype)
@@ -40,14 +31,8 @@ def _dtype(dtype):
         return dtype
 
 
-def _walk(jaxpr, outer_scope: str, out: list[Op]) -> None:
-    for eqn in jaxpr.eqns:
-        scope = str(eqn.source_info.name_stack)
-        scope = f"{outer_scope}/{scope}" if outer_scope and scope else (scope or outer_scope)
-        dtypes = lambda vs: tuple(_dtype(v.aval.dtype) for v in vs if hasattr(v.aval, "dtype"))
-        out.append(Op(eqn.primitive.name, scope, dtypes(eqn.invars), dtypes(eqn.outvars)))
-        for sub in _sub_jaxprs(eqn.params):
-            _walk(sub, scope, out)
+def _dtypes(avals) -> tuple:
+    return tuple(_dtype(a.dtype) for a in avals if hasattr(a, "dtype"))
 
 
 def op_dtypes(fn: Callable, *args: Any, **kwargs: Any) -> list[Op]:
@@ -66,9 +51,8 @@ def op_dtypes(fn: Callable, *args: Any, **kwargs: Any) -> list[Op]:
       ['sin']
     """
     closed = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
-    ops: list[Op] = []
-    _walk(closed.jaxpr, "", ops)
-    return ops
+    # scope: the name stack as JAX prints it (display: tests look for a module name in it).
+    return [Op(e.primitive, e.name, _dtypes(e.in_avals), _dtypes(e.out_avals)) for e in _jaxpr.walk(closed)]
 
 
 # ---------------------------------------------------------------------------------------------

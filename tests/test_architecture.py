@@ -197,3 +197,75 @@ def test_no_module_of_jaxmp_parallel_reaches_into_a_siblings_private_names(tmp_p
                       "parallel/_c.py": "def ok(): pass\n",
                       "parallel/d.py": "from jaxmp.parallel._c import ok\n"})
     assert _private_reaches(tmp_path / "parallel") == ["b: a._x"]
+
+
+# -- one jaxpr reader ------------------------------------------------------------------------
+# jaxmp/_jaxpr.py is the only module that imports jax.extend.core or reads an equation's name
+# stack, source info or bind parameters, or a jaxpr's equation list (`.eqns`); the engine's seam
+# (jaxmp/engine/internals.py) is the only other module that touches jax._src (trace state,
+# config states). Everyone else, the engine's own modules and the tests included, goes through
+# them: a JAX release that changes how jaxprs look is then two files to read.
+READER = "jaxmp/_jaxpr.py"
+SEAM = "jaxmp/engine/internals.py"
+READER_ONLY_ATTRIBUTES = {"eqns", "name_stack", "source_info", "get_bind_params", "jaxprs_in_params"}
+SCANNED = ("jaxmp", "tests", "benchmarks", "experiments")
+
+
+def _dotted(node) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def jaxpr_internals_used(source: str) -> set[str]:
+    """What a module's source reaches of JAX's jaxpr internals: ``"jax.extend.core"``,
+    ``"jax._src"`` (imported or reached as an attribute chain), ``".eqns"``, ``".name_stack"``,
+    ``".source_info"``, ``".get_bind_params"``, ``".jaxprs_in_params"``."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute):
+            if node.attr in READER_ONLY_ATTRIBUTES:
+                found.add(f".{node.attr}")
+            names = [_dotted(node)]
+        for name in names:
+            for prefix in ("jax.extend.core", "jax._src"):
+                if name == prefix or name.startswith(prefix + "."):
+                    found.add(prefix)
+    return found
+
+
+def _python_files():
+    for folder in SCANNED:
+        for path in sorted((graph_lib.ROOT / folder).rglob("*.py")):
+            yield path.relative_to(graph_lib.ROOT).as_posix(), path
+
+
+def test_jaxprs_are_read_through_the_one_reader_only():
+    readers = {rel: used for rel, path in _python_files() if (used := jaxpr_internals_used(path.read_text()))}
+    assert set(readers) <= {READER, SEAM}, {k: v for k, v in readers.items() if k not in (READER, SEAM)}
+    assert readers.get(SEAM, set()) == {"jax._src"}, readers.get(SEAM)  # trace state and config only
+    assert "jax.extend.core" in readers[READER] and ".name_stack" in readers[READER]
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from jax.extend import core\n", {"jax.extend.core"}),
+    ("from jax.extend.core import Literal\n", {"jax.extend.core"}),
+    ("import jax\nx = jax.extend.core.ClosedJaxpr\n", {"jax.extend.core"}),
+    ("import jax._src.lax as lax_pkg\n", {"jax._src"}),
+    ("from jax._src import source_info_util\n", {"jax._src"}),
+    ("def f(j):\n    return [e for e in j.eqns]\n", {".eqns"}),
+    ("def f(e):\n    return str(e.source_info.name_stack).split('/')\n", {".source_info", ".name_stack"}),
+    ("def f(e):\n    return e.primitive.get_bind_params(e.params)\n", {".get_bind_params"}),
+    ("import jax\nfrom jaxmp import _jaxpr\ndef f(j):\n    return _jaxpr.equations(j)\n", set()),
+])
+def test_the_reader_check_sees_every_way_in(source, expected):
+    assert jaxpr_internals_used(source) == expected

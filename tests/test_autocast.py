@@ -361,7 +361,7 @@ def test_autocast_around_pmap():
 
 
 def test_unknown_higher_order_primitive_is_named():
-    from jax.extend.core import Primitive
+    from jaxmp._jaxpr import Primitive
 
     hop = Primitive("my_higher_order")
     hop.def_abstract_eval(lambda x, *, body: x)
@@ -507,8 +507,6 @@ def test_an_eager_grad_runs_the_engines_compiled_program_and_reuses_it(monkeypat
 
 
 def _collect(jaxpr, name, found):
-    for e in jaxpr.eqns:
-        if e.primitive.name == name:
-            found.append(e)
-        for sub in jax.extend.core.jaxprs_in_params(e.params):
-            _collect(sub, name, found)
+    from jaxmp import _jaxpr
+
+    found.extend(e.eqn for e in _jaxpr.walk(jaxpr) if e.primitive == name)

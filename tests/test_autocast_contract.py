@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxmp
+from jaxmp import _jaxpr
 from jaxmp.engine import contract, internals, tested
 from tests._op_dtypes import op_dtypes
 
@@ -440,7 +441,7 @@ def test_pallas_kernels_run_bare_and_under_half_inputs():
 # -- one seam, every JAX ------------------------------------------------------------------------
 
 def test_a_missing_jax_parameter_is_a_clear_error_naming_it_and_the_version():
-    eqn = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (c, None), x, None, length=2))(1.0).eqns[0]
+    eqn = _jaxpr.equations(jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (c, None), x, None, length=2))(1.0))[0]
     fake = eqn.replace(params={k: v for k, v in eqn.params.items() if k not in ("num_consts", "ft_in")})
     with pytest.raises(internals.JaxInternalsError, match=rf"num_consts.*jax {jax.__version__}"):
         internals.scan_counts(fake)
@@ -548,11 +549,11 @@ def test_a_nested_jit_keeps_its_shardings_donation_and_name():
     f = jaxmp.autocast(lambda w, x: jnp.sum(inner(w, x)), "O1-bf16")
     w, x = jnp.ones((4, 4)), jnp.ones((8, 4))
     # Under a trace the engine's ops are bound into the caller's jaxpr: the nested jit is there.
-    jits = [op for op in jax.make_jaxpr(f)(w, x).eqns if op.primitive.name in ("jit", "pjit")]
+    jits = [op for op in _jaxpr.equations(jax.make_jaxpr(f)(w, x)) if op.primitive.name in ("jit", "pjit")]
     (nested,) = [e for e in jits if e.params["name"] == "layer"]
     assert nested.params["out_shardings"] == (sharding,)
     assert nested.params["donated_invars"] == (False, True)
-    dots = [e for e in nested.params["jaxpr"].eqns if e.primitive.name == "dot_general"]
+    dots = [e for e in _jaxpr.equations(nested.params["jaxpr"]) if e.primitive.name == "dot_general"]
     assert {v.aval.dtype for v in dots[0].invars} == {BF16}
     np.testing.assert_allclose(float(f(w, x)), float(jnp.sum(layer(w, x))), rtol=1e-2)
 

@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import _common as common  # noqa: E402
 from benchmarks import flops, kernel_profile, overhead, report, run_gpu, throughput, torch_amp  # noqa: E402
 from benchmarks._native import NativeModel  # noqa: E402
+from jaxmp import _jaxpr  # noqa: E402
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -293,7 +294,7 @@ def test_native_baseline_is_the_same_module_with_flax_bf16():
     assert jax.tree_util.tree_structure(v) == jax.tree_util.tree_structure(ref)
     assert {p.dtype for p in jax.tree_util.tree_leaves(v)} == {jnp.dtype(jnp.float32)}
     jaxpr = jax.make_jaxpr(lambda v, x: native.apply(v, x, train=False))(v, x).jaxpr
-    convs = [e for e in jaxpr.eqns if e.primitive.name in ("conv_general_dilated", "dot_general")]
+    convs = [e for e in _jaxpr.equations(jaxpr) if e.primitive.name in ("conv_general_dilated", "dot_general")]
     assert len(convs) == 10  # stem, 2 bottlenecks x (3 convs + projection), head
     assert all(a.aval.dtype == jnp.bfloat16 for e in convs for a in e.invars)
     assert jax.eval_shape(lambda v, x: native.apply(v, x, train=False), v, x).dtype == jnp.bfloat16
@@ -486,7 +487,7 @@ def test_hand_cast_mlp_assigns_the_o1_dtypes():
     m = am.make_mlp(0, 2, 8, 2, 4, 3)
     jaxpr = jax.make_jaxpr(lambda p, x, y: m.hand_loss(p, x, y, jnp.bfloat16))(m.params, *m.batch).jaxpr
     dtypes = {}
-    for e in jaxpr.eqns:
+    for e in _jaxpr.equations(jaxpr):
         dtypes.setdefault(e.primitive.name, set()).add(str(e.outvars[0].aval.dtype))
     assert dtypes["dot_general"] == {"bfloat16"}
     for op in ("reduce_sum", "reduce_max", "exp", "log", "rsqrt"):

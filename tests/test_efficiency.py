@@ -123,14 +123,14 @@ def test_autocast_train_step_bytes_within_margin_of_native_floor(model):
 
 def _direct_uses(jaxpr, tracked: set, found: list) -> None:
     """Primitives that read a tracked var, following it into sub-jaxprs whose invars mirror the operands."""
-    from jax.extend import core as jcore
+    from jaxmp import _jaxpr
 
-    for eqn in jaxpr.eqns:
-        hits = [i for i, a in enumerate(eqn.invars) if not isinstance(a, jcore.Literal) and a in tracked]
+    for eqn in _jaxpr.equations(jaxpr):
+        hits = [i for i, a in enumerate(eqn.invars) if not _jaxpr.is_literal(a) and a in tracked]
         if not hits:
             continue
         found.extend(eqn.primitive.name for _ in hits)
-        for sub in jcore.jaxprs_in_params(eqn.params):
+        for sub in _jaxpr.sub_jaxprs(eqn, opened=True):
             offset = len(eqn.invars) - len(sub.invars)  # cond: the predicate comes first
             if offset in (0, 1):
                 _direct_uses(sub, {sub.invars[i - offset] for i in hits if i >= offset}, found)

@@ -199,19 +199,9 @@ def test_cpu_reports_emulation():
 
 def _jaxpr_dtypes(closed):
     """Every dtype produced anywhere in a closed jaxpr, sub-jaxprs included."""
-    out = set()
+    from jaxmp import _jaxpr
 
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            out.update(str(v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, "dtype"))
-            for p in eqn.params.values():
-                for j in (p if isinstance(p, (tuple, list)) else (p,)):
-                    if hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
-                        walk(j.jaxpr)
-                    elif hasattr(j, "eqns"):
-                        walk(j)
-    walk(closed.jaxpr)
-    return out
+    return {str(a.dtype) for e in _jaxpr.walk(closed) for a in e.out_avals if hasattr(a, "dtype")}
 
 
 @pytest.mark.slow  # ~4 s of training

@@ -16,6 +16,7 @@ import pytest
 
 import jaxmp
 import jaxmp.flax
+from jaxmp import _jaxpr
 
 pytestmark = pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 
@@ -62,7 +63,7 @@ def test_o1_keeps_float32_only_where_it_is_needed():
 
     p = {"w1": jnp.ones((4, 4)), "b1": jnp.ones(4), "w2": jnp.ones((4, 4)), "b2": jnp.ones(4)}
     jaxpr = jax.make_jaxpr(jaxmp.autocast(f, "O1-bf16"))(p, jnp.ones((2, 4))).jaxpr
-    adds = [e.outvars[0].aval.dtype for e in jaxpr.eqns if e.primitive.name == "add"]
+    adds = [e.outvars[0].aval.dtype for e in _jaxpr.equations(jaxpr) if e.primitive.name == "add"]
     assert adds[:2] == [jnp.bfloat16, jnp.float32], adds
 
 
@@ -72,7 +73,7 @@ def test_python_scalars_and_float32_scalars_never_decide():
         rules = jaxmp.AutocastRules(promote=promote)
         jaxpr = jax.make_jaxpr(jaxmp.autocast(lambda x, w: ((x @ w) * 0.5) @ w, "O1-bf16", rules=rules))(
             jnp.ones((2, 2)), jnp.ones((2, 2))).jaxpr
-        muls = [e for e in jaxpr.eqns if e.primitive.name == "mul"]
+        muls = [e for e in _jaxpr.equations(jaxpr) if e.primitive.name == "mul"]
         assert [m.outvars[0].aval.dtype for m in muls] == [jnp.bfloat16], (promote, muls)
 
 

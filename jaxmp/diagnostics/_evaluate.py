@@ -27,8 +27,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.extend import core as jcore
 
+from jaxmp import _jaxpr
 from jaxmp.diagnostics import _format
 from jaxmp.diagnostics.jaxpr_walk import source_of
 from jaxmp.engine import internals
@@ -107,10 +107,9 @@ class _Where:
 
 
 def _where(eqn, outer: _Where) -> _Where:
-    stack = eqn.source_info.name_stack
-    items = getattr(stack, "stack", ())
-    transforms = {getattr(i, "name", "") for i in items if type(i).__name__ == "Transform"}
-    return _Where(outer.scopes + internals.scope_names(eqn), outer.backward or "transpose" in transforms,
+    stack = _jaxpr.stack_of(eqn)
+    transforms = {i.name for i in stack if i.kind == "transform"}
+    return _Where(outer.scopes + tuple(i.name for i in stack if i.kind == "scope"), outer.backward or "transpose" in transforms,
                   outer.context)
 
 
@@ -130,7 +129,7 @@ def _inner(eqn) -> list[tuple[Any, str]]:
         return [(internals.call_jaxpr(eqn)[0], "")]
     if kind == "remat":
         j = internals.param(eqn, "jaxpr")
-        return [(j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j, "")]
+        return [(_jaxpr.open_jaxpr(j), "")]
     if kind in ("custom_jvp", "custom_vjp"):
         return [(internals.param(eqn, "call_jaxpr").jaxpr, "")]
     if kind == "scan":
@@ -189,10 +188,10 @@ class Sites:
         self._walk(jaxpr, _Where(), (), origin)
 
     def _walk(self, jaxpr, where: _Where, key: tuple, origin: dict) -> None:
-        for eqn in jaxpr.eqns:
+        for eqn in _jaxpr.equations(jaxpr):
             w = _where(eqn, where)
             inner = _inner(eqn)
-            from_param = next((origin[a] for a in eqn.invars if not isinstance(a, jcore.Literal) and a in origin), "")
+            from_param = next((origin[a] for a in eqn.invars if not _jaxpr.is_literal(a) and a in origin), "")
             if inner:
                 for j, label in inner:
                     ctx = w.context + ((label,) if label else ())
@@ -200,11 +199,11 @@ class Sites:
                     n = len(eqn.invars) - len(j.invars)
                     outer = list(eqn.invars)[n:] if n in (0, 1) and internals.primitive_kind(eqn) != "while" else []
                     sub = {b: origin[a] for b, a in zip(j.invars, outer)
-                           if not isinstance(a, jcore.Literal) and a in origin}
+                           if not _jaxpr.is_literal(a) and a in origin}
                     self._walk(j, dataclasses.replace(w, context=ctx), key + (id(eqn), label), sub)
                     if not label and len(j.outvars) == len(eqn.outvars):  # an inlined call passes them on
                         origin.update({o: sub[r] for o, r in zip(eqn.outvars, j.outvars)
-                                       if not isinstance(r, jcore.Literal) and r in sub})
+                                       if not _jaxpr.is_literal(r) and r in sub})
                 continue
             self._ids[key + (id(eqn),)] = len(self.sites)
             site = _site(len(self.sites), eqn, w)
@@ -280,9 +279,9 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], state: Any, hook
         env[v] = a
 
     def read(atom):
-        return hooks.literal(atom) if isinstance(atom, jcore.Literal) else env[atom]
+        return hooks.literal(atom) if _jaxpr.is_literal(atom) else env[atom]
 
-    for eqn in jaxpr.eqns:
+    for eqn in _jaxpr.equations(jaxpr):
         ins = [read(a) for a in eqn.invars]
         kind = internals.primitive_kind(eqn) if _inner(eqn) else None
         if kind is None:
@@ -307,7 +306,7 @@ def _inline(eqn, ins, state, hooks, sites, key):
         consts = [hooks.lift(c, internals.typeof(c)) for c in internals.call_jaxpr(eqn)[1]]
     elif internals.primitive_kind(eqn) in ("custom_jvp", "custom_vjp"):
         consts = _lift_all(hooks, internals.param(eqn, "call_jaxpr"))
-    elif isinstance(internals.param(eqn, "jaxpr"), jcore.ClosedJaxpr):
+    elif isinstance(internals.param(eqn, "jaxpr"), _jaxpr.ClosedJaxpr):
         consts = _lift_all(hooks, internals.param(eqn, "jaxpr"))
     return evaluate(jaxpr, consts, ins, state, hooks, sites, key + (label,))
 

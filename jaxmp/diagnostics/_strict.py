@@ -22,8 +22,8 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 import jax
-from jax.extend import core as jcore
 
+from jaxmp import _jaxpr
 from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics._evaluate import Sites, _inner
@@ -59,9 +59,9 @@ def _graph(jaxpr) -> tuple[dict, dict]:
     todo = [jaxpr]
     while todo:
         j = todo.pop()
-        for eqn in j.eqns:
+        for eqn in _jaxpr.equations(j):
             for v in eqn.invars:
-                if isinstance(v, jcore.Var):
+                if _jaxpr.is_var(v):
                     consumers.setdefault(v, []).append(eqn)
             for v in eqn.outvars:
                 producers[v] = eqn
@@ -72,10 +72,10 @@ def _graph(jaxpr) -> tuple[dict, dict]:
 def _counts_a_mask(eqn, producers) -> bool:
     """A sum of values converted from booleans or integers: exact (a count), in any dtype up to 2**11."""
     src = eqn.invars[0]
-    prod = producers.get(src) if isinstance(src, jcore.Var) else None
+    prod = producers.get(src) if _jaxpr.is_var(src) else None
     while prod is not None and prod.primitive.name in ("broadcast_in_dim", "reshape", "transpose", "squeeze"):
         src = prod.invars[0]
-        prod = producers.get(src) if isinstance(src, jcore.Var) else None
+        prod = producers.get(src) if _jaxpr.is_var(src) else None
     if prod is None or prod.primitive.name != "convert_element_type":
         return False
     dtype = getattr(prod.invars[0].aval, "dtype", None)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from jax.extend import core as _core
-
+from jaxmp import _jaxpr
 from jaxmp.diagnostics import _format
 
 _RULE = "jaxmp.rule="
@@ -46,17 +45,6 @@ def _short(vs) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _subs(params) -> list:
-    subs = []
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, _core.ClosedJaxpr):
-                subs.append(v.jaxpr)
-            elif isinstance(v, _core.Jaxpr):
-                subs.append(v)
-    return subs
-
-
 def autocast_ops(jaxpr) -> tuple[AutocastOp, ...]:
     """The ops of ``jaxpr`` (sub-jaxprs included) that autocast emitted in explain mode.
 
@@ -74,23 +62,12 @@ def autocast_ops(jaxpr) -> tuple[AutocastOp, ...]:
       >>> [(op.primitive, op.rule) for op in autocast_ops(jx)]
       [('dot_general', 'half list'), ('exp', 'float32 list')]
     """
-    if isinstance(jaxpr, _core.ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
     out: list[AutocastOp] = []
-    _walk(jaxpr, "", out)
-    return tuple(out)
-
-
-def _walk(jaxpr, outer: str, out: list) -> None:
-    for eqn in jaxpr.eqns:
-        name = str(eqn.source_info.name_stack)
-        name = f"{outer}/{name}" if outer and name else (name or outer)
-        parts = name.split("/")
-        rules = [p[len(_RULE):] for p in parts if p.startswith(_RULE)]
+    for e in _jaxpr.walk(jaxpr):
+        rules = [s[len(_RULE):] for s in e.scopes if s.startswith(_RULE)]
         if rules:
-            clean = "/".join(p for p in parts if not p.startswith(_RULE))
+            clean = _jaxpr.render(tuple(i for i in e.stack if not (i.kind == "scope" and i.name.startswith(_RULE))))
             # An fp8 layer's label outranks the rule the engine gave the ops inside it.
             rule = next((r for r in rules if "fp8" in r), rules[-1])
-            out.append(AutocastOp(eqn.primitive.name, rule, _short(eqn.invars), _short(eqn.outvars), clean))
-        for sub in _subs(eqn.params):
-            _walk(sub, name, out)
+            out.append(AutocastOp(e.primitive, rule, _short(e.invars), _short(e.outvars), clean))
+    return tuple(out)

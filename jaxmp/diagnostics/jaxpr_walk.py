@@ -25,8 +25,8 @@ from collections import defaultdict
 from typing import NamedTuple
 
 import numpy as np
-from jax.extend import core as _core
 
+from jaxmp import _jaxpr
 from jaxmp.diagnostics import _format
 from jaxmp.diagnostics._matmul import conv_gemm, dot_gemm, tc_shape_problems
 
@@ -149,9 +149,7 @@ def _source(eqn, ctx: _Ctx | None = None) -> str:
     # Source locations come from a JAX internal (read through the engine's one seam); degrade
     # to no location rather than fail the report.
     try:
-        from jaxmp.engine import internals
-
-        frames = list(itertools.islice(internals.user_frames(eqn.source_info.traceback), 16))
+        frames = list(itertools.islice(_jaxpr.user_frames(eqn), 16))
         # JAX counts installed libraries (flax, optax) as user code when they do not share the
         # standard library's prefix (a virtualenv): point at the first frame outside them.
         # jaxmp's own wrappers (the Flax door's module hooks) are not where the user's op is either.
@@ -179,19 +177,7 @@ def source_of(eqn) -> str:
 
 
 def _name(eqn, ctx: _Ctx) -> str:
-    own = str(getattr(eqn.source_info, "name_stack", "") or "")
-    return "/".join(p for p in (*ctx.name_prefix, own) if p)
-
-
-def _sub_jaxprs(value):
-    """Yields the jaxprs held by one eqn param (a Jaxpr, a ClosedJaxpr or a tuple of them)."""
-    if isinstance(value, _core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, _core.Jaxpr):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _sub_jaxprs(v)
+    return "/".join(p for p in (*ctx.name_prefix, _jaxpr.render(_jaxpr.stack_of(eqn))) if p)
 
 
 def _matmul_op(eqn, ctx: _Ctx, col: _Collector) -> MatmulOp:
@@ -316,7 +302,7 @@ def _reads_half(var, producers) -> bool:
         return True
     eqn = producers.get(var)
     return (eqn is not None and eqn.primitive.name == "convert_element_type"
-            and isinstance(eqn.invars[0], _core.Var) and _format.is_low_precision(eqn.invars[0].aval.dtype))
+            and _jaxpr.is_var(eqn.invars[0]) and _format.is_low_precision(eqn.invars[0].aval.dtype))
 
 
 def _half_scalar_reduction(eqn, producers, seen: set):
@@ -338,14 +324,14 @@ def _half_scalar_reduction(eqn, producers, seen: set):
         for e in frontier:
             if e.primitive.name in _REDUCE_PRIMS:
                 src = e.invars[0]
-                if isinstance(src, _core.Var) and np.prod(src.aval.shape) > 1 and _reads_half(src, producers):
+                if _jaxpr.is_var(src) and np.prod(src.aval.shape) > 1 and _reads_half(src, producers):
                     new = id(e) not in seen
                     seen.add(id(e))
                     return e, new
                 continue
             if e.primitive.name not in _SCALAR_PASS:
                 continue
-            nxt.extend(producers[v] for v in e.invars if isinstance(v, _core.Var) and v in producers)
+            nxt.extend(producers[v] for v in e.invars if _jaxpr.is_var(v) and v in producers)
         frontier = nxt
     return None, False
 
@@ -372,7 +358,7 @@ def _narrowed(eqn, ctx: _Ctx, col: _Collector, producers) -> list[RiskyOp]:
     if out_dtype is None or not _format.is_low_precision(out_dtype):
         return out
     for v in eqn.invars:
-        conv = producers.get(v) if isinstance(v, _core.Var) else None
+        conv = producers.get(v) if _jaxpr.is_var(v) else None
         if conv is None or conv.primitive.name != "convert_element_type" or id(conv) in col.narrowed:
             continue
         src = conv.invars[0]
@@ -380,13 +366,13 @@ def _narrowed(eqn, ctx: _Ctx, col: _Collector, producers) -> list[RiskyOp]:
         if src_dtype is None or src_dtype.kind != "f" or src_dtype.itemsize < 4:
             continue
         root = src
-        while isinstance(root, _core.Var) and root in producers and producers[root].primitive.name in _LAYOUT:
+        while _jaxpr.is_var(root) and root in producers and producers[root].primitive.name in _LAYOUT:
             root = producers[root].invars[0]
-        if not (isinstance(root, _core.Var) and root in col.inputs):
+        if not (_jaxpr.is_var(root) and root in col.inputs):
             continue  # an activation made in float32 (a norm's output): not a value that moves in small steps
         col.narrowed.add(id(conv))
         d = _format.short_dtype(out_dtype)
-        value = col.values.get(root) if isinstance(root, _core.Var) else None
+        value = col.values.get(root) if _jaxpr.is_var(root) else None
         if value is not None:
             mag = float(np.max(np.abs(np.asarray(value, np.float64)))) if np.size(value) else 0.0
             ulp = float(2.0 ** (np.floor(np.log2(mag)) - (_nmant(out_dtype)))) if mag else 0.0
@@ -405,15 +391,15 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
     """Appends the ops of ``jaxpr`` (recursively) to ``col``; returns the FLOPs that count."""
     consumers = defaultdict(list)
     producers = {}
-    for eqn in jaxpr.eqns:
+    for eqn in _jaxpr.equations(jaxpr):
         for v in eqn.invars:
-            if isinstance(v, _core.Var):
+            if _jaxpr.is_var(v):
                 consumers[v].append(eqn)
         for v in eqn.outvars:
             producers[v] = eqn
     reductions_seen: set = set()
     flops = 0
-    for eqn in jaxpr.eqns:
+    for eqn in _jaxpr.equations(jaxpr):
         prim = eqn.primitive.name
         if prim in _MATMUL_PRIMS:
             op = _matmul_op(eqn, ctx, col)
@@ -433,7 +419,7 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
                 red.primitive.name, "loss", d, tuple(map(int, red.invars[0].aval.shape)),
                 f"a {d} array is reduced to a {d} scalar (a loss or a norm?): compute it in float32",
                 " > ".join(ctx.context), _name(red, ctx), _source(red, ctx)))
-        own = str(getattr(eqn.source_info, "name_stack", "") or "")
+        own = _jaxpr.render(_jaxpr.stack_of(eqn))
         prefix = ctx.name_prefix + ((own,) if own else ())
         src = _source(eqn, ctx)
         if prim == "scan":
@@ -463,14 +449,13 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
             label = prim
             if isinstance(eqn.params.get("name"), str):
                 label = f"{prim}({eqn.params['name']})"
-            for value in eqn.params.values():
-                for sub_jaxpr in _sub_jaxprs(value):
-                    if len(sub_jaxpr.invars) == len(eqn.invars):  # a call: its inputs are the operands
-                        col.values.update({i: col.values[o] for i, o in zip(sub_jaxpr.invars, eqn.invars)
-                                           if isinstance(o, _core.Var) and o in col.values})
-                        col.inputs.update(i for i, o in zip(sub_jaxpr.invars, eqn.invars)
-                                          if isinstance(o, _core.Var) and o in col.inputs)
-                    flops += _walk(sub_jaxpr, _Ctx(ctx.calls, ctx.context + (label,), prefix, src), col)
+            for sub_jaxpr in _jaxpr.sub_jaxprs(eqn, opened=True):
+                if len(sub_jaxpr.invars) == len(eqn.invars):  # a call: its inputs are the operands
+                    col.values.update({i: col.values[o] for i, o in zip(sub_jaxpr.invars, eqn.invars)
+                                       if _jaxpr.is_var(o) and o in col.values})
+                    col.inputs.update(i for i, o in zip(sub_jaxpr.invars, eqn.invars)
+                                      if _jaxpr.is_var(o) and o in col.inputs)
+                flops += _walk(sub_jaxpr, _Ctx(ctx.calls, ctx.context + (label,), prefix, src), col)
     return flops
 
 

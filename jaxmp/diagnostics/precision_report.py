@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.extend import core as _core
 
+from jaxmp import _jaxpr
 from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics.autocast_ops import AutocastOp, autocast_ops
@@ -288,10 +288,8 @@ def analyze_jaxpr(closed_jaxpr, *, policy: PolicyLike | None = None, tensor_core
       >>> analyze_jaxpr(jx).total_flops  # 2 * 8 * 8 * 16
       2048
     """
-    if isinstance(closed_jaxpr, _core.ClosedJaxpr):
-        jaxpr = closed_jaxpr.jaxpr
-    elif isinstance(closed_jaxpr, _core.Jaxpr):
-        jaxpr = closed_jaxpr
+    if _jaxpr.is_jaxpr(closed_jaxpr):
+        jaxpr = _jaxpr.open_jaxpr(closed_jaxpr)
     else:
         raise TypeError(f"analyze_jaxpr expects a ClosedJaxpr or Jaxpr, got {type(closed_jaxpr).__name__}")
     if isinstance(tensor_core_speedup, bool) or not isinstance(tensor_core_speedup, (int, float)) \
@@ -351,7 +349,7 @@ def precision_report(fn: Callable, *args, policy: PolicyLike | None = None, tens
       >>> print(rep.summary())
       precision: 1 matmul/conv, ...
     """
-    if isinstance(fn, (_core.ClosedJaxpr, _core.Jaxpr)):
+    if _jaxpr.is_jaxpr(fn):
         jaxpr = fn
     elif not callable(fn):
         raise TypeError(f"precision_report expects a callable (e.g. a train step), got {type(fn).__name__}: {fn!r}")

@@ -19,8 +19,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
+from jaxmp import _jaxpr
 from jaxmp.engine import internals, tested
 from jaxmp.traps import MixedPrecisionWarning
 
@@ -36,13 +36,8 @@ class Check(NamedTuple):
 
 
 def _eqns(jaxpr) -> list:
-    """Every equation of a jaxpr, nested ones included, as (eqn, jaxpr it belongs to)."""
-    out = []
-    for eqn in jaxpr.eqns:
-        out.append((eqn, jaxpr))
-        for sub in internals.sub_jaxprs(eqn):
-            out.extend(_eqns(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub))
-    return out
+    """Every equation of a jaxpr, nested ones included."""
+    return [e.eqn for e in _jaxpr.walk(jaxpr)]
 
 
 def _in_dtypes(eqn) -> set:
@@ -68,7 +63,7 @@ def op_input_dtypes(fn: Callable, args: tuple, primitive: str) -> list[set]:
       [{dtype(bfloat16)}]
     """
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    return [_in_dtypes(e) for e, _ in _eqns(jaxpr) if e.primitive.name == primitive]
+    return [_in_dtypes(e) for e in _eqns(jaxpr) if e.primitive.name == primitive]
 
 
 def carry_updates(fn: Callable, args: tuple) -> list[tuple[str, np.dtype, set]]:
@@ -83,7 +78,7 @@ def carry_updates(fn: Callable, args: tuple) -> list[tuple[str, np.dtype, set]]:
     """
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     out = []
-    for eqn, _ in _eqns(jaxpr):
+    for eqn in _eqns(jaxpr):
         kind = internals.primitive_kind(eqn)
         if kind == "scan":
             body, ncarry = internals.param(eqn, "jaxpr").jaxpr, internals.scan_counts(eqn)[1]
@@ -92,7 +87,7 @@ def carry_updates(fn: Callable, args: tuple) -> list[tuple[str, np.dtype, set]]:
             ncarry = len(body.outvars)
         else:
             continue
-        producers = {o: e for e in body.eqns for o in e.outvars}
+        producers = {o: e for e in _jaxpr.equations(body) for o in e.outvars}
         for v in body.outvars[:ncarry]:
             e = producers.get(v)
             if e is None or e.primitive.name not in ("add", "add_any"):

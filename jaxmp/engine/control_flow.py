@@ -21,9 +21,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
 from jaxmp.engine import internals
+from jaxmp.engine.internals import Literal
 from jaxmp.engine.values import Val, dtype_of, is_float, np_dtype
 
 #: Ops an accumulator's value may pass through on its way to the next carry.
@@ -31,7 +31,7 @@ _ACCUMULATE = frozenset({"add", "add_any", "sub", "mul", "div", "neg", "convert_
 _ADDS = frozenset({"add", "add_any", "sub"})
 
 
-def accumulators(jaxpr: jcore.Jaxpr, carry_in: Sequence[int], carry_out: Sequence[int]) -> list[bool]:
+def accumulators(jaxpr: Any, carry_in: Sequence[int], carry_out: Sequence[int]) -> list[bool]:
     """Which carries of a loop body are accumulators (see the module docstring).
 
     Args:
@@ -43,13 +43,13 @@ def accumulators(jaxpr: jcore.Jaxpr, carry_in: Sequence[int], carry_out: Sequenc
       One flag per carry.
     """
     uses: dict[Any, list] = {}
-    for eqn in jaxpr.eqns:
+    for eqn in internals.equations(jaxpr):
         for a in eqn.invars:
-            if not isinstance(a, jcore.Literal):
+            if not internals.is_literal(a):
                 uses.setdefault(a, []).append(eqn)
     out_pos: dict[Any, list[int]] = {}
     for i, a in enumerate(jaxpr.outvars):
-        if not isinstance(a, jcore.Literal):
+        if not internals.is_literal(a):
             out_pos.setdefault(a, []).append(i)
     flags = []
     for i_in, i_out in zip(carry_in, carry_out):
@@ -97,11 +97,11 @@ def _is_where(eqn, chain: set) -> bool:
     inner, _ = internals.call_jaxpr(eqn)
     from_chain = {iv for iv, a in zip(inner.invars, eqn.invars) if _in(a, chain)}
     return len(eqn.outvars) == 1 and all(
-        e.primitive.name == "select_n" and not _in(e.invars[0], from_chain) for e in inner.eqns)
+        e.primitive.name == "select_n" and not _in(e.invars[0], from_chain) for e in internals.equations(inner))
 
 
 def _in(atom: Any, chain: set) -> bool:
-    return not isinstance(atom, jcore.Literal) and atom in chain
+    return not isinstance(atom, Literal) and atom in chain
 
 
 def _cast(x: Any, dtype: Any) -> Any:
@@ -114,7 +114,7 @@ def _avals_dtypes(avals) -> list:
     return [np_dtype(a.dtype) if hasattr(a, "dtype") else None for a in avals]
 
 
-def _run_fn(interp, jaxpr: jcore.Jaxpr, consts, in_flags, comps, out_flags: list) -> Callable:
+def _run_fn(interp, jaxpr: Any, consts, in_flags, comps, out_flags: list) -> Callable:
     """A plain function of arrays that interprets ``jaxpr``; records its outputs' strong flags."""
 
     def fn(*xs):
@@ -297,7 +297,7 @@ _LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "con
                      "reshard", "pvary", "mesh_cast"})
 
 
-def weight_inputs(jaxpr: jcore.Jaxpr, half_ops: frozenset[str],
+def weight_inputs(jaxpr: Any, half_ops: frozenset[str],
                   runs_in_half: Callable[[tuple[str, ...]], bool] | None = None) -> list[bool]:
     """Which inputs of ``jaxpr`` are weights: every use of them, through layout ops and into nested
     jits, loops (as constants or scanned inputs), conds, remat and custom derivatives, is a
@@ -324,7 +324,7 @@ def weight_inputs(jaxpr: jcore.Jaxpr, half_ops: frozenset[str],
             memo[key] = (False, False)
             return memo[key]
         every, some = True, False
-        for eqn in j.eqns:
+        for eqn in internals.equations(j):
             positions = [i for i, a in enumerate(eqn.invars) if a is v]
             if not positions:
                 continue
@@ -346,8 +346,7 @@ def weight_inputs(jaxpr: jcore.Jaxpr, half_ops: frozenset[str],
             return var_all(eqn.outvars, prefix)
 
         def inner(j, i) -> tuple[bool, bool]:
-            if isinstance(j, jcore.ClosedJaxpr):
-                j = j.jaxpr
+            j = internals.open_jaxpr(j)
             return var(j, j.invars[i], comps)
 
         kind = internals.primitive_kind(eqn)
@@ -380,11 +379,11 @@ def weight_inputs(jaxpr: jcore.Jaxpr, half_ops: frozenset[str],
     parents: dict = {}
 
     def index(j):
-        for eqn in j.eqns:
+        for eqn in internals.equations(j):
             for o in eqn.outvars:
                 parents[o] = j
             for sub in internals.sub_jaxprs(eqn):
-                index(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub)
+                index(internals.open_jaxpr(sub))
 
     index(jaxpr)
     flags = []

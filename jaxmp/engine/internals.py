@@ -2,32 +2,35 @@
 
 The engine reads jaxprs, and jaxprs expose details that JAX changes between releases: the
 parameters of ``scan``/``while``/``cond``/``custom_jvp``/``custom_vjp``/``shard_map``, the
-primitive that inlines a call (``closed_call`` became ``eval_jaxpr``), the structure of name
-stacks, jit-keyed config states. Every such access lives here, behind a named adapter, so a
-new JAX release is one file to read. An adapter that finds a parameter missing raises
+primitive that inlines a call (``closed_call`` became ``eval_jaxpr``), jit-keyed config states,
+tracer kinds. Every such access lives here (or, for reading a jaxpr, in `jaxmp._jaxpr` under
+it), behind a named adapter, so a new JAX release is two files to read. An adapter that finds a parameter missing raises
 `JaxInternalsError` naming the parameter and the JAX version, never a ``KeyError``
 deep inside a trace.
 
-Nothing outside `jaxmp.engine` (and `jaxmp.diagnostics`, which reads the same name
-stacks) should import ``jax._src``.
+Reading a jaxpr (its equations, sub-jaxprs, name stacks, source lines, re-binding an equation)
+is `jaxmp._jaxpr`'s, the layer below, which every reader of jaxprs shares; this module
+re-exports what the engine reads from it. Only these two modules import ``jax._src``, and only
+`jaxmp._jaxpr` imports ``jax.extend.core`` (tests/test_architecture.py checks both).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import pkgutil
 from typing import Any, Callable
 
 import jax
-from jax.extend import core as jcore
+
+from jaxmp import _jaxpr
+# Jaxpr reading is jaxmp._jaxpr's (the layer under the engine reads jaxprs too); the engine finds
+# it here, beside the adapters that are the engine's alone.
+from jaxmp._jaxpr import (Literal, equation_context, equations, is_literal, open_jaxpr, scope_names,  # noqa: F401
+                          sub_jaxprs)
 
 #: The running JAX version as a tuple of ints, e.g. ``(0, 10, 2)``.
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-
-#: jax >= 0.11 packs scan's const / carry counts into a flat tree (``ft_in``).
-SCAN_PACKS_COUNTS = JAX_VERSION >= (0, 11)
 
 
 class JaxInternalsError(RuntimeError):
@@ -69,32 +72,7 @@ def jit_key_state(name: str, default: Any, help: str, kind: str = "object") -> A
     return make(name=name, default=default, help=help, include_in_jit_key=True, include_in_trace_context=True)
 
 
-# -- name stacks -----------------------------------------------------------------------------
-
-def scope_names(eqn) -> tuple[str, ...]:
-    """The ``jax.named_scope`` names around ``eqn``, outermost first, read structurally.
-
-    JAX records transformations in the name stack too and prints them around the scopes they
-    apply to (``jvp(jaxmp[float32]:head)``, ``transpose(...)``, ``vmap(...)``). A rule keyed on a
-    scope must hold whatever transformation ran inside the region, so only the scopes count.
-    """
-    stack = eqn.source_info.name_stack
-    items = getattr(stack, "stack", None)
-    if items is None:  # an older form: a string
-        text = str(stack)
-        return tuple(c for c in text.split("/") if c) if text else ()
-    return tuple(item.name for item in items if type(item).__name__ == "Scope")
-
-
-@contextlib.contextmanager
-def equation_context(eqn):
-    """Re-binding ``eqn``'s primitive keeps its source location, name stack and context managers."""
-    from jax._src import source_info_util
-
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-        yield
-
+# -- binding ---------------------------------------------------------------------------------
 
 def params_key(params: dict) -> tuple:
     """An equation's parameters as a tuple that compares by type and value (hashable when they are).
@@ -127,29 +105,21 @@ def bind(eqn, args, params: dict, staged: bool = False) -> list[Any]:
     Returns:
       The outputs, a list.
     """
-    prim = eqn.primitive
     if staged and not eqn.effects and not sub_jaxprs(eqn):
         try:
-            fn = _staged_primitive(prim, params_key(params))
+            fn = _staged_primitive(eqn.primitive, params_key(params))
         except TypeError:  # an unhashable parameter: bound directly
             fn = None
         if fn is not None:
             return list(fn(*args))
-    out = prim.bind(*args, **prim.get_bind_params(params))
-    return list(out) if prim.multiple_results else [out]
-
-
-def _bind_all(prim, params: dict, *args) -> tuple:
-    out = prim.bind(*args, **params)
-    return tuple(out) if prim.multiple_results else (out,)
+    return _jaxpr.bind(eqn, args, params)
 
 
 # A memo of a pure function (primitive, parameters) -> jitted one-op function; bounded, and
 # holding no arrays (parameters with arrays are unhashable and never reach it).
 @functools.lru_cache(maxsize=4096)
 def _staged_primitive(prim, key: tuple) -> Callable:
-    params = prim.get_bind_params({k: v for k, _, v in key})
-    return jax.jit(functools.partial(_bind_all, prim, params), inline=True)
+    return jax.jit(functools.partial(_jaxpr.bind_primitive, prim, {k: v for k, _, v in key}), inline=True)
 
 
 @functools.lru_cache(maxsize=64)
@@ -167,11 +137,7 @@ def staged_cast(dtype) -> Callable:
 
 # -- primitives ------------------------------------------------------------------------------
 
-def _prim(*names: str) -> tuple:
-    """Primitive objects by their ``jax.extend.core.primitives`` names (those this JAX has)."""
-    from jax.extend.core import primitives
-
-    return tuple(getattr(primitives, n) for n in names if hasattr(primitives, n))
+_prim = _jaxpr.primitive_objects
 
 
 #: Primitives that call a closed jaxpr once, inline (``pjit``/``jit``, ``closed_call``,
@@ -213,24 +179,12 @@ OPAQUE_NAMES = frozenset({"pallas_call", "custom_call", "ffi_call", "triton_kern
                           "mosaic_gpu_call", "tpu_custom_call", "cuda_kernel_call"})
 
 
-def sub_jaxprs(eqn) -> list:
-    """The jaxprs (open or closed) among ``eqn``'s parameters."""
-    out = []
-    for value in eqn.params.values():
-        for v in (value if isinstance(value, (tuple, list)) else (value,)):
-            if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)):
-                out.append(v)
-    return out
-
-
 def call_jaxpr(eqn) -> tuple[Any, list]:
     """(open jaxpr, consts) of a call-like equation (``jit``, ``closed_call``, ``eval_jaxpr`` ...)."""
     for name in ("jaxpr", "call_jaxpr"):
         if name in eqn.params:
-            closed = eqn.params[name]
-            if isinstance(closed, jcore.ClosedJaxpr):
-                return closed.jaxpr, list(closed.consts)
-            return closed, []
+            found = eqn.params[name]
+            return _jaxpr.open_jaxpr(found), list(getattr(found, "consts", ()))
     raise _missing("jaxpr", f"the call primitive {eqn.primitive.name!r}")
 
 
@@ -403,9 +357,3 @@ def all_primitive_names() -> frozenset[str]:
         names.update(v.name for v in vars(module).values() if isinstance(v, core.Primitive))
     return frozenset(names)
 
-
-def user_frames(traceback) -> Callable:
-    """The user's frames of an equation's traceback (for reports)."""
-    from jax._src import source_info_util
-
-    return source_info_util.user_frames(traceback)

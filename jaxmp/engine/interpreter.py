@@ -38,10 +38,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 
 from jaxmp import fp8
 from jaxmp.engine import control_flow, internals
+from jaxmp.engine.internals import Literal
 from jaxmp.engine.config import AutocastConfig
 from jaxmp.engine.rules import COLLECTIVE_OPS, COMBINER_OPS, FLOAT32_OPS, FOLLOW_OPS, HALF_OPS, MARKER, PASSTHROUGH_OPS
 from jaxmp.engine.values import F32, Val, dtype_of, is_complex, is_float, lost_in, np_dtype, saturate, widest
@@ -90,7 +90,7 @@ class Interpreter:
 
     # -- running a jaxpr --------------------------------------------------------------------
 
-    def run(self, jaxpr: jcore.Jaxpr, consts: Sequence[Any], args: Sequence[Val],
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Val],
             prefix: tuple[str, ...] = ()) -> list[Val]:
         """Evaluates ``jaxpr`` on interpreted values; returns interpreted outputs.
 
@@ -122,7 +122,7 @@ class Interpreter:
             env[v] = a if isinstance(a, Val) else Val(a)
 
         def read(atom) -> Val:
-            if isinstance(atom, jcore.Literal):
+            if isinstance(atom, Literal):
                 if half is not None and lost_in(atom.val, half):  # decisive, and runs its ops in float32
                     return Val(atom.val, True, False, True)
                 return Val(atom.val, False, bool(getattr(atom.aval, "weak_type", False)), True)
@@ -132,7 +132,7 @@ class Interpreter:
             if dtype_of(val.x) == dtype:
                 return val.x
             narrowing = val.const and is_float(dtype) and dtype.itemsize < dtype_of(val.x).itemsize
-            if isinstance(atom, jcore.Literal):
+            if isinstance(atom, Literal):
                 return saturate(atom.val, dtype) if narrowing else np.asarray(atom.val, dtype)
             # A value is cast to a given dtype at most once per trace, also when two variables
             # hold it (merged duplicate equations): keyed by the array, which the entry keeps alive.
@@ -151,7 +151,7 @@ class Interpreter:
             self._demand = demand
 
     def _eval(self, jaxpr, env, seen, read, cast, prefix) -> list[Val]:
-        for eqn in jaxpr.eqns:
+        for eqn in internals.equations(jaxpr):
             comps = prefix + internals.scope_names(eqn)
             handler = control_flow.handler_for(eqn)
             key = None if handler is not None else _repeat_key(eqn, comps)
@@ -326,7 +326,7 @@ class Interpreter:
         return [Val(out, new.itemsize >= 4, False)]
 
 
-def float32_demand(jaxpr: jcore.Jaxpr, rules) -> frozenset:
+def float32_demand(jaxpr: Any, rules) -> frozenset:
     """The variables of ``jaxpr`` whose values are needed in float32 (``promote="demand"``).
 
     A value is needed in float32 when it flows, through ops that follow their inputs, into a
@@ -341,16 +341,16 @@ def float32_demand(jaxpr: jcore.Jaxpr, rules) -> frozenset:
     Returns:
       A frozenset of the jaxpr's variables.
     """
-    demand = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+    demand = {v for v in jaxpr.outvars if not internals.is_literal(v)}
     follow = FOLLOW_OPS - rules.half_ops - rules.float32_ops
-    for eqn in reversed(jaxpr.eqns):
+    for eqn in reversed(internals.equations(jaxpr)):
         name = eqn.primitive.name
         if name in rules.half_ops and not internals.sub_jaxprs(eqn):
             continue
         if name in follow or name == "convert_element_type":
             if not any(v in demand for v in eqn.outvars):
                 continue
-        demand.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+        demand.update(v for v in eqn.invars if not internals.is_literal(v))
     return frozenset(demand)
 
 
@@ -364,7 +364,7 @@ def op_signature(eqn) -> tuple | None:
     return key
 
 
-def repeated_ops(jaxpr: jcore.Jaxpr) -> frozenset:
+def repeated_ops(jaxpr: Any) -> frozenset:
     """The equations of ``jaxpr`` and the jaxprs nested in it whose op (`op_signature`)
     occurs more than once there (a model's layers: the ops worth binding staged under ``grad``).
 
@@ -377,10 +377,10 @@ def repeated_ops(jaxpr: jcore.Jaxpr) -> frozenset:
     by_signature: dict[tuple, list[int]] = {}
     todo = [jaxpr]
     while todo:
-        for eqn in todo.pop().eqns:
+        for eqn in internals.equations(todo.pop()):
             subs = internals.sub_jaxprs(eqn)
             if subs:
-                todo.extend(j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j for j in subs)
+                todo.extend(internals.open_jaxpr(j) for j in subs)
                 continue
             sig = None if eqn.effects else op_signature(eqn)
             if sig is not None:
@@ -402,7 +402,7 @@ def _repeat_key(eqn, comps: tuple[str, ...]) -> tuple | None:
     if eqn.effects or eqn.primitive.name in _NEVER_MERGED:
         return None
     operands = tuple(("literal", type(a.val), str(getattr(a.aval, "dtype", "")), a.val)
-                     if isinstance(a, jcore.Literal) else a for a in eqn.invars)
+                     if internals.is_literal(a) else a for a in eqn.invars)
     key = (eqn.primitive, comps, operands, eqn.ctx, internals.params_key(eqn.params))
     try:
         hash(key)
@@ -425,7 +425,7 @@ def _squares(eqn, vals: Sequence[Val], rules) -> bool:
     the same value twice and is a square as much as ``h * h`` is.
     """
     a, b = eqn.invars
-    if isinstance(a, jcore.Literal) or isinstance(b, jcore.Literal) or "integer_pow" not in rules.float32_ops:
+    if internals.is_literal(a) or internals.is_literal(b) or "integer_pow" not in rules.float32_ops:
         return False
     return a is b or vals[0].x is vals[1].x
 

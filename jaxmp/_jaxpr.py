@@ -1,0 +1,299 @@
+"""The one jaxpr reader: equations, sub-jaxprs, name stacks, source lines and re-binding.
+
+Every module of jaxmp that reads a traced program (the engine, ``fold``, ``traps``, the
+diagnostics) and the test helpers read it through this module, and only this module imports
+``jax.extend.core`` or touches a name stack (``tests/test_architecture.py`` checks it).
+
+Why a module of its own, beside the engine's seam (`jaxmp.engine.internals`) rather than the
+seam itself: ``fold`` and ``traps`` sit in the lowest layer, under the engine, and must read
+jaxprs too; the seam's other adapters (the parameters of ``scan``/``while``/``custom_vjp``/
+``shard_map``, jit-keyed config states, tracer kinds) are the engine's business alone. So the
+reading of jaxprs, which every layer needs, is here at the bottom; the engine's seam builds on it
+and re-exports what the engine used to find there (`scope_names`, `sub_jaxprs`, ``bind``...).
+
+What it gives: `equations` (one jaxpr's equations), `sub_jaxprs` (the jaxprs among an
+equation's parameters), `walk` (every equation, nested ones included, as an `Equation` with its
+primitive, parameters, avals, full name stack as data and source line), `bind` (an equation's
+primitive bound again on new operands, JAX's ``get_bind_params`` applied).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator, NamedTuple
+
+from jax.extend import core as _core
+
+#: JAX's jaxpr classes, for ``isinstance`` checks and annotations elsewhere.
+Jaxpr = _core.Jaxpr
+ClosedJaxpr = _core.ClosedJaxpr
+Literal = _core.Literal
+Var = _core.Var
+Primitive = _core.Primitive
+
+
+def is_jaxpr(x: Any) -> bool:
+    """Whether ``x`` is a jaxpr, open (``Jaxpr``) or closed (``ClosedJaxpr``)."""
+    return isinstance(x, (Jaxpr, ClosedJaxpr))
+
+
+def open_jaxpr(x: Any) -> Any:
+    """The open jaxpr of ``x`` (a ``ClosedJaxpr``'s ``.jaxpr``; a ``Jaxpr`` itself).
+
+    Args:
+      x: a ``Jaxpr`` or ``ClosedJaxpr``.
+
+    Returns:
+      The ``Jaxpr``.
+
+    Raises:
+      TypeError: ``x`` is neither.
+    """
+    if isinstance(x, ClosedJaxpr):
+        return x.jaxpr
+    if isinstance(x, Jaxpr):
+        return x
+    raise TypeError(f"expected a Jaxpr or ClosedJaxpr (from jax.make_jaxpr), got {type(x).__name__}")
+
+
+def is_literal(atom: Any) -> bool:
+    """Whether an operand is a literal constant (its value is ``atom.val``), not a variable."""
+    return isinstance(atom, Literal)
+
+
+def is_var(atom: Any) -> bool:
+    """Whether an operand is a variable (a binder of the jaxpr), not a literal."""
+    return isinstance(atom, Var)
+
+
+def equations(jaxpr: Any) -> list:
+    """The equations of one jaxpr (open or closed), in program order, nested ones not entered.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmp import _jaxpr
+      >>> [e.primitive.name for e in _jaxpr.equations(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(1.0))]
+      ['sin', 'mul']
+    """
+    return open_jaxpr(jaxpr).eqns
+
+
+def sub_jaxprs(eqn: Any, opened: bool = False) -> list:
+    """The jaxprs among ``eqn``'s parameters (a call's body, scan/while bodies, cond branches...).
+
+    Args:
+      eqn: an equation.
+      opened: give each as an open ``Jaxpr`` (else as found: open or closed).
+
+    Returns:
+      A list, in parameter order.
+    """
+    out = []
+    for value in eqn.params.values():
+        for v in (value if isinstance(value, (tuple, list)) else (value,)):
+            if isinstance(v, (Jaxpr, ClosedJaxpr)):
+                out.append(open_jaxpr(v) if opened else v)
+    return out
+
+
+def primitive_objects(*names: str) -> tuple:
+    """Primitive objects by their ``jax.extend.core.primitives`` names (those this JAX has)."""
+    return tuple(getattr(_core.primitives, n) for n in names if hasattr(_core.primitives, n))
+
+
+# -- name stacks -----------------------------------------------------------------------------
+
+class StackItem(NamedTuple):
+    """One entry of a name stack: a ``jax.named_scope`` (``kind="scope"``) or a transformation
+    JAX applied (``kind="transform"``: ``jvp``, ``transpose``, ``vmap`` ...)."""
+
+    kind: str
+    name: str
+
+
+def stack_of(eqn: Any) -> tuple[StackItem, ...]:
+    """``eqn``'s own name stack as data, outermost first (relative to an enclosing equation)."""
+    stack = eqn.source_info.name_stack
+    items = getattr(stack, "stack", None)
+    if items is None:  # an older form: a string
+        text = str(stack)
+        return tuple(StackItem("scope", c) for c in text.split("/") if c) if text else ()
+    return tuple(StackItem("transform" if type(i).__name__ == "Transform" else "scope", i.name) for i in items)
+
+
+def scope_names(eqn: Any) -> tuple[str, ...]:
+    """The ``jax.named_scope`` names around ``eqn``, outermost first, read structurally.
+
+    JAX records transformations in the name stack too and prints them around the scopes they
+    apply to (``jvp(jaxmp[float32]:head)``, ``transpose(...)``, ``vmap(...)``). A rule keyed on a
+    scope must hold whatever transformation ran inside the region, so only the scopes count.
+    """
+    return tuple(i.name for i in stack_of(eqn) if i.kind == "scope")
+
+
+def render(stack: tuple[StackItem, ...]) -> str:
+    """A name stack as JAX prints it: scopes joined by ``/``, a transformation wrapping the scope
+    after it (``a/jvp(b)``). For display only: read `StackItem`s, never this text."""
+    parts: list[str] = []
+    for item in reversed(stack):
+        if item.kind == "scope":
+            parts.append(item.name)
+        elif parts:
+            parts[-1] = f"{item.name}({parts[-1]})"
+        else:
+            parts.append(f"{item.name}()")
+    return "/".join(reversed(parts))
+
+
+# -- source lines ----------------------------------------------------------------------------
+
+def user_frames(eqn: Any) -> list:
+    """The user's frames of the traceback that emitted ``eqn``, innermost first (each with
+    ``file_name``, ``start_line``, ``start_column``, ``function_name``); empty when unknown."""
+    from jax._src import source_info_util
+
+    traceback = getattr(eqn.source_info, "traceback", None)
+    return list(source_info_util.user_frames(traceback)) if traceback is not None else []
+
+
+def source_line(eqn: Any) -> str:
+    """``file:line`` of the innermost user frame that emitted ``eqn`` (``""`` when unknown)."""
+    frames = user_frames(eqn)
+    return f"{frames[0].file_name}:{frames[0].start_line}" if frames else ""
+
+
+# -- the recursive walk ----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Equation:
+    """One equation met by `walk`, with where it sits.
+
+    Attributes:
+      eqn: JAX's equation (its ``invars``/``outvars`` are the operands for data-flow walks).
+      stack: the full name stack: the enclosing equations' stacks, then its own.
+      parent: the equation whose sub-jaxpr holds it (None at the top).
+      depth: how many equations enclose it.
+    """
+
+    eqn: Any
+    stack: tuple[StackItem, ...] = ()
+    parent: "Equation | None" = None
+    depth: int = 0
+
+    @property
+    def primitive(self) -> str:
+        """The primitive's name (``"dot_general"``, ``"scan"``, ``"pjit"``...)."""
+        return self.eqn.primitive.name
+
+    @property
+    def params(self) -> dict:
+        return self.eqn.params
+
+    @property
+    def invars(self) -> list:
+        return self.eqn.invars
+
+    @property
+    def outvars(self) -> list:
+        return self.eqn.outvars
+
+    @property
+    def in_avals(self) -> tuple:
+        return tuple(a.aval for a in self.eqn.invars)
+
+    @property
+    def out_avals(self) -> tuple:
+        return tuple(a.aval for a in self.eqn.outvars)
+
+    @property
+    def scopes(self) -> tuple[str, ...]:
+        """The module path: the named scopes of the full stack, outermost first."""
+        return tuple(i.name for i in self.stack if i.kind == "scope")
+
+    @property
+    def transforms(self) -> tuple[str, ...]:
+        """The transformations in the full stack (``"jvp"``, ``"transpose"``...), outermost first."""
+        return tuple(i.name for i in self.stack if i.kind == "transform")
+
+    @property
+    def name(self) -> str:
+        """The full stack as JAX prints it (display only)."""
+        return render(self.stack)
+
+    @property
+    def source(self) -> str:
+        """``file:line`` of the user code that emitted it (read lazily: it walks a traceback)."""
+        return source_line(self.eqn)
+
+
+def walk(jaxpr: Any, stack: tuple[StackItem, ...] = ()) -> Iterator[Equation]:
+    """Every equation of ``jaxpr`` and, after each, those of its sub-jaxprs (pre-order): ``pjit``
+    bodies, ``cond`` branches, ``scan``/``while`` bodies, ``custom_jvp``/``custom_vjp`` primals,
+    ``remat``, ``shard_map``.
+
+    Args:
+      jaxpr: a ``Jaxpr`` or ``ClosedJaxpr``.
+      stack: a name stack to put in front of every equation's (the caller's context).
+
+    Returns:
+      An iterator of `Equation`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmp import _jaxpr
+      >>> def f(x):
+      ...     with jax.named_scope("body"):
+      ...         return jax.jit(jnp.sin)(x)
+      >>> [(e.primitive, e.scopes) for e in _jaxpr.walk(jax.make_jaxpr(f)(1.0))]
+      [('jit', ('body',)), ('sin', ('body',))]
+    """
+    yield from _walk(open_jaxpr(jaxpr), tuple(stack), None, 0)
+
+
+def _walk(jaxpr, stack, parent, depth) -> Iterator[Equation]:
+    for eqn in jaxpr.eqns:
+        here = Equation(eqn, stack + stack_of(eqn), parent, depth)
+        yield here
+        for sub in sub_jaxprs(eqn, opened=True):
+            yield from _walk(sub, here.stack, here, depth + 1)
+
+
+# -- binding ---------------------------------------------------------------------------------
+
+def bind(eqn: Any, args, params: dict | None = None) -> list:
+    """Binds ``eqn``'s primitive on ``args`` with ``params`` (its own when None); a list of outputs.
+
+    Parameters as found in a jaxpr are not always those ``bind`` takes (a call's jaxpr is a
+    function there): JAX's ``get_bind_params`` converts them.
+
+    Args:
+      eqn: the equation whose primitive is bound.
+      args: the operands.
+      params: parameters as found in a jaxpr, or None for ``eqn.params``.
+
+    Returns:
+      The outputs, a list (one element for a single-result primitive).
+    """
+    return bind_primitive(eqn.primitive, eqn.params if params is None else params, *args)
+
+
+def bind_primitive(prim: Any, params: dict, *args: Any) -> list:
+    """Binds ``prim`` on ``args`` with ``params`` as found in a jaxpr (see `bind`); a list of outputs."""
+    bound = prim.get_bind_params(params)
+    if isinstance(bound, tuple):  # older JAX: (subfuns, params)
+        subfuns, bound = bound
+        out = prim.bind(*subfuns, *args, **bound)
+    else:
+        out = prim.bind(*args, **bound)
+    return list(out) if prim.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def equation_context(eqn: Any):
+    """Re-binding ``eqn``'s primitive keeps its source location, name stack and context managers."""
+    from jax._src import source_info_util
+
+    stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack), eqn.ctx.manager:
+        yield

@@ -1,0 +1,381 @@
+"""The seam to JAX's internals, adapter by adapter, against the installed JAX.
+
+``jaxmp/engine/internals.py`` (the engine's adapters: higher-order primitives' parameters, trace
+state, config states) and ``jaxmp/_jaxpr.py`` (the one jaxpr reader under everything) are what a
+JAX release can break. Each public name of both is exercised here on a real program, with an
+assertion about what the engine relies on; `test_every_adapter_has_a_test` fails when a name is
+added without one. .ci/run runs this file under every JAX of the CI matrix (engine/tested.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmp import _jaxpr
+from jaxmp.engine import internals
+
+
+def _eqn(fn, *args, primitive=None):
+    """The first equation of ``fn``'s jaxpr (of ``primitive`` when given)."""
+    eqns = _jaxpr.equations(jax.make_jaxpr(fn)(*args))
+    return next(e for e in eqns if primitive is None or e.primitive.name == primitive)
+
+
+def _scan(w, c):
+    return jax.lax.scan(lambda carry, _: ((carry[0] * w, carry[1] + 1.0), None), (c, c), None, length=3)[0]
+
+
+def _while(limit, x):
+    return jax.lax.while_loop(lambda v: v < limit, lambda v: v * 2.0, x)
+
+
+@jax.custom_jvp
+def _cj(x):
+    return jnp.sin(x)
+
+
+@_cj.defjvp
+def _cj_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return jnp.sin(x), jnp.cos(x) * t
+
+
+@jax.custom_vjp
+def _cv(x, y):
+    return jnp.sin(x) * y
+
+
+def _cv_fwd(x, y):
+    return jnp.sin(x) * y, (jnp.cos(x) * y,)
+
+
+def _cv_bwd(res, ct):
+    return res[0] * ct, None  # None: a symbolic zero cotangent for y
+
+
+_cv.defvjp(_cv_fwd, _cv_bwd)
+
+
+# -- engine/internals.py --------------------------------------------------------------------
+
+def test_jax_version_is_the_installed_one():
+    assert internals.JAX_VERSION[:2] == tuple(int(p) for p in jax.__version__.split(".")[:2])
+
+
+def test_param_reads_a_parameter_and_names_a_missing_one():
+    eqn = _eqn(_scan, 2.0, 1.0, primitive="scan")
+    assert internals.param(eqn, "length") == 3
+    fake = eqn.replace(params={})
+    with pytest.raises(internals.JaxInternalsError, match=rf"'length'.*jax {jax.__version__}"):
+        internals.param(fake, "length")
+
+
+def test_jit_key_state_is_part_of_jits_cache_key():
+    state = internals.jit_key_state(f"jaxmp_test_{uuid.uuid4().hex}", None, "test state")
+    f = jax.jit(lambda x: x + (0.0 if state.value is None else float(state.value)))
+    assert float(f(1.0)) == 1.0
+    with state(2):
+        assert state.value == 2
+        assert float(f(1.0)) == 3.0  # retraced under the new value, not the cached trace
+    assert state.value is None and float(f(1.0)) == 1.0
+    flag = internals.jit_key_state(f"jaxmp_test_{uuid.uuid4().hex}", False, "test flag", kind="bool")
+    with flag(True):
+        assert flag.value is True
+
+
+def test_params_key_compares_by_type_and_value():
+    assert internals.params_key({"b": 1, "a": 2.0}) == (("a", float, 2.0), ("b", int, 1))
+    assert internals.params_key({"a": 1}) != internals.params_key({"a": 1.0})
+    hash(internals.params_key(_eqn(jnp.sin, 1.0).params))
+
+
+def test_bind_rebinds_an_equation_plain_staged_and_with_a_sub_jaxpr():
+    x = jnp.arange(3.0)
+    sin = _eqn(jnp.sin, x)
+    np.testing.assert_allclose(internals.bind(sin, [x], sin.params)[0], np.sin(np.arange(3.0)), rtol=1e-6)
+    grads = jax.grad(lambda v: internals.bind(sin, [v], sin.params, staged=True)[0].sum())(x)
+    np.testing.assert_allclose(grads, np.cos(np.arange(3.0)), rtol=1e-6)
+    call = _eqn(jax.jit(jnp.cos), x)
+    assert _jaxpr.sub_jaxprs(call)  # get_bind_params turns the body into what bind takes
+    np.testing.assert_allclose(internals.bind(call, [x], call.params)[0], np.cos(np.arange(3.0)), rtol=1e-6)
+
+
+def test_staged_cast_casts_and_is_cached():
+    cast = internals.staged_cast(np.dtype(jnp.bfloat16))
+    assert cast is internals.staged_cast(np.dtype(jnp.bfloat16))
+    assert cast(jnp.ones(2)).dtype == jnp.bfloat16
+
+
+def test_primitive_kind_of_every_construct():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    smap = jax.shard_map(lambda a: a * 2, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    cases = {
+        "call": (jax.jit(jnp.sin), (1.0,)),
+        "remat": (jax.checkpoint(jnp.sin), (1.0,)),
+        "scan": (_scan, (2.0, 1.0)),
+        "while": (_while, (8.0, 1.0)),
+        "cond": (lambda p, x: jax.lax.cond(p, jnp.sin, jnp.cos, x), (True, 1.0)),
+        "custom_jvp": (_cj, (1.0,)),
+        "custom_vjp": (_cv, (1.0, 2.0)),
+        "shard_map": (smap, (jnp.ones(4),)),
+    }
+    for kind, (fn, args) in cases.items():
+        kinds = [internals.primitive_kind(e) for e in _jaxpr.equations(jax.make_jaxpr(fn)(*args))]
+        assert kind in kinds, (kind, kinds)
+    assert internals.primitive_kind(_eqn(jnp.sin, 1.0)) is None
+    assert _eqn(jax.jit(jnp.sin), 1.0).primitive.name in internals.CALL_NAMES
+    assert _eqn(jax.checkpoint(jnp.sin), 1.0).primitive.name in internals.REMAT_NAMES
+    assert "pallas_call" in internals.OPAQUE_NAMES
+
+
+def test_call_jaxpr_gives_the_body_and_its_consts():
+    jaxpr, consts = internals.call_jaxpr(_eqn(jax.jit(jnp.sin), 1.0))
+    assert [e.primitive.name for e in _jaxpr.equations(jaxpr)] == ["sin"] and consts == []
+    with pytest.raises(internals.JaxInternalsError, match="jaxpr"):
+        internals.call_jaxpr(_eqn(jnp.sin, 1.0))
+
+
+def test_jit_wrapper_keeps_shardings_and_inlines_a_plain_jit():
+    assert internals.jit_wrapper(_eqn(jax.jit(jnp.sin), 1.0), jnp.sin) is None
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("x",)), P("x"))
+    eqn = _eqn(jax.jit(jnp.sin, out_shardings=sharding), jnp.ones(4))
+    wrapped = internals.jit_wrapper(eqn, lambda x: [jnp.sin(x)])
+    assert wrapped is not None
+    (out,) = wrapped(jnp.ones(4))
+    np.testing.assert_allclose(out, np.sin(np.ones(4)), rtol=1e-6)
+    assert out.sharding.is_equivalent_to(sharding, 1)
+
+
+def test_scan_counts_and_while_parts():
+    assert internals.scan_counts(_eqn(_scan, 2.0, 1.0, primitive="scan")) == (1, 2)  # w; two carries
+    cond, body, cn, bn = internals.while_parts(_eqn(_while, 8.0, 1.0, primitive="while"))
+    assert (cn, bn) == (1, 0)  # the limit is the cond's one const
+    assert [e.primitive.name for e in _jaxpr.equations(cond)] == ["lt"]
+    assert [e.primitive.name for e in _jaxpr.equations(body)] == ["mul"]
+
+
+def test_custom_jvp_parts_and_rule():
+    closed, nconsts, jvp_fun = internals.custom_jvp_parts(_eqn(_cj, 1.0))
+    assert nconsts == 0 and [e.primitive.name for e in _jaxpr.equations(closed)] == ["sin"]
+    jaxpr, consts, out_zeros = internals.custom_jvp_rule(jvp_fun, 1)
+    assert list(out_zeros) == [False]
+    primal, tangent = jax.core.eval_jaxpr(jaxpr, consts, 0.5, 2.0)
+    np.testing.assert_allclose([primal, tangent], [np.sin(0.5), np.cos(0.5) * 2.0], rtol=1e-6)
+
+
+def test_custom_vjp_parts_fwd_and_bwd():
+    closed, nconsts, fwd_thunk, bwd, out_trees = internals.custom_vjp_parts(_eqn(_cv, 1.0, 2.0))
+    assert nconsts == 0 and "sin" in [e.primitive.name for e in _jaxpr.equations(closed)]
+    fwd_jaxpr, fwd_consts, res_tree, input_fwds = internals.custom_vjp_fwd(fwd_thunk, out_trees, 2)
+    xs = (0.5, 2.0)
+    outs = jax.core.eval_jaxpr(fwd_jaxpr, fwd_consts, *xs)
+    num_res = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+    np.testing.assert_allclose(outs[num_res:], [np.sin(0.5) * 2.0], rtol=1e-6)
+    res_out = iter(outs[:num_res])
+    res = [next(res_out) if f is None else xs[f] for f in input_fwds]
+    cts = internals.custom_vjp_bwd_cotangents(bwd.call_wrapped(*res, 3.0))
+    assert len(cts) == 2
+    np.testing.assert_allclose(cts[0], np.cos(0.5) * 2.0 * 3.0, rtol=1e-6)
+    assert not isinstance(cts[1], (jax.Array, np.ndarray, float))  # bwd's None: a symbolic zero
+    zero = internals.instantiate_zero(cts[1])
+    assert zero.shape == () and float(zero) == 0.0
+    x = jnp.ones(2)
+    assert internals.instantiate_zero(x) is x
+    assert internals.custom_vjp_bwd_cotangents(([x], None)) == [x]  # jax 0.11 pairs them with logs
+    assert internals.custom_vjp_bwd_cotangents([x, x]) == [x, x]
+
+
+def test_shard_map_parts_rebuild_the_same_shard_map():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    smap = jax.shard_map(lambda a: a * 2, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    parts = internals.shard_map_parts(_eqn(smap, jnp.arange(4.0), primitive="shard_map"))
+    assert parts["axis_names"] == {"x"} and parts["mesh"] == mesh
+    body = parts.pop("jaxpr")
+    rebuilt = jax.shard_map(lambda *xs: jax.core.eval_jaxpr(body, [], *xs), **parts)
+    np.testing.assert_array_equal(np.asarray(rebuilt(jnp.arange(4.0))[0]), np.arange(4.0) * 2)
+
+
+def test_tracer_and_trace_state():
+    x = jnp.ones(2)
+    assert not internals.is_tracer(x) and internals.trace_of([x]) is None
+    assert not internals.staging() and not internals.transformed([x])
+    seen = {}
+
+    def probe(name):
+        def f(v):
+            seen[name] = (internals.is_tracer(v), internals.staging(), internals.transformed([v]),
+                          internals.trace_of([x, v]) is not None)
+            return v.sum()
+        return f
+
+    jax.jit(probe("jit"))(x)
+    jax.grad(probe("grad"))(x)
+    jax.vmap(probe("vmap"))(jnp.ones((2, 2)))
+    assert seen["jit"] == (True, True, False, True)  # staging, not a transformation
+    assert seen["grad"] == (True, False, True, True)  # an eager grad transforms, stages nothing
+    assert seen["vmap"][2] and seen["vmap"][0]
+
+
+def test_typeof_gives_shape_dtype_and_weak_type():
+    aval = internals.typeof(jnp.ones((2, 3), jnp.bfloat16))
+    assert aval.shape == (2, 3) and aval.dtype == jnp.bfloat16
+    assert internals.typeof(1.0).weak_type
+
+
+def test_all_primitive_names_lists_this_jaxs_primitives():
+    names = internals.all_primitive_names()
+    assert {"sin", "dot_general", "scan", "while", "cond", "convert_element_type"} <= names
+    assert _eqn(jax.checkpoint(jnp.sin), 1.0).primitive.name in names
+
+
+def test_the_engine_reads_jaxprs_through_the_reader():
+    # The engine's names for the reader's functions are the reader's (one implementation).
+    for name in ("equation_context", "equations", "is_literal", "open_jaxpr", "scope_names", "sub_jaxprs", "Literal"):
+        assert getattr(internals, name) is getattr(_jaxpr, name), name
+
+
+# -- jaxmp/_jaxpr.py ------------------------------------------------------------------------
+
+def _scoped_grad(x):
+    def loss(v):
+        with jax.named_scope("head"):
+            return jnp.sum(jax.jit(jnp.sin)(v) * 2.0)
+
+    return jax.grad(loss)(x)
+
+
+def test_equations_open_jaxpr_and_type_checks():
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(1.0)
+    assert _jaxpr.is_jaxpr(closed) and _jaxpr.is_jaxpr(closed.jaxpr) and not _jaxpr.is_jaxpr(1.0)
+    assert isinstance(closed, _jaxpr.ClosedJaxpr) and isinstance(_jaxpr.open_jaxpr(closed), _jaxpr.Jaxpr)
+    assert _jaxpr.open_jaxpr(closed.jaxpr) is closed.jaxpr
+    assert [e.primitive.name for e in _jaxpr.equations(closed)] == ["sin", "mul"]
+    with pytest.raises(TypeError, match="Jaxpr or ClosedJaxpr"):
+        _jaxpr.open_jaxpr("not a jaxpr")
+    mul = _jaxpr.equations(closed)[1]
+    assert _jaxpr.is_var(mul.invars[0]) and not _jaxpr.is_literal(mul.invars[0])
+    assert _jaxpr.is_literal(mul.invars[1]) and not _jaxpr.is_var(mul.invars[1])
+    assert isinstance(mul.invars[1], _jaxpr.Literal) and isinstance(mul.invars[0], _jaxpr.Var)
+
+
+def test_sub_jaxprs_of_a_cond_are_its_branches():
+    eqn = _eqn(lambda p, x: jax.lax.cond(p, jnp.sin, jnp.cos, x), True, 1.0, primitive="cond")
+    found = _jaxpr.sub_jaxprs(eqn)
+    assert len(found) == 2 and all(isinstance(j, _jaxpr.ClosedJaxpr) for j in found)
+    opened = _jaxpr.sub_jaxprs(eqn, opened=True)
+    assert all(isinstance(j, _jaxpr.Jaxpr) for j in opened)
+    assert sorted(e.primitive.name for j in opened for e in _jaxpr.equations(j)) == ["cos", "sin"]
+    assert _jaxpr.sub_jaxprs(_eqn(jnp.sin, 1.0)) == []
+
+
+def test_name_stacks_are_read_as_data_through_transformations():
+    eqns = list(_jaxpr.walk(jax.make_jaxpr(_scoped_grad)(jnp.ones(3))))
+    backward = [e for e in eqns if "transpose" in e.transforms]
+    assert backward, [e.stack for e in eqns]
+    for e in eqns:
+        if e.primitive in ("sin", "cos"):
+            assert e.scopes == ("head",), e.stack  # JAX prints them as jvp(head), transpose(jvp(head))
+    item = _jaxpr.stack_of(next(e.eqn for e in backward))
+    assert all(isinstance(i, _jaxpr.StackItem) and i.kind in ("scope", "transform") for i in item)
+    assert ("scope", "head") in item and "head" in _jaxpr.scope_names(next(e.eqn for e in backward))
+
+
+def test_render_prints_a_stack_as_jax_does():
+    S, T = (lambda n: _jaxpr.StackItem("scope", n)), (lambda n: _jaxpr.StackItem("transform", n))
+    assert _jaxpr.render((S("a"), T("transpose"), T("jvp"), S("b"), S("c"))) == "a/transpose(jvp(b))/c"
+    assert _jaxpr.render((S("a"), T("jvp"))) == "a/jvp()"
+    assert _jaxpr.render(()) == ""
+    forward = next(e for e in _jaxpr.walk(jax.make_jaxpr(_scoped_grad)(jnp.ones(3))) if e.primitive == "sin")
+    assert forward.name == "jvp(head)", forward.stack
+
+
+def test_walk_enters_every_construct_with_the_enclosing_stack():
+    def f(x):
+        with jax.named_scope("outer"):
+            y = jax.jit(jnp.sin)(x)
+            y = jax.lax.scan(lambda c, _: (jnp.cos(c), None), y, None, length=2)[0]
+            return jax.lax.cond(True, jnp.exp, jnp.log, y)
+
+    eqns = list(_jaxpr.walk(jax.make_jaxpr(f)(1.0)))
+    by_name = {e.primitive: e for e in eqns}
+    assert {"sin", "cos", "exp", "log"} <= set(by_name)
+    for name in ("sin", "cos", "exp", "log"):
+        e = by_name[name]
+        assert e.scopes[0] == "outer" and e.depth == 1 and e.parent is not None, (name, e.stack)
+        assert e.in_avals[0].shape == () and e.out_avals[0].dtype == jnp.float32
+        assert e.params is e.eqn.params and e.invars is e.eqn.invars and e.outvars is e.eqn.outvars
+    assert by_name["cos"].parent.primitive == "scan" and by_name["jit"].depth == 0
+    assert by_name["sin"].name.startswith("outer")
+    assert [e.scopes for e in _jaxpr.walk(jax.make_jaxpr(jnp.sin)(1.0), (_jaxpr.StackItem("scope", "pre"),))] \
+        == [("pre",)]
+
+
+def test_source_line_points_at_this_file():
+    eqn = _eqn(lambda x: jnp.sin(x), 1.0)
+    assert __file__.rsplit("/", 1)[-1] in _jaxpr.source_line(eqn)
+    frames = _jaxpr.user_frames(eqn)
+    assert frames and frames[0].start_line > 0
+    (e,) = list(_jaxpr.walk(jax.make_jaxpr(lambda x: jnp.sin(x))(1.0)))
+    assert e.source == _jaxpr.source_line(e.eqn)
+
+
+def test_bind_and_bind_primitive():
+    x = jnp.arange(3.0)
+    sin = _eqn(jnp.sin, x)
+    np.testing.assert_allclose(_jaxpr.bind(sin, [x])[0], np.sin(np.arange(3.0)), rtol=1e-6)
+    (out,) = _jaxpr.bind_primitive(sin.primitive, sin.params, x)
+    np.testing.assert_allclose(out, np.sin(np.arange(3.0)), rtol=1e-6)
+    scan = _eqn(_scan, 2.0, 1.0, primitive="scan")  # multiple results, a body to convert
+    assert [float(o) for o in _jaxpr.bind(scan, [2.0, 1.0, 1.0])] == [8.0, 4.0]
+
+
+def test_equation_context_keeps_the_name_stack_on_rebinding():
+    eqn = _eqn(_scoped_grad, jnp.ones(3), primitive="jit")
+
+    def again(x):
+        with _jaxpr.equation_context(eqn):
+            return _jaxpr.bind(eqn, [x])
+
+    rebound = _jaxpr.equations(jax.make_jaxpr(again)(jnp.ones(3)))[0]
+    assert _jaxpr.scope_names(rebound) == _jaxpr.scope_names(eqn) == ("head",)
+
+
+def test_primitive_objects_and_primitive_class():
+    (sin_p,) = _jaxpr.primitive_objects("sin_p", "no_such_primitive_p")
+    assert sin_p is _eqn(jnp.sin, 1.0).primitive
+    p = _jaxpr.Primitive("jaxmp_test_identity")
+    p.def_impl(lambda x: x)
+    p.def_abstract_eval(lambda x: x)
+    assert float(p.bind(jnp.float32(2.0))) == 2.0
+
+
+# -- completeness ----------------------------------------------------------------------------
+
+TESTED = {
+    internals: {"JAX_VERSION", "JaxInternalsError", "param", "jit_key_state", "params_key", "bind", "staged_cast",
+                "primitive_kind", "CALL_NAMES", "REMAT_NAMES", "OPAQUE_NAMES", "call_jaxpr", "jit_wrapper",
+                "scan_counts", "while_parts", "custom_jvp_parts", "custom_jvp_rule", "custom_vjp_parts",
+                "custom_vjp_fwd", "custom_vjp_bwd_cotangents", "instantiate_zero", "shard_map_parts", "is_tracer",
+                "staging", "transformed", "trace_of", "typeof", "all_primitive_names",
+                # the reader's, re-exported (tested below and in test_the_engine_reads_jaxprs_through_the_reader)
+                "equation_context", "equations", "is_literal", "open_jaxpr", "scope_names", "sub_jaxprs", "Literal"},
+    _jaxpr: {"Jaxpr", "ClosedJaxpr", "Literal", "Var", "Primitive", "is_jaxpr", "open_jaxpr", "is_literal", "is_var",
+             "equations", "sub_jaxprs", "primitive_objects", "StackItem", "stack_of", "scope_names", "render",
+             "user_frames", "source_line", "Equation", "walk", "bind", "bind_primitive", "equation_context"},
+}
+
+
+@pytest.mark.parametrize("module", list(TESTED), ids=lambda m: m.__name__)
+def test_every_adapter_has_a_test(module):
+    public = {n for n, v in vars(module).items()
+              if not n.startswith("_") and not inspect.ismodule(v) and n not in ("annotations", "Any", "Callable",
+                                                                                  "Iterator", "NamedTuple")}
+    assert public == TESTED[module], (public - TESTED[module], TESTED[module] - public)
