@@ -47,8 +47,10 @@ def fmt_count(x: float, unit: str = "") -> str:
     """1234567 -> '1.23M' (SI prefixes, 3 significant digits)."""
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return str(x)
+    # Rounded to 3 significant digits before the prefix is chosen: 999999 is '1M', not '1e+03k'.
+    rounded = float(f"{x:.3g}")
     for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= factor:
+        if abs(rounded) >= factor:
             return f"{x / factor:.3g}{prefix}{unit}"
     return f"{x:.3g}{unit}" if isinstance(x, float) else f"{x}{unit}"
 

@@ -301,12 +301,20 @@ def suggest_loss_scale(max_abs: float, headroom: float = 8.0) -> float:
     Returns:
       ``S`` as a float; ``2**24`` when ``max_abs`` is 0 (nothing can overflow).
 
+    Raises:
+      ValueError: ``max_abs`` is negative or not finite, or ``headroom`` is below 1.
+
     Example:
       >>> from jaxmp.diagnostics.gradient_stats import suggest_loss_scale
       >>> suggest_loss_scale(1.0)  # 65504 / 8 = 8188 -> 2**12
       4096.0
     """
-    if max_abs <= 0:
+    # A NaN or inf would land on the minimum scale and a headroom of 0 divide by zero, silently or not.
+    if not (isinstance(max_abs, (int, float, np.floating, np.integer)) and math.isfinite(max_abs) and max_abs >= 0):
+        raise ValueError(f"max_abs must be a finite number >= 0 (the largest finite |g|), got {max_abs!r}")
+    if not (isinstance(headroom, (int, float, np.floating, np.integer)) and headroom >= 1):
+        raise ValueError(f"headroom must be a number >= 1, got {headroom!r}")
+    if max_abs == 0:
         return MAX_SUGGESTED_SCALE
     # frexp: x = m * 2**e, m in [0.5, 1) -> floor(log2 x) = e - 1, exactly.
     exponent = math.frexp(FP16_MAX / (headroom * max_abs))[1] - 1

@@ -55,7 +55,9 @@ class PipelineOverhead(NamedTuple):
         """
         if not compute_speedup > 0:
             raise ValueError(f"compute_speedup must be positive, got {compute_speedup}")
-        return self.total_time / (self.exposed_time + self.model_time / compute_speedup)
+        remaining = self.exposed_time + self.model_time / compute_speedup
+        # Nothing exposed and compute made infinitely fast: no time is left, the speed-up is unbounded.
+        return self.total_time / remaining if remaining > 0 else math.inf
 
     def summary(self) -> str:
         """One line for logs."""

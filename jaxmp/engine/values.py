@@ -30,6 +30,8 @@ class Val(NamedTuple):
 
 def is_float(dtype: Any) -> bool:
     """Real floating (never complex, PRNG key or float0): the only dtypes the engine casts."""
+    if dtype is None:  # no dtype (a token's aval, a non-array): numpy would read None as float64
+        return False
     try:
         return _is_float(dtype)
     except TypeError:  # not a dtype (or an unhashable stand-in): not one the engine casts

@@ -105,6 +105,9 @@ def float32_softmax_attention(
     if module is not None:
         _sow_weights(module, weights)
     if not deterministic and dropout_rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError(f"fp32_softmax_attention: dropout_rate={dropout_rate} outside deterministic mode needs "
+                             "dropout_rng (a PRNG key), or pass deterministic=True")
         keep_prob = 1.0 - dropout_rate
         shape = (1,) * (key.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
         keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)

@@ -42,7 +42,8 @@ def enclosing_float32(path: Path, float32_rules: dict[Path, ModuleRule]) -> Modu
       >>> enclosing_float32(("enc", "inner"), {("enc",): fp32}) is fp32, enclosing_float32(("enc",), {("enc",): fp32})
       (True, None)
     """
-    return next((float32_rules[path[:n]] for n in range(len(path)) if path[:n] in float32_rules), None)
+    # Longest proper prefix first: the nearest block's rule, as cast_by_path picks for params.
+    return next((float32_rules[path[:n]] for n in range(len(path) - 1, -1, -1) if path[:n] in float32_rules), None)
 
 
 def _key_name(key: Any) -> str:

@@ -157,6 +157,9 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     if isinstance(local_device_ids, int) and not isinstance(local_device_ids, bool):
         local_device_ids = [local_device_ids]
     if local_device_ids is not None:
+        if isinstance(local_device_ids, (bool, str)) or not hasattr(local_device_ids, "__iter__"):
+            raise TypeError(f"local_device_ids must be an int or a sequence of ints (e.g. [0, 1]), got "
+                            f"{type(local_device_ids).__name__}: {local_device_ids!r}")
         local_device_ids = [_check_int(i, "local_device_ids entry", 0) for i in local_device_ids]
     if coordinator_address is not None and (num_processes is None or process_id is None):
         # JAX may fill these in from a detected cluster (SLURM...); log it, as a hang waiting for

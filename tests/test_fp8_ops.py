@@ -1,0 +1,95 @@
+"""jaxmp/fp8/ops.py: fp8_dot_general, fp8_conv_general_dilated and gradient_loss_scale, op by op."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmp import fp8
+from jaxmp.fp8.formats import E4M3, E5M2
+from jaxmp.fp8.ops import fp8_conv_general_dilated, fp8_dot_general, gradient_loss_scale
+from jaxmp.fp8.scaling import qdq
+from jaxmp.fp8.state import Fp8Scales
+
+DN = (((1,), (0,)), ((), ()))
+A = jax.random.normal(jax.random.key(0), (4, 8))
+B = jax.random.normal(jax.random.key(1), (8, 3))
+DELAYED = fp8.DelayedScaling(history_length=4)
+
+
+def test_current_scaling_forward_is_the_dot_of_the_fp8_rounded_operands():
+    out = jax.jit(lambda a, b: fp8_dot_general(a, b, DN))(A, B)
+    np.testing.assert_allclose(out, qdq(A, E4M3) @ qdq(B, E4M3), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(out, A @ B, rtol=1e-4, atol=0)  # the rounding happened
+
+
+def test_preferred_element_type_and_batch_dims_are_passed_through():
+    a16, b16 = A.astype(jnp.bfloat16)[None], B.astype(jnp.bfloat16)[None]
+    dn = (((2,), (1,)), ((0,), (0,)))
+    out = jax.eval_shape(lambda a, b: fp8_dot_general(a, b, dn, preferred_element_type=jnp.float32), a16, b16)
+    assert out.dtype == jnp.float32 and out.shape == (1, 4, 3)
+    assert jax.eval_shape(lambda a, b: fp8_dot_general(a, b, dn), a16, b16).dtype == jnp.bfloat16
+
+
+def test_conv_forward_and_backward_round_operands_to_e4m3_and_the_cotangent_to_e5m2():
+    x = jax.random.normal(jax.random.key(2), (1, 2, 6))  # NCW
+    w = jax.random.normal(jax.random.key(3), (3, 2, 2))  # OIW
+    g = jax.random.normal(jax.random.key(4), (1, 3, 5))
+    conv = lambda a, b: jax.lax.conv_general_dilated(a, b, (1,), "VALID")  # noqa: E731
+
+    @jax.jit
+    def both(x, w, g):
+        out, vjp = jax.vjp(lambda a, b: fp8_conv_general_dilated(a, b, (1,), "VALID"), x, w)
+        ref, ref_vjp = jax.vjp(conv, qdq(x, E4M3), qdq(w, E4M3))
+        return out, vjp(g), ref, ref_vjp(qdq(g, E5M2))
+
+    out, (dx, dw), ref, (ref_dx, ref_dw) = both(x, w, g)
+    for got, want in ((out, ref), (dx, ref_dx), (dw, ref_dw)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_delayed_scaling_uses_the_given_scales_and_returns_the_amaxes_as_their_gradients():
+    x, w = jnp.array([[300.0, 1.0]]), jnp.array([[1.0], [1.0]])
+    # Scale 1: 300 is rounded to E4M3 (288 or 320); scale 2 would saturate it at 448 / 2 = 224.
+    f = jax.jit(lambda s: fp8_dot_general(x, w, DN, DELAYED, scales=Fp8Scales(s, 1.0, 1.0)))
+    out1, out2 = f(1.0), f(2.0)
+    assert float(out1[0, 0]) in (289.0, 321.0) and float(out2[0, 0]) == 225.0
+
+    def loss(s):
+        return jnp.sum(fp8_dot_general(x, w, DN, DELAYED, scales=s) * 3.0)
+
+    grads = jax.jit(jax.grad(loss))(Fp8Scales(jnp.float32(1.0), jnp.float32(1.0), jnp.float32(1.0)))
+    assert (float(grads.input), float(grads.kernel), float(grads.output_grad)) == (300.0, 1.0, 3.0)
+
+
+def test_gradient_loss_scale_reports_the_gradient_amax_unscaled_and_is_undone_on_exit():
+    x, w = jnp.ones((1, 2)), jnp.ones((2, 1))
+    s = Fp8Scales(jnp.float32(1.0), jnp.float32(1.0), jnp.float32(1.0))
+
+    def scaled(s, loss_scale):
+        with gradient_loss_scale(loss_scale):
+            y = fp8_dot_general(x, w, DN, DELAYED, scales=s)
+        return jnp.sum(y) * loss_scale
+
+    assert float(jax.grad(scaled)(s, 512.0).output_grad) == 1.0
+    assert float(jax.grad(lambda s: jnp.sum(fp8_dot_general(x, w, DN, DELAYED, scales=s)) * 512.0)(s).output_grad) \
+        == 512.0  # outside the context: the scaled amax, as observed
+    with pytest.raises(RuntimeError):
+        with gradient_loss_scale(4.0):
+            raise RuntimeError("the context resets even on an error")
+    assert float(jax.grad(lambda s: jnp.sum(fp8_dot_general(x, w, DN, DELAYED, scales=s)))(s).output_grad) == 1.0
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: fp8_dot_general(A, B, DN, "e4m3"), TypeError, "recipe must be a jaxmp.fp8.CurrentScaling"),
+    (lambda: fp8_dot_general(A, B, DN, DELAYED), TypeError, "delayed scaling needs scales"),
+    (lambda: fp8_dot_general(A, B, DN, scales=Fp8Scales(1.0, 1.0, 1.0)), TypeError, "only used with a DelayedScaling"),
+    (lambda: fp8_dot_general(A, B.astype(jnp.int32), DN), TypeError, "fp8_dot_general: rhs must be floating"),
+    (lambda: fp8_conv_general_dilated(jnp.ones((1, 1, 4), jnp.int8), jnp.ones((1, 1, 2)), (1,), "VALID"),
+     TypeError, "fp8_conv_general_dilated: lhs must be floating"),
+    (lambda: fp8_conv_general_dilated(jnp.ones((1, 1, 4)), jnp.ones((1, 1, 2)), (1,), "VALID", recipe=DELAYED),
+     TypeError, "fp8_conv_general_dilated: delayed scaling needs scales"),
+])
+def test_misuse_is_named_with_the_function(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
