@@ -7,6 +7,7 @@ import numpy as np
 import jaxmp
 from jaxmp.engine import attention
 from jaxmp.engine.attention import routed_attention
+from jaxmp._jaxpr import walk
 
 Q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 4, 2, 8)), jnp.float32)
 
@@ -33,7 +34,7 @@ def test_inside_autocast_the_inputs_go_to_half_and_xla_runs_on_cpu():
     out = jax.jit(f)(Q)
     assert attention.last_choice["implementation"] == "xla" and out.dtype == jnp.float32
     np.testing.assert_allclose(out, _reference(Q, is_causal=True), atol=0.05)
-    dots = [e for e in jax.make_jaxpr(f)(Q).eqns if e.primitive.name == "dot_general"]
+    dots = [e for e in walk(jax.make_jaxpr(f)(Q)) if e.primitive == "dot_general"]
     assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
 
 

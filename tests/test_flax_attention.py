@@ -1,4 +1,4 @@
-"""jaxmp/flax/attention.py: fp32_softmax_attention and fused_attention against a float64 reference."""
+"""jaxmp/flax/attention.py: float32_softmax_attention and fused_attention against a float64 reference."""
 
 import flax.linen as nn
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.flax.attention import fp32_softmax_attention, fused_attention
+from jaxmp.flax.attention import float32_softmax_attention, fused_attention
 
 RNG = np.random.default_rng(0)
 Q, K, V = (RNG.normal(size=(2, 4, 2, 8)).astype(np.float32) for _ in range(3))
@@ -28,16 +28,16 @@ def test_float32_inputs_match_the_float64_reference_with_bias_and_mask():
     bias = RNG.normal(size=(1, 2, 4, 4)).astype(np.float32)
     mask = RNG.random((2, 1, 4, 4)) > 0.3
     mask[..., 0] = True  # every query sees a key
-    out = jax.jit(fp32_softmax_attention)(Q, K, V, bias=bias, mask=mask)
+    out = jax.jit(float32_softmax_attention)(Q, K, V, bias=bias, mask=mask)
     np.testing.assert_allclose(out, reference(Q, K, V, bias, mask), rtol=1e-5, atol=1e-5)
 
 
 def test_is_causal_is_the_lower_triangular_mask_and_combines_with_a_mask():
     causal = np.tril(np.ones((4, 4), bool))
-    np.testing.assert_allclose(fp32_softmax_attention(Q, K, V, is_causal=True), reference(Q, K, V, mask=causal),
+    np.testing.assert_allclose(float32_softmax_attention(Q, K, V, is_causal=True), reference(Q, K, V, mask=causal),
                                rtol=1e-5, atol=1e-5)
     pad = np.array([True, True, False, True])
-    np.testing.assert_allclose(fp32_softmax_attention(Q, K, V, mask=pad, is_causal=True),
+    np.testing.assert_allclose(float32_softmax_attention(Q, K, V, mask=pad, is_causal=True),
                                reference(Q, K, V, mask=causal & pad), rtol=1e-5, atol=1e-5)
 
 
@@ -46,20 +46,20 @@ def test_half_inputs_whose_logits_overflow_float16_stay_finite():
     k = np.full((1, 2, 1, 64), 60.0, np.float16)
     k[0, 1] = 70.0  # logits 28800 vs 33600: beyond float16 after scaling would be inf - inf = nan
     v = np.arange(2 * 64, dtype=np.float16).reshape(1, 2, 1, 64)
-    out = fp32_softmax_attention(q, k, v)
+    out = float32_softmax_attention(q, k, v)
     assert out.dtype == jnp.float16 and bool(jnp.all(jnp.isfinite(out)))
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(v[:, 1:], np.float32)[:, [0, 0]], rtol=1e-3)
 
 
 def test_dtype_sets_the_compute_and_output_dtype_and_the_weights_are_sown():
-    out = fp32_softmax_attention(Q, K, V, dtype=jnp.bfloat16)
+    out = float32_softmax_attention(Q, K, V, dtype=jnp.bfloat16)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), reference(Q, K, V), atol=0.05)
 
     class Attn(nn.Module):
         @nn.compact
         def __call__(self, q):
-            return fp32_softmax_attention(q, q, q, module=self)
+            return float32_softmax_attention(q, q, q, module=self)
 
     _, state = Attn().apply({}, Q, mutable=["intermediates"])
     (weights,) = state["intermediates"]["attention_weights"]
@@ -67,7 +67,7 @@ def test_dtype_sets_the_compute_and_output_dtype_and_the_weights_are_sown():
 
 
 def test_dropout_draws_a_mask_from_the_rng_and_is_off_when_deterministic():
-    f = jax.jit(lambda rng, det: fp32_softmax_attention(Q, K, V, dropout_rate=0.5, dropout_rng=rng, deterministic=det),
+    f = jax.jit(lambda rng, det: float32_softmax_attention(Q, K, V, dropout_rate=0.5, dropout_rng=rng, deterministic=det),
                 static_argnums=1)
     a, b = f(jax.random.key(0), False), f(jax.random.key(0), False)
     assert np.array_equal(a, b) and not np.allclose(a, reference(Q, K, V), atol=1e-3)
@@ -76,7 +76,7 @@ def test_dropout_draws_a_mask_from_the_rng_and_is_off_when_deterministic():
 
 def test_dropout_without_an_rng_is_a_clear_error():
     with pytest.raises(ValueError, match="dropout_rng"):
-        fp32_softmax_attention(Q, K, V, dropout_rate=0.1)
+        float32_softmax_attention(Q, K, V, dropout_rate=0.1)
 
 
 @pytest.mark.standard_promotion(reason="flax.linen.dot_product_attention, the non-fused path, promotes dtypes")

@@ -11,7 +11,7 @@ F32, F64, BF16, F16 = (np.dtype(d) for d in ("float32", "float64", jnp.bfloat16,
 
 
 def _rule(compute, param=None):
-    return ModuleRule(compute, param or compute, "input", "fp32")
+    return ModuleRule(compute, param or compute, "input", "float32")
 
 
 def test_is_float32_rule_means_32_bits_or_wider():
