@@ -578,6 +578,7 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
     report = ShadowReport(tuple(mods), loss, loss_f, grads, ops, steps, tuple(losses), tuple(losses_f),
                           None, 0.0, None if policy is None else str(policy), noise, drift, losses_noise)
     if fix and has_loss and mods and mods[0].path and np.isfinite(loss):
+        scoped = any(site.path == mods[0].path and not site.from_param for site in prog.sites.sites)
         report = dataclasses.replace(report, fix=suggest_fix(fn, args, policy, mods[0].path, report.loss_error,
-                                                             report.loss_float32, steps, tx))
+                                                             report.loss_float32, steps, tx, scoped))
     return dataclasses.replace(report, seconds=time.perf_counter() - t0)
