@@ -411,14 +411,10 @@ def _perturb(params, rel: float, seed: int):
         if _floating(x) else x for k, x in zip(keys, leaves)])
 
 
-def _stack(a, b):
-    return jax.tree_util.tree_map(lambda x, y: jnp.stack([jnp.asarray(x), jnp.asarray(y)]), a, b)
-
-
 def _train_all(prog: "_Program", step: Callable, params, rest: tuple, steps: int, tx, half):
     """The policy run and its float32 shadow, ``steps`` optimizer steps each, with their noise twins.
 
-    Four runs from the same parameters on the same inputs, two lanes each side (``jax.vmap``):
+    Four runs from the same parameters on the same inputs, two lanes each side:
     the policy run and the policy run from parameters perturbed by half an ulp of ``half``
     (rounding-size noise); the float32 shadow and a float32 shadow from the same perturbed
     parameters whose gradients get, at every step, fresh random relative noise as large as the
@@ -426,7 +422,8 @@ def _train_all(prog: "_Program", step: Callable, params, rest: tuple, steps: int
     rounding-size noise moves each training in ``k`` steps (chaotic training: far; a systematic
     loss such as a narrowed bias: the twins stay with their run). ``half`` None: no twins' noise.
 
-    One step program (every lane, the updates) compiled once and called ``steps + 1`` times.
+    Two step programs (policy; float32 shadow), each with its optimizer update, compiled once and
+    called ``steps + 1`` times per lane.
 
     Returns:
       ``(policy params, losses [steps+1, 4])``, the columns policy, policy twin, float32, float32
@@ -434,48 +431,52 @@ def _train_all(prog: "_Program", step: Callable, params, rest: tuple, steps: int
     """
     rel = float(jnp.finfo(half).eps) / 2 if half is not None else 0.0
     twin = _perturb(params, rel, 1)
-    n_leaves = len(jax.tree_util.tree_leaves(params))
-    noise_scale = jnp.asarray([0.0, np.sqrt(3.0) if half is not None else 0.0], jnp.float32)  # uniform: RMS 1/sqrt(3)
 
-    def shadow_step(q, consts):
-        outs = prog.shadow_fn(consts, jax.tree_util.tree_leaves((q, *rest)))
-        return jax.tree_util.tree_unflatten(prog.out_tree, outs)
+    def update(loss, g, o, q):
+        u, o = tx.update(g, o, q)
+        return jnp.asarray(loss, jnp.float32), g, apply_updates(q, u), o
 
-    def one(pp, op, qf, of, sizes, key, first, consts):
-        loss_p, g_p = jax.vmap(lambda q: step(q, *rest))(pp)
-        loss_f, g_f = jax.vmap(lambda q: shadow_step(q, consts))(qf)
-        gp, gf = jax.tree_util.tree_leaves(g_p), jax.tree_util.tree_leaves(g_f)
-        measured = jnp.stack([_leaf_relerr(a[0], b[0]) for a, b in zip(gp, gf)]) if gp else jnp.zeros((0,))
-        sizes = jnp.where(first, measured, sizes)
-        keys = jax.random.split(key, max(len(gf), 1))
-        noisy = [g * (1 + noise_scale.reshape((2,) + (1,) * (g.ndim - 1)) * sizes[j]
-                      * jax.random.uniform(keys[j], g.shape, jnp.float32, -1.0, 1.0)).astype(g.dtype)
-                 if _floating(g) else g for j, g in enumerate(gf)]
-        g_f = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(g_f), noisy)
+    def policy_step(q, o):
+        return update(*step(q, *rest), o, q)
 
-        def update(g, o, q):
-            u, o = tx.update(g, o, q)
-            return apply_updates(q, u), o
+    def shadow_step(q, o, sizes, key, consts):
+        loss, g = jax.tree_util.tree_unflatten(
+            prog.out_tree, prog.shadow_fn(consts, jax.tree_util.tree_leaves((q, *rest))))
+        leaves, tree = jax.tree_util.tree_flatten(g)
+        keys = jax.random.split(key, max(len(leaves), 1))
+        # uniform(-1, 1) has RMS 1/sqrt(3): the noise's RMS is the measured error
+        leaves = [(x * (1 + np.sqrt(3.0) * sizes[j] * jax.random.uniform(keys[j], jnp.shape(x), jnp.float32, -1, 1))
+                   ).astype(x.dtype) if _floating(x) else x for j, x in enumerate(leaves)]
+        return update(loss, jax.tree_util.tree_unflatten(tree, leaves), o, q)
 
-        pp, op = jax.vmap(update)(g_p, op, pp)
-        qf, of = jax.vmap(update)(g_f, of, qf)
-        losses = jnp.concatenate([jnp.asarray(loss_p, jnp.float32), jnp.asarray(loss_f, jnp.float32)])
-        return losses, pp, op, qf, of, sizes
-
-    run = StrictJit(one)
-    pp = _stack(params, twin)
-    qf = pp
-    op = of = jax.vmap(tx.init)(pp)
-    sizes = jnp.zeros((n_leaves,), jnp.float32)
+    # Two programs, each compiled once and called per lane: not vmapped (a batched convolution is
+    # a grouped one, which XLA's CPU backend runs far slower at the debugger's fast compile).
+    run_p, run_s = StrictJit(policy_step), StrictJit(shadow_step)
     consts = list(prog.closed.consts)
+    pol = [[params, tx.init(params)], [twin, tx.init(twin)]]
+    f32 = [[params, tx.init(params)], [twin, tx.init(twin)]]
+    n_leaves = len(jax.tree_util.tree_leaves(params))
+    zero = sizes = jnp.zeros((n_leaves,), jnp.float32)
     rows = []
     for i in range(steps + 1):
-        key = jax.random.fold_in(jax.random.key(0), i)
-        losses, *new, sizes = run(pp, op, qf, of, sizes, key, jnp.asarray(i == 0), consts)
-        rows.append(np.asarray(losses, np.float64))
-        if i < steps:
-            pp, op, qf, of = new
-    return jax.tree_util.tree_map(lambda x: x[0], pp), np.stack(rows)
+        row, g0 = [], None
+        for lane in pol:
+            loss, g, q, o = run_p(*lane)
+            g0 = g if g0 is None else g0
+            row.append(float(loss))
+            if i < steps:
+                lane[:] = [q, o]
+        for k, lane in enumerate(f32):
+            key = jax.random.fold_in(jax.random.key(k), i)
+            loss, g, q, o = run_s(lane[0], lane[1], zero if k == 0 or half is None else sizes, key, consts)
+            if i == 0 and k == 0:  # the policy run's gradient error at the first step, per leaf
+                sizes = jnp.asarray([float(_leaf_relerr(a, b)) for a, b in
+                                     zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g))], jnp.float32)
+            row.append(float(loss))
+            if i < steps:
+                lane[:] = [q, o]
+        rows.append(row)
+    return pol[0][0], np.asarray(rows, np.float64)
 
 
 def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, steps: int = 0,
