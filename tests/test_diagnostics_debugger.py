@@ -12,6 +12,7 @@ import pytest
 import jaxmp
 from jaxmp.diagnostics import (StrictPrecisionError, compare_to_float32, locate_non_finite,
                                strict_precision)
+from jaxmp.diagnostics._shadow import NOISE_MARGIN
 
 
 class Net(nn.Module):
@@ -151,8 +152,8 @@ def test_suggested_override_closes_the_gap_after_50_steps():
     rep = compare_to_float32(loss, p, x, y, policy="O2-bf16", steps=50, optimizer=optax.adam(2e-3))
     assert rep.top.path == "sched" and rep.steps == 50 and len(rep.losses) == 50
     assert rep.loss_error > 1.0  # the narrowed schedule trains to a loss far above float32's
-    # ... far above what noise of the run's own gradient error gives float32: an alarm.
-    assert rep.loss_error > 10 * rep.noise_floor and not rep.clean(), rep.noise_floor
+    # ... far above how far rounding-size noise moves either training (its twins): an alarm.
+    assert rep.drift > 2 * NOISE_MARGIN * rep.noise_floor and not rep.clean(), (rep.drift, rep.noise_floor)
     fix = rep.fix
     assert fix.measured and fix.gap_closed >= 0.9, fix
     assert "with_scope('sched', \"float32\")" in fix.code and "O2-bf16" in fix.code
@@ -351,6 +352,23 @@ def test_clean_model_after_10_steps_is_clean_against_its_noise_floor():
     assert "rounding noise alone" in str(rep)
 
 
+@pytest.mark.slow  # ~60 s on a shared 2-core CPU: the experiments' CNN, 10 steps of four runs
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_experiments_cnn_at_its_learning_rate_is_clean_after_10_steps():
+    """Adam at the experiments' 1e-2 on one batch of 8 oscillates (the loss jumps 2.3 -> 9.7 ->
+    ... -> 2.1 at step 9 under O1-bf16, 0.17 in float32): one step's loss is no verdict. The
+    mean over the last half against the twins' drift is: no alarm (it was one before)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.debugger import _model
+
+    loss, params, x, y = _model("cnn", False)
+    rep = compare_to_float32(loss, params, x, y, policy="O1-bf16", steps=10, optimizer=optax.adam(1e-2), fix=False)
+    assert rep.clean(), (rep.drift, rep.noise_floor, rep.losses, rep.losses_float32)
+
+
 def test_strict_jit_compiles_once_per_shapes_and_keeps_half_rounding():
     """The debugger's programs are cached per input shapes (the k-step mode and the fix call one
     program several times) and, with the fast-compile options, still round half values where
@@ -365,3 +383,117 @@ def test_strict_jit_compiles_once_per_shapes_and_keeps_half_rounding():
     assert len(f.compiled) == 1
     f(jnp.ones((3,), jnp.float32), tiny[:3])
     assert len(f.compiled) == 2
+
+
+# ---- the fix for every door, pasted and trained: it closes >= 90% of the gap after 50 steps ----
+
+def _train_loss(loss, params, rest, steps=50, lr=2e-3):
+    from jaxmp.diagnostics._fix import train
+
+    return train(jax.value_and_grad(loss), params, rest, steps, optax.adam(lr))[1][-1]
+
+
+def _closed(before, after, ref):
+    return 1 - abs(after - ref) / abs(before - ref)
+
+
+def _sched_data():
+    k = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(k[0], (64, 16))
+    return x, k[1]
+
+
+@pytest.mark.slow  # ~40 s on a shared 2-core CPU: four 50-step trainings
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_nnx_fix_is_a_class_rule_and_the_pasted_code_closes_the_gap():
+    import flax
+    from flax import nnx
+
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            self.encoder = nnx.Linear(16, 32, rngs=rngs)
+            self.sched = nnx.Linear(32, 1, rngs=rngs)
+            self.head = nnx.Linear(32, 1, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            h = jnp.tanh(self.encoder(x))
+            return self.head(h) * jnp.exp(self.sched(h) - 13.0)
+
+    x, _ = _sched_data()
+    m = M(nnx.Rngs(0))
+    m.sched.bias.value = jnp.full((1,), 13.3)
+    m.sched.kernel.value = m.sched.kernel.value * 0.01
+    y = jax.lax.stop_gradient(m(x) * 1.1 * np.exp(0.03))  # the targets: a schedule bias of 13.33
+    loss = lambda m, x, y: jnp.mean((m(x) - y) ** 2)  # noqa: E731
+    rep = compare_to_float32(loss, m, x, y, policy="O2-bf16", steps=50, optimizer=optax.adam(2e-3))
+    assert rep.top.path == "sched" and rep.loss_error > 1.0, rep
+    # NNX emits no instance scope: a scope rule would match nothing; the class rule does.
+    assert "with_class(flax.nnx.Linear, \"float32\")" in rep.fix.code and "with_scope" not in rep.fix.code.split(
+        "# Flax door")[0], rep.fix.code
+    assert rep.fix.measured and rep.fix.gap_closed >= 0.9, rep.fix
+    ns = {"jaxmp": jaxmp, "flax": flax, "fn": loss}
+    exec(compile(rep.fix.code, "fix", "exec"), ns)  # the code as printed, pasted
+    ref = _train_loss(loss, m, (x, y))
+    before = _train_loss(jaxmp.autocast(loss, "O2-bf16"), m, (x, y))
+    after = _train_loss(ns["fn"], m, (x, y))
+    assert _closed(before, after, ref) >= 0.9, (before, after, ref)
+
+
+class _Sched(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(32, name="encoder")(x))
+        gamma = nn.Dense(1, name="sched", kernel_init=nn.initializers.normal(0.01),
+                         bias_init=nn.initializers.constant(13.3))(h)
+        return nn.Dense(1, use_bias=False, name="head")(h) * jnp.exp(gamma - 13.0)
+
+
+def _linen_sched():
+    x, k = _sched_data()
+    net = _Sched()
+    v = net.init(k, x)
+    y = net.apply(v, x) * 1.1 * np.exp(0.03)
+    return net, v, x, y
+
+
+@pytest.mark.slow  # ~30 s on a shared 2-core CPU: three 50-step trainings and the comparison
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_flax_door_fix_is_a_path_rule_that_closes_the_gap():
+    net, v, x, y = _linen_sched()
+    door = jaxmp.flax.mixed_precision(net, "O2-bf16")
+    door_loss = lambda v, x, y: jnp.mean((door.apply(v, x) - y) ** 2)  # noqa: E731
+    rep = compare_to_float32(door_loss, v, x, y)
+    assert rep.top.path.endswith("sched"), rep
+    assert "with_path('sched', \"float32\")" in rep.fix.code, rep.fix.code
+    ns = {"jaxmp": jaxmp, "model": net, "policy": "O2-bf16"}
+    exec(compile(rep.fix.code, "fix", "exec"), ns)
+    fixed_loss = lambda v, x, y: jnp.mean((ns["model"].apply(v, x) - y) ** 2)  # noqa: E731
+    ref = _train_loss(lambda v, x, y: jnp.mean((net.apply(v, x) - y) ** 2), v, (x, y))
+    before, after = _train_loss(door_loss, v, (x, y)), _train_loss(fixed_loss, v, (x, y))
+    assert abs(before - ref) > 0.5 * abs(ref), (before, ref)  # the door's O2 trains far worse ...
+    assert _closed(before, after, ref) >= 0.9, (before, after, ref)  # ... and the pasted rule fixes it
+
+
+@pytest.mark.slow  # ~30 s on a shared 2-core CPU: three 50-step trainings and the comparison
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_cast_to_compute_fix_leaves_the_module_out_of_the_casts_and_closes_the_gap():
+    net, v, x, y = _linen_sched()
+    policy = jaxmp.get_policy("p=f32,c=bf16,o=f32")
+
+    def cast_loss(params, x, y):
+        out = net.apply(policy.cast_to_compute(params), policy.cast_to_compute(x))
+        return jnp.mean((policy.cast_to_output(out) - y) ** 2)
+
+    rep = compare_to_float32(cast_loss, v, x, y)
+    assert rep.top.path.endswith("sched"), rep
+    assert "half['params']['sched'] = params['params']['sched']" in rep.fix.code, rep.fix.code
+
+    def fixed_loss(params, x, y):  # the suggestion, as the comment spells it
+        half = policy.cast_to_compute(params)
+        half["params"]["sched"] = params["params"]["sched"]
+        return jnp.mean((policy.cast_to_output(net.apply(half, policy.cast_to_compute(x))) - y) ** 2)
+
+    ref = _train_loss(lambda v, x, y: jnp.mean((net.apply(v, x) - y) ** 2), v, (x, y))
+    before, after = _train_loss(cast_loss, v, (x, y)), _train_loss(fixed_loss, v, (x, y))
+    assert abs(before - ref) > 0.5 * abs(ref), (before, ref)
+    assert _closed(before, after, ref) >= 0.9, (before, after, ref)

@@ -50,6 +50,8 @@ class Site:
       rule: the autocast rule that chose its dtype (explain mode), ``""`` outside autocast.
       region: the innermost ``jaxmp[...]`` region marker around it, ``""`` if none.
       context: the enclosing loops, e.g. ``"scan x10"``.
+      from_param: ``path`` is named after the parameter the op reads (NNX, Equinox: no instance
+        scope), so no scope rule can match it.
     """
 
     index: int
@@ -60,6 +62,7 @@ class Site:
     rule: str
     region: str
     context: str
+    from_param: bool = False
 
     @property
     def source(self) -> str:
@@ -149,7 +152,7 @@ _CARRIES_PARAM = frozenset({"convert_element_type", "copy", "copy_p", "reduce_pr
 _PARAM_LEAVES = frozenset({"kernel", "bias", "weight", "scale", "embedding", "value", "w", "b", "raw_value"})
 
 
-def _module_of(keypath: str) -> str:
+def module_of(keypath: str) -> str:
     """``"[0][0]['params']['sched']['kernel']"`` or ``"[0][0].sched.kernel.value"`` -> ``"sched"``."""
     parts = [p for p in re.findall(r"\['([^']*)'\]|\.(\w+)|\[(\d+)\]", keypath)]
     names = [a or b or (f"[{c}]" if c else "") for a, b, c in parts]
@@ -184,7 +187,7 @@ class Sites:
         # path is named after the module of the parameter it consumes (``.sched.kernel`` -> ``sched``).
         origin = {}
         if leaf_paths is not None and len(leaf_paths) == len(jaxpr.invars):
-            origin = {v: m for v, m in zip(jaxpr.invars, map(_module_of, leaf_paths)) if m}
+            origin = {v: m for v, m in zip(jaxpr.invars, map(module_of, leaf_paths)) if m}
         self._walk(jaxpr, _Where(), (), origin)
 
     def _walk(self, jaxpr, where: _Where, key: tuple, origin: dict) -> None:
@@ -208,7 +211,7 @@ class Sites:
             self._ids[key + (id(eqn),)] = len(self.sites)
             site = _site(len(self.sites), eqn, w)
             if from_param and _unnamed(site.path):
-                site = dataclasses.replace(site, path=from_param)
+                site = dataclasses.replace(site, path=from_param, from_param=True)
             self.sites.append(site)
             if from_param and eqn.primitive.name in _CARRIES_PARAM:
                 origin.update({o: from_param for o in eqn.outvars})

@@ -16,6 +16,8 @@ import textwrap
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxmp.diagnostics import _format
 from jaxmp.diagnostics._evaluate import StrictJit
@@ -58,22 +60,61 @@ class Fix:
         return "\n".join(lines[:2] + [_format.wrap(line) for line in lines[2:]])
 
 
+def apply_updates(params, updates, keep=True):
+    """``params + updates`` in each leaf's dtype; where ``keep`` is False, ``params`` unchanged."""
+    return jax.tree_util.tree_map(lambda p, u: jnp.where(keep, (p + u).astype(p.dtype), p), params, updates)
+
+
 def train(loss_and_grad: Callable, params, rest, steps: int, tx) -> tuple[Any, list[float]]:
-    """``steps`` optimizer steps of ``tx`` on ``loss_and_grad(params, *rest) -> (loss, grads)``: (params, losses)."""
-    opt_state = tx.init(params)
-    losses = []
-    for _ in range(steps):
+    """``steps`` optimizer steps of ``tx`` on ``loss_and_grad(params, *rest) -> (loss, grads)``.
+
+    The step and the optimizer update are one program, compiled once (with the debugger's
+    options) and called ``steps + 1`` times: the last call's loss is the loss after the last step
+    (its update is dropped). A Python loop, not a ``lax.scan``: at XLA's backend optimization
+    level 0 (the debugger's fast compile) convolutions inside a loop run an order of magnitude
+    slower, and the loop saves no compile.
+
+    Returns:
+      ``(params after steps, losses)``: ``losses[i]`` is the loss before step ``i``;
+      ``losses[steps]`` the loss after the last step.
+    """
+    def one(params, state, rest):
         loss, grads = loss_and_grad(params, *rest)
+        updates, state = tx.update(grads, state, params)
+        return jnp.asarray(loss, jnp.float32), apply_updates(params, updates), state
+
+    step = StrictJit(one)
+    state, rest, losses = tx.init(params), tuple(rest), []
+    for i in range(steps + 1):
+        loss, new_params, new_state = step(params, state, rest)
         losses.append(float(loss))
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = jax.tree_util.tree_map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+        if i < steps:
+            params, state = new_params, new_state
     return params, losses
 
 
-def rules_code(rules, component: str) -> str:
-    """``rules`` plus a float32 scope rule for ``component``, spelled as code to paste.
+def class_name(cls: type) -> str:
+    """``cls`` spelled as code: its public spelling where its package exports it (``flax.nnx.Linear``)."""
+    import importlib
 
-    One line when it fits 84 columns (the fix is printed indented by 4), else one call per line.
+    name = cls.__qualname__
+    parts = cls.__module__.split(".")
+    for i in range(1, len(parts) + 1):  # the shortest importable prefix that exports it
+        prefix = ".".join(parts[:i])
+        try:
+            if getattr(importlib.import_module(prefix), name, None) is cls:
+                return f"{prefix}.{name}"
+        except ImportError:
+            continue
+    return f"{cls.__module__}.{name}"
+
+
+def rules_code(rules, component: str, cls: type | None = None) -> str:
+    """``rules`` plus a float32 rule for the module, spelled as code to paste.
+
+    A scope rule for the name-stack ``component``; a class rule for ``cls`` when given (NNX and
+    Equinox modules emit no instance scope a scope rule could match). One line when it fits 84
+    columns (the fix is printed indented by 4), else one call per line.
     """
     from jaxmp.engine.rules import AutocastRules
 
@@ -90,7 +131,9 @@ def rules_code(rules, component: str) -> str:
         kw.append(f"matmul_output={rules.matmul_output!r}")
     calls = [f"jaxmp.AutocastRules({', '.join(kw)})"]
     calls += [f".with_scope({pattern!r}, {dtype!r})" for pattern, dtype in rules.scope_rules]
-    calls.append(f".with_scope({component!r}, \"float32\")")
+    calls += [f".with_class({class_name(c)}, {dtype!r})" for c, dtype in rules.class_rules]
+    calls.append(f".with_class({class_name(cls)}, \"float32\")" if cls is not None
+                 else f".with_scope({component!r}, \"float32\")")
     one = "rules = " + "".join(calls)
     if len(one) <= _FIT:
         return one
@@ -104,44 +147,102 @@ def _matmul_low_flops(run: Callable, args: Sequence[Any]) -> tuple[int, int]:
     return rep.low_precision_flops, rep.total_flops
 
 
+def module_class_at(root: Any, path: str) -> type | None:
+    """The class of the module at ``path`` (``"a/b"``) inside ``root`` (an NNX or Equinox model), or None."""
+    node = root
+    for part in path.split("/"):
+        if isinstance(node, dict) or not hasattr(node, part):
+            return None  # a parameter dict or state (Linen, nnx.State): no module objects
+        node = getattr(node, part)
+    return type(node) if callable(node) and not isinstance(node, type) else None
+
+
+def door_path(path: str) -> str:
+    """``path`` relative to the model the Flax door wraps (Linen scopes start with the root's class)."""
+    parts = path.split("/")
+    if len(parts) > 1 and parts[0][:1].isupper():
+        parts = parts[1:]
+    return "/".join(parts)
+
+
+def param_prefix(params: Any, rel: str) -> str:
+    """The key path of module ``rel``'s parameters in ``params`` (``"['params']['sched']"``), or ``[...]``."""
+    from jaxmp.diagnostics._evaluate import module_of
+
+    for keypath, _ in jax.tree_util.tree_leaves_with_path(params):
+        text = jax.tree_util.keystr(keypath)
+        if module_of(text) == rel:
+            for n in range(len(keypath) - 1, -1, -1):  # the shortest prefix that still names the module
+                head = jax.tree_util.keystr(keypath[:n])
+                if module_of(head) != rel:
+                    return jax.tree_util.keystr(keypath[:n + 1])
+            return text
+    return f"[{rel.split('/')[0]!r}]"
+
+
+def _own_precision_code(path: str, params: Any = None) -> str:
+    """The override for code that computes its own precision (the Flax door, its own casts)."""
+    rel = door_path(path)
+    where = param_prefix(params, rel) if params is not None else f"[{rel.split('/')[0]!r}]"
+    return "\n".join([
+        "# Flax door (Linen or NNX): a path rule, e.g.",
+        "model = jaxmp.flax.mixed_precision(",
+        f"    model, policy, rules=jaxmp.flax.default_rules(policy).with_path({rel!r}, \"float32\"))",
+        *textwrap.wrap(f"your own casts (Policy.cast_to_compute, dtype=bfloat16): leave {rel!r} out of "
+                       "them, its parameters and its input, e.g.", _FIT - 2,
+                       initial_indent="# ", subsequent_indent="# ", break_long_words=False),
+        "#     half = policy.cast_to_compute(params)",
+        f"#     half{where} = params{where}"])
+
+
 def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_error: float, loss_float32: float,
-                steps: int, tx: Any) -> Fix:
+                steps: int, tx: Any, scoped: bool = True) -> Fix:
     """The override keeping module ``path`` in float32, measured when ``policy`` is an autocast policy.
+
+    Under ``jaxmp.autocast`` the override is a scope rule for the module's name-stack component,
+    or, for a module that emits no instance scope (NNX, Equinox: ``scoped`` False), a class rule
+    for its class, found in ``args[0]`` (the model). It is applied, trained as long as the
+    comparison and measured. Without a policy (or without the model object), it is written only.
 
     Args:
       fn: the float32 function compared.
-      args: its inputs (``args[0]``: the parameters).
+      args: its inputs (``args[0]``: the parameters, or the NNX/Equinox model).
       policy: the autocast policy, or None (``fn`` runs its own precision: not measured).
       path: the module path of the top offender.
       loss_error: the comparison's relative loss error (the "before").
       loss_float32: the float32 shadow's loss (after ``steps`` steps).
       steps: optimizer steps of the comparison (the fix is trained as long).
       tx: the optax transformation those steps used.
+      scoped: ``path`` is a name scope of the program (False: named after a parameter).
 
     Returns:
       A `Fix`.
     """
     component = path.rsplit("/", 1)[-1]
     if policy is None:
-        code = "\n".join([
-            "# Flax door: jaxmp.flax.mixed_precision(model, policy, rules=",
-            f"#     jaxmp.flax.default_rules().with_path({component!r}, \"float32\"))",
-            *textwrap.wrap(f"your own casts (Policy.cast_to_compute, dtype=bfloat16): compute {path!r} on "
-                           "float32 params and inputs, or run the function under jaxmp.autocast with", _FIT - 2,
-                           initial_indent="# ", subsequent_indent="# ", break_long_words=False),
-            f"#     rules=jaxmp.AutocastRules().with_scope({component!r}, \"float32\")"])
-        return Fix(path, code)
+        return Fix(path, _own_precision_code(path, args[0] if args else None))
     from jaxmp.engine.config import resolve_config
     from jaxmp.engine.entry import autocast
 
     rules = resolve_config(policy, None).rules
-    fixed_rules = rules.with_scope(component, "float32")
-    code = rules_code(rules, component) + f"\nfn = jaxmp.autocast(fn, {str(policy)!r}, rules=rules)"
+    call = f"\nfn = jaxmp.autocast(fn, {str(policy)!r}, rules=rules)"
+    if scoped:
+        fixed_rules = rules.with_scope(component, "float32")
+        code = rules_code(rules, component) + call
+    else:
+        cls = module_class_at(args[0], path)
+        if cls is None:  # NNX state or Equinox leaves: no module object to name a class from
+            return Fix(path, "# NNX/Equinox modules carry no name scope: a class rule for its class:\n"
+                       + rules_code(rules, component, _Placeholder) + call + "\n"
+                       + _own_precision_code(path, args[0]))
+        fixed_rules = rules.with_class(cls, "float32")
+        note = (f"# {path!r} emits no name scope (NNX, Equinox): a class rule, every {cls.__name__} "
+                "in float32")
+        code = "\n".join(textwrap.wrap(note, _FIT, subsequent_indent="# ")) + "\n" \
+            + rules_code(rules, component, cls) + call
     fixed = autocast(fn, policy, rules=fixed_rules)
     if steps:
-        step = StrictJit(jax.value_and_grad(fixed))
-        params, _ = train(step, args[0], args[1:], steps, tx)
-        loss_fix = float(step(params, *args[1:])[0])  # the compiled step's loss: no second compile
+        loss_fix = train(jax.value_and_grad(fixed), args[0], args[1:], steps, tx)[1][-1]
     else:
         loss_fix = float(StrictJit(fixed)(*args))
     ref = max(abs(loss_float32), 1e-30)
@@ -152,3 +253,10 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     closed = 1.0 - after / before if before > 0 else float("nan")
     return dataclasses.replace(Fix(path, code), error_before=before, error_after=after, gap_closed=closed,
                                matmul_flops_leaving_half=leaving, measured=True)
+
+
+class _Placeholder:
+    """Spelled in code where the module's class could not be found: the user names it."""
+
+    __module__ = "your_model"
+    __qualname__ = "TheModuleClass"

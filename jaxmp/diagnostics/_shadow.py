@@ -28,7 +28,7 @@ from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.engine import internals
 from jaxmp.engine.rules import COMBINER_OPS
-from jaxmp.diagnostics._fix import Fix, suggest_fix, train
+from jaxmp.diagnostics._fix import Fix, apply_updates, suggest_fix
 from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths,
                                          trace)
 
@@ -88,8 +88,8 @@ def _shadow_bind(eqn, xs: list) -> list:
 class _Shadow(Hooks):
     """Values are (policy array, float32 twin); the state is the max relative error per site."""
 
-    def __init__(self, n: int, attribute: bool):
-        self.n, self.attribute, self.t = n, attribute, None
+    def __init__(self, n: int, attribute: bool, record: bool = True):
+        self.n, self.attribute, self.record, self.t = n, attribute, record, None
         self._frame: list = []
 
     def lift(self, x, aval):
@@ -115,7 +115,8 @@ class _Shadow(Hooks):
         if self.attribute and self.t is not None and site.half and not site.backward \
                 and site.primitive not in _EXACT:
             s_out[k] = s_out[k] + self.t[site.index] * jax.lax.stop_gradient(self._rounding(eqn, ss, k))
-        self._frame.append((site.index, p_out[k], s_out[k]))
+        if self.record:
+            self._frame.append((site.index, p_out[k], s_out[k]))
         return list(zip(p_out, s_out)), state
 
     @staticmethod
@@ -192,10 +193,14 @@ class ShadowReport:
       fix: the `Fix` for the top offender, or None.
       seconds: wall time of the comparison.
       policy: the policy it ran under (str), or None when ``fn`` runs its own precision.
-      noise_floor: for ``steps=k``, the loss drift against the float32 shadow of a float32 run
-        whose gradients get, at every step, random noise as large as the policy run's gradient
-        error on the first step: how far noise of the policy's size, without its bias, moves
-        the loss in ``k`` steps (NaN for one step).
+      noise_floor: for ``steps=k``, the `drift` of float32 runs whose gradients get, at every
+        step, random noise as large as the policy run's gradient error on the first step (the
+        largest of `NOISE_RUNS` seeds): how far noise of the policy's size, without its bias,
+        moves training in ``k`` steps (NaN for one step).
+      drift: for ``steps=k``, the relative gap of the policy run's mean loss to the float32
+        shadow's over the last half of the steps (``k//2 .. k``, the loss after the last step
+        included); NaN for one step.
+      losses_noise: the noisy float32 runs' losses (one tuple per seed, ``k+1`` each).
     """
 
     modules: tuple[ModuleError, ...]
@@ -210,6 +215,8 @@ class ShadowReport:
     seconds: float = 0.0
     policy: str | None = None
     noise_floor: float = float("nan")
+    drift: float = float("nan")
+    losses_noise: tuple[tuple[float, ...], ...] = ()
 
     @property
     def loss_error(self) -> float:
@@ -225,23 +232,26 @@ class ShadowReport:
         """No alarm: the loss is within ``tolerance`` (relative) of float32's.
 
         After ``k`` training steps two runs drift apart by rounding alone (trajectories that
-        overfit a batch diverge chaotically), so the k-step verdict allows
-        ``NOISE_MARGIN * noise_floor`` too: a drift the size that half-precision rounding noise
-        gives a float32 run is not an alarm; a systematic loss (a narrowed bias) stays far above it.
+        overfit a batch at a high learning rate oscillate and diverge chaotically), so the k-step
+        verdict reads the `drift` (mean loss over the last half of the steps, not one step's
+        loss) and allows ``NOISE_MARGIN * noise_floor`` too: a drift the size that
+        half-precision rounding noise gives float32 runs is not an alarm; a systematic loss (a
+        narrowed bias) stays far above it.
         """
         if not np.isfinite(self.loss):
             return False
-        allowed = tolerance
-        if self.steps and np.isfinite(self.noise_floor):
-            allowed = max(tolerance, NOISE_MARGIN * self.noise_floor)
-        return self.loss_error <= allowed
+        if self.steps and np.isfinite(self.drift):
+            allowed = max(tolerance, NOISE_MARGIN * self.noise_floor) if np.isfinite(self.noise_floor) else tolerance
+            return self.drift <= allowed
+        return self.loss_error <= tolerance
 
     def table(self, max_rows: int = 12) -> str:
         """The ranked modules, gradient errors and the fix, as text."""
         head = _format.wrap(f"compare_to_float32{f' ({self.policy})' if self.policy else ''}"
                 f"{f' after {self.steps} steps' if self.steps else ''}: loss {self.loss:.6g} vs float32 "
                 f"{self.loss_float32:.6g} (relative error {self.loss_error:.3g}"
-                f"{f'; rounding noise alone: {self.noise_floor:.3g}' if np.isfinite(self.noise_floor) else ''})")
+                f"{f'; mean over the last {self.steps - self.steps // 2 + 1} steps {self.drift:.3g}' if np.isfinite(self.drift) else ''}"
+                f"{f', rounding noise alone {self.noise_floor:.3g}' if np.isfinite(self.noise_floor) else ''})")
         # Every table fits 88 columns (a terminal, a log, a docs page): long module paths fold.
         rows = []
         for i, m in enumerate(self.modules[:max_rows]):
@@ -306,11 +316,12 @@ class _Program:
         self.analyse = StrictJit(analyse)
 
         def shadow_only(consts, leaves):
-            hooks = _Shadow(n, False)
+            hooks = _Shadow(n, False, record=False)
             outs, _ = evaluate(self.closed.jaxpr, [hooks.lift(c, None) for c in consts],
                                [hooks.lift(x, None) for x in leaves], jnp.zeros(n, jnp.float32), hooks, self.sites)
             return [o[1] for o in outs]
 
+        self.shadow_fn = shadow_only
         self.shadow = StrictJit(shadow_only)
 
     def run(self, args):
@@ -368,37 +379,104 @@ def _dtypes_of(eqn) -> list:
             if getattr(getattr(a, "aval", None), "dtype", None) is not None and _floating(a.aval)]
 
 
-def _perturbed(step: Callable, sizes: Sequence[float]) -> Callable:
-    """``step`` (float32, ``-> (loss, grads)``) with random gradient noise of the policy's size.
+def _drift(run, ref) -> float:
+    """The relative gap of ``run``'s mean loss to ``ref``'s over the last half of training.
 
-    Gradient leaf ``i`` gets relative noise of RMS ``sizes[i]`` (the policy run's measured
-    gradient error on the first step), unbiased and fresh each step: a float32 run with the
-    rounding noise of the half run but none of its systematic error. Seeded: reproducible.
+    ``run``, ``ref``: ``[k+1]`` loss trajectories (index ``k``: after the last step). The mean
+    over steps ``k//2 .. k`` rather than the last loss: a run that overfits a batch at a high
+    learning rate oscillates from step to step, and one step's loss says more about the phase
+    of the oscillation than about the precision.
     """
-    scale = jnp.asarray(np.asarray(sizes, np.float32) * np.sqrt(3.0))  # uniform(-1, 1) has RMS 1/sqrt(3)
-    key = [jax.random.key(0)]
-
-    @jax.jit
-    def noisy(grads, k):
-        leaves, tree = jax.tree_util.tree_flatten(grads)
-        keys = jax.random.split(k, max(len(leaves), 1))
-        out = [g * (1 + scale[i] * jax.random.uniform(keys[i], jnp.shape(g), g.dtype, -1.0, 1.0))
-               if _floating(g) else g for i, g in enumerate(leaves)]
-        return jax.tree_util.tree_unflatten(tree, out)
-
-    def run(params, *rest):
-        key[0], k = jax.random.split(key[0])
-        loss, grads = step(params, *rest)
-        return loss, noisy(grads, k)
-
-    return run
+    run, ref = np.asarray(run, np.float64), np.asarray(ref, np.float64)
+    h = (len(ref) - 1) // 2
+    base = float(np.mean(ref[h:]))
+    gap = abs(float(np.mean(run[h:])) - base) / max(abs(base), 1e-30)
+    return gap if np.isfinite(gap) else float("inf")
 
 
-def _grad_errors(prog: "_Program", args) -> list[float]:
-    """Per gradient leaf, the policy run's relative error against the float32 shadow on ``args``."""
-    p, s, _, _ = prog.run(args)
-    g_tree = jax.tree_util.tree_unflatten(prog.out_tree, list(zip(p, s)))[1]
-    return [_relerr(*pair) for pair in jax.tree_util.tree_leaves(g_tree, is_leaf=lambda x: isinstance(x, tuple))]
+def _leaf_relerr(a, b):
+    """Relative error of ``a`` against ``b`` (float32; 0 where ``b`` is zero or not finite)."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    den = jnp.sqrt(jnp.sum(jnp.square(b)))
+    e = jnp.sqrt(jnp.sum(jnp.square(a - b))) / jnp.maximum(den, jnp.finfo(jnp.float32).tiny)
+    return jnp.where(jnp.isfinite(e), e, 0.0)
+
+
+def _perturb(params, rel: float, seed: int):
+    """``params`` with each floating element times ``1 + rel * uniform(-1, 1)`` (seeded)."""
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.key(seed), max(len(leaves), 1))
+    return jax.tree_util.tree_unflatten(tree, [
+        (x * (1 + rel * jax.random.uniform(k, jnp.shape(x), jnp.float32, -1.0, 1.0))).astype(x.dtype)
+        if _floating(x) else x for k, x in zip(keys, leaves)])
+
+
+def _train_all(prog: "_Program", step: Callable, params, rest: tuple, steps: int, tx, half):
+    """The policy run and its float32 shadow, ``steps`` optimizer steps each, with their noise twins.
+
+    Four runs from the same parameters on the same inputs, two lanes each side:
+    the policy run and the policy run from parameters perturbed by half an ulp of ``half``
+    (rounding-size noise); the float32 shadow and a float32 shadow from the same perturbed
+    parameters whose gradients get, at every step, fresh random relative noise as large as the
+    policy run's error on that gradient leaf at the first step. The twins measure how far
+    rounding-size noise moves each training in ``k`` steps (chaotic training: far; a systematic
+    loss such as a narrowed bias: the twins stay with their run). ``half`` None: no twins' noise.
+
+    Two step programs (policy; float32 shadow), each with its optimizer update, compiled once and
+    called ``steps + 1`` times per lane.
+
+    Returns:
+      ``(policy params, losses [steps+1, 4])``, the columns policy, policy twin, float32, float32
+      twin; row ``steps`` holds the losses after the last step.
+    """
+    rel = float(jnp.finfo(half).eps) / 2 if half is not None else 0.0
+    twin = _perturb(params, rel, 1)
+
+    def update(loss, g, o, q):
+        u, o = tx.update(g, o, q)
+        return jnp.asarray(loss, jnp.float32), g, apply_updates(q, u), o
+
+    def policy_step(q, o):
+        return update(*step(q, *rest), o, q)
+
+    def shadow_step(q, o, sizes, key, consts):
+        loss, g = jax.tree_util.tree_unflatten(
+            prog.out_tree, prog.shadow_fn(consts, jax.tree_util.tree_leaves((q, *rest))))
+        leaves, tree = jax.tree_util.tree_flatten(g)
+        keys = jax.random.split(key, max(len(leaves), 1))
+        # uniform(-1, 1) has RMS 1/sqrt(3): the noise's RMS is the measured error
+        leaves = [(x * (1 + np.sqrt(3.0) * sizes[j] * jax.random.uniform(keys[j], jnp.shape(x), jnp.float32, -1, 1))
+                   ).astype(x.dtype) if _floating(x) else x for j, x in enumerate(leaves)]
+        return update(loss, jax.tree_util.tree_unflatten(tree, leaves), o, q)
+
+    # Two programs, each compiled once and called per lane: not vmapped (a batched convolution is
+    # a grouped one, which XLA's CPU backend runs far slower at the debugger's fast compile).
+    run_p, run_s = StrictJit(policy_step), StrictJit(shadow_step)
+    consts = list(prog.closed.consts)
+    pol = [[params, tx.init(params)], [twin, tx.init(twin)]]
+    f32 = [[params, tx.init(params)], [twin, tx.init(twin)]]
+    n_leaves = len(jax.tree_util.tree_leaves(params))
+    zero = sizes = jnp.zeros((n_leaves,), jnp.float32)
+    rows = []
+    for i in range(steps + 1):
+        row, g0 = [], None
+        for lane in pol:
+            loss, g, q, o = run_p(*lane)
+            g0 = g if g0 is None else g0
+            row.append(float(loss))
+            if i < steps:
+                lane[:] = [q, o]
+        for k, lane in enumerate(f32):
+            key = jax.random.fold_in(jax.random.key(k), i)
+            loss, g, q, o = run_s(lane[0], lane[1], zero if k == 0 or half is None else sizes, key, consts)
+            if i == 0 and k == 0:  # the policy run's gradient error at the first step, per leaf
+                sizes = jnp.asarray([float(_leaf_relerr(a, b)) for a, b in
+                                     zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g))], jnp.float32)
+            row.append(float(loss))
+            if i < steps:
+                lane[:] = [q, o]
+        rows.append(row)
+    return pol[0][0], np.asarray(rows, np.float64)
 
 
 def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, steps: int = 0,
@@ -461,27 +539,25 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
     prog = _Program(step, args, attribute=has_loss)
     losses, losses_f = (), ()
     eval_args = args
-    noise = float("nan")
+    noise = drift = float("nan")
+    losses_noise = ()
     tx = None
     if steps:
         import optax
 
         tx = optax.adam(1e-3) if optimizer is None else optimizer
-        rest = args[1:]
-        params_p, losses = train(StrictJit(step), args[0], rest, steps, tx)
-
-        def f32_step(params, *r):
-            outs = prog.shadow_outputs((params, *r))
-            return jax.tree_util.tree_unflatten(prog.out_tree, outs)
-
-        params_f, losses_f = train(f32_step, args[0], rest, steps, tx)
+        rest = tuple(args[1:])
+        half = _half_dtype(prog.sites)
+        params_p, ls = _train_all(prog, step, args[0], rest, steps, tx, half)
+        losses, losses_f = tuple(ls[:steps, 0]), tuple(ls[:steps, 2])
+        loss_f = float(ls[steps, 2])
         eval_args = (params_p, *rest)
-        loss_f = float(jax.tree_util.tree_leaves(f32_step(params_f, *rest))[0])
-        if _half_dtype(prog.sites) is not None:
-            sizes = [e if np.isfinite(e) else 0.0 for e in _grad_errors(prog, args)]
-            params_n, _ = train(_perturbed(f32_step, sizes), args[0], rest, steps, tx)
-            loss_n = float(jax.tree_util.tree_leaves(f32_step(params_n, *rest))[0])
-            noise = abs(loss_n - loss_f) / max(abs(loss_f), 1e-30)
+        drift = _drift(ls[:, 0], ls[:, 2])
+        if half is not None:
+            # How far rounding-size noise moves each training: the float32 twin from the float32
+            # run, the policy twin from the policy run. Chaotic training moves both far.
+            noise = max(_drift(ls[:, 3], ls[:, 2]), _drift(ls[:, 1], ls[:, 0]))
+            losses_noise = (tuple(ls[:, 1]), tuple(ls[:, 3]))
     p, s, errs, contrib = prog.run(eval_args)
     loss = float(p[0]) if has_loss else float("nan")
     if not steps:
@@ -501,8 +577,9 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
         ops = tuple(sorted(((site, float(errs[site.index]), float(contrib[site.index])) for site in prog.sites.sites),
                            key=lambda r: (-abs(r[2]), -r[1])))
     report = ShadowReport(tuple(mods), loss, loss_f, grads, ops, steps, tuple(losses), tuple(losses_f),
-                          None, 0.0, None if policy is None else str(policy), noise)
+                          None, 0.0, None if policy is None else str(policy), noise, drift, losses_noise)
     if fix and has_loss and mods and mods[0].path and np.isfinite(loss):
+        scoped = any(site.path == mods[0].path and not site.from_param for site in prog.sites.sites)
         report = dataclasses.replace(report, fix=suggest_fix(fn, args, policy, mods[0].path, report.loss_error,
-                                                             report.loss_float32, steps, tx))
+                                                             report.loss_float32, steps, tx, scoped))
     return dataclasses.replace(report, seconds=time.perf_counter() - t0)
