@@ -184,10 +184,13 @@ def _own_precision_code(path: str, params: Any = None) -> str:
     """The override for code that computes its own precision (the Flax door, its own casts)."""
     rel = door_path(path)
     where = param_prefix(params, rel) if params is not None else f"[{rel.split('/')[0]!r}]"
+    # default_rules() (O1's rules: demand promotion), not default_rules(policy): under O2's narrow
+    # promotion the float32 output of the module is rounded to half where it meets a half value,
+    # and the path rule alone closed 23% of the gap on the seeded schedule instead of 98%.
     return "\n".join([
         "# Flax door (Linen or NNX): a path rule, e.g.",
         "model = jaxmp.flax.mixed_precision(",
-        f"    model, policy, rules=jaxmp.flax.default_rules(policy).with_path({rel!r}, \"float32\"))",
+        f"    model, policy, rules=jaxmp.flax.default_rules().with_path({rel!r}, \"float32\"))",
         *textwrap.wrap(f"your own casts (Policy.cast_to_compute, dtype=bfloat16): leave {rel!r} out of "
                        "them, its parameters and its input, e.g.", _FIT - 2,
                        initial_indent="# ", subsequent_indent="# ", break_long_words=False),
