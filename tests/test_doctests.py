@@ -96,17 +96,8 @@ def _unused_imports(test) -> list[str]:
     return sorted(name for name in bound if name not in used)
 
 
-#: Examples in modules other work of issue 38 rewrites (the rule vocabulary, the presets): they
-#: import more than they use today. The list only shrinks.
-UNUSED_IMPORTS_KNOWN = {
-    "jaxmp.engine.regions.region", "jaxmp.engine.regions.float32_region", "jaxmp.engine.regions.half_inputs", "jaxmp.engine.config.resolve_config",
-    "jaxmp.engine.config.current", "jaxmp.engine.config.flax_config", "jaxmp.engine.rules.known_primitive_names",
-    "jaxmp.engine.rules.AutocastRules", "jaxmp.engine.rules.marker", "jaxmp.engine.rules.AutocastRules.with_half",
-    "jaxmp.engine.rules.AutocastRules.with_float32", "jaxmp.engine.rules.AutocastRules.with_follow",
-    "jaxmp.engine.rules.AutocastRules.with_scope", "jaxmp.engine.rules.AutocastRules.with_class",
-    "jaxmp.engine.rules.ModuleRules.rule_for", "jaxmp.engine.entry.engine_function",
-    "jaxmp.presets.preset_half_dtype",
-}
+#: Examples allowed to import more than they use: none. The list only shrinks.
+UNUSED_IMPORTS_KNOWN: set[str] = set()
 
 
 def test_every_docstring_example_imports_only_what_it_uses():

@@ -106,7 +106,7 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
       ValueError: an unknown preset or malformed policy string.
 
     Example:
-      >>> import jaxmp; from jaxmp.engine.config import current, flax_config, resolve_config
+      >>> from jaxmp.engine.config import resolve_config
       >>> resolve_config("O2-bf16", None).cast_inputs
       'weights'
     """
@@ -161,7 +161,7 @@ def current() -> AutocastConfig | None:
       ``jaxmp[keep]`` region such as a half-input kernel).
 
     Example:
-      >>> import jaxmp; from jaxmp.engine.config import current, flax_config, resolve_config
+      >>> from jaxmp.engine.config import current
       >>> current() is None
       True
     """

@@ -36,7 +36,7 @@ def engine_function(fn: Callable, config: _config.AutocastConfig, *, cast_output
       The engine function (``fn``'s signature).
 
     Example:
-      >>> import jax.numpy as jnp, jaxmp
+      >>> import jax.numpy as jnp
       >>> from jaxmp.engine.config import resolve_config; from jaxmp.engine.entry import engine_function
       >>> f = engine_function(lambda w, x: x @ w, resolve_config("O1-bf16", None), cast_outputs=False)
       >>> f(jnp.ones((2, 2)), jnp.ones((1, 2))).dtype

@@ -42,7 +42,7 @@ def region(dtype: DTypeLike) -> Callable[[Callable], Callable]:
       TypeError: ``dtype`` is not floating, ``"half"`` or ``"keep"``.
 
     Example:
-      >>> import jax, jax.numpy as jnp, jaxmp
+      >>> import jax.numpy as jnp, jaxmp
       >>> @jaxmp.autocast_region("float32")
       ... def head(x, w):
       ...     return x @ w
@@ -70,8 +70,7 @@ float32_region = region("float32")
 float32_region.__doc__ = """Decorator: the function's ops run in float32 under autocast (``region("float32")``).
 
 Example:
-  >>> import jax, jax.numpy as jnp, jaxmp
-  >>> import jax, jax.numpy as jnp, jaxmp
+  >>> import jax.numpy as jnp, jaxmp
   >>> @jaxmp.float32_region
   ... def head(x, w):
   ...     return x @ w
@@ -83,11 +82,9 @@ Example:
 def half_inputs(fn: Callable | None = None, *, dtype: DTypeLike | None = None) -> Callable:
     """Decorator for kernels that refuse float32 (cuDNN attention, fp8 dots, Pallas kernels).
 
-    The spirit of ``torch.amp.custom_fwd(cast_inputs=...)``: inside an autocast region the
-    function is *traced* with its floating inputs already in the compute dtype (or ``dtype``),
-    and the engine leaves its ops exactly as traced. Outside autocast it is called unchanged.
-    Because autocast's tracing context is part of ``jax.jit``'s cache key, a jitted kernel
-    traced inside autocast and called outside it later gets its own float32 trace.
+    Like ``torch.amp.custom_fwd(cast_inputs=...)``: under autocast the function is traced with its
+    floating inputs in the compute dtype (or ``dtype``) and its ops are left as traced; outside
+    autocast it is called unchanged. See docs/autocast.md#half-only-kernels-and-attention.
 
     Args:
       fn: the function (or use ``@half_inputs(dtype=...)``).
@@ -97,7 +94,7 @@ def half_inputs(fn: Callable | None = None, *, dtype: DTypeLike | None = None) -
       The wrapped function.
 
     Example:
-      >>> import jax, jax.numpy as jnp, jaxmp
+      >>> import jax.numpy as jnp, jaxmp
       >>> @jaxmp.half_inputs
       ... def kernel(q, k):
       ...     assert q.dtype != jnp.float32, "half only"
@@ -155,11 +152,9 @@ def _check_accumulate(total: Any, delta: Any) -> None:
 def accumulate(total: PyTree, delta: PyTree) -> PyTree:
     """``total + delta`` computed in ``total``'s dtype under autocast: an explicit accumulator.
 
-    autocast finds a loop's accumulators itself when a carry is used only by the add chain that
-    makes its next value (see docs/autocast.md). When the carry is also read elsewhere, as in
-    an ODE step ``y = y + h * f(y)`` whose ``y`` also feeds ``f``, the rule cannot see it: write
-    the update as ``jaxmp.accumulate(y, h * f(y))`` and the add runs in ``y``'s dtype (float32)
-    while ``f`` keeps its own rules. Outside autocast it is ``total + delta.astype(total.dtype)``.
+    For a loop carry autocast cannot see is an accumulator (it is also read elsewhere, as ``y`` in
+    ``y = y + h * f(y)``). Outside autocast it is ``total + delta.astype(total.dtype)``.
+    See docs/autocast.md#control-flow-differentiation-and-parallelism.
 
     Args:
       total: the running value (e.g. a float32 loop carry); a pytree of arrays.

@@ -181,20 +181,9 @@ class AutocastRules:
     doors take it (``rules=``); [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] gives the Flax door's per-preset
     starting point (matmul layers ``"half"``, norm layers ``"float32"``).
 
-    **Promotion** (``promote``) decides the dtype of an op that follows its inputs when their
-    floating dtypes differ:
-
-    * ``"demand"`` (default; O1): a float32 value meeting a half one computes in float32 where
-      float32 is needed: where the result flows, through ops that follow, into a float32-list
-      op, an output or loop carry, or an op the rules do not type. Otherwise (the result only
-      feeds matmuls) it is narrowed. A bias add feeding a layer norm or the logits is float32.
-    * ``"narrow"`` (O2): a float32 *input or constant* meeting a half value takes the half
-      dtype (a bias add after a bf16 matmul stays bf16).
-    * ``"widest"``: ``torch.autocast``'s rule for every op, the widest input wins.
-
-    Under each, the *result of a float32-list op* stays float32 and promotes what it meets
-    (``x - mean(x)`` of a layer norm runs in float32), and Python scalars and plain float32
-    scalars never decide. docs/autocast.md has the measured cost of each rule.
+    ``promote`` decides an op that follows inputs of different floating dtypes: ``"demand"``
+    (O1: float32 where a float32 value is needed downstream), ``"narrow"`` (O2: half wins) or
+    ``"widest"`` (``torch.autocast``'s rule). See docs/autocast.md#the-promotion-rule-ops-that-follow.
 
     Attributes:
       half_ops: primitive names run in the compute dtype.
@@ -206,18 +195,13 @@ class AutocastRules:
       scope_rules: ``((pattern, dtype), ...)``: ops under a ``jax.named_scope`` whose name
         matches the glob ``pattern`` run in ``dtype`` (``"float32"``, ``"half"``, a dtype, or
         ``"keep"``: as traced).
-      class_rules: ``((module_class, dtype), ...)``: calls of instances of that class (Flax
-        Linen / NNX, Equinox, Haiku; subclasses too) run in ``dtype``. Under autocast the ops
-        inside run in it; the Flax door, which owns the params, also casts the layer's params
-        and inputs (``"half"``: the policy's compute dtype; ``"float32"``: float32, output back
-        in the input's dtype). The Flax door also takes a [`jaxmp.Policy`][jaxmp.Policy] (the class runs
-        under its own policy).
-      path_rules: ``((glob, "float32"), ...)`` (Flax door): the module at a matching path
-        (joined by ``"/"``, relative to the wrapped model; `fnmatch.fnmatchcase`, ``*``
-        also crosses ``/``) and everything under it run in float32; beats class rules.
-      fp8_matmuls: None or a `jaxmp.fp8` recipe: half-list matmuls run as scaled fp8 dots
-        (E4M3 operands, E5M2 cotangents). Autocast takes ``CurrentScaling`` only (delayed
-        scaling keeps state across steps); the Flax door takes both (the ``O2-fp8`` presets).
+      class_rules: ``((module_class, dtype), ...)``: calls of instances of that class (and
+        subclasses) run in ``dtype``; the Flax door also casts the layer's params and inputs, and
+        takes a [`jaxmp.Policy`][jaxmp.Policy] as the dtype.
+      path_rules: ``((glob, "float32"), ...)`` (Flax door): the module at a matching path and
+        everything under it run in float32; beats class rules.
+      fp8_matmuls: None or a `jaxmp.fp8` recipe for the half-list matmuls (autocast takes
+        ``CurrentScaling`` only; the Flax door takes both).
       float32_loss: the Flax door's train steps compute the loss on float32 logits.
       fused_attention: the Flax door runs attention modules with Flax's default attention
         through [`jaxmp.flax.fused_attention`][jaxmp.flax.fused_attention] (cuDNN on GPUs, a float32 softmax elsewhere).
@@ -360,9 +344,8 @@ class AutocastRules:
     def with_class(self, cls: type, dtype: Any) -> "AutocastRules":
         """Copy where every call of a module of class ``cls`` (or a subclass) runs in ``dtype``.
 
-        Works for Flax Linen and NNX, Equinox and Haiku modules, whatever the instance is called.
-        A later rule for the same class replaces an earlier one; ``"follow"`` takes the class's
-        rule off (it then follows its inputs).
+        Flax Linen and NNX, Equinox and Haiku modules. A later rule for the same class replaces
+        an earlier one; ``"follow"`` takes the class's rule off.
 
         Args:
           cls: the module class, e.g. ``flax.linen.LayerNorm``.
@@ -382,11 +365,9 @@ class AutocastRules:
     def with_path(self, pattern: str, dtype: DTypeLike = "float32") -> "AutocastRules":
         """Copy where the module at ``pattern`` (and everything under it) runs in float32 (Flax door).
 
-        The per-layer route for one layer of a class that runs in half, e.g. the output head.
-        ``pattern`` is a glob (`fnmatch.fnmatchcase`; ``*`` crosses ``/`` too) on the module
-        path joined by ``"/"``, relative to the wrapped model: Linen ``module.path``
-        (``"decoder/head"``), NNX attribute paths (``"layers/2"``). The module runs as a
-        ``"float32"`` class rule does; a path rule beats class rules.
+        ``pattern`` is a glob (``*`` crosses ``/`` too) on the module path joined by ``"/"``,
+        relative to the wrapped model (Linen ``"decoder/head"``, NNX ``"layers/2"``); a path rule
+        beats class rules. See docs/guides/flax-linen.md#choosing-what-runs-in-float32.
 
         Args:
           pattern: a module path or glob, e.g. ``"decoder/head"``, ``"*/logits"``.
@@ -645,7 +626,6 @@ class ModuleRules:
           A `jaxmp.engine.rules.ModuleRule`, or None.
 
         Example:
-          >>> import numpy as np
           >>> from jaxmp.engine.rules import ModuleRule, ModuleRules
           >>> rules = ModuleRules(classes=((int, ModuleRule(None, None, action="region", region="float32")),))
           >>> rules.rule_for(True).region, rules.rule_for(1.0)
