@@ -101,7 +101,6 @@ def preset_half_dtype(device: jax.Device | None = None) -> np.dtype:
       ``bfloat16`` or ``float16`` as a numpy dtype.
 
     Example:
-      >>> import jax
       >>> from jaxmp.presets import preset_half_dtype
       >>> str(preset_half_dtype()) in ("float16", "bfloat16")
       True
