@@ -1,38 +1,9 @@
 """Run an unmodified Linen module under a precision policy and its rules (class and path rules).
 
-How it works (no edit to the model, nothing patched, one trace, no float32 rehearsal):
-
-1. The rules compile to the engine's module rules (``AutocastRules.module_rules(policy)``) and
-   ``apply`` runs the model once, inside [`jaxmp.autocast`][jaxmp.autocast]'s engine, under the engine's
-   Linen interceptor (`jaxmp.engine.modules.module_interceptor`, pushed on Flax's
-   thread-local interceptor stack): the floating inputs of every ruled module go to its
-   compute dtype and its outputs as the rule says (float32 modules hand back their input's
-   dtype).
-2. The ``params`` collection is cast *by path* before ``apply``
-   (`jaxmp.flax.casting.cast_by_path`): each param takes the compute dtype of the
-   nearest ruled module above it (float32 under a ``BatchNorm``, the policy's compute dtype
-   elsewhere). Which module owns which param is recorded by ``init`` (and by any ``apply``
-   that meets a ruled module not seen before, which then runs once more with the right casts).
-   A layer therefore sees half inputs and half params when it is traced: kernels that refuse
-   float32 (cuDNN attention, fp8 dots, Pallas) work. The casts are ``astype`` in the caller's
-   trace, so gradients come back to the stored (float32 master) params.
-3. Float32 modules and per-class policies run inside ``jaxmp[<dtype>]`` regions; the engine's
-   op lists decide the rest (the softmax of Flax's attention and every reduction in float32
-   under O1; pure half under O2/O3 outside norms).
-4. Attention modules with Flax's default attention, and the fp8 layers of an fp8 policy, are
-   called as a clone bound to the same scope with [`jaxmp.flax.fused_attention`][jaxmp.flax.fused_attention] (routed to
-   cuDNN on GPUs) or the fp8 op as their field: the module itself is never modified.
-5. Model inputs are cast to the policy's compute dtype and outputs to its output dtype.
-
-A half-list module built with ``dtype=float32`` runs in half like the others (Flax casts back to
-float32 and the engine's half list narrows the matmul); the interceptor notes its path and the
-first ``apply`` that reaches it emits one [`jaxmp.MixedPrecisionWarning`][jaxmp.MixedPrecisionWarning] per wrapped model.
-Modules matching a path rule (``AutocastRules.with_path(pattern, "float32")``) get the float32 rule.
-
-Only the ``params`` collection is cast; ``batch_stats`` and other collections are passed
-through untouched (BatchNorm statistics stay float32). ``init`` stores each param in its rule's
-param dtype. A param is created and read in the same ``init`` call, so a layer that refuses a
-float32 param is initialised in a second pass, with the params created so far passed in, cast.
+``apply`` runs the model once inside the engine, under the engine's Linen interceptor, with the
+``params`` collection cast by path to each module's rule; ``init`` stores each param in its
+rule's param dtype. Nothing is patched and the module is never modified.
+See docs/design.md#the-linen-door.
 """
 
 from __future__ import annotations
@@ -218,9 +189,8 @@ class MixedPrecision:
              **kwargs) -> PyTree:
         """Initialises the module; params are stored in their rule's param dtype.
 
-        Params under float32-list modules stay float32; params under a per-class policy
-        take its param dtype; all others take the policy's param dtype (float32 for O1,
-        half for O2/O3). Other collections (``batch_stats``) are left as Flax made them.
+        Float32 modules keep float32 params; other collections (``batch_stats``) are left as
+        Flax made them.
 
         Args:
           rngs: a PRNG key or a dict of them, as for ``module.init``.
@@ -243,7 +213,7 @@ class MixedPrecision:
         rng_dict = rngs if isinstance(rngs, dict) else {"params": rngs}
         compute = np.dtype(self.policy.compute_dtype)
         rules = dict(self._known_rules())
-        known = None  # the params created by earlier passes, uncast (see the module docstring)
+        known = None  # the params created by earlier passes, uncast (see docs/design.md#the-linen-door)
         for _ in range(_MAX_INIT_PASSES):
             call = _Call(self.policy, self.rules, init=True)
             try:

@@ -1,30 +1,8 @@
 """Run an unmodified Flax NNX model under a precision policy and its rules (class and path rules).
 
-NNX has no method interceptors, but its modules are plain Python objects, so each call
-works on a throw-away copy of the model:
-
-1. ``nnx.split`` the model into params and the rest; cast every param to the compute
-   dtype of its nearest ruled module (float32 under a norm). The cast happens inside the
-   caller's trace, so ``nnx.grad`` returns gradients for the stored params in their own
-   (float32 master) dtype.
-2. ``nnx.merge`` a copy, inside [`jaxmp.autocast`][jaxmp.autocast]'s engine: the call is traced once,
-   in the policy's dtypes, and the engine's op lists decide what the module rules leave open
-   (softmax and reductions in float32 under O1). Non-param variables (``BatchStat``, RNG
-   counters, sown intermediates) come back from the traced call and update the model, so
-   running statistics stay float32.
-3. In the copy, each ruled module's class is swapped for a cached subclass whose
-   ``__call__`` casts inputs and outputs; float32 modules and per-class policies run inside
-   ``jaxmp[<dtype>]`` engine regions (visible in profiles and jaxprs). Attention modules get
-   [`jaxmp.flax.fused_attention`][jaxmp.flax.fused_attention]. The user's model is never modified.
-4. Model inputs go to the compute dtype, outputs to the output dtype.
-
-Only ``__call__`` is wrapped: other public methods of ruled modules (e.g. ``Embed.attend``)
-run with cast params but uncast inputs.
-
-Rules are looked up by graph path (``nnx.iter_graph``, joined by ``/``) and class: a path rule
-(``AutocastRules.with_path``) beats class rules. Half-list layers built with
-``dtype=float32`` run in half; [`MixedPrecision`][jaxmp.flax.nnx.MixedPrecision] warns once, when it is built, naming them
-(`overridden_float32`); [`call`][jaxmp.flax.nnx.call] once per model object.
+Each call runs a throw-away ``nnx.merge`` copy with cast params inside the engine; the ruled
+classes carry the engine's once-installed ``__call__`` hook. The user's model is never modified;
+its running statistics are updated. See docs/design.md#the-nnx-door.
 """
 
 from __future__ import annotations
@@ -156,8 +134,7 @@ def store_params(model: nnx.Module, policy: PolicyLike, rules: AutocastRules | N
                  overrides: Any = None) -> nnx.Module:
     """Casts the model's params in place to their storage dtype (policy or per-module rule).
 
-    Params under float32-list modules stay float32, params under a per-class policy take
-    its param dtype, all others the policy's param dtype. A no-op for O1 (float32 params).
+    Float32 modules keep float32 params; a no-op for O1.
 
     Args:
       model: the NNX model (modified in place).
@@ -193,10 +170,7 @@ def _is_half(model: nnx.Module, policy: Policy, rules: AutocastRules):
 def _prepare(copy: nnx.Module, policy: Policy, rules: AutocastRules) -> dict[int, ModuleRule]:
     """Gives the throw-away copy its attention / fp8 ops; returns ``{id(module): rule}`` for the engine hooks.
 
-    The copy is private to this call (``nnx.merge`` inside the trace), so setting its fields
-    touches nothing the user holds. The rules are applied by the engine's once-installed
-    ``__call__`` hook (`jaxmp.engine.modules.install_call_hooks`), which reads them for
-    this thread's trace only.
+    The copy is private to this call, so setting its fields touches nothing the user holds.
     """
     if rules.fp8_matmuls is not None and not isinstance(rules.fp8_matmuls, fp8.DelayedScaling):
         install_nnx_fp8(copy, rules.fp8_matmuls, _is_half(copy, policy, rules))  # stateless: per call
@@ -298,9 +272,8 @@ def _call(model: nnx.Module, policy: Policy, rules: AutocastRules, args: tuple, 
 class MixedPrecision(nnx.Module):
     """An NNX model run under a policy; train it like any NNX module.
 
-    The wrapped model sits at ``self.model`` (so state paths gain a ``model`` prefix).
-    On construction its params are cast in place to their storage dtype
-    ([`store_params`][jaxmp.flax.nnx.store_params]: float32 for O1, half except norms for O2).
+    The wrapped model sits at ``self.model``; its params are cast in place to their storage
+    dtype on construction ([`store_params`][jaxmp.flax.nnx.store_params]).
 
     Args:
       model: the NNX model.
@@ -319,9 +292,6 @@ class MixedPrecision(nnx.Module):
       >>> metrics = jaxmp.flax.nnx.train_step(model, optimizer, (jnp.ones((2, 4)), jnp.array([0, 2])))
       >>> metrics["last_step_finite"]
       Array(True, dtype=bool)
-
-    Under an ``O2-fp8`` policy (delayed scaling) the layers' matmuls get [`jaxmp.flax.fp8.NnxFp8Op`][jaxmp.flax.fp8.NnxFp8Op]
-    ops holding [`jaxmp.flax.fp8.Fp8State`][jaxmp.flax.fp8.Fp8State] variables; [`train_step`][jaxmp.flax.nnx.train_step] updates them.
     """
 
     def __init__(self, model: nnx.Module, policy: PolicyLike, rules: AutocastRules | None = None, *,
@@ -379,13 +349,8 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
                axis_name: AxisName | None = None, **model_kwargs) -> dict[str, jax.Array]:
     """One supervised step for an NNX model with an ``nnx.Optimizer`` around ``jaxmp.loss_scaling``.
 
-    The model is split into pure state and run through the shared step builder
-    (`jaxmp.step.make_step`, beside the Linen step in `jaxmp.flax.steps`): the loss is scaled by the optimizer's current loss scale
-    and differentiated, the optimizer's transform unscales / checks / skips / adjusts and steps
-    the params in one fused update, and a skipped step is exact: params, ``BatchStat`` running
-    statistics, fp8 scaling state and ``optimizer.step`` stay bitwise unchanged
-    (``optimizer.step`` counts applied steps only; RNG counters keep moving). With master
-    weights the params are the exact cast of the float32 master. Call it inside ``nnx.jit``.
+    A skipped step is exact: params, ``BatchStat`` statistics, fp8 state and ``optimizer.step``
+    stay bitwise unchanged. Call it inside ``nnx.jit``. See docs/design.md#the-train-step.
 
     Args:
       model: the model (usually a [`MixedPrecision`][jaxmp.flax.nnx.MixedPrecision]); updated in place.
@@ -394,18 +359,14 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
         ``labels``/``label``/``y``.
       loss_fn: ``loss_fn(logits, labels) -> scalar``; default
         [`jaxmp.flax.softmax_cross_entropy`][jaxmp.flax.softmax_cross_entropy] (mean, integer or one-hot labels).
-      axis_name: a bound ``pmap``/``shard_map`` axis: gradients, metrics and the floating
-        model state (``BatchStat`` statistics; a leaf equal on every replica is kept exactly)
-        are averaged over it, and each replica folds its axis index into the model's RNG keys
-        for the forward pass, so dropout masks differ between replicas while the stored keys
-        and counters stay replicated (build the transform with the same ``axis_name``).
+      axis_name: a bound ``pmap``/``shard_map`` axis: gradients, metrics and floating model
+        state are averaged over it, and each replica folds its index into the RNG keys (build
+        the transform with the same ``axis_name``).
       **model_kwargs: forwarded to ``model(inputs, ...)``.
 
     Returns:
-      A `jaxmp.step.StepMetrics` (the keys of every jaxmp step, plus ``accuracy``): ``loss``,
-      ``accuracy``, ``loss_scale`` (the scale this step's loss was multiplied by),
-      ``last_step_finite`` (whether the step was applied; ``"finite"``, its old name, still
-      reads with a DeprecationWarning), ``consecutive_skips``, ``total_skips``.
+      The step metrics of every jaxmp step plus ``accuracy``: ``loss``, ``accuracy``,
+      ``loss_scale``, ``last_step_finite``, ``consecutive_skips``, ``total_skips``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax

@@ -1,23 +1,8 @@
 """The Flax door's rules: its per-preset defaults, and the deprecated ``PrecisionOverrides``.
 
-The Flax door takes the one rule object of the engine, [`jaxmp.AutocastRules`][jaxmp.AutocastRules]
-(``mixed_precision(model, policy, rules=...)``). [`default_rules`][jaxmp.flax.default_rules] gives its
-per-preset starting point, NVIDIA AMP's lists at the granularity Flax gives (module classes):
-
-* ``"half"`` class rules: matmuls and convolutions -- ``Dense``, ``DenseGeneral``, ``Conv``,
-  ``ConvTranspose``, ``ConvLocal``, ``Einsum``, attention (Linen) and ``Linear``,
-  ``LinearGeneral``, ``Conv``, ``ConvTranspose``, ``Einsum``, ``MultiHeadAttention`` (NNX):
-  params and inputs cast to the compute dtype.
-* ``"float32"`` class rules (the ``"norm"`` category): ``BatchNorm``, ``LayerNorm``,
-  ``GroupNorm``, ``RMSNorm``, ``InstanceNorm``: params, statistics and arithmetic in float32,
-  the output back in the input's dtype.
-* everything else follows its inputs; the op lists (float32 softmax and reductions with the
-  ``"softmax"`` category) decide inside, as under [`jaxmp.autocast`][jaxmp.autocast].
-
-The policy wins over a half layer's own ``dtype=float32`` (wrapping a model is the request for
-mixed precision): such layers run in half and the wrapper warns once, naming them. Path rules
-(``rules.with_path("decoder/head", "float32")``) and class rules
-(``rules.with_class(MyNorm, "float32")``) keep chosen layers in float32.
+[`default_rules`][jaxmp.flax.default_rules] gives the door's starting [`jaxmp.AutocastRules`][jaxmp.AutocastRules]:
+`DEFAULT_HALF_MODULES` in half, `DEFAULT_NORM_MODULES` in float32, everything else follows.
+See docs/guides/flax-linen.md#choosing-what-runs-in-float32.
 """
 
 from __future__ import annotations
@@ -162,10 +147,8 @@ def default_rules(policy: PolicyLike = "O1", keep_float32: Iterable[str] | None 
       policy: a preset (``"O1"``, ``"O2-fp16"``, ``"O2-fp8"``, ``"mixed_bfloat16"``), a
         [`jaxmp.Recipe`][jaxmp.Recipe] or any policy (a bare policy keeps all three categories).
       keep_float32: the categories kept in float32, a subset of ``("norm", "softmax", "loss")``
-        (None: the preset's; O0 and O1 keep all three, O2 norm and loss, O3 none). ``"norm"``:
-        the norm classes get ``"float32"`` rules; ``"softmax"``: the engine's float32 op list
-        (softmax, reductions, transcendentals) applies, else none does and float32 operands
-        narrow (O2, O3); ``"loss"``: ``float32_loss``.
+        (None: the preset's). ``"norm"``: norm classes in float32; ``"softmax"``: the engine's
+        float32 op list applies; ``"loss"``: ``float32_loss``.
 
     Returns:
       An [`AutocastRules`][jaxmp.AutocastRules] (with the preset's fp8 recipe, if any).
@@ -257,21 +240,8 @@ def _deprecated(old: str, new: str) -> None:
 class PrecisionOverrides:
     """Deprecated: the Flax door's old rule object; use [`jaxmp.AutocastRules`][jaxmp.AutocastRules].
 
-    Kept for one release. Every spelling maps to one of the rules object (`to_rules`):
-
-    ==============================================  ==================================================
-    PrecisionOverrides                              AutocastRules
-    ==============================================  ==================================================
-    ``PrecisionOverrides.from_recipe(r)``           ``jaxmp.flax.default_rules(r)``
-    ``PrecisionOverrides.from_categories(c)``       ``jaxmp.flax.default_rules(keep_float32=c)``
-    ``.with_half(C)`` / ``.with_fp32(C)``           ``.with_class(C, "half")`` / ``.with_class(C, "float32")``
-    ``.with_policy(C, p)``                          ``.with_class(C, jaxmp.get_policy(p))``
-    ``.without(C)``                                 ``.with_class(C, "follow")``
-    ``.with_fp32_paths(p)``                         ``.with_path(p, "float32")``
-    ``fp32_softmax=False``                          ``float32_ops=frozenset(), promote="narrow"``
-    ``fp32_loss`` / ``fp8``                         ``float32_loss`` / ``fp8_matmuls``
-    ``.module_rules(policy)`` / ``.rule_at(...)``   ``.module_rules(policy)`` / ``.module_rules(policy).rule_at(...)``
-    ==============================================  ==================================================
+    Kept for one release; `to_rules` gives the same rules. The table of new spellings is in
+    docs/guides/flax-linen.md#from-precisionoverrides.
     """
 
     half_modules: tuple[type, ...] = DEFAULT_HALF_MODULES
