@@ -1,33 +1,7 @@
 """The engine: re-evaluates a jaxpr primitive by primitive, each op in the dtype its rule gives.
 
-Every value carries a few bits besides its array:
-
-* *strong* is set on the results of float32-list ops (and of anything computed in float32
-  from them), and on float32 accumulators of loops. The promotion rule reads it: a strong
-  float32 value promotes the half values it meets; a plain float32 value (an argument, a
-  constant) is narrowed to half, unless the rule is ``"demand"`` (O1) and the op's result is
-  needed in float32 (``float32_demand``: it flows into a float32-list op, an output or a
-  loop carry), or the rule is ``"widest"``.
-  A value converted from integers or booleans to float32 (``mask.astype(jnp.float32)``) is
-  float32 the program made itself, so it is strong too: a padding mask built from token ids
-  promotes the half scores it is added to, as ``torch.autocast`` promotes ``half + float``.
-* *const* is set on literals, closed-over constants and values computed only from them (a
-  boolean or integer operand does not count). Narrowing a constant saturates it to the half
-  type's finite range. A small concrete constant that the compute type cannot hold (beyond its
-  range, like ``jnp.finfo(jnp.float32).min`` or ``1e5`` in float16, or below its smallest
-  normal, like an epsilon of ``1e-8``) is strong instead: the ops it meets run in float32, so a
-  mask stays finite and an epsilon stays nonzero (`values.lost_in`). Data is never
-  saturated: an overflow must still reach the loss-scaling check.
-
-A first-order equation that repeats an earlier one of the same jaxpr (the same primitive,
-parameters, operands and name scopes, and no effects) is not emitted again: its outputs are the
-earlier ones. XLA merges such duplicates in the forward pass, but once differentiated each copy
-has its own transpose, so a model that writes ``h - mu`` twice (a layer norm) would otherwise
-pay for a second cotangent path, its casts included.
-
-Higher-order primitives are handled in `jaxmp.engine.control_flow`, which calls back
-into the `Interpreter` it is handed (it never imports this module: the values both
-use live in `jaxmp.engine.values`); every JAX internal is read through `jaxmp.engine.internals`.
+Higher-order primitives go to `jaxmp.engine.control_flow`; JAX internals are read through
+`jaxmp.engine.internals`. See docs/architecture.md#the-engines-interpreter.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """Module rules: the one place where "every LayerNorm in float32" is decided and applied.
 
-Linen's name stack holds module *names*, NNX has none and Equinox none either, so a rule such
-as "every LayerNorm in float32" cannot be a name pattern. Both front doors state such rules as
-data and compile them to one `ModuleRules` (class rules, most specific class wins, and
-path rules, which beat class rules):
-
-* [`jaxmp.autocast`][jaxmp.autocast]'s ``AutocastRules.class_rules`` become *region* rules: ops inside a
-  call of the class run in the rule's dtype (the engine reads the ``jaxmp[<dtype>]`` scope).
-* [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision]'s rules (compiled with the policy by
-  ``AutocastRules.module_rules(policy)``) become *casting* rules: the call's floating inputs and
-  the module's params go to the rule's compute dtype, float32 modules and per-class policies
-  also run in a region, and the output is cast as the rule says.
-
-`ModuleRules.rule_at` decides a module's rule; `call_with_rule` applies it. Two
-interceptors use them: `module_interceptor` for frameworks with method interceptors
-(Flax Linen, Haiku; their interceptor stacks are thread-local), and a marking ``__call__`` for
-NNX, Equinox and any other class, installed once per class and dispatching on the autocast
-trace of the running thread (`jaxmp.engine.config.current`, a per-thread state that is
-part of ``jax.jit``'s cache key). Nothing is patched per trace. Frameworks are only touched when
-already imported (nothing heavy is imported here).
+`ModuleRules.rule_at` decides a module's rule; `call_with_rule` applies it, through
+`module_interceptor` (Linen, Haiku) or a ``__call__`` hook installed once per class (NNX,
+Equinox, any class). See docs/architecture.md#module-rules.
 """
 
 from __future__ import annotations
