@@ -1,20 +1,9 @@
 """The one jaxpr reader: equations, sub-jaxprs, name stacks, source lines and re-binding.
 
-Every module of jaxmp that reads a traced program (the engine, ``fold``, ``traps``, the
-diagnostics) and the test helpers read it through this module, and only this module imports
-``jax.extend.core`` or touches a name stack (``tests/test_architecture.py`` checks it).
-
-Why a module of its own, beside the engine's seam (`jaxmp.engine.internals`) rather than the
-seam itself: ``fold`` and ``traps`` sit in the lowest layer, under the engine, and must read
-jaxprs too; the seam's other adapters (the parameters of ``scan``/``while``/``custom_vjp``/
-``shard_map``, jit-keyed config states, tracer kinds) are the engine's business alone. So the
-reading of jaxprs, which every layer needs, is here at the bottom; the engine's seam builds on it
-and re-exports what the engine used to find there (`scope_names`, `sub_jaxprs`, ``bind``...).
-
-What it gives: `equations` (one jaxpr's equations), `sub_jaxprs` (the jaxprs among an
-equation's parameters), `walk` (every equation, nested ones included, as an `Equation` with its
-primitive, parameters, avals, full name stack as data and source line), `bind` (an equation's
-primitive bound again on new operands, JAX's ``get_bind_params`` applied).
+Every module that reads a traced program, and the test helpers, read it through this module;
+only this module imports ``jax.extend.core`` or touches a name stack (tests/test_architecture.py
+checks it). It gives `equations`, `sub_jaxprs`, `walk` (every equation, nested ones included, as
+an `Equation`) and `bind`. See docs/architecture.md#the-jaxpr-reader.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """Folds the gradient unscaling into the optimizer's own reductions (sums of squares, max norms).
 
-The inner chain of [`jaxmp.loss_scaling`][jaxmp.loss_scaling] sees unscaled gradients ``u = g * (1/scale)``.
-Elementwise consumers of ``u`` (Adam's moments, the clip's division) fuse the multiply into
-their own pass, but a reduction such as ``clip_by_global_norm``'s ``sum(u**2)`` may not: on
-XLA:CPU the YNNPACK reduction takes its operand from memory, so ``u`` is written out once
-more and read back (+7% bytes on the overhead benchmark's MLP). Here every reduction whose
-operand is homogeneous in the inverse scale is evaluated on the scaled gradients instead::
-
-    sum((g * inv) ** 2)  ->  sum(g ** 2) * inv ** 2
-    max(|g * inv|)       ->  max(|g|) * inv
-
-Equivalence: for a power-of-two scale (every scale jaxmp's dynamic and default static scales
-take) both forms round identically, so the result is bitwise the same, unless a squared
-*scaled* gradient leaves float32's range (``|g * scale| > 1.8e19``), where the folded form
-overflows to inf (and, under a subnormal unscaled square, the folded form is the more exact).
-For another scale the two agree within a rounding of the product. The factor is applied one
-``1/scale`` at a time (``(red * inv) * inv``), never as ``inv ** k``, which would overflow for
-small scales. A scale below 1 is not folded at all (the caller decides, see
-the loss scale's ``fold_is_exact``): the *scaled* squares would underflow (XLA:CPU flushes
-subnormals to zero) where the unscaled ones do not. Only float32/float64 reductions are
-folded; half-precision arithmetic is never rewritten.
-
-`eval_folded` is ``jax.core.eval_jaxpr`` with that rewrite; nothing else changes.
+`eval_folded` is ``jax.core.eval_jaxpr`` with ``sum((g * inv) ** 2)`` evaluated as
+``sum(g ** 2) * inv * inv`` (and max norms likewise); bitwise the same for power-of-two scales.
+See docs/design.md#folding-the-unscale-into-reductions.
 """
 
 from __future__ import annotations

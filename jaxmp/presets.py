@@ -66,10 +66,8 @@ class Recipe(NamedTuple):
         into a loss-scale object.
       keep_float32: op categories (subset of ``("norm", "softmax", "loss")``) that run in
         float32 whatever the compute dtype.
-      fp8: None, or the `jaxmp.fp8` recipe (``DelayedScaling`` / ``CurrentScaling``) the
-        half list's matmuls and convolutions run with (the ``O2-fp8`` presets).
-      level: the Apex level the preset is (``"O0"``..``"O3"``; Keras ``float32`` is O0 and
-        ``mixed_*`` O1); None for a hand-made recipe, which autocast runs as a bare policy.
+      fp8: None, or the `jaxmp.fp8` recipe of the half list's matmuls (the ``O2-fp8`` presets).
+      level: the Apex level (``"O0"``..``"O3"``); None for a hand-made recipe.
     """
 
     name: str
@@ -91,8 +89,7 @@ class Recipe(NamedTuple):
 def preset_half_dtype(device: jax.Device | None = None) -> np.dtype:
     """The half dtype a preset without ``-bf16``/``-fp16`` uses: the hardware's fast one.
 
-    bfloat16 on TPU and on GPUs of compute capability >= 8.0, float16 elsewhere. (jmp's
-    ``half`` in the policy grammar keeps jmp's meaning: see [`jaxmp.half_dtype`][jaxmp.half_dtype].)
+    bfloat16 on TPU and on GPUs of compute capability >= 8.0, float16 elsewhere.
 
     Args:
       device: a ``jax.Device``; defaults to the first local device.
@@ -224,21 +221,9 @@ def resolve_policy(policy: PolicyLike) -> tuple[Policy, Recipe | None]:
 def get_recipe(name: str) -> Recipe:
     """Returns an Apex-style level or Keras policy name as a full [`Recipe`][jaxmp.Recipe].
 
-    Levels (``half`` is `preset_half_dtype` -- bfloat16 on TPU and Ampere+ GPUs, float16
-    elsewhere -- unless the name says ``-bf16`` / ``-fp16``):
-
-    * ``O0``: everything float32, no loss scaling.
-    * ``O1``: float32 params, half compute, float32 output; norms, softmax and the
-      loss in float32; dynamic loss scaling for float16 (none for bfloat16).
-    * ``O2``: half params with a float32 master copy in the optimizer, half compute,
-      float32 output; norms and the loss in float32; dynamic scaling for float16.
-    * ``O3``: pure half, no master weights, no loss scaling, nothing kept in float32.
-    * ``O2-fp8`` / ``O2-fp8-current``: O2-bf16 with the half list's matmuls and convolutions
-      in fp8 (E4M3 forward, E5M2 gradients) under delayed scaling (Transformer Engine's
-      defaults: history 1024, max, margin 0) or per-tensor current scaling. Emulated on CPU;
-      native on GPUs with fp8 Tensor Cores (see [`jaxmp.fp8.check_hardware`][jaxmp.fp8.check_hardware]).
-    * Keras: ``float32`` (= O0), ``mixed_float16`` / ``mixed_bfloat16`` (float32
-      params, half compute, float32 output; dynamic scaling for float16).
+    ``O0``-``O3``, ``O2-fp8`` / ``O2-fp8-current`` and the Keras names; without ``-bf16`` /
+    ``-fp16`` the half dtype is `preset_half_dtype`. The table of levels is in
+    docs/concepts.md#policies-and-presets.
 
     Args:
       name: the preset name.
@@ -267,11 +252,8 @@ def get_recipe(name: str) -> Recipe:
 def get_policy(policy_name: str) -> Policy:
     """Parses a policy string: jmp's grammar, Apex's O-levels or Keras's names.
 
-    jmp's grammar: ``"params=float32,compute=bfloat16,output=float32"`` with short keys
-    ``p``/``c``/``o``; unspecified params default to f32, compute follows params and
-    output follows compute; a bare dtype name (``"half"``, ``"f32"``) sets all three.
-    Presets: ``"O0"``..``"O3"`` (optionally ``"O2-bf16"``), ``"float32"``,
-    ``"mixed_float16"``, ``"mixed_bfloat16"`` -- see [`get_recipe`][jaxmp.get_recipe].
+    jmp's grammar (``"p=f32,c=bf16,o=f32"``; compute follows params, output follows compute;
+    a bare dtype name sets all three) or a preset (see [`get_recipe`][jaxmp.get_recipe]).
 
     Args:
       policy_name: the string.

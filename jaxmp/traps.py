@@ -1,26 +1,7 @@
 """Misuse that would train silently wrong: detected while tracing and reported once.
 
-Each check runs in Python at trace time (or in ``init``), so it costs nothing per step:
-
-* gradients that were never multiplied by the loss scale, given to a dynamic-scale transform
-  (``jax.grad`` instead of [`jaxmp.value_and_grad`][jaxmp.value_and_grad]): warn, eagerly and under ``jit``; the
-  evidence is a mark on the loss-scale object of the state (`ScaledMark`), no global state;
-* a float16 loss given to [`jaxmp.value_and_grad`][jaxmp.value_and_grad] with a loss scale: warn (its gradient
-  overflows float16 at any scale >= 2**16);
-* a float16 autocast region differentiated outside `jaxmp.value_and_grad` (no loss scale,
-  so small gradients flush to zero): warn when the differentiation is traced, once per trace;
-  the evidence is a context flag `jaxmp.value_and_grad` sets while it differentiates;
-* an optax chain whose transforms run before ``loss_scaling`` (they see scaled gradients): warn;
-* float16 params with loss scaling but no master copy (O2-fp16 without master weights,
-  where small updates round away), or bfloat16 params with neither a master copy nor
-  stochastic rounding when ``master_weights`` was not given (O2-bf16 without master weights): warn;
-* ``loss_scaling`` nested in ``loss_scaling`` (gradients unscaled twice): raise;
-* integer or boolean gradient leaves, which optax would treat as numbers: raise;
-* an inner update that multiplies by a NaN constant or by an inf one that reaches the updates
-  (an infinite clipping threshold under a select or max is fine), or a fresh optimizer state
-  holding NaN, or inf among its hyperparameters (a NaN learning rate, which float32 updates
-  would otherwise carry into the params unchecked; ``reduce_on_plateau``'s inf best value is
-  fine): raise.
+Each check runs in Python at trace time (or in ``init``), so it costs nothing per step. The
+list of traps and why each matters: see docs/reliability.md#traps-misuse-that-would-train-silently-wrong.
 """
 
 from __future__ import annotations
