@@ -1,22 +1,8 @@
 """Re-evaluating a traced program op by op, with a hook per op and a state carried through loops.
 
-The precision debugger (`jaxmp.diagnostics._locate`, `jaxmp.diagnostics._shadow`)
-needs to see every op of a step run on real data: which one produced the first inf, how far a
-half-precision value drifted from its float32 twin. It traces the step once to a jaxpr and
-re-runs that jaxpr here, binding each first-order primitive itself and calling a hook with its
-operands and results. The whole re-run is staged into one ``jax.jit``, so it costs about as much
-as the step, not one dispatch per op.
-
-Higher-order primitives are entered, not run opaquely: ``jit`` and friends, ``remat`` and the
-primal of ``custom_jvp``/``custom_vjp`` are inlined (their derivatives are already in a traced
-gradient); ``scan``, ``while`` and ``cond`` become ``lax.scan``/``while_loop``/``switch`` whose
-bodies are re-evaluated, with the hook's state threaded through the carry, so "the first" means
-first in execution order. Anything else (``shard_map``, custom kernels) is one op to the hook.
-
-Every op gets a `Site`: its primitive, module path (name scopes: Flax/Equinox/Haiku
-module scopes and ``jax.named_scope``), whether it belongs to the backward pass, the autocast
-rule that chose its dtype (in explain mode) and its source line. JAX internals are read through
-`jaxmp.engine.internals` only.
+Every op gets a `Site` (primitive, module path, backward or not, the autocast rule in explain
+mode, source line); the re-run is one ``jax.jit``. See
+docs/architecture.md#re-evaluating-a-step-the-precision-debugger.
 """
 
 from __future__ import annotations

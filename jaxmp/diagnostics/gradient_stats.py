@@ -1,22 +1,9 @@
 """Gradient range statistics: would these gradients survive float16 at a given loss scale?
 
-The statistics follow Micikevicius et al., "Mixed Precision Training" (ICLR 2018), Fig. 3: a
-histogram of log2|g| with the float16 limits drawn on it. Thresholds, applied to ``|g| * scale``
-(``g`` the unscaled gradient, ``scale`` the loss scale):
-
-* underflow: ``0 < |g| * scale < 2**-24`` (below float16's smallest subnormal: flushed to zero,
-  or, between 2**-25 and 2**-24, rounded up with no significant bits left);
-* subnormal: ``2**-24 <= |g| * scale < 2**-14`` (representable, with fewer than 10 significant bits);
-* overflow: ``|g| * scale > 65504`` (beyond float16's largest finite value).
-
-Zeros and non-finite values are counted separately and never as underflow or overflow;
-fractions are taken over all elements of a group, zeros included.
-
-Suggested static loss scale: the largest power of two ``S`` with
-``max|g| * S * headroom <= 65504``, i.e. ``S = 2**floor(log2(65504 / (headroom * max|g|)))``,
-clipped to ``[1, 2**24]`` (jaxmp's loss-scale bounds). ``headroom`` (default 8, three binades)
-leaves room for gradients that grow between the measured step and later ones. Maximising the
-scale under the overflow constraint is what minimises underflow.
+Thresholds on ``|g| * scale`` (Micikevicius et al., ICLR 2018, Fig. 3): underflow below
+``2**-24``, subnormal below ``2**-14``, overflow above 65504. The suggested static scale is the
+largest power of two ``S`` with ``max|g| * S * headroom <= 65504``, clipped to ``[1, 2**24]``.
+See docs/diagnostics.md#would-the-gradients-survive-float16.
 """
 
 from __future__ import annotations
