@@ -1,17 +1,8 @@
 """The precision engine behind ``jaxmp.autocast``: op-level mixed precision for any JAX function.
 
-Layers (imports flow downwards, no cycle; tests/test_architecture.py checks it): ``entry``
-(the public ``autocast`` and ``engine_function``, which start the canary) -> ``contract`` (the
-contract as checks, the canary) -> ``api`` (tracing and caching an engine function) ->
-``interpreter`` -> ``control_flow`` (the engine) -> ``values``; ``unscaled`` (the warning for a
-float16 program differentiated with no loss scale, used by ``api``) -> ``values``; ``regions``, ``modules``,
-``attention`` (marking regions while tracing) -> ``config`` (policy -> settings, tracing
-context) -> ``rules`` (the op lists as data).
-
-The public names of the engine are top-level (``jaxmp.autocast``, ``jaxmp.AutocastRules``, the
-regions); this namespace adds only the op lists and the tested JAX versions. The seams the Flax
-integration and the diagnostics use are internal: import them from their modules
-(``jaxmp.engine.entry``, ``jaxmp.engine.config``, ...), which may change without notice.
+The public names are top-level (``jaxmp.autocast``, ``jaxmp.AutocastRules``, the regions); this
+namespace adds the op lists and the tested JAX versions. Its modules are internal seams that may
+change without notice. Layers: see docs/architecture.md#the-path-of-a-call.
 """
 
 from jaxmp import _deprecations

@@ -1,12 +1,8 @@
 """``jax.nn.dot_product_attention`` inside autocast: the fused kernel in half, or a safe fallback.
 
-While autocast traces a function, calls through ``jax.nn.dot_product_attention`` are routed
-here: query, key and value go to the compute dtype; on a GPU the cuDNN fused kernel runs
-(float32 softmax accumulation, no [T, T] score tensor in memory); where cuDNN is missing or
-refuses the call (CPU, shapes, dtypes, an unsupported mask or bias) JAX's XLA attention runs
-with the same half inputs, which computes the logits and the softmax in float32. Only calls
-that look the function up on ``jax.nn`` at call time are caught (``jax.nn.dot_product_attention(...)``);
-code that imported the function object earlier can route itself with [`jaxmp.half_inputs`][jaxmp.half_inputs].
+Calls through ``jax.nn.dot_product_attention`` get half query, key and value: cuDNN where it takes
+them, else JAX's XLA attention (float32 logits and softmax).
+See docs/autocast.md#half-only-kernels-and-attention.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The resolved settings of one [`jaxmp.autocast`][jaxmp.autocast] call, and the tracing context.
 
-`jaxmp.engine.config.AutocastConfig` is what a policy argument means under autocast (see the preset
-table in `jaxmp.engine.config.resolve_config`). The tracing context is a JAX config state that is part of
-``jax.jit``'s cache key: code traced inside an autocast region (a half-input kernel, routed
-attention) gets its own cache entry, so the same jitted function called outside autocast
-afterwards runs as written, in float32.
+The tracing context is a JAX config state in ``jax.jit``'s cache key, so a jitted function traced
+inside autocast and called outside it later gets its own (float32) trace.
 """
 
 from __future__ import annotations
@@ -38,12 +35,8 @@ class AutocastConfig:
         (none: O1), ``"weights"`` (those whose every use is a half-list op: O2) or ``"all"`` (O3).
       rules: the [`jaxmp.AutocastRules`][jaxmp.AutocastRules].
       identity: the region changes nothing (O0, or a float32 compute dtype).
-      modules: the compiled module rules (`jaxmp.engine.modules.ModuleRules`): the rules'
-        class rules as regions under autocast, as casting rules under the Flax front door
-        (``AutocastRules.module_rules``). The once-installed module hooks read them from the
-        running trace's config.
-      front_door: the config of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision], which intercepts Linen
-        modules itself (the engine only installs the class hooks).
+      modules: the compiled module rules (`jaxmp.engine.rules.ModuleRules`) the module hooks read.
+      front_door: the config of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision].
     """
 
     name: str
@@ -74,24 +67,9 @@ def _warn_pure_half(policy: str, compute: np.dtype) -> None:
 def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     """Turns autocast's ``policy`` / ``rules`` arguments into an `jaxmp.engine.config.AutocastConfig`.
 
-    ======  ==================================================================================
-    preset  under autocast
-    ======  ==================================================================================
-    O0      identity: every op as traced (float32)
-    O1      half list in half, float32 list in float32, the rest follows; arguments as given;
-            outputs float32
-    O2      as O1, and weights (arguments whose every use is a half-list op) are cast to
-            half once, on entry; other floating arguments (running statistics, biases, norm
-            scales) enter as passed and are narrowed at their uses, so state stays float32
-    O3      pure half: no float32 list, arguments cast on entry, outputs half
-    ======  ==================================================================================
-
-    A preset without ``-bf16``/``-fp16`` takes the platform's half dtype, as
-    [`jaxmp.get_policy`][jaxmp.get_policy] does. A [`jaxmp.Policy`][jaxmp.Policy] (or jmp string / ``jmp.Policy``)
-    acts as O1 with its compute and output dtypes, casting arguments on entry when its param
-    dtype is half. A bare half dtype name (``"fp16"``, ``"bf16"``, ``"half"``) is jmp's pure-half
-    policy and is kept so, with a ``MixedPrecisionWarning`` naming ``"O1-fp16"``/``"O1-bf16"``,
-    which is what ``torch.autocast``'s ``"fp16"`` means.
+    O0 is the identity, O1 casts per op, O2 also casts the weights on entry, O3 is pure half; a
+    [`jaxmp.Policy`][jaxmp.Policy] acts as O1 with its dtypes. A bare half dtype name (``"fp16"``) is
+    jmp's pure half and warns. See docs/autocast.md#presets-under-autocast.
 
     Args:
       policy: a preset name, policy string, [`jaxmp.Policy`][jaxmp.Policy], ``jmp.Policy`` or
@@ -171,10 +149,8 @@ def current() -> AutocastConfig | None:
 def flax_config(policy: Policy, rules: AutocastRules) -> AutocastConfig:
     """The engine settings of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision] for a policy and its rules.
 
-    The class and path rules compile with the policy to casting module rules
-    (``AutocastRules.module_rules(policy)``, applied by `jaxmp.engine.modules`); the engine
-    applies the op lists, scope rules and promotion. fp8 is the door's own (it swaps the
-    layers' dot ops), so the engine's ``fp8_matmuls`` stays off.
+    Class and path rules compile to casting module rules; fp8 is the door's own, so the
+    engine's ``fp8_matmuls`` stays off.
 
     Args:
       policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].

@@ -1,13 +1,8 @@
 """What a user can rely on from [`jaxmp.autocast`][jaxmp.autocast], as checks that run on any install.
 
-Each check traces a small program and reads the dtypes of its ops off the jaxpr; none of
-them runs a computation bigger than a few dozen elements. Three users:
-
-* the tests (``tests/test_autocast_contract.py``), which require every check to hold and
-  render the composition table in docs/autocast.md;
-* ``python -m jaxmp.selfcheck``, which runs them on the user's JAX and prints what holds;
-* the canary: on a JAX newer than every version CI tests, the first autocast function built runs
-  `canary` and warns, naming the JAX version, when a rule is not honoured.
+Each check traces a small program and reads its ops' dtypes off the jaxpr. The tests,
+``python -m jaxmp.selfcheck`` and the canary (on a JAX newer than every tested one) run them.
+See docs/autocast.md#what-you-can-rely-on.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """How the engine enters higher-order primitives: jit, scan, while, cond, remat, custom_jvp,
 custom_vjp and shard_map.
 
-Each body is interpreted under the same rules (its name stack extends the enclosing one, so
-regions reach inside). Loop carries and the outputs of ``cond`` keep their *traced* dtype:
-a float32 carry stays float32 across iterations; values flowing into the next op are
-narrowed by that op's rule as usual.
-
-*Accumulators.* A floating loop carry that is used only by the chain of ``add``/``sub``/
-``mul``/``div`` ops that makes its next value (a sum, a mean, an EMA, gradient accumulation,
-the cotangent a transposed scan accumulates for a float32 parameter) enters the body as a
-strong value: its chain runs in the carry's dtype, so 2,000 small additions into a float32
-carry are float32 additions. A carry used by anything else (a hidden state fed to a matmul, a
-residual stream) is not an accumulator and costs nothing extra.
+Bodies run under the same rules; loop carries and ``cond`` outputs keep their traced dtype, and a
+carry used only by the add chain that makes its next value is an accumulator kept in its dtype.
+See docs/autocast.md#control-flow-differentiation-and-parallelism.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The engine's public entry points: [`autocast`][jaxmp.autocast] and `jaxmp.engine.entry.engine_function`.
 
-Both build an engine function (`jaxmp.engine.api`). The first one built in a process on
-a JAX newer than every tested one runs the canary of `jaxmp.engine.contract` and warns
-about a rule the new JAX breaks; on a tested JAX that costs one cached call. The canary's
-check programs are built one layer down (`jaxmp.engine.api.build`), so they never start
-the canary again, and the contract and the engine functions do not import each other.
+Both build an engine function (`jaxmp.engine.api`); the first one built on a JAX newer than every
+tested one runs the canary of `jaxmp.engine.contract`. See docs/autocast.md#tracing-and-caching.
 """
 
 from __future__ import annotations
@@ -49,18 +46,10 @@ def engine_function(fn: Callable, config: _config.AutocastConfig, *, cast_output
 def autocast(fn: Callable, policy: PolicyLike = "O1", *, rules: AutocastRules | None = None) -> Callable:
     """Op-level mixed precision for any JAX function, like ``torch.autocast``.
 
-    Returns a function with ``fn``'s signature that runs each primitive of ``fn`` in the dtype
-    its rule gives: matmuls and convolutions (the half list) in the compute dtype; exp, log,
-    pow, erf, sqrt/rsqrt and every reduction (the float32 list) in float32; everything else
-    follows its inputs (see [`jaxmp.AutocastRules`][jaxmp.AutocastRules] for the promotion rule). It works on
-    the traced program, so it sees every op of plain JAX, Flax, Equinox or Haiku code, inside
-    ``jit``, ``scan``, ``while_loop``, ``cond``, ``remat``, ``custom_jvp``/``custom_vjp`` and
-    ``shard_map``, and it composes with ``jit``, ``grad``, ``vmap`` and the rest in any order.
-
-    Floating outputs come back in the policy's output dtype (float32 for O1/O2); gradients with
-    respect to float32 inputs are float32. Integer, boolean, PRNG-key and non-array arguments
-    pass through untouched. The function is traced once per input signature (like ``jax.jit``:
-    closed-over arrays are captured at trace time); eager calls run a cached compiled program.
+    Each primitive of ``fn`` runs in the dtype its rule gives: the half list (matmuls,
+    convolutions) in the compute dtype, the float32 list (transcendentals, reductions) in
+    float32, the rest follows its inputs. Traced once per input signature, like ``jax.jit``;
+    composes with ``jit``, ``grad`` and ``vmap``. See docs/autocast.md#what-you-can-rely-on.
 
     Args:
       fn: the function.

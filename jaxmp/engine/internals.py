@@ -1,17 +1,9 @@
 """The one seam between the engine and JAX's internals.
 
-The engine reads jaxprs, and jaxprs expose details that JAX changes between releases: the
-parameters of ``scan``/``while``/``cond``/``custom_jvp``/``custom_vjp``/``shard_map``, the
-primitive that inlines a call (``closed_call`` became ``eval_jaxpr``), jit-keyed config states,
-tracer kinds. Every such access lives here (or, for reading a jaxpr, in `jaxmp._jaxpr` under
-it), behind a named adapter, so a new JAX release is two files to read. An adapter that finds a parameter missing raises
-`JaxInternalsError` naming the parameter and the JAX version, never a ``KeyError``
-deep inside a trace.
-
-Reading a jaxpr (its equations, sub-jaxprs, name stacks, source lines, re-binding an equation)
-is `jaxmp._jaxpr`'s, the layer below, which every reader of jaxprs shares; this module
-re-exports what the engine reads from it. Only these two modules import ``jax._src``, and only
-`jaxmp._jaxpr` imports ``jax.extend.core`` (tests/test_architecture.py checks both).
+Every access to what JAX changes between releases (the parameters of ``scan``/``while``/``cond``/
+``custom_jvp``/``custom_vjp``/``shard_map``, the call-inlining primitive, jit-keyed config states,
+tracer kinds) lives here behind a named adapter; reading jaxprs is `jaxmp._jaxpr`'s, re-exported
+here. A missing parameter raises `JaxInternalsError` naming it and the JAX version.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """A warning for float16 regions differentiated with no loss scale.
 
-float16's smallest subnormal is 6e-8: the gradients of a float16 region flush to zero unless the
-loss is multiplied by a loss scale first (often every one of them, with no error). A float16
-autocast program passes its floating inputs through an identity with a custom JVP rule
-(`watch`); JAX runs the rule only when it differentiates the program, whichever way
-(``grad`` outside or inside ``jit``, a ``scan`` body, ``jax.linearize``), and the rule warns
-(`jaxmp.traps.unscaled_fp16_grad`) unless `jaxmp.value_and_grad` is the one
-differentiating. Under ``jit`` the identity costs nothing; it is installed for float16 only.
+A float16 autocast program passes its floating inputs through an identity with a custom JVP
+(`watch`) that warns when JAX differentiates it, unless `jaxmp.value_and_grad` is the one
+differentiating (float16 gradients below 6e-8 flush to zero).
 """
 
 from __future__ import annotations
