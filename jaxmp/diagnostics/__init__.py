@@ -1,19 +1,9 @@
 """Diagnostics: where does mixed precision help, and where could it hurt?
 
-* [`precision_report`][jaxmp.diagnostics.precision_report.precision_report] -- dtypes, FLOPs and Tensor-Core eligibility of every matmul and
-  convolution of a (jitted) step, read off its jaxpr; risky and missed half-precision ops.
-* [`gradient_stats`][jaxmp.diagnostics.gradient_stats.gradient_stats] -- log2|g| histograms per parameter group and float16
-  underflow/overflow fractions at a loss scale; a suggested static scale; a PNG plot.
-* [`input_pipeline_overhead`][jaxmp.diagnostics.input_pipeline_overhead] -- exposed data-loading time and the speed-up cap it implies.
-* the precision debugger ([When half precision goes wrong](../debugging.md)): `locate_non_finite` names the first op that
-  made inf/NaN from finite inputs; `compare_to_float32` ranks modules by the error of a
-  float32 shadow run and writes the override that fixes the top one; `strict_precision`
-  raises where a float32-list op runs in half outside autocast.
-
-Modules: ``precision_report`` (the report), ``jaxpr_walk`` (finding ops in a jaxpr and its
-sub-jaxprs), ``_matmul`` (GEMM geometry and FLOPs), ``gradient_stats``, ``input_pipeline`` and
-``_format`` (tables); the debugger's ``_evaluate`` (op-by-op re-evaluation), ``_locate``,
-``_shadow``, ``_fix`` and ``_strict``. None of them imports matplotlib, rich or TensorFlow at import time.
+`precision_report` (dtypes, FLOPs, Tensor-Core eligibility of every matmul), `gradient_stats`
+(float16 underflow/overflow at a loss scale), `input_pipeline_overhead` (exposed data time) and
+the precision debugger (`locate_non_finite`, `compare_to_float32`, `strict_precision`).
+See docs/diagnostics.md and docs/debugging.md.
 """
 
 from jaxmp import _deprecations

@@ -1,12 +1,8 @@
 """The fix written for the top offender of `jaxmp.diagnostics.compare_to_float32`, measured.
 
-Under ``jaxmp.autocast`` the fix is a scope rule that keeps the module's ops in float32
-(``AutocastRules.with_scope(name, "float32")``, which matches the module's name-stack component
-whatever the framework: Flax, Equinox, Haiku scopes or ``jax.named_scope``). It is applied,
-re-run (and re-trained for a k-step comparison) and its error measured against the same float32
-shadow, with the share of matmul FLOPs it moves out of half precision. For code that computes
-its own precision (the Flax door, ``Policy.cast_to_compute``), the override is written but not
-applied: the function cannot be rebuilt from outside.
+Under ``jaxmp.autocast`` the fix is a scope rule (``with_scope(name, "float32")``), applied and
+measured against the same float32 shadow; for code that computes its own precision it is written
+but not applied. See docs/debugging.md#the-fix-written-and-measured.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """GEMM geometry of ``dot_general`` and ``conv_general_dilated``: M/N/K, FLOPs, Tensor-Core shape rule.
 
-Everything here is a pure function of shapes and dimension numbers, so each count can be checked
-by hand:
-
-* ``dot_general``: ``B`` = product of the batch dims, ``M`` = product of the lhs free dims,
-  ``N`` = product of the rhs free dims, ``K`` = product of the contracting dims;
-  FLOPs = ``2 * B * M * N * K`` (one multiply and one add per multiply-accumulate).
-* ``conv_general_dilated`` as the implicit GEMM cuDNN runs: ``M`` = output batch x output
-  spatial positions, ``N`` = output channels, ``K`` = input channels per group x kernel
-  spatial size; FLOPs = ``2 * M * N * K`` = 2 x (output elements) x (MACs per output element).
-  Padding and dilation zeros are counted like real values, as a GEMM would.
-
-Tensor-Core shape rule (NVIDIA's guideline for fp16/bf16, also used for fp8 here): for a
-matmul, ``M``, ``N`` and ``K`` (batch size, output size, input size of a linear layer) are
-multiples of 8; for a convolution, the input and output channel counts per group are.
+Pure functions of shapes and dimension numbers: FLOPs are ``2 * B * M * N * K`` (a convolution as
+its implicit GEMM), and Tensor-Core eligible means multiples of 8. The formulas are in
+docs/diagnostics.md#does-the-step-actually-compute-in-half-precision-on-shapes-tensor-cores-like.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """A float32 shadow run, ranked by module, and the override that fixes the top offender.
 
-`compare_to_float32` traces the step as the policy runs it and re-evaluates that program
-twice in one jitted pass (`jaxmp.diagnostics._evaluate`): once as traced, and once as its
-*float32 shadow*, the same ops with every floating value in float32 (half casts become no-ops,
-half matmuls float32 ones). The shadow is the float32 run of the very same program, so every op
-of the policy run has its float32 twin, whatever front door produced it (``jaxmp.autocast``, the
-Flax door, ``Policy.cast_to_compute``, ``dtype=bfloat16`` layers, O3).
-
-Per op it measures the relative error of the policy's value against its twin, and, when the
-function returns a scalar loss, how much of the loss error each op's own rounding causes: the
-first-order estimate ``<dL/dy_i, delta_i>``, with ``delta_i`` the rounding of op ``i`` on exact
-(shadow) inputs and ``dL/dy_i`` the float32 loss's sensitivity to its output. Relative errors
-accumulate downstream and so cannot say where they come from; the attribution does, and ranks.
+`compare_to_float32` re-evaluates the step's program twice in one jitted pass: as traced and as
+its float32 shadow, and ranks ops by their share of the loss error (``<dL/dy_i, delta_i>``).
+See docs/debugging.md#a-float32-shadow-run-ranked-by-module.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Strict mode: tracing raises where an op of the policy's float32 list runs in half precision.
 
-Under ``jaxmp.autocast`` the engine forces the float32 list itself. Strict mode is for code that
-does not go through it: jmp-style ``Policy.cast_to_compute``, Flax layers built with
-``dtype=bfloat16``, ``half_inputs`` kernels, O3, rules that put an op in half. It reads the
-program once per input signature and raises `StrictPrecisionError` at the first risky
-op, naming it, its module path and source line.
-
-*Risky* is the one definition of `jaxmp.diagnostics.jaxpr_walk.classify_risk`, which
-`jaxmp.precision_report` uses too. The two differ in what they do with it: the report
-*lists* risky ops as advice (and only sums over ``reduction_threshold`` elements or more);
-strict mode *raises*, on any size, but only for primitives the policy's float32 list covers
-(a policy that allows an op in half is obeyed), and it lets through what autodiff generates
-and cannot lose precision on: sums of 0/1 masks (the derivative of ``max``/``min`` counts
-ties, jax-ml/jax#38885) and the backward pass's sums that transpose a forward broadcast (a
-bias gradient; the forward op was checked already).
+For code outside ``jaxmp.autocast`` (``Policy.cast_to_compute``, ``dtype=bfloat16`` layers,
+``half_inputs`` kernels, O3). Risky is `jaxmp.diagnostics.jaxpr_walk.classify_risk`'s definition,
+shared with the precision report. See docs/debugging.md#strict-mode-the-policys-float32-list-enforced-outside-autocast.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Input-pipeline overhead: how much of a step's wall time is spent waiting for data.
 
-The method of NVIDIA's mixed-precision guide ("Analyzing the data pipeline"): time ``N`` steps
-fed by the real iterator (*total time*), then ``N`` steps that reuse one preloaded batch
-(*model time*); the difference is the *exposed* data time, what the pipeline fails to hide
-behind compute. JAX dispatches asynchronously, so each timed loop ends with
-``jax.block_until_ready`` on the state (never inside the loop, which would forbid the overlap
-real training gets), and warm-up steps (compilation) are excluded.
-
-If a fraction ``f`` of the time is exposed data time, making compute infinitely fast leaves
-``f``: Amdahl's law caps the speed-up of any compute change, mixed precision included, at
-``1 / f``.
+NVIDIA's method: ``N`` steps fed by the iterator against ``N`` steps on one preloaded batch; the
+exposed fraction ``f`` caps any compute speed-up at ``1 / f``.
+See docs/diagnostics.md#how-much-can-faster-compute-help-at-all.
 """
 
 from __future__ import annotations

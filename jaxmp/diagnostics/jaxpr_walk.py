@@ -1,18 +1,8 @@
 """Walking a jaxpr: every matmul/conv with its GEMM geometry, and the risky half-precision ops.
 
-Sub-jaxprs are walked recursively (``scan``, ``cond``, ``while``, ``remat``,
-``custom_vjp``/``custom_jvp``, nested ``jit``, ``shard_map`` ...). Counting rules, which the
-totals of [`jaxmp.PrecisionReport`][jaxmp.diagnostics.PrecisionReport] depend on:
-
-* ``scan``: the body's FLOPs are multiplied by ``length`` (nested scans multiply).
-* ``cond``: every branch is listed, but only the costliest branch counts towards totals
-  (one execution takes one branch); the others have ``counted=False``.
-* ``while``: the trip count is unknown at trace time, so the body is counted once and the
-  count of such loops is returned. ``fori_loop`` with static bounds is a ``scan``.
-* ``shard_map`` / ``pmap`` bodies see per-device shapes, so their FLOPs are per device.
-
-Risk detection works on the data flow inside each (sub-)jaxpr: which eqn produces and which
-consumes each variable.
+Sub-jaxprs are walked recursively; ``scan`` bodies count ``length`` times, only the costliest
+``cond`` branch counts, a ``while`` body counts once. The counting rules are in
+docs/diagnostics.md#does-the-step-actually-compute-in-half-precision-on-shapes-tensor-cores-like.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Precision report: which matmuls and convolutions of a step run in which dtype.
 
-The report is read off the jaxpr (what ``jax.make_jaxpr`` prints), so it needs no GPU and no
-real data: ``jax.ShapeDtypeStruct`` arguments are enough. The jaxpr is the program before XLA:
-XLA may fuse or reorder ops but does not change the operand dtypes a ``dot_general`` asks for,
-which is what this report is about.
-
-For each ``dot_general`` / ``conv_general_dilated`` (found by `jaxmp.diagnostics.jaxpr_walk`,
-sub-jaxprs included) it records operand and accumulation dtypes, shapes, FLOPs (see
-`jaxmp.diagnostics._matmul` for the hand-checkable formulas) times the trip count of
-enclosing ``scan`` loops, and whether the op is Tensor-Core eligible. It lists *risky*
-half-precision ops (exp/log/pow, softmax-like exp->sum, large sums, the loss in half precision)
-and *missed* ones (float32 matmuls in a step whose policy computes in half precision), and
-bounds the speed-up with Amdahl's law.
+Read off the jaxpr, so ``jax.ShapeDtypeStruct`` arguments are enough: dtypes, FLOPs and
+Tensor-Core eligibility per matmul, risky and missed half-precision ops, an Amdahl bound.
+See docs/diagnostics.md#does-the-step-actually-compute-in-half-precision-on-shapes-tensor-cores-like.
 """
 
 from __future__ import annotations
