@@ -1,17 +1,9 @@
 """The table of moved names: every name that left a public namespace, and where it is now.
 
-Data, read by one small ``__getattr__`` per namespace (`module_getattr`). Each row is
-``(old place, new place, status)``:
-
-* ``MOVED``: the name is public at its new place; the old one still works for one release and
-  warns (``DeprecationWarning``) with the new place.
-* ``INTERNAL``: the name left the public API (an implementation seam, or a helper no guide
-  uses); the old place still works for one release and warns with where the implementation
-  lives now, which may change without notice.
-* ``REMOVED``: the old place is gone; it raises an ``AttributeError`` that names the new place.
-
-CHANGELOG.md lists every row (tests/test_api_surface.py checks that it does, and that every
-``MOVED``/``INTERNAL`` row warns and resolves to the very object at its new place).
+Each row is ``(old place, new place, status)``, read by one ``__getattr__`` per namespace
+(`module_getattr`): ``MOVED`` and ``INTERNAL`` warn for one release, ``REMOVED`` raises an
+``AttributeError`` naming the new place. CHANGELOG.md lists every row (tests/test_api_surface.py
+checks it).
 """
 
 from __future__ import annotations
