@@ -65,12 +65,9 @@ def unscaled_fp16_grad(where: str) -> bool:
 class ScaledMark:
     """Whether a loss-scale object has multiplied a loss: a static field of the loss scales.
 
-    ``LossScale.scale`` sets it on the loss-scale object of the state (an attribute of that very
-    object, nothing kept per process); ``update`` reads it on the state it is given. Being a
-    static field, it travels wherever the state is flattened and rebuilt -- into ``jit``
-    arguments, ``lax.cond`` operands (``optax.MultiSteps``), ``scan`` carries -- while every
-    mark compares and hashes equal, so it never changes a tree structure or a ``jit`` cache key.
-    ``adjust`` returns the next scale unmarked: the mark says "this step's loss was scaled".
+    ``LossScale.scale`` sets it, ``update`` reads it, ``adjust`` returns the next scale unmarked.
+    Every mark compares and hashes equal, so it never changes a tree structure or a ``jit`` cache
+    key. See docs/reliability.md#gradients-that-were-never-scaled-how-they-are-detected.
     """
 
     __slots__ = ("scaled",)

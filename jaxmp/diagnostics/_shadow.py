@@ -475,11 +475,9 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
                        per_op: bool = False, grad: bool | None = None, fix: bool = True) -> ShadowReport:
     """Runs ``fn`` under a policy and as its float32 shadow on the same inputs; ranks modules by error.
 
-    Both runs evaluate the same traced program (see the module docstring), so this works for
-    any front door: give ``policy`` to run ``fn`` (float32 code) under ``jaxmp.autocast(fn,
-    policy)``, or leave it None when ``fn`` already computes in its precision (a Flax-door model,
-    ``Policy.cast_to_compute``, ``dtype=bfloat16`` layers). ``jit``, ``scan``, ``remat``, ``cond``
-    and ``while`` inside ``fn`` are entered.
+    Both runs evaluate the same traced program, so any front door works: give ``policy`` to run
+    float32 code under ``jaxmp.autocast``, or None when ``fn`` computes in its own precision.
+    See docs/debugging.md#a-float32-shadow-run-ranked-by-module.
 
     Args:
       fn: ``fn(params, *batch) -> loss`` (a floating scalar first); any other function is

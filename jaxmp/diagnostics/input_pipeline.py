@@ -85,12 +85,8 @@ def input_pipeline_overhead(step_fn: Callable, state: PyTree, batches: Iterable,
                             ) -> PipelineOverhead:
     """Measures the exposed input-pipeline time of a training loop (NVIDIA's two-loop method).
 
-    ``warmup`` batches are drawn and stepped first (compilation, caches); the last of them is
-    kept as the preloaded batch and, with ``device_put``, moved to the device once, so the model
-    loop times compute alone while the real loop also pays for the iterator and host-to-device
-    copies. State is threaded through every step, so steps that donate their state work. With
-    ``repeats > 1`` both loops are timed that many times and the minimum of each is kept, which
-    filters out noise from other processes.
+    The last warm-up batch is the preloaded one; state is threaded through every step (donating
+    steps work). See docs/diagnostics.md#how-much-can-faster-compute-help-at-all.
 
     Args:
       step_fn: ``step_fn(state, batch) -> state`` (or ``(state, aux)`` with ``has_aux=True``).

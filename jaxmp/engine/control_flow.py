@@ -24,7 +24,7 @@ _ADDS = frozenset({"add", "add_any", "sub"})
 
 
 def accumulators(jaxpr: Any, carry_in: Sequence[int], carry_out: Sequence[int]) -> list[bool]:
-    """Which carries of a loop body are accumulators (see the module docstring).
+    """Which carries of a loop body are accumulators (see docs/autocast.md#control-flow-differentiation-and-parallelism).
 
     Args:
       jaxpr: the loop body.
