@@ -24,7 +24,9 @@ _ADDS = frozenset({"add", "add_any", "sub"})
 
 
 def accumulators(jaxpr: Any, carry_in: Sequence[int], carry_out: Sequence[int]) -> list[bool]:
-    """Which carries of a loop body are accumulators (see docs/autocast.md#control-flow-differentiation-and-parallelism).
+    """Which carries of a loop body are accumulators.
+
+    See docs/autocast.md#control-flow-differentiation-and-parallelism.
 
     Args:
       jaxpr: the loop body.
