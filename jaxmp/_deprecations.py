@@ -4,11 +4,19 @@ Each row is ``(old place, new place, status)``, read by one ``__getattr__`` per 
 (`module_getattr`): ``MOVED`` and ``INTERNAL`` warn for one release, ``REMOVED`` raises an
 ``AttributeError`` naming the new place. CHANGELOG.md lists every row (tests/test_api_surface.py
 checks it).
+
+`MODULES` lists the implementation modules that became private (``jaxmp.transform`` ->
+``jaxmp._transform``): importing an old module path still works for one release through a
+meta-path finder that warns and hands back the private module itself. A module path whose name
+its package also uses for a public function (``jaxmp.diagnostics.precision_report``) has no alias.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -20,6 +28,13 @@ REMOVED = "removed"
 REMOVAL = "0.2.0"
 
 _P = "jaxmp.parallel"
+
+# Old module path -> the private module it is now: one release of warning aliases (kept in sync
+# with the package by the maintainers' privatize script; edit by hand only to drop rows at removal).
+# --- modules: begin ---
+MODULES: tuple[tuple[str, str], ...] = (
+)
+# --- modules: end ---
 
 TABLE: tuple[tuple[str, str, str], ...] = (
     # --- jaxmp: names with a home in a subpackage --------------------------------------------
@@ -131,6 +146,8 @@ TABLE: tuple[tuple[str, str, str], ...] = (
     ("jaxmp.transform.scaling_stats", "jaxmp.scaling_stats", REMOVED),
     ("jaxmp.transform.skipped_steps", "jaxmp.skipped_steps", REMOVED),
     ("jaxmp.transform.find_loss_scaling_state", "jaxmp.opt_state.find_loss_scaling_state", REMOVED),
+    # --- implementation modules that became private (MODULES above) -------------------------
+    *((old, new, INTERNAL) for old, new in MODULES),
 )
 
 
@@ -139,13 +156,20 @@ def _split(path: str) -> tuple[str, str]:
     return module, name
 
 
-def rows_for(module: str) -> dict[str, tuple[str, str]]:
-    """``{name: (new place, status)}`` for the names that left ``module``."""
+def old_names(module: str) -> tuple[str, ...]:
+    """``module`` and the old paths it had before it became private (`MODULES`)."""
+    return (module, *(old for old, new in MODULES if new == module))
+
+
+def rows_for(module: str) -> dict[str, tuple[str, str, str]]:
+    """``{name: (old module, new place, status)}`` for the names that left ``module`` (under its
+    present path or an old one)."""
+    names = old_names(module)
     out = {}
     for old, new, status in TABLE:
         old_module, name = _split(old)
-        if old_module == module:
-            out[name] = (new, status)
+        if old_module in names:
+            out[name] = (old_module, new, status)
     return out
 
 
@@ -156,7 +180,7 @@ def resolve(path: str) -> Any:
     name in its package (``jaxmp.diagnostics.precision_report``) is still reached.
     """
     parts = path.split(".")
-    for i in range(len(parts) - 1, 0, -1):
+    for i in range(len(parts), 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:i]))
         except ImportError:
@@ -191,8 +215,8 @@ def module_getattr(module: str) -> Callable[[str], Any]:
         # stacklevel: the warning names the line that read the attribute (3 when called through
         # another __getattr__, as jaxmp's own).
         if name in rows:
-            new, status = rows[name]
-            text = message(f"{module}.{name}", new, status)
+            old_module, new, status = rows[name]
+            text = message(f"{old_module}.{name}", new, status)
             if status == REMOVED:
                 raise AttributeError(f"module {module!r} has no attribute {name!r}: {text}")
             warnings.warn(text, DeprecationWarning, stacklevel=stacklevel)
@@ -200,3 +224,36 @@ def module_getattr(module: str) -> Callable[[str], Any]:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves the old paths of `MODULES`: ``import jaxmp.transform`` warns and binds the private
+    module itself under the old name, so every object is the same as at its new place."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        new = dict(MODULES).get(fullname)
+        if new is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        new = dict(MODULES)[spec.name]
+        # stacklevel: past importlib's frames to the user's import line.
+        warnings.warn(message(spec.name, new, INTERNAL), DeprecationWarning, stacklevel=_import_stacklevel())
+        return importlib.import_module(new)
+
+    def exec_module(self, module):
+        pass  # the private module is already executed
+
+
+def _import_stacklevel() -> int:
+    """The stacklevel of the first frame outside importlib and this module (the import line)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith("<frozen importlib")
+                                 or frame.f_code.co_filename == __file__):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModuleFinder())

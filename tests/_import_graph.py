@@ -181,15 +181,37 @@ def layering_violations(graph: dict[str, set[str]], root: pathlib.Path = ROOT) -
 #: Private modules every unit may import names from: the package's own type aliases (names for
 #: annotations, no behaviour), so a signature can say ``PolicyLike`` rather than ``Any``; and the
 #: one jaxpr reader (JAX internals, no stability promise: private, but shared by every unit that
-#: reads a traced program).
+#: reads a traced program). A subpackage's ``_seams`` module is shared too: the explicitly
+#: internal face through which other jaxmp units reach that subpackage's private modules
+#: (``jaxmp.engine._seams``).
 SHARED_PRIVATE = frozenset({"jaxmp._typing", "jaxmp._jaxpr"})
 
 
+def private_module_allowed(importer: str, target: str, importer_is_package: bool = False) -> bool:
+    """Whether ``importer`` may import the module ``target`` when ``target``'s path has a private
+    part: a private module belongs to the package that holds it (``jaxmp._transform`` to
+    ``jaxmp``, ``jaxmp.engine._rules`` to ``jaxmp.engine``), so modules inside that package may
+    import it, as may the ``__init__`` of a package above it (a public face re-exporting from
+    below); from anywhere else only `SHARED_PRIVATE` and ``_seams`` modules."""
+    parts = target.split(".")
+    private = [i for i, part in enumerate(parts) if part.startswith("_") and not part.startswith("__")]
+    if not private:
+        return True
+    owner = ".".join(parts[:private[0]])
+    if importer == owner or importer.startswith(owner + "."):
+        return True
+    if importer_is_package and target.startswith(importer + "."):
+        return True
+    return target in SHARED_PRIVATE or parts[-1] == "_seams"
+
+
 def private_uses(module: str, path: pathlib.Path, modules) -> list[str]:
-    """``_private`` modules or names of another jaxmp unit that ``module`` imports or reads:
-    ``from jaxmp.engine._x import y``, ``from jaxmp.transform import _y``, and ``alias._y`` where
-    ``alias`` is a module of another unit imported under that name."""
+    """``_private`` modules of another jaxmp package, or ``_private`` names of another jaxmp unit,
+    that ``module`` imports or reads: ``from jaxmp.engine._x import y`` outside ``jaxmp.engine``,
+    ``from jaxmp._transform import _y``, and ``alias._y`` where ``alias`` is a module of another
+    unit imported under that name (`private_module_allowed` says which private modules are whose)."""
     src, out, aliases = unit(module), [], {}
+    is_package = path.name == "__init__.py"
     tree = ast.parse(path.read_text(), str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("jaxmp"):
@@ -198,21 +220,27 @@ def private_uses(module: str, path: pathlib.Path, modules) -> list[str]:
                 full = f"{node.module}.{alias.name}"
                 if full in modules:
                     aliases[alias.asname or alias.name] = full
+            if not private_module_allowed(module, node.module, is_package):
+                out.append(f"{module} imports private {node.module}: (module)")
+                continue
             if dst is None or dst == src or node.module in SHARED_PRIVATE:
                 continue
-            private_module = [p for p in node.module.split(".") if p.startswith("_")]
-            private_names = [a.name for a in node.names if a.name.startswith("_")]
-            if private_module or private_names:
-                out.append(f"{module} imports private {node.module}: {', '.join(private_names) or '(module)'}")
+            private_names = [a.name for a in node.names if a.name.startswith("_") and not (
+                f"{node.module}.{a.name}" in modules and private_module_allowed(module, f"{node.module}.{a.name}", is_package))]
+            if private_names:
+                out.append(f"{module} imports private {node.module}: {', '.join(private_names)}")
         elif isinstance(node, ast.Import):
             for alias in node.names:
+                if alias.name.startswith("jaxmp") and not private_module_allowed(module, alias.name, is_package):
+                    out.append(f"{module} imports private {alias.name}: (module)")
                 if alias.name.startswith("jaxmp") and alias.asname:
                     aliases[alias.asname] = alias.name
     for node in ast.walk(tree):
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
                 and node.attr.startswith("_") and not node.attr.startswith("__")):
             target = aliases[node.value.id]
-            if unit(target) not in (None, src):
+            if unit(target) not in (None, src) and not (
+                    f"{target}.{node.attr}" in modules and private_module_allowed(module, f"{target}.{node.attr}", is_package)):
                 out.append(f"{module} reads private {target}.{node.attr}")
     return out
 

@@ -3,8 +3,10 @@ pytrees, composable transforms."""
 
 import dataclasses
 import importlib
+import importlib.util
 import pathlib
 import re
+import sys
 import types
 import warnings
 
@@ -78,9 +80,21 @@ MOVED = [row for row in _deprecations.TABLE if row[2] != _deprecations.REMOVED]
 REMOVED = [row for row in _deprecations.TABLE if row[2] == _deprecations.REMOVED]
 
 
+MODULE_ROWS = dict(_deprecations.MODULES)
+
+
+def _namespace(module):
+    """The module at ``module``; an old module path (a `MODULES` row) imports without its own
+    warning, so a test sees only the warning of the name it reads."""
+    with warnings.catch_warnings():
+        if module in MODULE_ROWS:
+            warnings.simplefilter("ignore", DeprecationWarning)
+        return importlib.import_module(module)
+
+
 def _attr(path):
     module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    return getattr(_namespace(module), name)
 
 
 @pytest.mark.parametrize("old,new,status", MOVED, ids=[row[0] for row in MOVED])
@@ -94,7 +108,7 @@ def test_a_moved_name_warns_with_its_new_place_and_is_the_same_object(old, new, 
         warnings.simplefilter("error")
         assert obj is _deprecations.resolve(new)
     namespace, _, name = old.rpartition(".")
-    assert name not in importlib.import_module(namespace).__all__
+    assert name not in getattr(_namespace(namespace), "__all__", ())
 
 
 @pytest.mark.parametrize("old,new,status", REMOVED, ids=[row[0] for row in REMOVED])
@@ -112,9 +126,82 @@ def test_the_table_names_each_old_place_once_and_no_old_place_is_still_bound():
     assert {row[2] for row in _deprecations.TABLE} <= {_deprecations.MOVED, _deprecations.INTERNAL,
                                                       _deprecations.REMOVED}
     for old in olds:
+        if old in MODULE_ROWS:
+            continue  # an old module path is bound on its package once imported (by the import system)
         namespace, _, name = old.rpartition(".")
         # A name still bound in the module would never reach the module's __getattr__ (no warning).
-        assert name not in vars(importlib.import_module(namespace)), old
+        assert name not in vars(_namespace(namespace)), old
+
+
+def _forget(old):
+    """Drop the old module path from the import system's caches (not the private module itself),
+    so the next import of it goes through the finder again."""
+    sys.modules.pop(old, None)
+    parent, _, child = old.rpartition(".")
+    if child in vars(sys.modules[parent]):
+        delattr(sys.modules[parent], child)
+
+
+@pytest.mark.parametrize("old,new", sorted(MODULE_ROWS.items()), ids=sorted(MODULE_ROWS))
+def test_an_old_module_path_imports_with_a_warning_and_is_the_private_module(old, new):
+    _forget(old)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} is no longer public API; it lives at {new}")) as record:
+        module = importlib.import_module(old)
+    assert record[0].filename == __file__  # the warning points at the import line
+    assert module is importlib.import_module(new)
+    _forget(old)
+    with pytest.warns(DeprecationWarning, match=re.escape(new)):
+        exec(f"import {old}", {})
+    _forget(old)
+    names = [n for n in vars(module) if not n.startswith("_")][:3]
+    if names:  # `from old import x` gives the very objects of the private module
+        with pytest.warns(DeprecationWarning, match=re.escape(new)):
+            scope = {}
+            exec(f"from {old} import {', '.join(names)}", scope)
+        assert all(scope[n] is getattr(module, n) for n in names)
+
+
+def test_the_module_aliases_cover_the_private_modules_users_could_import():
+    """Each ``MODULES`` row names a private module that exists, under an old path that does not."""
+    for old, new in MODULE_ROWS.items():
+        assert importlib.util.find_spec(new) is not None, new
+        assert new.rpartition(".")[2].startswith("_") and not old.rpartition(".")[2].startswith("_")
+        assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), old
+
+
+#: ``import jaxmp._x``, ``from jaxmp.pkg._x import y``, ``from jaxmp.pkg import _x``.
+_PRIVATE_IMPORT = re.compile(r"(?:^|[\s;(])(?:from\s+jaxmp(?:\.\w+)*\._\w+(?:\.\w+)*\s+import\b"
+                             r"|import\s+jaxmp(?:\.\w+)*\._\w+"
+                             r"|from\s+jaxmp(?:\.\w+)*\s+import\s+\(?\s*_\w+)")
+
+
+def _private_imports(text: str, doctest_only: bool = False) -> list[str]:
+    lines = text.splitlines()
+    if doctest_only:
+        lines = [line.strip()[4:] for line in lines if line.strip().startswith((">>> ", "... "))]
+    return [line.strip() for line in lines if _PRIVATE_IMPORT.search(line)]
+
+
+def test_no_doctest_page_readme_experiment_or_benchmark_imports_a_private_module():
+    """What users read and copy uses the public faces (the package ``__init__``s, ``jaxmp.lean``,
+    ``jaxmp.flax.linen``/``nnx``/``fp8``); tests may import private modules, users' code may not."""
+    found = {}
+    pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "experiments").rglob("*.md"),
+             *(ROOT / "benchmarks").rglob("*.md")]
+    code = [*(ROOT / "experiments").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    for path in pages + code:
+        if hits := _private_imports(path.read_text()):
+            found[str(path.relative_to(ROOT))] = hits
+    for path in (ROOT / "jaxmp").rglob("*.py"):
+        if hits := _private_imports(path.read_text(), doctest_only=True):
+            found[str(path.relative_to(ROOT))] = hits
+    assert not found, f"private modules imported where users read: {found}"
+    # The scan sees what it should.
+    assert _private_imports("from jaxmp._step import make_step\nimport jaxmp.engine._rules as r\n"
+                            "from jaxmp.engine import _api\nfrom jaxmp import autocast") == [
+        "from jaxmp._step import make_step", "import jaxmp.engine._rules as r", "from jaxmp.engine import _api"]
+    assert _private_imports("    >>> from jaxmp.parallel._layouts import leaf_spec\n    from jaxmp._x import y",
+                            doctest_only=True) == ["from jaxmp.parallel._layouts import leaf_spec"]
 
 
 def test_an_unknown_name_is_a_plain_attribute_error():
