@@ -1,4 +1,4 @@
-"""Prints the CI version matrix (jaxmp/engine/tested.py's MATRIX), one `python jax` pair a line.
+"""Prints the CI version matrix (jaxmp/engine/_tested.py's MATRIX), one `python jax` pair a line.
 
 Read with ast, so it needs no JAX: .ci/run calls it before any environment exists.
 `--extra` leaves out the first row, which is the main CI environment itself.

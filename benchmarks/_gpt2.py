@@ -147,7 +147,7 @@ def hand_written_step(loss: Callable, params: Any, mesh: Any, layout: str, reduc
     ``gathered_loss`` (FSDP): the loss that gathers each layer's params where they are used.
     """
     import optax
-    from jaxmp.parallel.layouts import leaf_spec
+    from jaxmp.parallel._layouts import leaf_spec
 
     axis = mesh.axis_names[0]
     n = mesh.shape[axis]

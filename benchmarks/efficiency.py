@@ -13,7 +13,7 @@ BatchNorm in training mode) it compiles, without running:
 * the whole train step (``optax.chain(clip_by_global_norm(1), adamw)``, params and optimizer
   state donated): ``floor`` -- the native loss in a bare optax step plus one ``isfinite`` pass
   over the gradients, what any skip-on-overflow step costs at least -- and ``jaxmp-O1`` /
-  ``jaxmp-O2`` stepped by :func:`jaxmp.step.make_step` with
+  ``jaxmp-O2`` stepped by :func:`jaxmp._step.make_step` with
   ``jaxmp.loss_scaling(chain, "dynamic")``.
 
 Per program: ``ops`` (HLO instructions outside fused computations, parameters, tuples,
@@ -72,7 +72,7 @@ def _step_programs(model):
     import optax
 
     import jaxmp
-    from jaxmp.step import make_step
+    from jaxmp._step import make_step
 
     def chain():
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=1e-4))

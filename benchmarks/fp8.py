@@ -349,7 +349,7 @@ def run(args) -> dict:
 
     sizes, timing, models, variants, env = common.run_setup(args, (SIZES, DRY_SIZES), (TIMING, DRY_TIMING), MODELS,
                                                             VARIANTS, train_steps=args.train_steps)
-    native, why = fp8.hardware.native_fp8(jax.devices()[0])
+    native, why = fp8._hardware.native_fp8(jax.devices()[0])
     common.log(f"fp8: {env['device']}: {why}", args.quiet)
     results = {m: measure_model(m, sizes, variants, timing, args.quiet) for m in models}
     config = {"sizes": {m: sizes[m] for m in models}, "timing": timing, "variants": variants,

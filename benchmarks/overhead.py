@@ -13,7 +13,7 @@ Variants (all jitted whole train steps, params and optimizer state donated):
 * ``jmp``        -- the loop of jmp's README: ``jmp.DynamicLossScale``, scale the loss,
   unscale, ``jmp.all_finite``, ``loss_scale.adjust``, ``jmp.select_tree`` on params and state;
 * ``jaxmp``      -- ``jaxmp.loss_scaling(chain, DynamicLossScale())`` stepped by the train-step
-  builder every jaxmp step shares (:func:`jaxmp.step.make_step`: scaled ``value_and_grad``, then
+  builder every jaxmp step shares (:func:`jaxmp._step.make_step`: scaled ``value_and_grad``, then
   ``update_and_apply``, which steps the params inside the skip);
 * ``jaxmp-noop`` -- the same with ``loss_scale="none"`` (bf16/fp32 use);
 * ``jaxmp-optax`` -- the dynamic wrapper in a hand-written optax loop: ``jaxmp.value_and_grad``,
@@ -170,7 +170,7 @@ def make_variants(cfg: dict):
         return (p, o, ls), ls.unscale(sloss)
 
     # jaxmp, through the one train-step builder
-    from jaxmp.step import make_step
+    from jaxmp._step import make_step
 
     def jaxmp_factory(loss_scale):
         tx = jaxmp.loss_scaling(chain(), loss_scale=loss_scale, skip_with=cfg.get("skip_with", "auto"))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmp
-from jaxmp.engine.rules import AutocastRules
+from jaxmp import AutocastRules
 from benchmarks import autocast as ab
 from benchmarks import efficiency as eff
 

@@ -45,7 +45,7 @@ def run_report(prog, compiled, state, batches, rng, policy: str, workdir: str,
         jax.jit(lambda s, b: prog.train_step(s, b, None)), state, batch, policy=policy).summary())
 
     def grads():
-        x, y = jaxmp.flax.losses.split_batch(batch)
+        x, y = jaxmp.flax._losses.split_batch(batch)
 
         def loss_fn(params):
             logits = state.model.apply({"params": params, **state.model_state}, x, train=False)

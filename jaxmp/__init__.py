@@ -21,42 +21,42 @@ from jaxmp.diagnostics import PrecisionReport
 from jaxmp.diagnostics import gradient_stats
 from jaxmp.diagnostics import input_pipeline_overhead
 from jaxmp.diagnostics import precision_report
-from jaxmp.dtypes import cast_floating
-from jaxmp.dtypes import cast_to_full
-from jaxmp.dtypes import cast_to_half
-from jaxmp.dtypes import half_dtype
-from jaxmp.grad import value_and_grad
-from jaxmp.loss_scale import DynamicLossScale
-from jaxmp.loss_scale import LossScale
-from jaxmp.loss_scale import NoOpLossScale
-from jaxmp.loss_scale import StaticLossScale
-from jaxmp.loss_scale import make_loss_scale
-from jaxmp.platform import recommended_policy
-from jaxmp.policy import Policy
-from jaxmp.presets import Recipe
-from jaxmp.presets import as_policy
-from jaxmp.presets import get_policy
-from jaxmp.presets import get_recipe
-from jaxmp.skip import all_finite
-from jaxmp.skip import select_tree
-from jaxmp.opt_state import TrainingDivergedError
-from jaxmp.opt_state import apply_updates
-from jaxmp.opt_state import check_health
-from jaxmp.opt_state import get_loss_scale
-from jaxmp.opt_state import last_step_finite
-from jaxmp.opt_state import master_params
-from jaxmp.opt_state import scaling_stats
-from jaxmp.opt_state import skipped_steps
-from jaxmp.transform import LossScalingState
-from jaxmp.transform import loss_scaling
-from jaxmp.traps import MixedPrecisionWarning
+from jaxmp._dtypes import cast_floating
+from jaxmp._dtypes import cast_to_full
+from jaxmp._dtypes import cast_to_half
+from jaxmp._dtypes import half_dtype
+from jaxmp._grad import value_and_grad
+from jaxmp._loss_scale import DynamicLossScale
+from jaxmp._loss_scale import LossScale
+from jaxmp._loss_scale import NoOpLossScale
+from jaxmp._loss_scale import StaticLossScale
+from jaxmp._loss_scale import make_loss_scale
+from jaxmp._platform import recommended_policy
+from jaxmp._policy import Policy
+from jaxmp._presets import Recipe
+from jaxmp._presets import as_policy
+from jaxmp._presets import get_policy
+from jaxmp._presets import get_recipe
+from jaxmp._skip import all_finite
+from jaxmp._skip import select_tree
+from jaxmp._opt_state import TrainingDivergedError
+from jaxmp._opt_state import apply_updates
+from jaxmp._opt_state import check_health
+from jaxmp._opt_state import get_loss_scale
+from jaxmp._opt_state import last_step_finite
+from jaxmp._opt_state import master_params
+from jaxmp._opt_state import scaling_stats
+from jaxmp._opt_state import skipped_steps
+from jaxmp._transform import LossScalingState
+from jaxmp._transform import loss_scaling
+from jaxmp._traps import MixedPrecisionWarning
 
-from jaxmp.engine.regions import accumulate
-from jaxmp.engine.entry import autocast
-from jaxmp.engine.rules import AutocastRules
-from jaxmp.engine.regions import float32_region
-from jaxmp.engine.regions import half_inputs
-from jaxmp.engine.regions import region as autocast_region
+from jaxmp.engine._regions import accumulate
+from jaxmp.engine._entry import autocast
+from jaxmp.engine._rules import AutocastRules
+from jaxmp.engine._regions import float32_region
+from jaxmp.engine._regions import half_inputs
+from jaxmp.engine._regions import region as autocast_region
 
 __version__ = "0.1.0"
 

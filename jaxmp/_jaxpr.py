@@ -58,12 +58,6 @@ def is_var(atom: Any) -> bool:
 
 def equations(jaxpr: Any) -> list:
     """The equations of one jaxpr (open or closed), in program order, nested ones not entered.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from jaxmp import _jaxpr
-      >>> [e.primitive.name for e in _jaxpr.equations(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(1.0))]
-      ['sin', 'mul']
     """
     return open_jaxpr(jaxpr).eqns
 
@@ -227,15 +221,6 @@ def walk(jaxpr: Any, stack: tuple[StackItem, ...] = ()) -> Iterator[Equation]:
 
     Returns:
       An iterator of `Equation`.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from jaxmp import _jaxpr
-      >>> def f(x):
-      ...     with jax.named_scope("body"):
-      ...         return jax.jit(jnp.sin)(x)
-      >>> [(e.primitive, e.scopes) for e in _jaxpr.walk(jax.make_jaxpr(f)(1.0))]
-      [('jit', ('body',)), ('sin', ('body',))]
     """
     yield from _walk(open_jaxpr(jaxpr), tuple(stack), None, 0)
 

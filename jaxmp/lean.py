@@ -21,11 +21,11 @@ from jax.typing import DTypeLike
 
 from jaxmp import _tree
 from jaxmp._typing import PyTree
-from jaxmp.dtypes import is_floating_array
-from jaxmp.presets import did_you_mean
-from jaxmp.traps import MixedPrecisionWarning
-from jaxmp.transform import check_inner
-from jaxmp.transform import master_weights as _master_weights
+from jaxmp._dtypes import is_floating_array
+from jaxmp._presets import did_you_mean
+from jaxmp._traps import MixedPrecisionWarning
+from jaxmp._transform import check_inner
+from jaxmp._transform import master_weights as _master_weights
 
 __all__ = [
     "Bf16MomentsState",

@@ -1,7 +1,7 @@
 """``python -m jaxmp.selfcheck``: run jaxmp.autocast's contract on this install and print what holds.
 
 Every check traces a small program and reads the dtypes of its ops (see
-`jaxmp.engine.contract`): the composition table (each op class under each JAX
+`jaxmp.engine._contract`): the composition table (each op class under each JAX
 transformation, in both orders) and the constructs (padding masks, O2 state, custom_vjp,
 norms). Takes well under a minute on a CPU. Exit code 0 when everything holds, 1 otherwise.
 """
@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from jaxmp.engine import contract, internals, tested
-    from jaxmp.engine.config import resolve_config
+    from jaxmp.engine._seams import contract, internals, tested
+    from jaxmp.engine._seams import resolve_config
 
     try:
         compute = resolve_config(args.policy, None).compute_dtype

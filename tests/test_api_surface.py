@@ -20,7 +20,7 @@ import pytest
 import jaxmp
 import jaxmp.parallel
 from jaxmp import _deprecations
-from jaxmp.transform import MasterWeightsState, master_weights, unscale_and_skip
+from jaxmp._transform import MasterWeightsState, master_weights, unscale_and_skip
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -250,7 +250,7 @@ def test_no_code_or_page_of_this_repository_uses_an_old_place():
     assert _old_place_uses("from jaxmp import fp8\nfp8.quantize(x)") == ["jaxmp.fp8.quantize"]
     assert _old_place_uses("from jaxmp.engine import (\n    flax_config,\n)") == ["jaxmp.engine.flax_config"]
     assert _old_place_uses("jaxmp.shard_batch(x)") == ["jaxmp.shard_batch"]
-    assert _old_place_uses("from jaxmp.diagnostics.autocast_ops import x; jaxmp.fp8.scaling.qdq") == []
+    assert _old_place_uses("from jaxmp.diagnostics._autocast_ops import x; jaxmp.fp8._scaling.qdq") == []
 
 
 def test_test_helper_is_out_of_the_package():
@@ -296,7 +296,7 @@ def test_jmp_policy_and_jaxmp_policy_agree_on_casts():
 
 
 def test_resolve_policy_parses_once_into_typed_objects():
-    from jaxmp.presets import resolve_policy
+    from jaxmp._presets import resolve_policy
 
     policy, recipe = resolve_policy("O2-fp16")
     assert isinstance(policy, jaxmp.Policy) and recipe.master_weights and recipe.loss_scale == "dynamic"
@@ -354,7 +354,7 @@ def test_the_skip_decision_has_one_owner():
     import pathlib
 
     root = pathlib.Path(jaxmp.__file__).parent
-    users = ["transform.py", "flax/train_state.py", "flax/steps.py"]
+    users = ["transform.py", "flax/_train_state.py", "flax/_steps.py"]
     for rel in users:
         text = (root / rel).read_text()
         assert "keep_if_finite" in text, rel

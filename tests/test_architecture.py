@@ -40,7 +40,7 @@ def test_the_graph_reader_sees_every_kind_of_import(tmp_path):
 def test_no_import_cycles_in_jaxmp_and_benchmarks():
     assert len(GRAPH) > 60 and any(m.startswith("benchmarks.") for m in GRAPH)
     # Lazy imports count: the interpreter dispatches to control_flow, api builds through the interpreter.
-    assert "jaxmp.engine.control_flow" in GRAPH["jaxmp.engine.interpreter"]
+    assert "jaxmp.engine._control_flow" in GRAPH["jaxmp.engine._interpreter"]
     assert graph_lib.cycles(GRAPH) == []
 
 
@@ -54,7 +54,7 @@ def test_every_unit_has_a_layer_and_no_import_goes_up():
 def test_flax_and_parallel_are_independent_siblings_over_the_step_builder():
     edges = graph_lib.unit_edges(GRAPH)
     assert "jaxmp.parallel" not in edges["jaxmp.flax"] and "jaxmp.flax" not in edges["jaxmp.parallel"]
-    assert "jaxmp.step" in edges["jaxmp.flax"] and "jaxmp.step" in edges["jaxmp.parallel"]
+    assert "jaxmp._step" in edges["jaxmp.flax"] and "jaxmp._step" in edges["jaxmp.parallel"]
 
 
 def test_the_layering_check_catches_an_upward_arrow_and_private_names(tmp_path, monkeypatch):
@@ -95,24 +95,24 @@ def test_the_layering_table_on_the_architecture_page_is_generated_from_the_graph
 ALLOWED_MODULE_STATE = {
     # Memos of pure functions: primitive -> kind; (class, rule) -> the generated casting subclass
     # (the same subclass each time, so NNX graph definitions stay equal).
-    ("jaxmp/engine/internals.py", "_KINDS"),
+    ("jaxmp/engine/_internals.py", "_KINDS"),
     ("jaxmp/flax/nnx.py", "_CASTING_CLASSES"),
     # The traced programs shared by every autocast function built from one function object (so
     # jaxmp.autocast(f) rebuilt on each eager call does not retrace): keyed by the function's id,
     # each entry dropped by a weakref callback when the function goes, as jax.jit's cache is.
-    ("jaxmp/engine/api.py", "_SHARED"),
+    ("jaxmp/engine/_api.py", "_SHARED"),
     # Warn once per model: keyed by the model object itself, held weakly.
     ("jaxmp/flax/nnx.py", "_WARNED_CALL"),
     # Warn once per trace that a float16 region is differentiated with no loss scale: keyed by
     # the JAX trace object, held weakly.
-    ("jaxmp/engine/unscaled.py", "_WARNED"),
+    ("jaxmp/engine/_unscaled.py", "_WARNED"),
     # Log-once de-duplication of INFO messages; no result depends on it.
     ("jaxmp/parallel/_common.py", "_LOGGED"),
-    ("jaxmp/engine/attention.py", "_LOGGED"),
+    ("jaxmp/engine/_attention.py", "_LOGGED"),
     # The once-only installation of attention routing, and the record of the last routing choice
     # (read by tests and benchmarks); both belong to issue 24's thread-safety work (item 2).
-    ("jaxmp/engine/attention.py", "_INSTALLED"),
-    ("jaxmp/engine/attention.py", "last_choice"),
+    ("jaxmp/engine/_attention.py", "_INSTALLED"),
+    ("jaxmp/engine/_attention.py", "last_choice"),
 }
 MUTATORS = {"add", "append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "discard",
             "remove", "__setitem__", "move_to_end"}
@@ -148,7 +148,7 @@ def test_no_process_global_mutable_state_beyond_the_documented_caches():
              for name in _module_state(p)}
     assert found - ALLOWED_MODULE_STATE == set(), "module-level mutable state: keep it on an object the caller holds"
     # traps in particular: its evidence lives on the loss-scale object, nothing per process.
-    assert not [n for f, n in found if f == "jaxmp/traps.py"]
+    assert not [n for f, n in found if f == "jaxmp/_traps.py"]
 
 
 @pytest.mark.parametrize("source,names", [
@@ -202,11 +202,11 @@ def test_no_module_of_jaxmp_parallel_reaches_into_a_siblings_private_names(tmp_p
 # -- one jaxpr reader ------------------------------------------------------------------------
 # jaxmp/_jaxpr.py is the only module that imports jax.extend.core or reads an equation's name
 # stack, source info or bind parameters, or a jaxpr's equation list (`.eqns`); the engine's seam
-# (jaxmp/engine/internals.py) is the only other module that touches jax._src (trace state,
+# (jaxmp/engine/_internals.py) is the only other module that touches jax._src (trace state,
 # config states). Everyone else, the engine's own modules and the tests included, goes through
 # them: a JAX release that changes how jaxprs look is then two files to read.
 READER = "jaxmp/_jaxpr.py"
-SEAM = "jaxmp/engine/internals.py"
+SEAM = "jaxmp/engine/_internals.py"
 READER_ONLY_ATTRIBUTES = {"eqns", "name_stack", "source_info", "get_bind_params", "jaxprs_in_params"}
 SCANNED = ("jaxmp", "tests", "benchmarks", "experiments")
 

@@ -449,7 +449,7 @@ def _layers(ws, x):
 
 
 def _staged_functions_made(fn, *args) -> int:
-    from jaxmp.engine import internals
+    from jaxmp.engine import _internals as internals
 
     before = internals._staged_primitive.cache_info().currsize
     jax.jit(fn).trace(*args)
@@ -489,7 +489,7 @@ def test_an_eager_call_and_a_jitted_one_agree_bit_for_bit(policy):
 
 
 def test_an_eager_grad_runs_the_engines_compiled_program_and_reuses_it(monkeypatch):
-    from jaxmp.engine.interpreter import Interpreter
+    from jaxmp.engine._interpreter import Interpreter
 
     runs = []
     run = Interpreter.run

@@ -16,7 +16,7 @@ import pytest
 
 import jaxmp
 from jaxmp import _jaxpr
-from jaxmp.engine import contract, internals, tested
+from jaxmp.engine import _contract as contract, _internals as internals, _tested as tested
 from tests._op_dtypes import op_dtypes
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
@@ -475,8 +475,8 @@ def test_the_canary_warns_naming_the_jax_version_on_a_newer_jax(monkeypatch):
 
 
 def test_building_autocast_functions_starts_the_canary_once(monkeypatch):
-    from jaxmp.engine.config import resolve_config
-    from jaxmp.engine.entry import engine_function
+    from jaxmp.engine._config import resolve_config
+    from jaxmp.engine._entry import engine_function
 
     calls = []
     monkeypatch.setattr(tested, "is_newer_than_tested", lambda version: True)

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp.engine import attention as routed
+from jaxmp.engine import _attention as routed
 from tests._op_dtypes import op_dtypes
 from tests.test_autocast import BF16, F32, check_ops
 
@@ -116,7 +116,7 @@ def test_half_only_kernel_runs_trains_and_jit_cache_is_keyed_on_context():
     def kernel(x, w):
         traced_dtypes.append(x.dtype)
         if x.dtype == jnp.float32:
-            if jaxmp.engine.config.current() is not None:
+            if jaxmp.engine._config.current() is not None:
                 raise NotImplementedError("kernel refuses float32 inside autocast")
         return x @ w
 
@@ -248,7 +248,7 @@ def test_precision_report_explains_each_rule(params):
     assert "Autocast decisions" in text and "half list" in text and "jaxmp[keep]:autocast(O1-bf16)" in text
     assert rep.to_dict()["autocast_decisions"][0]["rule"]
     # the explain scopes exist only while the report traces: a normal trace has none
-    assert not jaxmp.diagnostics.autocast_ops(jax.make_jaxpr(f)(params, jnp.ones((8, 4))))
+    assert not jaxmp.diagnostics._autocast_ops(jax.make_jaxpr(f)(params, jnp.ones((8, 4))))
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
@@ -319,7 +319,7 @@ def test_a_preferred_element_type_that_jax_promotion_wrote_is_not_a_choice():
 
 
 def test_a_non_array_output_names_the_users_function():
-    """Item 17: 0a46f1b named jaxmp's internal ``flat_fn at jaxmp/engine/api.py:167``."""
+    """Item 17: 0a46f1b named jaxmp's internal ``flat_fn at jaxmp/engine/_api.py:167``."""
     def my_loss(x):
         return {"loss": x.sum(), "tag": "hello"}
 
@@ -409,7 +409,7 @@ def test_cholesky_of_a_gram_matrix_computed_in_a_float32_region_is_not_nan(prese
 
 def test_a_preset_carries_its_level_as_data_not_in_its_name():
     """resolve_config reads Recipe.level: a renamed O3 recipe is still O3 (the name is not sliced)."""
-    from jaxmp.engine.config import resolve_config
+    from jaxmp.engine._config import resolve_config
 
     recipe = jaxmp.get_recipe("O3-bf16")._replace(name="my pure half")
     assert recipe.level == "O3" and jaxmp.get_recipe("mixed_float16").level == "O1"

@@ -1,11 +1,11 @@
-"""jaxmp/diagnostics/autocast_ops.py: reading back the rule each op of an explained autocast trace ran under."""
+"""jaxmp/diagnostics/_autocast_ops.py: reading back the rule each op of an explained autocast trace ran under."""
 
 import jax
 import jax.numpy as jnp
 
 import jaxmp
-from jaxmp.diagnostics.autocast_ops import AutocastOp, autocast_ops
-from jaxmp.engine.api import explaining
+from jaxmp.diagnostics._autocast_ops import AutocastOp, autocast_ops
+from jaxmp.engine._api import explaining
 
 X = jnp.ones((4, 4), jnp.float32)
 

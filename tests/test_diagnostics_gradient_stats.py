@@ -1,4 +1,4 @@
-"""jaxmp/diagnostics/gradient_stats.py: the records and helpers around gradient_stats, unit by unit
+"""jaxmp/diagnostics/_gradient_stats.py: the records and helpers around gradient_stats, unit by unit
 (the counts themselves are in test_diagnostics_gradients.py)."""
 
 import json
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.diagnostics.gradient_stats import GroupStats, gradient_stats, suggest_loss_scale
+from jaxmp.diagnostics._gradient_stats import GroupStats, gradient_stats, suggest_loss_scale
 
 
 def test_underflow_at_reads_the_histogram_exactly_at_every_power_of_two_scale():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxmp
-from jaxmp.diagnostics.gradient_stats import suggest_loss_scale
+from jaxmp.diagnostics._gradient_stats import suggest_loss_scale
 
 
 def crafted():

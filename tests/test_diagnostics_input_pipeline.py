@@ -1,4 +1,4 @@
-"""jaxmp/diagnostics/input_pipeline.py: the PipelineOverhead record and the measurement's edges
+"""jaxmp/diagnostics/_input_pipeline.py: the PipelineOverhead record and the measurement's edges
 (the two-loop method itself is in test_diagnostics_pipeline.py)."""
 
 import json
@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmp.diagnostics.input_pipeline import PipelineOverhead, input_pipeline_overhead
+from jaxmp.diagnostics._input_pipeline import PipelineOverhead, input_pipeline_overhead
 
 
 def test_projected_speedup_is_amdahls_law():

@@ -10,7 +10,7 @@ import pytest
 from jax import lax
 
 import jaxmp
-from jaxmp.diagnostics.precision_report import amdahl, analyze_jaxpr
+from jaxmp.diagnostics._precision_report import amdahl, analyze_jaxpr
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 

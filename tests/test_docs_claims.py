@@ -30,20 +30,20 @@ def test_architecture_fp8_statement_holds():
 
     model = jaxmp.flax.mixed_precision(nn.Dense(4), "O2-fp8")
     variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
-    assert fp8.state.FP8_COLLECTION in variables and "input_scale" in str(jax.tree_util.tree_structure(variables))
+    assert fp8._state.FP8_COLLECTION in variables and "input_scale" in str(jax.tree_util.tree_structure(variables))
 
 
 def test_architecture_statement_about_flax_rules_matches_the_code():
     """The page says both front doors take one rule object whose class and path rules compile to the
     engine's ``ModuleRules``; that must be what the code does."""
     nn = pytest.importorskip("flax.linen")
-    from jaxmp.engine.config import flax_config, resolve_config
+    from jaxmp.engine._config import flax_config, resolve_config
     import jaxmp.flax
-    from jaxmp.engine.rules import ModuleRules
+    from jaxmp.engine._rules import ModuleRules
 
     text = " ".join(page("architecture.md").read_text().split())
     says_one_system = ("Module rules are one system: both front doors take a `jaxmp.AutocastRules`, whose "
-                       "class and path rules compile to `jaxmp.engine.rules.ModuleRules`") in text
+                       "class and path rules compile to `jaxmp.engine._rules.ModuleRules`") in text
     policy = jaxmp.get_policy("O1-bf16")
     flax_rules = flax_config(policy, jaxmp.flax.default_rules("O1")).modules
     autocast_rules = resolve_config("O1-bf16", jaxmp.AutocastRules().with_class(nn.LayerNorm, "float32")).modules
@@ -92,15 +92,15 @@ def test_getting_started_states_pyprojects_jax_floor():
 
 
 def test_what_ci_runs_is_the_version_matrix_the_pages_name():
-    from jaxmp.engine import tested
+    from jaxmp.engine import _tested as tested
 
     ci = (ROOT / ".ci" / "run").read_text()
-    # .ci/run loops over .ci/matrix.py's rows (read from jaxmp/engine/tested.py), one venv each.
+    # .ci/run loops over .ci/matrix.py's rows (read from jaxmp/engine/_tested.py), one venv each.
     assert re.search(r'done < <\("\$PY" \.ci/matrix\.py --extra\)', ci) and "own venv" in ci
-    assert "jaxmp/engine/tested.py" in (ROOT / ".ci" / "matrix.py").read_text()
+    assert "jaxmp/engine/_tested.py" in (ROOT / ".ci" / "matrix.py").read_text()
     assert len(tested.MATRIX) > 1  # a matrix, not one version
     autocast = " ".join(page("autocast.md").read_text().split())
-    assert "The versions CI runs are the rows of `jaxmp/engine/tested.py`" in autocast
+    assert "The versions CI runs are the rows of `jaxmp/engine/_tested.py`" in autocast
     assert "each in its own virtual environment" in autocast and "runs against" not in autocast
     # The README names the rows themselves.
     readme = " ".join(README.read_text().split())

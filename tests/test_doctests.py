@@ -20,10 +20,10 @@ EXCLUDED: set[str] = set()  # modules whose examples are not run (none)
 _ADAM = "optax.adam: bias correction is a Python float ** int32 count"
 STANDARD_PROMOTION = {
     "jaxmp.flax.nnx.MixedPrecision": _ADAM,
-    "jaxmp.flax.train_state.TrainState": _ADAM,
+    "jaxmp.flax._train_state.TrainState": _ADAM,
     "jaxmp.lean.bf16_moments": _ADAM,
-    "jaxmp.parallel.sharding.make_sharded_train_step": _ADAM,
-    "jaxmp.transform.loss_scaling": _ADAM,
+    "jaxmp.parallel._sharding.make_sharded_train_step": _ADAM,
+    "jaxmp._transform.loss_scaling": _ADAM,
 }
 
 
@@ -50,9 +50,9 @@ EXAMPLES = _examples()
 
 def test_the_run_covers_the_core_modules():
     covered = {p.values[0].name.rsplit(".", 1)[0] for p in EXAMPLES} | {p.values[0].name for p in EXAMPLES}
-    for module in ("jaxmp.dtypes", "jaxmp.presets", "jaxmp.loss_scale", "jaxmp.transform", "jaxmp.opt_state",
-                   "jaxmp.skip", "jaxmp.grad", "jaxmp.platform", "jaxmp.flax.linen", "jaxmp.flax.nnx",
-                   "jaxmp.flax.overrides", "jaxmp.flax.casting", "jaxmp.flax.attention"):
+    for module in ("jaxmp._dtypes", "jaxmp._presets", "jaxmp._loss_scale", "jaxmp._transform", "jaxmp._opt_state",
+                   "jaxmp._skip", "jaxmp._grad", "jaxmp._platform", "jaxmp.flax.linen", "jaxmp.flax.nnx",
+                   "jaxmp.flax._overrides", "jaxmp.flax._casting", "jaxmp.flax._attention"):
         assert any(c.startswith(module + ".") for c in covered), module
     assert "jaxmp.flax.mixed_precision" in covered
     assert len(EXAMPLES) >= 110

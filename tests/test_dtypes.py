@@ -1,12 +1,12 @@
-"""jaxmp/dtypes.py: dtype names, checks, leaf predicates, casts and float32_backward."""
+"""jaxmp/_dtypes.py: dtype names, checks, leaf predicates, casts and float32_backward."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp import dtypes
-from jaxmp.dtypes import (accumulation_dtype, cast_floating, cast_to_full, cast_to_half, dtype_names, float32_backward,
+from jaxmp import _dtypes as dtypes
+from jaxmp._dtypes import (accumulation_dtype, cast_floating, cast_to_full, cast_to_half, dtype_names, float32_backward,
                           float_dtype, half_dtype, is_floating_array, is_inexact_array, parse_dtype)
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32)

@@ -1,12 +1,12 @@
-"""jaxmp/engine/attention.py: jax.nn.dot_product_attention routed to half inputs inside autocast only."""
+"""jaxmp/engine/_attention.py: jax.nn.dot_product_attention routed to half inputs inside autocast only."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxmp
-from jaxmp.engine import attention
-from jaxmp.engine.attention import routed_attention
+from jaxmp.engine import _attention as attention
+from jaxmp.engine._attention import routed_attention
 from jaxmp._jaxpr import walk
 
 Q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 4, 2, 8)), jnp.float32)

@@ -1,4 +1,4 @@
-"""jaxmp/engine/config.py: what a policy argument resolves to under autocast, and the tracing context."""
+"""jaxmp/engine/_config.py: what a policy argument resolves to under autocast, and the tracing context."""
 
 import warnings
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxmp
-from jaxmp.engine.config import AutocastConfig, current, resolve_config
+from jaxmp.engine._config import AutocastConfig, current, resolve_config
 
 F16, BF16, F32 = np.dtype("float16"), np.dtype(jnp.bfloat16), np.dtype("float32")
 

@@ -1,13 +1,13 @@
-"""jaxmp/engine/entry.py: the two public ways to build an engine function, autocast and engine_function."""
+"""jaxmp/engine/_entry.py: the two public ways to build an engine function, autocast and engine_function."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxmp
-from jaxmp.engine import contract
-from jaxmp.engine.config import resolve_config
-from jaxmp.engine.entry import autocast, engine_function
+from jaxmp.engine import _contract as contract
+from jaxmp.engine._config import resolve_config
+from jaxmp.engine._entry import autocast, engine_function
 
 W, X = jnp.ones((3, 2)), jnp.ones((1, 3))
 

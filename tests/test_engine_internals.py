@@ -1,10 +1,10 @@
 """The seam to JAX's internals, adapter by adapter, against the installed JAX.
 
-``jaxmp/engine/internals.py`` (the engine's adapters: higher-order primitives' parameters, trace
+``jaxmp/engine/_internals.py`` (the engine's adapters: higher-order primitives' parameters, trace
 state, config states) and ``jaxmp/_jaxpr.py`` (the one jaxpr reader under everything) are what a
 JAX release can break. Each public name of both is exercised here on a real program, with an
 assertion about what the engine relies on; `test_every_adapter_has_a_test` fails when a name is
-added without one. .ci/run runs this file under every JAX of the CI matrix (engine/tested.py).
+added without one. .ci/run runs this file under every JAX of the CI matrix (engine/_tested.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import _jaxpr
-from jaxmp.engine import internals
+from jaxmp.engine import _internals as internals
 
 
 def _eqn(fn, *args, primitive=None):
@@ -64,7 +64,7 @@ def _cv_bwd(res, ct):
 _cv.defvjp(_cv_fwd, _cv_bwd)
 
 
-# -- engine/internals.py --------------------------------------------------------------------
+# -- engine/_internals.py --------------------------------------------------------------------
 
 def test_jax_version_is_the_installed_one():
     assert internals.JAX_VERSION[:2] == tuple(int(p) for p in jax.__version__.split(".")[:2])

@@ -1,4 +1,4 @@
-"""jaxmp/engine/modules.py: applying one module rule to a call, the Linen interceptor and the call hooks."""
+"""jaxmp/engine/_modules.py: applying one module rule to a call, the Linen interceptor and the call hooks."""
 
 import flax.linen as nn
 import jax
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import jaxmp
-from jaxmp.engine.modules import (call_with_rule, cast_output, first_floating_dtype, install_call_hooks,
+from jaxmp.engine._modules import (call_with_rule, cast_output, first_floating_dtype, install_call_hooks,
                                   is_layer_call, module_interceptor)
-from jaxmp.engine.rules import ModuleRule, ModuleRules
+from jaxmp.engine._rules import ModuleRule, ModuleRules
 from jaxmp._jaxpr import walk
 
 F16, BF16, F32 = np.dtype("float16"), np.dtype(jnp.bfloat16), np.dtype("float32")

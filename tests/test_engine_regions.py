@@ -1,4 +1,4 @@
-"""jaxmp/engine/regions.py: region, float32_region, half_inputs and accumulate, each on its own."""
+"""jaxmp/engine/_regions.py: region, float32_region, half_inputs and accumulate, each on its own."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxmp
-from jaxmp.engine.regions import accumulate, float32_region, half_inputs, region
+from jaxmp.engine._regions import accumulate, float32_region, half_inputs, region
 from tests._op_dtypes import op_dtypes
 
 F32, BF16, F16 = np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)

@@ -1,10 +1,10 @@
-"""jaxmp/engine/tested.py: the CI matrix table and what the engine derives from it."""
+"""jaxmp/engine/_tested.py: the CI matrix table and what the engine derives from it."""
 
 import jax
 import pytest
 
-from jaxmp.engine import internals
-from jaxmp.engine.tested import MATRIX, TESTED_JAX, describe, is_newer_than_tested
+from jaxmp.engine import _internals as internals
+from jaxmp.engine._tested import MATRIX, TESTED_JAX, describe, is_newer_than_tested
 
 
 def test_the_matrix_rows_are_python_and_jax_versions_and_tested_jax_their_releases():

@@ -1,4 +1,4 @@
-"""jaxmp/engine/unscaled.py: the watching identity that warns when a float16 program is differentiated unscaled."""
+"""jaxmp/engine/_unscaled.py: the watching identity that warns when a float16 program is differentiated unscaled."""
 
 import warnings
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmp
-from jaxmp.engine.unscaled import watch
+from jaxmp.engine._unscaled import watch
 
 
 def test_watch_is_the_identity_on_values_and_leaves_non_floating_inputs_alone():

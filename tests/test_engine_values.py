@@ -1,11 +1,11 @@
-"""jaxmp/engine/values.py: the dtype helpers the interpreter and the control-flow handlers share."""
+"""jaxmp/engine/_values.py: the dtype helpers the interpreter and the control-flow handlers share."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.engine.values import Val, dtype_of, is_complex, is_float, lost_in, np_dtype, saturate, widest
+from jaxmp.engine._values import Val, dtype_of, is_complex, is_float, lost_in, np_dtype, saturate, widest
 
 F16, BF16, F32 = np.dtype("float16"), np.dtype(jnp.bfloat16), np.dtype("float32")
 

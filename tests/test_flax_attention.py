@@ -1,4 +1,4 @@
-"""jaxmp/flax/attention.py: float32_softmax_attention and fused_attention against a float64 reference."""
+"""jaxmp/flax/_attention.py: float32_softmax_attention and fused_attention against a float64 reference."""
 
 import flax.linen as nn
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.flax.attention import float32_softmax_attention, fused_attention
+from jaxmp.flax._attention import float32_softmax_attention, fused_attention
 
 RNG = np.random.default_rng(0)
 Q, K, V = (RNG.normal(size=(2, 4, 2, 8)).astype(np.float32) for _ in range(3))

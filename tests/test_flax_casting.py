@@ -1,11 +1,11 @@
-"""jaxmp/flax/casting.py: float32 rules, the enclosing float32 block, and casting a params tree by module path."""
+"""jaxmp/flax/_casting.py: float32 rules, the enclosing float32 block, and casting a params tree by module path."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp.engine.rules import ModuleRule
-from jaxmp.flax.casting import cast_by_path, enclosing_float32, is_float32_rule
+from jaxmp.engine._rules import ModuleRule
+from jaxmp.flax._casting import cast_by_path, enclosing_float32, is_float32_rule
 
 F32, F64, BF16, F16 = (np.dtype(d) for d in ("float32", "float64", jnp.bfloat16, "float16"))
 

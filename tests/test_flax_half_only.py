@@ -120,6 +120,6 @@ def test_attention_under_policy_matches_float32(level, masked):
     out = model.apply(variables, x, mask)
     assert out.dtype == jnp.float32
     np.testing.assert_allclose(out, ref, atol=0.05 if "bf16" in level else 0.01)
-    from jaxmp.engine import attention
+    from jaxmp.engine import _attention as attention
 
     assert attention.last_choice["implementation"] == "xla"  # CPU: the XLA fallback with a float32 softmax

@@ -248,7 +248,7 @@ def test_a_class_rule_must_name_a_class(bad):
 def test_the_old_precision_overrides_spelling_warns_and_compiles_to_the_same_rules():
     """PrecisionOverrides is kept one release: each method warns with its AutocastRules spelling and
     the Flax door runs exactly the rules the new spelling gives."""
-    from jaxmp.flax.overrides import PrecisionOverrides
+    from jaxmp.flax._overrides import PrecisionOverrides
 
     policy = jaxmp.get_policy("O2-bf16")
 
@@ -494,9 +494,9 @@ def test_overrides_and_autocast_class_rules_are_one_rule_system():
     """Both front doors compile to the engine's ModuleRules; rule_at is the one decision."""
     from flax import nnx
 
-    from jaxmp.engine.config import flax_config, resolve_config
-    from jaxmp.engine.modules import install_call_hooks
-    from jaxmp.engine.rules import ModuleRules
+    from jaxmp.engine._config import flax_config, resolve_config
+    from jaxmp.engine._modules import install_call_hooks
+    from jaxmp.engine._rules import ModuleRules
 
     policy = jaxmp.get_policy("O1-bf16")
     ov = default_rules("O1").with_path("head", "float32").with_class(nn.Embed, jaxmp.get_policy("f32"))

@@ -1,4 +1,4 @@
-"""jaxmp/flax/losses.py: the train steps' float32 cross-entropy, accuracy and batch unpacking."""
+"""jaxmp/flax/_losses.py: the train steps' float32 cross-entropy, accuracy and batch unpacking."""
 
 import types
 
@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxmp.flax.losses import accuracy, softmax_cross_entropy, split_batch
+from jaxmp.flax._losses import accuracy, softmax_cross_entropy, split_batch
 
 LOGITS = jnp.array([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0], [1.0, 0.0, 5.0], [4.0, 0.0, 0.0]], jnp.float32)
 LABELS = jnp.array([0, 1, 0, 0], jnp.int32)

@@ -1,4 +1,4 @@
-"""jaxmp/flax/steps.py: the Linen eval and train steps' own contract (losses, arguments, fp8 state check);
+"""jaxmp/flax/_steps.py: the Linen eval and train steps' own contract (losses, arguments, fp8 state check);
 training end to end is in test_flax_train_state.py, the NNX step in test_flax_nnx.py."""
 
 import flax.linen as nn
@@ -10,7 +10,7 @@ import pytest
 
 import jaxmp
 import jaxmp.flax
-from jaxmp.flax.steps import make_eval_step, make_train_step
+from jaxmp.flax._steps import make_eval_step, make_train_step
 
 X = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
 Y = np.array([0, 1, 1, 0], np.int32)

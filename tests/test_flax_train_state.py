@@ -181,7 +181,7 @@ def test_create_rejects_bad_arguments():
     with pytest.raises(ValueError, match="params"):
         jaxmp.flax.TrainState.create(model, {"batch_stats": {}}, jaxmp.loss_scaling(optax.sgd(0.1)))
     with pytest.raises(ValueError, match="label key"):
-        jaxmp.flax.losses.split_batch({"image": 1})
+        jaxmp.flax._losses.split_batch({"image": 1})
 
 
 _SEEN_MASKS: list = []   # module-level: Linen turns a list attribute into a tuple

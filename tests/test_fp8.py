@@ -29,7 +29,7 @@ def test_delayed_scaling_follows_the_hand_recurrence_through_zero_and_non_finite
     recipe = fp8.DelayedScaling(history_length=3, reduction=reduction, margin=margin)
     amaxes = [2.0, 0.0, 8.0, float("inf"), 0.5, float("nan"), 0.0, 0.0, 0.0, 1.0]
     meta = recipe.init_meta()
-    update = jax.jit(lambda m, x: fp8.scaling.update_meta(m, x, recipe))
+    update = jax.jit(lambda m, x: fp8._scaling.update_meta(m, x, recipe))
     for (want_scale, want_history), a in zip(hand_delayed(3, reduction, margin, amaxes), amaxes):
         meta = update(meta, jnp.array([a / 2, -a], jnp.float32))
         np.testing.assert_allclose(meta.amax_history, want_history, rtol=1e-7)
@@ -39,26 +39,26 @@ def test_delayed_scaling_follows_the_hand_recurrence_through_zero_and_non_finite
 def test_all_zero_history_keeps_the_old_scale_and_non_finite_amax_changes_nothing():
     recipe = fp8.DelayedScaling(history_length=2)
     meta = fp8.Fp8Meta(jnp.float32(7.0), jnp.zeros(2, jnp.float32))
-    assert float(fp8.scaling.update_meta(meta, jnp.zeros(4), recipe).scale) == 7.0
-    after_nan = fp8.scaling.update_meta(meta, jnp.array([1.0, jnp.nan]), recipe)
+    assert float(fp8._scaling.update_meta(meta, jnp.zeros(4), recipe).scale) == 7.0
+    after_nan = fp8._scaling.update_meta(meta, jnp.array([1.0, jnp.nan]), recipe)
     assert float(after_nan.scale) == 7.0 and not np.any(np.asarray(after_nan.amax_history))
 
 
 def test_compute_scale_and_quantize_saturate_at_the_format_maximum():
-    assert fp8.formats.fp8_max(fp8.formats.E4M3) == E4M3_MAX and fp8.formats.fp8_max(fp8.formats.E5M2) == E5M2_MAX
-    scale = fp8.scaling.compute_scale(jnp.float32(10.0), jnp.float32(1.0), fp8.formats.E5M2, margin=2)
+    assert fp8._formats.fp8_max(fp8._formats.E4M3) == E4M3_MAX and fp8._formats.fp8_max(fp8._formats.E5M2) == E5M2_MAX
+    scale = fp8._scaling.compute_scale(jnp.float32(10.0), jnp.float32(1.0), fp8._formats.E5M2, margin=2)
     np.testing.assert_allclose(float(scale), E5M2_MAX / 4 / 10, rtol=1e-6)
-    q = fp8.scaling.quantize(jnp.array([1e6, -1e6, 1.0]), jnp.float32(1.0), fp8.formats.E4M3)
-    assert q.dtype == fp8.formats.E4M3
+    q = fp8._scaling.quantize(jnp.array([1e6, -1e6, 1.0]), jnp.float32(1.0), fp8._formats.E4M3)
+    assert q.dtype == fp8._formats.E4M3
     np.testing.assert_array_equal(q.astype(jnp.float32), [448.0, -448.0, 1.0])
-    for dtype in fp8.formats.FP8_DTYPES:  # an overflow is never clipped into a finite value
-        bad = fp8.scaling.quantize(jnp.array([jnp.inf, jnp.nan, 2.0]), jnp.float32(1.0), dtype).astype(jnp.float32)
+    for dtype in fp8._formats.FP8_DTYPES:  # an overflow is never clipped into a finite value
+        bad = fp8._scaling.quantize(jnp.array([jnp.inf, jnp.nan, 2.0]), jnp.float32(1.0), dtype).astype(jnp.float32)
         assert not np.any(np.isfinite(np.asarray(bad[:2]))) and float(bad[2]) == 2.0
 
 
 def test_qdq_with_current_scaling_maps_the_amax_onto_the_format_maximum():
     x = jnp.array([0.001, -0.0007, 0.0003], jnp.float32)
-    y = fp8.scaling.qdq(x, fp8.formats.E4M3)
+    y = fp8._scaling.qdq(x, fp8._formats.E4M3)
     assert y.dtype == jnp.float32
     assert float(jnp.max(jnp.abs(y))) == pytest.approx(0.001, rel=1e-6)  # the amax is exact after scaling
     np.testing.assert_allclose(y, x, rtol=2**-3)  # E4M3 has 3 mantissa bits
@@ -102,7 +102,7 @@ def test_backward_quantizes_the_cotangent_to_e5m2_and_is_invariant_to_a_loss_sca
     g = jax.random.normal(jax.random.PRNGKey(3), (8, 4)) * 1e-3
     _, vjp = jax.vjp(lambda u, v: fp8.fp8_dot_general(u, v, DN), a, b)
     da, db = vjp(g)
-    qa, qb, qg = fp8.scaling.qdq(a, fp8.formats.E4M3), fp8.scaling.qdq(b, fp8.formats.E4M3), fp8.scaling.qdq(g, fp8.formats.E5M2)
+    qa, qb, qg = fp8._scaling.qdq(a, fp8._formats.E4M3), fp8._scaling.qdq(b, fp8._formats.E4M3), fp8._scaling.qdq(g, fp8._formats.E5M2)
     np.testing.assert_allclose(da, qg @ qb.T, rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(db, qa.T @ qg, rtol=1e-6, atol=1e-9)
     assert not np.allclose(np.asarray(da), np.asarray(g @ qb.T), rtol=1e-7, atol=0)  # E5M2 rounding happened
@@ -132,12 +132,12 @@ def test_misuse_of_the_functions_gets_clear_errors():
     with pytest.raises(TypeError, match="lhs must be floating"):
         fp8.fp8_dot_general(jnp.ones((2, 2), jnp.int32), jnp.ones((2, 2)), DN)
     with pytest.raises(TypeError, match="DelayedScaling"):
-        fp8.scaling.update_meta(fp8.DelayedScaling().init_meta(), jnp.ones(2), fp8.CurrentScaling())
+        fp8._scaling.update_meta(fp8.DelayedScaling().init_meta(), jnp.ones(2), fp8.CurrentScaling())
     with pytest.raises(ValueError, match="history_length is 4"):
-        fp8.scaling.update_meta(fp8.DelayedScaling(history_length=8).init_meta(), jnp.ones(2),
+        fp8._scaling.update_meta(fp8.DelayedScaling(history_length=8).init_meta(), jnp.ones(2),
                         fp8.DelayedScaling(history_length=4))
     with pytest.raises(ValueError, match="fp8 dtype"):
-        fp8.formats.fp8_max(jnp.float16)
+        fp8._formats.fp8_max(jnp.float16)
 
 
 def test_the_recipes_are_not_subclasses_of_each_other():
@@ -148,7 +148,7 @@ def test_the_recipes_are_not_subclasses_of_each_other():
     assert not isinstance("e4m3", fp8.Fp8Recipe)
     assert current != fp8.DelayedScaling() and delayed == fp8.DelayedScaling(history_length=4)
     # The shared fields keep their positions: margin, fwd_dtype, bwd_dtype, emulate.
-    assert fp8.DelayedScaling(1.0, fp8.formats.E5M2).margin == 1.0 and fp8.DelayedScaling(1.0, fp8.formats.E5M2).fwd_dtype == fp8.formats.E5M2
+    assert fp8.DelayedScaling(1.0, fp8._formats.E5M2).margin == 1.0 and fp8.DelayedScaling(1.0, fp8._formats.E5M2).fwd_dtype == fp8._formats.E5M2
     with pytest.raises(TypeError, match="CurrentScaling or jaxmp.fp8.DelayedScaling"):
         type(current).__mro__[1]()  # the shared base is no recipe by itself
 
@@ -161,7 +161,7 @@ def test_each_code_path_picks_the_recipe_it_was_given():
     nnx = pytest.importorskip("flax.nnx")
     current, delayed = fp8.CurrentScaling(), fp8.DelayedScaling(history_length=4)
     x, w = jnp.ones((2, 2)), jnp.full((2, 2), 0.5)
-    scales = fp8.state.layer_scales(fp8.state.init_layer_state(delayed))
+    scales = fp8._state.layer_scales(fp8._state.init_layer_state(delayed))
     # The ops: delayed without scales and current with scales are both refused; each runs as itself.
     with pytest.raises(TypeError, match="delayed scaling needs scales"):
         fp8.fp8_dot_general(x, w, DN, recipe=delayed)
@@ -171,13 +171,13 @@ def test_each_code_path_picks_the_recipe_it_was_given():
         fp8.fp8_dot_general(x, w, DN, recipe="e4m3")
     assert fp8.fp8_dot_general(x, w, DN, recipe=delayed, scales=scales).tolist() == [[1.0, 1.0], [1.0, 1.0]]
     # Labels, hardware check, state builders.
-    assert fp8.recipes.describe(current).endswith("current scaling)") and fp8.recipes.describe(delayed).endswith("delayed scaling)")
+    assert fp8._recipes.describe(current).endswith("current scaling)") and fp8._recipes.describe(delayed).endswith("delayed scaling)")
     cpu = jax.devices("cpu")[0]
     assert fp8.check_hardware(current, cpu) == fp8.check_hardware(delayed, cpu) == "emulated"
     with pytest.raises(TypeError, match="fp8 recipe"):
         fp8.check_hardware(jaxmp.Policy("float32", "bfloat16", "float32"), cpu)
     with pytest.raises(TypeError, match="DelayedScaling"):
-        fp8.state.init_layer_state(current)
+        fp8._state.init_layer_state(current)
     # autocast takes current scaling only; the presets and the Flax front door take either.
     assert jaxmp.AutocastRules(fp8_matmuls=current).fp8_matmuls is current
     with pytest.raises(ValueError, match="delayed scaling"):  # refused where autocast is called
@@ -193,7 +193,7 @@ def test_each_code_path_picks_the_recipe_it_was_given():
 
 
 def test_cpu_reports_emulation():
-    available, why = fp8.hardware.native_fp8(jax.devices("cpu")[0])
+    available, why = fp8._hardware.native_fp8(jax.devices("cpu")[0])
     assert not available and "emulated" in why
 
 

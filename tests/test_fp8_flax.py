@@ -73,7 +73,7 @@ def test_fp8_presets_are_o2_bf16_with_an_fp8_recipe_and_transformer_engine_defau
             (bf16.policy, bf16.master_weights, bf16.loss_scale, bf16.keep_float32, "O2")
     assert isinstance(delayed.fp8, fp8.DelayedScaling) and type(current.fp8) is fp8.CurrentScaling
     assert (delayed.fp8.history_length, delayed.fp8.reduction, delayed.fp8.margin) == (1024, "max", 0.0)
-    assert (delayed.fp8.fwd_dtype, delayed.fp8.bwd_dtype) == (fp8.formats.E4M3, fp8.formats.E5M2)
+    assert (delayed.fp8.fwd_dtype, delayed.fp8.bwd_dtype) == (fp8._formats.E4M3, fp8._formats.E5M2)
     assert jaxmp.get_recipe("O2-bf16").fp8 is None
     assert jaxmp.flax.default_rules("O2-fp8").fp8_matmuls == delayed.fp8
 
@@ -148,7 +148,7 @@ def test_linen_step_records_the_observed_amaxes_and_the_optimizer_never_touches_
     assert float(out["kernel_scale"]) == pytest.approx(448.0 / k_amax, rel=1e-6)
     assert not np.any(np.asarray(out["kernel_amax_history"][1:]))
     for layer in (hidden, out):
-        for name in fp8.state.LAYER_TENSORS:
+        for name in fp8._state.LAYER_TENSORS:
             amax = float(layer[f"{name}_amax_history"][0])
             top = 57344.0 if name == "output_grad" else 448.0
             assert amax > 0 and float(layer[f"{name}_scale"]) == pytest.approx(top / amax, rel=1e-6)

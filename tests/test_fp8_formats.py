@@ -1,10 +1,10 @@
-"""jaxmp/fp8/formats.py: the two fp8 formats, their ranges, and the dtype and margin checks."""
+"""jaxmp/fp8/_formats.py: the two fp8 formats, their ranges, and the dtype and margin checks."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.fp8.formats import E4M3, E5M2, FP8_DTYPES, check_margin, fp8_dtype, fp8_max
+from jaxmp.fp8._formats import E4M3, E5M2, FP8_DTYPES, check_margin, fp8_dtype, fp8_max
 
 
 def test_the_formats_and_their_largest_values():

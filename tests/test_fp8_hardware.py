@@ -1,11 +1,11 @@
-"""jaxmp/fp8/hardware.py: where fp8 is native, and what each recipe's ``emulate`` allows where."""
+"""jaxmp/fp8/_hardware.py: where fp8 is native, and what each recipe's ``emulate`` allows where."""
 
 from types import SimpleNamespace
 
 import pytest
 
 from jaxmp import fp8
-from jaxmp.fp8.hardware import check_hardware, native_fp8
+from jaxmp.fp8._hardware import check_hardware, native_fp8
 
 
 def _gpu(cc, kind="NVIDIA X"):

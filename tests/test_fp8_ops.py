@@ -1,4 +1,4 @@
-"""jaxmp/fp8/ops.py: fp8_dot_general, fp8_conv_general_dilated and gradient_loss_scale, op by op."""
+"""jaxmp/fp8/_ops.py: fp8_dot_general, fp8_conv_general_dilated and gradient_loss_scale, op by op."""
 
 import jax
 import jax.numpy as jnp
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from jaxmp import fp8
-from jaxmp.fp8.formats import E4M3, E5M2
-from jaxmp.fp8.ops import fp8_conv_general_dilated, fp8_dot_general, gradient_loss_scale
-from jaxmp.fp8.scaling import qdq
-from jaxmp.fp8.state import Fp8Scales
+from jaxmp.fp8._formats import E4M3, E5M2
+from jaxmp.fp8._ops import fp8_conv_general_dilated, fp8_dot_general, gradient_loss_scale
+from jaxmp.fp8._scaling import qdq
+from jaxmp.fp8._state import Fp8Scales
 
 DN = (((1,), (0,)), ((), ()))
 A = jax.random.normal(jax.random.key(0), (4, 8))

@@ -1,4 +1,4 @@
-"""jaxmp/fp8/recipes.py: the two recipes' fields and checks, Fp8Recipe, init_meta and describe."""
+"""jaxmp/fp8/_recipes.py: the two recipes' fields and checks, Fp8Recipe, init_meta and describe."""
 
 import dataclasses
 
@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.fp8.formats import E4M3, E5M2
-from jaxmp.fp8.recipes import CurrentScaling, DelayedScaling, Fp8Meta, Fp8Recipe, _ScalingRecipe, describe
+from jaxmp.fp8._formats import E4M3, E5M2
+from jaxmp.fp8._recipes import CurrentScaling, DelayedScaling, Fp8Meta, Fp8Recipe, _ScalingRecipe, describe
 
 
 def test_defaults_are_transformer_engines():

@@ -1,14 +1,14 @@
-"""jaxmp/fp8/scaling.py: amax, the scale an amax gives, quantize/dequantize, and the delayed history update."""
+"""jaxmp/fp8/_scaling.py: amax, the scale an amax gives, quantize/dequantize, and the delayed history update."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.fp8.formats import E4M3, E5M2
-from jaxmp.fp8.recipes import CurrentScaling, DelayedScaling, Fp8Meta
-from jaxmp.fp8.scaling import amax, compute_scale, dequantize, qdq, quantize, update_meta
-from jaxmp.fp8.scaling import update_meta as _update_meta
+from jaxmp.fp8._formats import E4M3, E5M2
+from jaxmp.fp8._recipes import CurrentScaling, DelayedScaling, Fp8Meta
+from jaxmp.fp8._scaling import amax, compute_scale, dequantize, qdq, quantize, update_meta
+from jaxmp.fp8._scaling import update_meta as _update_meta
 
 
 def test_amax_is_the_float32_absolute_maximum():

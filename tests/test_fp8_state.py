@@ -1,12 +1,12 @@
-"""jaxmp/fp8/state.py: a layer's delayed-scaling variables and the step update of every layer in a tree."""
+"""jaxmp/fp8/_state.py: a layer's delayed-scaling variables and the step update of every layer in a tree."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.fp8.recipes import CurrentScaling, DelayedScaling
-from jaxmp.fp8.state import FP8_COLLECTION, LAYER_TENSORS, Fp8Scales, init_layer_state, layer_scales, update_state
+from jaxmp.fp8._recipes import CurrentScaling, DelayedScaling
+from jaxmp.fp8._state import FP8_COLLECTION, LAYER_TENSORS, Fp8Scales, init_layer_state, layer_scales, update_state
 
 RECIPE = DelayedScaling(history_length=4)
 

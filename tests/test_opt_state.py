@@ -1,4 +1,4 @@
-"""jaxmp/opt_state.py: finding the loss-scaling state, reading it, applying updates, check_health's verdicts."""
+"""jaxmp/_opt_state.py: finding the loss-scaling state, reading it, applying updates, check_health's verdicts."""
 
 import jax
 import jax.numpy as jnp
@@ -7,10 +7,10 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp.opt_state import (TrainingDivergedError, apply_updates, check_health, find_loss_scaling_state,
+from jaxmp._opt_state import (TrainingDivergedError, apply_updates, check_health, find_loss_scaling_state,
                              first_non_finite, get_loss_scale, last_step_finite, master_params, scaling_stats,
                              skipped_steps)
-from jaxmp.transform import NON_FINITE_GRADIENTS, NON_FINITE_LOSS, NON_FINITE_UPDATES
+from jaxmp._transform import NON_FINITE_GRADIENTS, NON_FINITE_LOSS, NON_FINITE_UPDATES
 
 PARAMS = {"w": jnp.ones(2)}
 

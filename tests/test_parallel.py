@@ -131,8 +131,8 @@ def test_nan_in_one_replica_makes_every_replica_skip_and_replicas_stay_bitwise_i
     # The skipped step left params and every optimizer leaf bitwise unchanged, on every replica.
     for a, b in zip(jax.tree_util.tree_leaves(after[0]), jax.tree_util.tree_leaves(before[0])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    adam_before = jaxmp.opt_state.find_loss_scaling_state(before[1]).inner_state
-    adam_after = jaxmp.opt_state.find_loss_scaling_state(after[1]).inner_state
+    adam_before = jaxmp._opt_state.find_loss_scaling_state(before[1]).inner_state
+    adam_after = jaxmp._opt_state.find_loss_scaling_state(after[1]).inner_state
     for a, b in zip(jax.tree_util.tree_leaves(adam_after), jax.tree_util.tree_leaves(adam_before)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     skips = np.asarray(jaxmp.scaling_stats(s)["total_skips"])
@@ -241,7 +241,7 @@ def test_replicate_unreplicate_round_trip_and_replica_check():
     back = jaxmp.parallel.unreplicate(rep)
     np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(tree["w"]))
     assert back["step"].shape == () and int(back["step"]) == 3
-    assert jaxmp.parallel.replication.is_replicated(rep) and not jaxmp.parallel.replication.is_replicated(tree)
+    assert jaxmp.parallel._replication.is_replicated(rep) and not jaxmp.parallel._replication.is_replicated(tree)
     with pytest.raises(ValueError, match=r"leading replica axis of size 8"):
         jaxmp.parallel.check_replicated(tree)
     bad = np.asarray(rep["w"]).copy()
@@ -259,14 +259,14 @@ def test_shard_batch_splits_evenly_logs_and_names_both_numbers(caplog):
     assert out["x"].shape == (8, 3, 2) and out["y"].shape == (8, 3)
     np.testing.assert_array_equal(out["y"][1], [3, 4, 5])  # contiguous blocks, like the mesh split
     assert "per-device batch 3" in caplog.text
-    np.testing.assert_array_equal(jaxmp.parallel.batching.unshard_batch(out)["y"], np.arange(24))
+    np.testing.assert_array_equal(jaxmp.parallel._batching.unshard_batch(out)["y"], np.arange(24))
     with pytest.raises(ValueError, match=r"global batch size 20 is not divisible by the device count 8"):
         jaxmp.parallel.shard_batch({"x": np.zeros((20, 2))})
     with pytest.raises(ValueError, match=r"different leading"):
         jaxmp.parallel.shard_batch({"x": np.zeros((16, 2)), "y": np.zeros(8)})
     with pytest.raises(ValueError, match=r"20 is not divisible by the device count 8"):
         jaxmp.parallel.make_global_batch({"x": np.zeros((20, 2))}, jaxmp.parallel.make_data_mesh())
-    assert jaxmp.parallel.batching.per_device_batch_size(512, 8) == 64  # the TPU case: 8 cores each see batch / 8
+    assert jaxmp.parallel._batching.per_device_batch_size(512, 8) == 64  # the TPU case: 8 cores each see batch / 8
 
 
 def test_process_slices():
@@ -287,7 +287,7 @@ def test_prefetch_puts_batches_on_devices():
     assert len(got) == 3 and got[2]["x"].shape == (N, 2, 3)
     assert len(got[0]["x"].sharding.device_set) == N and float(got[2]["x"][0, 0, 0]) == 2.0
     mesh = jaxmp.parallel.make_data_mesh()
-    got = list(jaxmp.parallel.sharding.prefetch_to_mesh(iter(batches), mesh))
+    got = list(jaxmp.parallel._sharding.prefetch_to_mesh(iter(batches), mesh))
     assert got[1]["x"].shape == (16, 3) and got[1]["x"].sharding.spec == jax.sharding.PartitionSpec("data")
 
 
@@ -364,7 +364,7 @@ def test_initialize_distributed_reads_environment(monkeypatch):
 def test_check_replicated_handles_prng_keys():
     state = jaxmp.parallel.replicate({"key": jax.random.key(0), "w": jnp.ones(2)})
     jaxmp.parallel.check_replicated(state)
-    assert jaxmp.parallel.replication.is_replicated(state)
+    assert jaxmp.parallel._replication.is_replicated(state)
 
 
 def test_an_integer_params_leaf_is_a_type_error_naming_it_on_both_paths():

@@ -1,10 +1,10 @@
-"""jaxmp/parallel/batching.py: per-device splits, process slices of a batch or dataset, and prefetching."""
+"""jaxmp/parallel/_batching.py: per-device splits, process slices of a batch or dataset, and prefetching."""
 
 import jax
 import numpy as np
 import pytest
 
-from jaxmp.parallel.batching import (per_device_batch_size, prefetch_to_device, process_batch_slice,
+from jaxmp.parallel._batching import (per_device_batch_size, prefetch_to_device, process_batch_slice,
                                      process_dataset_range, shard_batch, unshard_batch)
 
 N = jax.local_device_count()

@@ -1,11 +1,11 @@
-"""jaxmp/parallel/distributed.py: how initialize_distributed resolves its settings, with JAX's
+"""jaxmp/parallel/_distributed.py: how initialize_distributed resolves its settings, with JAX's
 ``jax.distributed.initialize`` replaced by a recorder (nothing connects anywhere)."""
 
 import jax
 import pytest
 
-from jaxmp.parallel import distributed
-from jaxmp.parallel.distributed import DistributedInfo, distributed_info, initialize_distributed
+from jaxmp.parallel import _distributed as distributed
+from jaxmp.parallel._distributed import DistributedInfo, distributed_info, initialize_distributed
 
 ENV = ("JAXMP_COORDINATOR_ADDRESS", "JAXMP_NUM_PROCESSES", "JAXMP_PROCESS_ID", "JAXMP_LOCAL_DEVICE_IDS")
 

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxmp
 from jaxmp import lean
-from jaxmp.parallel import layouts
+from jaxmp.parallel import _layouts as layouts
 
 # Every step here goes through optax.adamw (or lean recipes over it), whose bias correction
 # (Python float ** int32 count) is not strict-promotion clean.
@@ -207,13 +207,13 @@ def test_a_model_axis_keeps_the_users_param_specs():
 
 def test_leaf_spec_rule():
     mesh = jaxmp.parallel.make_data_mesh()
-    rule = functools.partial(jaxmp.parallel.layouts.leaf_spec, mesh=mesh, data_axis="data", min_shard_size=0)
+    rule = functools.partial(jaxmp.parallel._layouts.leaf_spec, mesh=mesh, data_axis="data", min_shard_size=0)
     assert rule((64, 128)) == P(None, "data")     # the largest dimension the axis size divides
     assert rule((128, 128)) == P("data")          # ties: the first
     assert rule((12, 16)) == P(None, "data")      # 12 does not divide over 8
     assert rule((6, 10)) == P()                   # nothing divides: replicated
     assert rule(()) == P()
-    assert jaxmp.parallel.layouts.leaf_spec((64, 8), mesh, "data") == P()   # fewer than 1024 elements: replicated
+    assert jaxmp.parallel._layouts.leaf_spec((64, 8), mesh, "data") == P()   # fewer than 1024 elements: replicated
 
 
 def test_shard_state_reshards_between_layouts_and_meshes():
@@ -448,7 +448,7 @@ def _lowered_step(layout, reduce_dtype, dtype=BF16):
     return step.lower(ps, ss, batch)
 
 
-@pytest.mark.parametrize("layout", jaxmp.parallel.layouts.LAYOUTS)
+@pytest.mark.parametrize("layout", jaxmp.parallel._layouts.LAYOUTS)
 @pytest.mark.parametrize("reduce_dtype,elem", [("bfloat16", "bf16"), ("float32", "f32")])
 def test_every_gradient_reduction_of_the_program_runs_in_the_layouts_reduce_dtype(layout, reduce_dtype, elem):
     # Read from the program jaxmp hands XLA (the lowered StableHLO): XLA:CPU then widens bf16
@@ -461,7 +461,7 @@ def test_every_gradient_reduction_of_the_program_runs_in_the_layouts_reduce_dtyp
 
 
 @pytest.mark.slow  # three compiles
-@pytest.mark.parametrize("layout", jaxmp.parallel.layouts.LAYOUTS)
+@pytest.mark.parametrize("layout", jaxmp.parallel._layouts.LAYOUTS)
 def test_reduce_dtype_none_reduces_in_the_compute_dtype(layout):
     # float16 params (XLA:CPU keeps f16 collectives; it widens only bf16): with reduce_dtype=None
     # XLA reduces each gradient in the matmul's dtype, and jaxmp writes no collective of its own.

@@ -1,4 +1,4 @@
-"""jaxmp/parallel/pmap.py: make_pmap_train_step's own contract: arguments, the per-call checks, the
+"""jaxmp/parallel/_pmap.py: make_pmap_train_step's own contract: arguments, the per-call checks, the
 device subset, model state and the re-labelled input layout (end-to-end agreement is in test_parallel.py)."""
 
 import jax

@@ -1,11 +1,11 @@
-"""jaxmp/parallel/replication.py: replicate, unreplicate and the bitwise replica check, unit by unit."""
+"""jaxmp/parallel/_replication.py: replicate, unreplicate and the bitwise replica check, unit by unit."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.parallel.replication import check_replicated, is_replicated, replicate, unreplicate
+from jaxmp.parallel._replication import check_replicated, is_replicated, replicate, unreplicate
 
 N = jax.local_device_count()
 

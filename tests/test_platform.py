@@ -1,9 +1,9 @@
-"""jaxmp/platform.py: recommended_policy's choice per platform and compute capability, and its refusals."""
+"""jaxmp/_platform.py: recommended_policy's choice per platform and compute capability, and its refusals."""
 
 import jax
 import pytest
 
-from jaxmp.platform import Recommendation, recommended_policy
+from jaxmp._platform import Recommendation, recommended_policy
 
 
 @pytest.mark.parametrize("cc,recipe,policy", [

@@ -1,4 +1,4 @@
-"""The step family (jaxmp/step.py): every train step reports the same metrics keys, the renamed
+"""The step family (jaxmp/_step.py): every train step reports the same metrics keys, the renamed
 key still reads with a DeprecationWarning, the metrics are a pytree jit and pmap return, and
 the sharded step's layout is a value shard_state takes, so the layout is spelled once."""
 
@@ -15,7 +15,7 @@ from flax import nnx
 import jaxmp
 import jaxmp.flax
 import jaxmp.parallel
-from jaxmp.step import DEPRECATED_METRICS, StepMetrics
+from jaxmp._step import DEPRECATED_METRICS, StepMetrics
 
 #: What every jaxmp train step reports (the Flax steps add ``accuracy``, a parallel step with
 #: ``has_aux`` adds ``aux``).
@@ -135,7 +135,7 @@ def test_the_sharded_steps_layout_is_the_value_shard_state_takes():
 # ---------------------------------------------------------------------------------------------
 # make_step, step_metrics, make_generic_step and the checks, unit by unit.
 
-from jaxmp.step import (StepResult, check_differentiable_params, check_no_model_state_in_aux,  # noqa: E402
+from jaxmp._step import (StepResult, check_differentiable_params, check_no_model_state_in_aux,  # noqa: E402
                         make_generic_step, make_step, step_metrics)
 
 
@@ -161,12 +161,12 @@ def test_make_step_skips_a_non_finite_step_and_keeps_the_old_model_state_bitwise
     out = jax.jit(make_step(_quad, tx))(params, ms, tx.init(params), batch)
     assert not bool(out.finite) and int(out.model_state["calls"]) == 5
     assert np.asarray(out.params["w"]).tobytes() == np.asarray(params["w"]).tobytes()
-    s = jaxmp.opt_state.find_loss_scaling_state(out.opt_state)
+    s = jaxmp._opt_state.find_loss_scaling_state(out.opt_state)
     assert int(s.skip_reason) == 1  # the loss (given as value) was the non-finite thing
     assert float(s.loss_scale.loss_scale) == 2.0 ** 14  # backed off
     # Without the loss passed as value, the same step blames the gradients.
     out = jax.jit(make_step(_quad, tx, pass_value=False))(params, ms, tx.init(params), batch)
-    assert int(jaxmp.opt_state.find_loss_scaling_state(out.opt_state).skip_reason) == 2
+    assert int(jaxmp._opt_state.find_loss_scaling_state(out.opt_state).skip_reason) == 2
 
 
 def test_make_step_uses_the_given_reducers_and_skip_rule():
@@ -247,7 +247,7 @@ def test_make_generic_step_refuses_per_replica_batch_stats_fp8_state_and_integer
         body(params, tx.init(params), jnp.ones(2))
     tx, body = _generic(lambda p, s, b: (jnp.sum(p["w"]), s), with_model_state=True)
     with pytest.raises(ValueError, match="delayed fp8 scaling state"):
-        body((params, {jaxmp.fp8.state.FP8_COLLECTION: {}}), tx.init(params), jnp.ones(2))
+        body((params, {jaxmp.fp8._state.FP8_COLLECTION: {}}), tx.init(params), jnp.ones(2))
     tx, body = _generic(lambda p, b: jnp.sum(p["w"]))
     with pytest.raises(TypeError, match=r"\['n'\] has dtype int32"):
         body({"w": jnp.ones(2), "n": jnp.int32(0)}, tx.init(params), jnp.ones(2))

@@ -1,4 +1,4 @@
-"""jaxmp/traps.py: each trace-time check on its own (marks, warnings, refusals, the constant scan)."""
+"""jaxmp/_traps.py: each trace-time check on its own (marks, warnings, refusals, the constant scan)."""
 
 import pickle
 import warnings
@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp import traps
-from jaxmp.transform import LossScalingState, MasterWeightsState
+from jaxmp import _traps as traps
+from jaxmp._transform import LossScalingState, MasterWeightsState
 
 
 @pytest.fixture

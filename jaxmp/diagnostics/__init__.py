@@ -7,18 +7,18 @@ See docs/diagnostics.md and docs/debugging.md.
 """
 
 from jaxmp import _deprecations
-from jaxmp.diagnostics.autocast_ops import AutocastOp
+from jaxmp.diagnostics._autocast_ops import AutocastOp
 # Not public (report.explain() reads it); bound here because its module has the same name.
-from jaxmp.diagnostics.autocast_ops import autocast_ops
-from jaxmp.diagnostics.gradient_stats import GradientStats
-from jaxmp.diagnostics.gradient_stats import GroupStats
-from jaxmp.diagnostics.gradient_stats import gradient_stats
-from jaxmp.diagnostics.input_pipeline import PipelineOverhead
-from jaxmp.diagnostics.input_pipeline import input_pipeline_overhead
-from jaxmp.diagnostics.precision_report import MatmulOp
-from jaxmp.diagnostics.precision_report import PrecisionReport
-from jaxmp.diagnostics.precision_report import RiskyOp
-from jaxmp.diagnostics.precision_report import precision_report
+from jaxmp.diagnostics._autocast_ops import autocast_ops
+from jaxmp.diagnostics._gradient_stats import GradientStats
+from jaxmp.diagnostics._gradient_stats import GroupStats
+from jaxmp.diagnostics._gradient_stats import gradient_stats
+from jaxmp.diagnostics._input_pipeline import PipelineOverhead
+from jaxmp.diagnostics._input_pipeline import input_pipeline_overhead
+from jaxmp.diagnostics._precision_report import MatmulOp
+from jaxmp.diagnostics._precision_report import PrecisionReport
+from jaxmp.diagnostics._precision_report import RiskyOp
+from jaxmp.diagnostics._precision_report import precision_report
 from jaxmp.diagnostics._locate import NonFiniteCulprit
 from jaxmp.diagnostics._locate import locate_non_finite
 from jaxmp.diagnostics._shadow import Fix

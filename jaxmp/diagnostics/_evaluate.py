@@ -16,9 +16,9 @@ import numpy as np
 
 from jaxmp import _jaxpr
 from jaxmp.diagnostics import _format
-from jaxmp.diagnostics.jaxpr_walk import source_of
-from jaxmp.engine import internals
-from jaxmp.engine.rules import MARKER
+from jaxmp.diagnostics._jaxpr_walk import source_of
+from jaxmp.engine._seams import internals
+from jaxmp.engine._seams import MARKER
 
 _RULE = "jaxmp.rule="
 
@@ -385,13 +385,6 @@ class StrictJit:
 
     Args:
       fn: the function to stage (positional arguments only).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from jaxmp.diagnostics._evaluate import StrictJit
-      >>> f = StrictJit(lambda x: x * 2)
-      >>> float(f(jnp.float32(3.0))), len(f.compiled)
-      (6.0, 1)
     """
 
     def __init__(self, fn: Callable):
@@ -432,7 +425,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict) -> tuple[Any, Any]:
     Explain mode makes `jaxmp.autocast` record the rule of every op it emits, which the
     sites read back. Arguments are flattened: the jaxpr's invars are the array leaves.
     """
-    from jaxmp.engine.api import explaining
+    from jaxmp.engine._seams import explaining
 
     if not callable(fn):
         raise TypeError(f"expected a callable (a loss function or a train step), got {type(fn).__name__}: {fn!r}")

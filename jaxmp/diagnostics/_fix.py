@@ -112,7 +112,7 @@ def rules_code(rules, component: str, cls: type | None = None) -> str:
     Equinox modules emit no instance scope a scope rule could match). One line when it fits 84
     columns (the fix is printed indented by 4), else one call per line.
     """
-    from jaxmp.engine.rules import AutocastRules
+    from jaxmp.engine._seams import AutocastRules
 
     default = AutocastRules()
     kw = []
@@ -137,7 +137,7 @@ def rules_code(rules, component: str, cls: type | None = None) -> str:
 
 
 def _matmul_low_flops(run: Callable, args: Sequence[Any]) -> tuple[int, int]:
-    from jaxmp.diagnostics.precision_report import precision_report
+    from jaxmp.diagnostics._precision_report import precision_report
 
     rep = precision_report(run, *args)
     return rep.low_precision_flops, rep.total_flops
@@ -220,8 +220,8 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     component = path.rsplit("/", 1)[-1]
     if policy is None:
         return Fix(path, _own_precision_code(path, args[0] if args else None))
-    from jaxmp.engine.config import resolve_config
-    from jaxmp.engine.entry import autocast
+    from jaxmp.engine._seams import resolve_config
+    from jaxmp.engine._seams import autocast
 
     rules = resolve_config(policy, None).rules
     call = f"\nfn = jaxmp.autocast(fn, {str(policy)!r}, rules=rules)"

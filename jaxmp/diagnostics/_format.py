@@ -81,13 +81,6 @@ def wrap(text: str, width: int = WIDTH, hang: int = 4) -> str:
 
     Returns:
       The wrapped text.
-
-    Example:
-      >>> from jaxmp.diagnostics._format import wrap
-      >>> print(wrap("  fix: " + "word " * 20, width=40))
-        fix: word word word word word word
-            word word word word word word word
-            word word word word word word word
     """
     out = []
     for line in text.split("\n"):

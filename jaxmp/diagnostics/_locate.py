@@ -262,14 +262,14 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
                         f"{type(fn).__name__}: {fn!r}")
     if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float, np.floating)) or not loss_scale > 0:
         raise ValueError(f"loss_scale must be a positive number, got {loss_scale!r}")
-    from jaxmp.opt_state import first_non_finite
+    from jaxmp._opt_state import first_non_finite
 
     bad = first_non_finite((args, kwargs))
     if bad is not None:
         return NonFiniteCulprit(False, bad_input=bad)
     run = fn
     if policy is not None:
-        from jaxmp.engine.entry import autocast
+        from jaxmp.engine._seams import autocast
 
         run = autocast(fn, policy)
     if grad is None:

@@ -45,11 +45,6 @@ def dot_gemm(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbe
 
     Returns:
       A `Gemm`; ``tc_dims`` are ``M``, ``N`` and ``K``.
-
-    Example:
-      >>> from jaxmp.diagnostics._matmul import dot_gemm
-      >>> dot_gemm((16, 64, 30), (16, 30, 8), (((2,), (1,)), ((0,), (0,)))).flops
-      491520
     """
     (lc, rc), (lb, rb) = dimension_numbers
     lc, lb, rb, rc = tuple(lc), tuple(lb), tuple(rb), tuple(rc)
@@ -75,13 +70,6 @@ def conv_gemm(lhs_shape: Sequence[int], rhs_shape: Sequence[int], out_shape: Seq
 
     Returns:
       A `Gemm` with ``batch=1``; ``tc_dims`` are the input and output channels per group.
-
-    Example:
-      >>> from jaxmp.diagnostics._matmul import conv_gemm
-      >>> import jax
-      >>> dn = jax.lax.conv_dimension_numbers((8, 32, 32, 3), (3, 3, 3, 16), ("NHWC", "HWIO", "NHWC"))
-      >>> conv_gemm((8, 32, 32, 3), (3, 3, 3, 16), (8, 32, 32, 16), dn).flops  # 2*8*32*32*16*3*9
-      7077888
     """
     rhs_spec, out_spec = dimension_numbers.rhs_spec, dimension_numbers.out_spec
     c_out = int(rhs_shape[rhs_spec[0]])

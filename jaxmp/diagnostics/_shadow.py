@@ -17,8 +17,8 @@ import numpy as np
 
 from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
-from jaxmp.engine import internals
-from jaxmp.engine.rules import COMBINER_OPS
+from jaxmp.engine._seams import internals
+from jaxmp.engine._seams import COMBINER_OPS
 from jaxmp.diagnostics._fix import Fix, apply_updates, suggest_fix
 from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths,
                                          trace)
@@ -517,7 +517,7 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
     run = fn
     if policy is not None:
-        from jaxmp.engine.entry import autocast
+        from jaxmp.engine._seams import autocast
 
         run = autocast(fn, policy)
     has_loss = _scalar_first(jax.eval_shape(lambda *a: (run(*a),), *args)[0])

@@ -1,7 +1,7 @@
 """Strict mode: tracing raises where an op of the policy's float32 list runs in half precision.
 
 For code outside ``jaxmp.autocast`` (``Policy.cast_to_compute``, ``dtype=bfloat16`` layers,
-``half_inputs`` kernels, O3). Risky is `jaxmp.diagnostics.jaxpr_walk.classify_risk`'s definition,
+``half_inputs`` kernels, O3). Risky is `jaxmp.diagnostics._jaxpr_walk.classify_risk`'s definition,
 shared with the precision report. See docs/debugging.md#strict-mode-the-policys-float32-list-enforced-outside-autocast.
 """
 
@@ -16,10 +16,10 @@ from jaxmp import _jaxpr
 from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics._evaluate import Sites, _inner
-from jaxmp.diagnostics.jaxpr_walk import classify_risk
+from jaxmp.diagnostics._jaxpr_walk import classify_risk
 
 if TYPE_CHECKING:  # imported in the functions that need them at run time (an import cycle otherwise)
-    from jaxmp.engine.rules import AutocastRules
+    from jaxmp.engine._seams import AutocastRules
 
 _DOCS = "docs/debugging.md"
 
@@ -29,13 +29,13 @@ class StrictPrecisionError(FloatingPointError):
 
 
 def _float32_ops(policy: Any, rules: Any) -> frozenset[str]:
-    from jaxmp.engine.rules import FLOAT32_OPS
+    from jaxmp.engine._seams import FLOAT32_OPS
 
     if rules is not None:
         return frozenset(rules.float32_ops)
     if policy is None:
         return FLOAT32_OPS
-    from jaxmp.engine.config import resolve_config
+    from jaxmp.engine._seams import resolve_config
 
     found = resolve_config(policy, None).rules.float32_ops
     # O3 and pure-half policies list nothing: strict mode checks against the mixed-precision list.

@@ -18,15 +18,15 @@ import flax.linen as _nn
 from flax import nnx as _nnx
 
 from jaxmp.flax import fp8, linen, nnx
-from jaxmp.flax.attention import float32_softmax_attention, fused_attention
-from jaxmp.flax.losses import accuracy, softmax_cross_entropy
+from jaxmp.flax._attention import float32_softmax_attention, fused_attention
+from jaxmp.flax._losses import accuracy, softmax_cross_entropy
 from jaxmp import _deprecations
 from jaxmp._typing import PolicyLike
-from jaxmp.engine.rules import AutocastRules as _AutocastRules
-from jaxmp.flax.overrides import default_rules, resolve_rules
-from jaxmp.flax.steps import make_eval_step, make_train_step
-from jaxmp.flax.train_state import TrainState
-from jaxmp.loss_scale import register_flax_serialization as _register_flax_serialization
+from jaxmp.engine._seams import AutocastRules as _AutocastRules
+from jaxmp.flax._overrides import default_rules, resolve_rules
+from jaxmp.flax._steps import make_eval_step, make_train_step
+from jaxmp.flax._train_state import TrainState
+from jaxmp._loss_scale import register_flax_serialization as _register_flax_serialization
 
 _register_flax_serialization(force=True)
 

@@ -18,17 +18,17 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxmp.engine.config import flax_config
+from jaxmp.engine._seams import flax_config
 from jaxmp._typing import PolicyLike, PyTree
-from jaxmp.engine.entry import engine_function
-from jaxmp.engine.modules import module_interceptor
-from jaxmp.flax.attention import fused_attention
-from jaxmp.flax.casting import Path, cast_by_path, enclosing_float32, is_float32_rule
+from jaxmp.engine._seams import engine_function
+from jaxmp.engine._seams import module_interceptor
+from jaxmp.flax._attention import fused_attention
+from jaxmp.flax._casting import Path, cast_by_path, enclosing_float32, is_float32_rule
 from jaxmp.flax.fp8 import Fp8ConvGeneralDilated, Fp8DotGeneral, linen_fp8_field
-from jaxmp.engine.rules import AutocastRules, ModuleRule
-from jaxmp.flax.overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
-from jaxmp.policy import Policy
-from jaxmp.traps import MixedPrecisionWarning
+from jaxmp.engine._seams import AutocastRules, ModuleRule
+from jaxmp.flax._overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
+from jaxmp._policy import Policy
+from jaxmp._traps import MixedPrecisionWarning
 
 #: How many times ``init`` re-runs for layers that refuse the float32 params they just created.
 _MAX_INIT_PASSES = 64

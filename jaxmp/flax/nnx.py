@@ -17,21 +17,21 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxmp.engine import config as _config
-from jaxmp.engine.config import flax_config
-from jaxmp.engine.entry import engine_function
-from jaxmp.engine.modules import install_call_hooks, instance_rules
-from jaxmp.flax.attention import fused_attention
+from jaxmp.engine._seams import config
+from jaxmp.engine._seams import flax_config
+from jaxmp.engine._seams import engine_function
+from jaxmp.engine._seams import install_call_hooks, instance_rules
+from jaxmp.flax._attention import fused_attention
 from jaxmp import _tree, fp8
 from jaxmp._typing import AxisName, PolicyLike, PyTree
-from jaxmp.flax import steps
+from jaxmp.flax import _steps as steps
 from jaxmp.flax.fp8 import install_nnx_fp8
-from jaxmp.flax.casting import Path, cast_by_path, enclosing_float32, is_float32_rule
-from jaxmp.engine.rules import AutocastRules, ModuleRule
-from jaxmp.flax.overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
-from jaxmp.traps import MixedPrecisionWarning
-from jaxmp.policy import Policy
-from jaxmp.transform import LossScalingState
+from jaxmp.flax._casting import Path, cast_by_path, enclosing_float32, is_float32_rule
+from jaxmp.engine._seams import AutocastRules, ModuleRule
+from jaxmp.flax._overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
+from jaxmp._traps import MixedPrecisionWarning
+from jaxmp._policy import Policy
+from jaxmp._transform import LossScalingState
 
 def _str_path(path: tuple) -> Path:
     return tuple(str(k) for k in path)
@@ -339,7 +339,7 @@ def optimizer_state(optimizer: nnx.Optimizer) -> Any:
     stored, copy = _tree.find_states(optimizer.opt_state, LossScalingState), _tree.find_states(pure, LossScalingState)
     if len(stored) == len(copy) == 1:
         # Scaling a loss with this copy's scale also marks the stored one, which optimizer.update
-        # reads: the unscaled-gradient check (jaxmp.traps.ScaledMark) then sees it.
+        # reads: the unscaled-gradient check (jaxmp._traps.ScaledMark) then sees it.
         object.__setattr__(copy[0].loss_scale, "_jaxmp_stored", stored[0].loss_scale)
     return pure
 

@@ -14,11 +14,11 @@ Example:
 """
 
 from jaxmp import _deprecations
-from jaxmp.fp8 import formats, scaling, state  # noqa: F401  (loaded with the package)
-from jaxmp.fp8.hardware import check_hardware
-from jaxmp.fp8.ops import fp8_conv_general_dilated, fp8_dot_general, gradient_loss_scale
-from jaxmp.fp8.recipes import CurrentScaling, DelayedScaling, Fp8Meta, Fp8Recipe
-from jaxmp.fp8.state import update_state
+from jaxmp.fp8 import _formats, _scaling, _state  # noqa: F401  (loaded with the package)
+from jaxmp.fp8._hardware import check_hardware
+from jaxmp.fp8._ops import fp8_conv_general_dilated, fp8_dot_general, gradient_loss_scale
+from jaxmp.fp8._recipes import CurrentScaling, DelayedScaling, Fp8Meta, Fp8Recipe
+from jaxmp.fp8._state import update_state
 
 __all__ = [
     # recipes

@@ -14,30 +14,30 @@ Plus replication helpers, batch splitting (per device and per process), prefetch
 """
 
 from jaxmp import _deprecations
-from jaxmp.parallel.batching import prefetch_to_device
-from jaxmp.parallel.batching import process_batch_slice
-from jaxmp.parallel.batching import process_dataset_range
-from jaxmp.parallel.batching import shard_batch
-from jaxmp.parallel.distributed import DistributedInfo
-from jaxmp.parallel.distributed import distributed_info
-from jaxmp.parallel.distributed import initialize_distributed
-from jaxmp.parallel.layouts import abstract_state
-from jaxmp.parallel.layouts import shard_state
-from jaxmp.parallel.layouts import state_bytes_per_device
-from jaxmp.parallel.layouts import state_shardings
-from jaxmp.parallel.per_layer import gather_params
-from jaxmp.parallel.per_layer import remat_policy
-from jaxmp.parallel.per_layer import scan_layers
-from jaxmp.parallel.pmap import all_reduce_gradients
-from jaxmp.parallel.pmap import make_pmap_train_step
-from jaxmp.parallel.replication import check_replicated
-from jaxmp.parallel.replication import replicate
-from jaxmp.parallel.replication import unreplicate
-from jaxmp.parallel.sharding import make_data_mesh
-from jaxmp.parallel.sharding import make_global_batch
-from jaxmp.parallel.sharding import make_sharded_train_step
-from jaxmp.parallel.sharding import replicate_on_mesh
-from jaxmp.parallel.sharding import replicated_sharding
+from jaxmp.parallel._batching import prefetch_to_device
+from jaxmp.parallel._batching import process_batch_slice
+from jaxmp.parallel._batching import process_dataset_range
+from jaxmp.parallel._batching import shard_batch
+from jaxmp.parallel._distributed import DistributedInfo
+from jaxmp.parallel._distributed import distributed_info
+from jaxmp.parallel._distributed import initialize_distributed
+from jaxmp.parallel._layouts import abstract_state
+from jaxmp.parallel._layouts import shard_state
+from jaxmp.parallel._layouts import state_bytes_per_device
+from jaxmp.parallel._layouts import state_shardings
+from jaxmp.parallel._per_layer import gather_params
+from jaxmp.parallel._per_layer import remat_policy
+from jaxmp.parallel._per_layer import scan_layers
+from jaxmp.parallel._pmap import all_reduce_gradients
+from jaxmp.parallel._pmap import make_pmap_train_step
+from jaxmp.parallel._replication import check_replicated
+from jaxmp.parallel._replication import replicate
+from jaxmp.parallel._replication import unreplicate
+from jaxmp.parallel._sharding import make_data_mesh
+from jaxmp.parallel._sharding import make_global_batch
+from jaxmp.parallel._sharding import make_sharded_train_step
+from jaxmp.parallel._sharding import replicate_on_mesh
+from jaxmp.parallel._sharding import replicated_sharding
 
 __all__ = [
     "DistributedInfo",

@@ -1,0 +1,298 @@
+"""The one train-step builder: scaled gradients, all-reduce, the fused skip-aware update.
+
+The Linen and NNX steps (`jaxmp.flax._steps`) and the pmap and sharded-jit steps (`jaxmp.parallel`)
+are thin adapters over `make_step`; every step reports the same metrics (`step_metrics`).
+What one step does, in order: see docs/design.md#the-train-step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxmp import fp8
+from jaxmp._collectives import all_reduce_gradients, optional_axis_name
+from jaxmp.fp8._seams import FP8_COLLECTION
+from jaxmp._grad import value_and_grad
+from jaxmp._opt_state import find_loss_scaling_state, get_loss_scale, scaling_stats
+from jaxmp._skip import keep_if_finite
+from jaxmp._transform import update_and_apply
+
+
+class Fp8Hooks(NamedTuple):
+    """How a step finds, feeds and updates delayed-scaling fp8 state inside its model state.
+
+    Attributes:
+      split: ``model_state -> (fp8_state, rest)``; ``fp8_state`` is differentiated (its
+        gradient is the amaxes the step observed), ``rest`` is not.
+      merge: ``(rest, fp8_state) -> model_state``, what the loss function is given (also used
+        to put the updated fp8 state into the new model state).
+      update: ``(fp8_state, observed) -> new fp8_state`` ([`jaxmp.fp8.update_state`][jaxmp.fp8.update_state]).
+    """
+
+    split: Callable[[Any], tuple[Any, Any]]
+    merge: Callable[[Any, Any], Any]
+    update: Callable[[Any, Any], Any]
+
+
+class StepResult(NamedTuple):
+    """What one step returns.
+
+    Attributes:
+      params: the new params (bitwise the old ones on a skipped step).
+      model_state: the new model state (bitwise the old one on a skipped step).
+      opt_state: the new optimizer state (inner state bitwise unchanged on a skipped step).
+      loss: the true (unscaled) loss, float32, averaged over ``axis_name`` when given.
+      aux: the loss function's auxiliary output (per replica).
+      finite: bool [], whether the step was applied.
+      loss_scale: float32 [], the scale this step's loss was multiplied by.
+    """
+
+    params: Any
+    model_state: Any
+    opt_state: Any
+    loss: jax.Array
+    aux: Any
+    finite: jax.Array
+    loss_scale: jax.Array
+
+
+def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, reduce_dtype: Any = jnp.float32,
+              reduce_grads: Callable | None = None, reduce_loss: Callable | None = None,
+              reduce_model_state: Callable | None = None,
+              fp8_hooks: Fp8Hooks | None = None, keep_model_state: Callable = keep_if_finite,
+              pass_value: bool = True) -> Callable[..., StepResult]:
+    """Builds ``step(params, model_state, opt_state, batch, rng=None) -> StepResult``.
+
+    Args:
+      loss_fn: ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, aux))``,
+        the loss a scalar (computed in float32).
+      tx: the optax transformation holding a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state.
+      axis_name: a bound pmap / shard_map axis: gradients are averaged over it in
+        ``reduce_dtype`` and the loss is ``pmean``-ed. ``None`` under plain or sharded ``jit``.
+      reduce_dtype: dtype of the gradient all-reduce (float32; None: each gradient's own).
+      reduce_grads: replaces the all-reduce (e.g. identity); default from ``axis_name``.
+      reduce_loss: replaces the loss's ``pmean``; default from ``axis_name``. The reduced loss
+        is what ``tx.update`` sees, so every replica records the same reason for a skip.
+      reduce_model_state: applied to the new model state before it is kept (e.g. a mean of
+        BatchNorm statistics over the replicas); default none.
+      fp8_hooks: delayed-scaling fp8 state inside the model state (`Fp8Hooks`).
+      keep_model_state: ``(finite, new, old) -> kept``, the skip rule of the model state
+        (default `jaxmp._skip.keep_if_finite`; NNX keeps RNG counters moving).
+      pass_value: give ``tx.update`` the loss as ``value`` (``skip_reason`` then tells a
+        non-finite loss from non-finite gradients).
+
+    Returns:
+      The step function (not jitted).
+    """
+    axis_name = optional_axis_name(axis_name)
+    if reduce_grads is None:
+        def reduce_grads(grads):
+            return grads if axis_name is None else all_reduce_gradients(grads, axis_name, reduce_dtype)
+
+    if reduce_loss is None:
+        def reduce_loss(loss):
+            return loss if axis_name is None else jax.lax.pmean(loss, axis_name)
+
+    def step(params, model_state, opt_state, batch, rng=None) -> StepResult:
+        scale = jnp.asarray(get_loss_scale(opt_state).loss_scale, jnp.float32)
+        fp8_state, rest = fp8_hooks.split(model_state) if fp8_hooks is not None else (None, model_state)
+
+        def scaled(p, f):
+            with fp8.gradient_loss_scale(scale):  # delayed-scaling fp8 ops report unscaled amaxes
+                return loss_fn(p, model_state if fp8_hooks is None else fp8_hooks.merge(rest, f), batch, rng)
+
+        # With delayed fp8 scaling, the gradient with respect to the fp8 state is the amaxes this
+        # step observed (jaxmp.fp8.update_state); it never reaches the optimizer.
+        (loss, (new_model_state, aux)), (grads, observed) = value_and_grad(
+            scaled, opt_state, argnums=(0, 1), has_aux=True)(params, fp8_state)
+        # Reduce before the update: a NaN on one replica, or an overflowing half-precision sum, is
+        # then seen by every replica's finite check.
+        grads = reduce_grads(grads)
+        loss = reduce_loss(jnp.asarray(loss, jnp.float32))
+        if reduce_model_state is not None:
+            new_model_state = reduce_model_state(new_model_state)
+        if fp8_hooks is not None:
+            new_fp8 = fp8_hooks.update(fp8_state, observed)
+            new_model_state = fp8_hooks.merge(fp8_hooks.split(new_model_state)[1], new_fp8)
+        extra = {"value": loss} if pass_value else {}
+        new_params, new_opt_state = update_and_apply(tx, grads, opt_state, params, **extra)
+        finite = find_loss_scaling_state(new_opt_state).last_step_finite
+        new_model_state = keep_model_state(finite, new_model_state, model_state)
+        return StepResult(new_params, new_model_state, new_opt_state, loss, aux, finite, scale)
+
+    return step
+
+
+#: Metrics keys renamed so that every step reports the same ones: ``{old: new}``. The old key
+#: still reads (with a DeprecationWarning) for one release; see CHANGELOG.md.
+DEPRECATED_METRICS = {"finite": "last_step_finite"}
+
+
+class StepMetrics(dict):
+    """The metrics dict every train step returns; a pytree, so ``jit`` / ``pmap`` can return it.
+
+    Keys (every step): ``loss``, ``loss_scale``, ``last_step_finite``, ``consecutive_skips``,
+    ``total_skips``; plus ``accuracy`` (the Flax steps) or ``aux`` (a parallel step with
+    ``has_aux``). Reading a renamed key (`DEPRECATED_METRICS`, e.g. ``"finite"``) returns the
+    new key's value with a DeprecationWarning naming it; the old key is not stored, so
+    iterating, ``len`` and logging see the new keys only.
+    """
+
+    __slots__ = ()
+
+    @staticmethod
+    def _renamed(key: Any) -> Any:
+        new = DEPRECATED_METRICS.get(key) if isinstance(key, str) else None
+        if new is not None:
+            warnings.warn(f"metrics[{key!r}] is deprecated and will be removed in the next release: read "
+                          f"metrics[{new!r}] (every jaxmp train step now reports the same keys)",
+                          DeprecationWarning, stacklevel=3)
+        return new
+
+    def __missing__(self, key: Any) -> Any:
+        # dict.__getitem__ calls this only for a key it does not hold, so reading a stored key
+        # costs nothing extra.
+        new = self._renamed(key)
+        if new is None or new not in self:
+            raise KeyError(key)
+        return dict.__getitem__(self, new)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key in self:
+            return dict.__getitem__(self, key)
+        new = self._renamed(key)
+        return dict.get(self, new, default) if new is not None else default
+
+    def __repr__(self) -> str:
+        return f"StepMetrics({dict.__repr__(self)})"
+
+
+def _flatten_metrics(m: StepMetrics):
+    keys = tuple(sorted(m))  # as JAX orders a dict's keys
+    return tuple((jax.tree_util.DictKey(k), dict.__getitem__(m, k)) for k in keys), keys
+
+
+jax.tree_util.register_pytree_with_keys(
+    StepMetrics, _flatten_metrics, lambda keys, values: StepMetrics(zip(keys, values)))
+
+
+def step_metrics(out: StepResult, *, scale: str = "next", **extra: Any) -> StepMetrics:
+    """The metrics of one step, the same keys for every step.
+
+    Args:
+      out: the step's `StepResult`.
+      scale: which loss scale ``loss_scale`` reports: ``"next"`` (the scale after this step's
+        adjustment, the one the next step uses: the parallel steps) or ``"used"`` (the scale
+        this step's loss was multiplied by: the Flax steps).
+      **extra: further entries (``accuracy``, ``aux``).
+
+    Returns:
+      A `StepMetrics`: ``loss``, ``loss_scale``, ``last_step_finite`` (whether the step was
+      applied), ``consecutive_skips``, ``total_skips``, and ``extra``.
+    """
+    if scale not in ("next", "used"):
+        raise ValueError(f"scale must be 'next' or 'used', got {scale!r}")
+    stats = scaling_stats(out.opt_state)
+    if scale == "used":
+        stats["loss_scale"] = out.loss_scale
+    return StepMetrics(loss=out.loss, **stats, **extra)
+
+
+def check_no_model_state_in_aux(aux: Any) -> None:
+    """Raises when a per-replica ``aux`` carries BatchNorm statistics (they would drift apart)."""
+    if isinstance(aux, Mapping) and "batch_stats" in aux:
+        raise ValueError(
+            "loss_fn returned 'batch_stats' in its aux: under pmap aux is per replica and never reduced, so each "
+            "replica's BatchNorm statistics would drift apart. Build the step with model_state=True and return "
+            "(loss, new_model_state): the statistics are then averaged over the replicas (bitwise equal on every "
+            "one) and kept unchanged on skipped steps."
+        )
+
+
+def check_differentiable_params(params: Any) -> None:
+    """A TypeError naming the first params leaf the step cannot differentiate (integer, bool, key).
+
+    Checked at trace time; without it ``jax.grad`` fails with a message that names no leaf.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"params leaf at {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}: the step differentiates "
+                "every params leaf, so each must be floating. Keep integer arrays (indices, counters, masks) out of "
+                "the params: close over them in loss_fn, pass them in the batch, or carry them as model state "
+                "(model_state=True)")
+
+
+def make_generic_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
+                      with_rng: bool, rng_transform: Callable | None = None, with_model_state: bool = False,
+                      reduce_model_state: Callable | None = None, per_replica_aux: bool = False,
+                      wrap_loss: Callable | None = None) -> Callable:
+    """`make_step` for a user's ``loss_fn(params[, model_state], batch[, rng])``: the pmap and sharded-jit steps.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch)``, with ``model_state`` after the params and ``rng``
+        last when asked; returns the loss, ``(loss, aux)`` with ``has_aux``, ``(loss,
+        new_model_state)`` with ``with_model_state``, or ``(loss, (new_model_state, aux))`` with both.
+      tx: the optax transformation holding a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state.
+      has_aux: whether ``loss_fn`` returns ``aux`` (reported as ``metrics["aux"]``).
+      reduce_grads: the gradient all-reduce (pmean under pmap; a sharding constraint under
+        sharded jit, where the global-view mean already is the all-reduce). It runs before
+        ``tx.update``, so a NaN on one replica is seen by every replica's finite check.
+      reduce_loss: the loss's reduction over the replicas.
+      with_rng: whether the step takes an rng (passed to ``loss_fn`` last).
+      rng_transform: maps the step's rng to this replica's (e.g. folds in the axis index).
+      with_model_state: the step's first argument is ``(params, model_state)``.
+      reduce_model_state: averages the new model state over the replicas before it is kept.
+      per_replica_aux: refuse an ``aux`` dict holding ``batch_stats`` (pmap: it would drift).
+      wrap_loss: maps the canonical loss ``(params, model_state, batch, rng) -> (loss,
+        (model_state, aux))`` to another of the same signature (the sharded-jit layouts).
+
+    Returns:
+      ``body(state, opt_state, batch, rng=None) -> (state, opt_state, metrics)`` (not
+      jitted), ``metrics`` from `step_metrics` (``scale="next"``).
+    """
+    # optax's name for the loss; the loss-scaling state then tells a NaN loss from NaN gradients.
+    pass_value = isinstance(tx, optax.GradientTransformationExtraArgs)
+
+    def canonical(params, model_state, batch, key):
+        # The builder's loss signature, (params, model_state, batch, rng) -> (loss, (state, aux)).
+        args = ((model_state,) if with_model_state else ()) + (batch,) + ((key,) if with_rng else ())
+        out = loss_fn(params, *args)
+        if not (has_aux or with_model_state):
+            return out, (model_state, None)
+        loss, aux = out
+        if per_replica_aux and has_aux and not with_model_state:
+            check_no_model_state_in_aux(aux)
+        if with_model_state:
+            new_model_state, aux = aux if has_aux else (aux, None)
+            return loss, (new_model_state, aux)
+        return loss, (model_state, aux)
+
+    step = make_step(canonical if wrap_loss is None else wrap_loss(canonical), tx,
+                     reduce_grads=reduce_grads, reduce_loss=reduce_loss,
+                     reduce_model_state=reduce_model_state if with_model_state else None, pass_value=pass_value)
+
+    def body(state, opt_state, batch, rng=None):
+        params, model_state = state if with_model_state else (state, None)
+        check_differentiable_params(params)
+        if isinstance(model_state, Mapping) and FP8_COLLECTION in model_state:
+            # Its update comes from the amaxes the step observes, which this generic step
+            # cannot see: the scales would stay at their initial value without a word.
+            raise ValueError(f"the model state holds delayed fp8 scaling state ({FP8_COLLECTION!r}), which this "
+                             "generic step would never update: use jaxmp.flax.make_train_step(axis_name=...) "
+                             "under pmap, or the 'O2-fp8-current' preset (no state)")
+        key = (rng_transform(rng) if rng_transform is not None else rng) if with_rng else None
+        out = step(params, model_state, opt_state, batch, key)
+        metrics = step_metrics(out, **({"aux": out.aux} if has_aux else {}))
+        if with_model_state:
+            return (out.params, out.model_state), out.opt_state, metrics
+        return out.params, out.opt_state, metrics
+
+    return body

@@ -1,0 +1,667 @@
+"""The optax transforms: loss scaling with skip-on-non-finite, and fp32 master weights.
+
+`jaxmp._transform.master_weights` keeps a float32 copy of the params and runs the inner chain on
+it; `jaxmp._transform.unscale_and_skip` unscales, checks, skips a non-finite step and adjusts the
+scale. [`loss_scaling`][jaxmp.loss_scaling] composes the two. See docs/design.md#loss-scaling.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxmp import _cpu_layout, _deprecations, _tree, _fold as fold, _traps as traps
+from jaxmp._typing import AxisName, LossScaleLike
+from jaxmp._collectives import optional_axis_name
+from jaxmp._dtypes import float_dtype, is_floating_array, is_inexact_array
+from jaxmp._loss_scale import LOSS_SCALE_TYPES, LossScale, make_loss_scale
+from jaxmp._skip import all_finite, keep_if_finite
+
+#: ``LossScalingState.skip_reason`` values.
+APPLIED, NON_FINITE_LOSS, NON_FINITE_GRADIENTS, NON_FINITE_UPDATES = 0, 1, 2, 3
+
+
+class MasterWeightsState(NamedTuple):
+    """State of `jaxmp._transform.master_weights`.
+
+    Attributes:
+      inner_state: the wrapped transformation's state, built on the master copy.
+      master_params: the ``master_dtype`` (float32) copy of the params.
+    """
+
+    inner_state: optax.OptState
+    master_params: optax.Params
+
+
+class LossScalingState(NamedTuple):
+    """State of `jaxmp._transform.unscale_and_skip` (and so of [`loss_scaling`][jaxmp.loss_scaling]).
+
+    Attributes:
+      inner_state: the wrapped transformation's state (unchanged on skipped steps); a
+        `jaxmp._transform.MasterWeightsState` when master weights are kept.
+      loss_scale: the current loss-scale pytree (scale is float32 []).
+      last_step_finite: bool [], whether the last update was applied.
+      consecutive_skips: int32 [], skipped steps in a row (0 after an applied step).
+      total_skips: int32 [], skipped steps since ``init``.
+      skip_reason: int32 [], why the last step was skipped: 0 applied, 1 non-finite loss
+        (when ``update`` is given ``value=loss``), 2 non-finite gradients, 3 finite gradients
+        but non-finite updates.
+    """
+
+    inner_state: optax.OptState
+    loss_scale: LossScale
+    last_step_finite: jax.Array
+    consecutive_skips: jax.Array
+    total_skips: jax.Array
+    skip_reason: jax.Array
+
+    @property
+    def master_params(self) -> Any:
+        """The master copy when the inner chain keeps one (`jaxmp._transform.master_weights`), else None."""
+        found = _tree.find_states(self.inner_state, MasterWeightsState)
+        return found[0].master_params if found else None
+
+
+def _negative_zeros(x):
+    # x + (-0.0) == x for every x, -0.0 included, whereas -0.0 + 0.0 == +0.0: a skipped step
+    # adds -0.0 so that even negative-zero params stay bitwise unchanged.
+    return jnp.full_like(x, -0.0) if is_inexact_array(x) else jnp.zeros_like(x)
+
+
+def add_floating(params, updates):
+    """``optax.apply_updates`` on floating leaves; other leaves (ints, with float0 updates) pass through."""
+    _tree.check_same_structure(updates, params, "updates", "params")
+
+    def add(p, u):
+        if not is_inexact_array(p):
+            return p
+        u = jnp.asarray(u)
+        # Add in the wider of the two dtypes, as optax does, without relying on implicit promotion.
+        wide = u.dtype if np.dtype(u.dtype).itemsize > np.dtype(p.dtype).itemsize else p.dtype
+        return (p.astype(wide) + u.astype(wide)).astype(p.dtype)
+
+    return jax.tree_util.tree_map(add, params, updates)
+
+
+def _has_half(tree) -> bool:
+    return any(is_floating_array(x) and np.dtype(x.dtype).itemsize < 4 for x in jax.tree_util.tree_leaves(tree))
+
+
+def _float16_leaves(tree) -> list:
+    """The float16 leaves of ``tree``: an optimizer state that can overflow on a finite step
+    (bfloat16 has float32's range: its state overflows only where float32's would, and checking
+    it would cost a pass over the state every step)."""
+    return [x for x in jax.tree_util.tree_leaves(tree) if is_floating_array(x) and np.dtype(x.dtype) == np.float16]
+
+
+def _verdict(finite: jax.Array, axis_name) -> jax.Array:
+    if axis_name is None:
+        return finite
+    # Reduce in float32: every replica must reach the same verdict, and the flag itself must
+    # not go through a half-precision collective.
+    try:
+        agreed = jax.lax.pmin(finite.astype(jnp.float32), axis_name)
+    except NameError as e:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not bound here: call update inside jax.pmap(..., axis_name={axis_name!r}) "
+            "or shard_map with that mesh axis, or build loss_scaling with axis_name=None"
+        ) from e
+    return agreed > 0.5
+
+
+class _NumericLeavesOnly(optax.GradientTransformationExtraArgs):
+    """A transform that leaves int, bool and key leaves alone itself: `numeric_leaves_only`
+    returns it as it is."""
+
+
+class _MasterWeights(_NumericLeavesOnly):
+    """`master_weights`' transform: its state holds the master copy (`_check_master_matches`)."""
+
+
+class FusedTransformation(optax.GradientTransformationExtraArgs):
+    """An optax ``GradientTransformationExtraArgs`` whose update can also step the params.
+
+    Adds ``update_and_apply(grads, state, params, **extra_args) -> (new_params, new_state)``,
+    which steps the params inside the skip. optax's wrappers drop it; `jaxmp._transform.update_and_apply`
+    then falls back to ``update`` and [`jaxmp.apply_updates`][jaxmp.apply_updates].
+    See docs/design.md#loss-scaling.
+
+    Args:
+      init: as optax's.
+      update: as optax's.
+      update_and_apply: ``(grads, state, params, **extra_args) -> (new_params, new_state)``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> tx = jaxmp.loss_scaling(optax.sgd(0.5), "static:4")
+      >>> params = {"w": jnp.ones(2)}
+      >>> tx.update_and_apply({"w": jnp.full(2, 4.0)}, tx.init(params), params)[0]["w"]
+      Array([0.5, 0.5], dtype=float32)
+    """
+
+    update_and_apply: Callable[..., tuple[Any, Any]]
+
+    def __new__(cls, init: Callable, update: Callable, update_and_apply: Callable[..., tuple[Any, Any]]):
+        self = super().__new__(cls, init, update)
+        # optax's transforms are NamedTuples of (init, update); the third entry is an attribute
+        # of this type, so that unpacking, isinstance and optax's wrappers see optax's two.
+        self.update_and_apply = update_and_apply
+        return self
+
+    def __getnewargs__(self):  # copy and pickle rebuild all three
+        return (*self, self.update_and_apply)
+
+    @classmethod
+    def _make(cls, iterable):
+        # _replace(update=...) builds from init and update alone: a plain transform, since the
+        # fused entry would no longer match the new update.
+        return optax.GradientTransformationExtraArgs(*iterable)
+
+
+def check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
+    """``inner`` as an optax transformation with extra-args support.
+
+    Args:
+      inner: an optax ``GradientTransformation`` (or anything with ``init`` and ``update``).
+
+    Returns:
+      ``optax.with_extra_args_support(inner)``.
+
+    Raises:
+      TypeError: ``inner`` has no ``init`` and ``update``.
+    """
+    if not isinstance(inner, optax.GradientTransformation) and not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(f"inner must be an optax GradientTransformation, got {type(inner).__name__}")
+    return optax.with_extra_args_support(inner)
+
+
+def _all_inexact(tree) -> bool:
+    return all(is_inexact_array(x) for x in jax.tree_util.tree_leaves(tree))
+
+
+def numeric_leaves_only(inner: Any) -> optax.GradientTransformationExtraArgs:
+    """``inner`` run on the floating and complex leaves only; the others pass through untouched.
+
+    Integer, bool and PRNG-key leaves (``float0`` gradients) keep their gradients as updates,
+    through ``optax.masked``. See docs/design.md#loss-scaling.
+
+    Args:
+      inner: the optax transformation to run on the inexact leaves.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; its state is ``inner``'s, or an
+      ``optax.MaskedState`` around it when the params hold non-inexact leaves.
+    """
+    inner = check_inner(inner)
+    if isinstance(inner, _NumericLeavesOnly):
+        return inner  # already leaves them alone (master_weights, or wrapped before)
+    masked = optax.masked(inner, lambda tree: jax.tree_util.tree_map(is_inexact_array, tree))
+
+    def init_fn(params):
+        return inner.init(params) if _all_inexact(params) else masked.init(params)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        tx = inner if _all_inexact(updates if params is None else params) else masked
+        return tx.update(updates, state, params, **extra_args)
+
+    return _NumericLeavesOnly(init_fn, update_fn)
+
+
+def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.float32
+                   ) -> optax.GradientTransformationExtraArgs:
+    """Keeps a ``master_dtype`` copy of the params and runs ``inner`` on it (Apex O2).
+
+    ``update`` returns the updates that move each half param onto the cast of the new master;
+    [`jaxmp.apply_updates`][jaxmp.apply_updates] with the state returns exactly that cast. Compose it
+    under `jaxmp._transform.unscale_and_skip`. See docs/design.md#loss-scaling.
+
+    Args:
+      inner: the optax transformation run on the master copy.
+      master_dtype: dtype of the master copy (float32 or wider).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is `jaxmp._transform.MasterWeightsState`.
+
+    Raises:
+      ValueError: a half-precision ``master_dtype``.
+    """
+    inner = check_inner(inner)
+    # The master copy keeps int and key leaves as they are; the inner chain never sees them.
+    inner = numeric_leaves_only(inner)
+    master_dtype = _check_master_dtype(master_dtype)
+
+    def init_fn(params):
+        _tree.check_all_arrays(params, "params")
+        # A real copy: float32 params (norms under O2) would otherwise share buffers with the
+        # master, and donating the state would donate the same buffer twice.
+        master = jax.tree_util.tree_map(
+            lambda x: jnp.array(x, dtype=master_dtype if is_floating_array(x) else None, copy=True), params)
+        return MasterWeightsState(inner.init(master), master)
+
+    def update_fn(grads, state, params=None, **extra_args):
+        master = state.master_params
+        _tree.check_same_structure(grads, master, "gradients", "master params")
+        if params is not None:
+            _tree.check_same_structure(params, master, "params", "master params")
+        # The half params' dtypes; gradients may arrive in float32 for bfloat16 params.
+        ref = grads if params is None else params
+        dtypes = jax.tree_util.tree_map(lambda p: jnp.asarray(p).dtype, ref)
+        grads = jax.tree_util.tree_map(lambda g: g.astype(master_dtype) if is_floating_array(g) else g, grads)
+        updates, inner_state = inner.update(grads, state.inner_state, master, **extra_args)
+        stepped = add_floating(master, updates)
+        # The returned updates move the half params onto the new master; apply_updates with
+        # the state is the exact path (cast of the master), optax's is within rounding.
+        deltas = jax.tree_util.tree_map(lambda new, old, d: _delta(new, old, d, master_dtype), stepped, master, dtypes)
+        return deltas, MasterWeightsState(inner_state, stepped)
+
+    return _MasterWeights(init_fn, update_fn)
+
+
+def _check_master_dtype(master_dtype: Any) -> np.dtype:
+    """A master dtype that can hold the params' small updates: float32 or wider (docs/design.md#loss-scaling)."""
+    dt = float_dtype(master_dtype, "master_dtype")
+    if dt.itemsize < 4:
+        raise ValueError(
+            f"master_dtype={dt.name}: a master copy in half precision drops every update smaller than half "
+            f"an ulp of its param ({dt.name} keeps {jnp.finfo(dt).nmant + 1} significant bits, so a small "
+            "learning rate never moves it), which is what a master copy exists to prevent; use "
+            "master_dtype=jnp.float32 (the default), or master_weights=False to train the params directly")
+    return dt
+
+
+def _delta(new, old, dtype, master_dtype):
+    """The update moving a param of ``dtype`` from the cast of ``old`` to the cast of ``new`` (master leaves)."""
+    if not is_inexact_array(new):
+        return jnp.zeros_like(new)
+    # Subtract in the master's precision, where the difference of two casts is exact; a complex
+    # master keeps the param's own dtype (no real master dtype holds it).
+    wide = dtype if jnp.issubdtype(dtype, jnp.complexfloating) else master_dtype
+    a, b = new.astype(dtype).astype(wide), old.astype(dtype).astype(wide)
+    # A param the step leaves as it was gets a zero update, also where it holds inf (a -inf
+    # mask): inf - inf would make it NaN, and the step would be skipped for good.
+    return jnp.where(a == b, jnp.zeros_like(a), a - b).astype(dtype)
+
+
+def _unscale(loss_scale, grads, keeps_master: bool):
+    if keeps_master:
+        # Unscale in float32: a half gradient cast back to half after unscaling could underflow
+        # before it reaches the master copy.
+        return loss_scale.unscale(grads)
+    # Unscale in float32, then hand the inner chain gradients in their own dtype.
+    return jax.tree_util.tree_map(
+        lambda u, g: u.astype(g.dtype) if is_inexact_array(u) else u, loss_scale.unscale(grads), grads)
+
+
+def apply_to_params(params, updates, state=None):
+    """New params from ``updates``; with a master copy in ``state``, its exact cast to each param's dtype."""
+    found = _tree.find_states(state, MasterWeightsState) if state is not None else []
+    if found:
+        _check_nothing_after_master(state)
+        master = found[0].master_params
+        _tree.check_same_structure(params, master, "params", "master params")
+        return jax.tree_util.tree_map(
+            lambda p, m: m.astype(jnp.asarray(p).dtype) if is_inexact_array(m) else p, params, master)
+    return add_floating(params, updates)
+
+
+def _check_nothing_after_master(state) -> None:
+    """Raises when an optax chain runs transforms after the one keeping the master copy (state structure only)."""
+    if isinstance(state, dict):  # optax.named_chain: its parts in chain order
+        parts = list(state.values())
+    elif isinstance(state, tuple) and not hasattr(state, "_fields"):
+        parts = list(state)
+    else:
+        return  # not a chain's state (NamedTuples are single transforms' states)
+    for i, part in enumerate(parts):
+        if _tree.find_states(part, MasterWeightsState):
+            if i + 1 < len(parts):
+                raise ValueError(
+                    f"the optimizer is an optax chain with {len(parts) - i - 1} transform(s) after the one keeping "
+                    "float32 master weights: the params become the master's cast, so their effect on the updates "
+                    "would be dropped. Put them inside: jaxmp.loss_scaling(optax.chain(..., transform), "
+                    "master_weights=True).")
+            _check_nothing_after_master(part)
+            return
+
+
+def _check_state_matches(inner, state_inner, ref) -> None:
+    """Raises a ValueError naming the first leaf where the inner state differs from ``inner.init(ref)``.
+
+    Structure and shapes only (``jax.eval_shape``); called only once the inner update has failed or
+    changed its state's shapes, so that a traced update pays no extra ``init``.
+    """
+    try:
+        expected = jax.eval_shape(inner.init, ref)
+    except Exception:  # noqa: BLE001 - an init that cannot be traced abstractly: nothing to compare
+        return
+    te, ts = jax.tree_util.tree_structure(expected), jax.tree_util.tree_structure(state_inner)
+    if te != ts:
+        raise ValueError(
+            "the optimizer state does not belong to this optimizer and these params (was it made by another "
+            f"transform's init?):\n  state: {ts}\n  this optimizer's init gives: {te}")
+    for (path, e), x in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(state_inner)):
+        if tuple(e.shape) != tuple(jnp.shape(x)):
+            raise ValueError(
+                f"optimizer state leaf inner_state{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(x))}, but "
+                f"this optimizer's init for these params gives {tuple(e.shape)}: the state was made for other params")
+
+
+def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, params, use_cond, extra_args, fused,
+                fold_ok=True):
+    """The inner update on a finite step; ``-0.0`` updates and the old inner state otherwise.
+
+    The gradients are unscaled inside the step, so XLA fuses the unscaling into the inner chain and
+    no unscaled copy is written out; reductions are folded (`jaxmp._fold`). ``fused``: return the new
+    params instead of the updates, so the updates are never written out and read back.
+    """
+    def inner_fn(g, ls):
+        return inner.update(_unscale(ls, g, keeps_master), state.inner_state, params, **extra_args)
+
+    ref = grads if params is None else params
+    try:
+        closed, shapes = jax.make_jaxpr(inner_fn, return_shape=True)(grads, loss_scale)
+    except (ValueError, TypeError, AttributeError) as e:
+        _check_state_matches(inner, state.inner_state, ref)  # a state made for other params: named
+        if params is not None:
+            raise
+        # Weight decay, LAMB/LARS, lookahead... read the params; optax's own message (or a raw
+        # AttributeError on None) does not say which call to fix.
+        raise ValueError(
+            f"the inner optimizer needs the params, but tx.update(grads, state) was called without them: call "
+            f"tx.update(grads, state, params) (or use loss_scaling(..., master_weights=True), which keeps its own "
+            f"float32 copy). The inner optimizer said: {type(e).__name__}: {e}") from e
+    traps.check_update_constants(closed)
+    _check_state_types(state.inner_state, shapes[1], lambda: _check_state_matches(inner, state.inner_state, ref))
+    grad_leaves = jax.tree_util.tree_leaves(grads)
+    scale_leaves = jax.tree_util.tree_leaves(loss_scale)
+    scale_positions = [len(grad_leaves) + i for i, x in enumerate(scale_leaves) if is_floating_array(x)] \
+        if fold_ok else []
+    out_tree = jax.tree_util.tree_structure(shapes)
+
+    def inner_update(gl=grad_leaves):
+        flat = fold.eval_folded(closed, [*gl, *scale_leaves], scale_positions)
+        return jax.tree_util.tree_unflatten(out_tree, flat)
+
+    def apply(gl=grad_leaves):
+        updates, inner_state = inner_update(gl)
+        return (apply_to_params(params, updates, inner_state) if fused else updates), inner_state
+
+    def skip():
+        if fused:
+            return params, state.inner_state
+        return (jax.tree_util.tree_map(lambda s: _negative_zeros(jnp.zeros(s.shape, s.dtype)), shapes[0]),
+                state.inner_state)
+
+    if use_cond:
+        # Only the taken branch runs, so the inner chain never sees non-finite gradients and
+        # XLA can update the optimizer state in place.
+        operands = _cpu_layout.cond_operands(grad_leaves)  # XLA:CPU layouts: see there
+        return jax.lax.cond(grads_finite, lambda ops: apply(_cpu_layout.restore(ops, grad_leaves)), lambda ops: skip(), operands)
+    out, inner_state = apply()
+    old, _ = skip() if fused else (jax.tree_util.tree_map(_negative_zeros, out), None)
+    return keep_if_finite(grads_finite, out, old), keep_if_finite(grads_finite, inner_state, state.inner_state)
+
+
+def _check_master_matches(inner, state_keeps_master: bool, ref) -> None:
+    """Raises when a state with a master copy meets a transform without one (or the reverse), before the step."""
+    built_with = isinstance(inner, _MasterWeights)
+    if not built_with and state_keeps_master:
+        try:
+            built_with = bool(_tree.find_states(jax.eval_shape(inner.init, ref), MasterWeightsState))
+        except Exception:  # noqa: BLE001 - an init that cannot be traced abstractly: let the step say it
+            return
+    if built_with != state_keeps_master:
+        has, lacks = ("has a", "keeps none") if state_keeps_master else ("has no", "keeps float32 master weights")
+        raise ValueError(
+            f"the optimizer state {has} float32 master copy (MasterWeightsState) but this optimizer {lacks}: the "
+            "state was made by a jaxmp.loss_scaling built with master_weights="
+            f"{state_keeps_master} and this one with master_weights={built_with}. Make the state with this "
+            "optimizer's own tx.init(params), or build both with the same master_weights.")
+
+
+def _check_state_types(old: Any, new: Any, check_origin: Callable[[], None]) -> None:
+    """A skipped step returns the old inner state: the inner chain must keep its state's types.
+
+    ``check_origin`` runs first on a mismatch, so a state made for other params is named as such.
+    """
+    old_leaves = jax.tree_util.tree_leaves_with_path(old)
+    new_leaves = jax.tree_util.tree_leaves(new)
+    if len(old_leaves) != len(new_leaves):
+        return  # a structure change: lax.cond / select_tree name it
+    for (path, a), b in zip(old_leaves, new_leaves):
+        a_dtype, b_dtype = getattr(a, "dtype", None), getattr(b, "dtype", None)
+        if a_dtype is None or b_dtype is None:
+            continue
+        # Compared as JAX dtypes: a PRNG key's (optax.noisy_sgd) is no numpy dtype.
+        if a_dtype != b_dtype or tuple(jnp.shape(a)) != tuple(b.shape):
+            check_origin()
+            raise ValueError(
+                f"the inner optimizer changes its state on update: {jax.tree_util.keystr(path)} is "
+                f"{a_dtype}{list(jnp.shape(a))} after init and {b_dtype}{list(b.shape)} "
+                "after update. A skipped step keeps the old state, so the two must match. This happens with "
+                "bfloat16/float16 params and float32 hyperparameters (optax.inject_hyperparams promotes the moments): "
+                "use loss_scaling(..., master_weights=True), whose inner state is float32.")
+
+
+def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dynamic", *,
+                     axis_name: Any = None, skip_with: str = "auto",
+                     check_updates: bool | None = None) -> FusedTransformation:
+    """Unscales gradients, skips non-finite steps and adjusts the loss scale around ``inner``.
+
+    The loss-scaling half of [`loss_scaling`][jaxmp.loss_scaling]; compose with
+    `jaxmp._transform.master_weights` as ``unscale_and_skip(master_weights(inner))``.
+
+    Args:
+      inner: the optax transformation to wrap.
+      loss_scale: a loss-scale object or a spec for [`jaxmp.make_loss_scale`][jaxmp.make_loss_scale].
+      axis_name: the ``pmap``/``shard_map`` axis to agree on the finite verdict over.
+      skip_with: ``"cond"``, ``"select"`` or ``"auto"``, as in [`loss_scaling`][jaxmp.loss_scaling].
+      check_updates: also skip steps whose updates are non-finite, as in [`loss_scaling`][jaxmp.loss_scaling].
+
+    Returns:
+      A `jaxmp._transform.FusedTransformation` whose state is [`LossScalingState`][jaxmp.LossScalingState];
+      ``update`` takes ``value=loss`` to tell a non-finite loss from non-finite gradients.
+
+    Raises:
+      ValueError: an unknown ``skip_with``.
+      TypeError: ``check_updates`` is not None or a bool.
+    """
+    return _unscale_and_skip(inner, loss_scale, axis_name, skip_with, check_updates, check_bf16=False)
+
+
+def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis_name: Any, skip_with: str,
+                      check_updates: bool | None, *, check_bf16: bool) -> FusedTransformation:
+    # check_bf16: loss_scaling was not told master_weights, so bfloat16 params without a master
+    # copy may be the O2-bf16 mistake (see traps.check_bf16_without_master).
+    inner = check_inner(inner)
+    # Int, bool and PRNG-key params (float0 gradients) pass through; optax would multiply them.
+    inner = numeric_leaves_only(inner)
+    axis_name = optional_axis_name(axis_name)  # a list of names becomes the tuple JAX takes
+    initial_scale = make_loss_scale(loss_scale)
+    if skip_with not in ("auto", "cond", "select"):
+        raise ValueError(f"skip_with must be 'auto', 'cond' or 'select', got {skip_with!r}")
+    if check_updates is not None and not isinstance(check_updates, bool):
+        raise TypeError(f"check_updates must be None or a bool, got {type(check_updates).__name__}")
+
+    def init_fn(params):
+        _tree.check_all_arrays(params, "params")
+        inner_state = inner.init(params)
+        traps.check_init(params, inner_state, initial_scale, LossScalingState, MasterWeightsState)
+        if check_bf16:
+            traps.check_bf16_without_master(params, inner_state, MasterWeightsState)
+        traps.check_inner_state(inner_state)
+        return LossScalingState(
+            inner_state=inner_state,
+            # Fresh buffers on every init: a state donated to a jitted step deletes its buffers,
+            # which must not be those of every other state this transform hands out.
+            loss_scale=jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), initial_scale),
+            last_step_finite=jnp.array(True),
+            consecutive_skips=jnp.zeros([], jnp.int32),
+            total_skips=jnp.zeros([], jnp.int32),
+            skip_reason=jnp.zeros([], jnp.int32),
+        )
+
+    def check_args(grads, state, params):
+        if not isinstance(state, LossScalingState):
+            raise TypeError(f"state must be the LossScalingState made by this transform's init, got {type(state).__name__}")
+        _tree.check_all_arrays(grads, "gradient")
+        if params is not None:
+            _tree.check_same_structure(grads, params, "gradients", "params")
+
+    def update_fn(grads, state, params=None, **extra_args):
+        check_args(grads, state, params)
+        # Called from each entry itself: traps' warnings name the line that called the entry.
+        traps.check_gradients(grads, state.loss_scale)
+        return step(grads, state, params, extra_args, fused=False)
+
+    def update_and_apply_fn(grads, state, params, **extra_args):
+        if params is None:
+            raise ValueError("update_and_apply needs the params")
+        check_args(grads, state, params)
+        traps.check_gradients(grads, state.loss_scale)
+        return step(grads, state, params, extra_args, fused=True)
+
+    def step(grads, state, params, extra_args, fused):
+        """Both entries' step; ``fused``: return the new params instead of the updates."""
+        keeps_master = bool(_tree.find_states(state.inner_state, MasterWeightsState))
+        _check_master_matches(inner, keeps_master, grads if params is None else params)
+
+        def unscale(g):
+            return _unscale(state.loss_scale, g, keeps_master)
+
+        grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
+        use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
+        out, inner_state = _inner_step(inner, state.loss_scale, keeps_master, grads, grads_finite, state, params,
+                                       use_cond, extra_args, fused, fold_ok(state.loss_scale))
+
+        half_arithmetic = keeps_master or _has_half((grads, state.inner_state))
+        if half_arithmetic if check_updates is None else check_updates:
+            # Finite gradients can still give a non-finite update (Adam's epsilon flushed to zero
+            # in float16, a master value past float16's range) or a non-finite float16 state
+            # (pure-fp16 Adam's nu = g**2 past 65504 while the update stays finite, which would
+            # freeze that param for good): such a step is skipped too. The fused path checks the
+            # new params instead of the updates (the updates are never written out; comparing with
+            # the old params would read them a second time), so a param that already holds inf
+            # or NaN makes it skip (docs/reliability.md); a skipped step is not checked again.
+            ok = all_finite(out)
+            ok = ok & all_finite(_float16_leaves(inner_state))
+            updates_finite = _verdict(ok | jnp.logical_not(grads_finite), axis_name)
+            inner_state = keep_if_finite(updates_finite, inner_state, state.inner_state)
+            old = params if fused else jax.tree_util.tree_map(_negative_zeros, out)
+            out = keep_if_finite(updates_finite, out, old)
+        else:
+            updates_finite = jnp.array(True)
+        finite = grads_finite & updates_finite
+
+        reason = jnp.where(grads_finite, jnp.where(updates_finite, APPLIED, NON_FINITE_UPDATES), NON_FINITE_GRADIENTS)
+        if extra_args.get("value") is not None:
+            loss_finite = _verdict(all_finite(jnp.asarray(extra_args["value"])), axis_name)
+            reason = jnp.where(loss_finite | finite, reason, NON_FINITE_LOSS)
+        skipped = jnp.logical_not(finite)
+        new_state = LossScalingState(
+            inner_state=inner_state,
+            loss_scale=state.loss_scale.adjust(finite),
+            last_step_finite=finite,
+            consecutive_skips=jnp.where(skipped, state.consecutive_skips + 1, 0).astype(jnp.int32),
+            total_skips=(state.total_skips + skipped.astype(jnp.int32)).astype(jnp.int32),
+            skip_reason=reason.astype(jnp.int32),
+        )
+        return out, new_state
+
+    def fold_ok(loss_scale):
+        # Whether jaxmp._fold is exact for this scale (the loss scale knows; see fold_is_exact).
+        return isinstance(loss_scale, LOSS_SCALE_TYPES) and loss_scale.fold_is_exact(initial_scale)
+
+    return FusedTransformation(init_fn, update_fn, update_and_apply_fn)
+
+
+def loss_scaling(inner: optax.GradientTransformation, loss_scale: LossScaleLike = "dynamic", *,
+                 axis_name: AxisName | None = None, master_weights: bool | None = None,
+                 master_dtype: jax.typing.DTypeLike = jnp.float32, skip_with: str = "auto",
+                 check_updates: bool | None = None) -> FusedTransformation:
+    """Wraps an optax transformation with loss scaling, non-finite step skipping and master weights.
+
+    ``unscale_and_skip(master_weights(inner, master_dtype), loss_scale, ...)`` with ``master_weights``,
+    else ``unscale_and_skip(inner, loss_scale, ...)``. Each update unscales the gradients before the
+    inner chain, skips a step whose gradients (or, under half arithmetic, updates) are non-finite
+    (``-0.0`` updates, inner state bitwise unchanged) and adjusts the scale. What one update does,
+    gradient accumulation and master weights: see docs/design.md#loss-scaling.
+
+    Args:
+      inner: the optax transformation to wrap (e.g. ``optax.chain(clip, adamw)``).
+      loss_scale: a loss-scale object or a spec for [`jaxmp.make_loss_scale`][jaxmp.make_loss_scale]
+        (``"dynamic"`` default; ``"none"`` for bfloat16/float32; ``"torch"``; a number).
+      axis_name: the ``pmap``/``shard_map`` axis to agree on the finite verdict over.
+      master_weights: keep a ``master_dtype`` copy of the params in the state. ``None`` (default)
+        is ``False`` but warns when bfloat16 params get no master copy; ``False`` says so on purpose.
+      master_dtype: dtype of the master copy, float32 or wider.
+      skip_with: ``"cond"``, ``"select"`` or ``"auto"`` (default: ``"select"`` on GPU, ``"cond"``
+        elsewhere): how a step is skipped inside the compiled program.
+      check_updates: also skip a step whose updates are non-finite. ``None`` (default): exactly
+        when half arithmetic can cause it (master weights, or half gradients or state).
+
+    Returns:
+      A `jaxmp._transform.FusedTransformation` whose state is [`LossScalingState`][jaxmp.LossScalingState].
+
+    Raises:
+      TypeError: ``master_weights`` or ``check_updates`` is not a bool.
+      ValueError: a half-precision ``master_dtype``, or an unknown ``skip_with``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> tx = jaxmp.loss_scaling(optax.adam(1e-3))
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> loss, grads = jaxmp.value_and_grad(lambda p: jnp.sum(p["w"] ** 2), state)(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> loss, jaxmp.apply_updates(params, updates, state)["w"]
+      (Array(3., dtype=float32), Array([0.999, 0.999, 0.999], dtype=float32))
+    """
+    if master_weights is not None and not isinstance(master_weights, bool):
+        raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
+    if master_weights:
+        inner = _master_weights_factory(inner, master_dtype)
+    else:
+        float_dtype(master_dtype, "master_dtype")
+    return _unscale_and_skip(inner, loss_scale, axis_name, skip_with, check_updates,
+                             check_bf16=master_weights is None)
+
+
+_master_weights_factory = master_weights
+
+
+def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_args) -> tuple[Any, Any]:
+    """``tx.update`` then [`jaxmp.apply_updates`][jaxmp.apply_updates] as one fused step.
+
+    A [`loss_scaling`][jaxmp.loss_scaling] transform steps the params inside the skip; any other
+    transform falls back to ``tx.update`` and ``apply_updates``. See docs/design.md#loss-scaling.
+
+    Args:
+      tx: the optax transformation (usually ``jaxmp.loss_scaling(...)``).
+      grads: the scaled gradients (from [`jaxmp.value_and_grad`][jaxmp.value_and_grad]).
+      opt_state: ``tx``'s state.
+      params: the current params.
+      **extra_args: forwarded to ``tx.update`` (e.g. ``value=loss``).
+
+    Returns:
+      ``(new_params, new_opt_state)``.
+
+    Raises:
+      ValueError: an optax chain with transforms after the one keeping master weights.
+    """
+    if isinstance(tx, FusedTransformation):
+        return tx.update_and_apply(grads, opt_state, params, **extra_args)
+    updates, new_state = tx.update(grads, opt_state, params, **extra_args)
+    new_params = apply_to_params(params, updates, new_state)
+    found = _tree.find_states(new_state, LossScalingState)
+    if len(found) == 1:  # -0.0 updates keep the params; selecting keeps NaN payloads bit for bit too
+        new_params = keep_if_finite(found[0].last_step_finite, new_params, params)
+    return new_params, new_state
+
+
+# Names that lived here before 0.1.0 raise an AttributeError naming their place (jaxmp/_deprecations.py).
+__getattr__ = _deprecations.module_getattr(__name__)

@@ -1,0 +1,157 @@
+"""The resolved settings of one [`jaxmp.autocast`][jaxmp.autocast] call, and the tracing context.
+
+The tracing context is a JAX config state in ``jax.jit``'s cache key, so a jitted function traced
+inside autocast and called outside it later gets its own (float32) trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp import fp8
+from jaxmp.engine import _internals as internals
+from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules, ModuleRules
+from jaxmp._policy import Policy
+from jaxmp._presets import resolve_policy
+from jaxmp._traps import MixedPrecisionWarning
+
+_F32 = np.dtype("float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastConfig:
+    """What one autocast region does (hashable: it is part of jit cache keys).
+
+    Attributes:
+      name: the preset or policy it came from (for messages and profiles).
+      compute_dtype: the half dtype of the half list.
+      output_dtype: floating outputs are cast to it.
+      cast_inputs: which floating arguments are cast to ``compute_dtype`` on entry: ``""``
+        (none: O1), ``"weights"`` (those whose every use is a half-list op: O2) or ``"all"`` (O3).
+      rules: the [`jaxmp.AutocastRules`][jaxmp.AutocastRules].
+      identity: the region changes nothing (O0, or a float32 compute dtype).
+      modules: the compiled module rules (`jaxmp.engine._rules.ModuleRules`) the module hooks read.
+      front_door: the config of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision].
+    """
+
+    name: str
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+    cast_inputs: str
+    rules: AutocastRules
+    identity: bool = False
+    modules: ModuleRules = ModuleRules()
+    front_door: bool = False
+
+    def __post_init__(self):
+        if not self.modules and self.rules.class_rules:
+            # Normalising our own frozen record: autocast's class rules, compiled once.
+            object.__setattr__(self, "modules", self.rules.module_rules())
+
+
+def _warn_pure_half(policy: str, compute: np.dtype) -> None:
+    """A bare half dtype name means pure half (jmp's grammar); a torch user means mixed precision."""
+    short = "bf16" if compute == np.dtype(jnp.bfloat16) else "fp16"
+    warnings.warn(
+        f"autocast policy {policy!r} is a bare dtype name, which means *pure* {compute.name} (jmp's grammar: "
+        f"params, compute and output all {compute.name}; the loss comes back {compute.name}). torch.autocast's "
+        f"{short!r} is mixed precision: use 'O1-{short}' for that (matmuls in half, softmax, norms and the loss in "
+        f"float32), or 'O3-{short}' to say pure half on purpose.", MixedPrecisionWarning, stacklevel=4)
+
+
+def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
+    """Turns autocast's ``policy`` / ``rules`` arguments into an `jaxmp.engine._config.AutocastConfig`.
+
+    O0 is the identity, O1 casts per op, O2 also casts the weights on entry, O3 is pure half; a
+    [`jaxmp.Policy`][jaxmp.Policy] acts as O1 with its dtypes. A bare half dtype name (``"fp16"``) is
+    jmp's pure half and warns. See docs/autocast.md#presets-under-autocast.
+
+    Args:
+      policy: a preset name, policy string, [`jaxmp.Policy`][jaxmp.Policy], ``jmp.Policy`` or
+        [`jaxmp.Recipe`][jaxmp.Recipe].
+      rules: explicit [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for the preset's.
+
+    Returns:
+      The `jaxmp.engine._config.AutocastConfig`.
+
+    Raises:
+      TypeError: ``rules`` is not an [`AutocastRules`][jaxmp.AutocastRules], or a non-floating policy.
+      ValueError: an unknown preset or malformed policy string.
+    """
+    if rules is not None and not isinstance(rules, AutocastRules):
+        raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}: {rules!r}")
+    if rules is not None:
+        if isinstance(rules.fp8_matmuls, fp8.DelayedScaling):
+            raise ValueError("AutocastRules.fp8_matmuls: delayed scaling keeps amax histories across steps, which "
+                             "autocast's functional form has no state for; use fp8.CurrentScaling() (or the Flax "
+                             "door, jaxmp.flax.mixed_precision, which keeps them)")
+        rules.module_rules()  # path rules and per-class policies are the Flax door's: refused here, by name
+    resolved, recipe = resolve_policy(policy)
+    compute = np.dtype(resolved.compute_dtype)
+    if isinstance(policy, str) and recipe is None and "=" not in policy and compute.itemsize < 4:
+        _warn_pure_half(policy, compute)
+    name = recipe.name if recipe is not None else str(resolved)
+    level = recipe.level if recipe is not None else None
+    if compute.itemsize >= 4:
+        return AutocastConfig(name, compute, np.dtype(resolved.output_dtype), "",
+                              rules or AutocastRules(), identity=True)
+    if level == "O3":
+        return AutocastConfig(name, compute, compute, "all", rules or PURE_HALF_RULES)
+    weights = level == "O2" or (level is None and np.dtype(resolved.param_dtype).itemsize < 4)
+    cast_inputs = "weights" if weights else ""
+    output = np.dtype(resolved.output_dtype) if level is None else _F32
+    # O1 keeps float32 where a value needs it (the accuracy-first default); O2 narrows float32
+    # operands to half (Apex's "almost pure half" speed trade): see AutocastRules.promote.
+    rules = rules or AutocastRules(promote="narrow" if weights else "demand")
+    fp8_recipe = getattr(recipe, "fp8", None)
+    if fp8_recipe is not None:
+        if isinstance(fp8_recipe, fp8.DelayedScaling):
+            raise ValueError(f"{name}: delayed fp8 scaling keeps amax histories per layer, which a plain function "
+                             "under jaxmp.autocast has no state for; use 'O2-fp8-current' (current scaling) here, "
+                             "or jaxmp.flax.mixed_precision(model, 'O2-fp8') for delayed scaling")
+        fp8.check_hardware(fp8_recipe)
+        if rules.fp8_matmuls is None:
+            rules = dataclasses.replace(rules, fp8_matmuls=fp8_recipe)
+    return AutocastConfig(name, compute, output, cast_inputs, rules)
+
+
+# The tracing context: set while autocast traces the user's function. Part of jit's cache key.
+TRACING = internals.jit_key_state(
+    "jaxmp_autocast_tracing", None,
+    "The AutocastConfig of the autocast region being traced (None outside autocast).")
+
+
+def current() -> AutocastConfig | None:
+    """The `jaxmp.engine._config.AutocastConfig` of the autocast region being traced, or None.
+
+    Returns:
+      The config while autocast traces a function, None otherwise (including inside a
+      ``jaxmp[keep]`` region such as a half-input kernel).
+    """
+    return TRACING.value
+
+
+def flax_config(policy: Policy, rules: AutocastRules) -> AutocastConfig:
+    """The engine settings of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision] for a policy and its rules.
+
+    Class and path rules compile to casting module rules; fp8 is the door's own, so the
+    engine's ``fp8_matmuls`` stays off.
+
+    Args:
+      policy: the model-wide [`jaxmp.Policy`][jaxmp.Policy].
+      rules: the [`jaxmp.AutocastRules`][jaxmp.AutocastRules] of the door
+        ([`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] by default).
+
+    Returns:
+      An `jaxmp.engine._config.AutocastConfig` (``identity`` for a float32 compute dtype).
+    """
+    compute = np.dtype(policy.compute_dtype)
+    ops = dataclasses.replace(rules, class_rules=(), path_rules=(), fp8_matmuls=None, float32_loss=True,
+                              fused_attention=True)
+    return AutocastConfig(f"flax {policy}", compute, np.dtype(policy.output_dtype), "", ops,
+                          identity=compute.itemsize >= 4, modules=rules.module_rules(policy), front_door=True)

@@ -1,0 +1,617 @@
+"""The op lists of [`jaxmp.autocast`][jaxmp.autocast] as data: which primitive runs in which dtype.
+
+Three lists, as NVIDIA's AMP and ``torch.autocast`` have them:
+
+* the *half list* runs in the compute dtype (matmuls and convolutions: Tensor Core work);
+* the *float32 list* runs in float32 (transcendentals, powers and every reduction: the ops
+  whose range or rounding error grows with the size of the data);
+* everything else *follows* its inputs under a promotion rule (see [`AutocastRules`][jaxmp.AutocastRules]).
+
+[`AutocastRules`][jaxmp.AutocastRules] is a frozen, hashable record a user can copy and edit, the one rule
+vocabulary of both front doors (``jaxmp.autocast(..., rules=)`` and ``jaxmp.flax.mixed_precision(...,
+rules=)``): the op lists, and scope, class and path rules that each say what they do (``"half"``,
+``"float32"``, ``"keep"``, a dtype; ``"follow"`` takes a class rule off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import re
+import warnings
+from typing import Any, Iterable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+from jaxmp import fp8
+from jaxmp._dtypes import float_dtype
+from jaxmp._policy import Policy
+
+#: Matmuls and convolutions: cast to the compute dtype (torch: matmul, conv, linear, einsum, baddbmm).
+HALF_OPS: frozenset[str] = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+#: Ops that run in float32 whatever their inputs (torch: exp, log, pow, softmax, norms, sums, losses).
+FLOAT32_OPS: frozenset[str] = frozenset({
+    # transcendentals
+    "exp", "exp2", "expm1", "log", "log1p", "logistic", "pow", "integer_pow", "square",
+    "erf", "erfc", "erf_inv", "sqrt", "rsqrt", "cbrt", "tan", "sinh", "cosh", "asin", "acos",
+    "atan", "atan2", "asinh", "acosh", "atanh", "lgamma", "digamma", "igamma", "igammac",
+    "polygamma", "zeta", "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta",
+    # reductions (softmax, log_softmax, logsumexp, mean/variance, the loss)
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_window_sum",
+    "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+})
+
+#: Dtype-polymorphic ops that follow their inputs (floating operands are promoted to one dtype).
+FOLLOW_OPS: frozenset[str] = frozenset({
+    "add", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min", "floor", "ceil",
+    "round", "is_finite", "select_n", "clamp", "tanh", "sin", "cos", "nextafter",
+    "reduce_precision", "broadcast_in_dim", "reshape", "transpose", "squeeze", "rev", "slice",
+    "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "copy",
+    "stop_gradient", "add_any", "eq", "ne", "lt", "le", "gt", "ge", "argmax", "argmin",
+    "reduce_window_max", "reduce_window_min", "top_k", "sharding_constraint", "reshard",
+    "split", "tile", "zeros_like", "iota", "select_and_gather_add", "mesh_cast", "pvary",
+    "name",  # checkpoint_name: the remat policy saves the value in the dtype it was computed in
+})
+
+#: Ops with several independent operands: each keeps its own dtype (nothing is cast).
+PASSTHROUGH_OPS: frozenset[str] = frozenset({"sort", "optimization_barrier", "device_put"})
+
+#: Collectives: run as traced (a gradient all-reduce keeps its traced dtype, so a sum over
+#: replicas cannot overflow fp16); a float32-list result stays float32-list through them, so a
+#: synchronised BatchNorm's ``x - pmean(mean(x))`` centres in float32 as an unsynchronised one does.
+COLLECTIVE_OPS: frozenset[str] = frozenset({
+    "psum", "pmax", "pmin", "pmean", "all_gather", "all_to_all", "ppermute", "psum_scatter",
+    "reduce_scatter", "psum_invariant", "ragged_all_to_all",
+})
+
+#: First-order ops that carry a combiner jaxpr traced for their operands' dtypes: they run
+#: with the operands in their traced dtypes (like any op without a rule).
+COMBINER_OPS: frozenset[str] = frozenset({
+    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
+    "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add", "cumred",
+    "custom_linear_solve", "argsort",
+})
+
+_PROMOTE = ("narrow", "widest", "demand")
+_MATMUL_OUT = ("compute", "float32")
+
+
+@functools.lru_cache(maxsize=1)
+def known_primitive_names() -> frozenset[str]:
+    """Names of the primitives JAX defines (for validating user edits of the op lists).
+
+    Returns:
+      A frozenset of primitive names, e.g. ``"dot_general"``, ``"exp"``.
+    """
+    from jaxmp.engine import _internals as internals
+
+    return frozenset(internals.all_primitive_names()
+                     | HALF_OPS | FLOAT32_OPS | FOLLOW_OPS | PASSTHROUGH_OPS | COMBINER_OPS | COLLECTIVE_OPS)
+
+
+def _op_set(ops: Iterable[str], where: str) -> frozenset[str]:
+    if isinstance(ops, str):
+        ops = (ops,)
+    out = set()
+    ours = HALF_OPS | FLOAT32_OPS | FOLLOW_OPS | PASSTHROUGH_OPS | COMBINER_OPS
+    for op in ops:
+        if not isinstance(op, str):
+            raise TypeError(f"{where}: op names must be strings (primitive names such as 'exp'), got {op!r}")
+        # Walking JAX's modules for every primitive takes a while: only for names we do not list.
+        if op not in ours and op not in (known := known_primitive_names()):
+            close = [k for k in sorted(known) if k.startswith(op[:3])][:5]
+            raise ValueError(f"{where}: unknown op {op!r}; it is not a JAX primitive name"
+                             + (f" (did you mean one of {close}?)" if close else ""))
+        out.add(op)
+    return frozenset(out)
+
+
+def _region_dtype(dtype: Any, where: str) -> str:
+    """A region dtype: ``"float32"``/``"half"``/``"keep"`` or a floating dtype name."""
+    if isinstance(dtype, str) and dtype in ("half", "keep"):
+        return dtype
+    try:
+        return np.dtype(float_dtype(dtype, where)).name
+    except TypeError as e:
+        raise TypeError(f"{where}: a region dtype must be a floating dtype, 'half' or 'keep', got {dtype!r}") from e
+
+
+def _module_class(cls: Any, where: str) -> type:
+    if isinstance(cls, type):
+        return cls
+    if isinstance(cls, str):
+        hint = f"the string {cls!r}; pass the class itself, e.g. flax.linen.{cls}"
+    elif type(cls).__module__ != "builtins":
+        hint = f"an instance; pass its class, type(x) = {type(cls).__name__}"
+    else:
+        hint = f"{type(cls).__name__}: {cls!r}"
+    raise TypeError(f"{where}: expected a module class (e.g. flax.linen.LayerNorm, equinox.nn.LayerNorm), got {hint}")
+
+
+def _class_action(action: Any, where: str) -> Any:
+    """A class rule's action: a region dtype, ``"follow"``, or a per-class `jaxmp.Policy` (Flax door)."""
+    if isinstance(action, str) and action == "follow":
+        return action
+    if not isinstance(action, str) and all(hasattr(action, f) for f in ("param_dtype", "compute_dtype",
+                                                                          "output_dtype")):
+        return action if isinstance(action, Policy) else Policy(action.param_dtype, action.compute_dtype,
+                                                                action.output_dtype)
+    return _region_dtype(action, where)
+
+
+def _path_pattern(pattern: Any, where: str) -> str:
+    """Returns ``pattern`` if it is a valid module-path glob, else raises naming ``where``."""
+    if isinstance(pattern, (tuple, list)) and pattern and all(isinstance(p, (str, int)) for p in pattern):
+        joined = "/".join(str(p) for p in pattern)
+        raise TypeError(f"{where}: a module path is one string joined by '/', got the sequence {pattern!r}; "
+                        f"pass {joined!r}")
+    if isinstance(pattern, type):
+        raise TypeError(f"{where}: expected a module path such as 'decoder/head' (a glob on the path joined by '/'), "
+                        f"got the class {pattern.__name__}; for a whole class use "
+                        f"with_class({pattern.__name__}, 'float32')")
+    if not isinstance(pattern, str):
+        raise TypeError(f"{where}: expected a module path string such as 'decoder/head', "
+                        f"got {type(pattern).__name__}: {pattern!r}")
+    if not pattern.strip():
+        raise ValueError(f"{where}: empty module path {pattern!r}; the model itself has no path, so keep its class "
+                         "in float32 with with_class(cls, 'float32')")
+    if pattern != pattern.strip():
+        raise ValueError(f"{where}: module path {pattern!r} has leading or trailing whitespace")
+    if pattern.startswith("/") or pattern.endswith("/") or "//" in pattern:
+        raise ValueError(f"{where}: module path {pattern!r} has an empty component; paths are relative to the "
+                         "wrapped model and joined by single '/', e.g. 'decoder/head' or '*/logits'")
+    return pattern
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastRules:
+    """What each op and module runs in: the one rule object of ``jaxmp.autocast`` and the Flax door.
+
+    Instances are frozen and hashable; edit them with the ``with_*`` methods, which return
+    copies. The default lists are `HALF_OPS`, `FLOAT32_OPS` and the ops that follow. Both front
+    doors take it (``rules=``); [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] gives the Flax door's per-preset
+    starting point (matmul layers ``"half"``, norm layers ``"float32"``).
+
+    ``promote`` decides an op that follows inputs of different floating dtypes: ``"demand"``
+    (O1: float32 where a float32 value is needed downstream), ``"narrow"`` (O2: half wins) or
+    ``"widest"`` (``torch.autocast``'s rule). See docs/autocast.md#the-promotion-rule-ops-that-follow.
+
+    Attributes:
+      half_ops: primitive names run in the compute dtype.
+      float32_ops: primitive names run in float32.
+      promote: ``"demand"``, ``"narrow"`` or ``"widest"``.
+      matmul_output: ``"compute"`` (half-list ops return the compute dtype) or ``"float32"``
+        (they return float32 via ``preferred_element_type``); GPUs and TPUs accumulate in
+        float32 either way.
+      scope_rules: ``((pattern, dtype), ...)``: ops under a ``jax.named_scope`` whose name
+        matches the glob ``pattern`` run in ``dtype`` (``"float32"``, ``"half"``, a dtype, or
+        ``"keep"``: as traced).
+      class_rules: ``((module_class, dtype), ...)``: calls of instances of that class (and
+        subclasses) run in ``dtype``; the Flax door also casts the layer's params and inputs, and
+        takes a [`jaxmp.Policy`][jaxmp.Policy] as the dtype.
+      path_rules: ``((glob, "float32"), ...)`` (Flax door): the module at a matching path and
+        everything under it run in float32; beats class rules.
+      fp8_matmuls: None or a `jaxmp.fp8` recipe for the half-list matmuls (autocast takes
+        ``CurrentScaling`` only; the Flax door takes both).
+      float32_loss: the Flax door's train steps compute the loss on float32 logits.
+      fused_attention: the Flax door runs attention modules with Flax's default attention
+        through [`jaxmp.flax.fused_attention`][jaxmp.flax.fused_attention] (cuDNN on GPUs, a float32 softmax elsewhere).
+
+    Example:
+      >>> import flax.linen, jaxmp
+      >>> rules = jaxmp.AutocastRules().with_float32("tanh").with_class(flax.linen.LayerNorm, "float32")
+      >>> "tanh" in rules.float32_ops
+      True
+    """
+
+    half_ops: frozenset[str] = HALF_OPS
+    float32_ops: frozenset[str] = FLOAT32_OPS
+    promote: str = "demand"
+    matmul_output: str = "compute"
+    scope_rules: tuple[tuple[str, str], ...] = ()
+    class_rules: tuple[tuple[type, Any], ...] = ()
+    fp8_matmuls: fp8.Fp8Recipe | None = None
+    path_rules: tuple[tuple[str, str], ...] = ()
+    float32_loss: bool = True
+    fused_attention: bool = True
+
+    def __post_init__(self):
+        if self.fp8_matmuls is not None and not isinstance(self.fp8_matmuls, fp8.Fp8Recipe):
+            raise TypeError(f"AutocastRules.fp8_matmuls must be a jaxmp.fp8.CurrentScaling / DelayedScaling recipe "
+                            f"or None, got {type(self.fp8_matmuls).__name__}: {self.fp8_matmuls!r}")
+        half = _op_set(self.half_ops, "AutocastRules.half_ops")
+        f32 = _op_set(self.float32_ops, "AutocastRules.float32_ops")
+        if half & f32:
+            raise ValueError(f"ops {sorted(half & f32)} are in both half_ops and float32_ops; pick one")
+        if self.promote not in _PROMOTE:
+            raise ValueError(f"AutocastRules.promote must be one of {_PROMOTE}, got {self.promote!r}")
+        if self.matmul_output not in _MATMUL_OUT:
+            raise ValueError(f"AutocastRules.matmul_output must be one of {_MATMUL_OUT}, got {self.matmul_output!r}")
+        for name in ("float32_loss", "fused_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"AutocastRules.{name} must be a bool, got {getattr(self, name)!r}")
+        scopes = []
+        for item in self.scope_rules:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError(f"scope_rules entries must be (pattern string, dtype) pairs, got {item!r}")
+            scopes.append((item[0], _region_dtype(item[1], f"scope rule {item[0]!r}")))
+        classes = []
+        for item in self.class_rules:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(f"class_rules entries must be (module class, dtype) pairs, got {item!r}")
+            cls = _module_class(item[0], "AutocastRules.class_rules")
+            action = _class_action(item[1], f"class rule {cls.__name__}")
+            # A later rule for the same class replaces the earlier one; "follow" only removes it.
+            classes = [(c, d) for c, d in classes if c is not cls] + ([] if action == "follow" else [(cls, action)])
+        paths: list[tuple[str, str]] = []
+        for item in self.path_rules:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(f"path_rules entries must be (module path glob, 'float32') pairs, got {item!r}")
+            pattern = _path_pattern(item[0], "AutocastRules.path_rules")
+            if _region_dtype(item[1], f"path rule {pattern!r}") != "float32":
+                raise ValueError(f"path rule {pattern!r}: a path rule keeps a layer in 'float32' (the Flax door's "
+                                 f"per-layer opt-out), got {item[1]!r}; for other dtypes use with_class or with_scope")
+            if pattern not in [p for p, _ in paths]:
+                paths.append((pattern, "float32"))
+        object.__setattr__(self, "half_ops", half)
+        object.__setattr__(self, "float32_ops", f32)
+        object.__setattr__(self, "scope_rules", tuple(scopes))
+        object.__setattr__(self, "class_rules", tuple(classes))
+        object.__setattr__(self, "path_rules", tuple(paths))
+
+    # -- copies ---------------------------------------------------------------------------
+
+    def with_half(self, *ops: str) -> "AutocastRules":
+        """Copy with ``ops`` moved to the half list (and off the float32 list).
+
+        Args:
+          *ops: primitive names, e.g. ``"dot_general"``.
+
+        Returns:
+          A new [`AutocastRules`][jaxmp.AutocastRules].
+
+        Example:
+          >>> import jaxmp
+          >>> "tanh" in jaxmp.AutocastRules().with_half("tanh").half_ops
+          True
+        """
+        ops_ = _op_set(ops, "with_half")
+        return dataclasses.replace(self, half_ops=self.half_ops | ops_, float32_ops=self.float32_ops - ops_)
+
+    def with_float32(self, *ops: str) -> "AutocastRules":
+        """Copy with ``ops`` moved to the float32 list (and off the half list).
+
+        Args:
+          *ops: primitive names, e.g. ``"tanh"``.
+
+        Returns:
+          A new [`AutocastRules`][jaxmp.AutocastRules].
+
+        Example:
+          >>> import jaxmp
+          >>> "dot_general" in jaxmp.AutocastRules().with_float32("dot_general").float32_ops
+          True
+        """
+        ops_ = _op_set(ops, "with_float32")
+        return dataclasses.replace(self, float32_ops=self.float32_ops | ops_, half_ops=self.half_ops - ops_)
+
+    def with_follow(self, *ops: str) -> "AutocastRules":
+        """Copy with ``ops`` taken off both lists: they follow their inputs.
+
+        Args:
+          *ops: primitive names.
+
+        Returns:
+          A new [`AutocastRules`][jaxmp.AutocastRules].
+
+        Example:
+          >>> import jaxmp
+          >>> "reduce_max" in jaxmp.AutocastRules().with_follow("reduce_max").float32_ops
+          False
+        """
+        ops_ = _op_set(ops, "with_follow")
+        return dataclasses.replace(self, float32_ops=self.float32_ops - ops_, half_ops=self.half_ops - ops_)
+
+    def with_scope(self, pattern: str, dtype: DTypeLike) -> "AutocastRules":
+        """Copy where ops under a ``jax.named_scope`` matching the glob ``pattern`` run in ``dtype``.
+
+        The pattern is matched against each component of the name stack (``"attn*"``
+        matches the scope ``attn_0``); the innermost matching scope wins.
+
+        Args:
+          pattern: a glob such as ``"*norm*"``.
+          dtype: ``"float32"``, ``"half"``, ``"keep"`` or a floating dtype.
+
+        Returns:
+          A new [`AutocastRules`][jaxmp.AutocastRules].
+
+        Example:
+          >>> import jaxmp
+          >>> jaxmp.AutocastRules().with_scope("head", "float32").scope_rules
+          (('head', 'float32'),)
+        """
+        return dataclasses.replace(self, scope_rules=self.scope_rules + ((pattern, dtype),))
+
+    def with_class(self, cls: type, dtype: Any) -> "AutocastRules":
+        """Copy where every call of a module of class ``cls`` (or a subclass) runs in ``dtype``.
+
+        Flax Linen and NNX, Equinox and Haiku modules. A later rule for the same class replaces
+        an earlier one; ``"follow"`` takes the class's rule off.
+
+        Args:
+          cls: the module class, e.g. ``flax.linen.LayerNorm``.
+          dtype: ``"float32"``, ``"half"``, ``"keep"``, a floating dtype, ``"follow"``, or (Flax
+            door) a [`jaxmp.Policy`][jaxmp.Policy] the class runs under.
+
+        Returns:
+          A new [`AutocastRules`][jaxmp.AutocastRules].
+
+        Example:
+          >>> import flax.linen, jaxmp
+          >>> jaxmp.AutocastRules().with_class(flax.linen.LayerNorm, "float32").class_rules[0][1]
+          'float32'
+        """
+        return dataclasses.replace(self, class_rules=self.class_rules + ((cls, dtype),))
+
+    def with_path(self, pattern: str, dtype: DTypeLike = "float32") -> "AutocastRules":
+        """Copy where the module at ``pattern`` (and everything under it) runs in float32 (Flax door).
+
+        ``pattern`` is a glob (``*`` crosses ``/`` too) on the module path joined by ``"/"``,
+        relative to the wrapped model (Linen ``"decoder/head"``, NNX ``"layers/2"``); a path rule
+        beats class rules. See docs/guides/flax-linen.md#choosing-what-runs-in-float32.
+
+        Args:
+          pattern: a module path or glob, e.g. ``"decoder/head"``, ``"*/logits"``.
+          dtype: ``"float32"`` (the one dtype a path rule takes).
+
+        Returns:
+          A new [`AutocastRules`][jaxmp.AutocastRules].
+
+        Raises:
+          TypeError: ``pattern`` is not a string (a tuple path, a module class).
+          ValueError: an empty pattern or component (``"a//b"``), or another dtype.
+
+        Example:
+          >>> import jaxmp
+          >>> jaxmp.AutocastRules().with_path("decoder/head", "float32").path_rules
+          (('decoder/head', 'float32'),)
+        """
+        return dataclasses.replace(self, path_rules=self.path_rules + ((pattern, dtype),))
+
+    def scope_dtype(self, component: str) -> str | None:
+        """The region dtype a scope rule gives a name-stack component, or None."""
+        for pattern, dtype in reversed(self.scope_rules):
+            if fnmatch.fnmatchcase(component, pattern):
+                return dtype
+        return None
+
+    def module_rules(self, policy: Policy | None = None) -> "ModuleRules":
+        """The class and path rules compiled to the engine's `ModuleRules`.
+
+        Args:
+          policy: None under autocast (it owns no params: every class rule marks a region, the
+            ops inside run in its dtype); the model-wide [`jaxmp.Policy`][jaxmp.Policy] under the Flax door
+            (``"half"`` and ``"float32"`` class rules and path rules also cast the layer's params
+            and inputs, a `jaxmp.Policy` runs the class under it, other dtypes mark a region).
+
+        Returns:
+          The compiled `ModuleRules` (cached per rules and policy).
+
+        Example:
+          >>> import flax.linen as nn, jaxmp
+          >>> rules = jaxmp.AutocastRules().with_class(nn.Dense, "half").with_path("head", "float32")
+          >>> compiled = rules.module_rules(jaxmp.get_policy("O1-bf16"))
+          >>> compiled.rule_at(("head",), nn.Dense).action, compiled.rule_at(("body",), nn.Dense).action
+          ('float32', 'half')
+        """
+        return _compile(self.class_rules, self.path_rules, policy)
+
+
+#: The rules of O3: pure half precision, nothing kept in float32.
+PURE_HALF_RULES = AutocastRules(float32_ops=frozenset(), promote="narrow")
+
+#: Marker scopes the engine reads: ``jaxmp[float32]``, ``jaxmp[half]``, ``jaxmp[keep]`` (+ ``:label``).
+MARKER = re.compile(r"^jaxmp\[(?P<dtype>[a-z0-9]+)\](?::.*)?$")
+
+
+def marker(dtype: str, label: str = "") -> str:
+    """The ``jax.named_scope`` name that marks a region of ``dtype`` for the engine.
+
+    Args:
+      dtype: ``"float32"``, ``"half"``, ``"keep"`` or a floating dtype name.
+      label: text shown after the marker in profiles (e.g. the module class).
+
+    Returns:
+      The scope name, e.g. ``"jaxmp[float32]:LayerNorm"``.
+    """
+    return f"jaxmp[{dtype}]" + (f":{label}" if label else "")
+
+
+def is_float32(dtype: Any) -> bool:
+    """Whether ``dtype`` is float32 (the dtype the float32 list computes in)."""
+    return np.dtype(dtype) == np.dtype(jnp.float32)
+
+
+# -- module rules ------------------------------------------------------------------------------
+
+_F32 = np.dtype("float32")
+_ACTIONS = ("half", "float32", "policy", "region")
+_OLD_KINDS = {"half": "half", "float32": "fp32", "policy": "policy", "region": "region"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRule:
+    """How one module runs: the engine's unit of a module-level precision rule.
+
+    Attributes:
+      compute_dtype: params and floating inputs are cast to this dtype for the call
+        (None for a ``"region"`` rule, which casts nothing and only marks the ops inside).
+      param_dtype: the dtype params of this module are stored in (used at init; None: as created).
+      output: ``"computed"`` (leave the output as computed), ``"input"`` (cast back to
+        the dtype of the first floating input, as float32 norms do) or a dtype.
+      action: what the rule does. ``"half"``: cast params and inputs to the policy's compute
+        dtype and let the op lists decide (an enclosing ``"float32"`` rule wins);
+        ``"float32"``: cast them to float32 and run the ops inside in float32;
+        ``"policy"``: run under a per-class policy (its compute dtype, region and output);
+        ``"region"``: cast nothing, run the ops inside in ``region``.
+      region: the dtype the engine runs the ops inside the call in (``"float32"``, ``"half"``,
+        ``"keep"`` or a dtype name); None: the op lists decide. Defaults to the compute dtype
+        for ``"float32"`` and ``"policy"`` rules, None for ``"half"`` rules.
+    """
+
+    compute_dtype: Any
+    param_dtype: Any
+    output: Any = "computed"
+    action: str = "half"
+    region: str | None = None
+
+    def __post_init__(self):
+        if self.action not in _ACTIONS:
+            raise ValueError(f"ModuleRule.action must be one of {_ACTIONS}, got {self.action!r}")
+        if self.action == "region":
+            if not isinstance(self.region, str):
+                raise TypeError(f"a region ModuleRule needs region= a dtype name, 'half' or 'keep', got {self.region!r}")
+            return
+        # Normalising our own frozen record once, at construction (never a module of the user's).
+        object.__setattr__(self, "compute_dtype", np.dtype(self.compute_dtype))
+        if self.param_dtype is not None:
+            object.__setattr__(self, "param_dtype", np.dtype(self.param_dtype))
+        if self.region is None and self.action in ("float32", "policy"):
+            object.__setattr__(self, "region", self.compute_dtype.name)
+
+    @property
+    def casts(self) -> bool:
+        """Whether the rule casts the call's inputs and the module's params (every action but ``"region"``)."""
+        return self.action != "region"
+
+    @property
+    def kind(self) -> str:
+        """Deprecated: the old name of `action` (``"fp32"`` for ``"float32"``)."""
+        warnings.warn("ModuleRule.kind is deprecated: read ModuleRule.action ('float32' where kind said 'fp32'); "
+                      "kind will be removed in jaxmp 0.2.0", DeprecationWarning, stacklevel=2)
+        return _OLD_KINDS[self.action]
+
+
+_FLOAT32_RULE = ModuleRule(_F32, _F32, "input", "float32")
+
+
+@functools.lru_cache(maxsize=256)
+def _compile(class_rules: tuple, path_rules: tuple, policy: Policy | None) -> "ModuleRules":
+    """``AutocastRules.module_rules``: class and path rules to `ModuleRules` (see there)."""
+    if policy is None:
+        if any(isinstance(d, Policy) for _, d in class_rules):
+            raise TypeError("a class rule with a jaxmp.Policy is a Flax door rule (it sets how params are stored); "
+                            "under jaxmp.autocast give the class a dtype: with_class(cls, 'float32')")
+        if path_rules:
+            raise ValueError(f"path rules {[p for p, _ in path_rules]} need the Flax door, which knows module paths "
+                             "(jaxmp.flax.mixed_precision(model, policy, rules=...)); under jaxmp.autocast use "
+                             "with_scope(pattern, dtype) or with_class(cls, dtype)")
+        return ModuleRules(classes=tuple((c, ModuleRule(None, None, "computed", "region", region=d))
+                                         for c, d in class_rules))
+    half = ModuleRule(policy.compute_dtype, policy.param_dtype, "computed", "half")
+
+    def rule(action):
+        if isinstance(action, Policy):
+            return ModuleRule(action.compute_dtype, action.param_dtype, action.output_dtype, "policy")
+        if action == "half":
+            return half
+        if action == "float32":
+            return _FLOAT32_RULE
+        return ModuleRule(None, None, "computed", "region", region=action)
+
+    return ModuleRules(classes=tuple((c, rule(d)) for c, d in class_rules),
+                       paths=tuple((p, _FLOAT32_RULE) for p, _ in path_rules))
+
+
+def _path_prefixes(path: Sequence[Any]) -> list[str]:
+    names = [str(p) for p in path]
+    return ["/".join(names[:k]) for k in range(1, len(names) + 1)] or [""]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRules:
+    """Module-level rules, compiled: class rules and path rules (hashable: part of jit keys).
+
+    Attributes:
+      classes: ``((module_class, ModuleRule), ...)``; a later entry for the same class wins,
+        and for an instance the most specific class of its MRO with a rule decides.
+      paths: ``((glob, ModuleRule), ...)``: a module whose path (joined by ``"/"``, relative to
+        the wrapped model) or an ancestor's matches the glob (`fnmatch.fnmatchcase`,
+        ``*`` also crosses ``/``) takes the first matching rule; path rules beat class rules.
+    """
+
+    classes: tuple = ()
+    paths: tuple = ()
+
+    def __post_init__(self):
+        for cls, rule in self.classes:
+            if not isinstance(cls, type) or not isinstance(rule, ModuleRule):
+                raise TypeError(f"ModuleRules.classes entries must be (class, ModuleRule) pairs, got {(cls, rule)!r}")
+        for pattern, rule in self.paths:
+            if not isinstance(pattern, str) or not isinstance(rule, ModuleRule):
+                raise TypeError(f"ModuleRules.paths entries must be (glob, ModuleRule) pairs, got {(pattern, rule)!r}")
+
+    def __bool__(self) -> bool:
+        return bool(self.classes or self.paths)
+
+    @property
+    def _by_class(self) -> dict:
+        table = self.__dict__.get("_table")
+        if table is None:  # a lookup table, built once per (immutable) instance
+            table = dict(self.classes)
+            self.__dict__["_table"] = table
+        return table
+
+    def path_match(self, path: Sequence[Any]) -> str | None:
+        """The first path glob matching ``path`` or one of its ancestors, or None.
+
+        Args:
+          path: the module path (a tuple of names; ``()`` is the wrapped model itself).
+
+        Returns:
+          The matching glob, or None.
+        """
+        if not self.paths:
+            return None
+        prefixes = _path_prefixes(path)
+        for pattern, _ in self.paths:
+            if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes):
+                return pattern
+        return None
+
+    def rule_for(self, module_or_class: Any) -> ModuleRule | None:
+        """The class rule of a module (or class): the most specific class of its MRO with a rule.
+
+        Args:
+          module_or_class: a module instance or class.
+
+        Returns:
+          A `jaxmp.engine._rules.ModuleRule`, or None.
+        """
+        cls = module_or_class if isinstance(module_or_class, type) else type(module_or_class)
+        table = self._by_class
+        for klass in cls.__mro__:
+            rule = table.get(klass)
+            if rule is not None:
+                return rule
+        return None
+
+    def rule_at(self, path: Sequence[Any] | None, module_or_class: Any) -> ModuleRule | None:
+        """The rule of the module at ``path``: a path rule if one matches, else its class rule.
+
+        Args:
+          path: the module path (None where the framework has none: class rules only).
+          module_or_class: the module instance or class there.
+
+        Returns:
+          A `jaxmp.engine._rules.ModuleRule`, or None when the module follows its inputs.
+        """
+        if path is not None and self.paths:
+            for pattern, rule in self.paths:
+                if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in _path_prefixes(path)):
+                    return rule
+        return self.rule_for(module_or_class)

@@ -1,0 +1,641 @@
+"""How the training state is laid out over a mesh's data axis on the sharded-``jit`` path.
+
+Three layouts (``make_sharded_train_step(..., layout=...)``, [`shard_state`][jaxmp.parallel.shard_state]):
+
+* ``"replicated"`` (default): every device holds the whole state (params, float32 masters,
+  optimizer moments). O2-bf16 + AdamW: 2 + 4 + 8 = 14 bytes per parameter on every device.
+* ``"zero"`` (ZeRO-1/2, Megatron's distributed optimizer): the optimizer state -- float32
+  masters, moments, param remainders -- is sharded over the data axis, each device updates its
+  slice, and the gradients are reduced onto those slices; the (half) params stay replicated and
+  are gathered in their own dtype after the update: 2 + 12/N bytes per parameter.
+* ``"fsdp"`` (ZeRO-3): the params are sharded too and gathered inside the step in their stored
+  (compute) dtype: 14/N bytes per parameter.
+
+Everything is ``NamedSharding`` + ``jit`` in/out shardings + ``jax.lax.with_sharding_constraint``:
+XLA inserts the reduce-scatters and all-gathers.
+
+**Which dimension is sharded** (`jaxmp.parallel._layouts.leaf_spec`): a leaf is sharded over the data axis along
+its largest dimension whose size (divided by the shards the user's spec already puts on it, if
+any, over another mesh axis) the data-axis size divides, ties going to the first such dimension,
+and only a dimension the user's spec leaves unsharded. Leaves with fewer than ``min_shard_size``
+elements (default 1024: biases, norms, step counters, PRNG keys, loss scale) and leaves with no
+such dimension stay replicated over the data axis. An optimizer-state leaf that belongs to a
+param (a master copy, a moment, a remainder: same tree position under a sub-tree shaped like the
+params, and the same shape) gets its param's rule, so a param, its gradient, its master and its
+moments are always split the same way.
+
+**A second (model) axis**: pass ``param_specs`` (a pytree of ``PartitionSpec`` matching the
+params, over the other mesh axes); those entries are kept for the params and for every state
+leaf that belongs to a param, and the data axis is added on top by the rule above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxmp._dtypes import accumulation_dtype
+
+from jaxmp._typing import PyTree
+
+
+LAYOUTS = ("replicated", "zero", "fsdp")
+"""The layout names [`shard_state`][jaxmp.parallel.shard_state] and ``make_sharded_train_step(layout=...)`` take: a full copy
+of the state on every device; optimizer state and float32 masters sharded over the data axis
+(ZeRO-1/2); params sharded too (FSDP / ZeRO-3)."""
+
+DEFAULT_MIN_SHARD_SIZE = 1024
+
+
+def check_layout(layout: Any) -> str:
+    """``layout`` if it is one of `LAYOUTS`, else a ValueError listing them."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}: the layouts are {', '.join(repr(x) for x in LAYOUTS)} "
+                         "(replicated: today's full copy; zero: optimizer state and masters sharded; fsdp: params too)")
+    return layout
+
+
+def check_data_axis(mesh: Any, data_axis: str | None) -> str:
+    """The data axis's name, with a clear error for a mesh that lacks it."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if data_axis is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(f"mesh has axes {mesh.axis_names}: name the data axis with data_axis=...")
+        return mesh.axis_names[0]
+    if data_axis not in mesh.axis_names:
+        raise ValueError(f"data_axis {data_axis!r} is not an axis of the mesh (axes: {mesh.axis_names})")
+    return data_axis
+
+
+def check_min_size(min_shard_size: Any) -> int:
+    """``min_shard_size`` as an int, or a ValueError for anything but an int >= 0."""
+    if isinstance(min_shard_size, bool) or not isinstance(min_shard_size, (int, np.integer)) or min_shard_size < 0:
+        raise ValueError(f"min_shard_size must be an int >= 0, got {min_shard_size!r}")
+    return int(min_shard_size)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """Where a training state lives: the mesh, the layout and its options, given once.
+
+    A sharded train step carries its own as ``step.layout``; pass that to
+    [`shard_state`][jaxmp.parallel.shard_state] (or `state_shardings`, `abstract_state`) in
+    place of the mesh, and the state is laid out exactly as the step expects, with no second
+    spelling of the layout to keep in sync. Build one with `resolve_layout`.
+
+    Attributes:
+      mesh: the ``jax.sharding.Mesh``.
+      name: ``"replicated"``, ``"zero"`` or ``"fsdp"`` (`LAYOUTS`).
+      data_axis: the mesh axis the batch and a sharded state are split over.
+      param_specs: the params' ``PartitionSpec`` tree over the other (model) axes, or None.
+      min_shard_size: leaves with fewer elements stay replicated over the data axis.
+    """
+
+    mesh: Mesh
+    name: str
+    data_axis: str
+    param_specs: Any = None
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def resolve_layout(mesh: Any, layout: Any = None, *, data_axis: str | None = None, param_specs: Any = None,
+                   min_shard_size: Any = None) -> Layout:
+    """One `Layout` from either spelling: a mesh plus a layout name and options, or a `Layout`.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh``, or a `Layout` (e.g. a sharded step's ``step.layout``).
+      layout: ``"replicated"`` (None means it), ``"zero"``, ``"fsdp"``, or a `Layout` on ``mesh``.
+      data_axis: the mesh axis the state is split over; default the mesh's only axis.
+      param_specs: the params' ``PartitionSpec`` tree over the other mesh axes.
+      min_shard_size: leaves with fewer elements stay replicated over the data axis (None:
+        `DEFAULT_MIN_SHARD_SIZE`, 1024).
+
+    Returns:
+      The validated `Layout`.
+
+    Raises:
+      ValueError: a `Layout` given together with options that differ from its own (the
+        layout is given once), a `Layout` on another mesh, or any invalid option.
+    """
+    given = mesh if isinstance(mesh, Layout) else layout if isinstance(layout, Layout) else None
+    if given is None:
+        return Layout(mesh=mesh, name=check_layout("replicated" if layout is None else layout),
+                      data_axis=check_data_axis(mesh, data_axis), param_specs=param_specs,
+                      min_shard_size=check_min_size(DEFAULT_MIN_SHARD_SIZE if min_shard_size is None
+                                                    else min_shard_size))
+    if isinstance(mesh, Layout) and layout is not None and layout is not mesh:
+        raise ValueError(f"the layout is given twice: a Layout ({mesh.name!r}) in place of the mesh and "
+                         f"layout={layout!r}; pass the Layout alone")
+    if not isinstance(mesh, Layout) and mesh is not given.mesh:
+        raise ValueError("layout is a Layout on another mesh than the mesh passed with it: pass the Layout in "
+                         "place of the mesh, alone")
+    conflicts = [name for name, value, own in (("data_axis", data_axis, given.data_axis),
+                                               ("param_specs", param_specs, given.param_specs))
+                 if value is not None and value is not own and value != own]
+    if min_shard_size is not None and min_shard_size != given.min_shard_size:
+        conflicts.append("min_shard_size")
+    if conflicts:
+        raise ValueError(f"{', '.join(conflicts)} given besides a Layout that sets them already: the Layout "
+                         "carries the whole layout, so pass it alone (or build the state's layout from the "
+                         "same options)")
+    return given
+
+
+def _spec_entries(spec: PartitionSpec, ndim: int) -> list:
+    entries = list(spec) + [None] * (ndim - len(spec))
+    if len(entries) > ndim:
+        raise ValueError(f"PartitionSpec {spec} has more entries than the leaf has dimensions ({ndim})")
+    return entries
+
+
+def _spec(entries: list) -> PartitionSpec:
+    # Trailing unsharded dimensions dropped: P(None, None) and P() are the same layout.
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def _axes_of(entry: Any) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def leaf_spec(shape: Sequence[int], mesh: Mesh, data_axis: str, base: PartitionSpec | None = None, *,
+              min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> PartitionSpec:
+    """The ``PartitionSpec`` of one leaf sharded over ``data_axis`` (the rule in the module docstring).
+
+    Args:
+      shape: the leaf's (global) shape.
+      mesh: the mesh.
+      data_axis: the mesh axis to shard over.
+      base: the user's spec for this leaf over other mesh axes (kept as is); default replicated.
+      min_shard_size: leaves with fewer elements stay replicated over ``data_axis``.
+
+    Returns:
+      ``base`` with ``data_axis`` added on the largest dimension it divides, or ``base`` itself.
+    """
+    base = PartitionSpec() if base is None else base
+    entries = _spec_entries(base, len(shape))
+    if any(data_axis in _axes_of(e) for e in entries):
+        raise ValueError(f"the parameter spec {base} already uses the data axis {data_axis!r}: param_specs name the "
+                         "other (model) axes only; the layout adds the data axis")
+    n = mesh.shape[data_axis]
+    size = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    if n == 1 or len(shape) == 0 or size < min_shard_size:
+        return _spec(entries)
+    best = None
+    for d, dim in enumerate(shape):
+        if entries[d] is not None:  # the user's own split of this dimension (another axis) stays alone
+            continue
+        if dim % n == 0 and dim > 0 and (best is None or dim > shape[best]):
+            best = d
+    if best is None:
+        return _spec(entries)
+    entries[best] = data_axis
+    return _spec(entries)
+
+
+def param_tree_specs(params: Any, param_specs: Any) -> Any:
+    """The user's ``param_specs`` as a ``PartitionSpec`` per params leaf (``PartitionSpec()`` where none)."""
+    treedef = jax.tree_util.tree_structure(params)
+    if param_specs is None:
+        return jax.tree_util.tree_unflatten(treedef, [PartitionSpec()] * treedef.num_leaves)
+    is_spec = lambda x: isinstance(x, (PartitionSpec, NamedSharding)) or x is None  # noqa: E731
+    leaves = jax.tree_util.tree_leaves(param_specs, is_leaf=is_spec)
+    try:
+        flat = treedef.flatten_up_to(jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(param_specs, is_leaf=is_spec), leaves))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"param_specs must be a pytree of PartitionSpec with the params' structure: {e}") from e
+    out = []
+    for s in flat:
+        if isinstance(s, NamedSharding):
+            s = s.spec
+        if s is None:
+            s = PartitionSpec()
+        if not isinstance(s, PartitionSpec):
+            raise TypeError(f"param_specs leaves must be PartitionSpec (or NamedSharding), got {type(s).__name__}")
+        out.append(s)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _is_float(x: Any) -> bool:
+    # Arrays and jax.ShapeDtypeStruct alike (PRNG key arrays are not floating).
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return False
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def _shape(x: Any) -> tuple:
+    return tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
+
+
+def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, layout: str = "replicated", *,
+                data_axis: str | None = None, param_specs: PyTree | None = None,
+                min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[Any, Any, Any]:
+    """``(param_specs, opt_state_specs, grad_specs)``: the ``PartitionSpec`` trees of a layout.
+
+    ``grad_specs`` is where the reduced gradients go: the params' data-sharded specs under
+    ``"zero"`` and ``"fsdp"`` (each device receives the slice it updates), the params' own specs
+    under ``"replicated"``. Arrays or ``jax.ShapeDtypeStruct`` leaves both work (only shapes are read).
+    """
+    layout = check_layout(layout)
+    axis = check_data_axis(mesh, data_axis)
+    min_shard_size = check_min_size(min_shard_size)
+    base = param_tree_specs(params, param_specs)
+    p_leaves, p_treedef = jax.tree_util.tree_flatten(params)
+    b_leaves = p_treedef.flatten_up_to(base)
+    for b in b_leaves:
+        for e in b:
+            for a in _axes_of(e):
+                if a not in mesh.axis_names:
+                    raise ValueError(f"param_specs name the axis {a!r}, which the mesh does not have "
+                                     f"(axes: {mesh.axis_names})")
+    sharded = [leaf_spec(_shape(p), mesh, axis, b, min_shard_size=min_shard_size) for p, b in zip(p_leaves, b_leaves)]
+    shard_params = layout == "fsdp"
+    shard_state = layout in ("zero", "fsdp")
+    p_specs = jax.tree_util.tree_unflatten(p_treedef, sharded if shard_params else b_leaves)
+    g_specs = jax.tree_util.tree_unflatten(p_treedef, sharded if shard_state else b_leaves)
+
+    def is_param_tree(x):
+        return jax.tree_util.tree_structure(x) == p_treedef and p_treedef.num_leaves > 0 and not (
+            p_treedef.num_leaves == 1 and jax.tree_util.treedef_is_leaf(p_treedef))
+
+    def spec_of(x, matched=None):
+        # A leaf of a sub-tree shaped like the params: its param's spec when the shapes agree.
+        if matched is not None and _shape(x) == matched[0]:
+            return matched[2] if shard_state else matched[1]
+        if not shard_state or not _is_float(x):
+            # Counters, keys, the loss scale: replicated (they are scalars or tiny anyway).
+            return PartitionSpec()
+        return leaf_spec(_shape(x), mesh, axis, min_shard_size=min_shard_size)
+
+    infos = [(_shape(p), b, s) for p, b, s in zip(p_leaves, b_leaves, sharded)]
+
+    def walk(node):
+        if is_param_tree(node):
+            leaves = p_treedef.flatten_up_to(node)
+            return jax.tree_util.tree_unflatten(p_treedef, [spec_of(x, m) for x, m in zip(leaves, infos)])
+        return None
+
+    top_leaves, top_def = jax.tree_util.tree_flatten(opt_state, is_leaf=lambda x: is_param_tree(x))
+    o_specs = [walk(x) if is_param_tree(x) else spec_of(x) for x in top_leaves]
+    return p_specs, jax.tree_util.tree_unflatten(top_def, o_specs), g_specs
+
+
+def named_shardings(mesh: Mesh, specs: Any) -> Any:
+    """A tree of ``PartitionSpec`` as the ``NamedSharding`` tree on ``mesh``."""
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def state_shardings(params: optax.Params, opt_state: optax.OptState, mesh: Mesh | Layout, layout: str | None = None, *,
+                    data_axis: str | None = None, param_specs: PyTree | None = None,
+                    min_shard_size: int | None = None) -> tuple[Any, Any]:
+    """The ``NamedSharding`` trees ``(params, opt_state)`` of a layout.
+
+    Args:
+      params: the params (arrays or ``jax.ShapeDtypeStruct``; only shapes are read).
+      opt_state: the optimizer state (``tx.init(params)``, or ``jax.eval_shape`` of it).
+      mesh: the mesh, or a `Layout` (a sharded step's ``step.layout``: then nothing else).
+      layout: ``"replicated"`` (default), ``"zero"`` or ``"fsdp"`` (`LAYOUTS`).
+      data_axis: the mesh axis the state is split over; default the mesh's only axis.
+      param_specs: the params' ``PartitionSpec`` over the other (model) mesh axes; default none.
+      min_shard_size: leaves with fewer elements stay replicated over the data axis (default 1024).
+
+    Returns:
+      ``(param_shardings, opt_state_shardings)``, trees of ``NamedSharding`` matching the inputs.
+
+    Raises:
+      ValueError: unknown layout, a data axis the mesh lacks, ``param_specs`` naming the data
+        axis or an axis the mesh lacks, or not matching the params.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> tx = jaxmp.loss_scaling(optax.adam(1e-3), "none", master_weights=True)
+      >>> params = {"w": jnp.zeros((8, 1024), jnp.bfloat16)}
+      >>> ps, ss = jaxmp.parallel.state_shardings(params, tx.init(params), mesh, "zero")
+      >>> ps["w"].spec, jaxmp.master_params(ss)["w"].spec
+      (P(), P(None, 'data'))
+    """
+    lay = resolve_layout(mesh, layout, data_axis=data_axis, param_specs=param_specs, min_shard_size=min_shard_size)
+    p, o, _ = state_specs(params, opt_state, lay.mesh, lay.name, data_axis=lay.data_axis,
+                          param_specs=lay.param_specs, min_shard_size=lay.min_shard_size)
+    return named_shardings(lay.mesh, p), named_shardings(lay.mesh, o)
+
+
+def _place(x: Any, sharding: NamedSharding) -> jax.Array:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        # A global array of several processes: let JAX move the shards (a reshard, no host copy).
+        return jax.device_put(x, sharding)
+    host = np.asarray(jax.device_get(x))
+    # Each process fills its own devices from the same host value (works with several processes).
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard_state(state: tuple[Any, Any], mesh: Mesh | Layout, layout: str | None = None, *, data_axis: str | None = None,
+                param_specs: PyTree | None = None, min_shard_size: int | None = None) -> tuple[Any, Any]:
+    """Places (or re-lays out) ``(params, opt_state)`` on the mesh in a layout.
+
+    Host arrays, single-device arrays and global arrays in any other layout are all accepted:
+    going from ``"zero"`` back to ``"replicated"``, or onto a mesh of another size, is the same
+    call. With several processes every process passes the same host values (or the same global
+    arrays) and fills only its own devices.
+
+    Args:
+      state: ``(params, opt_state)``.
+      mesh: the mesh, or a sharded step's ``step.layout`` (`Layout`: mesh, layout and options
+        at once, so the layout is spelled only where the step is built).
+      layout: ``"replicated"`` (default), ``"zero"`` or ``"fsdp"``.
+      data_axis: as in [`state_shardings`][jaxmp.parallel.state_shardings].
+      param_specs: as in [`state_shardings`][jaxmp.parallel.state_shardings].
+      min_shard_size: as in [`state_shardings`][jaxmp.parallel.state_shardings].
+
+    Returns:
+      ``(params, opt_state)`` as global ``jax.Array`` leaves with the layout's shardings.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> tx = jaxmp.loss_scaling(optax.adam(1e-3), "none", master_weights=True)
+      >>> params = {"w": jnp.zeros((8, 1024), jnp.bfloat16)}
+      >>> p, s = jaxmp.parallel.shard_state((params, tx.init(params)), mesh, "fsdp")
+      >>> p["w"].addressable_shards[0].data.shape == (8, 1024 // mesh.size)
+      True
+
+      The layout given once, where the step is built:
+
+      >>> step = jaxmp.parallel.make_sharded_train_step(lambda p, b: (b @ p["w"]).mean(), tx, mesh, layout="fsdp")
+      >>> p, s = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)
+    """
+    if not (isinstance(state, (tuple, list)) and len(state) == 2):
+        raise TypeError(f"state must be a (params, opt_state) pair, got {type(state).__name__}")
+    params, opt_state = state
+    ps, ss = state_shardings(params, opt_state, mesh, layout, data_axis=data_axis, param_specs=param_specs,
+                             min_shard_size=min_shard_size)
+    return jax.tree_util.tree_map(_place, params, ps), jax.tree_util.tree_map(_place, opt_state, ss)
+
+
+def abstract_state(state: tuple[Any, Any], mesh: Mesh | Layout, layout: str | None = None,
+                   **kwargs: Any) -> tuple[Any, Any]:
+    """``(params, opt_state)`` as ``jax.ShapeDtypeStruct`` leaves carrying the layout's shardings.
+
+    What a checkpoint restore takes as its target (orbax reshards into it, so a state saved on
+    one mesh restores onto a mesh of another size), and what ``step.lower`` takes to compile a
+    step without allocating the state (``jax.eval_shape(tx.init, params)`` gives an abstract
+    optimizer state for a model too large to initialise).
+
+    Args:
+      state: ``(params, opt_state)``, arrays or ``jax.ShapeDtypeStruct``.
+      mesh: the mesh, or a sharded step's ``step.layout`` (`Layout`).
+      layout: ``"replicated"`` (default), ``"zero"`` or ``"fsdp"``.
+      **kwargs: ``data_axis``, ``param_specs``, ``min_shard_size`` as in [`state_shardings`][jaxmp.parallel.state_shardings].
+
+    Returns:
+      ``(params, opt_state)`` with ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` leaves.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxmp
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> tx = jaxmp.loss_scaling(optax.adam(1e-3), "none", master_weights=True)
+      >>> params = {"w": jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16)}
+      >>> p, s = jaxmp.parallel.abstract_state((params, jax.eval_shape(tx.init, params)), mesh, "fsdp")
+      >>> jaxmp.parallel.state_bytes_per_device(p) * mesh.size == 8 * 1024 * 2
+      True
+    """
+    params, opt_state = state
+    ps, ss = state_shardings(params, opt_state, mesh, layout, **kwargs)
+    to = lambda x, s: jax.ShapeDtypeStruct(_shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype,  # noqa: E731
+                                           sharding=s)
+    return jax.tree_util.tree_map(to, params, ps), jax.tree_util.tree_map(to, opt_state, ss)
+
+
+def state_bytes_per_device(tree: PyTree) -> int:
+    """Bytes of ``tree`` that one device holds: each leaf's shard shape under its sharding.
+
+    Leaves are ``jax.Array`` or ``jax.ShapeDtypeStruct`` with a ``sharding``; computed from the
+    sharding alone (``sharding.shard_shape``), so it works on an abstract state that was never
+    allocated. For a layout whose shards are uneven this is the largest shard.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> w = jaxmp.parallel.shard_state(({"w": jnp.zeros((8, 1024))}, ()), mesh, "fsdp")[0]
+      >>> jaxmp.parallel.state_bytes_per_device(w) == 8 * 1024 * 4 // mesh.size
+      True
+    """
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        shape = _shape(x) if sharding is None else sharding.shard_shape(_shape(x))
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _mean_over_shards(x: jax.Array) -> jax.Array:
+    # The model state's rule. Floating leaves (BatchNorm statistics) are averaged over the shards
+    # in at least float32; others (int counters, keys) advance alike on every shard: shard 0's.
+    # A leaf equal on every shard (a model state the loss passes through unchanged) is returned as
+    # is: a mean of n equal values need not be that value in floating point.
+    if _is_float(x):
+        acc = accumulation_dtype(x.dtype)
+        mean = jnp.mean(x.astype(acc), axis=0).astype(x.dtype)
+        return jnp.where(jnp.all(x == x[0]), x[0], mean)
+    return x[0]
+
+
+def _reduce_aux_leaf(x: jax.Array) -> jax.Array:
+    # aux leaves that are not per-example: a floating one is a mean (a metric), an integer one a
+    # count (correct predictions, valid tokens), which only a sum over the shards keeps global,
+    # even when every shard counts the same; a bool is a flag raised on any shard.
+    if _is_float(x):
+        return _mean_over_shards(x)
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.bool_):
+        return jnp.any(x, axis=0)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.integer):
+        return jnp.sum(x, axis=0, dtype=dtype)
+    return x[0]
+
+
+def _reassemble_aux(aux: Any, global_aux: Any, n: int) -> Any:
+    """The per-shard ``aux`` (leaves stacked ``[n, ...]``) in the layout the global evaluation returns.
+
+    ``global_aux`` holds the shapes the loss gives on the whole batch. A leaf whose global shape
+    is ``(n * k, ...)`` where each shard's is ``(k, ...)`` is per-example (predictions, per-row
+    losses): its shards are concatenated in batch order. A leaf of the same shape on both is
+    reduced by `_reduce_aux_leaf`. Any other pair cannot be told apart and is refused.
+    """
+    def leaf(path, x, g):
+        shard, whole = tuple(x.shape[1:]), tuple(g.shape)
+        if shard == whole:
+            return _reduce_aux_leaf(x)
+        if len(shard) >= 1 and len(shard) == len(whole) and shard[1:] == whole[1:] and whole[0] == n * shard[0]:
+            return jnp.reshape(x, whole)
+        raise ValueError(
+            f"aux leaf at {jax.tree_util.keystr(path) or '<root>'} has shape {shard} per data shard but {whole} on the "
+            f"global batch: it is neither per-example (leading axis {n} times the shard's) nor batch-independent, so "
+            "it cannot be rebuilt from the shards; use make_sharded_train_step(..., reduce_dtype=None) to evaluate the "
+            "loss on the global batch")
+
+    return jax.tree_util.tree_map_with_path(leaf, aux, global_aux)
+
+
+def _manual_spec(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    # shard_map is manual over the data axis only; a model axis stays XLA's (auto).
+    return _spec([axis if axis in _axes_of(e) else None for e in spec])
+
+
+def recorded_leaves(canonical: Any, params: Any, model_state: Any, batch: Any, rng: Any) -> set:
+    """Indices (in ``tree_leaves(params)`` order) of the params leaves the loss gathers itself
+    (`jaxmp.parallel.gather_params` / `jaxmp.parallel.scan_layers`), found by one
+    abstract trace of the loss (shapes only, nothing computed)."""
+    from jaxmp.parallel import _per_layer as per_layer
+
+    ctx = per_layer.LayerContext("record")
+    found: set = set()
+
+    def trace(p):
+        ids = [id(x) for x in jax.tree_util.tree_leaves(p)]
+        with per_layer.context(ctx):
+            out = canonical(p, model_state, batch, rng)
+        found.update(i for i, x in enumerate(ids) if x in ctx.recorded)
+        return out[0]
+
+    jax.eval_shape(trace, params)
+    return found
+
+
+def global_view_loss(mesh: Mesh, layout: str, base_specs: Any, remat: Any) -> Any:
+    """The loss wrapper of ``reduce_dtype=None`` (the global view): it only sets what
+    `jaxmp.parallel.gather_params` and `jaxmp.parallel.scan_layers` do in it (under
+    ``"fsdp"``: ``with_sharding_constraint`` to the param's spec without the data axis, i.e.
+    gathered where used; the remat policy)."""
+    from jaxmp.parallel import _per_layer as per_layer
+
+    def wrap(canonical):
+        def loss(params, model_state, batch, rng):
+            leaves = {}
+            if layout == "fsdp":
+                p_leaves, treedef = jax.tree_util.tree_flatten(params)
+                leaves = {id(p): NamedSharding(mesh, b) for p, b in zip(p_leaves, treedef.flatten_up_to(base_specs))}
+            with per_layer.context(per_layer.LayerContext("global", leaves=leaves, remat=remat, mesh=mesh)):
+                return canonical(params, model_state, batch, rng)
+
+        return loss
+
+    return wrap
+
+
+def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_specs: Any, remat: Any = None) -> Any:
+    """Wraps the canonical loss so that the gradient is reduced over the data axis in ``reduce_dtype``.
+
+    Under plain ``jit`` XLA reduces where the weight gradient's batch contraction happens, in the
+    matmul's own dtype (bfloat16 under O2-bf16). To make the reduce dtype a setting, the loss is
+    evaluated per data shard in a ``shard_map`` over the data axis (manual over that axis only;
+    a model axis stays XLA's): each shard sees its ``B / N`` rows and the full params, each of
+    which enters through a ``custom_vjp`` identity (`jaxmp.parallel._reduce`) whose
+    backward reduces that leaf's gradient over the data axis in ``reduce_dtype`` and casts the
+    sum back to the param's dtype, exactly what `jaxmp.parallel.all_reduce_gradients`
+    does under pmap: an all-reduce for a leaf every device updates whole (``"replicated"``,
+    leaves under ``min_shard_size``), a reduce-scatter onto the device's slice (its
+    ``grad_specs`` entry) under ``"zero"`` and ``"fsdp"``. The cast happens per leaf in the
+    backward, so a float32 reduce costs one float32 gradient buffer and no float32 copy of
+    the params. Under ``"fsdp"`` the params arrive sliced and are all-gathered in their stored
+    dtype where the loss starts, except those the loss gathers itself, per layer
+    (`jaxmp.parallel.scan_layers`, `jaxmp.parallel.gather_params`; found by one
+    abstract trace), which enter it still sliced. ``remat`` is the policy those helpers apply.
+
+    The loss is the mean of the per-shard losses, which is the global loss only for a mean of
+    per-example terms (shards being equal): a masked mean or an in-batch contrastive loss is
+    evaluated per shard (DDP / pmap semantics). Each shard's rng is ``fold_in(rng, shard)``.
+    The new model state's floating leaves are averaged over the shards (returned exactly when
+    equal on every shard), its other leaves are shard 0's. ``aux`` comes back in the layout the
+    global evaluation gives: a leaf whose global shape is ``(N * k, ...)`` where a shard's is
+    ``(k, ...)`` (per-example: predictions or per-row losses, k = B / N; per-token values
+    flattened, k = B / N * T) is concatenated in batch order,
+    told apart by one abstract (shape-only) evaluation of the loss on the global batch when aux
+    holds arrays; a batch-independent leaf is reduced: floating ones averaged (metrics), integer
+    ones summed (counts, even when every shard counts the same), booleans or-ed. An aux leaf
+    whose shapes fit neither rule is a ValueError.
+    """
+    from jaxmp.parallel import _reduce, _per_layer as per_layer
+
+    n = mesh.shape[axis]
+
+    def wrap(canonical):
+        def loss(params, model_state, batch, rng):
+            leaves, treedef = jax.tree_util.tree_flatten(params)
+            g_leaves = treedef.flatten_up_to(grad_specs)
+            deferred = recorded_leaves(canonical, params, model_state, batch, rng) if layout == "fsdp" else set()
+            ins, in_specs, kinds = [], [], []
+            for i, (p, g) in enumerate(zip(leaves, g_leaves)):
+                dims = [d for d, e in enumerate(g) if axis in _axes_of(e)]
+                if layout == "replicated" or not dims:
+                    kinds.append(("all", None))
+                    ins.append(p)
+                    in_specs.append(PartitionSpec())
+                elif layout == "zero":
+                    kinds.append(("scatter", dims[0]))
+                    ins += [jax.lax.stop_gradient(p), p]
+                    in_specs += [PartitionSpec(), _manual_spec(g, axis)]
+                else:
+                    kinds.append(("defer" if i in deferred else "gather", dims[0]))
+                    ins.append(p)
+                    in_specs.append(_manual_spec(g, axis))
+
+            def body(ins, model_state, batch, rng):
+                it, used, sliced = iter(ins), [], {}
+                for kind, dim in kinds:
+                    if kind == "defer":  # the loss gathers it where it is used
+                        used.append(next(it))
+                        sliced[id(used[-1])] = dim
+                    elif kind == "all":
+                        used.append(_reduce.all_reduced(next(it), axis, reduce_dtype))
+                    elif kind == "scatter":
+                        full, piece = next(it), next(it)
+                        used.append(_reduce.scattered(full, piece, axis, dim, reduce_dtype))
+                    else:
+                        used.append(_reduce.gathered(next(it), axis, dim, reduce_dtype))
+                key = None if rng is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
+                ctx = per_layer.LayerContext("manual", axis=axis, reduce_dtype=reduce_dtype, leaves=sliced, remat=remat)
+                with per_layer.context(ctx):
+                    value, (state, aux) = canonical(jax.tree_util.tree_unflatten(treedef, used), model_state, batch,
+                                                    key)
+                stack = lambda x: jnp.asarray(x)[None]  # noqa: E731 - one row per shard
+                return stack(value), jax.tree_util.tree_map(stack, state), jax.tree_util.tree_map(stack, aux)
+
+            mapped = jax.shard_map(body, mesh=mesh, in_specs=(in_specs, PartitionSpec(), PartitionSpec(axis),
+                                                             PartitionSpec()),
+                                   out_specs=PartitionSpec(axis), axis_names=frozenset({axis}))
+            losses, states, aux = mapped(ins, model_state, batch, rng)
+            loss = jnp.mean(jnp.asarray(losses, jnp.float32))
+            if any(jnp.ndim(x) > 1 for x in jax.tree_util.tree_leaves(aux)):
+                # An array in aux may be per-example: the shapes of one abstract evaluation on
+                # the global batch (a trace, no compute) tell which leaves to concatenate.
+                global_aux = jax.eval_shape(lambda p, b, k: canonical(p, model_state, b, k)[1][1], params, batch, rng)
+                aux = _reassemble_aux(aux, global_aux, n)
+            else:
+                aux = jax.tree_util.tree_map(_reduce_aux_leaf, aux)
+            return loss, (jax.tree_util.tree_map(_mean_over_shards, states), aux)
+
+        return loss
+
+    return wrap

@@ -1,0 +1,419 @@
+"""The sharded-``jit`` path (JAX's recommended one): a mesh with a data axis, plain ``jax.jit``.
+
+The batch is sharded over the mesh's data axis; the state is replicated (default) or sharded
+over the same axis (``layout="zero"`` / ``"fsdp"``, `jaxmp.parallel._layouts`). The step is
+written as if for one device on the *global* batch; XLA's partitioner inserts the gradient
+all-reduce. So ``jaxmp.loss_scaling(..., axis_name=None)`` is right here: its finite check
+already runs on the global (reduced) gradient and every device computes the same verdict.
+The same code runs unchanged on several hosts (see `jaxmp.parallel._distributed`).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxmp._collectives import check_reduce_dtype
+from jaxmp._typing import PyTree
+from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer
+from jaxmp.parallel._common import (
+    check_divisible, check_not_donated, check_positive_int, leading_size, log_once, with_model_state,
+)
+from jaxmp.parallel._replication import REPLICA_AXIS
+from jaxmp._step import make_generic_step
+
+
+def make_data_mesh(devices: Sequence[Any] | None = None, axis_name: str = "data") -> Mesh:
+    """A one-dimensional ``jax.sharding.Mesh`` over all devices, with a data-parallel axis.
+
+    Args:
+      devices: default ``jax.devices()`` (all processes' devices, in process order, which is
+        what [`make_global_batch`][jaxmp.parallel.make_global_batch] and [`jaxmp.parallel.process_batch_slice`][jaxmp.parallel.process_batch_slice] assume).
+      axis_name: name of the data axis.
+
+    Returns:
+      ``Mesh(devices, (axis_name,))``.
+
+    Example:
+      >>> import jax, jaxmp
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> mesh.shape["data"] == jax.device_count()
+      True
+    """
+    devices = list(jax.devices()) if devices is None else list(devices)
+    if not devices:
+        raise ValueError("devices is empty")
+    if not isinstance(axis_name, str):
+        raise TypeError(f"axis_name must be a str, got {type(axis_name).__name__}")
+    return Mesh(np.asarray(devices), (axis_name,))
+
+
+def batch_sharding(mesh: Mesh, data_axis: str | None = None) -> NamedSharding:
+    """Sharding of a batch: leading axis split over the data axis, the rest unsplit.
+
+    Args:
+      mesh: the mesh (e.g. from [`make_data_mesh`][jaxmp.parallel.make_data_mesh]).
+      data_axis: the mesh axis to split over; default the mesh's only axis.
+
+    Returns:
+      ``NamedSharding(mesh, PartitionSpec(data_axis))``.
+
+    Example:
+      >>> import jaxmp
+      >>> jaxmp.parallel._sharding.batch_sharding(jaxmp.parallel.make_data_mesh()).spec
+      P('data',)
+    """
+    return NamedSharding(mesh, PartitionSpec(layouts.check_data_axis(mesh, data_axis)))
+
+
+def replicated_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of the state: a full copy on every device of the mesh.
+
+    Args:
+      mesh: the mesh.
+
+    Returns:
+      ``NamedSharding(mesh, PartitionSpec())``.
+
+    Example:
+      >>> import jaxmp
+      >>> jaxmp.parallel.replicated_sharding(jaxmp.parallel.make_data_mesh()).is_fully_replicated
+      True
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def replicate_on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
+    """Places a full copy of every leaf on every device of the mesh (the sharded-jit state layout).
+
+    Works with several processes too: each process passes the same host value and fills its
+    own devices (``jax.make_array_from_callback``), with no cross-host transfer.
+
+    Args:
+      tree: a pytree of arrays (params, optimizer state), the same on every process.
+      mesh: the mesh.
+
+    Returns:
+      The pytree of fully replicated global ``jax.Array`` leaves.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxmp
+      >>> w = jaxmp.parallel.replicate_on_mesh({"w": jnp.ones(3)}, jaxmp.parallel.make_data_mesh())["w"]
+      >>> w.sharding.is_fully_replicated
+      True
+    """
+    sharding = replicated_sharding(mesh)
+
+    def rep(x):
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree_util.tree_map(rep, tree)
+
+
+def make_global_batch(local_batch: PyTree, mesh: Mesh, data_axis: str | None = None) -> PyTree:
+    """Assembles this process's batch into global arrays sharded over the data axis.
+
+    With one process this is a sharded ``device_put`` of the global batch. With several, each
+    process passes only its own rows ([`jaxmp.parallel.process_batch_slice`][jaxmp.parallel.process_batch_slice]) and
+    ``jax.make_array_from_process_local_data`` stitches them into one global array of
+    ``process_count`` times the rows; no process ever holds the whole batch.
+
+    Args:
+      local_batch: a pytree of host arrays with a leading batch axis (this process's part).
+      mesh: the mesh (e.g. [`make_data_mesh`][jaxmp.parallel.make_data_mesh]).
+      data_axis: the mesh axis to split the batch over; default the mesh's only axis.
+
+    Returns:
+      The pytree of global ``jax.Array`` leaves sharded ``PartitionSpec(data_axis)``.
+
+    Raises:
+      ValueError: the global batch is not divisible by the number of devices on the data axis
+        (both numbers named), or leaves disagree on the batch size.
+
+    Example:
+      >>> import numpy as np, jaxmp
+      >>> b = jaxmp.parallel.make_global_batch({"x": np.zeros((16, 3))}, jaxmp.parallel.make_data_mesh())
+      >>> b["x"].shape
+      (16, 3)
+    """
+    axis = layouts.check_data_axis(mesh, data_axis)
+    sharding = NamedSharding(mesh, PartitionSpec(axis))
+    local = leading_size(local_batch)
+    num_devices = mesh.shape[axis]
+    # Devices of this process on the data axis: its rows are split over exactly these.
+    local_devices = len({d for d in mesh.devices.flat if d.process_index == jax.process_index()})
+    global_batch = local * jax.process_count()
+    per_device = check_divisible(global_batch, num_devices)
+    if local_devices and local % local_devices:
+        check_divisible(local, local_devices, what="process-local batch")
+    log_once("jaxmp.parallel: global batch %d over %d devices (%d processes) -> per-device batch %d",
+             global_batch, num_devices, jax.process_count(), per_device)
+    return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_batch)
+
+
+def prefetch_to_mesh(iterator: Iterable[Any], mesh: Mesh, size: int = 2, data_axis: str | None = None) -> Iterator[Any]:
+    """Keeps ``size`` batches in flight on the mesh, sharded over the data axis.
+
+    Args:
+      iterator: yields this process's batches (pytrees of host arrays).
+      mesh: the mesh.
+      size: batches kept ahead (>= 1).
+      data_axis: default the mesh's only axis.
+
+    Yields:
+      Global batches as from [`make_global_batch`][jaxmp.parallel.make_global_batch].
+
+    Example:
+      >>> import numpy as np, jaxmp
+      >>> it = jaxmp.parallel._sharding.prefetch_to_mesh(iter([{"x": np.zeros((16, 3))}]), jaxmp.parallel.make_data_mesh())
+      >>> next(it)["x"].shape
+      (16, 3)
+    """
+    size = check_positive_int(size, "size")
+    queue: collections.deque = collections.deque()
+    iterator = iter(iterator)
+
+    def enqueue(n):
+        for batch in itertools.islice(iterator, n):
+            queue.append(make_global_batch(batch, mesh, data_axis))
+
+    enqueue(size)
+    while queue:
+        yield queue.popleft()
+        enqueue(1)
+
+
+def _describe(sharding: Any) -> str:
+    if isinstance(sharding, NamedSharding):
+        return f"{sharding.spec} on a mesh {dict(sharding.mesh.shape)}"
+    return type(sharding).__name__
+
+
+def enter_layout(tree: Any, shardings: Any, mesh: Mesh, layout: str, what: str) -> Any:
+    """``tree`` with every ``jax.Array`` leaf in its step sharding: a leaf laid out for another
+    layout or mesh is resharded (``jax.device_put``, logged once); host arrays pass as they are
+    (``jit`` places them). A pmap-replicated leaf (a leading device axis) is a ValueError: its
+    shape is not the state's, so no resharding can make it one."""
+    def enter(path, x, sharding):
+        current = getattr(x, "sharding", None)
+        if not isinstance(x, jax.Array) or current is None:
+            return x
+        name = jax.tree_util.keystr(path) or "<root>"
+        if type(current).__name__ == "PmapSharding" or (  # flax.jax_utils.replicate (no public class in 0.10)
+                isinstance(current, NamedSharding) and current.mesh.axis_names == (REPLICA_AXIS,)):
+            raise ValueError(
+                f"{what} leaf at {name} is pmap-replicated (shape {x.shape}: a leading axis of one copy per device, "
+                f"from jaxmp.parallel.replicate or flax.jax_utils.replicate), not a state for the sharded step's "
+                f"layout {layout!r}: take one copy with jaxmp.parallel.unreplicate(state) and lay it out with "
+                f"jaxmp.parallel.shard_state((params, opt_state), mesh, {layout!r})")
+        if current.is_equivalent_to(sharding, x.ndim):
+            return x
+        log_once("jaxmp.parallel: %s laid out as %s (first at %s) resharded to the step's layout %r (%s)",
+                 what, _describe(current), name, layout, _describe(sharding))
+        return jax.device_put(x, sharding)
+
+    return jax.tree_util.tree_map_with_path(enter, tree, shardings)
+
+
+def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, mesh: Mesh | layouts.Layout, *,
+                            data_axis: str | None = None, has_aux: bool = False, donate: bool = False,
+                            model_state: bool = False, layout: str | None = None,
+                            reduce_dtype: jax.typing.DTypeLike | None = "float32", param_specs: PyTree | None = None,
+                            min_shard_size: int | None = None,
+                            remat: str | Callable[..., bool] | None = None) -> Callable[..., Any]:
+    """A ``jax.jit`` train step with the batch sharded over the mesh's data axis and the state laid out by ``layout``.
+
+    Same semantics and results as [`jaxmp.parallel.make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step], without ``pmap``: the step
+    takes the global batch and XLA inserts the collectives. **Which batch the loss sees**: with a
+    ``reduce_dtype`` (the default, ``"float32"``) ``loss_fn`` is evaluated on each data shard
+    (``B / N`` rows) and the shard losses are averaged, as under pmap or DDP. That is the global
+    loss, and its gradient the global gradient, only for a mean of per-example terms over equal
+    shards; a masked (token) mean, an in-batch contrastive loss or anything else that mixes rows
+    is then the mean of per-shard values. For global-batch semantics pass ``reduce_dtype=None``
+    (the gradient is then reduced in XLA's dtype), or write the loss for one shard. Build ``tx`` with ``jaxmp.loss_scaling(...,
+    axis_name=None)``: there is no named axis under plain ``jit``, and none is needed because
+    the finite check runs on the reduced gradient, so every device reaches the same verdict and
+    keeps the same loss scale (a ``tx`` built with an axis name fails with a ValueError saying
+    the axis is not bound). ``optax.MultiSteps`` inside ``loss_scaling`` works with every layout
+    (its accumulator is laid out like the gradients).
+
+    **Layouts** (`jaxmp.parallel._layouts`): ``"replicated"`` (every device holds the whole
+    state), ``"zero"`` (float32 masters, moments and remainders sharded over the data axis, each
+    device updates its slice, the half params replicated and gathered in their own dtype after the
+    update) and ``"fsdp"`` (params sharded too, gathered inside the step in their stored dtype,
+    the compute dtype under O2). Place the state with ``jaxmp.parallel.shard_state(state,
+    step.layout)``: ``step.layout`` carries the mesh, the layout and its options, so they are
+    spelled once (passing the mesh and the same layout name again still works). A state laid out for another layout or another mesh is resharded on the way in
+    (``jax.device_put`` to the step's shardings, logged once on the ``jaxmp.parallel`` logger;
+    it costs a transfer on every such call, so re-lay it out once with ``shard_state``); a
+    pmap-replicated state (``jaxmp.parallel.replicate``: a leading device axis) is a ValueError
+    that says how to convert it.
+
+    **Gradient reduce dtype**: ``"float32"`` (default) sums the data shards' gradients in float32
+    whatever the params' dtype (see `jaxmp.parallel._layouts.per_shard_loss` for how, in the
+    global view); ``"bfloat16"`` halves the traffic but keeps 8 mantissa bits in the sum of N
+    gradients (a small gradient added to a large one loses its low bits, more so as N grows);
+    ``"float16"`` can overflow (caught: every device skips and backs the scale off). ``None`` is
+    the step before layouts: XLA reduces where the batch contraction happens, in the matmul's
+    dtype (bfloat16 under O2-bf16), and BatchNorm statistics are over the global batch. With a
+    reduce dtype the loss is evaluated per data shard, so the floating model state (BatchNorm
+    statistics) is the mean over the shards and each shard's rng is ``fold_in(rng, shard)``;
+    ``aux`` is combined by shape and dtype: per-example leaves (leading axis ``k`` per shard,
+    ``N * k`` on the global batch, e.g. ``k = B / N`` rows) concatenated, other floating leaves
+    averaged, integer leaves (counts) summed, booleans or-ed
+    (`jaxmp.parallel._layouts.per_shard_loss`): what the global evaluation returns for
+    per-example values, means and counts, not for a float sum, a max or an integer length.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch)`` or ``loss_fn(params, batch, rng)``, returning a scalar
+        float32 loss (the mean over the batch it is given), or ``(loss, aux)`` with ``has_aux``.
+      tx: an optax transformation holding a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state (``axis_name=None``).
+      mesh: the mesh ([`make_data_mesh`][jaxmp.parallel.make_data_mesh], or one with a model axis too), or
+        another step's ``step.layout`` (then no layout options besides it).
+      data_axis: the mesh axis the batch (and a sharded state) is split over; default the mesh's only axis.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to ``metrics["aux"]``
+        (how it is combined over the shards: above).
+      donate: donate the params and optimizer state buffers.
+      model_state: the model has state besides its params (BatchNorm ``batch_stats``): the step
+        is then ``step(params, model_state, opt_state, batch[, rng]) -> (params, model_state,
+        opt_state, metrics)`` and ``loss_fn(params, model_state, batch[, rng])`` returns ``(loss,
+        new_model_state)``. It is replicated and kept only on applied steps.
+      layout: ``"replicated"`` (default), ``"zero"`` or ``"fsdp"``.
+      reduce_dtype: dtype of the gradient reduction over the data axis (``"float32"`` default,
+        ``"bfloat16"``, ``"float16"``: the loss is then evaluated per data shard and averaged), or
+        ``None`` for XLA's choice (the loss is evaluated on the global batch).
+      param_specs: the params' ``PartitionSpec`` tree over the other (model) mesh axes; kept by
+        every layout. Default: none (params replicated over the other axes).
+      min_shard_size: leaves with fewer elements stay replicated (`jaxmp.parallel._layouts.leaf_spec`;
+        default 1024).
+      remat: the rematerialisation policy of each layer of a loss that scans over layers with
+        `jaxmp.parallel.scan_layers`: ``None`` (default: keep the activations),
+        ``"nothing_saveable"`` (keep each layer's input only; under ``"fsdp"`` the layer's params
+        are gathered again in the backward), ``"dots_saveable"``, or a ``jax.checkpoint`` policy.
+
+    Returns:
+      ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` with params and
+      opt_state in the layout, metrics replicated and batch sharded over the data axis (pass the
+      output of [`make_global_batch`][jaxmp.parallel.make_global_batch]; host arrays are sharded on the way in within one
+      process). ``metrics`` (a `jaxmp._step.StepMetrics`, the keys of every jaxmp step): ``loss``,
+      ``loss_scale``, ``last_step_finite``, ``consecutive_skips``, ``total_skips`` (``aux`` with
+      ``has_aux``). ``step.layout`` is the state's layout (pass it to ``shard_state``); ``step.lower(params, opt_state, batch[, rng])`` lowers the jitted step
+      (arrays or ``jax.ShapeDtypeStruct``; compile-only memory estimates), ``step.shardings(params,
+      opt_state)`` gives the layout's ``(param, opt_state)`` shardings.
+
+    Raises:
+      ValueError: unknown layout, a data axis the mesh lacks, a ``reduce_dtype`` that cannot hold
+        gradients (fp8), or (at the call) a batch that does not divide over the data axis.
+      TypeError: a ``reduce_dtype`` that is not a floating dtype (an integer, bool).
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, jaxmp
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> tx = jaxmp.loss_scaling(optax.adam(0.1), jaxmp.DynamicLossScale(), master_weights=True)
+      >>> params = {"w": jnp.zeros((3, 1024), jnp.bfloat16)}
+      >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"].astype(jnp.float32) - b["y"]) ** 2)
+      >>> step = jaxmp.parallel.make_sharded_train_step(loss, tx, mesh, layout="zero")
+      >>> p, s = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)
+      >>> batch = jaxmp.parallel.make_global_batch({"x": np.ones((16, 3), np.float32), "y": np.ones((16, 1024), np.float32)}, mesh)
+      >>> p, s, metrics = step(p, s, batch)
+      >>> jaxmp.master_params(s)["w"].sharding.spec, p["w"].sharding.is_fully_replicated
+      (P(None, 'data'), True)
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
+    state_layout = layouts.resolve_layout(mesh, layout, data_axis=data_axis, param_specs=param_specs,
+                                          min_shard_size=min_shard_size)
+    mesh, layout, axis = state_layout.mesh, state_layout.name, state_layout.data_axis
+    param_specs, min_shard_size = state_layout.param_specs, state_layout.min_shard_size
+    reduce_dtype = check_reduce_dtype(reduce_dtype, "reduce_dtype")
+    remat = per_layer.remat_policy(remat)
+    rep = replicated_sharding(mesh)
+    data = NamedSharding(mesh, PartitionSpec(axis))
+    identity = lambda x: x  # noqa: E731 - the global view needs no explicit reduction
+    num_devices = mesh.shape[axis]
+    donate_argnums = (0, 1) if donate else ()
+    cache: dict = {}
+
+    def build(params, opt_state):
+        """The jitted steps for states of this structure and these shapes (shardings follow shapes)."""
+        p_specs, o_specs, g_specs = layouts.state_specs(params, opt_state, mesh, layout, data_axis=axis,
+                                                        param_specs=param_specs, min_shard_size=min_shard_size)
+        p_sh, o_sh = layouts.named_shardings(mesh, p_specs), layouts.named_shardings(mesh, o_specs)
+        g_sh = layouts.named_shardings(mesh, g_specs)
+        if reduce_dtype is None:
+            wrap_loss = layouts.global_view_loss(mesh, layout, layouts.param_tree_specs(params, param_specs), remat)
+        else:
+            wrap_loss = layouts.per_shard_loss(mesh, axis, reduce_dtype, layout, g_specs, remat)
+
+        def reduce_grads(grads):
+            # Where the reduced gradients go: onto the slices each device updates (zero, fsdp),
+            # so XLA reduce-scatters instead of all-reducing; the finite check then reduces the
+            # per-slice verdicts, identical on every device.
+            return jax.lax.with_sharding_constraint(grads, g_sh)
+
+        common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=identity,
+                      with_model_state=model_state, reduce_model_state=identity,
+                      wrap_loss=wrap_loss)
+        first = (p_sh, rep) if model_state else p_sh
+        jitted = jax.jit(make_generic_step(loss_fn, tx, with_rng=False, **common),
+                         in_shardings=(first, o_sh, data), out_shardings=(first, o_sh, rep),
+                         donate_argnums=donate_argnums)
+        jitted_rng = jax.jit(make_generic_step(loss_fn, tx, with_rng=True, **common),
+                             in_shardings=(first, o_sh, data, rep), out_shardings=(first, o_sh, rep),
+                             donate_argnums=donate_argnums)
+        return jitted, jitted_rng, (p_sh, o_sh)
+
+    def get(state, opt_state):
+        params = state[0] if model_state else state
+        sig = jax.tree_util.tree_structure((params, opt_state)), tuple(
+            (tuple(jnp.shape(x)), str(getattr(x, "dtype", type(x)))) for x in jax.tree_util.tree_leaves((params, opt_state)))
+        if sig not in cache:
+            cache[sig] = build(params, opt_state)
+        return cache[sig]
+
+    def run(params, opt_state, batch, rng=None):
+        if donate:  # a donated state used again crashes the process (SIGSEGV) instead of raising
+            check_not_donated(params, opt_state)
+        # Checked here, not left to jit: its error for an indivisible batch does not say why.
+        global_batch = leading_size(batch)
+        per_device = check_divisible(global_batch, num_devices)
+        log_once("jaxmp.parallel: sharded step over %d devices (axis %r, layout %s), global batch %d -> "
+                 "per-device batch %d", num_devices, axis, layout, global_batch, per_device)
+        jitted, jitted_rng, (p_sh, o_sh) = get(params, opt_state)
+        if model_state:
+            params = (enter_layout(params[0], p_sh, mesh, layout, "params"),
+                      enter_layout(params[1], jax.tree_util.tree_map(lambda _: rep, params[1]), mesh, layout,
+                                   "model state"))
+        else:
+            params = enter_layout(params, p_sh, mesh, layout, "params")
+        opt_state = enter_layout(opt_state, o_sh, mesh, layout, "opt_state")
+        if rng is None:
+            return jitted(params, opt_state, batch)
+        return jitted_rng(params, opt_state, batch, rng)
+
+    def lower(params, opt_state, batch, rng=None):
+        jitted, jitted_rng, _ = get(params, opt_state)
+        return jitted.lower(params, opt_state, batch) if rng is None else jitted_rng.lower(params, opt_state, batch, rng)
+
+    step = with_model_state(run, model_state)
+    if model_state:
+        step.lower = lambda params, state, opt_state, batch, rng=None: lower((params, state), opt_state, batch, rng)
+    else:
+        step.lower = lower
+    step.shardings = lambda params, opt_state: get(params, opt_state)[2]
+    step.mesh = mesh
+    step.layout = state_layout
+    step.reduce_dtype = reduce_dtype
+    return step
