@@ -296,13 +296,19 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _import_stacklevel() -> int:
-    """The stacklevel of the first frame outside importlib and this module (the import line)."""
+    """The stacklevel of the first frame outside importlib and this module (the import line);
+    ``warnings`` itself skips importlib's bootstrap frames when it counts, so they are not counted."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith("<frozen importlib")
+    while frame is not None and (frame.f_globals.get("__name__", "").startswith(("importlib", "_frozen_importlib"))
                                  or frame.f_code.co_filename == __file__):
-        frame, level = frame.f_back, level + 1
+        frame = frame.f_back
+        filename = frame.f_code.co_filename if frame is not None else ""
+        if not ("importlib" in filename and "_bootstrap" in filename):
+            level += 1
     return level
 
 
+# First on the path: an old module path is an alias even where another finder (an editable install
+# of an older checkout) could still find a file under that name.
 if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
-    sys.meta_path.append(_MovedModuleFinder())
+    sys.meta_path.insert(0, _MovedModuleFinder())

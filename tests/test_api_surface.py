@@ -99,6 +99,8 @@ def _attr(path):
 
 @pytest.mark.parametrize("old,new,status", MOVED, ids=[row[0] for row in MOVED])
 def test_a_moved_name_warns_with_its_new_place_and_is_the_same_object(old, new, status):
+    if old in MODULE_ROWS:
+        _forget(old)  # an earlier import of the old module path bound it on its package
     with pytest.warns(DeprecationWarning) as record:
         obj = _attr(old)
     text = str(record[0].message)
@@ -182,6 +184,17 @@ def _private_imports(text: str, doctest_only: bool = False) -> list[str]:
     return [line.strip() for line in lines if _PRIVATE_IMPORT.search(line)]
 
 
+#: Private imports where users read, each with why (issue 38 follow-ups: give each a public face or
+#: move the code; the list may only shrink).
+PRIVATE_IMPORT_EXCEPTIONS = {
+    "benchmarks/efficiency.py": ("from jaxmp._step import make_step", "measures the step builder itself"),
+    "benchmarks/overhead.py": ("from jaxmp._step import make_step", "measures the step builder itself"),
+    "benchmarks/_gpt2.py": ("from jaxmp.parallel._layouts import leaf_spec", "hand-written ZeRO baseline"),
+    "experiments/precision_reports.py": ("from jaxmp.diagnostics import _format as jaxmp_fmt",
+                                         "the diagnostics' count format, for the same table"),
+}
+
+
 def test_no_doctest_page_readme_experiment_or_benchmark_imports_a_private_module():
     """What users read and copy uses the public faces (the package ``__init__``s, ``jaxmp.lean``,
     ``jaxmp.flax.linen``/``nnx``/``fp8``); tests may import private modules, users' code may not."""
@@ -190,8 +203,10 @@ def test_no_doctest_page_readme_experiment_or_benchmark_imports_a_private_module
              *(ROOT / "benchmarks").rglob("*.md")]
     code = [*(ROOT / "experiments").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
     for path in pages + code:
-        if hits := _private_imports(path.read_text()):
-            found[str(path.relative_to(ROOT))] = hits
+        name = str(path.relative_to(ROOT))
+        allowed = PRIVATE_IMPORT_EXCEPTIONS.get(name, ("",))[0]
+        if hits := [h for h in _private_imports(path.read_text()) if h != allowed]:
+            found[name] = hits
     for path in (ROOT / "jaxmp").rglob("*.py"):
         if hits := _private_imports(path.read_text(), doctest_only=True):
             found[str(path.relative_to(ROOT))] = hits
@@ -232,7 +247,7 @@ def _old_place_uses(text: str) -> list[str]:
     for old, _, _ in _deprecations.TABLE:
         module, _, name = old.rpartition(".")
         patterns = [r"(?<![\w.])%s\.%s\b(?!\.| import)" % (re.escape(module), name),
-                    r"from %s import (?:\([^)]*?|[^\n(]*?)(?<![\w.])%s\b(?!\.)" % (re.escape(module), name)]
+                    r"from %s import (?:\([^)]*?|[^\n(]*?)(?<![\w.])(?<!as )%s\b(?!\.)" % (re.escape(module), name)]
         patterns += [r"(?<![\w.])%s\.%s\b(?!\.)" % (re.escape(a), name)
                      for a, target in aliases.items() if target == module and a != module]
         found += [old for p in patterns if re.search(p, text)]
@@ -354,12 +369,12 @@ def test_the_skip_decision_has_one_owner():
     import pathlib
 
     root = pathlib.Path(jaxmp.__file__).parent
-    users = ["transform.py", "flax/_train_state.py", "flax/_steps.py"]
+    users = ["_transform.py", "flax/_train_state.py", "flax/_steps.py"]
     for rel in users:
         text = (root / rel).read_text()
         assert "keep_if_finite" in text, rel
         assert "select_tree(finite" not in text, rel
-    assert "apply_if_finite" in (root / "skip.py").read_text()  # says why optax's does not fit
+    assert "apply_if_finite" in (root / "_skip.py").read_text()  # says why optax's does not fit
 
 
 def test_layout_helpers_were_never_top_level():

@@ -52,7 +52,7 @@ def test_the_run_covers_the_core_modules():
     covered = {p.values[0].name.rsplit(".", 1)[0] for p in EXAMPLES} | {p.values[0].name for p in EXAMPLES}
     for module in ("jaxmp._dtypes", "jaxmp._presets", "jaxmp._loss_scale", "jaxmp._transform", "jaxmp._opt_state",
                    "jaxmp._skip", "jaxmp._grad", "jaxmp._platform", "jaxmp.flax.linen", "jaxmp.flax.nnx",
-                   "jaxmp.flax._overrides", "jaxmp.flax._casting", "jaxmp.flax._attention"):
+                   "jaxmp.flax._overrides", "jaxmp.flax._attention"):
         assert any(c.startswith(module + ".") for c in covered), module
     assert "jaxmp.flax.mixed_precision" in covered
     assert len(EXAMPLES) >= 110

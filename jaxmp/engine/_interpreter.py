@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import fp8
+from jaxmp.fp8._seams import recipes as fp8_recipes
 from jaxmp.engine import _control_flow as control_flow, _internals as internals
 from jaxmp.engine._internals import Literal
 from jaxmp.engine._config import AutocastConfig
@@ -245,7 +246,7 @@ class Interpreter:
         return [Val(o) for o in self.bind(eqn, args, params, rule="half list")]
 
     def _fp8_dot(self, eqn, args, params, recipe) -> Any:
-        with self._rule_scope(fp8._recipes.describe(recipe)):
+        with self._rule_scope(fp8_recipes.describe(recipe)):
             return fp8.fp8_dot_general(args[0], args[1], params["dimension_numbers"], recipe,
                                        preferred_element_type=params.get("preferred_element_type"))
 

@@ -17,9 +17,10 @@ import jax
 from flax import nnx
 
 from jaxmp import fp8
+from jaxmp.fp8._seams import recipes as fp8_recipes, state as fp8_state
 from jaxmp.engine._seams import explain_enabled
 
-FP8_COLLECTION = fp8._state.FP8_COLLECTION  # the Linen variable collection of the delayed-scaling state
+FP8_COLLECTION = fp8_state.FP8_COLLECTION  # the Linen variable collection of the delayed-scaling state
 
 #: Linen classes whose matmul / convolution an fp8 policy replaces (and the field it sets).
 LINEN_FP8_FIELDS: dict[type, str] = {
@@ -34,7 +35,7 @@ _LINEN_USER_FIELDS = {"dot_general_cls": "dot_general", "conv_general_dilated_cl
 
 def _labelled(recipe: fp8.Fp8Recipe):
     # The same name scope autocast uses for its decisions, so precision_report names these ops.
-    return jax.named_scope(f"jaxmp.rule={fp8._recipes.describe(recipe)}") if explain_enabled() else contextlib.nullcontext()
+    return jax.named_scope(f"jaxmp.rule={fp8_recipes.describe(recipe)}") if explain_enabled() else contextlib.nullcontext()
 
 
 def _run(op_name: str, recipe, scales, args, kwargs):
@@ -57,9 +58,9 @@ class _LinenFp8Op(nn.Module):
     def __call__(self, *args, **kwargs):
         scales = None
         if isinstance(self.recipe, fp8.DelayedScaling):
-            init = fp8._state.init_layer_state(self.recipe)
+            init = fp8_state.init_layer_state(self.recipe)
             state = {k: self.variable(FP8_COLLECTION, k, lambda v=v: v).value for k, v in init.items()}
-            scales = fp8._state.layer_scales(state)
+            scales = fp8_state.layer_scales(state)
         return _run(self.op_name, self.recipe, scales, args, kwargs)
 
 
@@ -140,13 +141,13 @@ class NnxFp8Op(nnx.Module):
             raise ValueError(f"op_name must be 'dot_general' or 'conv_general_dilated', got {op_name!r}")
         self.recipe, self.op_name = recipe, op_name
         if isinstance(recipe, fp8.DelayedScaling):
-            for key, value in fp8._state.init_layer_state(recipe).items():
+            for key, value in fp8_state.init_layer_state(recipe).items():
                 setattr(self, key, Fp8State(value))
 
     def __call__(self, *args, **kwargs):
         scales = None
         if isinstance(self.recipe, fp8.DelayedScaling):
-            scales = fp8._state.Fp8Scales(*(getattr(self, f"{n}_scale")[...] for n in fp8._state.LAYER_TENSORS))
+            scales = fp8_state.Fp8Scales(*(getattr(self, f"{n}_scale")[...] for n in fp8_state.LAYER_TENSORS))
         return _run(self.op_name, self.recipe, scales, args, kwargs)
 
 
