@@ -189,6 +189,7 @@ def _private_imports(text: str, doctest_only: bool = False) -> list[str]:
 PRIVATE_IMPORT_EXCEPTIONS = {
     "benchmarks/efficiency.py": ("from jaxmp._step import make_step", "measures the step builder itself"),
     "benchmarks/overhead.py": ("from jaxmp._step import make_step", "measures the step builder itself"),
+    "benchmarks/flops.py": ("from jaxmp import _jaxpr", "counts FLOPs from the traced program's equations"),
     "benchmarks/_gpt2.py": ("from jaxmp.parallel._layouts import leaf_spec", "hand-written ZeRO baseline"),
     "experiments/precision_reports.py": ("from jaxmp.diagnostics import _format as jaxmp_fmt",
                                          "the diagnostics' count format, for the same table"),

@@ -104,7 +104,7 @@ def test_what_ci_runs_is_the_version_matrix_the_pages_name():
     assert "each in its own virtual environment" in autocast and "runs against" not in autocast
     # The README names the rows themselves.
     readme = " ".join(README.read_text().split())
-    named = re.search(r"\(`jaxmp/engine/tested\.py`: (.*?), each in its own venv\)", readme).group(1)
+    named = re.search(r"\(`jaxmp/engine/_tested\.py`: (.*?), each in its own venv\)", readme).group(1)
     versions = re.findall(r"(\d+\.\d+(?:\.\d+)+)", named)
     pythons = re.findall(r"Python (\d+\.\d+)", named)
     assert versions == [j for _, j in tested.MATRIX] and set(pythons) == {p for p, _ in tested.MATRIX}
