@@ -61,7 +61,7 @@ from jaxmp.engine._regions import region as autocast_region
 __version__ = "0.1.0"
 
 # What the guides use, plus the types users catch, annotate or isinstance; nothing else (the
-# budget is checked by tests/test_api_surface.py; names that left are in jaxmp/_deprecations.py).
+# budget is checked by tests/cross/test_api_surface.py; names that left are in jaxmp/_deprecations.py).
 __all__ = [
     # policies (jmp's names first: jaxmp keeps jmp's API)
     "Policy",

@@ -9,7 +9,7 @@ into the branch), the producer's fusion writes it row-major, as the floor's does
 branch reads a bitcast. Only matrices: a convolution kernel's gradient has no such
 transposed producer, and the barrier cost the CNN step 4% of its time (measured with
 ``benchmarks/overhead.py``). Other backends keep their layouts (a TPU's tiled layout would
-make the reshape a copy). ``tests/test_efficiency.py`` holds the step to the floor's passes.
+make the reshape a copy). ``tests/cross/test_efficiency.py`` holds the step to the floor's passes.
 
 Private: used by `jaxmp._transform` only.
 """

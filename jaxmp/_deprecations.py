@@ -2,7 +2,7 @@
 
 Each row is ``(old place, new place, status)``, read by one ``__getattr__`` per namespace
 (`module_getattr`): ``MOVED`` and ``INTERNAL`` warn for one release, ``REMOVED`` raises an
-``AttributeError`` naming the new place. CHANGELOG.md lists every row (tests/test_api_surface.py
+``AttributeError`` naming the new place. CHANGELOG.md lists every row (tests/cross/test_api_surface.py
 checks it).
 
 `MODULES` lists the implementation modules that became private (``jaxmp.transform`` ->

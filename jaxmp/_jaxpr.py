@@ -1,7 +1,7 @@
 """The one jaxpr reader: equations, sub-jaxprs, name stacks, source lines and re-binding.
 
 Every module that reads a traced program, and the test helpers, read it through this module;
-only this module imports ``jax.extend.core`` or touches a name stack (tests/test_architecture.py
+only this module imports ``jax.extend.core`` or touches a name stack (tests/cross/test_architecture.py
 checks it). It gives `equations`, `sub_jaxprs`, `walk` (every equation, nested ones included, as
 an `Equation`) and `bind`. See docs/architecture.md#the-jaxpr-reader.
 """

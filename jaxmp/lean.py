@@ -550,7 +550,7 @@ state, O(1) scalars aside; what the recipe trades)."""
 
 #: Bytes per parameter with AdamW when the params are float32, not bfloat16 (plain float32 AdamW:
 #: 12): the params cost 4, a float32 master duplicates them, and a remainder is empty. What the
-#: presets save comes from bfloat16 params; tests/test_lean.py measures these figures.
+#: presets save comes from bfloat16 params; tests/core/test_lean.py measures these figures.
 _FLOAT32_PARAM_BYTES = {"fp32-masters": 16, "remainders": 12, "masters-bf16-moments": 12, "sr-params": 12,
                         "remainders-bf16-moments": 8, "bf16-sr": 8}
 _PLAIN_FLOAT32_BYTES = 12

@@ -1,5 +1,5 @@
 """The names other jaxmp units use from jaxmp.fp8's private modules: the explicitly internal
-face of jaxmp.fp8 (no stability promise; tests/_import_graph.py lets other units import
+face of jaxmp.fp8 (no stability promise; tests/_support/_import_graph.py lets other units import
 ``_seams`` modules and no other private module of a subpackage). Generated from the imports."""
 
 from jaxmp.fp8 import _recipes as recipes

@@ -1,0 +1,1 @@
+"""Helpers of the tests (jaxpr op dtypes, markdown pages, import graph, multiprocess workers)."""

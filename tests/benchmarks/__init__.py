@@ -1,0 +1,1 @@
+"""Tests of the benchmarks/ scripts (dry runs, result schemas)."""

@@ -1,0 +1,554 @@
+"""The benchmark scripts in dry-run mode (tiny models, CPU) and the schema of what they write.
+
+The real numbers come from ``python -m benchmarks.overhead`` (CPU) and ``bash benchmarks/run_gpu.sh``
+(GPU); these tests only check that every script runs end to end and writes well-formed JSON,
+that the PyTorch peer skips cleanly without torch, and that the report's targets logic and the
+README's generated section agree with the committed results.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import _common as common  # noqa: E402
+from benchmarks import flops, kernel_profile, overhead, report, run_gpu, throughput, torch_amp  # noqa: E402
+from benchmarks._native import NativeModel  # noqa: E402
+from jaxmp import _jaxpr  # noqa: E402
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _assert_valid(result: dict, benchmark: str) -> None:
+    assert result["benchmark"] == benchmark
+    problems = common.validate_result(result)
+    assert problems == [], problems
+    env = result["env"]
+    assert isinstance(env["git_commit"]["sha"], str) and env["git_commit"]["sha"]
+    assert isinstance(result["config"], dict)
+    json.dumps(result, allow_nan=False)  # strict JSON
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    """One dry run of the GPU driver (one model, the O2-bf16 policy, its torch twin), to a tmp dir.
+
+    Kept to one policy so the file stays fast; ``--dry-run`` without filters covers every model
+    and policy (see benchmarks/README.md).
+    """
+    out = tmp_path_factory.mktemp("bench") / "gpu_dry.json"
+    result = run_gpu.main(["--dry-run", "--quiet", "--models", "transformer", "--policies", "O2-bf16,native-bf16",
+                           "--variants", "amp-bf16", "--skip-overhead", "--out", str(out)])
+    return out, result
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
+def test_overhead_dry_run_writes_valid_json(tmp_path):
+    out = tmp_path / "overhead.json"
+    overhead.main(["--dry-run", "--quiet", "--variants", "bare,jaxmp", "--out", str(out)])
+    result = json.loads(out.read_text())
+    _assert_valid(result, "overhead")
+    r, cfg = result["results"], result["config"]
+    assert result["dry_run"] is True
+    assert set(r["step_time_s"]) == {"bare", "jaxmp"}
+    assert all(len(v) == cfg["rounds"] for v in r["samples_s"].values())
+    assert r["ratios"]["jaxmp/bare"]["median"] > 0
+    assert r["target"]["limit"] == 1.03  # CPU
+    assert isinstance(r["target"]["pass"], bool)
+    assert r["skipped_steps"] == {"jaxmp": 0}  # every step finite: a fair comparison
+    assert r["compiled"]["jaxmp"]["entry_instructions"] > 0
+    for k in ("jax", "jaxlib", "flax", "optax"):
+        assert result["env"]["versions"][k]
+
+
+@pytest.mark.slow
+def test_throughput_part_of_the_suite(suite):
+    path, result = suite
+    tp = result["results"]["throughput"]
+    _assert_valid(tp, "throughput")
+    runs = {e["policy"]: e for e in tp["results"]["runs"]}
+    assert set(runs) == {"O2-bf16", "native-bf16"}
+    for e in runs.values():
+        assert e["status"] == "ok", e.get("error")
+        assert e["items_per_s"] > 0 and e["unit"] == "tokens"
+        assert e["memory"]["source"].startswith(("peak_bytes_in_use", "memory_analysis"))
+        assert e["flops"]["source"] == "analytic" and e["flops"]["per_step"] > 0
+        assert e["tflops_per_s"] == pytest.approx(e["flops"]["per_step"] / e["step_time_s"]["median"] / 1e12)
+        assert e["mfu"]["mfu_measured_peak"] == e["fraction_of_matmul_peak"] > 0
+        assert e["mfu"]["datasheet_peak_tflops"] is None  # a CPU has no datasheet entry
+    # The dry-run encoder: 1 layer, d=8, mlp 16, 10 classes, batch 2 x 8 tokens.
+    assert runs["O2-bf16"]["flops"]["per_step"] == runs["native-bf16"]["flops"]["per_step"] == \
+        6 * runs["O2-bf16"]["flops"]["n_params"] * 2 * 8 + 12 * 1 * 2 * 8**2 * 8
+    assert runs["native-bf16"]["native"]["dtype"] == "bfloat16" and runs["native-bf16"]["recipe"] is None
+    assert runs["native-bf16"]["param_dtypes"] == ["float32"]
+    assert "bfloat16" in runs["O2-bf16"]["param_dtypes"]  # half params, fp32 master in the state
+    assert runs["O2-bf16"]["recipe"]["master_weights"] is True
+    assert tp["results"]["matmul_peak"]["tflops"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_suite_json(suite):
+    path, result = suite
+    on_disk = json.loads(Path(path).read_text())
+    _assert_valid(on_disk, "gpu_suite")
+    assert on_disk["results"]["throughput"]["complete"] is True
+    if HAS_TORCH:
+        assert [r["policy"] for r in on_disk["results"]["comparison"]] == ["O2-bf16", "native-bf16"]
+        assert all(r["speed_ratio"] > 0 for r in on_disk["results"]["comparison"])
+
+
+@pytest.mark.slow
+def test_torch_peer_in_the_suite(suite):
+    _, result = suite
+    tr = result["results"]["torch_amp"]
+    _assert_valid(tr, "torch_amp")
+    if HAS_TORCH:
+        assert tr["status"] == "ok"
+        assert [e["policy"] for e in tr["results"]["runs"]] == ["amp-bf16"]
+        assert all(e["status"] == "ok" and e["items_per_s"] > 0 for e in tr["results"]["runs"])
+    else:
+        assert tr["status"] == "skipped" and tr["reason"] == torch_amp.SKIP_MESSAGE
+
+
+def test_torch_peer_skips_cleanly_without_torch(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    out = tmp_path / "torch.json"
+    result = torch_amp.main(["--dry-run", "--out", str(out)])
+    assert "SKIPPED: PyTorch is not installed" in capsys.readouterr().out
+    assert result["status"] == "skipped" and result["reason"] == torch_amp.SKIP_MESSAGE
+    _assert_valid(json.loads(out.read_text()), "torch_amp")
+
+
+@pytest.mark.slow  # shares the GPU driver's dry run (~10 s) with the suite tests
+def test_validator_rejects_malformed_results(suite):
+    _, result = suite
+    tp = result["results"]["throughput"]
+    bad = copy.deepcopy(tp)
+    del bad["env"]["versions"]["jaxlib"]
+    assert any("jaxlib" in p for p in common.validate_result(bad))
+    bad = copy.deepcopy(tp)
+    bad["results"]["runs"][0]["step_time_s"]["median"] = -1.0
+    assert common.validate_result(bad)
+    bad = copy.deepcopy(tp)
+    bad["results"]["runs"][0]["items_per_s"] = 0
+    assert common.validate_result(bad)
+    bad = copy.deepcopy(tp)
+    del bad["config"]
+    assert common.validate_result(bad) == ["missing key 'config'"]
+    with pytest.raises(ValueError):
+        common.write_json(Path("/nonexistent/never-written.json"), bad)
+
+
+def _fake_run(model, batch, policy, items, peak, framework="jax"):
+    st = common.summarize([1.0, 1.1, 1.2])
+    e = {"model": model, "batch_size": batch, "policy": policy, "status": "ok", "step_time_s": st,
+         "items_per_s": items, "unit": "images", "memory": {"source": "peak_bytes_in_use", "peak_bytes": peak}}
+    if framework == "jax":
+        e["flops"] = {"per_step": 1e12, "source": "xla_cost_analysis"}
+    return e
+
+
+@pytest.mark.slow  # shares the GPU driver's dry run (~10 s) with the suite tests
+def test_report_targets_pass_fail_and_not_measured(suite):
+    _, result = suite
+    env = dict(result["results"]["throughput"]["env"], device="Fake GPU", platform="gpu")
+    tp = common.make_result("throughput", env, {}, {
+        "runs": [_fake_run("resnet50", 256, "O0-strict", 1000, 9e9), _fake_run("resnet50", 256, "O2-bf16", 3500, 5e9),
+                 _fake_run("wrn28_10", 128, "O0", 800, 10e9), _fake_run("wrn28_10", 128, "O2-bf16", 1900, 7e9)],
+        "matmul_peak": {"tflops": 700.0, "n": 8192}}, dry_run=False)
+    tr = common.make_result("torch_amp", dict(env, versions={"torch": "2.x"}), {}, {
+        "runs": [_fake_run("resnet50", 256, "amp-fp16", 3000, 6e9, "torch"),
+                 _fake_run("resnet50", 256, "amp-bf16", 3200, 6e9, "torch")]}, dry_run=False, status="ok")
+    assert common.validate_result(tp) == [] and common.validate_result(tr) == []
+    rows = report.evaluate_targets({"overhead": [], "throughput": [("t", tp)], "torch_amp": [("p", tr)]})
+    statuses = [r["status"] for r in rows]
+    # 3.5x strict fp32: pass; 3500/3200 = 1.09x the faster AMP: pass; 7/10 memory: fail; no overhead files.
+    assert statuses == ["pass", "pass", "fail", "not measured", "not measured"], rows
+    md = report.markdown({"overhead": [], "throughput": [("t", tp)], "torch_amp": [("p", tr)]})
+    assert "| resnet50 | 256 | O2-bf16 | 3,500 images |" in md and "amp-bf16: 3,200" in md
+
+
+def test_report_from_committed_results_matches_readme():
+    # The README's generated section is what report.py makes of the committed JSON files.
+    assert report.main(["--check"]) == 0
+    res = report.load_results(common.RESULTS_DIR)
+    assert all(not r["dry_run"] for k in res for _, r in res[k])
+    md = report.markdown(res)
+    assert "not measured yet" in md or res["throughput"]
+
+
+def test_every_script_has_a_dry_run_flag():
+    for mod in (throughput, torch_amp):
+        assert "--dry-run" in mod.build_parser().format_help()
+    for script in ("overhead.py", "run_gpu.py", "throughput.py", "torch_amp.py"):
+        assert "--dry-run" in (ROOT / "benchmarks" / script).read_text()
+    assert "-m benchmarks.run_gpu" in (ROOT / "benchmarks" / "run_gpu.sh").read_text()
+
+
+# ----------------------------------------------------------------------------------------------
+# Analytic FLOPs against hand computations (full-size models, abstract shapes: nothing runs).
+
+
+def _train_flops(name, classes, shape, **overrides):
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.models import get_model
+
+    module = get_model(name, classes, **overrides)
+    variables = jax.eval_shape(lambda k, x: module.init(k, x, train=False), jax.random.PRNGKey(0),
+                               jax.ShapeDtypeStruct(shape, jnp.float32))
+    return flops.model_train_flops(name, module, variables, shape)
+
+
+def test_resnet50_flops_match_hand_computation():
+    # Multiply-accumulates of ResNet-50 v1.5 at 224 x 224, 1000 classes, one image.
+    macs = 112 * 112 * 64 * (7 * 7 * 3)  # stem: 7x7/2 conv, 3 -> 64 channels
+    h, cin = 56, 64  # after the 3x3/2 max-pool
+    for stage, blocks in enumerate((3, 4, 6, 3)):
+        f = 64 * 2**stage
+        for j in range(blocks):
+            s = 2 if stage > 0 and j == 0 else 1
+            ho = h // s
+            macs += h * h * cin * f  # 1x1 reduce, at the input resolution
+            macs += ho * ho * f * (3 * 3 * f)  # 3x3, carries the stride (v1.5)
+            macs += ho * ho * 4 * f * f  # 1x1 expand
+            if j == 0:
+                macs += ho * ho * 4 * f * cin  # 1x1 projection shortcut
+            h, cin = ho, 4 * f
+    macs += 2048 * 1000  # classifier
+    assert 4.08e9 < macs < 4.10e9  # the 4.1 GMACs usually quoted for ResNet-50
+    got = _train_flops("resnet50", 1000, (1, 224, 224, 3))
+    assert got["forward"] == 2 * macs
+    assert got["per_step"] == 3 * 2 * macs
+
+
+def test_wrn28_10_flops_match_hand_computation():
+    # WRN-28-10 on 32 x 32 x 3: stem 3 -> 16, then 3 groups of 4 pre-activation blocks.
+    macs = 32 * 32 * 16 * (3 * 3 * 3)
+    h, cin = 32, 16
+    for group, width in enumerate((160, 320, 640)):
+        for i in range(4):
+            s = 2 if group > 0 and i == 0 else 1
+            ho = h // s
+            macs += ho * ho * width * (3 * 3 * cin)  # first 3x3 (strided)
+            macs += ho * ho * width * (3 * 3 * width)  # second 3x3
+            if s != 1 or cin != width:
+                macs += ho * ho * width * cin  # 1x1 projection
+            h, cin = ho, width
+    macs += 640 * 10
+    assert 5.2e9 < macs < 5.3e9  # 5.25 GMACs per image, as usually quoted
+    got = _train_flops("wrn28_10", 10, (1, 32, 32, 3))
+    assert got["forward"] == 2 * macs and got["per_step"] == 6 * macs
+
+
+def test_transformer_flops_match_hand_computation():
+    L, d, m, C, B, T = 12, 768, 3072, 10, 32, 512
+    per_layer = (2 * d  # LayerNorm scale + bias
+                 + 4 * (d * d + d)  # query, key, value, output projections with biases
+                 + 2 * d  # second LayerNorm
+                 + (d * m + m) + (m * d + d))  # MLP
+    n = (1 * d + d) + L * per_layer + 2 * d + (d * C + C)  # embedding Dense(1 -> d), final LN, head
+    assert n == 85_065_226
+    hand = 6 * n * B * T + 12 * L * B * T**2 * d  # 6 N tokens + QK^T and AV, forward x 3
+    got = _train_flops("transformer", C, (B, T), num_layers=L, model_dim=d, num_heads=12, mlp_dim=m)
+    assert got["n_params"] == n and got["per_step"] == hand
+    # Cross-check against the matmuls of the jaxpr: the formula charges the head for every token
+    # (it runs once per sequence) and the 1 -> d embedding as a matmul: within 0.5%.
+    assert got["per_step"] == pytest.approx(3 * got["forward"], rel=5e-3)
+
+
+def test_mfu_against_measured_and_datasheet_peaks():
+    m = flops.mfu(9.29e12, 0.03, 700.0, "NVIDIA H100 80GB HBM3")
+    assert m["tflops_per_s"] == pytest.approx(309.67, rel=1e-4)
+    assert m["mfu_measured_peak"] == pytest.approx(309.67 / 700, rel=1e-4)
+    assert m["datasheet_peak_tflops"] == 989.4 and m["mfu_datasheet"] == pytest.approx(309.67 / 989.4, rel=1e-4)
+    assert flops.datasheet_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert flops.mfu(1.0, 1.0, None, "cpu")["mfu_datasheet"] is None
+
+
+@pytest.mark.standard_promotion(reason="Flax bf16 LayerNorm: float32 statistics x bfloat16")
+def test_native_baseline_is_the_same_module_with_flax_bf16():
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.models import get_model
+
+    module = get_model("resnet50", 10, stage_sizes=(1, 1), width=4)
+    x = jax.ShapeDtypeStruct((2, 16, 16, 3), jnp.float32)
+    native = NativeModel(module, jnp.bfloat16)
+    # Abstract shapes only: compiling Flax's init takes seconds on a loaded CPU.
+    v = jax.eval_shape(lambda k, x: native.init(k, x, train=False), jax.random.PRNGKey(0), x)
+    ref = jax.eval_shape(lambda k, x: module.init(k, x, train=False), jax.random.PRNGKey(0), x)
+    assert jax.tree_util.tree_structure(v) == jax.tree_util.tree_structure(ref)
+    assert {p.dtype for p in jax.tree_util.tree_leaves(v)} == {jnp.dtype(jnp.float32)}
+    jaxpr = jax.make_jaxpr(lambda v, x: native.apply(v, x, train=False))(v, x).jaxpr
+    convs = [e for e in _jaxpr.equations(jaxpr) if e.primitive.name in ("conv_general_dilated", "dot_general")]
+    assert len(convs) == 10  # stem, 2 bottlenecks x (3 convs + projection), head
+    assert all(a.aval.dtype == jnp.bfloat16 for e in convs for a in e.invars)
+    assert jax.eval_shape(lambda v, x: native.apply(v, x, train=False), v, x).dtype == jnp.bfloat16
+    assert jax.eval_shape(lambda v, x: module.apply(v, x, train=False), ref, x).dtype == jnp.float32
+    import flax.linen as nn
+
+    assert nn.Dense.dtype is None  # the substitution ends with the call
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
+def test_profile_writes_a_top_kernel_table(tmp_path):
+    result = kernel_profile.main(["--dry-run", "--quiet", "--models", "transformer", "--policies", "O1",
+                                  "--profile-top", "5", "--out", str(tmp_path / "tp.json")])
+    (e,) = result["results"]["runs"]
+    assert e["status"] == "ok", e.get("error")
+    page = (ROOT / e["profile"]["path"]).read_text()
+    assert "| # | kernel / thunk | HLO op | calls | total (ms) | share |" in page
+    rows = [line for line in page.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert 1 <= len(rows) <= 5 and e["profile"]["top"][0]["total_us"] > 0
+
+
+def test_kernel_time_by_thread_sums_xla_events_per_pool(tmp_path):
+    import gzip
+
+    from benchmarks import _profile
+
+    meta = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": n}}
+            for t, n in ((10, "tf_XLAEigen/123"), (11, "tf_XLAEigen/-456"), (20, "tf_XLAPjRtCpuClient/7"),
+                         (30, "python"))]
+    x = lambda tid, name, dur, op=True: {"ph": "X", "pid": 1, "tid": tid, "name": name, "dur": dur,  # noqa: E731
+                                          "args": {"hlo_op": name} if op else {}}
+    events = meta + [x(10, "dot", 300.0), x(11, "dot.1", 200.0), x(20, "fusion", 50.0), x(30, "copy", 5.0),
+                     x(20, "ThunkExecutor::Execute", 999.0, op=False),  # runtime, not a kernel
+                     x(99, "fusion.2", 7.0)]  # a thread without a name is reported by id
+    events.append(dict(x(10, "end: dot", 1000.0), ph="X"))  # the profiler's end marker is not a kernel
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert _profile.kernel_time_by_thread(path) == {"tf_XLAEigen": 500.0, "tf_XLAPjRtCpuClient": 50.0,
+                                                    "tid 99": 7.0, "python": 5.0}
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
+def test_overhead_thread_profile_and_the_probe_variant(tmp_path):
+    out = tmp_path / "overhead.json"
+    overhead.main(["--dry-run", "--quiet", "--variants", "bare,hand-skip,jaxmp,jaxmp-noop,jaxmp-noop-probe",
+                   "--thread-profile",
+                   "--out", str(out)])
+    r = json.loads(out.read_text())["results"]
+    assert set(r["kernel_us_per_step_by_thread"]) == {"bare", "hand-skip", "jaxmp", "jaxmp-noop",
+                                                             "jaxmp-noop-probe"}
+    for pools in r["kernel_us_per_step_by_thread"].values():
+        assert sum(pools.values()) > 0
+    assert r["skipped_steps"]["jaxmp-noop-probe"] == 0
+    with pytest.raises(SystemExit):
+        overhead.main(["--dry-run", "--variants", "bare,jaxmp,jaxmp-noop-probes", "--out", "-"])
+
+
+@pytest.mark.slow  # default-tier time: the slow tier runs it
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
+def test_the_hand_skip_control_steps_as_the_floor_and_keeps_a_non_finite_step():
+    import jax
+    import jax.numpy as jnp
+
+    cfg = dict(overhead.DRY, n_batches=2, policy="O0", donate=False, variants=["floor", "hand-skip"])
+    steps, inits, batches, _ = overhead.make_variants(cfg)
+    (p_floor, o_floor), _ = steps["floor"](inits["floor"](), batches[0])
+    (p_hand, o_hand), _ = steps["hand-skip"](inits["hand-skip"](), batches[0])
+    for a, b in zip(jax.tree_util.tree_leaves((p_floor, o_floor)), jax.tree_util.tree_leaves((p_hand, o_hand))):
+        assert jnp.array_equal(a, b)
+    start = inits["hand-skip"]()
+    x, y = batches[0]
+    (p_nan, o_nan), _ = steps["hand-skip"](start, (x.at[0, 0].set(jnp.nan), y))
+    for a, b in zip(jax.tree_util.tree_leaves((p_nan, o_nan)), jax.tree_util.tree_leaves(start)):
+        assert jnp.array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command lines: --help lists the flags; an unknown flag is named, without a traceback.
+
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+
+
+def _script_main(name):
+    return importlib.import_module(f"benchmarks.{name}").main
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_answers_help_and_names_an_unknown_flag(name, capsys):
+    main = _script_main(name)
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--" in out.split("options:")[-1]
+    with pytest.raises(SystemExit) as exc:
+        main(["--no-such-flag"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --no-such-flag" in err and "Traceback" not in err
+
+
+def test_no_benchmark_module_edits_sys_path():
+    """The scripts are modules of the ``benchmarks`` package, run as ``python -m benchmarks.<name>``
+    from the repository root: none of them (helpers included) puts anything on ``sys.path``."""
+    import ast
+
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and ast.unparse(node.value) == "sys":
+                pytest.fail(f"benchmarks/{path.name}:{node.lineno} uses sys.path; run it as `python -m "
+                            f"benchmarks.{path.stem}` instead")
+
+
+def test_every_script_runs_as_a_module_in_a_fresh_process():
+    """``python -m benchmarks.<name> --help`` from the repository root, each in its own process
+    (started together, so the file stays fast): usage on stdout, exit 0."""
+    import subprocess
+
+    procs = {name: subprocess.Popen([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=ROOT,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in SCRIPTS}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0 and out.startswith("usage:"), (name, err[-2000:])
+
+
+def test_docs_show_benchmarks_run_as_modules():
+    """No page, README or docstring shows ``python benchmarks/<name>.py``, which no longer finds the
+    ``benchmarks`` package; recorded results keep the command they were made with."""
+    import re
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "*.md", "*.py", "*.sh"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    pattern = re.compile(r"python[0-9.]* benchmarks/[a-z_0-9]+\.py")
+    found = [f"{f}: {m.group(0)}" for f in files if not f.startswith("benchmarks/results/")
+             for m in pattern.finditer((ROOT / f).read_text())]
+    assert found == [], found
+
+
+def test_unknown_flag_in_a_fresh_process_has_no_traceback():
+    import subprocess
+
+    for name in ("overhead", "run_gpu"):
+        proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--no-such-flag"],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and "--no-such-flag" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/autocast.py
+
+
+@pytest.mark.slow
+def test_autocast_benchmark_dry_run(tmp_path):
+    from benchmarks import autocast as ac
+
+    out = tmp_path / "autocast.json"
+    result = ac.main(["--dry-run", "--quiet", "--models", "mlp", "--variants", "float32,hand,jaxmp,mpx",
+                      "--out", str(out)])
+    _assert_valid(json.loads(out.read_text()), "autocast")
+    r = result["results"]["models"]["mlp"]
+    found = set(r["variants"]) | set(r["skipped"])
+    assert found == {"float32", "hand", "jaxmp", "mpx"}
+    if "mpx" in r["skipped"]:
+        assert "mpx" in r["skipped"]["mpx"]  # says which peer and why
+    f32, hand, amp = r["variants"]["float32"], r["variants"]["hand"], r["variants"]["jaxmp"]
+    assert f32["loss_rel_error"] == 0 and f32["hlo_converts"] == 0 and f32["grad_dtypes"] == ["float32"]
+    assert 0 < hand["loss_rel_error"] < 1e-2 and 0 < hand["grad_rel_error"] < 0.1 and hand["hlo_converts"] > 0
+    assert hand["grad_dtypes"] == amp["grad_dtypes"] == ["float32"]
+    # The hand cast writes out the narrow rule (a bias add in half); O1 keeps a float32 value
+    # float32 where it feeds a float32-list op or the output, so its loss differs in the last
+    # bf16 bits only (4e-5 relative, measured) and is never further from float32's than 1e-2.
+    assert amp["loss"] == pytest.approx(hand["loss"], rel=1e-3)
+    assert amp["loss_rel_error"] < 1e-2
+    assert hand["step_vs_hand"]["median"] == 1.0 and amp["step_vs_hand"]["n"] == 2
+    assert f32["tlc_vs_float32"] == 1.0 and amp["trace_lower_compile_s"] >= amp["trace_s"] > 0
+    md = "\n".join(report.autocast_tables({"autocast": [("a.json", result)]}))
+    assert "| jaxmp |" in md and "jaxmp.autocast targets: step / hand" in md
+
+
+def test_hand_cast_mlp_assigns_the_o1_dtypes():
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import _autocast_models as am
+
+    m = am.make_mlp(0, 2, 8, 2, 4, 3)
+    jaxpr = jax.make_jaxpr(lambda p, x, y: m.hand_loss(p, x, y, jnp.bfloat16))(m.params, *m.batch).jaxpr
+    dtypes = {}
+    for e in _jaxpr.equations(jaxpr):
+        dtypes.setdefault(e.primitive.name, set()).add(str(e.outvars[0].aval.dtype))
+    assert dtypes["dot_general"] == {"bfloat16"}
+    for op in ("reduce_sum", "reduce_max", "exp", "log", "rsqrt"):
+        assert dtypes[op] == {"float32"}, op
+    assert jax.eval_shape(lambda p, x, y: m.hand_loss(p, x, y, jnp.bfloat16), m.params, *m.batch).dtype == jnp.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/fp8.py
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
+def test_fp8_benchmark_dry_run_times_every_variant_updates_the_fp8_state_and_compares_loss_curves(tmp_path):
+    from benchmarks import fp8 as bench
+
+    out = tmp_path / "fp8.json"
+    steps = 6
+    result = bench.main(["--dry-run", "--quiet", "--models", "mlp", "--train-steps", str(steps), "--out", str(out)])
+    on_disk = json.loads(out.read_text())
+    _assert_valid(on_disk, "fp8")
+    assert on_disk["env"]["versions"]["jax"] and on_disk["env"]["device"] and on_disk["env"]["git_commit"]["sha"]
+    r = result["results"]["models"]["mlp"]
+    assert list(r["variants"]) == ["bf16", "fp8", "fp8-current"] and r["skipped"] == {}  # the CPU emulates fp8
+    assert {v: x["policy"] for v, x in r["variants"].items()} == bench.POLICIES
+    curves = {v: x["loss_curve"] for v, x in r["variants"].items()}
+    for v, c in curves.items():
+        # Finite, and it trains: the loss on batch 0 (4 batches are cycled) went down by step 4.
+        assert len(c) == steps and all(np.isfinite(c)) and c[4] < c[0], v
+        assert r["variants"][v]["skipped_steps"] == 0
+        assert r["variants"][v]["step_time_s"]["n"] == 2
+    for v in ("fp8", "fp8-current"):
+        assert curves[v] != curves["bf16"], v  # fp8 rounding changes the numbers ...
+        assert 0 < r["variants"][v]["max_rel_loss_gap_last_half"] < 0.05, v  # ... but not the curve
+        assert r["variants"][v]["speedup_over_bf16"]["n"] == 2
+    # Delayed scaling: make_train_step recorded one amax per step in every history of the two
+    # Dense layers (3 tensors each) and moved every scale off its initial 1; current scaling has no state.
+    state = r["variants"]["fp8"]["fp8_state"]
+    assert (state["layers"], state["tensors"], state["history_length"]) == (2, 6, 1024)
+    assert state["amaxes_recorded_min"] == state["amaxes_recorded_max"] == steps
+    assert state["all_finite"] and state["scale_min"] > 1
+    assert r["variants"]["bf16"]["fp8_state"] is None and r["variants"]["fp8-current"]["fp8_state"] is None
+    # The yardstick for "within noise": bf16 from another init, on the same batches.
+    ref = r["noise_reference"]
+    assert len(ref["loss_curve"]) == steps and ref["loss_curve"] != curves["bf16"]
+    assert all(x["within_noise"] == (x["max_rel_loss_gap_last_half"] <= ref["max_rel_loss_gap_last_half"])
+               for v, x in r["variants"].items() if v != "bf16")
+    assert result["config"]["native_fp8"] is False and result["dry_run"] is True
+
+
+@pytest.mark.slow
+def test_fp8_benchmark_records_fp8_variants_as_skipped_where_the_hardware_check_refuses(monkeypatch):
+    import jaxmp.fp8
+    from benchmarks import fp8 as bench
+
+    def refuse(recipe, device=None):  # what jaxmp.fp8.check_hardware says on an A100
+        raise ValueError("NVIDIA A100 (compute capability 8.0) has no fp8 Tensor Cores")
+
+    monkeypatch.setattr(jaxmp.fp8, "check_hardware", refuse)
+    result = bench.main(["--dry-run", "--quiet", "--models", "mlp", "--variants", "fp8,fp8-current", "--out", "-"])
+    _assert_valid(result, "fp8")
+    r = result["results"]["models"]["mlp"]
+    assert r["variants"] == {} and set(r["skipped"]) == {"fp8", "fp8-current"}
+    assert all("no fp8 Tensor Cores" in why for why in r["skipped"].values())

@@ -1,0 +1,1 @@
+"""Tests of jaxmp's top-level modules (jaxmp/x.py): transform, loss scale, step, policy ..."""

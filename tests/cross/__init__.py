@@ -1,0 +1,1 @@
+"""Cross-cutting suites: reliability, bad inputs, strict promotion, efficiency, API surface, layering."""

@@ -1,0 +1,1 @@
+"""Tests of the documentation: pages, links, claims, README, doctests."""

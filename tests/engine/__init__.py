@@ -1,0 +1,1 @@
+"""Tests of jaxmp.engine, the autocast interpreter."""

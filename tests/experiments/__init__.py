@@ -1,0 +1,1 @@
+"""Tests of the experiments/ package (trainings at CI size, checkpoints, the CLI)."""

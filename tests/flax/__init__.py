@@ -1,0 +1,1 @@
+"""Tests of jaxmp.flax, the Flax doors (Linen, NNX)."""

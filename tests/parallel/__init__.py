@@ -1,0 +1,1 @@
+"""Tests of jaxmp.parallel (8 simulated CPU devices)."""
