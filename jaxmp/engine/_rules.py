@@ -336,7 +336,7 @@ class AutocastRules:
         """
         return dataclasses.replace(self, scope_rules=self.scope_rules + ((pattern, dtype),))
 
-    def with_class(self, cls: type, dtype: Any) -> "AutocastRules":
+    def with_class(self, cls: type, dtype: DTypeLike | Policy) -> "AutocastRules":
         """Copy where every call of a module of class ``cls`` (or a subclass) runs in ``dtype``.
 
         Flax Linen and NNX, Equinox and Haiku modules. A later rule for the same class replaces
