@@ -576,9 +576,13 @@ def test_gpt2_memory_benchmark_dry_run_compares_jaxmp_with_hand_written_zero(tmp
                         "--out", str(tmp_path / "gpt2.json")])["results"]["rows"]
     peak = {(r["who"], r["layout"], r["reduce_dtype"], r["remat"], r["devices"]): r["compiled"] for r in rows
             if r["model"] != "scanned"}
-    # jaxmp's float32-reduce ZeRO stays near the hand-written shard_map psum_scatter one...
-    assert peak["jaxmp", "zero", "float32", None, 8]["peak_estimate_bytes"] <= 1.15 * peak[
-        "hand", "zero", "float32", None, 8]["peak_estimate_bytes"]
+    # jaxmp's ZeRO is within 2% of the hand-written one at both reduce dtypes (bf16: optax +
+    # NamedSharding; float32: a shard_map psum_scatter), with the default skip (lax.cond on CPU):
+    # the fused step's params are cast from the master the skip chose, not selected against the
+    # old params (whose slice the select copied: 1.08x here before).
+    for reduce_dtype in (None, "float32"):
+        assert peak["jaxmp", "zero", reduce_dtype, None, 8]["peak_estimate_bytes"] <= 1.02 * peak[
+            "hand", "zero", reduce_dtype, None, 8]["peak_estimate_bytes"], reduce_dtype
     # jaxmp's per-layer FSDP stays near the hand-written scan-over-layers FSDP at the same reduce dtype...
     for remat in (None, "nothing_saveable"):
         assert peak["jaxmp", "fsdp", None, remat, 8]["peak_estimate_bytes"] <= 1.15 * peak[
