@@ -32,8 +32,10 @@ and with the hand-written ZeRO a user would write (optax + ``NamedSharding`` +
 ``with_sharding_constraint`` + ``optax.apply_if_finite``; a ``shard_map`` ``psum_scatter`` for
 the float32 reduce), and with the hand-written scan-over-layers FSDP (each layer's params
 gathered inside the ``lax.scan`` body by ``with_sharding_constraint``, with and without
-``jax.checkpoint(policy=nothing_saveable)``), at the same reduce dtype, and reports
-temporaries and peak of each.
+``jax.checkpoint(policy=nothing_saveable)``; with ``--gpt2-hand-fsdp``), at the same reduce
+dtype, and reports temporaries and peak of each, at two per-device batches: 1 x 128 tokens
+(every case at every N) and 8 x 512 (N = 8 only, `GPT2_LARGE_BATCH_LAYERS` layers), and prints
+the markdown table docs/parallel.md quotes (`gpt2_markdown`).
 
 Writes ``benchmarks/results/memory/memory_<device>.json`` (``dry_run.json`` with ``--dry-run``)
 with the device, JAX version and git commit. Needs 8 devices: on CPU it sets
@@ -349,9 +351,13 @@ def main(argv=None) -> dict:
         # The small batch: every case on every N; the large one: N = 8 only (the ratios are the
         # small batch's), zero against the hand-written one and jaxmp's float32 FSDP.
         cases = GPT2_ZERO + GPT2_FSDP + (GPT2_HAND_FSDP if args.gpt2_hand_fsdp else ())
-        plan = [(b, n, case) for b in GPT2_BATCHES[:1] for n in sorted(counts, reverse=True) for case in cases
-                if n == max(counts) or case in GPT2_FSDP]
-        plan += [(b, max(counts), case) for b in GPT2_BATCHES[1:] for case in GPT2_ZERO + GPT2_FSDP]
+        plan = [(b, max(counts), case) for b in GPT2_BATCHES[1:] for case in GPT2_ZERO + GPT2_FSDP]
+        plan += [(b, n, case) for b in GPT2_BATCHES[:1] for n in sorted(counts, reverse=True) for case in cases
+                 if n == max(counts) or case in GPT2_FSDP]
+        env = common.jax_env()
+        config = {"shape": str(small), "optimizer": "adamw", "policy": "O2-bf16", "label": "CPU compile-only"}
+        out = args.out or str(common.RESULTS_DIR / "memory" / ("gpt2_dry_run.json" if args.dry_run else
+                                                               f"gpt2_{common.device_slug(env['device'])}.json"))
         for (per_device, seq), n, case in plan:
             shape = small if per_device == GPT2_BATCHES[0][0] else dataclasses.replace(
                 small, seq=min(seq, small.positions),
@@ -360,13 +366,12 @@ def main(argv=None) -> dict:
             rows[-1].update(seq=shape.seq, layers=shape.layers)
             common.log(f"gpt2 {case} {per_device}x{shape.seq} L={shape.layers} N={n}: peak "
                        f"{rows[-1]['compiled']['peak_estimate_bytes'] / 2**20:.1f} MiB", args.quiet)
+            if out != "-" and len(rows) < len(plan):  # minutes a row: what is done survives an interrupted run
+                common.write_json(out, common.make_result("memory_gpt2", env, {**config, "partial": True},
+                                                          {"rows": rows}, args.dry_run))
         print(_gpt2_table(rows), flush=True)
         print(gpt2_markdown(rows), flush=True)
-        result = common.make_result("memory_gpt2", common.jax_env(), {"shape": str(shape), "optimizer": "adamw",
-                                                                      "policy": "O2-bf16", "label": "CPU compile-only"},
-                                    {"rows": rows}, args.dry_run)
-        out = args.out or str(common.RESULTS_DIR / "memory" / ("gpt2_dry_run.json" if args.dry_run else
-                                                               f"gpt2_{common.device_slug(result['env']['device'])}.json"))
+        result = common.make_result("memory_gpt2", env, config, {"rows": rows}, args.dry_run)
         common.emit(result, out)
         return result
     rows = []
