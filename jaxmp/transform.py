@@ -778,7 +778,11 @@ def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_a
     ``loss_scaling`` in an ``optax.chain``) falls back to ``tx.update`` and ``apply_updates``;
     a chain with transforms after one keeping master weights raises a ``ValueError`` (their
     effect would be dropped: the params are the master's cast).
-    A skipped step returns the params and every inner state leaf bitwise unchanged.
+    A skipped step returns the params and every inner state leaf bitwise unchanged. With a
+    master copy the params are cast from the master the skip kept (no select against the old
+    params, which under ZeRO would hold a copy of their slice): on a skipped step that is the
+    old params bit for bit, as long as they are the old master's cast, which every step leaves
+    them and ``tx.init`` starts them as.
 
     Args:
       tx: the optax transformation (usually ``jaxmp.loss_scaling(...)``).
