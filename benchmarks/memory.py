@@ -32,8 +32,10 @@ and with the hand-written ZeRO a user would write (optax + ``NamedSharding`` +
 ``with_sharding_constraint`` + ``optax.apply_if_finite``; a ``shard_map`` ``psum_scatter`` for
 the float32 reduce), and with the hand-written scan-over-layers FSDP (each layer's params
 gathered inside the ``lax.scan`` body by ``with_sharding_constraint``, with and without
-``jax.checkpoint(policy=nothing_saveable)``), at the same reduce dtype, and reports
-temporaries and peak of each.
+``jax.checkpoint(policy=nothing_saveable)``; with ``--gpt2-hand-fsdp``), at the same reduce
+dtype, and reports temporaries and peak of each, at two per-device batches: 1 x 128 tokens
+(every case at every N) and 8 x 512 (N = 8 only, `GPT2_LARGE_BATCH_LAYERS` layers), and prints
+the markdown table docs/parallel.md quotes (`gpt2_markdown`).
 
 Writes ``benchmarks/results/memory/memory_<device>.json`` (``dry_run.json`` with ``--dry-run``)
 with the device, JAX version and git commit. Needs 8 devices: on CPU it sets
@@ -179,22 +181,32 @@ def step_times(width: int, depth: int, batch_per_device: int, rounds: int, steps
             "batch_per_device": batch_per_device, "seconds_per_step": {k: common.summarize(v) for k, v in samples.items()}}
 
 
-GPT2_CASES = (
-    # (who, layout, reduce_dtype, model, remat): "scanned" gathers at the loss's start (plain
-    # lax.scan), "scan_layers" gathers each layer in the scan body; "scan_gather" is the
-    # hand-written FSDP's scan over layers, each layer gathered in the body by a constraint.
+GPT2_ZERO = (
+    # (who, layout, reduce_dtype, model, remat): "scan_layers" gathers each layer in the scan
+    # body; "scan_gather" is the hand-written FSDP's scan over layers, each layer gathered in
+    # the body by a constraint.
     ("hand", "zero", None, "unrolled", None),
     ("jaxmp", "zero", None, "unrolled", None),
     ("hand", "zero", "float32", "unrolled", None),
     ("jaxmp", "zero", "float32", "unrolled", None),
-    ("jaxmp", "fsdp", "float32", "scanned", None),
+)
+GPT2_FSDP = (
     ("jaxmp", "fsdp", "float32", "scan_layers", None),
     ("jaxmp", "fsdp", "float32", "scan_layers", "nothing_saveable"),
+)
+#: jaxmp's FSDP against the hand-written one at XLA's (bf16) reduce (``--gpt2-hand-fsdp``).
+GPT2_HAND_FSDP = (
     ("hand", "fsdp", None, "scan_gather", None),
     ("jaxmp", "fsdp", None, "scan_layers", None),
     ("hand", "fsdp", None, "scan_gather", "nothing_saveable"),
     ("jaxmp", "fsdp", None, "scan_layers", "nothing_saveable"),
 )
+GPT2_CASES = GPT2_ZERO + GPT2_FSDP + GPT2_HAND_FSDP
+#: Per-device batches (sequences x tokens): state dominates the first, activations the second.
+GPT2_BATCHES = ((1, 128), (8, 512))
+#: Layers compiled at the large batch: 12 on a quiet machine; fewer keeps the compile in minutes
+#: on a shared 2-core one (the table says which).
+GPT2_LARGE_BATCH_LAYERS = 4
 
 
 def _compiled_stats(compiled) -> dict:
@@ -241,12 +253,47 @@ def measure_gpt2(who: str, layout: str, reduce_dtype, model: str, remat, n: int,
 
 
 def _gpt2_table(rows: list[dict]) -> str:
-    lines = [f"{'who':<7}{'layout':<7}{'reduce':<9}{'model':<12}{'remat':<18}{'N':>3}{'temp MiB':>11}{'peak MiB':>11}"]
+    lines = [f"{'who':<7}{'layout':<7}{'reduce':<9}{'model':<12}{'remat':<18}{'batch':>8}{'L':>3}{'N':>3}"
+             f"{'temp MiB':>11}{'peak MiB':>11}"]
     for r in rows:
         c = r["compiled"]
         lines.append(f"{r['who']:<7}{r['layout']:<7}{str(r['reduce_dtype']):<9}{r['model']:<12}"
-                     f"{str(r['remat']):<18}{r['devices']:>3}{c['temp_size_in_bytes'] / 2**20:>11.1f}"
-                     f"{c['peak_estimate_bytes'] / 2**20:>11.1f}")
+                     f"{str(r['remat']):<18}{_batch_label(r):>8}{r.get('layers', 12):>3}{r['devices']:>3}"
+                     f"{c['temp_size_in_bytes'] / 2**20:>11.1f}{c['peak_estimate_bytes'] / 2**20:>11.1f}")
+    return "\n".join(lines)
+
+
+def _batch_label(row: dict) -> str:
+    return f"{row['batch_per_device']}x{row.get('seq', 128)}"
+
+
+_WHO = {("hand", "zero", None): "hand-written ZeRO (optax + `NamedSharding`)",
+        ("hand", "zero", "float32"): "hand-written ZeRO (`shard_map` `psum_scatter`)",
+        ("jaxmp", "zero", None): "jaxmp `\"zero\"`", ("jaxmp", "zero", "float32"): "jaxmp `\"zero\"`",
+        ("hand", "fsdp", None): "hand-written FSDP (constraint in the scan body)",
+        ("jaxmp", "fsdp", None): "jaxmp `\"fsdp\"` + `scan_layers`",
+        ("jaxmp", "fsdp", "float32"): "jaxmp `\"fsdp\"` + `scan_layers`"}
+
+
+def gpt2_markdown(rows: list[dict]) -> str:
+    """The GPT-2 rows as the markdown table docs/parallel.md quotes (a test compares the two).
+
+    One line per (who, reduce dtype, remat, batch, layers); the N = 2 and N = 8 temporaries side
+    by side where both were compiled, with their ratio, and the N = 8 peak.
+    """
+    by_key: dict = {}
+    for r in rows:
+        key = (r["who"], r["layout"], r["reduce_dtype"], r["remat"], _batch_label(r), r.get("layers", 12))
+        by_key.setdefault(key, {})[r["devices"]] = r["compiled"]
+    lines = ["| per-device batch (layers) | step | reduce | remat | temp MiB N=2 | temp MiB N=8 | N8/N2 "
+             "| peak MiB N=8 |", "|---|---|---|---|---|---|---|---|"]
+    mib = lambda c, k: f"{c[k] / 2**20:.1f}" if c else "-"  # noqa: E731
+    for (who, layout, rd, remat, batch, layers), by_n in by_key.items():
+        two, eight = by_n.get(2), by_n.get(8)
+        ratio = f"{eight['temp_size_in_bytes'] / two['temp_size_in_bytes']:.2f}" if two and eight else "-"
+        lines.append(f"| {batch} ({layers}) | {_WHO[who, layout, rd]} | {'bf16 (XLA)' if rd is None else rd} "
+                     f"| {remat or '-'} | {mib(two, 'temp_size_in_bytes')} | {mib(eight, 'temp_size_in_bytes')} "
+                     f"| {ratio} | {mib(eight, 'peak_estimate_bytes')} |")
     return "\n".join(lines)
 
 
@@ -260,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--depth", type=int, help="layers (default 12; dry run 2)")
     parser.add_argument("--gpt2", action="store_true",
                         help="the GPT-2-small-shaped model: jaxmp's layouts against hand-written ZeRO (compile-only)")
+    parser.add_argument("--gpt2-hand-fsdp", action="store_true",
+                        help="with --gpt2: also the hand-written scan-over-layers FSDP against jaxmp's at XLA's reduce")
     parser.add_argument("--step-time", action="store_true",
                         help="also time a step of each layout on a small model (regression-only on CPU)")
     return parser
@@ -295,19 +344,34 @@ def main(argv=None) -> dict:
     if args.gpt2:
         from benchmarks import _gpt2
 
-        shape = _gpt2.TINY if args.dry_run else _gpt2.GPT2_SMALL
+        import dataclasses
+
+        small = _gpt2.TINY if args.dry_run else _gpt2.GPT2_SMALL
         rows = []
-        for n in counts:
-            for case in GPT2_CASES:
-                rows.append(measure_gpt2(*case, n=n, shape=shape))
-                common.log(f"gpt2 {case} N={n}: peak {rows[-1]['compiled']['peak_estimate_bytes'] / 2**20:.1f} MiB",
-                           args.quiet)
-        print(_gpt2_table(rows), flush=True)
-        result = common.make_result("memory_gpt2", common.jax_env(), {"shape": str(shape), "optimizer": "adamw",
-                                                                      "policy": "O2-bf16", "label": "CPU compile-only"},
-                                    {"rows": rows}, args.dry_run)
+        # The small batch: every case on every N; the large one: N = 8 only (the ratios are the
+        # small batch's), zero against the hand-written one and jaxmp's float32 FSDP.
+        cases = GPT2_ZERO + GPT2_FSDP + (GPT2_HAND_FSDP if args.gpt2_hand_fsdp else ())
+        plan = [(b, max(counts), case) for b in GPT2_BATCHES[1:] for case in GPT2_ZERO + GPT2_FSDP]
+        plan += [(b, n, case) for b in GPT2_BATCHES[:1] for n in sorted(counts, reverse=True) for case in cases
+                 if n == max(counts) or case in GPT2_FSDP]
+        env = common.jax_env()
+        config = {"shape": str(small), "optimizer": "adamw", "policy": "O2-bf16", "label": "CPU compile-only"}
         out = args.out or str(common.RESULTS_DIR / "memory" / ("gpt2_dry_run.json" if args.dry_run else
-                                                               f"gpt2_{common.device_slug(result['env']['device'])}.json"))
+                                                               f"gpt2_{common.device_slug(env['device'])}.json"))
+        for (per_device, seq), n, case in plan:
+            shape = small if per_device == GPT2_BATCHES[0][0] else dataclasses.replace(
+                small, seq=min(seq, small.positions),
+                layers=small.layers if args.dry_run else GPT2_LARGE_BATCH_LAYERS)
+            rows.append(measure_gpt2(*case, n=n, batch_per_device=per_device, shape=shape))
+            rows[-1].update(seq=shape.seq, layers=shape.layers)
+            common.log(f"gpt2 {case} {per_device}x{shape.seq} L={shape.layers} N={n}: peak "
+                       f"{rows[-1]['compiled']['peak_estimate_bytes'] / 2**20:.1f} MiB", args.quiet)
+            if out != "-" and len(rows) < len(plan):  # minutes a row: what is done survives an interrupted run
+                common.write_json(out, common.make_result("memory_gpt2", env, {**config, "partial": True},
+                                                          {"rows": rows}, args.dry_run))
+        print(_gpt2_table(rows), flush=True)
+        print(gpt2_markdown(rows), flush=True)
+        result = common.make_result("memory_gpt2", env, config, {"rows": rows}, args.dry_run)
         common.emit(result, out)
         return result
     rows = []
@@ -321,8 +385,12 @@ def main(argv=None) -> dict:
     results = {"rows": rows}
     if args.step_time:
         results["step_time"] = step_times(**(STEP_TIME_DRY if args.dry_run else STEP_TIME))
-        for k, v in results["step_time"]["seconds_per_step"].items():
-            print(f"step time {k:<11} {v['median'] * 1e3:8.2f} ms (IQR {v['iqr'] * 1e3:.2f}; regression-only on CPU)")
+        times = results["step_time"]["seconds_per_step"]
+        results["step_time"]["ratio_to_replicated"] = {k: v["median"] / times["replicated"]["median"]
+                                                       for k, v in times.items()}
+        for k, v in times.items():
+            print(f"step time {k:<11} {v['median'] * 1e3:8.2f} ms (IQR {v['iqr'] * 1e3:.2f}), "
+                  f"{results['step_time']['ratio_to_replicated'][k]:.2f}x replicated (informational, CPU)")
     result = common.make_result("memory", common.jax_env(), {**size, "optimizer": "adamw", "policy": "O2-bf16",
                                                              "tolerance": TOLERANCE}, results, args.dry_run)
     out = args.out

@@ -535,8 +535,15 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
 
         grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
         use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
+        # With a master copy the fused step's params are the master's cast: they are made once,
+        # from the master the skip has already chosen, instead of being chosen between the cast
+        # of the new master and the old params. The same bits (the params are the cast of the
+        # master they were stepped from, and the master is their exact widening at init), but no
+        # select reads the old params: under ZeRO the params are replicated and the master
+        # sharded, so that select held a copy of the old params' slice (measured: docs/parallel.md).
+        from_master = fused and keeps_master
         out, inner_state = _inner_step(inner, state.loss_scale, keeps_master, grads, grads_finite, state, params,
-                                       use_cond, extra_args, fused, fold_ok(state.loss_scale))
+                                       use_cond, extra_args, fused and not from_master, fold_ok(state.loss_scale))
 
         half_arithmetic = keeps_master or _has_half((grads, state.inner_state))
         if half_arithmetic if check_updates is None else check_updates:
@@ -547,14 +554,17 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
             # new params instead of the updates (the updates are never written out; comparing with
             # the old params would read them a second time), so a param that already holds inf
             # or NaN makes it skip (docs/reliability.md); a skipped step is not checked again.
-            ok = all_finite(out)
+            ok = all_finite(apply_to_params(params, out, inner_state) if from_master else out)
             ok = ok & all_finite(_float16_leaves(inner_state))
             updates_finite = _verdict(ok | jnp.logical_not(grads_finite), axis_name)
             inner_state = keep_if_finite(updates_finite, inner_state, state.inner_state)
-            old = params if fused else jax.tree_util.tree_map(_negative_zeros, out)
-            out = keep_if_finite(updates_finite, out, old)
+            if not from_master:
+                old = params if fused else jax.tree_util.tree_map(_negative_zeros, out)
+                out = keep_if_finite(updates_finite, out, old)
         else:
             updates_finite = jnp.array(True)
+        if from_master:
+            out = apply_to_params(params, out, inner_state)
         finite = grads_finite & updates_finite
 
         reason = jnp.where(grads_finite, jnp.where(updates_finite, APPLIED, NON_FINITE_UPDATES), NON_FINITE_GRADIENTS)
@@ -639,6 +649,8 @@ def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_a
 
     A [`loss_scaling`][jaxmp.loss_scaling] transform steps the params inside the skip; any other
     transform falls back to ``tx.update`` and ``apply_updates``. See docs/design.md#loss-scaling.
+    With a master copy the params are cast from the master the skip kept (no select against the old
+    params, which under ZeRO would hold a copy of their slice).
 
     Args:
       tx: the optax transformation (usually ``jaxmp.loss_scaling(...)``).

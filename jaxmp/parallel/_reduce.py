@@ -40,6 +40,36 @@ def _sum_in(ct: jax.Array, reduce_dtype: Any) -> jax.Array:
     return ct.astype(reduce_dtype) if reduce_dtype is not None else ct
 
 
+BUCKET_BYTES = 16 * 2**20
+"""The largest piece of one gradient reduced at once, in bytes of the reduce dtype. A larger
+gradient (a tied embedding's: 50257 x 768 is 147 MiB in float32) is cast and reduced in pieces
+along a dimension it is not scattered over, each piece cast back to the gradient's dtype before
+the next, so its float32 copy is never whole: the same sums, bit for bit (a reduction over
+devices is elementwise), for a bucket's worth of float32 temporaries."""
+
+
+def _buckets(ct: jax.Array, reduce_dtype: Any, keep: int | None) -> tuple[int, list[tuple[int, int]]]:
+    # The dimension to cut (the largest besides ``keep``, the scattered one) and the pieces' bounds.
+    itemsize = jnp.dtype(ct.dtype if reduce_dtype is None else reduce_dtype).itemsize
+    dims = [d for d in range(ct.ndim) if d != keep and ct.shape[d] > 1]
+    pieces = -(-ct.size * itemsize // BUCKET_BYTES)
+    if pieces <= 1 or not dims:
+        return -1, []
+    along = max(dims, key=lambda d: ct.shape[d])
+    pieces = min(pieces, ct.shape[along])
+    bounds = [ct.shape[along] * i // pieces for i in range(pieces + 1)]
+    return along, list(zip(bounds[:-1], bounds[1:]))
+
+
+def _reduce(ct: jax.Array, reduce_dtype: Any, keep: int | None, collective: Any) -> jax.Array:
+    """``collective`` of ``ct`` summed in ``reduce_dtype`` and cast back, a bucket at a time."""
+    along, bounds = _buckets(ct, reduce_dtype, keep)
+    if not bounds:
+        return collective(_sum_in(ct, reduce_dtype)).astype(ct.dtype)
+    return jnp.concatenate([collective(_sum_in(jax.lax.slice_in_dim(ct, a, b, axis=along), reduce_dtype))
+                            .astype(ct.dtype) for a, b in bounds], axis=along)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def all_reduced(p: jax.Array, axis: str, reduce_dtype: Any) -> jax.Array:
     """``p`` (the same on every device); its gradient is summed over ``axis`` in ``reduce_dtype``."""
@@ -51,7 +81,7 @@ def _all_reduced_fwd(p, axis, reduce_dtype):
 
 
 def _all_reduced_bwd(axis, reduce_dtype, _, ct):
-    return (jax.lax.psum(_sum_in(ct, reduce_dtype), axis).astype(ct.dtype),)
+    return (_reduce(ct, reduce_dtype, None, lambda x: jax.lax.psum(x, axis)),)
 
 
 all_reduced.defvjp(_all_reduced_fwd, _all_reduced_bwd)
@@ -71,9 +101,13 @@ def _scattered_fwd(full, piece, axis, dim, reduce_dtype):
     return _varying(full, axis), None
 
 
+def _scatter(ct: jax.Array, axis: str, dim: int, reduce_dtype: Any) -> jax.Array:
+    return _reduce(ct, reduce_dtype, dim,
+                   lambda x: jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True))
+
+
 def _scattered_bwd(axis, dim, reduce_dtype, _, ct):
-    piece = jax.lax.psum_scatter(_sum_in(ct, reduce_dtype), axis, scatter_dimension=dim, tiled=True)
-    return None, piece.astype(ct.dtype)
+    return None, _scatter(ct, axis, dim, reduce_dtype)
 
 
 scattered.defvjp(_scattered_fwd, _scattered_bwd)
@@ -91,8 +125,7 @@ def _gathered_fwd(piece, axis, dim, reduce_dtype):
 
 
 def _gathered_bwd(axis, dim, reduce_dtype, _, ct):
-    piece = jax.lax.psum_scatter(_sum_in(ct, reduce_dtype), axis, scatter_dimension=dim, tiled=True)
-    return (piece.astype(ct.dtype),)
+    return (_scatter(ct, axis, dim, reduce_dtype),)
 
 
 gathered.defvjp(_gathered_fwd, _gathered_bwd)
