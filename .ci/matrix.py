@@ -8,7 +8,7 @@ import ast
 import pathlib
 import sys
 
-source = (pathlib.Path(__file__).resolve().parents[1] / "jaxmp" / "engine" / "tested.py").read_text()
+source = (pathlib.Path(__file__).resolve().parents[1] / "jaxmp" / "engine" / "_tested.py").read_text()
 tree = ast.parse(source)
 matrix = next(ast.literal_eval(node.value) for node in tree.body
               if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "MATRIX")

@@ -248,7 +248,7 @@ def test_precision_report_explains_each_rule(params):
     assert "Autocast decisions" in text and "half list" in text and "jaxmp[keep]:autocast(O1-bf16)" in text
     assert rep.to_dict()["autocast_decisions"][0]["rule"]
     # the explain scopes exist only while the report traces: a normal trace has none
-    assert not jaxmp.diagnostics._autocast_ops(jax.make_jaxpr(f)(params, jnp.ones((8, 4))))
+    assert not jaxmp.diagnostics._autocast_ops.autocast_ops(jax.make_jaxpr(f)(params, jnp.ones((8, 4))))
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")

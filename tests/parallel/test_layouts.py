@@ -671,7 +671,7 @@ def test_docs_gpt2_memory_table_is_the_recorded_benchmark():
 
     from benchmarks import memory
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     rows = json.loads((root / "benchmarks" / "results" / "memory" / "gpt2_cpu.json").read_text())["results"]["rows"]
     assert memory.gpt2_markdown(rows) in (root / "docs" / "parallel.md").read_text()
     zero = {(r["who"], r["reduce_dtype"], r["batch_per_device"]): r["compiled"]["peak_estimate_bytes"]
