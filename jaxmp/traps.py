@@ -8,8 +8,10 @@ Each check runs in Python at trace time (or in ``init``), so it costs nothing pe
 * a float16 loss given to [`jaxmp.value_and_grad`][jaxmp.value_and_grad] with a loss scale: warn (its gradient
   overflows float16 at any scale >= 2**16);
 * a float16 autocast region differentiated outside `jaxmp.value_and_grad` (no loss scale,
-  so small gradients flush to zero): warn when the differentiation is traced, once per trace;
-  the evidence is a context flag `jaxmp.value_and_grad` sets while it differentiates;
+  so small gradients flush to zero): warn when the gradient is traced, once per trace; the
+  evidence is a context flag `jaxmp.value_and_grad` sets while it differentiates, or a loss
+  scale's ``scale`` called between the region's forward pass and its backward pass (a loss
+  scaled by hand; a context counter, see `scales_so_far`);
 * an optax chain whose transforms run before ``loss_scaling`` (they see scaled gradients): warn;
 * float16 params with loss scaling but no master copy (O2-fp16 without master weights,
   where small updates round away), or bfloat16 params with neither a master copy nor
@@ -43,6 +45,29 @@ class MixedPrecisionWarning(UserWarning):
 #: True while `jaxmp.value_and_grad` differentiates (its loss is multiplied by a loss
 #: scale): float16 autocast regions differentiated then are not warned about (``unscaled_fp16_grad``).
 _LOSS_SCALED_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxmp_loss_scaled_grad", default=False)
+
+
+#: How many times a loss-scale object multiplied something (``LossScale.scale``) in this context:
+#: a float16 region whose backward pass sees the count grew since its forward pass was scaled.
+_SCALES: contextvars.ContextVar[int] = contextvars.ContextVar("jaxmp_loss_scales_applied", default=0)
+
+
+def scales_so_far() -> int:
+    """How many times a loss scale's ``scale`` has run in this context (a thread or task).
+
+    Returns:
+      The count; only differences between two readings mean anything.
+    """
+    return _SCALES.get()
+
+
+def in_loss_scaled_grad() -> bool:
+    """Whether `jaxmp.value_and_grad` (a loss-scaled differentiation) is running in this context.
+
+    Returns:
+      True inside `loss_scaled_grad`.
+    """
+    return _LOSS_SCALED_GRAD.get()
 
 
 @contextlib.contextmanager
@@ -117,6 +142,7 @@ UNSCALED, SCALED = ScaledMark(False), ScaledMark(True)
 
 def note_scaled(loss_scale: Any) -> None:
     """Marks ``loss_scale`` (a loss-scale object) as having multiplied a loss (``LossScale.scale``)."""
+    _SCALES.set(_SCALES.get() + 1)
     if hasattr(loss_scale, "scaled_mark"):
         object.__setattr__(loss_scale, "scaled_mark", SCALED)
         # A pure copy of a state kept in mutable variables (jaxmp.flax.nnx.optimizer_state) links to
