@@ -1,6 +1,7 @@
 """What each autocast promotion rule costs: XLA bytes accessed and compiled peak of value_and_grad.
 
-Run: ``python -m benchmarks.promotion [--out FILE]``. Compares float32, the native half
+Run: ``python -m benchmarks.promotion [--out FILE]``; ``--dry-run`` runs every row at tiny sizes
+in seconds (the tests use it). Compares float32, the native half
 reference (hand cast / Flax dtype=bfloat16), O1 under ``promote="narrow"``, ``"demand"`` (O1's
 default) and ``"widest"``, and O2 (narrow), on the benchmark models and a 4-block plain-JAX
 Transformer whose biases are separate adds. CPU times are printed but informational only.
@@ -42,42 +43,55 @@ def plain_transformer(key, layers=4, d=256, mlp=1024, seq=128, batch=8, heads=4)
     tok = jax.random.randint(key, (batch, seq), 0, 64); y = jnp.arange(batch) % 10
     return params, (tok, y), loss
 
-def measure(loss, params, batch):
+#: The plain Transformer's sizes: full, and tiny for ``--dry-run``.
+PLAIN = dict(layers=4, d=256, mlp=1024, seq=128, batch=8, heads=4)
+DRY_PLAIN = dict(layers=1, d=16, mlp=32, seq=8, batch=2, heads=2)
+
+
+def measure(loss, params, batch, repeats=7):
     c = jax.jit(jax.value_and_grad(loss)).lower(params, *batch).compile()
     st = eff.hlo_stats(c); ma = c.memory_analysis()
     peak = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
     c(params, *batch)[0].block_until_ready()
     ts = []
-    for _ in range(7):
+    for _ in range(repeats):
         t0 = time.perf_counter(); jax.block_until_ready(c(params, *batch)); ts.append(time.perf_counter() - t0)
     return {"MiB": st["bytes"] / 2**20, "peak MiB": peak / 2**20, "converts": st["converts"], "ms": 1e3 * float(np.median(ts))}
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write the table as JSON here")
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes, one timed call: a smoke run in seconds")
+    parser.add_argument("--models", help="comma list of mlp, transformer, resnet, plain-transformer (default: all)")
     args = parser.parse_args(argv)
+    from benchmarks import _common as common
+
+    chosen = common.parse_choices(args.models, ["mlp", "transformer", "resnet", "plain-transformer"], "model")
+    sizes, plain, repeats = (ab.DRY_SIZES, DRY_PLAIN, 1) if args.dry_run else (ab.SIZES, PLAIN, 7)
     models = {}
-    for name in ["mlp", "transformer", "resnet"]:
-        m = ab.build_model(name, ab.SIZES)
+    for name in [m for m in ("mlp", "transformer", "resnet") if m in chosen]:
+        m = ab.build_model(name, sizes)
         models[name] = (m.params, m.batch, m.loss, lambda p, x, y, m=m: m.hand_loss(p, x, y, jnp.bfloat16))
-    p, b, l = plain_transformer(jax.random.key(0))
-    models["plain-transformer-4"] = (p, b, l, None)
+    if "plain-transformer" in chosen:
+        p, b, l = plain_transformer(jax.random.key(0), **plain)
+        models[f"plain-transformer-{plain['layers']}"] = (p, b, l, None)
     out = {}
     for name, (params, batch, loss, native) in models.items():
-        row = {"float32": measure(loss, params, batch)}
+        row = {"float32": measure(loss, params, batch, repeats)}
         if native is not None:
-            row["native"] = measure(native, params, batch)
+            row["native"] = measure(native, params, batch, repeats)
         for pr in ["narrow", "demand", "widest"]:
-            row[f"O1 {pr}"] = measure(jaxmp.autocast(loss, "O1-bf16", rules=AutocastRules(promote=pr)), params, batch)
-        row["O2 narrow"] = measure(jaxmp.autocast(loss, "O2-bf16", rules=AutocastRules(promote="narrow")), params, batch)
+            o1 = jaxmp.autocast(loss, "O1-bf16", rules=AutocastRules(promote=pr))
+            row[f"O1 {pr}"] = measure(o1, params, batch, repeats)
+        o2 = jaxmp.autocast(loss, "O2-bf16", rules=AutocastRules(promote="narrow"))
+        row["O2 narrow"] = measure(o2, params, batch, repeats)
         out[name] = row
         for k, v in row.items():
             print(f"{name:22s} {k:10s} bytes {v['MiB']:9.1f} MiB  peak {v['peak MiB']:8.1f} MiB  converts {v['converts']:4d}  cpu {v['ms']:7.2f} ms", flush=True)
     if args.out:  # provenance beside the table: device, JAX version, commit
-        from benchmarks import _common as common
-
         with open(args.out, "w") as f:
             json.dump({"env": common.jax_env(), "commit": common.git_commit(), "utc": common.utc_now(),
+                       "dry_run": args.dry_run,
                        "units": "bytes and peak in MiB, cpu time in ms (informational)", "models": out}, f, indent=1)
     return out
 

@@ -182,25 +182,26 @@ jax.tree_util.register_pytree_with_keys(
     StepMetrics, _flatten_metrics, lambda keys, values: StepMetrics(zip(keys, values)))
 
 
-def step_metrics(out: StepResult, *, scale: str = "next", **extra: Any) -> StepMetrics:
-    """The metrics of one step, the same keys for every step.
+def step_metrics(out: StepResult, **extra: Any) -> StepMetrics:
+    """The metrics of one step, the same keys with the same meaning for every step (Flax, NNX,
+    pmap, sharded).
+
+    ``loss_scale`` is the scale this step's loss was multiplied by, the one its
+    ``last_step_finite`` and ``loss`` belong to (as torch's ``GradScaler.get_scale()`` read
+    before ``scaler.update()``): on an overflow it is the scale that overflowed, and the backed-off
+    scale the next step uses is in the returned optimizer state
+    (``jaxmp.scaling_stats(opt_state)["loss_scale"]``). The skip counters are after this step.
 
     Args:
       out: the step's `StepResult`.
-      scale: which loss scale ``loss_scale`` reports: ``"next"`` (the scale after this step's
-        adjustment, the one the next step uses: the parallel steps) or ``"used"`` (the scale
-        this step's loss was multiplied by: the Flax steps).
       **extra: further entries (``accuracy``, ``aux``).
 
     Returns:
       A `StepMetrics`: ``loss``, ``loss_scale``, ``last_step_finite`` (whether the step was
       applied), ``consecutive_skips``, ``total_skips``, and ``extra``.
     """
-    if scale not in ("next", "used"):
-        raise ValueError(f"scale must be 'next' or 'used', got {scale!r}")
     stats = scaling_stats(out.opt_state)
-    if scale == "used":
-        stats["loss_scale"] = out.loss_scale
+    stats["loss_scale"] = out.loss_scale
     return StepMetrics(loss=out.loss, **stats, **extra)
 
 
@@ -256,7 +257,7 @@ def make_generic_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads
 
     Returns:
       ``body(state, opt_state, batch, rng=None) -> (state, opt_state, metrics)`` (not
-      jitted), ``metrics`` from `step_metrics` (``scale="next"``).
+      jitted), ``metrics`` from `step_metrics`.
     """
     # optax's name for the loss; the loss-scaling state then tells a NaN loss from NaN gradients.
     pass_value = isinstance(tx, optax.GradientTransformationExtraArgs)

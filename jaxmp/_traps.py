@@ -27,6 +27,29 @@ class MixedPrecisionWarning(UserWarning):
 _LOSS_SCALED_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxmp_loss_scaled_grad", default=False)
 
 
+#: How many times a loss-scale object multiplied something (``LossScale.scale``) in this context:
+#: a float16 region whose backward pass sees the count grew since its forward pass was scaled.
+_SCALES: contextvars.ContextVar[int] = contextvars.ContextVar("jaxmp_loss_scales_applied", default=0)
+
+
+def scales_so_far() -> int:
+    """How many times a loss scale's ``scale`` has run in this context (a thread or task).
+
+    Returns:
+      The count; only differences between two readings mean anything.
+    """
+    return _SCALES.get()
+
+
+def in_loss_scaled_grad() -> bool:
+    """Whether `jaxmp.value_and_grad` (a loss-scaled differentiation) is running in this context.
+
+    Returns:
+      True inside `loss_scaled_grad`.
+    """
+    return _LOSS_SCALED_GRAD.get()
+
+
 @contextlib.contextmanager
 def loss_scaled_grad() -> Iterator[None]:
     """While active, differentiation is of a loss-scaled loss (set by `jaxmp.value_and_grad`).
@@ -96,6 +119,7 @@ UNSCALED, SCALED = ScaledMark(False), ScaledMark(True)
 
 def note_scaled(loss_scale: Any) -> None:
     """Marks ``loss_scale`` (a loss-scale object) as having multiplied a loss (``LossScale.scale``)."""
+    _SCALES.set(_SCALES.get() + 1)
     if hasattr(loss_scale, "scaled_mark"):
         object.__setattr__(loss_scale, "scaled_mark", SCALED)
         # A pure copy of a state kept in mutable variables (jaxmp.flax.nnx.optimizer_state) links to

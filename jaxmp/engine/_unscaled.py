@@ -1,8 +1,9 @@
 """A warning for float16 regions differentiated with no loss scale.
 
 A float16 autocast program passes its floating inputs through an identity with a custom JVP
-(`watch`) that warns when JAX differentiates it, unless `jaxmp.value_and_grad` is the one
-differentiating (float16 gradients below 6e-8 flush to zero).
+(`watch`) that tags the tangents; the tag's transpose, traced after the whole forward pass, warns
+unless `jaxmp.value_and_grad` is differentiating or a loss scale's ``scale`` ran in between (a
+loss scaled by hand). float16 gradients below 6e-8 flush to zero. See docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import weakref
 from typing import Any, Sequence
 
 import jax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from jaxmp import _traps as traps
 from jaxmp.engine import _internals as internals
 from jaxmp.engine._values import dtype_of, is_float
 
-#: The traces a warning was given in, held weakly: a model with many autocast regions warns
-#: once per trace, not once per region.
-_WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+#: The traces whose first float16 region was tagged, held weakly: a model with many autocast
+#: regions warns once per differentiation, not once per region.
+_WATCHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def watch(xs: Sequence[Any], where: str) -> list[Any]:
@@ -47,8 +50,40 @@ def _identity(where, *xs):
 
 @_identity.defjvp
 def _identity_jvp(where, primals, tangents):
-    trace = internals.trace_of(primals)
-    if trace is None or trace not in _WARNED:
-        if traps.unscaled_fp16_grad(where) and trace is not None:
-            _WARNED.add(trace)
-    return primals, tangents
+    if traps.in_loss_scaled_grad():
+        return primals, tangents
+    # Eager grad: concrete primals, the tangents are the linearization's tracers.
+    trace = internals.trace_of(primals) or internals.trace_of(tangents)
+    if trace is not None:
+        if trace in _WATCHED:
+            return primals, tangents
+        _WATCHED.add(trace)
+    scales = traps.scales_so_far()
+    return primals, tuple(_tap_p.bind(*tangents, where=where, scales=scales))
+
+
+#: ``_tap_p(*ts, where, scales) = ts``: the tangent tag; its transpose is where the warning is decided.
+_tap_p = Primitive("jaxmp_unscaled_fp16_tap")
+_tap_p.multiple_results = True
+_tap_p.def_impl(lambda *ts, **_: ts)
+_tap_p.def_abstract_eval(lambda *avals, **_: avals)
+mlir.register_lowering(_tap_p, mlir.lower_fun(lambda *ts, **_: ts, multiple_results=True))
+batching.primitive_batchers[_tap_p] = lambda args, dims, **params: (_tap_p.bind(*args, **params), dims)
+
+
+def _tap_jvp(primals, tangents, **params):
+    # Linear: the tangent of the tag is the tag of the tangents.
+    return _tap_p.bind(*primals, **params), _tap_p.bind(*map(ad.instantiate_zeros, tangents), **params)
+
+
+ad.primitive_jvps[_tap_p] = _tap_jvp
+
+
+def _tap_transpose(cts, *ts, where: str, scales: int):
+    # Runs while the gradient is traced, after the whole forward pass (loss scaling included).
+    if traps.scales_so_far() == scales:  # no loss scale ran since the forward pass
+        traps.unscaled_fp16_grad(where)
+    return [ct if ad.is_undefined_primal(t) else None for ct, t in zip(cts, ts)]
+
+
+ad.primitive_transposes[_tap_p] = _tap_transpose

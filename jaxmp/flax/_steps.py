@@ -40,10 +40,9 @@ def _make_flax_step(loss_fn: Callable, tx: Any, axis_name: Any, reduce_model_sta
 
 
 def _flax_metrics(out: StepResult, axis_name: Any) -> StepMetrics:
-    """Every step's metrics (``loss_scale``: the scale this step's loss was multiplied by) plus the
-    accuracy, averaged over the replicas under pmap."""
+    """Every step's metrics (`step_metrics`) plus the accuracy, averaged over the replicas under pmap."""
     acc = out.aux if axis_name is None else jax.lax.pmean(out.aux, axis_name)
-    return step_metrics(out, scale="used", accuracy=acc)
+    return step_metrics(out, accuracy=acc)
 
 
 def _loss_and_logits(state: Any, params: Any, model_state: Any, inputs: Any, labels: Any, loss_fn: Callable,

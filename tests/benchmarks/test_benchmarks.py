@@ -552,3 +552,107 @@ def test_fp8_benchmark_records_fp8_variants_as_skipped_where_the_hardware_check_
     r = result["results"]["models"]["mlp"]
     assert r["variants"] == {} and set(r["skipped"]) == {"fp8", "fp8-current"}
     assert all("no fp8 Tensor Cores" in why for why in r["skipped"].values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Dry runs of the entry points the sections above do not run (every benchmarks/*.py main is run
+# once with --dry-run somewhere: see test_every_script_has_a_dry_run_test).
+
+
+_NATIVE_BF16 = "the native baseline: Flax modules with dtype=bfloat16 mix float32 statistics and bfloat16"
+
+
+@pytest.mark.standard_promotion(reason=_NATIVE_BF16)
+def test_promotion_dry_run_measures_every_rule(tmp_path):
+    _promotion_dry_run(tmp_path, ["--models", "mlp"], {"mlp"})
+
+
+@pytest.mark.slow  # 24 compilations: ~70 s on a busy 2-core machine
+@pytest.mark.standard_promotion(reason=_NATIVE_BF16)
+def test_promotion_dry_run_on_every_model(tmp_path):
+    _promotion_dry_run(tmp_path, [], {"mlp", "transformer", "resnet", "plain-transformer-1"})
+
+
+def _promotion_dry_run(tmp_path, flags, names):
+    from benchmarks import promotion
+
+    out = tmp_path / "promotion.json"
+    rows = promotion.main(["--dry-run", *flags, "--out", str(out)])
+    rules = {"float32", "O1 narrow", "O1 demand", "O1 widest", "O2 narrow"}
+    assert set(rows) == names
+    for name, row in rows.items():
+        assert rules <= set(row) and ("native" in row) == (name != "plain-transformer-1"), (name, row)
+        assert all(v["MiB"] > 0 and v["peak MiB"] > 0 and v["ms"] > 0 for v in row.values()), (name, row)
+    # Half precision converts: O1 inserts casts that the float32 program does not have.
+    assert all(row["O1 demand"]["converts"] > row["float32"]["converts"] for row in rows.values())
+    written = json.loads(out.read_text())
+    assert written["dry_run"] is True and written["models"] == json.loads(json.dumps(rows))
+    assert written["env"]["versions"]["jax"] and written["commit"]["sha"]
+
+
+def test_trace_profile_dry_run(tmp_path):
+    from benchmarks import trace_profile
+
+    out = tmp_path / "trace.json"
+    results = trace_profile.main(["--dry-run", "--models", "mlp", "--out", str(out)])
+    r = results["mlp"]
+    assert r["jaxmp"]["first_order_equations"] > 0 and r["hand"]["profiled_trace_s"] > 0
+    assert 0 < r["engine_share_of_jaxmp_trace"] <= 1
+    assert json.loads(out.read_text())["dry_run"] is True
+
+
+def test_flops_dry_run_counts_every_tiny_model():
+    rows = flops.main(["--dry-run"])
+    assert rows and all(r["per_step"] > r["forward"] > 0 for r in rows), rows
+
+
+@pytest.mark.slow  # one fresh process per measurement: ~20 s each on a busy 2-core machine
+def test_debugger_dry_run_times_the_step_and_a_tool(tmp_path):
+    from benchmarks import debugger
+
+    out = tmp_path / "debugger.json"
+    results = debugger.main(["--dry-run", "--models", "cnn", "--tools", "locate", "--out", str(out)])
+    row = results["cnn"]
+    assert row["cold_step_s"] > 0 and row["warm_step_s"] > 0, row
+    assert row["locate"]["seconds"] > 0 and row["locate"]["alarm"] is False, row
+    assert json.loads(out.read_text())["dry_run"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
+def test_efficiency_dry_run_writes_valid_json(tmp_path):
+    from benchmarks import efficiency
+
+    out = tmp_path / "efficiency.json"
+    efficiency.main(["--dry-run", "--quiet", "--models", "mlp", "--out", str(out)])
+    _assert_valid(json.loads(out.read_text()), "efficiency")
+
+
+#: Where each entry point's dry run (or, for scripts without a model to shrink, its plain run) is
+#: tested: a script added without one fails here.
+DRY_RUN_TESTS = {
+    "autocast": "tests/test_benchmarks.py::test_autocast_benchmark_dry_run",
+    "debugger": "tests/test_benchmarks.py::test_debugger_dry_run_times_the_step_and_a_tool",
+    "efficiency": "tests/test_benchmarks.py::test_efficiency_dry_run_writes_valid_json",
+    "fidelity": "tests/test_fidelity.py::fidelity.main([\"--dry-run\"",
+    "flops": "tests/test_benchmarks.py::test_flops_dry_run_counts_every_tiny_model",
+    "fp8": "tests/test_benchmarks.py::test_fp8_benchmark_dry_run_times_every_variant",
+    "kernel_profile": "tests/test_benchmarks.py::test_profile_writes_a_top_kernel_table",
+    "memory": "tests/test_parallel_layouts.py::memory.main([\"--dry-run\"",
+    "overhead": "tests/test_benchmarks.py::test_overhead_dry_run_writes_valid_json",
+    "promotion": "tests/test_benchmarks.py::test_promotion_dry_run_measures_every_rule",
+    "report": "tests/test_benchmarks.py::report.main([\"--check\"])",
+    "run_gpu": "tests/test_benchmarks.py::run_gpu.main([\"--dry-run\"",
+    "scaling_model": "tests/test_docs.py::module[\"main\"]([])",
+    "throughput": "tests/test_benchmarks.py::test_throughput_part_of_the_suite",
+    "torch_amp": "tests/test_benchmarks.py::torch_amp.main([\"--dry-run\"",
+    "trace_profile": "tests/test_benchmarks.py::test_trace_profile_dry_run",
+}
+
+
+def test_every_script_has_a_dry_run_test():
+    assert set(DRY_RUN_TESTS) == set(SCRIPTS), "add the new script's dry-run test to DRY_RUN_TESTS"
+    for name, where in DRY_RUN_TESTS.items():
+        path, needle = where.split("::")
+        needle = f"def {needle}" if needle.startswith("test_") else needle
+        assert needle in (ROOT / path).read_text(), (name, where)

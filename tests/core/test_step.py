@@ -251,3 +251,36 @@ def test_make_generic_step_refuses_per_replica_batch_stats_fp8_state_and_integer
     tx, body = _generic(lambda p, b: jnp.sum(p["w"]))
     with pytest.raises(TypeError, match=r"\['n'\] has dtype int32"):
         body({"w": jnp.ones(2), "n": jnp.int32(0)}, tx.init(params), jnp.ones(2))
+
+
+def test_every_step_reports_the_loss_scale_this_step_used():
+    """``metrics["loss_scale"]`` means one thing in the Flax, pmap and sharded steps: the scale
+    this step's loss was multiplied by (on an overflow, the one that overflowed)."""
+    model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-bf16")
+    x = np.ones((8, 3), np.float32)
+    y = np.zeros(8, np.int32)
+    bad = x.copy()
+    bad[0, 0] = np.inf  # a non-finite loss and gradients: the step is skipped, the scale halves
+    batches = [x, bad, x]
+    variables = model.init(jax.random.key(0), x)
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(2.0**15))
+
+    state = jaxmp.flax.TrainState.create(model, variables, tx)
+    flax_step, flax_scales = jax.jit(jaxmp.flax.make_train_step()), []
+    for b in batches:
+        state, m = flax_step(state, (b, y))
+        flax_scales.append(float(m["loss_scale"]))
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["x"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    mesh = jaxmp.parallel.make_data_mesh()
+    sharded = jaxmp.parallel.make_sharded_train_step(loss_fn, tx, mesh)
+    p, s = jaxmp.parallel.replicate_on_mesh((variables["params"], tx.init(variables["params"])), mesh)
+    sharded_scales = []
+    for b in batches:
+        p, s, m = sharded(p, s, jaxmp.parallel.make_global_batch({"x": b, "y": y}, mesh))
+        sharded_scales.append(float(m["loss_scale"]))
+    assert flax_scales == sharded_scales == [2.0**15, 2.0**15, 2.0**14]
+    assert float(jaxmp.scaling_stats(s)["loss_scale"]) == 2.0**14  # the next step's: in the state

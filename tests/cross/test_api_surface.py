@@ -245,8 +245,11 @@ def _old_place_uses(text: str) -> list[str]:
     for m in re.finditer(r"import (jaxmp(?:\.\w+)+) as (\w+)", text):
         aliases[m.group(2)] = m.group(1)
     found = []
+    words = set(re.findall(r"\w+", text))
     for old, _, _ in _deprecations.TABLE:
         module, _, name = old.rpartition(".")
+        if name not in words:  # every pattern below matches the name as a whole word
+            continue
         patterns = [r"(?<![\w.])%s\.%s\b(?!\.| import)" % (re.escape(module), name),
                     r"from %s import (?:\([^)]*?|[^\n(]*?)(?<![\w.])(?<!as )%s\b(?!\.)" % (re.escape(module), name)]
         patterns += [r"(?<![\w.])%s\.%s\b(?!\.)" % (re.escape(a), name)

@@ -105,7 +105,7 @@ ALLOWED_MODULE_STATE = {
     ("jaxmp/flax/nnx.py", "_WARNED_CALL"),
     # Warn once per trace that a float16 region is differentiated with no loss scale: keyed by
     # the JAX trace object, held weakly.
-    ("jaxmp/engine/_unscaled.py", "_WARNED"),
+    ("jaxmp/engine/_unscaled.py", "_WATCHED"),
     # Log-once de-duplication of INFO messages; no result depends on it.
     ("jaxmp/parallel/_common.py", "_LOGGED"),
     ("jaxmp/engine/_attention.py", "_LOGGED"),

@@ -81,10 +81,11 @@ class LinenNet(nn.Module):
 def test_flax_linen_front_door_under_strict_promotion(level):
     model = jaxmp.flax.mixed_precision(LinenNet(), level)
     recipe = jaxmp.get_recipe(level)
-    variables = model.init(jax.random.key(0), X, train=False)
+    # Jitted: run eagerly, every op of init and apply is compiled on its own (~150 compilations).
+    variables = jax.jit(lambda key: model.init(key, X, train=False))(jax.random.key(0))
     assert variables["params"]["LayerNorm_0"]["scale"].dtype == F32
     assert variables["params"]["Dense_0"]["kernel"].dtype == recipe.policy.param_dtype
-    logits = model.apply(variables, X, train=False)
+    logits = jax.jit(lambda v: model.apply(v, X, train=False))(variables)
     assert logits.dtype == F32
     tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.make_loss_scale(recipe.loss_scale),
                             master_weights=recipe.master_weights)

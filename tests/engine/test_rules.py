@@ -352,6 +352,50 @@ def test_an_fp16_region_differentiated_without_a_loss_scale_warns(how):
     assert len([r for r in record if issubclass(r.category, jaxmp.MixedPrecisionWarning)]) == 1
 
 
+def _fresh_fp16_loss():
+    # A new function object each time: autocast shares traced programs per function, and JAX
+    # caches a program's transpose, so the warning is decided once per program.
+    def loss(w, x):
+        return jnp.mean((x @ w).astype(jnp.float32) ** 2)
+
+    return jaxmp.autocast(loss, "O1-fp16")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_loss_scaled_by_hand_under_plain_grad_does_not_warn(jit):
+    """The false positive: ``jax.grad(lambda p: scale.scale(loss(p)))`` is loss-scaled although
+    ``jaxmp.value_and_grad`` is not differentiating; the scale runs after the fp16 region."""
+    import warnings
+
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    scale = jaxmp.StaticLossScale(2.0**10)
+    wrap = jax.jit if jit else (lambda f: f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmp.MixedPrecisionWarning)
+        ac = _fresh_fp16_loss()
+        g = wrap(jax.grad(lambda w: scale.scale(ac(w, x))))(w)
+        ac = _fresh_fp16_loss()  # a dynamic scale from an optimizer state, as a training loop has it
+        state = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic").init(w)
+        wrap(jax.grad(lambda w, s: jaxmp.get_loss_scale(s).scale(ac(w, x))))(w, state)
+    assert jnp.allclose(g, 2.0**10 * jax.grad(_loss)(w, x))  # scaled, not flushed
+
+
+@pytest.mark.parametrize("how", ["a bare constant", "a scale applied before the region", "scale unused"])
+def test_a_loss_not_scaled_by_a_loss_scale_still_warns(how):
+    """The true positives beside the hand-scaled one: a bare ``* 1024.0`` (a constant factor may
+    be a mean-to-sum or a loss weight: not taken for a loss scale), a scale applied to another
+    term before the fp16 region ran, and a loss scale fetched but not applied."""
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    ac, scale = _fresh_fp16_loss(), jaxmp.StaticLossScale(2.0**10)
+    loss = {
+        "a bare constant": lambda w: ac(w, x) * 1024.0,
+        "a scale applied before the region": lambda w: scale.scale(jnp.sum(w)) + ac(w, x),
+        "scale unused": lambda w: ac(w, x) + 0 * scale.loss_scale,
+    }[how]
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match="no loss scale"):
+        jax.grad(loss)(w)
+
+
 def test_no_unscaled_fp16_warning_for_bf16_forward_only_or_the_loss_scaled_path():
     import warnings
 

@@ -113,7 +113,8 @@ def test_the_fp8_tables_in_the_readmes_are_the_recorded_results():
                            if r["policy"] == p) for p in want}
     for readme in (os.path.join(recorded, "README.md"), os.path.join(root, "experiments", "README.md")):
         text = open(readme).read()
-        assert "--config=experiments/configs/cpu_fp8.py --workdir=/tmp/jaxmp_fp8 --seeds=3" in text, readme
+        command = re.sub(r" *\\\n *", " ", text)  # a command reflowed with backslashes reads as one line
+        assert "--config=experiments/configs/cpu_fp8.py --workdir=/tmp/jaxmp_fp8 --seeds=3" in command, readme
         for policy, acc in want.items():
             row = re.search(rf"^\| {re.escape(policy)}[ (][^|]*\| ([^|]*) \|(?: ([^|]*) \|)?$", text, flags=re.M)
             assert row and row.group(1) == acc, (readme, policy, row and row.group(0), acc)
