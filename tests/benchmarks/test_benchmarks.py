@@ -631,22 +631,22 @@ def test_efficiency_dry_run_writes_valid_json(tmp_path):
 #: Where each entry point's dry run (or, for scripts without a model to shrink, its plain run) is
 #: tested: a script added without one fails here.
 DRY_RUN_TESTS = {
-    "autocast": "tests/test_benchmarks.py::test_autocast_benchmark_dry_run",
-    "debugger": "tests/test_benchmarks.py::test_debugger_dry_run_times_the_step_and_a_tool",
-    "efficiency": "tests/test_benchmarks.py::test_efficiency_dry_run_writes_valid_json",
-    "fidelity": "tests/test_fidelity.py::fidelity.main([\"--dry-run\"",
-    "flops": "tests/test_benchmarks.py::test_flops_dry_run_counts_every_tiny_model",
-    "fp8": "tests/test_benchmarks.py::test_fp8_benchmark_dry_run_times_every_variant",
-    "kernel_profile": "tests/test_benchmarks.py::test_profile_writes_a_top_kernel_table",
-    "memory": "tests/test_parallel_layouts.py::memory.main([\"--dry-run\"",
-    "overhead": "tests/test_benchmarks.py::test_overhead_dry_run_writes_valid_json",
-    "promotion": "tests/test_benchmarks.py::test_promotion_dry_run_measures_every_rule",
-    "report": "tests/test_benchmarks.py::report.main([\"--check\"])",
-    "run_gpu": "tests/test_benchmarks.py::run_gpu.main([\"--dry-run\"",
-    "scaling_model": "tests/test_docs.py::module[\"main\"]([])",
-    "throughput": "tests/test_benchmarks.py::test_throughput_part_of_the_suite",
-    "torch_amp": "tests/test_benchmarks.py::torch_amp.main([\"--dry-run\"",
-    "trace_profile": "tests/test_benchmarks.py::test_trace_profile_dry_run",
+    "autocast": "tests/benchmarks/test_benchmarks.py::test_autocast_benchmark_dry_run",
+    "debugger": "tests/benchmarks/test_benchmarks.py::test_debugger_dry_run_times_the_step_and_a_tool",
+    "efficiency": "tests/benchmarks/test_benchmarks.py::test_efficiency_dry_run_writes_valid_json",
+    "fidelity": "tests/benchmarks/test_fidelity.py::fidelity.main([\"--dry-run\"",
+    "flops": "tests/benchmarks/test_benchmarks.py::test_flops_dry_run_counts_every_tiny_model",
+    "fp8": "tests/benchmarks/test_benchmarks.py::test_fp8_benchmark_dry_run_times_every_variant",
+    "kernel_profile": "tests/benchmarks/test_benchmarks.py::test_profile_writes_a_top_kernel_table",
+    "memory": "tests/parallel/test_layouts.py::memory.main([\"--dry-run\"",
+    "overhead": "tests/benchmarks/test_benchmarks.py::test_overhead_dry_run_writes_valid_json",
+    "promotion": "tests/benchmarks/test_benchmarks.py::test_promotion_dry_run_measures_every_rule",
+    "report": "tests/benchmarks/test_benchmarks.py::report.main([\"--check\"])",
+    "run_gpu": "tests/benchmarks/test_benchmarks.py::run_gpu.main([\"--dry-run\"",
+    "scaling_model": "tests/docs/test_docs.py::module[\"main\"]([])",
+    "throughput": "tests/benchmarks/test_benchmarks.py::test_throughput_part_of_the_suite",
+    "torch_amp": "tests/benchmarks/test_benchmarks.py::torch_amp.main([\"--dry-run\"",
+    "trace_profile": "tests/benchmarks/test_benchmarks.py::test_trace_profile_dry_run",
 }
 
 
