@@ -45,11 +45,11 @@ def _summary(st: pstats.Stats) -> dict:
     for (f, _, name), v in st.stats.items():
         for key, (file_part, func) in {"linearize": ("interpreters/ad.py", "linearize_jaxpr"),
                                        "transpose": ("interpreters/ad.py", "backward_pass3"),
-                                       "interpret": (f"engine{os.sep}interpreter.py", "run")}.items():
+                                       "interpret": (f"engine{os.sep}_interpreter.py", "run")}.items():
             if f.endswith(file_part) and name == func:
                 cum[key] = max(cum.get(key, 0.0), v[3])
     calls = {name: v[1] for (f, _, name), v in st.stats.items()
-             if f.endswith(f"engine{os.sep}interpreter.py") and name in ("first_order",)}
+             if f.endswith(f"engine{os.sep}_interpreter.py") and name in ("first_order",)}
     return {"profiled_trace_s": total, "engine_self_s": engine, "linearize_s": cum.get("linearize", 0.0),
             "transpose_s": cum.get("transpose", 0.0), "interpret_cumulative_s": cum.get("interpret", 0.0),
             "first_order_equations": calls.get("first_order", 0)}

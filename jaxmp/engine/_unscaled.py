@@ -13,10 +13,9 @@ import weakref
 from typing import Any, Sequence
 
 import jax
-from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jaxmp import _traps as traps
+from jaxmp import _jaxpr, _traps as traps
 from jaxmp.engine import _internals as internals
 from jaxmp.engine._values import dtype_of, is_float
 
@@ -63,7 +62,7 @@ def _identity_jvp(where, primals, tangents):
 
 
 #: ``_tap_p(*ts, where, scales) = ts``: the tangent tag; its transpose is where the warning is decided.
-_tap_p = Primitive("jaxmp_unscaled_fp16_tap")
+_tap_p = _jaxpr.Primitive("jaxmp_unscaled_fp16_tap")
 _tap_p.multiple_results = True
 _tap_p.def_impl(lambda *ts, **_: ts)
 _tap_p.def_abstract_eval(lambda *avals, **_: avals)

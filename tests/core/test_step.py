@@ -192,15 +192,13 @@ def test_make_step_averages_gradients_over_a_pmap_axis_before_the_update():
     np.testing.assert_allclose(out.loss, np.zeros(n))
 
 
-def test_step_metrics_reports_the_next_or_the_used_scale():
+def test_step_metrics_reports_the_scale_this_step_used():
     tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(8.0, period=1))
     params = {"w": jnp.ones(3)}
     out = make_step(_quad, tx)(params, {"calls": jnp.int32(0)}, tx.init(params), jnp.ones((2, 3)))
-    assert float(step_metrics(out)["loss_scale"]) == 16.0  # grown after one finite step
-    m = step_metrics(out, scale="used", accuracy=jnp.float32(0.5))
+    m = step_metrics(out, accuracy=jnp.float32(0.5))
     assert float(m["loss_scale"]) == 8.0 and float(m["accuracy"]) == 0.5 and isinstance(m, StepMetrics)
-    with pytest.raises(ValueError, match="scale must be 'next' or 'used', got 'last'"):
-        step_metrics(out, scale="last")
+    assert float(jaxmp.scaling_stats(out[2])["loss_scale"]) == 16.0  # grown after one finite step: the next
 
 
 def test_the_checks_name_the_offending_leaf_and_the_way_out():
