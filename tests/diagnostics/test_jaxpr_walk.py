@@ -71,14 +71,14 @@ def test_classify_risk_categories(fn, category):
     x = jnp.ones((4,), F16)
     jaxpr = jax.make_jaxpr(fn)(x).jaxpr
     consumers = {}
-    for e in jaxpr.eqns:
+    for e in _jaxpr.equations(jaxpr):
         for v in e.invars:
             if _jaxpr.is_var(v):
                 consumers.setdefault(v, []).append(e)
-    cat, why = jw.classify_risk(jaxpr.eqns[0], consumers)
+    cat, why = jw.classify_risk(_jaxpr.equations(jaxpr)[0], consumers)
     assert cat == category and "f16" in why and "float32" in why
     # in float32 nothing is risky
-    assert jw.classify_risk(jax.make_jaxpr(fn)(x.astype(F32)).jaxpr.eqns[0]) is None
+    assert jw.classify_risk(_jaxpr.equations(jax.make_jaxpr(fn)(x.astype(F32)))[0]) is None
 
 
 def test_an_exp_without_consumers_is_an_exp_not_a_softmax():
