@@ -23,7 +23,7 @@ from jaxmp.flax._losses import accuracy, softmax_cross_entropy
 from jaxmp import _deprecations
 from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import AutocastRules as _AutocastRules
-from jaxmp.flax._overrides import default_rules, resolve_rules
+from jaxmp.flax._overrides import DeprecatedOverrides, default_rules, resolve_rules
 from jaxmp.flax._steps import make_eval_step, make_train_step
 from jaxmp.flax._train_state import TrainState
 from jaxmp._loss_scale import register_flax_serialization as _register_flax_serialization
@@ -32,7 +32,7 @@ _register_flax_serialization(force=True)
 
 
 def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike, rules: _AutocastRules | None = None, *,
-                    overrides: Any = None) -> linen.MixedPrecision | nnx.MixedPrecision:
+                    overrides: DeprecatedOverrides = None) -> linen.MixedPrecision | nnx.MixedPrecision:
     """Runs an unmodified Linen or NNX model under a precision policy.
 
     Params are cast per module for the forward pass, inputs to the compute dtype, outputs to the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -161,6 +161,11 @@ def default_rules(policy: PolicyLike = "O1", keep_float32: Iterable[str] | None 
         classes += tuple((c, "float32") for c in DEFAULT_NORM_MODULES)
     return dataclasses.replace(ops, class_rules=classes, float32_loss="loss" in keep,
                                fp8_matmuls=recipe.fp8 if recipe is not None else None)
+
+
+#: What the deprecated ``overrides=`` argument takes (one release): a `PrecisionOverrides` or a
+#: tuple of ``keep_float32`` categories; use ``rules=`` (an `AutocastRules`) instead.
+DeprecatedOverrides = Union["PrecisionOverrides", Iterable[str], None]
 
 
 def resolve_rules(policy: PolicyLike, rules: Any = None, overrides: Any = None) -> tuple[Policy, AutocastRules]:

@@ -28,7 +28,7 @@ from jaxmp.flax import _steps as steps
 from jaxmp.flax.fp8 import install_nnx_fp8
 from jaxmp.flax._casting import Path, cast_by_path, enclosing_float32, is_float32_rule
 from jaxmp.engine._seams import AutocastRules, ModuleRule
-from jaxmp.flax._overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
+from jaxmp.flax._overrides import DeprecatedOverrides, explicit_float32, join_path, overridden_float32_message, resolve_rules
 from jaxmp._traps import MixedPrecisionWarning
 from jaxmp._policy import Policy
 from jaxmp._transform import LossScalingState
@@ -131,7 +131,7 @@ def _warn_overridden(model: nnx.Module, policy: Policy, rules: AutocastRules, st
 
 
 def store_params(model: nnx.Module, policy: PolicyLike, rules: AutocastRules | None = None, *,
-                 overrides: Any = None) -> nnx.Module:
+                 overrides: DeprecatedOverrides = None) -> nnx.Module:
     """Casts the model's params in place to their storage dtype (policy or per-module rule).
 
     Float32 modules keep float32 params; a no-op for O1.
@@ -185,7 +185,7 @@ def _prepare(copy: nnx.Module, policy: Policy, rules: AutocastRules) -> dict[int
     return by_id
 
 
-def call(model: nnx.Module, *args, policy: PolicyLike, rules: AutocastRules | None = None, overrides: Any = None,
+def call(model: nnx.Module, *args, policy: PolicyLike, rules: AutocastRules | None = None, overrides: DeprecatedOverrides = None,
          **kwargs) -> Any:
     """Calls an NNX model under a policy; the functional form of [`MixedPrecision`][jaxmp.flax.nnx.MixedPrecision].
 
@@ -295,7 +295,7 @@ class MixedPrecision(nnx.Module):
     """
 
     def __init__(self, model: nnx.Module, policy: PolicyLike, rules: AutocastRules | None = None, *,
-                 overrides: Any = None):
+                 overrides: DeprecatedOverrides = None):
         _check_model(model)
         self.policy, self.rules = resolve_rules(policy, rules, overrides)
         if isinstance(self.rules.fp8_matmuls, fp8.DelayedScaling):

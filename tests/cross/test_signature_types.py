@@ -25,10 +25,7 @@ NAMESPACES = ("jaxmp", "jaxmp.parallel", "jaxmp.flax", "jaxmp.fp8", "jaxmp.lean"
 
 #: Parameters that take any value at all, each with the reason. ``**kwargs`` forwarded untouched to
 #: another function are allowed by rule (see `_allowed`) rather than listed here.
-ALLOWED_ANY: dict[str, str] = {
-    "jaxmp.flax.mixed_precision(overrides)": "the deprecated name of rules: any old form (PrecisionOverrides, a "
-                                  "tuple of categories) is converted with a DeprecationWarning",
-}
+ALLOWED_ANY: dict[str, str] = {}
 
 
 def _callables():
