@@ -5,15 +5,6 @@ import os
 # Must happen before JAX initialises its backends.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# Most of the tests' time is XLA:CPU compiling small programs once. The LLVM back end's
-# optimisation level changes how fast the machine code runs, not what it computes (no fast-math:
-# the same HLO, the same operation order), so the tests compile at level 0: about a third less
-# CPU time (tests/engine/test_autocast.py + tests/cross/test_strict_promotion.py: 62 s -> 42 s).
-# Set JAXMP_TEST_FULL_OPT=1 to test with XLA's default level.
-if not os.environ.get("JAXMP_TEST_FULL_OPT"):
-    for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
-        if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
-            os.environ["XLA_FLAGS"] += " " + _flag
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
