@@ -233,46 +233,19 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
                             remat: str | Callable[..., bool] | None = None) -> Callable[..., Any]:
     """A ``jax.jit`` train step with the batch sharded over the mesh's data axis and the state laid out by ``layout``.
 
-    Same semantics and results as [`jaxmp.parallel.make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step], without ``pmap``: the step
-    takes the global batch and XLA inserts the collectives. **Which batch the loss sees**: with a
-    ``reduce_dtype`` (the default, ``"float32"``) ``loss_fn`` is evaluated on each data shard
-    (``B / N`` rows) and the shard losses are averaged, as under pmap or DDP. That is the global
-    loss, and its gradient the global gradient, only for a mean of per-example terms over equal
-    shards; a masked (token) mean, an in-batch contrastive loss or anything else that mixes rows
-    is then the mean of per-shard values. For global-batch semantics pass ``reduce_dtype=None``
-    (the gradient is then reduced in XLA's dtype), or write the loss for one shard. Build ``tx`` with ``jaxmp.loss_scaling(...,
-    axis_name=None)``: there is no named axis under plain ``jit``, and none is needed because
-    the finite check runs on the reduced gradient, so every device reaches the same verdict and
-    keeps the same loss scale (a ``tx`` built with an axis name fails with a ValueError saying
-    the axis is not bound). ``optax.MultiSteps`` inside ``loss_scaling`` works with every layout
-    (its accumulator is laid out like the gradients).
+    Same semantics and results as [`jaxmp.parallel.make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step], without ``pmap``:
+    the step takes the global batch and XLA inserts the collectives. Build ``tx`` with
+    ``jaxmp.loss_scaling(..., axis_name=None)``: the finite check runs on the reduced gradient, so
+    every device reaches the same verdict. Place the state with
+    ``jaxmp.parallel.shard_state(state, step.layout)``; a state in another layout or on another
+    mesh is resharded on the way in (logged once), a pmap-replicated one is a ValueError.
 
-    **Layouts** (`jaxmp.parallel._layouts`): ``"replicated"`` (every device holds the whole
-    state), ``"zero"`` (float32 masters, moments and remainders sharded over the data axis, each
-    device updates its slice, the half params replicated and gathered in their own dtype after the
-    update) and ``"fsdp"`` (params sharded too, gathered inside the step in their stored dtype,
-    the compute dtype under O2). Place the state with ``jaxmp.parallel.shard_state(state,
-    step.layout)``: ``step.layout`` carries the mesh, the layout and its options, so they are
-    spelled once (passing the mesh and the same layout name again still works). A state laid out for another layout or another mesh is resharded on the way in
-    (``jax.device_put`` to the step's shardings, logged once on the ``jaxmp.parallel`` logger;
-    it costs a transfer on every such call, so re-lay it out once with ``shard_state``); a
-    pmap-replicated state (``jaxmp.parallel.replicate``: a leading device axis) is a ValueError
-    that says how to convert it.
-
-    **Gradient reduce dtype**: ``"float32"`` (default) sums the data shards' gradients in float32
-    whatever the params' dtype (see `jaxmp.parallel._layouts.per_shard_loss` for how, in the
-    global view); ``"bfloat16"`` halves the traffic but keeps 8 mantissa bits in the sum of N
-    gradients (a small gradient added to a large one loses its low bits, more so as N grows);
-    ``"float16"`` can overflow (caught: every device skips and backs the scale off). ``None`` is
-    the step before layouts: XLA reduces where the batch contraction happens, in the matmul's
-    dtype (bfloat16 under O2-bf16), and BatchNorm statistics are over the global batch. With a
-    reduce dtype the loss is evaluated per data shard, so the floating model state (BatchNorm
-    statistics) is the mean over the shards and each shard's rng is ``fold_in(rng, shard)``;
-    ``aux`` is combined by shape and dtype: per-example leaves (leading axis ``k`` per shard,
-    ``N * k`` on the global batch, e.g. ``k = B / N`` rows) concatenated, other floating leaves
-    averaged, integer leaves (counts) summed, booleans or-ed
-    (`jaxmp.parallel._layouts.per_shard_loss`): what the global evaluation returns for
-    per-example values, means and counts, not for a float sum, a max or an integer length.
+    With a ``reduce_dtype`` (the default ``"float32"``) the loss is evaluated per data shard and
+    the shard losses averaged, as under pmap or DDP; ``reduce_dtype=None`` evaluates it on the
+    global batch. See docs/parallel.md#data-parallel-and-multi-host-training (which batch the
+    loss sees), docs/parallel.md#sharded-state-zero-and-fsdp-layouts (the layouts, resharding)
+    and docs/parallel.md#gradient-reduce-dtype (the reduce dtypes, BatchNorm statistics, rng and
+    ``aux`` per shard).
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` or ``loss_fn(params, batch, rng)``, returning a scalar
