@@ -141,6 +141,9 @@ def parse_preset(name: str) -> Recipe | None:
     level, rest = "O" + n[1], n[2:]
     if rest[:1] in ("-", "_", ":"):
         rest = rest[1:]
+        if not rest:  # "O2-": a separator promises a dtype; reading it as "O2" would hide a typo
+            raise ValueError(f"Preset {name!r} ends in {name.strip()[-1]!r} with no half dtype after it: use "
+                             f"{level!r} (the device's half dtype) or e.g. '{level}-bf16' or '{level}-fp16'.")
     elif rest:
         return None
     if rest.lower() in _FP8_SUFFIXES:

@@ -57,6 +57,9 @@ def test_parse_preset_returns_none_for_what_is_not_a_preset_and_refuses_a_bad_su
         assert parse_preset(text) is None, text
     with pytest.raises(ValueError, match=r"Unknown half dtype 'f8' in preset 'O2-f8'.*did you mean"):
         parse_preset("O2-f8")
+    for text in ("O2-", "O1_", "o3:"):  # a separator with nothing after it is a typo, not "O2"
+        with pytest.raises(ValueError, match=r"no half dtype after it.*'O\d-bf16'"):
+            parse_preset(text)
 
 
 def test_preset_half_dtype_reads_the_device():
