@@ -78,14 +78,14 @@ def _is_layer_state(node: Any) -> bool:
                                              for n in LAYER_TENSORS)
 
 
-def _update_layer(layer: Mapping, seen: Mapping, recipe: DelayedScaling) -> dict:
+def _update_layer(layer: Mapping, seen: Mapping, recipe: DelayedScaling) -> Mapping:
     out = dict(layer)
     for name in LAYER_TENSORS:
         dtype = recipe.bwd_dtype if name == "output_grad" else recipe.fwd_dtype
         meta = update_meta(Fp8Meta(layer[f"{name}_scale"], layer[f"{name}_amax_history"]),
                            seen[f"{name}_scale"], recipe, dtype)
         out[f"{name}_scale"], out[f"{name}_amax_history"] = meta.scale, meta.amax_history
-    return out
+    return out if type(layer) is dict else type(layer)(out)  # a FrozenDict layer stays one
 
 
 def update_state(state: PyTree, observed: PyTree, recipe: DelayedScaling,
@@ -118,11 +118,7 @@ def update_state(state: PyTree, observed: PyTree, recipe: DelayedScaling,
     if axis_name is not None:
         observed = jax.lax.pmax(observed, axis_name)
 
-    def walk(node, seen):
-        if _is_layer_state(node):
-            return _update_layer(node, seen, recipe)
-        if isinstance(node, Mapping):
-            return {k: walk(v, seen[k]) for k, v in node.items()}
-        return node
-
-    return walk(state, observed)
+    # tree.map, not a dict walk: a FrozenDict, a list of layers or an nnx.State comes back as the
+    # same container (a rebuilt plain dict would change the train state's pytree structure).
+    return jax.tree.map(lambda node, seen: _update_layer(node, seen, recipe) if _is_layer_state(node) else node,
+                        state, observed, is_leaf=_is_layer_state)

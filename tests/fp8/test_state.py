@@ -43,6 +43,20 @@ def test_update_state_updates_every_layer_at_any_depth_and_leaves_the_rest():
     assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state)
 
 
+def test_update_state_keeps_the_containers_it_was_given():
+    # Flax Linen hands variables over as FrozenDicts and layers may sit in lists: a rebuilt plain
+    # dict would change the train state's pytree structure and retrace (or break) the step.
+    from flax.core import FrozenDict
+
+    layer = init_layer_state(RECIPE)
+    state = FrozenDict({"blocks": [FrozenDict(layer), layer], "head": FrozenDict({"dense": layer})})
+    observed = jax.tree.map(lambda a: jnp.full_like(a, 2.0), state)
+    new = update_state(state, observed, RECIPE)
+    assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state)
+    assert isinstance(new, FrozenDict) and isinstance(new["blocks"][0], FrozenDict)
+    assert float(new["blocks"][0]["input_scale"]) == float(new["head"]["dense"]["input_scale"]) == 224.0
+
+
 def test_a_non_finite_observed_amax_leaves_that_tensor_unchanged():
     layer = init_layer_state(RECIPE)
     new = update_state({"l": layer}, {"l": _observed(layer, jnp.inf, 2.0, jnp.nan)}, RECIPE)["l"]
