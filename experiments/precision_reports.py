@@ -163,7 +163,7 @@ def main(argv) -> None:
         for policy in f.policies:
             rep = train_step_report(model, policy, f.batch_size)
             print(f"{model}, batch {f.batch_size}, {policy}:")
-            print(rep.summary())
+            print(jaxmp_fmt.wrap(rep.summary()))
             print(rep.table(max_rows=f.max_rows, width=f.width) if f.full else compact_table(rep, f.max_rows))
             print()
 

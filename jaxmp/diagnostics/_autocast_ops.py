@@ -23,7 +23,7 @@ class AutocastOp(NamedTuple):
       rule: the rule that chose its dtype (``"half list"``, ``"float32 list"``, ``"follow"`` ...).
       in_dtypes: short names of the input dtypes (``"bf16"``, ``"f32"`` ...).
       out_dtypes: short names of the output dtypes.
-      name: the name stack without the rule scope (module path, ``jaxmp[...]`` regions).
+      name: the name stack without jaxmp's own scopes (module path, ``jaxmp[float32]`` regions).
     """
 
     primitive: str
@@ -58,7 +58,7 @@ def autocast_ops(jaxpr) -> tuple[AutocastOp, ...]:
     for e in _jaxpr.walk(jaxpr):
         rules = [s[len(_RULE):] for s in e.scopes if s.startswith(_RULE)]
         if rules:
-            clean = _jaxpr.render(tuple(i for i in e.stack if not (i.kind == "scope" and i.name.startswith(_RULE))))
+            clean = _format.user_path(e.stack)
             # An fp8 layer's label outranks the rule the engine gave the ops inside it.
             rule = next((r for r in rules if "fp8" in r), rules[-1])
             out.append(AutocastOp(e.primitive, rule, _short(e.invars), _short(e.outvars), clean))

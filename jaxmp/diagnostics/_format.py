@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import textwrap
 from typing import Sequence
 
 import numpy as np
+
+from jaxmp import _jaxpr
 
 _SHORT_DTYPE = {
     "float16": "f16",
@@ -64,6 +67,25 @@ def fmt_pct(x: float) -> str:
     return f"{100.0 * x:.1f}%"
 
 
+#: jaxmp's own scopes that say nothing about where the user's op is: the wrapper autocast puts
+#: around the whole function and the per-op rule labels of explain mode (reports have a rule
+#: column). Region markers (``jaxmp[float32]:head``) stay: they carry the user's label.
+_OWN_SCOPE = re.compile(r"jaxmp\.rule=|jaxmp\[keep\]:autocast\(")
+
+
+def user_path(stack) -> str:
+    """A name stack as the user reads it: JAX's rendering without jaxmp's own wrapper scopes.
+
+    Args:
+      stack: a name stack as `jaxmp._jaxpr.StackItem`s.
+
+    Returns:
+      E.g. ``"transpose(jvp(CNN))/head"`` where JAX prints
+      ``"transpose(jvp(jaxmp[keep]:autocast(O1)))/CNN/head/jaxmp.rule=half list"``.
+    """
+    return _jaxpr.render(tuple(i for i in stack if not (i.kind == "scope" and _OWN_SCOPE.match(i.name))))
+
+
 #: The width reports wrap their prose to: a docs page shows 88 columns without scrolling.
 WIDTH = 88
 
@@ -113,7 +135,7 @@ def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
         from rich.markup import escape
         from rich.table import Table
     except ImportError:
-        return _plain_table(title, headers, rows, footer)
+        return _plain_table(title, headers, rows, footer, width)
     table = Table(title=title, show_lines=False, title_justify="left")
     for h in headers:
         table.add_column(h, overflow="fold")
@@ -124,12 +146,12 @@ def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
     console = Console(file=buf, width=width, color_system=None, force_terminal=False, legacy_windows=False)
     console.print(table)
     if footer:
-        console.print(footer, highlight=False, markup=False, soft_wrap=True)
+        console.print(wrap(footer, width), highlight=False, markup=False, soft_wrap=True)
     # rich pads the title to the table's width: trailing blanks are noise in a log or a page.
     return "\n".join(line.rstrip() for line in buf.getvalue().rstrip("\n").split("\n"))
 
 
-def _plain_table(title, headers, rows, footer) -> str:
+def _plain_table(title, headers, rows, footer, width) -> str:
     widths = [len(h) for h in headers]
     for r in rows:
         for i, c in enumerate(r):
@@ -138,5 +160,5 @@ def _plain_table(title, headers, rows, footer) -> str:
     out = [title, line(headers), line(["-" * w for w in widths])]
     out += [line(r) for r in rows]
     if footer:
-        out.append(footer)
+        out.append(wrap(footer, width))
     return "\n".join(out)

@@ -68,7 +68,7 @@ class PipelineOverhead(NamedTuple):
         return d
 
     def __str__(self) -> str:
-        return self.summary()
+        return _format.wrap(self.summary())
 
 
 def _next(it, needed: int, taken: int):

@@ -161,7 +161,7 @@ def source_of(eqn) -> str:
 
 
 def _name(eqn, ctx: _Ctx) -> str:
-    return "/".join(p for p in (*ctx.name_prefix, _jaxpr.render(_jaxpr.stack_of(eqn))) if p)
+    return "/".join(p for p in (*ctx.name_prefix, _format.user_path(_jaxpr.stack_of(eqn))) if p)
 
 
 def _matmul_op(eqn, ctx: _Ctx, col: _Collector) -> MatmulOp:
@@ -396,7 +396,7 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
                 red.primitive.name, "loss", d, tuple(map(int, red.invars[0].aval.shape)),
                 f"a {d} array is reduced to a {d} scalar (a loss or a norm?): compute it in float32",
                 " > ".join(ctx.context), _name(red, ctx), _source(red, ctx)))
-        own = _jaxpr.render(_jaxpr.stack_of(eqn))
+        own = _format.user_path(_jaxpr.stack_of(eqn))
         prefix = ctx.name_prefix + ((own,) if own else ())
         src = _source(eqn, ctx)
         if prim == "scan":

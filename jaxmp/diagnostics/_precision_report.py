@@ -206,7 +206,7 @@ class PrecisionReport:
                                             rrows, footer, width))
         if self.decisions:
             out.append(self.explain(max_rows, width))
-        out.append(self.summary())
+        out.append(_format.wrap(self.summary(), width))
         return "\n".join(out)
 
     def __str__(self) -> str:

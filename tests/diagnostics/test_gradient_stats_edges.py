@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmp.diagnostics import _format
 from jaxmp.diagnostics._gradient_stats import GroupStats, gradient_stats, suggest_loss_scale
 
 
@@ -41,7 +42,11 @@ def test_to_dict_is_json_with_groups_total_and_suggestion():
     d = json.loads(json.dumps(stats.to_dict()))
     assert d["loss_scale"] == 4.0 and [g["name"] for g in d["groups"]] == ["a", "b"]
     assert d["total"]["size"] == 3 and d["total"]["zeros"] == 1
-    assert str(stats) == stats.table() and stats.summary() in stats.table()
+    assert str(stats) == stats.table() and _format.wrap(stats.summary(), 160) in stats.table()
+    # the one-line summary (for logs) is wrapped under the table like the table's own width
+    narrow = stats.table(width=60)
+    assert " ".join(stats.summary().split()) in " ".join(narrow.split())
+    assert max(map(len, narrow.split("\n"))) <= 60
 
 
 def test_an_empty_floating_leaf_is_a_clear_error():

@@ -297,7 +297,8 @@ def test_dict_json_table_and_summary_carry_the_findings():
     assert d["risky"][0]["category"] == "softmax"
     assert d["num_missed"] == 0 and d["num_shape_ineligible"] == 1
     text = str(rep)
-    assert "K=30" in text and "softmax" in text and rep.summary() in text
+    assert "K=30" in text and "softmax" in text and " ".join(rep.summary().split()) in " ".join(text.split())
+    assert max(map(len, rep.table(width=88).split("\n"))) <= 88  # the summary wraps with the tables
     line = rep.summary()
     assert "\n" not in line and "1 not multiple-of-8" in line and "1 risky" in line
 
@@ -348,3 +349,25 @@ def test_report_handles_prng_keys_in_the_traced_function():
 
     report = jaxmp.precision_report(step, jnp.ones((16, 8)), jnp.ones((4, 16)), jax.random.key(0))
     assert len(report.ops) == 1 and report.low_precision_share == 1.0
+
+
+def test_where_names_the_users_modules_not_jaxmps_own_scopes():
+    # autocast wraps the function in a jaxmp[keep]:autocast(...) scope and, in explain mode, each
+    # op in a jaxmp.rule=... scope: both are jaxmp's bookkeeping and would bury the module path.
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(16, name="body")(x)
+            h = jaxmp.float32_region(lambda v: nn.Dense(8, name="head")(v))(h)
+            return h.sum()
+
+    net = Net()
+    params = net.init(jax.random.key(0), jnp.ones((8, 16)))
+    loss = jaxmp.autocast(lambda p, x: net.apply(p, x), "O1-bf16")
+    rep = jaxmp.precision_report(jax.grad(loss), params, jnp.ones((8, 16)))
+    names = [op.name for op in rep.ops] + [d.name for d in rep.decisions]
+    assert len(rep.ops) == 5 and rep.decisions  # forward + weight grad per layer, input grad of head
+    assert not [n for n in names if "jaxmp.rule=" in n or "jaxmp[keep]:autocast(" in n], names
+    assert {op.name for op in rep.ops} >= {"jvp(Net)/body", "transpose(jvp(Net))/body"}
+    head = [op.name for op in rep.ops if "head" in op.name]
+    assert head and all("jaxmp[float32]" in n for n in head), head  # the user's region stays visible

@@ -245,7 +245,8 @@ def test_precision_report_explains_each_rule(params):
     assert by_prim["exp"] == {("float32 list", ("f32",))}
     assert ("follow", ("f32",)) in by_prim["add"]  # the bias add feeds the softmax: float32 at O1
     text = rep.table()
-    assert "Autocast decisions" in text and "half list" in text and "jaxmp[keep]:autocast(O1-bf16)" in text
+    assert "Autocast decisions" in text and "half list" in text
+    assert "jaxmp[keep]:autocast(" not in text  # autocast's own wrapper scope is not a place in the model
     assert rep.to_dict()["autocast_decisions"][0]["rule"]
     # the explain scopes exist only while the report traces: a normal trace has none
     assert not jaxmp.diagnostics._autocast_ops.autocast_ops(jax.make_jaxpr(f)(params, jnp.ones((8, 4))))
