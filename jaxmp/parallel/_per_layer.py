@@ -5,8 +5,8 @@ the step gathers every param where the loss starts, so all of them are live at o
 temporaries do not fall with N. A loss that calls `scan_layers` (or `gather_params`
 on one layer's params) instead keeps those params sharded until that layer runs: each layer's
 params are gathered inside the scan body, in the compute dtype (cast first, then gathered: a
-bf16 gather is half an fp32 one), and, with the step's ``remat`` policy, released after the
-forward and gathered again in the backward. What the step gathers where the loss starts is then
+bf16 gather is half an fp32 one), released after the forward (never saved for the backward, with
+or without the step's ``remat`` policy: `release_policy`) and gathered again in the backward. What the step gathers where the loss starts is then
 only the params the loss does not gather itself (embeddings, final norm).
 
 How the step knows: it traces the loss once abstractly (shapes only) and records which params
@@ -202,10 +202,11 @@ def scan_layers(body: Callable, init: PyTree, layers: PyTree, *, dtype: jax.typi
 
     ``layers`` is the sub-tree of params holding every layer's params stacked on a leading axis.
     Inside an FSDP step each layer's slice is cast to ``dtype`` and gathered inside the scan
-    body (`gather_params`), so about one layer's params are whole at a time; the step's
-    ``remat`` policy (``make_sharded_train_step(..., remat=...)``) wraps the body, so with
-    ``"nothing_saveable"`` a layer's gathered params and activations are dropped after the
-    forward and recomputed (re-gathered) in the backward.
+    body (`gather_params`), so about one layer's params are whole at a time: the body runs
+    under ``jax.checkpoint`` with `release_policy`, so a layer's gathered params are dropped
+    after its forward and re-gathered in its backward (reshard after forward), and the step's
+    ``remat`` policy (``make_sharded_train_step(..., remat=...)``) decides the rest: with
+    ``None`` the activations are saved, with ``"nothing_saveable"`` only each layer's input.
 
     Args:
       body: ``body(carry, layer_params) -> (carry, y)``, as for ``lax.scan``.
