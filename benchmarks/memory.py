@@ -34,8 +34,8 @@ the float32 reduce), and with the hand-written scan-over-layers FSDP (each layer
 gathered inside the ``lax.scan`` body by ``with_sharding_constraint``, with and without
 ``jax.checkpoint(policy=nothing_saveable)``; with ``--gpt2-hand-fsdp``), at the same reduce
 dtype, and reports temporaries and peak of each, at two per-device batches: 1 x 128 tokens
-(every case at every N) and 8 x 512 (N = 8 only, `GPT2_LARGE_BATCH_LAYERS` layers), and prints
-the markdown table docs/parallel.md quotes (`gpt2_markdown`).
+(every case at every N) and 8 x 512 (`GPT2_LARGE_BATCH_LAYERS` layers; ZeRO at N = 8 only,
+jaxmp's FSDP at every N), and prints the markdown table docs/parallel.md quotes (`gpt2_markdown`).
 
 Writes ``benchmarks/results/memory/memory_<device>.json`` (``dry_run.json`` with ``--dry-run``)
 with the device, JAX version and git commit. Needs 8 devices: on CPU it sets
@@ -348,10 +348,11 @@ def main(argv=None) -> dict:
 
         small = _gpt2.TINY if args.dry_run else _gpt2.GPT2_SMALL
         rows = []
-        # The small batch: every case on every N; the large one: N = 8 only (the ratios are the
-        # small batch's), zero against the hand-written one and jaxmp's float32 FSDP.
+        # The small batch: every case on every N; the large one: zero against the hand-written
+        # one at N = 8, and jaxmp's float32 FSDP at every N (its N8/N2 temporaries ratio).
         cases = GPT2_ZERO + GPT2_FSDP + (GPT2_HAND_FSDP if args.gpt2_hand_fsdp else ())
-        plan = [(b, max(counts), case) for b in GPT2_BATCHES[1:] for case in GPT2_ZERO + GPT2_FSDP]
+        plan = [(b, n, case) for b in GPT2_BATCHES[1:] for n in sorted(counts, reverse=True)
+                for case in GPT2_ZERO + GPT2_FSDP if n == max(counts) or case in GPT2_FSDP]
         plan += [(b, n, case) for b in GPT2_BATCHES[:1] for n in sorted(counts, reverse=True) for case in cases
                  if n == max(counts) or case in GPT2_FSDP]
         env = common.jax_env()

@@ -5,8 +5,8 @@ the step gathers every param where the loss starts, so all of them are live at o
 temporaries do not fall with N. A loss that calls `scan_layers` (or `gather_params`
 on one layer's params) instead keeps those params sharded until that layer runs: each layer's
 params are gathered inside the scan body, in the compute dtype (cast first, then gathered: a
-bf16 gather is half an fp32 one), and, with the step's ``remat`` policy, released after the
-forward and gathered again in the backward. What the step gathers where the loss starts is then
+bf16 gather is half an fp32 one), released after the forward (never saved for the backward, with
+or without the step's ``remat`` policy: `release_policy`) and gathered again in the backward. What the step gathers where the loss starts is then
 only the params the loss does not gather itself (embeddings, final norm).
 
 How the step knows: it traces the loss once abstractly (shapes only) and records which params
@@ -22,6 +22,7 @@ import threading
 from typing import Any, Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmp.parallel import _reduce
@@ -92,6 +93,51 @@ def context(ctx: LayerContext):
         stack.pop()
 
 
+GATHERED = "jaxmp_fsdp_gathered"
+"""The ``checkpoint_name`` of a layer's gathered params inside `scan_layers` (what the
+release policy refuses to save)."""
+
+# The primitives that make a gathered param from its slice: an all-gather (manual mode, inside
+# the ``custom_vjp`` of `jaxmp.parallel._reduce.gathered`) or a sharding constraint (global
+# mode). Their outputs are whole params, never saved for the backward: re-gathered from the slice.
+_GATHER_PRIMITIVES = frozenset({"all_gather", "sharding_constraint", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def release_policy(policy: Callable | None) -> Callable:
+    """``policy`` that never saves a gathered param: FSDP's reshard after forward.
+
+    ``jax.checkpoint`` saves for the backward what its policy allows; a scan body without one
+    saves every residual, the gathered weights of every layer included (the matmuls' backward
+    needs them), so they stay whole for the whole step and the temporaries barely fall with N.
+    Under this policy a gathered param (named `GATHERED`) and the gather that made it are
+    never saved: the backward re-gathers them from the slice (one more all-gather per layer,
+    what FSDP2's ``reshard_after_forward=True`` does), and everything else is saved as
+    ``policy`` says (``None``: everything, i.e. the activations stay as without remat).
+    ``jax.checkpoint_policies.save_anything_except_these_names`` would say this, but in JAX
+    0.10.2 it saves everything (its body is a placeholder), hence this one.
+
+    Args:
+      policy: the step's remat policy, or ``None`` (keep the activations).
+
+    Returns:
+      A ``jax.checkpoint`` policy.
+
+    Example:
+      >>> import jax
+      >>> from jaxmp.parallel._per_layer import release_policy
+      >>> callable(release_policy(None)) and callable(release_policy(jax.checkpoint_policies.dots_saveable))
+      True
+    """
+    def saveable(prim: Any, *args: Any, **params: Any) -> Any:
+        if prim.name == "name" and params.get("name") == GATHERED:
+            return False
+        if prim.name in _GATHER_PRIMITIVES:
+            return False
+        return True if policy is None else policy(prim, *args, **params)
+
+    return saveable
+
+
 def _cast(x: Any, dtype: Any) -> Any:
     return x.astype(dtype) if dtype is not None and _reduce.is_float(x) else x
 
@@ -156,10 +202,11 @@ def scan_layers(body: Callable, init: PyTree, layers: PyTree, *, dtype: jax.typi
 
     ``layers`` is the sub-tree of params holding every layer's params stacked on a leading axis.
     Inside an FSDP step each layer's slice is cast to ``dtype`` and gathered inside the scan
-    body (`gather_params`), so about one layer's params are whole at a time; the step's
-    ``remat`` policy (``make_sharded_train_step(..., remat=...)``) wraps the body, so with
-    ``"nothing_saveable"`` a layer's gathered params and activations are dropped after the
-    forward and recomputed (re-gathered) in the backward.
+    body (`gather_params`), so about one layer's params are whole at a time: the body runs
+    under ``jax.checkpoint`` with `release_policy`, so a layer's gathered params are dropped
+    after its forward and re-gathered in its backward (reshard after forward), and the step's
+    ``remat`` policy (``make_sharded_train_step(..., remat=...)``) decides the rest: with
+    ``None`` the activations are saved, with ``"nothing_saveable"`` only each layer's input.
 
     Args:
       body: ``body(carry, layer_params) -> (carry, y)``, as for ``lax.scan``.
@@ -187,10 +234,18 @@ def scan_layers(body: Callable, init: PyTree, layers: PyTree, *, dtype: jax.typi
         names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(layers)]
         infos = [None if ctx is None else _slice_info(ctx, ctx.leaves.get(id(x)), n) for x, n in zip(leaves, names)]
 
+    gathers = any(info is not None for info in infos)
+
     def step(carry, xs):
         used = [_gather(ctx, x, info, dtype) for x, info in zip(treedef.flatten_up_to(xs), infos)]
+        if gathers:  # named, so that the release policy knows them
+            used = [x if info is None else checkpoint_name(x, GATHERED) for x, info in zip(used, infos)]
         return body(carry, jax.tree_util.tree_unflatten(treedef, used))
 
-    if ctx is not None and ctx.remat is not None:
+    if gathers:
+        # Reshard after forward: the layer's gathered params are not saved for the backward
+        # (re-gathered there from their slices), with or without the step's remat policy.
+        step = jax.checkpoint(step, policy=release_policy(ctx.remat))
+    elif ctx is not None and ctx.remat is not None:
         step = jax.checkpoint(step, policy=ctx.remat)
     return jax.lax.scan(step, init, layers, unroll=unroll)

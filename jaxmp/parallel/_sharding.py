@@ -271,8 +271,9 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         default 1024).
       remat: the rematerialisation policy of each layer of a loss that scans over layers with
         `jaxmp.parallel.scan_layers`: ``None`` (default: keep the activations),
-        ``"nothing_saveable"`` (keep each layer's input only; under ``"fsdp"`` the layer's params
-        are gathered again in the backward), ``"dots_saveable"``, or a ``jax.checkpoint`` policy.
+        ``"nothing_saveable"`` (keep each layer's input only), ``"dots_saveable"``, or a
+        ``jax.checkpoint`` policy. Under ``"fsdp"`` a layer's gathered params are never kept for
+        the backward, whatever the policy: they are gathered again there.
 
     Returns:
       ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` with params and

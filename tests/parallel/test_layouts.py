@@ -612,16 +612,36 @@ def test_scan_layers_in_the_global_view_gathers_by_constraint_and_trains_like_re
         assert diff.max() <= 2 * 1e-2 + 4e-3 and np.mean(diff > 4e-3) < 0.01, (k, diff.max())
 
 
-def test_remat_setting_wraps_each_scanned_layer():
+def _scan_residuals(layout, remat=None, reduce_dtype="float32"):
+    """The stacked outputs (shape, dtype) of every ``scan`` in the step's jaxpr (traced, not
+    compiled): the forward scan's are the residuals it saves for the backward, one per layer."""
+    from jaxmp import _jaxpr
+
+    step, (p, s) = _scan_step(layout, remat, reduce_dtype=reduce_dtype)
     x, y = _data(1)
-    texts = {}
-    for remat in (None, "nothing_saveable"):
-        step, (p, s) = _scan_step("fsdp", remat)
-        texts[remat] = step.lower(p, s, jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, step.mesh)).as_text()
-    # jax.checkpoint's recomputation in the backward is fenced by optimization barriers.
-    assert texts["nothing_saveable"].count("optimization_barrier") > texts[None].count("optimization_barrier")
+    jaxpr = jax.make_jaxpr(step)(p, s, jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, step.mesh))
+    return [(tuple(v.aval.shape), str(v.aval.dtype)) for e in _jaxpr.walk(jaxpr) if e.eqn.primitive.name == "scan"
+            for v in e.eqn.outvars if len(v.aval.shape) > 1 and v.aval.shape[0] == LAYERS]
+
+
+@pytest.mark.parametrize("remat", [None, "dots_saveable"])
+def test_fsdp_reshards_after_forward_the_scan_saves_no_gathered_weights(remat):
+    # Without remat (or with a policy that keeps other things) a scan body that gathers its
+    # layer's weights would save them, whole, as residuals for the backward: every layer's
+    # gathered weights live through the step and the temporaries do not fall with N. The step
+    # re-gathers them in the backward instead (FSDP2's reshard_after_forward): the residuals
+    # are activations (a shard's rows x 64) and the slices (64 x 8), never a 64 x 64 weight.
+    saved = _scan_residuals("fsdp", remat)
+    assert (LAYERS, 64, 64, "bfloat16") not in [shape + (dtype,) for shape, dtype in saved], saved
+    assert ((LAYERS, BATCH // N, 64), "bfloat16") in saved, saved
+
+
+def test_remat_setting_wraps_each_scanned_layer():
+    # nothing_saveable keeps only each layer's input: fewer residuals than no remat.
+    kept = {remat: _scan_residuals("fsdp", remat) for remat in (None, "nothing_saveable")}
+    assert len(kept["nothing_saveable"]) < len(kept[None]), kept
     with pytest.raises(ValueError, match=r"remat must be None, a policy callable or one of 'nothing_saveable'"):
-        jaxmp.parallel.make_sharded_train_step(_scan_loss, _tx(), step.mesh, remat="everything")
+        jaxmp.parallel.make_sharded_train_step(_scan_loss, _tx(), jaxmp.parallel.make_data_mesh(), remat="everything")
 
 
 def test_a_stacked_leaf_sharded_along_its_layer_axis_is_refused_clearly():

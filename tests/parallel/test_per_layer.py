@@ -141,3 +141,17 @@ def test_global_mode_constrains_a_registered_leaf_to_its_sharding():
     assert len(eqns) == 1 and eqns[0].params["sharding"].spec == P()
     assert np.dtype(eqns[0].in_avals[0].dtype) == BF16  # cast first, then gathered
     assert jax.jit(f)(w).sharding.is_fully_replicated
+
+
+def test_release_policy_never_saves_a_gathered_param_and_defers_the_rest():
+    # The policy JAX asks per equation: "may this output be saved for the backward?"
+    from jax.ad_checkpoint import checkpoint_name
+
+    jaxpr = jax.make_jaxpr(lambda w, h: jnp.sin(h @ checkpoint_name(w, _per_layer.GATHERED)))(
+        jnp.ones((4, 4)), jnp.ones(4))
+    eqns = {e.eqn.primitive.name: e.eqn for e in _jaxpr.walk(jaxpr)}
+    kept = lambda policy, name: policy(eqns[name].primitive, **eqns[name].params)  # noqa: E731
+    keep_all, dots = _per_layer.release_policy(None), _per_layer.release_policy(jax.checkpoint_policies.dots_saveable)
+    assert not kept(keep_all, "name") and not kept(dots, "name")  # the gathered weight: re-gathered
+    assert kept(keep_all, "sin") and kept(keep_all, "dot_general")  # no remat: every activation
+    assert not kept(dots, "sin") and kept(dots, "dot_general")  # the user's policy for the rest
