@@ -286,14 +286,14 @@ def damage_drill(workdir: str, bitflips: int, seed: int) -> list[dict]:
 
 # ---- kill: SIGKILL at random points, mid-save included ----
 
-KILL_ARGS = ("--config=cpu", "--config.policy=O2-fp16", "--config.num_train_steps=300",
-             "--config.checkpoint_every_steps=10", "--config.eval_every_steps=100", "--config.log_every_steps=10",
+KILL_ARGS = ("--config=cpu", "--config.policy=O2-fp16", "--config.checkpoint_every_steps=10", "--config.eval_every_steps=100", "--config.log_every_steps=10",
              "--config.keep_checkpoints=1000", "--config.progress_bar=false")
 
 
-def _start(workdir: str, log: str) -> subprocess.Popen:
+def _start(workdir: str, log: str, steps: int) -> subprocess.Popen:
     out = open(log, "w")
-    return subprocess.Popen([sys.executable, "-m", "experiments.main", *KILL_ARGS, f"--workdir={workdir}"],
+    return subprocess.Popen([sys.executable, "-m", "experiments.main", *KILL_ARGS, f"--config.num_train_steps={steps}",
+                             f"--workdir={workdir}"],
                             cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
 
 
@@ -301,10 +301,10 @@ def _finalized(ckdir: str) -> list[int]:
     return sorted(int(e) for e in (os.listdir(ckdir) if os.path.isdir(ckdir) else []) if e.isdigit())
 
 
-def _kill_once(workdir: str, log: str, mid_save: bool, target: int, rs) -> str:
+def _kill_once(workdir: str, log: str, mid_save: bool, target: int, rs, steps: int) -> str:
     """Starts the run and SIGKILLs it once a checkpoint >= ``target`` is written (mid-save: while
     one is being written) plus a random delay; returns where the kill landed."""
-    ckdir, proc = os.path.join(workdir, "checkpoints"), _start(workdir, log)
+    ckdir, proc = os.path.join(workdir, "checkpoints"), _start(workdir, log, steps)
     listing = lambda: set(os.listdir(ckdir)) if os.path.isdir(ckdir) else set()  # noqa: E731
     before = listing()  # leftovers of earlier kills are not this run's saves
     while proc.poll() is None:
@@ -328,27 +328,30 @@ def _resume_steps(logs: list[str]) -> list[int]:
     return out
 
 
-def kill_drill(workdir: str, kills: int, seed: int) -> dict:
-    """``kills`` SIGKILLs of one 300-step run; every checkpoint left compared with an uninterrupted run."""
+def kill_drill(workdir: str, kills: int, seed: int, steps: int = 300) -> dict:
+    """``kills`` SIGKILLs of one ``steps``-step run (a checkpoint every 10 steps; ``steps`` a
+    multiple of 10, at least 40); every checkpoint left compared with an uninterrupted run."""
+    if steps % 10 or steps < 40:
+        raise ValueError(f"kill_drill: steps={steps}: use a multiple of 10 (a checkpoint every 10 steps), at least 40")
     rs = np.random.default_rng(seed)
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
     ref, cut = os.path.join(workdir, "uninterrupted"), os.path.join(workdir, "killed")
-    if _start(ref, os.path.join(workdir, "ref.log")).wait() != 0:
+    if _start(ref, os.path.join(workdir, "ref.log"), steps).wait() != 0:
         return _row("kill", "uninterrupted reference run", open(os.path.join(workdir, "ref.log")).read()[-300:], False)
-    plan = sorted(rs.choice(np.arange(20, 290, 10), kills, replace=False).tolist()) if kills else []
+    plan = sorted(rs.choice(np.arange(20, steps - 10, 10), kills, replace=False).tolist()) if kills else []
     kinds = []
     for k, planned in enumerate(plan):
         newest = (_finalized(os.path.join(cut, "checkpoints")) or [0])[-1]
-        target = min(max(planned, newest + 10), 290)
-        kinds.append(_kill_once(cut, os.path.join(workdir, f"kill{k}.log"), k % 3 == 0, target, rs))
-    last = _start(cut, os.path.join(workdir, "final.log")).wait()
+        target = min(max(planned, newest + 10), steps - 10)
+        kinds.append(_kill_once(cut, os.path.join(workdir, f"kill{k}.log"), k % 3 == 0, target, rs, steps))
+    last = _start(cut, os.path.join(workdir, "final.log"), steps).wait()
     resumes = _resume_steps([os.path.join(workdir, f"kill{k}.log") for k in range(1, kills)]
                             + [os.path.join(workdir, "final.log")])
-    steps = _finalized(os.path.join(cut, "checkpoints"))
-    equal = sum(states_equal(ckpt_lib.load_state(cut, s)[1], ckpt_lib.load_state(ref, s)[1]) for s in steps)
-    ok = (last == 0 and equal == len(steps) and steps and steps[-1] == 300
+    steps_saved = _finalized(os.path.join(cut, "checkpoints"))
+    equal = sum(states_equal(ckpt_lib.load_state(cut, s)[1], ckpt_lib.load_state(ref, s)[1]) for s in steps_saved)
+    ok = (last == 0 and equal == len(steps_saved) and steps_saved and steps_saved[-1] == steps
           and "finished before the kill" not in kinds and all(r > 0 for r in resumes))
-    return _row("kill", f"SIGKILL x {kills} ({kinds.count('mid-save')} mid-save) of a 300-step run",
-                f"resumed at steps {resumes}; {equal}/{len(steps)} checkpoints bitwise equal to the "
+    return _row("kill", f"SIGKILL x {kills} ({kinds.count('mid-save')} mid-save) of a {steps}-step run",
+                f"resumed at steps {resumes}; {equal}/{len(steps_saved)} checkpoints bitwise equal to the "
                 "uninterrupted run", ok)

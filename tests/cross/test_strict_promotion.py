@@ -20,8 +20,10 @@ from flax import nnx
 import jaxmp
 
 F32, BF16, F16 = np.dtype("float32"), np.dtype(jnp.bfloat16), np.dtype("float16")
-X = jax.random.normal(jax.random.key(1), (16, 8))
-Y = jnp.argmax(X[:, :4], axis=-1)
+# numpy inputs: an eager jax.random draw compiles a program per shape (test data only).
+_RNG = np.random.default_rng(1)
+X = _RNG.normal(size=(16, 8)).astype(np.float32)
+Y = np.argmax(X[:, :4], axis=-1).astype(np.int32)
 
 
 def _xent(logits, labels):
@@ -41,15 +43,18 @@ def test_autocast_forward_grad_and_scaled_step_under_strict_promotion(level):
         h = h - jnp.mean(h, axis=-1, keepdims=True)
         return jax.nn.log_softmax(h @ params["w2"])
 
-    params = {"w1": jax.random.normal(jax.random.key(0), (8, 16)) * 0.3, "b1": jnp.zeros(16),
-              "w2": jax.random.normal(jax.random.key(2), (16, 4)) * 0.3}
+    rng = np.random.default_rng(0)
+    params = {"w1": jnp.asarray(rng.normal(size=(8, 16)) * 0.3, jnp.float32), "b1": jnp.zeros(16),
+              "w2": jnp.asarray(rng.normal(size=(16, 4)) * 0.3, jnp.float32)}
     fwd = jaxmp.autocast(net, level)
-    assert fwd(params, X).dtype == F32
+    # Jitted: the program is traced (and each op's promotion checked) under strict promotion all
+    # the same; eagerly, every op would be compiled on its own.
+    assert jax.jit(fwd)(params, X).dtype == F32
 
     def loss(p):
         return -jnp.mean(jnp.take_along_axis(fwd(p, X), Y[:, None], axis=-1))
 
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)
     assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
     tx = jaxmp.loss_scaling(optax.sgd(0.5), "dynamic")
     opt = tx.init(params)
@@ -116,8 +121,8 @@ class NNXNet(nnx.Module):
 def test_flax_nnx_front_door_under_strict_promotion(level):
     model = jaxmp.flax.mixed_precision(NNXNet(nnx.Rngs(0)), level)
     recipe = jaxmp.get_recipe(level)
-    assert model(X).dtype == F32
-    grads = nnx.grad(lambda m: _xent(m(X), Y))(model)
+    assert nnx.jit(lambda m: m(X))(model).dtype == F32  # jitted: traced under strict promotion all the same
+    grads = nnx.jit(nnx.grad(lambda m: _xent(m(X), Y)))(model)
     assert all(g.dtype == p.dtype for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(nnx.state(model, nnx.Param))))
     tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.make_loss_scale(recipe.loss_scale),
                             master_weights=recipe.master_weights)

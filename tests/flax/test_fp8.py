@@ -55,7 +55,7 @@ def _linen_state(policy="O2-fp8", overrides=None, loss_scale="none", axis_name=N
     model = jaxmp.flax.mixed_precision(Net(), policy, overrides)
     x, _ = _data()
     tx = jaxmp.loss_scaling(optax.adam(1e-2), loss_scale, master_weights=True, axis_name=axis_name)
-    return jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x), tx)
+    return jaxmp.flax.TrainState.create(model, jax.jit(model.init)(jax.random.key(0), x), tx)  # jitted: one compile
 
 
 def same_bits(a, b):
@@ -193,7 +193,7 @@ def test_fp8_gradients_are_within_tolerance_of_bf16_on_a_small_model():
     grads = {}
     for policy in ("O2-bf16", "O2-fp8-current", "O2-fp8"):
         model = jaxmp.flax.mixed_precision(Net(), policy)
-        variables = model.init(jax.random.key(0), x)
+        variables = jax.jit(model.init)(jax.random.key(0), x)
         params = jax.tree.map(lambda p: p.astype(jnp.float32), variables["params"])
         rest = {k: v for k, v in variables.items() if k != "params"}
         if policy == "O2-fp8":  # delayed scaling, with the scales one step has recorded

@@ -112,12 +112,14 @@ class Attn(nn.Module):
 @pytest.mark.parametrize("level", ["O1-bf16", pytest.param("O2-bf16", marks=pytest.mark.slow),
                                    pytest.param("O1-fp16", marks=pytest.mark.slow)])
 def test_attention_under_policy_matches_float32(level, masked):
-    x = jax.random.normal(jax.random.key(3), (2, 8, 16))
-    mask = nn.make_causal_mask(jnp.ones((2, 8))) if masked else None
-    variables = Attn().init(jax.random.key(0), x, mask)
-    ref = Attn().apply(variables, x, mask)
+    # numpy input and jitted init/apply: eagerly, every op (and every random draw's shape)
+    # would be compiled on its own; the attention path chosen is recorded at trace time.
+    x = np.random.default_rng(3).normal(size=(2, 8, 16)).astype(np.float32)
+    mask = np.asarray(nn.make_causal_mask(np.ones((2, 8)))) if masked else None
+    variables = jax.jit(Attn().init)(jax.random.key(0), x, mask)
+    ref = jax.jit(Attn().apply)(variables, x, mask)
     model = jaxmp.flax.mixed_precision(Attn(), level)
-    out = model.apply(variables, x, mask)
+    out = jax.jit(model.apply)(variables, x, mask)
     assert out.dtype == jnp.float32
     np.testing.assert_allclose(out, ref, atol=0.05 if "bf16" in level else 0.01)
     from jaxmp.engine import _attention as attention

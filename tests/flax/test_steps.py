@@ -24,7 +24,7 @@ class Net(nn.Module):
 
 def _state(policy="O0"):  # float32: the step's arithmetic checked exactly
     model = jaxmp.flax.mixed_precision(Net(), policy)
-    return jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), X),
+    return jaxmp.flax.TrainState.create(model, jax.jit(model.init)(jax.random.key(0), X),
                                         jaxmp.loss_scaling(optax.sgd(0.1), "none"))
 
 

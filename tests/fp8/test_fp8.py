@@ -1,5 +1,7 @@
 """jaxmp.fp8: scale and amax-history updates against a hand computation, the scaled fp8 dot."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +74,7 @@ def _mlp_loss(dot):
     return loss
 
 
+@functools.lru_cache(maxsize=None)  # drawn once: each eager draw of a new shape compiles a program
 def _data():
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     params = {"w1": jax.random.normal(k[0], (64, 128)) / 8, "w2": jax.random.normal(k[1], (128, 16)) / 11}
@@ -97,10 +100,11 @@ def test_fp8_dot_gradients_are_within_tolerance_of_bf16_and_float32():
 
 
 def test_backward_quantizes_the_cotangent_to_e5m2_and_is_invariant_to_a_loss_scale():
-    a = jax.random.normal(jax.random.PRNGKey(1), (8, 16))
-    b = jax.random.normal(jax.random.PRNGKey(2), (16, 4))
-    g = jax.random.normal(jax.random.PRNGKey(3), (8, 4)) * 1e-3
-    _, vjp = jax.vjp(lambda u, v: fp8.fp8_dot_general(u, v, DN), a, b)
+    rng = np.random.default_rng(1)  # numpy data: no eager random-draw compiles
+    a, b = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32), jnp.asarray(rng.normal(size=(16, 4)), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(8, 4)) * 1e-3, jnp.float32)
+    # The forward and its backward compiled once (eagerly, every op compiles), called twice.
+    vjp = jax.jit(lambda ct: jax.vjp(lambda u, v: fp8.fp8_dot_general(u, v, DN), a, b)[1](ct))
     da, db = vjp(g)
     qa, qb, qg = fp8._scaling.qdq(a, fp8._formats.E4M3), fp8._scaling.qdq(b, fp8._formats.E4M3), fp8._scaling.qdq(g, fp8._formats.E5M2)
     np.testing.assert_allclose(da, qg @ qb.T, rtol=1e-6, atol=1e-9)
