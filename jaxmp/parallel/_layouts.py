@@ -1,32 +1,9 @@
 """How the training state is laid out over a mesh's data axis on the sharded-``jit`` path.
 
-Three layouts (``make_sharded_train_step(..., layout=...)``, [`shard_state`][jaxmp.parallel.shard_state]):
-
-* ``"replicated"`` (default): every device holds the whole state (params, float32 masters,
-  optimizer moments). O2-bf16 + AdamW: 2 + 4 + 8 = 14 bytes per parameter on every device.
-* ``"zero"`` (ZeRO-1/2, Megatron's distributed optimizer): the optimizer state -- float32
-  masters, moments, param remainders -- is sharded over the data axis, each device updates its
-  slice, and the gradients are reduced onto those slices; the (half) params stay replicated and
-  are gathered in their own dtype after the update: 2 + 12/N bytes per parameter.
-* ``"fsdp"`` (ZeRO-3): the params are sharded too and gathered inside the step in their stored
-  (compute) dtype: 14/N bytes per parameter.
-
-Everything is ``NamedSharding`` + ``jit`` in/out shardings + ``jax.lax.with_sharding_constraint``:
-XLA inserts the reduce-scatters and all-gathers.
-
-**Which dimension is sharded** (`jaxmp.parallel._layouts.leaf_spec`): a leaf is sharded over the data axis along
-its largest dimension whose size (divided by the shards the user's spec already puts on it, if
-any, over another mesh axis) the data-axis size divides, ties going to the first such dimension,
-and only a dimension the user's spec leaves unsharded. Leaves with fewer than ``min_shard_size``
-elements (default 1024: biases, norms, step counters, PRNG keys, loss scale) and leaves with no
-such dimension stay replicated over the data axis. An optimizer-state leaf that belongs to a
-param (a master copy, a moment, a remainder: same tree position under a sub-tree shaped like the
-params, and the same shape) gets its param's rule, so a param, its gradient, its master and its
-moments are always split the same way.
-
-**A second (model) axis**: pass ``param_specs`` (a pytree of ``PartitionSpec`` matching the
-params, over the other mesh axes); those entries are kept for the params and for every state
-leaf that belongs to a param, and the data axis is added on top by the rule above.
+``"replicated"``, ``"zero"`` (ZeRO-1/2) and ``"fsdp"`` (ZeRO-3) as ``NamedSharding`` trees for
+``jit`` and ``with_sharding_constraint``, XLA inserting the collectives; and the per-shard loss
+of a reduce dtype. Which dimension of a leaf is split, a model axis, the bytes per parameter:
+docs/parallel.md#sharded-state-zero-and-fsdp-layouts; the reduce: docs/parallel.md#gradient-reduce-dtype.
 """
 
 from __future__ import annotations
@@ -46,9 +23,7 @@ from jaxmp._typing import PyTree
 
 
 LAYOUTS = ("replicated", "zero", "fsdp")
-"""The layout names [`shard_state`][jaxmp.parallel.shard_state] and ``make_sharded_train_step(layout=...)`` take: a full copy
-of the state on every device; optimizer state and float32 masters sharded over the data axis
-(ZeRO-1/2); params sharded too (FSDP / ZeRO-3)."""
+"""The layout names: a full copy; optimizer state sharded (ZeRO-1/2); params sharded too (FSDP)."""
 
 DEFAULT_MIN_SHARD_SIZE = 1024
 
@@ -85,10 +60,8 @@ def check_min_size(min_shard_size: Any) -> int:
 class Layout:
     """Where a training state lives: the mesh, the layout and its options, given once.
 
-    A sharded train step carries its own as ``step.layout``; pass that to
-    [`shard_state`][jaxmp.parallel.shard_state] (or `state_shardings`, `abstract_state`) in
-    place of the mesh, and the state is laid out exactly as the step expects, with no second
-    spelling of the layout to keep in sync. Build one with `resolve_layout`.
+    A sharded step's ``step.layout``: pass it to [`shard_state`][jaxmp.parallel.shard_state]
+    in place of the mesh (docs/parallel.md#sharded-state-zero-and-fsdp-layouts).
 
     Attributes:
       mesh: the ``jax.sharding.Mesh``.
@@ -124,8 +97,8 @@ def resolve_layout(mesh: Any, layout: Any = None, *, data_axis: str | None = Non
       The validated `Layout`.
 
     Raises:
-      ValueError: a `Layout` given together with options that differ from its own (the
-        layout is given once), a `Layout` on another mesh, or any invalid option.
+      ValueError: a `Layout` with options that differ from its own, a `Layout` on another
+        mesh, or any invalid option.
     """
     given = mesh if isinstance(mesh, Layout) else layout if isinstance(layout, Layout) else None
     if given is None:
@@ -174,7 +147,9 @@ def _axes_of(entry: Any) -> tuple:
 
 def leaf_spec(shape: Sequence[int], mesh: Mesh, data_axis: str, base: PartitionSpec | None = None, *,
               min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> PartitionSpec:
-    """The ``PartitionSpec`` of one leaf sharded over ``data_axis`` (the rule in the module docstring).
+    """The ``PartitionSpec`` of one leaf sharded over ``data_axis``.
+
+    The rule: docs/parallel.md#sharded-state-zero-and-fsdp-layouts ("Which dimension is split").
 
     Args:
       shape: the leaf's (global) shape.
@@ -248,9 +223,8 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
                 min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> tuple[Any, Any, Any]:
     """``(param_specs, opt_state_specs, grad_specs)``: the ``PartitionSpec`` trees of a layout.
 
-    ``grad_specs`` is where the reduced gradients go: the params' data-sharded specs under
-    ``"zero"`` and ``"fsdp"`` (each device receives the slice it updates), the params' own specs
-    under ``"replicated"``. Arrays or ``jax.ShapeDtypeStruct`` leaves both work (only shapes are read).
+    ``grad_specs``: where the reduced gradients go (the slice each device updates under
+    ``"zero"`` and ``"fsdp"``). Only shapes are read (arrays or ``jax.ShapeDtypeStruct``).
     """
     layout = check_layout(layout)
     axis = check_data_axis(mesh, data_axis)
@@ -351,15 +325,10 @@ def shard_state(state: tuple[Any, Any], mesh: Mesh | Layout, layout: str | None 
                 param_specs: PyTree | None = None, min_shard_size: int | None = None) -> tuple[Any, Any]:
     """Places (or re-lays out) ``(params, opt_state)`` on the mesh in a layout.
 
-    Host arrays, single-device arrays and global arrays in any other layout are all accepted:
-    going from ``"zero"`` back to ``"replicated"``, or onto a mesh of another size, is the same
-    call. With several processes every process passes the same host values (or the same global
-    arrays) and fills only its own devices.
-
     Args:
-      state: ``(params, opt_state)``.
-      mesh: the mesh, or a sharded step's ``step.layout`` (`Layout`: mesh, layout and options
-        at once, so the layout is spelled only where the step is built).
+      state: ``(params, opt_state)``: host arrays, or arrays in any layout or on any mesh
+        (the same values on every process).
+      mesh: the mesh, or a sharded step's ``step.layout`` (`Layout`).
       layout: ``"replicated"`` (default), ``"zero"`` or ``"fsdp"``.
       data_axis: as in [`state_shardings`][jaxmp.parallel.state_shardings].
       param_specs: as in [`state_shardings`][jaxmp.parallel.state_shardings].
@@ -376,11 +345,6 @@ def shard_state(state: tuple[Any, Any], mesh: Mesh | Layout, layout: str | None 
       >>> p, s = jaxmp.parallel.shard_state((params, tx.init(params)), mesh, "fsdp")
       >>> p["w"].addressable_shards[0].data.shape == (8, 1024 // mesh.size)
       True
-
-      The layout given once, where the step is built:
-
-      >>> step = jaxmp.parallel.make_sharded_train_step(lambda p, b: (b @ p["w"]).mean(), tx, mesh, layout="fsdp")
-      >>> p, s = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)
     """
     if not (isinstance(state, (tuple, list)) and len(state) == 2):
         raise TypeError(f"state must be a (params, opt_state) pair, got {type(state).__name__}")
@@ -394,10 +358,8 @@ def abstract_state(state: tuple[Any, Any], mesh: Mesh | Layout, layout: str | No
                    **kwargs: Any) -> tuple[Any, Any]:
     """``(params, opt_state)`` as ``jax.ShapeDtypeStruct`` leaves carrying the layout's shardings.
 
-    What a checkpoint restore takes as its target (orbax reshards into it, so a state saved on
-    one mesh restores onto a mesh of another size), and what ``step.lower`` takes to compile a
-    step without allocating the state (``jax.eval_shape(tx.init, params)`` gives an abstract
-    optimizer state for a model too large to initialise).
+    A checkpoint restore target (docs/guides/checkpointing.md), or what ``step.lower`` compiles
+    without allocating the state.
 
     Args:
       state: ``(params, opt_state)``, arrays or ``jax.ShapeDtypeStruct``.
@@ -425,11 +387,13 @@ def abstract_state(state: tuple[Any, Any], mesh: Mesh | Layout, layout: str | No
 
 
 def state_bytes_per_device(tree: PyTree) -> int:
-    """Bytes of ``tree`` that one device holds: each leaf's shard shape under its sharding.
+    """Bytes of ``tree`` that one device holds (the largest shard where shards are uneven).
 
-    Leaves are ``jax.Array`` or ``jax.ShapeDtypeStruct`` with a ``sharding``; computed from the
-    sharding alone (``sharding.shard_shape``), so it works on an abstract state that was never
-    allocated. For a layout whose shards are uneven this is the largest shard.
+    Args:
+      tree: ``jax.Array`` or ``jax.ShapeDtypeStruct`` leaves with a ``sharding`` (never allocated).
+
+    Returns:
+      The bytes of each leaf's shard shape, summed.
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
@@ -476,12 +440,10 @@ def _reduce_aux_leaf(x: jax.Array) -> jax.Array:
 
 
 def _reassemble_aux(aux: Any, global_aux: Any, n: int) -> Any:
-    """The per-shard ``aux`` (leaves stacked ``[n, ...]``) in the layout the global evaluation returns.
+    """The per-shard ``aux`` (leaves stacked ``[n, ...]``) in the layout of ``global_aux``'s shapes.
 
-    ``global_aux`` holds the shapes the loss gives on the whole batch. A leaf whose global shape
-    is ``(n * k, ...)`` where each shard's is ``(k, ...)`` is per-example (predictions, per-row
-    losses): its shards are concatenated in batch order. A leaf of the same shape on both is
-    reduced by `_reduce_aux_leaf`. Any other pair cannot be told apart and is refused.
+    Per-example leaves concatenated, others reduced (`_reduce_aux_leaf`), any other pair refused:
+    docs/parallel.md#gradient-reduce-dtype.
     """
     def leaf(path, x, g):
         shard, whole = tuple(x.shape[1:]), tuple(g.shape)
@@ -504,9 +466,10 @@ def _manual_spec(spec: PartitionSpec, axis: str) -> PartitionSpec:
 
 
 def recorded_leaves(canonical: Any, params: Any, model_state: Any, batch: Any, rng: Any) -> set:
-    """Indices (in ``tree_leaves(params)`` order) of the params leaves the loss gathers itself
-    (`jaxmp.parallel.gather_params` / `jaxmp.parallel.scan_layers`), found by one
-    abstract trace of the loss (shapes only, nothing computed)."""
+    """Indices (in ``tree_leaves(params)`` order) of the params leaves the loss gathers itself.
+
+    Those `jaxmp.parallel.gather_params` / `jaxmp.parallel.scan_layers` see, in one abstract trace.
+    """
     from jaxmp.parallel import _per_layer as per_layer
 
     ctx = per_layer.LayerContext("record")
@@ -524,10 +487,11 @@ def recorded_leaves(canonical: Any, params: Any, model_state: Any, batch: Any, r
 
 
 def global_view_loss(mesh: Mesh, layout: str, base_specs: Any, remat: Any) -> Any:
-    """The loss wrapper of ``reduce_dtype=None`` (the global view): it only sets what
-    `jaxmp.parallel.gather_params` and `jaxmp.parallel.scan_layers` do in it (under
-    ``"fsdp"``: ``with_sharding_constraint`` to the param's spec without the data axis, i.e.
-    gathered where used; the remat policy)."""
+    """The loss wrapper of ``reduce_dtype=None``: what the per-layer helpers do in it (gather, remat).
+
+    Under ``"fsdp"`` `jaxmp.parallel.gather_params` and `jaxmp.parallel.scan_layers` constrain
+    a param to its spec without the data axis where it is used.
+    """
     from jaxmp.parallel import _per_layer as per_layer
 
     def wrap(canonical):
@@ -547,34 +511,24 @@ def global_view_loss(mesh: Mesh, layout: str, base_specs: Any, remat: Any) -> An
 def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_specs: Any, remat: Any = None) -> Any:
     """Wraps the canonical loss so that the gradient is reduced over the data axis in ``reduce_dtype``.
 
-    Under plain ``jit`` XLA reduces where the weight gradient's batch contraction happens, in the
-    matmul's own dtype (bfloat16 under O2-bf16). To make the reduce dtype a setting, the loss is
-    evaluated per data shard in a ``shard_map`` over the data axis (manual over that axis only;
-    a model axis stays XLA's): each shard sees its ``B / N`` rows and the full params, each of
-    which enters through a ``custom_vjp`` identity (`jaxmp.parallel._reduce`) whose
-    backward reduces that leaf's gradient over the data axis in ``reduce_dtype`` and casts the
-    sum back to the param's dtype, exactly what `jaxmp.parallel.all_reduce_gradients`
-    does under pmap: an all-reduce for a leaf every device updates whole (``"replicated"``,
-    leaves under ``min_shard_size``), a reduce-scatter onto the device's slice (its
-    ``grad_specs`` entry) under ``"zero"`` and ``"fsdp"``. The cast happens per leaf in the
-    backward, so a float32 reduce costs one float32 gradient buffer and no float32 copy of
-    the params. Under ``"fsdp"`` the params arrive sliced and are all-gathered in their stored
-    dtype where the loss starts, except those the loss gathers itself, per layer
-    (`jaxmp.parallel.scan_layers`, `jaxmp.parallel.gather_params`; found by one
-    abstract trace), which enter it still sliced. ``remat`` is the policy those helpers apply.
+    The loss runs per data shard in a ``shard_map``; each param enters through a ``custom_vjp``
+    identity that reduces its gradient in ``reduce_dtype`` (all-reduce, or reduce-scatter
+    onto ``grad_specs`` under ``"zero"`` / ``"fsdp"``). The loss, model state, rng and ``aux``
+    per shard: docs/parallel.md#gradient-reduce-dtype.
 
-    The loss is the mean of the per-shard losses, which is the global loss only for a mean of
-    per-example terms (shards being equal): a masked mean or an in-batch contrastive loss is
-    evaluated per shard (DDP / pmap semantics). Each shard's rng is ``fold_in(rng, shard)``.
-    The new model state's floating leaves are averaged over the shards (returned exactly when
-    equal on every shard), its other leaves are shard 0's. ``aux`` comes back in the layout the
-    global evaluation gives: a leaf whose global shape is ``(N * k, ...)`` where a shard's is
-    ``(k, ...)`` (per-example: predictions or per-row losses, k = B / N; per-token values
-    flattened, k = B / N * T) is concatenated in batch order,
-    told apart by one abstract (shape-only) evaluation of the loss on the global batch when aux
-    holds arrays; a batch-independent leaf is reduced: floating ones averaged (metrics), integer
-    ones summed (counts, even when every shard counts the same), booleans or-ed. An aux leaf
-    whose shapes fit neither rule is a ValueError.
+    Args:
+      mesh: the mesh.
+      axis: its data axis.
+      reduce_dtype: the dtype of the gradient reduction.
+      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"``.
+      grad_specs: where the reduced gradients go (`state_specs`).
+      remat: the per-layer remat policy (`jaxmp.parallel.scan_layers`).
+
+    Returns:
+      ``wrap(canonical) -> loss(params, model_state, batch, rng)``.
+
+    Raises:
+      ValueError: (in the loss) an ``aux`` leaf neither per-example nor batch-independent.
     """
     from jaxmp.parallel import _reduce, _per_layer as per_layer
 

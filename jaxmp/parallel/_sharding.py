@@ -1,11 +1,7 @@
 """The sharded-``jit`` path (JAX's recommended one): a mesh with a data axis, plain ``jax.jit``.
 
-The batch is sharded over the mesh's data axis; the state is replicated (default) or sharded
-over the same axis (``layout="zero"`` / ``"fsdp"``, `jaxmp.parallel._layouts`). The step is
-written as if for one device on the *global* batch; XLA's partitioner inserts the gradient
-all-reduce. So ``jaxmp.loss_scaling(..., axis_name=None)`` is right here: its finite check
-already runs on the global (reduced) gradient and every device computes the same verdict.
-The same code runs unchanged on several hosts (see `jaxmp.parallel._distributed`).
+Why ``loss_scaling(..., axis_name=None)`` is right here and how the same code runs on several
+hosts: docs/parallel.md#sharded-jit-recommended and docs/parallel.md#multi-host.
 """
 
 from __future__ import annotations
@@ -34,8 +30,7 @@ def make_data_mesh(devices: Sequence[Any] | None = None, axis_name: str = "data"
     """A one-dimensional ``jax.sharding.Mesh`` over all devices, with a data-parallel axis.
 
     Args:
-      devices: default ``jax.devices()`` (all processes' devices, in process order, which is
-        what [`make_global_batch`][jaxmp.parallel.make_global_batch] and [`jaxmp.parallel.process_batch_slice`][jaxmp.parallel.process_batch_slice] assume).
+      devices: default ``jax.devices()`` (all processes' devices, in process order).
       axis_name: name of the data axis.
 
     Returns:
@@ -95,11 +90,9 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
 def replicate_on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
     """Places a full copy of every leaf on every device of the mesh (the sharded-jit state layout).
 
-    Works with several processes too: each process passes the same host value and fills its
-    own devices (``jax.make_array_from_callback``), with no cross-host transfer.
-
     Args:
-      tree: a pytree of arrays (params, optimizer state), the same on every process.
+      tree: a pytree of arrays (params, optimizer state), the same on every process (each
+        fills its own devices).
       mesh: the mesh.
 
     Returns:
@@ -123,13 +116,9 @@ def replicate_on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
 def make_global_batch(local_batch: PyTree, mesh: Mesh, data_axis: str | None = None) -> PyTree:
     """Assembles this process's batch into global arrays sharded over the data axis.
 
-    With one process this is a sharded ``device_put`` of the global batch. With several, each
-    process passes only its own rows ([`jaxmp.parallel.process_batch_slice`][jaxmp.parallel.process_batch_slice]) and
-    ``jax.make_array_from_process_local_data`` stitches them into one global array of
-    ``process_count`` times the rows; no process ever holds the whole batch.
-
     Args:
-      local_batch: a pytree of host arrays with a leading batch axis (this process's part).
+      local_batch: a pytree of host arrays with a leading batch axis: the whole batch with one
+        process, this process's rows with several (docs/parallel.md#multi-host).
       mesh: the mesh (e.g. [`make_data_mesh`][jaxmp.parallel.make_data_mesh]).
       data_axis: the mesh axis to split the batch over; default the mesh's only axis.
 
@@ -137,8 +126,8 @@ def make_global_batch(local_batch: PyTree, mesh: Mesh, data_axis: str | None = N
       The pytree of global ``jax.Array`` leaves sharded ``PartitionSpec(data_axis)``.
 
     Raises:
-      ValueError: the global batch is not divisible by the number of devices on the data axis
-        (both numbers named), or leaves disagree on the batch size.
+      ValueError: a global batch the data axis's devices do not divide, or leaves that
+        disagree on the batch size.
 
     Example:
       >>> import numpy as np, jaxmp
@@ -200,10 +189,11 @@ def _describe(sharding: Any) -> str:
 
 
 def enter_layout(tree: Any, shardings: Any, mesh: Mesh, layout: str, what: str) -> Any:
-    """``tree`` with every ``jax.Array`` leaf in its step sharding: a leaf laid out for another
-    layout or mesh is resharded (``jax.device_put``, logged once); host arrays pass as they are
-    (``jit`` places them). A pmap-replicated leaf (a leading device axis) is a ValueError: its
-    shape is not the state's, so no resharding can make it one."""
+    """``tree`` with every ``jax.Array`` leaf resharded to ``shardings`` (logged once); host arrays pass.
+
+    Raises:
+      ValueError: a pmap-replicated leaf (a leading device axis: no resharding makes it the state).
+    """
     def enter(path, x, sharding):
         current = getattr(x, "sharding", None)
         if not isinstance(x, jax.Array) or current is None:
@@ -231,64 +221,42 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
                             reduce_dtype: jax.typing.DTypeLike | None = "float32", param_specs: PyTree | None = None,
                             min_shard_size: int | None = None,
                             remat: str | Callable[..., bool] | None = None) -> Callable[..., Any]:
-    """A ``jax.jit`` train step with the batch sharded over the mesh's data axis and the state laid out by ``layout``.
+    """A ``jax.jit`` train step: the batch sharded over the mesh's data axis, the state in ``layout``.
 
-    Same semantics and results as [`jaxmp.parallel.make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step], without ``pmap``:
-    the step takes the global batch and XLA inserts the collectives. Build ``tx`` with
-    ``jaxmp.loss_scaling(..., axis_name=None)``: the finite check runs on the reduced gradient, so
-    every device reaches the same verdict. Place the state with
-    ``jaxmp.parallel.shard_state(state, step.layout)``; a state in another layout or on another
-    mesh is resharded on the way in (logged once), a pmap-replicated one is a ValueError.
-
-    With a ``reduce_dtype`` (the default ``"float32"``) the loss is evaluated per data shard and
-    the shard losses averaged, as under pmap or DDP; ``reduce_dtype=None`` evaluates it on the
-    global batch. See docs/parallel.md#data-parallel-and-multi-host-training (which batch the
-    loss sees), docs/parallel.md#sharded-state-zero-and-fsdp-layouts (the layouts, resharding)
-    and docs/parallel.md#gradient-reduce-dtype (the reduce dtypes, BatchNorm statistics, rng and
-    ``aux`` per shard).
+    [`make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step]'s semantics without ``pmap``.
+    See docs/parallel.md#sharded-jit-recommended (``loss_scaling(..., axis_name=None)``, the
+    step's form and attributes, ``shard_state(state, step.layout)``) and
+    docs/parallel.md#gradient-reduce-dtype (the per-shard loss, ``aux``, BatchNorm statistics).
 
     Args:
-      loss_fn: ``loss_fn(params, batch)`` or ``loss_fn(params, batch, rng)``, returning a scalar
-        float32 loss (the mean over the batch it is given), or ``(loss, aux)`` with ``has_aux``.
-      tx: an optax transformation holding a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state (``axis_name=None``).
-      mesh: the mesh ([`make_data_mesh`][jaxmp.parallel.make_data_mesh], or one with a model axis too), or
-        another step's ``step.layout`` (then no layout options besides it).
-      data_axis: the mesh axis the batch (and a sharded state) is split over; default the mesh's only axis.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to ``metrics["aux"]``
-        (how it is combined over the shards: above).
+      loss_fn: ``loss_fn(params, batch[, rng])`` returning a scalar float32 loss (the mean over
+        the batch it is given), or ``(loss, aux)`` with ``has_aux``.
+      tx: an optax transformation holding a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state.
+      mesh: the mesh ([`make_data_mesh`][jaxmp.parallel.make_data_mesh], or one with a model
+        axis too), or another step's ``step.layout`` (then no other layout option).
+      data_axis: the mesh axis the batch and a sharded state are split over; default the only one.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to ``metrics["aux"]``.
       donate: donate the params and optimizer state buffers.
-      model_state: the model has state besides its params (BatchNorm ``batch_stats``): the step
-        is then ``step(params, model_state, opt_state, batch[, rng]) -> (params, model_state,
-        opt_state, metrics)`` and ``loss_fn(params, model_state, batch[, rng])`` returns ``(loss,
-        new_model_state)``. It is replicated and kept only on applied steps.
+      model_state: the model has state besides its params (BatchNorm ``batch_stats``): the
+        step and ``loss_fn`` take it after the params, ``loss_fn`` returns ``(loss, new_state)``.
       layout: ``"replicated"`` (default), ``"zero"`` or ``"fsdp"``.
-      reduce_dtype: dtype of the gradient reduction over the data axis (``"float32"`` default,
-        ``"bfloat16"``, ``"float16"``: the loss is then evaluated per data shard and averaged), or
-        ``None`` for XLA's choice (the loss is evaluated on the global batch).
-      param_specs: the params' ``PartitionSpec`` tree over the other (model) mesh axes; kept by
-        every layout. Default: none (params replicated over the other axes).
-      min_shard_size: leaves with fewer elements stay replicated (`jaxmp.parallel._layouts.leaf_spec`;
-        default 1024).
-      remat: the rematerialisation policy of each layer of a loss that scans over layers with
-        `jaxmp.parallel.scan_layers`: ``None`` (default: keep the activations),
-        ``"nothing_saveable"`` (keep each layer's input only), ``"dots_saveable"``, or a
-        ``jax.checkpoint`` policy. Under ``"fsdp"`` a layer's gathered params are never kept for
-        the backward, whatever the policy: they are gathered again there.
+      reduce_dtype: the gradient reduction's dtype (``"float32"`` default, ``"bfloat16"``,
+        ``"float16"``: the loss runs per data shard), or ``None`` (XLA's, on the global batch).
+      param_specs: the params' ``PartitionSpec`` tree over the other (model) mesh axes.
+      min_shard_size: leaves with fewer elements stay replicated (default 1024).
+      remat: the per-layer policy of `jaxmp.parallel.scan_layers`: ``None`` (default),
+        ``"nothing_saveable"``, ``"dots_saveable"`` or a ``jax.checkpoint`` policy. Under
+        ``"fsdp"`` a layer's gathered params are never kept for the backward: they are gathered again.
 
     Returns:
-      ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` with params and
-      opt_state in the layout, metrics replicated and batch sharded over the data axis (pass the
-      output of [`make_global_batch`][jaxmp.parallel.make_global_batch]; host arrays are sharded on the way in within one
-      process). ``metrics`` (a `jaxmp._step.StepMetrics`, the keys of every jaxmp step): ``loss``,
-      ``loss_scale``, ``last_step_finite``, ``consecutive_skips``, ``total_skips`` (``aux`` with
-      ``has_aux``). ``step.layout`` is the state's layout (pass it to ``shard_state``); ``step.lower(params, opt_state, batch[, rng])`` lowers the jitted step
-      (arrays or ``jax.ShapeDtypeStruct``; compile-only memory estimates), ``step.shardings(params,
-      opt_state)`` gives the layout's ``(param, opt_state)`` shardings.
+      ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` (``metrics``:
+      ``loss``, ``loss_scale``, ``last_step_finite``, ``consecutive_skips``, ``total_skips``,
+      ``aux``), with ``step.layout``, ``step.lower(...)`` and ``step.shardings(params, opt_state)``.
 
     Raises:
-      ValueError: unknown layout, a data axis the mesh lacks, a ``reduce_dtype`` that cannot hold
-        gradients (fp8), or (at the call) a batch that does not divide over the data axis.
-      TypeError: a ``reduce_dtype`` that is not a floating dtype (an integer, bool).
+      ValueError: unknown layout, a data axis the mesh lacks, an fp8 ``reduce_dtype``, or (at
+        the call) a batch that does not divide over the data axis.
+      TypeError: a ``reduce_dtype`` that is not a floating dtype.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxmp
