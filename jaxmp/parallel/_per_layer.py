@@ -120,13 +120,7 @@ def release_policy(policy: Callable | None) -> Callable:
       policy: the step's remat policy, or ``None`` (keep the activations).
 
     Returns:
-      A ``jax.checkpoint`` policy.
-
-    Example:
-      >>> import jax
-      >>> from jaxmp.parallel._per_layer import release_policy
-      >>> callable(release_policy(None)) and callable(release_policy(jax.checkpoint_policies.dots_saveable))
-      True
+      A ``jax.checkpoint`` policy (tested in tests/parallel/test_per_layer.py).
     """
     def saveable(prim: Any, *args: Any, **params: Any) -> Any:
         if prim.name == "name" and params.get("name") == GATHERED:

@@ -9,6 +9,7 @@ import pytest
 
 from jaxmp import _jaxpr
 from jaxmp.engine import _control_flow as cf
+from jaxmp.engine import _internals
 
 HALF = frozenset({"dot_general", "conv_general_dilated"})
 
@@ -17,7 +18,8 @@ def _scan_body(body, carry, xs):
     """The open body jaxpr of ``lax.scan(body, carry, xs)`` and its carry count."""
     eqn = next(e for e in _jaxpr.walk(jax.make_jaxpr(lambda c, x: jax.lax.scan(body, c, x))(carry, xs))
                if e.primitive == "scan")
-    return eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], eqn.params["num_carry"]
+    # scan's params changed across JAX releases (num_consts/num_carry, then ft_in): the seam reads them
+    return (eqn.params["jaxpr"].jaxpr, *_internals.scan_counts(eqn))
 
 
 def _acc(body, carry, xs=None):
