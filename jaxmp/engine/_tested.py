@@ -1,7 +1,7 @@
 """The JAX versions CI tests jaxmp with: one table, read by .ci/run and by the engine.
 
 ``.ci/run`` builds one virtual environment per row (``python .ci/matrix.py`` prints them) and
-runs the engine and core tests in it. The engine reads the same rows: on a JAX newer than
+runs the default tier of tests/{engine,core,fp8,parallel} in it. The engine reads the same rows: on a JAX newer than
 every tested version, the first autocast function built runs a small canary
 (`jaxmp.engine._contract.run_canary_once`); tested versions pay nothing.
 """
