@@ -301,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(parser, default_out=None)
     parser.add_argument("--recipes", help=f"comma list of {', '.join(RECIPES)} (default all)")
-    parser.add_argument("--layouts", help=f"comma list of {', '.join(LAYOUTS)} (default all)")
+    parser.add_argument("--layouts", help=f"comma list of {', '.join(LAYOUTS)} (default all; with --gpt2: "
+                        "only those layouts' rows)")
     parser.add_argument("--devices", help="comma list of device counts (default 1,2,4,8)")
     parser.add_argument("--width", type=int, help="hidden width (default 2048; dry run 256)")
     parser.add_argument("--depth", type=int, help="layers (default 12; dry run 2)")
@@ -350,9 +351,11 @@ def main(argv=None) -> dict:
         rows = []
         # The small batch: every case on every N; the large one: zero against the hand-written
         # one at N = 8, and jaxmp's float32 FSDP at every N (its N8/N2 temporaries ratio).
-        cases = GPT2_ZERO + GPT2_FSDP + (GPT2_HAND_FSDP if args.gpt2_hand_fsdp else ())
+        # --layouts keeps the rows of those layouts only (e.g. zero: its eight compiles).
+        cases = [c for c in GPT2_ZERO + GPT2_FSDP + (GPT2_HAND_FSDP if args.gpt2_hand_fsdp else ())
+                 if c[1] in layouts]
         plan = [(b, n, case) for b in GPT2_BATCHES[1:] for n in sorted(counts, reverse=True)
-                for case in GPT2_ZERO + GPT2_FSDP if n == max(counts) or case in GPT2_FSDP]
+                for case in GPT2_ZERO + GPT2_FSDP if case[1] in layouts and (n == max(counts) or case in GPT2_FSDP)]
         plan += [(b, n, case) for b in GPT2_BATCHES[:1] for n in sorted(counts, reverse=True) for case in cases
                  if n == max(counts) or case in GPT2_FSDP]
         env = common.jax_env()

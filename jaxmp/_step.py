@@ -66,7 +66,7 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
               reduce_grads: Callable | None = None, reduce_loss: Callable | None = None,
               reduce_model_state: Callable | None = None,
               fp8_hooks: Fp8Hooks | None = None, keep_model_state: Callable = keep_if_finite,
-              pass_value: bool = True) -> Callable[..., StepResult]:
+              pass_value: bool = True, differentiate: Callable | None = None) -> Callable[..., StepResult]:
     """Builds ``step(params, model_state, opt_state, batch, rng=None) -> StepResult``.
 
     Args:
@@ -86,6 +86,11 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
         (default `jaxmp._skip.keep_if_finite`; NNX keeps RNG counters moving).
       pass_value: give ``tx.update`` the loss as ``value`` (``skip_reason`` then tells a
         non-finite loss from non-finite gradients).
+      differentiate: takes the gradient itself, in place of ``jaxmp.value_and_grad``:
+        ``differentiate(loss_fn, opt_state, params, model_state, batch, rng) -> ((loss,
+        (new_model_state, aux)), grads)`` with ``grads`` those of the loss scaled by the loss
+        scale in ``opt_state`` (the sharded layouts: each data shard differentiates its own loss
+        inside one ``shard_map`` and reduces its gradients there). Not with ``fp8_hooks``.
 
     Returns:
       The step function (not jitted).
@@ -99,8 +104,17 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
         def reduce_loss(loss):
             return loss if axis_name is None else jax.lax.pmean(loss, axis_name)
 
+    if differentiate is not None and fp8_hooks is not None:
+        raise ValueError("make_step: differentiate and fp8_hooks exclude each other (the fp8 state's gradient "
+                         "is taken by the default differentiation)")
+
     def step(params, model_state, opt_state, batch, rng=None) -> StepResult:
         scale = jnp.asarray(get_loss_scale(opt_state).loss_scale, jnp.float32)
+        if differentiate is not None:
+            with fp8.gradient_loss_scale(scale):
+                (loss, (new_model_state, aux)), grads = differentiate(loss_fn, opt_state, params, model_state,
+                                                                      batch, rng)
+            return finish(params, model_state, opt_state, scale, loss, new_model_state, aux, grads, None)
         fp8_state, rest = fp8_hooks.split(model_state) if fp8_hooks is not None else (None, model_state)
 
         def scaled(p, f):
@@ -111,6 +125,10 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
         # step observed (jaxmp.fp8.update_state); it never reaches the optimizer.
         (loss, (new_model_state, aux)), (grads, observed) = value_and_grad(
             scaled, opt_state, argnums=(0, 1), has_aux=True)(params, fp8_state)
+        return finish(params, model_state, opt_state, scale, loss, new_model_state, aux, grads,
+                      (fp8_state, observed))
+
+    def finish(params, model_state, opt_state, scale, loss, new_model_state, aux, grads, fp8_observed):
         # Reduce before the update: a NaN on one replica, or an overflowing half-precision sum, is
         # then seen by every replica's finite check.
         grads = reduce_grads(grads)
@@ -118,6 +136,7 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
         if reduce_model_state is not None:
             new_model_state = reduce_model_state(new_model_state)
         if fp8_hooks is not None:
+            fp8_state, observed = fp8_observed
             new_fp8 = fp8_hooks.update(fp8_state, observed)
             new_model_state = fp8_hooks.merge(fp8_hooks.split(new_model_state)[1], new_fp8)
         extra = {"value": loss} if pass_value else {}
@@ -234,7 +253,7 @@ def check_differentiable_params(params: Any) -> None:
 def make_generic_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
                       with_rng: bool, rng_transform: Callable | None = None, with_model_state: bool = False,
                       reduce_model_state: Callable | None = None, per_replica_aux: bool = False,
-                      wrap_loss: Callable | None = None) -> Callable:
+                      wrap_loss: Callable | None = None, differentiate: Callable | None = None) -> Callable:
     """`make_step` for a user's ``loss_fn(params[, model_state], batch[, rng])``: the pmap and sharded-jit steps.
 
     Args:
@@ -253,7 +272,9 @@ def make_generic_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads
       reduce_model_state: averages the new model state over the replicas before it is kept.
       per_replica_aux: refuse an ``aux`` dict holding ``batch_stats`` (pmap: it would drift).
       wrap_loss: maps the canonical loss ``(params, model_state, batch, rng) -> (loss,
-        (model_state, aux))`` to another of the same signature (the sharded-jit layouts).
+        (model_state, aux))`` to another of the same signature (the sharded-jit layouts' global view).
+      differentiate: takes the gradient of the canonical loss itself (`make_step`; the
+        sharded-jit layouts' per-shard reduce).
 
     Returns:
       ``body(state, opt_state, batch, rng=None) -> (state, opt_state, metrics)`` (not
@@ -278,7 +299,8 @@ def make_generic_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads
 
     step = make_step(canonical if wrap_loss is None else wrap_loss(canonical), tx,
                      reduce_grads=reduce_grads, reduce_loss=reduce_loss,
-                     reduce_model_state=reduce_model_state if with_model_state else None, pass_value=pass_value)
+                     reduce_model_state=reduce_model_state if with_model_state else None, pass_value=pass_value,
+                     differentiate=differentiate)
 
     def body(state, opt_state, batch, rng=None):
         params, model_state = state if with_model_state else (state, None)

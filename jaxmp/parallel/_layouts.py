@@ -508,13 +508,18 @@ def global_view_loss(mesh: Mesh, layout: str, base_specs: Any, remat: Any) -> An
     return wrap
 
 
-def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_specs: Any, remat: Any = None) -> Any:
-    """Wraps the canonical loss so that the gradient is reduced over the data axis in ``reduce_dtype``.
+def per_shard_value_and_grad(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_specs: Any,
+                             remat: Any = None) -> Any:
+    """The step's differentiation (`jaxmp._step.make_step`'s ``differentiate``) when the gradient
+    is reduced over the data axis in ``reduce_dtype``.
 
-    The loss runs per data shard in a ``shard_map``; each param enters through a ``custom_vjp``
-    identity that reduces its gradient in ``reduce_dtype`` (all-reduce, or reduce-scatter
-    onto ``grad_specs`` under ``"zero"`` / ``"fsdp"``). The loss, model state, rng and ``aux``
-    per shard: docs/parallel.md#gradient-reduce-dtype.
+    Each data shard differentiates its own loss inside one ``shard_map`` (``jaxmp.value_and_grad``
+    with the loss scale known before the forward, the loss taken as its share ``loss / N`` of
+    the mean): differentiating through the ``shard_map`` instead would make every residual of
+    the backward a stored output of a forward map. Each param enters through a ``custom_vjp``
+    identity that reduces its gradient in ``reduce_dtype`` (all-reduce, or reduce-scatter onto
+    ``grad_specs`` under ``"zero"`` / ``"fsdp"``). The loss, model state, rng and ``aux`` per
+    shard, and where the gradient is taken: docs/parallel.md#gradient-reduce-dtype.
 
     Args:
       mesh: the mesh.
@@ -525,71 +530,85 @@ def per_shard_loss(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_s
       remat: the per-layer remat policy (`jaxmp.parallel.scan_layers`).
 
     Returns:
-      ``wrap(canonical) -> loss(params, model_state, batch, rng)``.
+      ``differentiate(canonical, opt_state, params, model_state, batch, rng) -> ((loss,
+      (model_state, aux)), grads)``: ``grads`` are the loss-scaled gradients, already reduced
+      (each in its ``grad_specs`` layout, in the param's dtype).
 
     Raises:
-      ValueError: (in the loss) an ``aux`` leaf neither per-example nor batch-independent.
+      ValueError: (in the step) an ``aux`` leaf neither per-example nor batch-independent.
     """
+    from jaxmp._grad import value_and_grad
     from jaxmp.parallel import _reduce, _per_layer as per_layer
 
     n = mesh.shape[axis]
 
-    def wrap(canonical):
-        def loss(params, model_state, batch, rng):
-            leaves, treedef = jax.tree_util.tree_flatten(params)
-            g_leaves = treedef.flatten_up_to(grad_specs)
-            deferred = recorded_leaves(canonical, params, model_state, batch, rng) if layout == "fsdp" else set()
-            ins, in_specs, kinds = [], [], []
-            for i, (p, g) in enumerate(zip(leaves, g_leaves)):
-                dims = [d for d, e in enumerate(g) if axis in _axes_of(e)]
-                if layout == "replicated" or not dims:
-                    kinds.append(("all", None))
-                    ins.append(p)
-                    in_specs.append(PartitionSpec())
-                elif layout == "zero":
-                    kinds.append(("scatter", dims[0]))
-                    ins += [jax.lax.stop_gradient(p), p]
-                    in_specs += [PartitionSpec(), _manual_spec(g, axis)]
-                else:
-                    kinds.append(("defer" if i in deferred else "gather", dims[0]))
-                    ins.append(p)
-                    in_specs.append(_manual_spec(g, axis))
-
-            def body(ins, model_state, batch, rng):
-                it, used, sliced = iter(ins), [], {}
-                for kind, dim in kinds:
-                    if kind == "defer":  # the loss gathers it where it is used
-                        used.append(next(it))
-                        sliced[id(used[-1])] = dim
-                    elif kind == "all":
-                        used.append(_reduce.all_reduced(next(it), axis, reduce_dtype))
-                    elif kind == "scatter":
-                        full, piece = next(it), next(it)
-                        used.append(_reduce.scattered(full, piece, axis, dim, reduce_dtype))
-                    else:
-                        used.append(_reduce.gathered(next(it), axis, dim, reduce_dtype))
-                key = None if rng is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
-                ctx = per_layer.LayerContext("manual", axis=axis, reduce_dtype=reduce_dtype, leaves=sliced, remat=remat)
-                with per_layer.context(ctx):
-                    value, (state, aux) = canonical(jax.tree_util.tree_unflatten(treedef, used), model_state, batch,
-                                                    key)
-                stack = lambda x: jnp.asarray(x)[None]  # noqa: E731 - one row per shard
-                return stack(value), jax.tree_util.tree_map(stack, state), jax.tree_util.tree_map(stack, aux)
-
-            mapped = jax.shard_map(body, mesh=mesh, in_specs=(in_specs, PartitionSpec(), PartitionSpec(axis),
-                                                             PartitionSpec()),
-                                   out_specs=PartitionSpec(axis), axis_names=frozenset({axis}))
-            losses, states, aux = mapped(ins, model_state, batch, rng)
-            loss = jnp.mean(jnp.asarray(losses, jnp.float32))
-            if any(jnp.ndim(x) > 1 for x in jax.tree_util.tree_leaves(aux)):
-                # An array in aux may be per-example: the shapes of one abstract evaluation on
-                # the global batch (a trace, no compute) tell which leaves to concatenate.
-                global_aux = jax.eval_shape(lambda p, b, k: canonical(p, model_state, b, k)[1][1], params, batch, rng)
-                aux = _reassemble_aux(aux, global_aux, n)
+    def differentiate(canonical, opt_state, params, model_state, batch, rng):
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        g_leaves = treedef.flatten_up_to(grad_specs)
+        deferred = recorded_leaves(canonical, params, model_state, batch, rng) if layout == "fsdp" else set()
+        # ``fixed``: inputs not differentiated (ZeRO's replicated params: their gradient goes to
+        # the slice); ``diff``: one per param leaf, the input its reduced gradient belongs to.
+        fixed, fixed_specs, diff, diff_specs, kinds = [], [], [], [], []
+        for i, (p, g) in enumerate(zip(leaves, g_leaves)):
+            dims = [d for d, e in enumerate(g) if axis in _axes_of(e)]
+            if layout == "replicated" or not dims:
+                kinds.append(("all", None))
+                diff.append(p)
+                diff_specs.append(PartitionSpec())
+                continue
+            if layout == "zero":
+                kinds.append(("scatter", dims[0]))
+                fixed.append(jax.lax.stop_gradient(p))
+                fixed_specs.append(PartitionSpec())
             else:
-                aux = jax.tree_util.tree_map(_reduce_aux_leaf, aux)
-            return loss, (jax.tree_util.tree_map(_mean_over_shards, states), aux)
+                kinds.append(("defer" if i in deferred else "gather", dims[0]))
+            diff.append(p)
+            diff_specs.append(_manual_spec(g, axis))
 
-        return loss
+        def body(fixed, diff, model_state, batch, rng):
+            key = None if rng is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
 
-    return wrap
+            def shard_loss(diff):
+                full, used, sliced = iter(fixed), [], {}
+                for (kind, dim), x in zip(kinds, diff):
+                    if kind == "defer":  # the loss gathers it where it is used
+                        used.append(x)
+                        sliced[id(x)] = dim
+                    elif kind == "all":
+                        used.append(_reduce.all_reduced(x, axis, reduce_dtype))
+                    elif kind == "scatter":
+                        used.append(_reduce.scattered(next(full), x, axis, dim, reduce_dtype))
+                    else:
+                        used.append(_reduce.gathered(x, axis, dim, reduce_dtype))
+                ctx = per_layer.LayerContext("manual", axis=axis, reduce_dtype=reduce_dtype, leaves=sliced,
+                                             remat=remat)
+                with per_layer.context(ctx):
+                    value, (state, aux) = canonical(jax.tree_util.tree_unflatten(treedef, used), model_state,
+                                                    batch, key)
+                # This shard's share of the mean of the shard losses.
+                return jnp.asarray(value, jnp.float32) / n, (value, state, aux)
+
+            # The loss scale lives in opt_state (closed over: only its scalars enter the map).
+            (_, (value, state, aux)), grads = value_and_grad(shard_loss, opt_state, has_aux=True)(diff)
+            stack = lambda x: jnp.asarray(x)[None]  # noqa: E731 - one row per shard
+            return (stack(value), jax.tree_util.tree_map(stack, state), jax.tree_util.tree_map(stack, aux),
+                    grads)
+
+        mapped = jax.shard_map(body, mesh=mesh,
+                               in_specs=(fixed_specs, diff_specs, PartitionSpec(), PartitionSpec(axis),
+                                         PartitionSpec()),
+                               out_specs=(PartitionSpec(axis), PartitionSpec(axis), PartitionSpec(axis), diff_specs),
+                               axis_names=frozenset({axis}))
+        losses, states, aux, grads = mapped(fixed, diff, model_state, batch, rng)
+        loss = jnp.mean(jnp.asarray(losses, jnp.float32))
+        if any(jnp.ndim(x) > 1 for x in jax.tree_util.tree_leaves(aux)):
+            # An array in aux may be per-example: the shapes of one abstract evaluation on
+            # the global batch (a trace, no compute) tell which leaves to concatenate.
+            global_aux = jax.eval_shape(lambda p, b, k: canonical(p, model_state, b, k)[1][1], params, batch, rng)
+            aux = _reassemble_aux(aux, global_aux, n)
+        else:
+            aux = jax.tree_util.tree_map(_reduce_aux_leaf, aux)
+        return ((loss, (jax.tree_util.tree_map(_mean_over_shards, states), aux)),
+                jax.tree_util.tree_unflatten(treedef, grads))
+
+    return differentiate

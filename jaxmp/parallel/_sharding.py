@@ -296,8 +296,11 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         g_sh = layouts.named_shardings(mesh, g_specs)
         if reduce_dtype is None:
             wrap_loss = layouts.global_view_loss(mesh, layout, layouts.param_tree_specs(params, param_specs), remat)
+            differentiate = None
         else:
-            wrap_loss = layouts.per_shard_loss(mesh, axis, reduce_dtype, layout, g_specs, remat)
+            # Each data shard differentiates its own loss and reduces its gradients in one shard_map.
+            wrap_loss, differentiate = None, layouts.per_shard_value_and_grad(mesh, axis, reduce_dtype, layout,
+                                                                              g_specs, remat)
 
         def reduce_grads(grads):
             # Where the reduced gradients go: onto the slices each device updates (zero, fsdp),
@@ -307,7 +310,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
 
         common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=identity,
                       with_model_state=model_state, reduce_model_state=identity,
-                      wrap_loss=wrap_loss)
+                      wrap_loss=wrap_loss, differentiate=differentiate)
         first = (p_sh, rep) if model_state else p_sh
         jitted = jax.jit(make_generic_step(loss_fn, tx, with_rng=False, **common),
                          in_shardings=(first, o_sh, data), out_shardings=(first, o_sh, rep),

@@ -696,5 +696,41 @@ def test_docs_gpt2_memory_table_is_the_recorded_benchmark():
     assert memory.gpt2_markdown(rows) in (root / "docs" / "parallel.md").read_text()
     zero = {(r["who"], r["reduce_dtype"], r["batch_per_device"]): r["compiled"]["peak_estimate_bytes"]
             for r in rows if r["layout"] == "zero" and r["devices"] == 8}
-    for reduce_dtype, batch in ((None, 1), ("float32", 1), (None, 8)):
+    for reduce_dtype, batch in ((None, 1), ("float32", 1), (None, 8), ("float32", 8)):
         assert zero["jaxmp", reduce_dtype, batch] <= 1.02 * zero["hand", reduce_dtype, batch]
+
+
+T = 16   # tokens of the attention test's sequences
+
+
+def _attention_loss(p, b):
+    # One causal masked-softmax attention layer over T tokens: its float32 masked scores
+    # (rows x T x T) are elementwise values a fused program recomputes or frees early.
+    h = b["x"].astype(BF16) @ p["w1"]                                  # rows x T x 64
+    att = jnp.einsum("btd,bsd->bts", h, h).astype(jnp.float32) / 8.0
+    att = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((T, T), bool)), att, -1e9), axis=-1)
+    y = jnp.einsum("bts,bsd->btd", att.astype(BF16), h) + p["b1"]
+    return jnp.mean(((y @ p["w2"]).astype(jnp.float32) - b["y"]) ** 2)
+
+
+@pytest.mark.parametrize("layout", jaxmp.parallel._layouts.LAYOUTS)
+def test_the_shard_loss_is_differentiated_inside_one_shard_map_so_no_residual_crosses_it(layout):
+    # Differentiated from outside, a shard_map is split into a forward and a backward one and
+    # every value the backward needs (here the masked float32 scores, their exp, the softmax)
+    # becomes a stored output of the forward: at the GPT-2 shape one more [B, 12, 512, 512]
+    # float32 buffer per layer than a hand-written shard_map step (docs/parallel.md). The step
+    # differentiates each shard's loss inside its one shard_map: what comes out is the shard's
+    # loss and the reduced gradients (one per param leaf), no activation.
+    from jaxmp import _jaxpr
+
+    tx = _tx()
+    step = jaxmp.parallel.make_sharded_train_step(_attention_loss, tx, jaxmp.parallel.make_data_mesh(),
+                                                  layout=layout, min_shard_size=0)
+    p, s = jaxmp.parallel.abstract_state((_params(), jax.eval_shape(tx.init, _params())), step.layout)
+    batch = {"x": jax.ShapeDtypeStruct((BATCH, T, 16), jnp.float32),
+             "y": jax.ShapeDtypeStruct((BATCH, T, 8), jnp.float32)}
+    jaxpr = jax.make_jaxpr(step)(p, s, batch)
+    maps = [e.eqn for e in _jaxpr.walk(jaxpr) if e.eqn.primitive.name == "shard_map"]
+    outs = [(tuple(v.aval.shape), str(v.aval.dtype)) for m in maps for v in m.outvars]
+    assert not [o for o in outs if o[0][-2:] == (T, T) or o[0][-1:] == (64,) and len(o[0]) > 2], outs
+    assert len(maps) == 1 and len(outs) == 1 + len(jax.tree_util.tree_leaves(_params())), outs  # loss, grads
