@@ -206,7 +206,7 @@ def _own_precision_code(path: str, params: Any = None) -> str:
 
 
 def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_error: float, loss_float32: float,
-                steps: int, tx: Any, scoped: bool = True) -> Fix:
+                steps: int, tx: Any, scoped: bool = True, meanwhile: Callable[[], Any] | None = None) -> Fix:
     """The override keeping module ``path`` in float32, measured when ``policy`` is an autocast policy.
 
     Under ``jaxmp.autocast`` the override is a scope rule for the module's name-stack component,
@@ -224,6 +224,9 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
       steps: optimizer steps of the comparison (the fix is trained as long).
       tx: the optax transformation those steps used.
       scoped: ``path`` is a name scope of the program (False: named after a parameter).
+      meanwhile: called once the fixed run's program compiles in the background (other work of
+        the caller that can overlap it), before its result is awaited; not called when the fix
+        is written but not measured.
 
     Returns:
       A `Fix`.
@@ -254,9 +257,11 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     # The fixed run's program compiles in the background while the FLOP counts trace.
     if steps:
         step = train_step(jax.value_and_grad(fixed), tx)
-        step.prepare(args[0], tx.init(args[0]), tuple(args[1:]))
+        step.prepare(args[0], jax.eval_shape(tx.init, args[0]), tuple(args[1:]))
     else:
         forward = StrictJit(fixed).prepare(*args)
+    if meanwhile is not None:
+        meanwhile()
     low_b, total = _matmul_low_flops(jax.value_and_grad(autocast(fn, policy)), args)
     low_a, _ = _matmul_low_flops(jax.value_and_grad(fixed), args)
     if steps:
