@@ -377,11 +377,34 @@ def _signature(args: Sequence[Any]) -> tuple:
     return tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
 
 
+_POOL: list = []
+
+
+def _pool():
+    """Two threads that compile the debugger's programs in the background (XLA releases the GIL)."""
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxmp-debugger-compile"))
+    return _POOL[0]
+
+
+def _compile(lowered) -> Any:
+    for options in ({**COMPILER_OPTIONS, **FAST_COMPILE_OPTIONS}, COMPILER_OPTIONS):
+        try:
+            return lowered.compile(compiler_options=options)
+        except Exception:  # noqa: BLE001 - a backend without the option: try fewer
+            continue
+    return lowered.compile()
+
+
 class StrictJit:
     """``fn`` compiled with `COMPILER_OPTIONS` (and `FAST_COMPILE_OPTIONS`), once per input shapes.
 
     A drop-in for ``jax.jit(fn)`` in the debugger: the k-step comparison and the fix call the
-    same program on new parameters of the same shapes, and compile it once.
+    same program on new parameters of the same shapes, and compile it once. `prepare` starts
+    the compile in a background thread, so that programs the debugger needs later compile while
+    it traces or runs others.
 
     Args:
       fn: the function to stage (positional arguments only).
@@ -391,21 +414,24 @@ class StrictJit:
         self.fn = fn
         self.compiled: dict = {}
 
+    def prepare(self, *args) -> "StrictJit":
+        """Lowers ``fn`` for ``args`` (arrays or ``jax.ShapeDtypeStruct``) now and compiles it in the background.
+
+        Returns:
+          ``self``; a later call with arguments of these shapes waits for the compile.
+        """
+        key = _signature(args)
+        if key not in self.compiled:
+            self.compiled[key] = _pool().submit(_compile, jax.jit(self.fn).lower(*args))
+        return self
+
     def __call__(self, *args):
         key = _signature(args)
         compiled = self.compiled.get(key)
         if compiled is None:
-            lowered = jax.jit(self.fn).lower(*args)
-            compiled = None
-            for options in ({**COMPILER_OPTIONS, **FAST_COMPILE_OPTIONS}, COMPILER_OPTIONS):
-                try:
-                    compiled = lowered.compile(compiler_options=options)
-                    break
-                except Exception:  # noqa: BLE001 - a backend without the option: try fewer
-                    continue
-            if compiled is None:
-                compiled = lowered.compile()
-            self.compiled[key] = compiled
+            compiled = self.compiled[key] = _compile(jax.jit(self.fn).lower(*args))
+        elif not callable(compiled):  # a background compile (`prepare`): wait for it
+            compiled = self.compiled[key] = compiled.result()
         return compiled(*args)
 
 

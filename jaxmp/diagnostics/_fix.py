@@ -61,32 +61,43 @@ def apply_updates(params, updates, keep=True):
     return jax.tree_util.tree_map(lambda p, u: jnp.where(keep, (p + u).astype(p.dtype), p), params, updates)
 
 
-def train(loss_and_grad: Callable, params, rest, steps: int, tx) -> tuple[Any, list[float]]:
-    """``steps`` optimizer steps of ``tx`` on ``loss_and_grad(params, *rest) -> (loss, grads)``.
+def train_step(loss_and_grad: Callable, tx) -> StrictJit:
+    """One optimizer step of ``tx`` on ``loss_and_grad(params, *rest) -> (loss, grads)``, one program.
 
-    The step and the optimizer update are one program, compiled once (with the debugger's
-    options) and called ``steps + 1`` times: the last call's loss is the loss after the last step
-    (its update is dropped). A Python loop, not a ``lax.scan``: at XLA's backend optimization
-    level 0 (the debugger's fast compile) convolutions inside a loop run an order of magnitude
-    slower, and the loop saves no compile.
-
-    Returns:
-      ``(params after steps, losses)``: ``losses[i]`` is the loss before step ``i``;
-      ``losses[steps]`` the loss after the last step.
+    Called as ``step(params, opt_state, rest) -> (loss, new params, new opt_state)``; compiled
+    once per input shapes with the debugger's options (`StrictJit`).
     """
     def one(params, state, rest):
         loss, grads = loss_and_grad(params, *rest)
         updates, state = tx.update(grads, state, params)
         return jnp.asarray(loss, jnp.float32), apply_updates(params, updates), state
 
-    step = StrictJit(one)
+    return StrictJit(one)
+
+
+def train(loss_and_grad: Callable, params, rest, steps: int, tx,
+          step: StrictJit | None = None) -> tuple[Any, list[float]]:
+    """``steps`` optimizer steps of ``tx`` on ``loss_and_grad(params, *rest) -> (loss, grads)``.
+
+    The step and the optimizer update are one program (`train_step`, or ``step`` when given,
+    e.g. one whose compile was started earlier), compiled once and called ``steps + 1`` times:
+    the last call's loss is the loss after the last step (its update is dropped). The calls are
+    dispatched without waiting; the losses are read at the end. A Python loop, not a
+    ``lax.scan``: at XLA's backend optimization level 0 (the debugger's fast compile)
+    convolutions inside a loop run an order of magnitude slower, and the loop saves no compile.
+
+    Returns:
+      ``(params after steps, losses)``: ``losses[i]`` is the loss before step ``i``;
+      ``losses[steps]`` the loss after the last step.
+    """
+    step = train_step(loss_and_grad, tx) if step is None else step
     state, rest, losses = tx.init(params), tuple(rest), []
     for i in range(steps + 1):
         loss, new_params, new_state = step(params, state, rest)
-        losses.append(float(loss))
+        losses.append(loss)
         if i < steps:
             params, state = new_params, new_state
-    return params, losses
+    return params, [float(x) for x in jax.device_get(losses)]
 
 
 def class_name(cls: type) -> str:
@@ -195,7 +206,7 @@ def _own_precision_code(path: str, params: Any = None) -> str:
 
 
 def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_error: float, loss_float32: float,
-                steps: int, tx: Any, scoped: bool = True) -> Fix:
+                steps: int, tx: Any, scoped: bool = True, meanwhile: Callable[[], Any] | None = None) -> Fix:
     """The override keeping module ``path`` in float32, measured when ``policy`` is an autocast policy.
 
     Under ``jaxmp.autocast`` the override is a scope rule for the module's name-stack component,
@@ -213,6 +224,9 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
       steps: optimizer steps of the comparison (the fix is trained as long).
       tx: the optax transformation those steps used.
       scoped: ``path`` is a name scope of the program (False: named after a parameter).
+      meanwhile: called once the fixed run's program compiles in the background (other work of
+        the caller that can overlap it), before its result is awaited; not called when the fix
+        is written but not measured.
 
     Returns:
       A `Fix`.
@@ -240,14 +254,22 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
         code = "\n".join(textwrap.wrap(note, _FIT, subsequent_indent="# ")) + "\n" \
             + rules_code(rules, component, cls) + call
     fixed = autocast(fn, policy, rules=fixed_rules)
+    # The fixed run's program compiles in the background while the FLOP counts trace.
     if steps:
-        loss_fix = train(jax.value_and_grad(fixed), args[0], args[1:], steps, tx)[1][-1]
+        step = train_step(jax.value_and_grad(fixed), tx)
+        step.prepare(args[0], jax.eval_shape(tx.init, args[0]), tuple(args[1:]))
     else:
-        loss_fix = float(StrictJit(fixed)(*args))
-    ref = max(abs(loss_float32), 1e-30)
-    before, after = loss_error, abs(loss_fix - loss_float32) / ref
+        forward = StrictJit(fixed).prepare(*args)
+    if meanwhile is not None:
+        meanwhile()
     low_b, total = _matmul_low_flops(jax.value_and_grad(autocast(fn, policy)), args)
     low_a, _ = _matmul_low_flops(jax.value_and_grad(fixed), args)
+    if steps:
+        loss_fix = train(None, args[0], args[1:], steps, tx, step)[1][-1]
+    else:
+        loss_fix = float(forward(*args))
+    ref = max(abs(loss_float32), 1e-30)
+    before, after = loss_error, abs(loss_fix - loss_float32) / ref
     leaving = (low_b - low_a) / total if total else 0.0
     closed = 1.0 - after / before if before > 0 else float("nan")
     return dataclasses.replace(Fix(path, code), error_before=before, error_after=after, gap_closed=closed,

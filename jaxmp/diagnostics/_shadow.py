@@ -315,9 +315,14 @@ class _Program:
         self.shadow_fn = shadow_only
         self.shadow = StrictJit(shadow_only)
 
+    def prepare(self, args) -> None:
+        """Starts compiling the analysis for inputs shaped as ``args`` in the background (see `run`)."""
+        self.analyse.prepare(np.zeros(len(self.sites), np.float32), list(self.closed.consts),
+                             jax.tree_util.tree_leaves(tuple(args)))
+
     def run(self, args):
         leaves = jax.tree_util.tree_leaves(tuple(args))
-        t = jnp.zeros(len(self.sites), jnp.float32)
+        t = np.zeros(len(self.sites), np.float32)
         (_, (p, s, errs)), contrib = self.analyse(t, list(self.closed.consts), leaves)
         return p, s, np.asarray(errs), np.asarray(contrib)
 
@@ -393,16 +398,41 @@ def _leaf_relerr(a, b):
     return jnp.where(jnp.isfinite(e), e, 0.0)
 
 
+def _uniform_like(leaves: list, key) -> list:
+    """A ``uniform(-1, 1)`` float32 array per floating leaf (None for the others), from one draw.
+
+    One ``jax.random.uniform`` of all the leaves' elements, cut into the leaves: the program holds
+    one random-bits hash, not one per leaf (at XLA's fast compile each costs about 0.1 s of
+    compile time: 5 s for a ResNet's 53 leaves).
+    """
+    sizes = [int(np.size(x)) if _floating(x) else 0 for x in leaves]
+    u = jax.random.uniform(key, (max(sum(sizes), 1),), jnp.float32, -1.0, 1.0)
+    out, at = [], 0
+    for x, n in zip(leaves, sizes):
+        out.append(jax.lax.slice(u, (at,), (at + n,)).reshape(jnp.shape(x)) if _floating(x) else None)
+        at += n
+    return out
+
+
 def _perturb(params, rel: float, seed: int):
     """``params`` with each floating element times ``1 + rel * uniform(-1, 1)`` (seeded)."""
     leaves, tree = jax.tree_util.tree_flatten(params)
-    keys = jax.random.split(jax.random.key(seed), max(len(leaves), 1))
+    us = _uniform_like(leaves, jax.random.key(seed))
+    return jax.tree_util.tree_unflatten(tree, [(x * (1 + rel * u)).astype(x.dtype) if u is not None else x
+                                               for x, u in zip(leaves, us)])
+
+
+def _noisy(g, sizes, key):
+    """``g`` with floating leaf ``j`` times ``1 + sqrt(3) * sizes[j] * uniform(-1, 1)`` (seeded by ``key``)."""
+    leaves, tree = jax.tree_util.tree_flatten(g)
+    us = _uniform_like(leaves, key)
+    # uniform(-1, 1) has RMS 1/sqrt(3): the noise's RMS is the measured error
     return jax.tree_util.tree_unflatten(tree, [
-        (x * (1 + rel * jax.random.uniform(k, jnp.shape(x), jnp.float32, -1.0, 1.0))).astype(x.dtype)
-        if _floating(x) else x for k, x in zip(keys, leaves)])
+        (x * (1 + np.sqrt(3.0) * sizes[j] * u)).astype(x.dtype) if u is not None else x
+        for j, (x, u) in enumerate(zip(leaves, us))])
 
 
-def _train_all(prog: "_Program", step: Callable, params, rest: tuple, steps: int, tx, half):
+class _Training:
     """The policy run and its float32 shadow, ``steps`` optimizer steps each, with their noise twins.
 
     Four runs from the same parameters on the same inputs, two lanes each side:
@@ -413,61 +443,91 @@ def _train_all(prog: "_Program", step: Callable, params, rest: tuple, steps: int
     rounding-size noise moves each training in ``k`` steps (chaotic training: far; a systematic
     loss such as a narrowed bias: the twins stay with their run). ``half`` None: no twins' noise.
 
-    Two step programs (policy; float32 shadow), each with its optimizer update, compiled once and
-    called ``steps + 1`` times per lane.
+    One program, compiled once, steps a policy run and a float32 shadow run, each with its
+    optimizer update: it evaluates the traced step ``prog`` twice, as traced and as its float32
+    shadow, so the model is not traced again. `lane` calls it ``steps + 1`` times for one lane
+    (0: the runs; 1: their twins) without waiting for results, so the comparison goes on (the
+    fix's program compiles while the twins train). Construction starts the compiles in the
+    background: this program, then the analysis ``prog`` runs at the end, which compiles while
+    lane 0 trains. Not vmapped over the lanes (a batched convolution is a grouped one, which
+    XLA's CPU backend runs far slower at the debugger's fast compile), and not a ``lax.scan``
+    (convolutions inside a loop run an order of magnitude slower at that level; the loop would
+    save no compile).
 
-    Returns:
-      ``(policy params, losses [steps+1, 4])``, the columns policy, policy twin, float32, float32
-      twin; row ``steps`` holds the losses after the last step.
+    Args:
+      prog: the traced step (its sites and float32 shadow).
+      params, rest: the parameters and the other inputs of the step.
+      steps: optimizer steps per run.
+      tx: the optax transformation.
+      half: the half dtype whose rounding sets the twins' noise, or None.
     """
-    rel = float(jnp.finfo(half).eps) / 2 if half is not None else 0.0
-    twin = _perturb(params, rel, 1)
 
-    def update(loss, g, o, q):
-        u, o = tx.update(g, o, q)
-        return jnp.asarray(loss, jnp.float32), g, apply_updates(q, u), o
+    def __init__(self, prog: "_Program", params, rest: tuple, steps: int, tx, half):
+        self.steps, self.half = steps, half
+        rel = float(jnp.finfo(half).eps) / 2 if half is not None else 0.0
+        closed, out_tree = prog.closed, prog.out_tree
+        n_leaves = len(jax.tree_util.tree_leaves(params))
 
-    def policy_step(q, o):
-        return update(*step(q, *rest), o, q)
+        def update(loss, g, o, q):
+            u, o = tx.update(g, o, q)
+            return jnp.asarray(loss, jnp.float32), apply_updates(q, u), o
 
-    def shadow_step(q, o, sizes, key, consts):
-        loss, g = jax.tree_util.tree_unflatten(
-            prog.out_tree, prog.shadow_fn(consts, jax.tree_util.tree_leaves((q, *rest))))
-        leaves, tree = jax.tree_util.tree_flatten(g)
-        keys = jax.random.split(key, max(len(leaves), 1))
-        # uniform(-1, 1) has RMS 1/sqrt(3): the noise's RMS is the measured error
-        leaves = [(x * (1 + np.sqrt(3.0) * sizes[j] * jax.random.uniform(keys[j], jnp.shape(x), jnp.float32, -1, 1))
-                   ).astype(x.dtype) if _floating(x) else x for j, x in enumerate(leaves)]
-        return update(loss, jax.tree_util.tree_unflatten(tree, leaves), o, q)
+        def start(params):
+            """The twins' parameters and every lane's optimizer state."""
+            twin = _perturb(params, rel, 1)
+            return twin, tx.init(params), tx.init(twin)
 
-    # Two programs, each compiled once and called per lane: not vmapped (a batched convolution is
-    # a grouped one, which XLA's CPU backend runs far slower at the debugger's fast compile).
-    run_p, run_s = StrictJit(policy_step), StrictJit(shadow_step)
-    consts = list(prog.closed.consts)
-    pol = [[params, tx.init(params)], [twin, tx.init(twin)]]
-    f32 = [[params, tx.init(params)], [twin, tx.init(twin)]]
-    n_leaves = len(jax.tree_util.tree_leaves(params))
-    zero = sizes = jnp.zeros((n_leaves,), jnp.float32)
-    rows = []
-    for i in range(steps + 1):
-        row, g0 = [], None
-        for lane in pol:
-            loss, g, q, o = run_p(*lane)
-            g0 = g if g0 is None else g0
-            row.append(float(loss))
-            if i < steps:
-                lane[:] = [q, o]
-        for k, lane in enumerate(f32):
-            key = jax.random.fold_in(jax.random.key(k), i)
-            loss, g, q, o = run_s(lane[0], lane[1], zero if k == 0 or half is None else sizes, key, consts)
-            if i == 0 and k == 0:  # the policy run's gradient error at the first step, per leaf
-                sizes = jnp.asarray([float(_leaf_relerr(a, b)) for a, b in
-                                     zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g))], jnp.float32)
-            row.append(float(loss))
-            if i < steps:
-                lane[:] = [q, o]
-        rows.append(row)
-    return pol[0][0], np.asarray(rows, np.float64)
+        def pair_step(pol, f32, sizes, lane, i, consts):
+            (qp, op), (qs, os_) = pol, f32
+            leaves_p = jax.tree_util.tree_leaves((qp, *rest))
+            loss_p, g_p = jax.tree_util.tree_unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, consts, *leaves_p))
+            loss_s, g_s = jax.tree_util.tree_unflatten(
+                out_tree, prog.shadow_fn(consts, jax.tree_util.tree_leaves((qs, *rest))))
+            # The policy run's error per gradient leaf (read on lane 0's first step: the twins' noise)
+            err = jnp.stack([_leaf_relerr(a, b) for a, b in
+                             zip(jax.tree_util.tree_leaves(g_p), jax.tree_util.tree_leaves(g_s))] or [jnp.zeros(())])
+            key = jax.random.fold_in(jax.random.key(lane), i)
+            # Only the float32 twin (lane 1) is noisy: lane 0 skips drawing the noise.
+            g_s = jax.lax.cond(lane > 0, lambda g: _noisy(g, sizes, key), lambda g: g, g_s)
+            return update(loss_p, g_p, op, qp), update(loss_s, g_s, os_, qs), err
+
+        self.consts = list(closed.consts)
+        self.sizes = np.zeros((max(n_leaves, 1),), np.float32)
+        # Compiled in the background in the order they are needed.
+        init = StrictJit(start).prepare(params)
+        opt = jax.eval_shape(start, params)[1]
+        self.run = StrictJit(pair_step).prepare((params, opt), (params, opt), self.sizes, np.int32(0), np.int32(0),
+                                                self.consts)
+        prog.prepare((params, *rest))
+        twin, o0, o1 = init(params)
+        self.start = [(params, o0), (twin, o1)]
+        self.rows: list = [[None] * 4 for _ in range(steps + 1)]
+        self.final: list = [None, None]
+
+    def lane(self, k: int) -> None:
+        """Dispatches lane ``k``'s ``steps + 1`` calls (lane 0 first: lane 1's noise reads it)."""
+        if self.final[k] is not None:
+            return
+        pol = f32 = self.start[k]
+        for i in range(self.steps + 1):
+            (lp, qp, op), (ls, qs, os_), err = self.run(pol, f32, self.sizes, np.int32(k), np.int32(i), self.consts)
+            if i == 0 and k == 0 and self.half is not None:
+                self.sizes = err
+            self.rows[i][k], self.rows[i][2 + k] = lp, ls
+            if i < self.steps:
+                pol, f32 = (qp, op), (qs, os_)
+        self.final[k] = pol[0]
+
+    @property
+    def policy_params(self):
+        """The policy run's parameters after the last step (lane 0)."""
+        self.lane(0)
+        return self.final[0]
+
+    def losses(self, k: int) -> np.ndarray:
+        """Lane ``k``'s losses, ``[steps+1, 2]`` (policy, float32); row ``steps``: after the last step."""
+        self.lane(k)
+        return np.asarray(jax.device_get([[r[k], r[2 + k]] for r in self.rows]), np.float64)
 
 
 def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, steps: int = 0,
@@ -537,16 +597,12 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
         tx = optax.adam(1e-3) if optimizer is None else optimizer
         rest = tuple(args[1:])
         half = _half_dtype(prog.sites)
-        params_p, ls = _train_all(prog, step, args[0], rest, steps, tx, half)
-        losses, losses_f = tuple(ls[:steps, 0]), tuple(ls[:steps, 2])
-        loss_f = float(ls[steps, 2])
-        eval_args = (params_p, *rest)
-        drift = _drift(ls[:, 0], ls[:, 2])
-        if half is not None:
-            # How far rounding-size noise moves each training: the float32 twin from the float32
-            # run, the policy twin from the policy run. Chaotic training moves both far.
-            noise = max(_drift(ls[:, 3], ls[:, 2]), _drift(ls[:, 1], ls[:, 0]))
-            losses_noise = (tuple(ls[:, 1]), tuple(ls[:, 3]))
+        training = _Training(prog, args[0], rest, steps, tx, half)
+        ls = training.losses(0)
+        losses, losses_f = tuple(ls[:steps, 0]), tuple(ls[:steps, 1])
+        loss_f = float(ls[steps, 1])
+        eval_args = (training.policy_params, *rest)
+        drift = _drift(ls[:, 0], ls[:, 1])
     p, s, errs, contrib = prog.run(eval_args)
     loss = float(p[0]) if has_loss else float("nan")
     if not steps:
@@ -567,8 +623,16 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
                            key=lambda r: (-abs(r[2]), -r[1])))
     report = ShadowReport(tuple(mods), loss, loss_f, grads, ops, steps, tuple(losses), tuple(losses_f),
                           None, 0.0, None if policy is None else str(policy), noise, drift, losses_noise)
+    # The twins train while the fix's program compiles (`suggest_fix` calls this once it started it).
+    twins = (lambda: training.lane(1)) if steps and half is not None else None
     if fix and has_loss and mods and mods[0].path and np.isfinite(loss):
         scoped = any(site.path == mods[0].path and not site.from_param for site in prog.sites.sites)
         report = dataclasses.replace(report, fix=suggest_fix(fn, args, policy, mods[0].path, report.loss_error,
-                                                             report.loss_float32, steps, tx, scoped))
+                                                             report.loss_float32, steps, tx, scoped, meanwhile=twins))
+    if steps and half is not None:
+        # How far rounding-size noise moves each training: the float32 twin from the float32
+        # run, the policy twin from the policy run. Chaotic training moves both far.
+        tw = training.losses(1)
+        report = dataclasses.replace(report, noise_floor=max(_drift(tw[:, 1], ls[:, 1]), _drift(tw[:, 0], ls[:, 0])),
+                                     losses_noise=(tuple(tw[:, 0]), tuple(tw[:, 1])))
     return dataclasses.replace(report, seconds=time.perf_counter() - t0)

@@ -497,3 +497,55 @@ def test_cast_to_compute_fix_leaves_the_module_out_of_the_casts_and_closes_the_g
     before, after = _train_loss(cast_loss, v, (x, y)), _train_loss(fixed_loss, v, (x, y))
     assert abs(before - ref) > 0.5 * abs(ref), (before, ref)
     assert _closed(before, after, ref) >= 0.9, (before, after, ref)
+
+
+# ---- the k-step mode's training: one program for a policy run and its shadow, same numbers ----
+
+def _mlp_problem():
+    net, v = _net(1.0)
+    y = jax.random.normal(jax.random.key(2), (8, 4))
+    return (lambda p, x, y: jnp.mean((net.apply(p, x) - y) ** 2)), v, y  # noqa: E731
+
+
+@pytest.mark.slow  # ~5 s on a shared 2-core CPU: the comparison and three trainings compile
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_k_step_runs_are_the_separate_trainings_they_stand_for():
+    """The k-step mode steps the policy run and its float32 shadow in one program (and the twins
+    in a second call of it): each column is the training it stands for, run on its own."""
+    from jaxmp.diagnostics._fix import train
+    from jaxmp.diagnostics._shadow import _perturb
+
+    loss, v, y = _mlp_problem()
+    tx = optax.adam(1e-2)
+    rep = compare_to_float32(loss, v, X, y, policy="O1-bf16", steps=3, optimizer=tx, fix=False)
+    policy = jax.value_and_grad(jaxmp.autocast(loss, "O1-bf16"))
+    _, alone = train(policy, v, (X, y), 3, tx)
+    np.testing.assert_allclose(rep.losses, alone[:3], rtol=1e-6)
+    _, f32 = train(jax.value_and_grad(loss), v, (X, y), 3, tx)
+    np.testing.assert_allclose(rep.losses_float32, f32[:3], rtol=1e-5)
+    # the policy twin: the policy run from parameters perturbed by half a bf16 ulp
+    _, twin = train(policy, _perturb(v, float(jnp.finfo(jnp.bfloat16).eps) / 2, 1), (X, y), 3, tx)
+    np.testing.assert_allclose(rep.losses_noise[0], twin, rtol=1e-6)
+
+
+@pytest.mark.slow  # ~3 s on a shared 2-core CPU
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_k_step_mode_compiles_a_fixed_number_of_programs():
+    """Compile time is the k-step mode's cost: the runs share one step program, and no eager op
+    per parameter leaf or per step compiles programs of its own (it did: 50 on this model)."""
+    import jax.monitoring
+
+    loss, v, y = _mlp_problem()
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        compare_to_float32(loss, v, X, y, policy="O1-bf16", steps=3, optimizer=optax.adam(1e-2), fix=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    # the twins' start, the runs' step, the analysis (and at most one eager program of optax)
+    assert len(compiles) <= 4, len(compiles)
