@@ -12,6 +12,13 @@ from jax.sharding import PartitionSpec as P
 import jaxmp
 from tests._support._op_dtypes import op_dtypes
 
+
+def _normal(seed, shape):
+    """A float32 standard-normal array drawn by numpy: an eager ``jax.random`` draw compiles
+    threefry for every new shape, and no test here depends on where the numbers come from."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
+
+
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 TRANSCENDENTAL = ("exp", "log", "log1p", "expm1", "logistic", "pow", "erf", "rsqrt", "sqrt", "tanh_never")
 REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "cumsum")
@@ -44,16 +51,16 @@ def mlp_loss(params, x, y):
     return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
 
 
-def make_params(key, sizes=(8, 16, 4)):
-    keys = jax.random.split(key, len(sizes))
-    return [(jax.random.normal(k, (a, b)) / np.sqrt(a), jnp.zeros(b)) for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+def make_params(seed, sizes=(8, 16, 4)):
+    return [(_normal(seed + i, (a, b)) / np.float32(np.sqrt(a)), jnp.zeros(b))
+            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))]
 
 
 @pytest.fixture
 def data():
-    x = jax.random.normal(jax.random.key(1), (16, 8))
-    y = jax.random.randint(jax.random.key(2), (16,), 0, 4)
-    return make_params(jax.random.key(0)), x, y
+    x = _normal(1, (16, 8))
+    y = jnp.asarray(np.random.default_rng(2).integers(0, 4, (16,), dtype=np.int32))
+    return make_params(100), x, y
 
 
 def assert_grads_close(f32_fn, ac_fn, args, rtol=0.05):
@@ -101,7 +108,7 @@ def block(w, h):
 
 def test_scan_body(data):
     _, x, _ = data
-    ws = jax.random.normal(jax.random.key(3), (3, 8, 8)) / 3
+    ws = _normal(3, (3, 8, 8)) / 3
 
     def f(ws, x):
         h, _ = jax.lax.scan(lambda h, w: (block(w, h), None), x, ws)
@@ -136,7 +143,7 @@ def test_a_named_residual_is_saved_in_the_dtype_it_was_computed_in():
     def block(w, x):
         return jnp.tanh(checkpoint_name(x @ w, "h"))
 
-    w, x = jnp.eye(8) * 0.3, jax.random.normal(jax.random.key(3), (4, 8))
+    w, x = jnp.eye(8) * 0.3, _normal(3, (4, 8))
     for policy in (jax.checkpoint_policies.save_only_these_names("h"), jax.checkpoint_policies.dots_saveable):
         f = lambda w, x, policy=policy: jnp.sum(jax.checkpoint(block, policy=policy)(w, x))  # noqa: E731
         ac = jaxmp.autocast(f, "O1-bf16")
@@ -169,7 +176,7 @@ scaled_tanh.defvjp(_st_fwd, _st_bwd)
 
 def test_custom_vjp_forward_and_backward_under_rules(data):
     _, x, _ = data
-    w = jax.random.normal(jax.random.key(4), (8, 8)) / 3
+    w = _normal(4, (8, 8)) / 3
     f = lambda x, w: jnp.sum(jnp.exp(scaled_tanh(x, w)))
     ac = jaxmp.autocast(f, "O1-bf16")
     check_ops(op_dtypes(ac, x, w))
@@ -257,8 +264,8 @@ def test_jit_around_and_inside_agree(data):
 
 
 def test_scanned_remat_block_with_custom_vjp_activation():
-    ws = jax.random.normal(jax.random.key(5), (4, 8, 8)) / 3
-    x = jax.random.normal(jax.random.key(6), (16, 8))
+    ws = _normal(5, (4, 8, 8)) / 3
+    x = _normal(6, (16, 8))
 
     def layer(h, w):
         return h + scaled_tanh(layernorm(h), w), None
@@ -288,7 +295,7 @@ def _sharded_loss(w, x):
 
 def test_shard_map_autocast_outside():
     mesh = _mesh()
-    w, x = jnp.eye(8) * 0.3, jax.random.normal(jax.random.key(7), (16, 8))
+    w, x = jnp.eye(8) * 0.3, _normal(7, (16, 8))
     f = jax.shard_map(_sharded_loss, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
     ac = jaxmp.autocast(f, "O1-bf16")
     ops = op_dtypes(ac, w, x)
@@ -303,7 +310,7 @@ def test_shard_map_autocast_outside():
 
 def test_shard_map_autocast_inside():
     mesh = _mesh()
-    w, x = jnp.eye(8) * 0.3, jax.random.normal(jax.random.key(7), (16, 8))
+    w, x = jnp.eye(8) * 0.3, _normal(7, (16, 8))
     f = jax.shard_map(jaxmp.autocast(_sharded_loss, "O1-bf16"), mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
     ref = jax.shard_map(_sharded_loss, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
     check_ops(op_dtypes(f, w, x))
@@ -315,7 +322,7 @@ def test_one_autocast_function_serves_eager_and_shard_map_calls_in_either_order(
     # traced for an explicitly sharded input bakes that sharding into its ops: the program cache
     # must tell them apart from a plain call of the same shapes.
     mesh = _mesh()
-    w, x = jnp.eye(8) * 0.3, jax.random.normal(jax.random.key(7), (16, 8))
+    w, x = jnp.eye(8) * 0.3, _normal(7, (16, 8))
     f = lambda x, w: jnp.tanh(x @ w)  # noqa: E731
     for eager_first in (True, False):
         layer = jaxmp.autocast(f, "O1-bf16")
@@ -345,7 +352,7 @@ def test_a_program_is_not_reused_for_an_input_of_another_sharding():
 def test_pmap_around_autocast():
     n = 4
     w = jnp.eye(8) * 0.3
-    x = jax.random.normal(jax.random.key(8), (n, 4, 8))
+    x = _normal(8, (n, 4, 8))
     step = jax.pmap(jax.grad(jaxmp.autocast(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2), "O1-bf16")),
                     in_axes=(None, 0), devices=jax.devices()[:n])
     g = step(w, x)
@@ -371,8 +378,8 @@ def test_unknown_higher_order_primitive_is_named():
 
 
 def test_scan_and_remat_around_an_autocast_body():
-    ws = jax.random.normal(jax.random.key(9), (3, 8, 8)) / 3
-    x = jax.random.normal(jax.random.key(10), (16, 8))
+    ws = _normal(9, (3, 8, 8)) / 3
+    x = _normal(10, (16, 8))
     body = jaxmp.autocast(lambda h, w: block(w, h), "O1-bf16")
 
     def f(ws, x):
@@ -413,8 +420,8 @@ def _count(closed, name):
 
 
 def test_a_repeated_computation_is_emitted_once_and_differentiated_once():
-    w = jax.random.normal(jax.random.key(0), (8, 8))
-    x = jax.random.normal(jax.random.key(1), (4, 8))
+    w = _normal(0, (8, 8))
+    x = _normal(1, (4, 8))
     twice, once = (jaxmp.autocast(f, "O1-bf16") for f in (_layer_norm_twice, _layer_norm_once))
     assert _count(jax.make_jaxpr(_layer_norm_twice)(w, x), "sub") == 2  # the model does write it twice
     assert _count(jax.make_jaxpr(twice)(w, x), "sub") == 1
@@ -458,8 +465,8 @@ def _staged_functions_made(fn, *args) -> int:
 
 def test_under_jit_of_grad_a_layers_ops_are_staged_once_whatever_the_depth():
     # A width no other test uses: the staged functions are a per-process cache.
-    x = jax.random.normal(jax.random.key(0), (3, 13))
-    ws = [jax.random.normal(jax.random.key(i), (13, 13)) / 4 for i in range(8)]
+    x = _normal(0, (3, 13))
+    ws = [_normal(i, (13, 13)) / 4 for i in range(8)]
     ac = jaxmp.autocast(_layers, "O1-bf16")
     made = _staged_functions_made(jax.grad(ac), ws[:2], x)
     assert made > 0  # the layer's repeated ops are bound through cached one-op jits
@@ -480,8 +487,8 @@ def test_an_eager_call_and_a_jitted_one_agree_bit_for_bit(policy):
     # compiled program: run apart from it, a cast is rounded where XLA, compiling the whole
     # program under the caller's jit, may keep the wider value (excess precision), and the two
     # calls differ by half-precision rounding.
-    w = jax.random.normal(jax.random.key(0), (8, 8))
-    x = jax.random.normal(jax.random.key(1), (4, 8))
+    w = _normal(0, (8, 8))
+    x = _normal(1, (4, 8))
     ac = jaxmp.autocast(lambda w, x: (x @ w) * 3.0 + 1.0, policy)
     np.testing.assert_array_equal(ac(w, x), jax.jit(ac)(w, x))
     loss = lambda w: jnp.sum(ac(w, x).astype(F32) ** 2)  # noqa: E731

@@ -19,6 +19,13 @@ from jaxmp import _jaxpr
 from jaxmp.engine import _contract as contract, _internals as internals, _tested as tested
 from tests._support._op_dtypes import op_dtypes
 
+
+def _normal(seed, shape):
+    """A float32 standard-normal array drawn by numpy: an eager ``jax.random`` draw compiles
+    threefry for every new shape, and no test here depends on where the numbers come from."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
+
+
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 
@@ -102,8 +109,8 @@ def test_an_additive_mask_built_from_integer_data_keeps_a_padding_row_finite(pol
         p = jax.nn.softmax(s + (1.0 - mask[:, None, :].astype(jnp.float32)) * big, axis=-1)
         return jnp.mean(jnp.einsum("bts,bsd->btd", p, x) ** 2)
 
-    w = jax.random.normal(jax.random.PRNGKey(0), (8, 8)) * 0.3
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, 4, 8))
+    w = _normal(0, (8, 8)) * 0.3
+    x = _normal(1, (2, 4, 8))
     mask = jnp.array([[1, 1, 1, 0], [0, 0, 0, 0]])
     want = loss(w, x, mask)
     got, g = jax.jit(jax.value_and_grad(jaxmp.autocast(loss, policy)))(w, x, mask)
@@ -322,8 +329,8 @@ def accumulate_while(x, w):
 @pytest.mark.parametrize("fn", [accumulate, accumulate_while], ids=["fori_loop", "while_loop"])
 @pytest.mark.parametrize("policy", ["O1-bf16", "O1-fp16"])
 def test_a_float32_accumulator_is_added_in_float32(fn, policy):
-    x = jax.random.normal(jax.random.key(0), (8, 16))
-    w = jax.random.normal(jax.random.key(1), (16, 4)) * 0.3
+    x = _normal(0, (8, 16))
+    w = _normal(1, (16, 4)) * 0.3
     half = BF16 if policy.endswith("bf16") else F16
     term = jnp.tanh((x.astype(half) @ w.astype(half))).astype(F32) * np.float32(np.asarray(1e-3, half))
     got = jaxmp.autocast(fn, policy)(x, w)
@@ -340,8 +347,8 @@ def test_ema_and_gradient_accumulation_carries_run_in_float32():
                          jnp.zeros_like(w), xs)[0]
         return g
 
-    xs = jax.random.normal(jax.random.key(0), (500, 2, 8))
-    w = jax.random.normal(jax.random.key(1), (8, 4)) * 0.3
+    xs = _normal(0, (500, 2, 8))
+    w = _normal(1, (8, 4)) * 0.3
     for fn, args in ((ema, (xs, w)), (grad_accum, (w, xs))):
         updates = contract.carry_updates(jaxmp.autocast(fn, "O1-bf16"), args)
         assert updates and all(ins == {F32} for _, _, ins in updates), updates
@@ -672,8 +679,8 @@ def test_an_rnn_weight_gradient_is_as_accurate_in_both_orders():
         h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros((4, 16)), xs)
         return jnp.sum(h ** 2)
 
-    w = jax.random.normal(jax.random.key(0), (16, 16)) * 0.25
-    xs = jax.random.normal(jax.random.key(1), (64, 4, 16))
+    w = _normal(0, (16, 16)) * 0.25
+    xs = _normal(1, (64, 4, 16))
     g32 = jax.grad(loss)(w, xs)
     errors = []
     for fn in (jax.grad(jaxmp.autocast(loss, "O1-bf16")), jaxmp.autocast(jax.grad(loss), "O1-bf16")):
@@ -767,7 +774,7 @@ def test_an_nn_scan_transformer_body_gains_no_float32_ops_from_the_carry():
 def test_masked_attention_under_jit_of_grad_leaks_no_tracer_and_matches_float32():
     """The attention routing's float32 backward takes the mask (and any array argument) as an
     input, not a closure: closing over it handed the backward pass a finished trace's tracer."""
-    q = jax.random.normal(jax.random.key(0), (2, 4, 2, 8))
+    q = _normal(0, (2, 4, 2, 8))
     mask = jnp.tril(jnp.ones((4, 4), bool))[None, None]
     lengths = jnp.array([4, 2], jnp.int32)
 

@@ -11,6 +11,13 @@ from jaxmp.engine import _attention as routed
 from tests._support._op_dtypes import op_dtypes
 from tests.engine.test_autocast import BF16, F32, check_ops
 
+
+def _normal(seed, shape):
+    """A float32 standard-normal array drawn by numpy: an eager ``jax.random`` draw compiles
+    threefry for every new shape, and no test here depends on where the numbers come from."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
+
+
 F16 = np.dtype(jnp.float16)
 
 
@@ -136,7 +143,7 @@ def test_half_only_kernel_runs_trains_and_jit_cache_is_keyed_on_context():
 
 
 def test_dot_product_attention_routed_with_half_inputs():
-    q = jax.random.normal(jax.random.key(0), (2, 8, 2, 16))
+    q = _normal(0, (2, 8, 2, 16))
     f = lambda q: jax.nn.dot_product_attention(q, q, q)
     ac = jaxmp.autocast(f, "O1-bf16")
     out = ac(q)
@@ -255,7 +262,7 @@ def test_precision_report_explains_each_rule(params):
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 @pytest.mark.parametrize("preset, param_dtype, masters", [("O1-fp16", F32, False), ("O2-fp16", F16, True)])
 def test_loss_scaling_fp16_dynamic_around_an_autocast_loss(preset, param_dtype, masters):
-    x = jax.random.normal(jax.random.key(0), (64, 4))
+    x = _normal(0, (64, 4))
     y = x @ jnp.array([[1.0], [-2.0], [0.5], [3.0]])
     params = jaxmp.cast_floating({"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}, param_dtype)  # O2: half params
     tx = jaxmp.loss_scaling(optax.adam(0.05), loss_scale=jaxmp.DynamicLossScale(2.0 ** 15), master_weights=masters)
@@ -285,8 +292,8 @@ def test_a_complex_matmul_keeps_its_real_operand_float32():
         b = w[..., 0] + 1j * w[..., 1]
         return (b @ x).real.sum()
 
-    w = jax.random.normal(jax.random.key(0), (8, 16, 2))
-    x = jax.random.normal(jax.random.key(1), (16, 4))
+    w = _normal(0, (8, 16, 2))
+    x = _normal(1, (16, 4))
     ac = jaxmp.autocast(f, "O1-bf16")
     mm = [op for op in op_dtypes(ac, w, x) if op.primitive == "dot_general"]
     assert mm and all(BF16 not in op.in_dtypes for op in mm), mm
