@@ -747,3 +747,19 @@ def test_the_shard_loss_is_differentiated_inside_one_shard_map_so_no_residual_cr
     outs = [(tuple(v.aval.shape), str(v.aval.dtype)) for m in maps for v in m.outvars]
     assert not [o for o in outs if o[0][-2:] == (T, T) or o[0][-1:] == (64,) and len(o[0]) > 2], outs
     assert len(maps) == 1 and len(outs) == 1 + len(jax.tree_util.tree_leaves(_params())), outs  # loss, grads
+
+
+@pytest.mark.parametrize("layout, reduce_dtype", [("zero", "float32"), ("replicated", "bfloat16"), ("zero", None)])
+def test_a_loss_that_is_not_a_scalar_is_refused_whichever_shard_differentiates_it(layout, reduce_dtype):
+    # Per shard, a per-example loss used to be averaged into the shard mean without a word; now
+    # every path differentiates through jaxmp.value_and_grad, which names the shape.
+    per_example = lambda p, b: jnp.mean(((jnp.tanh(b["x"].astype(BF16) @ p["w1"] + p["b1"]) @ p["w2"])  # noqa: E731
+                                         .astype(jnp.float32) - b["y"]) ** 2, axis=-1)
+    tx = _tx()
+    mesh = jaxmp.parallel.make_data_mesh()
+    step = jaxmp.parallel.make_sharded_train_step(per_example, tx, mesh, layout=layout, reduce_dtype=reduce_dtype,
+                                                  min_shard_size=0)
+    p, s = jaxmp.parallel.shard_state((_params(), tx.init(_params())), step.layout)
+    x, y = _data(1)
+    with pytest.raises(ValueError, match=r"the loss must be a scalar, got shape \(\d+,\)"):
+        step(p, s, jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, mesh))
