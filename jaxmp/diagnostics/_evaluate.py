@@ -8,6 +8,7 @@ docs/architecture.md#re-evaluating-a-step-the-precision-debugger.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Callable, Sequence
 
@@ -377,16 +378,13 @@ def _signature(args: Sequence[Any]) -> tuple:
     return tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
 
 
-_POOL: list = []
-
-
+@functools.lru_cache(maxsize=None)
 def _pool():
-    """Two threads that compile the debugger's programs in the background (XLA releases the GIL)."""
-    if not _POOL:
-        from concurrent.futures import ThreadPoolExecutor
+    """Two threads that compile the debugger's programs in the background (XLA releases the GIL);
+    made on first use, shared by every call."""
+    from concurrent.futures import ThreadPoolExecutor
 
-        _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxmp-debugger-compile"))
-    return _POOL[0]
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="jaxmp-debugger-compile")
 
 
 def _compile(lowered) -> Any:

@@ -106,9 +106,6 @@ ALLOWED_MODULE_STATE = {
     # Warn once per trace that a float16 region is differentiated with no loss scale: keyed by
     # the JAX trace object, held weakly.
     ("jaxmp/engine/_unscaled.py", "_WATCHED"),
-    # The debugger's background compile threads (two, made on first use, reused by every call):
-    # they hold no result, only run lowered.compile() while the caller traces or trains.
-    ("jaxmp/diagnostics/_evaluate.py", "_POOL"),
     # Log-once de-duplication of INFO messages; no result depends on it.
     ("jaxmp/parallel/_common.py", "_LOGGED"),
     ("jaxmp/engine/_attention.py", "_LOGGED"),
