@@ -9,6 +9,7 @@ import runpy
 
 import pytest
 from tests._support._markdown import DOCS, ROOT, SKIP_MARKER, is_skipped, page, pages, python_blocks, run_page, runnable_blocks
+from tests._support._static_examples import missing_names
 
 RUNNABLE = [p for p in pages() if runnable_blocks(p)]
 
@@ -41,13 +42,10 @@ def _diagnostics_printed(ns, tmp_path):
 CHECKS = {"guides/flax-linen.md": _linen_trained, "diagnostics.md": _diagnostics_printed}
 # Pages that need an optional extra (CI installs them: .ci/run).
 REQUIRES = {"guides/equinox.md": "equinox", "guides/haiku.md": "haiku"}
-# Pages whose examples train models end to end: the slow tier (`pytest -m slow`, run by .ci/run).
-SLOW_PAGES = {"diagnostics.md", "debugging.md", "fp8.md", "guides/haiku.md", "guides/flax-linen.md", "guides/flax-nnx.md",
-              "guides/plain-jax.md", "guides/equinox.md", "guides/sharded-flax.md", "guides/checkpointing.md",
-              # the README's quick start, run in the default tier by tests/docs/test_readme.py
-              "index.md"}
-
-
+# Every page's examples run in the slow tier (`pytest -m slow`, run by .ci/run): running the
+# documentation is end to end (pages build and train models; ~50 s of compilation in all), and the
+# README's test command stays within its few minutes. The default tier keeps the cheap checks of the
+# same blocks: each one parses and every jaxmp name it imports exists (test_page_imports_resolve).
 #: Pages whose examples run under standard dtype promotion (the rest under strict, as the suite):
 #: what fails under strict is inside the third-party code they call.
 STANDARD_PROMOTION_PAGES = {
@@ -62,7 +60,7 @@ STANDARD_PROMOTION_PAGES = {
 
 def _page_marks(path):
     name = str(path.relative_to(DOCS))
-    marks = [pytest.mark.slow] if name in SLOW_PAGES else []
+    marks = [pytest.mark.slow]
     if name in STANDARD_PROMOTION_PAGES:
         marks.append(pytest.mark.standard_promotion(reason=STANDARD_PROMOTION_PAGES[name]))
     return marks
@@ -79,6 +77,21 @@ def test_page_examples_run(path, tmp_path, monkeypatch):
     check = CHECKS.get(name)
     if check is not None:
         check(namespace, tmp_path)
+
+
+@pytest.mark.parametrize("path", RUNNABLE, ids=[str(p.relative_to(DOCS)) for p in RUNNABLE])
+def test_page_imports_resolve(path):
+    """The default tier's check of a page's code (the slow tier runs it): it parses, and every name
+    it takes from jaxmp, experiments or benchmarks exists."""
+    assert not missing_names("\n".join(runnable_blocks(path))), missing_names("\n".join(runnable_blocks(path)))
+
+
+def test_the_import_check_sees_a_missing_name_and_a_syntax_error():
+    assert missing_names("import jaxmp\njaxmp.autocast\nfrom jaxmp.flax import linen\nlinen.MixedPrecision") == []
+    assert missing_names("import jaxmp as jm\njm.no_such_function(1)") == ["jaxmp.no_such_function"]
+    assert missing_names("from jaxmp.flax import NoSuchName") == ["jaxmp.flax.NoSuchName"]
+    assert missing_names("import jaxmp.no_such_module") == ["jaxmp.no_such_module"]
+    assert missing_names("x = (") and missing_names("x = (")[0].startswith("SyntaxError")
 
 
 def test_pages_with_code_are_executed():

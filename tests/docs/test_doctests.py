@@ -10,6 +10,7 @@ import importlib
 import pkgutil
 
 import pytest
+from tests._support._static_examples import missing_names
 
 import jaxmp
 
@@ -58,6 +59,15 @@ def test_the_run_covers_the_core_modules():
     assert len(EXAMPLES) >= 110
 
 
+def test_every_docstring_example_parses_and_its_jaxmp_names_exist():
+    """The default tier's check of the examples (the slow tier runs them, below)."""
+    missing = {p.values[0].name: m for p in EXAMPLES
+               if (m := missing_names("\n".join(e.source for e in p.values[0].examples)))}
+    assert not missing, f"docstring examples naming what does not exist: {missing}"
+
+
+# Running every example compiles ~70 small programs (~35 s on 2 cores): the slow tier.
+@pytest.mark.slow
 @pytest.mark.parametrize("test", EXAMPLES)
 def test_docstring_example_runs(test):
     test.globs = {}  # nothing hidden: the example imports what it uses

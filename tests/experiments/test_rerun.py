@@ -97,6 +97,7 @@ def test_diverged_run_is_read_back_not_retrained(tmp_path):
     assert _files(wd) == before  # no new checkpoint, history or results
 
 
+@pytest.mark.slow  # reads back the `finished` run: ~10 s of training for the module's first user
 def test_completed_run_is_read_back_not_retrained(finished, tmp_path):
     wd = tmp_path / "run"
     shutil.copytree(finished, wd)
@@ -132,6 +133,21 @@ CHANGES = [("base_learning_rate", 0.5), ("weight_decay", 0.1), ("label_smoothing
 
 
 @pytest.mark.parametrize("field,value", CHANGES, ids=[c[0] for c in CHANGES])
+def test_every_result_changing_setting_is_in_what_a_checkpoint_records(field, value):
+    """The default tier's half of the refusal below (no training): each field is recorded."""
+    from experiments import train
+    from experiments.validation import validate_config
+
+    def settings(config):
+        return train.run_settings(config, validate_config(config, num_train_examples=config.mnist1d_num_samples))
+
+    before, after = settings(_config()), settings(_config(**{field: value}))
+    assert before[field] == _config()[field] and after[field] == value
+    assert {k for k in before if before[k] != after.get(k)} >= {field}
+
+
+@pytest.mark.slow  # each refusal reads the trained `finished` run
+@pytest.mark.parametrize("field,value", CHANGES, ids=[c[0] for c in CHANGES])
 def test_finished_run_with_other_setting_is_refused(finished, tmp_path, field, value):
     wd = tmp_path / "run"
     shutil.copytree(finished, wd)
@@ -146,6 +162,8 @@ def test_finished_run_with_other_setting_is_refused(finished, tmp_path, field, v
 
 
 @pytest.mark.slow
+@pytest.mark.standard_promotion(reason="the O0 resume traces optax.adam afresh when the refusals above evicted "
+                                       "its program (bias correction: Python float ** int32 count)")
 def test_resume_with_other_learning_rate_is_refused_and_same_settings_resume(finished, tmp_path):
     wd = tmp_path / "run"
     shutil.copytree(finished, wd)
@@ -274,6 +292,7 @@ def _enospc_at(step):
     return save
 
 
+@pytest.mark.slow  # resumes and trains the `finished` run
 @pytest.mark.standard_promotion(reason="the O0 resume traces optax.adam afresh (bias correction: Python float ** int32 count)")
 def test_disk_full_is_a_clear_error_and_the_resume_is_bit_exact(finished, tmp_path, monkeypatch):
     import orbax.checkpoint as ocp
