@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from tests._support._numpy_init import numpy_variables
 
 import jaxmp
 
@@ -72,22 +73,6 @@ def test_autocast_forward_grad_and_scaled_step_under_strict_promotion(level):
     assert np.isfinite(losses[-1]) and losses[-1] < losses[0]
 
 
-def _numpy_values(shapes):
-    """Flax-like initial values in numpy for an abstract variable tree: norm scales and running
-    variances 1, biases and running means 0, kernels scaled normal."""
-    rng = np.random.default_rng(0)
-
-    def value(path, s):
-        name = jax.tree_util.keystr(path[-1:])
-        if "scale" in name or "var" in name:
-            return np.ones(s.shape, s.dtype)
-        if "bias" in name or "mean" in name:
-            return np.zeros(s.shape, s.dtype)
-        return (rng.normal(size=s.shape) / np.sqrt(np.prod(s.shape[:-1]))).astype(s.dtype)
-
-    return jax.tree_util.tree_map_with_path(value, shapes)
-
-
 class LinenNet(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = True):
@@ -104,7 +89,7 @@ def test_flax_linen_front_door_under_strict_promotion(level):
     recipe = jaxmp.get_recipe(level)
     # The init is traced (its promotion checked under strict promotion, its dtypes read) and its
     # values made in numpy: compiling it would cost a program (~1.5 s) the assertions do not need.
-    variables = _numpy_values(jax.eval_shape(lambda key: model.init(key, X, train=False), jax.random.key(0)))
+    variables = numpy_variables(jax.eval_shape(lambda key: model.init(key, X, train=False), jax.random.key(0)))
     assert variables["params"]["LayerNorm_0"]["scale"].dtype == F32
     assert variables["params"]["Dense_0"]["kernel"].dtype == recipe.policy.param_dtype
     # Traced (promotion is checked at trace time), not compiled: only the dtype is asserted.
