@@ -32,7 +32,9 @@ def numpy_variables(shapes: Any, seed: int = 0) -> Any:
     rng = np.random.default_rng(seed)
 
     def value(path, leaf):
-        name = jax.tree_util.keystr(path[-1:])
+        # The leaf's own name: the last path entry, past NNX's ``.value`` attribute.
+        names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+        name = next((n for n in reversed(names) if n not in ("", "value")), "")
         if "scale" in name or "var" in name:
             return np.ones(leaf.shape, leaf.dtype)
         if "bias" in name or "mean" in name:

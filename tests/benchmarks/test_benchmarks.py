@@ -586,6 +586,7 @@ def test_fp8_benchmark_records_fp8_variants_as_skipped_where_the_hardware_check_
 _NATIVE_BF16 = "the native baseline: Flax modules with dtype=bfloat16 mix float32 statistics and bfloat16"
 
 
+@pytest.mark.slow  # a script's end-to-end dry run: six programs compiled and timed (~10 s of the default tier)
 @pytest.mark.standard_promotion(reason=_NATIVE_BF16)
 def test_promotion_dry_run_measures_every_rule(tmp_path):
     _promotion_dry_run(tmp_path, ["--models", "mlp"], {"mlp"})
@@ -594,7 +595,7 @@ def test_promotion_dry_run_measures_every_rule(tmp_path):
 @pytest.mark.slow  # 24 compilations: ~70 s on a busy 2-core machine
 @pytest.mark.standard_promotion(reason=_NATIVE_BF16)
 def test_promotion_dry_run_on_every_model(tmp_path):
-    # mlp is the default tier's run (above); the other three models here
+    # mlp: test_promotion_dry_run_measures_every_rule (above); the other three models here
     _promotion_dry_run(tmp_path, ["--models", "transformer,resnet,plain-transformer"],
                        {"transformer", "resnet", "plain-transformer-1"})
 

@@ -13,6 +13,7 @@ from tests._support._op_dtypes import (
     op_dtypes,
 )
 from flax import nnx
+from tests._support._numpy_init import numpy_variables
 
 import jaxmp
 
@@ -147,13 +148,13 @@ def same_bits(a, b):
 def test_training_with_nnx_optimizer(kind, level):
     recipe = jaxmp.get_recipe(level)
 
-    def build():
-        model = jaxmp.flax.mixed_precision(MODELS[kind](nnx.Rngs(0)), recipe)
-        return model, nnx.Optimizer(model, jaxmp.loss_scaling(optax.adam(1e-2), recipe.loss_scale), wrt=nnx.Param)
-
-    # NNX's functional API: one compiled init and one compiled step instead of many eager ops.
-    graphdef, _ = nnx.split(nnx.eval_shape(build))
-    model, optimizer = nnx.merge(graphdef, jax.jit(lambda: nnx.state(build()), compiler_options=FAST)())
+    # The model's init traced and filled in numpy (compiling it, random draws included, costs more
+    # than the step); the optimizer's state is built for real, eagerly (a few zeros and scalars).
+    mgraph, mstate = nnx.split(nnx.eval_shape(lambda: jaxmp.flax.mixed_precision(MODELS[kind](nnx.Rngs(0)), recipe)))
+    model = nnx.merge(mgraph, jax.tree.map(jnp.asarray, numpy_variables(mstate)))
+    optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.adam(1e-2), recipe.loss_scale), wrt=nnx.Param)
+    # NNX's functional API: one compiled step instead of many eager ops.
+    graphdef, _ = nnx.split((model, optimizer))
 
     @functools.partial(jax.jit, compiler_options=FAST)
     def pure_step(state, batch):
