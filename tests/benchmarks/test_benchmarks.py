@@ -411,16 +411,40 @@ def test_no_benchmark_module_edits_sys_path():
                             f"benchmarks.{path.stem}` instead")
 
 
+_RUN_AS_MAIN = """
+import contextlib, io, json, runpy, sys, traceback
+results = {}
+for name in sys.argv[1:]:
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv = [name, "--help"]
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("benchmarks." + name, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code or 0
+        except BaseException:
+            code, err = 1, io.StringIO(err.getvalue() + traceback.format_exc())
+    results[name] = [code, out.getvalue(), err.getvalue()[-2000:]]
+print(json.dumps(results))
+"""
+
+
 def test_every_script_runs_as_a_module_in_a_fresh_process():
-    """``python -m benchmarks.<name> --help`` from the repository root, each in its own process
-    (started together, so the file stays fast): usage on stdout, exit 0."""
+    """``benchmarks.<name> --help`` run as ``__main__`` the way ``python -m`` runs it (``runpy``, with
+    ``sys.argv`` and ``sys.modules['__main__']`` set) in a fresh process from the repository root:
+    usage on stdout, exit 0. One process runs every script in turn: a process per script paid
+    JAX's import once per script (~15 s in all); test_unknown_flag_in_a_fresh_process_has_no_traceback
+    keeps real ``python -m`` command lines."""
     import subprocess
 
-    procs = {name: subprocess.Popen([sys.executable, "-m", f"benchmarks.{name}", "--help"], cwd=ROOT,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in SCRIPTS}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0 and out.startswith("usage:"), (name, err[-2000:])
+    proc = subprocess.run([sys.executable, "-c", _RUN_AS_MAIN, *SCRIPTS], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    assert sorted(results) == sorted(SCRIPTS)
+    for name, (code, out, err) in results.items():
+        assert code == 0 and out.startswith("usage:"), (name, err)
 
 
 def test_docs_show_benchmarks_run_as_modules():
@@ -562,6 +586,7 @@ def test_fp8_benchmark_records_fp8_variants_as_skipped_where_the_hardware_check_
 _NATIVE_BF16 = "the native baseline: Flax modules with dtype=bfloat16 mix float32 statistics and bfloat16"
 
 
+@pytest.mark.slow  # a script's end-to-end dry run: six programs compiled and timed (~10 s of the default tier)
 @pytest.mark.standard_promotion(reason=_NATIVE_BF16)
 def test_promotion_dry_run_measures_every_rule(tmp_path):
     _promotion_dry_run(tmp_path, ["--models", "mlp"], {"mlp"})
@@ -570,7 +595,7 @@ def test_promotion_dry_run_measures_every_rule(tmp_path):
 @pytest.mark.slow  # 24 compilations: ~70 s on a busy 2-core machine
 @pytest.mark.standard_promotion(reason=_NATIVE_BF16)
 def test_promotion_dry_run_on_every_model(tmp_path):
-    # mlp is the default tier's run (above); the other three models here
+    # mlp: test_promotion_dry_run_measures_every_rule (above); the other three models here
     _promotion_dry_run(tmp_path, ["--models", "transformer,resnet,plain-transformer"],
                        {"transformer", "resnet", "plain-transformer-1"})
 

@@ -291,9 +291,10 @@ def test_policy_is_a_jmp_policy_and_haiku_uses_it():
             return MLP([4, 2])(x)
 
         f = hk.transform(forward)
-        x = jnp.ones((3, 5), jnp.float32)
-        params = f.init(jax.random.key(0), x)
-        out = f.apply(params, None, x)
+        x = np.ones((3, 5), np.float32)
+        # Traced, not run: the assertions read dtypes (eagerly, every op and random draw compiles).
+        params = jax.eval_shape(f.init, jax.random.key(0), x)
+        out = jax.eval_shape(lambda p: f.apply(p, None, x), params)
         # jmp's contract, executed by Haiku: params stored in the param dtype, output in the output dtype,
         # and the computation inside in bfloat16.
         assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
@@ -341,16 +342,17 @@ def test_loss_scales_are_registered_dataclasses_with_static_config():
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 def test_master_weights_and_unscale_and_skip_compose_into_loss_scaling():
-    params = {"w": jnp.linspace(-1, 1, 8).astype(jnp.float16)}
-    grads = [{"w": jnp.full(8, g, jnp.float16)} for g in (0.5, np.inf, 0.25, 1e-4)]
+    params = {"w": np.linspace(-1, 1, 8).astype(np.float16)}
+    grads = [{"w": np.full(8, g * 8, np.float16)} for g in (0.5, np.inf, 0.25, 1e-4)]  # scaled by the static 8
     composed = unscale_and_skip(master_weights(optax.adam(1e-2)), "static:8")
     convenience = jaxmp.loss_scaling(optax.adam(1e-2), "static:8", master_weights=True)
     out = []
     for tx in (composed, convenience):
-        p, s = params, tx.init(params)
+        # One compiled step per chain, called four times (eagerly, every op of the update compiles).
+        step = jax.jit(lambda p, s, g, tx=tx: (lambda u, s: (jaxmp.apply_updates(p, u, s), s))(*tx.update(g, s, p)))
+        p, s = params, jax.jit(tx.init)(params)
         for g in grads:
-            u, s = tx.update(jax.tree_util.tree_map(lambda x: x * 8, g), s, p)
-            p = jaxmp.apply_updates(p, u, s)
+            p, s = step(p, s, g)
         out.append((p, s))
     (p1, s1), (p2, s2) = out
     assert np.array_equal(np.asarray(p1["w"]), np.asarray(p2["w"]))
@@ -362,9 +364,9 @@ def test_master_weights_and_unscale_and_skip_compose_into_loss_scaling():
 
 def test_master_dtype_accepts_jmp_names():
     tx = jaxmp.loss_scaling(optax.sgd(0.1), "none", master_weights=True, master_dtype="f32")
-    assert jaxmp.master_params(tx.init({"w": jnp.ones(2, jnp.bfloat16)}))["w"].dtype == jnp.float32
+    assert jaxmp.master_params(jax.eval_shape(tx.init, {"w": jnp.ones(2, jnp.bfloat16)}))["w"].dtype == jnp.float32
     tx = jaxmp.loss_scaling(optax.sgd(0.1), "none", master_weights=True, master_dtype="float32")
-    assert jaxmp.master_params(tx.init({"w": jnp.ones(2, jnp.float16)}))["w"].dtype == jnp.float32
+    assert jaxmp.master_params(jax.eval_shape(tx.init, {"w": jnp.ones(2, jnp.float16)}))["w"].dtype == jnp.float32
     with pytest.raises(ValueError, match="master copy in half precision"):  # a name for a half dtype: refused
         jaxmp.loss_scaling(optax.sgd(0.1), "none", master_weights=True, master_dtype="bf16")
 

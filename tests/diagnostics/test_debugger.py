@@ -76,7 +76,7 @@ def test_overflow_inside_scan_remat_and_jit_is_found_with_its_loop():
         h, _ = jax.lax.scan(body, h.astype(jnp.float16), None, length=3)
         return jnp.mean(h.astype(jnp.float32))
 
-    found = locate_non_finite(loss, jnp.eye(4), jnp.ones((2, 4)))
+    found = locate_non_finite(loss, np.eye(4, dtype=np.float32), np.ones((2, 4), np.float32))
     assert found.found and found.primitive == "mul" and "scan x3" in found.context, found
 
 
@@ -94,15 +94,16 @@ def test_check_health_names_the_culprit_only_when_it_fires():
 
     def locate():
         calls.append(1)
-        return locate_non_finite(lambda w, x: jnp.mean((x @ w).astype(jnp.float16) * 1e4), jnp.full((4, 4), 9.0),
-                                 jnp.ones((2, 4)))
+        return locate_non_finite(lambda w, x: jnp.mean((x @ w).astype(jnp.float16) * 1e4),
+                                 np.full((4, 4), 9.0, np.float32), np.ones((2, 4), np.float32))
 
     tx = jaxmp.loss_scaling(optax.sgd(0.1), "static:1")
-    state = tx.init({"w": jnp.ones(2)})
+    state = jax.jit(tx.init)({"w": np.ones(2, np.float32)})
     jaxmp.check_health(state, max_consecutive_skips=1, locate=locate)
     assert calls == []  # healthy: the locator never ran
+    update = jax.jit(tx.update)  # one program, called twice (eagerly, every op compiles on its own)
     for _ in range(2):
-        _, state = tx.update({"w": jnp.full(2, jnp.inf)}, state, {"w": jnp.ones(2)})
+        _, state = update({"w": np.full(2, np.inf, np.float32)}, state, {"w": np.ones(2, np.float32)})
     with pytest.raises(jaxmp.TrainingDivergedError, match=r"Culprit: first inf from finite inputs: mul"):
         jaxmp.check_health(state, max_consecutive_skips=1, locate=locate)
     assert calls == [1]
@@ -180,23 +181,28 @@ def test_flax_door_and_cast_to_compute_are_compared_on_their_own_program():
 # ---- (d) strict mode ----
 
 def test_strict_mode_raises_on_a_hand_written_half_reduction_only():
-    x = jnp.ones((4, 8), jnp.bfloat16)
+    x = np.ones((4, 8), jnp.bfloat16)  # numpy: no eager op compiled
     with pytest.raises(StrictPrecisionError, match=r"(?s)reduce_sum runs in bf16.*\n  module path: pool"):
         def pooled(x):
             with jax.named_scope("pool"):
                 return jax.lax.reduce_sum(x, (1,))
         jax.jit(strict_precision(pooled, policy="O2"))(x)
+    # The check runs when the wrapper is called or traced: traced here (jax.eval_shape), so nothing
+    # is compiled (eagerly, fn then runs op by op, each op compiled on its own).
     # autodiff's own reductions: grad of max counts ties with a half sum; a bias gradient sums in half
-    strict_precision(jax.grad(lambda x: jnp.max(x).astype(jnp.float32)), policy="O2")(x)
-    strict_precision(jax.grad(lambda b: jnp.sum((x + b).astype(jnp.float32))), policy="O2")(jnp.ones(8, jnp.bfloat16))
+    jax.eval_shape(strict_precision(jax.grad(lambda x: jnp.max(x).astype(jnp.float32)), policy="O2"), x)
+    jax.eval_shape(strict_precision(jax.grad(lambda b: jnp.sum((x + b).astype(jnp.float32))), policy="O2"),
+                   np.ones(8, jnp.bfloat16))
     # the policy's own float32 reductions (the engine's float32 list; jnp.sum upcasts)
-    strict_precision(jaxmp.autocast(lambda x: jax.nn.softmax(x @ x.T), "O1-bf16"), policy="O1")(x.astype(jnp.float32))
-    strict_precision(jnp.mean, policy="O1")(x)
+    jax.eval_shape(strict_precision(jaxmp.autocast(lambda x: jax.nn.softmax(x @ x.T), "O1-bf16"), policy="O1"),
+                   x.astype(np.float32))
+    jax.eval_shape(strict_precision(jnp.mean, policy="O1"), x)
     # a softmax in half written with cast_to_compute trips it, naming the category
     with pytest.raises(StrictPrecisionError, match="(?s)exp runs in bf16.*softmax"):
-        strict_precision(jax.nn.softmax, policy=jaxmp.get_policy("p=f32,c=bf16,o=f32"))(x)
+        jax.eval_shape(strict_precision(jax.nn.softmax, policy=jaxmp.get_policy("p=f32,c=bf16,o=f32")), x)
     # a policy that puts the op in half is obeyed
-    strict_precision(lambda x: jax.lax.reduce_sum(x, (1,)), rules=jaxmp.AutocastRules().with_half("reduce_sum"))(x)
+    jax.eval_shape(strict_precision(lambda x: jax.lax.reduce_sum(x, (1,)),
+                                    rules=jaxmp.AutocastRules().with_half("reduce_sum")), x)
 
 
 # ---- a clean model: no false alarm ----

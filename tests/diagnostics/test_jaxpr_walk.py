@@ -22,7 +22,7 @@ def _first(fn, *args, prim):
 
 
 def test_a_matmul_is_described_with_its_gemm_and_flops():
-    (op,), risky, unknown = _walk(lambda a, b: a @ b, jnp.ones((16, 32), BF16), jnp.ones((32, 8), BF16))
+    (op,), risky, unknown = _walk(lambda a, b: a @ b, np.ones((16, 32), BF16), np.ones((32, 8), BF16))
     assert (op.primitive, op.lhs_dtype, op.out_dtype, op.m, op.n, op.k) == ("dot_general", "bf16", "bf16", 16, 8, 32)
     assert op.flops == op.flops_per_call == 2 * 16 * 8 * 32 and op.calls == 1 and op.counted
     assert op.low_precision and op.tensor_core_eligible and not op.missed and op.shape_problems == ()
@@ -31,26 +31,26 @@ def test_a_matmul_is_described_with_its_gemm_and_flops():
 
 
 def test_float32_matmuls_are_missed_only_when_the_policy_computes_in_half():
-    a, b = jnp.ones((8, 30)), jnp.ones((30, 8))
+    a, b = np.ones((8, 30), np.float32), np.ones((30, 8), np.float32)
     (plain,), _, _ = _walk(jnp.matmul, a, b)
     (half,), _, _ = _walk(jnp.matmul, a, b, compute_half=True)
     assert not plain.missed and half.missed and not half.low_precision
     assert half.shape_problems == ("K=30",)  # floating operands: the shape rule is checked
     (ok,), _, _ = _walk(jnp.matmul, a, b, tc_multiple=2)
     assert ok.shape_problems == ()
-    (ints,), _, _ = _walk(jnp.matmul, jnp.ones((8, 30), jnp.int32), jnp.ones((30, 8), jnp.int32), compute_half=True)
+    (ints,), _, _ = _walk(jnp.matmul, np.ones((8, 30), jnp.int32), np.ones((30, 8), jnp.int32), compute_half=True)
     assert not ints.missed and ints.shape_problems == ()  # integer matmuls are not the policy's
 
 
 def test_scan_multiplies_calls_cond_counts_its_costliest_branch_while_counts_once():
-    w = jnp.ones((8, 8), BF16)
+    w = np.ones((8, 8), BF16)
 
     def f(x, p):
         x = jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=5)[0]
         x = jax.lax.cond(p, lambda v: v @ w @ w, lambda v: v @ w, x)
         return jax.lax.while_loop(lambda c: c[0, 0] < 100, lambda c: c @ w, x)
 
-    ops, _, unknown = _walk(f, jnp.ones((8, 8), BF16), True)
+    ops, _, unknown = _walk(f, np.ones((8, 8), BF16), True)
     per = 2 * 8 ** 3
     scan, cheap, dear1, dear2, loop = ops  # program order
     assert "cond branch 0/2" in cheap.context and "cond branch 1/2" in dear1.context and dear1.context == dear2.context
@@ -68,7 +68,7 @@ def test_scan_multiplies_calls_cond_counts_its_costliest_branch_while_counts_onc
     (lambda x: x ** 2, "pow"),
 ])
 def test_classify_risk_categories(fn, category):
-    x = jnp.ones((4,), F16)
+    x = np.ones((4,), F16)
     jaxpr = jax.make_jaxpr(fn)(x).jaxpr
     consumers = {}
     for e in _jaxpr.equations(jaxpr):
@@ -82,17 +82,17 @@ def test_classify_risk_categories(fn, category):
 
 
 def test_an_exp_without_consumers_is_an_exp_not_a_softmax():
-    eqn = _first(lambda x: jnp.exp(x) / jnp.exp(x).sum(), jnp.ones(4, BF16), prim="exp")
+    eqn = _first(lambda x: jnp.exp(x) / jnp.exp(x).sum(), np.ones(4, BF16), prim="exp")
     cat, why = jw.classify_risk(eqn, None)
     assert cat == "exp" and "x~88" in why  # bf16's exp overflows past 88, fp16's past 11
 
 
 def test_a_half_sum_is_risky_from_the_threshold_on():
-    red = _first(lambda x: jax.lax.reduce_sum(x, (1,)), jnp.ones((2, 1024), BF16), prim="reduce_sum")
+    red = _first(lambda x: jax.lax.reduce_sum(x, (1,)), np.ones((2, 1024), BF16), prim="reduce_sum")
     cat, why = jw.classify_risk(red)
     assert cat == "reduction" and "over 1024 elements" in why
     assert jw.classify_risk(red, reduction_threshold=1025) is None
-    cumsum = _first(lambda x: jnp.cumsum(x, axis=0), jnp.ones((8, 2), F16), prim="cumsum")
+    cumsum = _first(lambda x: jnp.cumsum(x, axis=0), np.ones((8, 2), F16), prim="cumsum")
     assert jw.classify_risk(cumsum, reduction_threshold=8)[0] == "reduction"
     assert jw.classify_risk(cumsum, reduction_threshold=9) is None
 
@@ -100,24 +100,24 @@ def test_a_half_sum_is_risky_from_the_threshold_on():
 def test_a_half_all_reduce_is_risky():
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
     f = jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P())
-    _, risky, _ = _walk(f, jnp.ones(4, BF16))
+    _, risky, _ = _walk(f, np.ones(4, BF16))
     assert [(r.category, r.dtype) for r in risky] == [("all-reduce", "bf16")]
     assert risky[0].context.startswith("shard_map")
 
 
 def test_a_half_scalar_reduction_and_a_half_scalar_output_are_reported_once():
-    _, risky, _ = _walk(lambda x: jnp.mean(x), jnp.ones((4, 4), F16))
+    _, risky, _ = _walk(lambda x: jnp.mean(x), np.ones((4, 4), F16))
     assert [(r.primitive, r.category, r.shape) for r in risky] == [("reduce_sum", "loss", (4, 4))]
-    _, risky, _ = _walk(lambda x: x[0], jnp.ones(4, BF16))  # a scalar output not made by a reduction
+    _, risky, _ = _walk(lambda x: x[0], np.ones(4, BF16))  # a scalar output not made by a reduction
     assert [(r.primitive, r.category) for r in risky] == [("output", "loss")] and "output #0" in risky[0].detail
-    assert _walk(lambda x: jnp.mean(x.astype(F32)), jnp.ones((4, 4), F16))[1] == ()
+    assert _walk(lambda x: jnp.mean(x.astype(F32)), np.ones((4, 4), F16))[1] == ()
 
 
 def test_a_float32_input_narrowed_before_an_elementwise_op_names_its_ulp():
     def f(w, x):
         return x + w.astype(F16)
 
-    w, x = jnp.full((4,), 1000.0), jnp.ones((4,), F16)
+    w, x = np.full((4,), 1000.0, np.float32), np.ones((4,), F16)
     _, risky, _ = _walk(f, w, x, values=[np.asarray(w), np.asarray(x)])
     (r,) = risky
     assert r.category == "narrowed" and r.primitive == "add" and r.shape == (4,)

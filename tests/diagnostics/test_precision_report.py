@@ -6,6 +6,7 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -263,8 +264,8 @@ def test_clean_mixed_precision_model_is_not_flagged(strict_promotion):
             return nn.Dense(16, dtype=F16, name="head")(x)
 
     model = MLP()
-    x = jnp.ones((32, 128), F16)
-    params = model.init(jax.random.key(0), x)
+    x = np.ones((32, 128), F16)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)  # the report traces: shapes are all it needs
 
     def loss(params, x):
         logits = model.apply(params, x).astype(F32)       # loss and softmax in float32
@@ -347,7 +348,8 @@ def test_report_handles_prng_keys_in_the_traced_function():
         mask = jax.random.bernoulli(key, 0.5, x.shape)
         return jnp.sum((jnp.where(mask, x, 0).astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32))
 
-    report = jaxmp.precision_report(step, jnp.ones((16, 8)), jnp.ones((4, 16)), jax.random.key(0))
+    report = jaxmp.precision_report(step, jax.ShapeDtypeStruct((16, 8), jnp.float32),
+                                    jax.ShapeDtypeStruct((4, 16), jnp.float32), jax.random.key(0))
     assert len(report.ops) == 1 and report.low_precision_share == 1.0
 
 
@@ -362,9 +364,10 @@ def test_where_names_the_users_modules_not_jaxmps_own_scopes():
             return h.sum()
 
     net = Net()
-    params = net.init(jax.random.key(0), jnp.ones((8, 16)))
+    x = np.ones((8, 16), np.float32)
+    params = jax.eval_shape(net.init, jax.random.key(0), x)  # the report traces: shapes are all it needs
     loss = jaxmp.autocast(lambda p, x: net.apply(p, x), "O1-bf16")
-    rep = jaxmp.precision_report(jax.grad(loss), params, jnp.ones((8, 16)))
+    rep = jaxmp.precision_report(jax.grad(loss), params, x)
     names = [op.name for op in rep.ops] + [d.name for d in rep.decisions]
     assert len(rep.ops) == 5 and rep.decisions  # forward + weight grad per layer, input grad of head
     assert not [n for n in names if "jaxmp.rule=" in n or "jaxmp[keep]:autocast(" in n], names

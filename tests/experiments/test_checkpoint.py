@@ -276,20 +276,27 @@ def _flip_at(i):
 LOAD_DAMAGE = {"truncated": _truncate, "zeroed": _zero, **{f"bit {i}": _flip_at(i) for i in range(6)}}
 
 
+@pytest.fixture(scope="module")
+def intact_run(tmp_path_factory):
+    """One saved run, copied by each damage test (saved once: 16 tests damage copies of it)."""
+    ref = tmp_path_factory.mktemp("intact") / "ref"
+    ckpt = ckpt_lib.Checkpointer(str(ref))
+    _save(ckpt, 1, _host(_values(1)))
+    ckpt.close()
+    return ref
+
+
 @pytest.mark.parametrize("with_file_list", [True, False], ids=["file list", "no file list"])
 @pytest.mark.parametrize("name", list(LOAD_DAMAGE))
-def test_load_state_reports_damaged_array_files_as_checkpoint_damage(name, with_file_list, tmp_path):
+def test_load_state_reports_damaged_array_files_as_checkpoint_damage(name, with_file_list, intact_run, tmp_path):
     # Issue 37, item 15: TensorStore's DATA_LOSS / OUT_OF_RANGE / FAILED_PRECONDITION came out raw,
     # and some flips loaded silently. Every state file is tried in turn; without the file list (a
     # run killed before it was written) TensorStore's own errors are wrapped.
-    ckpt = ckpt_lib.Checkpointer(str(tmp_path / "ref"))
-    _save(ckpt, 1, _host(_values(1)))
-    ckpt.close()
-    files = _state_files(tmp_path / "ref" / "checkpoints" / "1")
+    files = _state_files(intact_run / "checkpoints" / "1")
     assert len(files) >= 3
     for k, _ in enumerate(files):
         run = tmp_path / f"run{k}"
-        shutil.copytree(tmp_path / "ref", run)
+        shutil.copytree(intact_run, run)
         step_dir = run / "checkpoints" / "1"
         if not with_file_list:
             os.remove(step_dir / ckpt_lib.FILE_LIST.format(0))

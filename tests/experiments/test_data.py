@@ -127,6 +127,7 @@ def test_tfds_sources_with_mock_data(tfds_mod, name, shape):
         assert all(b["image"].shape == (8, *shape) for b in evals)
 
 
+@pytest.mark.slow  # imports TensorFlow (~4-6 s of CPU, the whole cost); the slow tier runs every TFDS test
 def test_tfds_dataset_not_available_offline_says_what_to_do(tfds_mod, tmp_path):
     with pytest.raises(DatasetUnavailableError) as e:
         get_datasets(_tfds_config("cifar10", data_dir=str(tmp_path)))

@@ -34,11 +34,12 @@ def test_float32_inputs_match_the_float64_reference_with_bias_and_mask():
 
 def test_is_causal_is_the_lower_triangular_mask_and_combines_with_a_mask():
     causal = np.tril(np.ones((4, 4), bool))
-    np.testing.assert_allclose(float32_softmax_attention(Q, K, V, is_causal=True), reference(Q, K, V, mask=causal),
-                               rtol=1e-5, atol=1e-5)
     pad = np.array([True, True, False, True])
-    np.testing.assert_allclose(float32_softmax_attention(Q, K, V, mask=pad, is_causal=True),
-                               reference(Q, K, V, mask=causal & pad), rtol=1e-5, atol=1e-5)
+    # Both calls in one compiled program (eagerly, every op compiles on its own).
+    alone, padded = jax.jit(lambda q, k, v: (float32_softmax_attention(q, k, v, is_causal=True),
+                                             float32_softmax_attention(q, k, v, mask=pad, is_causal=True)))(Q, K, V)
+    np.testing.assert_allclose(alone, reference(Q, K, V, mask=causal), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(padded, reference(Q, K, V, mask=causal & pad), rtol=1e-5, atol=1e-5)
 
 
 def test_half_inputs_whose_logits_overflow_float16_stay_finite():
@@ -46,37 +47,40 @@ def test_half_inputs_whose_logits_overflow_float16_stay_finite():
     k = np.full((1, 2, 1, 64), 60.0, np.float16)
     k[0, 1] = 70.0  # logits 28800 vs 33600: beyond float16 after scaling would be inf - inf = nan
     v = np.arange(2 * 64, dtype=np.float16).reshape(1, 2, 1, 64)
-    out = float32_softmax_attention(q, k, v)
-    assert out.dtype == jnp.float16 and bool(jnp.all(jnp.isfinite(out)))
+    out = jax.jit(float32_softmax_attention)(q, k, v)
+    assert out.dtype == jnp.float16 and np.all(np.isfinite(np.asarray(out)))
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(v[:, 1:], np.float32)[:, [0, 0]], rtol=1e-3)
 
 
 def test_dtype_sets_the_compute_and_output_dtype_and_the_weights_are_sown():
-    out = float32_softmax_attention(Q, K, V, dtype=jnp.bfloat16)
-    assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(out, np.float32), reference(Q, K, V), atol=0.05)
-
     class Attn(nn.Module):
         @nn.compact
         def __call__(self, q):
             return float32_softmax_attention(q, q, q, module=self)
 
-    _, state = Attn().apply({}, Q, mutable=["intermediates"])
+    # Both in one compiled program (eagerly, every op compiles on its own).
+    out, (_, state) = jax.jit(lambda q, k, v: (float32_softmax_attention(q, k, v, dtype=jnp.bfloat16),
+                                               Attn().apply({}, q, mutable=["intermediates"])))(Q, K, V)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), reference(Q, K, V), atol=0.05)
     (weights,) = state["intermediates"]["attention_weights"]
     assert weights.shape == (2, 2, 4, 4) and np.allclose(np.asarray(weights).sum(-1), 1.0, atol=1e-6)
 
 
 def test_dropout_draws_a_mask_from_the_rng_and_is_off_when_deterministic():
-    f = jax.jit(lambda rng, det: float32_softmax_attention(Q, K, V, dropout_rate=0.5, dropout_rng=rng, deterministic=det),
-                static_argnums=1)
-    a, b = f(jax.random.key(0), False), f(jax.random.key(0), False)
+    def f(rng, det):
+        return float32_softmax_attention(Q, K, V, dropout_rate=0.5, dropout_rng=rng, deterministic=det)
+
+    both = jax.jit(lambda rng: (f(rng, False), f(rng, True)))  # one program; called twice below
+    key = jax.random.key(0)
+    (a, off), (b, _) = both(key), both(key)
     assert np.array_equal(a, b) and not np.allclose(a, reference(Q, K, V), atol=1e-3)
-    np.testing.assert_allclose(f(jax.random.key(0), True), reference(Q, K, V), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(off, reference(Q, K, V), rtol=1e-5, atol=1e-5)
 
 
 def test_dropout_without_an_rng_is_a_clear_error():
     with pytest.raises(ValueError, match="dropout_rng"):
-        float32_softmax_attention(Q, K, V, dropout_rate=0.1)
+        jax.eval_shape(lambda: float32_softmax_attention(Q, K, V, dropout_rate=0.1))  # refused at trace: nothing compiled
 
 
 @pytest.mark.standard_promotion(reason="flax.linen.dot_product_attention, the non-fused path, promotes dtypes")
@@ -84,7 +88,10 @@ def test_fused_and_flax_paths_agree_with_the_reference():
     mask = np.ones((2, 1, 1, 4), bool)
     mask[0, ..., 3] = False
     want = reference(Q, K, V, mask=mask)
-    np.testing.assert_allclose(jax.jit(fused_attention)(Q, K, V, mask=mask), want, rtol=1e-5, atol=1e-5)  # fused
     bias = np.zeros((1, 1, 4, 4), np.float32)
-    np.testing.assert_allclose(jax.jit(fused_attention)(Q, K, V, bias=bias, mask=mask), want, rtol=1e-5, atol=1e-5)
+    # Without and with a bias, in one compiled program.
+    fused, flax_path = jax.jit(lambda q, k, v: (fused_attention(q, k, v, mask=mask),
+                                                fused_attention(q, k, v, bias=bias, mask=mask)))(Q, K, V)
+    np.testing.assert_allclose(fused, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(flax_path, want, rtol=1e-5, atol=1e-5)
     assert jax.eval_shape(lambda q: fused_attention(q, q, q, dtype=jnp.bfloat16), Q).dtype == jnp.bfloat16

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from tests._support._numpy_init import numpy_variables
 
 import jaxmp
 
@@ -51,8 +52,9 @@ class NNXNet(nnx.Module):
         return self.out(jax.nn.relu(self.half(self.norm(x))))
 
 
-X = jax.random.normal(jax.random.key(1), (64, 8))
-Y = jnp.argmax(X[:, :4], axis=-1)
+# numpy data: an eager jax.random draw compiles a program per shape.
+X = np.random.default_rng(1).normal(size=(64, 8)).astype(np.float32)
+Y = np.argmax(X[:, :4], axis=-1).astype(np.int32)
 
 LEVELS = ["O1-bf16", "O1-fp16", "O2-bf16", "O2-fp16"]
 
@@ -92,7 +94,9 @@ def test_linen_half_only_layer_trains(level):
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 @pytest.mark.parametrize("level", LEVELS[:1] + [pytest.param(lv, marks=pytest.mark.slow) for lv in LEVELS[1:]])
 def test_nnx_half_only_layer_trains(level):
-    model = jaxmp.flax.mixed_precision(NNXNet(nnx.Rngs(0)), level)
+    # The model's init traced and filled in numpy (an eager NNX init compiles every random draw).
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: jaxmp.flax.mixed_precision(NNXNet(nnx.Rngs(0)), level)))
+    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, numpy_variables(state)))
     recipe = jaxmp.get_recipe(level)
     tx = jaxmp.loss_scaling(optax.adam(0.02), jaxmp.make_loss_scale(recipe.loss_scale),
                             master_weights=recipe.master_weights)
@@ -115,11 +119,12 @@ def test_attention_under_policy_matches_float32(level, masked):
     # numpy input and jitted init/apply: eagerly, every op (and every random draw's shape)
     # would be compiled on its own; the attention path chosen is recorded at trace time.
     x = np.random.default_rng(3).normal(size=(2, 8, 16)).astype(np.float32)
-    mask = np.asarray(nn.make_causal_mask(np.ones((2, 8)))) if masked else None
-    variables = jax.jit(Attn().init)(jax.random.key(0), x, mask)
-    ref = jax.jit(Attn().apply)(variables, x, mask)
+    # nn.make_causal_mask(np.ones((2, 8))) in numpy: query i sees keys j <= i.
+    mask = np.broadcast_to(np.tril(np.ones((8, 8), bool)), (2, 1, 8, 8)) if masked else None
+    # The init traced and filled in numpy; the float32 reference and the policy's output in one program.
+    variables = numpy_variables(jax.eval_shape(Attn().init, jax.random.key(0), x, mask))
     model = jaxmp.flax.mixed_precision(Attn(), level)
-    out = jax.jit(model.apply)(variables, x, mask)
+    ref, out = jax.jit(lambda v, x, m: (Attn().apply(v, x, m), model.apply(v, x, m)))(variables, x, mask)
     assert out.dtype == jnp.float32
     np.testing.assert_allclose(out, ref, atol=0.05 if "bf16" in level else 0.01)
     from jaxmp.engine import _attention as attention

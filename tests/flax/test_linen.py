@@ -61,9 +61,10 @@ class TinyTransformer(nn.Module):
         return nn.Dense(self.num_classes)(x.mean(axis=1))
 
 
-IMG = jnp.ones((2, 6, 6, 3)) * jnp.linspace(-1, 1, 3)
-SEQ = jnp.ones((2, 5, 8)) * jnp.linspace(-1, 1, 8)
-LABELS = jnp.array([0, 3])
+# numpy inputs: eager jnp arithmetic compiles a program per op (test data only).
+IMG = np.ones((2, 6, 6, 3), np.float32) * np.linspace(-1, 1, 3, dtype=np.float32)
+SEQ = np.ones((2, 5, 8), np.float32) * np.linspace(-1, 1, 8, dtype=np.float32)
+LABELS = np.array([0, 3], np.int32)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def transformer():
 def test_plain_flax_promotion_undoes_half_inputs():
     # The pitfall the integration exists for: float32 params + float16 inputs => float32 matmul.
     dense = nn.Dense(3)
-    params = jax.eval_shape(dense.init, jax.random.key(0), jnp.ones((1, 4)))
+    params = jax.eval_shape(dense.init, jax.random.key(0), np.ones((1, 4), np.float32))
     ops = op_dtypes(lambda p: dense.apply(p, jnp.ones((1, 4), jnp.float16)), params)
     assert [op.in_dtypes for op in ops if op.primitive == "dot_general"] == [(F32, F32)]
     model = jaxmp.flax.mixed_precision(dense, "O1-fp16")
@@ -202,7 +203,7 @@ class UsesMyNorm(nn.Module):
 
 
 def test_user_class_overrides(strict_promotion):
-    x = jnp.ones((2, 8))
+    x = np.ones((2, 8), np.float32)
     rules = default_rules("O1").with_class(MyNorm, "float32").with_class(nn.Dense, jaxmp.get_policy("f32"))
     model = jaxmp.flax.mixed_precision(UsesMyNorm(), "O1-bf16", rules)
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
@@ -317,7 +318,7 @@ class ScannedLayers(nn.Module):
 
 
 def test_lifted_transforms(strict_promotion):
-    x = jnp.ones((2, 8))
+    x = np.ones((2, 8), np.float32)
     model = jaxmp.flax.mixed_precision(ScannedLayers(), "O1-bf16")
     variables = jax.eval_shape(model.init, jax.random.key(0), x)
     assert {rule.action for rule in model.module_rules(variables, x).values()} == {"half", "float32"}
@@ -369,8 +370,12 @@ def _overridden_warnings(record):
 
 @pytest.fixture(scope="module")
 def f32_head():
-    x = jnp.ones((2, 3))
-    return x, F32Head().init(jax.random.key(0), x)
+    x = np.ones((2, 3), np.float32)
+    # The tests read dtypes and warnings, not values: numpy values in the init's structure (an eager
+    # Flax init would compile a random draw per kernel shape, a jitted one a whole program).
+    rng = np.random.default_rng(0)
+    shapes = jax.eval_shape(F32Head().init, jax.random.key(0), x)
+    return x, jax.tree.map(lambda s: (0.3 * rng.normal(size=s.shape)).astype(s.dtype), shapes)
 
 
 def test_explicit_float32_layer_runs_in_half_and_warns_once(f32_head):
@@ -378,8 +383,10 @@ def test_explicit_float32_layer_runs_in_half_and_warns_once(f32_head):
     model = jaxmp.flax.mixed_precision(F32Head(), "O1-bf16")
     with pytest.warns(jaxmp.MixedPrecisionWarning) as record:
         dots = _dots(model.apply, variables, x)     # first trace
-        model.apply(variables, x)                   # two more calls: no second warning
-        model.apply(variables, x)
+        # Two more calls, traced afresh (a new lambda each: no trace cache), so the wrapper's Python,
+        # where the warning is decided, runs again without compiling anything: no second warning.
+        jax.eval_shape(lambda v, a: model.apply(v, a), variables, x)
+        jax.eval_shape(lambda v, a: model.apply(v, a), variables, x)
     assert dots == {"body": (BF16, BF16), "head": (BF16, BF16), "out": (BF16, BF16)}
     [w] = _overridden_warnings(record)
     message = str(w.message)
@@ -394,7 +401,7 @@ def test_path_rule_keeps_exactly_that_layer_float32(f32_head, overrides, recwarn
     x, variables = f32_head
     model = jaxmp.flax.mixed_precision(F32Head(), "O1-bf16", overrides)
     assert _dots(model.apply, variables, x) == {"body": (BF16, BF16), "head": (F32, F32), "out": (BF16, BF16)}
-    assert model.apply(variables, x).dtype == F32
+    assert jax.eval_shape(model.apply, variables, x).dtype == F32  # a dtype: traced, not run
     assert not _overridden_warnings(recwarn.list)
     rules = model.module_rules(variables, x)
     assert rules[("head",)].action == "float32" and rules[("body",)].action == "half"
@@ -406,9 +413,9 @@ def test_path_rule_covers_a_subtree_and_o2_storage(recwarn):
         def __call__(self, x):
             return nn.Dense(2, name="keep")(F32Head(name="block")(x))
 
-    x = jnp.ones((2, 3))
+    x = np.ones((2, 3), np.float32)
     model = jaxmp.flax.mixed_precision(Outer(), "O2-bf16", default_rules("O2").with_path("block", "float32"))
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)  # storage dtypes and a trace: no values needed
     params = variables["params"]
     assert {params["block"][k]["kernel"].dtype for k in ("body", "head", "out")} == {F32}   # stored float32
     assert params["keep"]["kernel"].dtype == BF16
@@ -426,7 +433,7 @@ def test_class_rule_keeps_explicit_float32_layers_float32(f32_head, recwarn):
 
 def test_float32_policy_does_not_warn(f32_head, recwarn):
     x, variables = f32_head
-    jaxmp.flax.mixed_precision(F32Head(), "O0").apply(variables, x)
+    jax.eval_shape(jaxmp.flax.mixed_precision(F32Head(), "O0").apply, variables, x)  # the warning is decided at trace
     assert not _overridden_warnings(recwarn.list)
 
 
@@ -474,12 +481,13 @@ def _softmax_decisions(report):
 
 
 def test_o2_softmax_differs_between_the_front_doors_and_the_report_shows_it():
-    x = jnp.ones((2, 3))
+    x = np.ones((2, 3), np.float32)
     net = SoftmaxHead()
-    variables = net.init(jax.random.key(0), x)
+    # precision_report only traces: shapes and dtypes of the variables are all it needs.
+    variables = jax.eval_shape(net.init, jax.random.key(0), x)
     autocast = _softmax_decisions(jaxmp.precision_report(jaxmp.autocast(net.apply, "O2-bf16"), variables, x))
     wrapped = jaxmp.flax.mixed_precision(net, "O2-bf16")
-    flax_o2 = _softmax_decisions(jaxmp.precision_report(wrapped.apply, wrapped.init(jax.random.key(0), x), x))
+    flax_o2 = _softmax_decisions(jaxmp.precision_report(wrapped.apply, jax.eval_shape(wrapped.init, jax.random.key(0), x), x))
     # autocast: the O1 lists plus half weights -- the softmax's max, exp and sum on the float32 list.
     assert autocast == {p: (("f32",), "float32 list") for p in ("reduce_max", "exp", "reduce_sum")}
     # jaxmp.flax (Apex O2): pure half outside norms -- the max and exp in bf16 (JAX's own sum upcasts).
@@ -487,7 +495,8 @@ def test_o2_softmax_differs_between_the_front_doors_and_the_report_shows_it():
     assert flax_o2["reduce_sum"][1] != "float32 list"
     # The documented route to autocast's O2 behind jaxmp.flax: keep the "softmax" category.
     same = jaxmp.flax.mixed_precision(net, "O2-bf16", default_rules("O2-bf16", ("norm", "softmax", "loss")))
-    assert _softmax_decisions(jaxmp.precision_report(same.apply, same.init(jax.random.key(0), x), x)) == autocast
+    assert _softmax_decisions(jaxmp.precision_report(same.apply, jax.eval_shape(same.init, jax.random.key(0), x),
+                                                     x)) == autocast
 
 
 def test_overrides_and_autocast_class_rules_are_one_rule_system():
@@ -537,7 +546,9 @@ def test_a_block_kept_in_float32_by_a_class_rule_stores_its_layers_params_in_flo
 
     base = default_rules("O2")
     ov = base.with_class(Block, "float32" if override == "class" else jaxmp.get_policy("float32"))
-    variables = jaxmp.flax.mixed_precision(Net(), "O2-bf16", ov).init(jax.random.key(0), jnp.ones((2, 8)))
+    # Storage dtypes only: traced, not run.
+    variables = jax.eval_shape(jaxmp.flax.mixed_precision(Net(), "O2-bf16", ov).init, jax.random.key(0),
+                               np.ones((2, 8), np.float32))
     params = variables["params"]
     assert params["enc"]["inner"]["kernel"].dtype == np.float32
     assert params["head"]["kernel"].dtype == jnp.bfloat16

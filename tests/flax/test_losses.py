@@ -10,36 +10,44 @@ import pytest
 
 from jaxmp.flax._losses import accuracy, softmax_cross_entropy, split_batch
 
-LOGITS = jnp.array([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0], [1.0, 0.0, 5.0], [4.0, 0.0, 0.0]], jnp.float32)
-LABELS = jnp.array([0, 1, 0, 0], jnp.int32)
+# numpy data, and each test's calls jitted together: eagerly, every op compiles on its own.
+LOGITS = np.array([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0], [1.0, 0.0, 5.0], [4.0, 0.0, 0.0]], np.float32)
+LABELS = np.array([0, 1, 0, 0], np.int32)
 
 
 def test_cross_entropy_is_optaxs_mean_in_float32_for_integer_and_one_hot_labels():
-    ref = optax.softmax_cross_entropy_with_integer_labels(LOGITS, LABELS).mean()
-    for logits in (LOGITS, LOGITS.astype(jnp.float16), LOGITS.astype(jnp.bfloat16)):
-        out = softmax_cross_entropy(logits, LABELS)
+    @jax.jit
+    def run(logits, labels):
+        ref = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        outs = [softmax_cross_entropy(lg, labels) for lg in (logits, logits.astype(jnp.float16),
+                                                               logits.astype(jnp.bfloat16))]
+        return ref, outs, softmax_cross_entropy(logits, jax.nn.one_hot(labels, 3, dtype=jnp.bfloat16))
+
+    ref, outs, from_one_hot = run(LOGITS, LABELS)
+    for out in outs:
         assert out.dtype == jnp.float32 and out.shape == ()
         np.testing.assert_allclose(out, ref, rtol=1e-2)
-    one_hot = jax.nn.one_hot(LABELS, 3, dtype=jnp.bfloat16)
-    np.testing.assert_allclose(softmax_cross_entropy(LOGITS, one_hot), ref, rtol=1e-6)
+    np.testing.assert_allclose(from_one_hot, ref, rtol=1e-6)
 
 
 def test_cross_entropy_in_float32_does_not_overflow_where_float16_would():
-    big = jnp.array([[60000.0, -60000.0]], jnp.float16)
-    assert np.isfinite(float(softmax_cross_entropy(big, jnp.array([1]))))
+    big = np.array([[60000.0, -60000.0]], np.float16)
+    assert np.isfinite(float(jax.jit(softmax_cross_entropy)(big, np.array([1], np.int32))))
 
 
 def test_cross_entropy_refuses_labels_of_the_wrong_shape():
     with pytest.raises(ValueError, match=r"integer labels must have shape \(4,\), got \(4, 1\)"):
         softmax_cross_entropy(LOGITS, LABELS[:, None])
     with pytest.raises(ValueError, match=r"one-hot labels must have the logits' shape \(4, 3\), got \(4, 2\)"):
-        softmax_cross_entropy(LOGITS, jnp.ones((4, 2)))
+        softmax_cross_entropy(LOGITS, np.ones((4, 2), np.float32))
 
 
 def test_accuracy_for_integer_and_one_hot_labels():
-    assert float(accuracy(LOGITS, LABELS)) == 0.75
-    assert float(accuracy(LOGITS, jax.nn.one_hot(LABELS, 3))) == 0.75
-    assert accuracy(LOGITS.astype(jnp.bfloat16), LABELS).dtype == jnp.float32
+    from_int, from_one_hot, from_bf16 = jax.jit(lambda lg, lb: (
+        accuracy(lg, lb), accuracy(lg, jax.nn.one_hot(lb, 3)), accuracy(lg.astype(jnp.bfloat16), lb)))(LOGITS, LABELS)
+    assert float(from_int) == 0.75
+    assert float(from_one_hot) == 0.75
+    assert from_bf16.dtype == jnp.float32
 
 
 def test_accuracy_refuses_labels_that_would_broadcast_into_a_wrong_value():

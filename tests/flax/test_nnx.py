@@ -13,6 +13,7 @@ from tests._support._op_dtypes import (
     op_dtypes,
 )
 from flax import nnx
+from tests._support._numpy_init import numpy_variables
 
 import jaxmp
 
@@ -147,13 +148,13 @@ def same_bits(a, b):
 def test_training_with_nnx_optimizer(kind, level):
     recipe = jaxmp.get_recipe(level)
 
-    def build():
-        model = jaxmp.flax.mixed_precision(MODELS[kind](nnx.Rngs(0)), recipe)
-        return model, nnx.Optimizer(model, jaxmp.loss_scaling(optax.adam(1e-2), recipe.loss_scale), wrt=nnx.Param)
-
-    # NNX's functional API: one compiled init and one compiled step instead of many eager ops.
-    graphdef, _ = nnx.split(nnx.eval_shape(build))
-    model, optimizer = nnx.merge(graphdef, jax.jit(lambda: nnx.state(build()), compiler_options=FAST)())
+    # The model's init traced and filled in numpy (compiling it, random draws included, costs more
+    # than the step); the optimizer's state is built for real, eagerly (a few zeros and scalars).
+    mgraph, mstate = nnx.split(nnx.eval_shape(lambda: jaxmp.flax.mixed_precision(MODELS[kind](nnx.Rngs(0)), recipe)))
+    model = nnx.merge(mgraph, jax.tree.map(jnp.asarray, numpy_variables(mstate)))
+    optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.adam(1e-2), recipe.loss_scale), wrt=nnx.Param)
+    # NNX's functional API: one compiled step instead of many eager ops.
+    graphdef, _ = nnx.split((model, optimizer))
 
     @functools.partial(jax.jit, compiler_options=FAST)
     def pure_step(state, batch):
@@ -206,13 +207,26 @@ class F32Head(nnx.Module):
 
 @pytest.fixture(scope="module")
 def f32_head():
-    """One initialised F32Head (random init compiles per shape); tests wrap ``nnx.clone`` copies of it."""
-    return F32Head(nnx.Rngs(0))
+    """One F32Head with numpy-valued params; tests wrap ``nnx.clone`` copies of it.
+
+    The tests read dtypes and warnings, not values: an eager NNX init would compile a random draw
+    per kernel shape."""
+    rng = np.random.default_rng(0)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: F32Head(nnx.Rngs(0))))
+    return nnx.merge(graphdef, jax.tree.map(lambda s: jnp.asarray((0.3 * rng.normal(size=s.shape)).astype(s.dtype)),
+                                            state))
 
 
 def _dots(model, x):
     """dot_general input dtypes in program order: body, head, out."""
     return [op.in_dtypes for op in op_dtypes(lambda x: model(x), x) if op.primitive == "dot_general"]
+
+
+def _abstract_dots(model, x):
+    """``_dots`` for a model with abstract (``nnx.eval_shape``) state: the state is a traced argument."""
+    graphdef, state = nnx.split(model)
+    return [op.in_dtypes for op in op_dtypes(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
+            if op.primitive == "dot_general"]
 
 
 def _overridden_warnings(record):
@@ -221,12 +235,14 @@ def _overridden_warnings(record):
 
 
 def test_explicit_float32_layer_runs_in_half_and_warns_once(f32_head):
-    x = jnp.ones((2, 3))
+    x = np.ones((2, 3), np.float32)
     with pytest.warns(jaxmp.MixedPrecisionWarning) as record:
         model = jaxmp.flax.mixed_precision(nnx.clone(f32_head), "O1-bf16")
         dots = _dots(model, x)
-        model(x)
-        model(x)
+        # Two more calls, traced (the warning is decided in the wrapper's Python, which runs on
+        # every trace; nothing compiled): no second warning.
+        jax.eval_shape(lambda a: model(a), x)
+        jax.eval_shape(lambda a: model(a), x)
     assert dots == [(BF16, BF16)] * 3
     [w] = _overridden_warnings(record)
     message = str(w.message)
@@ -235,10 +251,10 @@ def test_explicit_float32_layer_runs_in_half_and_warns_once(f32_head):
 
 
 def test_functional_call_warns_once_per_model(f32_head):
-    x, model = jnp.ones((2, 3)), nnx.clone(f32_head)
-    with pytest.warns(jaxmp.MixedPrecisionWarning) as record:
-        jaxmp.flax.nnx.call(model, x, policy="O1-bf16")
-        jaxmp.flax.nnx.call(model, x, policy="O1-bf16")
+    x, model = np.ones((2, 3), np.float32), nnx.clone(f32_head)
+    with pytest.warns(jaxmp.MixedPrecisionWarning) as record:  # traced calls: the warning is decided at trace
+        jax.eval_shape(lambda a: jaxmp.flax.nnx.call(model, a, policy="O1-bf16"), x)
+        jax.eval_shape(lambda a: jaxmp.flax.nnx.call(model, a, policy="O1-bf16"), x)
     assert len(_overridden_warnings(record)) == 1
 
 
@@ -246,10 +262,10 @@ def test_functional_call_warns_once_per_model(f32_head):
                                        jaxmp.flax.default_rules().with_path("h*d", "float32")],
                          ids=["path", "glob"])
 def test_path_rule_keeps_exactly_that_layer_float32(f32_head, overrides, recwarn):
-    x = jnp.ones((2, 3))
+    x = np.ones((2, 3), np.float32)
     model = jaxmp.flax.mixed_precision(nnx.clone(f32_head), "O1-bf16", overrides)
     assert _dots(model, x) == [(BF16, BF16), (F32, F32), (BF16, BF16)]
-    assert model(x).dtype == F32
+    assert jax.eval_shape(lambda a: model(a), x).dtype == F32  # a dtype: traced, not run
     assert not _overridden_warnings(recwarn.list)
 
 
@@ -262,17 +278,18 @@ def test_path_rule_o2_storage_and_subtree(recwarn):
         def __call__(self, x):
             return self.keep(self.block(x))
 
-    x = jnp.ones((2, 3))
+    x = np.ones((2, 3), np.float32)
     ov = jaxmp.flax.default_rules("O2").with_path("block", "float32")
-    model = jaxmp.flax.mixed_precision(Outer(nnx.Rngs(0)), "O2-bf16", ov)
+    # Storage dtypes and a trace: abstract state, no random init compiled.
+    model = nnx.eval_shape(lambda: jaxmp.flax.mixed_precision(Outer(nnx.Rngs(0)), "O2-bf16", ov))
     assert {model.model.block.body.kernel.dtype, model.model.block.head.kernel.dtype} == {F32}
     assert model.model.keep.kernel.dtype == BF16
-    assert _dots(model, x) == [(F32, F32)] * 3 + [(BF16, BF16)]
+    assert _abstract_dots(model, x) == [(F32, F32)] * 3 + [(BF16, BF16)]
     assert not _overridden_warnings(recwarn.list)
 
 
 def test_class_rule_keeps_explicit_float32_layers_float32(f32_head, recwarn):
-    x = jnp.ones((2, 3))
+    x = np.ones((2, 3), np.float32)
     model = jaxmp.flax.mixed_precision(nnx.clone(f32_head), "O1-bf16",
                                        jaxmp.flax.default_rules().with_class(nnx.Linear, "float32"))
     assert _dots(model, x) == [(F32, F32)] * 3
@@ -349,6 +366,7 @@ def test_a_block_kept_in_float32_by_a_class_rule_stores_its_layers_params_in_flo
             return self.head(self.enc(x))
 
     ov = jaxmp.flax.default_rules("O2").with_class(Block, "float32")
-    model = jaxmp.flax.nnx.store_params(Net(nnx.Rngs(0)), "O2-bf16", ov)
-    assert model.enc.inner.kernel[...].dtype == np.float32
-    assert model.head.kernel[...].dtype == jnp.bfloat16
+    # Storage dtypes only: abstract state, no random init compiled.
+    model = nnx.eval_shape(lambda: jaxmp.flax.nnx.store_params(Net(nnx.Rngs(0)), "O2-bf16", ov))
+    assert model.enc.inner.kernel.dtype == np.float32
+    assert model.head.kernel.dtype == jnp.bfloat16

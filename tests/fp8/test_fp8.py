@@ -33,36 +33,49 @@ def test_delayed_scaling_follows_the_hand_recurrence_through_zero_and_non_finite
     meta = recipe.init_meta()
     update = jax.jit(lambda m, x: fp8._scaling.update_meta(m, x, recipe))
     for (want_scale, want_history), a in zip(hand_delayed(3, reduction, margin, amaxes), amaxes):
-        meta = update(meta, jnp.array([a / 2, -a], jnp.float32))
+        meta = update(meta, np.array([a / 2, -a], np.float32))
         np.testing.assert_allclose(meta.amax_history, want_history, rtol=1e-7)
         np.testing.assert_allclose(float(meta.scale), want_scale, rtol=1e-6)
 
 
 def test_all_zero_history_keeps_the_old_scale_and_non_finite_amax_changes_nothing():
     recipe = fp8.DelayedScaling(history_length=2)
-    meta = fp8.Fp8Meta(jnp.float32(7.0), jnp.zeros(2, jnp.float32))
-    assert float(fp8._scaling.update_meta(meta, jnp.zeros(4), recipe).scale) == 7.0
-    after_nan = fp8._scaling.update_meta(meta, jnp.array([1.0, jnp.nan]), recipe)
+    meta = fp8.Fp8Meta(np.float32(7.0), np.zeros(2, np.float32))
+    # Both updates in one compiled program (eagerly, each of update_meta's ops compiles on its own).
+    after_zero, after_nan = jax.jit(lambda m, zero, nan: (fp8._scaling.update_meta(m, zero, recipe),
+                                                          fp8._scaling.update_meta(m, nan, recipe)))(
+        meta, np.zeros(4, np.float32), np.array([1.0, np.nan], np.float32))
+    assert float(after_zero.scale) == 7.0
     assert float(after_nan.scale) == 7.0 and not np.any(np.asarray(after_nan.amax_history))
 
 
 def test_compute_scale_and_quantize_saturate_at_the_format_maximum():
     assert fp8._formats.fp8_max(fp8._formats.E4M3) == E4M3_MAX and fp8._formats.fp8_max(fp8._formats.E5M2) == E5M2_MAX
-    scale = fp8._scaling.compute_scale(jnp.float32(10.0), jnp.float32(1.0), fp8._formats.E5M2, margin=2)
+    one = np.float32(1.0)
+
+    @jax.jit  # one compiled program for every call (eagerly, each op compiles on its own)
+    def run(amax, big, non_finite):
+        scale = fp8._scaling.compute_scale(amax, one, fp8._formats.E5M2, margin=2)
+        q = fp8._scaling.quantize(big, one, fp8._formats.E4M3)
+        return scale, q, [fp8._scaling.quantize(non_finite, one, d) for d in fp8._formats.FP8_DTYPES]
+
+    scale, q, bads = run(np.float32(10.0), np.array([1e6, -1e6, 1.0], np.float32),
+                         np.array([np.inf, np.nan, 2.0], np.float32))
     np.testing.assert_allclose(float(scale), E5M2_MAX / 4 / 10, rtol=1e-6)
-    q = fp8._scaling.quantize(jnp.array([1e6, -1e6, 1.0]), jnp.float32(1.0), fp8._formats.E4M3)
     assert q.dtype == fp8._formats.E4M3
-    np.testing.assert_array_equal(q.astype(jnp.float32), [448.0, -448.0, 1.0])
-    for dtype in fp8._formats.FP8_DTYPES:  # an overflow is never clipped into a finite value
-        bad = fp8._scaling.quantize(jnp.array([jnp.inf, jnp.nan, 2.0]), jnp.float32(1.0), dtype).astype(jnp.float32)
-        assert not np.any(np.isfinite(np.asarray(bad[:2]))) and float(bad[2]) == 2.0
+    np.testing.assert_array_equal(np.asarray(q).astype(np.float32), [448.0, -448.0, 1.0])
+    assert [b.dtype for b in bads] == list(fp8._formats.FP8_DTYPES)
+    for bad in bads:  # an overflow is never clipped into a finite value
+        bad = np.asarray(bad).astype(np.float32)
+        assert not np.any(np.isfinite(bad[:2])) and float(bad[2]) == 2.0
 
 
 def test_qdq_with_current_scaling_maps_the_amax_onto_the_format_maximum():
-    x = jnp.array([0.001, -0.0007, 0.0003], jnp.float32)
-    y = fp8._scaling.qdq(x, fp8._formats.E4M3)
+    x = np.array([0.001, -0.0007, 0.0003], np.float32)
+    y = jax.jit(lambda v: fp8._scaling.qdq(v, fp8._formats.E4M3))(x)  # one program, not one per op
     assert y.dtype == jnp.float32
-    assert float(jnp.max(jnp.abs(y))) == pytest.approx(0.001, rel=1e-6)  # the amax is exact after scaling
+    y = np.asarray(y)
+    assert float(np.max(np.abs(y))) == pytest.approx(0.001, rel=1e-6)  # the amax is exact after scaling
     np.testing.assert_allclose(y, x, rtol=2**-3)  # E4M3 has 3 mantissa bits
     assert not np.array_equal(np.asarray(y), np.asarray(x))  # and it did round
 
@@ -76,9 +89,10 @@ def _mlp_loss(dot):
 
 @functools.lru_cache(maxsize=None)  # drawn once: each eager draw of a new shape compiles a program
 def _data():
-    k = jax.random.split(jax.random.PRNGKey(0), 4)
-    params = {"w1": jax.random.normal(k[0], (64, 128)) / 8, "w2": jax.random.normal(k[1], (128, 16)) / 11}
-    return params, jax.random.normal(k[2], (32, 64)), jax.random.normal(k[3], (32, 16))
+    rng = np.random.default_rng(0)  # numpy: an eager jax.random draw compiles a program per shape
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    params = {"w1": normal(64, 128) / 8, "w2": normal(128, 16) / 11}
+    return params, normal(32, 64), normal(32, 16)
 
 
 DN = (((1,), (0,)), ((), ()))
@@ -105,13 +119,16 @@ def test_backward_quantizes_the_cotangent_to_e5m2_and_is_invariant_to_a_loss_sca
     g = jnp.asarray(rng.normal(size=(8, 4)) * 1e-3, jnp.float32)
     # The forward and its backward compiled once (eagerly, every op compiles), called twice.
     vjp = jax.jit(lambda ct: jax.vjp(lambda u, v: fp8.fp8_dot_general(u, v, DN), a, b)[1](ct))
-    da, db = vjp(g)
-    qa, qb, qg = fp8._scaling.qdq(a, fp8._formats.E4M3), fp8._scaling.qdq(b, fp8._formats.E4M3), fp8._scaling.qdq(g, fp8._formats.E5M2)
+    da, db = (np.asarray(t) for t in vjp(g))
+    # The rounded operands in one program; the reference products in numpy (float64: exact enough).
+    qa, qb, qg = (np.asarray(t, np.float64) for t in jax.jit(lambda a, b, g: (
+        fp8._scaling.qdq(a, fp8._formats.E4M3), fp8._scaling.qdq(b, fp8._formats.E4M3),
+        fp8._scaling.qdq(g, fp8._formats.E5M2)))(a, b, g))
     np.testing.assert_allclose(da, qg @ qb.T, rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(db, qa.T @ qg, rtol=1e-6, atol=1e-9)
-    assert not np.allclose(np.asarray(da), np.asarray(g @ qb.T), rtol=1e-7, atol=0)  # E5M2 rounding happened
-    da_scaled, _ = vjp(g * 1024.0)  # a loss scale of 2**10: current scaling cancels it exactly
-    np.testing.assert_allclose(da_scaled / 1024.0, da, rtol=1e-6)
+    assert not np.allclose(da, np.asarray(g, np.float64) @ qb.T, rtol=1e-7, atol=0)  # E5M2 rounding happened
+    da_scaled, _ = vjp(np.asarray(g) * np.float32(1024.0))  # a loss scale of 2**10: current scaling cancels it
+    np.testing.assert_allclose(np.asarray(da_scaled) / 1024.0, da, rtol=1e-6)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -164,7 +181,7 @@ def test_each_code_path_picks_the_recipe_it_was_given():
 
     nnx = pytest.importorskip("flax.nnx")
     current, delayed = fp8.CurrentScaling(), fp8.DelayedScaling(history_length=4)
-    x, w = jnp.ones((2, 2)), jnp.full((2, 2), 0.5)
+    x, w = np.ones((2, 2), np.float32), np.full((2, 2), 0.5, np.float32)
     scales = fp8._state.layer_scales(fp8._state.init_layer_state(delayed))
     # The ops: delayed without scales and current with scales are both refused; each runs as itself.
     with pytest.raises(TypeError, match="delayed scaling needs scales"):
@@ -173,7 +190,9 @@ def test_each_code_path_picks_the_recipe_it_was_given():
         fp8.fp8_dot_general(x, w, DN, recipe=current, scales=scales)
     with pytest.raises(TypeError, match="recipe must be"):
         fp8.fp8_dot_general(x, w, DN, recipe="e4m3")
-    assert fp8.fp8_dot_general(x, w, DN, recipe=delayed, scales=scales).tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    # Jitted: one program (eagerly, each of the scaled dot's ops compiles on its own).
+    assert jax.jit(lambda x, w, s: fp8.fp8_dot_general(x, w, DN, recipe=delayed, scales=s))(
+        x, w, scales).tolist() == [[1.0, 1.0], [1.0, 1.0]]
     # Labels, hardware check, state builders.
     assert fp8._recipes.describe(current).endswith("current scaling)") and fp8._recipes.describe(delayed).endswith("delayed scaling)")
     cpu = jax.devices("cpu")[0]
@@ -191,7 +210,9 @@ def test_each_code_path_picks_the_recipe_it_was_given():
     for recipe in (current, delayed):
         assert jaxmp.AutocastRules(fp8_matmuls=recipe).fp8_matmuls is recipe
     # An NNX fp8 op keeps state for the delayed recipe only.
-    counts = [len(nnx.state(nnx.Linear(2, 3, rngs=nnx.Rngs(0), dot_general=NnxFp8Op(r)), Fp8State))
+    # Abstract layers (nnx.eval_shape): the state's structure is the fact, no random init compiled.
+    counts = [len(nnx.state(nnx.eval_shape(lambda r=r: nnx.Linear(2, 3, rngs=nnx.Rngs(0), dot_general=NnxFp8Op(r))),
+                            Fp8State))
               for r in (current, delayed)]
     assert counts[0] == 0 and counts[1] > 0
 
@@ -249,8 +270,10 @@ def test_autocast_fp8_composes_with_dynamic_loss_scaling_and_skips_overflow():
 
     first, s1 = step(params, state, x)
     assert jaxmp.last_step_finite(s1) and not jax.tree_util.tree_all(
-        jax.tree_util.tree_map(lambda a, b: bool(jnp.all(a == b)), first, params))
-    bad, s2 = step(first, s1, x.at[0, 0].set(jnp.inf))
+        jax.tree_util.tree_map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), first, params))
+    x_bad = np.array(x)
+    x_bad[0, 0] = np.inf
+    bad, s2 = step(first, s1, x_bad)
     assert not jaxmp.last_step_finite(s2)
     jax.tree_util.tree_map(np.testing.assert_array_equal, bad, first)  # the overflowed step changed nothing
 
@@ -271,5 +294,5 @@ def test_precision_report_names_the_fp8_matmuls_and_their_formats():
 
     f = jaxmp.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w) @ w), "O1-bf16",
                        rules=jaxmp.AutocastRules(fp8_matmuls=fp8.CurrentScaling()))
-    text = jaxmp.precision_report(f, jnp.ones((4, 4)), jnp.ones((2, 4))).to_json()
+    text = jaxmp.precision_report(f, np.ones((4, 4), np.float32), np.ones((2, 4), np.float32)).to_json()
     assert text.count("fp8 (float8_e4m3fn forward, float8_e5m2 backward, current scaling)") >= 2

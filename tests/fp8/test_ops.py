@@ -12,19 +12,21 @@ from jaxmp.fp8._scaling import qdq
 from jaxmp.fp8._state import Fp8Scales
 
 DN = (((1,), (0,)), ((), ()))
-A = jax.random.normal(jax.random.key(0), (4, 8))
-B = jax.random.normal(jax.random.key(1), (8, 3))
+# numpy data: an eager jax.random draw compiles a program per shape.
+A = np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32)
+B = np.random.default_rng(1).normal(size=(8, 3)).astype(np.float32)
 DELAYED = fp8.DelayedScaling(history_length=4)
 
 
 def test_current_scaling_forward_is_the_dot_of_the_fp8_rounded_operands():
-    out = jax.jit(lambda a, b: fp8_dot_general(a, b, DN))(A, B)
-    np.testing.assert_allclose(out, qdq(A, E4M3) @ qdq(B, E4M3), rtol=1e-6, atol=1e-6)
+    # The op and its reference in one compiled program (eagerly, each op compiles on its own).
+    out, ref = jax.jit(lambda a, b: (fp8_dot_general(a, b, DN), qdq(a, E4M3) @ qdq(b, E4M3)))(A, B)
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
     assert not np.allclose(out, A @ B, rtol=1e-4, atol=0)  # the rounding happened
 
 
 def test_preferred_element_type_and_batch_dims_are_passed_through():
-    a16, b16 = A.astype(jnp.bfloat16)[None], B.astype(jnp.bfloat16)[None]
+    a16, b16 = jax.ShapeDtypeStruct((1, 4, 8), jnp.bfloat16), jax.ShapeDtypeStruct((1, 8, 3), jnp.bfloat16)
     dn = (((2,), (1,)), ((0,), (0,)))
     out = jax.eval_shape(lambda a, b: fp8_dot_general(a, b, dn, preferred_element_type=jnp.float32), a16, b16)
     assert out.dtype == jnp.float32 and out.shape == (1, 4, 3)
@@ -32,9 +34,10 @@ def test_preferred_element_type_and_batch_dims_are_passed_through():
 
 
 def test_conv_forward_and_backward_round_operands_to_e4m3_and_the_cotangent_to_e5m2():
-    x = jax.random.normal(jax.random.key(2), (1, 2, 6))  # NCW
-    w = jax.random.normal(jax.random.key(3), (3, 2, 2))  # OIW
-    g = jax.random.normal(jax.random.key(4), (1, 3, 5))
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(1, 2, 6)).astype(np.float32)  # NCW
+    w = rng.normal(size=(3, 2, 2)).astype(np.float32)  # OIW
+    g = rng.normal(size=(1, 3, 5)).astype(np.float32)
     conv = lambda a, b: jax.lax.conv_general_dilated(a, b, (1,), "VALID")  # noqa: E731
 
     @jax.jit
@@ -49,7 +52,7 @@ def test_conv_forward_and_backward_round_operands_to_e4m3_and_the_cotangent_to_e
 
 
 def test_delayed_scaling_uses_the_given_scales_and_returns_the_amaxes_as_their_gradients():
-    x, w = jnp.array([[300.0, 1.0]]), jnp.array([[1.0], [1.0]])
+    x, w = np.array([[300.0, 1.0]], np.float32), np.array([[1.0], [1.0]], np.float32)
     # Scale 1: 300 is rounded to E4M3 (288 or 320); scale 2 would saturate it at 448 / 2 = 224.
     f = jax.jit(lambda s: fp8_dot_general(x, w, DN, DELAYED, scales=Fp8Scales(s, 1.0, 1.0)))
     out1, out2 = f(1.0), f(2.0)
@@ -58,36 +61,40 @@ def test_delayed_scaling_uses_the_given_scales_and_returns_the_amaxes_as_their_g
     def loss(s):
         return jnp.sum(fp8_dot_general(x, w, DN, DELAYED, scales=s) * 3.0)
 
-    grads = jax.jit(jax.grad(loss))(Fp8Scales(jnp.float32(1.0), jnp.float32(1.0), jnp.float32(1.0)))
+    grads = jax.jit(jax.grad(loss))(Fp8Scales(np.float32(1.0), np.float32(1.0), np.float32(1.0)))
     assert (float(grads.input), float(grads.kernel), float(grads.output_grad)) == (300.0, 1.0, 3.0)
 
 
 def test_gradient_loss_scale_reports_the_gradient_amax_unscaled_and_is_undone_on_exit():
-    x, w = jnp.ones((1, 2)), jnp.ones((2, 1))
-    s = Fp8Scales(jnp.float32(1.0), jnp.float32(1.0), jnp.float32(1.0))
+    x, w = np.ones((1, 2), np.float32), np.ones((2, 1), np.float32)
+    s = Fp8Scales(np.float32(1.0), np.float32(1.0), np.float32(1.0))
 
     def scaled(s, loss_scale):
         with gradient_loss_scale(loss_scale):
             y = fp8_dot_general(x, w, DN, DELAYED, scales=s)
         return jnp.sum(y) * loss_scale
 
-    assert float(jax.grad(scaled)(s, 512.0).output_grad) == 1.0
-    assert float(jax.grad(lambda s: jnp.sum(fp8_dot_general(x, w, DN, DELAYED, scales=s)) * 512.0)(s).output_grad) \
-        == 512.0  # outside the context: the scaled amax, as observed
+    # Jitted, each a fresh function (so traced afresh, with the context as it is then): one program
+    # per gradient instead of one per eager op.
+    assert float(jax.jit(jax.grad(lambda s: scaled(s, 512.0)))(s).output_grad) == 1.0
+    assert float(jax.jit(jax.grad(lambda s: jnp.sum(fp8_dot_general(x, w, DN, DELAYED, scales=s)) * 512.0))(s)
+                 .output_grad) == 512.0  # outside the context: the scaled amax, as observed
     with pytest.raises(RuntimeError):
         with gradient_loss_scale(4.0):
             raise RuntimeError("the context resets even on an error")
-    assert float(jax.grad(lambda s: jnp.sum(fp8_dot_general(x, w, DN, DELAYED, scales=s)))(s).output_grad) == 1.0
+    assert float(jax.jit(jax.grad(lambda s: jnp.sum(fp8_dot_general(x, w, DN, DELAYED, scales=s))))(s)
+                 .output_grad) == 1.0
 
 
 @pytest.mark.parametrize("call, error, match", [
     (lambda: fp8_dot_general(A, B, DN, "e4m3"), TypeError, "recipe must be a jaxmp.fp8.CurrentScaling"),
     (lambda: fp8_dot_general(A, B, DN, DELAYED), TypeError, "delayed scaling needs scales"),
     (lambda: fp8_dot_general(A, B, DN, scales=Fp8Scales(1.0, 1.0, 1.0)), TypeError, "only used with a DelayedScaling"),
-    (lambda: fp8_dot_general(A, B.astype(jnp.int32), DN), TypeError, "fp8_dot_general: rhs must be floating"),
-    (lambda: fp8_conv_general_dilated(jnp.ones((1, 1, 4), jnp.int8), jnp.ones((1, 1, 2)), (1,), "VALID"),
+    (lambda: fp8_dot_general(A, B.astype(np.int32), DN), TypeError, "fp8_dot_general: rhs must be floating"),
+    (lambda: fp8_conv_general_dilated(np.ones((1, 1, 4), np.int8), np.ones((1, 1, 2), np.float32), (1,), "VALID"),
      TypeError, "fp8_conv_general_dilated: lhs must be floating"),
-    (lambda: fp8_conv_general_dilated(jnp.ones((1, 1, 4)), jnp.ones((1, 1, 2)), (1,), "VALID", recipe=DELAYED),
+    (lambda: fp8_conv_general_dilated(np.ones((1, 1, 4), np.float32), np.ones((1, 1, 2), np.float32), (1,), "VALID",
+                                     recipe=DELAYED),
      TypeError, "fp8_conv_general_dilated: delayed scaling needs scales"),
 ])
 def test_misuse_is_named_with_the_function(call, error, match):
