@@ -273,8 +273,8 @@ def test_precision_report_explains_each_rule(params):
 @pytest.mark.parametrize("preset, param_dtype, masters", [("O1-fp16", F32, False), ("O2-fp16", F16, True)])
 def test_loss_scaling_fp16_dynamic_around_an_autocast_loss(preset, param_dtype, masters):
     x = _normal(0, (64, 4))
-    y = x @ jnp.array([[1.0], [-2.0], [0.5], [3.0]])
-    params = jaxmp.cast_floating({"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}, param_dtype)  # O2: half params
+    y = _dev(np.asarray(x) @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32))   # numpy: no eager op compiled
+    params = {"w": _dev(np.zeros((4, 1), param_dtype)), "b": _dev(np.zeros(1, param_dtype))}  # O2: half params
     tx = jaxmp.loss_scaling(optax.adam(0.05), loss_scale=jaxmp.DynamicLossScale(2.0 ** 15), master_weights=masters)
     opt_state = tx.init(params)
     loss = jaxmp.autocast(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2), preset)
@@ -307,7 +307,7 @@ def test_a_complex_matmul_keeps_its_real_operand_float32():
     ac = jaxmp.autocast(f, "O1-bf16")
     mm = [op for op in op_dtypes(ac, w, x) if op.primitive == "dot_general"]
     assert mm and all(BF16 not in op.in_dtypes for op in mm), mm
-    np.testing.assert_allclose(ac(w, x), f(w, x), rtol=1e-5)
+    np.testing.assert_allclose(ac(w, x), jax.jit(f)(w, x), rtol=1e-5)   # reference: one program
 
 
 def test_a_preferred_element_type_that_jax_promotion_wrote_is_not_a_choice():
@@ -461,7 +461,7 @@ def test_cholesky_of_a_gram_matrix_computed_in_a_float32_region_is_not_nan(prese
     rng = np.random.default_rng(0)
     a = rng.normal(size=(64, 1))
     x = _dev(np.hstack([a + 0.01 * rng.normal(size=(64, 1)) for _ in range(4)]))
-    ref = jnp.linalg.cholesky(x.T @ x)
+    ref = jax.jit(lambda x: jnp.linalg.cholesky(x.T @ x))(x)   # float32: one program
     plain = jaxmp.autocast(lambda x: jnp.linalg.cholesky(x.T @ x), preset)(x)
     fixed = jaxmp.autocast(lambda x: jnp.linalg.cholesky(jaxmp.float32_region(_matmul)(x.T, x)), preset)(x)
     assert np.all(np.isfinite(ref)) and not np.all(np.isfinite(plain))       # the half Gram matrix is indefinite
