@@ -13,10 +13,21 @@ import jaxmp
 from tests._support._op_dtypes import op_dtypes
 
 
-def _normal(seed, shape):
-    """A float32 standard-normal array drawn by numpy: an eager ``jax.random`` draw compiles
-    threefry for every new shape, and no test here depends on where the numbers come from."""
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
+def _normal(seed, shape, scale=1.0):
+    """A float32 standard-normal array drawn by numpy (times ``scale``, in numpy): an eager
+    ``jax.random`` draw compiles threefry for every new shape, an eager ``jnp`` op one program
+    per shape, and no test here depends on where the numbers come from."""
+    return _put(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * np.float32(scale))
+
+
+def _put(a):
+    """A numpy array on the device as is: ``jax.device_put`` compiles nothing (``jnp.asarray``,
+    ``jnp.eye``, ``jnp.ones`` each compile a small program per shape)."""
+    return jax.device_put(np.asarray(a, np.float32) if np.asarray(a).dtype == np.float64 else np.asarray(a))
+
+
+def _eye(n, scale=1.0):
+    return _put(np.eye(n, dtype=np.float32) * np.float32(scale))
 
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
@@ -52,20 +63,31 @@ def mlp_loss(params, x, y):
 
 
 def make_params(seed, sizes=(8, 16, 4)):
-    return [(_normal(seed + i, (a, b)) / np.float32(np.sqrt(a)), jnp.zeros(b))
+    return [(_normal(seed + i, (a, b), 1 / np.sqrt(a)), _put(np.zeros(b, np.float32)))
             for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def data():
+    # Module-scoped: the arrays are immutable and every test reads the same ones, so the
+    # engine's programs and the float32 reference below are traced and compiled once.
     x = _normal(1, (16, 8))
-    y = jnp.asarray(np.random.default_rng(2).integers(0, 4, (16,), dtype=np.int32))
+    y = _put(np.random.default_rng(2).integers(0, 4, (16,), dtype=np.int32))
     return make_params(100), x, y
 
 
-def assert_grads_close(f32_fn, ac_fn, args, rtol=0.05):
-    g32 = jax.grad(f32_fn)(*args)
-    gac = jax.grad(ac_fn)(*args)
+@pytest.fixture(scope="module")
+def mlp_ref(data):
+    """The float32 loss and gradients of ``mlp_loss`` on ``data``: one compiled program."""
+    return jax.jit(jax.value_and_grad(mlp_loss))(*data)
+
+
+def assert_grads_close(f32_fn, ac_fn, args, rtol=0.05, *, want=None, got=None):
+    """The autocast gradients (eager ``jax.grad``, the engine's compiled program) against the
+    float32 ones; the float32 reference is jitted (one program, not one per eager op).
+    ``want``/``got``: gradients a test already computed, reused rather than computed again."""
+    g32 = jax.jit(jax.grad(f32_fn))(*args) if want is None else want
+    gac = jax.grad(ac_fn)(*args) if got is None else got
     for a, b in zip(jax.tree.leaves(g32), jax.tree.leaves(gac)):
         assert b.dtype == a.dtype == F32
         assert np.all(np.isfinite(b))
@@ -74,7 +96,7 @@ def assert_grads_close(f32_fn, ac_fn, args, rtol=0.05):
 
 # -- 1. plain -------------------------------------------------------------------------------
 
-def test_plain_function_lists_and_promotion(data, strict_promotion):
+def test_plain_function_lists_and_promotion(data, mlp_ref, strict_promotion):
     params, x, y = data
     f = jaxmp.autocast(mlp_loss, "O1-bf16")
     ops = op_dtypes(f, params, x, y)
@@ -90,12 +112,12 @@ def test_plain_function_lists_and_promotion(data, strict_promotion):
     subs = [op for op in ops if op.primitive == "sub"]
     assert subs and all(op.out_dtypes == (F32,) for op in subs[:1])
     assert f(params, x, y).dtype == F32
-    assert_grads_close(mlp_loss, f, (params, x, y))
+    assert_grads_close(mlp_loss, f, (params, x, y), want=mlp_ref[1])
 
 
-def test_fp32_loss_error_close_to_float32(data):
+def test_fp32_loss_error_close_to_float32(data, mlp_ref):
     params, x, y = data
-    ref = mlp_loss(params, x, y)
+    ref = mlp_ref[0]
     out = jaxmp.autocast(mlp_loss, "O1-bf16")(params, x, y)
     assert abs(float(out) - float(ref)) < 2e-2 * abs(float(ref))
 
@@ -108,7 +130,7 @@ def block(w, h):
 
 def test_scan_body(data):
     _, x, _ = data
-    ws = _normal(3, (3, 8, 8)) / 3
+    ws = _normal(3, (3, 8, 8), 1 / 3)
 
     def f(ws, x):
         h, _ = jax.lax.scan(lambda h, w: (block(w, h), None), x, ws)
@@ -123,7 +145,7 @@ def test_scan_body(data):
 
 def test_remat_body(data):
     _, x, _ = data
-    w = jnp.eye(8)
+    w = _eye(8)
     f = lambda w, x: jnp.sum(jax.checkpoint(block)(w, x))
     ac = jaxmp.autocast(f, "O1-bf16")
     ops = op_dtypes(ac, w, x)
@@ -143,7 +165,7 @@ def test_a_named_residual_is_saved_in_the_dtype_it_was_computed_in():
     def block(w, x):
         return jnp.tanh(checkpoint_name(x @ w, "h"))
 
-    w, x = jnp.eye(8) * 0.3, _normal(3, (4, 8))
+    w, x = _eye(8, 0.3), _normal(3, (4, 8))
     for policy in (jax.checkpoint_policies.save_only_these_names("h"), jax.checkpoint_policies.dots_saveable):
         f = lambda w, x, policy=policy: jnp.sum(jax.checkpoint(block, policy=policy)(w, x))  # noqa: E731
         ac = jaxmp.autocast(f, "O1-bf16")
@@ -176,7 +198,7 @@ scaled_tanh.defvjp(_st_fwd, _st_bwd)
 
 def test_custom_vjp_forward_and_backward_under_rules(data):
     _, x, _ = data
-    w = _normal(4, (8, 8)) / 3
+    w = _normal(4, (8, 8), 1 / 3)
     f = lambda x, w: jnp.sum(jnp.exp(scaled_tanh(x, w)))
     ac = jaxmp.autocast(f, "O1-bf16")
     check_ops(op_dtypes(ac, x, w))
@@ -196,7 +218,7 @@ softplus.defjvp(lambda p, t: (softplus(p[0]), jax.nn.sigmoid(p[0]) * t[0]))
 
 def test_custom_jvp(data):
     _, x, _ = data
-    w = jnp.eye(8)
+    w = _eye(8)
     f = lambda w, x: jnp.sum(softplus(x @ w))
     ac = jaxmp.autocast(f, "O1-bf16")
     ops = op_dtypes(ac, w, x)
@@ -208,7 +230,7 @@ def test_custom_jvp(data):
 
 def test_while_loop(data):
     _, x, _ = data
-    w = jnp.eye(8) * 0.5
+    w = _eye(8, 0.5)
 
     def f(w, x):
         return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (block(w, c[0]), c[1] + 1), (x, 0))[0].sum()
@@ -217,27 +239,28 @@ def test_while_loop(data):
     ops = op_dtypes(ac, w, x)
     assert "while" in [op.primitive for op in ops]
     check_ops(ops)
-    assert ac(w, x).dtype == F32
-    np.testing.assert_allclose(ac(w, x), f(w, x), rtol=0.05)
+    got = ac(w, x)
+    assert got.dtype == F32
+    np.testing.assert_allclose(got, jax.jit(f)(w, x), rtol=0.05)
 
 
 def test_cond_and_switch(data):
     _, x, _ = data
-    w = jnp.eye(8)
+    w = _eye(8)
     f = lambda w, x, p: jax.lax.cond(p, lambda h: jnp.exp(h @ w).sum(), lambda h: jnp.log1p(jnp.abs(h @ w)).sum(), x)
     ac = jaxmp.autocast(f, "O1-bf16")
     ops = op_dtypes(ac, w, x, True)
     assert "cond" in [op.primitive for op in ops]
     check_ops(ops, min_matmuls=2)
-    np.testing.assert_allclose(ac(w, x, False), f(w, x, False), rtol=0.05)
+    np.testing.assert_allclose(ac(w, x, False), jax.jit(f, static_argnums=2)(w, x, False), rtol=0.05)
 
 
-def test_nested_jit(data):
+def test_nested_jit(data, mlp_ref):
     params, x, y = data
     inner = jax.jit(mlp_loss)
     ac = jaxmp.autocast(lambda p, x, y: inner(p, x, y), "O1-bf16")
     check_ops(op_dtypes(ac, params, x, y), min_matmuls=2)
-    assert_grads_close(mlp_loss, ac, (params, x, y))
+    assert_grads_close(mlp_loss, ac, (params, x, y), want=mlp_ref[1])
 
 
 def test_vmap_around_and_grad_inside(data):
@@ -249,7 +272,7 @@ def test_vmap_around_and_grad_inside(data):
     grad_inside = jaxmp.autocast(jax.grad(mlp_loss), "O1-bf16")
     ops = op_dtypes(grad_inside, params, x, y)
     check_ops(ops, min_matmuls=4)  # forward and backward matmuls
-    g = grad_inside(params, x, y)
+    g = jax.eval_shape(grad_inside, params, x, y)  # dtypes only: traced, not run
     assert all(leaf.dtype == F32 for leaf in jax.tree.leaves(g))
 
 
@@ -264,7 +287,7 @@ def test_jit_around_and_inside_agree(data):
 
 
 def test_scanned_remat_block_with_custom_vjp_activation():
-    ws = _normal(5, (4, 8, 8)) / 3
+    ws = _normal(5, (4, 8, 8), 1 / 3)
     x = _normal(6, (16, 8))
 
     def layer(h, w):
@@ -280,7 +303,7 @@ def test_scanned_remat_block_with_custom_vjp_activation():
     check_ops(ops, min_matmuls=3)
     g = jax.grad(ac)(ws, x)
     assert g.dtype == F32  # the float32 weights' gradient accumulates over the scan in float32
-    assert_grads_close(f, ac, (ws, x))
+    assert_grads_close(f, ac, (ws, x), got=g)
 
 
 # -- shard_map ---------------------------------------------------------------------------------
@@ -295,7 +318,7 @@ def _sharded_loss(w, x):
 
 def test_shard_map_autocast_outside():
     mesh = _mesh()
-    w, x = jnp.eye(8) * 0.3, _normal(7, (16, 8))
+    w, x = _eye(8, 0.3), _normal(7, (16, 8))
     f = jax.shard_map(_sharded_loss, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
     ac = jaxmp.autocast(f, "O1-bf16")
     ops = op_dtypes(ac, w, x)
@@ -310,11 +333,13 @@ def test_shard_map_autocast_outside():
 
 def test_shard_map_autocast_inside():
     mesh = _mesh()
-    w, x = jnp.eye(8) * 0.3, _normal(7, (16, 8))
+    w, x = _eye(8, 0.3), _normal(7, (16, 8))
     f = jax.shard_map(jaxmp.autocast(_sharded_loss, "O1-bf16"), mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
     ref = jax.shard_map(_sharded_loss, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
     check_ops(op_dtypes(f, w, x))
-    assert_grads_close(ref, f, (w, x))
+    # f is a shard_map: the autocast body is traced inside it whether the grad runs eagerly or
+    # jitted, so one jitted program checks the same engine path.
+    assert_grads_close(ref, f, (w, x), got=jax.jit(jax.grad(f))(w, x))
 
 
 def test_one_autocast_function_serves_eager_and_shard_map_calls_in_either_order():
@@ -322,7 +347,7 @@ def test_one_autocast_function_serves_eager_and_shard_map_calls_in_either_order(
     # traced for an explicitly sharded input bakes that sharding into its ops: the program cache
     # must tell them apart from a plain call of the same shapes.
     mesh = _mesh()
-    w, x = jnp.eye(8) * 0.3, _normal(7, (16, 8))
+    w, x = _eye(8, 0.3), _normal(7, (16, 8))
     f = lambda x, w: jnp.tanh(x @ w)  # noqa: E731
     for eager_first in (True, False):
         layer = jaxmp.autocast(f, "O1-bf16")
@@ -339,19 +364,20 @@ def test_a_program_is_not_reused_for_an_input_of_another_sharding():
     f = lambda x: x * 2 + jnp.zeros_like(x)  # noqa: E731 - zeros_like's broadcast carries a sharding
     ac = jaxmp.autocast(f, "O1-bf16")
     with jax.set_mesh(mesh):
-        x = jnp.arange(64.0).reshape(8, 8)
+        x = np.arange(64.0, dtype=np.float32).reshape(8, 8)
         layouts = [jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
                    for spec in (P("d", None), P(), P(None, "d"))]
         for v in layouts:
+            want = jax.jit(f)(v)   # the plain function: one program per layout, not one per eager op
             for call in (ac, jax.jit(ac)):
                 out = call(v)
-                assert out.sharding.spec == f(v).sharding.spec
-                np.testing.assert_array_equal(out, f(v))
+                assert out.sharding.spec == want.sharding.spec
+                np.testing.assert_array_equal(out, want)
 
 
 def test_pmap_around_autocast():
     n = 4
-    w = jnp.eye(8) * 0.3
+    w = _eye(8, 0.3)
     x = _normal(8, (n, 4, 8))
     step = jax.pmap(jax.grad(jaxmp.autocast(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2), "O1-bf16")),
                     in_axes=(None, 0), devices=jax.devices()[:n])
@@ -362,7 +388,7 @@ def test_pmap_around_autocast():
 def test_autocast_around_pmap():
     f = jax.pmap(lambda w, x: jnp.tanh(x @ w).sum(), in_axes=(None, 0), devices=jax.devices()[:2])
     ac = jaxmp.autocast(f, "O1-bf16")
-    w, x = jnp.eye(3), jnp.ones((2, 4, 3))
+    w, x = _eye(3), _put(np.ones((2, 4, 3), np.float32))
     check_ops(op_dtypes(ac, w, x))
     np.testing.assert_allclose(ac(w, x), f(w, x), rtol=0.02)
 
@@ -378,7 +404,7 @@ def test_unknown_higher_order_primitive_is_named():
 
 
 def test_scan_and_remat_around_an_autocast_body():
-    ws = _normal(9, (3, 8, 8)) / 3
+    ws = _normal(9, (3, 8, 8), 1 / 3)
     x = _normal(10, (16, 8))
     body = jaxmp.autocast(lambda h, w: block(w, h), "O1-bf16")
 
@@ -388,12 +414,14 @@ def test_scan_and_remat_around_an_autocast_body():
 
     ref = lambda ws, x: jnp.mean(jax.lax.scan(lambda h, w: (block(w, h), None), x, ws)[0] ** 2)
     check_ops(op_dtypes(jax.grad(f), ws, x), min_matmuls=3)
-    assert_grads_close(ref, f, (ws, x))
+    # f is no autocast function: its body is traced inside the scan whether the grad runs eagerly
+    # or jitted, so one jitted program checks the same engine path (not one compile per eager op).
+    assert_grads_close(ref, f, (ws, x), got=jax.jit(jax.grad(f))(ws, x))
 
 
 def test_float0_and_integer_inputs_pass_through_grad():
     f = jaxmp.autocast(lambda w, n: jnp.sum(jnp.tanh(w @ w) * n.astype(w.dtype)), "O1-bf16")
-    gw, gn = jax.grad(f, argnums=(0, 1), allow_int=True)(jnp.eye(3), jnp.int32(2))
+    gw, gn = jax.grad(f, argnums=(0, 1), allow_int=True)(_eye(3), _put(np.int32(2)))
     assert gw.dtype == F32 and gn.dtype == jax.dtypes.float0
 
 
@@ -429,14 +457,16 @@ def test_a_repeated_computation_is_emitted_once_and_differentiated_once():
     for fn in (jax.grad, jax.value_and_grad):
         j_twice, j_once = (jax.make_jaxpr(fn(f, argnums=(0, 1)))(w, x) for f in (twice, once))
         assert _count(j_twice, "convert_element_type") == _count(j_once, "convert_element_type")
-        for a, b in zip(jax.tree_util.tree_leaves(jax.jit(fn(twice, argnums=(0, 1)))(w, x)),
-                        jax.tree_util.tree_leaves(jax.jit(fn(once, argnums=(0, 1)))(w, x))):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Both gradients of each model from one compiled program (one compile per model, not two).
+    both = lambda f: jax.jit(lambda w, x: (jax.grad(f, argnums=(0, 1))(w, x),  # noqa: E731
+                                            jax.value_and_grad(f, argnums=(0, 1))(w, x)))
+    for a, b in zip(jax.tree_util.tree_leaves(both(twice)(w, x)), jax.tree_util.tree_leaves(both(once)(w, x))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_equal_ops_under_different_rules_are_not_merged():
-    w = jnp.eye(4) * 1.001
-    x = jnp.ones((2, 4))
+    w = _eye(4, 1.001)
+    x = _put(np.ones((2, 4), np.float32))
 
     def f(w, x):
         return x @ w, jaxmp.autocast_region("float32")(jnp.matmul)(x, w)
@@ -466,15 +496,15 @@ def _staged_functions_made(fn, *args) -> int:
 def test_under_jit_of_grad_a_layers_ops_are_staged_once_whatever_the_depth():
     # A width no other test uses: the staged functions are a per-process cache.
     x = _normal(0, (3, 13))
-    ws = [_normal(i, (13, 13)) / 4 for i in range(8)]
+    ws = [_normal(i, (13, 13), 1 / 4) for i in range(8)]
     ac = jaxmp.autocast(_layers, "O1-bf16")
     made = _staged_functions_made(jax.grad(ac), ws[:2], x)
     assert made > 0  # the layer's repeated ops are bound through cached one-op jits
     assert _staged_functions_made(jax.grad(ac), ws, x) == 0  # eight layers: the same ops again
     assert _staged_functions_made(jax.vmap(jax.grad(ac), (None, 0)), ws, x[None]) == 0
     # A plain jit gains nothing from it and pays nothing for it: its ops are bound directly.
-    x11 = jnp.ones((3, 11))
-    assert _staged_functions_made(ac, [jnp.eye(11)] * 4, x11) == 0
+    x11 = _put(np.ones((3, 11), np.float32))
+    assert _staged_functions_made(ac, [_eye(11)] * 4, x11) == 0
     # Staging changes how the program is traced, not what it computes: the jitted gradient is
     # the eager one's (which differentiates the engine's program as one jitted call).
     for a, b in zip(jax.jit(jax.grad(ac))(ws, x), jax.grad(ac)(ws, x)):
@@ -501,8 +531,8 @@ def test_an_eager_grad_runs_the_engines_compiled_program_and_reuses_it(monkeypat
     runs = []
     run = Interpreter.run
     monkeypatch.setattr(Interpreter, "run", lambda self, *a, **k: runs.append(1) or run(self, *a, **k))
-    ws = [jnp.eye(6) * 0.5] * 3
-    x = jnp.ones((2, 6))
+    ws = [_eye(6, 0.5)] * 3
+    x = _put(np.ones((2, 6), np.float32))
     g = jax.grad(jaxmp.autocast(_layers, "O1-bf16"))
     first = g(ws, x)
     traced = len(runs)

@@ -2,6 +2,8 @@
 ResNet with BatchNorm and Transformer with dropout) and Flax NNX; class rules for each. The
 Equinox and Haiku tests skip without their extras; the Flax ones always run."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,9 +135,27 @@ class NNXNet(nnx.Module):
         return self.l2(jax.nn.relu(self.norm(self.l1(x))))
 
 
+@functools.lru_cache(maxsize=1)
+def _nnx_parts():
+    # Initialised once, in one compiled program (eagerly, each initialiser draw compiles its
+    # own): the same parameters as ``NNXNet(nnx.Rngs(0))``.
+    return nnx.split(nnx.jit(lambda: NNXNet(nnx.Rngs(0)))())
+
+
+def _nnx_net():
+    """A fresh NNXNet holding the cached initial parameters (immutable arrays, shared safely)."""
+    return nnx.merge(*_nnx_parts())
+
+
+def _data(n):
+    """Inputs and labels from numpy: an eager ``jax.random`` draw compiles threefry per shape."""
+    x = np.random.default_rng(1).standard_normal((n, 8), dtype=np.float32)
+    return jax.device_put(x), jax.device_put(np.arange(n, dtype=np.int32) % 4)
+
+
 def test_nnx_value_and_grad():
-    model = NNXNet(nnx.Rngs(0))
-    x, y = jax.random.normal(jax.random.key(1), (16, 8)), jnp.arange(16) % 4
+    model = _nnx_net()
+    x, y = _data(16)
     ac_loss = jaxmp.autocast(lambda m, x, y: _ce(m(x), y), "O1-bf16")
     check_ops(op_dtypes(lambda m, x, y: ac_loss(m, x, y), model, x, y), min_matmuls=2)
     loss, grads = nnx.value_and_grad(ac_loss)(model, x, y)
@@ -148,9 +168,9 @@ def test_nnx_value_and_grad():
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 def test_nnx_split_merge_training():
-    model = NNXNet(nnx.Rngs(0))
+    model = _nnx_net()
     graphdef, state = nnx.split(model)
-    x, y = jax.random.normal(jax.random.key(1), (64, 8)), jnp.arange(64) % 4
+    x, y = _data(64)
 
     def loss(state, x, y):
         return _ce(nnx.merge(graphdef, state)(x), y)

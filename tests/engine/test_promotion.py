@@ -11,6 +11,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -24,6 +25,16 @@ pytestmark = pytest.mark.standard_promotion(reason="optax.adam: bias correction 
 def _schedule_loss(p, t):
     gamma = (t[:, None] @ jnp.abs(p["w"]))[:, 0] + p["b"]
     return jnp.mean((gamma - (-13.29)) ** 2)
+
+
+#: The float32 loss at the end of a run: one program (eagerly, one per op).
+_final_loss = jax.jit(_schedule_loss)
+
+
+def _schedule_params():
+    """w = 18.3, b = -13.3 from numpy (``jnp.full`` compiles a program per shape)."""
+    return ({"w": jax.device_put(np.full((1, 1), 18.3, np.float32)), "b": jax.device_put(np.full((1,), -13.3, np.float32))},
+            jax.device_put(np.zeros((4,), np.float32)))
 
 
 def _adam(loss, params, batch, lr, steps):
@@ -42,12 +53,11 @@ def _adam(loss, params, batch, lr, steps):
 
 
 def test_a_float32_bias_after_a_half_matmul_trains_as_in_float32_at_o1():
-    params = {"w": jnp.full((1, 1), 18.3), "b": jnp.full((1,), -13.3)}
-    t = jnp.zeros((4,))
+    params, t = _schedule_params()
     final = {}
     for name, loss in (("float32", _schedule_loss), ("O1", jaxmp.autocast(_schedule_loss, "O1-bf16")),
                        ("O2", jaxmp.autocast(_schedule_loss, "O2-bf16"))):
-        final[name] = float(_schedule_loss(_adam(lambda p, b: loss(p, b), params, t, 2e-3, 40), t))
+        final[name] = float(_final_loss(_adam(lambda p, b: loss(p, b), params, t, 2e-3, 40), t))
     assert final["float32"] < 1e-6, final
     assert final["O1"] <= 10 * final["float32"], final   # 0a46f1b: 3,200x
     assert final["O2"] > 100 * final["float32"], final   # O2 narrows: the documented trade
@@ -61,8 +71,9 @@ def test_o1_keeps_float32_only_where_it_is_needed():
         logits = h @ p["w2"] + p["b2"]                 # feeds the softmax: float32
         return jax.nn.log_softmax(logits).sum()
 
-    p = {"w1": jnp.ones((4, 4)), "b1": jnp.ones(4), "w2": jnp.ones((4, 4)), "b2": jnp.ones(4)}
-    jaxpr = jax.make_jaxpr(jaxmp.autocast(f, "O1-bf16"))(p, jnp.ones((2, 4))).jaxpr
+    p = {"w1": np.ones((4, 4), np.float32), "b1": np.ones(4, np.float32), "w2": np.ones((4, 4), np.float32),
+         "b2": np.ones(4, np.float32)}
+    jaxpr = jax.make_jaxpr(jaxmp.autocast(f, "O1-bf16"))(p, np.ones((2, 4), np.float32)).jaxpr   # traced only
     adds = [e.outvars[0].aval.dtype for e in _jaxpr.equations(jaxpr) if e.primitive.name == "add"]
     assert adds[:2] == [jnp.bfloat16, jnp.float32], adds
 
@@ -72,7 +83,7 @@ def test_python_scalars_and_float32_scalars_never_decide():
     for promote in ("narrow", "widest", "demand"):
         rules = jaxmp.AutocastRules(promote=promote)
         jaxpr = jax.make_jaxpr(jaxmp.autocast(lambda x, w: ((x @ w) * 0.5) @ w, "O1-bf16", rules=rules))(
-            jnp.ones((2, 2)), jnp.ones((2, 2))).jaxpr
+            np.ones((2, 2), np.float32), np.ones((2, 2), np.float32)).jaxpr
         muls = [e for e in _jaxpr.equations(jaxpr) if e.primitive.name == "mul"]
         assert [m.outvars[0].aval.dtype for m in muls] == [jnp.bfloat16], (promote, muls)
 
@@ -172,12 +183,14 @@ def test_the_nnx_door_keeps_a_float32_bias_float32_at_o1():
     # bias near -13.3 after a half matmul moves with Adam's 2e-3 steps (the narrowed one does not).
     from flax import nnx
 
+    final_loss = nnx.jit(lambda layer, t: jnp.mean((layer(t) + 13.29) ** 2))   # one program, not one per op
+
     def fit(policy):
         layer = nnx.Linear(1, 1, rngs=nnx.Rngs(0), kernel_init=nnx.initializers.constant(18.3),
                            bias_init=nnx.initializers.constant(-13.3))
         model = jaxmp.flax.mixed_precision(layer, policy) if policy else layer
         optimizer = nnx.Optimizer(model, optax.adam(2e-3), wrt=nnx.Param)
-        t = jnp.zeros((4, 1))
+        t = jax.device_put(np.zeros((4, 1), np.float32))
 
         @nnx.jit
         def step(model, optimizer):
@@ -187,7 +200,7 @@ def test_the_nnx_door_keeps_a_float32_bias_float32_at_o1():
 
         for _ in range(40):
             step(model, optimizer)
-        return float(jnp.mean((layer(t) + 13.29) ** 2))
+        return float(final_loss(layer, t))
 
     ref, o1, o2 = fit(None), fit("O1-bf16"), fit("O2-bf16")
     assert ref < 1e-6 and o1 <= 10 * ref, (ref, o1)
@@ -197,8 +210,7 @@ def test_the_nnx_door_keeps_a_float32_bias_float32_at_o1():
 def test_precision_report_names_a_float32_value_narrowed_to_half_with_its_ulp():
     # Under O2 the schedule's float32 bias is rounded to bf16 before its add: reported, with
     # |b| = 13.3 and the bf16 ulp there (1/16). O1 adds it in float32: nothing to report.
-    params = {"w": jnp.full((1, 1), 18.3), "b": jnp.full((1,), -13.3)}
-    t = jnp.zeros((4,))
+    params, t = _schedule_params()
     o2 = jaxmp.precision_report(jaxmp.autocast(_schedule_loss, "O2-bf16"), params, t)
     narrowed = [r for r in o2.risky if r.category == "narrowed"]
     assert len(narrowed) == 1 and narrowed[0].primitive == "add", o2.risky

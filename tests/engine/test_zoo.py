@@ -304,10 +304,12 @@ def classification_batch(n=64, f=8, classes=4):
 
 def sequence_batch(n=32, f=4):
     """(xs [n, T, f], pad [n, T], labels): label = whether the real part of feature 0 sums positive."""
-    xs = jnp.asarray(RNG(1).normal(size=(n, T, f)), jnp.float32)
-    lengths = jnp.asarray(np.resize(LENGTHS[LENGTHS > 0], n))
-    pad = jnp.arange(T)[None, :] < lengths[:, None]
-    return xs, pad, (jnp.sum(xs[..., 0] * pad.astype(jnp.float32), -1) > 0).astype(jnp.int32)
+    # Built in numpy and put on the device as is: eagerly, each jnp op compiles a program.
+    xs = RNG(1).normal(size=(n, T, f)).astype(np.float32)
+    lengths = np.resize(LENGTHS[LENGTHS > 0], n)
+    pad = np.arange(T)[None, :] < lengths[:, None]
+    y = (np.sum(xs[..., 0] * pad, -1) > 0).astype(np.int32)
+    return jax.device_put(xs), jax.device_put(pad), jax.device_put(y)
 
 
 # -- 2. Flax NNX ---------------------------------------------------------------------------------
@@ -439,10 +441,16 @@ class S5Block(nn.Module):
         return nn.Dense(2)(jnp.mean(nn.gelu(ys.swapaxes(0, 1)) + x, axis=1))
 
 
-def ssm_case(model):
-    """(model, float32 loss, door loss, params, batch): the sign of feature 0's sum, from 8-step sequences."""
+def ssm_case(model, abstract=False):
+    """(model, float32 loss, door loss, params, batch): the sign of feature 0's sum, from 8-step sequences.
+
+    ``abstract``: the params as shapes and dtypes only (``jax.eval_shape``), for a test that
+    reads a trace and runs nothing: no initialiser is compiled."""
     xs, _, y = sequence_batch()
-    params = bf16_rounded(jax.jit(model.init)(jax.random.key(0), xs)["params"])
+    if abstract:
+        params = jax.eval_shape(model.init, jax.random.key(0), xs)["params"]
+    else:
+        params = bf16_rounded(jax.jit(model.init)(jax.random.key(0), xs)["params"])
     door = jaxmp.flax.mixed_precision(model, "O1-bf16")
 
     def loss_fn(params, state, batch, key):
@@ -467,7 +475,7 @@ def half_matmuls(fn, params, batch):
                                        "promotion, as in the Mamba and S5 code these blocks are modelled on")
 @pytest.mark.parametrize("model", [MambaBlock, S5Block], ids=["mamba", "s5"])
 def test_a_float32_scan_state_both_doors_run_the_same_matmuls_in_half(model):
-    loss_fn, door_loss, params, batch = ssm_case(model())
+    loss_fn, door_loss, params, batch = ssm_case(model(), abstract=True)   # traced only
     autocast = half_matmuls(jaxmp.autocast(loss_fn, "O1-bf16"), params, batch)
     door = half_matmuls(door_loss, params, batch)
     print(f"{model.__name__}: autocast {autocast}, jaxmp.flax {door} (half, all) matmuls of value_and_grad")

@@ -137,15 +137,20 @@ def test_equinox_conv_batchnorm_state_under_o2():
     assert_stats_close(run.state, replay_state(loss_fn, run, state, batch))
 
 
+def _abstract_float(leaf):
+    return isinstance(leaf, jax.ShapeDtypeStruct) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
 def test_equinox_sync_batchnorm_centring_in_float32():
     """eqx.nn.BatchNorm averages its statistics with ``lax.pmean`` over the named vmap axis. The mean is
     a reduction (float32 list), so ``x - mean`` must run in float32, as it does without the pmean
     (docs/autocast.md, the promotion rule). Before collectives kept the float32 status, the ``sub``
     ops ran in bfloat16, and on inputs with mean 1.0 the conv weight gradient was 24% off float32's
     (a bf16 jmp-style cast: 1.6%)."""
-    model, state = eqx.filter_jit(eqx.nn.make_with_state(EqxConvBN))(jax.random.key(0))
-    params, static = eqx_split(model)
-    x = jnp.asarray(1.0 + RNG(1).normal(size=(16, 3, 8, 8)), jnp.float32)
+    # Only a trace is read: the model and its state are abstract (no initialiser compiled and run).
+    model, state = eqx.filter_eval_shape(eqx.nn.make_with_state(EqxConvBN), jax.random.key(0))
+    params, static = eqx.partition(model, _abstract_float)
+    x = jax.ShapeDtypeStruct((16, 3, 8, 8), F32)
 
     def loss_fn(params, state, x):
         logits, _ = jax.vmap(eqx.combine(params, static), axis_name="batch", in_axes=(0, None),
@@ -161,13 +166,15 @@ def test_class_rule_on_subclass_inheriting_call():
     """docs/autocast.md: class rules apply to a class and its subclasses. Linen and Haiku honour a rule
     naming ``MyDense(nn.Dense)`` / ``hk.Conv2D``; Equinox and NNX used to ignore one naming
     ``eqx.nn.Conv2d`` (its ``__call__`` is ``eqx.nn.Conv``'s) or an NNX subclass."""
-    conv = eqx.nn.Conv2d(3, 4, 3, key=jax.random.key(0))
+    # Only traces are read: abstract modules and inputs (no initialiser compiled and run).
+    conv = eqx.filter_eval_shape(eqx.nn.Conv2d, 3, 4, 3, key=jax.random.key(0))
 
     class MyLinear(nnx.Linear):
         pass
 
-    lin = MyLinear(4, 4, rngs=nnx.Rngs(0))
-    for module, x, cls in ((conv, jnp.ones((3, 8, 8)), eqx.nn.Conv2d), (lin, jnp.ones((1, 4)), MyLinear)):
+    lin = nnx.eval_shape(lambda: MyLinear(4, 4, rngs=nnx.Rngs(0)))
+    for module, x, cls in ((conv, jax.ShapeDtypeStruct((3, 8, 8), F32), eqx.nn.Conv2d),
+                           (lin, jax.ShapeDtypeStruct((1, 4), F32), MyLinear)):
         f = jaxmp.autocast(lambda m, x: m(x), "O1-bf16", rules=jaxmp.AutocastRules().with_class(cls, "float32"))
         mm = [op for op in op_dtypes(f, module, x) if op.primitive in ("conv_general_dilated", "dot_general")]
         assert mm and all(set(op.in_dtypes) == {F32} for op in mm), (cls.__name__, mm)
