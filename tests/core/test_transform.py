@@ -261,13 +261,15 @@ def test_value_and_grad_has_aux_argnums_and_true_loss():
         loss = _loss(p, xx, yy)
         return loss, {"twice": 2 * loss}
 
-    (loss, aux), grads = jaxmp.value_and_grad(f, ls, argnums=(0, 1), has_aux=True)(params, x, y)
-    want_loss = _loss(params, x, y)
+    @jax.jit  # ours and the references in one program (eagerly, each op compiles on its own)
+    def ours_and_want(params, x, y):
+        return (jaxmp.value_and_grad(f, ls, argnums=(0, 1), has_aux=True)(params, x, y), _loss(params, x, y),
+                jax.grad(_loss, argnums=(0, 1))(params, x, y))
+
+    ((loss, aux), (gp, gx)), want_loss, (want_gp, want_gx) = ours_and_want(params, x, y)
     assert float(loss) == float(want_loss) and float(aux["twice"]) == 2 * float(want_loss)
-    gp, gx = grads
-    np.testing.assert_allclose(np.asarray(gx), 16.0 * np.asarray(jax.grad(_loss, argnums=1)(params, x, y)), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(gp["scale"]), 16.0 * np.asarray(jax.grad(_loss)(params, x, y)["scale"]),
-                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gx), 16.0 * np.asarray(want_gx), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gp["scale"]), 16.0 * np.asarray(want_gp["scale"]), rtol=1e-6)
 
 
 def test_gradients_of_fp32_master_through_a_cast_are_fp32():
@@ -363,9 +365,11 @@ def test_master_value_beyond_the_half_range_is_skipped():
     tx = jaxmp.loss_scaling(optax.sgd(1.0), "none", master_weights=True)
     params = {"w": jnp.array([60000.0, 1.0], jnp.float16)}
     state = tx.init(params)
-    updates, state = tx.update({"w": jnp.array([-10000.0, 0.5], jnp.float16)}, state, params)  # 70000 > 65504
+    # the update and the apply in one jitted program (eagerly, each op compiles on its own)
+    new, state = jax.jit(lambda g, s: (lambda u, s: (jaxmp.apply_updates(params, u, s), s))(*tx.update(g, s, params)))(
+        {"w": jnp.array([-10000.0, 0.5], jnp.float16)}, state)  # 70000 > 65504
     assert not bool(state.last_step_finite)
-    assert _bits(jaxmp.apply_updates(params, updates, state)) == _bits(params)
+    assert _bits(new) == _bits(params)
     assert float(jaxmp.master_params(state)["w"][0]) == 60000.0
 
 
