@@ -575,7 +575,8 @@ def test_float0_gradients_and_prng_key_params_pass_through_a_full_update(master,
     assert int(new["n"]) == 2 and new["n"].dtype == jnp.int32
     np.testing.assert_array_equal(jax.random.key_data(new["key"]), jax.random.key_data(params["key"]))
     np.testing.assert_allclose(np.asarray(new["w"]), 0.9, rtol=1e-4)  # Adam's first step: lr * sign
-    skipped, state = step(new, state, jnp.full(3, jnp.inf))  # a skipped step keeps everything
+    # float32 like the first call's input (a weakly typed full() would compile the step again)
+    skipped, state = step(new, state, jnp.full(3, jnp.inf, jnp.float32))  # a skipped step keeps everything
     assert not bool(state.last_step_finite)
     np.testing.assert_array_equal(np.asarray(skipped["w"]), np.asarray(new["w"]))
     assert int(skipped["n"]) == 2
