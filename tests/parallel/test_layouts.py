@@ -75,6 +75,7 @@ _TXS = {
 
 
 def _run(layout, steps=STEPS, key="adamw", fresh=False):
+    # The cache key is the arguments as given: always both, so every caller shares one step.
     tx, step = (_step.__wrapped__ if fresh else _step)(layout, key)
     mesh = step.mesh
     p, s = jaxmp.parallel.shard_state((_params(), tx.init(_params())), mesh, layout, min_shard_size=0)
@@ -420,7 +421,7 @@ def test_a_state_in_another_layout_or_on_another_mesh_is_resharded_on_entry(capl
     # 8-device step, are moved to the step's shardings and train the same as a state placed in
     # the step's own layout (before: jit's "does not match" error). The ZeRO step is the one the
     # bitwise tests above compiled already (a compile is most of this test's cost).
-    tx, step = _step("zero")
+    tx, step = _step("zero", "adamw")
     mesh = step.mesh
     x, y = _data(1)
     batch = jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, mesh)
@@ -440,7 +441,7 @@ def test_a_state_in_another_layout_or_on_another_mesh_is_resharded_on_entry(capl
 
 
 def test_a_pmap_replicated_state_is_refused_with_the_way_to_convert_it():
-    tx, step = _step("zero")
+    tx, step = _step("zero", "adamw")
     x, y = _data(1)
     batch = jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, step.mesh)
     replicated = jaxmp.parallel.replicate((_params(), tx.init(_params())))
