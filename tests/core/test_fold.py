@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +24,21 @@ def _inner():
     return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=1e-3))
 
 
+@functools.lru_cache(maxsize=None)
 def _params():
-    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-    return {"w": jax.random.normal(k1, (33, 7)), "b": jax.random.normal(k2, (7,))}
+    # One jitted draw, made once (eagerly, the split and each normal compile a program of their
+    # own); the same values as the eager draw: the 1e-7 comparison below is made on them.
+    @jax.jit
+    def draw():
+        k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+        return {"w": jax.random.normal(k1, (33, 7)), "b": jax.random.normal(k2, (7,))}
+
+    return draw()
 
 
-def _closed(scale):
+@functools.lru_cache(maxsize=None)
+def _closed():
+    """The inner chain's update of unscaled gradients, traced once: the scale is an argument."""
     tx = _inner()
     params = _params()
     state = tx.init(params)
@@ -36,29 +46,37 @@ def _closed(scale):
     def f(g, s):
         return tx.update(jax.tree_util.tree_map(lambda x: x * (1.0 / s), g), state, params)
 
-    return jax.make_jaxpr(f)(params, jnp.float32(scale)), params
+    return jax.make_jaxpr(f)(params, jnp.float32(1.0)), params
+
+
+@functools.lru_cache(maxsize=None)
+def _folded_and_plain():
+    """The folded and the plain evaluation of ``_closed``, each compiled once for every scale."""
+    closed, _ = _closed()
+    return (jax.jit(lambda *a: fold.eval_folded(closed, a, [2])),
+            jax.jit(lambda *a: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *a)))
 
 
 def test_global_norm_is_found_and_folded():
-    closed, _ = _closed(4.0)
+    closed, _ = _closed()
     assert fold.has_fold(closed, [2])  # invars: w, b (sorted: b, w), then the scale
     assert not fold.has_fold(closed, [])
 
 
 @pytest.mark.parametrize("scale", [2.0**15, 2.0**-3, 1.0])
 def test_power_of_two_scale_is_bitwise_the_unfolded_update(scale):
-    closed, params = _closed(scale)
-    grads = jax.tree_util.tree_map(lambda p: p * 3.0 * scale, params)
-    args = [*jax.tree_util.tree_leaves(grads), jnp.float32(scale)]
-    folded = jax.jit(lambda *a: fold.eval_folded(closed, a, [2]))(*args)
-    plain = jax.jit(lambda *a: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *a))(*args)
+    _, params = _closed()
+    grads = jax.tree_util.tree_map(lambda p: np.asarray(p) * np.float32(3.0 * scale), params)
+    args = [*jax.tree_util.tree_leaves(grads), np.float32(scale)]
+    folded_fn, plain_fn = _folded_and_plain()
+    folded, plain = folded_fn(*args), plain_fn(*args)
     for a, b in zip(folded, plain):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.slow  # ~4 s; the power-of-two cases stay in the default tier
 def test_other_scale_agrees_within_rounding():
-    closed, params = _closed(1000.0)
+    closed, params = _closed()
     grads = jax.tree_util.tree_map(lambda p: p * 3000.0, params)
     args = [*jax.tree_util.tree_leaves(grads), jnp.float32(1000.0)]
     folded = fold.eval_folded(closed, args, [2])
@@ -121,7 +139,7 @@ def test_scale_below_one_clips_as_optax_clips(scale):
     # so a folded norm would leave the step unclipped (4x too large) -- or, with 1/scale**2, NaN.
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
     params = {"w": jnp.ones(4)}
-    want = inner.update({"w": jnp.full(4, 2.0)}, inner.init(params), params)[0]["w"]  # norm 4, clipped to 1
+    want = jax.jit(inner.update)({"w": jnp.full(4, 2.0)}, inner.init(params), params)[0]["w"]  # norm 4, clipped to 1
     if scale == "torch-after-overflows":
         tx = jaxmp.loss_scaling(inner, "torch")
         state = tx.init(params)
@@ -133,7 +151,7 @@ def test_scale_below_one_clips_as_optax_clips(scale):
     _, g = jaxmp.value_and_grad(lambda p: jnp.sum(p["w"] * 2.0), state)(params)
     new, state = jax.jit(lambda g, s, p: update_and_apply(tx, g, s, p))(g, state, params)
     assert bool(state.last_step_finite)
-    np.testing.assert_array_equal(np.asarray(new["w"]), np.asarray(params["w"] + want))
+    np.testing.assert_array_equal(np.asarray(new["w"]), np.asarray(params["w"]) + np.asarray(want))
 
 
 def test_half_precision_reductions_are_not_rewritten():
@@ -162,11 +180,12 @@ def test_loss_scaling_step_equals_unscale_then_optax():
     ref = _inner()
     state, ref_state = tx.init(params), ref.init(params)
     scale = float(jaxmp.get_loss_scale(state).loss_scale)
-    grads = jax.tree_util.tree_map(lambda p: p * 5.0, params)
+    # numpy arithmetic for the inputs and the reference apply: no eager programs
+    grads = jax.tree_util.tree_map(lambda p: np.asarray(p) * np.float32(5.0), params)
     with pytest.warns(jaxmp.MixedPrecisionWarning):  # the gradients were scaled by hand
         new, _ = jax.jit(lambda g, s, p: update_and_apply(tx, g, s, p))(
-            jax.tree_util.tree_map(lambda g: g * scale, grads), state, params)
+            jax.tree_util.tree_map(lambda g: g * np.float32(scale), grads), state, params)
     u, _ = jax.jit(ref.update)(grads, ref_state, params)
-    want = optax.apply_updates(params, u)
+    want = jax.tree_util.tree_map(lambda p, u: np.asarray(p) + np.asarray(u), params, u)  # optax.apply_updates
     for a, b in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-7)

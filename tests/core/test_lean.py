@@ -40,25 +40,32 @@ def _tree_bits_equal(a, b):
 
 
 def test_stochastic_round_is_exact_on_representable_values_and_keeps_inf_nan():
-    x = jnp.array([1.0, -2.5, 0.0, -0.0, jnp.inf, -jnp.inf, 3.0e38, 1e-40], jnp.float32)
-    x = x.at[-2:].set(x[-2:].astype(BF16).astype(jnp.float32))
+    # One jitted program per key kind (eager, each op of the rounding compiles on its own).
+    @jax.jit
+    def rounded(x, key):
+        x = x.at[-2:].set(x[-2:].astype(BF16).astype(jnp.float32))
+        return lean.stochastic_round(x, key), x.astype(BF16)
+
+    x = np.array([1.0, -2.5, 0.0, -0.0, np.inf, -np.inf, 3.0e38, 1e-40], np.float32)
     for seed in range(3):
-        r = lean.stochastic_round(x, jax.random.key(seed))
-        assert np.array_equal(_bits(r), _bits(x.astype(BF16)))
-    nan_low_payload = jax.lax.bitcast_convert_type(jnp.uint32(0x7F800001), jnp.float32)  # payload in the low half only
-    assert bool(jnp.isnan(lean.stochastic_round(jnp.full(64, nan_low_payload), 0)).all())
+        r, want = rounded(x, jax.random.key(seed))
+        assert np.array_equal(_bits(r), _bits(want))
+    nan_low_payload = np.array([0x7F800001], np.uint32).view(np.float32)[0]  # payload in the low half only
+    r = jax.jit(lambda v: lean.stochastic_round(v, 0))(np.full(64, nan_low_payload))
+    assert np.isnan(np.asarray(r, np.float32)).all()
 
 
 def test_stochastic_round_is_unbiased_between_neighbours():
     lo, hi = 1.0, 1.0 + 2.0**-7
+    sr = jax.jit(lean.stochastic_round, static_argnums=1)  # the means in numpy: no eager programs
     for frac in (0.1, 0.5, 0.9):
-        x = jnp.full(50_000, lo + frac * (hi - lo), jnp.float32)
-        r = lean.stochastic_round(x, 1).astype(jnp.float32)
-        assert set(np.unique(np.asarray(r)).tolist()) <= {lo, hi}
-        assert abs(float(jnp.mean(r)) - float(x[0])) < 4 * 2.0**-7 * np.sqrt(frac * (1 - frac) / 50_000)
+        x = np.full(50_000, lo + frac * (hi - lo), np.float32)
+        r = np.asarray(sr(x, 1), np.float64)
+        assert set(np.unique(r).tolist()) <= {lo, hi}
+        assert abs(r.mean() - float(x[0])) < 4 * 2.0**-7 * np.sqrt(frac * (1 - frac) / 50_000)
     # Negative values round symmetrically (sign-magnitude): still unbiased.
-    x = jnp.full(50_000, -(lo + 0.3 * (hi - lo)), jnp.float32)
-    assert abs(float(jnp.mean(lean.stochastic_round(x, 2).astype(jnp.float32))) - float(x[0])) < 1e-4
+    x = np.full(50_000, -(lo + 0.3 * (hi - lo)), np.float32)
+    assert abs(np.asarray(sr(x, 2), np.float64).mean() - float(x[0])) < 1e-4
 
 
 # ----------------------------------------------------------------------------------- bf16 moments: the stall
@@ -66,17 +73,21 @@ def test_stochastic_round_is_unbiased_between_neighbours():
 STALL_STEPS = 5000
 
 
-def _nu_after(tx, steps=STALL_STEPS, n=2048):
+def _nu_after(*txs, steps=STALL_STEPS, n=2048):
+    """Each transform's (nu, mu) as float32 numpy after ``steps`` updates by g = 1; one program for all."""
     params = {"w": jnp.zeros(n)}
     grads = {"w": jnp.ones(n)}
 
     @jax.jit
-    def run(state):
-        return jax.lax.fori_loop(0, steps, lambda i, s: tx.update(grads, s, params)[1], state)
+    def run(states):
+        return [jax.lax.fori_loop(0, steps, lambda i, s, tx=tx: tx.update(grads, s, params)[1], state)
+                for tx, state in zip(txs, states)]
 
-    state = run(tx.init(params))
-    inner = state.inner_state if isinstance(state, lean.Bf16MomentsState) else state
-    return inner[0].nu["w"].astype(jnp.float32), inner[0].mu["w"].astype(jnp.float32)
+    out = []
+    for state in run([tx.init(params) for tx in txs]):
+        inner = state.inner_state if isinstance(state, lean.Bf16MomentsState) else state
+        out.append((np.asarray(inner[0].nu["w"], np.float32), np.asarray(inner[0].mu["w"], np.float32)))
+    return out
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
@@ -90,15 +101,14 @@ def test_round_to_nearest_bf16_nu_stalls_at_a_quarter_and_stochastic_rounding_tr
     element within a few percent (the rounding noise accumulates like an EMA of variance ulp**2/4).
     """
     adam = optax.adam(1e-3, b1=0.9, b2=0.999)
-    nu32, mu32 = _nu_after(adam)
+    (nu32, mu32), (nu_rn, mu_rn), (nu_sr, mu_sr) = _nu_after(
+        adam, lean.bf16_moments(adam, rounding="nearest"), lean.bf16_moments(adam, key=0))
     assert abs(float(nu32[0]) - (1 - 0.999**STALL_STEPS)) < 1e-4 and float(nu32[0]) > 0.993
-    nu_rn, mu_rn = _nu_after(lean.bf16_moments(adam, rounding="nearest"))
-    assert set(np.unique(np.asarray(nu_rn)).tolist()) == {0.25}
-    assert set(np.unique(np.asarray(mu_rn)).tolist()) == {0.984375}
-    nu_sr, mu_sr = _nu_after(lean.bf16_moments(adam, key=0))
+    assert set(np.unique(nu_rn).tolist()) == {0.25}
+    assert set(np.unique(mu_rn).tolist()) == {0.984375}
     assert abs(float(nu_sr.mean()) - float(nu32[0])) < 4e-3, float(nu_sr.mean())
     assert abs(float(mu_sr.mean()) - float(mu32[0])) < 4e-3, float(mu_sr.mean())
-    assert float(jnp.abs(nu_sr - nu32[0]).max()) < 0.2
+    assert float(np.abs(nu_sr - nu32[0]).max()) < 0.2
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
@@ -152,7 +162,7 @@ def _run(tx, params, state, poisons, x, y, jit=True, apply=jaxmp.apply_updates, 
     for poison in np.asarray(poisons):
         params, state, loss = step(params, state, jnp.asarray(poison))
         losses.append(loss)
-    return params, state, jnp.stack(losses)
+    return params, state, np.asarray(losses)
 
 
 _DATA = _regression(0)
@@ -171,14 +181,14 @@ def test_bf16_params_skipped_step_leaves_everything_bitwise_and_does_not_advance
     tx, step = _preset_step("bf16-sr")
     params = _bf16_init()
     state = tx.init(params)
-    params, state, _ = _run(tx, params, state, jnp.zeros(3, bool), x, y, step=step)
-    p2, s2, _ = _run(tx, params, state, jnp.ones(1, bool), x, y, step=step)
+    params, state, _ = _run(tx, params, state, np.zeros(3, bool), x, y, step=step)
+    p2, s2, _ = _run(tx, params, state, np.ones(1, bool), x, y, step=step)
     assert _tree_bits_equal(p2, params)
     assert _tree_bits_equal(s2.inner_state, state.inner_state)  # the counters of both SR stages included
     assert int(s2.total_skips) == 1 and int(s2.inner_state.count) == 3
     # The retry after the skip draws the bits the skipped step would have drawn.
-    p3, s3, _ = _run(tx, p2, s2, jnp.zeros(1, bool), x, y, step=step)
-    p4, s4, _ = _run(tx, params, state, jnp.zeros(1, bool), x, y, step=step)
+    p3, s3, _ = _run(tx, p2, s2, np.zeros(1, bool), x, y, step=step)
+    p4, s4, _ = _run(tx, params, state, np.zeros(1, bool), x, y, step=step)
     assert _tree_bits_equal(p3, p4) and _tree_bits_equal(s3.inner_state, s4.inner_state)
 
 
@@ -199,8 +209,8 @@ def test_bf16_params_resume_from_a_checkpoint_is_bit_exact_with_skips():
 
 
 def test_bf16_params_jit_equals_eager_and_the_key_is_folded_per_step_and_leaf():
-    params = {"w": jnp.linspace(-1, 1, 512).astype(BF16)}
-    grads = {"w": jnp.linspace(3, -2, 512).astype(BF16)}
+    params = {"w": jnp.asarray(np.linspace(-1, 1, 512).astype(BF16))}  # numpy: no eager programs
+    grads = {"w": jnp.asarray(np.linspace(3, -2, 512).astype(BF16))}
     tx = lean.bf16_params(optax.sgd(1e-3), key=5)
     state = tx.init(params)
     eager = tx.update(grads, state, params)
@@ -226,8 +236,8 @@ def test_bf16_params_bits_do_not_depend_on_sharding():
     mesh = jax.sharding.Mesh(devices, ("data",))
     sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     tx = lean.bf16_params(optax.sgd(1e-3), key=9)
-    params = {"w": jnp.linspace(-2, 2, 1024).astype(BF16)}
-    grads = {"w": jnp.linspace(1, 3, 1024).astype(BF16)}
+    params = {"w": jnp.asarray(np.linspace(-2, 2, 1024).astype(BF16))}  # numpy: no eager programs
+    grads = {"w": jnp.asarray(np.linspace(1, 3, 1024).astype(BF16))}
     state = tx.init(params)
     ref, _ = jax.jit(tx.update)(grads, state, params)
     p_s, g_s = jax.device_put((params, grads), sharded)
@@ -244,75 +254,101 @@ def test_bf16_params_moves_params_in_expectation_below_half_an_ulp():
     rn_state = rn.init(params)
     p_sr, p_rn = params, params
     grads = {"w": jnp.ones(8192, BF16)}
-    for _ in range(20):
+
+    @jax.jit  # both recipes' steps in one program (eager, each op compiles on its own)
+    def step(p_sr, sr_state, p_rn, rn_state):
         u, sr_state = tx.update(grads, sr_state, p_sr)
-        p_sr = jaxmp.apply_updates(p_sr, u)
-        u, rn_state = rn.update(grads, rn_state, p_rn)
-        p_rn = jaxmp.apply_updates(p_rn, u)
-    assert bool((p_rn["w"] == 1.5).all())  # 1e-4 is 0.0128 ulp at 1.5: round-to-nearest never moves
-    assert abs(float(p_sr["w"].astype(jnp.float32).mean()) - (1.5 - 20e-4)) < 2e-4
+        u_rn, rn_state = rn.update(grads, rn_state, p_rn)
+        return jaxmp.apply_updates(p_sr, u), sr_state, jaxmp.apply_updates(p_rn, u_rn), rn_state
+
+    for _ in range(20):
+        p_sr, sr_state, p_rn, rn_state = step(p_sr, sr_state, p_rn, rn_state)
+    assert (np.asarray(p_rn["w"], np.float32) == 1.5).all()  # 1e-4 is 0.0128 ulp at 1.5: round-to-nearest never moves
+    assert abs(float(np.asarray(p_sr["w"], np.float32).mean()) - (1.5 - 20e-4)) < 2e-4
 
 
 # ----------------------------------------------------------------------------------- param remainders
 
 
 def test_split_and_merge_master_are_lossless_on_every_kind_of_value():
-    bits = jnp.concatenate([
-        jax.random.bits(jax.random.key(0), (100_000,), jnp.uint32),
-        jnp.array([0x3F808000, 0x3F818000, 0x3F7F8000, 0x00008000, 0x80008000, 0x7F7FFFFF, 0x7F800000,
-                   0xFF800000, 0x00000000, 0x80000000, 0x00000001], jnp.uint32)])
-    master = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    param, rem = jax.jit(lean.split_master)(master)
-    assert np.array_equal(_bits(lean.merge_master(param, rem)), np.asarray(bits))
+    # Random bits from numpy and one jitted program (eager, each op compiles on its own).
+    bits = np.concatenate([
+        np.random.default_rng(0).integers(0, 2**32, 100_000, dtype=np.uint32),
+        np.array([0x3F808000, 0x3F818000, 0x3F7F8000, 0x00008000, 0x80008000, 0x7F7FFFFF, 0x7F800000,
+                  0xFF800000, 0x00000000, 0x80000000, 0x00000001], np.uint32)])
+
+    @jax.jit
+    def split_merge_astype(bits):
+        master = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        param, rem = lean.split_master(master)
+        return master, param, lean.merge_master(param, rem), master.astype(BF16)
+
+    master, param, merged, astype = split_merge_astype(bits)
+    assert np.array_equal(_bits(merged), np.asarray(bits))
     # The param is the nearest bf16 (ties away from zero), so it equals astype except on exact ties.
     finite = np.isfinite(np.asarray(master))
-    differs = (_bits(param) != _bits(master.astype(BF16))) & finite
+    differs = (_bits(param) != _bits(astype)) & finite
     assert np.array_equal(differs, (((np.asarray(bits) & 0xFFFF) == 0x8000) & ((np.asarray(bits) >> 16) % 2 == 0)
                                     & finite & (np.abs(np.asarray(master)) <= 3.38e38)))
 
 
-def _open_loop(apply, steps=1000, seed=0):
-    """Remainders vs float32 masters fed the same gradients (from the master run's bf16 params)."""
+APPLIES = {"jaxmp": jaxmp.apply_updates, "optax": optax.apply_updates}
+
+
+@functools.lru_cache(maxsize=None)
+def _open_loop(steps=1000, seed=0):
+    """Remainders vs float32 masters fed the same gradients (from the master run's bf16 params).
+
+    One remainders run per entry of ``APPLIES``, all in one compiled scan (a compile is most of
+    the cost; the tests read their own run). Returns, per apply, the final ``(p_ref, s_ref, p_rem,
+    s_rem)`` and, per step, whether the masters were bitwise equal and the off-tie param count."""
     x, y = _regression(seed)
     inner = optax.adamw(optax.cosine_decay_schedule(3e-3, steps), weight_decay=1e-2)
     ref = jaxmp.loss_scaling(inner, "none", master_weights=True)
     rem = jaxmp.loss_scaling(lean.param_remainders(inner), "none")
     params = _bf16_init(seed)
-    poisons = jnp.zeros(steps, bool).at[jnp.array([5, 400, 401])].set(True)
+    poisons = np.zeros(steps, bool)
+    poisons[[5, 400, 401]] = True
 
     def body(carry, poison):
-        p_ref, s_ref, p_rem, s_rem = carry
+        p_ref, s_ref, rems = carry
         grads = jax.grad(_loss)(p_ref, x, y)
         grads = jax.tree_util.tree_map(lambda g: jnp.where(poison, jnp.nan, g).astype(g.dtype), grads)
         u, s_ref = ref.update(grads, s_ref, p_ref)
         p_ref = jaxmp.apply_updates(p_ref, u, s_ref)
-        u, s_rem = rem.update(grads, s_rem, p_rem)
-        p_rem = apply(p_rem, u, s_rem) if apply is jaxmp.apply_updates else apply(p_rem, u)
-        masters = lean.remainder_master(p_rem, s_rem)
-        same = jnp.stack([jnp.all(_u32(a) == _u32(b))
-                          for a, b in zip(jax.tree_util.tree_leaves(masters),
-                                          jax.tree_util.tree_leaves(jaxmp.master_params(s_ref)))]).all()
-        # params that differ anywhere but at an exact tie (low half 0x8000, even high half)
-        off_tie = 0
-        for a, b, m in zip(jax.tree_util.tree_leaves(p_rem), jax.tree_util.tree_leaves(p_ref),
-                           jax.tree_util.tree_leaves(jaxmp.master_params(s_ref))):
-            bits = jax.lax.bitcast_convert_type(m, jnp.uint32)
-            tie = ((bits & 0xFFFF) == 0x8000) & ((bits >> 16) % 2 == 0)
-            off_tie = off_tie + jnp.sum((a != b) & ~tie)
-        return (p_ref, s_ref, p_rem, s_rem), (same, off_tie)
+        new_rems, out = {}, {}
+        for name, apply in APPLIES.items():
+            p_rem, s_rem = rems[name]
+            u, s_rem = rem.update(grads, s_rem, p_rem)
+            p_rem = apply(p_rem, u, s_rem) if apply is jaxmp.apply_updates else apply(p_rem, u)
+            new_rems[name] = (p_rem, s_rem)
+            masters = lean.remainder_master(p_rem, s_rem)
+            same = jnp.stack([jnp.all(_u32(a) == _u32(b))
+                              for a, b in zip(jax.tree_util.tree_leaves(masters),
+                                              jax.tree_util.tree_leaves(jaxmp.master_params(s_ref)))]).all()
+            # params that differ anywhere but at an exact tie (low half 0x8000, even high half)
+            off_tie = 0
+            for a, b, m in zip(jax.tree_util.tree_leaves(p_rem), jax.tree_util.tree_leaves(p_ref),
+                               jax.tree_util.tree_leaves(jaxmp.master_params(s_ref))):
+                bits = jax.lax.bitcast_convert_type(m, jnp.uint32)
+                tie = ((bits & 0xFFFF) == 0x8000) & ((bits >> 16) % 2 == 0)
+                off_tie = off_tie + jnp.sum((a != b) & ~tie)
+            out[name] = (same, off_tie)
+        return (p_ref, s_ref, new_rems), out
 
-    carry = (params, ref.init(params), params, rem.init(params))
-    carry, (same, ties) = jax.jit(lambda c, z: jax.lax.scan(body, c, z))(carry, poisons)
-    return carry, np.asarray(same), np.asarray(ties)
+    carry = (params, ref.init(params), {name: (params, rem.init(params)) for name in APPLIES})
+    (p_ref, s_ref, rems), out = jax.jit(lambda c, z: jax.lax.scan(body, c, z))(carry, poisons)
+    return {name: ((p_ref, s_ref, *rems[name]), np.asarray(out[name][0]), np.asarray(out[name][1]))
+            for name in APPLIES}
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
-@pytest.mark.parametrize("apply", [jaxmp.apply_updates, optax.apply_updates], ids=["jaxmp", "optax"])
+@pytest.mark.parametrize("apply", list(APPLIES))
 def test_remainders_are_bitwise_the_float32_masters_over_1000_steps(apply):
     """The masters rebuilt from bf16 params + int16 remainders equal the float32 masters of
     ``loss_scaling(..., master_weights=True)`` bit for bit at each of 1000 AdamW steps (3 skipped),
     through ``jaxmp.apply_updates`` and through ``optax.apply_updates``."""
-    (p_ref, s_ref, p_rem, s_rem), same, ties = _open_loop(apply)
+    (p_ref, s_ref, p_rem, s_rem), same, ties = _open_loop()[apply]
     assert same.all(), f"first differing step: {int(np.argmin(same))}"
     assert int(s_rem.total_skips) == 3 == int(s_ref.total_skips)
     # The bf16 params agree too, except where a master's low half is exactly 0x8000 with an even
@@ -367,12 +403,12 @@ def test_remainders_snap_when_a_step_almost_cancels_the_param():
     params = {"w": jnp.array([1.0, 1.0], BF16)}
     state = tx.init(params)
     grads = {"w": jnp.array([1.0 - 2.0**-30, 0.5], jnp.float32)}  # new masters 2**-30 and 0.5
-    u, state = tx.update(grads, state, params)
+    u, state = jax.jit(tx.update)(grads, state, params)  # jitted: one program, not each op's own
     for apply in (jaxmp.apply_updates, optax.apply_updates):
-        new = apply(params, u)
-        masters = lean.merge_master(new["w"], state.remainders["w"])
+        new, masters = jax.jit(lambda u, rem, apply=apply: (lambda n: (n, lean.merge_master(n["w"], rem)))(
+            apply(params, u)))(u, state.remainders["w"])
         assert float(masters[1]) == 0.5
-        assert np.array_equal(_bits(masters), _bits(new["w"].astype(jnp.float32)))
+        assert np.array_equal(_bits(masters), _bits(np.asarray(new["w"], np.float32)))
         assert abs(float(masters[0]) - 2.0**-30) <= 2.0**-24
 
 
@@ -390,8 +426,9 @@ def test_remainders_keep_float32_leaves_as_their_own_masters():
     tx = lean.param_remainders(optax.sgd(0.5))
     state = tx.init(params)
     assert state.remainders["w"].shape == (3,) and state.remainders["scale"].shape == ()
-    u, state = tx.update({"w": jnp.ones(3, BF16), "scale": jnp.ones(2)}, state, params)
-    new = jaxmp.apply_updates(params, u)
+    # the update and the apply in one jitted program (eager, each op compiles on its own)
+    new = jax.jit(lambda g, s: jaxmp.apply_updates(params, tx.update(g, s, params)[0]))(
+        {"w": jnp.ones(3, BF16), "scale": jnp.ones(2)}, state)
     assert new["scale"].tolist() == [0.5, 0.5] and new["w"].tolist() == [0.5] * 3
 
 
@@ -557,9 +594,14 @@ def test_presets_run_under_strict_dtype_promotion(name, strict_promotion):
     tx = jaxmp.loss_scaling(lean.preset(name, optax.sgd(1e-1, momentum=0.9), key=0), "none")
     params = {"w": jnp.ones((4, 3), BF16)}
     state = tx.init(params)
-    updates, state = jax.jit(tx.update)({"w": jnp.full((4, 3), 0.5, BF16)}, state, params)
-    new = jaxmp.apply_updates(params, updates, state)
-    assert new["w"].dtype == BF16 and bool((new["w"] < 1).all())
+
+    @jax.jit  # the update and the apply traced (under strict promotion) into one program
+    def step(grads, state, params):
+        updates, state = tx.update(grads, state, params)
+        return jaxmp.apply_updates(params, updates, state)
+
+    new = step({"w": jnp.full((4, 3), 0.5, BF16)}, state, params)
+    assert new["w"].dtype == BF16 and (np.asarray(new["w"], np.float32) < 1).all()
 
 
 @pytest.mark.standard_promotion(reason="optax.adamw: bias correction is a Python float ** int32 count")
@@ -570,7 +612,7 @@ def test_remainder_master_of_mixed_bf16_and_f32_params():
     tx = jaxmp.loss_scaling(lean.preset("remainders", optax.adamw(1e-3)), "none")
     state = tx.init(params)
     grads = {"w": jnp.ones((2, 3), jnp.bfloat16), "bias": jnp.ones(3)}
-    params, state = jaxmp._transform.update_and_apply(tx, grads, state, params)
+    params, state = jax.jit(functools.partial(jaxmp._transform.update_and_apply, tx))(grads, state, params)
     masters = lean.remainder_master(params, state)
     assert masters["w"].dtype == jnp.float32 and masters["w"].shape == (2, 3)
     assert masters["bias"] is params["bias"]

@@ -27,13 +27,16 @@ Y = np.arange(16) % 3
 
 def _linen_metrics():
     model = jaxmp.flax.mixed_precision(nn.Dense(3), "O1-fp16")
-    state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), X),
+    # init jitted: one program instead of the eager random draws (the values do not matter here)
+    state = jaxmp.flax.TrainState.create(model, jax.jit(model.init)(jax.random.key(0), X),
                                          jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"))
     return jax.jit(jaxmp.flax.make_train_step())(state, (X, Y))[1]
 
 
 def _nnx_metrics():
-    model = jaxmp.flax.mixed_precision(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O1-fp16")
+    # A constant kernel: no eager random draw to compile (the metrics' keys do not depend on it).
+    linear = nnx.Linear(4, 3, kernel_init=nnx.initializers.constant(0.1), rngs=nnx.Rngs(0))
+    model = jaxmp.flax.mixed_precision(linear, "O1-fp16")
     optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"), wrt=nnx.Param)
     return nnx.jit(jaxmp.flax.nnx.train_step)(model, optimizer, (X, Y))
 
@@ -176,7 +179,7 @@ def test_make_step_uses_the_given_reducers_and_skip_rule():
     step = make_step(_quad, tx, reduce_grads=lambda g: jax.tree_util.tree_map(jnp.zeros_like, g),
                      reduce_loss=lambda x: x * 0 + 1, reduce_model_state=lambda s: {"calls": s["calls"] * 10},
                      keep_model_state=lambda f, new, old: seen.setdefault("kept", new))
-    out = step(params, {"calls": jnp.int32(1)}, tx.init(params), jnp.ones((2, 3)))
+    out = jax.jit(step)(params, {"calls": jnp.int32(1)}, tx.init(params), np.ones((2, 3), np.float32))  # one program
     assert out.params["w"].tolist() == [1.0] * 3  # zeroed gradients: no move
     assert float(out.loss) == 1.0 and int(out.model_state["calls"]) == 20
 
@@ -186,8 +189,8 @@ def test_make_step_averages_gradients_over_a_pmap_axis_before_the_update():
     tx = jaxmp.loss_scaling(optax.sgd(1.0), "none", axis_name="b")
     params = {"w": jnp.zeros(())}
     step = make_step(lambda p, s, b, r: (jnp.sum(p["w"] * b), (s, None)), tx, axis_name=["b"])
-    rep = lambda x: jax.tree_util.tree_map(lambda a: jnp.stack([a] * n), x)  # noqa: E731
-    out = jax.pmap(step, axis_name="b")(rep(params), rep({}), rep(tx.init(params)), jnp.arange(n, dtype=jnp.float32))
+    rep = lambda x: jax.tree_util.tree_map(lambda a: np.stack([np.asarray(a)] * n), x)  # noqa: E731
+    out = jax.pmap(step, axis_name="b")(rep(params), rep({}), rep(tx.init(params)), np.arange(n, dtype=np.float32))
     np.testing.assert_allclose(out.params["w"], np.full(n, -(n - 1) / 2))  # every replica steps by the mean
     np.testing.assert_allclose(out.loss, np.zeros(n))
 
@@ -195,7 +198,7 @@ def test_make_step_averages_gradients_over_a_pmap_axis_before_the_update():
 def test_step_metrics_reports_the_scale_this_step_used():
     tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(8.0, period=1))
     params = {"w": jnp.ones(3)}
-    out = make_step(_quad, tx)(params, {"calls": jnp.int32(0)}, tx.init(params), jnp.ones((2, 3)))
+    out = jax.jit(make_step(_quad, tx))(params, {"calls": jnp.int32(0)}, tx.init(params), np.ones((2, 3), np.float32))
     m = step_metrics(out, accuracy=jnp.float32(0.5))
     assert float(m["loss_scale"]) == 8.0 and float(m["accuracy"]) == 0.5 and isinstance(m, StepMetrics)
     assert float(jaxmp.scaling_stats(out[2])["loss_scale"]) == 16.0  # grown after one finite step: the next
@@ -260,7 +263,7 @@ def test_every_step_reports_the_loss_scale_this_step_used():
     bad = x.copy()
     bad[0, 0] = np.inf  # a non-finite loss and gradients: the step is skipped, the scale halves
     batches = [x, bad, x]
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.jit(model.init)(jax.random.key(0), x)  # one program, not eager random draws
     tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(2.0**15))
 
     state = jaxmp.flax.TrainState.create(model, variables, tx)

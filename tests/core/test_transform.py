@@ -1,5 +1,7 @@
 """The optax loss-scaling transform: skip semantics, unscale-before-clip, master weights, composition, pmap."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,10 +11,13 @@ import pytest
 import jaxmp
 
 
+# Inputs come from numpy: an eager jax.random draw or jnp op compiles a program of its own (XLA:CPU
+# compiles are most of these tests' time), and no test here depends on the particular draw.
 def _params(dtype=jnp.float32, seed=0):
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    return {"dense": {"w": jax.random.normal(k1, (4, 3)).astype(dtype), "b": jnp.zeros(3, dtype)},
-            "scale": jax.random.normal(k2, (3,)).astype(dtype)}
+    rng = np.random.default_rng(seed)
+    w, scale = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=3).astype(np.float32)
+    return {"dense": {"w": jnp.asarray(w.astype(dtype)), "b": jnp.asarray(np.zeros(3, dtype))},
+            "scale": jnp.asarray(scale.astype(dtype))}
 
 
 def _loss(params, x, y):
@@ -21,8 +26,15 @@ def _loss(params, x, y):
 
 
 def _batch(seed=1, n=8):
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    return jax.random.normal(k1, (n, 4)), jax.random.normal(k2, (n, 3))
+    rng = np.random.default_rng(100 + seed)
+    return rng.normal(size=(n, 4)).astype(np.float32), rng.normal(size=(n, 3)).astype(np.float32)
+
+
+def _poison(x, index, value=np.nan):
+    """A copy of the numpy batch ``x`` with ``value`` at ``index`` (no eager ``.at[].set`` program)."""
+    x = np.array(x)
+    x[index] = value
+    return x
 
 
 def _bits(tree):
@@ -59,7 +71,7 @@ def test_skipped_step_leaves_params_and_every_inner_leaf_bitwise_equal(inner, sk
         params, state, _ = step(params, state, x, y)
     params["dense"]["b"] = jnp.array([-0.0, 0.0, -0.0])
     before_p, before_inner = _bits(params), _bits(state.inner_state)
-    bad_x = x.at[0, 0].set(jnp.nan)
+    bad_x = _poison(x, (0, 0))
     params2, state2, _ = step(params, state, bad_x, y)
     plain, _ = jax.jit(lambda p, s: optax.apply_updates(p, tx.update(
         jaxmp.value_and_grad(_loss, s)(p, bad_x, y)[1], s, p)[0]))(params, state), None
@@ -82,15 +94,25 @@ def test_unscale_happens_before_clipping():
     tx = jaxmp.loss_scaling(inner, jaxmp.StaticLossScale(2.0**12))
     params, (x, y) = _params(), _batch()
     state = tx.init(params)
-    _, scaled_grads = jaxmp.value_and_grad(_loss, state)(params, x, y)
-    true_grads = jax.grad(_loss)(params, x, y)
-    true_norm = float(optax.tree.norm(true_grads))
+
+    @jax.jit  # one program for the whole comparison (eagerly, each op compiles on its own)
+    def ours_and_want(params, state):
+        _, scaled_grads = jaxmp.value_and_grad(_loss, state)(params, x, y)
+        true_grads = jax.grad(_loss)(params, x, y)
+        ours, _ = tx.update(scaled_grads, state, params)
+        want, _ = inner.update(true_grads, inner.init(params), params)
+        return true_grads, ours, want
+
+    true_grads, ours, want = jax.device_get(ours_and_want(params, state))
+
+    def norm(tree):  # optax.tree.norm, in numpy
+        return np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64))) for a in jax.tree_util.tree_leaves(tree)))
+
+    true_norm = norm(true_grads)
     assert 0.5 < true_norm < 0.5 * 2.0**12  # clipping is active on true grads but not a no-op either way
-    ours, _ = tx.update(scaled_grads, state, params)
-    want, _ = inner.update(true_grads, inner.init(params), params)
     for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
-    assert float(optax.tree.norm(ours)) == pytest.approx(0.5, rel=1e-5)
+    assert norm(ours) == pytest.approx(0.5, rel=1e-5)
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
@@ -123,7 +145,7 @@ def test_never_applies_non_finite_however_many_in_a_row_and_check_health_says_so
     params, (x, y) = _params(), _batch()
     state = tx.init(params)
     start = _bits(params)
-    bad = x.at[:, 0].set(jnp.inf)
+    bad = _poison(x, (slice(None), 0), np.inf)
     for _ in range(60):
         params, state, _ = step(params, state, bad, y)
     assert _bits(params) == start
@@ -142,7 +164,7 @@ def test_scaling_stats_and_helpers_inside_jit():
     stats = jax.jit(jaxmp.scaling_stats)(state)
     assert {k: float(v) for k, v in stats.items()} == {"loss_scale": 4.0, "last_step_finite": 1.0,
                                                        "consecutive_skips": 0.0, "total_skips": 0.0}
-    _, state, _ = _make_step(tx)(params, state, x.at[0, 0].set(jnp.nan), y)
+    _, state, _ = _make_step(tx)(params, state, _poison(x, (0, 0)), y)
     assert int(jaxmp.skipped_steps(state)) == 1 and not bool(jaxmp.last_step_finite(state))
     assert float(jaxmp.get_loss_scale(state).loss_scale) == 2.0
 
@@ -158,12 +180,13 @@ def test_multisteps_accumulates_true_gradients_and_drops_non_finite_micro_batche
     batches = [_batch(seed=i) for i in range(k)]
     p, s = params, state
     p, s, _ = step(p, s, *batches[0])
-    p, s, _ = step(p, s, batches[1][0].at[0, 0].set(jnp.nan), batches[1][1])  # dropped micro-batch
+    p, s, _ = step(p, s, _poison(batches[1][0], (0, 0)), batches[1][1])  # dropped micro-batch
     assert _bits(p) == _bits(params)
     for b in batches[1:]:
         p, s, _ = step(p, s, *b)
-    mean_grad = jax.tree_util.tree_map(lambda *g: sum(g) / k, *[jax.grad(_loss)(params, *b) for b in batches])
-    want = jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, params, mean_grad)
+    grad = jax.jit(jax.grad(_loss))  # one program; the mean and the SGD step in numpy
+    mean_grad = jax.tree_util.tree_map(lambda *g: sum(g) / k, *[jax.device_get(grad(params, *b)) for b in batches])
+    want = jax.tree_util.tree_map(lambda w, g: np.asarray(w) - np.float32(0.1) * g, params, mean_grad)
     for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
@@ -175,7 +198,7 @@ def test_inject_hyperparams_schedule_counts_applied_steps_only():
     params, (x, y) = _params(), _batch()
     state = tx.init(params)
     for bad in (False, True, True, False, True):
-        xx = x.at[0, 0].set(jnp.nan) if bad else x
+        xx = _poison(x, (0, 0)) if bad else x
         params, state, _ = step(params, state, xx, y)
     inner = state.inner_state
     assert int(inner.count) == 2  # two applied steps
@@ -216,7 +239,7 @@ def test_master_weights_random_walk_stays_bit_exact_and_moments_are_fp32():
     for i in range(25):
         x, y = _batch(seed=i)
         if i % 7 == 3:
-            x = x.at[0, 0].set(jnp.inf)
+            x = _poison(x, (0, 0), np.inf)
         params, state, _ = step(params, state, x, y)
         master = jaxmp.master_params(state)
         assert _bits(params) == _bits(jax.tree_util.tree_map(lambda m: m.astype(jnp.float16), master))
@@ -241,13 +264,15 @@ def test_value_and_grad_has_aux_argnums_and_true_loss():
         loss = _loss(p, xx, yy)
         return loss, {"twice": 2 * loss}
 
-    (loss, aux), grads = jaxmp.value_and_grad(f, ls, argnums=(0, 1), has_aux=True)(params, x, y)
-    want_loss = _loss(params, x, y)
+    @jax.jit  # ours and the references in one program (eagerly, each op compiles on its own)
+    def ours_and_want(params, x, y):
+        return (jaxmp.value_and_grad(f, ls, argnums=(0, 1), has_aux=True)(params, x, y), _loss(params, x, y),
+                jax.grad(_loss, argnums=(0, 1))(params, x, y))
+
+    ((loss, aux), (gp, gx)), want_loss, (want_gp, want_gx) = ours_and_want(params, x, y)
     assert float(loss) == float(want_loss) and float(aux["twice"]) == 2 * float(want_loss)
-    gp, gx = grads
-    np.testing.assert_allclose(np.asarray(gx), 16.0 * np.asarray(jax.grad(_loss, argnums=1)(params, x, y)), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(gp["scale"]), 16.0 * np.asarray(jax.grad(_loss)(params, x, y)["scale"]),
-                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gx), 16.0 * np.asarray(want_gx), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gp["scale"]), 16.0 * np.asarray(want_gp["scale"]), rtol=1e-6)
 
 
 def test_gradients_of_fp32_master_through_a_cast_are_fp32():
@@ -261,7 +286,8 @@ def test_gradients_of_fp32_master_through_a_cast_are_fp32():
 
     tx = jaxmp.loss_scaling(optax.adam(1e-3), "dynamic")
     state = tx.init(params)
-    loss, grads = jaxmp.value_and_grad(loss_fn, state)(params)
+    # Dtypes only: traced, not compiled.
+    loss, grads = jax.eval_shape(jaxmp.value_and_grad(loss_fn, state), params)
     assert loss.dtype == jnp.float32
     assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
     assert all(m.dtype == jnp.float32 for m in jax.tree_util.tree_leaves(state.inner_state[0].mu))
@@ -280,7 +306,7 @@ def _pmap_setup(reduce_grads):
         return optax.apply_updates(params, updates), state
 
     params = _params()
-    rep = lambda t: jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (n,) + jnp.shape(a)), t)  # noqa: E731
+    rep = lambda t: jax.tree_util.tree_map(lambda a: np.broadcast_to(np.asarray(a), (n,) + np.shape(a)), t)  # noqa: E731
     x, y = _batch(n=8 * 4)
     return jax.pmap(step, axis_name="batch"), rep(params), rep(tx.init(params)), x.reshape(8, 4, 4), y.reshape(8, 4, 3)
 
@@ -290,7 +316,7 @@ def test_pmap_nan_in_one_replica_makes_every_replica_skip_and_replicas_stay_iden
     pstep, p, s, x, y = _pmap_setup(reduce_grads=True)
     for i in range(5):
         before = _bits(p)
-        p, s = pstep(p, s, x.at[5, 0, 0].set(jnp.nan) if i == 2 else x, y)
+        p, s = pstep(p, s, _poison(x, (5, 0, 0)) if i == 2 else x, y)
         if i == 2:
             assert not np.any(np.asarray(s.last_step_finite)) and _bits(p) == before
     assert np.all(np.asarray(s.total_skips) == 1)
@@ -304,7 +330,7 @@ def test_pmap_nan_in_one_replica_makes_every_replica_skip_and_replicas_stay_iden
 def test_axis_name_alone_makes_replicas_agree_on_the_verdict():
     # Without a gradient all-reduce only replica 5 sees the NaN; axis_name must still make all skip.
     pstep, p, s, x, y = _pmap_setup(reduce_grads=False)
-    p1, s1 = pstep(p, s, x.at[5, 0, 0].set(jnp.nan), y)
+    p1, s1 = pstep(p, s, _poison(x, (5, 0, 0)), y)
     assert not np.any(np.asarray(s1.last_step_finite))
     assert np.all(np.asarray(s1.total_skips) == 1)
     assert np.all(np.asarray(s1.loss_scale.loss_scale) == 2.0**9)
@@ -342,19 +368,21 @@ def test_master_value_beyond_the_half_range_is_skipped():
     tx = jaxmp.loss_scaling(optax.sgd(1.0), "none", master_weights=True)
     params = {"w": jnp.array([60000.0, 1.0], jnp.float16)}
     state = tx.init(params)
-    updates, state = tx.update({"w": jnp.array([-10000.0, 0.5], jnp.float16)}, state, params)  # 70000 > 65504
+    # the update and the apply in one jitted program (eagerly, each op compiles on its own)
+    new, state = jax.jit(lambda g, s: (lambda u, s: (jaxmp.apply_updates(params, u, s), s))(*tx.update(g, s, params)))(
+        {"w": jnp.array([-10000.0, 0.5], jnp.float16)}, state)  # 70000 > 65504
     assert not bool(state.last_step_finite)
-    assert _bits(jaxmp.apply_updates(params, updates, state)) == _bits(params)
+    assert _bits(new) == _bits(params)
     assert float(jaxmp.master_params(state)["w"][0]) == 60000.0
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 def test_master_weights_with_fp32_grads_for_bf16_params_follow_the_params_dtype():
     tx = jaxmp.loss_scaling(optax.adam(1e-2), "none", master_weights=True)
-    params = {"w": jnp.linspace(-1, 1, 64).astype(jnp.bfloat16)}
+    params = {"w": jnp.asarray(np.linspace(-1, 1, 64).astype(jnp.bfloat16))}
     state, update = tx.init(params), jax.jit(tx.update)
     for i in range(30):
-        g = {"w": jnp.sin(jnp.arange(64.0) + i)}  # float32 gradients
+        g = {"w": np.sin(np.arange(64.0) + i).astype(np.float32)}  # float32 gradients
         updates, state = update(g, state, params)
         assert updates["w"].dtype == jnp.bfloat16
         via_optax = optax.apply_updates(params, updates)  # within one bf16 ulp of the master's cast
@@ -398,10 +426,11 @@ def test_an_inner_chain_that_changes_its_state_dtype_is_named_with_the_fix(skip_
     grads = jax.tree_util.tree_map(jnp.ones_like, params)
     inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
     tx = jaxmp.loss_scaling(inner, "static:1", skip_with=skip_with)
+    # Jitted: the check is made while tracing, and one program is cheaper than the eager ops.
     with pytest.raises(ValueError, match=r"mu\['b'\] is bfloat16\[2, 2\] after init and float32\[2, 2\].*master_weights=True"):
-        tx.update(grads, tx.init(params), params)
+        jax.jit(tx.update)(grads, tx.init(params), params)
     tx = jaxmp.loss_scaling(inner, "static:1", skip_with=skip_with, master_weights=True)
-    updates, state = tx.update(grads, tx.init(params), params)
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
     assert bool(state.last_step_finite) and updates["b"].dtype == jnp.bfloat16
 
 
@@ -411,14 +440,16 @@ def test_master_weights_step_complex_params_as_optax_does():
     params = {"half": jnp.ones(2, jnp.bfloat16), "c": jnp.array([1 + 1j, 2 - 1j], jnp.complex64)}
     grads = {"half": jnp.ones(2, jnp.bfloat16), "c": jnp.array([1 + 0j, 0 + 1j], jnp.complex64)}
     inner = optax.sgd(0.1)
-    want = optax.apply_updates(params, inner.update(grads, inner.init(params), params)[0])["c"]
+    # Each path jitted whole: one program each instead of many eager ones.
+    want = jax.jit(lambda: optax.apply_updates(params, inner.update(grads, inner.init(params), params)[0])["c"])()
     tx = jaxmp.loss_scaling(inner, "none", master_weights=True)
     state = tx.init(params)
     assert jaxmp.master_params(state)["c"].dtype == jnp.complex64
-    updates, new_state = tx.update(grads, state, params)
-    np.testing.assert_allclose(np.asarray(params["c"] + updates["c"]), np.asarray(want), rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(jaxmp.apply_updates(params, updates, new_state)["c"]), np.asarray(want))
-    fused, fused_state = jaxmp._transform.update_and_apply(tx, grads, state, params)
+    updates, new_state = jax.jit(tx.update)(grads, state, params)
+    np.testing.assert_allclose(np.asarray(params["c"]) + np.asarray(updates["c"]), np.asarray(want), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jaxmp.apply_updates)(params, updates, new_state)["c"]),
+                                  np.asarray(want))
+    fused, fused_state = jax.jit(functools.partial(jaxmp._transform.update_and_apply, tx))(grads, state, params)
     np.testing.assert_array_equal(np.asarray(fused["c"]), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(jaxmp.master_params(fused_state)["c"]), np.asarray(want))
 
@@ -430,13 +461,14 @@ def test_pure_fp16_adam_skips_a_step_that_overflows_its_state():
     params = {"w": jnp.array([1.0, 1.0], jnp.float16)}
     tx = jaxmp.loss_scaling(optax.adam(1e-2), "static:1")
     state = tx.init(params)
-    new, state = jaxmp._transform.update_and_apply(tx, {"w": jnp.array([300.0, 1.0], jnp.float16)}, state, params)
+    fused = jax.jit(functools.partial(jaxmp._transform.update_and_apply, tx))  # one program for both calls
+    new, state = fused({"w": jnp.array([300.0, 1.0], jnp.float16)}, state, params)
     assert not bool(state.last_step_finite) and int(state.skip_reason) == jaxmp._transform.NON_FINITE_UPDATES
     assert _bits(new) == _bits(params)
     assert bool(jaxmp.all_finite(state.inner_state))
-    updates, state2 = tx.update({"w": jnp.array([300.0, 1.0], jnp.float16)}, tx.init(params), params)
+    updates, state2 = jax.jit(tx.update)({"w": jnp.array([300.0, 1.0], jnp.float16)}, tx.init(params), params)
     assert not bool(state2.last_step_finite) and bool(jaxmp.all_finite(state2.inner_state))
-    new, state = jaxmp._transform.update_and_apply(tx, {"w": jnp.array([1.0, 1.0], jnp.float16)}, state, params)
+    new, state = fused({"w": jnp.array([1.0, 1.0], jnp.float16)}, state, params)
     assert bool(state.last_step_finite) and np.all(np.asarray(new["w"]) < 1)
 
 
@@ -476,12 +508,14 @@ def test_an_inner_state_holding_a_prng_key_steps_and_skips(skip_with):
     # optax.noisy_sgd keeps a typed key in its state; the state-type check used to crash on it.
     params = {"w": jnp.ones(3)}
     inner = optax.noisy_sgd(1e-2, key=jax.random.key(0))
-    want = inner.update({"w": jnp.ones(3)}, inner.init(params), params)[0]["w"]
+    # Jitted: one program for both updates instead of the eager ops (noise draws included).
+    want = jax.jit(inner.update)({"w": jnp.ones(3)}, inner.init(params), params)[0]["w"]
     tx = jaxmp.loss_scaling(inner, "none", skip_with=skip_with)
     state = tx.init(params)
-    updates, applied = tx.update({"w": jnp.ones(3)}, state, params)
+    update = jax.jit(tx.update)
+    updates, applied = update({"w": jnp.ones(3)}, state, params)
     np.testing.assert_allclose(np.asarray(updates["w"]), np.asarray(want), rtol=1e-6)  # same noise draw
-    _, skipped = tx.update({"w": jnp.array([1.0, jnp.inf, 1.0])}, state, params)
+    _, skipped = update({"w": jnp.array([1.0, jnp.inf, 1.0])}, state, params)
     assert not bool(skipped.last_step_finite)
     keys = [x for x in jax.tree_util.tree_leaves(skipped.inner_state) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
     old = [x for x in jax.tree_util.tree_leaves(state.inner_state) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
@@ -541,7 +575,8 @@ def test_float0_gradients_and_prng_key_params_pass_through_a_full_update(master,
     assert int(new["n"]) == 2 and new["n"].dtype == jnp.int32
     np.testing.assert_array_equal(jax.random.key_data(new["key"]), jax.random.key_data(params["key"]))
     np.testing.assert_allclose(np.asarray(new["w"]), 0.9, rtol=1e-4)  # Adam's first step: lr * sign
-    skipped, state = step(new, state, jnp.full(3, jnp.inf))  # a skipped step keeps everything
+    # float32 like the first call's input (a weakly typed full() would compile the step again)
+    skipped, state = step(new, state, jnp.full(3, jnp.inf, jnp.float32))  # a skipped step keeps everything
     assert not bool(state.last_step_finite)
     np.testing.assert_array_equal(np.asarray(skipped["w"]), np.asarray(new["w"]))
     assert int(skipped["n"]) == 2

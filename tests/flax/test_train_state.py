@@ -164,7 +164,8 @@ def test_pmap_replicas_agree_on_skipping():
 
 
 def test_state_survives_jit_identity():
-    state = make_state("transformer", "O1-fp16")
+    # The CNN: its variables are initialised once for the other tests already (the model is not the point).
+    state = make_state("cnn", "O1-fp16")
     same = jax.jit(lambda s: s)(state)
     assert jax.tree.structure(same) == jax.tree.structure(state)
     assert same.model is state.model and same_bits(same, state)
@@ -200,8 +201,8 @@ class _DropoutNet(nn.Module):
 def test_the_step_after_a_skipped_step_draws_a_fresh_dropout_mask():
     x, y = np.ones((4, 16), np.float32), np.arange(4) % 3
     model = jaxmp.flax.mixed_precision(_DropoutNet(), "O1-fp16")
-    state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x, train=False),
-                                         jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"))
+    init = jax.jit(lambda k: model.init(k, x, train=False), compiler_options=FAST)  # one program, not eager draws
+    state = jaxmp.flax.TrainState.create(model, init(jax.random.key(0)), jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"))
     jax.effects_barrier()
     seen = _SEEN_MASKS
     seen.clear()   # init's (deterministic) forward pass reported too
@@ -257,7 +258,7 @@ def test_labels_outside_the_classes_give_the_documented_nan_and_the_documented_c
     # documented with the host-side check to call, in the docstring and the Linen guide.
     x, y = np.ones((4, 3), np.float32), np.array([0, 1, 0, 7])
     model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-bf16")
-    state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
+    state = jaxmp.flax.TrainState.create(model, jax.jit(model.init, compiler_options=FAST)(jax.random.key(0), x),
                                          jaxmp.loss_scaling(optax.sgd(0.1), "none"))
     _, metrics = jax.jit(jaxmp.flax.make_train_step())(state, (x, y))
     assert np.isnan(float(metrics["loss"])) and bool(metrics["last_step_finite"])
