@@ -226,7 +226,13 @@ def test_a_model_axis_keeps_the_users_param_specs():
     assert master["w1"].addressable_shards[0].data.shape == (4, 32)
     ref, ref_s, *_ = _run("replicated", steps=3)
     for k in ref:
-        np.testing.assert_allclose(np.asarray(p[k], np.float32), np.asarray(ref[k], np.float32), atol=2e-2)
+        diff = np.abs(np.asarray(p[k], np.float32) - np.asarray(ref[k], np.float32))
+        # The model axis sums the gradient in another order, so an element whose gradient is near
+        # zero can take the other sign: Adam's normalised step is then +-lr, 2 lr apart per step
+        # (0.02002 on JAX 0.11.2 and 0.12.0.1 at one of w2's 1,024 elements). Every step at most
+        # that; nearly all elements agree to bfloat16 rounding.
+        assert diff.max() <= 3 * 2 * 1e-2 + 2e-3, (k, diff.max())
+        assert np.mean(diff > 4e-3) < 0.01, (k, np.mean(diff > 4e-3))
 
 
 def test_leaf_spec_rule():
