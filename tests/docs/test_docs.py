@@ -83,7 +83,8 @@ def test_page_examples_run(path, tmp_path, monkeypatch):
 def test_page_imports_resolve(path):
     """The default tier's check of a page's code (the slow tier runs it): it parses, and every name
     it takes from jaxmp, experiments or benchmarks exists."""
-    assert not missing_names("\n".join(runnable_blocks(path))), missing_names("\n".join(runnable_blocks(path)))
+    missing = missing_names("\n".join(runnable_blocks(path)))
+    assert not missing, missing
 
 
 def test_the_import_check_sees_a_missing_name_and_a_syntax_error():
