@@ -264,7 +264,7 @@ def run_one(torch, model_key: str, spec: dict, batch_size: int, variant: str, ti
         entry["memory"] = {"source": "unavailable (CPU)", "peak_bytes": None}
     common.log(f"  {model_key} b{batch_size} {variant:11s}: {entry['items_per_s']:.1f} {spec['unit']}/s, "
                f"step {st['median'] * 1e3:.2f} ms (IQR {st['q25'] * 1e3:.2f}-{st['q75'] * 1e3:.2f})", quiet)
-    del model, opt, fwd, batches
+    model = opt = fwd = batches = None  # drop the references (the step closure holds cells) before empty_cache
     if cuda:
         torch.cuda.empty_cache()
     return entry

@@ -7,7 +7,6 @@ neither the Flax steps nor the builder import `jaxmp.parallel`; the public name 
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -11,7 +11,7 @@ casts touch floating array leaves only. `parse_policy_grammar` reads jmp's
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import jmp
 import numpy as np

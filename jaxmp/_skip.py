@@ -12,7 +12,7 @@ skipping is reported by [`jaxmp.check_health`][jaxmp.check_health] instead.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp

@@ -10,6 +10,7 @@ see docs/lean-recipes.md.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, NamedTuple
 
@@ -636,11 +637,21 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: jax.Array | i
 
 def _user_stacklevel() -> int:
     """The ``stacklevel`` of the first frame outside jaxmp and optax (the user's ``init`` call):
-    wrappers (``loss_scaling``, ``optax.masked``) add frames between it and the warning."""
+    wrappers (``loss_scaling``, ``optax.masked``) add frames between it and the warning.
+
+    Frames are compared with the installed packages' own directories, never with a path
+    fragment: a user's code under a folder named ``jaxmp`` (the README's clone) is the user's.
+    """
     import sys
 
     frame, level = sys._getframe(2), 2
-    while frame is not None and any(part in frame.f_code.co_filename for part in ("/jaxmp/", "/optax/")):
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame, level = frame.f_back, level + 1
     return level
+
+
+# The directories of jaxmp's and optax's own source files (``os.sep``-terminated so that a
+# sibling such as ``jaxmp_examples/`` is not mistaken for the package).
+_LIBRARY_DIRS = tuple(os.path.join(os.path.dirname(os.path.abspath(path)), "")
+                      for path in (__file__, optax.__file__))
 

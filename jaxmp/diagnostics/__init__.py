@@ -9,7 +9,7 @@ See docs/diagnostics.md and docs/debugging.md.
 from jaxmp import _deprecations
 from jaxmp.diagnostics._autocast_ops import AutocastOp
 # Not public (report.explain() reads it); bound here because its module has the same name.
-from jaxmp.diagnostics._autocast_ops import autocast_ops
+from jaxmp.diagnostics._autocast_ops import autocast_ops as autocast_ops
 from jaxmp.diagnostics._gradient_stats import GradientStats
 from jaxmp.diagnostics._gradient_stats import GroupStats
 from jaxmp.diagnostics._gradient_stats import gradient_stats
@@ -21,8 +21,9 @@ from jaxmp.diagnostics._precision_report import RiskyOp
 from jaxmp.diagnostics._precision_report import precision_report
 from jaxmp.diagnostics._locate import NonFiniteCulprit
 from jaxmp.diagnostics._locate import locate_non_finite
-from jaxmp.diagnostics._shadow import Fix
-from jaxmp.diagnostics._shadow import ModuleError
+# The rows of a ShadowReport (its API page documents them), outside the counted surface.
+from jaxmp.diagnostics._shadow import Fix as Fix
+from jaxmp.diagnostics._shadow import ModuleError as ModuleError
 from jaxmp.diagnostics._shadow import ShadowReport
 from jaxmp.diagnostics._shadow import compare_to_float32
 from jaxmp.diagnostics._strict import StrictPrecisionError

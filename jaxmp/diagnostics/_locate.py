@@ -9,6 +9,7 @@ through every loop. Nothing of this runs unless it is called: a training step pa
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import jax
@@ -69,7 +70,8 @@ class NonFiniteCulprit:
         return (f"first {self.kind} from finite inputs: {self.primitive} in {where} "
                 f"({'backward' if self.backward else 'forward'}, {','.join(self.in_dtypes)} -> "
                 f"{','.join(self.out_dtypes)}, inputs max|x| {mags} vs {self.out_dtypes[0] if self.out_dtypes else ''} "
-                f"max {self.dtype_max:.5g}) at {self.source or 'unknown source'}")
+                f"max {self.dtype_max:.5g}) at {self.source or 'unknown source'}"
+                + (f": {self._optimizer_advice()}" if self.source == _OPTIMIZER else ""))
 
     def __str__(self) -> str:
         if not self.found:
@@ -97,6 +99,8 @@ class NonFiniteCulprit:
         if not halves:
             return ("the op runs in float32 here: the values themselves diverge (learning rate, data, "
                     "an unguarded log/div); see " + _DOCS)
+        if self.source == _OPTIMIZER:
+            return self._optimizer_advice()
         where = f"the module {self.path.rsplit('/', 1)[-1]!r}" if self.path else "this op"
         if self.backward:
             return (f"the gradient overflows the half dtype in {where}: lower the loss scale (a dynamic scale "
@@ -105,6 +109,17 @@ class NonFiniteCulprit:
         return (f"keep {where} in float32 (jaxmp.AutocastRules().with_scope(...), "
                 "AutocastRules.with_path(..., 'float32') or @jaxmp.float32_region), normalise its input, "
                 "or use bfloat16 (float32's range); see " + _DOCS)
+
+
+    def _optimizer_advice(self) -> str:
+        half = next((d for d in self.out_dtypes + self.in_dtypes if d in ("f16", "bf16")), "half")
+        name = {"f16": "float16", "bf16": "bfloat16"}.get(half, half)
+        eps = (" Adam's eps (1e-8) is below float16's smallest subnormal (6e-8) and rounds to 0, so "
+               "mu / (sqrt(nu) + eps) divides by zero where nu underflows." if half == "f16" and self.primitive == "div"
+               else "")
+        return (f"the optimizer's arithmetic runs in {name}: the params and optimizer state are {name} "
+                f"(no float32 masters, as O3 does).{eps} Use master_weights=True (O2: float32 masters and "
+                "optimizer state), or keep the optimizer state in float32; see " + _DOCS)
 
 
 class _Locate(Hooks):
@@ -293,6 +308,21 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
     return culprit(sites.sites[int(first)], mags, bool(nan))
 
 
+# jaxmp's own files that run the user's optimizer: an op located there is the wrapped optax
+# transformation's arithmetic, which JAX's traceback cannot attribute further (optax is traced
+# inside jaxmp's step and its frames count as library frames).
+_OPTIMIZER_FILES = ("_transform.py", "lean.py", "_fold.py", "_skip.py")
+_OPTIMIZER = "the optimizer update (the optax transformation inside jaxmp.loss_scaling)"
+_JAXMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _user_facing_source(source: str) -> str:
+    """``source``, or what runs there when it is a line of jaxmp's own optimizer wrapper."""
+    if source.startswith(_JAXMP_DIR) and source[len(_JAXMP_DIR):].split(":")[0] in _OPTIMIZER_FILES:
+        return _OPTIMIZER
+    return source
+
+
 def culprit(site: Site, mags, nan: bool) -> NonFiniteCulprit:
     """The `NonFiniteCulprit` of ``site`` with the recorded magnitudes."""
     n_in = sum(1 for a in site.eqn.invars if _floating(getattr(a, "aval", None)))
@@ -300,6 +330,7 @@ def culprit(site: Site, mags, nan: bool) -> NonFiniteCulprit:
     rule = site.rule or ("region " + site.region if site.region else
                          "as written (not under jaxmp.autocast: the code or its policy casts chose it)")
     return NonFiniteCulprit(
-        True, site.primitive, site.path, site.source, site.backward, site.in_dtypes, site.out_dtypes,
+        True, site.primitive, site.path, _user_facing_source(site.source), site.backward, site.in_dtypes,
+        site.out_dtypes,
         tuple(float(m) for m in np.asarray(mags)[:min(n_in, _MAX_INPUTS)]),
         float(jnp.finfo(out_dtype).max), "nan" if nan else "inf", rule, site.context)

@@ -6,7 +6,7 @@ tested one runs the canary of `jaxmp.engine._contract`. See docs/autocast.md#tra
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from jaxmp.engine import _config
 from jaxmp._typing import PolicyLike

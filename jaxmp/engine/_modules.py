@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any, Callable, Iterator
 
 import jax

@@ -12,8 +12,6 @@ See the README section "Flax: Linen and NNX models under a policy".
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as _nn
 from flax import nnx as _nnx
 

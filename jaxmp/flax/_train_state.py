@@ -8,14 +8,13 @@ leaves params, inner optimizer state and ``batch_stats`` bitwise unchanged.
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxmp._typing import AxisName, PyTree
+from jaxmp._typing import PyTree
 from jaxmp.flax.linen import MixedPrecision
 from jaxmp._opt_state import find_loss_scaling_state
 from jaxmp._skip import keep_if_finite

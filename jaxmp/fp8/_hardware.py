@@ -3,7 +3,6 @@ emulated, and the check a recipe's ``emulate`` setting asks for."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 

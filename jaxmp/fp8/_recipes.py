@@ -10,7 +10,7 @@ subclasses the other: ``isinstance(recipe, CurrentScaling)`` means current scali
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

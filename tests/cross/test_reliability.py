@@ -1,7 +1,6 @@
 """Reliability: no loss scale can die, skips say why, misuse warns or raises, trees must match,
 BatchNorm statistics stay in sync across replicas, gradient accumulation in both orders."""
 
-import math
 import warnings
 
 import jax

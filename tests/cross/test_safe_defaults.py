@@ -43,6 +43,40 @@ def test_a_lean_preset_on_float32_params_warns_that_it_saves_nothing(name):
     assert f"spends {round(nbytes / n)}" in text
 
 
+_USER_CODE_UNDER_A_JAXMP_FOLDER = """
+import os, warnings
+import jax.numpy as jnp, optax, jaxmp
+from jaxmp import lean
+tx = jaxmp.loss_scaling(lean.preset("bf16-sr", optax.adamw(1e-3), key=0), "none")
+with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    tx.init({"w": jnp.ones((64, 64), jnp.float32)})
+(w,) = [w for w in record if issubclass(w.category, jaxmp.MixedPrecisionWarning)]
+print(os.path.realpath(w.filename) == os.path.realpath(__file__), w.filename, w.lineno)
+"""
+
+
+def test_a_warning_points_at_user_code_that_lives_under_a_folder_named_jaxmp(tmp_path):
+    # The README clones into a folder named ``jaxmp``: user code (and these tests) then live under
+    # ``.../jaxmp/``. A warning must still point at that code, not at a frame above it.
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    folder = tmp_path / "jaxmp" / "tests"
+    folder.mkdir(parents=True)
+    script = folder / "user_code.py"
+    script.write_text(_USER_CODE_UNDER_A_JAXMP_FOLDER)
+    package_root = str(pathlib.Path(jaxmp.__file__).resolve().parent.parent)
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(script)], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[0] == "True", done.stdout
+
+
 def test_o2_bf16_without_master_weights_warns_as_o2_fp16_does():
     fp16 = _caught(lambda: jaxmp.loss_scaling(optax.adam(1e-3)).init({"w": jnp.ones(4, jnp.float16)}))
     bf16 = _caught(lambda: jaxmp.loss_scaling(optax.adam(1e-3), "none").init({"w": jnp.ones(4, jnp.bfloat16)}))

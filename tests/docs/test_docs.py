@@ -3,7 +3,6 @@ that quote a command's output quote what it prints, and the architecture page na
 
 import contextlib
 import io
-import pathlib
 import re
 import runpy
 
@@ -158,7 +157,7 @@ def test_recorded_results_are_included_not_copied():
 
 def test_home_page_leads_with_the_readme_quick_start():
     # One way in, one source: the docs home shows the README's quick start, block for block.
-    from tests._support._markdown import README, section
+    from tests._support._markdown import section
     home = page("index.md").read_text()
     assert home.index("## Quick start") < home.index("## What is inside")
     readme_blocks = python_blocks(section("Quick start"))

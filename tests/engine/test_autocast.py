@@ -1,7 +1,6 @@
 """jaxmp.autocast on the 17 constructs: the dtype of every matmul, transcendental and reduction,
 read from the jaxpr of the autocast function including every sub-jaxpr."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,5 @@
 """jaxmp/engine/_regions.py: region, float32_region, half_inputs and accumulate, each on its own."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

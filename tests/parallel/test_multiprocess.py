@@ -13,7 +13,6 @@ import jax
 import numpy as np
 import pytest
 
-import jaxmp
 
 from tests._support import _multiprocess_checkpoint as ckpt_demo
 from tests._support import _multiprocess_demo as demo
