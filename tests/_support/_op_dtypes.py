@@ -50,7 +50,11 @@ def op_dtypes(fn: Callable, *args: Any, **kwargs: Any) -> list[Op]:
       >>> [op.primitive for op in op_dtypes(jnp.sin, jnp.ones(2))]
       ['sin']
     """
-    closed = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+    return ops_of(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args))
+
+
+def ops_of(closed: Any) -> list[Op]:
+    """Every primitive of an already traced ``ClosedJaxpr`` (recursively), as `op_dtypes` gives them."""
     # scope: the name stack as JAX prints it (display: tests look for a module name in it).
     return [Op(e.primitive, e.name, _dtypes(e.in_avals), _dtypes(e.out_avals)) for e in _jaxpr.walk(closed)]
 
