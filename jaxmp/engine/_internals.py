@@ -228,6 +228,17 @@ def while_parts(eqn) -> tuple[Any, Any, int, int]:
             param(eqn, "body_nconsts"))
 
 
+def _bound_consts(jaxpr, consts) -> tuple[Any, list]:
+    """A rule thunk's (jaxpr, consts) with ``jaxpr.constvars`` naming ``consts``, as the engine
+    binds them. From jax 0.11 a jaxpr's constvars are its leading inputs that carry values, and a
+    freshly traced rule returns them as plain inputs with the values beside (JAX's ``eval_jaxpr``
+    binds ``[*consts, *args]`` to all the inputs): attach them. Up to 0.10 they are constvars."""
+    consts = list(consts)
+    if len(jaxpr.constvars) != len(consts) and hasattr(jaxpr, "with_consts"):
+        jaxpr = jaxpr.with_consts(consts)
+    return jaxpr, consts
+
+
 def custom_jvp_parts(eqn) -> tuple[Any, int, Any]:
     """(primal closed jaxpr, number of consts, jvp jaxpr thunk) of a ``custom_jvp_call``."""
     return param(eqn, "call_jaxpr"), param(eqn, "num_consts"), param(eqn, "jvp_jaxpr_fun")
@@ -254,7 +265,7 @@ def custom_jvp_rule(jvp_fun, zeros: Sequence[bool]) -> tuple[Any, list, list]:
       then the non-zero output tangents; its consts; one flag per output.
     """
     jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*map(bool, zeros))
-    return jaxpr, consts, list(out_zeros)
+    return (*_bound_consts(jaxpr, consts), list(out_zeros))
 
 
 def custom_vjp_parts(eqn) -> tuple[Any, int, Any, Any, Any]:
@@ -281,7 +292,7 @@ def custom_vjp_fwd(fwd_thunk, out_trees, perturbed: Sequence[bool]) -> tuple[Any
     fwd_jaxpr, fwd_consts = fwd_thunk.call_wrapped(*map(bool, perturbed))
     # Read right after the call: tracing the rule (re)fills the store for these flags.
     _, res_tree, input_fwds = out_trees()
-    return fwd_jaxpr, fwd_consts, res_tree, input_fwds
+    return (*_bound_consts(fwd_jaxpr, fwd_consts), res_tree, input_fwds)
 
 
 def closed_over_perturbed() -> Exception:

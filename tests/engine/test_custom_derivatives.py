@@ -125,6 +125,35 @@ def test_float32_flags_are_the_ones_jax_gives():
     assert seen == [(False, True)]
 
 
+_SHIFT = np.linspace(-1.0, 1.0, 8, dtype=np.float32)  # an array constant of the rules below
+
+
+@jax.custom_vjp
+def _vjp_with_constant(x):
+    return jnp.tanh(x + _SHIFT)
+
+
+_vjp_with_constant.defvjp(lambda x: (jnp.tanh(x + _SHIFT), 1 - jnp.tanh(x + _SHIFT) ** 2), lambda r, g: (r * g,))
+
+
+@jax.custom_jvp
+def _jvp_with_constant(x):
+    return jnp.tanh(x + _SHIFT)
+
+
+_jvp_with_constant.defjvp(lambda p, t: (_jvp_with_constant(p[0]), (1 - jnp.tanh(p[0] + _SHIFT) ** 2) * t[0]))
+
+
+@pytest.mark.parametrize("rule", [_vjp_with_constant, _jvp_with_constant], ids=["custom_vjp", "custom_jvp"])
+def test_rules_with_array_constants(rule):
+    """A rule's array constants reach it (jax 0.11+ traces them as leading inputs with the values
+    beside: the engine read the forward rule's inputs shifted by them)."""
+    loss = lambda w: jnp.sum(rule(X @ w) ** 2)  # noqa: E731
+    want = jax.jit(jax.value_and_grad(loss))(W)
+    got = jax.jit(jax.value_and_grad(jaxmp.autocast(loss, "O1-bf16")))(W)
+    _assert_close(got, want, rtol=0.05)
+
+
 def _closing_over(w, x):
     @jax.custom_vjp
     def f(y):

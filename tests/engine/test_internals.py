@@ -250,6 +250,41 @@ def test_custom_vjp_fwd_passes_the_perturbation_flags():
     np.testing.assert_allclose([res, out], [np.cos(0.5) * 2.0, np.sin(0.5) * 2.0], rtol=1e-6)
 
 
+_SHIFT = np.linspace(0.0, 1.0, 3, dtype=np.float32)  # an array constant: a constvar of the rules' jaxprs
+
+
+@jax.custom_vjp
+def _cv_const(x):
+    return jnp.sin(x + _SHIFT)
+
+
+_cv_const.defvjp(lambda x: (jnp.sin(x + _SHIFT), jnp.cos(x + _SHIFT)), lambda res, ct: (res * ct,))
+
+
+@jax.custom_jvp
+def _cj_const(x):
+    return jnp.sin(x + _SHIFT)
+
+
+_cj_const.defjvp(lambda p, t: (_cj_const(p[0]), jnp.cos(p[0] + _SHIFT) * t[0]))
+
+
+def test_rule_jaxprs_name_their_constants_as_constvars():
+    """jax 0.11+ returns a traced rule's constants as leading plain inputs with the values beside;
+    the adapters hand the engine a jaxpr whose constvars are bound to the consts, on every JAX."""
+    x = np.full(3, 0.5, np.float32)
+    _, _, fwd_thunk, _, out_trees = internals.custom_vjp_parts(_eqn(_cv_const, x))
+    fwd_jaxpr, consts, _, _ = internals.custom_vjp_fwd(fwd_thunk, out_trees, [True])
+    assert consts and len(fwd_jaxpr.constvars) == len(consts) and len(fwd_jaxpr.invars) == 1
+    res, out = jax.core.eval_jaxpr(fwd_jaxpr, consts, x)
+    np.testing.assert_allclose([res, out], [np.cos(x + _SHIFT), np.sin(x + _SHIFT)], rtol=1e-6)
+    _, _, jvp_fun = internals.custom_jvp_parts(_eqn(_cj_const, x))
+    jaxpr, consts, _ = internals.custom_jvp_rule(jvp_fun, [False])
+    assert consts and len(jaxpr.constvars) == len(consts) and len(jaxpr.invars) == 2
+    _, tangent = jax.core.eval_jaxpr(jaxpr, consts, x, 2 * x)
+    np.testing.assert_allclose(tangent, np.cos(x + _SHIFT) * 2 * x, rtol=1e-6)
+
+
 def test_symbolic_zeros_made_recognised_and_instantiated():
     x = jnp.ones((2, 3), jnp.bfloat16)
     z = internals.symbolic_zero(x)
