@@ -8,10 +8,10 @@ See docs/autocast.md#control-flow-differentiation-and-parallelism.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxmp.engine import _internals as internals
@@ -213,65 +213,114 @@ def _strong_out(x: Any, flags: Sequence[tuple]) -> bool:
 
 def _custom_jvp(interp, eqn, vals, comps):
     closed, nc, jvp_fun = internals.custom_jvp_parts(eqn)
+    symbolic = internals.custom_symbolic_zeros(eqn)
     flags: list = []
     primal = _run_fn(interp, closed.jaxpr, closed.consts, _flags(vals), comps, flags)
-    nargs = len(vals) - nc
 
     def call(*xs):
         return primal(*xs)
 
+    # The rule sees the tangents JAX gives it in float32: symbolic zeros where the input is not
+    # differentiated when it asked for them (symbolic_zeros=True; Equinox's rules do), zeros
+    # otherwise, which JAX instantiates for a wrapper declared the same way.
     fun = jax.custom_jvp(call)
 
     def jvp(primals, tangents):
         out_p = primal(*primals)
-        jaxpr, consts, out_zeros = internals.custom_jvp_rule(jvp_fun, nargs)
-        outs = interp.run(jaxpr, consts, [Val(x) for x in (*primals[nc:], *tangents[nc:])], comps)
+        tangents = tangents[nc:]  # the consts' tangents are dropped, as JAX's lift_jvp drops them
+        zeros = [internals.is_zero(t) for t in tangents]
+        jaxpr, consts, out_zeros = internals.custom_jvp_rule(jvp_fun, zeros)
+        nonzero = [t for t, z in zip(tangents, zeros) if not z]
+        outs = interp.run(jaxpr, consts, [Val(x) for x in (*primals[nc:], *nonzero)], comps)
         nz = iter(o.x for o in outs[len(out_zeros):])
-        out_t = [jnp.zeros(jnp.shape(o), dtype_of(o)) if z else _cast(next(nz), dtype_of(o))
-                 for o, z in zip(out_p, out_zeros)]
+        out_t = [internals.symbolic_zero(o) if z else _cast(next(nz), dtype_of(o)) for o, z in zip(out_p, out_zeros)]
         return out_p, out_t
 
-    fun.defjvp(jvp)
+    fun.defjvp(jvp, symbolic_zeros=symbolic)
     outs = fun(*[v.x for v in vals])
     return [Val(o, *f) for o, f in zip(outs, flags)]
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Perturbed:
+    """Which inputs a custom_vjp's forward pass saw differentiated: a residual with no leaves."""
+
+    flags: tuple[bool, ...]
+
+
 def _custom_vjp(interp, eqn, vals, comps):
     closed, nc, fwd_thunk, bwd, out_trees = internals.custom_vjp_parts(eqn)
-    nargs = len(vals) - nc
+    symbolic = internals.custom_symbolic_zeros(eqn)
     flags: list = []
     primal = _run_fn(interp, closed.jaxpr, closed.consts, _flags(vals), comps, flags)
     in_avals = closed.in_avals
+    ct_avals = [a.to_tangent_aval() for a in closed.out_avals]
+    rules: dict = {}  # the forward rule traced once per pattern of differentiated inputs
 
-    def fwd_parts():
-        return internals.custom_vjp_fwd(fwd_thunk, out_trees, nargs)
+    def fwd_parts(perturbed: tuple[bool, ...]):
+        if perturbed not in rules:
+            rules[perturbed] = internals.custom_vjp_fwd(fwd_thunk, out_trees, perturbed)
+        return rules[perturbed]
 
-    def fwd(*xs):
-        fwd_jaxpr, fwd_consts, res_tree, input_fwds = fwd_parts()
+    # The wrapper takes symbolic zeros whatever the rule's setting: its forward pass learns which
+    # inputs are differentiated (CustomVJPPrimal.perturbed), as JAX tells the rule in float32;
+    # Equinox's filter_custom_vjp asserts it, and every rule skips work with it.
+    def fwd(*args):
+        xs = [a.value for a in args]
+        if any(a.perturbed for a in args[:nc]):
+            # a closed-over value is differentiated: the rule has no cotangent for it (JAX says so too)
+            raise internals.closed_over_perturbed()
+        perturbed = tuple(a.perturbed for a in args[nc:])
+        fwd_jaxpr, fwd_consts, res_tree, input_fwds = fwd_parts(perturbed)
         outs = [o.x for o in interp.run(fwd_jaxpr, fwd_consts, [Val(x) for x in xs[nc:]], comps)]
         num_res = res_tree.num_leaves - sum(f is not None for f in input_fwds)
         res_out = iter(outs[:num_res])
         res = [next(res_out) if f is None else xs[f] for f in input_fwds]
         out_dtypes = [dtype_of(o) for o in jax.eval_shape(primal, *xs)]
-        return [_cast(o, d) for o, d in zip(outs[num_res:], out_dtypes)], (res, xs)
+        return [_cast(o, d) for o, d in zip(outs[num_res:], out_dtypes)], (res, xs, _Perturbed(perturbed))
 
     def bwd_rule(saved, cts):
-        res, xs = saved
-        fwd_jaxpr, _, res_tree, input_fwds = fwd_parts()
-        res_out_avals = iter(v.aval for v in fwd_jaxpr.outvars)
-        res_avals = [next(res_out_avals) if f is None else in_avals[f] for f in input_fwds]
-        ct_avals = [a.to_tangent_aval() for a in closed.out_avals]
-        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*res_avals, *ct_avals)]
-        traced = jax.make_jaxpr(lambda *a: [internals.instantiate_zero(c)
-                                            for c in internals.custom_vjp_bwd_cotangents(bwd.call_wrapped(*a))])(
-            *structs)
-        outs = interp.run(traced.jaxpr, traced.consts, [Val(x) for x in (*res, *cts)], comps)
-        # The backward rule answers for the primal inputs in their own dtypes.
-        cts_in = [_cast(o.x, dtype_of(x)) if is_float(dtype_of(x)) else None for o, x in zip(outs, xs[nc:])]
+        res, xs, perturbed = saved
+        fwd_jaxpr, _, res_tree, input_fwds = fwd_parts(perturbed.flags)
+        res_out = iter(fwd_jaxpr.outvars)
+        res_atoms = [next(res_out) if f is None else None for f in input_fwds]
+        res_avals = [in_avals[f] if a is None else a.aval for a, f in zip(res_atoms, input_fwds)]
+        # A residual the forward rule returns as a constant (Equinox's `perturbed` booleans) reaches
+        # the rule as that constant, as JAX's evaluation of the forward jaxpr gives it: a rule may
+        # branch on it in Python.
+        literal = [a is not None and internals.is_literal(a) for a in res_atoms]
+        zero_cts = [internals.is_zero(c) for c in cts]
+        nonzero_cts = [c for c, z in zip(cts, zero_cts) if not z]
+        zero_outs: list = []
+
+        def run_bwd(traced_res, nonzero_):
+            given = iter(traced_res)
+            res_ = [a.val if lit else next(given) for a, lit in zip(res_atoms, literal)]
+            nz = iter(nonzero_)
+            # zero cotangents reach the rule as JAX gives them: symbolic when it takes symbolic zeros
+            zero = internals.symbolic_zero_of if symbolic else (
+                lambda a: internals.instantiate_zero(internals.symbolic_zero_of(a)))
+            cts_ = [zero(a) if z else next(nz) for a, z in zip(ct_avals, zero_cts)]
+            got = internals.custom_vjp_bwd_cotangents(bwd.call_wrapped(*res_, *cts_))
+            zero_outs[:] = [internals.is_zero(g) for g in got]
+            return [g for g in got if not internals.is_zero(g)]
+
+        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, lit in zip(res_avals, literal) if not lit]
+        ct_structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, z in zip(ct_avals, zero_cts) if not z]
+        traced = jax.make_jaxpr(run_bwd)(structs, ct_structs)
+        traced_res = [r for r, lit in zip(res, literal) if not lit]
+        outs = iter(interp.run(traced.jaxpr, traced.consts, [Val(x) for x in (*traced_res, *nonzero_cts)], comps))
+        # The backward rule answers for the primal inputs in their own dtypes; a symbolic zero
+        # stays one (None).
+        cts_in = []
+        for x, z in zip(xs[nc:], zero_outs):
+            o = None if z else next(outs)
+            cts_in.append(_cast(o.x, dtype_of(x)) if o is not None and is_float(dtype_of(x)) else None)
         return (*[None] * nc, *cts_in)
 
     fun = jax.custom_vjp(lambda *xs: primal(*xs))
-    fun.defvjp(fwd, bwd_rule)
+    fun.defvjp(fwd, bwd_rule, symbolic_zeros=True)
     outs = fun(*[v.x for v in vals])
     return [Val(o, *f) for o, f in zip(outs, flags)]
 

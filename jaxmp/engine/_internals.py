@@ -11,9 +11,10 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 
 from jaxmp import _jaxpr
 # Jaxpr reading is jaxmp._jaxpr's (the layer under the engine reads jaxprs too); the engine finds
@@ -227,15 +228,44 @@ def while_parts(eqn) -> tuple[Any, Any, int, int]:
             param(eqn, "body_nconsts"))
 
 
+def _bound_consts(jaxpr, consts) -> tuple[Any, list]:
+    """A rule thunk's (jaxpr, consts) with ``jaxpr.constvars`` naming ``consts``, as the engine
+    binds them. From jax 0.11 a jaxpr's constvars are its leading inputs that carry values, and a
+    freshly traced rule returns them as plain inputs with the values beside (JAX's ``eval_jaxpr``
+    binds ``[*consts, *args]`` to all the inputs): attach them. Up to 0.10 they are constvars."""
+    consts = list(consts)
+    if len(jaxpr.constvars) != len(consts) and hasattr(jaxpr, "with_consts"):
+        jaxpr = jaxpr.with_consts(consts)
+    return jaxpr, consts
+
+
 def custom_jvp_parts(eqn) -> tuple[Any, int, Any]:
     """(primal closed jaxpr, number of consts, jvp jaxpr thunk) of a ``custom_jvp_call``."""
     return param(eqn, "call_jaxpr"), param(eqn, "num_consts"), param(eqn, "jvp_jaxpr_fun")
 
 
-def custom_jvp_rule(jvp_fun, nargs: int) -> tuple[Any, list, list]:
-    """(jaxpr, consts, which outputs have symbolic-zero tangents) of a custom_jvp rule."""
-    jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*([False] * nargs))
-    return jaxpr, consts, out_zeros
+def custom_symbolic_zeros(eqn) -> bool:
+    """Whether a ``custom_jvp_call``/``custom_vjp_call``'s rules take symbolic zeros
+    (``symbolic_zeros=True``): a jvp rule then sees ``SymbolicZero`` tangents, a bwd rule
+    ``SymbolicZero`` cotangents, where the float32 program has them."""
+    return bool(param(eqn, "symbolic_zeros"))
+
+
+def custom_jvp_rule(jvp_fun, zeros: Sequence[bool]) -> tuple[Any, list, list]:
+    """(jaxpr, consts, which outputs have symbolic-zero tangents) of a custom_jvp rule.
+
+    Args:
+      jvp_fun: the equation's ``jvp_jaxpr_fun`` (see `custom_jvp_parts`).
+      zeros: one flag per input after the consts: whether its tangent is a symbolic zero (all
+        False for a rule without ``symbolic_zeros``: JAX instantiates its zero tangents, see
+        `custom_symbolic_zeros`).
+
+    Returns:
+      The rule's jaxpr, of the primals and then the non-zero tangents, to the primal outputs and
+      then the non-zero output tangents; its consts; one flag per output.
+    """
+    jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*map(bool, zeros))
+    return (*_bound_consts(jaxpr, consts), list(out_zeros))
 
 
 def custom_vjp_parts(eqn) -> tuple[Any, int, Any, Any, Any]:
@@ -244,11 +274,33 @@ def custom_vjp_parts(eqn) -> tuple[Any, int, Any, Any, Any]:
             param(eqn, "bwd"), param(eqn, "out_trees"))
 
 
-def custom_vjp_fwd(fwd_thunk, out_trees, nargs: int) -> tuple[Any, list, Any, list]:
-    """(fwd jaxpr, consts, residual tree, input forwards) of a custom_vjp's forward rule."""
-    fwd_jaxpr, fwd_consts = fwd_thunk.call_wrapped(*([True] * nargs))
+def custom_vjp_fwd(fwd_thunk, out_trees, perturbed: Sequence[bool]) -> tuple[Any, list, Any, list]:
+    """(fwd jaxpr, consts, residual tree, input forwards) of a custom_vjp's forward rule.
+
+    Args:
+      fwd_thunk: the equation's ``fwd_jaxpr_thunk`` (see `custom_vjp_parts`).
+      out_trees: its ``out_trees``.
+      perturbed: one flag per input after the consts: whether it is differentiated. A rule with
+        ``symbolic_zeros=True`` reads them (``CustomVJPPrimal.perturbed``; Equinox's
+        ``filter_custom_vjp`` asserts them), so they must be the real ones.
+
+    Returns:
+      The forward jaxpr (inputs after the consts, to the residuals not forwarded from inputs and
+      then the primal outputs), its consts, the residuals' tree, and per residual the input it
+      forwards (an index counting the consts) or None.
+    """
+    fwd_jaxpr, fwd_consts = fwd_thunk.call_wrapped(*map(bool, perturbed))
+    # Read right after the call: tracing the rule (re)fills the store for these flags.
     _, res_tree, input_fwds = out_trees()
-    return fwd_jaxpr, fwd_consts, res_tree, input_fwds
+    return (*_bound_consts(fwd_jaxpr, fwd_consts), res_tree, input_fwds)
+
+
+def closed_over_perturbed() -> Exception:
+    """The error JAX raises when a custom_vjp function is differentiated with respect to a value it
+    closes over (its rule has no cotangent for it): the engine raises the same, where JAX would."""
+    from jax._src.interpreters import ad
+
+    return ad.CustomVJPException()
 
 
 def custom_vjp_bwd_cotangents(out) -> Any:
@@ -258,13 +310,33 @@ def custom_vjp_bwd_cotangents(out) -> Any:
     return out
 
 
-def instantiate_zero(x: Any) -> Any:
-    """A symbolic zero (``ad_util.Zero``) as a zeros array; anything else unchanged."""
+def is_zero(x: Any) -> bool:
+    """Whether ``x`` is a symbolic zero: JAX's internal ``ad_util.Zero`` or the ``SymbolicZero``
+    that rules with ``symbolic_zeros=True`` see and return."""
     from jax._src.ad_util import Zero
 
-    if isinstance(x, Zero):
+    return isinstance(x, (Zero, jax.custom_derivatives.SymbolicZero))
+
+
+def instantiate_zero(x: Any) -> Any:
+    """A symbolic zero (see `is_zero`) as a zeros array (a NumPy one for ``float0``, the tangent
+    type of integer values, which JAX arrays cannot hold); anything else unchanged."""
+    if is_zero(x):
+        if x.aval.dtype == jax.dtypes.float0:
+            return np.zeros(x.aval.shape, jax.dtypes.float0)
         return jax.numpy.zeros(x.aval.shape, x.aval.dtype)
     return x
+
+
+def symbolic_zero(x: Any) -> Any:
+    """The ``SymbolicZero`` tangent of the primal value ``x`` (what a rule with
+    ``symbolic_zeros=True`` returns for a zero tangent or cotangent)."""
+    return jax.custom_derivatives.SymbolicZero(typeof(x).to_tangent_aval())
+
+
+def symbolic_zero_of(aval: Any) -> Any:
+    """The ``SymbolicZero`` of a tangent or cotangent type ``aval`` (a ``ShapedArray``)."""
+    return jax.custom_derivatives.SymbolicZero(aval)
 
 
 def shard_map_parts(eqn) -> dict:

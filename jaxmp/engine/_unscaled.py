@@ -47,18 +47,26 @@ def _identity(where, *xs):
     return xs
 
 
-@_identity.defjvp
 def _identity_jvp(where, primals, tangents):
     if traps.in_loss_scaled_grad():
         return primals, tangents
     # Eager grad: concrete primals, the tangents are the linearization's tracers.
-    trace = internals.trace_of(primals) or internals.trace_of(tangents)
+    nonzero = [i for i, t in enumerate(tangents) if not internals.is_zero(t)]
+    trace = internals.trace_of(primals) or internals.trace_of([tangents[i] for i in nonzero])
     if trace is not None:
         if trace in _WATCHED:
             return primals, tangents
         _WATCHED.add(trace)
     scales = traps.scales_so_far()
-    return primals, tuple(_tap_p.bind(*tangents, where=where, scales=scales))
+    out = list(tangents)
+    for i, t in zip(nonzero, _tap_p.bind(*[tangents[i] for i in nonzero], where=where, scales=scales)):
+        out[i] = t
+    return primals, tuple(out)
+
+
+# Symbolic zeros: an input not differentiated keeps its zero tangent symbolic, so a custom
+# derivative rule downstream still sees it undifferentiated (Equinox's filter_custom_vjp asserts it).
+_identity.defjvp(_identity_jvp, symbolic_zeros=True)
 
 
 #: ``_tap_p(*ts, where, scales) = ts``: the tangent tag; its transpose is where the warning is decided.

@@ -64,6 +64,37 @@ def _cv_bwd(res, ct):
 _cv.defvjp(_cv_fwd, _cv_bwd)
 
 
+_SEEN: list = []  # what the symbolic-zeros rules below were told, recorded while tracing
+
+
+@jax.custom_jvp
+def _cj_sz(x, y):
+    return jnp.sin(x) * y
+
+
+def _cj_sz_jvp(primals, tangents):
+    (x, y), (tx, ty) = primals, tangents
+    _SEEN.append(("jvp", type(tx) is jax.custom_derivatives.SymbolicZero,
+                  type(ty) is jax.custom_derivatives.SymbolicZero))
+    return _cj_sz(x, y), jnp.cos(x) * y * tx  # tx is given here: the test's flags say so
+
+
+_cj_sz.defjvp(_cj_sz_jvp, symbolic_zeros=True)
+
+
+@jax.custom_vjp
+def _cv_sz(x, y):
+    return jnp.sin(x) * y
+
+
+def _cv_sz_fwd(x, y):
+    _SEEN.append(("fwd", x.perturbed, y.perturbed))
+    return jnp.sin(x.value) * y.value, (jnp.cos(x.value) * y.value,)
+
+
+_cv_sz.defvjp(_cv_sz_fwd, lambda res, ct: (res[0] * ct, None), symbolic_zeros=True)
+
+
 # -- engine/_internals.py --------------------------------------------------------------------
 
 def test_jax_version_is_the_installed_one():
@@ -163,18 +194,32 @@ def test_scan_counts_and_while_parts():
 
 
 def test_custom_jvp_parts_and_rule():
-    closed, nconsts, jvp_fun = internals.custom_jvp_parts(_eqn(_cj, 1.0))
+    eqn = _eqn(_cj, 1.0)
+    closed, nconsts, jvp_fun = internals.custom_jvp_parts(eqn)
     assert nconsts == 0 and [e.primitive.name for e in _jaxpr.equations(closed)] == ["sin"]
-    jaxpr, consts, out_zeros = internals.custom_jvp_rule(jvp_fun, 1)
+    assert internals.custom_symbolic_zeros(eqn) is False
+    jaxpr, consts, out_zeros = internals.custom_jvp_rule(jvp_fun, [False])
     assert list(out_zeros) == [False]
     primal, tangent = jax.core.eval_jaxpr(jaxpr, consts, 0.5, 2.0)
     np.testing.assert_allclose([primal, tangent], [np.sin(0.5), np.cos(0.5) * 2.0], rtol=1e-6)
 
 
+def test_custom_jvp_rule_is_told_which_tangents_are_symbolic_zeros():
+    eqn = _eqn(_cj_sz, 1.0, 2.0)
+    assert internals.custom_symbolic_zeros(eqn) is True
+    _, _, jvp_fun = internals.custom_jvp_parts(eqn)
+    _SEEN.clear()
+    jaxpr, consts, out_zeros = internals.custom_jvp_rule(jvp_fun, [False, True])
+    assert _SEEN == [("jvp", False, True)] and list(out_zeros) == [False]
+    # the rule's jaxpr takes the primals and the one non-zero tangent
+    primal, tangent = jax.core.eval_jaxpr(jaxpr, consts, 0.5, 2.0, 3.0)
+    np.testing.assert_allclose([primal, tangent], [np.sin(0.5) * 2.0, np.cos(0.5) * 2.0 * 3.0], rtol=1e-6)
+
+
 def test_custom_vjp_parts_fwd_and_bwd():
     closed, nconsts, fwd_thunk, bwd, out_trees = internals.custom_vjp_parts(_eqn(_cv, 1.0, 2.0))
     assert nconsts == 0 and "sin" in [e.primitive.name for e in _jaxpr.equations(closed)]
-    fwd_jaxpr, fwd_consts, res_tree, input_fwds = internals.custom_vjp_fwd(fwd_thunk, out_trees, 2)
+    fwd_jaxpr, fwd_consts, res_tree, input_fwds = internals.custom_vjp_fwd(fwd_thunk, out_trees, [True, True])
     xs = (0.5, 2.0)
     outs = jax.core.eval_jaxpr(fwd_jaxpr, fwd_consts, *xs)
     num_res = res_tree.num_leaves - sum(f is not None for f in input_fwds)
@@ -187,10 +232,75 @@ def test_custom_vjp_parts_fwd_and_bwd():
     assert not isinstance(cts[1], (jax.Array, np.ndarray, float))  # bwd's None: a symbolic zero
     zero = internals.instantiate_zero(cts[1])
     assert zero.shape == () and float(zero) == 0.0
+    assert internals.is_zero(cts[1]) and not internals.is_zero(cts[0])
     x = jnp.ones(2)
     assert internals.instantiate_zero(x) is x
     assert internals.custom_vjp_bwd_cotangents(([x], None)) == [x]  # jax 0.11 pairs them with logs
     assert internals.custom_vjp_bwd_cotangents([x, x]) == [x, x]
+
+
+def test_custom_vjp_fwd_passes_the_perturbation_flags():
+    eqn = _eqn(_cv_sz, 1.0, 2.0)
+    assert internals.custom_symbolic_zeros(eqn) is True
+    _, _, fwd_thunk, _, out_trees = internals.custom_vjp_parts(eqn)
+    _SEEN.clear()
+    fwd_jaxpr, fwd_consts, res_tree, _ = internals.custom_vjp_fwd(fwd_thunk, out_trees, [True, False])
+    assert _SEEN == [("fwd", True, False)] and res_tree.num_leaves == 1
+    res, out = jax.core.eval_jaxpr(fwd_jaxpr, fwd_consts, 0.5, 2.0)
+    np.testing.assert_allclose([res, out], [np.cos(0.5) * 2.0, np.sin(0.5) * 2.0], rtol=1e-6)
+
+
+_SHIFT = np.linspace(0.0, 1.0, 3, dtype=np.float32)  # an array constant: a constvar of the rules' jaxprs
+
+
+@jax.custom_vjp
+def _cv_const(x):
+    return jnp.sin(x + _SHIFT)
+
+
+_cv_const.defvjp(lambda x: (jnp.sin(x + _SHIFT), jnp.cos(x + _SHIFT)), lambda res, ct: (res * ct,))
+
+
+@jax.custom_jvp
+def _cj_const(x):
+    return jnp.sin(x + _SHIFT)
+
+
+_cj_const.defjvp(lambda p, t: (_cj_const(p[0]), jnp.cos(p[0] + _SHIFT) * t[0]))
+
+
+def test_rule_jaxprs_name_their_constants_as_constvars():
+    """jax 0.11+ returns a traced rule's constants as leading plain inputs with the values beside;
+    the adapters hand the engine a jaxpr whose constvars are bound to the consts, on every JAX."""
+    x = np.full(3, 0.5, np.float32)
+    _, _, fwd_thunk, _, out_trees = internals.custom_vjp_parts(_eqn(_cv_const, x))
+    fwd_jaxpr, consts, _, _ = internals.custom_vjp_fwd(fwd_thunk, out_trees, [True])
+    assert consts and len(fwd_jaxpr.constvars) == len(consts) and len(fwd_jaxpr.invars) == 1
+    res, out = jax.core.eval_jaxpr(fwd_jaxpr, consts, x)
+    np.testing.assert_allclose([res, out], [np.cos(x + _SHIFT), np.sin(x + _SHIFT)], rtol=1e-6)
+    _, _, jvp_fun = internals.custom_jvp_parts(_eqn(_cj_const, x))
+    jaxpr, consts, _ = internals.custom_jvp_rule(jvp_fun, [False])
+    assert consts and len(jaxpr.constvars) == len(consts) and len(jaxpr.invars) == 2
+    _, tangent = jax.core.eval_jaxpr(jaxpr, consts, x, 2 * x)
+    np.testing.assert_allclose(tangent, np.cos(x + _SHIFT) * 2 * x, rtol=1e-6)
+
+
+def test_symbolic_zeros_made_recognised_and_instantiated():
+    x = jnp.ones((2, 3), jnp.bfloat16)
+    z = internals.symbolic_zero(x)
+    assert type(z) is jax.custom_derivatives.SymbolicZero and internals.is_zero(z) and not internals.is_zero(x)
+    assert (z.aval.shape, z.aval.dtype) == ((2, 3), jnp.bfloat16)
+    assert internals.symbolic_zero_of(z.aval).aval == z.aval
+    zeros = internals.instantiate_zero(z)
+    assert zeros.dtype == jnp.bfloat16 and not np.any(np.asarray(zeros, np.float32))
+    # an integer value's tangent type is float0, which only a NumPy array holds
+    i0 = internals.instantiate_zero(internals.symbolic_zero(jnp.arange(3)))
+    assert i0.dtype == jax.dtypes.float0 and i0.shape == (3,)
+
+
+def test_closed_over_perturbed_is_jaxs_own_error():
+    err = internals.closed_over_perturbed()
+    assert isinstance(err, Exception) and "closed-over value" in str(err)
 
 
 def test_shard_map_parts_rebuild_the_same_shard_map():
@@ -364,6 +474,7 @@ TESTED = {
                 "primitive_kind", "CALL_NAMES", "REMAT_NAMES", "OPAQUE_NAMES", "call_jaxpr", "jit_wrapper",
                 "scan_counts", "while_parts", "custom_jvp_parts", "custom_jvp_rule", "custom_vjp_parts",
                 "custom_vjp_fwd", "custom_vjp_bwd_cotangents", "instantiate_zero", "shard_map_parts", "is_tracer",
+                "custom_symbolic_zeros", "is_zero", "symbolic_zero", "symbolic_zero_of", "closed_over_perturbed",
                 "staging", "transformed", "trace_of", "typeof", "all_primitive_names",
                 # the reader's, re-exported (tested below and in test_the_engine_reads_jaxprs_through_the_reader)
                 "equation_context", "equations", "is_literal", "open_jaxpr", "scope_names", "sub_jaxprs", "Literal"},
@@ -377,5 +488,5 @@ TESTED = {
 def test_every_adapter_has_a_test(module):
     public = {n for n, v in vars(module).items()
               if not n.startswith("_") and not inspect.ismodule(v) and n not in ("annotations", "Any", "Callable",
-                                                                                  "Iterator", "NamedTuple")}
+                                                                                  "Iterator", "NamedTuple", "Sequence")}
     assert public == TESTED[module], (public - TESTED[module], TESTED[module] - public)
