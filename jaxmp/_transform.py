@@ -591,7 +591,7 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
 
 def loss_scaling(inner: optax.GradientTransformation, loss_scale: LossScaleLike = "dynamic", *,
                  axis_name: AxisName | None = None, master_weights: bool | None = None,
-                 master_dtype: jax.typing.DTypeLike = jnp.float32, skip_with: str = "auto",
+                 master_dtype: jax.typing.DTypeLike | None = None, skip_with: str = "auto",
                  check_updates: bool | None = None) -> FusedTransformation:
     """Wraps an optax transformation with loss scaling, non-finite step skipping and master weights.
 
@@ -608,7 +608,8 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: LossScaleLike 
       axis_name: the ``pmap``/``shard_map`` axis to agree on the finite verdict over.
       master_weights: keep a ``master_dtype`` copy of the params in the state. ``None`` (default)
         is ``False`` but warns when bfloat16 params get no master copy; ``False`` says so on purpose.
-      master_dtype: dtype of the master copy, float32 or wider.
+      master_dtype: dtype of the master copy, float32 (``None``, the default) or wider; only
+        with ``master_weights=True`` (without a master copy it would do nothing: refused).
       skip_with: ``"cond"``, ``"select"`` or ``"auto"`` (default: ``"select"`` on GPU, ``"cond"``
         elsewhere): how a step is skipped inside the compiled program.
       check_updates: also skip a step whose updates are non-finite. ``None`` (default): exactly
@@ -619,7 +620,8 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: LossScaleLike 
 
     Raises:
       TypeError: ``master_weights`` or ``check_updates`` is not a bool.
-      ValueError: a half-precision ``master_dtype``, or an unknown ``skip_with``.
+      ValueError: a half-precision ``master_dtype``, a ``master_dtype`` without
+        ``master_weights=True``, or an unknown ``skip_with``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
@@ -634,9 +636,16 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: LossScaleLike 
     if master_weights is not None and not isinstance(master_weights, bool):
         raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
     if master_weights:
-        inner = _master_weights_factory(inner, master_dtype)
-    else:
-        float_dtype(master_dtype, "master_dtype")
+        inner = _master_weights_factory(inner, jnp.float32 if master_dtype is None else master_dtype)
+    elif master_dtype is not None:
+        dt = float_dtype(master_dtype, "master_dtype")
+        # Accepted and ignored before, for float32 and half params alike: a setting that does
+        # nothing says so.
+        raise ValueError(
+            f"master_dtype={dt.name} is given without master_weights=True: the master copy is kept only with "
+            f"master_weights=True, so it would do nothing (the params train in their own dtype); pass "
+            f"master_weights=True to keep a master copy (master_dtype float32, the default, or wider), or drop "
+            f"master_dtype")
     return _unscale_and_skip(inner, loss_scale, axis_name, skip_with, check_updates,
                              check_bf16=master_weights is None)
 

@@ -74,22 +74,29 @@ def check_divisible(global_batch: int, num_devices: int, what: str = "global bat
     return global_batch // num_devices
 
 
-def check_not_donated(params: Any, opt_state: Any) -> None:
+def _deleted(x: Any) -> bool:
+    # A tracer (the step called inside the user's own jit) holds no buffer to delete.
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+
+
+def check_not_donated(params: Any, opt_state: Any, by: str = "this step") -> None:
     """Raises a ValueError naming a params / optimizer-state leaf whose buffer was donated already.
 
     With ``donate=True`` the step's inputs are deleted by the call; passing the same state again
     (instead of the state the step returned) makes XLA:CPU's runtime crash the process with a
-    segmentation fault, not raise. Reading ``jax.Array.is_deleted`` is a host-side flag per
-    leaf: no device work, no synchronisation.
+    segmentation fault, not raise; to another step or to ``shard_state`` it is JAX's "Array has
+    been deleted". Reading ``jax.Array.is_deleted`` is a host-side flag per leaf: no device
+    work, no synchronisation. ``by``: what deleted it, as the message says (``"this step"``
+    for a donating step itself).
     """
     for what, tree in (("params", params), ("opt_state", opt_state)):
         # Plain leaves first (the common case, every step); the paths only to name a deleted one.
-        if not any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(tree)):
+        if not any(_deleted(x) for x in jax.tree_util.tree_leaves(tree)):
             continue
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            if _deleted(leaf):
                 raise ValueError(
-                    f"{what} leaf at {jax.tree_util.keystr(path)} was donated to an earlier call of this step "
+                    f"{what} leaf at {jax.tree_util.keystr(path)} was donated to an earlier call of {by} "
                     "(donate=True deletes the step's inputs): pass the params and opt_state the last call returned, "
                     "e.g. params, opt_state, metrics = step(params, opt_state, batch), or build the step with "
                     "donate=False to keep the inputs")

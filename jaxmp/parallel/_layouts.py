@@ -18,6 +18,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp._dtypes import accumulation_dtype
+from jaxmp.parallel._common import check_not_donated
+from jaxmp.parallel._replication import PMAP_LAYOUT_HINT, is_pmap_replicated, replica_axis_size
 
 from jaxmp._typing import PyTree
 
@@ -270,6 +272,35 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
     return p_specs, jax.tree_util.tree_unflatten(top_def, o_specs), g_specs
 
 
+def pmap_state_error(what: str, where: str, shape: tuple, layout: str, why: str = "") -> ValueError:
+    """The error for a pmap-layout state (a leading replica axis) given to a sharded layout."""
+    return ValueError(
+        f"{what} leaf at {where} {why or 'is pmap-replicated'} (shape {tuple(shape)}: {PMAP_LAYOUT_HINT}), not a state "
+        f"for the sharded step's layout {layout!r}: its replica axis would be laid out as data; take one copy with "
+        f"jaxmp.parallel.unreplicate(state) and lay it out with "
+        f"jaxmp.parallel.shard_state((params, opt_state), mesh, {layout!r})")
+
+
+def check_not_pmap_state(params: Any, opt_state: Any, layout: str) -> None:
+    """Raises `pmap_state_error` for a state in the pmap layout: one copy per device, stacked.
+
+    Two signs: a leaf laid out by a pmap replicator (its sharding), or a ``jaxmp.loss_scaling``
+    state whose scalar counters carry a leading axis (a pmap step's output, or any of these
+    fetched to the host, whose leaves no longer say where they came from). Shapes and shardings
+    only: no transfer. Without it the replica axis is sharded as a data dimension and the step
+    fails inside JAX ("Gradient only defined for scalar-output functions").
+    """
+    for what, tree in (("params", params), ("opt_state", opt_state)):
+        for path, x in jax.tree_util.tree_leaves_with_path(tree):
+            if is_pmap_replicated(x):
+                raise pmap_state_error(what, jax.tree_util.keystr(path) or "<root>", x.shape, layout)
+    found = replica_axis_size(opt_state)
+    if found is not None:
+        where, n = found
+        raise pmap_state_error("opt_state", where, (n,), layout,
+                               "is a jaxmp.loss_scaling step counter, a scalar, with a leading replica axis")
+
+
 def named_shardings(mesh: Mesh, specs: Any) -> Any:
     """A tree of ``PartitionSpec`` as the ``NamedSharding`` tree on ``mesh``."""
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
@@ -295,7 +326,8 @@ def state_shardings(params: optax.Params, opt_state: optax.OptState, mesh: Mesh 
 
     Raises:
       ValueError: unknown layout, a data axis the mesh lacks, ``param_specs`` naming the data
-        axis or an axis the mesh lacks, or not matching the params.
+        axis or an axis the mesh lacks, or not matching the params; a pmap-replicated state
+        (a leading replica axis: ``unreplicate`` it first).
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
@@ -307,6 +339,7 @@ def state_shardings(params: optax.Params, opt_state: optax.OptState, mesh: Mesh 
       (P(), P(None, 'data'))
     """
     lay = resolve_layout(mesh, layout, data_axis=data_axis, param_specs=param_specs, min_shard_size=min_shard_size)
+    check_not_pmap_state(params, opt_state, lay.name)
     p, o, _ = state_specs(params, opt_state, lay.mesh, lay.name, data_axis=lay.data_axis,
                           param_specs=lay.param_specs, min_shard_size=lay.min_shard_size)
     return named_shardings(lay.mesh, p), named_shardings(lay.mesh, o)
@@ -337,6 +370,10 @@ def shard_state(state: tuple[Any, Any], mesh: Mesh | Layout, layout: str | None 
     Returns:
       ``(params, opt_state)`` as global ``jax.Array`` leaves with the layout's shardings.
 
+    Raises:
+      ValueError: as [`state_shardings`][jaxmp.parallel.state_shardings] (a pmap-replicated
+        state included), or a leaf a ``donate=True`` step deleted (pass the state it returned).
+
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
       >>> mesh = jaxmp.parallel.make_data_mesh()
@@ -349,6 +386,7 @@ def shard_state(state: tuple[Any, Any], mesh: Mesh | Layout, layout: str | None 
     if not (isinstance(state, (tuple, list)) and len(state) == 2):
         raise TypeError(f"state must be a (params, opt_state) pair, got {type(state).__name__}")
     params, opt_state = state
+    check_not_donated(params, opt_state, by="a step built with donate=True")
     ps, ss = state_shardings(params, opt_state, mesh, layout, data_axis=data_axis, param_specs=param_specs,
                              min_shard_size=min_shard_size)
     return jax.tree_util.tree_map(_place, params, ps), jax.tree_util.tree_map(_place, opt_state, ss)

@@ -22,9 +22,11 @@ import threading
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxmp._dtypes import float_dtype
 from jaxmp.parallel import _reduce
 from jaxmp._typing import PyTree
 
@@ -132,6 +134,21 @@ def release_policy(policy: Callable | None) -> Callable:
     return saveable
 
 
+def _check_dtype(dtype: Any, where: str) -> Any:
+    """``dtype`` as a floating numpy dtype, or None; a TypeError naming ``where`` otherwise.
+
+    An integer dtype would truncate the weights (an FSDP step then trains on integers without
+    a word), and a misspelt name is otherwise numpy's "data type not understood".
+    """
+    if dtype is None:
+        return None
+    try:
+        return float_dtype(dtype, f"{where}: dtype")
+    except TypeError as e:
+        raise TypeError(f"{e}; it is the compute dtype the floating params are cast to (e.g. jnp.bfloat16), "
+                        "or None to use them as stored") from None
+
+
 def _cast(x: Any, dtype: Any) -> Any:
     return x.astype(dtype) if dtype is not None and _reduce.is_float(x) else x
 
@@ -161,12 +178,16 @@ def gather_params(tree: PyTree, dtype: jax.typing.DTypeLike | None = None) -> Py
     Returns:
       ``tree`` with every leaf whole (and cast).
 
+    Raises:
+      TypeError: a ``dtype`` that is not a floating dtype (an integer one would truncate the weights).
+
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp.parallel import gather_params
       >>> gather_params({"w": jnp.ones((2, 2))}, jnp.bfloat16)["w"].dtype
       dtype(bfloat16)
     """
+    dtype = _check_dtype(dtype, "gather_params")
     ctx = _current()
     if ctx is not None and ctx.mode == "record":
         ctx.recorded.update(id(x) for x in jax.tree_util.tree_leaves(tree))
@@ -188,6 +209,26 @@ def _slice_info(ctx: LayerContext, info: Any, name: str) -> Any:
         return info - 1
     spec = list(info.spec) + [None]
     return NamedSharding(info.mesh, PartitionSpec(*spec[1:]))
+
+
+def _check_layers(layers: PyTree) -> None:
+    """A ValueError naming the leaves where lax.scan's own error would name only sizes."""
+    way = "pass the stacked layers' params (e.g. params['layers'], every leaf stacked on a leading layer axis)"
+    with_paths = jax.tree_util.tree_leaves_with_path(layers)
+    if not with_paths:
+        raise ValueError(f"scan_layers got no layers: layers={layers!r} has no array leaves; {way}")
+    lengths: dict = {}
+    for path, x in with_paths:
+        name = jax.tree_util.keystr(path) or "<root>"
+        shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+        if not shape:
+            raise ValueError(f"scan_layers: the layers leaf at {name} is a scalar, it has no layer axis; {way}")
+        lengths.setdefault(shape[0], []).append(name)
+    if len(lengths) > 1:
+        listing = "; ".join(f"{n} layers: {', '.join(names)}" for n, names in sorted(lengths.items()))
+        raise ValueError(f"scan_layers: the layers' leaves disagree on the number of layers (their leading axis): "
+                         f"{listing}; every leaf must stack the same layers, e.g. "
+                         "jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer_params)")
 
 
 def scan_layers(body: Callable, init: PyTree, layers: PyTree, *, dtype: jax.typing.DTypeLike | None = None,
@@ -212,6 +253,11 @@ def scan_layers(body: Callable, init: PyTree, layers: PyTree, *, dtype: jax.typi
     Returns:
       ``(carry, ys)`` as from ``lax.scan``.
 
+    Raises:
+      TypeError: a ``dtype`` that is not a floating dtype.
+      ValueError: ``layers`` with no array leaves, a scalar leaf, or leaves whose leading (layer)
+        axes differ (each leaf is named with its length).
+
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp.parallel import scan_layers
@@ -219,6 +265,8 @@ def scan_layers(body: Callable, init: PyTree, layers: PyTree, *, dtype: jax.typi
       >>> carry.tolist()
       [1.0, 1.0, 1.0, 1.0]
     """
+    dtype = _check_dtype(dtype, "scan_layers")
+    _check_layers(layers)
     ctx = _current()
     leaves, treedef = jax.tree_util.tree_flatten(layers)
     if ctx is not None and ctx.mode == "record":

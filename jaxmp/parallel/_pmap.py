@@ -173,8 +173,8 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
             )
 
     def run(params, opt_state, batch, rng=None):
-        if donate:  # a donated state used again would crash or fail deep inside pmap
-            check_not_donated(params, opt_state)
+        # A donated state used again would crash or fail deep inside pmap (this step's, or another's).
+        check_not_donated(params, opt_state, by="this step" if donate else "a step built with donate=True")
         check_leading(params, "params", "replicate them with jaxmp.parallel.replicate(params)")
         check_leading(opt_state, "opt_state", "replicate it with jaxmp.parallel.replicate(tx.init(params))")
         check_leading(batch, "batch", f"split the global batch with jaxmp.parallel.shard_batch(batch, {n})")

@@ -14,9 +14,50 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxmp._transform import LossScalingState
 from jaxmp._typing import PyTree
 
 REPLICA_AXIS = "_jaxmp_replicas"
+
+# Mesh axis names of the pmap layout's makers: jaxmp's replicate, and jax.device_put_sharded
+# (behind flax.jax_utils.replicate in flax 0.12 / JAX 0.10). A pmap step's own outputs are laid
+# out over its axis_name, the user's: `replica_axis_size` finds those by the loss-scaling state.
+_PMAP_AXES = (REPLICA_AXIS, "_device_put_sharded")
+
+PMAP_LAYOUT_HINT = ("a leading axis of one copy per device, from jaxmp.parallel.replicate, flax.jax_utils.replicate "
+                    "or a pmap step, maybe fetched to the host")
+
+
+def is_pmap_replicated(x: Any) -> bool:
+    """Whether ``x`` is a ``jax.Array`` laid out by a pmap replicator (one copy per device, stacked).
+
+    Read from the sharding alone (no host transfer): ``PmapSharding``, or a one-axis
+    ``NamedSharding`` over one of the replicators' own axis names.
+    """
+    sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+    if sharding is None:
+        return False
+    if type(sharding).__name__ == "PmapSharding":  # no public class in JAX 0.10
+        return True
+    return isinstance(sharding, NamedSharding) and len(sharding.mesh.axis_names) == 1 and (
+        sharding.mesh.axis_names[0] in _PMAP_AXES)
+
+
+def replica_axis_size(opt_state: Any) -> tuple[str, int] | None:
+    """``(path, size)`` when ``opt_state``'s loss-scaling counters carry a leading replica axis, else None.
+
+    ``jaxmp.loss_scaling`` keeps its step counters as scalars; a leading axis on them is the pmap
+    layout whatever the leaves' sharding (a pmap step's output, a state fetched to the host). Only
+    shapes are read (arrays, host arrays or ``jax.ShapeDtypeStruct``; deleted arrays too).
+    """
+    is_state = lambda x: isinstance(x, LossScalingState)  # noqa: E731
+    for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_state)[0]:
+        if is_state(node):
+            counter = node.total_skips
+            shape = tuple(counter.shape if hasattr(counter, "shape") else np.shape(counter))
+            if shape:
+                return f"{jax.tree_util.keystr(path)}.total_skips", shape[0]
+    return None
 
 
 def _local_devices(devices: Sequence[Any] | None) -> list:

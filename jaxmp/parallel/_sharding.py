@@ -22,7 +22,7 @@ from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer
 from jaxmp.parallel._common import (
     check_divisible, check_not_donated, check_positive_int, leading_size, log_once, with_model_state,
 )
-from jaxmp.parallel._replication import REPLICA_AXIS
+from jaxmp.parallel._replication import is_pmap_replicated
 from jaxmp._step import make_generic_step
 
 
@@ -199,13 +199,8 @@ def enter_layout(tree: Any, shardings: Any, mesh: Mesh, layout: str, what: str) 
         if not isinstance(x, jax.Array) or current is None:
             return x
         name = jax.tree_util.keystr(path) or "<root>"
-        if type(current).__name__ == "PmapSharding" or (  # flax.jax_utils.replicate (no public class in 0.10)
-                isinstance(current, NamedSharding) and current.mesh.axis_names == (REPLICA_AXIS,)):
-            raise ValueError(
-                f"{what} leaf at {name} is pmap-replicated (shape {x.shape}: a leading axis of one copy per device, "
-                f"from jaxmp.parallel.replicate or flax.jax_utils.replicate), not a state for the sharded step's "
-                f"layout {layout!r}: take one copy with jaxmp.parallel.unreplicate(state) and lay it out with "
-                f"jaxmp.parallel.shard_state((params, opt_state), mesh, {layout!r})")
+        if is_pmap_replicated(x):
+            raise layouts.pmap_state_error(what, name, x.shape, layout)
         if current.is_equivalent_to(sharding, x.ndim):
             return x
         log_once("jaxmp.parallel: %s laid out as %s (first at %s) resharded to the step's layout %r (%s)",
@@ -325,12 +320,15 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         sig = jax.tree_util.tree_structure((params, opt_state)), tuple(
             (tuple(jnp.shape(x)), str(getattr(x, "dtype", type(x)))) for x in jax.tree_util.tree_leaves((params, opt_state)))
         if sig not in cache:
+            # Once per state shape: a pmap-replicated state has its own shapes, so it comes here.
+            layouts.check_not_pmap_state(params, opt_state, layout)
             cache[sig] = build(params, opt_state)
         return cache[sig]
 
     def run(params, opt_state, batch, rng=None):
-        if donate:  # a donated state used again crashes the process (SIGSEGV) instead of raising
-            check_not_donated(params, opt_state)
+        # A donated state used again crashes the process (SIGSEGV) instead of raising; one donated
+        # to another step is JAX's "Array has been deleted".
+        check_not_donated(params, opt_state, by="this step" if donate else "a step built with donate=True")
         # Checked here, not left to jit: its error for an indivisible batch does not say why.
         global_batch = leading_size(batch)
         per_device = check_divisible(global_batch, num_devices)

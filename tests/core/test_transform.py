@@ -533,6 +533,20 @@ def test_a_half_master_copy_is_refused(master_dtype):
         jaxmp._transform.master_weights(optax.sgd(1e-4), master_dtype=master_dtype)
 
 
+@pytest.mark.parametrize("master_weights", [None, False])
+@pytest.mark.parametrize("master_dtype", ["bf16", jnp.float32])
+def test_a_master_dtype_without_master_weights_is_refused(master_dtype, master_weights):
+    """Issue 48, defect 8: accepted and ignored before (no master copy kept, whatever the params'
+    dtype); the default (None) is float32 with master weights and nothing without them."""
+    with pytest.raises(ValueError, match=r"master_dtype=(bfloat16|float32) is given without master_weights=True.*"
+                                         r"would do nothing.*pass master_weights=True.*or drop master_dtype"):
+        jaxmp.loss_scaling(optax.sgd(1e-4), master_weights=master_weights, master_dtype=master_dtype)
+    params = {"w": jnp.ones(2, jnp.bfloat16)}
+    kept = jaxmp.loss_scaling(optax.sgd(1e-4), "none", master_weights=True).init(params)
+    assert jaxmp.master_params(kept)["w"].dtype == jnp.float32
+    assert jaxmp.loss_scaling(optax.sgd(1e-4), "none", master_weights=False).init(params).master_params is None
+
+
 def test_a_float32_master_moves_where_a_half_one_would_not():
     # what the refusal above prevents: the bf16 master's params never move, the float32 master's do
     params = {"w": jnp.ones(4, jnp.bfloat16)}

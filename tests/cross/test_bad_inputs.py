@@ -62,6 +62,76 @@ def _master_state_to_plain(master_first):
     return tx.update(_P, made_by.init(_P), _P)
 
 
+def _sharded(donate=False, layout="zero"):
+    """A sharded step on a tiny problem and a fresh state laid out for it (no compile until called)."""
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
+    params = {"w": jnp.zeros((8, 128))}
+    loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)  # noqa: E731
+    mesh = jaxmp.parallel.make_data_mesh()
+    step = jaxmp.parallel.make_sharded_train_step(loss, tx, mesh, layout=layout, min_shard_size=0, donate=donate)
+    batch = {"x": np.ones((16, 8), np.float32), "y": np.ones((16, 128), np.float32)}
+    return step, (params, tx.init(params)), batch
+
+
+def _pmap_replicated(how):
+    """A (params, opt_state) pair in the pmap layout: each way a user can come by one."""
+    step, state, batch = _sharded()
+    if how == "jaxmp":
+        out = jaxmp.parallel.replicate(state)
+    elif how == "flax":
+        import flax.jax_utils
+
+        out = flax.jax_utils.replicate(state)
+    elif how == "pmap step":  # a pmap step's outputs: laid out over its (the user's) axis name
+        devices = jax.local_devices()
+        sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("batch",)),
+                                              jax.sharding.PartitionSpec("batch"))
+        out = jax.tree_util.tree_map(lambda x: jax.device_put(np.stack([np.asarray(x)] * len(devices)), sharding),
+                                     state)
+    else:  # fetched to the host: numpy leaves, nothing says where they came from but the shapes
+        out = jax.device_get(jaxmp.parallel.replicate(state))
+    return step, out, batch
+
+
+def _shard_pmap_state(how):
+    step, state, _ = _pmap_replicated(how)
+    return jaxmp.parallel.shard_state(state, step.layout)
+
+
+def _step_on_pmap_state(how):
+    step, state, batch = _pmap_replicated(how)
+    return step(*state, batch)
+
+
+_DONATED = []
+
+
+def _donated_state():
+    """A state a donate=True sharded step deleted (one compile, shared by the cases)."""
+    if not _DONATED:
+        step, state, batch = _sharded(donate=True)
+        state = jaxmp.parallel.shard_state(state, step.layout)
+        step(*state, batch)
+        _DONATED.append((state, batch))
+    return _DONATED[0]
+
+
+def _donated_to_another_step():
+    state, batch = _donated_state()
+    return _sharded(layout="fsdp")[0](*state, batch)
+
+
+def _donated_to_shard_state():
+    return jaxmp.parallel.shard_state(_donated_state()[0], _sharded()[0].layout)
+
+
+_LAYERS = {"w": jnp.stack([jnp.eye(4) * 0.5] * 3)}
+
+
+def _scan(layers, **kw):
+    return jaxmp.parallel.scan_layers(lambda h, p: (h @ p["w"], None), jnp.ones(4), layers, **kw)
+
+
 def _accumulate_in_loop_with_new_shape():
     return jax.lax.fori_loop(0, 3, lambda i, y: jaxmp.accumulate(y, jnp.ones((2, 3))), jnp.zeros(3))
 
@@ -202,6 +272,37 @@ CASES_BY_CLASS = {
     "data parallel": [
         ("pmap batch_stats carried in aux", _pmap_aux_batch_stats, ValueError,
          r"'batch_stats' in its aux.*model_state=True"),
+    ],
+    "data parallel: sharded state": [
+        # Each was JAX's "Gradient only defined for scalar-output functions" (the replica axis
+        # laid out as data) or a raw shape error.
+        *[(f"shard_state of a {how}-replicated state", lambda how=how: _shard_pmap_state(how), ValueError,
+           rf"{where} .*leading replica axis|{where} is pmap-replicated.*jaxmp.parallel.unreplicate\(state\).*"
+           r"shard_state\(\(params, opt_state\), mesh, 'zero'\)")
+          for how, where in (("jaxmp", r"params leaf at \['w'\]"), ("flax", r"params leaf at \['w'\]"),
+                             ("pmap step", r"opt_state leaf at \.total_skips"),
+                             ("host", r"opt_state leaf at \.total_skips"))],
+        *[(f"sharded step given a {how}-replicated state", lambda how=how: _step_on_pmap_state(how), ValueError,
+           r"leaf at .*(is pmap-replicated|a scalar, with a leading replica axis).*jaxmp.parallel.unreplicate\(state\)")
+          for how in ("flax", "pmap step", "host")],
+        ("donated state to another step", _donated_to_another_step, ValueError,
+         r"params leaf at \['w'\] was donated to an earlier call of a step built with donate=True.*"
+         r"pass the params and opt_state the last call returned"),
+        ("donated state to shard_state", _donated_to_shard_state, ValueError,
+         r"params leaf at \['w'\] was donated to an earlier call of a step built with donate=True"),
+    ],
+    "data parallel: per-layer gathers": [
+        ("gather_params in int8", lambda: jaxmp.parallel.gather_params(_LAYERS, jnp.int8), TypeError,
+         r"gather_params: dtype must be a floating dtype .*got int8.*or None to use them as stored"),
+        ("scan_layers in int8", lambda: _scan(_LAYERS, dtype=jnp.int8), TypeError,
+         r"scan_layers: dtype must be a floating dtype .*got int8"),
+        ("gather_params dtype misspelt", lambda: jaxmp.parallel.gather_params(_LAYERS, "bfloat61"), TypeError,
+         r"gather_params: dtype must be a floating dtype, got 'bfloat61' \(names: \[.*'bfloat16'"),
+        ("scan_layers of layers of different lengths", lambda: _scan({**_LAYERS, "b": jnp.ones((2, 4))}), ValueError,
+         r"scan_layers: the layers' leaves disagree on the number of layers .*2 layers: \['b'\]; 3 layers: \['w'\]"),
+        ("scan_layers of no layers", lambda: _scan({}), ValueError, r"scan_layers got no layers: layers=\{\}"),
+        ("scan_layers of a scalar leaf", lambda: _scan({"w": jnp.float32(2)}), ValueError,
+         r"scan_layers: the layers leaf at \['w'\] is a scalar"),
     ],
     "lean recipes": [
         ("stochastic rounding without a key", lambda: jaxmp.lean.bf16_params(optax.sgd(0.1)), TypeError,
