@@ -131,7 +131,7 @@ def rules_code(rules, component: str, cls: type | None = None) -> str:
                   f"float32_ops=frozenset({sorted(rules.float32_ops)!r})")
     if rules.half_ops != default.half_ops:
         kw.append(f"half_ops=frozenset({sorted(rules.half_ops)!r})")
-    if rules.promote != default.promote:
+    if rules.promote is not None and rules.promote != default.promote:
         kw.append(f"promote={rules.promote!r}")
     if rules.matmul_output != default.matmul_output:
         kw.append(f"matmul_output={rules.matmul_output!r}")
@@ -236,7 +236,8 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     from jaxmp.engine._seams import resolve_config
     from jaxmp.engine._seams import autocast
 
-    rules = resolve_config(policy, None).rules
+    # promote=None: the code passes the same policy, which gives the preset's promotion back
+    rules = dataclasses.replace(resolve_config(policy, None).rules, promote=None)
     call = f"\nfn = jaxmp.autocast(fn, {str(policy)!r}, rules=rules)"
     if scoped:
         fixed_rules = rules.with_scope(component, "float32")

@@ -88,7 +88,8 @@ class RiskyOp(NamedTuple):
     Attributes:
       primitive: the JAX primitive (``exp``, ``reduce_sum`` ...).
       category: ``"softmax"``, ``"exp"``, ``"log"``, ``"pow"``, ``"reduction"``,
-        ``"all-reduce"`` or ``"loss"``.
+        ``"all-reduce"``, ``"loss"`` or ``"door derivative"`` (a float32-list op in half in the
+        backward of the Flax door's program, differentiated inside the loss: autocast the loss).
       dtype: the half dtype it runs in.
       shape: its input shape.
       detail: one sentence on why it is risky and what to do.
@@ -112,6 +113,8 @@ class _Ctx:
     name_prefix: tuple[str, ...] = ()
     # Ops traced inside library code (jax.nn.*) have no user frame; fall back to the call site.
     source: str = ""
+    # the enclosing equations' name stacks (transformations and scopes), outermost first
+    stack: tuple = ()
 
 
 @dataclasses.dataclass
@@ -264,7 +267,56 @@ def classify_risk(eqn, consumers=None, reduction_threshold: int = 1024) -> tuple
     return category, detail
 
 
+#: The scope the Flax door's engine program runs in (``jaxmp[keep]:autocast(flax <policy>)``).
+_DOOR_SCOPE = "jaxmp[keep]:autocast(flax "
+
+
+def door_derivative(stack) -> bool:
+    """Whether a name stack is the backward pass of the Flax door's program, itself differentiated.
+
+    The door runs the model through the engine, but a ``jax.grad`` taken *of* the door (outside
+    it) transposes the door's half ops as they are. In an ordinary train step that backward is
+    the gradient (``transpose(jvp(door))``, as under ``torch.autocast``); a derivative that is
+    part of the loss's value (a physics-informed residual, a gradient penalty) is then
+    differentiated again or differentiated twice: at least three ``jvp``/``transpose`` wrappers
+    around the door's scope, one of them a transpose.
+
+    Args:
+      stack: `jaxmp._jaxpr.StackItem` items, outermost first (the enclosing equations' too).
+
+    Returns:
+      True for an op of such a derivative.
+    """
+    for i, item in enumerate(stack):
+        if item.kind == "scope" and item.name.startswith(_DOOR_SCOPE):
+            wrappers = [s.name for s in stack[:i] if s.kind == "transform" and s.name in ("jvp", "transpose")]
+            return "transpose" in wrappers and len(wrappers) >= 3
+    return False
+
+
+def _door_derivative_risk(eqn, ctx: _Ctx) -> RiskyOp | None:
+    """A float32-list op in half inside a differentiated door derivative (see `door_derivative`)."""
+    from jaxmp.engine._rules import FLOAT32_OPS
+
+    prim = eqn.primitive.name
+    if prim not in FLOAT32_OPS or not eqn.invars or not hasattr(eqn.invars[0], "aval"):
+        return None
+    aval = eqn.invars[0].aval
+    if not _format.is_low_precision(getattr(aval, "dtype", None)) or not door_derivative(
+            ctx.stack + _jaxpr.stack_of(eqn)):
+        return None
+    d = _format.short_dtype(aval.dtype)
+    return RiskyOp(prim, "door derivative", d, tuple(map(int, aval.shape)),
+                   f"{prim} in {d} in the backward of jaxmp.flax.mixed_precision's program, which the loss "
+                   "differentiates (u_x, u_xx, a gradient penalty): JAX transposes the door's half ops as they are, "
+                   "so this float32-list op is not float32; wrap the whole loss in jaxmp.autocast(loss, preset) "
+                   "(docs/choose-your-way-in.md)", " > ".join(ctx.context), _name(eqn, ctx), _source(eqn, ctx))
+
+
 def _risk(eqn, ctx: _Ctx, col: _Collector, consumers) -> RiskyOp | None:
+    door = _door_derivative_risk(eqn, ctx)
+    if door is not None:
+        return door
     found = classify_risk(eqn, consumers, col.reduction_threshold)
     if found is None:
         return None
@@ -399,16 +451,17 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
         own = _format.user_path(_jaxpr.stack_of(eqn))
         prefix = ctx.name_prefix + ((own,) if own else ())
         src = _source(eqn, ctx)
+        stack = ctx.stack + _jaxpr.stack_of(eqn)
         if prim == "scan":
             length = int(eqn.params["length"])
-            sub = _Ctx(ctx.calls * length, ctx.context + (f"scan x{length}",), prefix, src)
+            sub = _Ctx(ctx.calls * length, ctx.context + (f"scan x{length}",), prefix, src, stack)
             flops += _walk(eqn.params["jaxpr"].jaxpr, sub, col)
         elif prim == "cond":
             branch_flops, spans = [], []
             branches = eqn.params["branches"]
             for i, br in enumerate(branches):
                 start = len(col.ops)
-                sub = _Ctx(ctx.calls, ctx.context + (f"cond branch {i}/{len(branches)}",), prefix, src)
+                sub = _Ctx(ctx.calls, ctx.context + (f"cond branch {i}/{len(branches)}",), prefix, src, stack)
                 branch_flops.append(_walk(br.jaxpr, sub, col))
                 spans.append((start, len(col.ops)))
             taken = int(np.argmax(branch_flops)) if branch_flops else 0
@@ -419,7 +472,7 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
             flops += branch_flops[taken] if branch_flops else 0
         elif prim == "while":
             col.unknown_trip_counts += 1
-            sub = _Ctx(ctx.calls, ctx.context + ("while (trip count unknown, counted once)",), prefix, src)
+            sub = _Ctx(ctx.calls, ctx.context + ("while (trip count unknown, counted once)",), prefix, src, stack)
             flops += _walk(eqn.params["cond_jaxpr"].jaxpr, sub, col)
             flops += _walk(eqn.params["body_jaxpr"].jaxpr, sub, col)
         else:
@@ -432,7 +485,7 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
                                        if _jaxpr.is_var(o) and o in col.values})
                     col.inputs.update(i for i, o in zip(sub_jaxpr.invars, eqn.invars)
                                       if _jaxpr.is_var(o) and o in col.inputs)
-                flops += _walk(sub_jaxpr, _Ctx(ctx.calls, ctx.context + (label,), prefix, src), col)
+                flops += _walk(sub_jaxpr, _Ctx(ctx.calls, ctx.context + (label,), prefix, src, stack), col)
     return flops
 
 

@@ -74,7 +74,8 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     Args:
       policy: a preset name, policy string, [`jaxmp.Policy`][jaxmp.Policy], ``jmp.Policy`` or
         [`jaxmp.Recipe`][jaxmp.Recipe].
-      rules: explicit [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for the preset's.
+      rules: explicit [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for the preset's; their
+        ``promote=None`` (the default) becomes the preset's (O1 ``"demand"``, O2/O3 ``"narrow"``).
 
     Returns:
       The `jaxmp.engine._config.AutocastConfig`.
@@ -97,17 +98,21 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
         _warn_pure_half(policy, compute)
     name = recipe.name if recipe is not None else str(resolved)
     level = recipe.level if recipe is not None else None
+    weights = level == "O2" or (level is None and np.dtype(resolved.param_dtype).itemsize < 4)
+    # O1 keeps float32 where a value needs it (the accuracy-first default); O2 and O3 narrow float32
+    # operands to half (Apex's "almost pure half" speed trade): see AutocastRules.promote. Rules
+    # given with promote=None take the preset's: passing rules must not change the program.
+    promote = "narrow" if weights or level == "O3" else "demand"
+    if rules is not None and rules.promote is None:
+        rules = dataclasses.replace(rules, promote=promote)
     if compute.itemsize >= 4:
         return AutocastConfig(name, compute, np.dtype(resolved.output_dtype), "",
-                              rules or AutocastRules(), identity=True)
+                              rules or AutocastRules(promote="demand"), identity=True)
     if level == "O3":
         return AutocastConfig(name, compute, compute, "all", rules or PURE_HALF_RULES)
-    weights = level == "O2" or (level is None and np.dtype(resolved.param_dtype).itemsize < 4)
     cast_inputs = "weights" if weights else ""
     output = np.dtype(resolved.output_dtype) if level is None else _F32
-    # O1 keeps float32 where a value needs it (the accuracy-first default); O2 narrows float32
-    # operands to half (Apex's "almost pure half" speed trade): see AutocastRules.promote.
-    rules = rules or AutocastRules(promote="narrow" if weights else "demand")
+    rules = rules or AutocastRules(promote=promote)
     fp8_recipe = getattr(recipe, "fp8", None)
     if fp8_recipe is not None:
         if isinstance(fp8_recipe, fp8.DelayedScaling):
@@ -151,7 +156,9 @@ def flax_config(policy: Policy, rules: AutocastRules) -> AutocastConfig:
       An `jaxmp.engine._config.AutocastConfig` (``identity`` for a float32 compute dtype).
     """
     compute = np.dtype(policy.compute_dtype)
+    # The door's rules come merged onto default_rules(preset), whose promote is set; rules made by
+    # hand with promote=None get what default_rules gives a bare policy.
     ops = dataclasses.replace(rules, class_rules=(), path_rules=(), fp8_matmuls=None, float32_loss=True,
-                              fused_attention=True)
+                              fused_attention=True, promote=rules.promote or "demand")
     return AutocastConfig(f"flax {policy}", compute, np.dtype(policy.output_dtype), "", ops,
                           identity=compute.itemsize >= 4, modules=rules.module_rules(policy), front_door=True)

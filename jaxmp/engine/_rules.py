@@ -177,13 +177,15 @@ class AutocastRules:
     starting point (matmul layers ``"half"``, norm layers ``"float32"``).
 
     ``promote`` decides an op that follows inputs of different floating dtypes: ``"demand"``
-    (O1: float32 where a float32 value is needed downstream), ``"narrow"`` (O2: half wins) or
-    ``"widest"`` (``torch.autocast``'s rule). See docs/autocast.md#the-promotion-rule-ops-that-follow.
+    (O1: float32 where a float32 value is needed downstream), ``"narrow"`` (O2 and O3: half wins)
+    or ``"widest"`` (``torch.autocast``'s rule); None (the default) takes the preset's, so passing
+    rules never changes a preset's promotion. See docs/autocast.md#the-promotion-rule-ops-that-follow.
 
     Attributes:
       half_ops: primitive names run in the compute dtype.
       float32_ops: primitive names run in float32.
-      promote: ``"demand"``, ``"narrow"`` or ``"widest"``.
+      promote: ``"demand"``, ``"narrow"``, ``"widest"``, or None: the preset's (O1 ``"demand"``,
+        O2 and O3 ``"narrow"``), resolved when autocast or the Flax door reads the rules.
       matmul_output: ``"compute"`` (half-list ops return the compute dtype) or ``"float32"``
         (they return float32 via ``preferred_element_type``); GPUs and TPUs accumulate in
         float32 either way.
@@ -192,7 +194,9 @@ class AutocastRules:
         ``"keep"``: as traced).
       class_rules: ``((module_class, dtype), ...)``: calls of instances of that class (and
         subclasses) run in ``dtype``; the Flax door also casts the layer's params and inputs, and
-        takes a [`jaxmp.Policy`][jaxmp.Policy] as the dtype.
+        takes a [`jaxmp.Policy`][jaxmp.Policy] as the dtype. ``"follow"`` for a class with no
+        earlier rule here stays listed, to take the preset's rule off when these rules are merged
+        onto the Flax door's preset rules; it marks nothing itself.
       path_rules: ``((glob, "float32"), ...)`` (Flax door): the module at a matching path and
         everything under it run in float32; beats class rules.
       fp8_matmuls: None or a `jaxmp.fp8` recipe for the half-list matmuls (autocast takes
@@ -210,7 +214,7 @@ class AutocastRules:
 
     half_ops: frozenset[str] = HALF_OPS
     float32_ops: frozenset[str] = FLOAT32_OPS
-    promote: str = "demand"
+    promote: str | None = None
     matmul_output: str = "compute"
     scope_rules: tuple[tuple[str, str], ...] = ()
     class_rules: tuple[tuple[type, Any], ...] = ()
@@ -218,6 +222,9 @@ class AutocastRules:
     path_rules: tuple[tuple[str, str], ...] = ()
     float32_loss: bool = True
     fused_attention: bool = True
+    # True for a whole rule set (jaxmp.flax.default_rules and what is built from it): the Flax
+    # door uses it as given; other rules are edits merged onto the preset's. Not part of equality.
+    _complete: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     def __post_init__(self):
         if self.fp8_matmuls is not None and not isinstance(self.fp8_matmuls, fp8.Fp8Recipe):
@@ -227,8 +234,9 @@ class AutocastRules:
         f32 = _op_set(self.float32_ops, "AutocastRules.float32_ops")
         if half & f32:
             raise ValueError(f"ops {sorted(half & f32)} are in both half_ops and float32_ops; pick one")
-        if self.promote not in _PROMOTE:
-            raise ValueError(f"AutocastRules.promote must be one of {_PROMOTE}, got {self.promote!r}")
+        if self.promote is not None and self.promote not in _PROMOTE:
+            raise ValueError(f"AutocastRules.promote must be one of {_PROMOTE} or None (the preset's), "
+                             f"got {self.promote!r}")
         if self.matmul_output not in _MATMUL_OUT:
             raise ValueError(f"AutocastRules.matmul_output must be one of {_MATMUL_OUT}, got {self.matmul_output!r}")
         for name in ("float32_loss", "fused_attention"):
@@ -245,8 +253,12 @@ class AutocastRules:
                 raise TypeError(f"class_rules entries must be (module class, dtype) pairs, got {item!r}")
             cls = _module_class(item[0], "AutocastRules.class_rules")
             action = _class_action(item[1], f"class rule {cls.__name__}")
-            # A later rule for the same class replaces the earlier one; "follow" only removes it.
-            classes = [(c, d) for c, d in classes if c is not cls] + ([] if action == "follow" else [(cls, action)])
+            # A later rule for the same class replaces the earlier one; "follow" only removes it (and
+            # stays listed where there was none, to remove the preset's rule when merged onto it).
+            earlier = any(c is cls for c, _ in classes)
+            classes = [(c, d) for c, d in classes if c is not cls]
+            if not (action == "follow" and earlier):
+                classes.append((cls, action))
         paths: list[tuple[str, str]] = []
         for item in self.path_rules:
             if not (isinstance(item, tuple) and len(item) == 2):
@@ -408,7 +420,39 @@ class AutocastRules:
           >>> compiled.rule_at(("head",), nn.Dense).action, compiled.rule_at(("body",), nn.Dense).action
           ('float32', 'half')
         """
-        return _compile(self.class_rules, self.path_rules, policy)
+        return _compile(tuple((c, d) for c, d in self.class_rules if not _is_follow(d)), self.path_rules, policy)
+
+
+def merge_rules(base: AutocastRules, edits: AutocastRules) -> AutocastRules:
+    """``edits`` (a rules object built from ``AutocastRules()``) applied onto a preset's ``base`` rules.
+
+    What the Flax door does with a rules object that is not a whole rule set
+    ([`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] and copies of it are): the op lists move
+    the ops that ``edits`` moved relative to ``AutocastRules()``'s lists; scope, class and path rules
+    come after the preset's (a class rule of ``edits`` replaces the preset's for that class,
+    ``"follow"`` takes it off); every other field set away from ``AutocastRules()``'s default wins.
+
+    Args:
+      base: the preset's whole rule set.
+      edits: the user's rules.
+
+    Returns:
+      A whole rule set (used as given if merged again).
+    """
+    bare = AutocastRules()
+    f32_add, f32_drop = edits.float32_ops - bare.float32_ops, bare.float32_ops - edits.float32_ops
+    half_add, half_drop = edits.half_ops - bare.half_ops, bare.half_ops - edits.half_ops
+    fields = {f: getattr(edits, f) if getattr(edits, f) != getattr(bare, f) else getattr(base, f)
+              for f in ("promote", "matmul_output", "fp8_matmuls", "float32_loss", "fused_attention")}
+    return AutocastRules(
+        half_ops=(base.half_ops - half_drop - f32_add) | half_add,
+        float32_ops=(base.float32_ops - f32_drop - half_add) | f32_add,
+        scope_rules=base.scope_rules + edits.scope_rules, class_rules=base.class_rules + edits.class_rules,
+        path_rules=base.path_rules + edits.path_rules, _complete=True, **fields)
+
+
+def _is_follow(action: Any) -> bool:
+    return isinstance(action, str) and action == "follow"
 
 
 #: The rules of O3: pure half precision, nothing kept in float32.

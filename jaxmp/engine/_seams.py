@@ -22,6 +22,7 @@ from jaxmp.engine._rules import MARKER
 from jaxmp.engine._rules import ModuleRule
 from jaxmp.engine._rules import ModuleRules
 from jaxmp.engine._rules import PURE_HALF_RULES
+from jaxmp.engine._rules import merge_rules
 
 __all__ = [
     "AutocastRules",
@@ -41,6 +42,7 @@ __all__ = [
     "install_call_hooks",
     "instance_rules",
     "internals",
+    "merge_rules",
     "module_interceptor",
     "resolve_config",
     "tested",

@@ -40,8 +40,10 @@ def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike, rules: 
       model: a ``flax.linen.Module`` or ``flax.nnx.Module`` instance.
       policy: a [`jaxmp.Policy`][jaxmp.Policy], a preset name (``"O1-bf16"``, ``"O2-fp16"`` ...), a jmp
         policy string (``"p=f32,c=bf16,o=f32"``), a [`jaxmp.Recipe`][jaxmp.Recipe] or a ``jmp.Policy``.
-      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules] (start from
-        [`default_rules`][jaxmp.flax.default_rules]), or None for the preset's defaults.
+      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for the preset's defaults.
+        [`default_rules`][jaxmp.flax.default_rules]``(preset)`` edited with ``with_*`` is used as
+        given; a rules object built from ``jaxmp.AutocastRules()`` is merged onto the preset's
+        rules (its entries win), so the preset's class rules and op lists stay.
       overrides: the deprecated name of ``rules`` (one release, with a ``DeprecationWarning``).
 
     Returns:

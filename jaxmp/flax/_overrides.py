@@ -19,7 +19,7 @@ from flax import nnx
 from jaxmp import _deprecations
 from jaxmp import fp8 as _fp8
 from jaxmp._typing import PolicyLike
-from jaxmp.engine._seams import PURE_HALF_RULES, AutocastRules, ModuleRule, ModuleRules
+from jaxmp.engine._seams import PURE_HALF_RULES, AutocastRules, ModuleRule, ModuleRules, merge_rules
 from jaxmp._policy import Policy
 from jaxmp._presets import FLOAT32_CATEGORIES, Recipe, as_policy, get_recipe, resolve_policy
 
@@ -155,11 +155,12 @@ def default_rules(policy: PolicyLike = "O1", keep_float32: Iterable[str] | None 
         unknown = [c for c in keep if c not in FLOAT32_CATEGORIES]
         if unknown:
             raise ValueError(f"unknown keep_float32 categories {unknown}: expected a subset of {FLOAT32_CATEGORIES}")
-    ops = AutocastRules() if "softmax" in keep else PURE_HALF_RULES
+    # A whole rule set (promote set, _complete): the door uses it as given, edits and all.
+    ops = AutocastRules(promote="demand") if "softmax" in keep else PURE_HALF_RULES
     classes = tuple((c, "half") for c in DEFAULT_HALF_MODULES)
     if "norm" in keep:
         classes += tuple((c, "float32") for c in DEFAULT_NORM_MODULES)
-    return dataclasses.replace(ops, class_rules=classes, float32_loss="loss" in keep,
+    return dataclasses.replace(ops, class_rules=classes, float32_loss="loss" in keep, _complete=True,
                                fp8_matmuls=recipe.fp8 if recipe is not None else None)
 
 
@@ -174,8 +175,11 @@ def resolve_rules(policy: PolicyLike, rules: Any = None, overrides: Any = None) 
     Args:
       policy: a [`jaxmp.Policy`][jaxmp.Policy], ``jmp.Policy``, [`jaxmp.Recipe`][jaxmp.Recipe] or policy string;
         a preset also picks the default rules ([`default_rules`][jaxmp.flax.default_rules]).
-      rules: an [`AutocastRules`][jaxmp.AutocastRules], or None for the preset's. (Deprecated, one
-        release: a ``PrecisionOverrides`` or a tuple of categories.)
+      rules: an [`AutocastRules`][jaxmp.AutocastRules], or None for the preset's. Rules from
+        [`default_rules`][jaxmp.flax.default_rules] (and copies edited by ``with_*``) are used as
+        given; any other rules object is merged onto the preset's rules, its entries winning
+        (`jaxmp.engine._rules.merge_rules`). (Deprecated, one release: a ``PrecisionOverrides`` or
+        a tuple of categories.)
       overrides: the deprecated keyword of the same argument.
 
     Returns:
@@ -208,6 +212,10 @@ def resolve_rules(policy: PolicyLike, rules: Any = None, overrides: Any = None) 
     elif not isinstance(rules, AutocastRules):
         raise TypeError(f"rules must be a jaxmp.AutocastRules (jaxmp.flax.default_rules(preset) to start from), "
                         f"got {type(rules).__name__}: {rules!r}")
+    elif not rules._complete:
+        # Rules built from AutocastRules() are edits: replacing the preset's rules with them would
+        # drop its class rules (norms in float32) and op lists. They are merged onto them instead.
+        rules = merge_rules(default_rules(recipe if recipe is not None else resolved), rules)
     if rules.fp8_matmuls is not None:
         _fp8.check_hardware(rules.fp8_matmuls)  # native, emulated on CPU, or a clear error naming the device
     return resolved, rules
@@ -267,9 +275,9 @@ class PrecisionOverrides:
 
     def to_rules(self) -> AutocastRules:
         """The same rules as an [`jaxmp.AutocastRules`][jaxmp.AutocastRules] (what the Flax door runs)."""
-        ops = AutocastRules() if self.fp32_softmax else PURE_HALF_RULES
+        ops = AutocastRules(promote="demand") if self.fp32_softmax else PURE_HALF_RULES
         classes = tuple((c, "half") for c in self.half_modules) + tuple((c, "float32") for c in self.fp32_modules)
-        return dataclasses.replace(ops, class_rules=classes + self.module_policies,
+        return dataclasses.replace(ops, class_rules=classes + self.module_policies, _complete=True,
                                    path_rules=tuple((p, "float32") for p in self.fp32_paths),
                                    float32_loss=self.fp32_loss, fused_attention=self.fused_attention, fp8_matmuls=self.fp8)
 

@@ -37,8 +37,34 @@ def _diagnostics_printed(ns, tmp_path):
     assert (tmp_path / "gradient_stats.png").stat().st_size > 10_000
 
 
+def _imagenet_recipe(ns, tmp_path):
+    """migrating/flax-dynamic-scale.md's pmap recipe: the NaN step is skipped exactly, the BatchNorm
+    statistics agree across replicas, and the sharded step computes the pmap step's loss."""
+    import jax
+    import numpy as np
+
+    from jaxmp._opt_state import find_loss_scaling_state
+
+    def same(a, b):
+        return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    (first_before, first_after, first_loss), (before, after, nan_loss), (_, _, last_loss) = ns["history"]
+    assert jax.device_count() == 8 and np.isnan(nan_loss) and np.isfinite(first_loss) and np.isfinite(last_loss)
+    assert not np.asarray(ns["jaxmp"].last_step_finite(after.opt_state)).any()
+    inner = lambda s: find_loss_scaling_state(s.opt_state).inner_state   # noqa: E731
+    assert same(before.params, after.params) and same(inner(before), inner(after))
+    assert same(before.batch_stats, after.batch_stats)
+    assert not same(first_before.batch_stats, first_after.batch_stats)  # an applied step moves them
+    for state in (first_after, ns["pstate"]):
+        for leaf in jax.tree.leaves(state.batch_stats):
+            leaf = np.asarray(leaf)
+            assert all(np.array_equal(leaf[0], leaf[i]) for i in range(leaf.shape[0]))
+    assert np.isclose(float(ns["s_metrics"]["loss"]), first_loss, rtol=1e-5)
+
+
 # What some pages' code must have done, beyond running without an error.
-CHECKS = {"guides/flax-linen.md": _linen_trained, "diagnostics.md": _diagnostics_printed}
+CHECKS = {"guides/flax-linen.md": _linen_trained, "diagnostics.md": _diagnostics_printed,
+          "migrating/flax-dynamic-scale.md": _imagenet_recipe}
 # Pages that need an optional extra (CI installs them: .ci/run).
 REQUIRES = {"guides/equinox.md": "equinox", "guides/haiku.md": "haiku"}
 # Every page's examples run in the slow tier (`pytest -m slow`, run by .ci/run): running the

@@ -49,8 +49,11 @@ def test_a_bare_half_dtype_name_is_pure_half_with_a_warning_naming_the_mixed_pre
 
 
 def test_explicit_rules_are_used_and_anything_else_is_refused():
-    rules = jaxmp.AutocastRules()
+    rules = jaxmp.AutocastRules(promote="widest")
     assert resolve_config("O1-bf16", rules).rules is rules
+    # promote=None (the default) is the preset's, filled in; the rest is the rules as given
+    edited = jaxmp.AutocastRules().with_float32("tanh")
+    assert resolve_config("O2-bf16", edited).rules == edited.__class__(float32_ops=edited.float32_ops, promote="narrow")
     with pytest.raises(TypeError, match="rules must be a jaxmp.AutocastRules, got dict"):
         resolve_config("O1-bf16", {"half": ["dot_general"]})
     with pytest.raises(ValueError):

@@ -479,3 +479,54 @@ def test_a_preset_carries_its_level_as_data_not_in_its_name():
     assert config.cast_inputs == "all" and config.rules.float32_ops == frozenset()
     with pytest.warns(DeprecationWarning, match="keep_float32"):
         assert recipe.keep_fp32 == recipe.keep_float32 == ()
+
+
+# ---- issue 48, defect 4: a rules object keeps the preset's promotion ----
+
+def _preset_promote(name):
+    """The documented promotion of a preset: O2 and O3 narrow, everything else demand."""
+    from jaxmp._presets import parse_preset
+
+    return "narrow" if parse_preset(name).level in ("O2", "O3") else "demand"
+
+
+@pytest.mark.parametrize("name", __import__("jaxmp._presets", fromlist=["_"]).PRESET_NAMES)
+def test_a_rules_object_keeps_the_presets_promotion(name):
+    from jaxmp.engine._config import resolve_config
+
+    edited = jaxmp.AutocastRules().with_float32("tanh")
+    try:
+        plain = resolve_config(name, None).rules
+    except ValueError as e:  # O2-fp8: delayed scaling is the Flax door's only
+        assert "delayed" in str(e)
+        return
+    given = resolve_config(name, edited).rules
+    assert plain.promote == given.promote == _preset_promote(name), (name, plain.promote, given.promote)
+    assert "tanh" in given.float32_ops
+    # an explicit promote still wins
+    assert resolve_config(name, jaxmp.AutocastRules(promote="widest")).rules.promote == "widest"
+
+
+def test_o2_with_a_float32_op_edit_runs_o2s_program_with_that_op_in_float32():
+    # The noise schedule of docs/autocast.md: a float32 bias near -13.3 after a bf16 matmul. O2
+    # narrows the bias add to bf16; a rules object that moves tanh to the float32 list must change
+    # tanh and only what tanh's float32 result meets, not the promotion of the rest.
+    def f(p, t):
+        gamma = (t[:, None] @ jnp.abs(p["w"]))[:, 0] + p["b"]
+        return jnp.mean(jnp.tanh(gamma * 0.1) + gamma)
+
+    p = {"w": np.full((1, 1), 18.3, np.float32), "b": np.full((1,), -13.3, np.float32)}
+    t = np.linspace(0, 1, 4, dtype=np.float32)
+
+    def dtypes(rules):
+        return [(op.primitive, op.out_dtypes[0]) for op in op_dtypes(jaxmp.autocast(f, "O2-bf16", rules=rules), p, t)
+                if op.primitive in ("dot_general", "add", "mul", "tanh")]
+
+    o2, edited = dtypes(None), dtypes(jaxmp.AutocastRules().with_float32("tanh"))
+    assert o2 == [("dot_general", BF16), ("add", BF16), ("mul", BF16), ("tanh", BF16), ("add", BF16)], o2
+    # the bias add and the scaling stay narrowed as O2 does (0a46f1b's default made them float32)
+    assert edited[:3] == o2[:3], edited
+    assert edited[3] == ("tanh", F32), edited
+    # an explicit promote="demand" still wins: the bias add feeding the mean is float32
+    demand = dtypes(jaxmp.AutocastRules(promote="demand").with_float32("tanh"))
+    assert demand[1] == ("add", F32), demand

@@ -552,3 +552,38 @@ def test_a_block_kept_in_float32_by_a_class_rule_stores_its_layers_params_in_flo
     params = variables["params"]
     assert params["enc"]["inner"]["kernel"].dtype == np.float32
     assert params["head"]["kernel"].dtype == jnp.bfloat16
+
+
+# ---- issue 48, defect 4: a rules object at the Flax door keeps the preset's rules ----
+
+class _NormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.LayerNorm()(nn.Dense(4)(x)))
+
+
+@pytest.mark.parametrize("name", __import__("jaxmp._presets", fromlist=["_"]).PRESET_NAMES)
+def test_flax_door_merges_a_rules_object_onto_the_presets_rules(name):
+    base = default_rules(name)
+    wrapped = jaxmp.flax.mixed_precision(_NormNet(), name, jaxmp.AutocastRules().with_float32("tanh"))
+    rules = wrapped.rules
+    expected = "narrow" if name.startswith(("O2", "O3")) else "demand"
+    assert base.promote == rules.promote == expected, (name, rules.promote)
+    assert rules.class_rules == base.class_rules                 # norms in float32 stay (O3: none)
+    assert rules.float32_ops == base.float32_ops | {"tanh"}      # the preset's op list, plus the edit
+    assert rules.float32_loss == base.float32_loss and rules.fp8_matmuls == base.fp8_matmuls
+    # a whole rule set (default_rules edited) is used as given
+    whole = default_rules("O1").with_path("head", "float32")
+    assert jaxmp.flax.mixed_precision(_NormNet(), name, whole).rules == whole
+
+
+def test_flax_door_with_a_rules_object_keeps_layernorm_params_in_float32_at_o2():
+    x = np.ones((2, 3), np.float32)
+    for rules, norm in ((jaxmp.AutocastRules().with_float32("tanh"), F32),
+                        (jaxmp.AutocastRules().with_class(nn.LayerNorm, "follow"), BF16)):
+        wrapped = jaxmp.flax.mixed_precision(_NormNet(), "O2-bf16", rules)
+        params = jax.eval_shape(wrapped.init, jax.random.key(0), x)["params"]
+        # O2 stores half params; the preset's float32 class rule keeps the norm's in float32
+        # ("follow" takes that rule off), and the Dense stays half either way
+        assert params["LayerNorm_0"]["scale"].dtype == norm, rules
+        assert params["Dense_0"]["kernel"].dtype == BF16
