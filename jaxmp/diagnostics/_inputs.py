@@ -108,7 +108,7 @@ def prepare(name: str, fn: Any, args: tuple, kwargs: dict, *, need_args: bool = 
                         "over are constants to it")
     from jaxmp._opt_state import first_non_finite
 
-    bad = first_non_finite((args, kwargs))
+    bad = first_non_finite((args, kwargs) if kwargs else tuple(args))
     if bad is not None:
         raise ValueError(f"{name}: the input {bad} already holds inf/NaN, so the run is not finite before any op "
                          "rounds; locate where it came from first (the data, or the previous step: "

@@ -284,7 +284,7 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
                         f"{type(fn).__name__}: {fn!r}")
     if loss_scale is not None:
         loss_scale = _inputs.check_loss_scale("locate_non_finite", loss_scale)
-    bad = first_non_finite((args, kwargs))
+    bad = first_non_finite((args, kwargs) if kwargs else tuple(args))  # "[1]": the argument's position
     if bad is not None:
         return NonFiniteCulprit(False, bad_input=bad)
     prep = _inputs.prepare("locate_non_finite", fn, args, kwargs, need_args=False)
