@@ -13,7 +13,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxmp.diagnostics import _format
 from jaxmp.diagnostics._evaluate import StrictJit
