@@ -112,9 +112,17 @@ def _site(index: int, eqn, where: _Where) -> Site:
                 " > ".join(where.context))
 
 
-def _inner(eqn) -> list[tuple[Any, str]]:
-    """The jaxprs this evaluator enters for ``eqn`` with a context label ("" for inlined calls)."""
+def _inner(eqn, maps: bool = False) -> list[tuple[Any, str]]:
+    """The jaxprs this evaluator enters for ``eqn`` with a context label ("" for inlined calls).
+
+    ``maps``: also the per-device bodies of ``shard_map`` and ``pmap`` (the static walks of
+    strict mode: the evaluator itself runs a mapped program as one op).
+    """
     kind = internals.primitive_kind(eqn)
+    if maps and kind == "shard_map":
+        return [(_jaxpr.open_jaxpr(internals.param(eqn, "jaxpr")), "shard_map")]
+    if maps and eqn.primitive.name == "xla_pmap":
+        return [(_jaxpr.open_jaxpr(internals.param(eqn, "call_jaxpr")), "pmap")]
     if kind == "call":
         return [(internals.call_jaxpr(eqn)[0], "")]
     if kind == "remat":
@@ -154,9 +162,11 @@ def module_of(keypath: str) -> str:
 
 
 def _unnamed(path: str) -> bool:
-    """No instance name in ``path``: empty, or only class scopes (Equinox's ``eqx.nn.Linear``, which
-    the parameter's path replaces: ``sched`` says which of the model's Linears it is)."""
-    return all("." in part for part in path.split("/")) if path else True
+    """No instance name in ``path``: empty, or only class scopes (Equinox's ``eqx.nn.Linear``, NNX's
+    ``Linear``, which the parameter's path replaces: ``sched`` says which of the model's Linears it is)."""
+    # A class name: Equinox's dotted ``eqx.nn.Linear``, or the bare ``Linear`` that the Flax
+    # NNX door's per-call scope is (instance names are attribute names, lower case).
+    return all("." in part or part[:1].isupper() for part in path.split("/")) if path else True
 
 
 class Sites:
@@ -164,10 +174,13 @@ class Sites:
 
     Args:
       jaxpr: the program (an open jaxpr).
+      leaf_paths: the key paths of its inputs (names the ops of modules without a scope).
+      maps: enter ``shard_map`` and ``pmap`` bodies (static walks only: `evaluate` cannot).
     """
 
-    def __init__(self, jaxpr, leaf_paths: Sequence[str] | None = None):
+    def __init__(self, jaxpr, leaf_paths: Sequence[str] | None = None, maps: bool = False):
         self.sites: list[Site] = []
+        self._maps = maps
         self._ids: dict[tuple, int] = {}
         # Frameworks that emit no name scope per module instance (Flax NNX; Equinox names the class,
         # not the attribute) still say which parameter an op reads: a site without an instance
@@ -180,7 +193,7 @@ class Sites:
     def _walk(self, jaxpr, where: _Where, key: tuple, origin: dict) -> None:
         for eqn in _jaxpr.equations(jaxpr):
             w = _where(eqn, where)
-            inner = _inner(eqn)
+            inner = _inner(eqn, self._maps)
             from_param = next((origin[a] for a in eqn.invars if not _jaxpr.is_literal(a) and a in origin), "")
             if inner:
                 for j, label in inner:
@@ -453,6 +466,9 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict) -> tuple[Any, Any]:
 
     if not callable(fn):
         raise TypeError(f"expected a callable (a loss function or a train step), got {type(fn).__name__}: {fn!r}")
-    with explaining():
+    from jaxmp._traps import loss_scaled_grad
+
+    # The debugger's own differentiation is no user's unscaled float16 gradient: no warning for it.
+    with explaining(), loss_scaled_grad():
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     return closed, jax.tree_util.tree_structure(shape)

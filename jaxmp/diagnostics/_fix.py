@@ -66,9 +66,11 @@ def train_step(loss_and_grad: Callable, tx) -> StrictJit:
     Called as ``step(params, opt_state, rest) -> (loss, new params, new opt_state)``; compiled
     once per input shapes with the debugger's options (`StrictJit`).
     """
+    from jaxmp.diagnostics._inputs import scaled_like_the_step
+
     def one(params, state, rest):
         loss, grads = loss_and_grad(params, *rest)
-        updates, state = tx.update(grads, state, params)
+        updates, state = tx.update(scaled_like_the_step(grads, state), state, params)
         return jnp.asarray(loss, jnp.float32), apply_updates(params, updates), state
 
     return StrictJit(one)
@@ -205,7 +207,8 @@ def _own_precision_code(path: str, params: Any = None) -> str:
 
 
 def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_error: float, loss_float32: float,
-                steps: int, tx: Any, scoped: bool = True, meanwhile: Callable[[], Any] | None = None) -> Fix:
+                steps: int, tx: Any, scoped: bool = True, meanwhile: Callable[[], Any] | None = None,
+                rules: Any = None) -> Fix:
     """The override keeping module ``path`` in float32, measured when ``policy`` is an autocast policy.
 
     Under ``jaxmp.autocast`` the override is a scope rule for the module's name-stack component,
@@ -226,6 +229,7 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
       meanwhile: called once the fixed run's program compiles in the background (other work of
         the caller that can overlap it), before its result is awaited; not called when the fix
         is written but not measured.
+      rules: the user's `jaxmp.AutocastRules` the comparison ran with (None: the policy's).
 
     Returns:
       A `Fix`.
@@ -237,7 +241,7 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     from jaxmp.engine._seams import autocast
 
     # promote=None: the code passes the same policy, which gives the preset's promotion back
-    rules = dataclasses.replace(resolve_config(policy, None).rules, promote=None)
+    rules = dataclasses.replace(resolve_config(policy, None).rules, promote=None) if rules is None else rules
     call = f"\nfn = jaxmp.autocast(fn, {str(policy)!r}, rules=rules)"
     if scoped:
         fixed_rules = rules.with_scope(component, "float32")
@@ -262,7 +266,7 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
         forward = StrictJit(fixed).prepare(*args)
     if meanwhile is not None:
         meanwhile()
-    low_b, total = _matmul_low_flops(jax.value_and_grad(autocast(fn, policy)), args)
+    low_b, total = _matmul_low_flops(jax.value_and_grad(autocast(fn, policy, rules=rules)), args)
     low_a, _ = _matmul_low_flops(jax.value_and_grad(fixed), args)
     if steps:
         loss_fix = train(None, args[0], args[1:], steps, tx, step)[1][-1]

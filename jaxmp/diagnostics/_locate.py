@@ -21,6 +21,8 @@ from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, leaf_paths, trace
 
 _MAX_INPUTS = 4
+#: Mapped programs the evaluator runs as one op (their bodies are per-device programs).
+_MAPS = frozenset({"shard_map", "xla_pmap"})
 _DOCS = "docs/debugging.md"
 
 
@@ -43,6 +45,7 @@ class NonFiniteCulprit:
         program does not run under autocast.
       context: enclosing loops (``"scan x12"``).
       bad_input: the path of an argument that already held inf/NaN, if any.
+      note: what the locator ran instead of ``fn`` (a jaxmp step: the loss it wraps), or "".
     """
 
     found: bool
@@ -58,6 +61,7 @@ class NonFiniteCulprit:
     rule: str = ""
     context: str = ""
     bad_input: str | None = None
+    note: str = ""
 
     def summary(self) -> str:
         """One line, for error messages."""
@@ -74,8 +78,9 @@ class NonFiniteCulprit:
                 + (f": {self._optimizer_advice()}" if self.source == _OPTIMIZER else ""))
 
     def __str__(self) -> str:
+        ran = [_format.wrap(f"  ran         : {self.note}", hang=14)] if self.note else []
         if not self.found:
-            return "locate_non_finite: " + self.summary()
+            return "\n".join(["locate_non_finite: " + self.summary(), *ran])
         mags = ", ".join(f"{m:.4g}" for m in self.input_absmax) or "-"
         lines = [
             f"locate_non_finite: the first {self.kind} comes from {self.primitive} "
@@ -89,12 +94,17 @@ class NonFiniteCulprit:
         ]
         if self.context:
             lines.append(f"  inside      : {self.context}")
+        if self.note:
+            lines.append(f"  ran         : {self.note}")
         lines.append(f"  fix         : {self.advice()}")
         # Fields continue under their value, so the report reads at 88 columns (a log, a docs page).
         return "\n".join(_format.wrap(line, hang=14) for line in lines)
 
     def advice(self) -> str:
         """What usually fixes this kind of overflow."""
+        if self.primitive in _MAPS:
+            return (f"this op is a whole {self.primitive}, which the locator runs as one op: call it on the jaxmp "
+                    "step itself (it runs the loss the step wraps, step.loss_fn) or on the loss function")
         halves = any(d in ("f16", "bf16") for d in self.in_dtypes + self.out_dtypes)
         if not halves:
             return ("the op runs in float32 here: the values themselves diverge (learning rate, data, "
@@ -234,7 +244,7 @@ def _scalar_float(shape_tree) -> bool:
 
 
 def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, grad: bool | None = None,
-                      loss_scale: float = 1.0, **kwargs) -> NonFiniteCulprit:
+                      loss_scale: Any = None, rules: Any = None, **kwargs) -> NonFiniteCulprit:
     """Names the first op, forward or backward, whose output is inf/NaN while its inputs are finite.
 
     Re-runs ``fn`` once on these inputs, op by op (one jitted re-evaluation of its jaxpr; loops,
@@ -245,21 +255,28 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
 
     Args:
       fn: a loss function (``fn(params, batch) -> scalar``), a forward pass, or a whole train
-        step (its gradient is inside it already).
+        step (its gradient is inside it already). A jaxmp step (``make_sharded_train_step``,
+        ``make_pmap_train_step``, the Flax steps) is replaced by the loss it wraps
+        (``step.loss_fn``, run on the step's arguments; its ``shard_map``/``pmap`` is one op to
+        the locator), and the report says so (``note``).
       *args: the inputs of the step that overflowed.
       policy: run ``fn`` under ``jaxmp.autocast(fn, policy)`` (a preset such as ``"O1-fp16"``);
         None: ``fn`` already runs in its precision (Flax door, ``Policy.cast_to_compute``).
       grad: also run the backward pass (``jax.vjp`` of ``fn``). None: when ``fn`` returns a
         floating scalar first (a loss).
       loss_scale: the cotangent the backward pass is seeded with (the run's loss scale: float16
-        gradients overflow at the scale, not at 1).
+        gradients overflow at the scale, not at 1): a number or a one-element array such as
+        ``jaxmp.get_loss_scale(opt_state).loss_scale``; finite and positive. None: 1, or for a
+        jaxmp step the scale in its optimizer state.
+      rules: `jaxmp.AutocastRules` for ``jaxmp.autocast`` (with ``policy``).
       **kwargs: keyword arguments of ``fn``.
 
     Returns:
       A `NonFiniteCulprit` (``str()`` is a readable report; ``.summary()`` one line).
 
     Raises:
-      TypeError: ``fn`` is not callable.
+      TypeError: ``fn`` is not callable, or ``rules`` is not an AutocastRules.
+      ValueError: ``loss_scale`` is not finite and positive.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -272,21 +289,28 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
       >>> found.primitive, found.path, found.backward
       ('mul', 'encoder', False)
     """
+    from jaxmp.diagnostics import _inputs
+
+    _inputs.check_rules("locate_non_finite", rules)
+    from jaxmp._opt_state import first_non_finite
+
     if not callable(fn):
         raise TypeError(f"locate_non_finite expects a callable (a loss function or train step), got "
                         f"{type(fn).__name__}: {fn!r}")
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float, np.floating)) or not loss_scale > 0:
-        raise ValueError(f"loss_scale must be a positive number, got {loss_scale!r}")
-    from jaxmp._opt_state import first_non_finite
-
-    bad = first_non_finite((args, kwargs))
+    if loss_scale is not None:
+        loss_scale = _inputs.check_loss_scale("locate_non_finite", loss_scale)
+    bad = first_non_finite((args, kwargs) if kwargs else tuple(args))  # "[1]": the argument's position
     if bad is not None:
         return NonFiniteCulprit(False, bad_input=bad)
+    prep = _inputs.prepare("locate_non_finite", fn, args, kwargs, need_args=False)
+    fn, args, kwargs = prep.fn, prep.args, prep.kwargs
+    if loss_scale is None:
+        loss_scale = prep.loss_scale if prep.loss_scale is not None else 1.0
     run = fn
     if policy is not None:
         from jaxmp.engine._seams import autocast
 
-        run = autocast(fn, policy)
+        run = autocast(fn, policy, rules=rules)
     if grad is None:
         _, shape = jax.eval_shape(lambda *a, **k: (0, run(*a, **k)), *args, **kwargs)
         grad = _scalar_float(shape)
@@ -304,8 +328,8 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
     leaves = jax.tree_util.tree_leaves((args, kwargs))
     first, mags, nan = jax.device_get(compile_strict(program, list(closed.consts), leaves))
     if int(first) < 0:
-        return NonFiniteCulprit(False)
-    return culprit(sites.sites[int(first)], mags, bool(nan))
+        return NonFiniteCulprit(False, note=prep.note)
+    return dataclasses.replace(culprit(sites.sites[int(first)], mags, bool(nan)), note=prep.note)
 
 
 # jaxmp's own files that run the user's optimizer: an op located there is the wrapped optax

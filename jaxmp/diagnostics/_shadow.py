@@ -20,6 +20,7 @@ from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import internals
 from jaxmp.engine._seams import COMBINER_OPS
 from jaxmp.diagnostics._fix import Fix, apply_updates, suggest_fix
+from jaxmp.diagnostics._inputs import scaled_like_the_step
 from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths,
                                          trace)
 
@@ -192,6 +193,7 @@ class ShadowReport:
         shadow's over the last half of the steps (``k//2 .. k``, the loss after the last step
         included); NaN for one step.
       losses_noise: the noisy float32 runs' losses (one tuple per seed, ``k+1`` each).
+      note: what was compared instead of ``fn`` (a jaxmp step: the loss it wraps), or "".
     """
 
     modules: tuple[ModuleError, ...]
@@ -208,6 +210,7 @@ class ShadowReport:
     noise_floor: float = float("nan")
     drift: float = float("nan")
     losses_noise: tuple[tuple[float, ...], ...] = ()
+    note: str = ""
 
     @property
     def loss_error(self) -> float:
@@ -244,6 +247,8 @@ class ShadowReport:
                 f"{f'; mean over the last {self.steps - self.steps // 2 + 1} steps {self.drift:.3g}' if np.isfinite(self.drift) else ''}"
                 f"{f', rounding noise alone {self.noise_floor:.3g}' if np.isfinite(self.noise_floor) else ''})")
         # Every table fits 88 columns (a terminal, a log, a docs page): long module paths fold.
+        if self.note:
+            head += "\n" + _format.wrap(f"compared: {self.note}")
         rows = []
         for i, m in enumerate(self.modules[:max_rows]):
             rows.append([str(i + 1), m.path or "(top level)", f"{m.impact:+.3g}",
@@ -469,7 +474,7 @@ class _Training:
         n_leaves = len(jax.tree_util.tree_leaves(params))
 
         def update(loss, g, o, q):
-            u, o = tx.update(g, o, q)
+            u, o = tx.update(scaled_like_the_step(g, o), o, q)
             return jnp.asarray(loss, jnp.float32), apply_updates(q, u), o
 
         def start(params):
@@ -532,7 +537,8 @@ class _Training:
 
 def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, steps: int = 0,
                        optimizer: optax.GradientTransformation | None = None,
-                       per_op: bool = False, grad: bool | None = None, fix: bool = True) -> ShadowReport:
+                       per_op: bool = False, grad: bool | None = None, fix: bool = True,
+                       rules: Any = None) -> ShadowReport:
     """Runs ``fn`` under a policy and as its float32 shadow on the same inputs; ranks modules by error.
 
     Both runs evaluate the same traced program, so any front door works: give ``policy`` to run
@@ -541,8 +547,12 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
 
     Args:
       fn: ``fn(params, *batch) -> loss`` (a floating scalar first); any other function is
-        compared on its outputs, without loss attribution or gradients.
-      *args: its inputs; ``args[0]`` are the parameters when training (``steps > 0``).
+        compared on its outputs, without loss attribution or gradients. A jaxmp step
+        (``make_sharded_train_step``, ``make_pmap_train_step``, the Flax steps) is replaced by
+        the loss it wraps (``step.loss_fn`` on the step's arguments), and the report says so.
+      *args: its inputs; ``args[0]`` are the parameters (differentiated, and trained with
+        ``steps > 0``: their non-floating leaves, ints and PRNG keys, are held fixed).
+        Non-array arguments (strings, Python numbers) are static.
       policy: a preset or policy for ``jaxmp.autocast``; None: ``fn`` runs its own precision.
       steps: 0 compares one step. ``k > 0`` first trains both runs ``k`` optimizer steps from the
         same parameters on the same inputs, then compares (some losses only show as drift).
@@ -550,13 +560,15 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
       per_op: also list every op with its error and loss impact.
       grad: compare gradients too (w.r.t. ``args[0]``). None: when ``fn`` returns a scalar loss.
       fix: for the top offender, write the override and measure it (under ``policy``).
+      rules: `jaxmp.AutocastRules` for ``jaxmp.autocast`` (with ``policy``); the fix adds to them.
 
     Returns:
       A `ShadowReport` (``str()`` is the ranked table, the jump marked, and the fix).
 
     Raises:
-      TypeError: ``fn`` is not callable, or ``steps > 0`` without a scalar loss.
-      ValueError: ``steps < 0``.
+      TypeError: ``fn`` is not callable or given no inputs, ``steps > 0`` without a scalar loss,
+        an ``optimizer`` that is not an optax transformation, ``rules`` not AutocastRules.
+      ValueError: ``steps < 0``, or an input already holds inf/NaN (named).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -570,16 +582,31 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
       >>> rep.top.path
       'sched'
     """
+    from jaxmp._traps import loss_scaled_grad
+
+    # Every gradient the comparison takes (the shadow's, the fix's, the FLOP count's) is its own:
+    # no "differentiated with no loss scale" warning for them.
+    with loss_scaled_grad():
+        return _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules)
+
+
+def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> ShadowReport:
     t0 = time.perf_counter()
-    if not callable(fn):
-        raise TypeError(f"compare_to_float32 expects a callable, got {type(fn).__name__}: {fn!r}")
+    from jaxmp.diagnostics import _inputs
+
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    _inputs.check_optimizer("compare_to_float32", optimizer)
+    _inputs.check_rules("compare_to_float32", rules)
+    if rules is not None and policy is None:
+        raise ValueError("compare_to_float32: rules= applies to jaxmp.autocast: give a policy too")
+    prep = _inputs.prepare("compare_to_float32", fn, args, {})
+    fn, args = _inputs.bind_non_floating_params(prep.fn, prep.args)
     run = fn
     if policy is not None:
         from jaxmp.engine._seams import autocast
 
-        run = autocast(fn, policy)
+        run = autocast(fn, policy, rules=rules)
     has_loss = _scalar_first(jax.eval_shape(lambda *a: (run(*a),), *args)[0])
     if steps and not has_loss:
         raise TypeError("compare_to_float32(steps=k) trains on fn's loss: fn must return a floating scalar first")
@@ -622,13 +649,15 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
         ops = tuple(sorted(((site, float(errs[site.index]), float(contrib[site.index])) for site in prog.sites.sites),
                            key=lambda r: (-abs(r[2]), -r[1])))
     report = ShadowReport(tuple(mods), loss, loss_f, grads, ops, steps, tuple(losses), tuple(losses_f),
-                          None, 0.0, None if policy is None else str(policy), noise, drift, losses_noise)
+                          None, 0.0, None if policy is None else str(policy), noise, drift, losses_noise,
+                          note=prep.note)
     # The twins train while the fix's program compiles (`suggest_fix` calls this once it started it).
     twins = (lambda: training.lane(1)) if steps and half is not None else None
     if fix and has_loss and mods and mods[0].path and np.isfinite(loss):
         scoped = any(site.path == mods[0].path and not site.from_param for site in prog.sites.sites)
         report = dataclasses.replace(report, fix=suggest_fix(fn, args, policy, mods[0].path, report.loss_error,
-                                                             report.loss_float32, steps, tx, scoped, meanwhile=twins))
+                                                             report.loss_float32, steps, tx, scoped, meanwhile=twins,
+                                                             rules=rules))
     if steps and half is not None:
         # How far rounding-size noise moves each training: the float32 twin from the float32
         # run, the policy twin from the policy run. Chaotic training moves both far.

@@ -17,6 +17,8 @@ from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics._evaluate import Sites, _inner
 from jaxmp.diagnostics._jaxpr_walk import classify_risk
+from jaxmp.diagnostics._locate import _with_gradient
+from jaxmp._loss_view import find_view
 
 if TYPE_CHECKING:  # imported in the functions that need them at run time (an import cycle otherwise)
     from jaxmp.engine._seams import AutocastRules
@@ -54,7 +56,7 @@ def _graph(jaxpr) -> tuple[dict, dict]:
                     consumers.setdefault(v, []).append(eqn)
             for v in eqn.outvars:
                 producers[v] = eqn
-            todo.extend(inner for inner, _ in _inner(eqn))
+            todo.extend(inner for inner, _ in _inner(eqn, maps=True))
     return consumers, producers
 
 
@@ -83,7 +85,7 @@ def violations(jaxpr, float32_ops: frozenset[str]) -> list[tuple[Any, str, str]]
     """
     consumers, producers = _graph(jaxpr)
     out = []
-    for site in Sites(jaxpr).sites:
+    for site in Sites(jaxpr, maps=True).sites:
         eqn = site.eqn
         if site.primitive not in float32_ops:
             continue
@@ -115,7 +117,10 @@ def strict_precision(fn: Callable, *, policy: PolicyLike | None = None, rules: A
     function computes a gradient (wrap the loss-and-gradient function, or the train step).
 
     Args:
-      fn: the function (a loss, a train step, a model's apply).
+      fn: the function (a loss, a train step, a model's apply). The bodies of ``shard_map`` and
+        ``pmap`` are checked too; a jaxmp step (``make_sharded_train_step``,
+        ``make_pmap_train_step``, the Flax steps) is checked on the loss it wraps
+        (``step.loss_fn``, forward and backward, on the step's arguments).
       policy: the policy whose float32 list applies (a preset such as ``"O2"`` or a
         `jaxmp.Policy`); None, O3 and pure-half policies use the default mixed-precision
         list (`jaxmp.engine.FLOAT32_OPS`).
@@ -141,6 +146,9 @@ def strict_precision(fn: Callable, *, policy: PolicyLike | None = None, rules: A
     """
     if not callable(fn):
         raise TypeError(f"strict_precision expects a callable, got {type(fn).__name__}: {fn!r}")
+    from jaxmp.diagnostics._inputs import check_rules
+
+    check_rules("strict_precision", rules)
     ops = _float32_ops(policy, rules)
     checked: set = set()
 
@@ -153,7 +161,15 @@ def strict_precision(fn: Callable, *, policy: PolicyLike | None = None, rules: A
         except TypeError:
             key = None
         if key is None or key not in checked:
-            closed = jax.make_jaxpr(fn)(*args, **kwargs)
+            view = find_view(fn)
+            if view is not None:
+                # A jaxmp step: its loss runs in a shard_map or pmap (whose body the check enters,
+                # but a pmap step checks its replicas on the host first): check the loss it wraps,
+                # forward and backward, on the step's arguments.
+                v = view(*args, **kwargs)
+                closed = jax.make_jaxpr(_with_gradient(v.fn, 1.0))(*v.args)
+            else:
+                closed = jax.make_jaxpr(fn)(*args, **kwargs)
             found = violations(closed.jaxpr, ops)
             if found:
                 raise StrictPrecisionError(_message(*found[0]) + (

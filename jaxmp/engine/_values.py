@@ -98,6 +98,8 @@ def lost_in(x: Any, dtype: np.dtype) -> bool:
         mag = abs(float(x))
         return mag != float("inf") and (mag > hi or 0 < mag < tiny)
     if isinstance(x, jax.Array) and not isinstance(x, np.ndarray) and x.size <= _READ_LIMIT:
+        if not is_float(x.dtype):  # an int, bool or PRNG key constant (a key has no numpy view)
+            return False
         try:  # a concrete closed-over jax.Array (jnp.float32(1e-8)); a tracer has no value to read
             x = np.asarray(x)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp import fp8
+from jaxmp import _loss_view, fp8
 from jaxmp._typing import AxisName
 from jaxmp._collectives import mean_model_state, optional_axis_name
 from jaxmp.flax.fp8 import FP8_COLLECTION, Fp8State
@@ -120,17 +120,20 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
     model_kwargs = dict(model_kwargs or {})
     axis_name = optional_axis_name(axis_name)
 
+    def rngs_of(state: Any, rng: Any, per_replica: bool):
+        if rng is None:
+            return None
+        # Steps taken, applied or skipped: state.step alone stands still on a skipped step,
+        # and the next step would replay the skipped step's dropout mask. Without skips
+        # this is state.step, the key Flax's examples fold in.
+        rng = jax.random.fold_in(rng, state.step + skipped_steps(state.opt_state))
+        if axis_name is not None and per_replica:  # each replica its own dropout mask
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+        return {name: jax.random.fold_in(rng, i) for i, name in enumerate(rng_collections)}
+
     def train_step(state: Any, batch: Any, rng: jax.Array | None = None):
         inputs, labels = split_batch(batch)
-        rngs = None
-        if rng is not None:
-            # Steps taken, applied or skipped: state.step alone stands still on a skipped step,
-            # and the next step would replay the skipped step's dropout mask. Without skips
-            # this is state.step, the key Flax's examples fold in.
-            rng = jax.random.fold_in(rng, state.step + skipped_steps(state.opt_state))
-            if axis_name is not None:  # each replica its own dropout mask
-                rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
-            rngs = {name: jax.random.fold_in(rng, i) for i, name in enumerate(rng_collections)}
+        rngs = rngs_of(state, rng, per_replica=True)
 
         def loss_and_accuracy(params, model_state, batch, rng):
             loss, (logits, new_model_state) = _loss_and_logits(state, params, model_state, inputs, labels, loss_fn,
@@ -149,7 +152,18 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
                                   model_state=out.model_state, opt_state=out.opt_state)
         return new_state, _flax_metrics(out, axis_name)
 
-    return train_step
+    def loss_view(state: Any, batch: Any, rng: jax.Array | None = None) -> _loss_view.LossView:
+        inputs, labels = split_batch(batch)
+        rngs = rngs_of(state, rng, per_replica=False)
+
+        def loss(params, model_state, inputs, labels):
+            return _loss_and_logits(state, params, model_state, inputs, labels, loss_fn, rngs, model_kwargs,
+                                    train=True)[0]
+
+        return _loss_view.LossView(loss, (state.params, dict(state.model_state), inputs, labels),
+                                   _loss_view.scale_of(state.opt_state), "jaxmp.flax.make_train_step")
+
+    return _loss_view.expose(train_step, loss_fn, loss_view)
 
 
 def make_eval_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
@@ -296,3 +310,20 @@ def nnx_train_step(model: nnx.Module, optimizer: nnx.Optimizer, opt_state: Any, 
     nnx.update(optimizer.opt_state, nnx.state(out.opt_state))
     optimizer.step[...] = jnp.where(out.finite, optimizer.step[...] + 1, optimizer.step[...])
     return _flax_metrics(out, axis_name)
+
+
+def nnx_loss_view(model: nnx.Module, optimizer: nnx.Optimizer, opt_state: Any, batch: Any, *,
+                  loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None, float32_loss: bool,
+                  model_kwargs: dict) -> _loss_view.LossView:
+    """The loss `nnx_train_step` differentiates, as a function of the optimizer's params, the
+    rest of the model's state and the batch (the debugger's view of the step)."""
+    inputs, labels = split_batch(batch)
+    loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
+    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+
+    def loss(params, rest, inputs, labels):
+        logits = nnx.merge(graphdef, params, rest)(inputs, **model_kwargs)
+        return loss_fn(logits.astype(jnp.float32) if float32_loss else logits, labels)
+
+    return _loss_view.LossView(loss, (nnx.as_pure(params), nnx.as_pure(rest), inputs, labels),
+                               _loss_view.scale_of(opt_state), "jaxmp.flax.nnx.train_step")

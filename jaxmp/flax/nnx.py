@@ -22,7 +22,7 @@ from jaxmp.engine._seams import flax_config
 from jaxmp.engine._seams import engine_function
 from jaxmp.engine._seams import install_call_hooks, instance_rules
 from jaxmp.flax._attention import fused_attention
-from jaxmp import _tree, fp8
+from jaxmp import _loss_view, _tree, fp8
 from jaxmp._typing import AxisName, PolicyLike, PyTree
 from jaxmp.flax import _steps as steps
 from jaxmp.flax.fp8 import install_nnx_fp8
@@ -382,3 +382,15 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
     return steps.nnx_train_step(model, optimizer, optimizer_state(optimizer), batch, loss_fn=loss_fn,
                                 axis_name=axis_name, float32_loss=model.rules.float32_loss if mixed else True,
                                 recipe=model.rules.fp8_matmuls if mixed else None, model_kwargs=model_kwargs)
+
+
+def _train_step_view(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
+                     loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+                     axis_name: AxisName | None = None, **model_kwargs):
+    # What the precision debugger runs when handed train_step (jaxmp._loss_view).
+    mixed = isinstance(model, MixedPrecision)
+    return steps.nnx_loss_view(model, optimizer, optimizer_state(optimizer), batch, loss_fn=loss_fn,
+                               float32_loss=model.rules.float32_loss if mixed else True, model_kwargs=model_kwargs)
+
+
+_loss_view.expose(train_step, None, _train_step_view)

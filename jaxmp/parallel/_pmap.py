@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxmp import _loss_view
 from jaxmp._collectives import all_reduce_gradients, check_axis_name, check_reduce_dtype, mean_model_state
 
 from jaxmp._typing import AxisName
@@ -194,6 +195,10 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
         return pmapped_rng(params, opt_state, batch, rng)
 
     step = with_model_state(run, model_state)
+    # The debugger cannot see into the pmap: it runs the loss this step wraps.
+    _loss_view.expose(step, loss_fn, _loss_view.generic_view(
+        loss_fn, has_aux=has_aux, model_state=model_state, name=f"make_pmap_train_step(axis_name={axis_name!r})",
+        per_device=True))
 
     step.pmapped = pmapped
     step.pmapped_with_rng = pmapped_rng

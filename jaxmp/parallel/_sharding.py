@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxmp import _loss_view
 from jaxmp._collectives import check_reduce_dtype
 from jaxmp._typing import PyTree
 from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer
@@ -351,6 +352,10 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         return jitted.lower(params, opt_state, batch) if rng is None else jitted_rng.lower(params, opt_state, batch, rng)
 
     step = with_model_state(run, model_state)
+    # The debugger cannot see into the per-shard shard_map: it runs the loss this step wraps.
+    _loss_view.expose(step, loss_fn, _loss_view.generic_view(
+        loss_fn, has_aux=has_aux, model_state=model_state,
+        name=f"make_sharded_train_step(layout={layout!r}, reduce_dtype={getattr(reduce_dtype, 'name', None)!r})"))
     if model_state:
         step.lower = lambda params, state, opt_state, batch, rng=None: lower((params, state), opt_state, batch, rng)
     else:
