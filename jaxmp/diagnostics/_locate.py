@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
+from jaxmp.engine._seams import AutocastRules
 from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, leaf_paths, trace
 
 _MAX_INPUTS = 4
@@ -244,7 +245,8 @@ def _scalar_float(shape_tree) -> bool:
 
 
 def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, grad: bool | None = None,
-                      loss_scale: Any = None, rules: Any = None, **kwargs) -> NonFiniteCulprit:
+                      loss_scale: float | jax.Array | None = None, rules: AutocastRules | None = None,
+                      **kwargs) -> NonFiniteCulprit:
     """Names the first op, forward or backward, whose output is inf/NaN while its inputs are finite.
 
     Re-runs ``fn`` once on these inputs, op by op (one jitted re-evaluation of its jaxpr; loops,

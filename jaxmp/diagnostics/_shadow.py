@@ -19,6 +19,7 @@ from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import internals
 from jaxmp.engine._seams import COMBINER_OPS
+from jaxmp.engine._seams import AutocastRules
 from jaxmp.diagnostics._fix import Fix, apply_updates, suggest_fix
 from jaxmp.diagnostics._inputs import scaled_like_the_step
 from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths,
@@ -538,7 +539,7 @@ class _Training:
 def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, steps: int = 0,
                        optimizer: optax.GradientTransformation | None = None,
                        per_op: bool = False, grad: bool | None = None, fix: bool = True,
-                       rules: Any = None) -> ShadowReport:
+                       rules: AutocastRules | None = None) -> ShadowReport:
     """Runs ``fn`` under a policy and as its float32 shadow on the same inputs; ranks modules by error.
 
     Both runs evaluate the same traced program, so any front door works: give ``policy`` to run
