@@ -38,10 +38,11 @@ class LossView(NamedTuple):
     step: str
 
 
-def expose(step: Callable, loss_fn: Callable, view: Callable[..., LossView]) -> Callable:
+def expose(step: Callable, loss_fn: Callable | None, view: Callable[..., LossView]) -> Callable:
     """Sets ``step.loss_fn`` and ``step.loss_view``; returns ``step``."""
-    step.loss_fn = loss_fn
-    step.loss_view = view
+    # setattr: a function object takes attributes, which a type checker cannot see on Callable.
+    setattr(step, "loss_fn", loss_fn)
+    setattr(step, "loss_view", view)
     return step
 
 

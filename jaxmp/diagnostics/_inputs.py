@@ -47,13 +47,13 @@ def check_loss_scale(name: str, loss_scale: Any) -> float:
     if isinstance(loss_scale, bool):
         raise TypeError(f"{name}: loss_scale must be a number or a one-element array, got {loss_scale!r}")
     try:
-        value = np.asarray(jax.device_get(loss_scale), dtype=np.float64)
+        array = np.asarray(jax.device_get(loss_scale), dtype=np.float64)
     except (TypeError, ValueError):
         raise TypeError(f"{name}: loss_scale must be a number or a one-element array (e.g. "
                         f"jaxmp.get_loss_scale(opt_state).loss_scale), got {type(loss_scale).__name__}") from None
-    if value.size != 1:
-        raise ValueError(f"{name}: loss_scale must hold one value, got shape {value.shape}")
-    value = float(value.reshape(()))
+    if array.size != 1:
+        raise ValueError(f"{name}: loss_scale must hold one value, got shape {array.shape}")
+    value = float(array.reshape(()))
     if not np.isfinite(value) or value <= 0:
         raise ValueError(f"{name}: loss_scale must be a finite positive number, got {value!r}: an infinite scale "
                          "overflows every gradient, so nothing could be located; pass the run's scale, e.g. "
@@ -138,7 +138,7 @@ def bind_static(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tupl
         a, k = jax.tree_util.tree_unflatten(tree, cur)
         return fn(*a, **k)
 
-    bound.__wrapped__ = fn
+    setattr(bound, "__wrapped__", fn)  # find_view and inspect look through it
     return bound, tuple(args2), dict(kwargs2)
 
 

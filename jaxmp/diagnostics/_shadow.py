@@ -597,6 +597,7 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
 
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    steps = int(steps)
     _inputs.check_optimizer("compare_to_float32", optimizer)
     _inputs.check_rules("compare_to_float32", rules)
     if rules is not None and policy is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any, Callable, Iterator
 
 import jax
@@ -187,7 +187,7 @@ def _wrap_call(original):
     return __call__
 
 
-def install_call_hooks(classes: Sequence[type]) -> None:
+def install_call_hooks(classes: Iterable[type]) -> None:
     """Installs the rule-applying ``__call__`` on ``classes`` (and subclasses), once each.
 
     Idempotent: a class whose ``__call__`` is already the hook is left alone. The hook reads the

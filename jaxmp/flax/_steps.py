@@ -319,7 +319,7 @@ def nnx_loss_view(model: nnx.Module, optimizer: nnx.Optimizer, opt_state: Any, b
     rest of the model's state and the batch (the debugger's view of the step)."""
     inputs, labels = split_batch(batch)
     loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
-    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)  # type: ignore[misc]  # nnx.split returns a variadic tuple
 
     def loss(params, rest, inputs, labels):
         logits = nnx.merge(graphdef, params, rest)(inputs, **model_kwargs)

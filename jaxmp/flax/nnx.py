@@ -378,19 +378,19 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
       >>> metrics["loss_scale"], metrics["last_step_finite"]
       (Array(32768., dtype=float32), Array(True, dtype=bool))
     """
-    mixed = isinstance(model, MixedPrecision)
+    rules = model.rules if isinstance(model, MixedPrecision) else None
     return steps.nnx_train_step(model, optimizer, optimizer_state(optimizer), batch, loss_fn=loss_fn,
-                                axis_name=axis_name, float32_loss=model.rules.float32_loss if mixed else True,
-                                recipe=model.rules.fp8_matmuls if mixed else None, model_kwargs=model_kwargs)
+                                axis_name=axis_name, float32_loss=rules.float32_loss if rules is not None else True,
+                                recipe=rules.fp8_matmuls if rules is not None else None, model_kwargs=model_kwargs)
 
 
 def _train_step_view(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
                      loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
                      axis_name: AxisName | None = None, **model_kwargs):
     # What the precision debugger runs when handed train_step (jaxmp._loss_view).
-    mixed = isinstance(model, MixedPrecision)
+    rules = model.rules if isinstance(model, MixedPrecision) else None
     return steps.nnx_loss_view(model, optimizer, optimizer_state(optimizer), batch, loss_fn=loss_fn,
-                               float32_loss=model.rules.float32_loss if mixed else True, model_kwargs=model_kwargs)
+                               float32_loss=rules.float32_loss if rules is not None else True, model_kwargs=model_kwargs)
 
 
 _loss_view.expose(train_step, None, _train_step_view)
