@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_IMPL = "threefry2x32"
+IMPL = "threefry2x32"
 
 
-def _key_data(key: Any, what: str) -> jax.Array:
+def key_data(key: Any, what: str) -> jax.Array:
     """``key`` (an int seed, a threefry2x32 key, or its raw uint32[2] data) as raw uint32[2] data."""
     if key is None:
         raise TypeError(f"{what} rounds stochastically and needs key=: an int seed or a jax.random.key(...) "
@@ -29,11 +29,11 @@ def _key_data(key: Any, what: str) -> jax.Array:
             raise ValueError(f"{what}: an int seed must fit in 32 bits (-2**31 <= key < 2**32), got {int(key)}; "
                              "jax.random.key keeps only the low 32 bits with x64 off, so it would repeat the stream "
                              f"of seed {int(key) % 2**32}: pass a smaller seed or a jax.random.key(...)")
-        return jax.random.key_data(jax.random.key(int(key), impl=_IMPL))
+        return jax.random.key_data(jax.random.key(int(key), impl=IMPL))
     dtype = getattr(key, "dtype", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         impl = str(jax.random.key_impl(key))
-        if impl != _IMPL:
+        if impl != IMPL:
             raise ValueError(f"{what}: key must be a threefry2x32 key (its bits do not depend on sharding), got a "
                              f"{impl} key; make it with jax.random.key(seed, impl='threefry2x32')")
         if jnp.shape(key) != ():
@@ -45,12 +45,12 @@ def _key_data(key: Any, what: str) -> jax.Array:
                     f"{type(key).__name__}{'' if dtype is None else f' of dtype {dtype} and shape {jnp.shape(key)}'}")
 
 
-def _as_key(key: Any) -> jax.Array:
+def as_key(key: Any) -> jax.Array:
     if getattr(key, "dtype", None) is not None and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         return key
-    return jax.random.wrap_key_data(_key_data(key, "stochastic_round"), impl=_IMPL)
+    return jax.random.wrap_key_data(key_data(key, "stochastic_round"), impl=IMPL)
 
 
-def _leaf_keys(key_data: jax.Array, count: jax.Array, n: int) -> list:
-    step = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl=_IMPL), count)
+def leaf_keys(key_data: jax.Array, count: jax.Array, n: int) -> list:
+    step = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl=IMPL), count)
     return [jax.random.fold_in(step, i) for i in range(n)]

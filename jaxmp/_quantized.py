@@ -17,7 +17,7 @@ import optax
 
 from jaxmp import _blockwise
 from jaxmp._dtypes import is_floating_array
-from jaxmp._keys import _key_data, _leaf_keys
+from jaxmp._keys import key_data as _key_data, leaf_keys
 from jaxmp._transform import check_inner
 from jaxmp._typing import PyTree
 
@@ -162,7 +162,7 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
             wide.append(_blockwise.dequantize(c, a, bits, not _non_negative(path), block, t.shape))
         updates, new_inner = inner.update(grads, treedef.unflatten(wide), params, **extra_args)
         new_leaves = treedef.flatten_up_to(new_inner)
-        keys = _leaf_keys(state.key, state.count, len(new_leaves)) if rounding == "stochastic" else [None] * len(
+        keys = leaf_keys(state.key, state.count, len(new_leaves)) if rounding == "stochastic" else [None] * len(
             new_leaves)
         out, out_scales = [], []
         for (path, _), new, a, k in zip(t_leaves, new_leaves, scales, keys):

@@ -24,7 +24,7 @@ from jax.typing import DTypeLike
 from jaxmp import _tree
 from jaxmp._typing import PyTree
 from jaxmp._dtypes import is_floating_array
-from jaxmp._keys import _IMPL, _as_key, _key_data, _leaf_keys
+from jaxmp._keys import IMPL as _IMPL, as_key as _as_key, key_data as _key_data, leaf_keys as _leaf_keys
 from jaxmp._presets import did_you_mean
 from jaxmp._quantized import QuantizedMomentsState, quantized_moments
 from jaxmp._traps import MixedPrecisionWarning
