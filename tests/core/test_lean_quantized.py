@@ -405,3 +405,26 @@ def test_flax_train_state_and_check_health():
     planted.absmax[0].nu["Dense_1"]["kernel"] = planted.absmax[0].nu["Dense_1"]["kernel"].at[3].set(jnp.inf)
     with pytest.raises(jaxmp.TrainingDivergedError, match=r"3 consecutive.*absmax.*nu.*Dense_1.*kernel"):
         jaxmp.check_health(state.opt_state, max_consecutive_skips=2, tree=planted)
+
+
+@pytest.mark.slow
+def test_fidelity_8bit_and_4bit_against_float32_masters():
+    """The tanh MLP of tests/core/test_lean.py's fidelity test (3 seeds, 1500 AdamW steps, cosine
+    decay), every leaf quantized (min_size=0): the 8-bit recipes end within the float32-master seed
+    spread; prints the table of docs/lean-recipes.md#8-bit-and-4-bit-moments."""
+    from tests.core.test_lean import FIDELITY_STEPS, _train_seeds
+
+    sched = optax.cosine_decay_schedule(1e-2, FIDELITY_STEPS)
+    ref, _ = _train_seeds(lambda s: lean.preset("fp32-masters", optax.adamw(sched)))
+    rows = {"fp32-masters (reference)": ref}
+    for outer, wrap in (("remainders", lambda t, s: lean.param_remainders(t)), ("SR params", lean.bf16_params)):
+        for bits in (8, 4):
+            for r in ("nearest", "stochastic"):
+                rows[f"{outer} + {bits}-bit, {r}"], _ = _train_seeds(lambda s, b=bits, r=r, wrap=wrap: wrap(
+                    lean.quantized_moments(optax.adamw(sched), s, bits=b, rounding=r, min_size=0), s))
+    for name, v in rows.items():
+        print(f"| {name} | {' | '.join(f'{x:.5f}' for x in v)} | {v.mean():.5f} |")
+    tolerance = max(ref.max() - ref.min(), 0.01 * ref.mean())
+    for name, v in rows.items():
+        if "8-bit" in name:
+            assert abs(v.mean() - ref.mean()) <= tolerance, (name, v, ref)
