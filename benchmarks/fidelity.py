@@ -45,10 +45,10 @@ import numpy as np
 from benchmarks._common import REPO_ROOT, add_common_args, emit, jax_env, log, make_result
 
 RECIPES = ("fp32-masters", "remainders", "masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr",
-           "bf16-nearest")
+           "bf16-nearest", "remainders-8bit", "bf16-sr-8bit", "remainders-4bit", "bf16-sr-4bit")
 """What is compared: the reference, the ``jaxmp.lean`` presets (bytes/param in ``jaxmp.lean.PRESETS``)
 and plain bf16 params rounded to nearest."""
-SR_RECIPES = ("masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr")
+SR_RECIPES = ("masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr", "bf16-sr-8bit", "bf16-sr-4bit")
 REFERENCE = "fp32-masters"
 NEAREST = "bf16-nearest"
 DEFAULT_OUT = str(REPO_ROOT / "benchmarks" / "results" / "fidelity" / "fidelity_cpu.json")

@@ -1,7 +1,8 @@
-"""Memory-lean optimizer recipes: bfloat16 moments and params with stochastic rounding, param remainders.
+"""Memory-lean optimizer recipes: bfloat16 moments and params with stochastic rounding, param remainders, 8-bit and 4-bit moments.
 
 Each is an optax transformation to wrap in [`jaxmp.loss_scaling`][jaxmp.loss_scaling]:
-[`bf16_moments`][jaxmp.lean.bf16_moments] (bfloat16 moments), [`bf16_params`][jaxmp.lean.bf16_params]
+[`bf16_moments`][jaxmp.lean.bf16_moments] (bfloat16 moments), [`quantized_moments`][jaxmp.lean.quantized_moments]
+(8-bit or 4-bit blockwise moments), [`bf16_params`][jaxmp.lean.bf16_params]
 (bfloat16 params, no master), [`param_remainders`][jaxmp.lean.param_remainders] (a float32 master
 as a bfloat16 param plus 16 bits) and [`preset`][jaxmp.lean.preset] (the combinations by name).
 Why round stochastically, where the random bits come from and what a skipped step draws:
@@ -23,7 +24,9 @@ from jax.typing import DTypeLike
 from jaxmp import _tree
 from jaxmp._typing import PyTree
 from jaxmp._dtypes import is_floating_array
+from jaxmp._keys import IMPL as _IMPL, as_key as _as_key, key_data as _key_data, leaf_keys as _leaf_keys
 from jaxmp._presets import did_you_mean
+from jaxmp._quantized import QuantizedMomentsState, quantized_moments
 from jaxmp._traps import MixedPrecisionWarning
 from jaxmp._transform import check_inner
 from jaxmp._transform import master_weights as _master_weights
@@ -33,18 +36,19 @@ __all__ = [
     "Bf16ParamsState",
     "ParamRemaindersState",
     "PRESETS",
+    "QuantizedMomentsState",
     "bf16_moments",
     "bf16_params",
     "merge_master",
     "param_remainders",
     "preset",
+    "quantized_moments",
     "remainder_master",
     "split_master",
     "stochastic_round",
 ]
 
 _ROUNDINGS = ("stochastic", "nearest")
-_IMPL = "threefry2x32"
 
 
 class Bf16MomentsState(NamedTuple):
@@ -97,47 +101,6 @@ class ParamRemaindersState(NamedTuple):
 
 
 # --------------------------------------------------------------------------- keys and rounding
-
-
-def _key_data(key: Any, what: str) -> jax.Array:
-    """``key`` (an int seed, a threefry2x32 key, or its raw uint32[2] data) as raw uint32[2] data."""
-    if key is None:
-        raise TypeError(f"{what} rounds stochastically and needs key=: an int seed or a jax.random.key(...) "
-                        "(threefry2x32); it is stored in the optimizer state and checkpointed with it")
-    if isinstance(key, (bool, np.bool_)):
-        raise TypeError(f"{what}: key must be an int seed or a threefry2x32 PRNG key, got the bool {key}")
-    if isinstance(key, (int, np.integer)):
-        # With x64 off jax.random.key keeps only the low 32 bits of a seed: 2**40 would draw the
-        # same rounding stream as 0, silently, so a seed must fit in 32 bits.
-        if not -2**31 <= int(key) < 2**32:
-            raise ValueError(f"{what}: an int seed must fit in 32 bits (-2**31 <= key < 2**32), got {int(key)}; "
-                             "jax.random.key keeps only the low 32 bits with x64 off, so it would repeat the stream "
-                             f"of seed {int(key) % 2**32}: pass a smaller seed or a jax.random.key(...)")
-        return jax.random.key_data(jax.random.key(int(key), impl=_IMPL))
-    dtype = getattr(key, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        impl = str(jax.random.key_impl(key))
-        if impl != _IMPL:
-            raise ValueError(f"{what}: key must be a threefry2x32 key (its bits do not depend on sharding), got a "
-                             f"{impl} key; make it with jax.random.key(seed, impl='threefry2x32')")
-        if jnp.shape(key) != ():
-            raise ValueError(f"{what}: key must be a single key, got a key array of shape {jnp.shape(key)}")
-        return jax.random.key_data(key)
-    if dtype is not None and np.dtype(dtype) == np.uint32 and jnp.shape(key) == (2,):
-        return jnp.asarray(key)
-    raise TypeError(f"{what}: key must be an int seed, a jax.random.key(...) or raw uint32[2] key data, got "
-                    f"{type(key).__name__}{'' if dtype is None else f' of dtype {dtype} and shape {jnp.shape(key)}'}")
-
-
-def _as_key(key: Any) -> jax.Array:
-    if getattr(key, "dtype", None) is not None and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return key
-    return jax.random.wrap_key_data(_key_data(key, "stochastic_round"), impl=_IMPL)
-
-
-def _leaf_keys(key_data: jax.Array, count: jax.Array, n: int) -> list:
-    step = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl=_IMPL), count)
-    return [jax.random.fold_in(step, i) for i in range(n)]
 
 
 def _check_rounding(rounding: Any) -> str:
@@ -538,22 +501,29 @@ def remainder_master(params: optax.Params, opt_state: optax.OptState) -> optax.P
 
 # --------------------------------------------------------------------------- presets
 
-PRESETS: dict[str, tuple[int, str]] = {
+PRESETS: dict[str, tuple[float, str]] = {
     "fp32-masters": (14, "O2-bf16 with float32 masters and float32 moments: the reference"),
     "remainders": (12, "bf16 params + int16 remainders: bitwise the float32-master run, 2 bytes less"),
     "masters-bf16-moments": (10, "float32 masters, SR bf16 moments (DeepSeek-V3's recipe)"),
     "sr-params": (10, "SR bf16 params, no master, float32 moments"),
     "remainders-bf16-moments": (8, "exact masters via remainders, SR bf16 moments"),
-    "bf16-sr": (6, "SR bf16 params and SR bf16 moments: the leanest; unbiased but noisier"),
+    "bf16-sr": (6, "SR bf16 params and SR bf16 moments: unbiased but noisier"),
+    "remainders-8bit": (6.03125, "exact masters via remainders, 8-bit blockwise moments (block 256)"),
+    "remainders-4bit": (5.0625, "exact masters via remainders, 4-bit blockwise moments (block 128)"),
+    "bf16-sr-8bit": (4.03125, "SR bf16 params, 8-bit blockwise moments: a third of float32 AdamW"),
+    "bf16-sr-4bit": (3.0625, "SR bf16 params, 4-bit blockwise moments: the leanest"),
 }
 """The names [`preset`][jaxmp.lean.preset] takes: name -> (bytes per parameter with AdamW, params plus optimizer
-state, O(1) scalars aside; what the recipe trades)."""
+state, O(1) scalars aside, the 8-bit and 4-bit moments' float32 block scales included; what the
+recipe trades). The quantized presets keep moment leaves under 4096 elements in float32 (a model's
+biases and norms: a fraction of a percent of its parameters)."""
 
 #: Bytes per parameter with AdamW when the params are float32, not bfloat16 (plain float32 AdamW:
 #: 12): the params cost 4, a float32 master duplicates them, and a remainder is empty. What the
 #: presets save comes from bfloat16 params; tests/core/test_lean.py measures these figures.
 _FLOAT32_PARAM_BYTES = {"fp32-masters": 16, "remainders": 12, "masters-bf16-moments": 12, "sr-params": 12,
-                        "remainders-bf16-moments": 8, "bf16-sr": 8}
+                        "remainders-bf16-moments": 8, "bf16-sr": 8, "remainders-8bit": 6, "remainders-4bit": 5,
+                        "bf16-sr-8bit": 6, "bf16-sr-4bit": 5}
 _PLAIN_FLOAT32_BYTES = 12
 
 
@@ -564,7 +534,7 @@ def _warn_on_float32_params(name: str, tx: optax.GradientTransformationExtraArgs
         dtypes = {jnp.asarray(p).dtype for p in jax.tree_util.tree_leaves(params) if is_floating_array(p)}
         if dtypes and jnp.dtype(jnp.bfloat16) not in dtypes:
             spent = _FLOAT32_PARAM_BYTES[name]
-            saved = "saves nothing" if spent >= _PLAIN_FLOAT32_BYTES else "saves only its bfloat16 moments"
+            saved = "saves nothing" if spent >= _PLAIN_FLOAT32_BYTES else "saves only what its narrow moments save"
             warnings.warn(
                 f"jaxmp.lean.preset({name!r}) got no bfloat16 params ({', '.join(sorted(map(str, dtypes)))} only): "
                 f"its {PRESETS[name][0]} bytes per parameter assume bfloat16 params; on these it spends {spent} "
@@ -588,6 +558,12 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: jax.Array | i
     | ``"sr-params"`` | 10 | ``bf16_params(inner)`` |
     | ``"remainders-bf16-moments"`` | 8 | ``param_remainders(bf16_moments(inner))`` |
     | ``"bf16-sr"`` | 6 | ``bf16_params(bf16_moments(inner))`` |
+    | ``"remainders-8bit"`` | 6.03 | ``param_remainders(quantized_moments(inner, bits=8))`` |
+    | ``"remainders-4bit"`` | 5.06 | ``param_remainders(quantized_moments(inner, bits=4))`` |
+    | ``"bf16-sr-8bit"`` | 4.03 | ``bf16_params(quantized_moments(inner, bits=8))`` |
+    | ``"bf16-sr-4bit"`` | 3.06 | ``bf16_params(quantized_moments(inner, bits=4))`` |
+
+    The quantized moments round to nearest (see docs/lean-recipes.md#8-bit-and-4-bit-moments).
 
     Args:
       name: a key of `PRESETS`.
@@ -619,16 +595,18 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: jax.Array | i
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, (int, np.integer)) \
             or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
-    stochastic = name in ("masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr")
+    stochastic = name in ("masters-bf16-moments", "sr-params", "remainders-bf16-moments") or name.startswith("bf16-sr")
     base = jax.random.wrap_key_data(_key_data(key, f"preset {name!r}"), impl=_IMPL) if stochastic else None
     inner = check_inner(inner)
     if name.endswith("bf16-moments") or name == "bf16-sr":
         inner = bf16_moments(inner, jax.random.fold_in(base, 2))
+    elif name.endswith("bit"):
+        inner = quantized_moments(inner, bits=int(name[-4]))
     if accumulate_steps > 1:
         inner = optax.MultiSteps(inner, accumulate_steps).gradient_transformation()
     if name.startswith("remainders"):
         tx = param_remainders(inner)
-    elif name in ("sr-params", "bf16-sr"):
+    elif name == "sr-params" or name.startswith("bf16-sr"):
         tx = bf16_params(inner, jax.random.fold_in(base, 1))
     else:
         tx = _master_weights(inner)

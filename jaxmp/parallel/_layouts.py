@@ -216,6 +216,12 @@ def _is_float(x: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
+def _is_codes(x: Any) -> bool:
+    # The uint8 codes of jaxmp.lean.quantized_moments (4-bit ones are packed, so not param-shaped):
+    # sharded like a float leaf of their shape, or ZeRO would keep them whole on every device.
+    return getattr(x, "dtype", None) == jnp.uint8 and len(_shape(x)) >= 1
+
+
 def _shape(x: Any) -> tuple:
     return tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
 
@@ -254,7 +260,7 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
         # A leaf of a sub-tree shaped like the params: its param's spec when the shapes agree.
         if matched is not None and _shape(x) == matched[0]:
             return matched[2] if shard_state else matched[1]
-        if not shard_state or not _is_float(x):
+        if not shard_state or not (_is_float(x) or _is_codes(x)):
             # Counters, keys, the loss scale: replicated (they are scalars or tiny anyway).
             return PartitionSpec()
         return leaf_spec(_shape(x), mesh, axis, min_shard_size=min_shard_size)

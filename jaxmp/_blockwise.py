@@ -1,0 +1,136 @@
+"""Blockwise quantization of optimizer moments: code maps, quantize, dequantize, 4-bit packing (pure jnp).
+
+The scheme of bitsandbytes' 8-bit optimizers (arXiv:2110.02861) and torchao's 4-bit ones: a leaf is
+cut into blocks of ``block`` consecutive elements (C order over the flattened leaf); each block keeps
+one float32 ``absmax`` and each element the index of the map entry nearest ``x / absmax``. The maps
+are sorted float32 tables in [-1, 1] (signed) or [0, 1] (non-negative): bitsandbytes' dynamic map
+(a decimal exponent plus linear fractions: fine near 0, coarse near 1) for 8 bits and for a signed
+4-bit leaf; torchao's zero-free linear map ``(i + 1) / 16`` for a non-negative 4-bit leaf (a second
+moment rounded to 0 would make Adam divide by ``eps``). Private: jaxmp.lean's quantized moments
+use it; docs/lean-recipes.md#8-bit-and-4-bit-moments says why.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> np.ndarray:
+    """bitsandbytes' ``create_dynamic_map``: ``2**total_bits`` sorted float32 values.
+
+    Exponent ``e`` (decades ``10**-(max_exponent_bits - 1)`` .. ``10**0``) holds ``2**e`` linear
+    fractions (``2**(e + 1)`` unsigned: the sign bit becomes a fraction bit), the midpoints of
+    ``linspace(0.1, 1)``; plus 0 and 1.
+    """
+    data: list[float] = []
+    non_sign_bits = total_bits - 1
+    additional = 2 ** (non_sign_bits - max_exponent_bits) - 1
+    for i in range(max_exponent_bits):
+        items = 2 ** (i + non_sign_bits - max_exponent_bits) + 1 if signed else \
+            2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1
+        bounds = np.linspace(0.1, 1, items, dtype=np.float32)
+        means = (bounds[:-1] + bounds[1:]) / np.float32(2)
+        scale = np.float32(10.0 ** (-(max_exponent_bits - 1) + i))
+        data += (scale * means).tolist()
+        if signed:
+            data += (-scale * means).tolist()
+    if additional > 0:
+        bounds = np.linspace(0.1, 1, additional + 1, dtype=np.float32)
+        means = (bounds[:-1] + bounds[1:]) / np.float32(2)
+        scale = np.float32(10.0 ** (-(max_exponent_bits - 1) + max_exponent_bits - 1))
+        data += (scale * means).tolist()
+        if signed:
+            data += (-scale * means).tolist()
+    data += [0.0, 1.0]
+    data += [0.0] * (2 ** total_bits - len(data))
+    return np.sort(np.asarray(data, np.float32))
+
+
+def linear_map(bits: int = 4) -> np.ndarray:
+    """torchao's zero-free non-negative map: ``(i + 1) / 2**bits`` for ``i < 2**bits``."""
+    return (np.arange(1, 2 ** bits + 1, dtype=np.float32) / np.float32(2 ** bits)).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def code_map(bits: int, signed: bool) -> np.ndarray:
+    """The map of a leaf: dynamic for 8 bits; 4 bits: dynamic (3 exponent bits) signed, linear non-negative."""
+    if bits == 8:
+        return dynamic_map(signed, 7, 8)
+    return dynamic_map(True, 3, 4) if signed else linear_map(4)
+
+
+def n_blocks(size: int, block: int) -> int:
+    return -(-size // block)
+
+
+def codes_shape(shape: tuple, bits: int) -> tuple:
+    """The stored codes' shape: the leaf's for 8 bits; 4 bits: two a byte, the last axis halved when
+    it is even (so a leaf split on another axis keeps its split), else flat."""
+    if bits == 8:
+        return tuple(shape)
+    size = int(np.prod(shape, dtype=np.int64))
+    if len(shape) >= 1 and shape[-1] % 2 == 0:
+        return tuple(shape[:-1]) + (shape[-1] // 2,)
+    return (-(-size // 2),)
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    """``x`` flattened, zero-padded to whole blocks: (n_blocks, block) float32. A partial last block
+    is padded with zeros, which change no absmax; the padding is never stored."""
+    flat = x.astype(jnp.float32).reshape(-1)
+    pad = n_blocks(flat.size, block) * block - flat.size
+    if pad:
+        flat = jnp.pad(flat, (0, pad))
+    return flat.reshape(-1, block)
+
+
+def quantize(x: jax.Array, bits: int, signed: bool, block: int, key: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array]:
+    """``(codes, absmax)``: uint8 codes (``codes_shape``) and float32[n_blocks] scales of ``x``.
+
+    ``key`` None rounds ``x / absmax`` to the nearest map entry; a PRNG key rounds stochastically
+    between the two entries around it (up with probability equal to the distance: unbiased
+    inside the map's range). An all-zero block stores absmax 0 (it dequantizes to exact zeros).
+    """
+    qmap = jnp.asarray(code_map(bits, signed))
+    blocks = _blocks(x, block)
+    absmax = jnp.max(jnp.abs(blocks), axis=1)
+    normed = blocks / jnp.where(absmax > 0, absmax, jnp.float32(1))[:, None]
+    if key is None:
+        # Nearest entry: the number of midpoints below the value (ties to the lower entry).
+        mids = (qmap[:-1] + qmap[1:]) / 2
+        codes = jnp.searchsorted(mids, normed, side="left")
+    else:
+        lo = jnp.clip(jnp.searchsorted(qmap, normed, side="right") - 1, 0, qmap.size - 2)
+        below, above = qmap[lo], qmap[lo + 1]
+        p = jnp.clip((normed - below) / (above - below), 0, 1)
+        codes = lo + (jax.random.uniform(key, normed.shape, jnp.float32) < p)
+    codes = codes.astype(jnp.uint8).reshape(-1)
+    size = int(np.prod(x.shape, dtype=np.int64))
+    if bits == 8:
+        return codes[:size].reshape(x.shape), absmax
+    codes = codes[:2 * (-(-size // 2))]
+    if codes.size % 2:  # block is odd and so is size: one more (ignored) code
+        codes = jnp.pad(codes, (0, 1))
+    packed = codes[0::2] | (codes[1::2] << 4)
+    return packed.reshape(codes_shape(x.shape, bits)), absmax
+
+
+def dequantize(codes: jax.Array, absmax: jax.Array, bits: int, signed: bool, block: int, shape: tuple
+               ) -> jax.Array:
+    """The float32 leaf of ``shape`` that ``(codes, absmax)`` hold: ``map[code] * absmax[block]``."""
+    qmap = jnp.asarray(code_map(bits, signed))
+    size = int(np.prod(shape, dtype=np.int64))
+    flat = codes.reshape(-1)
+    if bits == 4:
+        flat = jnp.stack([flat & 15, flat >> 4], axis=-1).reshape(-1)
+    flat = flat[:size]
+    pad = absmax.shape[0] * block - size
+    if pad:
+        flat = jnp.pad(flat, (0, pad))
+    values = qmap[flat.astype(jnp.int32)].reshape(-1, block) * absmax[:, None]
+    return values.reshape(-1)[:size].reshape(shape)

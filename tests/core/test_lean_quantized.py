@@ -1,0 +1,430 @@
+"""8-bit and 4-bit optimizer moments (jaxmp.lean.quantized_moments): the maps, one Adam step against an
+independent NumPy re-derivation, the failure modes (an affine int8 ``nu``; the bf16 stall), and the
+compositions: loss scaling with fp16 dynamic scaling, float32 masters, remainders, MultiSteps,
+inject_hyperparams, chain with clipping, the Flax TrainState and check_health.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+from jaxmp import _blockwise, lean
+
+# optax.adam's bias correction (Python float ** int32 count) is not strict-promotion clean.
+pytestmark = pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+
+BF16 = jnp.bfloat16
+
+
+def _bits(tree):
+    return [np.asarray(jax.device_get(x)).tobytes() for x in jax.tree_util.tree_leaves(tree)]
+
+
+# ----------------------------------------------------------------------------------- the maps (NumPy, own)
+
+
+def _np_dynamic_map(signed, exp_bits, total_bits):
+    """bitsandbytes' create_dynamic_map re-derived: per decade 10**(e - exp_bits + 1), 2**e fractions
+    (2**(e+1) unsigned) at the midpoints of linspace(0.1, 1); plus 0 and 1."""
+    vals = [0.0, 1.0]
+    for e in range(exp_bits):
+        k = 2 ** (e + total_bits - 1 - exp_bits + (0 if signed else 1))
+        edges = np.linspace(0.1, 1, k + 1, dtype=np.float32)
+        mids = (edges[:-1] + edges[1:]) / np.float32(2)
+        vals += list(np.float32(10.0 ** (e - exp_bits + 1)) * mids)
+        if signed:
+            vals += list(-np.float32(10.0 ** (e - exp_bits + 1)) * mids)
+    return np.sort(np.asarray(vals, np.float32))
+
+
+def test_code_maps_are_bitsandbytes_and_torchao_maps():
+    for bits, signed, want in [(8, True, _np_dynamic_map(True, 7, 8)), (8, False, _np_dynamic_map(False, 7, 8)),
+                               (4, True, _np_dynamic_map(True, 3, 4)),
+                               (4, False, np.arange(1, 17, dtype=np.float32) / 16)]:
+        got = _blockwise.code_map(bits, signed)
+        assert got.shape == (2 ** bits,) and len(np.unique(got)) == 2 ** bits
+        np.testing.assert_array_equal(got, want)
+    assert _blockwise.code_map(4, False).min() == 1 / 16   # no zero: a second moment never rounds to 0
+    assert _blockwise.code_map(8, False).min() == 0 and _blockwise.code_map(8, True).max() == 1
+
+
+def test_quantize_round_trip_packing_and_partial_block():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(7, 37)).astype(np.float32)      # 259 elements: a partial last block of 3
+    for bits, block in ((8, 256), (4, 128), (4, 5)):
+        codes, absmax = jax.jit(functools.partial(_blockwise.quantize, bits=bits, signed=True, block=block))(x)
+        n = -(-x.size // block)
+        assert codes.dtype == jnp.uint8 and absmax.shape == (n,)
+        assert codes.size == (x.size if bits == 8 else -(-x.size // 2))   # 4 bits: two codes a byte
+        padded = np.pad(x.reshape(-1), (0, n * block - x.size)).reshape(n, block)
+        np.testing.assert_array_equal(absmax, np.abs(padded).max(1))
+        back = np.asarray(_blockwise.dequantize(codes, absmax, bits, True, block, x.shape))
+        gap = np.diff(_blockwise.code_map(bits, True)).max()
+        err = np.abs(back - x).reshape(-1)
+        bound = np.repeat(np.asarray(absmax), block)[:x.size] * gap / 2
+        assert (err <= bound * (1 + 1e-5)).all()   # -absmax is 1 - 0.993 (8 bits) from -0.993: half the top gap
+
+
+# ----------------------------------------------------------------------------------- one Adam step, NumPy
+
+
+def _np_quantize(x, qmap, block):
+    """Blockwise absmax, then the argmin over the map of |x / absmax - entry| (nearest)."""
+    flat = x.reshape(-1).astype(np.float32)
+    n = -(-flat.size // block)
+    blocks = np.pad(flat, (0, n * block - flat.size)).reshape(n, block)
+    absmax = np.abs(blocks).max(1)
+    normed = blocks / np.where(absmax > 0, absmax, np.float32(1))[:, None]
+    codes = np.abs(normed[..., None] - qmap).argmin(-1).astype(np.uint8)
+    return codes.reshape(-1)[:flat.size].reshape(x.shape), absmax
+
+
+def _np_dequantize(codes, absmax, qmap, block):
+    flat = qmap[codes.reshape(-1)]
+    n = absmax.size
+    blocks = np.pad(flat, (0, n * block - flat.size)).reshape(n, block) * absmax[:, None]
+    return blocks.reshape(-1)[:codes.size].reshape(codes.shape)
+
+
+def test_one_blockwise_8bit_adam_step_equals_a_numpy_rederivation():
+    b1, b2, eps, lr = 0.9, 0.999, 1e-8, 1e-3
+    tx = lean.quantized_moments(optax.adam(lr, b1=b1, b2=b2, eps=eps), bits=8)
+    rng = np.random.default_rng(1)
+    shape = (50, 100)                                     # 5000: 19 blocks and a partial one of 136
+    params = {"w": np.zeros(shape, np.float32)}
+    g1 = (rng.normal(size=shape) * np.exp(rng.normal(size=shape))).astype(np.float32)
+    g2 = (rng.normal(size=shape) * np.exp(rng.normal(size=shape))).astype(np.float32)
+    update = jax.jit(tx.update)
+    _, s1 = update({"w": g1}, tx.init(params))
+    u2, s2 = update({"w": g2}, s1)
+    signed, unsigned = _np_dynamic_map(True, 7, 8), _np_dynamic_map(False, 7, 8)
+    get = lambda s, f: (np.asarray(getattr(s.inner_state[0], f)["w"]), np.asarray(getattr(s.absmax[0], f)["w"]))  # noqa: E731
+    mu = _np_dequantize(*get(s1, "mu"), signed, 256)
+    nu = _np_dequantize(*get(s1, "nu"), unsigned, 256)
+    # optax's order of operations in float32; 1 - b is a Python float there, rounded once to float32.
+    mu = np.float32(1 - b1) * g2 + np.float32(b1) * mu
+    nu = np.float32(1 - b2) * (g2 * g2) + np.float32(b2) * nu
+    # XLA:CPU contracts a * x + b * y into an FMA where NumPy rounds twice: the absmax agree to 1 ulp
+    # and a code may differ only where the value sits within that ulp of a midpoint between two entries.
+    for field, want, qmap in (("mu", mu, signed), ("nu", nu, unsigned)):
+        codes, absmax = get(s2, field)
+        want_codes, want_absmax = _np_quantize(want, qmap, 256)
+        np.testing.assert_allclose(absmax, want_absmax, rtol=2.4e-7, atol=0)
+        normed = want.reshape(-1) / np.repeat(want_absmax, 256)[:want.size]
+        mids = (qmap[:-1] + qmap[1:]) / 2
+        near_tie = np.abs(normed[:, None] - mids).min(1) < 1e-6
+        differ = codes.reshape(-1) != want_codes.reshape(-1)
+        assert not (differ & ~near_tie).any(), (field, np.nonzero(differ & ~near_tie))
+        assert differ.sum() <= 2, differ.sum()
+    # The update the inner Adam returned: from the dequantized float32 moments, bias-corrected.
+    want_u = -lr * (mu / (1 - b1 ** 2)) / (np.sqrt(nu / (1 - b2 ** 2)) + eps)
+    np.testing.assert_allclose(np.asarray(u2["w"]), want_u, rtol=1e-5, atol=1e-9)
+    assert int(s2.inner_state[0].count) == 2 and int(s2.count) == 2
+
+
+# ----------------------------------------------------------------------------------- failure modes
+
+
+def _affine_int8(x, block=256):
+    """An affine int8 map with a zero point per block (min/max): what the dynamic map replaces."""
+    blocks = x.reshape(-1, block)
+    lo, hi = blocks.min(1, keepdims=True), blocks.max(1, keepdims=True)
+    scale = jnp.where(hi > lo, (hi - lo) / 255, 1.0)
+    zero = jnp.round(-lo / scale)
+    q = jnp.clip(jnp.round(blocks / scale) + zero, 0, 255)
+    return ((q - zero) * scale).reshape(x.shape)
+
+
+def _dynamic(signed):
+    def fq(x):
+        return _blockwise.dequantize(*_blockwise.quantize(x, 8, signed, 256), 8, signed, 256, x.shape)
+    return fq
+
+
+def test_affine_int8_nu_diverges_where_the_dynamic_map_tracks_float32():
+    """Adam on 0.5 * sum(a * x**2) with curvatures a spanning 2 decades in every block, lr 1e-2, 300
+    steps. An affine int8 ``nu`` rounds the small coordinates' second moment to exactly 0, Adam divides
+    by eps, and the loss blows up; with the unsigned dynamic map (and the signed one for mu) the loss
+    falls by six orders of magnitude or more, as float32's does (measured: 4426 -> 1.5e-4 float32,
+    1.2e-3 8-bit)."""
+    n = 4096
+    a = jnp.asarray(np.tile(10.0 ** np.linspace(-1, 1, 256), n // 256), jnp.float32)
+    x0 = jnp.ones(n, jnp.float32)
+    ident = lambda x: x  # noqa: E731
+
+    def run(fq_mu, fq_nu):
+        def body(carry, t):
+            x, mu, nu = carry
+            g = a * x
+            mu = fq_mu(0.1 * g + 0.9 * mu)
+            nu = fq_nu(0.001 * g * g + 0.999 * nu)
+            step = (mu / (1 - 0.9 ** t)) / (jnp.sqrt(nu / (1 - 0.999 ** t)) + 1e-8)
+            x = x - 1e-2 * step
+            return (x, mu, nu), 0.5 * jnp.sum(a * x * x)
+        _, losses = jax.lax.scan(body, (x0, jnp.zeros(n), jnp.zeros(n)), jnp.arange(1, 301, dtype=jnp.float32))
+        return losses
+
+    f32, dyn, affine = jax.jit(lambda: (run(ident, ident), run(_dynamic(True), _dynamic(False)),
+                                        run(_dynamic(True), _affine_int8)))()
+    f32, dyn, affine = map(np.asarray, (f32, dyn, affine))
+    first = 0.5 * float(jnp.sum(a))
+    assert f32[-1] < 1e-6 * first and dyn[-1] < 1e-6 * first, (f32[-1], dyn[-1])   # both converge
+    assert not np.isfinite(affine).all() or affine.max() > 1e6 * first, affine.max()
+
+
+NU_STEPS = 5000
+
+
+@pytest.mark.slow
+def test_nu_tracks_float32_where_round_to_nearest_bf16_stalls():
+    """The bf16 stall test's setting (tests/core/test_lean.py): Adam, b2 = 0.999, g**2 = 1, 5000 steps,
+    float32 nu = 1 - 0.999**5000 = 0.99329. bf16 round-to-nearest sticks at 0.25; blockwise codes are
+    relative to the block's absmax, so a block of equal values is stored exactly at 8 and 4 bits,
+    nearest or stochastic."""
+    adam = optax.adam(1e-3, b1=0.9, b2=0.999)
+    params, grads = {"w": jnp.zeros(4096)}, {"w": jnp.ones(4096)}
+    txs = [adam] + [lean.quantized_moments(adam, bits=b, rounding=r, key=0) for b in (8, 4)
+                    for r in ("nearest", "stochastic")]
+
+    @jax.jit
+    def run(states):
+        return [jax.lax.fori_loop(0, NU_STEPS, lambda i, s, tx=tx: tx.update(grads, s, params)[1], s)
+                for tx, s in zip(txs, states)]
+
+    out = run([tx.init(params) for tx in txs])
+    ref = np.asarray(out[0][0].nu["w"])
+    assert abs(ref[0] - (1 - 0.999 ** NU_STEPS)) < 1e-4 and ref[0] > 0.993
+    for (bits, _), s in zip([(8, 0), (8, 1), (4, 0), (4, 1)], out[1:]):
+        nu = _blockwise.dequantize(s.inner_state[0].nu["w"], s.absmax[0].nu["w"], bits, False,
+                                   256 if bits == 8 else 128, (4096,))
+        np.testing.assert_array_equal(np.asarray(nu), ref)
+
+
+# ----------------------------------------------------------------------------------- the state
+
+
+@pytest.mark.slow
+def test_state_layout_small_leaves_scalars_and_classification():
+    tx = lean.quantized_moments(optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), bits=4)
+    params = {"w": jnp.zeros((64, 96)), "odd": jnp.zeros((65, 65)), "b": jnp.zeros(96), "nu": jnp.zeros((64, 64))}
+    state = tx.init(params)
+    adam = state.inner_state.inner_state[0]
+    assert adam.mu["w"].dtype == jnp.uint8 and adam.mu["w"].shape == (64, 48)     # two codes a byte
+    assert adam.mu["odd"].shape == (-(-65 * 65 // 2),)                              # odd last axis: flat
+    assert adam.mu["b"].dtype == jnp.float32 and state.absmax.inner_state[0].mu["b"] is None  # < 4096: float32
+    assert state.absmax.inner_state[0].nu["w"].shape == (64 * 96 // 128,)
+    assert adam.count.dtype == jnp.int32 and state.inner_state.hyperparams["learning_rate"].dtype == jnp.float32
+    # A param named "nu" (a dict key) is a signed mu leaf: only NamedTuple fields classify.
+    from jaxmp._quantized import _non_negative
+    paths = dict(jax.tree_util.tree_leaves_with_path(adam))
+    kinds = {jax.tree_util.keystr(p): _non_negative(p) for p in paths}
+    assert kinds[".mu['nu']"] is False and kinds[".nu['w']"] is True
+    # A mu leaf goes negative: the signed map keeps the sign.
+    grads = {k: -jnp.ones_like(v) for k, v in params.items()}
+    upd, new = jax.jit(tx.update)(grads, state, params)
+    mu = _blockwise.dequantize(new.inner_state.inner_state[0].mu["w"], new.absmax.inner_state[0].mu["w"], 4, True,
+                               128, (64, 96))
+    assert (np.asarray(mu) < 0).all() and (np.asarray(upd["w"]) > 0).all()
+    assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state)
+
+
+@pytest.mark.parametrize("make,exc,pattern", [
+    (lambda: lean.quantized_moments(optax.adam(0.1), bits=6), ValueError, r"bits must be 8 or 4"),
+    (lambda: lean.quantized_moments(optax.adam(0.1), block=1), ValueError, r"block must be an int >= 2"),
+    (lambda: lean.quantized_moments(optax.adam(0.1), min_size=-1), ValueError, r"min_size must be"),
+    (lambda: lean.quantized_moments(optax.adam(0.1), rounding="up"), ValueError, r"'nearest' or 'stochastic'"),
+    (lambda: lean.quantized_moments(optax.adam(0.1), rounding="stochastic"), TypeError, r"needs key="),
+    (lambda: lean.quantized_moments(optax.adam(0.1)).update({"w": jnp.ones(2)}, optax.adam(0.1).init(
+        {"w": jnp.ones(2)})), TypeError, r"QuantizedMomentsState"),
+    (lambda: lean.quantized_moments(optax.adam(0.1)).update(
+        {"w": jnp.ones((64, 128))}, lean.quantized_moments(optax.adam(0.1)).init({"w": jnp.ones((128, 64))})),
+     ValueError, r"state leaf at .*mu\['w'\].*made for other params"),
+])
+def test_bad_inputs(make, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        make()
+
+
+# ----------------------------------------------------------------------------------- compositions
+
+
+def _problem(dtype=BF16, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(64, 128)).astype(np.float32)
+    y = (x @ rng.normal(size=(128, 4)) / 10).astype(np.float32)
+    params = {"w": jnp.asarray(rng.normal(size=(128, 64)) / 10, dtype), "v": jnp.asarray(rng.normal(size=(64, 4)) / 8,
+                                                                                        dtype)}
+    return x, y, params
+
+
+def _loss(p, x, y):
+    h = jnp.tanh(x @ p["w"].astype(jnp.float32))
+    return jnp.mean((h @ p["v"].astype(jnp.float32) - y) ** 2)
+
+
+def _step(tx, x, y):
+    @jax.jit
+    def step(params, state, poison):
+        loss, grads = jaxmp.value_and_grad(_loss, state)(params, x, y)
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(poison, jnp.inf, g).astype(g.dtype), grads)
+        updates, state = tx.update(grads, state, params)
+        return jaxmp.apply_updates(params, updates, state), state, loss
+    return step
+
+
+def test_inside_loss_scaling_fp16_dynamic_a_skipped_step_leaves_every_leaf_bitwise():
+    x, y, params = _problem(jnp.float16)
+    tx = jaxmp.loss_scaling(lean.quantized_moments(optax.adamw(1e-2), bits=8), jaxmp.DynamicLossScale(2.0**10),
+                            master_weights=True)
+    state = tx.init(params)
+    step = _step(tx, x, y)
+    losses = []
+    for _ in range(3):
+        params, state, loss = step(params, state, jnp.array(False))
+        losses.append(float(loss))
+    q = jaxmp._tree.find_states(state, lean.QuantizedMomentsState)[0]
+    assert q.inner_state[0].mu["w"].dtype == jnp.uint8 and int(q.count) == 3
+    skipped_p, skipped_s, _ = step(params, state, jnp.array(True))
+    assert _bits(skipped_p) == _bits(params)
+    q2 = jaxmp._tree.find_states(skipped_s, lean.QuantizedMomentsState)[0]
+    assert _bits(q2) == _bits(q)          # codes, absmax, the small float32 leaves, counts, key
+    assert float(jaxmp.get_loss_scale(skipped_s).loss_scale) == 2.0**9 and jaxmp.skipped_steps(skipped_s) == 1
+    params, state, loss = step(params, state, jnp.array(False))
+    assert float(loss) < losses[0]
+
+
+@pytest.mark.slow
+def test_remainders_8bit_is_bitwise_float32_masters_with_8bit_moments():
+    """param_remainders(quantized) vs master_weights(quantized), fed the same gradients (open loop, as
+    tests/core/test_lean.py's remainder test): the same inner computation on the same float32 masters,
+    so the same masters, codes and scales at each of 30 steps."""
+    x, y, params = _problem()
+    ref = jaxmp.loss_scaling(lean.quantized_moments(optax.adamw(1e-2)), "none", master_weights=True)
+    rem = jaxmp.loss_scaling(lean.preset("remainders-8bit", optax.adamw(1e-2)), "none")
+
+    @jax.jit
+    def step(p_ref, s_ref, p_rem, s_rem):
+        grads = jax.grad(_loss)(p_ref, x, y)
+        u, s_ref = ref.update(grads, s_ref, p_ref)
+        v, s_rem = rem.update(grads, s_rem, p_rem)
+        return jaxmp.apply_updates(p_ref, u, s_ref), s_ref, jaxmp.apply_updates(p_rem, v, s_rem), s_rem
+
+    carry = (params, ref.init(params), params, rem.init(params))
+    for _ in range(30):
+        carry = step(*carry)
+        p_ref, s_ref, p_rem, s_rem = carry
+        assert _bits(lean.remainder_master(p_rem, s_rem)) == _bits(jaxmp.master_params(s_ref))
+    q_ref, q_rem = (jaxmp._tree.find_states(s, lean.QuantizedMomentsState)[0] for s in (s_ref, s_rem))
+    assert _bits(q_ref) == _bits(q_rem) and q_ref.inner_state[0].mu["w"].dtype == jnp.uint8
+    assert float(_loss(p_rem, x, y)) < float(_loss(params, x, y)) / 2
+
+
+@pytest.mark.parametrize("name", ["bf16-sr-8bit", pytest.param("remainders-4bit", marks=pytest.mark.slow)])
+def test_presets_with_multisteps_move_every_second_step_and_learn(name):
+    x, y, params = _problem()
+    tx = jaxmp.loss_scaling(lean.preset(name, optax.adamw(1e-2), key=1, accumulate_steps=2), "none")
+    step, state = _step(tx, x, y), tx.init(params)
+    first = float(_loss(params, x, y))
+    for i in range(1, 9):
+        new, state, _ = step(params, state, jnp.array(False))
+        assert (_bits(new) != _bits(params)) == (i % 2 == 0), i
+        params = new
+    skipped_p, skipped_s, _ = step(params, state, jnp.array(True))
+    assert _bits(skipped_p) == _bits(params) and _bits(skipped_s.inner_state) == _bits(state.inner_state)
+    assert float(_loss(params, x, y)) < first
+
+
+def test_inject_hyperparams_and_chain_with_clipping_inside():
+    """The hyperparameters stay float32 scalars a schedule can set; clipping runs before the quantized
+    Adam; after one step the dequantized moments are float32 Adam's to within half a map gap per block."""
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=1e-2))
+    tx = lean.quantized_moments(inner, bits=8)
+    params = {"w": jnp.zeros((64, 128))}
+    grads = {"w": jnp.asarray(np.random.default_rng(2).normal(size=(64, 128)), jnp.float32)}   # norm ~90: clipped
+    state = tx.init(params)
+    upd, new = jax.jit(tx.update)(grads, state, params)
+    ref_upd, ref = jax.jit(inner.update)(grads, inner.init(params), params)
+    adam, scales = new.inner_state[1].inner_state[0], new.absmax[1].inner_state[0]
+    gap = np.diff(_blockwise.code_map(8, True)).max()
+    for field, signed in (("mu", True), ("nu", False)):
+        deq = _blockwise.dequantize(getattr(adam, field)["w"], getattr(scales, field)["w"], 8, signed, 256, (64, 128))
+        want = np.asarray(getattr(ref[1].inner_state[0], field)["w"])
+        bound = np.repeat(np.asarray(getattr(scales, field)["w"]), 256).reshape(64, 128) * gap / 2
+        assert (np.abs(np.asarray(deq) - want) <= bound * 1.0001).all(), field
+    np.testing.assert_array_equal(np.asarray(upd["w"]), np.asarray(ref_upd["w"]))   # step 1 reads g, not codes
+    assert float(jnp.abs(upd["w"]).max()) == pytest.approx(1e-2, rel=1e-3)
+    # A new learning rate in the state is read by the next update.
+    hyper = dict(new.inner_state[1].hyperparams, learning_rate=jnp.float32(0.0))
+    state2 = new._replace(inner_state=(new.inner_state[0], new.inner_state[1]._replace(hyperparams=hyper)))
+    upd2, _ = jax.jit(tx.update)(grads, state2, params)
+    assert float(jnp.abs(upd2["w"]).max()) == 0.0
+
+
+@pytest.mark.slow
+def test_flax_train_state_and_check_health():
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.tanh(nn.Dense(128)(x)))
+
+    x, y, _ = _problem()
+    model = jaxmp.flax.mixed_precision(MLP(), "O2-bf16")
+    variables = model.init(jax.random.key(0), x)
+    tx = jaxmp.loss_scaling(lean.preset("bf16-sr-8bit", optax.adamw(1e-2), key=0), "none")
+    state = jaxmp.flax.TrainState.create(model, variables, tx)
+
+    def loss_fn(logits, batch):
+        return jnp.mean((logits.astype(jnp.float32) - batch[1]) ** 2)
+
+    step = jax.jit(jaxmp.flax.make_train_step(loss_fn=loss_fn))
+    losses = []
+    for _ in range(5):
+        state, metrics = step(state, (x, y))
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    q = jaxmp._tree.find_states(state.opt_state, lean.QuantizedMomentsState)[0]
+    # Dense_1 is the 128 x 128 kernel (Flax numbers the modules as they are built: Dense(4) first).
+    assert q.inner_state[0].mu["Dense_1"]["kernel"].dtype == jnp.uint8
+    assert q.inner_state[0].mu["Dense_0"]["kernel"].dtype == jnp.float32     # 512 elements: float32
+    bad_x = x.copy()
+    bad_x[0, 0] = np.inf
+    for _ in range(3):
+        new, metrics = step(state, (bad_x, y))
+        assert not bool(metrics["last_step_finite"]) and _bits(new.opt_state.inner_state) == _bits(state.opt_state.inner_state)
+        assert _bits(new.params) == _bits(state.params)
+        state = new
+    # A block that overflowed is named by its path in the state (check_health's tree=).
+    planted = jax.tree_util.tree_map(lambda a: a, q)
+    planted.absmax[0].nu["Dense_1"]["kernel"] = planted.absmax[0].nu["Dense_1"]["kernel"].at[3].set(jnp.inf)
+    with pytest.raises(jaxmp.TrainingDivergedError, match=r"3 consecutive.*absmax.*nu.*Dense_1.*kernel"):
+        jaxmp.check_health(state.opt_state, max_consecutive_skips=2, tree=planted)
+
+
+@pytest.mark.slow
+def test_fidelity_8bit_and_4bit_against_float32_masters():
+    """The tanh MLP of tests/core/test_lean.py's fidelity test (3 seeds, 1500 AdamW steps, cosine
+    decay), every leaf quantized (min_size=0): the 8-bit recipes end within the float32-master seed
+    spread; prints the table of docs/lean-recipes.md#8-bit-and-4-bit-moments."""
+    from tests.core.test_lean import FIDELITY_STEPS, _train_seeds
+
+    sched = optax.cosine_decay_schedule(1e-2, FIDELITY_STEPS)
+    ref, _ = _train_seeds(lambda s: lean.preset("fp32-masters", optax.adamw(sched)))
+    rows = {"fp32-masters (reference)": ref}
+    for outer, wrap in (("remainders", lambda t, s: lean.param_remainders(t)), ("SR params", lean.bf16_params)):
+        for bits in (8, 4):
+            for r in ("nearest", "stochastic"):
+                rows[f"{outer} + {bits}-bit, {r}"], _ = _train_seeds(lambda s, b=bits, r=r, wrap=wrap: wrap(
+                    lean.quantized_moments(optax.adamw(sched), s, bits=b, rounding=r, min_size=0), s))
+    for name, v in rows.items():
+        print(f"| {name} | {' | '.join(f'{x:.5f}' for x in v)} | {v.mean():.5f} |")
+    tolerance = max(ref.max() - ref.min(), 0.01 * ref.mean())
+    for name, v in rows.items():
+        if "8-bit" in name:
+            assert abs(v.mean() - ref.mean()) <= tolerance, (name, v, ref)
