@@ -51,7 +51,7 @@ class QuantizedMomentsState(NamedTuple):
     inner_state: optax.OptState
     absmax: PyTree
     key: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # optax names its step counters count
 
 
 def _non_negative(path: tuple) -> bool:
