@@ -296,7 +296,7 @@ def door_derivative(stack) -> bool:
 
 def _door_derivative_risk(eqn, ctx: _Ctx) -> RiskyOp | None:
     """A float32-list op in half inside a differentiated door derivative (see `door_derivative`)."""
-    from jaxmp.engine._rules import FLOAT32_OPS
+    from jaxmp.engine._seams import FLOAT32_OPS
 
     prim = eqn.primitive.name
     if prim not in FLOAT32_OPS or not eqn.invars or not hasattr(eqn.invars[0], "aval"):

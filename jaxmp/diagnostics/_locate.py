@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,9 @@ import numpy as np
 from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, leaf_paths, trace
+
+if TYPE_CHECKING:  # annotation only: the engine is imported where it is used
+    from jaxmp.engine._seams import AutocastRules
 
 _MAX_INPUTS = 4
 #: Mapped programs the evaluator runs as one op (their bodies are per-device programs).
@@ -244,7 +247,8 @@ def _scalar_float(shape_tree) -> bool:
 
 
 def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, grad: bool | None = None,
-                      loss_scale: Any = None, rules: Any = None, **kwargs) -> NonFiniteCulprit:
+                      loss_scale: float | jax.Array | None = None, rules: AutocastRules | None = None,
+                      **kwargs) -> NonFiniteCulprit:
     """Names the first op, forward or backward, whose output is inf/NaN while its inputs are finite.
 
     Re-runs ``fn`` once on these inputs, op by op (one jitted re-evaluation of its jaxpr; loops,

@@ -27,6 +27,8 @@ from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, StrictJit, bind, ev
 if TYPE_CHECKING:  # optax is imported where it is used: the report alone does not need it
     import optax
 
+    from jaxmp.engine._seams import AutocastRules
+
 _F32 = np.dtype(np.float32)
 #: A k-step drift up to this multiple of the rounding-noise drift is not an alarm (see `ShadowReport.clean`).
 NOISE_MARGIN = 3.0
@@ -538,7 +540,7 @@ class _Training:
 def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, steps: int = 0,
                        optimizer: optax.GradientTransformation | None = None,
                        per_op: bool = False, grad: bool | None = None, fix: bool = True,
-                       rules: Any = None) -> ShadowReport:
+                       rules: AutocastRules | None = None) -> ShadowReport:
     """Runs ``fn`` under a policy and as its float32 shadow on the same inputs; ranks modules by error.
 
     Both runs evaluate the same traced program, so any front door works: give ``policy`` to run

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxmp.engine._seams import config as engine_config
+from jaxmp.engine._seams import TRACING
 from jaxmp.engine._seams import flax_config
 from jaxmp.engine._seams import engine_function
 from jaxmp.engine._seams import install_call_hooks, instance_rules
@@ -247,7 +247,7 @@ def _call(model: nnx.Module, policy: Policy, rules: AutocastRules, args: tuple, 
             by_id = _prepare(copy, policy, rules)
             args, kwargs = policy.cast_to_compute((args, kwargs))
             promotion = jax.numpy_dtype_promotion("standard") if weights_only else contextlib.nullcontext()
-            with promotion, instance_rules(by_id), engine_config.TRACING(config) if config.identity else contextlib.nullcontext():
+            with promotion, instance_rules(by_id), TRACING(config) if config.identity else contextlib.nullcontext():
                 out = copy(*args, **kwargs)
             # Running statistics, RNG counters and sown intermediates come back as outputs: the
             # engine traces ``run`` functionally, so the model is updated after it.

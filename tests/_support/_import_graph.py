@@ -245,6 +245,28 @@ def private_uses(module: str, path: pathlib.Path, modules) -> list[str]:
     return out
 
 
+def unused_seam_names(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
+    """``{seam: names}``: the names a subpackage's ``_seams`` module exports (``__all__``) that no
+    module outside that subpackage imports from it (a seam holds only what other units use)."""
+    modules = module_files(("jaxmp",), root)
+    seams = {name: path for name, path in modules.items() if name.endswith("._seams")}
+    used = defaultdict(set)
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module in seams and unit(module) != unit(node.module):
+                used[node.module].update(alias.name for alias in node.names)
+    out = {}
+    for seam, path in seams.items():
+        exported = []
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                exported = list(ast.literal_eval(node.value))
+        unused = sorted(set(exported) - used[seam])
+        if unused:
+            out[seam] = unused
+    return out
+
+
 def summary(unit_name: str) -> str:
     """The first sentence of a unit's module docstring (its one-line statement of what it owns)."""
     path = module_files(("jaxmp",))[unit_name]

@@ -78,6 +78,19 @@ def test_the_layering_check_catches_an_upward_arrow_and_private_names(tmp_path, 
     assert not [p for p in problems if p.startswith("jaxmp.sub.ok")]
 
 
+def test_a_seam_exports_only_what_other_units_use(tmp_path):
+    assert graph_lib.unused_seam_names() == {}
+    _write(tmp_path, {
+        "jaxmp/__init__.py": "",
+        "jaxmp/sub/__init__.py": "",
+        "jaxmp/sub/_impl.py": "x = y = 1\n",
+        "jaxmp/sub/_seams.py": "from jaxmp.sub._impl import x, y\n__all__ = ['x', 'y']\n",
+        "jaxmp/sub/inner.py": "from jaxmp.sub._seams import y\n",  # a use inside the unit does not count
+        "jaxmp/other.py": "from jaxmp.sub._seams import x\n",
+    })
+    assert graph_lib.unused_seam_names(tmp_path) == {"jaxmp.sub._seams": ["y"]}
+
+
 def test_the_layering_table_on_the_architecture_page_is_generated_from_the_graph():
     text = page("architecture.md").read_text()
     expected = graph_lib.page_with_table(text, graph_lib.layering_table(GRAPH))
