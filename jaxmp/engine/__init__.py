@@ -5,8 +5,6 @@ namespace adds the op lists and the tested JAX versions. Its modules are interna
 change without notice. Layers: see docs/architecture.md#the-path-of-a-call.
 """
 
-from jaxmp import _deprecations
-
 # The JAX versions CI tests are listed in jaxmp/engine/_tested.py; on a newer JAX the first
 # autocast function built runs a small canary (jaxmp/engine/_contract.py) and warns if a rule is
 # not honoured.
@@ -20,5 +18,3 @@ __all__ = [
     "HALF_OPS",
     "TESTED_JAX",
 ]
-
-__getattr__ = _deprecations.module_getattr(__name__)

@@ -19,7 +19,6 @@ import dataclasses
 import fnmatch
 import functools
 import re
-import warnings
 from typing import Any, Iterable, Sequence
 
 import jax.numpy as jnp
@@ -484,7 +483,6 @@ def is_float32(dtype: Any) -> bool:
 
 _F32 = np.dtype("float32")
 _ACTIONS = ("half", "float32", "policy", "region")
-_OLD_KINDS = {"half": "half", "float32": "fp32", "policy": "policy", "region": "region"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,13 +529,6 @@ class ModuleRule:
     def casts(self) -> bool:
         """Whether the rule casts the call's inputs and the module's params (every action but ``"region"``)."""
         return self.action != "region"
-
-    @property
-    def kind(self) -> str:
-        """Deprecated: the old name of `action` (``"fp32"`` for ``"float32"``)."""
-        warnings.warn("ModuleRule.kind is deprecated: read ModuleRule.action ('float32' where kind said 'fp32'); "
-                      "kind will be removed in jaxmp 0.2.0", DeprecationWarning, stacklevel=2)
-        return _OLD_KINDS[self.action]
 
 
 _FLOAT32_RULE = ModuleRule(_F32, _F32, "input", "float32")

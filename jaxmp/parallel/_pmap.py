@@ -103,7 +103,7 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
       opt_state are replicated ([`jaxmp.parallel.replicate`][jaxmp.parallel.replicate]), batch is sharded
       ``[num_devices, per_device_batch, ...]`` ([`jaxmp.parallel.shard_batch`][jaxmp.parallel.shard_batch]), rng is one PRNG key
       (each device folds in its axis index, so dropout masks differ between devices), and
-      metrics (a `jaxmp._step.StepMetrics`, the keys of every jaxmp step) holds, per replica,
+      metrics (a dict, the keys of every jaxmp step) holds, per replica,
       ``loss`` (the global mean loss), ``loss_scale``, ``last_step_finite``,
       ``consecutive_skips`` and ``total_skips`` (and ``aux`` with ``has_aux``). The pmapped function is
       ``step.pmapped`` (and ``step.pmapped_with_rng``).

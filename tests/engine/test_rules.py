@@ -477,8 +477,7 @@ def test_a_preset_carries_its_level_as_data_not_in_its_name():
     assert recipe.level == "O3" and jaxmp.get_recipe("mixed_float16").level == "O1"
     config = resolve_config(recipe, None)
     assert config.cast_inputs == "all" and config.rules.float32_ops == frozenset()
-    with pytest.warns(DeprecationWarning, match="keep_float32"):
-        assert recipe.keep_fp32 == recipe.keep_float32 == ()
+    assert recipe.keep_float32 == ()
 
 
 # ---- issue 48, defect 4: a rules object keeps the preset's promotion ----
