@@ -39,10 +39,8 @@ from jaxmp._opt_state import TrainingDivergedError
 from jaxmp._opt_state import apply_updates
 from jaxmp._opt_state import check_health
 from jaxmp._opt_state import get_loss_scale
-from jaxmp._opt_state import last_step_finite
 from jaxmp._opt_state import master_params
 from jaxmp._opt_state import scaling_stats
-from jaxmp._opt_state import skipped_steps
 from jaxmp._transform import LossScalingState
 from jaxmp._transform import loss_scaling
 from jaxmp._traps import MixedPrecisionWarning
@@ -86,8 +84,6 @@ __all__ = [
     "get_loss_scale",
     "scaling_stats",
     "master_params",
-    "skipped_steps",
-    "last_step_finite",
     "check_health",
     "TrainingDivergedError",
     "MixedPrecisionWarning",

@@ -215,10 +215,6 @@ def _floating(x) -> bool:
     return dtype is not None and _format.is_floating(dtype)
 
 
-def _absmax(x):
-    return jnp.max(jnp.abs(x).astype(jnp.float32), initial=0.0) if jnp.size(x) else jnp.zeros((), jnp.float32)
-
-
 def _with_gradient(fn: Callable, loss_scale: float) -> Callable:
     """``fn`` and its gradient (w.r.t. every floating argument), the cotangent seeded with ``loss_scale``."""
 

@@ -21,7 +21,6 @@ import functools
 import re
 from typing import Any, Iterable, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
@@ -474,11 +473,6 @@ def marker(dtype: str, label: str = "") -> str:
     return f"jaxmp[{dtype}]" + (f":{label}" if label else "")
 
 
-def is_float32(dtype: Any) -> bool:
-    """Whether ``dtype`` is float32 (the dtype the float32 list computes in)."""
-    return np.dtype(dtype) == np.dtype(jnp.float32)
-
-
 # -- module rules ------------------------------------------------------------------------------
 
 _F32 = np.dtype("float32")
@@ -600,23 +594,6 @@ class ModuleRules:
             table = dict(self.classes)
             self.__dict__["_table"] = table
         return table
-
-    def path_match(self, path: Sequence[Any]) -> str | None:
-        """The first path glob matching ``path`` or one of its ancestors, or None.
-
-        Args:
-          path: the module path (a tuple of names; ``()`` is the wrapped model itself).
-
-        Returns:
-          The matching glob, or None.
-        """
-        if not self.paths:
-            return None
-        prefixes = _path_prefixes(path)
-        for pattern, _ in self.paths:
-            if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes):
-                return pattern
-        return None
 
     def rule_for(self, module_or_class: Any) -> ModuleRule | None:
         """The class rule of a module (or class): the most specific class of its MRO with a rule.

@@ -26,7 +26,7 @@ from jaxmp._typing import AxisName
 from jaxmp._collectives import mean_model_state, optional_axis_name
 from jaxmp.flax.fp8 import FP8_COLLECTION, Fp8State
 from jaxmp.flax._losses import accuracy, softmax_cross_entropy, split_batch
-from jaxmp._opt_state import skipped_steps
+from jaxmp._opt_state import find_loss_scaling_state
 from jaxmp._skip import keep_if_finite
 from jaxmp._step import Fp8Hooks, StepResult, make_step, step_metrics
 
@@ -126,7 +126,7 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
         # Steps taken, applied or skipped: state.step alone stands still on a skipped step,
         # and the next step would replay the skipped step's dropout mask. Without skips
         # this is state.step, the key Flax's examples fold in.
-        rng = jax.random.fold_in(rng, state.step + skipped_steps(state.opt_state))
+        rng = jax.random.fold_in(rng, state.step + find_loss_scaling_state(state.opt_state).total_skips)
         if axis_name is not None and per_replica:  # each replica its own dropout mask
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
         return {name: jax.random.fold_in(rng, i) for i, name in enumerate(rng_collections)}

@@ -306,8 +306,8 @@ class MixedPrecision(nnx.Module):
 def optimizer_state(optimizer: nnx.Optimizer) -> Any:
     """The plain optax state of an ``nnx.Optimizer`` (arrays, not ``OptState`` variables).
 
-    Pass it to [`jaxmp.scaling_stats`][jaxmp.scaling_stats], [`jaxmp.get_loss_scale`][jaxmp.get_loss_scale],
-    [`jaxmp.last_step_finite`][jaxmp.last_step_finite] or [`jaxmp.check_health`][jaxmp.check_health].
+    Pass it to [`jaxmp.scaling_stats`][jaxmp.scaling_stats], [`jaxmp.get_loss_scale`][jaxmp.get_loss_scale]
+    or [`jaxmp.check_health`][jaxmp.check_health].
 
     Args:
       optimizer: an ``nnx.Optimizer`` built with a ``jaxmp.loss_scaling`` transform.

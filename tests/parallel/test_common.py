@@ -37,15 +37,6 @@ def test_check_positive_int_rejects_non_ints_and_non_positive(value, error, matc
         _common.check_positive_int(value, "steps")
 
 
-def test_batch_leaves_returns_the_leaves_and_names_a_scalar_leaf():
-    batch = {"x": jnp.ones((4, 2)), "y": np.zeros(4)}
-    assert len(_common.batch_leaves(batch)) == 2
-    with pytest.raises(ValueError, match=r"inputs leaf at \['y'\] is a scalar: every leaf needs a leading batch axis"):
-        _common.batch_leaves({"x": jnp.ones((4, 2)), "y": 3.0}, what="inputs")
-    with pytest.raises(ValueError, match=r"the batch has no array leaves"):
-        _common.batch_leaves({"x": None, "y": ()})
-
-
 def test_leading_size_is_the_common_batch_size():
     assert _common.leading_size({"x": jnp.ones((6, 2)), "y": [np.zeros(6), np.zeros((6, 1, 1))]}) == 6
     assert _common.leading_size(jnp.ones((3,))) == 3  # a bare array is a one-leaf batch
