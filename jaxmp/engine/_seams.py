@@ -20,7 +20,7 @@ from jaxmp.engine._config import TRACING, flax_config, resolve_config
 from jaxmp.engine._entry import autocast, engine_function
 
 # Reading back what the engine decided (the diagnostics' "explain", the fp8 layers' markers).
-from jaxmp.engine._api import explain_enabled, explaining
+from jaxmp.engine._build import explain_enabled, explaining
 from jaxmp.engine._rules import COMBINER_OPS, FLOAT32_OPS, MARKER
 
 # JAX's internals as the engine reads them, and the contract the self-check runs.

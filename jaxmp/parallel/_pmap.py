@@ -19,7 +19,7 @@ from jaxmp import _loss_view
 from jaxmp._collectives import all_reduce_gradients, check_axis_name, check_reduce_dtype, mean_model_state
 
 from jaxmp._typing import AxisName
-from jaxmp.parallel._common import check_not_donated, log_once, with_model_state
+from jaxmp.parallel._checks import check_not_donated, log_once, with_model_state
 from jaxmp.parallel._replication import check_replicated
 from jaxmp._step import make_generic_step
 

@@ -165,8 +165,8 @@ def test_no_doctest_page_readme_experiment_or_benchmark_imports_a_private_module
     assert not found, f"private modules imported where users read: {found}"
     # The scan sees what it should.
     assert _private_imports("from jaxmp._step import make_step\nimport jaxmp.engine._rules as r\n"
-                            "from jaxmp.engine import _api\nfrom jaxmp import autocast") == [
-        "from jaxmp._step import make_step", "import jaxmp.engine._rules as r", "from jaxmp.engine import _api"]
+                            "from jaxmp.engine import _build\nfrom jaxmp import autocast") == [
+        "from jaxmp._step import make_step", "import jaxmp.engine._rules as r", "from jaxmp.engine import _build"]
     assert _private_imports("    >>> from jaxmp.parallel._layouts import leaf_spec\n    from jaxmp._x import y",
                             doctest_only=True) == ["from jaxmp.parallel._layouts import leaf_spec"]
 

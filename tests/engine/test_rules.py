@@ -337,7 +337,7 @@ def test_a_preferred_element_type_that_jax_promotion_wrote_is_not_a_choice():
 
 
 def test_a_non_array_output_names_the_users_function():
-    """Item 17: 0a46f1b named jaxmp's internal ``flat_fn at jaxmp/engine/_api.py:167``."""
+    """Item 17: 0a46f1b named jaxmp's internal ``flat_fn at jaxmp/engine/_build.py:167``."""
     def my_loss(x):
         return {"loss": x.sum(), "tag": "hello"}
 
