@@ -124,7 +124,7 @@ def _make_step(model, tx, jaxmp_step: bool):
         updates, opt_state = tx.update(grads, opt_state, params)
         params = jaxmp.apply_updates(params, updates, opt_state)
         # A skipped (non-finite) step keeps the BatchNorm statistics too.
-        new_bs = jaxmp.select_tree(jaxmp.last_step_finite(opt_state), new_bs, batch_stats) if batch_stats else new_bs
+        new_bs = jaxmp.select_tree(jaxmp.scaling_stats(opt_state)["last_step_finite"], new_bs, batch_stats) if batch_stats else new_bs
         return (params, new_bs, opt_state), loss
 
     return step
@@ -257,7 +257,7 @@ def run_one(model_key: str, batch_size: int, policy: str, suite: dict, timing: d
                  items_per_s=items / st["median"], items_per_s_iqr=[items / st["q75"], items / st["q25"]],
                  final_loss=float(loss), tflops_per_s=entry["flops"]["per_step"] / st["median"] / 1e12)
     if recipe is not None:
-        entry.update(skipped_steps=int(jaxmp.skipped_steps(state[2])),
+        entry.update(skipped_steps=int(jaxmp.scaling_stats(state[2])["total_skips"]),
                      loss_scale=float(jaxmp.get_loss_scale(state[2]).loss_scale))
     entry["memory"] = _memory(mem_analysis, fresh_process)
     common.log(f"  {model_key} b{batch_size} {policy:9s}: {entry['items_per_s']:.1f} {spec['unit']}/s, "

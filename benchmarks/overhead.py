@@ -337,7 +337,7 @@ def run(cfg: dict, quiet: bool = False) -> dict:
     skipped = {}
     for n in ("jaxmp", "jaxmp-noop", "jaxmp-optax", "jaxmp-noop-probe"):
         if n in states:
-            skipped[n] = int(jaxmp.skipped_steps(states[n][1]))
+            skipped[n] = int(jaxmp.scaling_stats(states[n][1])["total_skips"])
 
     step_time = {n: common.summarize(v) for n, v in samples.items()}
     ratios, ratio_of_medians = {}, {}

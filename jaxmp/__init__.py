@@ -1,19 +1,15 @@
 """jaxmp: mixed-precision training for JAX and Flax.
 
-The core API is re-exported here; each area lives in its own module:
-``dtypes`` (dtype names, casting floating leaves), ``policy`` (the ``Policy`` record),
-``presets`` (O0-O3 / Keras recipes, the policy-string parser), ``engine`` (the op-level precision
-engine behind ``autocast``, which the Flax integration runs through too), ``platform`` (per-device
-recommendation), ``loss_scale`` (loss-scale pytrees), ``skip`` (the skip-on-non-finite
-select), ``transform`` (the optax loss-scaling and master-weights transforms), ``grad``
-(scaled ``value_and_grad``), ``flax`` (Linen/NNX integration), ``parallel``
-(pmap / sharded jit / multi-host), ``lean`` (memory-lean optimizer recipes: stochastic rounding,
-param remainders) and ``diagnostics``.
+The core API is re-exported here: policies and presets (jmp's names, plus O0-O3 and Keras
+recipes), loss scales and the optax loss-scaling transform, readers of its state, op-level
+``autocast`` and its regions, and the headline diagnostics. The subpackages are ``jaxmp.flax``
+(Linen/NNX integration, imported on first use), ``jaxmp.parallel`` (pmap / sharded jit /
+multi-host), ``jaxmp.fp8``, ``jaxmp.lean`` (memory-lean optimizer recipes), ``jaxmp.diagnostics``
+and ``jaxmp.engine``; every ``_x`` module is private (docs/architecture.md lists them).
 """
 
 import importlib as _importlib
 
-from jaxmp import _deprecations
 from jaxmp import fp8
 from jaxmp import lean
 from jaxmp import parallel
@@ -43,10 +39,8 @@ from jaxmp._opt_state import TrainingDivergedError
 from jaxmp._opt_state import apply_updates
 from jaxmp._opt_state import check_health
 from jaxmp._opt_state import get_loss_scale
-from jaxmp._opt_state import last_step_finite
 from jaxmp._opt_state import master_params
 from jaxmp._opt_state import scaling_stats
-from jaxmp._opt_state import skipped_steps
 from jaxmp._transform import LossScalingState
 from jaxmp._transform import loss_scaling
 from jaxmp._traps import MixedPrecisionWarning
@@ -61,7 +55,7 @@ from jaxmp.engine._regions import region as autocast_region
 __version__ = "0.1.0"
 
 # What the guides use, plus the types users catch, annotate or isinstance; nothing else (the
-# budget is checked by tests/cross/test_api_surface.py; names that left are in jaxmp/_deprecations.py).
+# budget is checked by tests/cross/test_api_surface.py; CHANGELOG.md records the names that left).
 __all__ = [
     # policies (jmp's names first: jaxmp keeps jmp's API)
     "Policy",
@@ -90,8 +84,6 @@ __all__ = [
     "get_loss_scale",
     "scaling_stats",
     "master_params",
-    "skipped_steps",
-    "last_step_finite",
     "check_health",
     "TrainingDivergedError",
     "MixedPrecisionWarning",
@@ -114,13 +106,10 @@ __all__ = [
     "parallel",
 ]
 
-_moved = _deprecations.module_getattr(__name__)
-
-
 def __getattr__(name):
-    if name == "flax":
+    if name == "flax":  # imported on first use (see __all__)
         return _importlib.import_module("jaxmp.flax")
-    return _moved(name, stacklevel=3)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():

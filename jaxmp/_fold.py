@@ -84,16 +84,6 @@ class _Degrees:
         return None
 
 
-def has_fold(closed: Any, scale_positions: Sequence[int]) -> bool:
-    """Whether `eval_folded` would rewrite any reduction of ``closed`` (cheap, no tracing)."""
-    jaxpr = closed.jaxpr
-    scale_vars = [jaxpr.invars[i] for i in scale_positions]
-    if not scale_vars:
-        return False
-    degs = _Degrees(jaxpr, scale_vars)
-    return any(_foldable(eqn, degs) for eqn in _jaxpr.equations(jaxpr))
-
-
 def _foldable(eqn, degs) -> bool:
     if eqn.primitive not in (lax.reduce_sum_p, lax.reduce_max_p):
         return False

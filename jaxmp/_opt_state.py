@@ -99,40 +99,6 @@ def scaling_stats(opt_state: optax.OptState) -> dict[str, jax.Array]:
     }
 
 
-def last_step_finite(opt_state: optax.OptState) -> jax.Array:
-    """Whether the last update's gradients were finite (i.e. it was applied).
-
-    Args:
-      opt_state: an optimizer state holding a [`LossScalingState`][jaxmp.LossScalingState].
-
-    Returns:
-      A boolean scalar array.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, jaxmp
-      >>> bool(jaxmp.last_step_finite(jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})))
-      True
-    """
-    return find_loss_scaling_state(opt_state).last_step_finite
-
-
-def skipped_steps(opt_state: optax.OptState) -> jax.Array:
-    """Total number of skipped (non-finite) steps since ``init``.
-
-    Args:
-      opt_state: an optimizer state holding a [`LossScalingState`][jaxmp.LossScalingState].
-
-    Returns:
-      An int32 scalar array.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, jaxmp
-      >>> int(jaxmp.skipped_steps(jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})))
-      0
-    """
-    return find_loss_scaling_state(opt_state).total_skips
-
-
 def master_params(opt_state: optax.OptState) -> optax.Params:
     """The float32 master copy kept by `jaxmp._transform.master_weights` (``loss_scaling(..., master_weights=True)``).
 

@@ -17,7 +17,6 @@ import jmp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxmp import _deprecations
 from jaxmp import _dtypes
 
 T = TypeVar("T")
@@ -109,6 +108,3 @@ def parse_policy_grammar(text: str) -> Policy:
     compute = dtypes.get("compute", params)
     return Policy(params, compute, dtypes.get("output", compute))
 
-
-# Names that lived here before 0.1.0 raise an AttributeError naming their place (jaxmp/_deprecations.py).
-__getattr__ = _deprecations.module_getattr(__name__)

@@ -9,14 +9,12 @@ Every policy string a user passes is parsed once, here, into typed objects:
 from __future__ import annotations
 
 import difflib
-import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp import _deprecations
 from jaxmp import fp8 as _fp8
 from jaxmp._typing import PolicyLike
 from jaxmp._dtypes import dtype_names
@@ -72,13 +70,6 @@ class Recipe(NamedTuple):
     keep_float32: tuple[str, ...]
     fp8: _fp8.Fp8Recipe | None = None
     level: str | None = None
-
-    @property
-    def keep_fp32(self) -> tuple[str, ...]:
-        """Deprecated: the old name of ``keep_float32``."""
-        warnings.warn("Recipe.keep_fp32 is deprecated: read Recipe.keep_float32; keep_fp32 will be removed in "
-                      f"jaxmp {_deprecations.REMOVAL}", DeprecationWarning, stacklevel=2)
-        return self.keep_float32
 
 
 def preset_half_dtype(device: jax.Device | None = None) -> np.dtype:

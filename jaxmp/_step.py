@@ -7,7 +7,6 @@ What one step does, in order: see docs/design.md#the-train-step.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
@@ -148,60 +147,7 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
     return step
 
 
-#: Metrics keys renamed so that every step reports the same ones: ``{old: new}``. The old key
-#: still reads (with a DeprecationWarning) for one release; see CHANGELOG.md.
-DEPRECATED_METRICS = {"finite": "last_step_finite"}
-
-
-class StepMetrics(dict):
-    """The metrics dict every train step returns; a pytree, so ``jit`` / ``pmap`` can return it.
-
-    Keys (every step): ``loss``, ``loss_scale``, ``last_step_finite``, ``consecutive_skips``,
-    ``total_skips``; plus ``accuracy`` (the Flax steps) or ``aux`` (a parallel step with
-    ``has_aux``). Reading a renamed key (`DEPRECATED_METRICS`, e.g. ``"finite"``) returns the
-    new key's value with a DeprecationWarning naming it; the old key is not stored, so
-    iterating, ``len`` and logging see the new keys only.
-    """
-
-    __slots__ = ()
-
-    @staticmethod
-    def _renamed(key: Any) -> Any:
-        new = DEPRECATED_METRICS.get(key) if isinstance(key, str) else None
-        if new is not None:
-            warnings.warn(f"metrics[{key!r}] is deprecated and will be removed in the next release: read "
-                          f"metrics[{new!r}] (every jaxmp train step now reports the same keys)",
-                          DeprecationWarning, stacklevel=3)
-        return new
-
-    def __missing__(self, key: Any) -> Any:
-        # dict.__getitem__ calls this only for a key it does not hold, so reading a stored key
-        # costs nothing extra.
-        new = self._renamed(key)
-        if new is None or new not in self:
-            raise KeyError(key)
-        return dict.__getitem__(self, new)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        if key in self:
-            return dict.__getitem__(self, key)
-        new = self._renamed(key)
-        return dict.get(self, new, default) if new is not None else default
-
-    def __repr__(self) -> str:
-        return f"StepMetrics({dict.__repr__(self)})"
-
-
-def _flatten_metrics(m: StepMetrics):
-    keys = tuple(sorted(m))  # as JAX orders a dict's keys
-    return tuple((jax.tree_util.DictKey(k), dict.__getitem__(m, k)) for k in keys), keys
-
-
-jax.tree_util.register_pytree_with_keys(
-    StepMetrics, _flatten_metrics, lambda keys, values: StepMetrics(zip(keys, values)))
-
-
-def step_metrics(out: StepResult, **extra: Any) -> StepMetrics:
+def step_metrics(out: StepResult, **extra: Any) -> dict[str, Any]:
     """The metrics of one step, the same keys with the same meaning for every step (Flax, NNX,
     pmap, sharded).
 
@@ -216,12 +162,12 @@ def step_metrics(out: StepResult, **extra: Any) -> StepMetrics:
       **extra: further entries (``accuracy``, ``aux``).
 
     Returns:
-      A `StepMetrics`: ``loss``, ``loss_scale``, ``last_step_finite`` (whether the step was
+      A dict: ``loss``, ``loss_scale``, ``last_step_finite`` (whether the step was
       applied), ``consecutive_skips``, ``total_skips``, and ``extra``.
     """
     stats = scaling_stats(out.opt_state)
     stats["loss_scale"] = out.loss_scale
-    return StepMetrics(loss=out.loss, **stats, **extra)
+    return dict(loss=out.loss, **stats, **extra)
 
 
 def check_no_model_state_in_aux(aux: Any) -> None:

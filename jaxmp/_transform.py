@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp import _cpu_layout, _deprecations, _tree, _fold as fold, _traps as traps
+from jaxmp import _cpu_layout, _tree, _fold as fold, _traps as traps
 from jaxmp._typing import AxisName, LossScaleLike
 from jaxmp._collectives import optional_axis_name
 from jaxmp._dtypes import float_dtype, is_floating_array, is_inexact_array
@@ -683,6 +683,3 @@ def update_and_apply(tx: Any, grads: Any, opt_state: Any, params: Any, **extra_a
         new_params = keep_if_finite(found[0].last_step_finite, new_params, params)
     return new_params, new_state
 
-
-# Names that lived here before 0.1.0 raise an AttributeError naming their place (jaxmp/_deprecations.py).
-__getattr__ = _deprecations.module_getattr(__name__)

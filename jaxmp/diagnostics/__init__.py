@@ -6,7 +6,6 @@ the precision debugger (`locate_non_finite`, `compare_to_float32`, `strict_preci
 See docs/diagnostics.md and docs/debugging.md.
 """
 
-from jaxmp import _deprecations
 from jaxmp.diagnostics._autocast_ops import AutocastOp
 # Not public (report.explain() reads it); bound here because its module has the same name.
 from jaxmp.diagnostics._autocast_ops import autocast_ops as autocast_ops
@@ -36,5 +35,3 @@ __all__ = [
     "locate_non_finite", "NonFiniteCulprit", "compare_to_float32", "ShadowReport",
     "strict_precision", "StrictPrecisionError",
 ]
-
-__getattr__ = _deprecations.module_getattr(__name__)

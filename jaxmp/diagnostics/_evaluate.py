@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxmp import _jaxpr
 from jaxmp.diagnostics import _format
-from jaxmp.diagnostics._jaxpr_walk import source_of
+from jaxmp.diagnostics._find_ops import source_of
 from jaxmp.engine._seams import internals
 from jaxmp.engine._seams import MARKER
 

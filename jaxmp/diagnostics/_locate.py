@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,9 @@ from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import AutocastRules
 from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, leaf_paths, trace
+
+if TYPE_CHECKING:  # annotation only: the engine is imported where it is used
+    from jaxmp.engine._seams import AutocastRules
 
 _MAX_INPUTS = 4
 #: Mapped programs the evaluator runs as one op (their bodies are per-device programs).
@@ -211,10 +214,6 @@ class _Locate(Hooks):
 def _floating(x) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and _format.is_floating(dtype)
-
-
-def _absmax(x):
-    return jnp.max(jnp.abs(x).astype(jnp.float32), initial=0.0) if jnp.size(x) else jnp.zeros((), jnp.float32)
 
 
 def _with_gradient(fn: Callable, loss_scale: float) -> Callable:

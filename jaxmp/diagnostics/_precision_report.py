@@ -18,7 +18,7 @@ from jaxmp import _jaxpr
 from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics._autocast_ops import AutocastOp, autocast_ops
-from jaxmp.diagnostics._jaxpr_walk import MatmulOp, RiskyOp, walk_jaxpr
+from jaxmp.diagnostics._find_ops import MatmulOp, RiskyOp, walk_jaxpr
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,8 @@ from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, StrictJit, bind, ev
 if TYPE_CHECKING:  # optax is imported where it is used: the report alone does not need it
     import optax
 
+    from jaxmp.engine._seams import AutocastRules
+
 _F32 = np.dtype(np.float32)
 #: A k-step drift up to this multiple of the rounding-noise drift is not an alarm (see `ShadowReport.clean`).
 NOISE_MARGIN = 3.0

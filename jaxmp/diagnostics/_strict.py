@@ -1,7 +1,7 @@
 """Strict mode: tracing raises where an op of the policy's float32 list runs in half precision.
 
 For code outside ``jaxmp.autocast`` (``Policy.cast_to_compute``, ``dtype=bfloat16`` layers,
-``half_inputs`` kernels, O3). Risky is `jaxmp.diagnostics._jaxpr_walk.classify_risk`'s definition,
+``half_inputs`` kernels, O3). Risky is `jaxmp.diagnostics._find_ops.classify_risk`'s definition,
 shared with the precision report. See docs/debugging.md#strict-mode-the-policys-float32-list-enforced-outside-autocast.
 """
 
@@ -16,7 +16,7 @@ from jaxmp import _jaxpr
 from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics._evaluate import Sites, _inner
-from jaxmp.diagnostics._jaxpr_walk import classify_risk
+from jaxmp.diagnostics._find_ops import classify_risk
 from jaxmp.diagnostics._locate import _with_gradient
 from jaxmp._loss_view import find_view
 

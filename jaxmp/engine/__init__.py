@@ -5,20 +5,16 @@ namespace adds the op lists and the tested JAX versions. Its modules are interna
 change without notice. Layers: see docs/architecture.md#the-path-of-a-call.
 """
 
-from jaxmp import _deprecations
-
 # The JAX versions CI tests are listed in jaxmp/engine/_tested.py; on a newer JAX the first
 # autocast function built runs a small canary (jaxmp/engine/_contract.py) and warns if a rule is
 # not honoured.
 from jaxmp.engine._tested import TESTED_JAX
 from jaxmp.engine._rules import FLOAT32_OPS, HALF_OPS
 # Loaded with the package (the engine's modules register themselves as they import).
-from jaxmp.engine import _api, _attention, _config, _entry, _regions, _rules  # noqa: F401
+from jaxmp.engine import _build, _attention, _config, _entry, _regions, _rules  # noqa: F401
 
 __all__ = [
     "FLOAT32_OPS",
     "HALF_OPS",
     "TESTED_JAX",
 ]
-
-__getattr__ = _deprecations.module_getattr(__name__)

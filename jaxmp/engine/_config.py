@@ -48,11 +48,6 @@ class AutocastConfig:
     modules: ModuleRules = ModuleRules()
     front_door: bool = False
 
-    def __post_init__(self):
-        if not self.modules and self.rules.class_rules:
-            # Normalising our own frozen record: autocast's class rules, compiled once.
-            object.__setattr__(self, "modules", self.rules.module_rules())
-
 
 def _warn_pure_half(policy: str, compute: np.dtype) -> None:
     """A bare half dtype name means pure half (jmp's grammar); a torch user means mixed precision."""
@@ -86,12 +81,14 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     """
     if rules is not None and not isinstance(rules, AutocastRules):
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}: {rules!r}")
+    modules = ModuleRules()
     if rules is not None:
         if isinstance(rules.fp8_matmuls, fp8.DelayedScaling):
             raise ValueError("AutocastRules.fp8_matmuls: delayed scaling keeps amax histories across steps, which "
                              "autocast's functional form has no state for; use fp8.CurrentScaling() (or the Flax "
                              "door, jaxmp.flax.mixed_precision, which keeps them)")
-        rules.module_rules()  # path rules and per-class policies are the Flax door's: refused here, by name
+        # Compiled once, here: path rules and per-class policies are the Flax door's, refused by name.
+        modules = rules.module_rules()
     resolved, recipe = resolve_policy(policy)
     compute = np.dtype(resolved.compute_dtype)
     if isinstance(policy, str) and recipe is None and "=" not in policy and compute.itemsize < 4:
@@ -107,9 +104,9 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
         rules = dataclasses.replace(rules, promote=promote)
     if compute.itemsize >= 4:
         return AutocastConfig(name, compute, np.dtype(resolved.output_dtype), "",
-                              rules or AutocastRules(promote="demand"), identity=True)
+                              rules or AutocastRules(promote="demand"), identity=True, modules=modules)
     if level == "O3":
-        return AutocastConfig(name, compute, compute, "all", rules or PURE_HALF_RULES)
+        return AutocastConfig(name, compute, compute, "all", rules or PURE_HALF_RULES, modules=modules)
     cast_inputs = "weights" if weights else ""
     output = np.dtype(resolved.output_dtype) if level is None else _F32
     rules = rules or AutocastRules(promote=promote)
@@ -122,7 +119,7 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
         fp8.check_hardware(fp8_recipe)
         if rules.fp8_matmuls is None:
             rules = dataclasses.replace(rules, fp8_matmuls=fp8_recipe)
-    return AutocastConfig(name, compute, output, cast_inputs, rules)
+    return AutocastConfig(name, compute, output, cast_inputs, rules, modules=modules)
 
 
 # The tracing context: set while autocast traces the user's function. Part of jit's cache key.

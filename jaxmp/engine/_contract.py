@@ -148,7 +148,7 @@ def _args(transform: str) -> tuple:
 
 
 def _composed(program: Callable, transform: str, order: str, policy: str, rules=None) -> Callable:
-    from jaxmp.engine._api import build as autocast
+    from jaxmp.engine._build import build as autocast
 
     t = TRANSFORMS[transform]
     if order == "T(autocast(f))":
@@ -239,7 +239,7 @@ def construct_checks() -> list[Check]:
     Returns:
       A list of `Check`.
     """
-    from jaxmp.engine._api import build as autocast
+    from jaxmp.engine._build import build as autocast
 
     out = []
 
@@ -271,7 +271,7 @@ def construct_checks() -> list[Check]:
 
 def _custom_vjp_check() -> Check:
     """A ``custom_vjp`` under ``autocast(grad(f))``: its forward and backward matmuls run in half."""
-    from jaxmp.engine._api import build as autocast
+    from jaxmp.engine._build import build as autocast
 
     @jax.custom_vjp
     def scaled(x, w):

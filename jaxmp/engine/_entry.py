@@ -1,6 +1,6 @@
 """The engine's public entry points: [`autocast`][jaxmp.autocast] and `jaxmp.engine._entry.engine_function`.
 
-Both build an engine function (`jaxmp.engine._api`); the first one built on a JAX newer than every
+Both build an engine function (`jaxmp.engine._build`); the first one built on a JAX newer than every
 tested one runs the canary of `jaxmp.engine._contract`. See docs/autocast.md#tracing-and-caching.
 """
 
@@ -11,7 +11,7 @@ from typing import Callable
 from jaxmp.engine import _config
 from jaxmp._typing import PolicyLike
 from jaxmp.engine import _contract as contract
-from jaxmp.engine._api import _Autocast, build
+from jaxmp.engine._build import _Autocast, build
 from jaxmp.engine._rules import AutocastRules
 
 

@@ -19,10 +19,8 @@ import dataclasses
 import fnmatch
 import functools
 import re
-import warnings
 from typing import Any, Iterable, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
@@ -475,16 +473,10 @@ def marker(dtype: str, label: str = "") -> str:
     return f"jaxmp[{dtype}]" + (f":{label}" if label else "")
 
 
-def is_float32(dtype: Any) -> bool:
-    """Whether ``dtype`` is float32 (the dtype the float32 list computes in)."""
-    return np.dtype(dtype) == np.dtype(jnp.float32)
-
-
 # -- module rules ------------------------------------------------------------------------------
 
 _F32 = np.dtype("float32")
 _ACTIONS = ("half", "float32", "policy", "region")
-_OLD_KINDS = {"half": "half", "float32": "fp32", "policy": "policy", "region": "region"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,13 +523,6 @@ class ModuleRule:
     def casts(self) -> bool:
         """Whether the rule casts the call's inputs and the module's params (every action but ``"region"``)."""
         return self.action != "region"
-
-    @property
-    def kind(self) -> str:
-        """Deprecated: the old name of `action` (``"fp32"`` for ``"float32"``)."""
-        warnings.warn("ModuleRule.kind is deprecated: read ModuleRule.action ('float32' where kind said 'fp32'); "
-                      "kind will be removed in jaxmp 0.2.0", DeprecationWarning, stacklevel=2)
-        return _OLD_KINDS[self.action]
 
 
 _FLOAT32_RULE = ModuleRule(_F32, _F32, "input", "float32")
@@ -609,23 +594,6 @@ class ModuleRules:
             table = dict(self.classes)
             self.__dict__["_table"] = table
         return table
-
-    def path_match(self, path: Sequence[Any]) -> str | None:
-        """The first path glob matching ``path`` or one of its ancestors, or None.
-
-        Args:
-          path: the module path (a tuple of names; ``()`` is the wrapped model itself).
-
-        Returns:
-          The matching glob, or None.
-        """
-        if not self.paths:
-            return None
-        prefixes = _path_prefixes(path)
-        for pattern, _ in self.paths:
-            if any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes):
-                return pattern
-        return None
 
     def rule_for(self, module_or_class: Any) -> ModuleRule | None:
         """The class rule of a module (or class): the most specific class of its MRO with a rule.

@@ -1,49 +1,56 @@
-"""The names other jaxmp units use from jaxmp.engine's private modules: the explicitly internal
-face of jaxmp.engine (no stability promise; tests/_support/_import_graph.py lets other units import
-``_seams`` modules and no other private module of a subpackage). Generated from the imports."""
+"""The engine's semi-public face: what the rest of jaxmp uses of ``jaxmp.engine``'s private modules.
 
-from jaxmp.engine import _config as config
+As ``equinox.internal`` is to Equinox, this module is the one door through which other jaxmp
+units (the Flax wrappers, the diagnostics, the self-check) reach the engine's internals; they
+import no other private module of ``jaxmp.engine`` (tests/_support/_import_graph.py checks it).
+It holds only what those units use (tests/cross/test_architecture.py checks that every name here
+has a user outside the engine), grouped by who uses it.
+
+No stability promise: these names change with the engine, in any release and without a
+deprecation period. Code outside jaxmp should use the public names (``jaxmp.autocast``,
+``jaxmp.AutocastRules``, ``jaxmp.engine.FLOAT32_OPS``) instead.
+"""
+
+# Module rules: the vocabulary both front doors compile to (jaxmp.flax builds and applies them).
+from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules, ModuleRule, merge_rules
+from jaxmp.engine._modules import install_call_hooks, instance_rules, module_interceptor
+
+# The Flax door's way in: its own resolved config, run by the engine without autocast's wrapper.
+from jaxmp.engine._config import TRACING, flax_config, resolve_config
+from jaxmp.engine._entry import autocast, engine_function
+
+# Reading back what the engine decided (the diagnostics' "explain", the fp8 layers' markers).
+from jaxmp.engine._build import explain_enabled, explaining
+from jaxmp.engine._rules import COMBINER_OPS, FLOAT32_OPS, MARKER
+
+# JAX's internals as the engine reads them, and the contract the self-check runs.
 from jaxmp.engine import _contract as contract
 from jaxmp.engine import _internals as internals
 from jaxmp.engine import _tested as tested
-from jaxmp.engine._api import explain_enabled
-from jaxmp.engine._api import explaining
-from jaxmp.engine._config import flax_config
-from jaxmp.engine._config import resolve_config
-from jaxmp.engine._entry import autocast
-from jaxmp.engine._entry import engine_function
-from jaxmp.engine._modules import install_call_hooks
-from jaxmp.engine._modules import instance_rules
-from jaxmp.engine._modules import module_interceptor
-from jaxmp.engine._rules import AutocastRules
-from jaxmp.engine._rules import COMBINER_OPS
-from jaxmp.engine._rules import FLOAT32_OPS
-from jaxmp.engine._rules import MARKER
-from jaxmp.engine._rules import ModuleRule
-from jaxmp.engine._rules import ModuleRules
-from jaxmp.engine._rules import PURE_HALF_RULES
-from jaxmp.engine._rules import merge_rules
 
 __all__ = [
+    # module rules
     "AutocastRules",
+    "ModuleRule",
+    "PURE_HALF_RULES",
+    "merge_rules",
+    "install_call_hooks",
+    "instance_rules",
+    "module_interceptor",
+    # the Flax door's way in
+    "TRACING",
+    "flax_config",
+    "resolve_config",
+    "autocast",
+    "engine_function",
+    # reading back what the engine decided
+    "explain_enabled",
+    "explaining",
     "COMBINER_OPS",
     "FLOAT32_OPS",
     "MARKER",
-    "ModuleRule",
-    "ModuleRules",
-    "PURE_HALF_RULES",
-    "autocast",
-    "config",
+    # internals and the contract
     "contract",
-    "engine_function",
-    "explain_enabled",
-    "explaining",
-    "flax_config",
-    "install_call_hooks",
-    "instance_rules",
     "internals",
-    "merge_rules",
-    "module_interceptor",
-    "resolve_config",
     "tested",
 ]

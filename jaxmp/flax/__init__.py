@@ -18,10 +18,9 @@ from flax import nnx as _nnx
 from jaxmp.flax import fp8, linen, nnx
 from jaxmp.flax._attention import float32_softmax_attention, fused_attention
 from jaxmp.flax._losses import accuracy, softmax_cross_entropy
-from jaxmp import _deprecations
 from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import AutocastRules as _AutocastRules
-from jaxmp.flax._overrides import DeprecatedOverrides, default_rules, resolve_rules
+from jaxmp.flax._overrides import default_rules, resolve_rules
 from jaxmp.flax._steps import make_eval_step, make_train_step
 from jaxmp.flax._train_state import TrainState
 from jaxmp._loss_scale import register_flax_serialization as _register_flax_serialization
@@ -29,8 +28,8 @@ from jaxmp._loss_scale import register_flax_serialization as _register_flax_seri
 _register_flax_serialization(force=True)
 
 
-def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike, rules: _AutocastRules | None = None, *,
-                    overrides: DeprecatedOverrides = None) -> linen.MixedPrecision | nnx.MixedPrecision:
+def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike, rules: _AutocastRules | None = None
+                    ) -> linen.MixedPrecision | nnx.MixedPrecision:
     """Runs an unmodified Linen or NNX model under a precision policy.
 
     Params are cast per module for the forward pass, inputs to the compute dtype, outputs to the
@@ -44,7 +43,6 @@ def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike, rules: 
         [`default_rules`][jaxmp.flax.default_rules]``(preset)`` edited with ``with_*`` is used as
         given; a rules object built from ``jaxmp.AutocastRules()`` is merged onto the preset's
         rules (its entries win), so the preset's class rules and op lists stay.
-      overrides: the deprecated name of ``rules`` (one release, with a ``DeprecationWarning``).
 
     Returns:
       For Linen, a [`jaxmp.flax.linen.MixedPrecision`][jaxmp.flax.linen.MixedPrecision] with the module's
@@ -62,7 +60,7 @@ def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike, rules: 
       dtype('float32')
     """
     if isinstance(model, (_nn.Module, _nnx.Module)):
-        policy, rules = resolve_rules(policy, rules, overrides)
+        policy, rules = resolve_rules(policy, rules)
         return (linen.MixedPrecision if isinstance(model, _nn.Module) else nnx.MixedPrecision)(model, policy, rules)
     if isinstance(model, type) and issubclass(model, (_nn.Module, _nnx.Module)):
         raise TypeError(f"mixed_precision expects a module instance, got the class {model.__name__}; instantiate it first")
@@ -86,5 +84,3 @@ __all__ = [
     "nnx",
     "softmax_cross_entropy",
 ]
-
-__getattr__ = _deprecations.module_getattr(__name__)

@@ -54,7 +54,7 @@ def float32_softmax_attention(
 
     A drop-in ``attention_fn`` for ``nn.MultiHeadDotProductAttention`` and
     ``nnx.MultiHeadAttention``; [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision] installs it in the
-    attention modules of the half list when the overrides keep softmax in float32.
+    attention modules of the half list when the rules keep softmax in float32.
 
     Args:
       query: ``[batch..., q_length, num_heads, qk_depth]``.

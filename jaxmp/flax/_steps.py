@@ -26,9 +26,9 @@ from jaxmp._typing import AxisName
 from jaxmp._collectives import mean_model_state, optional_axis_name
 from jaxmp.flax.fp8 import FP8_COLLECTION, Fp8State
 from jaxmp.flax._losses import accuracy, softmax_cross_entropy, split_batch
-from jaxmp._opt_state import skipped_steps
+from jaxmp._opt_state import find_loss_scaling_state
 from jaxmp._skip import keep_if_finite
-from jaxmp._step import Fp8Hooks, StepMetrics, StepResult, make_step, step_metrics
+from jaxmp._step import Fp8Hooks, StepResult, make_step, step_metrics
 
 
 def _make_flax_step(loss_fn: Callable, tx: Any, axis_name: Any, reduce_model_state: Callable,
@@ -39,7 +39,7 @@ def _make_flax_step(loss_fn: Callable, tx: Any, axis_name: Any, reduce_model_sta
                      reduce_model_state=None if axis_name is None else reduce_model_state, pass_value=False)
 
 
-def _flax_metrics(out: StepResult, axis_name: Any) -> StepMetrics:
+def _flax_metrics(out: StepResult, axis_name: Any) -> dict[str, Any]:
     """Every step's metrics (`step_metrics`) plus the accuracy, averaged over the replicas under pmap."""
     acc = out.aux if axis_name is None else jax.lax.pmean(out.aux, axis_name)
     return step_metrics(out, accuracy=acc)
@@ -103,7 +103,7 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
     Returns:
       ``train_step(state, batch, rng=None)``; ``batch`` is ``(inputs, labels)`` or a dict with
       ``image``/``inputs``/``x`` and ``label``/``labels``/``y``. Its metrics (a
-      `jaxmp._step.StepMetrics`): ``loss``, ``accuracy``, ``loss_scale`` (the scale this step used),
+      dict, the keys of every jaxmp step, `jaxmp._step.step_metrics`): ``loss``, ``accuracy``, ``loss_scale`` (the scale this step used),
       ``last_step_finite``, ``consecutive_skips``, ``total_skips``.
 
     Example:
@@ -126,7 +126,7 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
         # Steps taken, applied or skipped: state.step alone stands still on a skipped step,
         # and the next step would replay the skipped step's dropout mask. Without skips
         # this is state.step, the key Flax's examples fold in.
-        rng = jax.random.fold_in(rng, state.step + skipped_steps(state.opt_state))
+        rng = jax.random.fold_in(rng, state.step + find_loss_scaling_state(state.opt_state).total_skips)
         if axis_name is not None and per_replica:  # each replica its own dropout mask
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
         return {name: jax.random.fold_in(rng, i) for i, name in enumerate(rng_collections)}
@@ -234,7 +234,7 @@ def _restore_keys(new: Any, folded: Any, original: Any) -> Any:
 
 def nnx_train_step(model: nnx.Module, optimizer: nnx.Optimizer, opt_state: Any, batch: Any, *,
                    loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None, axis_name: Any, float32_loss: bool,
-                   recipe: Any, model_kwargs: dict) -> StepMetrics:
+                   recipe: Any, model_kwargs: dict) -> dict[str, Any]:
     """The NNX step behind [`jaxmp.flax.nnx.train_step`][jaxmp.flax.nnx.train_step], which documents it.
 
     Args:
@@ -249,7 +249,7 @@ def nnx_train_step(model: nnx.Module, optimizer: nnx.Optimizer, opt_state: Any, 
       model_kwargs: forwarded to ``model(inputs, ...)``.
 
     Returns:
-      The step's `jaxmp._step.StepMetrics`, plus ``accuracy``.
+      The step's metrics (`jaxmp._step.step_metrics`), plus ``accuracy``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax

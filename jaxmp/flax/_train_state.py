@@ -7,8 +7,6 @@ leaves params, inner optimizer state and ``batch_stats`` bitwise unchanged.
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -103,13 +101,6 @@ class TrainState(struct.PyTreeNode):
     @property
     def rules(self):
         """The model's [`jaxmp.AutocastRules`][jaxmp.AutocastRules]."""
-        return self.model.rules
-
-    @property
-    def overrides(self):
-        """Deprecated: the old name of [`rules`][jaxmp.flax.TrainState.rules]."""
-        warnings.warn("TrainState.overrides is deprecated: read TrainState.rules (a jaxmp.AutocastRules); overrides "
-                      "will be removed in jaxmp 0.2.0", DeprecationWarning, stacklevel=2)
         return self.model.rules
 
     @property

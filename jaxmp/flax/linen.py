@@ -176,13 +176,6 @@ class MixedPrecision:
         object.__setattr__(self, "policy", policy)
         object.__setattr__(self, "rules", rules)
 
-    @property
-    def overrides(self) -> AutocastRules:
-        """Deprecated: the old name of ``rules`` (now a [`jaxmp.AutocastRules`][jaxmp.AutocastRules])."""
-        warnings.warn("MixedPrecision.overrides is deprecated: read .rules (a jaxmp.AutocastRules); overrides will "
-                      "be removed in jaxmp 0.2.0", DeprecationWarning, stacklevel=2)
-        return self.rules
-
     # -- the two Linen entry points --------------------------------------------------------
 
     def init(self, rngs: jax.Array | dict[str, jax.Array], *args, method: str | Callable | None = None,

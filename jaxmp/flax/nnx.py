@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxmp.engine._seams import config as engine_config
+from jaxmp.engine._seams import TRACING
 from jaxmp.engine._seams import flax_config
 from jaxmp.engine._seams import engine_function
 from jaxmp.engine._seams import install_call_hooks, instance_rules
@@ -28,7 +28,7 @@ from jaxmp.flax import _steps as steps
 from jaxmp.flax.fp8 import install_nnx_fp8
 from jaxmp.flax._casting import Path, cast_by_path, enclosing_float32, is_float32_rule
 from jaxmp.engine._seams import AutocastRules, ModuleRule
-from jaxmp.flax._overrides import DeprecatedOverrides, explicit_float32, join_path, overridden_float32_message, resolve_rules
+from jaxmp.flax._overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
 from jaxmp._traps import MixedPrecisionWarning
 from jaxmp._policy import Policy
 from jaxmp._transform import LossScalingState
@@ -130,8 +130,7 @@ def _warn_overridden(model: nnx.Module, policy: Policy, rules: AutocastRules, st
                       MixedPrecisionWarning, stacklevel=stacklevel)
 
 
-def store_params(model: nnx.Module, policy: PolicyLike, rules: AutocastRules | None = None, *,
-                 overrides: DeprecatedOverrides = None) -> nnx.Module:
+def store_params(model: nnx.Module, policy: PolicyLike, rules: AutocastRules | None = None) -> nnx.Module:
     """Casts the model's params in place to their storage dtype (policy or per-module rule).
 
     Float32 modules keep float32 params; a no-op for O1.
@@ -140,7 +139,6 @@ def store_params(model: nnx.Module, policy: PolicyLike, rules: AutocastRules | N
       model: the NNX model (modified in place).
       policy: a policy, preset name or Recipe.
       rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
-      overrides: deprecated name of ``rules``.
 
     Returns:
       ``model``.
@@ -151,7 +149,7 @@ def store_params(model: nnx.Module, policy: PolicyLike, rules: AutocastRules | N
       >>> jaxmp.flax.nnx.store_params(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O2-bf16").kernel.dtype
       dtype(bfloat16)
     """
-    policy, rules = resolve_rules(policy, rules, overrides)
+    policy, rules = resolve_rules(policy, rules)
     by_path = module_rules(model, policy, rules)
     params = nnx.as_pure(nnx.state(model, nnx.Param))
     nnx.update(model, cast_by_path(params, by_path, policy.param_dtype, "param_dtype"))
@@ -185,7 +183,7 @@ def _prepare(copy: nnx.Module, policy: Policy, rules: AutocastRules) -> dict[int
     return by_id
 
 
-def call(model: nnx.Module, *args, policy: PolicyLike, rules: AutocastRules | None = None, overrides: DeprecatedOverrides = None,
+def call(model: nnx.Module, *args, policy: PolicyLike, rules: AutocastRules | None = None,
          **kwargs) -> Any:
     """Calls an NNX model under a policy; the functional form of [`MixedPrecision`][jaxmp.flax.nnx.MixedPrecision].
 
@@ -195,7 +193,6 @@ def call(model: nnx.Module, *args, policy: PolicyLike, rules: AutocastRules | No
       *args: inputs; floating ones are cast to the compute dtype.
       policy: a policy, preset name or Recipe.
       rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
-      overrides: deprecated name of ``rules``.
       **kwargs: forwarded to the model; floating arrays among them are cast.
 
     Returns:
@@ -210,7 +207,7 @@ def call(model: nnx.Module, *args, policy: PolicyLike, rules: AutocastRules | No
       (dtype('float32'), dtype('float32'))
     """
     _check_model(model)
-    policy, rules = resolve_rules(policy, rules, overrides)
+    policy, rules = resolve_rules(policy, rules)
     if isinstance(rules.fp8_matmuls, fp8.DelayedScaling):
         raise ValueError("delayed fp8 scaling keeps scales and amax histories in the model: wrap it with "
                          "jaxmp.flax.mixed_precision(model, policy) instead of calling jaxmp.flax.nnx.call")
@@ -247,7 +244,7 @@ def _call(model: nnx.Module, policy: Policy, rules: AutocastRules, args: tuple, 
             by_id = _prepare(copy, policy, rules)
             args, kwargs = policy.cast_to_compute((args, kwargs))
             promotion = jax.numpy_dtype_promotion("standard") if weights_only else contextlib.nullcontext()
-            with promotion, instance_rules(by_id), engine_config.TRACING(config) if config.identity else contextlib.nullcontext():
+            with promotion, instance_rules(by_id), TRACING(config) if config.identity else contextlib.nullcontext():
                 out = copy(*args, **kwargs)
             # Running statistics, RNG counters and sown intermediates come back as outputs: the
             # engine traces ``run`` functionally, so the model is updated after it.
@@ -279,7 +276,6 @@ class MixedPrecision(nnx.Module):
       model: the NNX model.
       policy: a [`jaxmp.Policy`][jaxmp.Policy], preset name (``"O1-bf16"``), jmp string, Recipe or jmp.Policy.
       rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
-      overrides: deprecated name of ``rules``.
 
     Raises:
       TypeError: ``model`` is not a callable NNX module instance, or a non-floating policy.
@@ -294,10 +290,9 @@ class MixedPrecision(nnx.Module):
       Array(True, dtype=bool)
     """
 
-    def __init__(self, model: nnx.Module, policy: PolicyLike, rules: AutocastRules | None = None, *,
-                 overrides: DeprecatedOverrides = None):
+    def __init__(self, model: nnx.Module, policy: PolicyLike, rules: AutocastRules | None = None):
         _check_model(model)
-        self.policy, self.rules = resolve_rules(policy, rules, overrides)
+        self.policy, self.rules = resolve_rules(policy, rules)
         if isinstance(self.rules.fp8_matmuls, fp8.DelayedScaling):
             # The layers' fp8 ops hold the delayed-scaling state (Fp8State variables).
             install_nnx_fp8(model, self.rules.fp8_matmuls, _is_half(model, self.policy, self.rules))
@@ -307,19 +302,12 @@ class MixedPrecision(nnx.Module):
     def __call__(self, *args, **kwargs) -> Any:
         return _call(self.model, self.policy, self.rules, args, kwargs)
 
-    @property
-    def overrides(self) -> AutocastRules:
-        """Deprecated: the old name of ``rules`` (now a [`jaxmp.AutocastRules`][jaxmp.AutocastRules])."""
-        warnings.warn("MixedPrecision.overrides is deprecated: read .rules (a jaxmp.AutocastRules); overrides will "
-                      "be removed in jaxmp 0.2.0", DeprecationWarning, stacklevel=2)
-        return self.rules
-
 
 def optimizer_state(optimizer: nnx.Optimizer) -> Any:
     """The plain optax state of an ``nnx.Optimizer`` (arrays, not ``OptState`` variables).
 
-    Pass it to [`jaxmp.scaling_stats`][jaxmp.scaling_stats], [`jaxmp.get_loss_scale`][jaxmp.get_loss_scale],
-    [`jaxmp.last_step_finite`][jaxmp.last_step_finite] or [`jaxmp.check_health`][jaxmp.check_health].
+    Pass it to [`jaxmp.scaling_stats`][jaxmp.scaling_stats], [`jaxmp.get_loss_scale`][jaxmp.get_loss_scale]
+    or [`jaxmp.check_health`][jaxmp.check_health].
 
     Args:
       optimizer: an ``nnx.Optimizer`` built with a ``jaxmp.loss_scaling`` transform.

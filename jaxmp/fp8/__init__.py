@@ -13,7 +13,6 @@ Example:
   1024
 """
 
-from jaxmp import _deprecations
 from jaxmp.fp8 import _formats, _scaling, _state  # noqa: F401  (loaded with the package)
 from jaxmp.fp8._hardware import check_hardware
 from jaxmp.fp8._ops import fp8_conv_general_dilated, fp8_dot_general, gradient_loss_scale
@@ -34,5 +33,3 @@ __all__ = [
     # the delayed-scaling state's step update
     "update_state",
 ]
-
-__getattr__ = _deprecations.module_getattr(__name__)

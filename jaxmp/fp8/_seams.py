@@ -1,6 +1,11 @@
-"""The names other jaxmp units use from jaxmp.fp8's private modules: the explicitly internal
-face of jaxmp.fp8 (no stability promise; tests/_support/_import_graph.py lets other units import
-``_seams`` modules and no other private module of a subpackage). Generated from the imports."""
+"""The semi-public face of ``jaxmp.fp8``: what the rest of jaxmp uses of its private modules.
+
+The one door through which other jaxmp units (the step builder, the Flax fp8 layers, the engine)
+reach fp8's internals, as ``jaxmp.engine._seams`` is the engine's (tests/_support/_import_graph.py
+lets other units import ``_seams`` modules and no other private module of a subpackage; every
+name here has a user outside ``jaxmp.fp8``). No stability promise: these names change in any
+release, without a deprecation period; code outside jaxmp uses ``jaxmp.fp8``'s public names.
+"""
 
 from jaxmp.fp8 import _recipes as recipes
 from jaxmp.fp8 import _state as state

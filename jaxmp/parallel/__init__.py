@@ -13,7 +13,6 @@ Plus replication helpers, batch splitting (per device and per process), prefetch
 ``batch_sharding``, ...) live in this package's modules and are not public API. See the README section "Data-parallel and multi-host training".
 """
 
-from jaxmp import _deprecations
 from jaxmp.parallel._batching import prefetch_to_device
 from jaxmp.parallel._batching import process_batch_slice
 from jaxmp.parallel._batching import process_dataset_range
@@ -64,5 +63,3 @@ __all__ = [
     "state_shardings",
     "unreplicate",
 ]
-
-__getattr__ = _deprecations.module_getattr(__name__)

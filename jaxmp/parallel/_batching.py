@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmp.parallel._common import check_divisible, check_positive_int, leading_size, log_once
+from jaxmp.parallel._checks import check_divisible, check_positive_int, leading_size, log_once
 from jaxmp._typing import PyTree
 
 _PREFETCH_AXIS = "_jaxmp_prefetch"

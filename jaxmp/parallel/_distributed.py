@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 
-from jaxmp.parallel._common import logger
+from jaxmp.parallel._checks import logger
 
 #: Environment variables read by `initialize_distributed` when an argument is not given.
 ENV_COORDINATOR_ADDRESS = "JAXMP_COORDINATOR_ADDRESS"

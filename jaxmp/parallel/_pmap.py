@@ -19,7 +19,7 @@ from jaxmp import _loss_view
 from jaxmp._collectives import all_reduce_gradients, check_axis_name, check_reduce_dtype, mean_model_state
 
 from jaxmp._typing import AxisName
-from jaxmp.parallel._common import check_not_donated, log_once, with_model_state
+from jaxmp.parallel._checks import check_not_donated, log_once, with_model_state
 from jaxmp.parallel._replication import check_replicated
 from jaxmp._step import make_generic_step
 
@@ -103,7 +103,7 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
       opt_state are replicated ([`jaxmp.parallel.replicate`][jaxmp.parallel.replicate]), batch is sharded
       ``[num_devices, per_device_batch, ...]`` ([`jaxmp.parallel.shard_batch`][jaxmp.parallel.shard_batch]), rng is one PRNG key
       (each device folds in its axis index, so dropout masks differ between devices), and
-      metrics (a `jaxmp._step.StepMetrics`, the keys of every jaxmp step) holds, per replica,
+      metrics (a dict, the keys of every jaxmp step) holds, per replica,
       ``loss`` (the global mean loss), ``loss_scale``, ``last_step_finite``,
       ``consecutive_skips`` and ``total_skips`` (and ``aux`` with ``has_aux``). The pmapped function is
       ``step.pmapped`` (and ``step.pmapped_with_rng``).

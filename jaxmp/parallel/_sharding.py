@@ -20,7 +20,7 @@ from jaxmp import _loss_view
 from jaxmp._collectives import check_reduce_dtype
 from jaxmp._typing import PyTree
 from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer
-from jaxmp.parallel._common import (
+from jaxmp.parallel._checks import (
     check_divisible, check_not_donated, check_positive_int, leading_size, log_once, with_model_state,
 )
 from jaxmp.parallel._replication import is_pmap_replicated

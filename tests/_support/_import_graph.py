@@ -27,7 +27,7 @@ PACKAGES = ("jaxmp", "benchmarks")
 # The layers of jaxmp, lowest first: a module may import its own layer and the layers below it,
 # never one above. A unit is a top-level module or a subpackage of jaxmp (what the table shows).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("numerics", ("jaxmp._jaxpr", "jaxmp._deprecations", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp._dtypes", "jaxmp._traps",
+    ("numerics", ("jaxmp._jaxpr", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp._dtypes", "jaxmp._traps",
                   "jaxmp.fp8", "jaxmp._fold", "jaxmp._blockwise", "jaxmp._keys")),
     ("policies and loss scales", ("jaxmp._policy", "jaxmp._presets", "jaxmp._platform", "jaxmp._skip",
                                   "jaxmp._loss_scale")),
@@ -242,6 +242,28 @@ def private_uses(module: str, path: pathlib.Path, modules) -> list[str]:
             if unit(target) not in (None, src) and not (
                     f"{target}.{node.attr}" in modules and private_module_allowed(module, f"{target}.{node.attr}", is_package)):
                 out.append(f"{module} reads private {target}.{node.attr}")
+    return out
+
+
+def unused_seam_names(root: pathlib.Path = ROOT) -> dict[str, list[str]]:
+    """``{seam: names}``: the names a subpackage's ``_seams`` module exports (``__all__``) that no
+    module outside that subpackage imports from it (a seam holds only what other units use)."""
+    modules = module_files(("jaxmp",), root)
+    seams = {name: path for name, path in modules.items() if name.endswith("._seams")}
+    used = defaultdict(set)
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module in seams and unit(module) != unit(node.module):
+                used[node.module].update(alias.name for alias in node.names)
+    out = {}
+    for seam, path in seams.items():
+        exported = []
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                exported = list(ast.literal_eval(node.value))
+        unused = sorted(set(exported) - used[seam])
+        if unused:
+            out[seam] = unused
     return out
 
 

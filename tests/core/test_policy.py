@@ -95,7 +95,7 @@ def test_with_output_dtype_and_str():
 def test_presets(name, expected, master, scale, fp32):
     assert str(jaxmp.get_policy(name)) == expected
     r = jaxmp.get_recipe(name)
-    assert (str(r.policy), r.master_weights, r.loss_scale, r.keep_fp32) == (expected, master, scale, fp32)
+    assert (str(r.policy), r.master_weights, r.loss_scale, r.keep_float32) == (expected, master, scale, fp32)
     assert isinstance(jaxmp.make_loss_scale(r.loss_scale),
                       jaxmp.DynamicLossScale if scale == "dynamic" else jaxmp.NoOpLossScale)
 

@@ -1,8 +1,5 @@
-"""The step family (jaxmp/_step.py): every train step reports the same metrics keys, the renamed
-key still reads with a DeprecationWarning, the metrics are a pytree jit and pmap return, and
-the sharded step's layout is a value shard_state takes, so the layout is spelled once."""
-
-import warnings
+"""The step family (jaxmp/_step.py): every train step reports the same metrics keys in a plain
+dict, and the sharded step's layout is a value shard_state takes, so the layout is spelled once."""
 
 import flax.linen as nn
 import jax
@@ -15,7 +12,6 @@ from flax import nnx
 import jaxmp
 import jaxmp.flax
 import jaxmp.parallel
-from jaxmp._step import DEPRECATED_METRICS, StepMetrics
 
 #: What every jaxmp train step reports (the Flax steps add ``accuracy``, a parallel step with
 #: ``has_aux`` adds ``aux``).
@@ -79,37 +75,10 @@ def test_every_step_reports_the_same_metrics_keys(metrics):
     keys = {name: set(m) - {"accuracy"} for name, m in metrics.items()}
     assert keys == {name: STEP_KEYS for name in STEPS}, keys
     for name, m in metrics.items():
-        assert isinstance(m, StepMetrics), name  # through jit, nnx.jit and pmap alike
+        assert type(m) is dict, name  # through jit, nnx.jit and pmap alike
         assert m["last_step_finite"].dtype == jnp.bool_ and m["total_skips"].dtype == jnp.int32, name
         assert np.all(np.asarray(m["last_step_finite"])) and not np.any(np.asarray(m["total_skips"])), name
     assert "accuracy" in metrics["linen make_train_step"] and "accuracy" in metrics["nnx train_step"]
-
-
-@pytest.mark.parametrize("name", ["linen make_train_step", "nnx train_step"])
-def test_the_old_finite_key_still_reads_with_a_deprecation_warning(metrics, name):
-    m = metrics[name]
-    assert DEPRECATED_METRICS == {"finite": "last_step_finite"}
-    with pytest.warns(DeprecationWarning, match=r"metrics\['finite'\] is deprecated.*metrics\['last_step_finite'\]"):
-        old = m["finite"]
-    assert old is m["last_step_finite"]
-    with pytest.warns(DeprecationWarning, match="last_step_finite"):
-        assert m.get("finite") is m["last_step_finite"]
-    assert "finite" not in m and "finite" not in list(m)  # iteration and logging see the new keys only
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new keys read silently
-        m["last_step_finite"], m.get("loss_scale"), m.get("absent", 0)  # noqa: B018
-    with pytest.raises(KeyError):
-        m["absent"]  # noqa: B018
-
-
-def test_step_metrics_are_a_pytree_that_jit_returns():
-    m = StepMetrics(loss=jnp.float32(2.0), last_step_finite=jnp.bool_(True))
-    leaves, treedef = jax.tree_util.tree_flatten(m)
-    assert len(leaves) == 2 and isinstance(jax.tree_util.tree_unflatten(treedef, leaves), StepMetrics)
-    out = jax.jit(lambda m: StepMetrics(m, loss=m["loss"] * 2))(m)
-    assert isinstance(out, StepMetrics) and float(out["loss"]) == 4.0
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(m)]
-    assert paths == ["['last_step_finite']", "['loss']"]  # as a plain dict's
 
 
 def test_the_sharded_steps_layout_is_the_value_shard_state_takes():
@@ -200,7 +169,7 @@ def test_step_metrics_reports_the_scale_this_step_used():
     params = {"w": jnp.ones(3)}
     out = jax.jit(make_step(_quad, tx))(params, {"calls": jnp.int32(0)}, tx.init(params), np.ones((2, 3), np.float32))
     m = step_metrics(out, accuracy=jnp.float32(0.5))
-    assert float(m["loss_scale"]) == 8.0 and float(m["accuracy"]) == 0.5 and isinstance(m, StepMetrics)
+    assert float(m["loss_scale"]) == 8.0 and float(m["accuracy"]) == 0.5 and type(m) is dict
     assert float(jaxmp.scaling_stats(out[2])["loss_scale"]) == 16.0  # grown after one finite step: the next
 
 

@@ -1,12 +1,11 @@
-"""The public surface: a budget per namespace, the table of moved names, jmp interop, dataclass
-pytrees, composable transforms."""
+"""The public surface: a budget per namespace, old names gone (no compatibility layer), jmp
+interop, dataclass pytrees, composable transforms."""
 
 import dataclasses
 import importlib
 import importlib.util
 import pathlib
 import re
-import sys
 import types
 import warnings
 
@@ -19,7 +18,6 @@ import pytest
 
 import jaxmp
 import jaxmp.parallel
-from jaxmp import _deprecations
 from jaxmp._transform import MasterWeightsState, master_weights, unscale_and_skip
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -76,99 +74,52 @@ def test_every_public_name_is_used_by_a_guide_or_is_a_type():
     assert not unused, f"public names no guide, README section or experiment uses: {unused}"
 
 
-MOVED = [row for row in _deprecations.TABLE if row[2] != _deprecations.REMOVED]
-REMOVED = [row for row in _deprecations.TABLE if row[2] == _deprecations.REMOVED]
+def _changelog_old_places() -> list[str]:
+    """The old places the CHANGELOG records: the dotted jaxmp paths in the first column of its
+    tables of moves (those whose first header is ``old`` or ``old module``)."""
+    olds, in_moves = set(), False
+    for line in (ROOT / "CHANGELOG.md").read_text().splitlines():
+        if not line.startswith("|"):
+            in_moves = False
+            continue
+        first = line.split("|")[1].strip()
+        if first in ("old", "old module"):
+            in_moves = True
+        elif in_moves and re.fullmatch(r"`jaxmp(\.\w+)+`", first):
+            olds.add(first.strip("`"))
+    return sorted(olds)
 
 
-MODULE_ROWS = dict(_deprecations.MODULES)
-
-
-def _namespace(module):
-    """The module at ``module``; an old module path (a `MODULES` row) imports without its own
-    warning, so a test sees only the warning of the name it reads."""
-    with warnings.catch_warnings():
-        if module in MODULE_ROWS:
-            warnings.simplefilter("ignore", DeprecationWarning)
-        return importlib.import_module(module)
-
-
-def _attr(path):
-    module, _, name = path.rpartition(".")
-    return getattr(_namespace(module), name)
-
-
-@pytest.mark.parametrize("old,new,status", MOVED, ids=[row[0] for row in MOVED])
-def test_a_moved_name_warns_with_its_new_place_and_is_the_same_object(old, new, status):
-    if old in MODULE_ROWS:
-        _forget(old)  # an earlier import of the old module path bound it on its package
-    with pytest.warns(DeprecationWarning) as record:
-        obj = _attr(old)
-    text = str(record[0].message)
-    assert new in text and old in text and _deprecations.REMOVAL in text, text
-    assert record[0].filename == __file__  # the warning points at the caller, not at jaxmp
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert obj is _deprecations.resolve(new)
-    namespace, _, name = old.rpartition(".")
-    assert name not in getattr(_namespace(namespace), "__all__", ())
-
-
-@pytest.mark.parametrize("old,new,status", REMOVED, ids=[row[0] for row in REMOVED])
-def test_a_removed_name_raises_an_attribute_error_that_names_its_new_place(old, new, status):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no DeprecationWarning on the way to the AttributeError
-        with pytest.raises(AttributeError, match=re.escape(new)):
-            _attr(old)
-        assert _deprecations.resolve(new) is not None  # the new place exists
-
-
-def test_the_table_names_each_old_place_once_and_no_old_place_is_still_bound():
-    olds = [row[0] for row in _deprecations.TABLE]
-    assert len(olds) == len(set(olds))
-    assert {row[2] for row in _deprecations.TABLE} <= {_deprecations.MOVED, _deprecations.INTERNAL,
-                                                      _deprecations.REMOVED}
+def test_an_old_place_is_a_plain_attribute_or_module_not_found_error():
+    """Nothing was released, so no name that moved has an alias: each old place the CHANGELOG
+    records raises Python's own error, with no warning on the way."""
+    olds = _changelog_old_places()
+    assert len(olds) > 150 and "jaxmp.TrainState" in olds and "jaxmp.transform" in olds
     for old in olds:
-        if old in MODULE_ROWS:
-            continue  # an old module path is bound on its package once imported (by the import system)
-        namespace, _, name = old.rpartition(".")
-        # A name still bound in the module would never reach the module's __getattr__ (no warning).
-        assert name not in vars(_namespace(namespace)), old
+        module, _, name = old.rpartition(".")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                namespace = importlib.import_module(module)
+            except ModuleNotFoundError:
+                continue  # an old module's old names go with it (jaxmp.policy.half_dtype)
+            if old == "jaxmp.diagnostics.autocast_ops":
+                continue  # the name of a diagnostics function, still reachable (not in __all__)
+            assert name not in getattr(namespace, "__all__", ()), old
+            with pytest.raises(AttributeError) as error:
+                getattr(namespace, name)
+            assert str(error.value) == f"module {module!r} has no attribute {name!r}", old  # no pointer, no hook
+            with pytest.raises(ModuleNotFoundError):
+                importlib.import_module(old)  # nor an old module path
 
 
-def _forget(old):
-    """Drop the old module path from the import system's caches (not the private module itself),
-    so the next import of it goes through the finder again."""
-    sys.modules.pop(old, None)
-    parent, _, child = old.rpartition(".")
-    if child in vars(sys.modules[parent]):
-        delattr(sys.modules[parent], child)
-
-
-@pytest.mark.parametrize("old,new", sorted(MODULE_ROWS.items()), ids=sorted(MODULE_ROWS))
-def test_an_old_module_path_imports_with_a_warning_and_is_the_private_module(old, new):
-    _forget(old)
-    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} is no longer public API; it lives at {new}")) as record:
-        module = importlib.import_module(old)
-    assert record[0].filename == __file__  # the warning points at the import line
-    assert module is importlib.import_module(new)
-    _forget(old)
-    with pytest.warns(DeprecationWarning, match=re.escape(new)):
-        exec(f"import {old}", {})
-    _forget(old)
-    names = [n for n in vars(module) if not n.startswith("_")][:3]
-    if names:  # `from old import x` gives the very objects of the private module
-        with pytest.warns(DeprecationWarning, match=re.escape(new)):
-            scope = {}
-            exec(f"from {old} import {', '.join(names)}", scope)
-        assert all(scope[n] is getattr(module, n) for n in names)
-
-
-def test_the_module_aliases_cover_the_private_modules_users_could_import():
-    """Each ``MODULES`` row names a private module that exists, under an old path that does not."""
-    for old, new in MODULE_ROWS.items():
-        assert importlib.util.find_spec(new) is not None, new
-        assert new.rpartition(".")[2].startswith("_") and not old.rpartition(".")[2].startswith("_")
-        assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), old
+def test_no_module_of_jaxmp_defines_a_module_getattr_but_the_lazy_flax():
+    """One ``__getattr__`` hook in the package: ``jaxmp.flax`` imported on first use."""
+    hooks = [str(p.relative_to(ROOT)) for p in (ROOT / "jaxmp").rglob("*.py")
+             if re.search(r"^(def __getattr__|__getattr__ *=)", p.read_text(), flags=re.M)]
+    assert hooks == ["jaxmp/__init__.py"], hooks
+    with pytest.raises(AttributeError, match=r"^module 'jaxmp' has no attribute 'TrainState'$"):
+        jaxmp.TrainState  # noqa: B018
 
 
 #: ``import jaxmp._x``, ``from jaxmp.pkg._x import y``, ``from jaxmp.pkg import _x``.
@@ -214,8 +165,8 @@ def test_no_doctest_page_readme_experiment_or_benchmark_imports_a_private_module
     assert not found, f"private modules imported where users read: {found}"
     # The scan sees what it should.
     assert _private_imports("from jaxmp._step import make_step\nimport jaxmp.engine._rules as r\n"
-                            "from jaxmp.engine import _api\nfrom jaxmp import autocast") == [
-        "from jaxmp._step import make_step", "import jaxmp.engine._rules as r", "from jaxmp.engine import _api"]
+                            "from jaxmp.engine import _build\nfrom jaxmp import autocast") == [
+        "from jaxmp._step import make_step", "import jaxmp.engine._rules as r", "from jaxmp.engine import _build"]
     assert _private_imports("    >>> from jaxmp.parallel._layouts import leaf_spec\n    from jaxmp._x import y",
                             doctest_only=True) == ["from jaxmp.parallel._layouts import leaf_spec"]
 
@@ -225,51 +176,6 @@ def test_an_unknown_name_is_a_plain_attribute_error():
         jaxmp.no_such_name  # noqa: B018
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'$"):
         jaxmp.engine.no_such_name  # noqa: B018
-
-
-def test_the_changelog_lists_every_move():
-    changelog = (ROOT / "CHANGELOG.md").read_text()
-    missing = [f"{old} -> {new}" for old, new, _ in _deprecations.TABLE
-               if not re.search(r"`%s`[^\n]*`%s`" % (re.escape(old), re.escape(new)), changelog)]
-    assert not missing, f"CHANGELOG.md does not list these moves (old and new place on one line): {missing}"
-
-
-def _old_place_uses(text: str) -> list[str]:
-    """Every use of an old place of the table in ``text``: ``pkg.old``, ``from pkg import old``, and
-    ``alias.old`` where ``alias`` was imported as that package."""
-    aliases = {}
-    for m in re.finditer(r"from (jaxmp(?:\.\w+)*) import ([\w ,]+)", text.replace("(", " ")):
-        for part in m.group(2).split(","):
-            if part.split():
-                aliases[part.split()[-1]] = f"{m.group(1)}.{part.split()[0]}"
-    for m in re.finditer(r"import (jaxmp(?:\.\w+)+) as (\w+)", text):
-        aliases[m.group(2)] = m.group(1)
-    found = []
-    words = set(re.findall(r"\w+", text))
-    for old, _, _ in _deprecations.TABLE:
-        module, _, name = old.rpartition(".")
-        if name not in words:  # every pattern below matches the name as a whole word
-            continue
-        patterns = [r"(?<![\w.])%s\.%s\b(?!\.| import)" % (re.escape(module), name),
-                    r"from %s import (?:\([^)]*?|[^\n(]*?)(?<![\w.])(?<!as )%s\b(?!\.)" % (re.escape(module), name)]
-        patterns += [r"(?<![\w.])%s\.%s\b(?!\.)" % (re.escape(a), name)
-                     for a, target in aliases.items() if target == module and a != module]
-        found += [old for p in patterns if re.search(p, text)]
-    return found
-
-
-def test_no_code_or_page_of_this_repository_uses_an_old_place():
-    """jaxmp, its tests, benchmarks, experiments and docs use the new places (so nothing of ours warns)."""
-    skip = {ROOT / "jaxmp" / "_deprecations.py", ROOT / "tests" / "cross" / "test_api_surface.py"}
-    files = [p for base in ("jaxmp", "tests", "benchmarks", "experiments", "docs")
-             for p in (ROOT / base).rglob("*") if p.suffix in (".py", ".md") and p not in skip]
-    uses = {str(f.relative_to(ROOT)): u for f in files + [ROOT / "README.md"] if (u := _old_place_uses(f.read_text()))}
-    assert not uses, f"old places still used: {uses}"
-    # The scan sees what it should.
-    assert _old_place_uses("from jaxmp import fp8\nfp8.quantize(x)") == ["jaxmp.fp8.quantize"]
-    assert _old_place_uses("from jaxmp.engine import (\n    flax_config,\n)") == ["jaxmp.engine.flax_config"]
-    assert _old_place_uses("jaxmp.shard_batch(x)") == ["jaxmp.shard_batch"]
-    assert _old_place_uses("from jaxmp.diagnostics._autocast_ops import x; jaxmp.fp8._scaling.qdq") == []
 
 
 def test_test_helper_is_out_of_the_package():
@@ -358,7 +264,7 @@ def test_master_weights_and_unscale_and_skip_compose_into_loss_scaling():
     assert np.array_equal(np.asarray(p1["w"]), np.asarray(p2["w"]))
     assert jax.tree_util.tree_structure(s1) == jax.tree_util.tree_structure(s2)
     assert isinstance(s1.inner_state, MasterWeightsState)
-    assert int(jaxmp.skipped_steps(s1)) == 1
+    assert int(jaxmp.scaling_stats(s1)["total_skips"]) == 1
     assert jaxmp.master_params(s1)["w"].dtype == jnp.float32
 
 

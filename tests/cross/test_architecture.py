@@ -78,6 +78,19 @@ def test_the_layering_check_catches_an_upward_arrow_and_private_names(tmp_path, 
     assert not [p for p in problems if p.startswith("jaxmp.sub.ok")]
 
 
+def test_a_seam_exports_only_what_other_units_use(tmp_path):
+    assert graph_lib.unused_seam_names() == {}
+    _write(tmp_path, {
+        "jaxmp/__init__.py": "",
+        "jaxmp/sub/__init__.py": "",
+        "jaxmp/sub/_impl.py": "x = y = 1\n",
+        "jaxmp/sub/_seams.py": "from jaxmp.sub._impl import x, y\n__all__ = ['x', 'y']\n",
+        "jaxmp/sub/inner.py": "from jaxmp.sub._seams import y\n",  # a use inside the unit does not count
+        "jaxmp/other.py": "from jaxmp.sub._seams import x\n",
+    })
+    assert graph_lib.unused_seam_names(tmp_path) == {"jaxmp.sub._seams": ["y"]}
+
+
 def test_the_layering_table_on_the_architecture_page_is_generated_from_the_graph():
     text = page("architecture.md").read_text()
     expected = graph_lib.page_with_table(text, graph_lib.layering_table(GRAPH))
@@ -100,14 +113,14 @@ ALLOWED_MODULE_STATE = {
     # The traced programs shared by every autocast function built from one function object (so
     # jaxmp.autocast(f) rebuilt on each eager call does not retrace): keyed by the function's id,
     # each entry dropped by a weakref callback when the function goes, as jax.jit's cache is.
-    ("jaxmp/engine/_api.py", "_SHARED"),
+    ("jaxmp/engine/_build.py", "_SHARED"),
     # Warn once per model: keyed by the model object itself, held weakly.
     ("jaxmp/flax/nnx.py", "_WARNED_CALL"),
     # Warn once per trace that a float16 region is differentiated with no loss scale: keyed by
     # the JAX trace object, held weakly.
     ("jaxmp/engine/_unscaled.py", "_WATCHED"),
     # Log-once de-duplication of INFO messages; no result depends on it.
-    ("jaxmp/parallel/_common.py", "_LOGGED"),
+    ("jaxmp/parallel/_checks.py", "_LOGGED"),
     ("jaxmp/engine/_attention.py", "_LOGGED"),
     # The once-only installation of attention routing, and the record of the last routing choice
     # (read by tests and benchmarks); both belong to issue 24's thread-safety work (item 2).
@@ -167,7 +180,7 @@ def test_the_module_state_scan_finds_counters_and_containers(tmp_path, source, n
 def _private_reaches(package: pathlib.Path) -> list[str]:
     """``module: name`` for every ``_private`` name one module of ``package`` imports from, or reads
     off, a sibling module (``from pkg.sib import _x``, ``sib._x``); private *modules* whose public
-    names are imported (``_common.log_once``) are fine: the name is the contract."""
+    names are imported (``_checks.log_once``) are fine: the name is the contract."""
     siblings = {p.stem for p in package.glob("*.py")}
     dotted = "jaxmp." + package.name
     found = []

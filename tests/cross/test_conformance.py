@@ -186,7 +186,7 @@ def test_each_cell_trains_a_few_steps_like_float32(door, library, preset):
     assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(params))
     if recipe.level == "O3":
         return  # pure half: Adam's epsilon flushes in float16, steps are skipped; the docs say it may diverge
-    skipped = int(jaxmp.skipped_steps(state))
+    skipped = int(jaxmp.scaling_stats(state)["total_skips"])
     # A dynamic scale starts at 2**15 and may back off once on hand-cast float16 code.
     assert skipped <= (1 if recipe.loss_scale == "dynamic" else 0), skipped
     finite = losses[np.isfinite(losses)]  # an overflow in the backward pass leaves the loss finite

@@ -135,7 +135,7 @@ def test_autocast_rebuilt_on_every_eager_call_reuses_the_traced_program():
 
 
 def test_the_shared_program_cache_lets_the_function_go():
-    from jaxmp.engine import _api as api
+    from jaxmp.engine import _build as api
 
     def make():
         def f(x):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 
 import jaxmp
 from jaxmp.diagnostics._autocast_ops import AutocastOp, autocast_ops
-from jaxmp.engine._api import explaining
+from jaxmp.engine._build import explaining
 
 X = jnp.ones((4, 4), jnp.float32)
 

@@ -337,7 +337,7 @@ def test_a_preferred_element_type_that_jax_promotion_wrote_is_not_a_choice():
 
 
 def test_a_non_array_output_names_the_users_function():
-    """Item 17: 0a46f1b named jaxmp's internal ``flat_fn at jaxmp/engine/_api.py:167``."""
+    """Item 17: 0a46f1b named jaxmp's internal ``flat_fn at jaxmp/engine/_build.py:167``."""
     def my_loss(x):
         return {"loss": x.sum(), "tag": "hello"}
 
@@ -477,8 +477,7 @@ def test_a_preset_carries_its_level_as_data_not_in_its_name():
     assert recipe.level == "O3" and jaxmp.get_recipe("mixed_float16").level == "O1"
     config = resolve_config(recipe, None)
     assert config.cast_inputs == "all" and config.rules.float32_ops == frozenset()
-    with pytest.warns(DeprecationWarning, match="keep_float32"):
-        assert recipe.keep_fp32 == recipe.keep_float32 == ()
+    assert recipe.keep_float32 == ()
 
 
 # ---- issue 48, defect 4: a rules object keeps the preset's promotion ----

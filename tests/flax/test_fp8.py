@@ -31,7 +31,7 @@ def _recipe():
     return fp8.DelayedScaling(history_length=H)
 
 
-def _overrides():
+def _rules():
     return dataclasses.replace(jaxmp.flax.default_rules("O2-fp8"), fp8_matmuls=_recipe())
 
 
@@ -51,8 +51,8 @@ def _data(n=32, seed=0):
     return x, y
 
 
-def _linen_state(policy="O2-fp8", overrides=None, loss_scale="none", axis_name=None):
-    model = jaxmp.flax.mixed_precision(Net(), policy, overrides)
+def _linen_state(policy="O2-fp8", rules=None, loss_scale="none", axis_name=None):
+    model = jaxmp.flax.mixed_precision(Net(), policy, rules)
     x, _ = _data()
     tx = jaxmp.loss_scaling(optax.adam(1e-2), loss_scale, master_weights=True, axis_name=axis_name)
     return jaxmp.flax.TrainState.create(model, jax.jit(model.init)(jax.random.key(0), x), tx)  # jitted: one compile
@@ -257,7 +257,7 @@ def test_fp8_state_round_trips_through_a_checkpoint_bit_exactly(tmp_path):
 
 def _nnx(policy="O2-fp8", loss_scale="none"):
     net = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 4, rngs=nnx.Rngs(1)))
-    model = jaxmp.flax.mixed_precision(net, policy, _overrides() if policy == "O2-fp8" else None)
+    model = jaxmp.flax.mixed_precision(net, policy, _rules() if policy == "O2-fp8" else None)
     opt = nnx.Optimizer(model, jaxmp.loss_scaling(optax.adam(1e-2), loss_scale, master_weights=True),
                         wrt=nnx.Param)
     return model, opt

@@ -246,47 +246,6 @@ def test_a_class_rule_must_name_a_class(bad):
         jaxmp.AutocastRules(class_rules=((bad, "float32"),))
 
 
-def test_the_old_precision_overrides_spelling_warns_and_compiles_to_the_same_rules():
-    """PrecisionOverrides is kept one release: each method warns with its AutocastRules spelling and
-    the Flax door runs exactly the rules the new spelling gives."""
-    from jaxmp.flax._overrides import PrecisionOverrides
-
-    policy = jaxmp.get_policy("O2-bf16")
-
-    class MyNorm(nn.Module):
-        pass
-
-    with pytest.warns(DeprecationWarning, match=r"default_rules\(recipe\)"):
-        base = PrecisionOverrides.from_recipe("O2")
-    pairs = [
-        (lambda: base.with_fp32(MyNorm), default_rules("O2").with_class(MyNorm, "float32"), "with_class"),
-        (lambda: base.with_half(nn.Embed), default_rules("O2").with_class(nn.Embed, "half"), '"half"'),
-        (lambda: base.with_policy(nn.Embed, "f32"), default_rules("O2").with_class(nn.Embed, jaxmp.get_policy("f32")),
-         "get_policy"),
-        (lambda: base.without(nn.LayerNorm), default_rules("O2").with_class(nn.LayerNorm, "follow"), '"follow"'),
-        (lambda: base.with_fp32_paths("head"), default_rules("O2").with_path("head", "float32"), "with_path"),
-    ]
-    probe = [((p,), c) for p in ("head", "body") for c in (MyNorm, nn.Embed, nn.LayerNorm, nn.Dense)]
-    for old, new, spelling in pairs:
-        with pytest.warns(DeprecationWarning, match=spelling):
-            ov = old()
-        old_rules, new_rules = ov.module_rules(policy), new.module_rules(policy)
-        assert [old_rules.rule_at(p, c) for p, c in probe] == [new_rules.rule_at(p, c) for p, c in probe]
-        with pytest.warns(DeprecationWarning, match="rules="):
-            model = jaxmp.flax.mixed_precision(nn.Dense(3), "O2-bf16", ov)
-        assert model.rules == ov.to_rules()
-    with pytest.warns(DeprecationWarning, match="rules="):
-        assert jaxmp.flax.mixed_precision(nn.Dense(3), "O2", overrides=("norm",)).rules == \
-            default_rules(jaxmp.get_policy("O2"), keep_float32=("norm",))
-    with pytest.warns(DeprecationWarning, match="action"):
-        assert default_rules().module_rules(policy).rule_for(nn.LayerNorm).kind == "fp32"
-    for bad in ("BatchNorm", nn.BatchNorm(), jnp.tanh, int):
-        with pytest.raises(TypeError, match="Module subclass"), pytest.warns(DeprecationWarning):
-            base.with_fp32(bad)
-    with pytest.raises(ValueError, match="both"):
-        PrecisionOverrides(half_modules=(nn.Dense,), fp32_modules=(nn.Dense,))
-
-
 def test_bad_arguments():
     with pytest.raises(ValueError, match="categories"):
         default_rules(keep_float32=("norm", "matmul"))

@@ -1,4 +1,4 @@
-"""Unit tests of jaxmp.parallel._common: the input checks and helpers the pmap and sharded steps share."""
+"""Unit tests of jaxmp.parallel._checks: the input checks and helpers the pmap and sharded steps share."""
 
 import logging
 
@@ -6,22 +6,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.parallel import _common
+from jaxmp.parallel import _checks
 
 
 def test_log_once_logs_each_distinct_text_once(caplog, monkeypatch):
-    monkeypatch.setattr(_common, "_LOGGED", set())
+    monkeypatch.setattr(_checks, "_LOGGED", set())
     with caplog.at_level(logging.INFO, logger="jaxmp.parallel"):
         for _ in range(3):
-            _common.log_once("per-device batch %d", 4)
-        _common.log_once("per-device batch %d", 8)
-        _common.log_once("no args %s")  # no args: the text as given, not %-formatted
+            _checks.log_once("per-device batch %d", 4)
+        _checks.log_once("per-device batch %d", 8)
+        _checks.log_once("no args %s")  # no args: the text as given, not %-formatted
     assert [r.getMessage() for r in caplog.records] == ["per-device batch 4", "per-device batch 8", "no args %s"]
 
 
 @pytest.mark.parametrize("value", [1, 7, np.int32(3), np.int64(2)])
 def test_check_positive_int_returns_a_python_int(value):
-    out = _common.check_positive_int(value, "steps")
+    out = _checks.check_positive_int(value, "steps")
     assert out == int(value) and type(out) is int
 
 
@@ -34,59 +34,50 @@ def test_check_positive_int_returns_a_python_int(value):
 ])
 def test_check_positive_int_rejects_non_ints_and_non_positive(value, error, match):
     with pytest.raises(error, match=match):
-        _common.check_positive_int(value, "steps")
-
-
-def test_batch_leaves_returns_the_leaves_and_names_a_scalar_leaf():
-    batch = {"x": jnp.ones((4, 2)), "y": np.zeros(4)}
-    assert len(_common.batch_leaves(batch)) == 2
-    with pytest.raises(ValueError, match=r"inputs leaf at \['y'\] is a scalar: every leaf needs a leading batch axis"):
-        _common.batch_leaves({"x": jnp.ones((4, 2)), "y": 3.0}, what="inputs")
-    with pytest.raises(ValueError, match=r"the batch has no array leaves"):
-        _common.batch_leaves({"x": None, "y": ()})
+        _checks.check_positive_int(value, "steps")
 
 
 def test_leading_size_is_the_common_batch_size():
-    assert _common.leading_size({"x": jnp.ones((6, 2)), "y": [np.zeros(6), np.zeros((6, 1, 1))]}) == 6
-    assert _common.leading_size(jnp.ones((3,))) == 3  # a bare array is a one-leaf batch
+    assert _checks.leading_size({"x": jnp.ones((6, 2)), "y": [np.zeros(6), np.zeros((6, 1, 1))]}) == 6
+    assert _checks.leading_size(jnp.ones((3,))) == 3  # a bare array is a one-leaf batch
 
 
 def test_leading_size_names_every_differing_leaf():
     with pytest.raises(ValueError, match=r"batch leaves have different leading \(batch\) sizes: "
                                          r"\['a'\]: 4, \['b'\]: 5"):
-        _common.leading_size({"a": np.zeros((4, 2)), "b": np.zeros(5)})
+        _checks.leading_size({"a": np.zeros((4, 2)), "b": np.zeros(5)})
     # a bare scalar batch: its path is empty
     with pytest.raises(ValueError, match=r"x leaf at  is a scalar"):
-        _common.leading_size(np.float32(1.0), what="x")
+        _checks.leading_size(np.float32(1.0), what="x")
     with pytest.raises(ValueError, match=r"the batch has no array leaves"):
-        _common.leading_size({})
+        _checks.leading_size({})
 
 
 @pytest.mark.parametrize("batch, devices, per", [(8, 8, 1), (64, 8, 8), (3, 1, 3)])
 def test_check_divisible_gives_the_per_device_size(batch, devices, per):
-    assert _common.check_divisible(batch, devices) == per
+    assert _checks.check_divisible(batch, devices) == per
 
 
 def test_check_divisible_suggests_the_nearest_sizes():
     with pytest.raises(ValueError, match=r"global batch size 30 is not divisible by the device count 8: .* use 24 or 32"):
-        _common.check_divisible(30, 8)
+        _checks.check_divisible(30, 8)
     # below one per device there is no smaller valid size to suggest
     with pytest.raises(ValueError, match=r"eval batch size 5 is not divisible .* use 8 \(or a multiple of it\)"):
-        _common.check_divisible(5, 8, what="eval batch")
+        _checks.check_divisible(5, 8, what="eval batch")
     with pytest.raises(ValueError, match=r"need at least one device, got 0"):
-        _common.check_divisible(8, 0)
+        _checks.check_divisible(8, 0)
 
 
 def test_check_not_donated_names_the_deleted_leaf():
     params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
     opt_state = (jnp.zeros(3), {"mu": jnp.zeros(3)}, None, 1.0)
-    _common.check_not_donated(params, opt_state)  # nothing deleted: no error
+    _checks.check_not_donated(params, opt_state)  # nothing deleted: no error
     opt_state[1]["mu"].delete()
     with pytest.raises(ValueError, match=r"opt_state leaf at \[1\]\['mu'\] was donated .* donate=False"):
-        _common.check_not_donated(params, opt_state)
+        _checks.check_not_donated(params, opt_state)
     params["b"].delete()  # params are checked first
     with pytest.raises(ValueError, match=r"params leaf at \['b'\] was donated"):
-        _common.check_not_donated(params, opt_state)
+        _checks.check_not_donated(params, opt_state)
 
 
 def test_with_model_state_splits_and_joins_the_params_state_pair():
@@ -96,8 +87,8 @@ def test_with_model_state_splits_and_joins_the_params_state_pair():
         seen.append((params, opt_state, batch, rng))
         return (params[0] + 1, params[1] * 2), opt_state, {"loss": 0}
 
-    assert _common.with_model_state(run, False) is run
-    step = _common.with_model_state(run, True)
+    assert _checks.with_model_state(run, False) is run
+    step = _checks.with_model_state(run, True)
     out = step(1, 10, "opt", "batch")
     assert out == (2, 20, "opt", {"loss": 0})
     assert seen == [((1, 10), "opt", "batch", None)]  # rng defaults to None

@@ -1,11 +1,11 @@
-"""jaxmp/engine/_api.py: build, the per-signature program cache, output checks, weights and explain mode."""
+"""jaxmp/engine/_build.py: build, the per-signature program cache, output checks, weights and explain mode."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.engine._api import build, explain_enabled, explaining, weight_mask
+from jaxmp.engine._build import build, explain_enabled, explaining, weight_mask
 from jaxmp.engine._config import resolve_config
 from jaxmp._jaxpr import walk
 

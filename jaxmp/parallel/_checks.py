@@ -34,16 +34,6 @@ def check_positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def batch_leaves(batch: Any, what: str = "batch") -> list:
-    leaves = jax.tree_util.tree_leaves(batch)
-    if not leaves:
-        raise ValueError(f"the {what} has no array leaves")
-    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-        if jnp.ndim(leaf) < 1:
-            raise ValueError(f"{what} leaf at {jax.tree_util.keystr(path)} is a scalar: every leaf needs a leading batch axis")
-    return leaves
-
-
 def leading_size(batch: Any, what: str = "batch") -> int:
     """The common leading (batch) dimension of every leaf, with a clear error if they differ."""
     sizes = {}

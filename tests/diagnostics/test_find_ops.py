@@ -1,4 +1,4 @@
-"""Unit tests of jaxmp.diagnostics._jaxpr_walk: the matmul census and the risky-op rules on small
+"""Unit tests of jaxmp.diagnostics._find_ops: the matmul census and the risky-op rules on small
 traced programs (what precision_report builds on; its report is tested in test_precision_report.py)."""
 
 import jax
@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmp import _jaxpr
-from jaxmp.diagnostics import _jaxpr_walk as jw
+from jaxmp.diagnostics import _find_ops as jw
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 
