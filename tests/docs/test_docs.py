@@ -50,7 +50,7 @@ def _imagenet_recipe(ns, tmp_path):
 
     (first_before, first_after, first_loss), (before, after, nan_loss), (_, _, last_loss) = ns["history"]
     assert jax.device_count() == 8 and np.isnan(nan_loss) and np.isfinite(first_loss) and np.isfinite(last_loss)
-    assert not np.asarray(ns["jaxmp"].last_step_finite(after.opt_state)).any()
+    assert not np.asarray(ns["jaxmp"].scaling_stats(after.opt_state)["last_step_finite"]).any()
     inner = lambda s: find_loss_scaling_state(s.opt_state).inner_state   # noqa: E731
     assert same(before.params, after.params) and same(inner(before), inner(after))
     assert same(before.batch_stats, after.batch_stats)
