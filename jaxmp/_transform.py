@@ -105,14 +105,13 @@ def _float16_leaves(tree) -> list:
     return [x for x in jax.tree_util.tree_leaves(tree) if is_floating_array(x) and np.dtype(x.dtype) == np.float16]
 
 
-def _max_abs(tree) -> jax.Array:
-    """The largest ``|x|`` over the inexact leaves of ``tree`` (float32; NaN where any is NaN)."""
-    # One reduction per leaf, fused into the gradient's producer like all_finite's; a max, unlike
-    # a sum, cannot overflow, and NaN propagates through it (so the reason comes from it too).
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_inexact_array(x) and x.size]
+def _all_within(tree, bound: float) -> jax.Array:
+    """Whether every inexact leaf of ``tree`` has ``|x| <= bound`` (false for inf and NaN): the
+    one pass of `all_finite`, one compare per element fused into the gradient's producer."""
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_inexact_array(x)]
     if not leaves:
-        return jnp.zeros([], jnp.float32)
-    return jnp.max(jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32) for x in leaves]))
+        return jnp.array(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.abs(x) <= jnp.asarray(bound, jnp.abs(x).dtype)) for x in leaves]))
 
 
 def _verdict(finite: jax.Array, axis_name) -> jax.Array:
@@ -558,12 +557,12 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
         # master cannot overflow (docs/design.md#the-gradient-bound). float16 anywhere keeps it.
         bounded = check_updates is None and keeps_master and not _float16_leaves((grads, state.inner_state, params))
         if bounded:
-            peak = _max_abs(unscale(grads))
-            grads_finite = _verdict(peak <= GRADIENT_BOUND, axis_name)
-            # A skipped step's reason from the same reduction (NaN propagates through max).
-            grads_reason = jnp.where(_verdict(jnp.isfinite(peak), axis_name), NON_FINITE_UPDATES, NON_FINITE_GRADIENTS)
+            # A boolean reduction, as all_finite's: a float max would lose a NaN in a cross-device
+            # max reduction under ZeRO (XLA:CPU's max does not propagate it). A finite gradient
+            # past the bound is reported as reason 2 too: telling them apart is a second pass.
+            grads_finite = _verdict(_all_within(unscale(grads), GRADIENT_BOUND), axis_name)
         else:
-            grads_reason = NON_FINITE_GRADIENTS
+            grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
             grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
         use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
         # With a master copy the fused step's params are the master's cast: they are made once,
@@ -598,7 +597,7 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
             out = apply_to_params(params, out, inner_state)
         finite = grads_finite & updates_finite
 
-        reason = jnp.where(grads_finite, jnp.where(updates_finite, APPLIED, NON_FINITE_UPDATES), grads_reason)
+        reason = jnp.where(grads_finite, jnp.where(updates_finite, APPLIED, NON_FINITE_UPDATES), NON_FINITE_GRADIENTS)
         if extra_args.get("value") is not None:
             loss_finite = _verdict(all_finite(jnp.asarray(extra_args["value"])), axis_name)
             reason = jnp.where(loss_finite | finite, reason, NON_FINITE_LOSS)
