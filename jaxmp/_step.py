@@ -65,7 +65,8 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
               reduce_grads: Callable | None = None, reduce_loss: Callable | None = None,
               reduce_model_state: Callable | None = None,
               fp8_hooks: Fp8Hooks | None = None, keep_model_state: Callable = keep_if_finite,
-              pass_value: bool = True, differentiate: Callable | None = None) -> Callable[..., StepResult]:
+              pass_value: bool = True, differentiate: Callable | None = None,
+              place_params: Callable | None = None) -> Callable[..., StepResult]:
     """Builds ``step(params, model_state, opt_state, batch, rng=None) -> StepResult``.
 
     Args:
@@ -90,6 +91,8 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
         (new_model_state, aux)), grads)`` with ``grads`` those of the loss scaled by the loss
         scale in ``opt_state`` (the sharded layouts: each data shard differentiates its own loss
         inside one ``shard_map`` and reduces its gradients there). Not with ``fp8_hooks``.
+      place_params: maps the new params before they are returned (the sharded layouts: a
+        sharding constraint onto the master's slices, so half params are gathered as such).
 
     Returns:
       The step function (not jitted).
@@ -140,6 +143,8 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
             new_model_state = fp8_hooks.merge(fp8_hooks.split(new_model_state)[1], new_fp8)
         extra = {"value": loss} if pass_value else {}
         new_params, new_opt_state = update_and_apply(tx, grads, opt_state, params, **extra)
+        if place_params is not None:
+            new_params = place_params(new_params)
         finite = find_loss_scaling_state(new_opt_state).last_step_finite
         new_model_state = keep_model_state(finite, new_model_state, model_state)
         return StepResult(new_params, new_model_state, new_opt_state, loss, aux, finite, scale)
@@ -199,7 +204,8 @@ def check_differentiable_params(params: Any) -> None:
 def make_generic_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
                       with_rng: bool, rng_transform: Callable | None = None, with_model_state: bool = False,
                       reduce_model_state: Callable | None = None, per_replica_aux: bool = False,
-                      wrap_loss: Callable | None = None, differentiate: Callable | None = None) -> Callable:
+                      wrap_loss: Callable | None = None, differentiate: Callable | None = None,
+                      place_params: Callable | None = None) -> Callable:
     """`make_step` for a user's ``loss_fn(params[, model_state], batch[, rng])``: the pmap and sharded-jit steps.
 
     Args:
@@ -221,6 +227,9 @@ def make_generic_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads
         (model_state, aux))`` to another of the same signature (the sharded-jit layouts' global view).
       differentiate: takes the gradient of the canonical loss itself (`make_step`; the
         sharded-jit layouts' per-shard reduce).
+      place_params: maps the new params to where they are made (`make_step`): the sharded-jit
+        layouts put them on the master's slices, so that each device casts its slice and the
+        params are gathered in their own (half) dtype, not as float32 masters.
 
     Returns:
       ``body(state, opt_state, batch, rng=None) -> (state, opt_state, metrics)`` (not
@@ -246,7 +255,7 @@ def make_generic_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads
     step = make_step(canonical if wrap_loss is None else wrap_loss(canonical), tx,
                      reduce_grads=reduce_grads, reduce_loss=reduce_loss,
                      reduce_model_state=reduce_model_state if with_model_state else None, pass_value=pass_value,
-                     differentiate=differentiate)
+                     differentiate=differentiate, place_params=place_params)
 
     def body(state, opt_state, batch, rng=None):
         params, model_state = state if with_model_state else (state, None)

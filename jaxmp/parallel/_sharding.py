@@ -304,7 +304,13 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
             # per-slice verdicts, identical on every device.
             return jax.lax.with_sharding_constraint(grads, g_sh)
 
-        common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=identity,
+        def place_params(new_params):
+            # Made on the slices the master lives on (the gradients' layout): each device casts
+            # its float32 slice and the params are gathered in their own dtype, half the wire
+            # bytes of gathering the float32 master and converting after (XLA's choice otherwise).
+            return jax.lax.with_sharding_constraint(new_params, g_sh)
+
+        common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=identity, place_params=place_params,
                       with_model_state=model_state, reduce_model_state=identity,
                       wrap_loss=wrap_loss, differentiate=differentiate)
         first = (p_sh, rep) if model_state else p_sh
