@@ -234,6 +234,17 @@ def test_equinox_custom_derivatives_forward_and_gradient(preset, which):
     _assert_close(got, want, rtol=0.05)
 
 
+@pytest.mark.parametrize("which", ["filter_custom_vjp", "filter_custom_jvp"])
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_equinox_custom_derivatives_trace_under_every_preset(preset, which):
+    """Equinox checks the perturbation flags while tracing: every preset differentiates its
+    custom derivatives (traced only; the numbers for the half presets are the test above's)."""
+    if _asserted_refusal(preset):
+        return
+    value, grad = jax.eval_shape(jax.value_and_grad(jaxmp.autocast(_eqx_programs()[which], preset)), W)
+    assert value.shape == () and grad.shape == W.shape and grad.dtype == np.float32
+
+
 # -- checkpointed while loops -------------------------------------------------------------------
 
 def _eqx_while(x, w):
