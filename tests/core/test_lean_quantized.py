@@ -428,3 +428,34 @@ def test_fidelity_8bit_and_4bit_against_float32_masters():
     for name, v in rows.items():
         if "8-bit" in name:
             assert abs(v.mean() - ref.mean()) <= tolerance, (name, v, ref)
+
+
+@pytest.mark.slow  # orbax's first save and restore: seconds
+@pytest.mark.standard_promotion(reason="optax's Adam bias correction mixes a float with its int32 count")
+def test_an_orbax_checkpoint_of_8bit_state_resumes_bitwise(tmp_path):
+    # Codes (uint8), block absmax (float32), the key and the counts round-trip through orbax, and
+    # the resumed run is bitwise the uninterrupted one (a poisoned step in each half).
+    ocp = pytest.importorskip("orbax.checkpoint")
+    x, y, params = _problem()
+    tx = jaxmp.loss_scaling(lean.preset("bf16-sr-8bit", optax.adamw(1e-2), key=5), "none")
+    step = _step(tx, x, y)
+    poisons = [False, True, False, False, True, False]
+
+    def run(p, s, flags):
+        for flag in flags:
+            p, s, _ = step(p, s, jnp.array(flag))
+        return p, s
+
+    p_all, s_all = run(params, tx.init(params), poisons)
+    p_half, s_half = run(params, tx.init(params), poisons[:3])
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", {"params": p_half, "opt_state": s_half})
+        ckpt.wait_until_finished()
+        target = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, {"params": p_half, "opt_state": s_half})
+        restored = ckpt.restore(tmp_path / "ckpt", target)
+    q = jaxmp._tree.find_states(restored["opt_state"], lean.QuantizedMomentsState)[0]
+    assert q.inner_state[0].mu["w"].dtype == jnp.uint8     # the codes came back as codes
+    assert _bits(restored) == _bits({"params": p_half, "opt_state": s_half})
+    p_res, s_res = run(restored["params"], restored["opt_state"], poisons[3:])
+    assert _bits(p_res) == _bits(p_all) and _bits(s_res) == _bits(s_all)
+    assert int(jaxmp.scaling_stats(s_all)["total_skips"]) == 2
