@@ -63,6 +63,59 @@ def code_map(bits: int, signed: bool) -> np.ndarray:
     return dynamic_map(True, 3, 4) if signed else linear_map(4)
 
 
+def _ordered(bits: np.ndarray) -> np.ndarray:
+    """float32 bit patterns (int32) to integers in the floats' order (-0.0 just below +0.0)."""
+    return bits ^ ((bits >> 31) & np.int32(0x7FFFFFFF))
+
+
+@functools.lru_cache(maxsize=None)
+def _search_table(table: tuple, side: str) -> tuple[int, int, int, np.ndarray]:
+    """``(shift, first_bucket, steps, start)`` for `_count` over the sorted float32 ``table``.
+
+    Floats in [-1, 1] are bucketed by the top bits of their ordered bit pattern (``>> shift``);
+    ``start[b]`` counts the entries certainly counted for every value of bucket ``b`` and ``steps``
+    bounds how many more a bucket holds. The coarsest bucketing with at most two entries per
+    bucket keeps the table small (a few thousand int32) and the search to two compares.
+    """
+    values = np.asarray(table, np.float32)
+    keys = _ordered(values.view(np.int32).astype(np.int64))
+    lo_key, hi_key = (int(_ordered(np.asarray(v, np.float32).view(np.int32).astype(np.int64))) for v in (-1.0, 1.0))
+    for shift in range(23, 9, -1):  # down to 2**14 buckets per sign
+        buckets = np.arange(lo_key >> shift, (hi_key >> shift) + 1, dtype=np.int64)
+        # Entries whose key is below the bucket's first key are below (side="right": at most)
+        # every value of the bucket. The compares then walk the bucket's own entries; one more
+        # compare reaches a +0.0 entry from -0.0 (the next key, yet equal).
+        start = np.searchsorted(keys, buckets << shift, side="left")
+        stop = np.searchsorted(keys, (buckets + 1) << shift, side="left")
+        steps = max(int((stop - start).max()), int((values == 0).any()))
+        if steps <= 2:
+            return shift, int(buckets[0]), steps, start.astype(np.int32)
+    raise ValueError("a code map with more than two entries within 2**-13 of each other")
+
+
+def _count(x: jax.Array, table: np.ndarray, side: str) -> jax.Array:
+    """``jnp.searchsorted(table, x, side)`` for ``x`` in [-1, 1], as one elementwise pass.
+
+    XLA runs ``searchsorted``'s binary search as eight passes over ``x`` (and ``method=
+    "compare_all"`` as a 255-wide temporary per element); this is a bucket lookup on ``x``'s
+    bits plus at most two exact compares against ``table``, which XLA fuses into one loop: the
+    quantized update reads and writes each element once. Bitwise the same counts.
+    """
+    shift, first, steps, start = _search_table(tuple(float(v) for v in table), side)
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    bucket = (_ordered_jnp(bits) >> shift) - first
+    count = jnp.asarray(start)[jnp.clip(bucket, 0, start.size - 1)]
+    padded = jnp.asarray(np.append(np.asarray(table, np.float32), np.float32(np.inf)))
+    for _ in range(steps):
+        entry = padded[count]
+        count = count + ((x > entry) if side == "left" else (x >= entry)).astype(count.dtype)
+    return count
+
+
+def _ordered_jnp(bits: jax.Array) -> jax.Array:
+    return bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
+
+
 def n_blocks(size: int, block: int) -> int:
     return -(-size // block)
 
@@ -102,10 +155,10 @@ def quantize(x: jax.Array, bits: int, signed: bool, block: int, key: jax.Array |
     normed = blocks / jnp.where(absmax > 0, absmax, jnp.float32(1))[:, None]
     if key is None:
         # Nearest entry: the number of midpoints below the value (ties to the lower entry).
-        mids = (qmap[:-1] + qmap[1:]) / 2
-        codes = jnp.searchsorted(mids, normed, side="left")
+        mids = (code_map(bits, signed)[:-1] + code_map(bits, signed)[1:]) / np.float32(2)
+        codes = _count(normed, mids, "left")
     else:
-        lo = jnp.clip(jnp.searchsorted(qmap, normed, side="right") - 1, 0, qmap.size - 2)
+        lo = jnp.clip(_count(normed, code_map(bits, signed), "right") - 1, 0, qmap.size - 2)
         below, above = qmap[lo], qmap[lo + 1]
         p = jnp.clip((normed - below) / (above - below), 0, 1)
         codes = lo + (jax.random.uniform(key, normed.shape, jnp.float32) < p)

@@ -459,3 +459,21 @@ def test_an_orbax_checkpoint_of_8bit_state_resumes_bitwise(tmp_path):
     p_res, s_res = run(restored["params"], restored["opt_state"], poisons[3:])
     assert _bits(p_res) == _bits(p_all) and _bits(s_res) == _bits(s_all)
     assert int(jaxmp.scaling_stats(s_all)["total_skips"]) == 2
+
+
+@pytest.mark.parametrize("bits,signed", [(8, True), (8, False), (4, True), (4, False)])
+def test_the_one_pass_code_search_is_bitwise_searchsorted(bits, signed):
+    # The quantizer finds codes by a bucket lookup on the value's bits plus two compares (one
+    # fused pass); it must count exactly as jnp.searchsorted does, at and around every entry and
+    # midpoint, at +-0, +-1 and subnormals, for both sides (nearest and stochastic rounding).
+    rng = np.random.default_rng(0)
+    qmap = _blockwise.code_map(bits, signed)
+    mids = (qmap[:-1] + qmap[1:]) / np.float32(2)
+    edges = np.concatenate([mids, qmap, [0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 1e-45, -1e-45]]).astype(np.float32)
+    x = np.concatenate([rng.uniform(-1.0 if signed else 0.0, 1.0, 4096), edges,
+                        np.nextafter(edges, np.float32(2)), np.nextafter(edges, np.float32(-2))]).astype(np.float32)
+    x = np.clip(x, -1.0 if signed else 0.0, 1.0).astype(np.float32)
+    for side, table in (("left", mids), ("right", qmap)):
+        got = jax.jit(lambda v, t=table, s=side: _blockwise._count(v, t, s))(x)
+        want = jnp.searchsorted(jnp.asarray(table), jnp.asarray(x), side=side)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
