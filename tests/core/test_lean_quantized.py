@@ -477,3 +477,41 @@ def test_the_one_pass_code_search_is_bitwise_searchsorted(bits, signed):
         got = jax.jit(lambda v, t=table, s=side: _blockwise._count(v, t, s))(x)
         want = jnp.searchsorted(jnp.asarray(table), jnp.asarray(x), side=side)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _update_bytes(tx, dtype):
+    """Bytes accessed and temporaries (XLA's deterministic figures) of one jitted update + apply,
+    per parameter, on two 1024x1024 weights and a bias."""
+    rng = np.random.default_rng(0)
+    params = {k: jnp.asarray(rng.normal(size=s) / 30, dtype) for k, s in
+              {"w1": (1024, 1024), "w2": (1024, 1024), "b": (1024,)}.items()}
+    grads = jax.tree_util.tree_map(lambda a: (a * 0.01).astype(dtype), params)
+    state = tx.init(params)
+
+    def update(p, s, g):
+        u, s = tx.update(g, s, p)
+        plain = not jaxmp._tree.find_states(s, jaxmp.LossScalingState)
+        return (optax.apply_updates(p, u) if plain else jaxmp.apply_updates(p, u, s)), s
+    compiled = jax.jit(update, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    n = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves((params, state)))
+    return state_bytes / n, cost["bytes accessed"] / n, compiled.memory_analysis().temp_size_in_bytes / n
+
+
+@pytest.mark.slow  # six compiles of a 2 M-parameter update
+@pytest.mark.standard_promotion(reason="optax's Adam bias correction mixes a float with its int32 count")
+def test_update_bytes_per_parameter_against_float32_adamw():
+    # The table of docs/lean-recipes.md#what-the-update-costs (printed with -s).
+    rows = {"float32 AdamW (optax alone)": _update_bytes(optax.adamw(1e-3), jnp.float32),
+            "O2-bf16 masters": _update_bytes(jaxmp.loss_scaling(optax.adamw(1e-3), "none", master_weights=True),
+                                             BF16)}
+    for name in ("bf16-sr", "remainders-8bit", "bf16-sr-8bit", "bf16-sr-4bit"):
+        rows[name] = _update_bytes(jaxmp.loss_scaling(lean.preset(name, optax.adamw(1e-3), key=0), "none"), BF16)
+    base = rows["float32 AdamW (optax alone)"][1]
+    for name, (state, accessed, temp) in rows.items():
+        print(f"| {name} | {state:.2f} | {accessed:.0f} | {accessed / base:.1f}x | {temp:.0f} |")
+    assert rows["bf16-sr-8bit"][0] < 4.1 and rows["remainders-8bit"][0] < 6.1
+    # One pass for the code search: well under searchsorted's (336 and 310 B/param before).
+    assert rows["bf16-sr-8bit"][1] < 4.5 * base and rows["remainders-8bit"][1] < 4 * base
