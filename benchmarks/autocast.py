@@ -82,6 +82,11 @@ def build_model(name: str, sizes: dict):
     return am.make_resnet(key, tuple(s["stages"]), s["width"], s["size"], s["batch"], s["classes"])
 
 
+def _fresh(fn):
+    """A new function object calling ``fn``: no cache keyed on the function carries over."""
+    return lambda p, x, y: fn(p, x, y)
+
+
 def variant_factory(variant: str, model, half_name: str):
     """A function making a *fresh* ``loss'`` for the variant (fresh: no wrapper cache is reused).
 
@@ -100,19 +105,22 @@ def variant_factory(variant: str, model, half_name: str):
 
             if not hasattr(jaxmp, "autocast"):
                 return None, "this jaxmp has no jaxmp.autocast yet"
-            return (lambda: jaxmp.autocast(model.loss, f"O1-{half_name}")), None
+            # A fresh function per repeat: jaxmp's program cache is shared by every autocast
+            # function built from one function object, so reusing model.loss would skip the
+            # user's trace in every repeat after the first.
+            return (lambda: jaxmp.autocast(_fresh(model.loss), f"O1-{half_name}")), None
         if variant == "grampax":
             import grampax
 
-            return (lambda: grampax.autocast(model.loss, dtype=half)), None
+            return (lambda: grampax.autocast(_fresh(model.loss), dtype=half)), None
         if variant == "jaxamp":
             import jaxamp
 
-            return (lambda: jaxamp.amp(model.loss, compute_dtype=half)), None
+            return (lambda: jaxamp.amp(_fresh(model.loss), compute_dtype=half)), None
         if variant == "mpx":
             import mpx
 
-            return (lambda: mpx.cast_function(model.loss, half, return_dtype=jnp.float32)), None
+            return (lambda: mpx.cast_function(_fresh(model.loss), half, return_dtype=jnp.float32)), None
     except Exception as e:  # noqa: BLE001 - an ImportError, or a peer that breaks on import
         return None, f"cannot import {variant} ({type(e).__name__}: {e}); it is not a jaxmp dependency: " \
                       "install it in a scratch virtualenv to compare"
