@@ -563,7 +563,6 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
             grads_finite = _verdict(_all_within(unscale(grads), GRADIENT_BOUND), axis_name)
         else:
             grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
-            grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
         use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
         # With a master copy the fused step's params are the master's cast: they are made once,
         # from the master the skip has already chosen, instead of being chosen between the cast
