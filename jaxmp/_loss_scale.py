@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jaxmp import _effects
 from jaxmp import _traps as traps
 from jaxmp._typing import LossScaleLike
 from jaxmp._dtypes import is_inexact_array
@@ -443,9 +444,10 @@ _LEAF_FIELDS = {NoOpLossScale: (), StaticLossScale: ("loss_scale",), DynamicLoss
 def register_flax_serialization(force: bool = False) -> bool:
     """Registers the loss scales with ``flax.serialization`` (``to_bytes``, ``from_bytes``, state dicts).
 
-    Registers only once Flax is loaded (or imports it with ``force``), once per Flax; `jaxmp.flax`
-    and [`make_loss_scale`][jaxmp.make_loss_scale] call it. The state dict holds the leaves; the
-    configuration comes from the target restored into.
+    Registers only once Flax is loaded (or imports it with ``force``), once per process, through
+    `jaxmp._effects` (effect 3 there); `jaxmp.flax` and [`make_loss_scale`][jaxmp.make_loss_scale]
+    call it, ``import jaxmp`` does not. The state dict holds the leaves; the configuration comes
+    from the target restored into.
 
     Args:
       force: import ``flax.serialization`` if it is not loaded yet.
@@ -453,14 +455,17 @@ def register_flax_serialization(force: bool = False) -> bool:
     Returns:
       Whether the loss scales are registered.
     """
+    return _effects.register_once("flax.serialization", lambda: _register_with_flax(force))
+
+
+def _register_with_flax(force: bool) -> bool:
     serialization = sys.modules.get("flax.serialization")
     if serialization is None:
         if not force:
             return False
         import flax.serialization as serialization  # noqa: PLC0415 - Flax stays optional
     if isinstance(serialization.to_state_dict(NoOpLossScale()), dict):
-        # Once per Flax: Flax's registry is the record (an unregistered object comes back as is).
-        return True
+        return True  # already in Flax's registry (an unregistered object comes back as is)
     for cls, fields in _LEAF_FIELDS.items():
         def to_state(x, fields=fields):
             return {f: serialization.to_state_dict(getattr(x, f)) for f in fields}
@@ -474,10 +479,6 @@ def register_flax_serialization(force: bool = False) -> bool:
 
         serialization.register_serialization_state(cls, to_state, from_state, override=True)
     return True
-
-
-# Flax loaded before jaxmp: register now (never imports Flax itself; `import jaxmp` stays light).
-register_flax_serialization()
 
 
 def make_loss_scale(spec: LossScaleLike = "dynamic") -> LossScale:

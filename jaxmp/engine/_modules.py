@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
+from jaxmp import _effects
 from jaxmp._dtypes import cast_floating, is_floating_array
 from jaxmp.engine import _config
 from jaxmp.engine._rules import ModuleRule, ModuleRules, marker
@@ -209,9 +210,8 @@ def install_call_hooks(classes: Iterable[type]) -> None:
                 owner = next((c for c in sub.__mro__ if "__call__" in vars(c)), None)
                 if owner is None or owner is object or owner is type:
                     continue
-                original = vars(owner)["__call__"]
-                if not getattr(original, "_jaxmp_marking", False):
-                    type.__setattr__(owner, "__call__", _wrap_call(original))
+                if not getattr(vars(owner)["__call__"], "_jaxmp_marking", False):
+                    _effects.patch(owner, "__call__", _wrap_call)  # effect 2 of jaxmp._effects
 
 
 @contextlib.contextmanager

@@ -122,10 +122,12 @@ ALLOWED_MODULE_STATE = {
     # Log-once de-duplication of INFO messages; no result depends on it.
     ("jaxmp/parallel/_checks.py", "_LOGGED"),
     ("jaxmp/engine/_attention.py", "_LOGGED"),
-    # The once-only installation of attention routing, and the record of the last routing choice
-    # (read by tests and benchmarks); both belong to issue 24's thread-safety work (item 2).
-    ("jaxmp/engine/_attention.py", "_INSTALLED"),
+    # The record of the last attention routing choice (read by tests and benchmarks).
     ("jaxmp/engine/_attention.py", "last_choice"),
+    # The one owner of process-wide effects: what it patched (with the originals) and registered,
+    # each once per process (docs/architecture.md#process-wide-effects).
+    ("jaxmp/_effects.py", "_PATCHED"),
+    ("jaxmp/_effects.py", "_REGISTERED"),
 }
 MUTATORS = {"add", "append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "discard",
             "remove", "__setitem__", "move_to_end"}
