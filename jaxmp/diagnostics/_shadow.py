@@ -2,540 +2,31 @@
 
 `compare_to_float32` re-evaluates the step's program twice in one jitted pass: as traced and as
 its float32 shadow, and ranks ops by their share of the loss error (``<dL/dy_i, delta_i>``).
-See docs/debugging.md#a-float32-shadow-run-ranked-by-module.
+See docs/debugging.md#a-float32-shadow-run-ranked-by-module. The pass itself is in
+`jaxmp.diagnostics._shadow_pass`, the k-step mode in `_shadow_steps`, the report in `_shadow_report`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
-from jaxmp.engine._seams import internals
-from jaxmp.engine._seams import COMBINER_OPS
 from jaxmp.engine._seams import AutocastRules
-from jaxmp.diagnostics._fix import Fix, apply_updates, suggest_fix
-from jaxmp.diagnostics._inputs import scaled_like_the_step
-from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths,
-                                         trace)
+from jaxmp.diagnostics._fix import Fix, suggest_fix
+
+from jaxmp.diagnostics._shadow_report import NOISE_MARGIN, ModuleError, ShadowReport
+from jaxmp.diagnostics._shadow_pass import ShadowProgram, half_dtype, rank_modules, relerr, scalar_first
+from jaxmp.diagnostics._shadow_steps import ShadowTraining, loss_drift
 
 if TYPE_CHECKING:  # optax is imported where it is used: the report alone does not need it
     import optax
 
-    from jaxmp.engine._seams import AutocastRules
-
-_F32 = np.dtype(np.float32)
-#: A k-step drift up to this multiple of the rounding-noise drift is not an alarm (see `ShadowReport.clean`).
-NOISE_MARGIN = 3.0
-#: Ops that move or select values: exact in any dtype, they add no rounding of their own.
-_EXACT = frozenset({
-    "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "dynamic_slice",
-    "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "copy", "copy_p", "select_n", "max", "min",
-    "neg", "abs", "sign", "reduce_max", "reduce_min", "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge",
-    "stop_gradient", "sharding_constraint", "iota", "floor", "ceil", "round", "is_finite", "clamp",
-    "cummax", "cummin", "sort", "split", "pvary", "optimization_barrier", "name",
-})
-
-
-def _floating(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and _format.is_floating(dtype)
-
-
-def _up(x):
-    return x.astype(jnp.float32) if _floating(x) and np.dtype(x.dtype) != _F32 else x
-
-
-def _f32_params(eqn) -> dict:
-    p = dict(eqn.params)
-    for name in ("new_dtype", "preferred_element_type", "dtype"):
-        d = p.get(name)
-        if d is not None and _format.is_floating(d) and np.dtype(d).itemsize < 4:
-            p[name] = _F32
-    return p
-
-
-def _shadow_bind(eqn, xs: list) -> list:
-    """``eqn`` on float32 operands, as float32 (a narrowing is the identity there)."""
-    name = eqn.primitive.name
-    if name == "reduce_precision" or (name == "convert_element_type" and _floating(xs[0])
-                                      and _format.is_floating(eqn.params["new_dtype"])):
-        return [_up(xs[0])]
-    if name not in COMBINER_OPS and not internals.sub_jaxprs(eqn):
-        try:
-            return [_up(o) for o in bind(eqn, xs, _f32_params(eqn))]
-        except (TypeError, ValueError):  # an op whose parameters pin its dtypes: run as traced, below
-            pass
-    # Ops that carry a combiner typed for their traced dtypes (scatter-add, reduce, sort) run in
-    # those dtypes: their shadow is as precise as the policy run there.
-    traced = [getattr(getattr(a, "aval", None), "dtype", None) for a in eqn.invars]
-    args = [x.astype(d) if _floating(x) and d is not None and _format.is_floating(d) else x
-            for x, d in zip(xs, traced)]
-    return [_up(o) for o in bind(eqn, args)]
-
-
-class _Shadow(Hooks):
-    """Values are (policy array, float32 twin); the state is the max relative error per site."""
-
-    def __init__(self, n: int, attribute: bool, record: bool = True):
-        self.n, self.attribute, self.record, self.t = n, attribute, record, None
-        self._frame: list = []
-
-    def lift(self, x, aval):
-        return (x, _up(jnp.asarray(x)) if _floating(x) else x)
-
-    def literal(self, atom):
-        x = np.asarray(atom.val, atom.aval.dtype)
-        return (x, x.astype(np.float32) if _format.is_floating(x.dtype) else x)
-
-    def index(self, value):
-        return value[0]
-
-    def barrier(self, values):
-        return [(p, jax.lax.stop_gradient(s)) for p, s in values]
-
-    def first_order(self, site: Site, eqn, ins, state):
-        ps, ss = [v[0] for v in ins], [v[1] for v in ins]
-        p_out = bind(eqn, ps)
-        s_out = _shadow_bind(eqn, ss)
-        k = next((i for i, o in enumerate(p_out) if _floating(o)), None)
-        if k is None:
-            return list(zip(p_out, s_out)), state
-        if self.attribute and self.t is not None and site.half and not site.backward \
-                and site.primitive not in _EXACT:
-            s_out[k] = s_out[k] + self.t[site.index] * jax.lax.stop_gradient(self._rounding(eqn, ss, k))
-        if self.record:
-            self._frame.append((site.index, p_out[k], s_out[k]))
-        return list(zip(p_out, s_out)), state
-
-    @staticmethod
-    def _rounding(eqn, ss, k):
-        """Op ``eqn``'s own rounding: as traced on its (rounded) exact inputs, minus float32 on the same."""
-        traced = [getattr(getattr(a, "aval", None), "dtype", None) for a in eqn.invars]
-        rounded = [x.astype(d) if _floating(x) and d is not None and _format.is_floating(d) else x
-                   for x, d in zip(ss, traced)]
-        out = bind(eqn, rounded)[k]
-        local = _up(out)
-        if np.dtype(out.dtype).itemsize < 4:
-            # XLA may keep a half result in float32 inside a fusion (xla_allow_excess_precision);
-            # reduce_precision is never elided, so the op's rounding is measured as the dtype has it.
-            fi = jnp.finfo(out.dtype)
-            local = jax.lax.reduce_precision(local, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
-        exact = _shadow_bind(eqn, [_up(x) for x in rounded])[k]
-        return local - exact
-
-    def flush(self, errs):
-        if not self._frame:
-            return errs
-        frame, self._frame = self._frame, []
-        sizes = [int(np.size(p)) for _, p, _ in frame]
-        p = jnp.concatenate([jnp.ravel(p).astype(jnp.float32) for _, p, _ in frame])
-        s = jax.lax.stop_gradient(jnp.concatenate([jnp.ravel(s).astype(jnp.float32) for _, _, s in frame]))
-        p, s = jax.lax.optimization_barrier((p, s))  # no constant folding through the scatter
-        seg = jnp.asarray(np.repeat(np.arange(len(frame), dtype=np.int32), sizes))
-        num = jax.ops.segment_sum(jnp.square(p - s), seg, len(frame), indices_are_sorted=True)
-        den = jax.ops.segment_sum(jnp.square(s), seg, len(frame), indices_are_sorted=True)
-        err = jnp.sqrt(num) / jnp.maximum(jnp.sqrt(den), jnp.finfo(jnp.float32).tiny)
-        err = jnp.where((num == 0) & (den == 0), 0.0, err)
-        ids = jnp.asarray(np.array([f[0] for f in frame], np.int32))
-        return errs.at[ids].max(err)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModuleError:
-    """The error of one module (name-scope path) of the policy run against its float32 shadow.
-
-    Attributes:
-      path: the module path.
-      impact: the loss error its ops' own rounding causes (first-order estimate; signed).
-      share: ``impact`` as a fraction of the loss error of the whole run (NaN without a loss).
-      activation_error: the largest relative error of its forward ops' results.
-      gradient_error: the largest relative error of its backward ops' results (NaN: none).
-      half_ops: how many of its ops compute or round in half precision.
-      first_site: its first op's position in the program (program order).
-      jump: the point where the error jumps (the largest rise over the modules before it).
-    """
-
-    path: str
-    impact: float
-    share: float
-    activation_error: float
-    gradient_error: float
-    half_ops: int
-    first_site: int
-    jump: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class ShadowReport:
-    """What `compare_to_float32` returns.
-
-    Attributes:
-      modules: per-module errors, ranked (largest loss impact first; by activation error when
-        the function has no scalar loss).
-      loss: the policy run's loss (first output), NaN without one.
-      loss_float32: the float32 shadow's loss.
-      gradient_errors: ``((param path, relative error), ...)`` of the gradients, largest first.
-      ops: per-op rows ``(site, relative error, impact)`` when ``per_op=True``, else ().
-      steps: optimizer steps both runs took before the comparison (0: one step).
-      losses, losses_float32: the loss at each of those steps (policy, float32).
-      fix: the `Fix` for the top offender, or None.
-      seconds: wall time of the comparison.
-      policy: the policy it ran under (str), or None when ``fn`` runs its own precision.
-      noise_floor: for ``steps=k``, the `drift` of float32 runs whose gradients get, at every
-        step, random noise as large as the policy run's gradient error on the first step (the
-        largest of `NOISE_RUNS` seeds): how far noise of the policy's size, without its bias,
-        moves training in ``k`` steps (NaN for one step).
-      drift: for ``steps=k``, the relative gap of the policy run's mean loss to the float32
-        shadow's over the last half of the steps (``k//2 .. k``, the loss after the last step
-        included); NaN for one step.
-      losses_noise: the noisy float32 runs' losses (one tuple per seed, ``k+1`` each).
-      note: what was compared instead of ``fn`` (a jaxmp step: the loss it wraps), or "".
-    """
-
-    modules: tuple[ModuleError, ...]
-    loss: float
-    loss_float32: float
-    gradient_errors: tuple[tuple[str, float], ...]
-    ops: tuple = ()
-    steps: int = 0
-    losses: tuple[float, ...] = ()
-    losses_float32: tuple[float, ...] = ()
-    fix: Fix | None = None
-    seconds: float = 0.0
-    policy: str | None = None
-    noise_floor: float = float("nan")
-    drift: float = float("nan")
-    losses_noise: tuple[tuple[float, ...], ...] = ()
-    note: str = ""
-
-    @property
-    def loss_error(self) -> float:
-        """``|loss - loss_float32| / |loss_float32|``."""
-        return abs(self.loss - self.loss_float32) / max(abs(self.loss_float32), 1e-30)
-
-    @property
-    def top(self) -> ModuleError | None:
-        """The top offender (first of `modules`), or None."""
-        return self.modules[0] if self.modules else None
-
-    def clean(self, tolerance: float = 0.05) -> bool:
-        """No alarm: the loss is within ``tolerance`` (relative) of float32's.
-
-        After ``k`` training steps two runs drift apart by rounding alone (trajectories that
-        overfit a batch at a high learning rate oscillate and diverge chaotically), so the k-step
-        verdict reads the `drift` (mean loss over the last half of the steps, not one step's
-        loss) and allows ``NOISE_MARGIN * noise_floor`` too: a drift the size that
-        half-precision rounding noise gives float32 runs is not an alarm; a systematic loss (a
-        narrowed bias) stays far above it.
-        """
-        if not np.isfinite(self.loss):
-            return False
-        if self.steps and np.isfinite(self.drift):
-            allowed = max(tolerance, NOISE_MARGIN * self.noise_floor) if np.isfinite(self.noise_floor) else tolerance
-            return self.drift <= allowed
-        return self.loss_error <= tolerance
-
-    def table(self, max_rows: int = 12) -> str:
-        """The ranked modules, gradient errors and the fix, as text."""
-        head = _format.wrap(f"compare_to_float32{f' ({self.policy})' if self.policy else ''}"
-                f"{f' after {self.steps} steps' if self.steps else ''}: loss {self.loss:.6g} vs float32 "
-                f"{self.loss_float32:.6g} (relative error {self.loss_error:.3g}"
-                f"{f'; mean over the last {self.steps - self.steps // 2 + 1} steps {self.drift:.3g}' if np.isfinite(self.drift) else ''}"
-                f"{f', rounding noise alone {self.noise_floor:.3g}' if np.isfinite(self.noise_floor) else ''})")
-        # Every table fits 88 columns (a terminal, a log, a docs page): long module paths fold.
-        if self.note:
-            head += "\n" + _format.wrap(f"compared: {self.note}")
-        rows = []
-        for i, m in enumerate(self.modules[:max_rows]):
-            rows.append([str(i + 1), m.path or "(top level)", f"{m.impact:+.3g}",
-                         _format.fmt_pct(m.share) if np.isfinite(m.share) else "-",
-                         f"{m.activation_error:.3g}", "-" if np.isnan(m.gradient_error) else f"{m.gradient_error:.3g}",
-                         str(m.half_ops), "<- jump" if m.jump else ""])
-        footer = None if len(self.modules) <= max_rows else f"... {len(self.modules) - max_rows} more modules"
-        out = [head, _format.render_table("Modules ranked by the loss error their rounding causes",
-                                          ["#", "module", "loss impact", "share", "act err", "grad err",
-                                           "half", ""], rows, footer, _format.WIDTH)]
-        if self.gradient_errors:
-            grows = [[p, f"{e:.3g}"] for p, e in self.gradient_errors[:max_rows]]
-            out.append(_format.render_table("Gradient relative error per parameter", ["param", "rel err"], grows,
-                                            None, _format.WIDTH))
-        if self.ops:
-            orows = [[str(s.index), s.primitive, s.path, ",".join(s.in_dtypes) + "->" + ",".join(s.out_dtypes),
-                      f"{e:.3g}", f"{c:+.3g}", s.rule] for s, e, c in self.ops[:max_rows * 3]]
-            out.append(_format.render_table("Ops", ["#", "op", "module", "dtypes", "rel err", "loss impact", "rule"],
-                                            orows, None, _format.WIDTH))
-        if self.fix is not None:
-            out.append(str(self.fix))
-        out.append(f"({self.seconds:.2f} s)")
-        return "\n".join(out)
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-# -- running ---------------------------------------------------------------------------------
-
-def _scalar_first(shape_tree) -> bool:
-    leaves = jax.tree_util.tree_leaves(shape_tree)
-    return bool(leaves) and getattr(leaves[0], "shape", None) == () and _floating(leaves[0])
-
-
-class _Program:
-    """One traced step, its sites, and jitted runners (policy+shadow with attribution; shadow only)."""
-
-    def __init__(self, run: Callable, args: Sequence[Any], attribute: bool):
-        self.closed, self.out_tree = trace(run, tuple(args), {})
-        self.sites = Sites(self.closed.jaxpr, leaf_paths(args, {}))
-        self.attribute = attribute
-        n = len(self.sites)
-
-        def both(t, consts, leaves):
-            hooks = _Shadow(n, attribute)
-            hooks.t = t
-            lifted = [hooks.lift(x, None) for x in leaves]
-            outs, errs = evaluate(self.closed.jaxpr, [hooks.lift(c, None) for c in consts], lifted,
-                                  jnp.zeros(n, jnp.float32), hooks, self.sites)
-            loss = outs[0][1] if attribute else jnp.zeros((), jnp.float32)
-            return jnp.asarray(loss, jnp.float32).reshape(()), ([o[0] for o in outs], [o[1] for o in outs], errs)
-
-        self._both = both
-        if attribute:
-            analyse = jax.value_and_grad(both, has_aux=True)
-        else:
-            def analyse(t, c, l):
-                return both(t, c, l), jnp.zeros(n, jnp.float32)
-        # Compiled once per input shapes: the k-step mode runs it on the first and the last step.
-        self.analyse = StrictJit(analyse)
-
-        def shadow_only(consts, leaves):
-            hooks = _Shadow(n, False, record=False)
-            outs, _ = evaluate(self.closed.jaxpr, [hooks.lift(c, None) for c in consts],
-                               [hooks.lift(x, None) for x in leaves], jnp.zeros(n, jnp.float32), hooks, self.sites)
-            return [o[1] for o in outs]
-
-        self.shadow_fn = shadow_only
-        self.shadow = StrictJit(shadow_only)
-
-    def prepare(self, args) -> None:
-        """Starts compiling the analysis for inputs shaped as ``args`` in the background (see `run`)."""
-        self.analyse.prepare(np.zeros(len(self.sites), np.float32), list(self.closed.consts),
-                             jax.tree_util.tree_leaves(tuple(args)))
-
-    def run(self, args):
-        leaves = jax.tree_util.tree_leaves(tuple(args))
-        t = np.zeros(len(self.sites), np.float32)
-        (_, (p, s, errs)), contrib = self.analyse(t, list(self.closed.consts), leaves)
-        return p, s, np.asarray(errs), np.asarray(contrib)
-
-    def shadow_outputs(self, args):
-        return self.shadow(list(self.closed.consts), jax.tree_util.tree_leaves(tuple(args)))
-
-
-def _relerr(p, s) -> float:
-    p, s = np.asarray(p, np.float64), np.asarray(s, np.float64)
-    den = np.linalg.norm(s)
-    num = np.linalg.norm(p - s)
-    return float(num / den) if den > 0 else float(num)
-
-
-def _modules(sites: Sites, errs, contrib, total: float) -> list[ModuleError]:
-    by: dict[str, dict] = {}
-    for site in sites.sites:
-        m = by.setdefault(site.path, {"impact": 0.0, "act": 0.0, "grad": float("nan"), "half": 0, "first": site.index})
-        e = float(errs[site.index])
-        if site.backward:
-            m["grad"] = e if np.isnan(m["grad"]) else max(m["grad"], e)
-        else:
-            m["impact"] += float(contrib[site.index])
-            m["act"] = max(m["act"], e)
-        m["half"] += int(site.half)
-    mods = [ModuleError(p, d["impact"], d["impact"] / total if total else float("nan"), d["act"], d["grad"],
-                        d["half"], d["first"]) for p, d in by.items()]
-    # The jump: in program order, the forward op whose error rises most over every op before it
-    # (at least 4x); its module is marked.
-    best, best_ratio, prev = None, 4.0, 0.0
-    for site in sites.sites:
-        if site.backward:
-            continue
-        e = float(errs[site.index])
-        if prev > 0 and np.isfinite(e) and e / prev > best_ratio:
-            best, best_ratio = site.path, e / prev
-        if np.isfinite(e):
-            prev = max(prev, e)
-    return [dataclasses.replace(m, jump=m.path == best) for m in mods]
-
-
-def _half_dtype(sites: Sites):
-    """The coarsest half dtype the program computes in (its rounding sets the noise floor), or None."""
-    found = {np.dtype(d) for site in sites.sites for d in _dtypes_of(site.eqn) if _format.is_low_precision(d)}
-    return max(found, key=lambda d: float(jnp.finfo(d).eps)) if found else None
-
-
-def _dtypes_of(eqn) -> list:
-    return [a.aval.dtype for a in (*eqn.invars, *eqn.outvars)
-            if getattr(getattr(a, "aval", None), "dtype", None) is not None and _floating(a.aval)]
-
-
-def _drift(run, ref) -> float:
-    """The relative gap of ``run``'s mean loss to ``ref``'s over the last half of training.
-
-    ``run``, ``ref``: ``[k+1]`` loss trajectories (index ``k``: after the last step). The mean
-    over steps ``k//2 .. k`` rather than the last loss: a run that overfits a batch at a high
-    learning rate oscillates from step to step, and one step's loss says more about the phase
-    of the oscillation than about the precision.
-    """
-    run, ref = np.asarray(run, np.float64), np.asarray(ref, np.float64)
-    h = (len(ref) - 1) // 2
-    base = float(np.mean(ref[h:]))
-    gap = abs(float(np.mean(run[h:])) - base) / max(abs(base), 1e-30)
-    return gap if np.isfinite(gap) else float("inf")
-
-
-def _leaf_relerr(a, b):
-    """Relative error of ``a`` against ``b`` (float32; 0 where ``b`` is zero or not finite)."""
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    den = jnp.sqrt(jnp.sum(jnp.square(b)))
-    e = jnp.sqrt(jnp.sum(jnp.square(a - b))) / jnp.maximum(den, jnp.finfo(jnp.float32).tiny)
-    return jnp.where(jnp.isfinite(e), e, 0.0)
-
-
-def _uniform_like(leaves: list, key) -> list:
-    """A ``uniform(-1, 1)`` float32 array per floating leaf (None for the others), from one draw.
-
-    One ``jax.random.uniform`` of all the leaves' elements, cut into the leaves: the program holds
-    one random-bits hash, not one per leaf (at XLA's fast compile each costs about 0.1 s of
-    compile time: 5 s for a ResNet's 53 leaves).
-    """
-    sizes = [int(np.size(x)) if _floating(x) else 0 for x in leaves]
-    u = jax.random.uniform(key, (max(sum(sizes), 1),), jnp.float32, -1.0, 1.0)
-    out, at = [], 0
-    for x, n in zip(leaves, sizes):
-        out.append(jax.lax.slice(u, (at,), (at + n,)).reshape(jnp.shape(x)) if _floating(x) else None)
-        at += n
-    return out
-
-
-def _perturb(params, rel: float, seed: int):
-    """``params`` with each floating element times ``1 + rel * uniform(-1, 1)`` (seeded)."""
-    leaves, tree = jax.tree_util.tree_flatten(params)
-    us = _uniform_like(leaves, jax.random.key(seed))
-    return jax.tree_util.tree_unflatten(tree, [(x * (1 + rel * u)).astype(x.dtype) if u is not None else x
-                                               for x, u in zip(leaves, us)])
-
-
-def _noisy(g, sizes, key):
-    """``g`` with floating leaf ``j`` times ``1 + sqrt(3) * sizes[j] * uniform(-1, 1)`` (seeded by ``key``)."""
-    leaves, tree = jax.tree_util.tree_flatten(g)
-    us = _uniform_like(leaves, key)
-    # uniform(-1, 1) has RMS 1/sqrt(3): the noise's RMS is the measured error
-    return jax.tree_util.tree_unflatten(tree, [
-        (x * (1 + np.sqrt(3.0) * sizes[j] * u)).astype(x.dtype) if u is not None else x
-        for j, (x, u) in enumerate(zip(leaves, us))])
-
-
-class _Training:
-    """The policy run and its float32 shadow, ``steps`` optimizer steps each, with their noise twins.
-
-    Four runs from the same parameters on the same inputs, two lanes each side:
-    the policy run and the policy run from parameters perturbed by half an ulp of ``half``
-    (rounding-size noise); the float32 shadow and a float32 shadow from the same perturbed
-    parameters whose gradients get, at every step, fresh random relative noise as large as the
-    policy run's error on that gradient leaf at the first step. The twins measure how far
-    rounding-size noise moves each training in ``k`` steps (chaotic training: far; a systematic
-    loss such as a narrowed bias: the twins stay with their run). ``half`` None: no twins' noise.
-
-    One program, compiled once, steps a policy run and a float32 shadow run, each with its
-    optimizer update: it evaluates the traced step ``prog`` twice, as traced and as its float32
-    shadow, so the model is not traced again. `lane` calls it ``steps + 1`` times for one lane
-    (0: the runs; 1: their twins) without waiting for results, so the comparison goes on (the
-    fix's program compiles while the twins train). Construction starts the compiles in the
-    background: this program, then the analysis ``prog`` runs at the end, which compiles while
-    lane 0 trains. Not vmapped over the lanes (a batched convolution is a grouped one, which
-    XLA's CPU backend runs far slower at the debugger's fast compile), and not a ``lax.scan``
-    (convolutions inside a loop run an order of magnitude slower at that level; the loop would
-    save no compile).
-
-    Args:
-      prog: the traced step (its sites and float32 shadow).
-      params, rest: the parameters and the other inputs of the step.
-      steps: optimizer steps per run.
-      tx: the optax transformation.
-      half: the half dtype whose rounding sets the twins' noise, or None.
-    """
-
-    def __init__(self, prog: "_Program", params, rest: tuple, steps: int, tx, half):
-        self.steps, self.half = steps, half
-        rel = float(jnp.finfo(half).eps) / 2 if half is not None else 0.0
-        closed, out_tree = prog.closed, prog.out_tree
-        n_leaves = len(jax.tree_util.tree_leaves(params))
-
-        def update(loss, g, o, q):
-            u, o = tx.update(scaled_like_the_step(g, o), o, q)
-            return jnp.asarray(loss, jnp.float32), apply_updates(q, u), o
-
-        def start(params):
-            """The twins' parameters and every lane's optimizer state."""
-            twin = _perturb(params, rel, 1)
-            return twin, tx.init(params), tx.init(twin)
-
-        def pair_step(pol, f32, sizes, lane, i, consts):
-            (qp, op), (qs, os_) = pol, f32
-            leaves_p = jax.tree_util.tree_leaves((qp, *rest))
-            loss_p, g_p = jax.tree_util.tree_unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, consts, *leaves_p))
-            loss_s, g_s = jax.tree_util.tree_unflatten(
-                out_tree, prog.shadow_fn(consts, jax.tree_util.tree_leaves((qs, *rest))))
-            # The policy run's error per gradient leaf (read on lane 0's first step: the twins' noise)
-            err = jnp.stack([_leaf_relerr(a, b) for a, b in
-                             zip(jax.tree_util.tree_leaves(g_p), jax.tree_util.tree_leaves(g_s))] or [jnp.zeros(())])
-            key = jax.random.fold_in(jax.random.key(lane), i)
-            # Only the float32 twin (lane 1) is noisy: lane 0 skips drawing the noise.
-            g_s = jax.lax.cond(lane > 0, lambda g: _noisy(g, sizes, key), lambda g: g, g_s)
-            return update(loss_p, g_p, op, qp), update(loss_s, g_s, os_, qs), err
-
-        self.consts = list(closed.consts)
-        self.sizes = np.zeros((max(n_leaves, 1),), np.float32)
-        # Compiled in the background in the order they are needed.
-        init = StrictJit(start).prepare(params)
-        opt = jax.eval_shape(start, params)[1]
-        self.run = StrictJit(pair_step).prepare((params, opt), (params, opt), self.sizes, np.int32(0), np.int32(0),
-                                                self.consts)
-        prog.prepare((params, *rest))
-        twin, o0, o1 = init(params)
-        self.start = [(params, o0), (twin, o1)]
-        self.rows: list = [[None] * 4 for _ in range(steps + 1)]
-        self.final: list = [None, None]
-
-    def lane(self, k: int) -> None:
-        """Dispatches lane ``k``'s ``steps + 1`` calls (lane 0 first: lane 1's noise reads it)."""
-        if self.final[k] is not None:
-            return
-        pol = f32 = self.start[k]
-        for i in range(self.steps + 1):
-            (lp, qp, op), (ls, qs, os_), err = self.run(pol, f32, self.sizes, np.int32(k), np.int32(i), self.consts)
-            if i == 0 and k == 0 and self.half is not None:
-                self.sizes = err
-            self.rows[i][k], self.rows[i][2 + k] = lp, ls
-            if i < self.steps:
-                pol, f32 = (qp, op), (qs, os_)
-        self.final[k] = pol[0]
-
-    @property
-    def policy_params(self):
-        """The policy run's parameters after the last step (lane 0)."""
-        self.lane(0)
-        return self.final[0]
-
-    def losses(self, k: int) -> np.ndarray:
-        """Lane ``k``'s losses, ``[steps+1, 2]`` (policy, float32); row ``steps``: after the last step."""
-        self.lane(k)
-        return np.asarray(jax.device_get([[r[k], r[2 + k]] for r in self.rows]), np.float64)
+__all__ = ["Fix", "ModuleError", "NOISE_MARGIN", "ShadowReport", "compare_to_float32"]
 
 
 def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, steps: int = 0,
@@ -611,12 +102,12 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
         from jaxmp.engine._seams import autocast
 
         run = autocast(fn, policy, rules=rules)
-    has_loss = _scalar_first(jax.eval_shape(lambda *a: (run(*a),), *args)[0])
+    has_loss = scalar_first(jax.eval_shape(lambda *a: (run(*a),), *args)[0])
     if steps and not has_loss:
         raise TypeError("compare_to_float32(steps=k) trains on fn's loss: fn must return a floating scalar first")
     grad = has_loss if grad is None else bool(grad and has_loss)
     step = jax.value_and_grad(run) if grad else run
-    prog = _Program(step, args, attribute=has_loss)
+    prog = ShadowProgram(step, args, attribute=has_loss)
     losses, losses_f = (), ()
     eval_args = args
     noise = drift = float("nan")
@@ -627,25 +118,25 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
 
         tx = optax.adam(1e-3) if optimizer is None else optimizer
         rest = tuple(args[1:])
-        half = _half_dtype(prog.sites)
-        training = _Training(prog, args[0], rest, steps, tx, half)
+        half = half_dtype(prog.sites)
+        training = ShadowTraining(prog, args[0], rest, steps, tx, half)
         ls = training.losses(0)
         losses, losses_f = tuple(ls[:steps, 0]), tuple(ls[:steps, 1])
         loss_f = float(ls[steps, 1])
         eval_args = (training.policy_params, *rest)
-        drift = _drift(ls[:, 0], ls[:, 1])
+        drift = loss_drift(ls[:, 0], ls[:, 1])
     p, s, errs, contrib = prog.run(eval_args)
     loss = float(p[0]) if has_loss else float("nan")
     if not steps:
         loss_f = float(s[0]) if has_loss else float("nan")
     total = float(np.sum(contrib)) if has_loss else 0.0
-    mods = _modules(prog.sites, errs, contrib, total)
+    mods = rank_modules(prog.sites, errs, contrib, total)
     key = (lambda m: -abs(m.impact)) if has_loss else (lambda m: -m.activation_error)
     mods.sort(key=key)
     grads = ()
     if grad:
         g_tree = jax.tree_util.tree_unflatten(prog.out_tree, list(zip(p, s)))[1]
-        rows = [(jax.tree_util.keystr(path), _relerr(*pair))
+        rows = [(jax.tree_util.keystr(path), relerr(*pair))
                 for path, pair in jax.tree_util.tree_leaves_with_path(g_tree, is_leaf=lambda x: isinstance(x, tuple))]
         grads = tuple(sorted(rows, key=lambda r: -r[1]))
     ops = ()
@@ -666,6 +157,6 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
         # How far rounding-size noise moves each training: the float32 twin from the float32
         # run, the policy twin from the policy run. Chaotic training moves both far.
         tw = training.losses(1)
-        report = dataclasses.replace(report, noise_floor=max(_drift(tw[:, 1], ls[:, 1]), _drift(tw[:, 0], ls[:, 0])),
+        report = dataclasses.replace(report, noise_floor=max(loss_drift(tw[:, 1], ls[:, 1]), loss_drift(tw[:, 0], ls[:, 0])),
                                      losses_noise=(tuple(tw[:, 0]), tuple(tw[:, 1])))
     return dataclasses.replace(report, seconds=time.perf_counter() - t0)

@@ -15,7 +15,8 @@ import numpy as np
 
 from jaxmp import fp8
 from jaxmp.engine import _internals as internals
-from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules, ModuleRules
+from jaxmp.engine._module_rules import ModuleRules
+from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules
 from jaxmp._policy import Policy
 from jaxmp._presets import resolve_policy
 from jaxmp._traps import MixedPrecisionWarning
@@ -35,7 +36,7 @@ class AutocastConfig:
         (none: O1), ``"weights"`` (those whose every use is a half-list op: O2) or ``"all"`` (O3).
       rules: the [`jaxmp.AutocastRules`][jaxmp.AutocastRules].
       identity: the region changes nothing (O0, or a float32 compute dtype).
-      modules: the compiled module rules (`jaxmp.engine._rules.ModuleRules`) the module hooks read.
+      modules: the compiled module rules (`jaxmp.engine._module_rules.ModuleRules`) the module hooks read.
       front_door: the config of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision].
     """
 

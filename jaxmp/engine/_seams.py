@@ -12,7 +12,8 @@ deprecation period. Code outside jaxmp should use the public names (``jaxmp.auto
 """
 
 # Module rules: the vocabulary both front doors compile to (jaxmp.flax builds and applies them).
-from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules, ModuleRule, merge_rules
+from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules, merge_rules
+from jaxmp.engine._module_rules import ModuleRule
 from jaxmp.engine._modules import install_call_hooks, instance_rules, module_interceptor
 
 # The Flax door's way in: its own resolved config, run by the engine without autocast's wrapper.

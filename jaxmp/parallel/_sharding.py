@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxmp import _loss_view
 from jaxmp._collectives import check_reduce_dtype
 from jaxmp._typing import PyTree
-from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer
+from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer, _shard_step as shard_step
 from jaxmp.parallel._checks import (
     check_divisible, check_not_donated, check_positive_int, leading_size, log_once, with_model_state,
 )
@@ -291,11 +291,11 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         p_sh, o_sh = layouts.named_shardings(mesh, p_specs), layouts.named_shardings(mesh, o_specs)
         g_sh = layouts.named_shardings(mesh, g_specs)
         if reduce_dtype is None:
-            wrap_loss = layouts.global_view_loss(mesh, layout, layouts.param_tree_specs(params, param_specs), remat)
+            wrap_loss = shard_step.global_view_loss(mesh, layout, layouts.param_tree_specs(params, param_specs), remat)
             differentiate = None
         else:
             # Each data shard differentiates its own loss and reduces its gradients in one shard_map.
-            wrap_loss, differentiate = None, layouts.per_shard_value_and_grad(mesh, axis, reduce_dtype, layout,
+            wrap_loss, differentiate = None, shard_step.per_shard_value_and_grad(mesh, axis, reduce_dtype, layout,
                                                                               g_specs, remat)
 
         def reduce_grads(grads):

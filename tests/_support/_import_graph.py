@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "jaxmp.fp8", "jaxmp._fold", "jaxmp._blockwise", "jaxmp._keys")),
     ("policies and loss scales", ("jaxmp._policy", "jaxmp._presets", "jaxmp._platform", "jaxmp._skip",
                                   "jaxmp._loss_scale")),
-    ("optax transforms and gradients", ("jaxmp._transform", "jaxmp._opt_state", "jaxmp._grad", "jaxmp.lean", "jaxmp._quantized",
+    ("optax transforms and gradients", ("jaxmp._transform", "jaxmp._state_checks", "jaxmp._opt_state", "jaxmp._grad", "jaxmp.lean", "jaxmp._quantized",
                                         "jaxmp._collectives", "jaxmp._loss_view")),
     ("precision engine", ("jaxmp.engine", "jaxmp.diagnostics")),
     ("train step", ("jaxmp._step",)),

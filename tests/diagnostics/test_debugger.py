@@ -519,7 +519,7 @@ def test_k_step_runs_are_the_separate_trainings_they_stand_for():
     """The k-step mode steps the policy run and its float32 shadow in one program (and the twins
     in a second call of it): each column is the training it stands for, run on its own."""
     from jaxmp.diagnostics._fix import train
-    from jaxmp.diagnostics._shadow import _perturb
+    from jaxmp.diagnostics._shadow_steps import _perturb
 
     loss, v, y = _mlp_problem()
     tx = optax.adam(1e-2)
