@@ -15,7 +15,7 @@ the call that needs it, so code that never uses it sees JAX and Flax as they shi
    or a loss scale is made for a transform (``jaxmp.make_loss_scale``) with Flax loaded: an
    entry in Flax's registry, not a change to Flax's code.
 4. The loss scales are frozen dataclasses; the only field written after construction is their
-   ``scaled_mark`` (``jaxmp._traps.note_scaled``), a static marker that compares and hashes
+   ``scaled_mark`` (``jaxmp._misuse.note_scaled``), a static marker that compares and hashes
    equal whatever its value, so it never changes a tree structure or a ``jit`` cache key.
 
 Patching once and dispatching on per-thread state (rather than swapping per trace) keeps two

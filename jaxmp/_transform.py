@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp import _cpu_layout, _tree, _fold as fold, _state_checks as state_checks, _traps as traps
+from jaxmp import _cpu_layout, _tree, _fold as fold, _state_checks as state_checks, _misuse as misuse
 from jaxmp._typing import AxisName, LossScaleLike
 from jaxmp._collectives import optional_axis_name
 from jaxmp._dtypes import float_dtype, is_floating_array, is_inexact_array
@@ -365,7 +365,7 @@ def _inner_step(inner, plan: _StepPlan, grads, grads_finite, state, params, extr
             f"the inner optimizer needs the params, but tx.update(grads, state) was called without them: call "
             f"tx.update(grads, state, params) (or use loss_scaling(..., master_weights=True), which keeps its own "
             f"float32 copy). The inner optimizer said: {type(e).__name__}: {e}") from e
-    traps.check_update_constants(closed)
+    misuse.check_update_constants(closed)
     state_checks.check_state_types(state.inner_state, shapes[1], lambda: state_checks.check_state_matches(inner, state.inner_state, ref))
     grad_leaves = jax.tree_util.tree_leaves(grads)
     scale_leaves = jax.tree_util.tree_leaves(loss_scale)
@@ -426,7 +426,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
 def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis_name: Any, skip_with: str,
                       check_updates: bool | None, *, check_bf16: bool) -> FusedTransformation:
     # check_bf16: loss_scaling was not told master_weights, so bfloat16 params without a master
-    # copy may be the O2-bf16 mistake (see traps.check_bf16_without_master).
+    # copy may be the O2-bf16 mistake (see misuse.check_bf16_without_master).
     inner = check_inner(inner)
     # Int, bool and PRNG-key params (float0 gradients) pass through; optax would multiply them.
     inner = numeric_leaves_only(inner)
@@ -440,10 +440,10 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
     def init_fn(params):
         _tree.check_all_arrays(params, "params")
         inner_state = inner.init(params)
-        traps.check_init(params, inner_state, initial_scale, LossScalingState, MasterWeightsState)
+        misuse.check_init(params, inner_state, initial_scale, LossScalingState, MasterWeightsState)
         if check_bf16:
-            traps.check_bf16_without_master(params, inner_state, MasterWeightsState)
-        traps.check_inner_state(inner_state)
+            misuse.check_bf16_without_master(params, inner_state, MasterWeightsState)
+        misuse.check_inner_state(inner_state)
         return LossScalingState(
             inner_state=inner_state,
             # Fresh buffers on every init: a state donated to a jitted step deletes its buffers,
@@ -464,15 +464,15 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
 
     def update_fn(grads, state, params=None, **extra_args):
         check_args(grads, state, params)
-        # Called from each entry itself: traps' warnings name the line that called the entry.
-        traps.check_gradients(grads, state.loss_scale)
+        # Called from each entry itself: misuse's warnings name the line that called the entry.
+        misuse.check_gradients(grads, state.loss_scale)
         return step(grads, state, params, extra_args, fused=False)
 
     def update_and_apply_fn(grads, state, params, **extra_args):
         if params is None:
             raise ValueError("update_and_apply needs the params")
         check_args(grads, state, params)
-        traps.check_gradients(grads, state.loss_scale)
+        misuse.check_gradients(grads, state.loss_scale)
         return step(grads, state, params, extra_args, fused=True)
 
     def plan_of(grads, state, params, fused) -> _StepPlan:

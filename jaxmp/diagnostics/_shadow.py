@@ -76,7 +76,7 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
       >>> rep.top.path
       'sched'
     """
-    from jaxmp._traps import loss_scaled_grad
+    from jaxmp._misuse import loss_scaled_grad
 
     # Every gradient the comparison takes (the shadow's, the fix's, the FLOP count's) is its own:
     # no "differentiated with no loss scale" warning for them.

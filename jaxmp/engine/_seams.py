@@ -18,7 +18,7 @@ from jaxmp.engine._modules import install_call_hooks, instance_rules, module_int
 
 # The Flax door's way in: its own resolved config, run by the engine without autocast's wrapper.
 from jaxmp.engine._config import TRACING, flax_config, resolve_config
-from jaxmp.engine._entry import autocast, engine_function
+from jaxmp.engine._autocast_fn import autocast, engine_function
 
 # Reading back what the engine decided (the diagnostics' "explain", the fp8 layers' markers).
 from jaxmp.engine._build import explain_enabled, explaining

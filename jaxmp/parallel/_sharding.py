@@ -24,7 +24,7 @@ from jaxmp.parallel._checks import (
     check_divisible, check_not_donated, check_positive_int, leading_size, log_once, with_model_state,
 )
 from jaxmp.parallel._replication import is_pmap_replicated
-from jaxmp._step import make_generic_step
+from jaxmp._step import make_loss_fn_step
 
 
 def make_data_mesh(devices: Sequence[Any] | None = None, axis_name: str = "data") -> Mesh:
@@ -314,10 +314,10 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
                       with_model_state=model_state, reduce_model_state=identity,
                       wrap_loss=wrap_loss, differentiate=differentiate)
         first = (p_sh, rep) if model_state else p_sh
-        jitted = jax.jit(make_generic_step(loss_fn, tx, with_rng=False, **common),
+        jitted = jax.jit(make_loss_fn_step(loss_fn, tx, with_rng=False, **common),
                          in_shardings=(first, o_sh, data), out_shardings=(first, o_sh, rep),
                          donate_argnums=donate_argnums)
-        jitted_rng = jax.jit(make_generic_step(loss_fn, tx, with_rng=True, **common),
+        jitted_rng = jax.jit(make_loss_fn_step(loss_fn, tx, with_rng=True, **common),
                              in_shardings=(first, o_sh, data, rep), out_shardings=(first, o_sh, rep),
                              donate_argnums=donate_argnums)
         return jitted, jitted_rng, (p_sh, o_sh)

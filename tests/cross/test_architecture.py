@@ -103,7 +103,7 @@ def test_the_layering_table_on_the_architecture_page_is_generated_from_the_graph
 # Module-level state that changes after import, allowed here and why. Anything else a module
 # mutates (a module-level name rebound with `global`, updated in place through a mutating
 # method or item assignment, or augmented) fails the test below: state that changes a result
-# belongs to an object the caller holds (traps keeps its evidence on the loss-scale object),
+# belongs to an object the caller holds (misuse keeps its evidence on the loss-scale object),
 # never to the process.
 ALLOWED_MODULE_STATE = {
     # Memos of pure functions: primitive -> kind; (class, rule) -> the generated casting subclass
@@ -162,8 +162,8 @@ def test_no_process_global_mutable_state_beyond_the_documented_caches():
     found = {(p.relative_to(root).as_posix(), name) for p in sorted((root / "jaxmp").rglob("*.py"))
              for name in _module_state(p)}
     assert found - ALLOWED_MODULE_STATE == set(), "module-level mutable state: keep it on an object the caller holds"
-    # traps in particular: its evidence lives on the loss-scale object, nothing per process.
-    assert not [n for f, n in found if f == "jaxmp/_traps.py"]
+    # misuse in particular: its evidence lives on the loss-scale object, nothing per process.
+    assert not [n for f, n in found if f == "jaxmp/_misuse.py"]
 
 
 @pytest.mark.parametrize("source,names", [
