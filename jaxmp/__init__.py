@@ -43,10 +43,10 @@ from jaxmp._opt_state import master_params
 from jaxmp._opt_state import scaling_stats
 from jaxmp._transform import LossScalingState
 from jaxmp._transform import loss_scaling
-from jaxmp._traps import MixedPrecisionWarning
+from jaxmp._misuse import MixedPrecisionWarning
 
 from jaxmp.engine._regions import accumulate
-from jaxmp.engine._entry import autocast
+from jaxmp.engine._autocast_fn import autocast
 from jaxmp.engine._rules import AutocastRules
 from jaxmp.engine._regions import float32_region
 from jaxmp.engine._regions import half_inputs

@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxmp import _traps as traps
+from jaxmp import _misuse as misuse
 from jaxmp._typing import PyTree
 from jaxmp._loss_scale import LossScale
 from jaxmp._opt_state import get_loss_scale
@@ -58,7 +58,7 @@ def value_and_grad(fun: Callable[..., Any], scale_source: LossScale | PyTree, ar
     if not callable(fun):
         raise TypeError(f"fun must be callable, got {type(fun).__name__}")
     loss_scale = get_loss_scale(scale_source)
-    traps.check_outermost(scale_source, LossScalingState)
+    misuse.check_outermost(scale_source, LossScalingState)
 
     def scaled(*args, **kw):
         out = fun(*args, **kw)
@@ -69,13 +69,13 @@ def value_and_grad(fun: Callable[..., Any], scale_source: LossScale | PyTree, ar
         else:
             loss, aux = out, None
         loss = _check_loss(loss)
-        traps.check_loss_dtype(loss, loss_scale)
+        misuse.check_loss_dtype(loss, loss_scale)
         return loss_scale.scale(loss), (loss, aux)
 
     grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True, **kwargs)
 
     def wrapped(*args, **kw):
-        with traps.loss_scaled_grad():  # float16 autocast regions differentiated here are scaled
+        with misuse.loss_scaled_grad():  # float16 autocast regions differentiated here are scaled
             (_, (loss, aux)), grads = grad_fn(*args, **kw)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxmp import _traps as traps
+from jaxmp import _effects
+from jaxmp import _misuse as misuse
 from jaxmp._typing import LossScaleLike
 from jaxmp._dtypes import is_inexact_array
 from jaxmp._skip import check_flag
@@ -169,7 +170,7 @@ class _Scaling:
           The tree with inexact leaves scaled; half-precision leaves come back float32.
         """
         _usable(self.loss_scale)
-        traps.note_scaled(self)
+        misuse.note_scaled(self)
         return jax.tree_util.tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
 
     def unscale(self, tree: T) -> T:
@@ -202,16 +203,16 @@ class StaticLossScale(_Scaling):
     """
 
     loss_scale: ArrayLike
-    #: Whether this scale multiplied a loss (set by `scale`; see ``jaxmp._traps.ScaledMark``).
-    scaled_mark: traps.ScaledMark = dataclasses.field(default=traps.UNSCALED, kw_only=True, repr=False, metadata=_STATIC)
+    #: Whether this scale multiplied a loss (set by `scale`; see ``jaxmp._misuse.ScaledMark``).
+    scaled_mark: misuse.ScaledMark = dataclasses.field(default=misuse.UNSCALED, kw_only=True, repr=False, metadata=_STATIC)
 
     def __post_init__(self):
         object.__setattr__(self, "loss_scale", _scale_array(self.loss_scale, "loss_scale"))
 
     def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
-        """Returns ``self`` (unmarked, see ``jaxmp._traps.ScaledMark``): a static scale never changes."""
+        """Returns ``self`` (unmarked, see ``jaxmp._misuse.ScaledMark``): a static scale never changes."""
         check_flag(grads_finite)
-        return dataclasses.replace(self, scaled_mark=traps.UNSCALED) if traps.was_scaled(self) else self
+        return dataclasses.replace(self, scaled_mark=misuse.UNSCALED) if misuse.was_scaled(self) else self
 
     def fold_is_exact(self, built_with: "LossScale | None" = None) -> bool:
         """Whether the scale is >= 1, so that `jaxmp._fold` is exact (see `DynamicLossScale.fold_is_exact`).
@@ -299,8 +300,8 @@ class DynamicLossScale(_Scaling):
     min_loss_scale: float = dataclasses.field(default=DEFAULT_MIN_SCALE, metadata=_STATIC)
     backoff_factor: float | None = dataclasses.field(default=None, kw_only=True, metadata=_STATIC)
     max_loss_scale: float = dataclasses.field(default=DEFAULT_MAX_SCALE, kw_only=True, metadata=_STATIC)
-    #: Whether this scale multiplied a loss (set by `scale`; see ``jaxmp._traps.ScaledMark``).
-    scaled_mark: traps.ScaledMark = dataclasses.field(default=traps.UNSCALED, kw_only=True, repr=False, metadata=_STATIC)
+    #: Whether this scale multiplied a loss (set by `scale`; see ``jaxmp._misuse.ScaledMark``).
+    scaled_mark: misuse.ScaledMark = dataclasses.field(default=misuse.UNSCALED, kw_only=True, repr=False, metadata=_STATIC)
 
     # Configurations already validated: JAX rebuilds the dataclass on every tree operation.
     _valid: ClassVar[set] = set()
@@ -392,7 +393,7 @@ class DynamicLossScale(_Scaling):
         new_scale = jnp.where(new_scale >= lo, new_scale, lo)
         new_scale = jnp.where(jnp.isinf(new_scale), jnp.float32(min(self.max_loss_scale, 2.0**127)), new_scale)
         counter = jnp.where(grow, 0, counter).astype(jnp.int32)
-        return dataclasses.replace(self, loss_scale=new_scale, counter=counter, scaled_mark=traps.UNSCALED)
+        return dataclasses.replace(self, loss_scale=new_scale, counter=counter, scaled_mark=misuse.UNSCALED)
 
 
 def _counter_array(counter: Any) -> Any:
@@ -443,9 +444,10 @@ _LEAF_FIELDS = {NoOpLossScale: (), StaticLossScale: ("loss_scale",), DynamicLoss
 def register_flax_serialization(force: bool = False) -> bool:
     """Registers the loss scales with ``flax.serialization`` (``to_bytes``, ``from_bytes``, state dicts).
 
-    Registers only once Flax is loaded (or imports it with ``force``), once per Flax; `jaxmp.flax`
-    and [`make_loss_scale`][jaxmp.make_loss_scale] call it. The state dict holds the leaves; the
-    configuration comes from the target restored into.
+    Registers only once Flax is loaded (or imports it with ``force``), once per process, through
+    `jaxmp._effects` (effect 3 there); `jaxmp.flax` and [`make_loss_scale`][jaxmp.make_loss_scale]
+    call it, ``import jaxmp`` does not. The state dict holds the leaves; the configuration comes
+    from the target restored into.
 
     Args:
       force: import ``flax.serialization`` if it is not loaded yet.
@@ -453,14 +455,17 @@ def register_flax_serialization(force: bool = False) -> bool:
     Returns:
       Whether the loss scales are registered.
     """
+    return _effects.register_once("flax.serialization", lambda: _register_with_flax(force))
+
+
+def _register_with_flax(force: bool) -> bool:
     serialization = sys.modules.get("flax.serialization")
     if serialization is None:
         if not force:
             return False
         import flax.serialization as serialization  # noqa: PLC0415 - Flax stays optional
     if isinstance(serialization.to_state_dict(NoOpLossScale()), dict):
-        # Once per Flax: Flax's registry is the record (an unregistered object comes back as is).
-        return True
+        return True  # already in Flax's registry (an unregistered object comes back as is)
     for cls, fields in _LEAF_FIELDS.items():
         def to_state(x, fields=fields):
             return {f: serialization.to_state_dict(getattr(x, f)) for f in fields}
@@ -474,10 +479,6 @@ def register_flax_serialization(force: bool = False) -> bool:
 
         serialization.register_serialization_state(cls, to_state, from_state, override=True)
     return True
-
-
-# Flax loaded before jaxmp: register now (never imports Flax itself; `import jaxmp` stays light).
-register_flax_serialization()
 
 
 def make_loss_scale(spec: LossScaleLike = "dynamic") -> LossScale:

@@ -201,7 +201,7 @@ def check_differentiable_params(params: Any) -> None:
                 "(model_state=True)")
 
 
-def make_generic_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
+def make_loss_fn_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
                       with_rng: bool, rng_transform: Callable | None = None, with_model_state: bool = False,
                       reduce_model_state: Callable | None = None, per_replica_aux: bool = False,
                       wrap_loss: Callable | None = None, differentiate: Callable | None = None,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp import _cpu_layout, _tree, _fold as fold, _traps as traps
+from jaxmp import _cpu_layout, _tree, _fold as fold, _state_checks as state_checks, _misuse as misuse
 from jaxmp._typing import AxisName, LossScaleLike
 from jaxmp._collectives import optional_axis_name
 from jaxmp._dtypes import float_dtype, is_floating_array, is_inexact_array
@@ -135,7 +135,7 @@ class _NumericLeavesOnly(optax.GradientTransformationExtraArgs):
 
 
 class _MasterWeights(_NumericLeavesOnly):
-    """`master_weights`' transform: its state holds the master copy (`_check_master_matches`)."""
+    """`master_weights`' transform: its state holds the master copy (`jaxmp._state_checks.check_master_matches`)."""
 
 
 class FusedTransformation(optax.GradientTransformationExtraArgs):
@@ -316,7 +316,7 @@ def apply_to_params(params, updates, state=None):
     """New params from ``updates``; with a master copy in ``state``, its exact cast to each param's dtype."""
     found = _tree.find_states(state, MasterWeightsState) if state is not None else []
     if found:
-        _check_nothing_after_master(state)
+        state_checks.check_nothing_after_master(state, MasterWeightsState)
         master = found[0].master_params
         _tree.check_same_structure(params, master, "params", "master params")
         return jax.tree_util.tree_map(
@@ -324,64 +324,39 @@ def apply_to_params(params, updates, state=None):
     return add_floating(params, updates)
 
 
-def _check_nothing_after_master(state) -> None:
-    """Raises when an optax chain runs transforms after the one keeping the master copy (state structure only)."""
-    if isinstance(state, dict):  # optax.named_chain: its parts in chain order
-        parts = list(state.values())
-    elif isinstance(state, tuple) and not hasattr(state, "_fields"):
-        parts = list(state)
-    else:
-        return  # not a chain's state (NamedTuples are single transforms' states)
-    for i, part in enumerate(parts):
-        if _tree.find_states(part, MasterWeightsState):
-            if i + 1 < len(parts):
-                raise ValueError(
-                    f"the optimizer is an optax chain with {len(parts) - i - 1} transform(s) after the one keeping "
-                    "float32 master weights: the params become the master's cast, so their effect on the updates "
-                    "would be dropped. Put them inside: jaxmp.loss_scaling(optax.chain(..., transform), "
-                    "master_weights=True).")
-            _check_nothing_after_master(part)
-            return
+class _StepPlan(NamedTuple):
+    """What one update does, decided once (from static facts: dtypes, the state's structure, the backend).
 
-
-def _check_state_matches(inner, state_inner, ref) -> None:
-    """Raises a ValueError naming the first leaf where the inner state differs from ``inner.init(ref)``.
-
-    Structure and shapes only (``jax.eval_shape``); called only once the inner update has failed or
-    changed its state's shapes, so that a traced update pays no extra ``init``.
+    Every flag the step reads is here, so the step's variations are one record, not a matrix of
+    arguments.
     """
-    try:
-        expected = jax.eval_shape(inner.init, ref)
-    except Exception:  # noqa: BLE001 - an init that cannot be traced abstractly: nothing to compare
-        return
-    te, ts = jax.tree_util.tree_structure(expected), jax.tree_util.tree_structure(state_inner)
-    if te != ts:
-        raise ValueError(
-            "the optimizer state does not belong to this optimizer and these params (was it made by another "
-            f"transform's init?):\n  state: {ts}\n  this optimizer's init gives: {te}")
-    for (path, e), x in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(state_inner)):
-        if tuple(e.shape) != tuple(jnp.shape(x)):
-            raise ValueError(
-                f"optimizer state leaf inner_state{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(x))}, but "
-                f"this optimizer's init for these params gives {tuple(e.shape)}: the state was made for other params")
+
+    keeps_master: bool  # the inner state holds a MasterWeightsState
+    bounded: bool       # the gradient bound replaces the check after the update (docs/design.md#the-gradient-bound)
+    use_cond: bool      # skip with lax.cond (only the taken branch runs) rather than a select
+    from_master: bool   # fused with a master copy: the new params are made once, from the chosen master
+    fused_inner: bool   # the inner step returns the new params instead of the updates
+    check_after: bool   # check the updates (or new params) and float16 state after the update
+    fold_ok: bool       # jaxmp._fold is exact for this loss scale
 
 
-def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, params, use_cond, extra_args, fused,
-                fold_ok=True):
+def _inner_step(inner, plan: _StepPlan, grads, grads_finite, state, params, extra_args):
     """The inner update on a finite step; ``-0.0`` updates and the old inner state otherwise.
 
     The gradients are unscaled inside the step, so XLA fuses the unscaling into the inner chain and
-    no unscaled copy is written out; reductions are folded (`jaxmp._fold`). ``fused``: return the new
-    params instead of the updates, so the updates are never written out and read back.
+    no unscaled copy is written out; reductions are folded (`jaxmp._fold`). ``plan.fused_inner``:
+    return the new params instead of the updates, so the updates are never written out and read back.
     """
+    loss_scale, fused = state.loss_scale, plan.fused_inner
+
     def inner_fn(g, ls):
-        return inner.update(_unscale(ls, g, keeps_master), state.inner_state, params, **extra_args)
+        return inner.update(_unscale(ls, g, plan.keeps_master), state.inner_state, params, **extra_args)
 
     ref = grads if params is None else params
     try:
         closed, shapes = jax.make_jaxpr(inner_fn, return_shape=True)(grads, loss_scale)
     except (ValueError, TypeError, AttributeError) as e:
-        _check_state_matches(inner, state.inner_state, ref)  # a state made for other params: named
+        state_checks.check_state_matches(inner, state.inner_state, ref)  # a state made for other params: named
         if params is not None:
             raise
         # Weight decay, LAMB/LARS, lookahead... read the params; optax's own message (or a raw
@@ -390,12 +365,12 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
             f"the inner optimizer needs the params, but tx.update(grads, state) was called without them: call "
             f"tx.update(grads, state, params) (or use loss_scaling(..., master_weights=True), which keeps its own "
             f"float32 copy). The inner optimizer said: {type(e).__name__}: {e}") from e
-    traps.check_update_constants(closed)
-    _check_state_types(state.inner_state, shapes[1], lambda: _check_state_matches(inner, state.inner_state, ref))
+    misuse.check_update_constants(closed)
+    state_checks.check_state_types(state.inner_state, shapes[1], lambda: state_checks.check_state_matches(inner, state.inner_state, ref))
     grad_leaves = jax.tree_util.tree_leaves(grads)
     scale_leaves = jax.tree_util.tree_leaves(loss_scale)
     scale_positions = [len(grad_leaves) + i for i, x in enumerate(scale_leaves) if is_floating_array(x)] \
-        if fold_ok else []
+        if plan.fold_ok else []
     out_tree = jax.tree_util.tree_structure(shapes)
 
     def inner_update(gl=grad_leaves):
@@ -412,7 +387,7 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
         return (jax.tree_util.tree_map(lambda s: _negative_zeros(jnp.zeros(s.shape, s.dtype)), shapes[0]),
                 state.inner_state)
 
-    if use_cond:
+    if plan.use_cond:
         # Only the taken branch runs, so the inner chain never sees non-finite gradients and
         # XLA can update the optimizer state in place.
         operands = _cpu_layout.cond_operands(grad_leaves)  # XLA:CPU layouts: see there
@@ -420,47 +395,6 @@ def _inner_step(inner, loss_scale, keeps_master, grads, grads_finite, state, par
     out, inner_state = apply()
     old, _ = skip() if fused else (jax.tree_util.tree_map(_negative_zeros, out), None)
     return keep_if_finite(grads_finite, out, old), keep_if_finite(grads_finite, inner_state, state.inner_state)
-
-
-def _check_master_matches(inner, state_keeps_master: bool, ref) -> None:
-    """Raises when a state with a master copy meets a transform without one (or the reverse), before the step."""
-    built_with = isinstance(inner, _MasterWeights)
-    if not built_with and state_keeps_master:
-        try:
-            built_with = bool(_tree.find_states(jax.eval_shape(inner.init, ref), MasterWeightsState))
-        except Exception:  # noqa: BLE001 - an init that cannot be traced abstractly: let the step say it
-            return
-    if built_with != state_keeps_master:
-        has, lacks = ("has a", "keeps none") if state_keeps_master else ("has no", "keeps float32 master weights")
-        raise ValueError(
-            f"the optimizer state {has} float32 master copy (MasterWeightsState) but this optimizer {lacks}: the "
-            "state was made by a jaxmp.loss_scaling built with master_weights="
-            f"{state_keeps_master} and this one with master_weights={built_with}. Make the state with this "
-            "optimizer's own tx.init(params), or build both with the same master_weights.")
-
-
-def _check_state_types(old: Any, new: Any, check_origin: Callable[[], None]) -> None:
-    """A skipped step returns the old inner state: the inner chain must keep its state's types.
-
-    ``check_origin`` runs first on a mismatch, so a state made for other params is named as such.
-    """
-    old_leaves = jax.tree_util.tree_leaves_with_path(old)
-    new_leaves = jax.tree_util.tree_leaves(new)
-    if len(old_leaves) != len(new_leaves):
-        return  # a structure change: lax.cond / select_tree name it
-    for (path, a), b in zip(old_leaves, new_leaves):
-        a_dtype, b_dtype = getattr(a, "dtype", None), getattr(b, "dtype", None)
-        if a_dtype is None or b_dtype is None:
-            continue
-        # Compared as JAX dtypes: a PRNG key's (optax.noisy_sgd) is no numpy dtype.
-        if a_dtype != b_dtype or tuple(jnp.shape(a)) != tuple(b.shape):
-            check_origin()
-            raise ValueError(
-                f"the inner optimizer changes its state on update: {jax.tree_util.keystr(path)} is "
-                f"{a_dtype}{list(jnp.shape(a))} after init and {b_dtype}{list(b.shape)} "
-                "after update. A skipped step keeps the old state, so the two must match. This happens with "
-                "bfloat16/float16 params and float32 hyperparameters (optax.inject_hyperparams promotes the moments): "
-                "use loss_scaling(..., master_weights=True), whose inner state is float32.")
 
 
 def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dynamic", *,
@@ -492,7 +426,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
 def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis_name: Any, skip_with: str,
                       check_updates: bool | None, *, check_bf16: bool) -> FusedTransformation:
     # check_bf16: loss_scaling was not told master_weights, so bfloat16 params without a master
-    # copy may be the O2-bf16 mistake (see traps.check_bf16_without_master).
+    # copy may be the O2-bf16 mistake (see misuse.check_bf16_without_master).
     inner = check_inner(inner)
     # Int, bool and PRNG-key params (float0 gradients) pass through; optax would multiply them.
     inner = numeric_leaves_only(inner)
@@ -506,10 +440,10 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
     def init_fn(params):
         _tree.check_all_arrays(params, "params")
         inner_state = inner.init(params)
-        traps.check_init(params, inner_state, initial_scale, LossScalingState, MasterWeightsState)
+        misuse.check_init(params, inner_state, initial_scale, LossScalingState, MasterWeightsState)
         if check_bf16:
-            traps.check_bf16_without_master(params, inner_state, MasterWeightsState)
-        traps.check_inner_state(inner_state)
+            misuse.check_bf16_without_master(params, inner_state, MasterWeightsState)
+        misuse.check_inner_state(inner_state)
         return LossScalingState(
             inner_state=inner_state,
             # Fresh buffers on every init: a state donated to a jitted step deletes its buffers,
@@ -530,25 +464,19 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
 
     def update_fn(grads, state, params=None, **extra_args):
         check_args(grads, state, params)
-        # Called from each entry itself: traps' warnings name the line that called the entry.
-        traps.check_gradients(grads, state.loss_scale)
+        # Called from each entry itself: misuse's warnings name the line that called the entry.
+        misuse.check_gradients(grads, state.loss_scale)
         return step(grads, state, params, extra_args, fused=False)
 
     def update_and_apply_fn(grads, state, params, **extra_args):
         if params is None:
             raise ValueError("update_and_apply needs the params")
         check_args(grads, state, params)
-        traps.check_gradients(grads, state.loss_scale)
+        misuse.check_gradients(grads, state.loss_scale)
         return step(grads, state, params, extra_args, fused=True)
 
-    def step(grads, state, params, extra_args, fused):
-        """Both entries' step; ``fused``: return the new params instead of the updates."""
+    def plan_of(grads, state, params, fused) -> _StepPlan:
         keeps_master = bool(_tree.find_states(state.inner_state, MasterWeightsState))
-        _check_master_matches(inner, keeps_master, grads if params is None else params)
-
-        def unscale(g):
-            return _unscale(state.loss_scale, g, keeps_master)
-
         # With a master copy and no float16 anywhere the inner chain runs in float32 on float32
         # state, as without masters; what half precision adds is the cast of the master to the
         # params. The check after the update (a pass over the new params and a select that keeps
@@ -556,14 +484,7 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
         # replaced by a bound folded into the gradient check, which proves the state and the
         # master cannot overflow (docs/design.md#the-gradient-bound). float16 anywhere keeps it.
         bounded = check_updates is None and keeps_master and not _float16_leaves((grads, state.inner_state, params))
-        if bounded:
-            # A boolean reduction, as all_finite's: a float max would lose a NaN in a cross-device
-            # max reduction under ZeRO (XLA:CPU's max does not propagate it). A finite gradient
-            # past the bound is reported as reason 2 too: telling them apart is a second pass.
-            grads_finite = _verdict(_all_within(unscale(grads), GRADIENT_BOUND), axis_name)
-        else:
-            grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
-        use_cond = skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu")
+        half_arithmetic = not bounded and (keeps_master or _has_half((grads, state.inner_state)))
         # With a master copy the fused step's params are the master's cast: they are made once,
         # from the master the skip has already chosen, instead of being chosen between the cast
         # of the new master and the old params. The same bits (the params are the cast of the
@@ -571,11 +492,32 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
         # select reads the old params: under ZeRO the params are replicated and the master
         # sharded, so that select held a copy of the old params' slice (measured: docs/parallel.md).
         from_master = fused and keeps_master
-        out, inner_state = _inner_step(inner, state.loss_scale, keeps_master, grads, grads_finite, state, params,
-                                       use_cond, extra_args, fused and not from_master, fold_ok(state.loss_scale))
+        return _StepPlan(
+            keeps_master=keeps_master, bounded=bounded,
+            use_cond=skip_with == "cond" or (skip_with == "auto" and jax.default_backend() != "gpu"),
+            from_master=from_master, fused_inner=fused and not from_master,
+            check_after=half_arithmetic if check_updates is None else check_updates,
+            fold_ok=fold_ok(state.loss_scale))
 
-        half_arithmetic = not bounded and (keeps_master or _has_half((grads, state.inner_state)))
-        if half_arithmetic if check_updates is None else check_updates:
+    def step(grads, state, params, extra_args, fused):
+        """Both entries' step; ``fused``: return the new params instead of the updates."""
+        plan = plan_of(grads, state, params, fused)
+        state_checks.check_master_matches(inner, plan.keeps_master, grads if params is None else params,
+                                          isinstance(inner, _MasterWeights), MasterWeightsState)
+
+        def unscale(g):
+            return _unscale(state.loss_scale, g, plan.keeps_master)
+
+        if plan.bounded:
+            # A boolean reduction, as all_finite's: a float max would lose a NaN in a cross-device
+            # max reduction under ZeRO (XLA:CPU's max does not propagate it). A finite gradient
+            # past the bound is reported as reason 2 too: telling them apart is a second pass.
+            grads_finite = _verdict(_all_within(unscale(grads), GRADIENT_BOUND), axis_name)
+        else:
+            grads_finite = _verdict(all_finite(unscale(grads)), axis_name)
+        out, inner_state = _inner_step(inner, plan, grads, grads_finite, state, params, extra_args)
+
+        if plan.check_after:
             # Finite gradients can still give a non-finite update (Adam's epsilon flushed to zero
             # in float16, a master value past float16's range) or a non-finite float16 state
             # (pure-fp16 Adam's nu = g**2 past 65504 while the update stays finite, which would
@@ -583,16 +525,16 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
             # new params instead of the updates (the updates are never written out; comparing with
             # the old params would read them a second time), so a param that already holds inf
             # or NaN makes it skip (docs/reliability.md); a skipped step is not checked again.
-            ok = all_finite(apply_to_params(params, out, inner_state) if from_master else out)
+            ok = all_finite(apply_to_params(params, out, inner_state) if plan.from_master else out)
             ok = ok & all_finite(_float16_leaves(inner_state))
             updates_finite = _verdict(ok | jnp.logical_not(grads_finite), axis_name)
             inner_state = keep_if_finite(updates_finite, inner_state, state.inner_state)
-            if not from_master:
+            if not plan.from_master:
                 old = params if fused else jax.tree_util.tree_map(_negative_zeros, out)
                 out = keep_if_finite(updates_finite, out, old)
         else:
             updates_finite = jnp.array(True)
-        if from_master:
+        if plan.from_master:
             out = apply_to_params(params, out, inner_state)
         finite = grads_finite & updates_finite
 

@@ -27,7 +27,7 @@ from jaxmp._dtypes import is_floating_array
 from jaxmp._keys import IMPL as _IMPL, as_key as _as_key, key_data as _key_data, leaf_keys as _leaf_keys
 from jaxmp._presets import did_you_mean
 from jaxmp._quantized import QuantizedMomentsState, quantized_moments
-from jaxmp._traps import MixedPrecisionWarning
+from jaxmp._misuse import MixedPrecisionWarning
 from jaxmp._transform import check_inner
 from jaxmp._transform import master_weights as _master_weights
 

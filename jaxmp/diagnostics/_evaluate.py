@@ -466,7 +466,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict) -> tuple[Any, Any]:
 
     if not callable(fn):
         raise TypeError(f"expected a callable (a loss function or a train step), got {type(fn).__name__}: {fn!r}")
-    from jaxmp._traps import loss_scaled_grad
+    from jaxmp._misuse import loss_scaled_grad
 
     # The debugger's own differentiation is no user's unscaled float16 gradient: no warning for it.
     with explaining(), loss_scaled_grad():

@@ -28,8 +28,6 @@ from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, StrictJit, bind, ev
 if TYPE_CHECKING:  # optax is imported where it is used: the report alone does not need it
     import optax
 
-    from jaxmp.engine._seams import AutocastRules
-
 _F32 = np.dtype(np.float32)
 #: A k-step drift up to this multiple of the rounding-noise drift is not an alarm (see `ShadowReport.clean`).
 NOISE_MARGIN = 3.0
@@ -585,7 +583,7 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
       >>> rep.top.path
       'sched'
     """
-    from jaxmp._traps import loss_scaled_grad
+    from jaxmp._misuse import loss_scaled_grad
 
     # Every gradient the comparison takes (the shadow's, the fix's, the FLOP count's) is its own:
     # no "differentiated with no loss scale" warning for them.

@@ -11,7 +11,7 @@ change without notice. Layers: see docs/architecture.md#the-path-of-a-call.
 from jaxmp.engine._tested import TESTED_JAX
 from jaxmp.engine._rules import FLOAT32_OPS, HALF_OPS
 # Loaded with the package (the engine's modules register themselves as they import).
-from jaxmp.engine import _build, _attention, _config, _entry, _regions, _rules  # noqa: F401
+from jaxmp.engine import _build, _attention, _config, _autocast_fn, _regions, _rules  # noqa: F401
 
 __all__ = [
     "FLOAT32_OPS",

@@ -14,12 +14,13 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from jaxmp import _effects
 from jaxmp.engine import _config
 from jaxmp.engine._rules import marker
 from jaxmp._dtypes import cast_floating, float32_backward
 
 _log = logging.getLogger("jaxmp.autocast")
-_ORIGINAL = jax.nn.dot_product_attention
+_ORIGINAL = _effects.original(jax.nn, "dot_product_attention")
 _LOGGED: set[str] = set()
 
 #: The implementation the last routed call chose (``"cudnn"`` or ``"xla"``), for tests and reports.
@@ -104,20 +105,13 @@ def routed_attention(query, key, value, bias=None, mask=None, *args, implementat
         return float32_backward(xla)(query, key, value, bias, *arrays)
 
 
-_INSTALLED = False
-
-
 @contextlib.contextmanager
 def route_attention():
     """While active, calls through ``jax.nn.dot_product_attention`` go to `jaxmp.engine._attention.routed_attention`.
 
-    The routing function is installed on ``jax.nn`` once and stays: outside an autocast trace
-    (``jaxmp.engine._config.current()`` is None, a per-thread JAX context) it calls JAX's own
-    function unchanged. Installing once instead of swapping per trace keeps two threads that
-    trace at the same time from seeing each other's swaps.
+    The first call installs the router on ``jax.nn`` through `jaxmp._effects` (effect 1 there),
+    where it stays: outside an autocast trace (``jaxmp.engine._config.current()`` is None, a
+    per-thread JAX context) it calls JAX's own function unchanged.
     """
-    global _INSTALLED
-    if not _INSTALLED:
-        jax.nn.dot_product_attention = routed_attention
-        _INSTALLED = True
+    _effects.patch(jax.nn, "dot_product_attention", lambda _: routed_attention)
     yield

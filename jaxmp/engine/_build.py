@@ -1,7 +1,7 @@
 """The engine function: trace a function once per input signature, then re-evaluate it under the rules.
 
 The public entry points that build one (``jaxmp.autocast``, ``engine_function``) are in
-`jaxmp.engine._entry`; `build` is autocast without the canary they start.
+`jaxmp.engine._autocast_fn`; `build` is autocast without the canary they start.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ class _Autocast:
 
         dyn_vals = [leaf for leaf, d in zip(leaves, dynamic) if d]
         with _config.TRACING(self.config), route_attention(), \
-                apply_module_rules(self.config.modules, intercept=not self.config.front_door):
+                apply_module_rules(self.config.modules, intercept=not self.config.from_flax_wrapper):
             closed = jax.make_jaxpr(flat_fn)(*dyn_vals)
         tracer_consts = any(internals.is_tracer(c) for c in closed.consts)
         label = f"{_name(self.fn)} under {self.config.name!r}"
@@ -292,7 +292,7 @@ def build(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = Non
 
     `jaxmp.engine._contract` builds its check programs with this, so that the canary's own
     programs never start the canary again and the contract does not import the public entry
-    points (`jaxmp.engine._entry`), which run it.
+    points (`jaxmp.engine._autocast_fn`), which run it.
 
     Args:
       fn: the function.

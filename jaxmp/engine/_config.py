@@ -15,10 +15,11 @@ import numpy as np
 
 from jaxmp import fp8
 from jaxmp.engine import _internals as internals
-from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules, ModuleRules
+from jaxmp.engine._module_rules import ModuleRules
+from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules
 from jaxmp._policy import Policy
 from jaxmp._presets import resolve_policy
-from jaxmp._traps import MixedPrecisionWarning
+from jaxmp._misuse import MixedPrecisionWarning
 
 _F32 = np.dtype("float32")
 
@@ -35,8 +36,9 @@ class AutocastConfig:
         (none: O1), ``"weights"`` (those whose every use is a half-list op: O2) or ``"all"`` (O3).
       rules: the [`jaxmp.AutocastRules`][jaxmp.AutocastRules].
       identity: the region changes nothing (O0, or a float32 compute dtype).
-      modules: the compiled module rules (`jaxmp.engine._rules.ModuleRules`) the module hooks read.
-      front_door: the config of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision].
+      modules: the compiled module rules (`jaxmp.engine._module_rules.ModuleRules`) the module hooks read.
+      from_flax_wrapper: the config of [`jaxmp.flax.mixed_precision`][jaxmp.flax.mixed_precision], which pushes its
+        own Linen interceptor (with its recording and module replacements) around the engine.
     """
 
     name: str
@@ -46,7 +48,7 @@ class AutocastConfig:
     rules: AutocastRules
     identity: bool = False
     modules: ModuleRules = ModuleRules()
-    front_door: bool = False
+    from_flax_wrapper: bool = False
 
 
 def _warn_pure_half(policy: str, compute: np.dtype) -> None:
@@ -158,4 +160,4 @@ def flax_config(policy: Policy, rules: AutocastRules) -> AutocastConfig:
     ops = dataclasses.replace(rules, class_rules=(), path_rules=(), fp8_matmuls=None, float32_loss=True,
                               fused_attention=True, promote=rules.promote or "demand")
     return AutocastConfig(f"flax {policy}", compute, np.dtype(policy.output_dtype), "", ops,
-                          identity=compute.itemsize >= 4, modules=rules.module_rules(policy), front_door=True)
+                          identity=compute.itemsize >= 4, modules=rules.module_rules(policy), from_flax_wrapper=True)

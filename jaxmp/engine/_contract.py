@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxmp import _jaxpr
 from jaxmp.engine import _internals as internals, _tested as tested
-from jaxmp._traps import MixedPrecisionWarning
+from jaxmp._misuse import MixedPrecisionWarning
 
 _F32, _BF16 = np.dtype("float32"), np.dtype(jnp.bfloat16)
 

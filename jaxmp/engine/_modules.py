@@ -16,9 +16,11 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
+from jaxmp import _effects
 from jaxmp._dtypes import cast_floating, is_floating_array
 from jaxmp.engine import _config
-from jaxmp.engine._rules import ModuleRule, ModuleRules, marker
+from jaxmp.engine._module_rules import ModuleRule, ModuleRules
+from jaxmp.engine._rules import marker
 
 def first_floating_dtype(tree: Any) -> np.dtype | None:
     """The dtype of the first floating array leaf of ``tree``.
@@ -40,7 +42,7 @@ def cast_output(out: Any, rule: ModuleRule, input_dtype: np.dtype | None) -> Any
 
     Args:
       out: the module's return value (any pytree; only floating arrays are cast).
-      rule: the module's `jaxmp.engine._rules.ModuleRule`.
+      rule: the module's `jaxmp.engine._module_rules.ModuleRule`.
       input_dtype: the dtype of the module's first floating input, before casting.
 
     Returns:
@@ -58,7 +60,7 @@ def call_with_rule(rule: ModuleRule, label: str, call: Callable, args: tuple, kw
     """Runs one module call under its rule: input casts, the engine region, the output cast.
 
     Args:
-      rule: the `jaxmp.engine._rules.ModuleRule` (from `ModuleRules.rule_at`).
+      rule: the `jaxmp.engine._module_rules.ModuleRule` (from `ModuleRules.rule_at`).
       label: shown after the region marker in profiles and jaxprs (the class name).
       call: the call itself, ``call(*args, **kwargs)``.
       args: positional arguments.
@@ -209,9 +211,8 @@ def install_call_hooks(classes: Iterable[type]) -> None:
                 owner = next((c for c in sub.__mro__ if "__call__" in vars(c)), None)
                 if owner is None or owner is object or owner is type:
                     continue
-                original = vars(owner)["__call__"]
-                if not getattr(original, "_jaxmp_marking", False):
-                    type.__setattr__(owner, "__call__", _wrap_call(original))
+                if not getattr(vars(owner)["__call__"], "_jaxmp_marking", False):
+                    _effects.patch(owner, "__call__", _wrap_call)  # effect 2 of jaxmp._effects
 
 
 @contextlib.contextmanager

@@ -12,12 +12,13 @@ deprecation period. Code outside jaxmp should use the public names (``jaxmp.auto
 """
 
 # Module rules: the vocabulary both front doors compile to (jaxmp.flax builds and applies them).
-from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules, ModuleRule, merge_rules
+from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules, merge_rules
+from jaxmp.engine._module_rules import ModuleRule
 from jaxmp.engine._modules import install_call_hooks, instance_rules, module_interceptor
 
 # The Flax door's way in: its own resolved config, run by the engine without autocast's wrapper.
 from jaxmp.engine._config import TRACING, flax_config, resolve_config
-from jaxmp.engine._entry import autocast, engine_function
+from jaxmp.engine._autocast_fn import autocast, engine_function
 
 # Reading back what the engine decided (the diagnostics' "explain", the fp8 layers' markers).
 from jaxmp.engine._build import explain_enabled, explaining

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import jax
 from jax.interpreters import ad, batching, mlir
 
-from jaxmp import _jaxpr, _traps as traps
+from jaxmp import _jaxpr, _misuse as misuse
 from jaxmp.engine import _internals as internals
 from jaxmp.engine._values import dtype_of, is_float
 
@@ -48,7 +48,7 @@ def _identity(where, *xs):
 
 
 def _identity_jvp(where, primals, tangents):
-    if traps.in_loss_scaled_grad():
+    if misuse.in_loss_scaled_grad():
         return primals, tangents
     # Eager grad: concrete primals, the tangents are the linearization's tracers.
     nonzero = [i for i, t in enumerate(tangents) if not internals.is_zero(t)]
@@ -57,7 +57,7 @@ def _identity_jvp(where, primals, tangents):
         if trace in _WATCHED:
             return primals, tangents
         _WATCHED.add(trace)
-    scales = traps.scales_so_far()
+    scales = misuse.scales_so_far()
     out = list(tangents)
     for i, t in zip(nonzero, _tap_p.bind(*[tangents[i] for i in nonzero], where=where, scales=scales)):
         out[i] = t
@@ -88,8 +88,8 @@ ad.primitive_jvps[_tap_p] = _tap_jvp
 
 def _tap_transpose(cts, *ts, where: str, scales: int):
     # Runs while the gradient is traced, after the whole forward pass (loss scaling included).
-    if traps.scales_so_far() == scales:  # no loss scale ran since the forward pass
-        traps.unscaled_fp16_grad(where)
+    if misuse.scales_so_far() == scales:  # no loss scale ran since the forward pass
+        misuse.unscaled_fp16_grad(where)
     return [ct if ad.is_undefined_primal(t) else None for ct, t in zip(cts, ts)]
 
 

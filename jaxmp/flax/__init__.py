@@ -25,6 +25,8 @@ from jaxmp.flax._steps import make_eval_step, make_train_step
 from jaxmp.flax._train_state import TrainState
 from jaxmp._loss_scale import register_flax_serialization as _register_flax_serialization
 
+# Importing jaxmp.flax is asking for Flax support: the one effect of an import (effect 3 of
+# jaxmp._effects, an entry in Flax's serialization registry; Flax's code is not patched).
 _register_flax_serialization(force=True)
 
 

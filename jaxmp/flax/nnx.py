@@ -29,7 +29,7 @@ from jaxmp.flax.fp8 import install_nnx_fp8
 from jaxmp.flax._casting import Path, cast_by_path, enclosing_float32, is_float32_rule
 from jaxmp.engine._seams import AutocastRules, ModuleRule
 from jaxmp.flax._overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
-from jaxmp._traps import MixedPrecisionWarning
+from jaxmp._misuse import MixedPrecisionWarning
 from jaxmp._policy import Policy
 from jaxmp._transform import LossScalingState
 
@@ -327,7 +327,7 @@ def optimizer_state(optimizer: nnx.Optimizer) -> Any:
     stored, copy = _tree.find_states(optimizer.opt_state, LossScalingState), _tree.find_states(pure, LossScalingState)
     if len(stored) == len(copy) == 1:
         # Scaling a loss with this copy's scale also marks the stored one, which optimizer.update
-        # reads: the unscaled-gradient check (jaxmp._traps.ScaledMark) then sees it.
+        # reads: the unscaled-gradient check (jaxmp._misuse.ScaledMark) then sees it.
         object.__setattr__(copy[0].loss_scale, "_jaxmp_stored", stored[0].loss_scale)
     return pure
 

@@ -1,6 +1,6 @@
 """Helpers shared by the pmap and sharded-jit paths: logging and input validation.
 
-The step body both paths run is `jaxmp._step.make_generic_step`."""
+The step body both paths run is `jaxmp._step.make_loss_fn_step`."""
 
 from __future__ import annotations
 

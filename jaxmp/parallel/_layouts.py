@@ -1,8 +1,8 @@
 """How the training state is laid out over a mesh's data axis on the sharded-``jit`` path.
 
 ``"replicated"``, ``"zero"`` (ZeRO-1/2) and ``"fsdp"`` (ZeRO-3) as ``NamedSharding`` trees for
-``jit`` and ``with_sharding_constraint``, XLA inserting the collectives; and the per-shard loss
-of a reduce dtype. Which dimension of a leaf is split, a model axis, the bytes per parameter:
+``jit`` and ``with_sharding_constraint``, XLA inserting the collectives (the per-shard loss of a
+reduce dtype is in `jaxmp.parallel._shard_step`). Which dimension of a leaf is split, a model axis, the bytes per parameter:
 docs/parallel.md#sharded-state-zero-and-fsdp-layouts; the reduce: docs/parallel.md#gradient-reduce-dtype.
 """
 
@@ -17,7 +17,6 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmp._dtypes import accumulation_dtype
 from jaxmp.parallel._checks import check_not_donated
 from jaxmp.parallel._replication import PMAP_LAYOUT_HINT, is_pmap_replicated, replica_axis_size
 
@@ -133,7 +132,7 @@ def _spec_entries(spec: PartitionSpec, ndim: int) -> list:
     return entries
 
 
-def _spec(entries: list) -> PartitionSpec:
+def make_spec(entries: list) -> PartitionSpec:
     # Trailing unsharded dimensions dropped: P(None, None) and P() are the same layout.
     entries = list(entries)
     while entries and entries[-1] is None:
@@ -141,7 +140,7 @@ def _spec(entries: list) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def _axes_of(entry: Any) -> tuple:
+def axes_of(entry: Any) -> tuple:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
@@ -165,13 +164,13 @@ def leaf_spec(shape: Sequence[int], mesh: Mesh, data_axis: str, base: PartitionS
     """
     base = PartitionSpec() if base is None else base
     entries = _spec_entries(base, len(shape))
-    if any(data_axis in _axes_of(e) for e in entries):
+    if any(data_axis in axes_of(e) for e in entries):
         raise ValueError(f"the parameter spec {base} already uses the data axis {data_axis!r}: param_specs name the "
                          "other (model) axes only; the layout adds the data axis")
     n = mesh.shape[data_axis]
     size = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
     if n == 1 or len(shape) == 0 or size < min_shard_size:
-        return _spec(entries)
+        return make_spec(entries)
     best = None
     for d, dim in enumerate(shape):
         if entries[d] is not None:  # the user's own split of this dimension (another axis) stays alone
@@ -179,9 +178,9 @@ def leaf_spec(shape: Sequence[int], mesh: Mesh, data_axis: str, base: PartitionS
         if dim % n == 0 and dim > 0 and (best is None or dim > shape[best]):
             best = d
     if best is None:
-        return _spec(entries)
+        return make_spec(entries)
     entries[best] = data_axis
-    return _spec(entries)
+    return make_spec(entries)
 
 
 def param_tree_specs(params: Any, param_specs: Any) -> Any:
@@ -208,7 +207,7 @@ def param_tree_specs(params: Any, param_specs: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _is_float(x: Any) -> bool:
+def is_float_leaf(x: Any) -> bool:
     # Arrays and jax.ShapeDtypeStruct alike (PRNG key arrays are not floating).
     dtype = getattr(x, "dtype", None)
     if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
@@ -242,7 +241,7 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
     b_leaves = p_treedef.flatten_up_to(base)
     for b in b_leaves:
         for e in b:
-            for a in _axes_of(e):
+            for a in axes_of(e):
                 if a not in mesh.axis_names:
                     raise ValueError(f"param_specs name the axis {a!r}, which the mesh does not have "
                                      f"(axes: {mesh.axis_names})")
@@ -260,7 +259,7 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
         # A leaf of a sub-tree shaped like the params: its param's spec when the shapes agree.
         if matched is not None and _shape(x) == matched[0]:
             return matched[2] if shard_state else matched[1]
-        if not shard_state or not (_is_float(x) or _is_codes(x)):
+        if not shard_state or not (is_float_leaf(x) or _is_codes(x)):
             # Counters, keys, the loss scale: replicated (they are scalars or tiny anyway).
             return PartitionSpec()
         return leaf_spec(_shape(x), mesh, axis, min_shard_size=min_shard_size)
@@ -452,207 +451,3 @@ def state_bytes_per_device(tree: PyTree) -> int:
         shape = _shape(x) if sharding is None else sharding.shard_shape(_shape(x))
         total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     return total
-
-
-# --------------------------------------------------------------------------- the step
-
-
-def _mean_over_shards(x: jax.Array) -> jax.Array:
-    # The model state's rule. Floating leaves (BatchNorm statistics) are averaged over the shards
-    # in at least float32; others (int counters, keys) advance alike on every shard: shard 0's.
-    # A leaf equal on every shard (a model state the loss passes through unchanged) is returned as
-    # is: a mean of n equal values need not be that value in floating point.
-    if _is_float(x):
-        acc = accumulation_dtype(x.dtype)
-        mean = jnp.mean(x.astype(acc), axis=0).astype(x.dtype)
-        return jnp.where(jnp.all(x == x[0]), x[0], mean)
-    return x[0]
-
-
-def _reduce_aux_leaf(x: jax.Array) -> jax.Array:
-    # aux leaves that are not per-example: a floating one is a mean (a metric), an integer one a
-    # count (correct predictions, valid tokens), which only a sum over the shards keeps global,
-    # even when every shard counts the same; a bool is a flag raised on any shard.
-    if _is_float(x):
-        return _mean_over_shards(x)
-    dtype = getattr(x, "dtype", None)
-    if dtype is not None and jnp.issubdtype(dtype, jnp.bool_):
-        return jnp.any(x, axis=0)
-    if dtype is not None and jnp.issubdtype(dtype, jnp.integer):
-        return jnp.sum(x, axis=0, dtype=dtype)
-    return x[0]
-
-
-def _reassemble_aux(aux: Any, global_aux: Any, n: int) -> Any:
-    """The per-shard ``aux`` (leaves stacked ``[n, ...]``) in the layout of ``global_aux``'s shapes.
-
-    Per-example leaves concatenated, others reduced (`_reduce_aux_leaf`), any other pair refused:
-    docs/parallel.md#gradient-reduce-dtype.
-    """
-    def leaf(path, x, g):
-        shard, whole = tuple(x.shape[1:]), tuple(g.shape)
-        if shard == whole:
-            return _reduce_aux_leaf(x)
-        if len(shard) >= 1 and len(shard) == len(whole) and shard[1:] == whole[1:] and whole[0] == n * shard[0]:
-            return jnp.reshape(x, whole)
-        raise ValueError(
-            f"aux leaf at {jax.tree_util.keystr(path) or '<root>'} has shape {shard} per data shard but {whole} on the "
-            f"global batch: it is neither per-example (leading axis {n} times the shard's) nor batch-independent, so "
-            "it cannot be rebuilt from the shards; use make_sharded_train_step(..., reduce_dtype=None) to evaluate the "
-            "loss on the global batch")
-
-    return jax.tree_util.tree_map_with_path(leaf, aux, global_aux)
-
-
-def _manual_spec(spec: PartitionSpec, axis: str) -> PartitionSpec:
-    # shard_map is manual over the data axis only; a model axis stays XLA's (auto).
-    return _spec([axis if axis in _axes_of(e) else None for e in spec])
-
-
-def recorded_leaves(canonical: Any, params: Any, model_state: Any, batch: Any, rng: Any) -> set:
-    """Indices (in ``tree_leaves(params)`` order) of the params leaves the loss gathers itself.
-
-    Those `jaxmp.parallel.gather_params` / `jaxmp.parallel.scan_layers` see, in one abstract trace.
-    """
-    from jaxmp.parallel import _per_layer as per_layer
-
-    ctx = per_layer.LayerContext("record")
-    found: set = set()
-
-    def trace(p):
-        ids = [id(x) for x in jax.tree_util.tree_leaves(p)]
-        with per_layer.context(ctx):
-            out = canonical(p, model_state, batch, rng)
-        found.update(i for i, x in enumerate(ids) if x in ctx.recorded)
-        return out[0]
-
-    jax.eval_shape(trace, params)
-    return found
-
-
-def global_view_loss(mesh: Mesh, layout: str, base_specs: Any, remat: Any) -> Any:
-    """The loss wrapper of ``reduce_dtype=None``: what the per-layer helpers do in it (gather, remat).
-
-    Under ``"fsdp"`` `jaxmp.parallel.gather_params` and `jaxmp.parallel.scan_layers` constrain
-    a param to its spec without the data axis where it is used.
-    """
-    from jaxmp.parallel import _per_layer as per_layer
-
-    def wrap(canonical):
-        def loss(params, model_state, batch, rng):
-            leaves = {}
-            if layout == "fsdp":
-                p_leaves, treedef = jax.tree_util.tree_flatten(params)
-                leaves = {id(p): NamedSharding(mesh, b) for p, b in zip(p_leaves, treedef.flatten_up_to(base_specs))}
-            with per_layer.context(per_layer.LayerContext("global", leaves=leaves, remat=remat, mesh=mesh)):
-                return canonical(params, model_state, batch, rng)
-
-        return loss
-
-    return wrap
-
-
-def per_shard_value_and_grad(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_specs: Any,
-                             remat: Any = None) -> Any:
-    """The step's differentiation (`jaxmp._step.make_step`'s ``differentiate``) when the gradient
-    is reduced over the data axis in ``reduce_dtype``.
-
-    Each data shard differentiates its own loss inside one ``shard_map`` (``jaxmp.value_and_grad``
-    with the loss scale known before the forward, the loss taken as its share ``loss / N`` of
-    the mean): differentiating through the ``shard_map`` instead would make every residual of
-    the backward a stored output of a forward map. Each param enters through a ``custom_vjp``
-    identity that reduces its gradient in ``reduce_dtype`` (all-reduce, or reduce-scatter onto
-    ``grad_specs`` under ``"zero"`` / ``"fsdp"``). The loss, model state, rng and ``aux`` per
-    shard, and where the gradient is taken: docs/parallel.md#gradient-reduce-dtype.
-
-    Args:
-      mesh: the mesh.
-      axis: its data axis.
-      reduce_dtype: the dtype of the gradient reduction.
-      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"``.
-      grad_specs: where the reduced gradients go (`state_specs`).
-      remat: the per-layer remat policy (`jaxmp.parallel.scan_layers`).
-
-    Returns:
-      ``differentiate(canonical, opt_state, params, model_state, batch, rng) -> ((loss,
-      (model_state, aux)), grads)``: ``grads`` are the loss-scaled gradients, already reduced
-      (each in its ``grad_specs`` layout, in the param's dtype).
-
-    Raises:
-      ValueError: (in the step) an ``aux`` leaf neither per-example nor batch-independent.
-    """
-    from jaxmp._grad import value_and_grad
-    from jaxmp.parallel import _reduce, _per_layer as per_layer
-
-    n = mesh.shape[axis]
-
-    def differentiate(canonical, opt_state, params, model_state, batch, rng):
-        leaves, treedef = jax.tree_util.tree_flatten(params)
-        g_leaves = treedef.flatten_up_to(grad_specs)
-        deferred = recorded_leaves(canonical, params, model_state, batch, rng) if layout == "fsdp" else set()
-        # ``fixed``: inputs not differentiated (ZeRO's replicated params: their gradient goes to
-        # the slice); ``diff``: one per param leaf, the input its reduced gradient belongs to.
-        fixed, fixed_specs, diff, diff_specs, kinds = [], [], [], [], []
-        for i, (p, g) in enumerate(zip(leaves, g_leaves)):
-            dims = [d for d, e in enumerate(g) if axis in _axes_of(e)]
-            if layout == "replicated" or not dims:
-                kinds.append(("all", None))
-                diff.append(p)
-                diff_specs.append(PartitionSpec())
-                continue
-            if layout == "zero":
-                kinds.append(("scatter", dims[0]))
-                fixed.append(jax.lax.stop_gradient(p))
-                fixed_specs.append(PartitionSpec())
-            else:
-                kinds.append(("defer" if i in deferred else "gather", dims[0]))
-            diff.append(p)
-            diff_specs.append(_manual_spec(g, axis))
-
-        def body(fixed, diff, model_state, batch, rng):
-            key = None if rng is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
-
-            def shard_loss(diff):
-                full, used, sliced = iter(fixed), [], {}
-                for (kind, dim), x in zip(kinds, diff):
-                    if kind == "defer":  # the loss gathers it where it is used
-                        used.append(x)
-                        sliced[id(x)] = dim
-                    elif kind == "all":
-                        used.append(_reduce.all_reduced(x, axis, reduce_dtype))
-                    elif kind == "scatter":
-                        used.append(_reduce.scattered(next(full), x, axis, dim, reduce_dtype))
-                    else:
-                        used.append(_reduce.gathered(x, axis, dim, reduce_dtype))
-                ctx = per_layer.LayerContext("manual", axis=axis, reduce_dtype=reduce_dtype, leaves=sliced,
-                                             remat=remat)
-                with per_layer.context(ctx):
-                    value, (state, aux) = canonical(jax.tree_util.tree_unflatten(treedef, used), model_state,
-                                                    batch, key)
-                # This shard's share of the mean of the shard losses.
-                return jnp.asarray(value, jnp.float32) / n, (value, state, aux)
-
-            # The loss scale lives in opt_state (closed over: only its scalars enter the map).
-            (_, (value, state, aux)), grads = value_and_grad(shard_loss, opt_state, has_aux=True)(diff)
-            stack = lambda x: jnp.asarray(x)[None]  # noqa: E731 - one row per shard
-            return (stack(value), jax.tree_util.tree_map(stack, state), jax.tree_util.tree_map(stack, aux),
-                    grads)
-
-        mapped = jax.shard_map(body, mesh=mesh,
-                               in_specs=(fixed_specs, diff_specs, PartitionSpec(), PartitionSpec(axis),
-                                         PartitionSpec()),
-                               out_specs=(PartitionSpec(axis), PartitionSpec(axis), PartitionSpec(axis), diff_specs),
-                               axis_names=frozenset({axis}))
-        losses, states, aux, grads = mapped(fixed, diff, model_state, batch, rng)
-        loss = jnp.mean(jnp.asarray(losses, jnp.float32))
-        if any(jnp.ndim(x) > 1 for x in jax.tree_util.tree_leaves(aux)):
-            # An array in aux may be per-example: the shapes of one abstract evaluation on
-            # the global batch (a trace, no compute) tell which leaves to concatenate.
-            global_aux = jax.eval_shape(lambda p, b, k: canonical(p, model_state, b, k)[1][1], params, batch, rng)
-            aux = _reassemble_aux(aux, global_aux, n)
-        else:
-            aux = jax.tree_util.tree_map(_reduce_aux_leaf, aux)
-        return ((loss, (jax.tree_util.tree_map(_mean_over_shards, states), aux)),
-                jax.tree_util.tree_unflatten(treedef, grads))
-
-    return differentiate

@@ -21,7 +21,7 @@ from jaxmp._collectives import all_reduce_gradients, check_axis_name, check_redu
 from jaxmp._typing import AxisName
 from jaxmp.parallel._checks import check_not_donated, log_once, with_model_state
 from jaxmp.parallel._replication import check_replicated
-from jaxmp._step import make_generic_step
+from jaxmp._step import make_loss_fn_step
 
 _CHECK_MODES = ("first", "always", "never")
 
@@ -154,8 +154,8 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
 
     common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=reduce_loss,
                   with_model_state=model_state, reduce_model_state=reduce_model_state, per_replica_aux=True)
-    body = make_generic_step(loss_fn, tx, with_rng=False, **common)
-    body_rng = make_generic_step(loss_fn, tx, with_rng=True, rng_transform=per_device_key, **common)
+    body = make_loss_fn_step(loss_fn, tx, with_rng=False, **common)
+    body_rng = make_loss_fn_step(loss_fn, tx, with_rng=True, rng_transform=per_device_key, **common)
     pmapped = jax.pmap(body, axis_name=axis_name, devices=devices, donate_argnums=donate_argnums)
     pmapped_rng = jax.pmap(body_rng, axis_name=axis_name, in_axes=(0, 0, 0, None), devices=devices,
                            donate_argnums=donate_argnums)

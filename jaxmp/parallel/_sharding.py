@@ -19,12 +19,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxmp import _loss_view
 from jaxmp._collectives import check_reduce_dtype
 from jaxmp._typing import PyTree
-from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer
+from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer, _shard_step as shard_step
 from jaxmp.parallel._checks import (
     check_divisible, check_not_donated, check_positive_int, leading_size, log_once, with_model_state,
 )
 from jaxmp.parallel._replication import is_pmap_replicated
-from jaxmp._step import make_generic_step
+from jaxmp._step import make_loss_fn_step
 
 
 def make_data_mesh(devices: Sequence[Any] | None = None, axis_name: str = "data") -> Mesh:
@@ -291,11 +291,11 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         p_sh, o_sh = layouts.named_shardings(mesh, p_specs), layouts.named_shardings(mesh, o_specs)
         g_sh = layouts.named_shardings(mesh, g_specs)
         if reduce_dtype is None:
-            wrap_loss = layouts.global_view_loss(mesh, layout, layouts.param_tree_specs(params, param_specs), remat)
+            wrap_loss = shard_step.global_view_loss(mesh, layout, layouts.param_tree_specs(params, param_specs), remat)
             differentiate = None
         else:
             # Each data shard differentiates its own loss and reduces its gradients in one shard_map.
-            wrap_loss, differentiate = None, layouts.per_shard_value_and_grad(mesh, axis, reduce_dtype, layout,
+            wrap_loss, differentiate = None, shard_step.per_shard_value_and_grad(mesh, axis, reduce_dtype, layout,
                                                                               g_specs, remat)
 
         def reduce_grads(grads):
@@ -314,10 +314,10 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
                       with_model_state=model_state, reduce_model_state=identity,
                       wrap_loss=wrap_loss, differentiate=differentiate)
         first = (p_sh, rep) if model_state else p_sh
-        jitted = jax.jit(make_generic_step(loss_fn, tx, with_rng=False, **common),
+        jitted = jax.jit(make_loss_fn_step(loss_fn, tx, with_rng=False, **common),
                          in_shardings=(first, o_sh, data), out_shardings=(first, o_sh, rep),
                          donate_argnums=donate_argnums)
-        jitted_rng = jax.jit(make_generic_step(loss_fn, tx, with_rng=True, **common),
+        jitted_rng = jax.jit(make_loss_fn_step(loss_fn, tx, with_rng=True, **common),
                              in_shardings=(first, o_sh, data, rep), out_shardings=(first, o_sh, rep),
                              donate_argnums=donate_argnums)
         return jitted, jitted_rng, (p_sh, o_sh)

@@ -27,11 +27,11 @@ PACKAGES = ("jaxmp", "benchmarks")
 # The layers of jaxmp, lowest first: a module may import its own layer and the layers below it,
 # never one above. A unit is a top-level module or a subpackage of jaxmp (what the table shows).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("numerics", ("jaxmp._jaxpr", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp._dtypes", "jaxmp._traps",
+    ("numerics", ("jaxmp._effects", "jaxmp._jaxpr", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp._dtypes", "jaxmp._misuse",
                   "jaxmp.fp8", "jaxmp._fold", "jaxmp._blockwise", "jaxmp._keys")),
     ("policies and loss scales", ("jaxmp._policy", "jaxmp._presets", "jaxmp._platform", "jaxmp._skip",
                                   "jaxmp._loss_scale")),
-    ("optax transforms and gradients", ("jaxmp._transform", "jaxmp._opt_state", "jaxmp._grad", "jaxmp.lean", "jaxmp._quantized",
+    ("optax transforms and gradients", ("jaxmp._transform", "jaxmp._state_checks", "jaxmp._opt_state", "jaxmp._grad", "jaxmp.lean", "jaxmp._quantized",
                                         "jaxmp._collectives", "jaxmp._loss_view")),
     ("precision engine", ("jaxmp.engine", "jaxmp.diagnostics")),
     ("train step", ("jaxmp._step",)),

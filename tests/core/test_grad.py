@@ -9,7 +9,7 @@ import pytest
 
 import jaxmp
 from jaxmp._grad import value_and_grad
-from jaxmp._traps import MixedPrecisionWarning
+from jaxmp._misuse import MixedPrecisionWarning
 
 
 def _sq(w):
@@ -79,9 +79,9 @@ def test_scaling_marks_the_states_loss_scale_so_update_does_not_warn():
     tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
     params = {"w": jnp.ones(2)}
     state = tx.init(params)
-    assert not jaxmp._traps.was_scaled(jaxmp.get_loss_scale(state))
+    assert not jaxmp._misuse.was_scaled(jaxmp.get_loss_scale(state))
     _, g = value_and_grad(lambda p: _sq(p["w"]), state)(params)
-    assert jaxmp._traps.was_scaled(jaxmp.get_loss_scale(state))
+    assert jaxmp._misuse.was_scaled(jaxmp.get_loss_scale(state))
     with warnings.catch_warnings():
         warnings.simplefilter("error", MixedPrecisionWarning)
         tx.update(g, state, params)

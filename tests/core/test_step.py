@@ -105,10 +105,10 @@ def test_the_sharded_steps_layout_is_the_value_shard_state_takes():
 
 
 # ---------------------------------------------------------------------------------------------
-# make_step, step_metrics, make_generic_step and the checks, unit by unit.
+# make_step, step_metrics, make_loss_fn_step and the checks, unit by unit.
 
 from jaxmp._step import (StepResult, check_differentiable_params, check_no_model_state_in_aux,  # noqa: E402
-                        make_generic_step, make_step, step_metrics)
+                        make_loss_fn_step, make_step, step_metrics)
 
 
 def _quad(p, s, b, rng):
@@ -188,10 +188,10 @@ def test_the_checks_name_the_offending_leaf_and_the_way_out():
 def _generic(loss_fn, **kw):
     tx = jaxmp.loss_scaling(optax.sgd(0.1), "none")
     kw = {"has_aux": False, "reduce_grads": lambda g: g, "reduce_loss": lambda x: x, "with_rng": False, **kw}
-    return tx, make_generic_step(loss_fn, tx, **kw)
+    return tx, make_loss_fn_step(loss_fn, tx, **kw)
 
 
-def test_make_generic_step_calls_each_loss_signature_as_declared():
+def test_make_loss_fn_step_calls_each_loss_signature_as_declared():
     params = {"w": jnp.ones(2)}
     calls = []
 
@@ -210,7 +210,7 @@ def test_make_generic_step_calls_each_loss_signature_as_declared():
     assert m["aux"] == {"x": 1} and set(m) == STEP_KEYS | {"aux"}
 
 
-def test_make_generic_step_refuses_per_replica_batch_stats_fp8_state_and_integer_params():
+def test_make_loss_fn_step_refuses_per_replica_batch_stats_fp8_state_and_integer_params():
     params = {"w": jnp.ones(2)}
     tx, body = _generic(lambda p, b: (jnp.sum(p["w"]), {"batch_stats": 0}), has_aux=True, per_replica_aux=True)
     with pytest.raises(ValueError, match="batch_stats"):

@@ -103,7 +103,7 @@ def test_the_layering_table_on_the_architecture_page_is_generated_from_the_graph
 # Module-level state that changes after import, allowed here and why. Anything else a module
 # mutates (a module-level name rebound with `global`, updated in place through a mutating
 # method or item assignment, or augmented) fails the test below: state that changes a result
-# belongs to an object the caller holds (traps keeps its evidence on the loss-scale object),
+# belongs to an object the caller holds (misuse keeps its evidence on the loss-scale object),
 # never to the process.
 ALLOWED_MODULE_STATE = {
     # Memos of pure functions: primitive -> kind; (class, rule) -> the generated casting subclass
@@ -122,10 +122,12 @@ ALLOWED_MODULE_STATE = {
     # Log-once de-duplication of INFO messages; no result depends on it.
     ("jaxmp/parallel/_checks.py", "_LOGGED"),
     ("jaxmp/engine/_attention.py", "_LOGGED"),
-    # The once-only installation of attention routing, and the record of the last routing choice
-    # (read by tests and benchmarks); both belong to issue 24's thread-safety work (item 2).
-    ("jaxmp/engine/_attention.py", "_INSTALLED"),
+    # The record of the last attention routing choice (read by tests and benchmarks).
     ("jaxmp/engine/_attention.py", "last_choice"),
+    # The one owner of process-wide effects: what it patched (with the originals) and registered,
+    # each once per process (docs/architecture.md#process-wide-effects).
+    ("jaxmp/_effects.py", "_PATCHED"),
+    ("jaxmp/_effects.py", "_REGISTERED"),
 }
 MUTATORS = {"add", "append", "extend", "insert", "update", "setdefault", "pop", "popitem", "clear", "discard",
             "remove", "__setitem__", "move_to_end"}
@@ -160,8 +162,8 @@ def test_no_process_global_mutable_state_beyond_the_documented_caches():
     found = {(p.relative_to(root).as_posix(), name) for p in sorted((root / "jaxmp").rglob("*.py"))
              for name in _module_state(p)}
     assert found - ALLOWED_MODULE_STATE == set(), "module-level mutable state: keep it on an object the caller holds"
-    # traps in particular: its evidence lives on the loss-scale object, nothing per process.
-    assert not [n for f, n in found if f == "jaxmp/_traps.py"]
+    # misuse in particular: its evidence lives on the loss-scale object, nothing per process.
+    assert not [n for f, n in found if f == "jaxmp/_misuse.py"]
 
 
 @pytest.mark.parametrize("source,names", [

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp._traps import MixedPrecisionWarning
+from jaxmp._misuse import MixedPrecisionWarning
 from jaxmp.diagnostics import compare_to_float32, locate_non_finite, strict_precision
 
 X = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)

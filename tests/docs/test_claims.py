@@ -39,11 +39,11 @@ def test_architecture_statement_about_flax_rules_matches_the_code():
     nn = pytest.importorskip("flax.linen")
     from jaxmp.engine._config import flax_config, resolve_config
     import jaxmp.flax
-    from jaxmp.engine._rules import ModuleRules
+    from jaxmp.engine._module_rules import ModuleRules
 
     text = " ".join(page("architecture.md").read_text().split())
     says_one_system = ("Module rules are one system: both front doors take a `jaxmp.AutocastRules`, whose "
-                       "class and path rules compile to `jaxmp.engine._rules.ModuleRules`") in text
+                       "class and path rules compile to `jaxmp.engine._module_rules.ModuleRules`") in text
     policy = jaxmp.get_policy("O1-bf16")
     flax_rules = flax_config(policy, jaxmp.flax.default_rules("O1")).modules
     autocast_rules = resolve_config("O1-bf16", jaxmp.AutocastRules().with_class(nn.LayerNorm, "float32")).modules

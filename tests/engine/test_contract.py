@@ -507,7 +507,7 @@ def test_the_canary_warns_naming_the_jax_version_on_a_newer_jax(monkeypatch):
 
 def test_building_autocast_functions_starts_the_canary_once(monkeypatch):
     from jaxmp.engine._config import resolve_config
-    from jaxmp.engine._entry import engine_function
+    from jaxmp.engine._autocast_fn import engine_function
 
     calls = []
     monkeypatch.setattr(tested, "is_newer_than_tested", lambda version: True)

@@ -9,7 +9,7 @@ import pytest
 import jaxmp
 from jaxmp.engine._modules import (call_with_rule, cast_output, first_floating_dtype, install_call_hooks,
                                   is_layer_call, module_interceptor)
-from jaxmp.engine._rules import ModuleRule
+from jaxmp.engine._module_rules import ModuleRule
 from jaxmp._jaxpr import walk
 
 F16, BF16, F32 = np.dtype("float16"), np.dtype(jnp.bfloat16), np.dtype("float32")

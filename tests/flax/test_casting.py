@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp.engine._rules import ModuleRule
+from jaxmp.engine._module_rules import ModuleRule
 from jaxmp.flax._casting import cast_by_path, enclosing_float32, is_float32_rule
 
 F32, F64, BF16, F16 = (np.dtype(d) for d in ("float32", "float64", jnp.bfloat16, "float16"))

@@ -464,7 +464,7 @@ def test_overrides_and_autocast_class_rules_are_one_rule_system():
 
     from jaxmp.engine._config import flax_config, resolve_config
     from jaxmp.engine._modules import install_call_hooks
-    from jaxmp.engine._rules import ModuleRules
+    from jaxmp.engine._module_rules import ModuleRules
 
     policy = jaxmp.get_policy("O1-bf16")
     ov = default_rules("O1").with_path("head", "float32").with_class(nn.Embed, jaxmp.get_policy("f32"))

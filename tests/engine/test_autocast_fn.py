@@ -1,4 +1,4 @@
-"""jaxmp/engine/_entry.py: the two public ways to build an engine function, autocast and engine_function."""
+"""jaxmp/engine/_autocast_fn.py: the two public ways to build an engine function, autocast and engine_function."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 import jaxmp
 from jaxmp.engine import _contract as contract
 from jaxmp.engine._config import resolve_config
-from jaxmp.engine._entry import autocast, engine_function
+from jaxmp.engine._autocast_fn import autocast, engine_function
 
 W, X = jnp.ones((3, 2)), jnp.ones((1, 3))
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp import _jaxpr
+from jaxmp import _effects, _jaxpr
 
 
 class MixedPrecisionWarning(UserWarning):
@@ -121,12 +121,12 @@ def note_scaled(loss_scale: Any) -> None:
     """Marks ``loss_scale`` (a loss-scale object) as having multiplied a loss (``LossScale.scale``)."""
     _SCALES.set(_SCALES.get() + 1)
     if hasattr(loss_scale, "scaled_mark"):
-        object.__setattr__(loss_scale, "scaled_mark", SCALED)
+        _effects.set_mark(loss_scale, "scaled_mark", SCALED)
         # A pure copy of a state kept in mutable variables (jaxmp.flax.nnx.optimizer_state) links to
         # the stored loss scale, which the optimizer's own update rebuilds its state from.
         stored = getattr(loss_scale, "_jaxmp_stored", None)
         if stored is not None and hasattr(stored, "scaled_mark"):
-            object.__setattr__(stored, "scaled_mark", SCALED)
+            _effects.set_mark(stored, "scaled_mark", SCALED)
 
 
 def was_scaled(loss_scale: Any) -> bool:

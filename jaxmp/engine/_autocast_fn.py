@@ -1,4 +1,4 @@
-"""The engine's public entry points: [`autocast`][jaxmp.autocast] and `jaxmp.engine._entry.engine_function`.
+"""The engine's public entry points: [`autocast`][jaxmp.autocast] and `jaxmp.engine._autocast_fn.engine_function`.
 
 Both build an engine function (`jaxmp.engine._build`); the first one built on a JAX newer than every
 tested one runs the canary of `jaxmp.engine._contract`. See docs/autocast.md#tracing-and-caching.
