@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import textwrap
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -324,7 +325,9 @@ def with_param_scope(fn: Callable, args: Sequence[Any], path: str, name: str) ->
         if mine and eqn.primitive.name in _CARRIES_PARAM:
             reads.update(eqn.outvars)
         ins = list(dict.fromkeys(v for v in eqn.invars if not is_literal(v)))
-        plan.append((jcore.Jaxpr([], ins, list(eqn.outvars), [eqn]), ins, mine))
+        with warnings.catch_warnings():  # a one-op program needs no debug info (JAX asks for it)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            plan.append((jcore.Jaxpr([], ins, list(eqn.outvars), [eqn]), ins, mine))
 
     def scoped(*a):
         env = dict(zip(jaxpr.constvars, closed.consts))

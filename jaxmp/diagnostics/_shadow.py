@@ -261,6 +261,8 @@ class ShadowReport:
             return f"verdict: no verdict: {what} {self.error:.3g}"
         head = "nothing to fix (within rounding noise)" if self.within_noise else "ALARM: beyond rounding noise"
         sign = "<=" if self.within_noise else ">"
+        if self.noise == 0:
+            return f"verdict: {head}: {what} {self.error:.3g} {sign} threshold 0: {self.noise_formula}"
         return (f"verdict: {head}: {what} {self.error:.3g} {sign} threshold {self.threshold:.3g} = "
                 f"{NOISE_MARGIN:g} x {self.noise:.3g}, {self.noise_formula}")
 

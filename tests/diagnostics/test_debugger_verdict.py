@@ -88,8 +88,9 @@ def test_a_float32_function_without_a_policy_has_nothing_to_fix():
     loss, p, x, y = _schedule(scoped=True)
     rep = compare_to_float32(loss, p, x, y)
     assert rep.loss_error == 0 and rep.noise == 0 and rep.threshold == 0 and rep.within_noise and rep.clean()
-    assert rep.fix is None and "fix" not in str(rep), rep
-    assert str(rep).startswith("verdict: nothing to fix") and "no op computes in half precision" in str(rep)
+    assert rep.fix is None and "fix" not in str(rep).split("\n", 1)[1], rep
+    assert str(rep).startswith("verdict: nothing to fix") and "no op computes in half precision" in " ".join(
+        str(rep).split())
 
 
 @pytest.mark.slow  # ~5 s on a shared 2-core CPU: one instrumented program, four noisy runs of it
@@ -124,17 +125,15 @@ def test_plain_jax_fix_is_a_named_scope_measured_and_the_pasted_code_closes_the_
     assert fix.measured and fix.gap_closed >= 0.9 and "suggested fix" in str(rep), fix
     assert "jax.named_scope('bs')" in fix.code and "with_scope('bs', \"float32\")" in fix.code, fix.code
     assert "your_model" not in fix.code and "with_class" not in fix.code
-    ns = {"jaxmp": jaxmp, "fn": None}
-    exec(compile(fix.code, "fix", "exec"), ns)  # the code as printed, pasted (fn is set below)
-    scoped, _, _, _ = _schedule(scoped=True)
-
     def with_scope(p, x, y):  # the user's loss, the lines that use params['bs'] in the scope
         with jax.named_scope("bs"):
             gamma = jnp.tanh(x @ p["w1"]) @ p["ws"] + p["bs"]
         out = jnp.tanh(x @ p["w1"]) @ p["w2"]
         return jnp.mean((out * jnp.exp(gamma - 13.0) - y) ** 2)
 
-    fixed = jaxmp.autocast(with_scope, "O2-bf16", rules=ns["rules"])
+    ns = {"jaxmp": jaxmp, "fn": with_scope}
+    exec(compile(fix.code, "fix", "exec"), ns)  # the code as printed, pasted
+    fixed = ns["fn"]
     tx = optax.adam(2e-3)
     ref = train(jax.value_and_grad(loss), p, (x, y), 50, tx)[1][-1]
     before = train(jax.value_and_grad(jaxmp.autocast(loss, "O2-bf16")), p, (x, y), 50, tx)[1][-1]
