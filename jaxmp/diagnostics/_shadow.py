@@ -79,18 +79,20 @@ def _shadow_bind(eqn, xs: list) -> list:
     return [_up(o) for o in bind(eqn, args)]
 
 
-def _hash_uniform(shape, seed, salt: int):
-    """Pseudo-random ``uniform(-1, 1)`` of ``shape``, from element index, ``seed`` and ``salt``.
+def _noisy_site(site: Site) -> bool:
+    """A forward op that rounds to half (not an exact move or selection): noise goes on its result."""
+    return site.half and not site.backward and site.primitive not in _EXACT
 
-    A few elementwise ops (the classic ``fract(sin(i * a + b) * c)`` hash) rather than
-    ``jax.random``: the noise runs one per rounding op of the program, and a random-bits hash
-    per op would cost about 0.1 s of compile time each. The noise only needs to be unbiased and
-    uncorrelated between ops, elements and seeds.
-    """
+
+def _window(buf, shape, salt: int):
+    """A window of the factor buffer ``buf`` (``1 + scale * uniform(-1, 1)``, drawn on the host),
+    shaped ``shape``, at an offset set by ``salt`` (the site): one slice per op, not a random-number
+    program per op (at the debugger's fast compile each costs about 0.1 s of compile time)."""
     n = int(np.prod(shape)) if shape else 1
-    i = jax.lax.iota(jnp.float32, n).reshape(shape)
-    v = jnp.sin(i * 12.9898 + seed * 78.233 + (salt % 997) * 0.3719 + 0.5) * 43758.5453
-    return 2.0 * (v - jnp.floor(v)) - 1.0
+    if n > buf.shape[0]:  # not a result the buffer was sized for: no noise on it
+        return jnp.ones(shape, buf.dtype)
+    at = (salt * 7919) % (buf.shape[0] - n + 1)
+    return jax.lax.slice(buf, (at,), (at + n,)).reshape(shape)
 
 
 class _Shadow(Hooks):
@@ -124,9 +126,8 @@ class _Shadow(Hooks):
         if self.attribute and self.t is not None and site.half and not site.backward \
                 and site.primitive not in _EXACT:
             s_out[k] = s_out[k] + self.t[site.index] * jax.lax.stop_gradient(self._rounding(eqn, ss, k))
-        if self.noise is not None and site.half and not site.backward and site.primitive not in _EXACT:
-            scale, seed = self.noise
-            s_out[k] = s_out[k] * (1 + scale * _hash_uniform(jnp.shape(s_out[k]), seed, site.index))
+        if self.noise is not None and _noisy_site(site):
+            s_out[k] = s_out[k] * _window(self.noise, jnp.shape(s_out[k]), site.index)
         if self.record:
             self._frame.append((site.index, p_out[k], s_out[k]))
         return list(zip(p_out, s_out)), state
@@ -363,9 +364,13 @@ class _Program:
         self.attribute = attribute
         n = len(self.sites)
 
+        # The noise buffer: twice the largest result that gets noise, so windows differ per op.
+        self.noise_len = 2 * max([int(np.prod(v.aval.shape)) for s in self.sites.sites if _noisy_site(s)
+                                  for v in s.eqn.outvars if hasattr(getattr(v, "aval", None), "shape")] or [0]) + 1
+
         def both(t, noise, consts, leaves):
             hooks = _Shadow(n, attribute)
-            hooks.t, hooks.noise = t, (noise[0], noise[1])
+            hooks.t, hooks.noise = t, noise
             lifted = [hooks.lift(x, None) for x in leaves]
             outs, errs = evaluate(self.closed.jaxpr, [hooks.lift(c, None) for c in consts], lifted,
                                   jnp.zeros(n, jnp.float32), hooks, self.sites)
@@ -392,13 +397,14 @@ class _Program:
 
     def prepare(self, args) -> None:
         """Starts compiling the analysis for inputs shaped as ``args`` in the background (see `run`)."""
-        self.analyse.prepare(np.zeros(len(self.sites), np.float32), np.zeros(2, np.float32),
+        self.analyse.prepare(np.zeros(len(self.sites), np.float32), np.ones(self.noise_len, np.float32),
                              list(self.closed.consts), jax.tree_util.tree_leaves(tuple(args)))
 
     def run(self, args):
         leaves = jax.tree_util.tree_leaves(tuple(args))
         t = np.zeros(len(self.sites), np.float32)
-        (_, (p, s, errs)), contrib = self.analyse(t, np.zeros(2, np.float32), list(self.closed.consts), leaves)
+        (_, (p, s, errs)), contrib = self.analyse(t, np.ones(self.noise_len, np.float32), list(self.closed.consts),
+                                                  leaves)
         return p, s, np.asarray(errs), np.asarray(contrib)
 
     def noise(self, args, scale: float, seed: int):
@@ -406,7 +412,8 @@ class _Program:
         ``1 + scale * uniform(-1, 1)``: the policy run's roundings as random noise, same program."""
         leaves = jax.tree_util.tree_leaves(tuple(args))
         t = np.zeros(len(self.sites), np.float32)
-        (_, (_, s, _)), _ = self.analyse(t, np.array([scale, seed], np.float32), list(self.closed.consts), leaves)
+        u = np.random.default_rng(seed).uniform(-1.0, 1.0, self.noise_len)
+        (_, (_, s, _)), _ = self.analyse(t, (1.0 + scale * u).astype(np.float32), list(self.closed.consts), leaves)
         return s
 
     def shadow_outputs(self, args):
