@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import textwrap
 import warnings
 from typing import Any, Callable, Sequence
@@ -180,8 +181,11 @@ def module_class_at(root: Any, path: str) -> type | None:
 def door_path(path: str) -> str:
     """``path`` relative to the model the Flax door wraps (Linen scopes start with the root's class)."""
     parts = path.split("/")
-    if len(parts) > 1 and parts[0][:1].isupper():
+    if len(parts) > 1 and parts[0].lstrip("_")[:1].isupper():
         parts = parts[1:]
+    # A trailing class scope (the door's per-call ``Dense``; Linen's instance names end in ``_N``)
+    while len(parts) > 1 and re.fullmatch(r"_?[A-Z]\w*", parts[-1]) and not re.search(r"_\d+$", parts[-1]):
+        parts = parts[:-1]
     return "/".join(parts)
 
 

@@ -474,7 +474,7 @@ def test_flax_door_fix_is_a_path_rule_that_closes_the_gap():
     # one step of the narrowed bias is within rounding noise (no fix); 50 steps are an alarm
     rep = compare_to_float32(door_loss, v, x, y, steps=50, optimizer=optax.adam(2e-3))
     assert not rep.within_noise and "untested fix" in str(rep), rep
-    assert rep.top.path.endswith("sched"), rep
+    assert "sched" in rep.top.path.split("/"), rep
     assert "with_path('sched', \"float32\")" in rep.fix.code, rep.fix.code
     ns = {"jaxmp": jaxmp, "model": net, "policy": "O2-bf16"}
     exec(compile(rep.fix.code, "fix", "exec"), ns)
@@ -496,7 +496,7 @@ def test_cast_to_compute_fix_leaves_the_module_out_of_the_casts_and_closes_the_g
         return jnp.mean((policy.cast_to_output(out) - y) ** 2)
 
     rep = compare_to_float32(cast_loss, v, x, y, steps=50, optimizer=optax.adam(2e-3))
-    assert rep.top.path.endswith("sched") and not rep.within_noise, rep
+    assert "sched" in rep.top.path.split("/") and not rep.within_noise, rep
     assert "half['params']['sched'] = params['params']['sched']" in rep.fix.code, rep.fix.code
 
     def fixed_loss(params, x, y):  # the suggestion, as the comment spells it
