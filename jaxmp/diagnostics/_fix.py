@@ -224,7 +224,7 @@ def _own_precision_code(path: str, params: Any = None) -> str:
 
 def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_error: float, loss_float32: float,
                 steps: int, tx: Any, scoped: bool = True, meanwhile: Callable[[], Any] | None = None,
-                rules: Any = None) -> Fix:
+                rules: Any = None, paths: Sequence[str] = ()) -> Fix:
     """The override keeping module ``path`` in float32, measured when ``policy`` is an autocast policy.
 
     Under ``jaxmp.autocast`` the override is a scope rule for the module's name-stack component,
@@ -246,6 +246,8 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
         the caller that can overlap it), before its result is awaited; not called when the fix
         is written but not measured.
       rules: the user's `jaxmp.AutocastRules` the comparison ran with (None: the policy's).
+      paths: every module path of the program: a scope rule matches the name in each of them
+        (Linen's ``Conv_0`` in every block), which the code then says.
 
     Returns:
       A `Fix`.
@@ -264,6 +266,12 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     if scoped:
         fixed_rules = rules.with_scope(component, "float32")
         code = rules_code(rules, component) + call
+        others = sorted({p for p in paths if p != path and component in p.split("/")})
+        if others:  # measured as printed: the rule keeps them all in float32
+            more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+            note = (f"# with_scope({component!r}) matches that name in every module: it also keeps "
+                    f"{', '.join(map(repr, others[:3]))}{more} in float32")
+            code = "\n".join(textwrap.wrap(note, _FIT, subsequent_indent="# ")) + "\n" + code
     elif cls is None:
         # Plain JAX (or NNX state, Equinox leaves): no scope and no module object. The user puts
         # the ops that read the parameters in a named scope; measured here by running ``fn``

@@ -790,5 +790,6 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
     if fix and has_loss and mods and mods[0].path and np.isfinite(loss) and not report.within_noise:
         scoped = any(site.path == mods[0].path and not site.from_param for site in prog.sites.sites)
         report = dataclasses.replace(report, fix=suggest_fix(fn, args, policy, mods[0].path, report.loss_error,
-                                                             report.loss_float32, steps, tx, scoped, rules=rules))
+                                                             report.loss_float32, steps, tx, scoped, rules=rules,
+                                                             paths=[m.path for m in mods]))
     return dataclasses.replace(report, seconds=time.perf_counter() - t0)

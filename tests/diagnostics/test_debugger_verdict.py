@@ -80,6 +80,27 @@ def test_module_paths_fold_at_slashes_never_mid_name():
         assert name in text, (name, text)  # whole on one line
 
 
+def test_a_scope_rule_says_which_other_modules_share_its_name():
+    """Linen names Conv_0 in every block: with_scope('Conv_0') keeps them all in float32, and
+    the fix (measured with exactly that rule) says so instead of naming one module."""
+    from jaxmp.diagnostics._fix import suggest_fix
+
+    def f(p, x):
+        for blk, w in (("blk0", "a"), ("blk1", "b")):
+            with jax.named_scope(blk), jax.named_scope("Conv_0"):
+                x = jnp.tanh(x @ p[w])
+        return jnp.mean(x)
+
+    p = {"a": np.full((4, 4), 0.5, np.float32), "b": np.full((4, 4), 0.5, np.float32)}
+    fix = suggest_fix(f, (p, np.ones((2, 4), np.float32)), "O1-bf16", "blk0/Conv_0", 0.1, 1.0, 0, None,
+                      paths=["blk0/Conv_0", "blk1/Conv_0", "(top level)"])
+    assert "it also keeps # 'blk1/Conv_0' in float32" in " ".join(fix.code.split()), fix.code
+    assert fix.matmul_flops_leaving_half == 1.0  # both blocks' matmuls leave half: the rule as measured
+    ns = {"jaxmp": jaxmp, "fn": f}
+    exec(compile(fix.code, "fix", "exec"), ns)
+    assert ns["rules"].scope_rules == (("Conv_0", "float32"),)
+
+
 # ---- the verdict on real runs ----
 
 @pytest.mark.slow  # ~3 s on a shared 2-core CPU: one instrumented program
