@@ -207,12 +207,12 @@ class ShadowReport:
       ops: per-op rows ``(site, relative error, impact)`` when ``per_op=True``, else ().
       steps: optimizer steps both runs took before the comparison (0: one step).
       losses, losses_float32: the loss at each of those steps (policy, float32).
-      fix: the `Fix` for the top offender, or None.
+      fix: the `Fix` for the top offender, measured, under an alarm only (None within noise).
       seconds: wall time of the comparison.
       policy: the policy it ran under (str), or None when ``fn`` runs its own precision.
       noise_floor: for ``steps=k``, the `drift` of float32 runs whose gradients get, at every
-        step, random noise as large as the policy run's gradient error on the first step (the
-        largest of `NOISE_RUNS` seeds): how far noise of the policy's size, without its bias,
+        step, random noise as large as the policy run's gradient error on the first step (the larger
+        of the two twins' drifts): how far noise of the policy's size, without its bias,
         moves training in ``k`` steps (NaN for one step).
       drift: for ``steps=k``, the relative gap of the policy run's mean loss to the float32
         shadow's over the last half of the steps (``k//2 .. k``, the loss after the last step
@@ -680,11 +680,13 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
       optimizer: the optax transformation for ``steps`` (default ``optax.adam(1e-3)``).
       per_op: also list every op with its error and loss impact.
       grad: compare gradients too (w.r.t. ``args[0]``). None: when ``fn`` returns a scalar loss.
-      fix: for the top offender, write the override and measure it (under ``policy``).
+      fix: under an alarm, write the override for the top offender and measure it (under
+        ``policy``); printed only when it closes part of the gap (else "tried: ... made it worse").
       rules: `jaxmp.AutocastRules` for ``jaxmp.autocast`` (with ``policy``); the fix adds to them.
 
     Returns:
-      A `ShadowReport` (``str()`` is the ranked table, the jump marked, and the fix).
+      A `ShadowReport`: ``str()`` starts with the verdict (nothing to fix, or an alarm, with its
+      threshold and formula), then the ranked table and, under an alarm, the jump and the fix.
 
     Raises:
       TypeError: ``fn`` is not callable or given no inputs, ``steps > 0`` without a scalar loss,
