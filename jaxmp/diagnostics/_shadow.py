@@ -21,25 +21,20 @@ from jaxmp.engine._seams import internals
 from jaxmp.engine._seams import COMBINER_OPS
 from jaxmp.diagnostics._fix import Fix, apply_updates, suggest_fix
 from jaxmp.diagnostics._inputs import scaled_like_the_step
-from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths,
-                                         trace)
+from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths, trace
+from jaxmp.diagnostics._noise import NOISE_MARGIN, NOISE_SEEDS  # noqa: F401 - NOISE_SEEDS: documented here
+from jaxmp.diagnostics._noise import EXACT as _EXACT
+from jaxmp.diagnostics._noise import drift as _drift
+from jaxmp.diagnostics._noise import gradient_errors as _gradient_errors
+from jaxmp.diagnostics._noise import noisy_site as _noisy_site
+from jaxmp.diagnostics._noise import one_step_noise as _one_step_noise
+from jaxmp.diagnostics._noise import relerr as _relerr
+from jaxmp.diagnostics._noise import window as _window
 
 if TYPE_CHECKING:  # optax is imported where it is used: the report alone does not need it
     import optax
 
 _F32 = np.dtype(np.float32)
-#: An error up to this multiple of the rounding noise is not an alarm (see `ShadowReport.verdict`).
-NOISE_MARGIN = 3.0
-#: Noisy float32 runs the one-step verdict measures its rounding noise with.
-NOISE_SEEDS = 4
-#: Ops that move or select values: exact in any dtype, they add no rounding of their own.
-_EXACT = frozenset({
-    "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "dynamic_slice",
-    "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "copy", "copy_p", "select_n", "max", "min",
-    "neg", "abs", "sign", "reduce_max", "reduce_min", "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge",
-    "stop_gradient", "sharding_constraint", "iota", "floor", "ceil", "round", "is_finite", "clamp",
-    "cummax", "cummin", "sort", "split", "pvary", "optimization_barrier", "name",
-})
 
 
 def _floating(x) -> bool:
@@ -77,22 +72,6 @@ def _shadow_bind(eqn, xs: list) -> list:
     args = [x.astype(d) if _floating(x) and d is not None and _format.is_floating(d) else x
             for x, d in zip(xs, traced)]
     return [_up(o) for o in bind(eqn, args)]
-
-
-def _noisy_site(site: Site) -> bool:
-    """A forward op that rounds to half (not an exact move or selection): noise goes on its result."""
-    return site.half and not site.backward and site.primitive not in _EXACT
-
-
-def _window(buf, shape, salt: int):
-    """A window of the factor buffer ``buf`` (``1 + scale * uniform(-1, 1)``, drawn on the host),
-    shaped ``shape``, at an offset set by ``salt`` (the site): one slice per op, not a random-number
-    program per op (at the debugger's fast compile each costs about 0.1 s of compile time)."""
-    n = int(np.prod(shape)) if shape else 1
-    if n > buf.shape[0]:  # not a result the buffer was sized for: no noise on it
-        return jnp.ones(shape, buf.dtype)
-    at = (salt * 7919) % (buf.shape[0] - n + 1)
-    return jax.lax.slice(buf, (at,), (at + n,)).reshape(shape)
 
 
 class _Shadow(Hooks):
@@ -420,45 +399,6 @@ class _Program:
         return self.shadow(list(self.closed.consts), jax.tree_util.tree_leaves(tuple(args)))
 
 
-def _gradient_errors(g_tree) -> tuple[tuple[str, float], ...]:
-    """Per gradient leaf ``(path, RMS(policy - float32) / RMS(whole float32 gradient))``, largest first.
-
-    Normalised by the whole gradient, not the leaf: the relative error of a near-zero gradient
-    (a BatchNorm scale at init) is large and harmless, and must not rank as an alarm.
-    """
-    rows = [(jax.tree_util.keystr(path), np.asarray(a, np.float64), np.asarray(b, np.float64))
-            for path, (a, b) in jax.tree_util.tree_leaves_with_path(g_tree, is_leaf=lambda x: isinstance(x, tuple))]
-    n = sum(b.size for _, _, b in rows)
-    rms = float(np.sqrt(sum(float(np.sum(np.square(b))) for _, _, b in rows) / max(n, 1)))
-    out = []
-    for path, a, b in rows:
-        e = float(np.sqrt(np.mean(np.square(a - b)))) if b.size else 0.0
-        out.append((path, e / rms if rms > 0 else e))
-    return tuple(sorted(out, key=lambda r: -r[1]))
-
-
-def _one_step_noise(prog: "_Program", args, ref, half) -> tuple[float, str]:
-    """The one-step rounding noise: RMS relative change of the float32 shadow's first output over
-    `NOISE_SEEDS` runs whose half ops' results are perturbed by up to half an ulp of ``half``."""
-    if half is None:
-        return 0.0, "no op computes in half precision (the policy run is the float32 run)"
-    rel = float(jnp.finfo(half).eps) / 2
-    runs = [prog.noise(args, rel, i + 1) for i in range(NOISE_SEEDS)]  # dispatched, then read
-    changes = [_relerr(r[0], ref) for r in runs]
-    rms = float(np.sqrt(np.mean(np.square(changes))))
-    bits = int(round(-np.log2(rel)))
-    what = "loss" if np.shape(ref) == () else "first output"
-    return rms, (f"the RMS relative change of the float32 {what} over {NOISE_SEEDS} runs whose half-precision "
-                 f"ops' results are perturbed by up to half a {_format.short_dtype(half)} ulp (2**-{bits})")
-
-
-def _relerr(p, s) -> float:
-    p, s = np.asarray(p, np.float64), np.asarray(s, np.float64)
-    den = np.linalg.norm(s)
-    num = np.linalg.norm(p - s)
-    return float(num / den) if den > 0 else float(num)
-
-
 def _modules(sites: Sites, errs, contrib, total: float) -> list[ModuleError]:
     by: dict[str, dict] = {}
     for site in sites.sites:
@@ -499,21 +439,6 @@ def _half_dtype(sites: Sites):
 def _dtypes_of(eqn) -> list:
     return [a.aval.dtype for a in (*eqn.invars, *eqn.outvars)
             if getattr(getattr(a, "aval", None), "dtype", None) is not None and _floating(a.aval)]
-
-
-def _drift(run, ref) -> float:
-    """The relative gap of ``run``'s mean loss to ``ref``'s over the last half of training.
-
-    ``run``, ``ref``: ``[k+1]`` loss trajectories (index ``k``: after the last step). The mean
-    over steps ``k//2 .. k`` rather than the last loss: a run that overfits a batch at a high
-    learning rate oscillates from step to step, and one step's loss says more about the phase
-    of the oscillation than about the precision.
-    """
-    run, ref = np.asarray(run, np.float64), np.asarray(ref, np.float64)
-    h = (len(ref) - 1) // 2
-    base = float(np.mean(ref[h:]))
-    gap = abs(float(np.mean(run[h:])) - base) / max(abs(base), 1e-30)
-    return gap if np.isfinite(gap) else float("inf")
 
 
 def _leaf_relerr(a, b):
