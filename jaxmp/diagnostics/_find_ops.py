@@ -405,7 +405,10 @@ def _narrowed(eqn, ctx: _Ctx, col: _Collector, producers) -> list[RiskyOp]:
         if value is not None:
             mag = float(np.max(np.abs(np.asarray(value, np.float64)))) if np.size(value) else 0.0
             ulp = float(2.0 ** (np.floor(np.log2(mag)) - (_nmant(out_dtype)))) if mag else 0.0
-            size = f"|x| up to {mag:.4g}, where the {d} ulp is {ulp:.3g}: a change smaller than {ulp / 2:.3g} is lost"
+            size = (f"|x| up to {mag:.4g}, where the {d} ulp is {ulp:.3g}: a change smaller than {ulp / 2:.3g} is lost"
+                    if mag else  # all zeros (a zero-initialised bias): no ulp to quote yet
+                    f"it holds zeros now; once it moves, its {d} ulp is 2**-{_nmant(out_dtype)} of its magnitude "
+                    "and a change smaller than half of that is lost")
         else:
             size = f"its {d} ulp is 2**-{_nmant(out_dtype)} of its magnitude"
         out.append(RiskyOp(

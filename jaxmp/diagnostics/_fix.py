@@ -7,8 +7,11 @@ but not applied. See docs/debugging.md#the-fix-written-and-measured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
 import textwrap
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -43,8 +46,18 @@ class Fix:
     matmul_flops_leaving_half: float = float("nan")
     measured: bool = False
 
+    @property
+    def closes(self) -> bool:
+        """Measured, and it closes part of the gap (only then is it suggested)."""
+        return self.measured and bool(self.gap_closed > 0)
+
     def __str__(self) -> str:
-        lines = [f"suggested fix: keep {self.path!r} in float32", "    " + self.code.replace("\n", "\n    ")]
+        if self.measured and not self.closes:
+            # Never prescribed: a fix measured worse is reported as tried, without its code.
+            return _format.wrap(f"tried: keeping {self.path!r} in float32 made it worse: loss error vs float32 "
+                                f"{self.error_before:.3g} -> {self.error_after:.3g}; no fix to suggest")
+        title = "suggested fix" if self.measured else "untested fix"
+        lines = [f"{title}: keep {self.path!r} in float32", "    " + self.code.replace("\n", "\n    ")]
         if self.measured:
             lines.append(f"  measured: loss error vs float32 {self.error_before:.3g} -> {self.error_after:.3g} "
                          f"({_format.fmt_pct(self.gap_closed)} of the gap closed); "
@@ -168,8 +181,11 @@ def module_class_at(root: Any, path: str) -> type | None:
 def door_path(path: str) -> str:
     """``path`` relative to the model the Flax door wraps (Linen scopes start with the root's class)."""
     parts = path.split("/")
-    if len(parts) > 1 and parts[0][:1].isupper():
+    if len(parts) > 1 and parts[0].lstrip("_")[:1].isupper():
         parts = parts[1:]
+    # A trailing class scope (the door's per-call ``Dense``; Linen's instance names end in ``_N``)
+    while len(parts) > 1 and re.fullmatch(r"_?[A-Z]\w*", parts[-1]) and not re.search(r"_\d+$", parts[-1]):
+        parts = parts[:-1]
     return "/".join(parts)
 
 
@@ -208,7 +224,7 @@ def _own_precision_code(path: str, params: Any = None) -> str:
 
 def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_error: float, loss_float32: float,
                 steps: int, tx: Any, scoped: bool = True, meanwhile: Callable[[], Any] | None = None,
-                rules: Any = None) -> Fix:
+                rules: Any = None, paths: Sequence[str] = ()) -> Fix:
     """The override keeping module ``path`` in float32, measured when ``policy`` is an autocast policy.
 
     Under ``jaxmp.autocast`` the override is a scope rule for the module's name-stack component,
@@ -230,6 +246,8 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
         the caller that can overlap it), before its result is awaited; not called when the fix
         is written but not measured.
       rules: the user's `jaxmp.AutocastRules` the comparison ran with (None: the policy's).
+      paths: every module path of the program: a scope rule matches the name in each of them
+        (Linen's ``Conv_0`` in every block), which the code then says.
 
     Returns:
       A `Fix`.
@@ -243,21 +261,38 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     # promote=None: the code passes the same policy, which gives the preset's promotion back
     rules = dataclasses.replace(resolve_config(policy, None).rules, promote=None) if rules is None else rules
     call = f"\nfn = jaxmp.autocast(fn, {str(policy)!r}, rules=rules)"
+    target = fn
+    cls = None if scoped else module_class_at(args[0], path)
     if scoped:
         fixed_rules = rules.with_scope(component, "float32")
         code = rules_code(rules, component) + call
+        others = sorted({p for p in paths if p != path and component in p.split("/")})
+        if others:  # measured as printed: the rule keeps them all in float32
+            more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+            note = (f"# with_scope({component!r}) matches that name in every module: it also keeps "
+                    f"{', '.join(map(repr, others[:3]))}{more} in float32")
+            code = "\n".join(textwrap.wrap(note, _FIT, subsequent_indent="# ")) + "\n" + code
+    elif cls is None:
+        # Plain JAX (or NNX state, Equinox leaves): no scope and no module object. The user puts
+        # the ops that read the parameters in a named scope; measured here by running ``fn``
+        # with exactly those ops in that scope (`with_param_scope`).
+        where = param_prefix(args[0], path)
+        fixed_rules = rules.with_scope(component, "float32")
+        target = with_param_scope(fn, args, path, component)
+        code = "\n".join([
+            f"# the ops that read params{where} carry no name scope: put them in one,",
+            f"#     with jax.named_scope({component!r}):",
+            f"#         ...  # the lines that use params{where}",
+            "# and keep it in float32 (or decorate those lines' function with",
+            "# @jaxmp.float32_region):",
+            rules_code(rules, component)]) + call
     else:
-        cls = module_class_at(args[0], path)
-        if cls is None:  # NNX state or Equinox leaves: no module object to name a class from
-            return Fix(path, "# NNX/Equinox modules carry no name scope: a class rule for its class:\n"
-                       + rules_code(rules, component, _Placeholder) + call + "\n"
-                       + _own_precision_code(path, args[0]))
         fixed_rules = rules.with_class(cls, "float32")
         note = (f"# {path!r} emits no name scope (NNX, Equinox): a class rule, every {cls.__name__} "
                 "in float32")
         code = "\n".join(textwrap.wrap(note, _FIT, subsequent_indent="# ")) + "\n" \
             + rules_code(rules, component, cls) + call
-    fixed = autocast(fn, policy, rules=fixed_rules)
+    fixed = autocast(target, policy, rules=fixed_rules)
     # The fixed run's program compiles in the background while the FLOP counts trace.
     if steps:
         step = train_step(jax.value_and_grad(fixed), tx)
@@ -280,8 +315,39 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
                                matmul_flops_leaving_half=leaving, measured=True)
 
 
-class _Placeholder:
-    """Spelled in code where the module's class could not be found: the user names it."""
+def with_param_scope(fn: Callable, args: Sequence[Any], path: str, name: str) -> Callable:
+    """``fn`` with the ops that read module ``path``'s parameters inside ``jax.named_scope(name)``.
 
-    __module__ = "your_model"
-    __qualname__ = "TheModuleClass"
+    What a user does to plain JAX code to give those ops a scope a rule can match, done on
+    ``fn``'s program: the top-level ops that read a parameter whose key path names ``path``
+    (and the casts, reshapes and broadcasts of it, as `Sites` names them) are re-bound inside the
+    scope; every op keeps its own name stack.
+    """
+    from jax.extend import core as jcore
+
+    from jaxmp._jaxpr import is_literal
+    from jaxmp.diagnostics._evaluate import _CARRIES_PARAM, leaf_paths, module_of
+
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    jaxpr, out_tree = closed.jaxpr, jax.tree_util.tree_structure(shapes)
+    reads = {v for v, p in zip(jaxpr.invars, leaf_paths(args, {})) if module_of(p) == path}
+    plan = []
+    for eqn in jaxpr.eqns:
+        mine = any(not is_literal(v) and v in reads for v in eqn.invars)
+        if mine and eqn.primitive.name in _CARRIES_PARAM:
+            reads.update(eqn.outvars)
+        ins = list(dict.fromkeys(v for v in eqn.invars if not is_literal(v)))
+        with warnings.catch_warnings():  # a one-op program needs no debug info (JAX asks for it)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            plan.append((jcore.Jaxpr([], ins, list(eqn.outvars), [eqn]), ins, mine))
+
+    def scoped(*a):
+        env = dict(zip(jaxpr.constvars, closed.consts))
+        env.update(zip(jaxpr.invars, jax.tree_util.tree_leaves(tuple(a))))
+        for one, ins, mine in plan:
+            with jax.named_scope(name) if mine else contextlib.nullcontext():
+                outs = jax.core.eval_jaxpr(one, [], *[env[v] for v in ins])
+            env.update(zip(one.outvars, outs))
+        return jax.tree_util.tree_unflatten(out_tree, [v.val if is_literal(v) else env[v] for v in jaxpr.outvars])
+
+    return scoped

@@ -115,6 +115,29 @@ def wrap(text: str, width: int = WIDTH, hang: int = 4) -> str:
     return "\n".join(out)
 
 
+def fold_path(path: str, width: int) -> str:
+    """``path`` broken into lines of at most ``width`` at ``/`` (never inside a name).
+
+    A table cell holding the result wraps at its line breaks, not mid-token; a single name
+    longer than ``width`` stays whole on its line.
+
+    Args:
+      path: a module or parameter path, e.g. ``"ResNet/Block_0/Conv_1"``.
+      width: the longest line wanted.
+
+    Returns:
+      The path with ``"\\n"`` after some of its ``/``.
+    """
+    parts = [p + "/" for p in path.split("/")]
+    parts[-1] = parts[-1][:-1]
+    lines = [""]
+    for part in parts:
+        if lines[-1] and len(lines[-1]) + len(part) > width:
+            lines.append("")
+        lines[-1] += part
+    return "\n".join(lines)
+
+
 def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
                  footer: str | None = None, width: int = 160) -> str:
     """Returns a table as text: rich's box table if rich is installed, else plain columns.
@@ -138,6 +161,7 @@ def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
         return _plain_table(title, headers, rows, footer, width)
     table = Table(title=title, show_lines=False, title_justify="left")
     for h in headers:
+        # fold: a cell longer than its column breaks (callers pre-break paths at "/", `fold_path`)
         table.add_column(h, overflow="fold")
     for r in rows:
         table.add_row(*[escape(c) for c in r])  # cells such as "jaxmp[float32]" are text, not markup
@@ -155,10 +179,13 @@ def _plain_table(title, headers, rows, footer, width) -> str:
     widths = [len(h) for h in headers]
     for r in rows:
         for i, c in enumerate(r):
-            widths[i] = max(widths[i], len(c))
+            widths[i] = max(widths[i], *map(len, c.split("\n")))
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
     out = [title, line(headers), line(["-" * w for w in widths])]
-    out += [line(r) for r in rows]
+    for r in rows:  # a cell with line breaks (a folded path) takes several lines
+        cells = [c.split("\n") for c in r]
+        for k in range(max(len(c) for c in cells)):
+            out.append(line([c[k] if k < len(c) else "" for c in cells]))
     if footer:
         out.append(wrap(footer, width))
     return "\n".join(out)

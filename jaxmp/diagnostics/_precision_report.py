@@ -107,7 +107,7 @@ class PrecisionReport:
             f"at {self.tensor_core_speedup:g}x/op",
             f"{len(self.shape_ineligible)} not multiple-of-{self.tc_multiple}",
             f"{len(self.missed)} missed",
-            f"{len(self.risky)} risky",
+            f"{len(self.risky)} risky" + (f" ({self._risky_names()})" if self.risky else ""),
         ]
         if self.policy:
             parts.append(f"policy {self.policy}")
@@ -116,6 +116,13 @@ class PrecisionReport:
         if self.decisions:
             parts.append(f"{len(self.decisions)} autocast ops")
         return "; ".join(parts)
+
+    def _risky_names(self, most: int = 3) -> str:
+        """The risky ops named in the summary: ``"narrowed add in sched, exp in head, 2 more"``."""
+        names = [f"{r.category + ' ' if r.category == 'narrowed' else ''}{r.primitive} in {r.name or 'the top level'}"
+                 for r in self.risky[:most]]
+        more = len(self.risky) - most
+        return ", ".join(names + ([f"{more} more"] if more > 0 else []))
 
     def explain(self, max_rows: int = 60, width: int = 160) -> str:
         """The autocast decisions: each op, its dtypes and the rule that chose them.

@@ -22,23 +22,20 @@ from jaxmp.engine._seams import COMBINER_OPS
 from jaxmp.engine._seams import AutocastRules
 from jaxmp.diagnostics._fix import Fix, apply_updates, suggest_fix
 from jaxmp.diagnostics._inputs import scaled_like_the_step
-from jaxmp.diagnostics._evaluate import (Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths,
-                                         trace)
+from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths, trace
+from jaxmp.diagnostics._noise import NOISE_MARGIN, NOISE_SEEDS  # noqa: F401 - NOISE_SEEDS: documented here
+from jaxmp.diagnostics._noise import EXACT as _EXACT
+from jaxmp.diagnostics._noise import drift as _drift
+from jaxmp.diagnostics._noise import gradient_errors as _gradient_errors
+from jaxmp.diagnostics._noise import noisy_site as _noisy_site
+from jaxmp.diagnostics._noise import one_step_noise as _one_step_noise
+from jaxmp.diagnostics._noise import relerr as _relerr
+from jaxmp.diagnostics._noise import window as _window
 
 if TYPE_CHECKING:  # optax is imported where it is used: the report alone does not need it
     import optax
 
 _F32 = np.dtype(np.float32)
-#: A k-step drift up to this multiple of the rounding-noise drift is not an alarm (see `ShadowReport.clean`).
-NOISE_MARGIN = 3.0
-#: Ops that move or select values: exact in any dtype, they add no rounding of their own.
-_EXACT = frozenset({
-    "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "dynamic_slice",
-    "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "copy", "copy_p", "select_n", "max", "min",
-    "neg", "abs", "sign", "reduce_max", "reduce_min", "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge",
-    "stop_gradient", "sharding_constraint", "iota", "floor", "ceil", "round", "is_finite", "clamp",
-    "cummax", "cummin", "sort", "split", "pvary", "optimization_barrier", "name",
-})
 
 
 def _floating(x) -> bool:
@@ -83,6 +80,7 @@ class _Shadow(Hooks):
 
     def __init__(self, n: int, attribute: bool, record: bool = True):
         self.n, self.attribute, self.record, self.t = n, attribute, record, None
+        self.noise = None  # (scale, seed): the shadow's half ops' results perturbed (see `_Program.noise`)
         self._frame: list = []
 
     def lift(self, x, aval):
@@ -108,6 +106,8 @@ class _Shadow(Hooks):
         if self.attribute and self.t is not None and site.half and not site.backward \
                 and site.primitive not in _EXACT:
             s_out[k] = s_out[k] + self.t[site.index] * jax.lax.stop_gradient(self._rounding(eqn, ss, k))
+        if self.noise is not None and _noisy_site(site):
+            s_out[k] = s_out[k] * _window(self.noise, jnp.shape(s_out[k]), site.index)
         if self.record:
             self._frame.append((site.index, p_out[k], s_out[k]))
         return list(zip(p_out, s_out)), state
@@ -152,7 +152,9 @@ class ModuleError:
     Attributes:
       path: the module path.
       impact: the loss error its ops' own rounding causes (first-order estimate; signed).
-      share: ``impact`` as a fraction of the loss error of the whole run (NaN without a loss).
+      share: ``impact`` over the sum of every module's ``|impact|``, positive when it moves the
+        loss the way the run's error goes (modules of the other sign cancel part of it; the
+        shares' magnitudes add up to 100%; NaN without a loss).
       activation_error: the largest relative error of its forward ops' results.
       gradient_error: the largest relative error of its backward ops' results (NaN: none).
       half_ops: how many of its ops compute or round in half precision.
@@ -179,22 +181,32 @@ class ShadowReport:
         the function has no scalar loss).
       loss: the policy run's loss (first output), NaN without one.
       loss_float32: the float32 shadow's loss.
-      gradient_errors: ``((param path, relative error), ...)`` of the gradients, largest first.
+      gradient_errors: ``((param path, error), ...)`` of the gradients, largest first: the RMS of
+        the leaf's error over the RMS of the whole float32 gradient (a near-zero gradient's
+        relative error is no alarm).
       ops: per-op rows ``(site, relative error, impact)`` when ``per_op=True``, else ().
       steps: optimizer steps both runs took before the comparison (0: one step).
       losses, losses_float32: the loss at each of those steps (policy, float32).
-      fix: the `Fix` for the top offender, or None.
+      fix: the `Fix` for the top offender, measured, under an alarm only (None within noise).
       seconds: wall time of the comparison.
       policy: the policy it ran under (str), or None when ``fn`` runs its own precision.
       noise_floor: for ``steps=k``, the `drift` of float32 runs whose gradients get, at every
-        step, random noise as large as the policy run's gradient error on the first step (the
-        largest of `NOISE_RUNS` seeds): how far noise of the policy's size, without its bias,
+        step, random noise as large as the policy run's gradient error on the first step (the larger
+        of the two twins' drifts): how far noise of the policy's size, without its bias,
         moves training in ``k`` steps (NaN for one step).
       drift: for ``steps=k``, the relative gap of the policy run's mean loss to the float32
         shadow's over the last half of the steps (``k//2 .. k``, the loss after the last step
         included); NaN for one step.
       losses_noise: the noisy float32 runs' losses (one tuple per seed, ``k+1`` each).
       note: what was compared instead of ``fn`` (a jaxmp step: the loss it wraps), or "".
+      error: what the verdict reads: the loss's relative error (one step; the first output's
+        without a loss) or `drift` (``steps=k``).
+      noise: the rounding noise it is compared with: one step, the RMS relative change of the
+        float32 shadow's loss over `NOISE_SEEDS` runs whose half-precision ops' results are
+        perturbed by up to half an ulp of the half dtype; ``steps=k``, `noise_floor`; 0 when
+        nothing computes in half precision.
+      threshold: ``NOISE_MARGIN * noise``: an error above it is an alarm.
+      noise_formula: how ``noise`` was measured, in words.
     """
 
     modules: tuple[ModuleError, ...]
@@ -212,6 +224,28 @@ class ShadowReport:
     drift: float = float("nan")
     losses_noise: tuple[tuple[float, ...], ...] = ()
     note: str = ""
+    error: float = float("nan")
+    noise: float = float("nan")
+    threshold: float = float("nan")
+    noise_formula: str = ""
+
+    @property
+    def within_noise(self) -> bool:
+        """The verdict: the error is within ``NOISE_MARGIN`` times the rounding noise (nothing to fix)."""
+        return bool(np.isfinite(self.error) and np.isfinite(self.threshold) and self.error <= self.threshold)
+
+    @property
+    def verdict(self) -> str:
+        """The report's first line: nothing to fix, or an alarm, with the threshold and its formula."""
+        what = "drift" if self.steps else ("loss error" if np.isfinite(self.loss) else "output error")
+        if not np.isfinite(self.threshold):
+            return f"verdict: no verdict: {what} {self.error:.3g}"
+        head = "nothing to fix (within rounding noise)" if self.within_noise else "ALARM: beyond rounding noise"
+        sign = "<=" if self.within_noise else ">"
+        if self.noise == 0:
+            return f"verdict: {head}: {what} {self.error:.3g} {sign} threshold 0: {self.noise_formula}"
+        return (f"verdict: {head}: {what} {self.error:.3g} {sign} threshold {self.threshold:.3g} = "
+                f"{NOISE_MARGIN:g} x {self.noise:.3g}, {self.noise_formula}")
 
     @property
     def loss_error(self) -> float:
@@ -223,8 +257,9 @@ class ShadowReport:
         """The top offender (first of `modules`), or None."""
         return self.modules[0] if self.modules else None
 
-    def clean(self, tolerance: float = 0.05) -> bool:
-        """No alarm: the loss is within ``tolerance`` (relative) of float32's.
+    def clean(self, tolerance: float | None = None) -> bool:
+        """No alarm. ``tolerance`` None: the `verdict` (`within_noise`); else the loss is within
+        ``tolerance`` (relative) of float32's.
 
         After ``k`` training steps two runs drift apart by rounding alone (trajectories that
         overfit a batch at a high learning rate oscillate and diverge chaotically), so the k-step
@@ -233,6 +268,8 @@ class ShadowReport:
         half-precision rounding noise gives float32 runs is not an alarm; a systematic loss (a
         narrowed bias) stays far above it.
         """
+        if tolerance is None:
+            return self.within_noise
         if not np.isfinite(self.loss):
             return False
         if self.steps and np.isfinite(self.drift):
@@ -242,6 +279,7 @@ class ShadowReport:
 
     def table(self, max_rows: int = 12) -> str:
         """The ranked modules, gradient errors and the fix, as text."""
+        verdict = _format.wrap(self.verdict)
         head = _format.wrap(f"compare_to_float32{f' ({self.policy})' if self.policy else ''}"
                 f"{f' after {self.steps} steps' if self.steps else ''}: loss {self.loss:.6g} vs float32 "
                 f"{self.loss_float32:.6g} (relative error {self.loss_error:.3g}"
@@ -252,24 +290,32 @@ class ShadowReport:
             head += "\n" + _format.wrap(f"compared: {self.note}")
         rows = []
         for i, m in enumerate(self.modules[:max_rows]):
-            rows.append([str(i + 1), m.path or "(top level)", f"{m.impact:+.3g}",
+            # Within noise, where the error "jumps" is noise too: not marked.
+            rows.append([str(i + 1), _format.fold_path(m.path or "(top level)", _PATH_COLUMN), f"{m.impact:+.3g}",
                          _format.fmt_pct(m.share) if np.isfinite(m.share) else "-",
                          f"{m.activation_error:.3g}", "-" if np.isnan(m.gradient_error) else f"{m.gradient_error:.3g}",
-                         str(m.half_ops), "<- jump" if m.jump else ""])
-        footer = None if len(self.modules) <= max_rows else f"... {len(self.modules) - max_rows} more modules"
-        out = [head, _format.render_table("Modules ranked by the loss error their rounding causes",
+                         str(m.half_ops), "<- jump" if m.jump and not self.within_noise else ""])
+        notes = [] if len(self.modules) <= max_rows else [f"... {len(self.modules) - max_rows} more modules"]
+        gross = sum(abs(m.impact) for m in self.modules)
+        if gross > 0 and np.isfinite(self.loss):
+            net = sum(m.impact for m in self.modules)
+            notes.append(f"share: impact / sum of |impact| ({gross:.3g}), negative against the net {net:+.3g}"
+                         + (" (opposite signs cancel)" if abs(net) < 0.5 * gross else ""))
+        footer = "\n".join(notes) or None
+        out = [verdict, head, _format.render_table("Modules ranked by the loss error their rounding causes",
                                           ["#", "module", "loss impact", "share", "act err", "grad err",
                                            "half", ""], rows, footer, _format.WIDTH)]
         if self.gradient_errors:
-            grows = [[p, f"{e:.3g}"] for p, e in self.gradient_errors[:max_rows]]
-            out.append(_format.render_table("Gradient relative error per parameter", ["param", "rel err"], grows,
-                                            None, _format.WIDTH))
+            grows = [[_format.fold_path(p, _PATH_COLUMN), f"{e:.3g}"] for p, e in self.gradient_errors[:max_rows]]
+            out.append(_format.render_table("Gradient error per parameter", ["param", "error"], grows,
+                                            "error: RMS of the leaf's error / RMS of the whole float32 gradient",
+                                            _format.WIDTH))
         if self.ops:
             orows = [[str(s.index), s.primitive, s.path, ",".join(s.in_dtypes) + "->" + ",".join(s.out_dtypes),
                       f"{e:.3g}", f"{c:+.3g}", s.rule] for s, e, c in self.ops[:max_rows * 3]]
             out.append(_format.render_table("Ops", ["#", "op", "module", "dtypes", "rel err", "loss impact", "rule"],
                                             orows, None, _format.WIDTH))
-        if self.fix is not None:
+        if self.fix is not None and not self.within_noise:
             out.append(str(self.fix))
         out.append(f"({self.seconds:.2f} s)")
         return "\n".join(out)
@@ -285,6 +331,10 @@ def _scalar_first(shape_tree) -> bool:
     return bool(leaves) and getattr(leaves[0], "shape", None) == () and _floating(leaves[0])
 
 
+#: Module paths fold at "/" to this width in the tables (never mid-name).
+_PATH_COLUMN = 28
+
+
 class _Program:
     """One traced step, its sites, and jitted runners (policy+shadow with attribution; shadow only)."""
 
@@ -294,9 +344,13 @@ class _Program:
         self.attribute = attribute
         n = len(self.sites)
 
-        def both(t, consts, leaves):
+        # The noise buffer: twice the largest result that gets noise, so windows differ per op.
+        self.noise_len = 2 * max([int(np.prod(v.aval.shape)) for s in self.sites.sites if _noisy_site(s)
+                                  for v in s.eqn.outvars if hasattr(getattr(v, "aval", None), "shape")] or [0]) + 1
+
+        def both(t, noise, consts, leaves):
             hooks = _Shadow(n, attribute)
-            hooks.t = t
+            hooks.t, hooks.noise = t, noise
             lifted = [hooks.lift(x, None) for x in leaves]
             outs, errs = evaluate(self.closed.jaxpr, [hooks.lift(c, None) for c in consts], lifted,
                                   jnp.zeros(n, jnp.float32), hooks, self.sites)
@@ -307,8 +361,8 @@ class _Program:
         if attribute:
             analyse = jax.value_and_grad(both, has_aux=True)
         else:
-            def analyse(t, c, l):
-                return both(t, c, l), jnp.zeros(n, jnp.float32)
+            def analyse(t, noise, c, l):
+                return both(t, noise, c, l), jnp.zeros(n, jnp.float32)
         # Compiled once per input shapes: the k-step mode runs it on the first and the last step.
         self.analyse = StrictJit(analyse)
 
@@ -323,24 +377,27 @@ class _Program:
 
     def prepare(self, args) -> None:
         """Starts compiling the analysis for inputs shaped as ``args`` in the background (see `run`)."""
-        self.analyse.prepare(np.zeros(len(self.sites), np.float32), list(self.closed.consts),
-                             jax.tree_util.tree_leaves(tuple(args)))
+        self.analyse.prepare(np.zeros(len(self.sites), np.float32), np.ones(self.noise_len, np.float32),
+                             list(self.closed.consts), jax.tree_util.tree_leaves(tuple(args)))
 
     def run(self, args):
         leaves = jax.tree_util.tree_leaves(tuple(args))
         t = np.zeros(len(self.sites), np.float32)
-        (_, (p, s, errs)), contrib = self.analyse(t, list(self.closed.consts), leaves)
+        (_, (p, s, errs)), contrib = self.analyse(t, np.ones(self.noise_len, np.float32), list(self.closed.consts),
+                                                  leaves)
         return p, s, np.asarray(errs), np.asarray(contrib)
+
+    def noise(self, args, scale: float, seed: int):
+        """The float32 shadow's outputs with every half op's result (forward, not exact) times
+        ``1 + scale * uniform(-1, 1)``: the policy run's roundings as random noise, same program."""
+        leaves = jax.tree_util.tree_leaves(tuple(args))
+        t = np.zeros(len(self.sites), np.float32)
+        u = np.random.default_rng(seed).uniform(-1.0, 1.0, self.noise_len)
+        (_, (_, s, _)), _ = self.analyse(t, (1.0 + scale * u).astype(np.float32), list(self.closed.consts), leaves)
+        return s
 
     def shadow_outputs(self, args):
         return self.shadow(list(self.closed.consts), jax.tree_util.tree_leaves(tuple(args)))
-
-
-def _relerr(p, s) -> float:
-    p, s = np.asarray(p, np.float64), np.asarray(s, np.float64)
-    den = np.linalg.norm(s)
-    num = np.linalg.norm(p - s)
-    return float(num / den) if den > 0 else float(num)
 
 
 def _modules(sites: Sites, errs, contrib, total: float) -> list[ModuleError]:
@@ -354,8 +411,12 @@ def _modules(sites: Sites, errs, contrib, total: float) -> list[ModuleError]:
             m["impact"] += float(contrib[site.index])
             m["act"] = max(m["act"], e)
         m["half"] += int(site.half)
-    mods = [ModuleError(p, d["impact"], d["impact"] / total if total else float("nan"), d["act"], d["grad"],
-                        d["half"], d["first"]) for p, d in by.items()]
+    # The share of the gross impact (the sum of |impact|), signed: impacts of opposite signs
+    # cancel in the loss, and a share of the net would read 392% and -252% then.
+    gross = sum(abs(d["impact"]) for d in by.values())
+    sign = -1.0 if total < 0 else 1.0  # positive: the module moves the loss the way the run's error goes
+    mods = [ModuleError(p, d["impact"], sign * d["impact"] / gross if gross and total == total else float("nan"), d["act"],
+                        d["grad"], d["half"], d["first"]) for p, d in by.items()]
     # The jump: in program order, the forward op whose error rises most over every op before it
     # (at least 4x); its module is marked.
     best, best_ratio, prev = None, 4.0, 0.0
@@ -379,21 +440,6 @@ def _half_dtype(sites: Sites):
 def _dtypes_of(eqn) -> list:
     return [a.aval.dtype for a in (*eqn.invars, *eqn.outvars)
             if getattr(getattr(a, "aval", None), "dtype", None) is not None and _floating(a.aval)]
-
-
-def _drift(run, ref) -> float:
-    """The relative gap of ``run``'s mean loss to ``ref``'s over the last half of training.
-
-    ``run``, ``ref``: ``[k+1]`` loss trajectories (index ``k``: after the last step). The mean
-    over steps ``k//2 .. k`` rather than the last loss: a run that overfits a batch at a high
-    learning rate oscillates from step to step, and one step's loss says more about the phase
-    of the oscillation than about the precision.
-    """
-    run, ref = np.asarray(run, np.float64), np.asarray(ref, np.float64)
-    h = (len(ref) - 1) // 2
-    base = float(np.mean(ref[h:]))
-    gap = abs(float(np.mean(run[h:])) - base) / max(abs(base), 1e-30)
-    return gap if np.isfinite(gap) else float("inf")
 
 
 def _leaf_relerr(a, b):
@@ -453,7 +499,7 @@ class _Training:
     optimizer update: it evaluates the traced step ``prog`` twice, as traced and as its float32
     shadow, so the model is not traced again. `lane` calls it ``steps + 1`` times for one lane
     (0: the runs; 1: their twins) without waiting for results, so the comparison goes on (the
-    fix's program compiles while the twins train). Construction starts the compiles in the
+    analysis runs while the twins train). Construction starts the compiles in the
     background: this program, then the analysis ``prog`` runs at the end, which compiles while
     lane 0 trains. Not vmapped over the lanes (a batched convolution is a grouped one, which
     XLA's CPU backend runs far slower at the debugger's fast compile), and not a ``lax.scan``
@@ -560,11 +606,13 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
       optimizer: the optax transformation for ``steps`` (default ``optax.adam(1e-3)``).
       per_op: also list every op with its error and loss impact.
       grad: compare gradients too (w.r.t. ``args[0]``). None: when ``fn`` returns a scalar loss.
-      fix: for the top offender, write the override and measure it (under ``policy``).
+      fix: under an alarm, write the override for the top offender and measure it (under
+        ``policy``); printed only when it closes part of the gap (else "tried: ... made it worse").
       rules: `jaxmp.AutocastRules` for ``jaxmp.autocast`` (with ``policy``); the fix adds to them.
 
     Returns:
-      A `ShadowReport` (``str()`` is the ranked table, the jump marked, and the fix).
+      A `ShadowReport`: ``str()`` starts with the verdict (nothing to fix, or an alarm, with its
+      threshold and formula), then the ranked table and, under an alarm, the jump and the fix.
 
     Raises:
       TypeError: ``fn`` is not callable or given no inputs, ``steps > 0`` without a scalar loss,
@@ -616,6 +664,7 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
     step = jax.value_and_grad(run) if grad else run
     prog = _Program(step, args, attribute=has_loss)
     losses, losses_f = (), ()
+    half = _half_dtype(prog.sites)
     eval_args = args
     noise = drift = float("nan")
     losses_noise = ()
@@ -625,7 +674,6 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
 
         tx = optax.adam(1e-3) if optimizer is None else optimizer
         rest = tuple(args[1:])
-        half = _half_dtype(prog.sites)
         training = _Training(prog, args[0], rest, steps, tx, half)
         ls = training.losses(0)
         losses, losses_f = tuple(ls[:steps, 0]), tuple(ls[:steps, 1])
@@ -642,10 +690,7 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
     mods.sort(key=key)
     grads = ()
     if grad:
-        g_tree = jax.tree_util.tree_unflatten(prog.out_tree, list(zip(p, s)))[1]
-        rows = [(jax.tree_util.keystr(path), _relerr(*pair))
-                for path, pair in jax.tree_util.tree_leaves_with_path(g_tree, is_leaf=lambda x: isinstance(x, tuple))]
-        grads = tuple(sorted(rows, key=lambda r: -r[1]))
+        grads = _gradient_errors(jax.tree_util.tree_unflatten(prog.out_tree, list(zip(p, s)))[1])
     ops = ()
     if per_op:
         ops = tuple(sorted(((site, float(errs[site.index]), float(contrib[site.index])) for site in prog.sites.sites),
@@ -653,17 +698,27 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
     report = ShadowReport(tuple(mods), loss, loss_f, grads, ops, steps, tuple(losses), tuple(losses_f),
                           None, 0.0, None if policy is None else str(policy), noise, drift, losses_noise,
                           note=prep.note)
-    # The twins train while the fix's program compiles (`suggest_fix` calls this once it started it).
-    twins = (lambda: training.lane(1)) if steps and half is not None else None
-    if fix and has_loss and mods and mods[0].path and np.isfinite(loss):
+    if steps:
+        noise, formula = 0.0, "nothing computes in half precision (the policy run is the float32 run)"
+        if half is not None:
+            # How far rounding-size noise moves each training: the float32 twin from the float32
+            # run, the policy twin from the policy run. Chaotic training moves both far.
+            tw = training.losses(1)
+            noise = max(_drift(tw[:, 1], ls[:, 1]), _drift(tw[:, 0], ls[:, 0]))
+            report = dataclasses.replace(report, noise_floor=noise, losses_noise=(tuple(tw[:, 0]), tuple(tw[:, 1])))
+            formula = (f"how far twin runs from parameters perturbed by half a {_format.short_dtype(half)} ulp "
+                       f"drift in {steps} steps (the noise floor)")
+        error = drift
+    else:
+        noise, formula = _one_step_noise(prog, eval_args, s[0], half)
+        error = report.loss_error if has_loss else _relerr(p[0], s[0])
+    report = dataclasses.replace(report, error=error, noise=noise, threshold=NOISE_MARGIN * noise,
+                                 noise_formula=formula)
+    # A fix only for an alarm: within rounding noise there is nothing to fix, and a fix measured
+    # there would be measured against noise.
+    if fix and has_loss and mods and mods[0].path and np.isfinite(loss) and not report.within_noise:
         scoped = any(site.path == mods[0].path and not site.from_param for site in prog.sites.sites)
         report = dataclasses.replace(report, fix=suggest_fix(fn, args, policy, mods[0].path, report.loss_error,
-                                                             report.loss_float32, steps, tx, scoped, meanwhile=twins,
-                                                             rules=rules))
-    if steps and half is not None:
-        # How far rounding-size noise moves each training: the float32 twin from the float32
-        # run, the policy twin from the policy run. Chaotic training moves both far.
-        tw = training.losses(1)
-        report = dataclasses.replace(report, noise_floor=max(_drift(tw[:, 1], ls[:, 1]), _drift(tw[:, 0], ls[:, 0])),
-                                     losses_noise=(tuple(tw[:, 0]), tuple(tw[:, 1])))
+                                                             report.loss_float32, steps, tx, scoped, rules=rules,
+                                                             paths=[m.path for m in mods]))
     return dataclasses.replace(report, seconds=time.perf_counter() - t0)

@@ -374,3 +374,19 @@ def test_where_names_the_users_modules_not_jaxmps_own_scopes():
     assert {op.name for op in rep.ops} >= {"jvp(Net)/body", "transpose(jvp(Net))/body"}
     head = [op.name for op in rep.ops if "head" in op.name]
     assert head and all("jaxmp[float32]" in n for n in head), head  # the user's region stays visible
+
+
+def test_summary_names_the_risky_ops_and_a_zero_bias_gets_no_zero_ulp():
+    """The summary says what it calls risky; a zero-initialised bias narrowed under O2 is
+    described by its relative ulp, not as "|x| up to 0, ... a change smaller than 0 is lost"."""
+    def f(p, x):
+        with jax.named_scope("sched"):
+            return jnp.mean(jnp.exp(x @ p["w"] + p["b"]))
+
+    x = np.ones((8, 4), np.float32)
+    for bias, said in ((0.0, "2**-7 of its magnitude"), (13.3, "a change smaller than 0.0312 is lost")):
+        p = {"w": np.full((4, 1), 0.1, np.float32), "b": np.full((1,), bias, np.float32)}
+        rep = jaxmp.precision_report(jaxmp.autocast(f, "O2-bf16"), p, x)
+        assert [r.category for r in rep.risky] == ["narrowed"]
+        assert "1 risky (narrowed add in sched)" in rep.summary(), rep.summary()
+        assert said in rep.risky[0].detail and "up to 0," not in rep.risky[0].detail, rep.risky[0].detail
