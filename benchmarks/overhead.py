@@ -178,7 +178,6 @@ def make_variants(cfg: dict):
 
     # jaxmp, through the one train-step builder
     from jaxmp._step import make_step
-    from jaxmp._transform import update_and_apply
 
     def jaxmp_factory(loss_scale):
         tx = jaxmp.loss_scaling(chain(), loss_scale=loss_scale, skip_with=cfg.get("skip_with", "auto"))
@@ -248,10 +247,10 @@ def make_variants(cfg: dict):
         u, o = tx_o2_loop.update(g, o, p)
         return (jaxmp.apply_updates(p, u, o), o), loss
 
-    def o2_fused_step(state, batch):  # the hand-written loop with jaxmp.update_and_apply
+    def o2_fused_step(state, batch):  # the hand-written loop with the transform's update_and_apply
         p, o = state
         loss, g = jaxmp.value_and_grad(lambda p_: loss16(p_, batch), o)(p)
-        p, o = update_and_apply(tx_o2_loop, g, o, p)
+        p, o = tx_o2_loop.update_and_apply(g, o, p)
         return (p, o), loss
 
     copy = lambda t: jax.tree_util.tree_map(jnp.array, t)  # noqa: E731 - fresh buffers per variant

@@ -62,6 +62,19 @@ def equations(jaxpr: Any) -> list:
     return open_jaxpr(jaxpr).eqns
 
 
+def one_equation_program(eqn: Any) -> tuple[Any, list]:
+    """``(jaxpr, inputs)``: ``eqn`` alone as an open jaxpr over its distinct variable inputs (for
+    ``jax.core.eval_jaxpr``), so one op of a program can be re-run under its own context."""
+    import warnings
+
+    from jax.extend import core as jcore
+
+    ins = list(dict.fromkeys(v for v in eqn.invars if not is_literal(v)))
+    with warnings.catch_warnings():  # a one-op program needs no debug info (JAX asks for it)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return jcore.Jaxpr([], ins, list(eqn.outvars), [eqn]), ins
+
+
 def sub_jaxprs(eqn: Any, opened: bool = False) -> list:
     """The jaxprs among ``eqn``'s parameters (a call's body, scan/while bodies, cond branches...).
 

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import re
 import textwrap
-import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -323,23 +322,18 @@ def with_param_scope(fn: Callable, args: Sequence[Any], path: str, name: str) ->
     (and the casts, reshapes and broadcasts of it, as `Sites` names them) are re-bound inside the
     scope; every op keeps its own name stack.
     """
-    from jax.extend import core as jcore
-
-    from jaxmp._jaxpr import is_literal
+    from jaxmp._jaxpr import equations, is_literal, one_equation_program
     from jaxmp.diagnostics._evaluate import _CARRIES_PARAM, leaf_paths, module_of
 
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
     jaxpr, out_tree = closed.jaxpr, jax.tree_util.tree_structure(shapes)
     reads = {v for v, p in zip(jaxpr.invars, leaf_paths(args, {})) if module_of(p) == path}
     plan = []
-    for eqn in jaxpr.eqns:
+    for eqn in equations(jaxpr):
         mine = any(not is_literal(v) and v in reads for v in eqn.invars)
         if mine and eqn.primitive.name in _CARRIES_PARAM:
             reads.update(eqn.outvars)
-        ins = list(dict.fromkeys(v for v in eqn.invars if not is_literal(v)))
-        with warnings.catch_warnings():  # a one-op program needs no debug info (JAX asks for it)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            plan.append((jcore.Jaxpr([], ins, list(eqn.outvars), [eqn]), ins, mine))
+        plan.append((*one_equation_program(eqn), mine))
 
     def scoped(*a):
         env = dict(zip(jaxpr.constvars, closed.consts))
