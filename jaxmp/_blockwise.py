@@ -153,6 +153,9 @@ def quantize(x: jax.Array, bits: int, signed: bool, block: int, key: jax.Array |
     blocks = _blocks(x, block)
     absmax = jnp.max(jnp.abs(blocks), axis=1)
     normed = blocks / jnp.where(absmax > 0, absmax, jnp.float32(1))[:, None]
+    # The block's largest element is +-1 exactly (the map's end): XLA may divide by multiplying
+    # with the reciprocal once the search is fused in, which leaves 1 - 2**-24.
+    normed = jnp.where(jnp.abs(blocks) == absmax[:, None], jnp.sign(blocks), normed)
     if key is None:
         # Nearest entry: the number of midpoints below the value (ties to the lower entry).
         mids = (code_map(bits, signed)[:-1] + code_map(bits, signed)[1:]) / np.float32(2)

@@ -23,6 +23,7 @@ STANDARD_PROMOTION = {
     "jaxmp.flax.nnx.MixedPrecision": _ADAM,
     "jaxmp.flax._train_state.TrainState": _ADAM,
     "jaxmp.lean.bf16_moments": _ADAM,
+    "jaxmp._quantized.quantized_moments": _ADAM,
     "jaxmp.parallel._sharding.make_sharded_train_step": _ADAM,
     "jaxmp._transform.loss_scaling": _ADAM,
 }
