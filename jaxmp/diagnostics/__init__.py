@@ -21,9 +21,9 @@ from jaxmp.diagnostics._precision_report import precision_report
 from jaxmp.diagnostics._locate import NonFiniteCulprit
 from jaxmp.diagnostics._locate import locate_non_finite
 # The rows of a ShadowReport (its API page documents them), outside the counted surface.
-from jaxmp.diagnostics._shadow import Fix as Fix
-from jaxmp.diagnostics._shadow import ModuleError as ModuleError
-from jaxmp.diagnostics._shadow import ShadowReport
+from jaxmp.diagnostics._fix import Fix as Fix
+from jaxmp.diagnostics._shadow_report import ModuleError as ModuleError
+from jaxmp.diagnostics._shadow_report import ShadowReport
 from jaxmp.diagnostics._shadow import compare_to_float32
 from jaxmp.diagnostics._strict import StrictPrecisionError
 from jaxmp.diagnostics._strict import strict_precision

@@ -20,8 +20,9 @@ from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import internals
 from jaxmp.engine._seams import COMBINER_OPS
 from jaxmp.engine._seams import AutocastRules
-from jaxmp.diagnostics._fix import Fix, apply_updates, suggest_fix
-from jaxmp.diagnostics._inputs import scaled_like_the_step
+from jaxmp.diagnostics._fix import suggest_fix
+from jaxmp.diagnostics._shadow_report import ModuleError, ShadowReport
+from jaxmp.diagnostics._shadow_steps import _floating, _perturb, _Training  # noqa: F401 - _perturb: tests reach it here
 from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths, trace
 from jaxmp.diagnostics._noise import NOISE_MARGIN, NOISE_SEEDS  # noqa: F401 - NOISE_SEEDS: documented here
 from jaxmp.diagnostics._noise import EXACT as _EXACT
@@ -36,11 +37,6 @@ if TYPE_CHECKING:  # optax is imported where it is used: the report alone does n
     import optax
 
 _F32 = np.dtype(np.float32)
-
-
-def _floating(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and _format.is_floating(dtype)
 
 
 def _up(x):
@@ -145,185 +141,6 @@ class _Shadow(Hooks):
         return errs.at[ids].max(err)
 
 
-@dataclasses.dataclass(frozen=True)
-class ModuleError:
-    """The error of one module (name-scope path) of the policy run against its float32 shadow.
-
-    Attributes:
-      path: the module path.
-      impact: the loss error its ops' own rounding causes (first-order estimate; signed).
-      share: ``impact`` over the sum of every module's ``|impact|``, positive when it moves the
-        loss the way the run's error goes (modules of the other sign cancel part of it; the
-        shares' magnitudes add up to 100%; NaN without a loss).
-      activation_error: the largest relative error of its forward ops' results.
-      gradient_error: the largest relative error of its backward ops' results (NaN: none).
-      half_ops: how many of its ops compute or round in half precision.
-      first_site: its first op's position in the program (program order).
-      jump: the point where the error jumps (the largest rise over the modules before it).
-    """
-
-    path: str
-    impact: float
-    share: float
-    activation_error: float
-    gradient_error: float
-    half_ops: int
-    first_site: int
-    jump: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class ShadowReport:
-    """What `compare_to_float32` returns.
-
-    Attributes:
-      modules: per-module errors, ranked (largest loss impact first; by activation error when
-        the function has no scalar loss).
-      loss: the policy run's loss (first output), NaN without one.
-      loss_float32: the float32 shadow's loss.
-      gradient_errors: ``((param path, error), ...)`` of the gradients, largest first: the RMS of
-        the leaf's error over the RMS of the whole float32 gradient (a near-zero gradient's
-        relative error is no alarm).
-      ops: per-op rows ``(site, relative error, impact)`` when ``per_op=True``, else ().
-      steps: optimizer steps both runs took before the comparison (0: one step).
-      losses, losses_float32: the loss at each of those steps (policy, float32).
-      fix: the `Fix` for the top offender, measured, under an alarm only (None within noise).
-      seconds: wall time of the comparison.
-      policy: the policy it ran under (str), or None when ``fn`` runs its own precision.
-      noise_floor: for ``steps=k``, the `drift` of float32 runs whose gradients get, at every
-        step, random noise as large as the policy run's gradient error on the first step (the larger
-        of the two twins' drifts): how far noise of the policy's size, without its bias,
-        moves training in ``k`` steps (NaN for one step).
-      drift: for ``steps=k``, the relative gap of the policy run's mean loss to the float32
-        shadow's over the last half of the steps (``k//2 .. k``, the loss after the last step
-        included); NaN for one step.
-      losses_noise: the noisy float32 runs' losses (one tuple per seed, ``k+1`` each).
-      note: what was compared instead of ``fn`` (a jaxmp step: the loss it wraps), or "".
-      error: what the verdict reads: the loss's relative error (one step; the first output's
-        without a loss) or `drift` (``steps=k``).
-      noise: the rounding noise it is compared with: one step, the RMS relative change of the
-        float32 shadow's loss over `NOISE_SEEDS` runs whose half-precision ops' results are
-        perturbed by up to half an ulp of the half dtype; ``steps=k``, `noise_floor`; 0 when
-        nothing computes in half precision.
-      threshold: ``NOISE_MARGIN * noise``: an error above it is an alarm.
-      noise_formula: how ``noise`` was measured, in words.
-    """
-
-    modules: tuple[ModuleError, ...]
-    loss: float
-    loss_float32: float
-    gradient_errors: tuple[tuple[str, float], ...]
-    ops: tuple = ()
-    steps: int = 0
-    losses: tuple[float, ...] = ()
-    losses_float32: tuple[float, ...] = ()
-    fix: Fix | None = None
-    seconds: float = 0.0
-    policy: str | None = None
-    noise_floor: float = float("nan")
-    drift: float = float("nan")
-    losses_noise: tuple[tuple[float, ...], ...] = ()
-    note: str = ""
-    error: float = float("nan")
-    noise: float = float("nan")
-    threshold: float = float("nan")
-    noise_formula: str = ""
-
-    @property
-    def within_noise(self) -> bool:
-        """The verdict: the error is within ``NOISE_MARGIN`` times the rounding noise (nothing to fix)."""
-        return bool(np.isfinite(self.error) and np.isfinite(self.threshold) and self.error <= self.threshold)
-
-    @property
-    def verdict(self) -> str:
-        """The report's first line: nothing to fix, or an alarm, with the threshold and its formula."""
-        what = "drift" if self.steps else ("loss error" if np.isfinite(self.loss) else "output error")
-        if not np.isfinite(self.threshold):
-            return f"verdict: no verdict: {what} {self.error:.3g}"
-        head = "nothing to fix (within rounding noise)" if self.within_noise else "ALARM: beyond rounding noise"
-        sign = "<=" if self.within_noise else ">"
-        if self.noise == 0:
-            return f"verdict: {head}: {what} {self.error:.3g} {sign} threshold 0: {self.noise_formula}"
-        return (f"verdict: {head}: {what} {self.error:.3g} {sign} threshold {self.threshold:.3g} = "
-                f"{NOISE_MARGIN:g} x {self.noise:.3g}, {self.noise_formula}")
-
-    @property
-    def loss_error(self) -> float:
-        """``|loss - loss_float32| / |loss_float32|``."""
-        return abs(self.loss - self.loss_float32) / max(abs(self.loss_float32), 1e-30)
-
-    @property
-    def top(self) -> ModuleError | None:
-        """The top offender (first of `modules`), or None."""
-        return self.modules[0] if self.modules else None
-
-    def clean(self, tolerance: float | None = None) -> bool:
-        """No alarm. ``tolerance`` None: the `verdict` (`within_noise`); else the loss is within
-        ``tolerance`` (relative) of float32's.
-
-        After ``k`` training steps two runs drift apart by rounding alone (trajectories that
-        overfit a batch at a high learning rate oscillate and diverge chaotically), so the k-step
-        verdict reads the `drift` (mean loss over the last half of the steps, not one step's
-        loss) and allows ``NOISE_MARGIN * noise_floor`` too: a drift the size that
-        half-precision rounding noise gives float32 runs is not an alarm; a systematic loss (a
-        narrowed bias) stays far above it.
-        """
-        if tolerance is None:
-            return self.within_noise
-        if not np.isfinite(self.loss):
-            return False
-        if self.steps and np.isfinite(self.drift):
-            allowed = max(tolerance, NOISE_MARGIN * self.noise_floor) if np.isfinite(self.noise_floor) else tolerance
-            return self.drift <= allowed
-        return self.loss_error <= tolerance
-
-    def table(self, max_rows: int = 12) -> str:
-        """The ranked modules, gradient errors and the fix, as text."""
-        verdict = _format.wrap(self.verdict)
-        head = _format.wrap(f"compare_to_float32{f' ({self.policy})' if self.policy else ''}"
-                f"{f' after {self.steps} steps' if self.steps else ''}: loss {self.loss:.6g} vs float32 "
-                f"{self.loss_float32:.6g} (relative error {self.loss_error:.3g}"
-                f"{f'; mean over the last {self.steps - self.steps // 2 + 1} steps {self.drift:.3g}' if np.isfinite(self.drift) else ''}"
-                f"{f', rounding noise alone {self.noise_floor:.3g}' if np.isfinite(self.noise_floor) else ''})")
-        # Every table fits 88 columns (a terminal, a log, a docs page): long module paths fold.
-        if self.note:
-            head += "\n" + _format.wrap(f"compared: {self.note}")
-        rows = []
-        for i, m in enumerate(self.modules[:max_rows]):
-            # Within noise, where the error "jumps" is noise too: not marked.
-            rows.append([str(i + 1), _format.fold_path(m.path or "(top level)", _PATH_COLUMN), f"{m.impact:+.3g}",
-                         _format.fmt_pct(m.share) if np.isfinite(m.share) else "-",
-                         f"{m.activation_error:.3g}", "-" if np.isnan(m.gradient_error) else f"{m.gradient_error:.3g}",
-                         str(m.half_ops), "<- jump" if m.jump and not self.within_noise else ""])
-        notes = [] if len(self.modules) <= max_rows else [f"... {len(self.modules) - max_rows} more modules"]
-        gross = sum(abs(m.impact) for m in self.modules)
-        if gross > 0 and np.isfinite(self.loss):
-            net = sum(m.impact for m in self.modules)
-            notes.append(f"share: impact / sum of |impact| ({gross:.3g}), negative against the net {net:+.3g}"
-                         + (" (opposite signs cancel)" if abs(net) < 0.5 * gross else ""))
-        footer = "\n".join(notes) or None
-        out = [verdict, head, _format.render_table("Modules ranked by the loss error their rounding causes",
-                                          ["#", "module", "loss impact", "share", "act err", "grad err",
-                                           "half", ""], rows, footer, _format.WIDTH)]
-        if self.gradient_errors:
-            grows = [[_format.fold_path(p, _PATH_COLUMN), f"{e:.3g}"] for p, e in self.gradient_errors[:max_rows]]
-            out.append(_format.render_table("Gradient error per parameter", ["param", "error"], grows,
-                                            "error: RMS of the leaf's error / RMS of the whole float32 gradient",
-                                            _format.WIDTH))
-        if self.ops:
-            orows = [[str(s.index), s.primitive, s.path, ",".join(s.in_dtypes) + "->" + ",".join(s.out_dtypes),
-                      f"{e:.3g}", f"{c:+.3g}", s.rule] for s, e, c in self.ops[:max_rows * 3]]
-            out.append(_format.render_table("Ops", ["#", "op", "module", "dtypes", "rel err", "loss impact", "rule"],
-                                            orows, None, _format.WIDTH))
-        if self.fix is not None and not self.within_noise:
-            out.append(str(self.fix))
-        out.append(f"({self.seconds:.2f} s)")
-        return "\n".join(out)
-
-    def __str__(self) -> str:
-        return self.table()
-
-
 # -- running ---------------------------------------------------------------------------------
 
 def _scalar_first(shape_tree) -> bool:
@@ -331,8 +148,6 @@ def _scalar_first(shape_tree) -> bool:
     return bool(leaves) and getattr(leaves[0], "shape", None) == () and _floating(leaves[0])
 
 
-#: Module paths fold at "/" to this width in the tables (never mid-name).
-_PATH_COLUMN = 28
 
 
 class _Program:
@@ -440,146 +255,6 @@ def _half_dtype(sites: Sites):
 def _dtypes_of(eqn) -> list:
     return [a.aval.dtype for a in (*eqn.invars, *eqn.outvars)
             if getattr(getattr(a, "aval", None), "dtype", None) is not None and _floating(a.aval)]
-
-
-def _leaf_relerr(a, b):
-    """Relative error of ``a`` against ``b`` (float32; 0 where ``b`` is zero or not finite)."""
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    den = jnp.sqrt(jnp.sum(jnp.square(b)))
-    e = jnp.sqrt(jnp.sum(jnp.square(a - b))) / jnp.maximum(den, jnp.finfo(jnp.float32).tiny)
-    return jnp.where(jnp.isfinite(e), e, 0.0)
-
-
-def _uniform_like(leaves: list, key) -> list:
-    """A ``uniform(-1, 1)`` float32 array per floating leaf (None for the others), from one draw.
-
-    One ``jax.random.uniform`` of all the leaves' elements, cut into the leaves: the program holds
-    one random-bits hash, not one per leaf (at XLA's fast compile each costs about 0.1 s of
-    compile time: 5 s for a ResNet's 53 leaves).
-    """
-    sizes = [int(np.size(x)) if _floating(x) else 0 for x in leaves]
-    u = jax.random.uniform(key, (max(sum(sizes), 1),), jnp.float32, -1.0, 1.0)
-    out, at = [], 0
-    for x, n in zip(leaves, sizes):
-        out.append(jax.lax.slice(u, (at,), (at + n,)).reshape(jnp.shape(x)) if _floating(x) else None)
-        at += n
-    return out
-
-
-def _perturb(params, rel: float, seed: int):
-    """``params`` with each floating element times ``1 + rel * uniform(-1, 1)`` (seeded)."""
-    leaves, tree = jax.tree_util.tree_flatten(params)
-    us = _uniform_like(leaves, jax.random.key(seed))
-    return jax.tree_util.tree_unflatten(tree, [(x * (1 + rel * u)).astype(x.dtype) if u is not None else x
-                                               for x, u in zip(leaves, us)])
-
-
-def _noisy(g, sizes, key):
-    """``g`` with floating leaf ``j`` times ``1 + sqrt(3) * sizes[j] * uniform(-1, 1)`` (seeded by ``key``)."""
-    leaves, tree = jax.tree_util.tree_flatten(g)
-    us = _uniform_like(leaves, key)
-    # uniform(-1, 1) has RMS 1/sqrt(3): the noise's RMS is the measured error
-    return jax.tree_util.tree_unflatten(tree, [
-        (x * (1 + np.sqrt(3.0) * sizes[j] * u)).astype(x.dtype) if u is not None else x
-        for j, (x, u) in enumerate(zip(leaves, us))])
-
-
-class _Training:
-    """The policy run and its float32 shadow, ``steps`` optimizer steps each, with their noise twins.
-
-    Four runs from the same parameters on the same inputs, two lanes each side:
-    the policy run and the policy run from parameters perturbed by half an ulp of ``half``
-    (rounding-size noise); the float32 shadow and a float32 shadow from the same perturbed
-    parameters whose gradients get, at every step, fresh random relative noise as large as the
-    policy run's error on that gradient leaf at the first step. The twins measure how far
-    rounding-size noise moves each training in ``k`` steps (chaotic training: far; a systematic
-    loss such as a narrowed bias: the twins stay with their run). ``half`` None: no twins' noise.
-
-    One program, compiled once, steps a policy run and a float32 shadow run, each with its
-    optimizer update: it evaluates the traced step ``prog`` twice, as traced and as its float32
-    shadow, so the model is not traced again. `lane` calls it ``steps + 1`` times for one lane
-    (0: the runs; 1: their twins) without waiting for results, so the comparison goes on (the
-    analysis runs while the twins train). Construction starts the compiles in the
-    background: this program, then the analysis ``prog`` runs at the end, which compiles while
-    lane 0 trains. Not vmapped over the lanes (a batched convolution is a grouped one, which
-    XLA's CPU backend runs far slower at the debugger's fast compile), and not a ``lax.scan``
-    (convolutions inside a loop run an order of magnitude slower at that level; the loop would
-    save no compile).
-
-    Args:
-      prog: the traced step (its sites and float32 shadow).
-      params, rest: the parameters and the other inputs of the step.
-      steps: optimizer steps per run.
-      tx: the optax transformation.
-      half: the half dtype whose rounding sets the twins' noise, or None.
-    """
-
-    def __init__(self, prog: "_Program", params, rest: tuple, steps: int, tx, half):
-        self.steps, self.half = steps, half
-        rel = float(jnp.finfo(half).eps) / 2 if half is not None else 0.0
-        closed, out_tree = prog.closed, prog.out_tree
-        n_leaves = len(jax.tree_util.tree_leaves(params))
-
-        def update(loss, g, o, q):
-            u, o = tx.update(scaled_like_the_step(g, o), o, q)
-            return jnp.asarray(loss, jnp.float32), apply_updates(q, u), o
-
-        def start(params):
-            """The twins' parameters and every lane's optimizer state."""
-            twin = _perturb(params, rel, 1)
-            return twin, tx.init(params), tx.init(twin)
-
-        def pair_step(pol, f32, sizes, lane, i, consts):
-            (qp, op), (qs, os_) = pol, f32
-            leaves_p = jax.tree_util.tree_leaves((qp, *rest))
-            loss_p, g_p = jax.tree_util.tree_unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, consts, *leaves_p))
-            loss_s, g_s = jax.tree_util.tree_unflatten(
-                out_tree, prog.shadow_fn(consts, jax.tree_util.tree_leaves((qs, *rest))))
-            # The policy run's error per gradient leaf (read on lane 0's first step: the twins' noise)
-            err = jnp.stack([_leaf_relerr(a, b) for a, b in
-                             zip(jax.tree_util.tree_leaves(g_p), jax.tree_util.tree_leaves(g_s))] or [jnp.zeros(())])
-            key = jax.random.fold_in(jax.random.key(lane), i)
-            # Only the float32 twin (lane 1) is noisy: lane 0 skips drawing the noise.
-            g_s = jax.lax.cond(lane > 0, lambda g: _noisy(g, sizes, key), lambda g: g, g_s)
-            return update(loss_p, g_p, op, qp), update(loss_s, g_s, os_, qs), err
-
-        self.consts = list(closed.consts)
-        self.sizes = np.zeros((max(n_leaves, 1),), np.float32)
-        # Compiled in the background in the order they are needed.
-        init = StrictJit(start).prepare(params)
-        opt = jax.eval_shape(start, params)[1]
-        self.run = StrictJit(pair_step).prepare((params, opt), (params, opt), self.sizes, np.int32(0), np.int32(0),
-                                                self.consts)
-        prog.prepare((params, *rest))
-        twin, o0, o1 = init(params)
-        self.start = [(params, o0), (twin, o1)]
-        self.rows: list = [[None] * 4 for _ in range(steps + 1)]
-        self.final: list = [None, None]
-
-    def lane(self, k: int) -> None:
-        """Dispatches lane ``k``'s ``steps + 1`` calls (lane 0 first: lane 1's noise reads it)."""
-        if self.final[k] is not None:
-            return
-        pol = f32 = self.start[k]
-        for i in range(self.steps + 1):
-            (lp, qp, op), (ls, qs, os_), err = self.run(pol, f32, self.sizes, np.int32(k), np.int32(i), self.consts)
-            if i == 0 and k == 0 and self.half is not None:
-                self.sizes = err
-            self.rows[i][k], self.rows[i][2 + k] = lp, ls
-            if i < self.steps:
-                pol, f32 = (qp, op), (qs, os_)
-        self.final[k] = pol[0]
-
-    @property
-    def policy_params(self):
-        """The policy run's parameters after the last step (lane 0)."""
-        self.lane(0)
-        return self.final[0]
-
-    def losses(self, k: int) -> np.ndarray:
-        """Lane ``k``'s losses, ``[steps+1, 2]`` (policy, float32); row ``steps``: after the last step."""
-        self.lane(k)
-        return np.asarray(jax.device_get([[r[k], r[2 + k]] for r in self.rows]), np.float64)
 
 
 def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, steps: int = 0,
