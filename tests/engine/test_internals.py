@@ -447,6 +447,14 @@ def test_bind_and_bind_primitive():
     assert [float(o) for o in _jaxpr.bind(scan, [2.0, 1.0, 1.0])] == [8.0, 4.0]
 
 
+def test_one_equation_program_reruns_one_op_on_its_distinct_inputs():
+    closed = jax.make_jaxpr(lambda x, y: (x * x + y,))(jnp.float32(3.0), jnp.float32(1.0))
+    mul = _jaxpr.equations(closed)[0]
+    one, ins = _jaxpr.one_equation_program(mul)
+    assert ins == [mul.invars[0]] and len(_jaxpr.equations(one)) == 1  # x * x reads x once
+    assert float(jax.core.eval_jaxpr(one, [], jnp.float32(4.0))[0]) == 16.0
+
+
 def test_equation_context_keeps_the_name_stack_on_rebinding():
     eqn = _eqn(_scoped_grad, jnp.ones(3), primitive="jit")
 
@@ -480,7 +488,8 @@ TESTED = {
                 "equation_context", "equations", "is_literal", "open_jaxpr", "scope_names", "sub_jaxprs", "Literal"},
     _jaxpr: {"Jaxpr", "ClosedJaxpr", "Literal", "Var", "Primitive", "is_jaxpr", "open_jaxpr", "is_literal", "is_var",
              "equations", "sub_jaxprs", "primitive_objects", "StackItem", "stack_of", "scope_names", "render",
-             "user_frames", "source_line", "Equation", "walk", "bind", "bind_primitive", "equation_context"},
+             "user_frames", "source_line", "Equation", "walk", "bind", "bind_primitive", "equation_context",
+             "one_equation_program"},
 }
 
 
