@@ -61,6 +61,10 @@ class StateRules(NamedTuple):
     reduce: Callable[[Any, Callable[[Any], Any]], Any] = _reduce_whole
 
 
+#: A plain model-state pytree (the parallel steps' ``model_state=True``, or none at all).
+PLAIN_STATE = StateRules()
+
+
 class Strategy:
     """How one layout differentiates, reduces and places a step; this base is the single-device one.
 
@@ -214,7 +218,7 @@ class TrainStep:
 
 
 def make_step(loss_fn: Callable[..., Any], tx: Any, strategy: Strategy = LOCAL, *,
-              state: StateRules = StateRules(), pass_value: bool = True) -> Callable[..., StepResult]:
+              state: StateRules = PLAIN_STATE, pass_value: bool = True) -> Callable[..., StepResult]:
     """Builds ``step(params, model_state, opt_state, batch, rng=None) -> StepResult``.
 
     Args:
