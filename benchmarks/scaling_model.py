@@ -10,7 +10,7 @@ of ``B`` bytes over ``n`` devices on links of bandwidth ``bw`` and per-hop laten
     efficiency = T_compute / T_step(n)       speed-up = n * efficiency
 
 ``B`` is ``params * 4`` for a float32 all-reduce and ``params * 2`` for a float16/bfloat16
-one (``jaxmp.parallel.make_pmap_train_step(..., grad_reduce_dtype=jnp.float16)``). The model leaves out
+one (``jaxmp.parallel.make_pmap_train_step(..., reduce_dtype=jnp.float16)``). The model leaves out
 the input pipeline, stragglers, gradient bucketing and hierarchical (NVLink inside a node,
 network across nodes) collectives, so it is an upper bound on efficiency for the given link;
 pass the bandwidth of the slowest link the ring crosses.

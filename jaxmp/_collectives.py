@@ -51,12 +51,13 @@ def optional_axis_name(axis_name: AxisName | None) -> AxisName | None:
     return None if axis_name is None else check_axis_name(axis_name)
 
 
-def check_reduce_dtype(dtype: DTypeLike | None, what: str = "grad_reduce_dtype") -> np.dtype | None:
+def check_reduce_dtype(dtype: DTypeLike | None) -> np.dtype | None:
     """``None`` (reduce in each gradient's own dtype) or a floating dtype that can hold gradients.
+
+    Every step and `all_reduce_gradients` call the setting ``reduce_dtype``; the errors name it so.
 
     Args:
       dtype: the user's reduce dtype.
-      what: how the error names it (``"reduce_dtype"`` for the sharded step).
 
     Returns:
       None or the numpy dtype (float16, bfloat16, float32 or float64).
@@ -67,10 +68,10 @@ def check_reduce_dtype(dtype: DTypeLike | None, what: str = "grad_reduce_dtype")
     """
     if dtype is None:
         return None
-    dt = float_dtype(dtype, what)
+    dt = float_dtype(dtype, "reduce_dtype")
     if dt.itemsize < 2:
         raise ValueError(
-            f"{what}={dt.name} cannot hold gradients: {jnp.finfo(dt).nmant + 1} significant bits and a largest "
+            f"reduce_dtype={dt.name} cannot hold gradients: {jnp.finfo(dt).nmant + 1} significant bits and a largest "
             f"value of {float(jnp.finfo(dt).max):g}, so their sum rounds or overflows; reduce in float32 (the "
             "default), or bfloat16/float16 to halve the traffic (fp8 is for matmul operands, jaxmp.fp8)")
     return dt

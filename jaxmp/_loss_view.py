@@ -2,8 +2,9 @@
 
 A step runs its loss inside a ``shard_map`` (sharded layouts), a ``pmap`` or a Flax model call,
 and differentiates it at the loss scale kept in the optimizer state. The debugger
-(`jaxmp.diagnostics`) treats a ``shard_map`` or ``pmap`` as one op, so every step builder exposes
-the loss instead: ``step.loss_fn`` (the user's loss, or the model's) and
+(`jaxmp.diagnostics`) treats a ``shard_map`` or ``pmap`` as one op, so every step exposes
+the loss instead (fields of the `jaxmp._step.TrainStep` record the builders return):
+``step.loss_fn`` (the user's loss, or the model's) and
 ``step.loss_view(*step_args) -> LossView``, the same loss as one function of plain arrays, on
 the arguments the step was called with, and the scale the step multiplies it by. The debugger
 reads the view when it is handed a step (`find_view`) and says so in its report.
@@ -39,7 +40,12 @@ class LossView(NamedTuple):
 
 
 def expose(step: Callable, loss_fn: Callable | None, view: Callable[..., LossView]) -> Callable:
-    """Sets ``step.loss_fn`` and ``step.loss_view``; returns ``step``."""
+    """Sets ``step.loss_fn`` and ``step.loss_view``; returns ``step``.
+
+    For the one step that is a module-level function with its own API page,
+    ``jaxmp.flax.nnx.train_step``; the built steps are `jaxmp._step.TrainStep` records, whose
+    fields these are.
+    """
     # setattr: a function object takes attributes, which a type checker cannot see on Callable.
     setattr(step, "loss_fn", loss_fn)
     setattr(step, "loss_view", view)

@@ -7,6 +7,7 @@ What one step does, in order: see docs/design.md#the-train-step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmp import fp8
-from jaxmp._collectives import all_reduce_gradients, optional_axis_name
+from jaxmp._collectives import all_reduce_gradients, check_axis_name, mean_model_state
 from jaxmp.fp8._seams import FP8_COLLECTION
 from jaxmp._grad import value_and_grad
 from jaxmp._opt_state import find_loss_scaling_state, get_loss_scale, scaling_stats
@@ -39,6 +40,108 @@ class Fp8Hooks(NamedTuple):
     update: Callable[[Any, Any], Any]
 
 
+def _reduce_whole(model_state: Any, mean: Callable[[Any], Any]) -> Any:
+    return mean(model_state)
+
+
+class StateRules(NamedTuple):
+    """What a kind of model state needs from the step (Linen's collections, NNX's variable groups).
+
+    The default is a plain pytree: averaged whole by the layout, restored whole on a skipped step.
+
+    Attributes:
+      fp8: delayed-scaling fp8 state inside the model state (`Fp8Hooks`), or None.
+      keep: ``(finite, new, old) -> kept``, the skip rule (NNX keeps RNG counters moving).
+      reduce: ``(model_state, mean) -> model_state``: applies the layout's mean over the replicas
+        (`Strategy.reduce_model_state`) to the parts that are per-replica statistics.
+    """
+
+    fp8: Fp8Hooks | None = None
+    keep: Callable[[Any, Any, Any], Any] = keep_if_finite
+    reduce: Callable[[Any, Callable[[Any], Any]], Any] = _reduce_whole
+
+
+#: A plain model-state pytree (the parallel steps' ``model_state=True``, or none at all).
+PLAIN_STATE = StateRules()
+
+
+class Strategy:
+    """How one layout differentiates, reduces and places a step; this base is the single-device one.
+
+    One small object per layout replaces a bag of hooks: `Replicas` (a bound ``pmap`` /
+    ``shard_map`` axis) and `jaxmp.parallel._shard_step.Sharded` (sharded ``jit``: replicated,
+    zero, fsdp). `make_step` calls, in order: `wrap_loss` once, `differentiate` (None: the
+    default, `jaxmp.value_and_grad`), `reduce_grads`, `reduce_loss`, `reduce_model_state`,
+    `place_params`; `make_loss_fn_step` also reads `replica_key` and `per_replica_aux`.
+
+    Attributes:
+      differentiate: ``differentiate(loss_fn, opt_state, params, model_state, batch, rng) ->
+        ((loss, (new_model_state, aux)), grads)`` with ``grads`` those of the loss scaled by the
+        loss scale in ``opt_state``, already reduced; None for the default differentiation.
+      per_replica_aux: ``aux`` stays per replica (a ``batch_stats`` in it would drift apart).
+    """
+
+    differentiate: Callable[..., Any] | None = None
+    per_replica_aux: bool = False
+
+    def wrap_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """The loss the step differentiates, ``(params, model_state, batch, rng) -> (loss, (state, aux))``."""
+        return loss_fn
+
+    def reduce_grads(self, grads: Any) -> Any:
+        """The gradient reduction over the replicas; runs before ``tx.update``, so a NaN on one
+        replica is seen by every replica's finite check."""
+        return grads
+
+    def reduce_loss(self, loss: jax.Array) -> jax.Array:
+        """The loss's reduction (what ``tx.update`` sees: every replica records the same skip reason)."""
+        return loss
+
+    def reduce_model_state(self, model_state: Any) -> Any:
+        """The mean of per-replica model state (BatchNorm statistics) over the replicas."""
+        return model_state
+
+    def place_params(self, params: Any) -> Any:
+        """Where the new params are made."""
+        return params
+
+    def replica_key(self, rng: Any) -> Any:
+        """This replica's key from the step's one key (dropout masks differ between shards)."""
+        return rng
+
+
+#: The single-device layout (and a global view under sharded ``jit`` needing no reduction).
+LOCAL = Strategy()
+
+
+class Replicas(Strategy):
+    """A bound ``pmap`` / ``shard_map`` axis: gradients averaged over it in ``reduce_dtype``
+    (`all_reduce_gradients`), the loss and the model state ``pmean``-ed, one key per replica."""
+
+    per_replica_aux = True
+
+    def __init__(self, axis_name: Any, reduce_dtype: Any = jnp.float32):
+        self.axis_name = check_axis_name(axis_name)
+        self.reduce_dtype = reduce_dtype
+
+    def reduce_grads(self, grads: Any) -> Any:
+        return all_reduce_gradients(grads, self.axis_name, self.reduce_dtype)
+
+    def reduce_loss(self, loss: jax.Array) -> jax.Array:
+        return jax.lax.pmean(loss, self.axis_name)
+
+    def reduce_model_state(self, model_state: Any) -> Any:
+        return mean_model_state(model_state, self.axis_name)
+
+    def replica_key(self, rng: Any) -> Any:
+        return jax.random.fold_in(rng, jax.lax.axis_index(self.axis_name))
+
+
+def strategy_for(axis_name: Any) -> Strategy:
+    """`LOCAL` without an axis, else `Replicas` over it (the Flax steps' ``axis_name``)."""
+    return LOCAL if axis_name is None else Replicas(axis_name)
+
+
 class StepResult(NamedTuple):
     """What one step returns.
 
@@ -46,7 +149,7 @@ class StepResult(NamedTuple):
       params: the new params (bitwise the old ones on a skipped step).
       model_state: the new model state (bitwise the old one on a skipped step).
       opt_state: the new optimizer state (inner state bitwise unchanged on a skipped step).
-      loss: the true (unscaled) loss, float32, averaged over ``axis_name`` when given.
+      loss: the true (unscaled) loss, float32, averaged over the replicas under `Replicas`.
       aux: the loss function's auxiliary output (per replica).
       finite: bool [], whether the step was applied.
       loss_scale: float32 [], the scale this step's loss was multiplied by.
@@ -61,54 +164,83 @@ class StepResult(NamedTuple):
     loss_scale: jax.Array
 
 
-def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, reduce_dtype: Any = jnp.float32,
-              reduce_grads: Callable | None = None, reduce_loss: Callable | None = None,
-              reduce_model_state: Callable | None = None,
-              fp8_hooks: Fp8Hooks | None = None, keep_model_state: Callable = keep_if_finite,
-              pass_value: bool = True, differentiate: Callable | None = None,
-              place_params: Callable | None = None) -> Callable[..., StepResult]:
+@dataclasses.dataclass(frozen=True, eq=False, slots=True, weakref_slot=True)
+class TrainStep:
+    """What the train-step builders return: the step, called as before, and what it is made of.
+
+    ``step(*args)`` runs ``step.run(*args)``; ``jax.jit(step)`` compiles it under ``run``'s
+    name and signature. A typed record, as optax's ``GradientTransformation`` is, but not a
+    tuple: a step is no pytree, and ``jax.jit`` keys its caches on the step itself. Slotted: no
+    ``__dict__`` for ``jax.jit``'s ``functools.wraps`` to copy, so a field such as ``lower``
+    never hides the jitted function's own. Fields a builder does not make are None.
+
+    Attributes:
+      run: the step function.
+      loss_fn: the loss the step wraps (the user's; the Linen step's ``loss_fn(logits, labels)``).
+      loss_view: ``loss_view(*step_args) -> LossView``, the same loss as one function of plain
+        arrays on the step's arguments: what the precision debugger runs (`jaxmp._loss_view`).
+      layout: the sharded step's ``jaxmp.parallel.Layout`` (mesh, data axis, layout name).
+      reduce_dtype: the gradient reduction's dtype (sharded and pmap steps; None: each gradient's own).
+      lower: the sharded step's ``lower(*step_args) -> jax.stages.Lowered`` (no run).
+      shardings: the sharded step's ``shardings(params, opt_state) -> (param shardings, opt_state shardings)``.
+      pmapped: the pmap step's ``jax.pmap``-ed body without an rng.
+      pmapped_with_rng: the pmap step's ``jax.pmap``-ed body with an rng.
+      num_devices: the pmap step's device count.
+    """
+
+    run: Callable[..., Any]
+    loss_fn: Callable[..., Any] | None
+    loss_view: Callable[..., Any]
+    layout: Any = None
+    reduce_dtype: Any = None
+    lower: Callable[..., Any] | None = None
+    shardings: Callable[..., Any] | None = None
+    pmapped: Callable[..., Any] | None = None
+    pmapped_with_rng: Callable[..., Any] | None = None
+    num_devices: int | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+    @property
+    def mesh(self) -> Any:
+        """The sharded step's mesh (``step.layout.mesh``), else None."""
+        return None if self.layout is None else self.layout.mesh
+
+    # What jax.jit and inspect.signature read: the step's own name and signature, not __call__'s.
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self.run
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.run, "__name__", "step")
+
+
+def make_step(loss_fn: Callable[..., Any], tx: Any, strategy: Strategy = LOCAL, *,
+              state: StateRules = PLAIN_STATE, pass_value: bool = True) -> Callable[..., StepResult]:
     """Builds ``step(params, model_state, opt_state, batch, rng=None) -> StepResult``.
 
     Args:
       loss_fn: ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, aux))``,
         the loss a scalar (computed in float32).
       tx: the optax transformation holding a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state.
-      axis_name: a bound pmap / shard_map axis: gradients are averaged over it in
-        ``reduce_dtype`` and the loss is ``pmean``-ed. ``None`` under plain or sharded ``jit``.
-      reduce_dtype: dtype of the gradient all-reduce (float32; None: each gradient's own).
-      reduce_grads: replaces the all-reduce (e.g. identity); default from ``axis_name``.
-      reduce_loss: replaces the loss's ``pmean``; default from ``axis_name``. The reduced loss
-        is what ``tx.update`` sees, so every replica records the same reason for a skip.
-      reduce_model_state: applied to the new model state before it is kept (e.g. a mean of
-        BatchNorm statistics over the replicas); default none.
-      fp8_hooks: delayed-scaling fp8 state inside the model state (`Fp8Hooks`).
-      keep_model_state: ``(finite, new, old) -> kept``, the skip rule of the model state
-        (default `jaxmp._skip.keep_if_finite`; NNX keeps RNG counters moving).
+      strategy: the layout (`Strategy`): `LOCAL` (default), `Replicas` over a bound axis, or
+        the sharded layouts' (`jaxmp.parallel._shard_step.Sharded`). Its ``differentiate``
+        excludes ``state.fp8`` (the fp8 state's gradient is taken by the default differentiation).
+      state: the model state's rules (`StateRules`: fp8 state, skip rule, which parts are averaged).
       pass_value: give ``tx.update`` the loss as ``value`` (``skip_reason`` then tells a
         non-finite loss from non-finite gradients).
-      differentiate: takes the gradient itself, in place of ``jaxmp.value_and_grad``:
-        ``differentiate(loss_fn, opt_state, params, model_state, batch, rng) -> ((loss,
-        (new_model_state, aux)), grads)`` with ``grads`` those of the loss scaled by the loss
-        scale in ``opt_state`` (the sharded layouts: each data shard differentiates its own loss
-        inside one ``shard_map`` and reduces its gradients there). Not with ``fp8_hooks``.
-      place_params: maps the new params before they are returned (the sharded layouts: a
-        sharding constraint onto the master's slices, so half params are gathered as such).
 
     Returns:
       The step function (not jitted).
     """
-    axis_name = optional_axis_name(axis_name)
-    if reduce_grads is None:
-        def reduce_grads(grads):
-            return grads if axis_name is None else all_reduce_gradients(grads, axis_name, reduce_dtype)
-
-    if reduce_loss is None:
-        def reduce_loss(loss):
-            return loss if axis_name is None else jax.lax.pmean(loss, axis_name)
-
+    fp8_hooks = state.fp8
+    differentiate = strategy.differentiate
     if differentiate is not None and fp8_hooks is not None:
-        raise ValueError("make_step: differentiate and fp8_hooks exclude each other (the fp8 state's gradient "
-                         "is taken by the default differentiation)")
+        raise ValueError("make_step: a strategy's differentiate and fp8 state exclude each other (the fp8 "
+                         "state's gradient is taken by the default differentiation)")
+    loss_fn = strategy.wrap_loss(loss_fn)
 
     def step(params, model_state, opt_state, batch, rng=None) -> StepResult:
         scale = jnp.asarray(get_loss_scale(opt_state).loss_scale, jnp.float32)
@@ -133,20 +265,19 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, *, axis_name: Any = None, re
     def finish(params, model_state, opt_state, scale, loss, new_model_state, aux, grads, fp8_observed):
         # Reduce before the update: a NaN on one replica, or an overflowing half-precision sum, is
         # then seen by every replica's finite check.
-        grads = reduce_grads(grads)
-        loss = reduce_loss(jnp.asarray(loss, jnp.float32))
-        if reduce_model_state is not None:
-            new_model_state = reduce_model_state(new_model_state)
+        grads = strategy.reduce_grads(grads)
+        loss = strategy.reduce_loss(jnp.asarray(loss, jnp.float32))
+        if new_model_state is not None:
+            new_model_state = state.reduce(new_model_state, strategy.reduce_model_state)
         if fp8_hooks is not None:
             fp8_state, observed = fp8_observed
             new_fp8 = fp8_hooks.update(fp8_state, observed)
             new_model_state = fp8_hooks.merge(fp8_hooks.split(new_model_state)[1], new_fp8)
         extra = {"value": loss} if pass_value else {}
         new_params, new_opt_state = update_and_apply(tx, grads, opt_state, params, **extra)
-        if place_params is not None:
-            new_params = place_params(new_params)
+        new_params = strategy.place_params(new_params)
         finite = find_loss_scaling_state(new_opt_state).last_step_finite
-        new_model_state = keep_model_state(finite, new_model_state, model_state)
+        new_model_state = state.keep(finite, new_model_state, model_state)
         return StepResult(new_params, new_model_state, new_opt_state, loss, aux, finite, scale)
 
     return step
@@ -201,11 +332,8 @@ def check_differentiable_params(params: Any) -> None:
                 "(model_state=True)")
 
 
-def make_loss_fn_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads: Callable, reduce_loss: Callable,
-                      with_rng: bool, rng_transform: Callable | None = None, with_model_state: bool = False,
-                      reduce_model_state: Callable | None = None, per_replica_aux: bool = False,
-                      wrap_loss: Callable | None = None, differentiate: Callable | None = None,
-                      place_params: Callable | None = None) -> Callable:
+def make_loss_fn_step(loss_fn: Callable, tx: Any, strategy: Strategy, *, has_aux: bool, with_rng: bool,
+                      with_model_state: bool = False) -> Callable:
     """`make_step` for a user's ``loss_fn(params[, model_state], batch[, rng])``: the pmap and sharded-jit steps.
 
     Args:
@@ -213,23 +341,12 @@ def make_loss_fn_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads
         last when asked; returns the loss, ``(loss, aux)`` with ``has_aux``, ``(loss,
         new_model_state)`` with ``with_model_state``, or ``(loss, (new_model_state, aux))`` with both.
       tx: the optax transformation holding a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state.
+      strategy: the layout (`Strategy`): `Replicas` under pmap, the sharded layouts' under
+        sharded jit. Its ``replica_key`` gives ``loss_fn`` this replica's rng, and with
+        ``per_replica_aux`` an ``aux`` dict holding ``batch_stats`` is refused (it would drift).
       has_aux: whether ``loss_fn`` returns ``aux`` (reported as ``metrics["aux"]``).
-      reduce_grads: the gradient all-reduce (pmean under pmap; a sharding constraint under
-        sharded jit, where the global-view mean already is the all-reduce). It runs before
-        ``tx.update``, so a NaN on one replica is seen by every replica's finite check.
-      reduce_loss: the loss's reduction over the replicas.
       with_rng: whether the step takes an rng (passed to ``loss_fn`` last).
-      rng_transform: maps the step's rng to this replica's (e.g. folds in the axis index).
       with_model_state: the step's first argument is ``(params, model_state)``.
-      reduce_model_state: averages the new model state over the replicas before it is kept.
-      per_replica_aux: refuse an ``aux`` dict holding ``batch_stats`` (pmap: it would drift).
-      wrap_loss: maps the canonical loss ``(params, model_state, batch, rng) -> (loss,
-        (model_state, aux))`` to another of the same signature (the sharded-jit layouts' global view).
-      differentiate: takes the gradient of the canonical loss itself (`make_step`; the
-        sharded-jit layouts' per-shard reduce).
-      place_params: maps the new params to where they are made (`make_step`): the sharded-jit
-        layouts put them on the master's slices, so that each device casts its slice and the
-        params are gathered in their own (half) dtype, not as float32 masters.
 
     Returns:
       ``body(state, opt_state, batch, rng=None) -> (state, opt_state, metrics)`` (not
@@ -245,17 +362,14 @@ def make_loss_fn_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads
         if not (has_aux or with_model_state):
             return out, (model_state, None)
         loss, aux = out
-        if per_replica_aux and has_aux and not with_model_state:
+        if strategy.per_replica_aux and has_aux and not with_model_state:
             check_no_model_state_in_aux(aux)
         if with_model_state:
             new_model_state, aux = aux if has_aux else (aux, None)
             return loss, (new_model_state, aux)
         return loss, (model_state, aux)
 
-    step = make_step(canonical if wrap_loss is None else wrap_loss(canonical), tx,
-                     reduce_grads=reduce_grads, reduce_loss=reduce_loss,
-                     reduce_model_state=reduce_model_state if with_model_state else None, pass_value=pass_value,
-                     differentiate=differentiate, place_params=place_params)
+    step = make_step(canonical, tx, strategy, pass_value=pass_value)
 
     def body(state, opt_state, batch, rng=None):
         params, model_state = state if with_model_state else (state, None)
@@ -266,7 +380,7 @@ def make_loss_fn_step(loss_fn: Callable, tx: Any, *, has_aux: bool, reduce_grads
             raise ValueError(f"the model state holds delayed fp8 scaling state ({FP8_COLLECTION!r}), which this "
                              "generic step would never update: use jaxmp.flax.make_train_step(axis_name=...) "
                              "under pmap, or the 'O2-fp8-current' preset (no state)")
-        key = (rng_transform(rng) if rng_transform is not None else rng) if with_rng else None
+        key = strategy.replica_key(rng) if with_rng else None
         out = step(params, model_state, opt_state, batch, key)
         metrics = step_metrics(out, **({"aux": out.aux} if has_aux else {}))
         if with_model_state:

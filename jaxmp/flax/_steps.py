@@ -2,7 +2,8 @@
 
 Both turn their model into the step builder's loss ``(params, model_state, batch, rng) ->
 (loss, (new_model_state, accuracy))`` and call `jaxmp._step.make_step` through
-`_make_flax_step`; both report `_flax_metrics`: the metrics of every jaxmp step
+`_make_flax_step` (the layout: `jaxmp._step.Replicas` under pmap; the model state's rules:
+`jaxmp._step.StateRules`); both report `_flax_metrics`: the metrics of every jaxmp step
 (`jaxmp._step.step_metrics`) plus ``accuracy``, averaged over ``axis_name`` under pmap. What
 differs is the model's state: Linen's is a dict of collections (``batch_stats``, the fp8
 collection), NNX's the graph's variables split into fp8 state, running statistics and the rest
@@ -23,20 +24,25 @@ from flax import nnx
 
 from jaxmp import _loss_view, fp8
 from jaxmp._typing import AxisName
-from jaxmp._collectives import mean_model_state, optional_axis_name
+from jaxmp._collectives import optional_axis_name
 from jaxmp.flax.fp8 import FP8_COLLECTION, Fp8State
 from jaxmp.flax._losses import accuracy, softmax_cross_entropy, split_batch
 from jaxmp._opt_state import find_loss_scaling_state
 from jaxmp._skip import keep_if_finite
-from jaxmp._step import Fp8Hooks, StepResult, make_step, step_metrics
+from jaxmp._step import Fp8Hooks, StateRules, StepResult, TrainStep, make_step, step_metrics, strategy_for
 
 
-def _make_flax_step(loss_fn: Callable, tx: Any, axis_name: Any, reduce_model_state: Callable,
-                    fp8_hooks: Fp8Hooks | None, keep_model_state: Callable = keep_if_finite) -> Callable:
-    """`make_step` as both Flax steps use it: model state averaged over ``axis_name`` only under pmap,
-    and no ``value`` for ``tx.update`` (their ``tx`` is the user's, possibly a plain optax one)."""
-    return make_step(loss_fn, tx, axis_name=axis_name, fp8_hooks=fp8_hooks, keep_model_state=keep_model_state,
-                     reduce_model_state=None if axis_name is None else reduce_model_state, pass_value=False)
+def _make_flax_step(loss_fn: Callable, tx: Any, axis_name: Any, state: StateRules) -> Callable:
+    """`make_step` as both Flax steps use it: the replicas of ``axis_name`` (model state averaged
+    only under pmap), and no ``value`` for ``tx.update`` (their ``tx`` is the user's, possibly a
+    plain optax one)."""
+    return make_step(loss_fn, tx, strategy_for(axis_name), state=state, pass_value=False)
+
+
+def _linen_reduce(model_state: Any, mean: Callable[[Any], Any]) -> Any:
+    # Each replica's BatchNorm saw its own shard: averaged, the statistics stay replicated. The
+    # fp8 state is left out: its update (Fp8Hooks.update) reduces it over the axis already.
+    return {k: v if k == FP8_COLLECTION else mean(v) for k, v in model_state.items()}
 
 
 def _flax_metrics(out: StepResult, axis_name: Any) -> dict[str, Any]:
@@ -80,7 +86,7 @@ def _fp8_hooks(recipe: fp8.DelayedScaling | None, axis_name: Any) -> Fp8Hooks | 
 
 def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
                     axis_name: AxisName | None = None, model_kwargs: dict | None = None,
-                    rng_collections: tuple[str, ...] = ("dropout",)) -> Callable:
+                    rng_collections: tuple[str, ...] = ("dropout",)) -> TrainStep:
     """Returns ``train_step(state, batch, rng=None) -> (state, metrics)`` for supervised training.
 
     Runs the model under its policy with every non-param collection mutable, computes the loss on
@@ -104,7 +110,8 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
       ``train_step(state, batch, rng=None)``; ``batch`` is ``(inputs, labels)`` or a dict with
       ``image``/``inputs``/``x`` and ``label``/``labels``/``y``. Its metrics (a
       dict, the keys of every jaxmp step, `jaxmp._step.step_metrics`): ``loss``, ``accuracy``, ``loss_scale`` (the scale this step used),
-      ``last_step_finite``, ``consecutive_skips``, ``total_skips``.
+      ``last_step_finite``, ``consecutive_skips``, ``total_skips``. The step is a
+      `jaxmp._step.TrainStep` record: ``step.loss_fn``, ``step.loss_view`` (the debugger's).
 
     Example:
       >>> import jax, numpy as np, optax, flax.linen as nn, jaxmp, jaxmp.flax
@@ -140,13 +147,8 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
                                                                rngs, model_kwargs, train=True)
             return loss, (new_model_state, accuracy(logits, labels))
 
-        def reduce_model_state(model_state):
-            # Each replica's BatchNorm saw its own shard: averaged, the statistics stay replicated.
-            # The fp8 state is left out: the hooks replace it by one reduced over the axis already.
-            return {k: v if k == FP8_COLLECTION else mean_model_state(v, axis_name) for k, v in model_state.items()}
-
-        step = _make_flax_step(loss_and_accuracy, state.tx, axis_name, reduce_model_state,
-                               _fp8_hooks(_fp8_recipe(state), axis_name))
+        rules = StateRules(fp8=_fp8_hooks(_fp8_recipe(state), axis_name), reduce=_linen_reduce)
+        step = _make_flax_step(loss_and_accuracy, state.tx, axis_name, rules)
         out = step(state.params, dict(state.model_state), state.opt_state, None)
         new_state = state.replace(step=state.step + out.finite.astype(jnp.int32), params=out.params,
                                   model_state=out.model_state, opt_state=out.opt_state)
@@ -163,7 +165,7 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
         return _loss_view.LossView(loss, (state.params, dict(state.model_state), inputs, labels),
                                    _loss_view.scale_of(state.opt_state), "jaxmp.flax.make_train_step")
 
-    return _loss_view.expose(train_step, loss_fn, loss_view)
+    return TrainStep(train_step, loss_fn, loss_view)
 
 
 def make_eval_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
@@ -284,13 +286,13 @@ def nnx_train_step(model: nnx.Module, optimizer: nnx.Optimizer, opt_state: Any, 
             new_model_state[2] = _restore_keys(new_model_state[2], rest_run, rest_in)
         return loss_fn(logits, labels), (tuple(new_model_state), accuracy(logits, labels))
 
-    def reduce_model_state(model_state):
+    def reduce_model_state(model_state, mean):
         # Each replica's BatchNorm saw its own shard: averaged, the statistics stay replicated.
-        # The fp8 state is left out: the hooks replace it by one reduced over the axis already.
-        # So is the rest (frozen params outside the optimizer's wrt, caches): averaging it would
-        # all-reduce a frozen base model every step.
+        # The fp8 state is left out: its update reduces it over the axis already. So is the rest
+        # (frozen params outside the optimizer's wrt, caches): averaging it would all-reduce a
+        # frozen base model every step.
         fp8_state, stats, rest = model_state
-        return fp8_state, mean_model_state(stats, axis_name), rest
+        return fp8_state, mean(stats), rest
 
     def update_fp8(state, observed):
         new = fp8.update_state(nnx.to_pure_dict(state), nnx.to_pure_dict(observed), recipe, axis_name)
@@ -304,7 +306,8 @@ def nnx_train_step(model: nnx.Module, optimizer: nnx.Optimizer, opt_state: Any, 
     def keep(finite, new, old):
         return (*keep_if_finite(finite, new[:2], old[:2]), new[2])
 
-    step = _make_flax_step(loss_and_accuracy, optimizer.tx, axis_name, reduce_model_state, hooks, keep)
+    step = _make_flax_step(loss_and_accuracy, optimizer.tx, axis_name,
+                           StateRules(fp8=hooks, keep=keep, reduce=reduce_model_state))
     out = step(params, model_state, opt_state, None)
     nnx.update(model, out.params, *out.model_state)
     nnx.update(optimizer.opt_state, nnx.state(out.opt_state))

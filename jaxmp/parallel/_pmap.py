@@ -16,12 +16,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp import _loss_view
-from jaxmp._collectives import all_reduce_gradients, check_axis_name, check_reduce_dtype, mean_model_state
-
+from jaxmp._collectives import check_axis_name, check_reduce_dtype
 from jaxmp._typing import AxisName
 from jaxmp.parallel._checks import check_not_donated, log_once, with_model_state
 from jaxmp.parallel._replication import check_replicated
-from jaxmp._step import make_loss_fn_step
+from jaxmp._step import Replicas, TrainStep, make_loss_fn_step
 
 _CHECK_MODES = ("first", "always", "never")
 
@@ -55,14 +54,14 @@ def _leading_sizes(tree: Any) -> set:
 
 def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation,
                          axis_name: AxisName = "batch", *,
-                         grad_reduce_dtype: jax.typing.DTypeLike | None = jnp.float32, has_aux: bool = False,
+                         reduce_dtype: jax.typing.DTypeLike | None = jnp.float32, has_aux: bool = False,
                          devices: Sequence[Any] | None = None, donate: bool = False,
-                         check_replicas: str = "first", model_state: bool = False) -> Callable[..., Any]:
+                         check_replicas: str = "first", model_state: bool = False) -> TrainStep:
     """A ``jax.pmap``-ed data-parallel train step with loss scaling that every replica agrees on.
 
     Each step, on every device: the loss of the device's batch shard is scaled and
     differentiated ([`jaxmp.value_and_grad`][jaxmp.value_and_grad] reads the scale from ``opt_state``), the
-    gradients are all-reduced ([`all_reduce_gradients`][jaxmp.parallel.all_reduce_gradients], a mean, in ``grad_reduce_dtype``),
+    gradients are all-reduced ([`all_reduce_gradients`][jaxmp.parallel.all_reduce_gradients], a mean, in ``reduce_dtype``),
     then ``tx.update`` unscales them, checks them for inf/NaN, applies or skips the step and
     adjusts the scale. Because the check runs *after* the all-reduce, a NaN in one replica's
     shard, or an overflow of a half-precision sum, reaches every replica: all of them skip and
@@ -80,7 +79,7 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
         the loss in float32.
       tx: an optax transformation whose state holds a [`jaxmp.loss_scaling`][jaxmp.loss_scaling] state.
       axis_name: the pmap axis name.
-      grad_reduce_dtype: dtype of the gradient all-reduce: float32 (default, safe); float16 or
+      reduce_dtype: dtype of the gradient all-reduce: float32 (default, safe); float16 or
         bfloat16 to halve communication (float16's sum can overflow, which costs a skipped step,
         see [`all_reduce_gradients`][jaxmp.parallel.all_reduce_gradients]); ``None`` for each gradient's own dtype.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is returned per replica in
@@ -105,14 +104,15 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
       (each device folds in its axis index, so dropout masks differ between devices), and
       metrics (a dict, the keys of every jaxmp step) holds, per replica,
       ``loss`` (the global mean loss), ``loss_scale``, ``last_step_finite``,
-      ``consecutive_skips`` and ``total_skips`` (and ``aux`` with ``has_aux``). The pmapped function is
-      ``step.pmapped`` (and ``step.pmapped_with_rng``).
+      ``consecutive_skips`` and ``total_skips`` (and ``aux`` with ``has_aux``). The step is a
+      `jaxmp._step.TrainStep` record: the pmapped function is ``step.pmapped`` (and
+      ``step.pmapped_with_rng``), with ``step.reduce_dtype``, ``step.num_devices``, ``step.loss_fn``.
 
     Raises:
       ValueError: (when called) params/opt_state/batch without a leading axis of the device
         count, replicas that differ, or an axis name ``tx`` does not know.
-      TypeError: a ``grad_reduce_dtype`` that is not a floating dtype.
-      ValueError: an 8-bit ``grad_reduce_dtype`` (fp8), which cannot hold gradients.
+      TypeError: a ``reduce_dtype`` that is not a floating dtype.
+      ValueError: an 8-bit ``reduce_dtype`` (fp8), which cannot hold gradients.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxmp
@@ -131,31 +131,19 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
         raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     axis_name = check_axis_name(axis_name)
-    reduce_dtype = check_reduce_dtype(grad_reduce_dtype)
+    reduce_dtype = check_reduce_dtype(reduce_dtype)
     if check_replicas not in _CHECK_MODES:
         raise ValueError(f"check_replicas must be one of {_CHECK_MODES}, got {check_replicas!r}")
     devices = None if devices is None else list(devices)
     n = jax.local_device_count() if devices is None else len(devices)
 
-    def reduce_grads(g):
-        return all_reduce_gradients(g, axis_name, reduce_dtype)
-
-    def reduce_loss(loss):
-        return jax.lax.pmean(loss, axis_name)
-
-    def per_device_key(rng):
-        # One key in, a different key per device: dropout masks must differ between shards,
-        # as they would across the examples of one big batch.
-        return jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
-
     donate_argnums = (0, 1) if donate else ()
-    def reduce_model_state(state):
-        return mean_model_state(state, axis_name)
-
-    common = dict(has_aux=has_aux, reduce_grads=reduce_grads, reduce_loss=reduce_loss,
-                  with_model_state=model_state, reduce_model_state=reduce_model_state, per_replica_aux=True)
-    body = make_loss_fn_step(loss_fn, tx, with_rng=False, **common)
-    body_rng = make_loss_fn_step(loss_fn, tx, with_rng=True, rng_transform=per_device_key, **common)
+    # The replicas' layout: gradients all-reduced in reduce_dtype, loss and model state pmean-ed,
+    # and one key in, a different key per device (dropout masks must differ between shards, as
+    # they would across the examples of one big batch).
+    strategy = Replicas(axis_name, reduce_dtype)
+    body = make_loss_fn_step(loss_fn, tx, strategy, has_aux=has_aux, with_rng=False, with_model_state=model_state)
+    body_rng = make_loss_fn_step(loss_fn, tx, strategy, has_aux=has_aux, with_rng=True, with_model_state=model_state)
     pmapped = jax.pmap(body, axis_name=axis_name, devices=devices, donate_argnums=donate_argnums)
     pmapped_rng = jax.pmap(body_rng, axis_name=axis_name, in_axes=(0, 0, 0, None), devices=devices,
                            donate_argnums=donate_argnums)
@@ -194,13 +182,8 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
             return pmapped(params, opt_state, batch)
         return pmapped_rng(params, opt_state, batch, rng)
 
-    step = with_model_state(run, model_state)
     # The debugger cannot see into the pmap: it runs the loss this step wraps.
-    _loss_view.expose(step, loss_fn, _loss_view.generic_view(
-        loss_fn, has_aux=has_aux, model_state=model_state, name=f"make_pmap_train_step(axis_name={axis_name!r})",
-        per_device=True))
-
-    step.pmapped = pmapped
-    step.pmapped_with_rng = pmapped_rng
-    step.num_devices = n
-    return step
+    view = _loss_view.generic_view(loss_fn, has_aux=has_aux, model_state=model_state,
+                                   name=f"make_pmap_train_step(axis_name={axis_name!r})", per_device=True)
+    return TrainStep(with_model_state(run, model_state), loss_fn, view, reduce_dtype=reduce_dtype,
+                     pmapped=pmapped, pmapped_with_rng=pmapped_rng, num_devices=n)

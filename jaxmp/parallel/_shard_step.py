@@ -1,4 +1,4 @@
-"""The sharded step's differentiation: the per-shard loss and gradient of a reduce dtype.
+"""The sharded step's strategy (`Sharded`) and differentiation: the per-shard loss and gradient of a reduce dtype.
 
 The step of `jaxmp.parallel.make_sharded_train_step` differentiates through here when the
 gradient is reduced over the data axis in a dtype of its own (one ``shard_map`` over the data
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp._dtypes import accumulation_dtype
+from jaxmp._step import Strategy
 from jaxmp.parallel._layouts import axes_of, is_float_leaf, make_spec
 
 
@@ -116,7 +117,7 @@ def global_view_loss(mesh: Mesh, layout: str, base_specs: Any, remat: Any) -> An
 
 def per_shard_value_and_grad(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_specs: Any,
                              remat: Any = None) -> Any:
-    """The step's differentiation (`jaxmp._step.make_step`'s ``differentiate``) when the gradient
+    """The step's differentiation (`Sharded`'s ``differentiate``, `jaxmp._step.Strategy`) when the gradient
     is reduced over the data axis in ``reduce_dtype``.
 
     Each data shard differentiates its own loss inside one ``shard_map`` (``jaxmp.value_and_grad``
@@ -218,3 +219,48 @@ def per_shard_value_and_grad(mesh: Mesh, axis: str, reduce_dtype: Any, layout: s
                 jax.tree_util.tree_unflatten(treedef, grads))
 
     return differentiate
+
+
+class Sharded(Strategy):
+    """The sharded-``jit`` layouts' strategy (`jaxmp._step.Strategy`): ``"replicated"``, ``"zero"``, ``"fsdp"``.
+
+    The loss runs on the global batch, so the loss and model state need no explicit reduction.
+    With a ``reduce_dtype`` each data shard differentiates its own loss and reduces its gradients
+    in one ``shard_map`` (`per_shard_value_and_grad`); without one (``None``) the loss is the
+    global view (`global_view_loss`) and XLA reduces.
+
+    Args:
+      mesh: the mesh.
+      axis: its data axis.
+      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"``.
+      reduce_dtype: the gradient reduction's dtype, or None (XLA's, on the global batch).
+      grad_specs: where the reduced gradients go (`jaxmp.parallel._layouts.state_specs`).
+      grad_shardings: the same as ``NamedSharding`` leaves.
+      base_specs: the params' specs over the other (model) axes (`param_tree_specs`), read with
+        ``reduce_dtype=None`` only.
+      remat: the per-layer remat policy (`jaxmp.parallel.scan_layers`).
+    """
+
+    def __init__(self, mesh: Mesh, axis: str, layout: str, reduce_dtype: Any, grad_specs: Any,
+                 grad_shardings: Any, base_specs: Any, remat: Any):
+        self.grad_shardings = grad_shardings
+        if reduce_dtype is None:
+            self._wrap = global_view_loss(mesh, layout, base_specs, remat)
+        else:
+            self._wrap = None
+            self.differentiate = per_shard_value_and_grad(mesh, axis, reduce_dtype, layout, grad_specs, remat)
+
+    def wrap_loss(self, loss_fn: Any) -> Any:
+        return loss_fn if self._wrap is None else self._wrap(loss_fn)
+
+    def reduce_grads(self, grads: Any) -> Any:
+        # Where the reduced gradients go: onto the slices each device updates (zero, fsdp), so XLA
+        # reduce-scatters instead of all-reducing; the finite check then reduces the per-slice
+        # verdicts, identical on every device.
+        return jax.lax.with_sharding_constraint(grads, self.grad_shardings)
+
+    def place_params(self, params: Any) -> Any:
+        # Made on the slices the master lives on (the gradients' layout): each device casts its
+        # float32 slice and the params are gathered in their own dtype, half the wire bytes of
+        # gathering the float32 master and converting after (XLA's choice otherwise).
+        return jax.lax.with_sharding_constraint(params, self.grad_shardings)

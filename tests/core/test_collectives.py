@@ -36,8 +36,8 @@ def test_check_reduce_dtype_accepts_16_bit_and_wider_floats_only():
     assert check_reduce_dtype("bf16") == jnp.bfloat16 and check_reduce_dtype(jnp.float16) == jnp.float16
     assert check_reduce_dtype(np.float32) == np.float32
     with pytest.raises(ValueError, match="reduce_dtype=float8_e4m3fn cannot hold gradients.*448"):
-        check_reduce_dtype(jnp.float8_e4m3fn, "reduce_dtype")
-    with pytest.raises(TypeError, match="grad_reduce_dtype"):
+        check_reduce_dtype(jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="reduce_dtype"):
         check_reduce_dtype(jnp.int32)
     with pytest.raises(TypeError):
         check_reduce_dtype(jnp.bool_)

@@ -1,6 +1,8 @@
 """The step family (jaxmp/_step.py): every train step reports the same metrics keys in a plain
 dict, and the sharded step's layout is a value shard_state takes, so the layout is spelled once."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -107,8 +109,9 @@ def test_the_sharded_steps_layout_is_the_value_shard_state_takes():
 # ---------------------------------------------------------------------------------------------
 # make_step, step_metrics, make_loss_fn_step and the checks, unit by unit.
 
-from jaxmp._step import (StepResult, check_differentiable_params, check_no_model_state_in_aux,  # noqa: E402
-                        make_loss_fn_step, make_step, step_metrics)
+from jaxmp._step import (LOCAL, Replicas, StateRules, StepResult, Strategy, TrainStep,  # noqa: E402
+                        check_differentiable_params, check_no_model_state_in_aux, make_loss_fn_step, make_step,
+                        step_metrics)
 
 
 def _quad(p, s, b, rng):
@@ -141,13 +144,23 @@ def test_make_step_skips_a_non_finite_step_and_keeps_the_old_model_state_bitwise
     assert int(jaxmp._opt_state.find_loss_scaling_state(out.opt_state).skip_reason) == 2
 
 
-def test_make_step_uses_the_given_reducers_and_skip_rule():
+class _Odd(Strategy):
+    # A layout whose every reduction is visible in the result.
+    def reduce_grads(self, grads):
+        return jax.tree_util.tree_map(jnp.zeros_like, grads)
+
+    def reduce_loss(self, loss):
+        return loss * 0 + 1
+
+    def reduce_model_state(self, model_state):
+        return {"calls": model_state["calls"] * 10}
+
+
+def test_make_step_uses_the_strategys_reducers_and_the_state_rules_skip_rule():
     tx = jaxmp.loss_scaling(optax.sgd(1.0), "none")
     params = {"w": jnp.ones(3)}
     seen = {}
-    step = make_step(_quad, tx, reduce_grads=lambda g: jax.tree_util.tree_map(jnp.zeros_like, g),
-                     reduce_loss=lambda x: x * 0 + 1, reduce_model_state=lambda s: {"calls": s["calls"] * 10},
-                     keep_model_state=lambda f, new, old: seen.setdefault("kept", new))
+    step = make_step(_quad, tx, _Odd(), state=StateRules(keep=lambda f, new, old: seen.setdefault("kept", new)))
     out = jax.jit(step)(params, {"calls": jnp.int32(1)}, tx.init(params), np.ones((2, 3), np.float32))  # one program
     assert out.params["w"].tolist() == [1.0] * 3  # zeroed gradients: no move
     assert float(out.loss) == 1.0 and int(out.model_state["calls"]) == 20
@@ -157,11 +170,40 @@ def test_make_step_averages_gradients_over_a_pmap_axis_before_the_update():
     n = jax.local_device_count()
     tx = jaxmp.loss_scaling(optax.sgd(1.0), "none", axis_name="b")
     params = {"w": jnp.zeros(())}
-    step = make_step(lambda p, s, b, r: (jnp.sum(p["w"] * b), (s, None)), tx, axis_name=["b"])
+    step = make_step(lambda p, s, b, r: (jnp.sum(p["w"] * b), (s, None)), tx, Replicas(["b"]))
     rep = lambda x: jax.tree_util.tree_map(lambda a: np.stack([np.asarray(a)] * n), x)  # noqa: E731
     out = jax.pmap(step, axis_name="b")(rep(params), rep({}), rep(tx.init(params)), np.arange(n, dtype=np.float32))
     np.testing.assert_allclose(out.params["w"], np.full(n, -(n - 1) / 2))  # every replica steps by the mean
     np.testing.assert_allclose(out.loss, np.zeros(n))
+
+
+def test_every_builder_returns_a_train_step_record_with_its_settings_as_fields():
+    """Built, not run (no compile): the sharded and pmap steps are `TrainStep` records whose
+    fields are their settings, under one name (``reduce_dtype``), and the loss they wrap."""
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "none")
+    loss = lambda p, b: jnp.sum(p["w"] * b)  # noqa: E731
+    sharded = jaxmp.parallel.make_sharded_train_step(loss, tx, jaxmp.parallel.make_data_mesh(), layout="zero",
+                                                     reduce_dtype="bfloat16")
+    pmapped = jaxmp.parallel.make_pmap_train_step(loss, tx, reduce_dtype=jnp.float16)
+    linen = jaxmp.flax.make_train_step()
+    assert all(isinstance(s, TrainStep) for s in (sharded, pmapped, linen))
+    assert sharded.reduce_dtype == jnp.bfloat16 and pmapped.reduce_dtype == jnp.float16
+    assert sharded.layout.name == "zero" and sharded.mesh is sharded.layout.mesh and pmapped.mesh is None
+    assert sharded.loss_fn is loss and pmapped.loss_fn is loss and pmapped.num_devices == jax.local_device_count()
+    assert pmapped.lower is None and linen.layout is None and callable(sharded.lower)
+
+
+def test_a_train_step_record_is_jitted_under_its_functions_name_and_signature():
+    def my_step(params, opt_state, batch, rng=None):
+        return params * batch
+
+    step = TrainStep(my_step, None, lambda *a: None)
+    # donate_argnames resolves against my_step's parameters, not __call__'s (*args, **kwargs).
+    jitted = jax.jit(step, donate_argnames=("params",))
+    assert "jit_my_step" in jitted.lower(np.ones(2, np.float32), None, np.ones(2, np.float32)).as_text()
+    assert jitted.__wrapped__ is step and step.__name__ == "my_step"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.run = None  # type: ignore[misc]
 
 
 def test_step_metrics_reports_the_scale_this_step_used():
@@ -185,10 +227,19 @@ def test_the_checks_name_the_offending_leaf_and_the_way_out():
         check_no_model_state_in_aux({"batch_stats": {}})
 
 
-def _generic(loss_fn, **kw):
+class _PlusOneKey(Strategy):
+    def replica_key(self, rng):
+        return rng + 1
+
+
+class _PerReplicaAux(Strategy):
+    per_replica_aux = True
+
+
+def _generic(loss_fn, strategy=LOCAL, **kw):
     tx = jaxmp.loss_scaling(optax.sgd(0.1), "none")
-    kw = {"has_aux": False, "reduce_grads": lambda g: g, "reduce_loss": lambda x: x, "with_rng": False, **kw}
-    return tx, make_loss_fn_step(loss_fn, tx, **kw)
+    kw = {"has_aux": False, "with_rng": False, **kw}
+    return tx, make_loss_fn_step(loss_fn, tx, strategy, **kw)
 
 
 def test_make_loss_fn_step_calls_each_loss_signature_as_declared():
@@ -199,8 +250,7 @@ def test_make_loss_fn_step_calls_each_loss_signature_as_declared():
         calls.append((s, rng))
         return jnp.sum(p["w"] * b), ({"n": s["n"] + 1}, "aux")
 
-    tx, body = _generic(loss, has_aux=True, with_model_state=True, with_rng=True,
-                        rng_transform=lambda r: r + 1, reduce_model_state=lambda s: s)
+    tx, body = _generic(loss, _PlusOneKey(), has_aux=True, with_model_state=True, with_rng=True)
     (p, s), _, m = body((params, {"n": jnp.int32(0)}), tx.init(params), jnp.ones(2), jnp.uint32(4))
     assert int(calls[-1][1]) == 5 and int(s["n"]) == 1 and m["aux"] == "aux"
     np.testing.assert_allclose(p["w"], [0.9, 0.9])
@@ -212,7 +262,7 @@ def test_make_loss_fn_step_calls_each_loss_signature_as_declared():
 
 def test_make_loss_fn_step_refuses_per_replica_batch_stats_fp8_state_and_integer_params():
     params = {"w": jnp.ones(2)}
-    tx, body = _generic(lambda p, b: (jnp.sum(p["w"]), {"batch_stats": 0}), has_aux=True, per_replica_aux=True)
+    tx, body = _generic(lambda p, b: (jnp.sum(p["w"]), {"batch_stats": 0}), _PerReplicaAux(), has_aux=True)
     with pytest.raises(ValueError, match="batch_stats"):
         body(params, tx.init(params), jnp.ones(2))
     tx, body = _generic(lambda p, s, b: (jnp.sum(p["w"]), s), with_model_state=True)

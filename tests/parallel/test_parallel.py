@@ -167,7 +167,7 @@ def test_fp16_compute_runs_on_both_paths_and_stays_close_to_fp32():
     # Start at 2**10, not 2**15: 8 replicas' float16 gradient sum at 2**15 overflows (that case
     # is the next test); here every step must go through so the result can be compared to fp32.
     tx = _tx("adam", "batch", initial_scale=2.0**10)
-    step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch", grad_reduce_dtype=jnp.float16)
+    step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch", reduce_dtype=jnp.float16)
     p, s = jaxmp.parallel.replicate(params), jaxmp.parallel.replicate(tx.init(params))
     for t in range(3):
         p, s, m = step(p, s, jaxmp.parallel.shard_batch({"x": x[t], "y": y[t]}))
@@ -194,7 +194,7 @@ def test_fp16_all_reduce_overflow_is_caught_and_every_replica_backs_off(reduce_d
     tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(2.0**15), axis_name="batch")
     params = {"w": jnp.ones(1)}
     step = jaxmp.parallel.make_pmap_train_step(lambda p, b: jnp.mean(b["x"] * p["w"]), tx, "batch",
-                                      grad_reduce_dtype=reduce_dtype)
+                                      reduce_dtype=reduce_dtype)
     p, s = jaxmp.parallel.replicate(params), jaxmp.parallel.replicate(tx.init(params))
     p, s, m = step(p, s, jaxmp.parallel.shard_batch({"x": np.ones((16, 1), np.float32)}))
     np.testing.assert_array_equal(np.asarray(m["last_step_finite"]), np.full(N, not overflows))
@@ -335,10 +335,12 @@ def test_unbound_or_mismatched_axis_names_raise_value_error():
 
 def test_argument_validation():
     tx = jaxmp.loss_scaling(optax.sgd(0.1))
-    with pytest.raises(TypeError, match=r"grad_reduce_dtype"):
-        jaxmp.parallel.make_pmap_train_step(lambda p, b: 0.0, tx, grad_reduce_dtype=jnp.int32)
-    with pytest.raises(ValueError, match=r"grad_reduce_dtype=float8_e4m3fn cannot hold gradients"):
-        jaxmp.parallel.make_pmap_train_step(lambda p, b: 0.0, tx, grad_reduce_dtype=jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"reduce_dtype"):
+        jaxmp.parallel.make_pmap_train_step(lambda p, b: 0.0, tx, reduce_dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"reduce_dtype=float8_e4m3fn cannot hold gradients"):
+        jaxmp.parallel.make_pmap_train_step(lambda p, b: 0.0, tx, reduce_dtype=jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"grad_reduce_dtype"):  # one name for one setting: reduce_dtype
+        jaxmp.parallel.make_pmap_train_step(lambda p, b: 0.0, tx, grad_reduce_dtype=jnp.float16)
     with pytest.raises(ValueError, match=r"check_replicas"):
         jaxmp.parallel.make_pmap_train_step(lambda p, b: 0.0, tx, check_replicas="sometimes")
     with pytest.raises(ValueError, match=r"axis_name must name"):
