@@ -81,5 +81,6 @@ def test_compact_table_lists_flagged_ops_first():
     rep = report("transformer", "O2-fp16")
     text = pr.compact_table(rep, max_rows=3)
     lines = text.splitlines()
-    assert lines[0].split()[:3] == ["#", "op", "lhs"] and ("not x8" in lines[1] or "MISSED" in lines[1])
+    assert lines[0].split()[:3] == ["#", "op", "dtypes"] and ("not x8" in lines[1] or "MISSED" in lines[1])
+    assert max(map(len, lines)) <= 88   # each op's module path on a line of its own, clipped to fit
     assert f"... {len(rep.ops) - 3} more ops" in text
