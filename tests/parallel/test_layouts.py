@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxmp
 from jaxmp import lean
 from jaxmp.parallel import _layouts as layouts
+from tests._support._arrays import leaf_bytes
 
 # Every step here goes through optax.adamw (or lean recipes over it), whose bias correction
 # (Python float ** int32 count) is not strict-promotion clean.
@@ -104,9 +105,6 @@ def _run(sharded_steps, layout, steps=STEPS, key="adamw", fresh=False):
     return p, s, finite, np.asarray(losses), scales
 
 
-def _bits(tree):
-    return [np.asarray(jax.device_get(x)).tobytes() for x in jax.tree_util.tree_leaves(tree)]
-
 
 @pytest.fixture(scope="module")
 def replicated_run(sharded_steps):
@@ -126,7 +124,7 @@ def _assert_trains_as(run, ref):
     assert finite == finite_ref and scales == scale_ref
     if BITWISE_SLICES:
         np.testing.assert_array_equal(losses, loss_ref)
-        assert _bits(p) == _bits(p_ref) and _bits(s) == _bits(s_ref)   # params, masters, moments, counters
+        assert leaf_bytes(p) == leaf_bytes(p_ref) and leaf_bytes(s) == leaf_bytes(s_ref)   # params, masters, moments, counters
     else:
         np.testing.assert_allclose(losses, loss_ref, rtol=1e-3)
 
@@ -281,7 +279,7 @@ def test_shard_state_reshards_between_layouts_and_meshes():
     mesh4 = jaxmp.parallel.make_data_mesh(jax.devices()[:4])
     zero = jaxmp.parallel.shard_state(state, mesh8, "zero", min_shard_size=0)
     back = jaxmp.parallel.shard_state(zero, mesh4, "fsdp", min_shard_size=0)
-    assert _bits(back) == _bits(state)
+    assert leaf_bytes(back) == leaf_bytes(state)
     assert back[0]["w1"].addressable_shards[0].data.shape == (16, 16)
 
 
@@ -467,7 +465,7 @@ def test_a_state_in_another_layout_or_on_another_mesh_is_resharded_on_entry(shar
     with caplog.at_level("INFO", logger="jaxmp.parallel"):
         for state in (fsdp, four):
             got = step(*state, batch)
-            assert _bits(got[:2]) == _bits(want[:2])
+            assert leaf_bytes(got[:2]) == leaf_bytes(want[:2])
             assert got[0]["w1"].sharding.is_fully_replicated and got[0]["w1"].sharding.mesh.size == N
             master = jaxmp.master_params(got[1])["w1"]
             assert master.sharding.spec == P(None, "data") and master.sharding.mesh.size == N
