@@ -177,8 +177,10 @@ def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
         from rich.table import Table
     except ImportError:
         return _plain_table(title, headers, rows, footer, width)
-    style = dict(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0)) if compact else {}
-    table = Table(title=title, show_lines=False, title_justify="left", **style)
+    # not compact: rich's own defaults (a heavy head, edges, one blank either side of a cell)
+    table = Table(title=title, show_lines=False, title_justify="left",
+                  box=box.SIMPLE_HEAD if compact else box.HEAVY_HEAD, show_edge=not compact,
+                  pad_edge=not compact, padding=(0, 1, 0, 0) if compact else (0, 1))
     for h in headers:
         # fold: a cell longer than its column breaks (callers pre-break paths at "/", `fold_path`)
         table.add_column(h, overflow="fold")
