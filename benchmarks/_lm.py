@@ -22,8 +22,9 @@ import sys
 from typing import NamedTuple
 
 import flax.linen as nn
-import jax.numpy as jnp
 import numpy as np
+
+from experiments.models.transformer import EncoderBlock
 
 DOC_MODULES = ("argparse", "collections", "functools", "inspect", "json.decoder",
                "json.encoder", "logging", "pathlib", "subprocess", "textwrap", "typing", "unittest.case",
@@ -109,21 +110,6 @@ def eval_batches(ids: np.ndarray, batch_size: int, context: int, max_windows: in
         yield {"inputs": w[:, :-1], "label": w[:, 1:]}
 
 
-class Block(nn.Module):
-    """Pre-LN causal block: x + causal MHA(LN(x)), then x + MLP(LN(x))."""
-
-    num_heads: int
-    mlp_dim: int
-
-    @nn.compact
-    def __call__(self, x):
-        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-        y = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=self.num_heads)(y, y, mask=mask)
-        y = nn.Dense(self.mlp_dim)(nn.LayerNorm()(x))
-        return x + nn.Dense(x.shape[-1])(nn.gelu(y))
-
-
 class CausalLM(nn.Module):
     """Token + learned position embeddings, ``num_layers`` causal blocks, a final LN and a linear head."""
 
@@ -140,6 +126,8 @@ class CausalLM(nn.Module):
         x = nn.Embed(self.vocab_size, self.width)(tokens)
         pos = self.param("pos", nn.initializers.normal(0.02), (self.context, self.width))
         x = x + pos[:tokens.shape[1]].astype(x.dtype)
-        for _ in range(self.num_layers):
-            x = Block(self.num_heads, self.mlp_dim)(x)
+        for i in range(self.num_layers):
+            # experiments' block, under this model's own module names (Block_0, ...): the
+            # names seed the initialisers, so the recorded runs' params stay what they were
+            x = EncoderBlock(self.num_heads, self.mlp_dim, causal=True, name=f"Block_{i}")(x)
         return nn.Dense(self.vocab_size)(nn.LayerNorm()(x))

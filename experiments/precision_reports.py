@@ -111,21 +111,26 @@ def _grid(rows) -> list[str]:
 
 
 def compact_table(rep: jaxmp.PrecisionReport, max_rows: int = 6) -> str:
-    """The top ops, one line each (flagged first, then by FLOPs, as ``rep.table()`` orders them),
-    and the risky ops grouped by kind and source line. ``rep.table()`` has every column."""
+    """The top ops, two lines each (flagged first, then by FLOPs, as ``rep.table()`` orders
+    them), and the risky ops grouped by kind and source line, in 88 columns: one dtype column
+    (``lhs,rhs->accumulation``, or one name where all three agree), each op's module path on a
+    line of its own, paths too long for the line keeping their end after ``...``.
+    ``rep.table()`` has every column; ``rep.to_dict()`` every path whole."""
     order = sorted(range(len(rep.ops)), key=lambda i: (
         not (rep.ops[i].missed or rep.ops[i].shape_problems), -rep.ops[i].flops, i))
-    rows = [["#", "op", "lhs", "rhs", "MxNxK", "FLOPs", "TC", "flags", "where"]]
+    rows = [["#", "op", "dtypes", "MxNxK", "FLOPs", "TC", "flags"]]
     for i in order[:max_rows]:
         op = rep.ops[i]
         flags = (["MISSED"] if op.missed else []) + [f"not x{rep.tc_multiple}: {p}" for p in op.shape_problems]
+        dtypes = {op.lhs_dtype, op.rhs_dtype, op.accum_dtype}
         rows.append([str(i), "dot" if op.primitive == "dot_general" else "conv",
-                     f"{op.lhs_dtype}[{','.join(map(str, op.lhs_shape))}]",
-                     f"{op.rhs_dtype}[{','.join(map(str, op.rhs_shape))}]",
+                     op.lhs_dtype if len(dtypes) == 1 else f"{op.lhs_dtype},{op.rhs_dtype}->{op.accum_dtype}",
                      f"{op.m}x{op.n}x{op.k}" + (f" (B={op.batch})" if op.batch > 1 else ""),
-                     jaxmp_fmt.fmt_count(op.flops), "yes" if op.tensor_core_eligible else "no",
-                     "; ".join(flags), op.name])
-    out = _grid(rows)
+                     jaxmp_fmt.fmt_count(op.flops), "yes" if op.tensor_core_eligible else "no", "; ".join(flags)])
+    grid = _grid(rows)
+    out = grid[:1]
+    for i, line in zip(order[:max_rows], grid[1:]):
+        out += [line, _path_line(rep.ops[i].name)]
     if len(order) > max_rows:
         out.append(f"  ... {len(order) - max_rows} more ops")
     groups: dict = {}
@@ -139,19 +144,26 @@ def compact_table(rep: jaxmp.PrecisionReport, max_rows: int = 6) -> str:
         if name and name not in g[2]:
             g[2].append(name)
     for (cat, prim, dtype, src), (n, big, names) in groups.items():
-        where = f" @ {src}"
+        out.append(f"  risky: {n} x {cat} {prim} in {dtype} (largest {dtype}[{','.join(map(str, big.shape))}])")
+        where, path = f"@ {src}", ""
         fn = re.search(r"\((\w+)", big.source or "")
         if not names and fn:  # not inside a module: name the function
             where += f" ({fn.group(1)})"
         if len(names) == 1:
-            where += f" in {names[0]}"
+            path = names[0]
         elif names:  # the common module path, then what differs
             parts = [x.split("/") for x in names]
             k = next((i for i, col in enumerate(zip(*parts)) if len(set(col)) > 1), min(map(len, parts)))
-            where += f" in {'/'.join(parts[0][:k])}/{{{', '.join('/'.join(p[k:]) for p in parts)}}}"
-        out.append(f"  risky: {n} x {cat} {prim} in {dtype} (largest {dtype}[{','.join(map(str, big.shape))}])"
-                   + where)
+            path = f"{'/'.join(parts[0][:k])}/{{{', '.join('/'.join(p[k:]) for p in parts)}}}"
+        out.append(_path_line(path, f"{where} in " if path else where))
     return "\n".join(out)
+
+
+def _path_line(path: str, prefix: str = "") -> str:
+    """``prefix`` and ``path`` indented under their row, the path's end kept after ``...``
+    where the line would pass 88 characters."""
+    indent = "      " + prefix
+    return indent + jaxmp_fmt.clip_left(path, jaxmp_fmt.WIDTH - len(indent)) if path else indent
 
 
 def main(argv) -> None:

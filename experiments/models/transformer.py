@@ -12,17 +12,30 @@ import jax.numpy as jnp
 
 
 class EncoderBlock(nn.Module):
-    """Pre-LN block: x + MHA(LN(x)), then x + MLP(LN(x))."""
+    """Pre-LN block: x + MHA(LN(x)), then x + MLP(LN(x)).
+
+    The one Transformer block of the experiments and the benchmarks (``benchmarks/_lm.py``'s
+    causal language model uses it with ``causal=True``; ``benchmarks/_gpt2.py`` writes its
+    block as plain functions of a params dict, for the sharded steps' layouts).
+
+    Attributes:
+      num_heads: attention heads.
+      mlp_dim: hidden width of the MLP.
+      dropout_rate: dropout in attention and after the MLP (0: no dropout op at all).
+      causal: each position attends to itself and the positions before it only.
+    """
 
     num_heads: int
     mlp_dim: int
     dropout_rate: float = 0.0
+    causal: bool = False
 
     @nn.compact
     def __call__(self, x, train: bool = True):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32)) if self.causal else None
         y = nn.LayerNorm()(x)
         y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dropout_rate=self.dropout_rate,
-                                            deterministic=not train)(y, y)
+                                            deterministic=not train)(y, y, mask=mask)
         x = x + y
         y = nn.LayerNorm()(x)
         y = nn.Dense(self.mlp_dim)(y)

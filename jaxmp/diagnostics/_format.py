@@ -138,8 +138,23 @@ def fold_path(path: str, width: int) -> str:
     return "\n".join(lines)
 
 
+def clip_left(text: str, width: int) -> str:
+    """``text`` if it fits ``width`` characters, else ``"..."`` and its last characters.
+
+    The end of a module path names the op's own module, so that is the part kept.
+
+    Args:
+      text: e.g. ``"jvp(Model)/Encoder_0/Attention_0/query"``.
+      width: the longest result wanted (at least 4).
+
+    Returns:
+      E.g. ``".../Attention_0/query"``.
+    """
+    return text if len(text) <= width else "..." + text[len(text) - width + 3:]
+
+
 def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
-                 footer: str | None = None, width: int = 160) -> str:
+                 footer: str | None = None, width: int = 160, compact: bool = False) -> str:
     """Returns a table as text: rich's box table if rich is installed, else plain columns.
 
     Args:
@@ -148,18 +163,24 @@ def render_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
       rows: cells, already formatted as strings.
       footer: optional line below the table.
       width: console width rich wraps to.
+      compact: rich draws only the rule under the header, with two blanks between columns (as
+        the plain table): a table of eight columns keeps room for its cells at 88 characters.
 
     Returns:
       The rendered table (no ANSI colour codes, so it is safe for log files).
     """
     rows = [[str(c) for c in r] for r in rows]
     try:
+        from rich import box
         from rich.console import Console
         from rich.markup import escape
         from rich.table import Table
     except ImportError:
         return _plain_table(title, headers, rows, footer, width)
-    table = Table(title=title, show_lines=False, title_justify="left")
+    # not compact: rich's own defaults (a heavy head, edges, one blank either side of a cell)
+    table = Table(title=title, show_lines=False, title_justify="left",
+                  box=box.SIMPLE_HEAD if compact else box.HEAVY_HEAD, show_edge=not compact,
+                  pad_edge=not compact, padding=(0, 1, 0, 0) if compact else (0, 1))
     for h in headers:
         # fold: a cell longer than its column breaks (callers pre-break paths at "/", `fold_path`)
         table.add_column(h, overflow="fold")

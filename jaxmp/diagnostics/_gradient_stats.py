@@ -139,7 +139,7 @@ class GradientStats:
         """Returns [`to_dict`][jaxmp.diagnostics.GradientStats.to_dict] as a JSON string."""
         return json.dumps(self.to_dict(), indent=indent)
 
-    def table(self, width: int = 160) -> str:
+    def table(self, width: int = _format.WIDTH) -> str:
         """Returns a per-group table (rich if installed, else plain) and the summary line.
 
         Args:
@@ -150,15 +150,14 @@ class GradientStats:
         """
         rows = []
         for g in (*self.groups, self.total):
-            rng = f"[{g.log2_bins[0]}, {g.log2_bins[-1]}]" if g.log2_bins else "-"
-            rows.append([g.name, str(g.size), _format.fmt_pct(g.zero_fraction), str(g.nonfinite),
-                         "-" if math.isnan(g.min_abs) else f"{g.min_abs:.3g}", f"{g.max_abs:.3g}", rng,
+            # the log2 range of the histogram is min|g| and max|g| rounded: not a column of its own
+            rows.append([g.name, _format.fmt_count(g.size), _format.fmt_pct(g.zero_fraction), str(g.nonfinite),
+                         "-" if math.isnan(g.min_abs) else f"{g.min_abs:.3g}", f"{g.max_abs:.3g}",
                          _format.fmt_pct(g.underflow_fraction), _format.fmt_pct(g.subnormal_fraction),
                          _format.fmt_pct(g.overflow_fraction)])
         title = f"Gradient ranges in float16 at loss scale {self.loss_scale:g}"
-        headers = ["group", "size", "zeros", "non-finite", "min|g|", "max|g|", "log2|g| range",
-                   "underflow", "subnormal", "overflow"]
-        return _format.render_table(title, headers, rows, self.summary(), width)
+        headers = ["group", "size", "zeros", "inf/nan", "min|g|", "max|g|", "underflow", "subnormal", "overflow"]
+        return _format.render_table(title, headers, rows, self.summary(), width, compact=True)
 
     def __str__(self) -> str:
         return self.table()

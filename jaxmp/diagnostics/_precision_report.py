@@ -168,14 +168,19 @@ class PrecisionReport:
         """Returns [`to_dict`][jaxmp.diagnostics.PrecisionReport.to_dict] as a JSON string."""
         return json.dumps(self.to_dict(), indent=indent)
 
-    def table(self, max_rows: int = 40, width: int = 160) -> str:
+    def table(self, max_rows: int = 40, width: int = _format.WIDTH) -> str:
         """Returns the report as text tables (rich if installed, else plain).
 
-        Flagged ops (missed, shape problems) come first, then the rest by FLOPs.
+        Flagged ops (missed, shape problems) come first, then the rest by FLOPs. The matmul
+        table has one dtype column (``f16`` where both operands and the accumulation share it,
+        else ``lhs,rhs->accumulation``) and the GEMM's ``MxNxK``, not
+        the operand shapes, and module paths too long for their column keep their end after
+        ``...``: [`to_dict`][jaxmp.diagnostics.PrecisionReport.to_dict] has every field whole.
 
         Args:
           max_rows: at most this many rows per table; the rest is summarised in one line.
-          width: characters per line the tables wrap to.
+          width: characters per line the tables wrap to (88 by default: a docs page or a
+            terminal shows it without scrolling).
 
         Returns:
           Two tables (matmuls/convs and risky ops) and the summary line.
@@ -195,22 +200,21 @@ class PrecisionReport:
             gemm = f"{op.m}x{op.n}x{op.k}" + (f" (B={op.batch})" if op.batch > 1 else "")
             rows.append([
                 str(i), "dot" if op.primitive == "dot_general" else "conv",
-                _shape(op.lhs_dtype, op.lhs_shape), _shape(op.rhs_dtype, op.rhs_shape),
-                op.accum_dtype, gemm,
+                _dtypes(op), gemm,
                 _format.fmt_count(op.flops) + (f" (x{op.calls})" if op.calls > 1 else ""),
                 "yes" if op.tensor_core_eligible else "no",
-                "; ".join(flags), _where(op),
+                "; ".join(flags), _where(op, width // 3),
             ])
         footer = None if len(order) <= max_rows else f"... {len(order) - max_rows} more ops"
         out = [_format.render_table(
-            "Matmuls and convolutions", ["#", "op", "lhs", "rhs", "acc", "MxNxK", "FLOPs", "TC", "flags", "where"],
-            rows, footer, width)]
+            "Matmuls and convolutions", ["#", "op", "dtypes", "MxNxK", "FLOPs", "TC", "flags", "where"],
+            rows, footer, width, compact=True)]
         if self.risky:
-            rrows = [[r.category, r.primitive, _shape(r.dtype, r.shape), r.detail, _where(r)]
+            rrows = [[r.primitive, _shape(r.dtype, r.shape), r.detail, _where(r, width // 3)]
                      for r in self.risky[:max_rows]]
             footer = None if len(self.risky) <= max_rows else f"... {len(self.risky) - max_rows} more risky ops"
-            out.append(_format.render_table("Risky half-precision ops", ["category", "op", "input", "why", "where"],
-                                            rrows, footer, width))
+            out.append(_format.render_table("Risky half-precision ops", ["op", "input", "why", "where"],
+                                            rrows, footer, width, compact=True))
         if self.decisions:
             out.append(self.explain(max_rows, width))
         out.append(_format.wrap(self.summary(), width))
@@ -224,11 +228,22 @@ def _shape(dtype: str, shape) -> str:
     return f"{dtype}[{','.join(map(str, shape))}]"
 
 
-def _where(op) -> str:
-    bits = [b for b in (op.context, op.name) if b]
-    loc = " | ".join(bits)
-    # The table shows the file's base name to stay narrow; to_dict() keeps the full path.
-    return f"{loc} @ {op.source.rsplit('/', 1)[-1]}" if op.source else loc
+def _dtypes(op) -> str:
+    dtypes = (op.lhs_dtype, op.rhs_dtype, op.accum_dtype)
+    return dtypes[0] if len(set(dtypes)) == 1 else f"{op.lhs_dtype},{op.rhs_dtype}->{op.accum_dtype}"
+
+
+def _where(op, path_width: int) -> str:
+    """The module path (its end, broken at ``/``) over the source line, to fit a narrow column.
+
+    The table shows the file's base name, and the function only where no module path names
+    the op; to_dict() keeps every field whole."""
+    loc = " | ".join(b for b in (op.context, op.name) if b)
+    source = op.source.rsplit("/", 1)[-1]
+    if loc:
+        source = source.split(" (", 1)[0]   # "file.py:12:20 (CNN.__call__)": the module says it
+        loc = _format.fold_path(_format.clip_left(loc, 2 * path_width), path_width)
+    return "\n".join(b for b in (loc, source) if b)
 
 
 def _jsonable(d: dict) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +23,11 @@ def _inner():
     return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=1e-3))
 
 
-@functools.lru_cache(maxsize=None)
-def _params():
-    # One jitted draw, made once (eagerly, the split and each normal compile a program of their
-    # own); the same values as the eager draw: the 1e-7 comparison below is made on them.
+@pytest.fixture(scope="module")
+def drawn_params():
+    """One jitted draw, made once for this module (eagerly, the split and each normal compile a
+    program of their own); the same values as the eager draw: the 1e-7 comparison below is made
+    on them."""
     @jax.jit
     def draw():
         k1, k2 = jax.random.split(jax.random.PRNGKey(0))
@@ -36,11 +36,11 @@ def _params():
     return draw()
 
 
-@functools.lru_cache(maxsize=None)
-def _closed():
+@pytest.fixture(scope="module")
+def traced(drawn_params):
     """The inner chain's update of unscaled gradients, traced once: the scale is an argument."""
     tx = _inner()
-    params = _params()
+    params = drawn_params
     state = tx.init(params)
 
     def f(g, s):
@@ -49,10 +49,10 @@ def _closed():
     return jax.make_jaxpr(f)(params, jnp.float32(1.0)), params
 
 
-@functools.lru_cache(maxsize=None)
-def _folded_and_plain():
-    """The folded and the plain evaluation of ``_closed``, each compiled once for every scale."""
-    closed, _ = _closed()
+@pytest.fixture(scope="module")
+def folded_and_plain(traced):
+    """The folded and the plain evaluation of ``traced``, each compiled once for every scale."""
+    closed, _ = traced
     return (jax.jit(lambda *a: fold.eval_folded(closed, a, [2])),
             jax.jit(lambda *a: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *a)))
 
@@ -66,26 +66,26 @@ def _rewrites(closed, scale_positions) -> bool:
     return str(folded) != str(plain)
 
 
-def test_global_norm_is_found_and_folded():
-    closed, _ = _closed()
+def test_global_norm_is_found_and_folded(traced):
+    closed, _ = traced
     assert _rewrites(closed, [2])  # invars: w, b (sorted: b, w), then the scale
     assert not _rewrites(closed, [])
 
 
 @pytest.mark.parametrize("scale", [2.0**15, 2.0**-3, 1.0])
-def test_power_of_two_scale_is_bitwise_the_unfolded_update(scale):
-    _, params = _closed()
+def test_power_of_two_scale_is_bitwise_the_unfolded_update(traced, folded_and_plain, scale):
+    _, params = traced
     grads = jax.tree_util.tree_map(lambda p: np.asarray(p) * np.float32(3.0 * scale), params)
     args = [*jax.tree_util.tree_leaves(grads), np.float32(scale)]
-    folded_fn, plain_fn = _folded_and_plain()
+    folded_fn, plain_fn = folded_and_plain
     folded, plain = folded_fn(*args), plain_fn(*args)
     for a, b in zip(folded, plain):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.slow  # ~4 s; the power-of-two cases stay in the default tier
-def test_other_scale_agrees_within_rounding():
-    closed, params = _closed()
+def test_other_scale_agrees_within_rounding(traced):
+    closed, params = traced
     grads = jax.tree_util.tree_map(lambda p: p * 3000.0, params)
     args = [*jax.tree_util.tree_leaves(grads), jnp.float32(1000.0)]
     folded = fold.eval_folded(closed, args, [2])
@@ -182,9 +182,9 @@ def test_max_norm_is_folded_with_positive_scale():
     assert float(fold.eval_folded(closed, [g, jnp.float32(4.0)], [1])[0]) == 2.0
 
 
-def test_loss_scaling_step_equals_unscale_then_optax():
+def test_loss_scaling_step_equals_unscale_then_optax(drawn_params):
     """The whole wrapper (clip + AdamW, dynamic scale 2**15) steps exactly as optax on unscaled gradients."""
-    params = _params()
+    params = drawn_params
     tx = jaxmp.loss_scaling(_inner(), jaxmp.DynamicLossScale())
     ref = _inner()
     state, ref_state = tx.init(params), ref.init(params)

@@ -14,10 +14,8 @@ import pytest
 
 import jaxmp
 from jaxmp._transform import GRADIENT_BOUND, NON_FINITE_GRADIENTS, NON_FINITE_UPDATES, update_and_apply
+from tests._support._arrays import leaf_bytes
 
-
-def _bits(tree):
-    return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
 
 
 def _squares():
@@ -42,8 +40,8 @@ def test_an_update_that_overflows_from_finite_gradients_is_skipped_and_changes_n
             new = jaxmp.apply_updates(params, updates, new_state)
         assert not bool(new_state.last_step_finite)
         assert int(new_state.skip_reason) == NON_FINITE_GRADIENTS  # past the bound: reported with non-finite ones
-        assert _bits(new) == _bits(params)
-        assert _bits(new_state.inner_state) == _bits(state.inner_state)  # master and moments untouched
+        assert leaf_bytes(new) == leaf_bytes(params)
+        assert leaf_bytes(new_state.inner_state) == leaf_bytes(state.inner_state)  # master and moments untouched
         # The injection is real: without the check the master takes the inf.
         raw = jaxmp.loss_scaling(inner, "none", master_weights=True, check_updates=False)
         _, raw_state = jax.jit(lambda g, s, p: update_and_apply(raw, g, s, p))(grads, raw.init(params), params)
@@ -59,7 +57,7 @@ def test_a_master_near_float32_max_is_never_stepped_past_it():
     step = jax.jit(lambda g, s, p: update_and_apply(tx, g, s, p))
     new, new_state = step({"w": jnp.array([-2e36, 0.0], jnp.float32)}, state, params)
     assert not bool(new_state.last_step_finite) and int(new_state.skip_reason) == NON_FINITE_GRADIENTS
-    assert _bits(new) == _bits(params) and _bits(new_state.inner_state) == _bits(state.inner_state)
+    assert leaf_bytes(new) == leaf_bytes(params) and leaf_bytes(new_state.inner_state) == leaf_bytes(state.inner_state)
     raw = jaxmp.loss_scaling(optax.sgd(1.0), "none", master_weights=True, check_updates=False)
     raw_new, _ = jax.jit(lambda g, s, p: update_and_apply(raw, g, s, p))(
         {"w": jnp.array([-2e36, 0.0], jnp.float32)}, raw.init(params), params)
@@ -79,7 +77,7 @@ def test_non_finite_gradients_keep_their_reason_and_dynamic_scaling_backs_off():
     for bad in (jnp.nan, jnp.inf):
         new, new_state = step({"w": jnp.array([1.0, bad, 1.0], jnp.float32)}, state, params)
         assert int(new_state.skip_reason) == NON_FINITE_GRADIENTS
-        assert _bits(new_state.inner_state) == _bits(state.inner_state)
+        assert leaf_bytes(new_state.inner_state) == leaf_bytes(state.inner_state)
         assert float(new_state.loss_scale.loss_scale) < float(state.loss_scale.loss_scale)
 
 
@@ -90,7 +88,7 @@ def test_float16_params_keep_the_check_after_the_update():
     state = tx.init(params)
     new, new_state = jax.jit(lambda g, s, p: update_and_apply(tx, g, s, p))(
         {"w": jnp.array([-1e4, 0.0], jnp.float32)}, state, params)
-    assert int(new_state.skip_reason) == NON_FINITE_UPDATES and _bits(new) == _bits(params)
+    assert int(new_state.skip_reason) == NON_FINITE_UPDATES and leaf_bytes(new) == leaf_bytes(params)
 
 
 def _hand_floor_and_jaxmp(dtype):

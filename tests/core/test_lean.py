@@ -168,17 +168,22 @@ def _run(tx, params, state, poisons, x, y, jit=True, apply=jaxmp.apply_updates, 
 _DATA = _regression(0)
 
 
-@functools.lru_cache(maxsize=None)
 def _preset_step(name, accumulate_steps=1, lr=1e-3):
-    """One compiled train step per preset, shared by the tests (compiling is most of their time)."""
     tx = jaxmp.loss_scaling(lean.preset(name, optax.adamw(lr), key=7, accumulate_steps=accumulate_steps), "none")
     return tx, jax.jit(_step_fn(tx, *_DATA))
 
 
+@pytest.fixture(scope="module")
+def preset_step():
+    """One compiled train step per preset, shared by this module's tests (compiling is most of
+    their time)."""
+    return functools.cache(_preset_step)
+
+
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
-def test_bf16_params_skipped_step_leaves_everything_bitwise_and_does_not_advance_the_key():
+def test_bf16_params_skipped_step_leaves_everything_bitwise_and_does_not_advance_the_key(preset_step):
     x, y = _DATA
-    tx, step = _preset_step("bf16-sr")
+    tx, step = preset_step("bf16-sr")
     params = _bf16_init()
     state = tx.init(params)
     params, state, _ = _run(tx, params, state, np.zeros(3, bool), x, y, step=step)
@@ -193,9 +198,9 @@ def test_bf16_params_skipped_step_leaves_everything_bitwise_and_does_not_advance
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
-def test_bf16_params_resume_from_a_checkpoint_is_bit_exact_with_skips():
+def test_bf16_params_resume_from_a_checkpoint_is_bit_exact_with_skips(preset_step):
     x, y = _DATA
-    tx, step = _preset_step("bf16-sr")
+    tx, step = preset_step("bf16-sr")
     params = _bf16_init(1)
     poisons = np.zeros(40, bool)
     poisons[[3, 17, 18, 30]] = True
@@ -295,7 +300,12 @@ def test_split_and_merge_master_are_lossless_on_every_kind_of_value():
 APPLIES = {"jaxmp": jaxmp.apply_updates, "optax": optax.apply_updates}
 
 
-@functools.lru_cache(maxsize=None)
+@pytest.fixture(scope="module")
+def open_loop():
+    """The open-loop runs of ``_open_loop`` (one compiled scan), shared by the parametrised test."""
+    return _open_loop()
+
+
 def _open_loop(steps=1000, seed=0):
     """Remainders vs float32 masters fed the same gradients (from the master run's bf16 params).
 
@@ -344,11 +354,11 @@ def _open_loop(steps=1000, seed=0):
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 @pytest.mark.parametrize("apply", list(APPLIES))
-def test_remainders_are_bitwise_the_float32_masters_over_1000_steps(apply):
+def test_remainders_are_bitwise_the_float32_masters_over_1000_steps(open_loop, apply):
     """The masters rebuilt from bf16 params + int16 remainders equal the float32 masters of
     ``loss_scaling(..., master_weights=True)`` bit for bit at each of 1000 AdamW steps (3 skipped),
     through ``jaxmp.apply_updates`` and through ``optax.apply_updates``."""
-    (p_ref, s_ref, p_rem, s_rem), same, ties = _open_loop()[apply]
+    (p_ref, s_ref, p_rem, s_rem), same, ties = open_loop[apply]
     assert same.all(), f"first differing step: {int(np.argmin(same))}"
     assert int(s_rem.total_skips) == 3 == int(s_ref.total_skips)
     # The bf16 params agree too, except where a master's low half is exactly 0x8000 with an even
@@ -449,10 +459,10 @@ def test_preset_bytes_per_parameter(name):
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 @pytest.mark.parametrize("name", list(lean.PRESETS)[:2] + [pytest.param(n, marks=pytest.mark.slow)
                                                              for n in list(lean.PRESETS)[2:]])
-def test_preset_with_gradient_accumulation_inside_loss_scaling(name):
+def test_preset_with_gradient_accumulation_inside_loss_scaling(preset_step, name):
     """accumulate_steps=2 (optax.MultiSteps inside): params move on every second step only, a skipped
     mini-step leaves everything bitwise unchanged, and the loss goes down."""
-    tx, step = _preset_step(name, 2, 1e-2)
+    tx, step = preset_step(name, 2, 1e-2)
     params = _bf16_init(4)
     state = tx.init(params)
     history = [params]
@@ -470,8 +480,8 @@ def test_preset_with_gradient_accumulation_inside_loss_scaling(name):
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
-def test_remainders_with_accumulation_equal_masters_with_accumulation():
-    (ref, ref_step), (rem, rem_step) = _preset_step("fp32-masters", 2, 1e-2), _preset_step("remainders", 2, 1e-2)
+def test_remainders_with_accumulation_equal_masters_with_accumulation(preset_step):
+    (ref, ref_step), (rem, rem_step) = preset_step("fp32-masters", 2, 1e-2), preset_step("remainders", 2, 1e-2)
     params = _bf16_init(5)
     p_ref, s_ref, _ = _run(ref, params, ref.init(params), np.zeros(60, bool), *_DATA, step=ref_step)
     p_rem, s_rem, _ = _run(rem, params, rem.init(params), np.zeros(60, bool), *_DATA, step=rem_step)

@@ -14,15 +14,13 @@ import pytest
 
 import jaxmp
 from jaxmp import _blockwise, lean
+from tests._support._arrays import leaf_bytes
 
 # optax.adam's bias correction (Python float ** int32 count) is not strict-promotion clean.
 pytestmark = pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 
 BF16 = jnp.bfloat16
 
-
-def _bits(tree):
-    return [np.asarray(jax.device_get(x)).tobytes() for x in jax.tree_util.tree_leaves(tree)]
 
 
 # ----------------------------------------------------------------------------------- the maps (NumPy, own)
@@ -290,9 +288,9 @@ def test_inside_loss_scaling_fp16_dynamic_a_skipped_step_leaves_every_leaf_bitwi
     q = jaxmp._tree.find_states(state, lean.QuantizedMomentsState)[0]
     assert q.inner_state[0].mu["w"].dtype == jnp.uint8 and int(q.count) == 3
     skipped_p, skipped_s, _ = step(params, state, jnp.array(True))
-    assert _bits(skipped_p) == _bits(params)
+    assert leaf_bytes(skipped_p) == leaf_bytes(params)
     q2 = jaxmp._tree.find_states(skipped_s, lean.QuantizedMomentsState)[0]
-    assert _bits(q2) == _bits(q)          # codes, absmax, the small float32 leaves, counts, key
+    assert leaf_bytes(q2) == leaf_bytes(q)          # codes, absmax, the small float32 leaves, counts, key
     assert float(jaxmp.get_loss_scale(skipped_s).loss_scale) == 2.0**9 and int(jaxmp.scaling_stats(skipped_s)["total_skips"]) == 1
     params, state, loss = step(params, state, jnp.array(False))
     assert float(loss) < losses[0]
@@ -318,9 +316,9 @@ def test_remainders_8bit_is_bitwise_float32_masters_with_8bit_moments():
     for _ in range(30):
         carry = step(*carry)
         p_ref, s_ref, p_rem, s_rem = carry
-        assert _bits(lean.remainder_master(p_rem, s_rem)) == _bits(jaxmp.master_params(s_ref))
+        assert leaf_bytes(lean.remainder_master(p_rem, s_rem)) == leaf_bytes(jaxmp.master_params(s_ref))
     q_ref, q_rem = (jaxmp._tree.find_states(s, lean.QuantizedMomentsState)[0] for s in (s_ref, s_rem))
-    assert _bits(q_ref) == _bits(q_rem) and q_ref.inner_state[0].mu["w"].dtype == jnp.uint8
+    assert leaf_bytes(q_ref) == leaf_bytes(q_rem) and q_ref.inner_state[0].mu["w"].dtype == jnp.uint8
     assert float(_loss(p_rem, x, y)) < float(_loss(params, x, y)) / 2
 
 
@@ -332,10 +330,10 @@ def test_presets_with_multisteps_move_every_second_step_and_learn(name):
     first = float(_loss(params, x, y))
     for i in range(1, 9):
         new, state, _ = step(params, state, jnp.array(False))
-        assert (_bits(new) != _bits(params)) == (i % 2 == 0), i
+        assert (leaf_bytes(new) != leaf_bytes(params)) == (i % 2 == 0), i
         params = new
     skipped_p, skipped_s, _ = step(params, state, jnp.array(True))
-    assert _bits(skipped_p) == _bits(params) and _bits(skipped_s.inner_state) == _bits(state.inner_state)
+    assert leaf_bytes(skipped_p) == leaf_bytes(params) and leaf_bytes(skipped_s.inner_state) == leaf_bytes(state.inner_state)
     assert float(_loss(params, x, y)) < first
 
 
@@ -397,8 +395,8 @@ def test_flax_train_state_and_check_health():
     bad_x[0, 0] = np.inf
     for _ in range(3):
         new, metrics = step(state, (bad_x, y))
-        assert not bool(metrics["last_step_finite"]) and _bits(new.opt_state.inner_state) == _bits(state.opt_state.inner_state)
-        assert _bits(new.params) == _bits(state.params)
+        assert not bool(metrics["last_step_finite"]) and leaf_bytes(new.opt_state.inner_state) == leaf_bytes(state.opt_state.inner_state)
+        assert leaf_bytes(new.params) == leaf_bytes(state.params)
         state = new
     # A block that overflowed is named by its path in the state (check_health's tree=).
     planted = jax.tree_util.tree_map(lambda a: a, q)
@@ -455,9 +453,9 @@ def test_an_orbax_checkpoint_of_8bit_state_resumes_bitwise(tmp_path):
         restored = ckpt.restore(tmp_path / "ckpt", target)
     q = jaxmp._tree.find_states(restored["opt_state"], lean.QuantizedMomentsState)[0]
     assert q.inner_state[0].mu["w"].dtype == jnp.uint8     # the codes came back as codes
-    assert _bits(restored) == _bits({"params": p_half, "opt_state": s_half})
+    assert leaf_bytes(restored) == leaf_bytes({"params": p_half, "opt_state": s_half})
     p_res, s_res = run(restored["params"], restored["opt_state"], poisons[3:])
-    assert _bits(p_res) == _bits(p_all) and _bits(s_res) == _bits(s_all)
+    assert leaf_bytes(p_res) == leaf_bytes(p_all) and leaf_bytes(s_res) == leaf_bytes(s_all)
     assert int(jaxmp.scaling_stats(s_all)["total_skips"]) == 2
 
 

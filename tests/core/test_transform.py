@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jaxmp
+from tests._support._arrays import leaf_bytes
 
 
 # Inputs come from numpy: an eager jax.random draw or jnp op compiles a program of its own (XLA:CPU
@@ -36,9 +37,6 @@ def _poison(x, index, value=np.nan):
     x[index] = value
     return x
 
-
-def _bits(tree):
-    return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
 
 
 def _make_step(tx):
@@ -70,20 +68,20 @@ def test_skipped_step_leaves_params_and_every_inner_leaf_bitwise_equal(inner, sk
     for _ in range(3):
         params, state, _ = step(params, state, x, y)
     params["dense"]["b"] = jnp.array([-0.0, 0.0, -0.0])
-    before_p, before_inner = _bits(params), _bits(state.inner_state)
+    before_p, before_inner = leaf_bytes(params), leaf_bytes(state.inner_state)
     bad_x = _poison(x, (0, 0))
     params2, state2, _ = step(params, state, bad_x, y)
     plain, _ = jax.jit(lambda p, s: optax.apply_updates(p, tx.update(
         jaxmp.value_and_grad(_loss, s)(p, bad_x, y)[1], s, p)[0]))(params, state), None
-    assert _bits(plain) == before_p  # optax.apply_updates too: -0.0 updates keep -0.0 params
-    assert _bits(params2) == before_p
-    assert _bits(state2.inner_state) == before_inner
+    assert leaf_bytes(plain) == before_p  # optax.apply_updates too: -0.0 updates keep -0.0 params
+    assert leaf_bytes(params2) == before_p
+    assert leaf_bytes(state2.inner_state) == before_inner
     assert not bool(state2.last_step_finite)
     assert int(state2.total_skips) == 1 and int(state2.consecutive_skips) == 1
     assert float(state2.loss_scale.loss_scale) == 2.0**9
     # A finite step afterwards applies again and resets the consecutive count.
     params3, state3, _ = step(params2, state2, x, y)
-    assert _bits(params3) != before_p and int(state3.consecutive_skips) == 0 and int(state3.total_skips) == 1
+    assert leaf_bytes(params3) != before_p and int(state3.consecutive_skips) == 0 and int(state3.total_skips) == 1
 
 
 def test_unscale_happens_before_clipping():
@@ -144,11 +142,11 @@ def test_never_applies_non_finite_however_many_in_a_row_and_check_health_says_so
     step = _make_step(tx)
     params, (x, y) = _params(), _batch()
     state = tx.init(params)
-    start = _bits(params)
+    start = leaf_bytes(params)
     bad = _poison(x, (slice(None), 0), np.inf)
     for _ in range(60):
         params, state, _ = step(params, state, bad, y)
-    assert _bits(params) == start
+    assert leaf_bytes(params) == start
     assert int(state.consecutive_skips) == 60 and float(state.loss_scale.loss_scale) == 1.0  # at the floor
     jaxmp.check_health(state, max_consecutive_skips=60)  # at the limit: fine
     with pytest.raises(jaxmp.TrainingDivergedError, match=r"61|60 consecutive steps.*floor"):
@@ -181,7 +179,7 @@ def test_multisteps_accumulates_true_gradients_and_drops_non_finite_micro_batche
     p, s = params, state
     p, s, _ = step(p, s, *batches[0])
     p, s, _ = step(p, s, _poison(batches[1][0], (0, 0)), batches[1][1])  # dropped micro-batch
-    assert _bits(p) == _bits(params)
+    assert leaf_bytes(p) == leaf_bytes(params)
     for b in batches[1:]:
         p, s, _ = step(p, s, *b)
     grad = jax.jit(jax.grad(_loss))  # one program; the mean and the SGD step in numpy
@@ -220,14 +218,14 @@ def test_master_weights_keep_half_params_bit_exact_and_accumulate_small_updates(
 
     g = jnp.full((16,), tiny, half)
     params1, state1 = step(params, state, g)
-    assert _bits(params1["w"]) == _bits(params["w"])  # the half copy cannot move by eps/8 ...
+    assert leaf_bytes(params1["w"]) == leaf_bytes(params["w"])  # the half copy cannot move by eps/8 ...
     assert float(jaxmp.master_params(state1)["w"][0]) == pytest.approx(1.0 - tiny)  # ... the master does
     for _ in range(15):
         params1, state1 = step(params1, state1, g)
     master = jaxmp.master_params(state1)["w"]
     assert float(master[0]) == pytest.approx(1.0 - 16 * tiny, rel=1e-6)
     assert float(params1["w"][0]) < 1.0  # 16 accumulated updates moved the half param
-    assert _bits(params1["w"]) == _bits(master.astype(half))
+    assert leaf_bytes(params1["w"]) == leaf_bytes(master.astype(half))
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
@@ -242,7 +240,7 @@ def test_master_weights_random_walk_stays_bit_exact_and_moments_are_fp32():
             x = _poison(x, (0, 0), np.inf)
         params, state, _ = step(params, state, x, y)
         master = jaxmp.master_params(state)
-        assert _bits(params) == _bits(jax.tree_util.tree_map(lambda m: m.astype(jnp.float16), master))
+        assert leaf_bytes(params) == leaf_bytes(jax.tree_util.tree_map(lambda m: m.astype(jnp.float16), master))
     adam_state = state.inner_state.inner_state[0]  # inside the master_weights state
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(adam_state.mu))
     assert all(leaf.dtype == jnp.float16 for leaf in jax.tree_util.tree_leaves(params))
@@ -315,10 +313,10 @@ def _pmap_setup(reduce_grads):
 def test_pmap_nan_in_one_replica_makes_every_replica_skip_and_replicas_stay_identical():
     pstep, p, s, x, y = _pmap_setup(reduce_grads=True)
     for i in range(5):
-        before = _bits(p)
+        before = leaf_bytes(p)
         p, s = pstep(p, s, _poison(x, (5, 0, 0)) if i == 2 else x, y)
         if i == 2:
-            assert not np.any(np.asarray(s.last_step_finite)) and _bits(p) == before
+            assert not np.any(np.asarray(s.last_step_finite)) and leaf_bytes(p) == before
     assert np.all(np.asarray(s.total_skips) == 1)
     for leaf in jax.tree_util.tree_leaves((p, s)):
         arr = np.asarray(leaf)
@@ -334,7 +332,7 @@ def test_axis_name_alone_makes_replicas_agree_on_the_verdict():
     assert not np.any(np.asarray(s1.last_step_finite))
     assert np.all(np.asarray(s1.total_skips) == 1)
     assert np.all(np.asarray(s1.loss_scale.loss_scale) == 2.0**9)
-    assert _bits(p1) == _bits(p) and _bits(s1.inner_state) == _bits(s.inner_state)
+    assert leaf_bytes(p1) == leaf_bytes(p) and leaf_bytes(s1.inner_state) == leaf_bytes(s.inner_state)
 
 
 def test_unbound_axis_name_is_a_clear_error():
@@ -355,8 +353,8 @@ def test_finite_gradients_with_non_finite_updates_are_skipped(skip_with):
     grads = {"w": jnp.array([0.0, 1.0, 0.0, 2.0], jnp.float16)}
     updates, state2 = jax.jit(tx.update)(grads, state, params)
     new = optax.apply_updates(params, updates)
-    assert bool(jnp.all(jnp.isfinite(new["w"]))) and _bits(new) == _bits(params)
-    assert _bits(state2.inner_state) == _bits(state.inner_state)
+    assert bool(jnp.all(jnp.isfinite(new["w"]))) and leaf_bytes(new) == leaf_bytes(params)
+    assert leaf_bytes(state2.inner_state) == leaf_bytes(state.inner_state)
     assert int(state2.total_skips) == 1 and not bool(state2.last_step_finite)
     # Opting out of the check lets the NaN through: the check is what prevents it.
     raw = jaxmp.loss_scaling(optax.adam(1e-3), "none", skip_with=skip_with, check_updates=False)
@@ -372,7 +370,7 @@ def test_master_value_beyond_the_half_range_is_skipped():
     new, state = jax.jit(lambda g, s: (lambda u, s: (jaxmp.apply_updates(params, u, s), s))(*tx.update(g, s, params)))(
         {"w": jnp.array([-10000.0, 0.5], jnp.float16)}, state)  # 70000 > 65504
     assert not bool(state.last_step_finite)
-    assert _bits(new) == _bits(params)
+    assert leaf_bytes(new) == leaf_bytes(params)
     assert float(jaxmp.master_params(state)["w"][0]) == 60000.0
 
 
@@ -387,7 +385,7 @@ def test_master_weights_with_fp32_grads_for_bf16_params_follow_the_params_dtype(
         assert updates["w"].dtype == jnp.bfloat16
         via_optax = optax.apply_updates(params, updates)  # within one bf16 ulp of the master's cast
         params = jaxmp.apply_updates(params, updates, state)  # exactly the master's cast
-        assert _bits(params) == _bits({"w": jaxmp.master_params(state)["w"].astype(jnp.bfloat16)})
+        assert leaf_bytes(params) == leaf_bytes({"w": jaxmp.master_params(state)["w"].astype(jnp.bfloat16)})
         np.testing.assert_allclose(np.asarray(via_optax["w"], np.float32), np.asarray(params["w"], np.float32),
                                    rtol=2**-6)
 
@@ -464,7 +462,7 @@ def test_pure_fp16_adam_skips_a_step_that_overflows_its_state():
     fused = jax.jit(functools.partial(jaxmp._transform.update_and_apply, tx))  # one program for both calls
     new, state = fused({"w": jnp.array([300.0, 1.0], jnp.float16)}, state, params)
     assert not bool(state.last_step_finite) and int(state.skip_reason) == jaxmp._transform.NON_FINITE_UPDATES
-    assert _bits(new) == _bits(params)
+    assert leaf_bytes(new) == leaf_bytes(params)
     assert bool(jaxmp.all_finite(state.inner_state))
     updates, state2 = jax.jit(tx.update)({"w": jnp.array([300.0, 1.0], jnp.float16)}, tx.init(params), params)
     assert not bool(state2.last_step_finite) and bool(jaxmp.all_finite(state2.inner_state))
@@ -490,10 +488,10 @@ def test_a_param_holding_minus_inf_is_applied_by_update_and_skipped_by_the_fused
         # bfloat16 params with float32 masters: no check after the update (the gradient bound
         # stands in for it), so both paths apply the step and the mask stays -inf.
         assert bool(fused_state.last_step_finite)
-        assert _bits(fused) == _bits(unfused)
+        assert leaf_bytes(fused) == leaf_bytes(unfused)
         return
     assert not bool(fused_state.last_step_finite) and int(fused_state.skip_reason) == jaxmp._transform.NON_FINITE_UPDATES
-    assert _bits(fused) == _bits(params)
+    assert leaf_bytes(fused) == leaf_bytes(params)
 
 
 def test_each_init_hands_out_fresh_buffers_that_survive_another_states_donation():
@@ -662,7 +660,7 @@ def test_update_and_apply_falls_back_for_a_wrapped_loss_scaling_and_trains_the_s
         fused_p, fused_s = jaxmp._transform.update_and_apply(tx, grads, fused_s, fused_p)
         updates, plain_s = tx.update(grads, plain_s, plain_p)
         plain_p = jaxmp.apply_updates(plain_p, updates, plain_s)
-        assert _bits(fused_p) == _bits(plain_p) and _bits(fused_s) == _bits(plain_s)
+        assert leaf_bytes(fused_p) == leaf_bytes(plain_p) and leaf_bytes(fused_s) == leaf_bytes(plain_s)
         assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree_util.tree_leaves(fused_p))
     assert losses[-1] < losses[0]  # it trains
     assert int(jaxmp.scaling_stats(fused_s)["total_skips"]) == 1

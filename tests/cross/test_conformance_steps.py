@@ -99,14 +99,20 @@ def _policy(masters):
     return "O2-bf16" if masters else "O1-bf16"
 
 
-@functools.lru_cache(maxsize=None)
 def _linen_variables(policy):
     model = jaxmp.flax.mixed_precision(_LinenNet(), policy)
     return model, model.init(jax.random.key(0), _data(False)[0])
 
 
-def _linen(loss_scale, masters):
-    model, variables = _linen_variables(_policy(masters))
+@pytest.fixture(scope="module")
+def linen_variables():
+    """The Linen model and its initialised variables per policy, made once for this module's
+    cells (each init compiles); the other builders ignore it."""
+    return functools.cache(_linen_variables)
+
+
+def _linen(loss_scale, masters, linen_variables=_linen_variables):
+    model, variables = linen_variables(_policy(masters))
     state = jaxmp.flax.TrainState.create(model, variables, _tx(loss_scale, masters))
     step = jaxmp.flax.make_train_step()
     return Cell(state, step, lambda poisoned: _data(poisoned))
@@ -220,8 +226,11 @@ TRACED = [c for c in CELLS if c[1] is jaxmp.DynamicLossScale or c[0] == next(ite
 TRACED_IDS = [IDS[CELLS.index(c)] for c in TRACED]
 
 
-def _build(builder, scale_type, masters):
-    return BUILDERS[builder](LOSS_SCALES[scale_type][1], MASTERS[masters])
+def _build(builder, scale_type, masters, linen_variables):
+    build = BUILDERS[builder]
+    if build is _linen:   # the one builder whose set-up is shared between cells
+        build = functools.partial(_linen, linen_variables=linen_variables)
+    return build(LOSS_SCALES[scale_type][1], MASTERS[masters])
 
 
 # ----------------------------------------------------------------------------- reading states
@@ -305,8 +314,8 @@ def test_every_loss_scale_type_of_jaxmp_is_in_the_matrix():
 
 @pytest.mark.standard_promotion(reason="Flax's BatchNorm and optax's adamw mix dtypes inside")
 @pytest.mark.parametrize("builder,scale_type,masters", TRACED, ids=TRACED_IDS)
-def test_each_cell_traces_to_its_own_state_structure_and_a_float32_loss(builder, scale_type, masters):
-    cell = _build(builder, scale_type, masters)
+def test_each_cell_traces_to_its_own_state_structure_and_a_float32_loss(linen_variables, builder, scale_type, masters):
+    cell = _build(builder, scale_type, masters, linen_variables)
     trace = cell.trace or (lambda s, b: jax.eval_shape(cell.step, s, b))
     new_state, metrics = trace(cell.state, cell.batch(False))
     assert _spec(new_state) == _spec(cell.state)   # structure, shapes and every leaf's dtype
@@ -316,8 +325,8 @@ def test_each_cell_traces_to_its_own_state_structure_and_a_float32_loss(builder,
 @pytest.mark.slow
 @pytest.mark.standard_promotion(reason="Flax's BatchNorm and optax's adamw mix dtypes inside")
 @pytest.mark.parametrize("builder,scale_type,masters", CELLS, ids=IDS)
-def test_each_cell_trains_then_skips_a_non_finite_step_exactly(builder, scale_type, masters):
-    cell = _build(builder, scale_type, masters)
+def test_each_cell_trains_then_skips_a_non_finite_step_exactly(linen_variables, builder, scale_type, masters):
+    cell = _build(builder, scale_type, masters, linen_variables)
     step = cell.step if cell.compiled else jax.jit(cell.step)
 
     # One normal step: finite, a float32 loss, each leaf keeps its dtype and shape, params move.

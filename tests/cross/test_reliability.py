@@ -11,12 +11,10 @@ import pytest
 
 import jaxmp
 import jaxmp.parallel
+from tests._support._arrays import leaf_bytes
 
 TINY = float(np.finfo(np.float32).tiny)
 
-
-def _bits(tree):
-    return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
 
 
 @jax.jit
@@ -259,7 +257,7 @@ def test_complex_leaves_are_unscaled_and_checked():
     bad = {**grads, "z": grads["z"].at[0].set(complex(0, np.inf))}
     updates, state = tx.update(bad, state, params)
     assert not bool(state.last_step_finite) and int(state.skip_reason) == 2
-    assert _bits(optax.apply_updates(params, updates)) == _bits(params)
+    assert leaf_bytes(optax.apply_updates(params, updates)) == leaf_bytes(params)
 
 
 def test_integer_gradient_leaves_never_reach_the_optimizer():
@@ -383,10 +381,10 @@ def test_pmap_step_keeps_batch_stats_bitwise_equal_across_replicas():
         x = xs[t].copy()
         if t == 2:
             x[0, 0] = np.nan  # one replica overflows: every replica skips, statistics included
-        before = _bits(m)
+        before = leaf_bytes(m)
         p, m, s, metrics = step(p, m, s, jaxmp.parallel.shard_batch({"x": x, "y": ys[t]}, n))
         if t == 2:
-            assert not np.any(np.asarray(metrics["last_step_finite"])) and _bits(m) == before
+            assert not np.any(np.asarray(metrics["last_step_finite"])) and leaf_bytes(m) == before
     stats = np.asarray(m["mean"])
     assert all(stats[i].tobytes() == stats[0].tobytes() for i in range(n))
     assert np.any(stats[0] != 0)
@@ -482,9 +480,9 @@ def test_sharded_step_carries_model_state_and_keeps_it_on_skipped_steps():
     assert bool(metrics["last_step_finite"]) and np.any(np.asarray(m["mean"]) != 0)
     x = xs[1].copy()
     x[3, 1] = np.inf
-    before = _bits(m)
+    before = leaf_bytes(m)
     p, m, s, metrics = step(p, m, s, jaxmp.parallel.make_global_batch({"x": x, "y": ys[1]}, mesh))
-    assert not bool(metrics["last_step_finite"]) and _bits(m) == before
+    assert not bool(metrics["last_step_finite"]) and leaf_bytes(m) == before
 
 
 def test_a_non_finite_loss_with_finite_gradients_is_applied_the_gradients_decide():
@@ -557,12 +555,12 @@ def test_cond_and_select_agree_on_every_decision_and_leave_skipped_steps_unchang
         update = jax.jit(tx.update)
         flags, bits = [], []
         for g in grads:
-            before = _bits((p, s.inner_state))
+            before = leaf_bytes((p, s.inner_state))
             u, s = update(g, s, p)
             p = jaxmp.apply_updates(p, u, s)
             flags.append(bool(s.last_step_finite))
             if not flags[-1]:
-                assert _bits((p, s.inner_state)) == before
+                assert leaf_bytes((p, s.inner_state)) == before
             bits.append(np.asarray(p["w"], np.float32))
         results[mode] = flags, bits
     assert results["cond"][0] == results["select"][0] == [True, True, False, True, True, True]

@@ -42,7 +42,7 @@ def test_to_dict_is_json_with_groups_total_and_suggestion():
     d = json.loads(json.dumps(stats.to_dict()))
     assert d["loss_scale"] == 4.0 and [g["name"] for g in d["groups"]] == ["a", "b"]
     assert d["total"]["size"] == 3 and d["total"]["zeros"] == 1
-    assert str(stats) == stats.table() and _format.wrap(stats.summary(), 160) in stats.table()
+    assert str(stats) == stats.table() and _format.wrap(stats.summary(), _format.WIDTH) in stats.table()  # 88 by default
     # the one-line summary (for logs) is wrapped under the table like the table's own width
     narrow = stats.table(width=60)
     assert " ".join(stats.summary().split()) in " ".join(narrow.split())

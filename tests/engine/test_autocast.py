@@ -9,24 +9,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxmp
+from tests._support._arrays import normal, on_device
 from tests._support._op_dtypes import op_dtypes
 
 
-def _normal(seed, shape, scale=1.0):
-    """A float32 standard-normal array drawn by numpy (times ``scale``, in numpy): an eager
-    ``jax.random`` draw compiles threefry for every new shape, an eager ``jnp`` op one program
-    per shape, and no test here depends on where the numbers come from."""
-    return _put(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * np.float32(scale))
-
-
-def _put(a):
-    """A numpy array on the device as is: ``jax.device_put`` compiles nothing (``jnp.asarray``,
-    ``jnp.eye``, ``jnp.ones`` each compile a small program per shape)."""
-    return jax.device_put(np.asarray(a, np.float32) if np.asarray(a).dtype == np.float64 else np.asarray(a))
-
-
 def _eye(n, scale=1.0):
-    return _put(np.eye(n, dtype=np.float32) * np.float32(scale))
+    return on_device(np.eye(n, dtype=np.float32) * np.float32(scale))
 
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
@@ -62,7 +50,7 @@ def mlp_loss(params, x, y):
 
 
 def make_params(seed, sizes=(8, 16, 4)):
-    return [(_normal(seed + i, (a, b), 1 / np.sqrt(a)), _put(np.zeros(b, np.float32)))
+    return [(normal(seed + i, (a, b), 1 / np.sqrt(a)), on_device(np.zeros(b, np.float32)))
             for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))]
 
 
@@ -70,8 +58,8 @@ def make_params(seed, sizes=(8, 16, 4)):
 def data():
     # Module-scoped: the arrays are immutable and every test reads the same ones, so the
     # engine's programs and the float32 reference below are traced and compiled once.
-    x = _normal(1, (16, 8))
-    y = _put(np.random.default_rng(2).integers(0, 4, (16,), dtype=np.int32))
+    x = normal(1, (16, 8))
+    y = on_device(np.random.default_rng(2).integers(0, 4, (16,), dtype=np.int32))
     return make_params(100), x, y
 
 
@@ -129,7 +117,7 @@ def block(w, h):
 
 def test_scan_body(data):
     _, x, _ = data
-    ws = _normal(3, (3, 8, 8), 1 / 3)
+    ws = normal(3, (3, 8, 8), 1 / 3)
 
     def f(ws, x):
         h, _ = jax.lax.scan(lambda h, w: (block(w, h), None), x, ws)
@@ -164,7 +152,7 @@ def test_a_named_residual_is_saved_in_the_dtype_it_was_computed_in():
     def block(w, x):
         return jnp.tanh(checkpoint_name(x @ w, "h"))
 
-    w, x = _eye(8, 0.3), _normal(3, (4, 8))
+    w, x = _eye(8, 0.3), normal(3, (4, 8))
     for policy in (jax.checkpoint_policies.save_only_these_names("h"), jax.checkpoint_policies.dots_saveable):
         f = lambda w, x, policy=policy: jnp.sum(jax.checkpoint(block, policy=policy)(w, x))  # noqa: E731
         ac = jaxmp.autocast(f, "O1-bf16")
@@ -197,7 +185,7 @@ scaled_tanh.defvjp(_st_fwd, _st_bwd)
 
 def test_custom_vjp_forward_and_backward_under_rules(data):
     _, x, _ = data
-    w = _normal(4, (8, 8), 1 / 3)
+    w = normal(4, (8, 8), 1 / 3)
     f = lambda x, w: jnp.sum(jnp.exp(scaled_tanh(x, w)))
     ac = jaxmp.autocast(f, "O1-bf16")
     check_ops(op_dtypes(ac, x, w))
@@ -286,8 +274,8 @@ def test_jit_around_and_inside_agree(data):
 
 
 def test_scanned_remat_block_with_custom_vjp_activation():
-    ws = _normal(5, (4, 8, 8), 1 / 3)
-    x = _normal(6, (16, 8))
+    ws = normal(5, (4, 8, 8), 1 / 3)
+    x = normal(6, (16, 8))
 
     def layer(h, w):
         return h + scaled_tanh(layernorm(h), w), None
@@ -317,7 +305,7 @@ def _sharded_loss(w, x):
 
 def test_shard_map_autocast_outside():
     mesh = _mesh()
-    w, x = _eye(8, 0.3), _normal(7, (16, 8))
+    w, x = _eye(8, 0.3), normal(7, (16, 8))
     f = jax.shard_map(_sharded_loss, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
     ac = jaxmp.autocast(f, "O1-bf16")
     ops = op_dtypes(ac, w, x)
@@ -332,7 +320,7 @@ def test_shard_map_autocast_outside():
 
 def test_shard_map_autocast_inside():
     mesh = _mesh()
-    w, x = _eye(8, 0.3), _normal(7, (16, 8))
+    w, x = _eye(8, 0.3), normal(7, (16, 8))
     f = jax.shard_map(jaxmp.autocast(_sharded_loss, "O1-bf16"), mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
     ref = jax.shard_map(_sharded_loss, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
     check_ops(op_dtypes(f, w, x))
@@ -346,7 +334,7 @@ def test_one_autocast_function_serves_eager_and_shard_map_calls_in_either_order(
     # traced for an explicitly sharded input bakes that sharding into its ops: the program cache
     # must tell them apart from a plain call of the same shapes.
     mesh = _mesh()
-    w, x = _eye(8, 0.3), _normal(7, (16, 8))
+    w, x = _eye(8, 0.3), normal(7, (16, 8))
     f = lambda x, w: jnp.tanh(x @ w)  # noqa: E731
     for eager_first in (True, False):
         layer = jaxmp.autocast(f, "O1-bf16")
@@ -377,7 +365,7 @@ def test_a_program_is_not_reused_for_an_input_of_another_sharding():
 def test_pmap_around_autocast():
     n = 4
     w = _eye(8, 0.3)
-    x = _normal(8, (n, 4, 8))
+    x = normal(8, (n, 4, 8))
     step = jax.pmap(jax.grad(jaxmp.autocast(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2), "O1-bf16")),
                     in_axes=(None, 0), devices=jax.devices()[:n])
     g = step(w, x)
@@ -387,7 +375,7 @@ def test_pmap_around_autocast():
 def test_autocast_around_pmap():
     f = jax.pmap(lambda w, x: jnp.tanh(x @ w).sum(), in_axes=(None, 0), devices=jax.devices()[:2])
     ac = jaxmp.autocast(f, "O1-bf16")
-    w, x = _eye(3), _put(np.ones((2, 4, 3), np.float32))
+    w, x = _eye(3), on_device(np.ones((2, 4, 3), np.float32))
     check_ops(op_dtypes(ac, w, x))
     np.testing.assert_allclose(ac(w, x), f(w, x), rtol=0.02)
 
@@ -403,8 +391,8 @@ def test_unknown_higher_order_primitive_is_named():
 
 
 def test_scan_and_remat_around_an_autocast_body():
-    ws = _normal(9, (3, 8, 8), 1 / 3)
-    x = _normal(10, (16, 8))
+    ws = normal(9, (3, 8, 8), 1 / 3)
+    x = normal(10, (16, 8))
     body = jaxmp.autocast(lambda h, w: block(w, h), "O1-bf16")
 
     def f(ws, x):
@@ -420,7 +408,7 @@ def test_scan_and_remat_around_an_autocast_body():
 
 def test_float0_and_integer_inputs_pass_through_grad():
     f = jaxmp.autocast(lambda w, n: jnp.sum(jnp.tanh(w @ w) * n.astype(w.dtype)), "O1-bf16")
-    gw, gn = jax.grad(f, argnums=(0, 1), allow_int=True)(_eye(3), _put(np.int32(2)))
+    gw, gn = jax.grad(f, argnums=(0, 1), allow_int=True)(_eye(3), on_device(np.int32(2)))
     assert gw.dtype == F32 and gn.dtype == jax.dtypes.float0
 
 
@@ -447,8 +435,8 @@ def _count(closed, name):
 
 
 def test_a_repeated_computation_is_emitted_once_and_differentiated_once():
-    w = _normal(0, (8, 8))
-    x = _normal(1, (4, 8))
+    w = normal(0, (8, 8))
+    x = normal(1, (4, 8))
     twice, once = (jaxmp.autocast(f, "O1-bf16") for f in (_layer_norm_twice, _layer_norm_once))
     assert _count(jax.make_jaxpr(_layer_norm_twice)(w, x), "sub") == 2  # the model does write it twice
     assert _count(jax.make_jaxpr(twice)(w, x), "sub") == 1
@@ -465,7 +453,7 @@ def test_a_repeated_computation_is_emitted_once_and_differentiated_once():
 
 def test_equal_ops_under_different_rules_are_not_merged():
     w = _eye(4, 1.001)
-    x = _put(np.ones((2, 4), np.float32))
+    x = on_device(np.ones((2, 4), np.float32))
 
     def f(w, x):
         return x @ w, jaxmp.autocast_region("float32")(jnp.matmul)(x, w)
@@ -494,15 +482,15 @@ def _staged_functions_made(fn, *args) -> int:
 
 def test_under_jit_of_grad_a_layers_ops_are_staged_once_whatever_the_depth():
     # A width no other test uses: the staged functions are a per-process cache.
-    x = _normal(0, (3, 13))
-    ws = [_normal(i, (13, 13), 1 / 4) for i in range(8)]
+    x = normal(0, (3, 13))
+    ws = [normal(i, (13, 13), 1 / 4) for i in range(8)]
     ac = jaxmp.autocast(_layers, "O1-bf16")
     made = _staged_functions_made(jax.grad(ac), ws[:2], x)
     assert made > 0  # the layer's repeated ops are bound through cached one-op jits
     assert _staged_functions_made(jax.grad(ac), ws, x) == 0  # eight layers: the same ops again
     assert _staged_functions_made(jax.vmap(jax.grad(ac), (None, 0)), ws, x[None]) == 0
     # A plain jit gains nothing from it and pays nothing for it: its ops are bound directly.
-    x11 = _put(np.ones((3, 11), np.float32))
+    x11 = on_device(np.ones((3, 11), np.float32))
     assert _staged_functions_made(ac, [_eye(11)] * 4, x11) == 0
     # Staging changes how the program is traced, not what it computes: the jitted gradient is
     # the eager one's (which differentiates the engine's program as one jitted call).
@@ -516,8 +504,8 @@ def test_an_eager_call_and_a_jitted_one_agree_bit_for_bit(policy):
     # compiled program: run apart from it, a cast is rounded where XLA, compiling the whole
     # program under the caller's jit, may keep the wider value (excess precision), and the two
     # calls differ by half-precision rounding.
-    w = _normal(0, (8, 8))
-    x = _normal(1, (4, 8))
+    w = normal(0, (8, 8))
+    x = normal(1, (4, 8))
     ac = jaxmp.autocast(lambda w, x: (x @ w) * 3.0 + 1.0, policy)
     np.testing.assert_array_equal(ac(w, x), jax.jit(ac)(w, x))
     loss = lambda w: jnp.sum(ac(w, x).astype(F32) ** 2)  # noqa: E731
@@ -531,7 +519,7 @@ def test_an_eager_grad_runs_the_engines_compiled_program_and_reuses_it(monkeypat
     run = Interpreter.run
     monkeypatch.setattr(Interpreter, "run", lambda self, *a, **k: runs.append(1) or run(self, *a, **k))
     ws = [_eye(6, 0.5)] * 3
-    x = _put(np.ones((2, 6), np.float32))
+    x = on_device(np.ones((2, 6), np.float32))
     g = jax.grad(jaxmp.autocast(_layers, "O1-bf16"))
     first = g(ws, x)
     traced = len(runs)

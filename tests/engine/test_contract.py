@@ -17,23 +17,8 @@ import pytest
 import jaxmp
 from jaxmp import _jaxpr
 from jaxmp.engine import _contract as contract, _internals as internals, _tested as tested
+from tests._support._arrays import normal, on_device
 from tests._support._op_dtypes import op_dtypes
-
-
-def _normal(seed, shape, scale=1.0):
-    """A float32 standard-normal array drawn by numpy (times ``scale``, in numpy): an eager
-    ``jax.random`` draw compiles threefry for every new shape, and no test here depends on
-    where the numbers come from."""
-    return _dev(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * np.float32(scale))
-
-
-def _dev(a):
-    """A numpy array on the device as is (float64 as float32, int64 as int32, as jnp makes them):
-    ``jax.device_put`` compiles nothing, where ``jnp.ones``/``jnp.eye``/``jnp.array`` and eager
-    arithmetic on their results each compile a small program per shape."""
-    a = np.asarray(a)
-    a = a.astype(np.float32) if a.dtype == np.float64 else a.astype(np.int32) if a.dtype == np.int64 else a
-    return jax.device_put(a)
 
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
@@ -71,7 +56,7 @@ def test_class_rule_holds_under_an_inner_grad():
 
     rules = jaxmp.AutocastRules().with_class(Head, "float32")
     loss = lambda w, x: jnp.sum(Head(w)(x) ** 2)
-    w, x = _dev(np.full((4, 4), 0.1)), _dev(np.ones((3, 4)))
+    w, x = on_device(np.full((4, 4), 0.1)), on_device(np.ones((3, 4)))
     for fn in (jax.grad(jaxmp.autocast(loss, "O1-bf16", rules=rules)),
                jaxmp.autocast(jax.grad(loss), "O1-bf16", rules=rules)):
         dots = [op for op in op_dtypes(fn, w, x) if op.primitive == "dot_general"]
@@ -87,8 +72,8 @@ def masked_softmax(w, x, mask):
 
 @pytest.mark.parametrize("policy", ["O1-bf16", "O2-bf16", "O1-fp16", "O2-fp16", "O3-fp16"])
 def test_padding_row_of_a_finfo_min_mask_gives_float32s_answer(policy):
-    w, x = _dev(np.full((4, 4), 0.1)), _dev(np.ones((3, 4)))
-    mask = _dev(np.array([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool))
+    w, x = on_device(np.full((4, 4), 0.1)), on_device(np.ones((3, 4)))
+    mask = on_device(np.array([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool))
     got = jaxmp.autocast(masked_softmax, policy)(w, x, mask)
     want = jax.jit(masked_softmax)(w, x, mask)  # the float32 reference: one program, not one per op
     assert np.all(np.isfinite(np.asarray(got, np.float32))), got
@@ -101,7 +86,7 @@ def test_user_inf_and_nan_stay_and_a_fully_computed_additive_mask_saturates():
         bias = jnp.where(jnp.array([True, False, False]), 0.0, jnp.finfo(jnp.float32).min)
         return x * 2.0 + bias, x + jnp.array([jnp.inf, -jnp.inf, jnp.nan])
 
-    a, b = jaxmp.autocast(f, "O3-fp16")(_dev(np.ones(3)))
+    a, b = jaxmp.autocast(f, "O3-fp16")(on_device(np.ones(3)))
     a, b = np.asarray(a), np.asarray(b)
     assert a.dtype == F16 and bool(np.all(np.isfinite(a))) and float(a[1]) == -65504.0
     assert np.isposinf(float(b[0])) and np.isneginf(float(b[1])) and np.isnan(float(b[2]))
@@ -128,9 +113,9 @@ def test_an_additive_mask_built_from_integer_data_keeps_a_padding_row_finite(pol
     def loss(w, x, mask):   # big a constant of the program, as a model writes it
         return _bert_loss(w, x, mask, big)
 
-    w = _normal(0, (8, 8), 0.3)
-    x = _normal(1, (2, 4, 8))
-    mask = _dev(np.array([[1, 1, 1, 0], [0, 0, 0, 0]]))
+    w = normal(0, (8, 8), 0.3)
+    x = normal(1, (2, 4, 8))
+    mask = on_device(np.array([[1, 1, 1, 0], [0, 0, 0, 0]]))
     want = _bert_loss_f32(w, x, mask, np.float32(big))
     got, g = jax.jit(jax.value_and_grad(jaxmp.autocast(loss, policy)))(w, x, mask)
     assert np.all(np.isfinite(np.asarray(g))), g
@@ -143,8 +128,8 @@ def test_a_saturated_mask_added_to_negative_fp16_scores_keeps_the_row_uniform():
     def attn(q, k, mask):
         return jax.nn.softmax(q @ k.T + jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)[None, :], axis=-1)
 
-    q, k = _dev(np.ones((2, 8))), _dev(-3.0 * np.arange(1.0, 5.0)[:, None] * np.ones((4, 8)))
-    got = jaxmp.autocast(attn, "O1-fp16")(q, k, _dev(np.zeros((4,), bool)))
+    q, k = on_device(np.ones((2, 8))), on_device(-3.0 * np.arange(1.0, 5.0)[:, None] * np.ones((4, 8)))
+    got = jaxmp.autocast(attn, "O1-fp16")(q, k, on_device(np.zeros((4,), bool)))
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.full((2, 4), 0.25, np.float32))
 
 
@@ -155,7 +140,7 @@ def test_constants_the_half_type_cannot_hold_run_their_ops_in_float32(policy):
         h = x @ w
         return h * 1e5, jnp.log(jnp.maximum(jax.nn.relu(h - 1.0), 1e-8)), h / (h + 1e-8)
 
-    w, x = _dev(np.eye(4)), _dev(np.full((2, 4), 0.5))
+    w, x = on_device(np.eye(4)), on_device(np.full((2, 4), 0.5))
     for got, want in zip(jaxmp.autocast(f, policy)(w, x), jax.jit(f)(w, x)):
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-2)
 
@@ -163,7 +148,7 @@ def test_constants_the_half_type_cannot_hold_run_their_ops_in_float32(policy):
 def test_a_float32_result_keeps_float32_through_cond_scan_and_while():
     # A batch mean passed through control flow is centred in float32, as without it: in fp16
     # the mean 100.03125 rounds to 100.0 and the variance doubles.
-    x = _dev(np.where(np.arange(8)[:, None] % 2 == 0, 100.0, 100.0625) * np.ones((8, 4)))
+    x = on_device(np.where(np.arange(8)[:, None] % 2 == 0, 100.0, 100.0625) * np.ones((8, 4)))
 
     def via(kind):
         def var(w, x):
@@ -178,7 +163,7 @@ def test_a_float32_result_keeps_float32_through_cond_scan_and_while():
         return var
 
     for kind in ("cond", "scan", "while"):
-        got = jaxmp.autocast(via(kind), "O1-fp16")(_dev(np.eye(4)), x)
+        got = jaxmp.autocast(via(kind), "O1-fp16")(on_device(np.eye(4)), x)
         assert float(got) == 0.0009765625, (kind, float(got))
 
 
@@ -189,8 +174,8 @@ def test_a_masked_float32_accumulator_in_a_scan_adds_in_float32(policy):
         return jax.lax.scan(lambda acc, inp: (jnp.where(inp[1], acc + inp[0] @ w, acc), None),
                             jnp.zeros((1, 4)), (xs, valid))[0]
 
-    xs, valid = _dev(np.full((3000, 1, 4), 0.25)), _dev(np.arange(3000) % 3 != 0)
-    got = jaxmp.autocast(masked_sum, policy)(_dev(np.eye(4)), xs, valid)
+    xs, valid = on_device(np.full((3000, 1, 4), 0.25)), on_device(np.arange(3000) % 3 != 0)
+    got = jaxmp.autocast(masked_sum, policy)(on_device(np.eye(4)), xs, valid)
     np.testing.assert_allclose(np.asarray(got), 500.0)
 
 
@@ -201,7 +186,7 @@ def test_a_closed_over_jax_array_constant_the_half_type_cannot_hold_promotes_lik
         h = x @ w
         return h / jnp.maximum(jnp.abs(h), eps), h * scale
 
-    w, x = _dev(np.eye(4)), _dev(np.array([[0.0, 1.0, 2.0, 3.0]]))
+    w, x = on_device(np.eye(4)), on_device(np.array([[0.0, 1.0, 2.0, 3.0]]))
     for got, want in zip(jaxmp.autocast(f, "O1-fp16")(w, x), jax.jit(f)(w, x)):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2)
 
@@ -211,8 +196,8 @@ def test_a_float32_list_result_written_into_a_half_buffer_promotes_it():
     def f(w, x):
         return jax.lax.dynamic_update_slice(x @ w, jax.nn.softmax(x[:1], axis=-1), (0, 0))
 
-    x = _dev(np.array([[0.0, 0.0, 0.0, 1e-3], [0.0, 0.0, 0.0, 0.0]]))
-    got = np.asarray(jaxmp.autocast(f, "O1-bf16")(_dev(np.eye(4)), x), np.float32)
+    x = on_device(np.array([[0.0, 0.0, 0.0, 1e-3], [0.0, 0.0, 0.0, 0.0]]))
+    got = np.asarray(jaxmp.autocast(f, "O1-bf16")(on_device(np.eye(4)), x), np.float32)
     row = jax.jit(lambda x: jax.nn.softmax(x[0]))(x)   # the float32 reference: one program
     np.testing.assert_allclose(got[0], row, rtol=1e-6)
 
@@ -220,7 +205,7 @@ def test_a_float32_list_result_written_into_a_half_buffer_promotes_it():
 def test_a_float32_buffer_written_with_a_half_value_keeps_its_untouched_rows():
     # dynamic_update_slice keeps the buffer's dtype and concatenate the widest, as .at[].set and
     # torch's cat do: a float32 KV cache or history is not rounded as a whole to bfloat16.
-    x, w, buf = _dev(np.ones((8, 8))), _dev(np.eye(8)), _dev(np.full((16, 8), 1.001))
+    x, w, buf = on_device(np.ones((8, 8))), on_device(np.eye(8)), on_device(np.full((16, 8), 1.001))
     dus = jaxmp.autocast(lambda buf, w, x: jax.lax.dynamic_update_slice(buf, x @ w, (0, 0)), "O1-bf16")(buf, w, x)
     cat = jaxmp.autocast(lambda buf, w, x: jnp.concatenate([buf[8:], x @ w]), "O1-bf16")(buf, w, x)
     assert dus.dtype == cat.dtype == F32
@@ -231,7 +216,7 @@ def test_a_float32_buffer_written_with_a_half_value_keeps_its_untouched_rows():
 def test_o2_leaves_a_weight_whose_matmul_is_in_a_float32_region_unrounded():
     # O2 casts weights to half on entry; one used only inside a float32 region (the marker, a
     # scope rule, a nested O0 autocast) must reach that region as passed, not bf16-rounded.
-    w, x = _dev(1.0 + 1e-3 * np.arange(16.0)[:, None] * np.ones((16, 16))), _dev(np.ones((2, 16)))
+    w, x = on_device(1.0 + 1e-3 * np.arange(16.0)[:, None] * np.ones((16, 16))), on_device(np.ones((2, 16)))
     want = np.asarray(x) @ np.asarray(w)   # float32 in numpy
 
     def scoped(w, x):
@@ -253,8 +238,8 @@ def test_an_update_inside_autocast_under_a_float32_region_is_applied_in_float32(
         return jaxmp.float32_region(lambda p, g: p - 1e-4 * g)(p, g)
 
     f = jax.jit(jaxmp.autocast(step, "O1-bf16"))
-    p = q = _dev(np.eye(4))
-    ones, ref = _dev(np.ones((8, 4))), jax.jit(step)   # the float32 reference, jitted: one program
+    p = q = on_device(np.eye(4))
+    ones, ref = on_device(np.ones((8, 4))), jax.jit(step)   # the float32 reference, jitted: one program
     for _ in range(20):
         p, q = f(p, ones), ref(q, ones)
     assert p.dtype == F32 and float(p[0, 0]) < 0.9991
@@ -268,8 +253,8 @@ def test_a_mask_value_passed_as_a_python_number_saturates_eager_or_jitted(policy
     def f(w, x, mask, neg):
         return jax.nn.softmax(jnp.where(mask, x @ w, neg), axis=-1)
 
-    w, x = _dev(np.full((4, 4), 0.1)), _dev(np.ones((3, 4)))
-    mask = _dev(np.array([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool))
+    w, x = on_device(np.full((4, 4), 0.1)), on_device(np.ones((3, 4)))
+    mask = on_device(np.array([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool))
     neg = float(jnp.finfo(jnp.float32).min)
     ac = jaxmp.autocast(f, policy)
     eager, jitted = ac(w, x, mask, neg), jax.jit(ac)(w, x, mask, neg)
@@ -278,7 +263,7 @@ def test_a_mask_value_passed_as_a_python_number_saturates_eager_or_jitted(policy
     np.testing.assert_allclose(np.asarray(jitted[2], np.float32), 0.25)
     # A float32 array is data, not a number: O1 keeps it float32 where the softmax needs it
     # (finite); O2 narrows it and its overflow is not hidden.
-    negs = _dev(np.full((3, 4), neg, np.float32))
+    negs = on_device(np.full((3, 4), neg, np.float32))
     big = jax.jit(ac)(w, x, mask, negs)
     assert np.all(np.isfinite(np.asarray(big, np.float32))) or not policy.startswith("O1")
     o2 = jax.jit(jaxmp.autocast(f, policy.replace("O1", "O2")))(w, x, mask, negs)
@@ -289,7 +274,7 @@ def test_an_activation_overflow_is_not_saturated_and_the_step_is_skipped():
     def loss(w, x):
         return jnp.sum((x @ w).astype(jnp.float32)) * 0.0 + jnp.sum(x @ w)
 
-    w, x = _dev(np.full((4, 4), 300.0)), _dev(np.full((2, 4), 100.0))   # x @ w = 120,000 > fp16's 65,504
+    w, x = on_device(np.full((4, 4), 300.0)), on_device(np.full((2, 4), 100.0))   # x @ w = 120,000 > fp16's 65,504
     assert not np.isfinite(np.asarray(jaxmp.autocast(loss, "O1-fp16")(w, x)))
     tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale())
     state = tx.init(w)
@@ -314,8 +299,8 @@ def test_o2_running_statistics_track_float32_within_1_percent_after_1000_steps()
 
     f = jax.jit(jaxmp.autocast(step, "O2-bf16"))
     ref = jax.jit(step)
-    params, x = {"w": _dev(np.eye(4))}, _dev(np.ones((8, 4)))
-    stats = stats32 = _dev(np.zeros(4))
+    params, x = {"w": on_device(np.eye(4))}, on_device(np.ones((8, 4)))
+    stats = stats32 = on_device(np.zeros(4))
     for _ in range(1000):
         stats, stats32 = f(params, stats, x)[1], ref(params, stats32, x)[1]
     assert stats.dtype == F32
@@ -327,7 +312,7 @@ def test_o2_casts_weights_on_entry_and_passes_other_state_as_given():
         return jnp.sum(x @ params["w"] + params["b"]) + jnp.sum(stats)
 
     program = jaxmp.autocast(f, "O2-bf16")
-    args = ({"w": _dev(np.ones((4, 4))), "b": _dev(np.zeros(4))}, _dev(np.zeros(4)), _dev(np.ones((2, 4))))
+    args = ({"w": on_device(np.ones((4, 4))), "b": on_device(np.zeros(4))}, on_device(np.zeros(4)), on_device(np.ones((2, 4))))
     program(*args)
     (prog,) = program._programs.values()
     # leaves: b, w, stats, x; x feeds only the matmul, so it is cast on entry too
@@ -351,8 +336,8 @@ def accumulate_while(x, w):
 @pytest.mark.parametrize("fn", [accumulate, accumulate_while], ids=["fori_loop", "while_loop"])
 @pytest.mark.parametrize("policy", ["O1-bf16", "O1-fp16"])
 def test_a_float32_accumulator_is_added_in_float32(fn, policy):
-    x = _normal(0, (8, 16))
-    w = _normal(1, (16, 4), 0.3)
+    x = normal(0, (8, 16))
+    w = normal(1, (16, 4), 0.3)
     half = BF16 if policy.endswith("bf16") else F16
     # Eager, op by op: each op rounds to half as the engine's does (a jitted term lets XLA keep
     # the wider value between tanh and its cast, and differs by 0.3% in bf16).
@@ -371,8 +356,8 @@ def test_ema_and_gradient_accumulation_carries_run_in_float32():
                          jnp.zeros_like(w), xs)[0]
         return g
 
-    xs = _normal(0, (500, 2, 8))
-    w = _normal(1, (8, 4)) * 0.3
+    xs = normal(0, (500, 2, 8))
+    w = normal(1, (8, 4)) * 0.3
     for fn, args in ((ema, (xs, w)), (grad_accum, (w, xs))):
         updates = contract.carry_updates(jaxmp.autocast(fn, "O1-bf16"), args)
         assert updates and all(ins == {F32} for _, _, ins in updates), updates
@@ -390,7 +375,7 @@ def test_a_float32_scanned_hidden_state_stays_float32_at_o1_and_is_narrowed_at_o
     def residual(w, xs):
         return jax.lax.scan(lambda h, x: (h + jnp.tanh(h @ w) + x, None), jnp.zeros((2, 8)), xs)[0]
 
-    w, xs = _dev(np.eye(8) * 0.5), _dev(np.ones((5, 2, 8)))
+    w, xs = on_device(np.eye(8) * 0.5), on_device(np.ones((5, 2, 8)))
     for fn in (rnn, residual):
         for policy, dtype in (("O1-bf16", F32), ("O2-bf16", BF16)):
             ops = op_dtypes(jaxmp.autocast(fn, policy), w, xs)
@@ -402,7 +387,7 @@ def test_a_float32_scanned_hidden_state_stays_float32_at_o1_and_is_narrowed_at_o
 # -- norms -------------------------------------------------------------------------------------
 
 def test_linalg_norm_and_a_hand_written_rms_norm_square_in_float32():
-    h, eye = _dev(np.full((1, 64), 300.0)), _dev(np.eye(64))
+    h, eye = on_device(np.full((1, 64), 300.0)), on_device(np.eye(64))
     norm = jaxmp.autocast(lambda h, w: jnp.linalg.norm(h @ w), "O1-fp16")(h, eye)
     np.testing.assert_allclose(norm, 2400.0, rtol=1e-3)   # f3b5f5b: inf
 
@@ -420,7 +405,7 @@ def test_linalg_norm_and_a_hand_written_rms_norm_square_in_float32():
 def test_a_product_of_two_equal_matmuls_is_a_square():
     """Issue 37 item 3: ``(x @ w) * (x @ w)`` traces two matmuls that the engine merges, so the
     ``mul`` reads one value twice: a square, in float32 like ``(x @ w) ** 2`` (0a46f1b: fp16, inf)."""
-    h, w = _dev(np.full((4, 64), 300.0 / 64)), _dev(np.ones((64, 8)))
+    h, w = on_device(np.full((4, 64), 300.0 / 64)), on_device(np.ones((64, 8)))
     f = lambda h, w: jnp.mean((h @ w) * (h @ w))
     ac = jaxmp.autocast(f, "O1-fp16")
     np.testing.assert_allclose(ac(h, w), 90000.0, rtol=1e-3)
@@ -433,13 +418,13 @@ def test_a_product_of_two_equal_matmuls_is_a_square():
 
 
 def test_mixed_half_operands_are_never_narrowed_to_float16():
-    big_bf16 = _dev(np.full((2,), 1e6, jnp.bfloat16))
+    big_bf16 = on_device(np.full((2,), 1e6, jnp.bfloat16))
     # The functions mix bfloat16 and float16 on purpose (what does autocast make of that?), which
     # only standard promotion lets them trace at all.
     with jax.numpy_dtype_promotion("standard"):
-        out = jaxmp.autocast(lambda a, b: a + b, "O1-fp16")(big_bf16, _dev(np.ones(2, np.float16)))
-        y = jaxmp.autocast(lambda a, b: a @ b, "O1-fp16")(_dev(np.full((2, 2), 1e5, jnp.bfloat16)),
-                                                           _dev(np.ones((2, 2), np.float16)))
+        out = jaxmp.autocast(lambda a, b: a + b, "O1-fp16")(big_bf16, on_device(np.ones(2, np.float16)))
+        y = jaxmp.autocast(lambda a, b: a @ b, "O1-fp16")(on_device(np.full((2, 2), 1e5, jnp.bfloat16)),
+                                                           on_device(np.ones((2, 2), np.float16)))
     assert np.all(np.isfinite(np.asarray(out, np.float32))), out
     assert np.all(np.isfinite(np.asarray(y, np.float32))), y
 
@@ -460,7 +445,7 @@ def _pallas_kernel():
 
 def test_pallas_kernels_run_bare_and_under_half_inputs():
     kernel = _pallas_kernel()
-    w, x = _dev(np.eye(128)), _dev(np.ones((8, 128)))
+    w, x = on_device(np.eye(128)), on_device(np.ones((8, 128)))
     bare = jaxmp.autocast(lambda w, x: jnp.sum(kernel(x @ w, x)), "O1-bf16")(w, x)
     cast = jaxmp.autocast(lambda w, x: jnp.sum(jaxmp.half_inputs(kernel)(x @ w, x)), "O1-bf16")(w, x)
     assert float(bare) == float(cast) == 3.0 * 8 * 128
@@ -579,7 +564,7 @@ def test_a_nested_jit_keeps_its_shardings_donation_and_name():
 
     inner = jax.jit(layer, out_shardings=sharding, donate_argnums=(1,))
     f = jaxmp.autocast(lambda w, x: jnp.sum(inner(w, x)), "O1-bf16")
-    w, x = _dev(np.ones((4, 4))), _dev(np.ones((8, 4)))
+    w, x = on_device(np.ones((4, 4))), on_device(np.ones((8, 4)))
     # Under a trace the engine's ops are bound into the caller's jaxpr: the nested jit is there.
     jits = [op for op in _jaxpr.equations(jax.make_jaxpr(f)(w, x)) if op.primitive.name in ("jit", "pjit")]
     (nested,) = [e for e in jits if e.params["name"] == "layer"]
@@ -674,7 +659,7 @@ def test_two_policies_and_a_plain_linen_model_trace_at_once_in_three_threads():
         def __call__(self, x):
             return nn.Dense(3)(Synced(self.tag)(x))
 
-    x = _dev(np.ones((2, 4)))
+    x = on_device(np.ones((2, 4)))
     # O2: every param goes to half before the model runs (O1 casts only the weights, in the engine).
     models = {"bf16": mixed_precision(Net("bf16"), "O2-bf16"), "fp16": mixed_precision(Net("fp16"), "O2-fp16"),
               "plain": Net("plain")}
@@ -707,8 +692,8 @@ def test_an_rnn_weight_gradient_is_as_accurate_in_both_orders():
         h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros((4, 16)), xs)
         return jnp.sum(h ** 2)
 
-    w = _normal(0, (16, 16), 0.25)
-    xs = _normal(1, (64, 4, 16))
+    w = normal(0, (16, 16), 0.25)
+    xs = normal(1, (64, 4, 16))
     g32 = np.asarray(jax.jit(jax.grad(loss))(w, xs))  # the float32 reference: one program
     errors = []
     for fn in (jax.grad(jaxmp.autocast(loss, "O1-bf16")), jaxmp.autocast(jax.grad(loss), "O1-bf16")):
@@ -727,7 +712,7 @@ def test_precision_report_flags_a_half_backward_reduction_of_grad_autocast():
     def loss(w, b, x):
         return jnp.sum(jnp.tanh(x @ w + b))
 
-    w, b, x = _dev(np.full((16, 16), 0.1)), _dev(np.zeros(16)), _dev(np.ones((4096, 16)))
+    w, b, x = on_device(np.full((16, 16), 0.1)), on_device(np.zeros(16)), on_device(np.ones((4096, 16)))
     outer = jaxmp.precision_report(jax.grad(jaxmp.autocast(loss, "O2-bf16"), argnums=1), w, b, x)
     inner = jaxmp.precision_report(jaxmp.autocast(jax.grad(loss, argnums=1), "O2-bf16"), w, b, x)
     # grad(autocast(f)) at O2 (the bias narrowed to bf16): the bias gradient is the transpose of
@@ -745,7 +730,7 @@ def test_the_explicit_accumulate_helper_covers_an_ode_step_the_rule_cannot_see()
 
         return jax.lax.fori_loop(0, 2000, step, y)
 
-    w, y0 = _dev(np.eye(8) * 0.5), _dev(np.ones((2, 8)) * 0.1)
+    w, y0 = on_device(np.eye(8) * 0.5), on_device(np.ones((2, 8)) * 0.1)
     ref = np.asarray(euler(w, y0, False))
     err = lambda y: float(np.max(np.abs(np.asarray(y) - ref) / np.abs(ref)))
     # O1: the float32 carry is needed in float32, so the add runs in float32 unaided.
@@ -760,11 +745,11 @@ def test_the_explicit_accumulate_helper_covers_an_ode_step_the_rule_cannot_see()
 def test_accumulate_refuses_a_delta_the_total_cannot_hold():
     """Issue 37 item 9: 0.7 added into an int32 total in the total's dtype added 0, silently."""
     with pytest.raises(TypeError, match=r"float32 delta cannot be added into a total of dtype int32.*make the total"):
-        jaxmp.accumulate(_dev(np.zeros(3, np.int32)), _dev(np.full(3, 0.7)))
+        jaxmp.accumulate(on_device(np.zeros(3, np.int32)), on_device(np.full(3, 0.7)))
     with pytest.raises(TypeError, match=r"imaginary part"):
-        jaxmp.accumulate(_dev(np.zeros(3)), _dev(np.ones(3, np.complex64)))
+        jaxmp.accumulate(on_device(np.zeros(3)), on_device(np.ones(3, np.complex64)))
     # what fits is added: integers into integers or floats, a Python float into a float32 total
-    zeros_i, zeros_f, twos = _dev(np.zeros(3, np.int32)), _dev(np.zeros(3)), _dev(np.full(3, 2, np.int32))
+    zeros_i, zeros_f, twos = on_device(np.zeros(3, np.int32)), on_device(np.zeros(3)), on_device(np.full(3, 2, np.int32))
     assert jaxmp.accumulate(zeros_i, twos).tolist() == [2, 2, 2]
     assert jaxmp.accumulate(zeros_f, twos).dtype == F32
     assert jaxmp.accumulate(zeros_f, 0.5).tolist() == [0.5, 0.5, 0.5]
@@ -805,9 +790,9 @@ def test_an_nn_scan_transformer_body_gains_no_float32_ops_from_the_carry():
 def test_masked_attention_under_jit_of_grad_leaks_no_tracer_and_matches_float32():
     """The attention routing's float32 backward takes the mask (and any array argument) as an
     input, not a closure: closing over it handed the backward pass a finished trace's tracer."""
-    q = _normal(0, (2, 4, 2, 8))
-    mask = _dev(np.tril(np.ones((4, 4), bool))[None, None])
-    lengths = _dev(np.array([4, 2], np.int32))
+    q = normal(0, (2, 4, 2, 8))
+    mask = on_device(np.tril(np.ones((4, 4), bool))[None, None])
+    lengths = on_device(np.array([4, 2], np.int32))
 
     def f(q):
         return jax.nn.dot_product_attention(q, q, q, mask=mask, key_value_seq_lengths=lengths).sum()

@@ -290,17 +290,18 @@ def test_checkpointed_while_loops_trace(preset):
     assert value.shape == () and grad.shape == W.shape and grad.dtype == np.float32  # the input's dtype
 
 
-@functools.cache
-def _while_reference():
+@pytest.fixture(scope="module")
+def while_reference():
+    """The float32 while programs' results, compiled and run once for the presets' tests."""
     return jax.jit(_while_programs(None))(W, np.ones_like(W))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESET_NAMES)
-def test_checkpointed_while_loops(preset):
+def test_checkpointed_while_loops(while_reference, preset):
     if _asserted_refusal(preset):
         return
-    want_eqx, want_lax = _while_reference()
+    want_eqx, want_lax = while_reference
     got_eqx, got_lax = jax.jit(_while_programs(preset))(W, np.ones_like(W))
     recipe = get_recipe(preset)
     # float32 computes the same; half to a few bf16 roundings; fp8 matmuls (2-3 mantissa bits) coarser

@@ -100,7 +100,6 @@ def reference(ops, params, x, mask, half=jnp.bfloat16):
     return jnp.mean(h.astype(jnp.float32))
 
 
-@functools.lru_cache(maxsize=None)
 def _inputs(seed):
     # numpy draws, not eager jax.random: every new shape of an eager draw compiles threefry,
     # and the rules under test do not depend on where the numbers come from
@@ -113,11 +112,17 @@ def _inputs(seed):
     return params, x, mask
 
 
+@pytest.fixture(scope="module")
+def inputs():
+    """``_inputs`` by seed, drawn once per seed for this module's examples (hypothesis repeats seeds)."""
+    return functools.cache(_inputs)
+
+
 programs = st.lists(st.sampled_from(OPS), min_size=1, max_size=6)
 
 
-def _check(ops, seed, differentiate):
-    params, x, mask = _inputs(seed)
+def _check(inputs, ops, seed, differentiate):
+    params, x, mask = inputs(seed)
     f = program(ops)
     ac = jaxmp.autocast(f, "O1-bf16")
     ops_seen = op_dtypes(jax.grad(ac) if differentiate else ac, params, x, mask)
@@ -145,13 +150,13 @@ def _check(ops, seed, differentiate):
 
 @settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(ops=programs, seed=st.integers(0, 3), differentiate=st.booleans())
-def test_random_programs_follow_the_documented_rules(ops, seed, differentiate):
-    _check(ops, seed, differentiate)
+def test_random_programs_follow_the_documented_rules(inputs, ops, seed, differentiate):
+    _check(inputs, ops, seed, differentiate)
 
 
 @pytest.mark.slow
 @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(st.sampled_from(OPS), min_size=1, max_size=10), seed=st.integers(0, 100),
        differentiate=st.booleans())
-def test_random_programs_follow_the_documented_rules_large(ops, seed, differentiate):
-    _check(ops, seed, differentiate)
+def test_random_programs_follow_the_documented_rules_large(inputs, ops, seed, differentiate):
+    _check(inputs, ops, seed, differentiate)

@@ -2,7 +2,6 @@
 ResNet with BatchNorm and Transformer with dropout) and Flax NNX; class rules for each. The
 Equinox and Haiku tests skip without their extras; the Flax ones always run."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -135,16 +134,14 @@ class NNXNet(nnx.Module):
         return self.l2(jax.nn.relu(self.norm(self.l1(x))))
 
 
-@functools.lru_cache(maxsize=1)
-def _nnx_parts():
-    # Initialised once, in one compiled program (eagerly, each initialiser draw compiles its
-    # own): the same parameters as ``NNXNet(nnx.Rngs(0))``.
-    return nnx.split(nnx.jit(lambda: NNXNet(nnx.Rngs(0)))())
+@pytest.fixture(scope="module")
+def nnx_net():
+    """Builds fresh NNXNets holding one set of initial parameters (immutable arrays, shared safely).
 
-
-def _nnx_net():
-    """A fresh NNXNet holding the cached initial parameters (immutable arrays, shared safely)."""
-    return nnx.merge(*_nnx_parts())
+    Initialised once per module, in one compiled program (eagerly, each initialiser draw compiles
+    its own): the same parameters as ``NNXNet(nnx.Rngs(0))``."""
+    parts = nnx.split(nnx.jit(lambda: NNXNet(nnx.Rngs(0)))())
+    return lambda: nnx.merge(*parts)
 
 
 def _data(n):
@@ -153,8 +150,8 @@ def _data(n):
     return jax.device_put(x), jax.device_put(np.arange(n, dtype=np.int32) % 4)
 
 
-def test_nnx_value_and_grad():
-    model = _nnx_net()
+def test_nnx_value_and_grad(nnx_net):
+    model = nnx_net()
     x, y = _data(16)
     ac_loss = jaxmp.autocast(lambda m, x, y: _ce(m(x), y), "O1-bf16")
     check_ops(op_dtypes(lambda m, x, y: ac_loss(m, x, y), model, x, y), min_matmuls=2)
@@ -167,8 +164,8 @@ def test_nnx_value_and_grad():
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
-def test_nnx_split_merge_training():
-    model = _nnx_net()
+def test_nnx_split_merge_training(nnx_net):
+    model = nnx_net()
     graphdef, state = nnx.split(model)
     x, y = _data(64)
 

@@ -8,21 +8,9 @@ import pytest
 
 import jaxmp
 from jaxmp.engine import _attention as routed
+from tests._support._arrays import normal, on_device
 from tests._support._op_dtypes import op_dtypes
 from tests.engine.test_autocast import BF16, F32, check_ops
-
-
-def _normal(seed, shape):
-    """A float32 standard-normal array drawn by numpy: an eager ``jax.random`` draw compiles
-    threefry for every new shape, and no test here depends on where the numbers come from."""
-    return _dev(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
-
-
-def _dev(a):
-    """A numpy array on the device as is (float64 as float32, as jnp makes it): ``jax.device_put``
-    compiles nothing, where ``jnp.ones``/``jnp.eye`` compile a small program per shape."""
-    a = np.asarray(a)
-    return jax.device_put(a.astype(np.float32) if a.dtype == np.float64 else a)
 
 
 F16 = np.dtype(jnp.float16)
@@ -34,20 +22,20 @@ def dense(params, x):
 
 @pytest.fixture
 def params():
-    return {"w": _dev(np.eye(4) * 0.5), "b": _dev(np.zeros(4))}
+    return {"w": on_device(np.eye(4) * 0.5), "b": on_device(np.zeros(4))}
 
 
 def test_outputs_in_output_dtype_dicts_and_tuples(params):
     f = jaxmp.autocast(lambda p, x: {"y": dense(p, x), "pair": (x @ p["w"], jnp.int32(3))}, "O1-bf16")
-    out = f(params, _dev(np.ones((2, 4))))
+    out = f(params, on_device(np.ones((2, 4))))
     assert out["y"].dtype == F32 and out["pair"][0].dtype == F32 and out["pair"][1].dtype == jnp.int32
-    out3 = jaxmp.autocast(lambda p, x: {"y": dense(p, x)}, "O3-bf16")(params, _dev(np.ones((2, 4))))
+    out3 = jaxmp.autocast(lambda p, x: {"y": dense(p, x)}, "O3-bf16")(params, on_device(np.ones((2, 4))))
     assert out3["y"].dtype == BF16
 
 
 def test_presets_o0_identity_o2_casts_entry_o3_pure_half(params):
     fn = lambda p, x: jnp.exp(x @ p["w"] + p["b"]).sum()
-    x = _dev(np.ones((2, 4)))
+    x = on_device(np.ones((2, 4)))
     ops0 = op_dtypes(jaxmp.autocast(fn, "O0"), params, x)
     assert ops0 and all(d == F32 for op in ops0 for d in op.in_dtypes)
     ops2 = op_dtypes(jaxmp.autocast(fn, "O2-bf16"), params, x)
@@ -62,13 +50,13 @@ def test_presets_o0_identity_o2_casts_entry_o3_pure_half(params):
 
 
 def test_policy_objects_and_jmp_strings(params):
-    x = _dev(np.ones((2, 4)))
+    x = on_device(np.ones((2, 4)))
     for policy in (jaxmp.get_policy("p=f32,c=bf16,o=f32"), "params=float32,compute=bfloat16,output=float32"):
         check_ops(op_dtypes(jaxmp.autocast(dense, policy), params, x))
 
 
 def test_promotion_switch_and_matmul_output_switch(params):
-    x = _dev(np.ones((2, 4)))
+    x = on_device(np.ones((2, 4)))
     wide = jaxmp.AutocastRules(promote="widest")
     ops = op_dtypes(jaxmp.autocast(dense, "O1-bf16", rules=wide), params, x)
     assert [op.out_dtypes for op in ops if op.primitive == "add"] == [(F32,)]
@@ -78,7 +66,7 @@ def test_promotion_switch_and_matmul_output_switch(params):
 
 
 def test_user_choices_in_the_trace_are_kept():
-    q = _dev(np.ones((2, 8)))
+    q = on_device(np.ones((2, 8)))
 
     def f(q):
         logits = jnp.einsum("ij,kj->ik", q.astype(jnp.float16), q.astype(jnp.float16), preferred_element_type=jnp.float32)
@@ -93,7 +81,7 @@ def test_rules_are_editable_data_and_scope_rules(params):
     rules = jaxmp.AutocastRules().with_float32("tanh").with_half("exp").with_follow("reduce_max")
     assert "tanh" in rules.float32_ops and "exp" in rules.half_ops and "reduce_max" not in rules.float32_ops
     hash(rules)
-    ops = op_dtypes(jaxmp.autocast(dense, "O1-bf16", rules=rules), params, _dev(np.ones((2, 4))))
+    ops = op_dtypes(jaxmp.autocast(dense, "O1-bf16", rules=rules), params, on_device(np.ones((2, 4))))
     assert [op.in_dtypes for op in ops if op.primitive == "tanh"] == [(F32,)]
 
     def scoped(p, x):
@@ -101,7 +89,7 @@ def test_rules_are_editable_data_and_scope_rules(params):
             return (x @ p["w"]).sum()
 
     ops = op_dtypes(jaxmp.autocast(scoped, "O1-bf16", rules=jaxmp.AutocastRules().with_scope("hea*", "float32")),
-                    params, _dev(np.ones((2, 4))))
+                    params, on_device(np.ones((2, 4))))
     check_ops(ops, matmul=F32)
 
 
@@ -111,15 +99,15 @@ def test_region_decorators_and_nested_autocast(params):
         return x @ p["w"]
 
     f = jaxmp.autocast(lambda p, x: (head(p, x) + x @ p["w"]).sum(), "O1-bf16")
-    mm = [op for op in op_dtypes(f, params, _dev(np.ones((2, 4)))) if op.primitive == "dot_general"]
+    mm = [op for op in op_dtypes(f, params, on_device(np.ones((2, 4)))) if op.primitive == "dot_general"]
     assert sorted(str(op.in_dtypes[0]) for op in mm) == ["bfloat16", "float32"]
     # an O0 autocast nested in an O1 one wins inside its region
     inner = jaxmp.autocast(lambda p, x: x @ p["w"], "O0")
     g = jaxmp.autocast(lambda p, x: (inner(p, x) + x @ p["w"]).sum(), "O1-bf16")
-    mm = [op for op in op_dtypes(g, params, _dev(np.ones((2, 4)))) if op.primitive == "dot_general"]
+    mm = [op for op in op_dtypes(g, params, on_device(np.ones((2, 4)))) if op.primitive == "dot_general"]
     assert sorted(str(op.in_dtypes[0]) for op in mm) == ["bfloat16", "float32"]
     half = jaxmp.autocast(jaxmp.autocast_region("half")(lambda x: jnp.exp(x).sum()), "O1-bf16")
-    assert [op.in_dtypes for op in op_dtypes(half, _dev(np.ones(3))) if op.primitive == "exp"] == [(BF16,)]
+    assert [op.in_dtypes for op in op_dtypes(half, on_device(np.ones(3))) if op.primitive == "exp"] == [(BF16,)]
 
 
 def test_half_only_kernel_runs_trains_and_jit_cache_is_keyed_on_context():
@@ -137,7 +125,7 @@ def test_half_only_kernel_runs_trains_and_jit_cache_is_keyed_on_context():
     def loss(w, x):
         return jnp.mean(kernel(x, w).astype(jnp.float32) ** 2)
 
-    w, x = _dev(np.eye(4) * 2.0), _dev(np.ones((3, 4)))
+    w, x = on_device(np.eye(4) * 2.0), on_device(np.ones((3, 4)))
     ac = jax.jit(jax.value_and_grad(jaxmp.autocast(loss, "O1-bf16")))
     for _ in range(20):
         l, g = ac(w, x)
@@ -146,11 +134,11 @@ def test_half_only_kernel_runs_trains_and_jit_cache_is_keyed_on_context():
     assert float(l) < 1.0
     assert BF16 in traced_dtypes
     # the same jitted kernel called outside autocast afterwards runs in float32
-    assert kernel(_dev(np.ones((3, 4))), _dev(np.eye(4))).dtype == F32
+    assert kernel(on_device(np.ones((3, 4))), on_device(np.eye(4))).dtype == F32
 
 
 def test_dot_product_attention_routed_with_half_inputs():
-    q = _normal(0, (2, 8, 2, 16))
+    q = normal(0, (2, 8, 2, 16))
     f = lambda q: jax.nn.dot_product_attention(q, q, q)
     ac = jaxmp.autocast(f, "O1-bf16")
     out = ac(q)
@@ -174,7 +162,7 @@ def test_prng_keys_ints_bools_and_static_leaves_pass_through():
         return act(x @ x.T * scale + jnp.asarray(n, x.dtype)) + noise.sum() * jnp.asarray(flag, x.dtype)
 
     ac = jaxmp.autocast(f, "O1-bf16")
-    x = _dev(np.ones((2, 2)))
+    x = on_device(np.ones((2, 2)))
     out = ac(x, jax.random.PRNGKey(0), jax.random.key(1), jnp.int32(2), jnp.bool_(True), 0.5, jnp.tanh)
     assert out.dtype == F32
     # the gradient's dtype only: traced (jax.eval_shape), not compiled and run
@@ -190,8 +178,8 @@ def test_no_floating_inputs_and_complex_values():
     ops = op_dtypes(jaxmp.autocast(f, "O1-bf16"), jnp.int32(2))
     check_ops(ops)
     c = jaxmp.autocast(lambda z, w: (z @ z) * w.sum().astype(z.dtype), "O1-bf16")
-    z = _dev(np.ones((2, 2), jnp.complex64))
-    ops = op_dtypes(c, z, _dev(np.ones(2)))
+    z = on_device(np.ones((2, 2), jnp.complex64))
+    ops = op_dtypes(c, z, on_device(np.ones(2)))
     assert [op.in_dtypes for op in ops if op.primitive == "dot_general"] == [(np.dtype(jnp.complex64),) * 2]
 
 
@@ -199,7 +187,7 @@ def test_each_value_cast_once_per_trace(params):
     def f(p, x):
         return (x @ p["w"]).sum() + jnp.dot(x, p["w"], precision="highest").max() + (x @ p["w"]).min()
 
-    ops = op_dtypes(jaxmp.autocast(f, "O1-bf16"), params, _dev(np.ones((2, 4))))
+    ops = op_dtypes(jaxmp.autocast(f, "O1-bf16"), params, on_device(np.ones((2, 4))))
     converts = [op for op in ops if op.primitive == "convert_element_type" and op.in_dtypes == (F32,)
                 and op.out_dtypes == (BF16,)]
     # x and w are cast once each, however many matmuls read them
@@ -215,9 +203,9 @@ def test_eager_calls_reuse_the_traced_program(params):
 
     ac = jaxmp.autocast(f, "O1-bf16")
     for _ in range(3):
-        ac(params, _dev(np.ones((2, 4))))
+        ac(params, on_device(np.ones((2, 4))))
     assert len(calls) == 1
-    ac(params, _dev(np.ones((3, 4))))
+    ac(params, on_device(np.ones((3, 4))))
     assert len(calls) == 2
 
 
@@ -248,13 +236,13 @@ def test_bad_rules():
 
 
 def test_no_printing_at_trace_time(capsys, params):
-    jax.jit(jaxmp.autocast(dense, "O1-bf16"))(params, _dev(np.ones((2, 4))))
+    jax.jit(jaxmp.autocast(dense, "O1-bf16"))(params, on_device(np.ones((2, 4))))
     assert capsys.readouterr().out == ""
 
 
 def test_precision_report_explains_each_rule(params):
     f = jax.jit(jaxmp.autocast(lambda p, x: jax.nn.log_softmax(dense(p, x)).sum(), "O1-bf16"))
-    rep = jaxmp.precision_report(f, params, _dev(np.ones((8, 4))), policy="O1-bf16")
+    rep = jaxmp.precision_report(f, params, on_device(np.ones((8, 4))), policy="O1-bf16")
     by_prim = {}
     for op in rep.decisions:
         by_prim.setdefault(op.primitive, set()).add((op.rule, op.out_dtypes))
@@ -266,15 +254,15 @@ def test_precision_report_explains_each_rule(params):
     assert "jaxmp[keep]:autocast(" not in text  # autocast's own wrapper scope is not a place in the model
     assert rep.to_dict()["autocast_decisions"][0]["rule"]
     # the explain scopes exist only while the report traces: a normal trace has none
-    assert not jaxmp.diagnostics._autocast_ops.autocast_ops(jax.make_jaxpr(f)(params, _dev(np.ones((8, 4)))))
+    assert not jaxmp.diagnostics._autocast_ops.autocast_ops(jax.make_jaxpr(f)(params, on_device(np.ones((8, 4)))))
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 @pytest.mark.parametrize("preset, param_dtype, masters", [("O1-fp16", F32, False), ("O2-fp16", F16, True)])
 def test_loss_scaling_fp16_dynamic_around_an_autocast_loss(preset, param_dtype, masters):
-    x = _normal(0, (64, 4))
-    y = _dev(np.asarray(x) @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32))   # numpy: no eager op compiled
-    params = {"w": _dev(np.zeros((4, 1), param_dtype)), "b": _dev(np.zeros(1, param_dtype))}  # O2: half params
+    x = normal(0, (64, 4))
+    y = on_device(np.asarray(x) @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32))   # numpy: no eager op compiled
+    params = {"w": on_device(np.zeros((4, 1), param_dtype)), "b": on_device(np.zeros(1, param_dtype))}  # O2: half params
     tx = jaxmp.loss_scaling(optax.adam(0.05), loss_scale=jaxmp.DynamicLossScale(2.0 ** 15), master_weights=masters)
     opt_state = tx.init(params)
     loss = jaxmp.autocast(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2), preset)
@@ -302,8 +290,8 @@ def test_a_complex_matmul_keeps_its_real_operand_float32():
         b = w[..., 0] + 1j * w[..., 1]
         return (b @ x).real.sum()
 
-    w = _normal(0, (8, 16, 2))
-    x = _normal(1, (16, 4))
+    w = normal(0, (8, 16, 2))
+    x = normal(1, (16, 4))
     ac = jaxmp.autocast(f, "O1-bf16")
     mm = [op for op in op_dtypes(ac, w, x) if op.primitive == "dot_general"]
     assert mm and all(BF16 not in op.in_dtypes for op in mm), mm
@@ -316,7 +304,7 @@ def test_a_preferred_element_type_that_jax_promotion_wrote_is_not_a_choice():
     returns the compute dtype. One other than the promoted type (float32 from two half operands,
     or narrower than the operands) is the program's choice and is kept."""
     dims = (((1,), (0,)), ((), ()))
-    h, w = _dev(np.ones((2, 4))), _dev(np.ones((4, 4), jnp.bfloat16))
+    h, w = on_device(np.ones((2, 4))), on_device(np.ones((4, 4), jnp.bfloat16))
 
     def out_dtypes(fn, *args):
         return [op.out_dtypes for op in op_dtypes(jaxmp.autocast(fn, "O1-bf16"), *args) if op.primitive == "dot_general"]
@@ -342,9 +330,9 @@ def test_a_non_array_output_names_the_users_function():
         return {"loss": x.sum(), "tag": "hello"}
 
     with pytest.raises(TypeError, match=r"my_loss \(at .*test_rules.py:\d+\) returned a str at \['tag'\]"):
-        jaxmp.autocast(my_loss, "O1-bf16")(_dev(np.ones(3)))
+        jaxmp.autocast(my_loss, "O1-bf16")(on_device(np.ones(3)))
     # every array-like leaf still passes: numbers, bools, numpy arrays, PRNG keys
-    out = jaxmp.autocast(lambda x: (x, 1, 2.0, True, np.zeros(2, np.int32), jax.random.key(0)), "O1-bf16")(_dev(np.ones(2)))
+    out = jaxmp.autocast(lambda x: (x, 1, 2.0, True, np.zeros(2, np.int32), jax.random.key(0)), "O1-bf16")(on_device(np.ones(2)))
     assert out[4].dtype == np.int32
 
 
@@ -356,7 +344,7 @@ def _loss(w, x):
 def test_an_fp16_region_differentiated_without_a_loss_scale_warns(how):
     """Item 8: ``jax.grad(jaxmp.autocast(loss, "O1-fp16"))`` trains on flushed-to-zero gradients;
     the differentiation warns when it is traced (once per trace, however many fp16 regions)."""
-    w, x = _dev(np.ones((4, 4))), _dev(np.ones((2, 4)))
+    w, x = on_device(np.ones((4, 4))), on_device(np.ones((2, 4)))
     ac = jaxmp.autocast(_loss, "O1-fp16")
     run = {
         "grad": lambda: jax.grad(ac)(w, x),
@@ -385,7 +373,7 @@ def test_a_loss_scaled_by_hand_under_plain_grad_does_not_warn(jit):
     ``jaxmp.value_and_grad`` is not differentiating; the scale runs after the fp16 region."""
     import warnings
 
-    w, x = _dev(np.ones((4, 4))), _dev(np.ones((2, 4)))
+    w, x = on_device(np.ones((4, 4))), on_device(np.ones((2, 4)))
     scale = jaxmp.StaticLossScale(2.0**10)
     wrap = jax.jit if jit else (lambda f: f)
     with warnings.catch_warnings():
@@ -403,7 +391,7 @@ def test_a_loss_not_scaled_by_a_loss_scale_still_warns(how):
     """The true positives beside the hand-scaled one: a bare ``* 1024.0`` (a constant factor may
     be a mean-to-sum or a loss weight: not taken for a loss scale), a scale applied to another
     term before the fp16 region ran, and a loss scale fetched but not applied."""
-    w, x = _dev(np.ones((4, 4))), _dev(np.ones((2, 4)))
+    w, x = on_device(np.ones((4, 4))), on_device(np.ones((2, 4)))
     ac, scale = _fresh_fp16_loss(), jaxmp.StaticLossScale(2.0**10)
     loss = {
         "a bare constant": lambda w: ac(w, x) * 1024.0,
@@ -417,7 +405,7 @@ def test_a_loss_not_scaled_by_a_loss_scale_still_warns(how):
 def test_no_unscaled_fp16_warning_for_bf16_forward_only_or_the_loss_scaled_path():
     import warnings
 
-    w, x = _dev(np.ones((4, 4))), _dev(np.ones((2, 4)))
+    w, x = on_device(np.ones((4, 4))), on_device(np.ones((2, 4)))
     state = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic").init(w)
     with warnings.catch_warnings():
         warnings.simplefilter("error", jaxmp.MixedPrecisionWarning)
@@ -434,7 +422,7 @@ def _matmul(a, b):
 
 
 def test_a_large_float32_value_fed_to_a_matmul_is_kept_finite_by_a_float32_region():
-    x, w = _dev(np.full((2, 4), 20.0)), _dev(np.full((4, 3), 1e-4))
+    x, w = on_device(np.full((2, 4), 20.0)), on_device(np.full((4, 3), 1e-4))
     ref = jnp.exp(x) @ w                                                      # 194066
     plain = jaxmp.autocast(lambda x, w: jnp.exp(x) @ w, "O1-fp16")(x, w)
     fixed = jaxmp.autocast(lambda x, w: jaxmp.float32_region(_matmul)(jnp.exp(x), w), "O1-fp16")(x, w)
@@ -443,7 +431,7 @@ def test_a_large_float32_value_fed_to_a_matmul_is_kept_finite_by_a_float32_regio
 
 
 def test_a_sum_written_as_a_dot_is_kept_finite_by_a_float32_region():
-    x = _dev(np.ones(100_000))
+    x = on_device(np.ones(100_000))
     plain = jaxmp.autocast(lambda x: jnp.dot(x, jnp.ones(x.shape[-1])), "O1-fp16")(x)
     fixed = jaxmp.autocast(lambda x: jaxmp.float32_region(jnp.dot)(x, jnp.ones(x.shape[-1])), "O1-fp16")(x)
     written_as_sum = jaxmp.autocast(jnp.sum, "O1-fp16")(x)
@@ -460,7 +448,7 @@ def test_a_sum_written_as_a_dot_is_kept_finite_by_a_float32_region():
 def test_cholesky_of_a_gram_matrix_computed_in_a_float32_region_is_not_nan(preset):
     rng = np.random.default_rng(0)
     a = rng.normal(size=(64, 1))
-    x = _dev(np.hstack([a + 0.01 * rng.normal(size=(64, 1)) for _ in range(4)]))
+    x = on_device(np.hstack([a + 0.01 * rng.normal(size=(64, 1)) for _ in range(4)]))
     ref = jax.jit(lambda x: jnp.linalg.cholesky(x.T @ x))(x)   # float32: one program
     plain = jaxmp.autocast(lambda x: jnp.linalg.cholesky(x.T @ x), preset)(x)
     fixed = jaxmp.autocast(lambda x: jnp.linalg.cholesky(jaxmp.float32_region(_matmul)(x.T, x)), preset)(x)

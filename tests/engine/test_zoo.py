@@ -205,8 +205,7 @@ class LinenEncoder(nn.Module):
         return nn.Dense(V)(nn.LayerNorm()(x))
 
 
-@functools.cache
-def linen_lm(kind):
+def _linen_lm(kind):
     """(model, loss_fn, params, batch, float32 control run) for "bert" or "causal"."""
     model = LinenEncoder(causal=kind == "causal")
     tokens, pad, y, w = batch = token_batch(kind == "causal")
@@ -220,6 +219,12 @@ def linen_lm(kind):
     return model, loss_fn, params, batch, train(loss_fn, params, (), batch, "f32")
 
 
+@pytest.fixture(scope="module")
+def linen_lm():
+    """``_linen_lm`` by kind, built and its control run trained once for this module's tests."""
+    return functools.cache(_linen_lm)
+
+
 # Measured (this CPU): max relative deviation of the loss curve from the control over 50 steps.
 #   bert:   O1-bf16 4.5%, O2-bf16 4.5%, O1-fp16 0.12%
 #   causal: see the test's tolerance comment.
@@ -230,7 +235,7 @@ LM_RTOL = {"O1-bf16": 0.10, "O2-bf16": 0.10, "O1-fp16": 0.02}
 @pytest.mark.parametrize("preset", ["O1-bf16", "O2-bf16", "O1-fp16"])
 @pytest.mark.parametrize("kind", ["bert", "causal"])
 @pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
-def test_linen_padded_transformer_trains(kind, preset):
+def test_linen_padded_transformer_trains(linen_lm, kind, preset):
     model, loss_fn, params, batch, control = linen_lm(kind)
     check_program(loss_fn, preset, params, (), batch, min_matmuls=6)
     run = train(loss_fn, params, (), batch, preset)
@@ -247,7 +252,7 @@ def test_linen_padded_transformer_trains(kind, preset):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["O1-bf16"])      # O1-fp16 passes too (0.1%): left out for CI time
 @pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
-def test_linen_padded_encoder_behind_jaxmp_flax(preset):
+def test_linen_padded_encoder_behind_jaxmp_flax(linen_lm, preset):
     """The same encoder behind the Flax front door, ``jaxmp.flax.mixed_precision`` (attention through
     ``jaxmp.flax.fused_attention``, i.e. ``jax.nn.dot_product_attention``, with the padding mask)."""
     _, _, params, batch, control = linen_lm("bert")

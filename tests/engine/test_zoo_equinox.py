@@ -3,7 +3,6 @@ for the trainer, the checks and the tolerances); skipped without the ``equinox``
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,9 @@ def eqx_split(model):
     return bf16_rounded(params), static
 
 
-@functools.cache
+@pytest.fixture(scope="module")
 def eqx_mlp():
+    """(loss_fn, params, batch, float32 control run) of an Equinox MLP, made once for the module."""
     params, static = eqx_split(eqx.filter_jit(lambda k: eqx.nn.MLP(8, 4, 32, 2, key=k))(jax.random.key(0)))
     batch = classification_batch()
 
@@ -44,8 +44,8 @@ def eqx_mlp():
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["O1-bf16", "O1-fp16"])
 @pytest.mark.standard_promotion(reason="optax.adam(w)'s bias correction: Python float ** int32 count")
-def test_equinox_mlp(preset):
-    loss_fn, params, batch, control = eqx_mlp()
+def test_equinox_mlp(eqx_mlp, preset):
+    loss_fn, params, batch, control = eqx_mlp
     check_program(loss_fn, preset, params, (), batch, min_matmuls=3)
     check_training(train(loss_fn, params, (), batch, preset), control, rtol=0.05)
 

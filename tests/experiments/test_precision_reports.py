@@ -22,14 +22,19 @@ DATA_FIXED = {
 NORMS = ("BatchNorm", "LayerNorm")
 
 
-@functools.cache
-def report(model, policy):
+def _report(model, policy):
     return pr.train_step_report(model, policy, batch_size=8, **TINY[model])
+
+
+@pytest.fixture(scope="module")
+def report():
+    """The tiny models' train-step reports by (model, policy), traced once for this module."""
+    return functools.cache(_report)
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 @pytest.mark.parametrize("model", list(TINY))
-def test_o0_is_all_float32(model):
+def test_o0_is_all_float32(report, model):
     rep = report(model, "O0")
     assert rep.total_flops > 0 and rep.low_precision_share == 0.0 and rep.tensor_core_share == 0.0
     assert {(op.lhs_dtype, op.rhs_dtype) for op in rep.ops} == {("f32", "f32")}
@@ -39,7 +44,7 @@ def test_o0_is_all_float32(model):
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 @pytest.mark.parametrize("model", list(TINY))
-def test_o2_fp16_runs_every_matmul_in_half_and_keeps_norms_in_float32(model):
+def test_o2_fp16_runs_every_matmul_in_half_and_keeps_norms_in_float32(report, model):
     o0, rep = report(model, "O0"), report(model, "O2-fp16")
     # Same program, other dtypes: the same matmuls/convs with the same FLOPs, now in f16, bar
     # the fused attention's, which XLA:CPU computes in float32 (it has no f16 x f16 -> f32 dot).
@@ -64,7 +69,7 @@ def test_o2_fp16_runs_every_matmul_in_half_and_keeps_norms_in_float32(model):
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
-def test_o2_fp16_risky_ops_are_where_o2_puts_them():
+def test_o2_fp16_risky_ops_are_where_o2_puts_them(report):
     # ResNet-9: the model itself has no risky half op; the only flags are jaxmp's own
     # finiteness check of the f16 gradients (sum of x * 0: 0 or NaN, it cannot overflow).
     rep = report("resnet9", "O2-fp16")
@@ -77,9 +82,10 @@ def test_o2_fp16_risky_ops_are_where_o2_puts_them():
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
-def test_compact_table_lists_flagged_ops_first():
+def test_compact_table_lists_flagged_ops_first(report):
     rep = report("transformer", "O2-fp16")
     text = pr.compact_table(rep, max_rows=3)
     lines = text.splitlines()
-    assert lines[0].split()[:3] == ["#", "op", "lhs"] and ("not x8" in lines[1] or "MISSED" in lines[1])
+    assert lines[0].split()[:3] == ["#", "op", "dtypes"] and ("not x8" in lines[1] or "MISSED" in lines[1])
+    assert max(map(len, lines)) <= 88   # each op's module path on a line of its own, clipped to fit
     assert f"... {len(rep.ops) - 3} more ops" in text

@@ -1,6 +1,5 @@
 """jaxmp.fp8: scale and amax-history updates against a hand computation, the scaled fp8 dot."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -87,8 +86,10 @@ def _mlp_loss(dot):
     return loss
 
 
-@functools.lru_cache(maxsize=None)  # drawn once: each eager draw of a new shape compiles a program
-def _data():
+@pytest.fixture(scope="module")
+def data():
+    """Params, inputs and targets, made once for this module's tests (each eager op on a new
+    shape compiles a program)."""
     rng = np.random.default_rng(0)  # numpy: an eager jax.random draw compiles a program per shape
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     params = {"w1": normal(64, 128) / 8, "w2": normal(128, 16) / 11}
@@ -99,8 +100,8 @@ DN = (((1,), (0,)), ((), ()))
 
 
 @pytest.mark.slow
-def test_fp8_dot_gradients_are_within_tolerance_of_bf16_and_float32():
-    params, x, y = _data()
+def test_fp8_dot_gradients_are_within_tolerance_of_bf16_and_float32(data):
+    params, x, y = data
     f32 = jax.grad(_mlp_loss(lambda a, b: a @ b))(params, x, y)
     bf16 = jax.grad(_mlp_loss(lambda a, b: (a.astype(jnp.bfloat16) @ b.astype(jnp.bfloat16)).astype(jnp.float32)))(
         params, x, y)
@@ -230,10 +231,10 @@ def _jaxpr_dtypes(closed):
 
 
 @pytest.mark.slow  # ~4 s of training
-def test_autocast_with_fp8_matmuls_runs_half_list_dots_in_fp8_and_trains_close_to_bf16():
+def test_autocast_with_fp8_matmuls_runs_half_list_dots_in_fp8_and_trains_close_to_bf16(data):
     import jaxmp
 
-    params, x, y = _data()
+    params, x, y = data
     loss = _mlp_loss(lambda a, b: a @ b)
     rules = jaxmp.AutocastRules(fp8_matmuls=fp8.CurrentScaling())
     f8 = jaxmp.autocast(loss, "O1-bf16", rules=rules)
@@ -251,12 +252,12 @@ def test_autocast_with_fp8_matmuls_runs_half_list_dots_in_fp8_and_trains_close_t
         assert 0 < rel < 0.1 and rel > rel_bf  # coarser than bf16, still close
 
 
-def test_autocast_fp8_composes_with_dynamic_loss_scaling_and_skips_overflow():
+def test_autocast_fp8_composes_with_dynamic_loss_scaling_and_skips_overflow(data):
     import optax
 
     import jaxmp
 
-    params, x, y = _data()
+    params, x, y = data
     loss = jaxmp.autocast(_mlp_loss(lambda a, b: a @ b), "O1-bf16",
                           rules=jaxmp.AutocastRules(fp8_matmuls=fp8.CurrentScaling()))
     tx = jaxmp.loss_scaling(optax.sgd(0.1), loss_scale="dynamic")

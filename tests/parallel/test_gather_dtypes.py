@@ -8,7 +8,6 @@ that program in-process on every JAX of the matrix (jaxmp/engine/_tested.py).
 """
 
 import collections
-import functools
 import glob
 import re
 import tempfile
@@ -54,10 +53,12 @@ def _setup():
     return mesh, params, batch
 
 
-@functools.lru_cache(maxsize=None)
-def _hand_written_zero() -> collections.Counter:
-    # What a user writes: bf16 params replicated, float32 masters and AdamW state on slices, the
-    # new params cast from the updated masters and replicated (XLA gathers the float32 master).
+@pytest.fixture(scope="module")
+def hand_written_zero() -> collections.Counter:
+    """The gathers of a hand-written ZeRO step, lowered once for both layouts' tests.
+
+    What a user writes: bf16 params replicated, float32 masters and AdamW state on slices, the
+    new params cast from the updated masters and replicated (XLA gathers the float32 master)."""
     from benchmarks import _gpt2
 
     mesh, params, batch = _setup()
@@ -67,13 +68,13 @@ def _hand_written_zero() -> collections.Counter:
 
 
 @pytest.mark.parametrize("layout", ["zero", "fsdp"])
-def test_sharded_layouts_gather_half_params_in_their_own_dtype(layout):
+def test_sharded_layouts_gather_half_params_in_their_own_dtype(hand_written_zero, layout):
     mesh, params, batch = _setup()
     tx = jaxmp.loss_scaling(optax.adamw(1e-3), "none", master_weights=True)
     step = jaxmp.parallel.make_sharded_train_step(_loss, tx, mesh, layout=layout)
     p, s = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)
     ours = _gathers(step.lower(p, s, batch))
-    hand = _hand_written_zero()
+    hand = hand_written_zero
     per_step = LAYERS * WIDTH * WIDTH
     # The reference: the hand-written step gathers every weight as its float32 master.
     assert hand["f32"] >= per_step, hand

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxmp
 from jaxmp import lean
 from jaxmp.parallel import _layouts as layouts
+from tests._support._arrays import leaf_bytes
 
 # Every step here goes through optax.adamw (or lean recipes over it), whose bias correction
 # (Python float ** int32 count) is not strict-promotion clean.
@@ -58,7 +59,6 @@ def _tx(inner=None):
     return jaxmp.loss_scaling(inner, jaxmp.DynamicLossScale(2.0**15, period=8), master_weights=True)
 
 
-@functools.lru_cache(maxsize=None)
 def _step(layout, key="adamw", reduce_dtype="float32"):
     tx = _TXS[key]()
     mesh = jaxmp.parallel.make_data_mesh()
@@ -80,9 +80,15 @@ _TXS = {
 }
 
 
-def _run(layout, steps=STEPS, key="adamw", fresh=False):
-    # The cache key is the arguments as given: always both, so every caller shares one step.
-    tx, step = (_step.__wrapped__ if fresh else _step)(layout, key)
+@pytest.fixture(scope="module")
+def sharded_steps():
+    """``_step`` compiled once per (layout, recipe) for this module's tests (a compile is most of
+    their cost); the cache key is the arguments as given: always both, so every caller shares one."""
+    return functools.cache(_step)
+
+
+def _run(sharded_steps, layout, steps=STEPS, key="adamw", fresh=False):
+    tx, step = (_step if fresh else sharded_steps)(layout, key)
     mesh = step.mesh
     p, s = jaxmp.parallel.shard_state((_params(), tx.init(_params())), mesh, layout, min_shard_size=0)
     x, y = _data(steps)
@@ -99,13 +105,10 @@ def _run(layout, steps=STEPS, key="adamw", fresh=False):
     return p, s, finite, np.asarray(losses), scales
 
 
-def _bits(tree):
-    return [np.asarray(jax.device_get(x)).tobytes() for x in jax.tree_util.tree_leaves(tree)]
-
 
 @pytest.fixture(scope="module")
-def replicated_run():
-    return _run("replicated")
+def replicated_run(sharded_steps):
+    return _run(sharded_steps, "replicated")
 
 
 #: XLA:CPU from JAX 0.12 compiles the elementwise AdamW update of a slice with other FMA
@@ -121,13 +124,13 @@ def _assert_trains_as(run, ref):
     assert finite == finite_ref and scales == scale_ref
     if BITWISE_SLICES:
         np.testing.assert_array_equal(losses, loss_ref)
-        assert _bits(p) == _bits(p_ref) and _bits(s) == _bits(s_ref)   # params, masters, moments, counters
+        assert leaf_bytes(p) == leaf_bytes(p_ref) and leaf_bytes(s) == leaf_bytes(s_ref)   # params, masters, moments, counters
     else:
         np.testing.assert_allclose(losses, loss_ref, rtol=1e-3)
 
 
-def test_zero_is_bitwise_the_replicated_state_over_100_steps_with_nan_steps(replicated_run):
-    p, s, finite, losses, scales = zero = _run("zero")
+def test_zero_is_bitwise_the_replicated_state_over_100_steps_with_nan_steps(sharded_steps, replicated_run):
+    p, s, finite, losses, scales = zero = _run(sharded_steps, "zero")
     skipped = [t for t, f in enumerate(replicated_run[2]) if not f]
     assert skipped == sorted(NAN_STEPS + (INF_LOSS_STEP,))   # the planted steps, and only they
     _assert_trains_as(zero, replicated_run)
@@ -138,25 +141,25 @@ def test_zero_is_bitwise_the_replicated_state_over_100_steps_with_nan_steps(repl
     assert np.linalg.norm(np.asarray(p["w1"], np.float32) - np.asarray(_params()["w1"], np.float32)) > 0.1
 
 
-def test_zero_reducing_in_buckets_is_bitwise_the_replicated_state(replicated_run, monkeypatch):
+def test_zero_reducing_in_buckets_is_bitwise_the_replicated_state(sharded_steps, replicated_run, monkeypatch):
     # 256-byte buckets: every gradient of the model is cast and reduced in pieces (w1 in 16).
     from jaxmp.parallel import _reduce
 
     monkeypatch.setattr(_reduce, "BUCKET_BYTES", 256)
-    _assert_trains_as(_run("zero", steps=STEPS, fresh=True), replicated_run)
+    _assert_trains_as(_run(sharded_steps, "zero", steps=STEPS, fresh=True), replicated_run)
 
 
 @pytest.mark.slow  # two more compiles; ZeRO's bitwise test covers the default tier
-def test_fsdp_one_step_within_ulps_and_the_same_skips_over_100_steps(replicated_run):
+def test_fsdp_one_step_within_ulps_and_the_same_skips_over_100_steps(sharded_steps, replicated_run):
     p_ref, _, finite_ref, loss_ref, _ = replicated_run
     # One step from identical state: each leaf within 2 bf16 ulps of the replicated step.
-    one_ref = _run("replicated", steps=1)[0]
-    one = _run("fsdp", steps=1)[0]
+    one_ref = _run(sharded_steps, "replicated", steps=1)[0]
+    one = _run(sharded_steps, "fsdp", steps=1)[0]
     for k in one_ref:
         a, b = np.asarray(one_ref[k], np.float32), np.asarray(one[k], np.float32)
         ulp = np.abs(np.asarray(jnp.nextafter(one_ref[k], jnp.asarray(np.inf, BF16)), np.float32) - a)
         assert np.all(np.abs(a - b) <= 2 * ulp), k
-    p, s, finite, losses, _ = _run("fsdp")
+    p, s, finite, losses, _ = _run(sharded_steps, "fsdp")
     assert finite == finite_ref
     ok = np.isfinite(loss_ref)
     np.testing.assert_allclose(losses[ok], loss_ref[ok], rtol=1e-2)   # the loss curve, within noise
@@ -165,9 +168,9 @@ def test_fsdp_one_step_within_ulps_and_the_same_skips_over_100_steps(replicated_
 
 @pytest.mark.slow  # compiles several steps: seconds each on the shared CPU
 @pytest.mark.parametrize("layout", ["zero", "fsdp"])
-def test_gradient_accumulation_inside_loss_scaling_with_every_layout(layout):
-    ref = _run("replicated", steps=12, key="multisteps")
-    got = _run(layout, steps=12, key="multisteps")
+def test_gradient_accumulation_inside_loss_scaling_with_every_layout(sharded_steps, layout):
+    ref = _run(sharded_steps, "replicated", steps=12, key="multisteps")
+    got = _run(sharded_steps, layout, steps=12, key="multisteps")
     assert got[2] == ref[2]
     acc = [x for x in jax.tree_util.tree_leaves(got[1]) if getattr(x, "shape", None) == (16, 64)]
     assert any(x.sharding.spec == P(None, "data") for x in acc)   # the accumulator is sharded too
@@ -180,22 +183,22 @@ def test_gradient_accumulation_inside_loss_scaling_with_every_layout(layout):
 
 @pytest.mark.slow  # compiles several steps: seconds each on the shared CPU
 @pytest.mark.parametrize("key", ["remainders", "bf16-sr"])
-def test_lean_recipes_under_zero_are_bitwise_the_replicated_ones(key):
+def test_lean_recipes_under_zero_are_bitwise_the_replicated_ones(sharded_steps, key):
     # The stochastic rounding bits do not depend on how the state is sharded (threefry partitionable).
-    ref = _run("replicated", steps=8, key=key)
-    got = _run("zero", steps=8, key=key)
+    ref = _run(sharded_steps, "replicated", steps=8, key=key)
+    got = _run(sharded_steps, "zero", steps=8, key=key)
     _assert_trains_as(got, ref)   # bitwise up to JAX 0.11 (BITWISE_SLICES)
 
 
 @pytest.mark.slow  # compiles several steps: seconds each on the shared CPU
 @pytest.mark.parametrize("layout", ["zero", "fsdp"])
 @pytest.mark.parametrize("key", ["remainders-8bit", "remainders-4bit"])
-def test_quantized_moments_under_zero_and_fsdp_train_like_the_replicated_ones(key, layout):
+def test_quantized_moments_under_zero_and_fsdp_train_like_the_replicated_ones(sharded_steps, key, layout):
     # Blocks span shards (see _TXS): the sharded update quantizes the global blocks, so the run
     # matches the replicated one to rounding (XLA contracts a slice's arithmetic differently: not
     # bitwise, unlike the float recipes above), with the same skips.
-    ref = _run("replicated", steps=8, key=key)
-    got = _run(layout, steps=8, key=key)
+    ref = _run(sharded_steps, "replicated", steps=8, key=key)
+    got = _run(sharded_steps, layout, steps=8, key=key)
     assert got[2] == ref[2]
     np.testing.assert_allclose(got[3], ref[3], rtol=1e-3)
     for a, b in zip(jax.tree_util.tree_leaves(ref[0]), jax.tree_util.tree_leaves(got[0])):
@@ -231,7 +234,7 @@ def test_reduce_dtype_none_is_xlas_own_reduction():
 
 
 @pytest.mark.slow  # compiles several steps: seconds each on the shared CPU
-def test_a_model_axis_keeps_the_users_param_specs():
+def test_a_model_axis_keeps_the_users_param_specs(sharded_steps):
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model")}
     tx = _tx()
@@ -247,7 +250,7 @@ def test_a_model_axis_keeps_the_users_param_specs():
     assert master["w1"].sharding.spec == P("data", "model")   # 16 rows over 4: the free dimension
     assert master["w2"].sharding.spec == P("model", "data")
     assert master["w1"].addressable_shards[0].data.shape == (4, 32)
-    ref, ref_s, *_ = _run("replicated", steps=3)
+    ref, ref_s, *_ = _run(sharded_steps, "replicated", steps=3)
     for k in ref:
         diff = np.abs(np.asarray(p[k], np.float32) - np.asarray(ref[k], np.float32))
         # The model axis sums the gradient in another order, so an element whose gradient is near
@@ -276,7 +279,7 @@ def test_shard_state_reshards_between_layouts_and_meshes():
     mesh4 = jaxmp.parallel.make_data_mesh(jax.devices()[:4])
     zero = jaxmp.parallel.shard_state(state, mesh8, "zero", min_shard_size=0)
     back = jaxmp.parallel.shard_state(zero, mesh4, "fsdp", min_shard_size=0)
-    assert _bits(back) == _bits(state)
+    assert leaf_bytes(back) == leaf_bytes(state)
     assert back[0]["w1"].addressable_shards[0].data.shape == (16, 16)
 
 
@@ -444,13 +447,13 @@ def test_masked_mean_is_per_shard_by_default_and_global_with_reduce_dtype_none()
     assert abs(np.mean(per_shard) - global_mean) > 0.1   # the two semantics really differ here
 
 
-def test_a_state_in_another_layout_or_on_another_mesh_is_resharded_on_entry(caplog):
+def test_a_state_in_another_layout_or_on_another_mesh_is_resharded_on_entry(sharded_steps, caplog):
     # The step's docstring promises it: an FSDP state given to a ZeRO step (its sharded params
     # gathered, its opt state kept sharded), and a state laid out on 4 devices given to an
     # 8-device step, are moved to the step's shardings and train the same as a state placed in
     # the step's own layout (before: jit's "does not match" error). The ZeRO step is the one the
     # bitwise tests above compiled already (a compile is most of this test's cost).
-    tx, step = _step("zero", "adamw")
+    tx, step = sharded_steps("zero", "adamw")
     mesh = step.mesh
     x, y = _data(1)
     batch = jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, mesh)
@@ -462,15 +465,15 @@ def test_a_state_in_another_layout_or_on_another_mesh_is_resharded_on_entry(capl
     with caplog.at_level("INFO", logger="jaxmp.parallel"):
         for state in (fsdp, four):
             got = step(*state, batch)
-            assert _bits(got[:2]) == _bits(want[:2])
+            assert leaf_bytes(got[:2]) == leaf_bytes(want[:2])
             assert got[0]["w1"].sharding.is_fully_replicated and got[0]["w1"].sharding.mesh.size == N
             master = jaxmp.master_params(got[1])["w1"]
             assert master.sharding.spec == P(None, "data") and master.sharding.mesh.size == N
     assert "resharded to the step's layout 'zero'" in caplog.text
 
 
-def test_a_pmap_replicated_state_is_refused_with_the_way_to_convert_it():
-    tx, step = _step("zero", "adamw")
+def test_a_pmap_replicated_state_is_refused_with_the_way_to_convert_it(sharded_steps):
+    tx, step = sharded_steps("zero", "adamw")
     x, y = _data(1)
     batch = jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, step.mesh)
     replicated = jaxmp.parallel.replicate((_params(), tx.init(_params())))

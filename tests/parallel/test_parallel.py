@@ -3,6 +3,7 @@ and every replica agrees on every skipped step."""
 
 import functools
 import logging
+import types
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +36,8 @@ def _tx(opt, axis_name=None, initial_scale=2.0**15):
     return jaxmp.loss_scaling(inner, jaxmp.DynamicLossScale(initial_scale, period=2), axis_name=axis_name)
 
 
-# Steps are built once per configuration and reused across tests: on the 2 shared CPU cores a
-# compile costs seconds, a step milliseconds.
-@functools.lru_cache(maxsize=None)
+# Steps are built once per configuration and reused across this module's tests (the `compiled`
+# fixture): on the 2 shared CPU cores a compile costs seconds, a step milliseconds.
 def _single_step(opt):
     tx = _tx(opt)
 
@@ -50,21 +50,27 @@ def _single_step(opt):
     return tx, step
 
 
-@functools.lru_cache(maxsize=None)
 def _pmap_step(opt, tx_axis="batch"):
     tx = _tx(opt, tx_axis)
     return tx, jaxmp.parallel.make_pmap_train_step(demo.loss_fn, tx, "batch")
 
 
-@functools.lru_cache(maxsize=None)
 def _sharded_step(opt):
     tx = _tx(opt)
     return tx, jaxmp.parallel.make_sharded_train_step(demo.loss_fn, tx, jaxmp.parallel.make_data_mesh())
 
 
-def _single_device(opt, x, y):
+@pytest.fixture(scope="module")
+def compiled():
+    """This module's steps, built and compiled once per (path, optimizer): compiling is most of
+    each test's cost."""
+    return types.SimpleNamespace(single=functools.cache(_single_step), pmap=functools.cache(_pmap_step),
+                                 sharded=functools.cache(_sharded_step))
+
+
+def _single_device(compiled, opt, x, y):
     """The reference: what a user writes for one device (docs/design.md), on the whole global batch."""
-    tx, step = _single_step(opt)
+    tx, step = compiled.single(opt)
     params = jax.device_put(demo.init_params(), jax.devices()[0])
     state = tx.init(params)
     for t in range(len(x)):
@@ -72,8 +78,8 @@ def _single_device(opt, x, y):
     return jax.device_get(params), jax.device_get(jaxmp.scaling_stats(state))
 
 
-def _pmap(opt, x, y, tx_axis="batch"):
-    tx, step = _pmap_step(opt, tx_axis)
+def _pmap(compiled, opt, x, y, tx_axis="batch"):
+    tx, step = compiled.pmap(opt, tx_axis)
     params = demo.init_params()
     p, s = jaxmp.parallel.replicate(params), jaxmp.parallel.replicate(tx.init(params))
     history = []
@@ -83,8 +89,8 @@ def _pmap(opt, x, y, tx_axis="batch"):
     return p, s, history
 
 
-def _sharded(opt, x, y):
-    tx, step = _sharded_step(opt)
+def _sharded(compiled, opt, x, y):
+    tx, step = compiled.sharded(opt)
     mesh = step.mesh
     params = demo.init_params()
     p, s = jaxmp.parallel.replicate_on_mesh((params, tx.init(params)), mesh)
@@ -102,12 +108,12 @@ def _assert_rel_close(a, b, rtol=1e-6):
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 @pytest.mark.parametrize("opt", [pytest.param("sgd", marks=pytest.mark.slow), "adam"])
-def test_single_device_pmap_and_sharded_jit_train_to_the_same_params(opt):
+def test_single_device_pmap_and_sharded_jit_train_to_the_same_params(compiled, opt):
     x, y = _data()  # includes a NaN in one replica's shard at step NAN_STEP: all three paths skip it
-    ref, ref_stats = _single_device(opt, x, y)
-    p, s, _ = _pmap(opt, x, y)
+    ref, ref_stats = _single_device(compiled, opt, x, y)
+    p, s, _ = _pmap(compiled, opt, x, y)
     pmap_params, pmap_stats = jax.device_get(jaxmp.parallel.unreplicate(p)), jax.device_get(jaxmp.parallel.unreplicate(jaxmp.scaling_stats(s)))
-    sharded, sharded_stats = _sharded(opt, x, y)
+    sharded, sharded_stats = _sharded(compiled, opt, x, y)
     _assert_rel_close(ref, pmap_params)
     _assert_rel_close(ref, sharded)
     for stats in (ref_stats, pmap_stats, sharded_stats):
@@ -118,9 +124,9 @@ def test_single_device_pmap_and_sharded_jit_train_to_the_same_params(opt):
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
-def test_nan_in_one_replica_makes_every_replica_skip_and_replicas_stay_bitwise_identical():
+def test_nan_in_one_replica_makes_every_replica_skip_and_replicas_stay_bitwise_identical(compiled):
     x, y = _data(steps=5)
-    p, s, history = _pmap("adam", x, y)
+    p, s, history = _pmap(compiled, "adam", x, y)
     before, after = history[NAN_STEP - 1], history[NAN_STEP]
     finite = np.asarray(after[2]["last_step_finite"])
     assert finite.shape == (N,) and not finite.any(), "every replica must skip the step with the NaN"
@@ -141,11 +147,11 @@ def test_nan_in_one_replica_makes_every_replica_skip_and_replicas_stay_bitwise_i
     jaxmp.parallel.check_replicated((p, s))  # bitwise, params and the whole optimizer state
 
 
-def test_pmap_verdict_agrees_even_with_a_transform_built_without_axis_name():
+def test_pmap_verdict_agrees_even_with_a_transform_built_without_axis_name(compiled):
     # The check runs after the all-reduce, so the NaN reaches every replica anyway; axis_name on
     # loss_scaling only adds the fp32 pmin of the verdict on top.
     x, y = _data(steps=3)
-    p, s, history = _pmap("sgd", x, y, tx_axis=None)
+    p, s, history = _pmap(compiled, "sgd", x, y, tx_axis=None)
     assert not np.asarray(history[NAN_STEP][2]["last_step_finite"]).any()
     jaxmp.parallel.check_replicated((p, s))
 
@@ -159,7 +165,7 @@ def _fp16_loss(policy):
 
 
 @pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
-def test_fp16_compute_runs_on_both_paths_and_stays_close_to_fp32():
+def test_fp16_compute_runs_on_both_paths_and_stays_close_to_fp32(compiled):
     policy = jaxmp.get_policy("params=float32,compute=float16,output=float32")
     loss_fn = _fp16_loss(policy)
     x, y = _data(steps=3, nan_step=None)
@@ -182,7 +188,7 @@ def test_fp16_compute_runs_on_both_paths_and_stays_close_to_fp32():
     for t in range(3):
         q, r, m = sstep(q, r, jaxmp.parallel.make_global_batch({"x": x[t], "y": y[t]}, mesh))
         assert bool(m["last_step_finite"])
-    ref, _ = _single_device("adam", x, y)
+    ref, _ = _single_device(compiled, "adam", x, y)
     for got in (jaxmp.parallel.unreplicate(p), q):
         for k in ref:
             np.testing.assert_allclose(np.asarray(got[k]), ref[k], atol=5e-3)
