@@ -66,6 +66,7 @@ FACTS: dict[str, str] = {
     "fold_same": "unscale folding: homogeneous of its operand's degree in the inverse scale",
     "fold_into": "unscale folding: a reduction the unscaling folds out of",
     "gathers": "per-layer FSDP: makes a gathered param (never saved for the backward)",
+    "jit": "engine: a nested jax.jit, whose shardings and donation are kept (other calls are inlined)",
 }
 
 
@@ -176,7 +177,7 @@ _ROWS: dict[str, tuple[str, str]] = {
     "triton_kernel_call": ("opaque", ""), "mosaic_gpu_call": ("opaque", ""), "tpu_custom_call": ("opaque", ""),
     "cuda_kernel_call": ("opaque", ""),
     # -- control flow (``call``: pjit up to jax 0.10, jit after; eval_jaxpr replaced closed_call in 0.11)
-    "jit": ("call", ""), "pjit": ("call", ""), "closed_call": ("call", ""), "core_call": ("call", ""),
+    "jit": ("call", "jit"), "pjit": ("call", "jit"), "closed_call": ("call", ""), "core_call": ("call", ""),
     "call": ("call", ""), "eval_jaxpr": ("call", ""),
     "remat2": ("remat", ""), "checkpoint": ("remat", ""),
     "scan": ("scan", ""), "while": ("while", ""), "cond": ("cond", ""),

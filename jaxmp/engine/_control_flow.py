@@ -106,7 +106,7 @@ def _cast(x: Any, dtype: Any) -> Any:
 
 
 #: The call primitives that are a nested ``jax.jit`` (its shardings and donation kept).
-_JITS = ("jit", "pjit")
+_JITS = _ops.having("jit")
 
 
 def _in_avals(body) -> list:
