@@ -1,9 +1,10 @@
 """The one seam between the engine and JAX's internals.
 
-Every access to what JAX changes between releases (the parameters of ``scan``/``while``/``cond``/
-``custom_jvp``/``custom_vjp``/``shard_map``, the call-inlining primitive, jit-keyed config states,
-tracer kinds) lives here behind a named adapter; reading jaxprs is `jaxmp._jaxpr`'s, re-exported
-here. A missing parameter raises `JaxInternalsError` naming it and the JAX version.
+Every access to what JAX changes between releases (the parameters a ``custom_jvp``/``custom_vjp``/
+``shard_map``/``jit`` is rebuilt from, jit-keyed config states, tracer kinds) lives here behind a
+named adapter; reading jaxprs, and the one control-flow dispatcher (`primitive_kind`, `bodies`:
+which parameters hold a construct's sub-jaxprs), are `jaxmp._jaxpr`'s, re-exported here. A
+missing parameter raises `JaxInternalsError` naming it and the JAX version.
 """
 
 from __future__ import annotations
