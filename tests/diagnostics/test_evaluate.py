@@ -4,7 +4,6 @@ inside every construct the evaluator enters: the dispatcher (jaxmp._jaxpr.bodies
 body's inputs to the operands they come from."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
