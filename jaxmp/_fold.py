@@ -13,12 +13,15 @@ import jax
 import numpy as np
 from jax import lax
 
-from jaxmp import _jaxpr
+from jaxmp import _jaxpr, _ops
 
 _ZERO = "zero"  # a value known to be all zeros: homogeneous of any degree
 _ONE = "one"  # the base of the inverse scale itself
 
-_ELEMENTWISE_SAME = {lax.neg_p, lax.abs_p}
+# The op catalogue's: ops of their operand's degree (neg, abs, the reductions), and the reductions
+# the unscaling folds out of.
+_SAME_DEGREE = _ops.having("fold_same")
+_FOLDABLE = _ops.having("fold_into")
 _FOLDED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -79,13 +82,13 @@ class _Degrees:
             if not real:
                 return _ZERO
             return real[0] if all(d == real[0] for d in real) else None
-        if p in _ELEMENTWISE_SAME or p is lax.reduce_sum_p or p is lax.reduce_max_p:
+        if p.name in _SAME_DEGREE:
             return degs[0]
         return None
 
 
 def _foldable(eqn, degs) -> bool:
-    if eqn.primitive not in (lax.reduce_sum_p, lax.reduce_max_p):
+    if eqn.primitive.name not in _FOLDABLE:
         return False
     d = degs.of(eqn.invars[0])
     return isinstance(d, int) and d >= 1 and np.dtype(eqn.invars[0].aval.dtype) in _FOLDED_DTYPES

@@ -3,7 +3,9 @@
 Every module that reads a traced program, and the test helpers, read it through this module;
 only this module imports ``jax.extend.core`` or touches a name stack (tests/cross/test_architecture.py
 checks it). It gives `equations`, `sub_jaxprs`, `walk` (every equation, nested ones included, as
-an `Equation`) and `bind`. See docs/architecture.md#the-jaxpr-reader.
+an `Equation`), `bind`, and the one control-flow dispatcher: `primitive_kind` and `bodies` (which
+parameters of a ``scan``/``while``/``cond``/call/... hold its sub-jaxprs, and how their inputs map
+onto the equation's operands). See docs/architecture.md#the-jaxpr-reader.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import contextlib
 import dataclasses
 from typing import Any, Iterator, NamedTuple
 
+import jax
 from jax.extend import core as _core
+
+from jaxmp import _ops
 
 #: JAX's jaxpr classes, for ``isinstance`` checks and annotations elsewhere.
 Jaxpr = _core.Jaxpr
@@ -96,6 +101,129 @@ def sub_jaxprs(eqn: Any, opened: bool = False) -> list:
 def primitive_objects(*names: str) -> tuple:
     """Primitive objects by their ``jax.extend.core.primitives`` names (those this JAX has)."""
     return tuple(getattr(_core.primitives, n) for n in names if hasattr(_core.primitives, n))
+
+
+# -- control flow: the one dispatcher ---------------------------------------------------------
+
+class JaxInternalsError(RuntimeError):
+    """A JAX internal jaxmp relies on is missing or changed shape in this JAX release."""
+
+
+def _missing(what: str, where: str) -> JaxInternalsError:
+    return JaxInternalsError(
+        f"jaxmp.autocast: {where} has no {what!r} in jax {jax.__version__}; this JAX release changed an "
+        "internal the engine reads. Please report it with your JAX version; `python -m jaxmp.selfcheck` "
+        "shows which constructs still hold.")
+
+
+def param(eqn: Any, name: str) -> Any:
+    """``eqn.params[name]``, or a `JaxInternalsError` naming the parameter and JAX version."""
+    try:
+        return eqn.params[name]
+    except KeyError:
+        raise _missing(name, f"the {eqn.primitive.name!r} primitive") from None
+
+
+def primitive_kind(eqn: Any) -> str | None:
+    """Which control-flow construct ``eqn`` is (its class in the op catalogue, `jaxmp._ops`):
+    ``"call"``, ``"remat"``, ``"scan"``, ``"while"``, ``"cond"``, ``"custom_jvp"``,
+    ``"custom_vjp"``, ``"shard_map"``, ``"pmap"``, or None (first order)."""
+    return _ops.control_flow_kind(eqn.primitive.name)
+
+
+def call_jaxpr(eqn: Any) -> tuple[Any, list]:
+    """(open jaxpr, consts) of a call-like equation (``jit``, ``closed_call``, ``eval_jaxpr`` ...)."""
+    for name in ("jaxpr", "call_jaxpr"):
+        if name in eqn.params:
+            found = eqn.params[name]
+            return open_jaxpr(found), list(getattr(found, "consts", ()))
+    raise _missing("jaxpr", f"the call primitive {eqn.primitive.name!r}")
+
+
+def scan_counts(eqn: Any) -> tuple[int, int]:
+    """(number of consts, number of carries) of a ``scan`` equation."""
+    p = eqn.params
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    if "ft_in" in p:
+        consts, carry, _ = p["ft_in"].unpack()
+        return len(consts), len(carry)
+    raise _missing("num_consts", "the 'scan' primitive")
+
+
+def while_parts(eqn: Any) -> tuple[Any, Any, int, int]:
+    """(cond closed jaxpr, body closed jaxpr, cond consts, body consts) of a ``while`` equation."""
+    return (param(eqn, "cond_jaxpr"), param(eqn, "body_jaxpr"), param(eqn, "cond_nconsts"),
+            param(eqn, "body_nconsts"))
+
+
+class Body(NamedTuple):
+    """One sub-jaxpr a control-flow equation runs (see `bodies`).
+
+    Attributes:
+      jaxpr: the open jaxpr.
+      consts: the values of its constvars (a closed jaxpr's consts; empty for an open one).
+      operands: per input of ``jaxpr``, the position among the equation's operands it is bound to
+        (a scanned input gets one slice of it per iteration).
+      carries: the positions among ``jaxpr``'s inputs that are loop carries (``scan``, ``while``).
+      label: where it runs, as the diagnostics print it: ``""`` (a call, inlined), ``"scan x10"``,
+        ``"while"``, ``"cond branch 0/2"``, ``"shard_map"``, ``"pmap"``.
+      trips: how many times it runs per run of the equation (a scan's length; None: a while
+        loop's, unknown; 1 otherwise, a cond branch at most once).
+    """
+
+    jaxpr: Any
+    consts: list
+    operands: tuple[int, ...]
+    carries: frozenset[int]
+    label: str
+    trips: int | None
+
+
+def _body(closed: Any, operands, label: str = "", trips: int | None = 1, carries=()) -> Body:
+    return Body(open_jaxpr(closed), list(getattr(closed, "consts", ())), tuple(operands), frozenset(carries),
+                label, trips)
+
+
+def bodies(eqn: Any) -> list[Body]:
+    """The sub-jaxprs of a control-flow equation (`primitive_kind`), with how their inputs map onto
+    its operands: the one table of which parameters hold them. Empty for a first-order equation
+    (a combiner's jaxpr, say, is not control flow: `sub_jaxprs` lists every jaxpr parameter).
+
+    Args:
+      eqn: an equation.
+
+    Returns:
+      A list of `Body`, in the order JAX runs them (a ``while``: cond, then body; a ``cond``:
+      branch 0, 1 ...).
+
+    Raises:
+      JaxInternalsError: a parameter the construct had is missing in this JAX release.
+    """
+    kind = primitive_kind(eqn)
+    n = len(eqn.invars)
+    if kind == "call":
+        jaxpr, consts = call_jaxpr(eqn)
+        return [Body(jaxpr, consts, tuple(range(n)), frozenset(), "", 1)]
+    if kind in ("remat", "shard_map"):
+        return [_body(param(eqn, "jaxpr"), range(n), "shard_map" if kind == "shard_map" else "")]
+    if kind == "pmap":
+        return [_body(param(eqn, "call_jaxpr"), range(n), "pmap")]
+    if kind in ("custom_jvp", "custom_vjp"):
+        return [_body(param(eqn, "call_jaxpr"), range(n))]
+    if kind == "scan":
+        nc, ncarry = scan_counts(eqn)
+        length = param(eqn, "length")
+        return [_body(param(eqn, "jaxpr"), range(n), f"scan x{length}", int(length), range(nc, nc + ncarry))]
+    if kind == "while":
+        cj, bj, cn, bn = while_parts(eqn)
+        carry = range(cn + bn, n)
+        return [_body(cj, [*range(cn), *carry], "while", None, range(cn, cn + len(carry))),
+                _body(bj, [*range(cn, cn + bn), *carry], "while", None, range(bn, bn + len(carry)))]
+    if kind == "cond":
+        branches = param(eqn, "branches")
+        return [_body(b, range(1, n), f"cond branch {i}/{len(branches)}") for i, b in enumerate(branches)]
+    return []
 
 
 # -- name stacks -----------------------------------------------------------------------------

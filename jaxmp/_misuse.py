@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp import _effects, _jaxpr
+from jaxmp import _effects, _jaxpr, _ops
 
 
 class MixedPrecisionWarning(UserWarning):
@@ -220,7 +220,7 @@ def check_bf16_without_master(params: Any, inner_state: Any, master_state: type)
 
 
 #: Where a value stops flowing into the updates as a number: chosen between, compared, bounded.
-_GUARDS = {"select_n", "max", "min", "clamp", "lt", "le", "gt", "ge", "eq", "ne", "is_finite"}
+_GUARDS = _ops.having("guard")  # selects and comparisons: the op catalogue's
 
 
 def _reaches_output_unguarded(jaxpr: Any, var: Any, consumers: dict) -> bool:

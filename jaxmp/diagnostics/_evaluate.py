@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from jaxmp import _jaxpr
+from jaxmp import _jaxpr, _ops
+from jaxmp._jaxpr import primitive_kind
 from jaxmp.diagnostics import _format
 from jaxmp.diagnostics._find_ops import source_of
 from jaxmp.engine._seams import internals
@@ -118,32 +119,13 @@ def _inner(eqn, maps: bool = False) -> list[tuple[Any, str]]:
     ``maps``: also the per-device bodies of ``shard_map`` and ``pmap`` (the static walks of
     strict mode: the evaluator itself runs a mapped program as one op).
     """
-    kind = internals.primitive_kind(eqn)
-    if maps and kind == "shard_map":
-        return [(_jaxpr.open_jaxpr(internals.param(eqn, "jaxpr")), "shard_map")]
-    if maps and eqn.primitive.name == "xla_pmap":
-        return [(_jaxpr.open_jaxpr(internals.param(eqn, "call_jaxpr")), "pmap")]
-    if kind == "call":
-        return [(internals.call_jaxpr(eqn)[0], "")]
-    if kind == "remat":
-        j = internals.param(eqn, "jaxpr")
-        return [(_jaxpr.open_jaxpr(j), "")]
-    if kind in ("custom_jvp", "custom_vjp"):
-        return [(internals.param(eqn, "call_jaxpr").jaxpr, "")]
-    if kind == "scan":
-        return [(internals.param(eqn, "jaxpr").jaxpr, f"scan x{internals.param(eqn, 'length')}")]
-    if kind == "while":
-        cj, bj, _, _ = internals.while_parts(eqn)
-        return [(cj.jaxpr, "while"), (bj.jaxpr, "while")]
-    if kind == "cond":
-        branches = internals.param(eqn, "branches")
-        return [(b.jaxpr, f"cond branch {i}/{len(branches)}") for i, b in enumerate(branches)]
-    return []
+    if primitive_kind(eqn) in ("shard_map", "pmap") and not maps:
+        return []
+    return [(body.jaxpr, body.label) for body in _jaxpr.bodies(eqn)]
 
 
 #: Ops whose result is still "the parameter" (its cast, its copy) for naming what reads it.
-_CARRIES_PARAM = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision", "pvary",
-                            "sharding_constraint", "transpose", "reshape", "broadcast_in_dim"})
+_CARRIES_PARAM = _ops.having("carries_param")
 _PARAM_LEAVES = frozenset({"kernel", "bias", "weight", "scale", "embedding", "value", "w", "b", "raw_value"})
 
 
@@ -196,11 +178,11 @@ class Sites:
             inner = _inner(eqn, self._maps)
             from_param = next((origin[a] for a in eqn.invars if not _jaxpr.is_literal(a) and a in origin), "")
             if inner:
-                for j, label in inner:
+                for body in _jaxpr.bodies(eqn):
+                    j, label = body.jaxpr, body.label
                     ctx = w.context + ((label,) if label else ())
-                    # Operands map onto a body's binders one to one (a cond's body skips the index).
-                    n = len(eqn.invars) - len(j.invars)
-                    outer = list(eqn.invars)[n:] if n in (0, 1) and internals.primitive_kind(eqn) != "while" else []
+                    # A body's inputs are the operands the dispatcher binds them to.
+                    outer = [eqn.invars[i] for i in body.operands]
                     sub = {b: origin[a] for b, a in zip(j.invars, outer)
                            if not _jaxpr.is_literal(a) and a in origin}
                     self._walk(j, dataclasses.replace(w, context=ctx), key + (id(eqn), label), sub)
@@ -286,7 +268,7 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], state: Any, hook
 
     for eqn in _jaxpr.equations(jaxpr):
         ins = [read(a) for a in eqn.invars]
-        kind = internals.primitive_kind(eqn) if _inner(eqn) else None
+        kind = primitive_kind(eqn) if _inner(eqn) else None
         if kind is None:
             outs, state = hooks.first_order(sites.sites[sites.index(eqn, key)], eqn, ins, state)
         else:
@@ -298,29 +280,22 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], state: Any, hook
     return [read(a) for a in jaxpr.outvars], hooks.flush(state)
 
 
-def _lift_all(hooks: Hooks, closed) -> list:
-    return [hooks.lift(c, internals.typeof(c)) for c in closed.consts]
+def _lift_all(hooks: Hooks, body) -> list:
+    return [hooks.lift(c, internals.typeof(c)) for c in body.consts]
 
 
 def _inline(eqn, ins, state, hooks, sites, key):
-    (jaxpr, label), = _inner(eqn)
-    consts = []
-    if internals.primitive_kind(eqn) == "call":
-        consts = [hooks.lift(c, internals.typeof(c)) for c in internals.call_jaxpr(eqn)[1]]
-    elif internals.primitive_kind(eqn) in ("custom_jvp", "custom_vjp"):
-        consts = _lift_all(hooks, internals.param(eqn, "call_jaxpr"))
-    elif isinstance(internals.param(eqn, "jaxpr"), _jaxpr.ClosedJaxpr):
-        consts = _lift_all(hooks, internals.param(eqn, "jaxpr"))
-    return evaluate(jaxpr, consts, ins, state, hooks, sites, key + (label,))
+    (body,) = _jaxpr.bodies(eqn)
+    return evaluate(body.jaxpr, _lift_all(hooks, body), ins, state, hooks, sites, key + (body.label,))
 
 
 def _scan(eqn, ins, state, hooks, sites, key):
-    closed = internals.param(eqn, "jaxpr")
+    (closed,) = _jaxpr.bodies(eqn)
     nc, ncarry = internals.scan_counts(eqn)
     length = internals.param(eqn, "length")
     consts, init, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
     body_consts = _lift_all(hooks, closed)
-    label = f"scan x{length}"
+    label = closed.label
 
     def body(carry, x):
         c, st = carry
@@ -333,19 +308,20 @@ def _scan(eqn, ins, state, hooks, sites, key):
 
 
 def _while(eqn, ins, state, hooks, sites, key):
-    cj, bj, cn, bn = internals.while_parts(eqn)
+    _, _, cn, bn = internals.while_parts(eqn)
+    cj, bj = _jaxpr.bodies(eqn)
     ins = hooks.barrier(list(ins))
     cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
     cc, bc = hooks.barrier(_lift_all(hooks, cj)), hooks.barrier(_lift_all(hooks, bj))
 
     def cond_fn(carry):
         c, st = carry
-        outs, _ = evaluate(cj.jaxpr, cc, [*cconsts, *c], st, hooks, sites, key + ("while",))
+        outs, _ = evaluate(cj.jaxpr, cc, [*cconsts, *c], st, hooks, sites, key + (cj.label,))
         return hooks.index(outs[0])
 
     def body_fn(carry):
         c, st = carry
-        outs, st = evaluate(bj.jaxpr, bc, [*bconsts, *c], st, hooks, sites, key + ("while",))
+        outs, st = evaluate(bj.jaxpr, bc, [*bconsts, *c], st, hooks, sites, key + (bj.label,))
         return outs, st
 
     out, state = jax.lax.while_loop(cond_fn, body_fn, (list(init), state))
@@ -353,17 +329,17 @@ def _while(eqn, ins, state, hooks, sites, key):
 
 
 def _cond(eqn, ins, state, hooks, sites, key):
-    branches = internals.param(eqn, "branches")
+    branches = _jaxpr.bodies(eqn)
     index, ops = ins[0], ins[1:]
 
-    def branch(i, closed):
-        consts = _lift_all(hooks, closed)
+    def branch(b):
+        consts = _lift_all(hooks, b)
 
         def run(ops, st):
-            return evaluate(closed.jaxpr, consts, ops, st, hooks, sites, key + (f"cond branch {i}/{len(branches)}",))
+            return evaluate(b.jaxpr, consts, ops, st, hooks, sites, key + (b.label,))
         return run
 
-    fns = [branch(i, b) for i, b in enumerate(branches)]
+    fns = [branch(b) for b in branches]
     idx = hooks.index(index)
     if np.dtype(idx.dtype) == np.dtype(bool):
         idx = idx.astype(np.int32)

@@ -16,21 +16,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxmp import _jaxpr
+from jaxmp import _jaxpr, _ops
 from jaxmp.diagnostics import _format
 from jaxmp.diagnostics._matmul import conv_gemm, dot_gemm, tc_shape_problems
 
-_MATMUL_PRIMS = ("dot_general", "conv_general_dilated")
-_EXP_PRIMS = ("exp", "exp2", "expm1")
-_LOG_PRIMS = ("log", "log1p")
-_POW_PRIMS = ("pow", "integer_pow", "rsqrt")
-_SUM_PRIMS = ("reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp")
+# The op lists below are the op catalogue's (jaxmp/_ops.py), one fact each.
+_MATMUL_PRIMS = _ops.having("gemm")
 # Ops an exp's result may pass through on its way into the normalising sum of a softmax.
+_SOFTMAX_PASS = _ops.having("softmax_pass")
+_NORMALISES = _ops.having("normalises")
 # Scalar arithmetic between a full reduction and the value a loss or norm ends up as.
-_SCALAR_PASS = ("convert_element_type", "div", "mul", "neg", "sub", "add", "sqrt", "reshape", "squeeze")
-_REDUCE_PRIMS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
-_SOFTMAX_PASS = ("convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
-                 "expand_dims", "transpose", "copy", "copy_p", "stop_gradient")
+_SCALAR_PASS = _ops.having("scalar_pass")
+_REDUCE_PRIMS = _ops.having("full_reduction")
 
 
 class MatmulOp(NamedTuple):
@@ -202,7 +199,7 @@ def _feeds_sum(var, consumers, depth: int = 4) -> bool:
         nxt = []
         for v in frontier:
             for eqn in consumers.get(v, ()):
-                if eqn.primitive.name in ("reduce_sum", "cumsum"):
+                if eqn.primitive.name in _NORMALISES:
                     return True
                 if eqn.primitive.name in _SOFTMAX_PASS:
                     nxt.extend(eqn.outvars)
@@ -237,20 +234,21 @@ def classify_risk(eqn, consumers=None, reduction_threshold: int = 1024) -> tuple
         return None
     d = _format.short_dtype(dtype)
     category = detail = None
-    if prim in _EXP_PRIMS:
+    family = _ops.risk_family(prim)
+    if family == "exp":
         if consumers is not None and _feeds_sum(eqn.outvars[0], consumers):
             category = "softmax"
             detail = f"exp->sum (softmax/logsumexp) in {d}: small probabilities underflow; compute softmax in float32"
         else:
             category = "exp"
             detail = f"exp in {d} overflows past x~{11 if d == 'f16' else 88}; keep it in float32"
-    elif prim in _LOG_PRIMS:
+    elif family == "log":
         category = "log"
         detail = f"log in {d}: inputs that underflowed to 0 give -inf; keep it in float32"
-    elif prim in _POW_PRIMS:
+    elif family == "pow":
         category = "pow"
         detail = f"{prim} in {d} overflows/underflows quickly (norm statistics, x**2); keep it in float32"
-    elif prim in _SUM_PRIMS:
+    elif family == "sum":
         axes = eqn.params.get("axes")
         if axes is None and "axis" in eqn.params:
             axes = (eqn.params["axis"],)
@@ -296,10 +294,8 @@ def door_derivative(stack) -> bool:
 
 def _door_derivative_risk(eqn, ctx: _Ctx) -> RiskyOp | None:
     """A float32-list op in half inside a differentiated door derivative (see `door_derivative`)."""
-    from jaxmp.engine._seams import FLOAT32_OPS
-
     prim = eqn.primitive.name
-    if prim not in FLOAT32_OPS or not eqn.invars or not hasattr(eqn.invars[0], "aval"):
+    if prim not in _FLOAT32_OPS or not eqn.invars or not hasattr(eqn.invars[0], "aval"):
         return None
     aval = eqn.invars[0].aval
     if not _format.is_low_precision(getattr(aval, "dtype", None)) or not door_derivative(
@@ -365,10 +361,12 @@ def _half_scalar_reduction(eqn, producers, seen: set):
     return None, False
 
 
-#: Elementwise ops where a float32 operand rounded to half loses what it keeps.
-_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "max", "min", "select_n"})  # not add_any: autodiff's sums
+#: Elementwise ops where a float32 operand rounded to half loses what it keeps (not add_any: autodiff's sums).
+_ELEMENTWISE = _ops.having("elementwise")
 #: Ops that move a value without changing it (followed back to the input it came from).
-_LAYOUT = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose", "copy", "expand_dims"})
+_LAYOUT = _ops.having("moves")
+#: The default float32 list (autocast's: ``jaxmp.engine.FLOAT32_OPS``).
+_FLOAT32_OPS = _ops.of_class("float32")
 
 
 def _nmant(dtype) -> int:
@@ -455,29 +453,28 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
         prefix = ctx.name_prefix + ((own,) if own else ())
         src = _source(eqn, ctx)
         stack = ctx.stack + _jaxpr.stack_of(eqn)
-        if prim == "scan":
-            length = int(eqn.params["length"])
-            sub = _Ctx(ctx.calls * length, ctx.context + (f"scan x{length}",), prefix, src, stack)
-            flops += _walk(eqn.params["jaxpr"].jaxpr, sub, col)
-        elif prim == "cond":
+        kind = _jaxpr.primitive_kind(eqn)
+        if kind in ("scan", "while", "cond"):
+            # a scan body counts `length` times, a while body once, only the costliest cond branch
+            bodies = _jaxpr.bodies(eqn)
+            if kind == "while":
+                col.unknown_trip_counts += 1
             branch_flops, spans = [], []
-            branches = eqn.params["branches"]
-            for i, br in enumerate(branches):
+            for body in bodies:
+                label = body.label + (" (trip count unknown, counted once)" if body.trips is None else "")
+                sub = _Ctx(ctx.calls * (body.trips or 1), ctx.context + (label,), prefix, src, stack)
                 start = len(col.ops)
-                sub = _Ctx(ctx.calls, ctx.context + (f"cond branch {i}/{len(branches)}",), prefix, src, stack)
-                branch_flops.append(_walk(br.jaxpr, sub, col))
+                branch_flops.append(_walk(body.jaxpr, sub, col))
                 spans.append((start, len(col.ops)))
+            if kind != "cond":
+                flops += sum(branch_flops)
+                continue
             taken = int(np.argmax(branch_flops)) if branch_flops else 0
             for i, (a, b) in enumerate(spans):
                 if i != taken:
                     for j in range(a, b):
                         col.ops[j] = col.ops[j]._replace(counted=False)
             flops += branch_flops[taken] if branch_flops else 0
-        elif prim == "while":
-            col.unknown_trip_counts += 1
-            sub = _Ctx(ctx.calls, ctx.context + ("while (trip count unknown, counted once)",), prefix, src, stack)
-            flops += _walk(eqn.params["cond_jaxpr"].jaxpr, sub, col)
-            flops += _walk(eqn.params["body_jaxpr"].jaxpr, sub, col)
         else:
             label = prim
             if isinstance(eqn.params.get("name"), str):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp import _ops
 from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import AutocastRules
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # annotation only: the engine is imported where it is used
 
 _MAX_INPUTS = 4
 #: Mapped programs the evaluator runs as one op (their bodies are per-device programs).
-_MAPS = frozenset({"shard_map", "xla_pmap"})
+_MAPS = _ops.having("mapped")  # the op catalogue's per-device programs
 _DOCS = "docs/debugging.md"
 
 

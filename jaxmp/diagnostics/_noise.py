@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp import _ops
 from jaxmp.diagnostics import _format
 from jaxmp.diagnostics._evaluate import Site
 
@@ -21,13 +22,7 @@ NOISE_MARGIN = 3.0
 NOISE_SEEDS = 4
 
 #: Ops that move or select values: exact in any dtype, they add no rounding of their own.
-EXACT = frozenset({
-    "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "dynamic_slice",
-    "dynamic_update_slice", "gather", "concatenate", "pad", "rev", "copy", "copy_p", "select_n", "max", "min",
-    "neg", "abs", "sign", "reduce_max", "reduce_min", "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge",
-    "stop_gradient", "sharding_constraint", "iota", "floor", "ceil", "round", "is_finite", "clamp",
-    "cummax", "cummin", "sort", "split", "pvary", "optimization_barrier", "name",
-})
+EXACT = _ops.having("exact")  # the op catalogue's
 
 
 def noisy_site(site: Site) -> bool:

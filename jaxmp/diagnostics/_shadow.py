@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp import _ops
 from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import internals
-from jaxmp.engine._seams import COMBINER_OPS
 from jaxmp.engine._seams import AutocastRules
 from jaxmp.diagnostics._fix import suggest_fix
 from jaxmp.diagnostics._shadow_report import ModuleError, ShadowReport
@@ -37,6 +37,9 @@ if TYPE_CHECKING:  # optax is imported where it is used: the report alone does n
     import optax
 
 _F32 = np.dtype(np.float32)
+
+#: First-order ops with a combiner jaxpr (the op catalogue's).
+_COMBINER_OPS = _ops.of_class("combiner")
 
 
 def _up(x):
@@ -58,7 +61,7 @@ def _shadow_bind(eqn, xs: list) -> list:
     if name == "reduce_precision" or (name == "convert_element_type" and _floating(xs[0])
                                       and _format.is_floating(eqn.params["new_dtype"])):
         return [_up(xs[0])]
-    if name not in COMBINER_OPS and not internals.sub_jaxprs(eqn):
+    if name not in _COMBINER_OPS and not internals.sub_jaxprs(eqn):
         try:
             return [_up(o) for o in bind(eqn, xs, _f32_params(eqn))]
         except (TypeError, ValueError):  # an op whose parameters pin its dtypes: run as traced, below

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 
-from jaxmp import _jaxpr
+from jaxmp import _jaxpr, _ops
 from jaxmp.diagnostics import _format
 from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics._evaluate import Sites, _inner
@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # imported in the functions that need them at run time (an im
     from jaxmp.engine._seams import AutocastRules
 
 _DOCS = "docs/debugging.md"
+#: The default float32 list (autocast's: ``jaxmp.engine.FLOAT32_OPS``, the op catalogue's).
+_FLOAT32_OPS = _ops.of_class("float32")
 
 
 class StrictPrecisionError(FloatingPointError):
@@ -31,17 +33,15 @@ class StrictPrecisionError(FloatingPointError):
 
 
 def _float32_ops(policy: Any, rules: Any) -> frozenset[str]:
-    from jaxmp.engine._seams import FLOAT32_OPS
-
     if rules is not None:
         return frozenset(rules.float32_ops)
     if policy is None:
-        return FLOAT32_OPS
+        return _FLOAT32_OPS
     from jaxmp.engine._seams import resolve_config
 
     found = resolve_config(policy, None).rules.float32_ops
     # O3 and pure-half policies list nothing: strict mode checks against the mixed-precision list.
-    return frozenset(found) or FLOAT32_OPS
+    return frozenset(found) or _FLOAT32_OPS
 
 
 def _graph(jaxpr) -> tuple[dict, dict]:

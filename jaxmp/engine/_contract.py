@@ -68,13 +68,10 @@ def carry_updates(fn: Callable, args: tuple) -> list[tuple[str, np.dtype, set]]:
     out = []
     for eqn in _eqns(jaxpr):
         kind = internals.primitive_kind(eqn)
-        if kind == "scan":
-            body, ncarry = internals.param(eqn, "jaxpr").jaxpr, internals.scan_counts(eqn)[1]
-        elif kind == "while":
-            body = internals.while_parts(eqn)[1].jaxpr
-            ncarry = len(body.outvars)
-        else:
+        if kind not in ("scan", "while"):
             continue
+        loop = internals.bodies(eqn)[-1]  # the body (a while's cond comes first)
+        body, ncarry = loop.jaxpr, len(loop.carries)
         producers = {o: e for e in _jaxpr.equations(body) for o in e.outvars}
         for v in body.outvars[:ncarry]:
             e = producers.get(v)

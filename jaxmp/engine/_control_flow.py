@@ -14,13 +14,14 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from jaxmp import _ops
 from jaxmp.engine import _internals as internals
 from jaxmp.engine._internals import Literal
 from jaxmp.engine._values import Val, dtype_of, is_float, np_dtype
 
-#: Ops an accumulator's value may pass through on its way to the next carry.
-_ACCUMULATE = frozenset({"add", "add_any", "sub", "mul", "div", "neg", "convert_element_type", "copy"})
-_ADDS = frozenset({"add", "add_any", "sub"})
+#: Ops an accumulator's value may pass through on its way to the next carry (the op catalogue's).
+_ACCUMULATE = _ops.having("accumulates")
+_ADDS = _ops.having("adds")
 
 
 def accumulators(jaxpr: Any, carry_in: Sequence[int], carry_out: Sequence[int]) -> list[bool]:
@@ -74,7 +75,7 @@ def _accumulates(carry: Any, i_out: int, uses: dict, out_pos: dict) -> bool:
             if name == "select_n":
                 if _in(eqn.invars[0], chain):  # the predicate must not come from the chain
                     return False
-            elif name in ("jit", "pjit") and _is_where(eqn, chain):
+            elif name in _JITS and _is_where(eqn, chain):
                 pass
             elif name not in _ACCUMULATE or sum(_in(a, chain) for a in eqn.invars) != 1:
                 return False
@@ -104,6 +105,18 @@ def _cast(x: Any, dtype: Any) -> Any:
     return jax.lax.convert_element_type(x, dtype)
 
 
+#: The call primitives that are a nested ``jax.jit`` (its shardings and donation kept).
+_JITS = _ops.having("jit")
+
+
+def _in_avals(body) -> list:
+    return [v.aval for v in body.jaxpr.invars]
+
+
+def _out_avals(body) -> list:
+    return [v.aval for v in body.jaxpr.outvars]
+
+
 def _avals_dtypes(avals) -> list:
     return [np_dtype(a.dtype) if hasattr(a, "dtype") else None for a in avals]
 
@@ -129,8 +142,9 @@ _ACCUMULATOR = (True, False, False)
 
 def _call(interp, eqn, vals, comps):
     """A nested jit or call: inlined, unless it carries shardings or donation, which are kept."""
-    jaxpr, consts = internals.call_jaxpr(eqn)
-    if eqn.primitive.name in ("jit", "pjit"):
+    (body,) = internals.bodies(eqn)
+    jaxpr, consts = body.jaxpr, body.consts
+    if eqn.primitive.name in _JITS:
         flags: list = []
         jitted = internals.jit_wrapper(eqn, _run_fn(interp, jaxpr, consts, _flags(vals), comps, flags))
         if jitted is not None:
@@ -140,18 +154,18 @@ def _call(interp, eqn, vals, comps):
 
 
 def _remat(interp, eqn, vals, comps):
-    jaxpr = internals.param(eqn, "jaxpr")
+    (body,) = internals.bodies(eqn)
     flags: list = []
-    fn = _run_fn(interp, jaxpr, [], _flags(vals), comps, flags)
+    fn = _run_fn(interp, body.jaxpr, body.consts, _flags(vals), comps, flags)
     outs = jax.checkpoint(fn, prevent_cse=internals.param(eqn, "prevent_cse"), policy=internals.param(eqn, "policy"))(
         *[v.x for v in vals])
     return [Val(o, *f) for o, f in zip(outs, flags)]
 
 
 def _scan(interp, eqn, vals, comps):
-    closed, (nc, ncarry) = internals.param(eqn, "jaxpr"), internals.scan_counts(eqn)
+    (closed,), (nc, ncarry) = internals.bodies(eqn), internals.scan_counts(eqn)
     consts, init, xs = vals[:nc], vals[nc:nc + ncarry], vals[nc + ncarry:]
-    carry_dtypes = _avals_dtypes(closed.in_avals[nc:nc + ncarry])
+    carry_dtypes = _avals_dtypes(_in_avals(closed)[nc:nc + ncarry])
     flags: list = []
     acc = accumulators(closed.jaxpr, range(nc, nc + ncarry), range(ncarry))
     in_flags = _flags(consts) + [_ACCUMULATOR if a else _PLAIN for a in acc] + _flags(xs)
@@ -170,9 +184,10 @@ def _scan(interp, eqn, vals, comps):
 
 
 def _while(interp, eqn, vals, comps):
-    cj, bj, cn, bn = internals.while_parts(eqn)
+    _, _, cn, bn = internals.while_parts(eqn)
+    cj, bj = internals.bodies(eqn)
     cconsts, bconsts, init = vals[:cn], vals[cn:cn + bn], vals[cn + bn:]
-    dtypes = _avals_dtypes(bj.out_avals)
+    dtypes = _avals_dtypes(_out_avals(bj))
     acc = accumulators(bj.jaxpr, range(bn, bn + len(init)), range(len(init)))
     carry_flags = [_ACCUMULATOR if a else _PLAIN for a in acc]
     cond_fn = _run_fn(interp, cj.jaxpr, cj.consts, _flags(cconsts) + [_PLAIN] * len(init), comps, [])
@@ -190,9 +205,9 @@ def _while(interp, eqn, vals, comps):
 
 
 def _cond(interp, eqn, vals, comps):
-    branches = internals.param(eqn, "branches")
+    branches = internals.bodies(eqn)
     index, ops = vals[0], vals[1:]
-    dtypes = _avals_dtypes(branches[0].out_avals)
+    dtypes = _avals_dtypes(_out_avals(branches[0]))
 
     flags: list[list] = []
 
@@ -335,9 +350,7 @@ def _shard_map(interp, eqn, vals, comps):
 
 
 #: Ops that only move or re-type a value: a weight passes through them to its matmul.
-_LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "squeeze", "convert_element_type", "copy",
-                     "slice", "dynamic_slice", "gather", "rev", "expand_dims", "sharding_constraint",
-                     "reshard", "pvary", "mesh_cast"})
+_LAYOUT = _ops.having("weight_path")
 
 
 def weight_inputs(jaxpr: Any, half_ops: frozenset[str],
@@ -388,29 +401,23 @@ def weight_inputs(jaxpr: Any, half_ops: frozenset[str],
         if name in _LAYOUT:
             return var_all(eqn.outvars, prefix)
 
-        def inner(j, i) -> tuple[bool, bool]:
-            j = internals.open_jaxpr(j)
-            return var(j, j.invars[i], comps)
-
-        kind = internals.primitive_kind(eqn)
+        # Into the bodies the engine enters (`HANDLERS`), operand i bound to their inputs as the
+        # dispatcher maps them; a loop carry is no weight (it changes), nor what a body does not read.
+        if internals.primitive_kind(eqn) not in HANDLERS:
+            return False, False
         try:
-            if kind in ("call", "remat", "shard_map"):
-                j = internals.call_jaxpr(eqn)[0] if kind == "call" else internals.param(eqn, "jaxpr")
-                return inner(j, i)
-            if kind in ("custom_jvp", "custom_vjp"):
-                return inner(internals.param(eqn, "call_jaxpr"), i)
-            if kind == "scan":
-                nc, ncarry = internals.scan_counts(eqn)
-                return (False, False) if nc <= i < nc + ncarry else inner(internals.param(eqn, "jaxpr"), i)
-            if kind == "cond" and i > 0:
-                results = [inner(b, i - 1) for b in internals.param(eqn, "branches")]
-                return all(r[0] for r in results), any(r[1] for r in results)
-            if kind == "while":
-                _, body, cn, bn = internals.while_parts(eqn)
-                return inner(body, i - cn) if cn <= i < cn + bn else (False, False)
+            results = []
+            for body in internals.bodies(eqn):
+                for k, o in enumerate(body.operands):
+                    if o == i:
+                        if k in body.carries:
+                            return False, False
+                        results.append(var(body.jaxpr, body.jaxpr.invars[k], comps))
         except (IndexError, internals.JaxInternalsError):
             return False, False
-        return False, False
+        if not results:
+            return False, False
+        return all(r[0] for r in results), any(r[1] for r in results)
 
     def var_all(outvars, prefix) -> tuple[bool, bool]:
         every, some = True, False
@@ -445,4 +452,4 @@ HANDLERS: dict[str, Callable] = {
 def handler_for(eqn) -> Callable | None:
     """The handler of a higher-order equation the engine enters, or None (first-order or opaque)."""
     kind = internals.primitive_kind(eqn)
-    return None if kind is None else HANDLERS[kind]
+    return None if kind is None else HANDLERS.get(kind)  # pmap: run as traced

@@ -1,9 +1,10 @@
 """The one seam between the engine and JAX's internals.
 
-Every access to what JAX changes between releases (the parameters of ``scan``/``while``/``cond``/
-``custom_jvp``/``custom_vjp``/``shard_map``, the call-inlining primitive, jit-keyed config states,
-tracer kinds) lives here behind a named adapter; reading jaxprs is `jaxmp._jaxpr`'s, re-exported
-here. A missing parameter raises `JaxInternalsError` naming it and the JAX version.
+Every access to what JAX changes between releases (the parameters a ``custom_jvp``/``custom_vjp``/
+``shard_map``/``jit`` is rebuilt from, jit-keyed config states, tracer kinds) lives here behind a
+named adapter; reading jaxprs, and the one control-flow dispatcher (`primitive_kind`, `bodies`:
+which parameters hold a construct's sub-jaxprs), are `jaxmp._jaxpr`'s, re-exported here. A
+missing parameter raises `JaxInternalsError` naming it and the JAX version.
 """
 
 from __future__ import annotations
@@ -16,33 +17,18 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from jaxmp import _jaxpr
+from jaxmp import _jaxpr, _ops
 # Jaxpr reading is jaxmp._jaxpr's (the layer under the engine reads jaxprs too); the engine finds
 # it here, beside the adapters that are the engine's alone.
 from jaxmp._jaxpr import (Literal, equation_context, equations, is_literal, open_jaxpr, scope_names,  # noqa: F401
                           sub_jaxprs)
+# The control-flow dispatcher and its parameter adapters are the reader's too (diagnostics and
+# the engine enter the same constructs): re-exported for the engine.
+from jaxmp._jaxpr import (JaxInternalsError, _missing, bodies, call_jaxpr, param, primitive_kind,  # noqa: F401
+                          scan_counts, while_parts)
 
 #: The running JAX version as a tuple of ints, e.g. ``(0, 10, 2)``.
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-
-
-class JaxInternalsError(RuntimeError):
-    """A JAX internal the engine relies on is missing or changed shape in this JAX release."""
-
-
-def _missing(what: str, where: str) -> JaxInternalsError:
-    return JaxInternalsError(
-        f"jaxmp.autocast: {where} has no {what!r} in jax {jax.__version__}; this JAX release changed an "
-        "internal the engine reads. Please report it with your JAX version; `python -m jaxmp.selfcheck` "
-        "shows which constructs still hold.")
-
-
-def param(eqn, name: str) -> Any:
-    """``eqn.params[name]``, or a `JaxInternalsError` naming the parameter and JAX version."""
-    try:
-        return eqn.params[name]
-    except KeyError:
-        raise _missing(name, f"the {eqn.primitive.name!r} primitive") from None
 
 
 # -- config states that are part of jit's cache key ----------------------------------------
@@ -130,55 +116,14 @@ def staged_cast(dtype) -> Callable:
 
 # -- primitives ------------------------------------------------------------------------------
 
-_prim = _jaxpr.primitive_objects
-
-
 #: Primitives that call a closed jaxpr once, inline (``pjit``/``jit``, ``closed_call``,
-#: ``core_call``, and ``eval_jaxpr`` which replaced ``closed_call`` in jax 0.12).
-CALL_NAMES = frozenset({"jit", "pjit", "closed_call", "core_call", "eval_jaxpr"})
-REMAT_NAMES = frozenset({"remat2", "checkpoint"})
-
-
-def primitive_kind(eqn) -> str | None:
-    """Which higher-order construct ``eqn`` is: ``"call"``, ``"remat"``, ``"scan"``, ``"while"``,
-    ``"cond"``, ``"custom_jvp"``, ``"custom_vjp"``, ``"shard_map"``, or None (first order)."""
-    prim = eqn.primitive
-    kind = _KINDS.get(prim)
-    if kind is not None:
-        return kind
-    name = prim.name
-    if name in CALL_NAMES:
-        return "call"
-    if name in REMAT_NAMES:
-        return "remat"
-    return _NAMED_KINDS.get(name)
-
-
-_KINDS: dict[Any, str] = {}
-for _p in _prim("jit_p", "closed_call_p", "call_p"):
-    _KINDS[_p] = "call"
-for _p in _prim("remat_p"):
-    _KINDS[_p] = "remat"
-for _n, _k in (("scan_p", "scan"), ("while_p", "while"), ("cond_p", "cond"),
-               ("custom_jvp_call_p", "custom_jvp"), ("custom_vjp_call_p", "custom_vjp")):
-    for _p in _prim(_n):
-        _KINDS[_p] = _k
-# shard_map has no public primitive object: by name.
-_NAMED_KINDS = {"shard_map": "shard_map", "scan": "scan", "while": "while", "cond": "cond",
-                "custom_jvp_call": "custom_jvp", "custom_vjp_call": "custom_vjp"}
+#: ``core_call``, and ``eval_jaxpr`` which replaced ``closed_call`` in jax 0.12): the op
+#: catalogue's ``call`` class (jaxmp/_ops.py).
+CALL_NAMES = _ops.of_class("call")
+REMAT_NAMES = _ops.of_class("remat")
 
 #: Kernels the engine cannot look into: they run as traced (operands in their traced dtypes).
-OPAQUE_NAMES = frozenset({"pallas_call", "custom_call", "ffi_call", "triton_kernel_call",
-                          "mosaic_gpu_call", "tpu_custom_call", "cuda_kernel_call"})
-
-
-def call_jaxpr(eqn) -> tuple[Any, list]:
-    """(open jaxpr, consts) of a call-like equation (``jit``, ``closed_call``, ``eval_jaxpr`` ...)."""
-    for name in ("jaxpr", "call_jaxpr"):
-        if name in eqn.params:
-            found = eqn.params[name]
-            return _jaxpr.open_jaxpr(found), list(getattr(found, "consts", ()))
-    raise _missing("jaxpr", f"the call primitive {eqn.primitive.name!r}")
+OPAQUE_NAMES = _ops.of_class("opaque")
 
 
 def _specified(sharding) -> bool:
@@ -209,23 +154,6 @@ def jit_wrapper(eqn, fn: Callable) -> Callable | None:
                    out_shardings=tuple(s if _specified(s) else None for s in outs) or None,
                    donate_argnums=tuple(i for i, d in enumerate(donated) if d),
                    keep_unused=bool(p.get("keep_unused", False)))
-
-
-def scan_counts(eqn) -> tuple[int, int]:
-    """(number of consts, number of carries) of a ``scan`` equation."""
-    p = eqn.params
-    if "num_consts" in p:
-        return p["num_consts"], p["num_carry"]
-    if "ft_in" in p:
-        consts, carry, _ = p["ft_in"].unpack()
-        return len(consts), len(carry)
-    raise _missing("num_consts", "the 'scan' primitive")
-
-
-def while_parts(eqn) -> tuple[Any, Any, int, int]:
-    """(cond closed jaxpr, body closed jaxpr, cond consts, body consts) of a ``while`` equation."""
-    return (param(eqn, "cond_jaxpr"), param(eqn, "body_jaxpr"), param(eqn, "cond_nconsts"),
-            param(eqn, "body_nconsts"))
 
 
 def _bound_consts(jaxpr, consts) -> tuple[Any, list]:

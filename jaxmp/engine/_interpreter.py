@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp import fp8
+from jaxmp import _ops, fp8
 from jaxmp.fp8._seams import recipes as fp8_recipes
 from jaxmp.engine import _control_flow as control_flow, _internals as internals
 from jaxmp.engine._internals import Literal
@@ -365,7 +365,7 @@ def repeated_ops(jaxpr: Any) -> frozenset:
 
 #: Never merged although they declare no effects: ``rng_uniform`` draws anew on every call, and
 #: a repeated ``optimization_barrier`` is there on purpose.
-_NEVER_MERGED = frozenset({"rng_uniform", "optimization_barrier"})
+_NEVER_MERGED = _ops.having("never_merged")
 
 
 def _repeat_key(eqn, comps: tuple[str, ...]) -> tuple | None:

@@ -24,56 +24,34 @@ from typing import Any, Iterable
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxmp import fp8
+from jaxmp import _ops, fp8
 from jaxmp._dtypes import float_dtype
 from jaxmp._policy import Policy
 from jaxmp.engine._module_rules import ModuleRules, compile_module_rules
 
-#: Matmuls and convolutions: cast to the compute dtype (torch: matmul, conv, linear, einsum, baddbmm).
-HALF_OPS: frozenset[str] = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+# The lists are read from the one op catalogue (jaxmp/_ops.py): a row there per primitive.
 
-#: Ops that run in float32 whatever their inputs (torch: exp, log, pow, softmax, norms, sums, losses).
-FLOAT32_OPS: frozenset[str] = frozenset({
-    # transcendentals
-    "exp", "exp2", "expm1", "log", "log1p", "logistic", "pow", "integer_pow", "square",
-    "erf", "erfc", "erf_inv", "sqrt", "rsqrt", "cbrt", "tan", "sinh", "cosh", "asin", "acos",
-    "atan", "atan2", "asinh", "acosh", "atanh", "lgamma", "digamma", "igamma", "igammac",
-    "polygamma", "zeta", "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta",
-    # reductions (softmax, log_softmax, logsumexp, mean/variance, the loss)
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_window_sum",
-    "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
-})
+#: Matmuls and convolutions: cast to the compute dtype (torch: matmul, conv, linear, einsum, baddbmm).
+HALF_OPS: frozenset[str] = _ops.of_class("half")
+
+#: Ops that run in float32 whatever their inputs (torch: exp, log, pow, softmax, norms, sums, losses):
+#: transcendentals, powers and every reduction (softmax, log_softmax, logsumexp, mean/variance, the loss).
+FLOAT32_OPS: frozenset[str] = _ops.of_class("float32")
 
 #: Dtype-polymorphic ops that follow their inputs (floating operands are promoted to one dtype).
-FOLLOW_OPS: frozenset[str] = frozenset({
-    "add", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min", "floor", "ceil",
-    "round", "is_finite", "select_n", "clamp", "tanh", "sin", "cos", "nextafter",
-    "reduce_precision", "broadcast_in_dim", "reshape", "transpose", "squeeze", "rev", "slice",
-    "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "copy",
-    "stop_gradient", "add_any", "eq", "ne", "lt", "le", "gt", "ge", "argmax", "argmin",
-    "reduce_window_max", "reduce_window_min", "top_k", "sharding_constraint", "reshard",
-    "split", "tile", "zeros_like", "iota", "select_and_gather_add", "mesh_cast", "pvary",
-    "name",  # checkpoint_name: the remat policy saves the value in the dtype it was computed in
-})
+FOLLOW_OPS: frozenset[str] = _ops.of_class("follow")
 
 #: Ops with several independent operands: each keeps its own dtype (nothing is cast).
-PASSTHROUGH_OPS: frozenset[str] = frozenset({"sort", "optimization_barrier", "device_put"})
+PASSTHROUGH_OPS: frozenset[str] = _ops.of_class("passthrough")
 
 #: Collectives: run as traced (a gradient all-reduce keeps its traced dtype, so a sum over
 #: replicas cannot overflow fp16); a float32-list result stays float32-list through them, so a
 #: synchronised BatchNorm's ``x - pmean(mean(x))`` centres in float32 as an unsynchronised one does.
-COLLECTIVE_OPS: frozenset[str] = frozenset({
-    "psum", "pmax", "pmin", "pmean", "all_gather", "all_to_all", "ppermute", "psum_scatter",
-    "reduce_scatter", "psum_invariant", "ragged_all_to_all",
-})
+COLLECTIVE_OPS: frozenset[str] = _ops.of_class("collective")
 
 #: First-order ops that carry a combiner jaxpr traced for their operands' dtypes: they run
 #: with the operands in their traced dtypes (like any op without a rule).
-COMBINER_OPS: frozenset[str] = frozenset({
-    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
-    "reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add", "cumred",
-    "custom_linear_solve", "argsort",
-})
+COMBINER_OPS: frozenset[str] = _ops.of_class("combiner")
 
 _PROMOTE = ("narrow", "widest", "demand")
 _MATMUL_OUT = ("compute", "float32")

@@ -22,7 +22,7 @@ from jaxmp.engine._autocast_fn import autocast, engine_function
 
 # Reading back what the engine decided (the diagnostics' "explain", the fp8 layers' markers).
 from jaxmp.engine._build import explain_enabled, explaining
-from jaxmp.engine._rules import COMBINER_OPS, FLOAT32_OPS, MARKER
+from jaxmp.engine._rules import MARKER
 
 # JAX's internals as the engine reads them, and the contract the self-check runs.
 from jaxmp.engine import _contract as contract
@@ -47,8 +47,6 @@ __all__ = [
     # reading back what the engine decided
     "explain_enabled",
     "explaining",
-    "COMBINER_OPS",
-    "FLOAT32_OPS",
     "MARKER",
     # internals and the contract
     "contract",

@@ -26,6 +26,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxmp import _ops
 from jaxmp._dtypes import float_dtype
 from jaxmp.parallel import _reduce
 from jaxmp._typing import PyTree
@@ -102,7 +103,7 @@ release policy refuses to save)."""
 # The primitives that make a gathered param from its slice: an all-gather (manual mode, inside
 # the ``custom_vjp`` of `jaxmp.parallel._reduce.gathered`) or a sharding constraint (global
 # mode). Their outputs are whole params, never saved for the backward: re-gathered from the slice.
-_GATHER_PRIMITIVES = frozenset({"all_gather", "sharding_constraint", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_GATHER_PRIMITIVES = _ops.having("gathers")  # the op catalogue's
 
 
 def release_policy(policy: Callable | None) -> Callable:

@@ -27,7 +27,7 @@ PACKAGES = ("jaxmp", "benchmarks")
 # The layers of jaxmp, lowest first: a module may import its own layer and the layers below it,
 # never one above. A unit is a top-level module or a subpackage of jaxmp (what the table shows).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("numerics", ("jaxmp._effects", "jaxmp._jaxpr", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp._dtypes", "jaxmp._misuse",
+    ("numerics", ("jaxmp._effects", "jaxmp._ops", "jaxmp._jaxpr", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp._dtypes", "jaxmp._misuse",
                   "jaxmp.fp8", "jaxmp._fold", "jaxmp._blockwise", "jaxmp._keys")),
     ("policies and loss scales", ("jaxmp._policy", "jaxmp._presets", "jaxmp._platform", "jaxmp._skip",
                                   "jaxmp._loss_scale")),

@@ -126,3 +126,86 @@ def test_primitive_objects_keeps_the_order_and_skips_unknown_names():
     prims = _jaxpr.primitive_objects("cos_p", "not_a_primitive_p", "sin_p")
     assert [p.name for p in prims] == ["cos", "sin"]
     assert _jaxpr.primitive_objects() == ()
+
+
+# -- the control-flow dispatcher -------------------------------------------------------------
+
+def _top(fn, *args):
+    """The last top-level equation of ``fn``'s jaxpr (the construct under test)."""
+    return _jaxpr.equations(jax.make_jaxpr(fn)(*args))[-1]
+
+
+def _loops_and_branches():
+    def scan(w, c, xs):
+        return jax.lax.scan(lambda c, x: (c * w + x, c), c, xs)
+
+    def while_(limit, step, x):
+        return jax.lax.while_loop(lambda c: c[0] < limit, lambda c: (c[0] + step, c[1] * 2.0), (0.0, x))
+
+    def cond(p, x, y):
+        return jax.lax.cond(p, lambda a, b: a * b, lambda a, b: a - b, x, y)
+
+    return {
+        "scan": (scan, (2.0, 1.0, jnp.arange(3.0)), ["scan x3"]),
+        "while": (while_, (8.0, 1.0, 1.0), ["while", "while"]),
+        "cond": (cond, (True, 1.0, 2.0), ["cond branch 0/2", "cond branch 1/2"]),
+        "call": (jax.jit(lambda a, b: a * b), (1.0, 2.0), [""]),
+        "remat": (jax.checkpoint(lambda a, b: a * b), (1.0, 2.0), [""]),
+    }
+
+
+@pytest.mark.parametrize("kind", ["scan", "while", "cond", "call", "remat"])
+def test_bodies_bind_each_input_to_the_operand_of_its_type(kind):
+    fn, args, labels = _loops_and_branches()[kind]
+    eqn = _top(fn, *args)
+    assert _jaxpr.primitive_kind(eqn) == kind
+    bodies = _jaxpr.bodies(eqn)
+    assert [b.label for b in bodies] == labels
+    for body in bodies:
+        assert len(body.operands) == len(body.jaxpr.invars)
+        for k, o in enumerate(body.operands):
+            inner, outer = body.jaxpr.invars[k].aval, eqn.invars[o].aval
+            scanned = kind == "scan" and k >= max(body.carries) + 1
+            assert inner.dtype == outer.dtype
+            assert inner.shape == (outer.shape[1:] if scanned else outer.shape), (kind, k, o)
+
+
+def test_bodies_mark_the_loop_carries_and_the_trip_counts():
+    fns = _loops_and_branches()
+    (scan,) = _jaxpr.bodies(_top(fns["scan"][0], *fns["scan"][1]))
+    assert scan.carries == {1} and scan.trips == 3  # w is a const, c the carry, xs scanned
+    cond_fn, body = _jaxpr.bodies(_top(fns["while"][0], *fns["while"][1]))
+    # the cond reads `limit` (operand 0), the body `step` (operand 1); both see the two carries
+    assert cond_fn.operands == (0, 2, 3) and body.operands == (1, 2, 3)
+    assert cond_fn.carries == {1, 2} and body.carries == {1, 2} and body.trips is None
+    branches = _jaxpr.bodies(_top(fns["cond"][0], *fns["cond"][1]))
+    assert all(b.operands == (1, 2) and not b.carries and b.trips == 1 for b in branches)  # the index is no input
+
+
+def test_bodies_of_custom_derivatives_shard_map_and_closed_over_constants():
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    f.defjvp(lambda p, t: (f(p[0]), t[0]))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    smap = jax.shard_map(lambda a: a * 2, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    (body,) = _jaxpr.bodies(_top(f, 1.0))
+    assert _jaxpr.primitive_kind(_top(f, 1.0)) == "custom_jvp"
+    assert [e.primitive.name for e in _jaxpr.equations(body.jaxpr)] == ["sin"]
+    (body,) = _jaxpr.bodies(_top(smap, jnp.ones(4)))
+    assert body.label == "shard_map" and body.operands == (0,)
+    # a scan body closing over an array keeps it as a const, given with the body
+    big = np.arange(3.0)
+    (body,) = _jaxpr.bodies(_top(lambda c: jax.lax.scan(lambda c, _: (c + jnp.asarray(big), None), c, None,
+                                                        length=2)[0], jnp.zeros(3)))
+    assert len(body.consts) == len(body.jaxpr.constvars)
+
+
+def test_bodies_of_a_first_order_equation_are_none_and_a_missing_parameter_is_named():
+    assert _jaxpr.bodies(_top(jnp.sin, 1.0)) == [] and _jaxpr.primitive_kind(_top(jnp.sin, 1.0)) is None
+    eqn = _top(lambda x: jax.lax.scan(lambda c, _: (c, None), x, None, length=2)[0], 1.0)
+    with pytest.raises(_jaxpr.JaxInternalsError, match="num_consts"):
+        _jaxpr.bodies(eqn.replace(params={k: v for k, v in eqn.params.items() if k not in ("num_consts", "ft_in")}))
+    with pytest.raises(_jaxpr.JaxInternalsError, match="'length'"):
+        _jaxpr.bodies(eqn.replace(params={k: v for k, v in eqn.params.items() if k != "length"}))

@@ -106,9 +106,8 @@ def test_the_layering_table_on_the_architecture_page_is_generated_from_the_graph
 # belongs to an object the caller holds (misuse keeps its evidence on the loss-scale object),
 # never to the process.
 ALLOWED_MODULE_STATE = {
-    # Memos of pure functions: primitive -> kind; (class, rule) -> the generated casting subclass
-    # (the same subclass each time, so NNX graph definitions stay equal).
-    ("jaxmp/engine/_internals.py", "_KINDS"),
+    # A memo of a pure function: (class, rule) -> the generated casting subclass (the same
+    # subclass each time, so NNX graph definitions stay equal).
     ("jaxmp/flax/nnx.py", "_CASTING_CLASSES"),
     # The traced programs shared by every autocast function built from one function object (so
     # jaxmp.autocast(f) rebuilt on each eager call does not retrace): keyed by the function's id,

@@ -26,7 +26,7 @@ import pytest
 
 import jaxmp
 import jaxmp.flax
-from jaxmp.engine._seams import FLOAT32_OPS
+from jaxmp.engine import FLOAT32_OPS
 from tests._support._op_dtypes import ops_of
 from tests.cross import _conformance as C
 

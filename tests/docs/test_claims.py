@@ -161,3 +161,22 @@ def test_the_pointer_check_sees_a_missing_section(tmp_path):
     page_.write_text("# Top\n\n## Loss scales\n\n```python\n# not a heading\n```\n\n### Under `jaxmp.autocast`\n")
     assert _anchors(page_) == {"top", "loss-scales", "under-jaxmpautocast"}
     assert DOC_POINTER.findall("See docs/design.md#loss-scaling.") == [("design.md", "loss-scaling")]
+
+
+def test_autocast_pages_op_lists_name_every_op_of_the_catalogue_classes():
+    """docs/autocast.md's table of the default lists names every half-list and float32-list op of
+    the op catalogue (jaxmp/_ops.py), and no other (``igamma(c)`` and Bessel stand for two each)."""
+    from jaxmp import _ops
+
+    rows = {}
+    for line in page("autocast.md").read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) > 3 and cells[1] in ("half (compute dtype)", "float32"):
+            rows[cells[1]] = set(re.findall(r"`([a-z0-9_]+)(?:\(c\))?`", cells[2]))
+            if "Bessel" in cells[2]:
+                rows[cells[1]] |= {"bessel_i0e", "bessel_i1e"}
+            if "`igamma(c)`" in cells[2]:
+                rows[cells[1]] |= {"igammac"}
+    half, float32 = rows["half (compute dtype)"], rows["float32"]
+    assert _ops.of_class("half") == half
+    assert _ops.of_class("float32") == float32

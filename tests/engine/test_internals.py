@@ -485,11 +485,15 @@ TESTED = {
                 "custom_symbolic_zeros", "is_zero", "symbolic_zero", "symbolic_zero_of", "closed_over_perturbed",
                 "staging", "transformed", "trace_of", "typeof", "all_primitive_names",
                 # the reader's, re-exported (tested below and in test_the_engine_reads_jaxprs_through_the_reader)
-                "equation_context", "equations", "is_literal", "open_jaxpr", "scope_names", "sub_jaxprs", "Literal"},
+                "equation_context", "equations", "is_literal", "open_jaxpr", "scope_names", "sub_jaxprs", "Literal",
+                "bodies"},
     _jaxpr: {"Jaxpr", "ClosedJaxpr", "Literal", "Var", "Primitive", "is_jaxpr", "open_jaxpr", "is_literal", "is_var",
              "equations", "sub_jaxprs", "primitive_objects", "StackItem", "stack_of", "scope_names", "render",
              "user_frames", "source_line", "Equation", "walk", "bind", "bind_primitive", "equation_context",
-             "one_equation_program"},
+             "one_equation_program",
+             # the control-flow dispatcher (re-exported by internals; tested in tests/core/test_jaxpr.py)
+             "JaxInternalsError", "param", "primitive_kind", "call_jaxpr", "scan_counts", "while_parts", "Body",
+             "bodies"},
 }
 
 
