@@ -257,6 +257,10 @@ def quantize(x: jax.Array, dtype: Any, block: Any = (1, 32), scale_format: str =
     if key is not None:
         y = round_stochastic(y, elem, key)
     q = y.astype(elem.dtype).reshape(xb.shape[0] * a, xb.shape[2] * b)
+    # XLA may fold a later ``fp8 -> float32`` back into a no-op (SimplifyFPConversions under
+    # xla_allow_excess_precision), and the matmul would see unquantized values: the barrier keeps
+    # the cast, as in JAX's own scaled_dot_general emulation.
+    q = jax.lax.optimization_barrier(q)
     return Quantized(q, scale, g, tuple(x.shape), (a, b))
 
 
