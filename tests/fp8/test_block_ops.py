@@ -121,3 +121,17 @@ def test_emulated_mxfp8_forward_equals_jax_scaled_dot_general():
         r = fp8.CurrentScaling(block=(1, 32), bwd_dtype=jnp.float8_e4m3fn, scale_format="e8m0", scale_rule=rule)
         mine = jax.jit(lambda a, b: fp8.fp8_dot_general(a, b, dn, r, preferred_element_type=jnp.float32))(x, w)
         np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
+
+
+def test_a_scope_rule_keeps_attention_in_bf16_under_a_block_preset():
+    def f(x, w):
+        with jax.named_scope("attention"):
+            s = x @ w.T
+        return jnp.sum(s @ w)
+
+    g = jaxmp.autocast(f, "O2-mxfp8", rules=jaxmp.AutocastRules(scope_rules=(("attention", "half"),)))
+    closed = jax.make_jaxpr(jax.grad(g, 1))(X, np.ascontiguousarray(W.T))
+    quantized = [e for e in _jaxpr.walk(closed) if e.primitive == "convert_element_type"
+                 and np.dtype(e.out_avals[0].dtype) in LOW]
+    assert quantized and not any("attention" in s for e in quantized for s in e.scopes)
+    assert {leg for e in quantized for leg in ("dgrad", "wgrad") if leg in e.scopes} == {"dgrad", "wgrad"}
