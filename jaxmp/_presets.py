@@ -9,7 +9,7 @@ Every policy string a user passes is parsed once, here, into typed objects:
 from __future__ import annotations
 
 import difflib
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ _PRESET_HELP = ("O0, O1, O2, O3 (optionally with -bf16/-fp16, e.g. 'O2-bf16'), O
 _E4M3, _E2M1 = jnp.float8_e4m3fn, jnp.float4_e2m1fn
 # fp8 presets: O2-bf16 with the half list's matmuls and convolutions in fp8 (or fp4). The
 # block-scaled ones are documented, with their sources, in docs/fp8.md#block-scaled-formats.
-_FP8_SUFFIXES = {
+_FP8_SUFFIXES: dict[str, Callable[[], _fp8.Fp8Recipe]] = {
     "fp8": _fp8.DelayedScaling, "fp8-delayed": _fp8.DelayedScaling, "fp8-current": _fp8.CurrentScaling,
     # Transformer Engine's MXFP8BlockScaling: E4M3 in every leg, 1x32 E8M0 scales, its round-up rule.
     "mxfp8": lambda: _fp8.CurrentScaling(block=(1, 32), bwd_dtype=_E4M3, scale_format="e8m0", scale_rule="rceil"),

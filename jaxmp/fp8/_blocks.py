@@ -220,9 +220,9 @@ def quantize(x: jax.Array, dtype: Any, block: Any = (1, 32), scale_format: str =
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxmp.fp8 import _blocks
-      >>> qx = _blocks.quantize(jnp.array([[0.9, -0.25]]), jnp.float8_e4m3fn, (1, 2), "e8m0", "ceil")
-      >>> _blocks.dequantize(qx).tolist()
+      >>> from jaxmp import fp8
+      >>> qx = fp8._blocks.quantize(jnp.array([[0.9, -0.25]]), jnp.float8_e4m3fn, (1, 2), "e8m0", "ceil")
+      >>> fp8._blocks.dequantize(qx).tolist()
       [[0.8984375, -0.25]]
     """
     elem = element_format(dtype)
@@ -277,8 +277,8 @@ def dequantize(qx: Quantized, dtype: Any = jnp.float32, with_global: bool = True
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxmp.fp8 import _blocks
-      >>> _blocks.dequantize(_blocks.quantize(jnp.zeros((1, 4)), jnp.float4_e2m1fn, (1, 4))).tolist()
+      >>> from jaxmp import fp8
+      >>> fp8._blocks.dequantize(fp8._blocks.quantize(jnp.zeros((1, 4)), jnp.float4_e2m1fn, (1, 4))).tolist()
       [[0.0, 0.0, 0.0, 0.0]]
     """
     a, b = qx.block
@@ -326,8 +326,8 @@ def hadamard(key: jax.Array, n: int = 16) -> jax.Array:
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxmp.fp8 import _blocks
-      >>> h = _blocks.hadamard(jax.random.key(0))
+      >>> from jaxmp import fp8
+      >>> h = fp8._blocks.hadamard(jax.random.key(0))
       >>> bool((h @ h.T == jnp.eye(16)).all())
       True
     """

@@ -117,7 +117,10 @@ def check_hardware(recipe: Fp8Recipe, device: jax.Device | None = None) -> str:
         raise TypeError(f"expected a jaxmp.fp8 recipe (CurrentScaling or DelayedScaling), got {type(recipe).__name__}")
     device = jax.devices()[0] if device is None else device
     block = isinstance(recipe, CurrentScaling) and recipe.block is not None
-    native, reason = native_block(recipe, device) if block else native_fp8(device)
+    if isinstance(recipe, CurrentScaling) and recipe.block is not None:
+        native, reason = native_block(recipe, device)
+    else:
+        native, reason = native_fp8(device)
     if native:
         return "emulated" if recipe.emulate else "native"
     if recipe.emulate is False:
