@@ -135,3 +135,27 @@ def test_a_scope_rule_keeps_attention_in_bf16_under_a_block_preset():
                  and np.dtype(e.out_avals[0].dtype) in LOW]
     assert quantized and not any("attention" in s for e in quantized for s in e.scopes)
     assert {leg for e in quantized for leg in ("dgrad", "wgrad") if leg in e.scopes} == {"dgrad", "wgrad"}
+
+
+@pytest.mark.slow  # one compile of four forward and backward passes
+def test_hadamard_and_stochastic_rounding_change_only_the_backward_and_stay_close():
+    base = dict(block=(1, 16), bwd_dtype=jnp.float8_e4m3fn, scale_format="e8m0", scale_rule="ceil")
+    recipes = [fp8.CurrentScaling(**base), fp8.CurrentScaling(**base, hadamard=True),
+               fp8.CurrentScaling(**base, stochastic_rounding=True)]
+    g = RS.randn(32, 48).astype(np.float32)
+
+    @jax.jit
+    def run(x, w, g):
+        outs = [jax.vjp(lambda a, b, r=r: fp8.fp8_dot_general(a, b, DN, r), x, w) for r in recipes]
+        return [o[0] for o in outs], [o[1](g) for o in outs], jax.vjp(lambda a, b: jax.lax.dot_general(a, b, DN),
+                                                                       x, w)[1](g)
+
+    fwd, grads, exact = run(X, W, g)
+    for f in fwd[1:]:
+        np.testing.assert_array_equal(np.asarray(f), np.asarray(fwd[0]))  # the forward is the same
+    (dx0, dw0), (dx_h, dw_h), (dx_sr, dw_sr) = [[np.asarray(t) for t in gr] for gr in grads]
+    np.testing.assert_array_equal(dx_h, dx0)  # the transform is on the wgrad leg only
+    assert not np.array_equal(dw_h, dw0) and not np.array_equal(dx_sr, dx0)
+    for got, want in ((dw0, exact[1]), (dw_h, exact[1]), (dx_sr, exact[0]), (dw_sr, exact[1])):
+        want = np.asarray(want)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.08

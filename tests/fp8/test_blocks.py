@@ -148,16 +148,18 @@ def test_scale_shapes_follow_the_block():
     assert jax.eval_shape(lambda x: B.quantize(x, E2M1, (1, 16), "e4m3", "exact"), x).scale.dtype == E4M3
 
 
-def test_jit_equals_op_by_op():
+OP_BY_OP = {"mxfp8": (E4M3, "e8m0", "rceil", False), "nvfp4-sr": (E2M1, "e4m3", "exact", True),
+            "e5m2-float32": (E5M2, "float32", "exact", False)}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "mxfp8" else pytest.mark.slow) for n in OP_BY_OP])
+def test_jit_equals_op_by_op(name):  # op by op compiles every primitive on its own: one format in the default tier
+    dtype, sf, rule, sr = OP_BY_OP[name]
     x = jnp.asarray(np.random.RandomState(2).randn(4, 32).astype(np.float32))
-    key = jax.random.key(3, impl="threefry2x32")
+    key = jax.random.key(3, impl="threefry2x32") if sr else None
     with jax.disable_jit():  # every op on its own, as op-by-op dispatch runs them
-        eager = [_qdq(x, E4M3, (1, 16), "e8m0", "rceil"), _qdq(x, E2M1, (1, 16), "e4m3", "exact", key),
-                 _qdq(x, E5M2, (1, 16), "float32", "exact")]
-    jitted = [QDQ(x, E4M3, (1, 16), "e8m0", "rceil"), QDQ(x, E2M1, (1, 16), "e4m3", "exact", key),
-              QDQ(x, E5M2, (1, 16), "float32", "exact")]
-    for e, j in zip(eager, jitted):
-        np.testing.assert_array_equal(np.asarray(e), np.asarray(j))
+        eager = _qdq(x, dtype, (1, 16), sf, rule, key)
+    np.testing.assert_array_equal(np.asarray(eager), np.asarray(QDQ(x, dtype, (1, 16), sf, rule, key)))
 
 
 @pytest.mark.parametrize("dtype,value", [(E2M1, 1.3), (E4M3, 1.0 + 0.3 / 8)], ids=["e2m1", "e4m3"])
