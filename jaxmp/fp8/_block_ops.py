@@ -11,8 +11,9 @@ runs on the unquantized operands. Re-quantizing from the high-precision tensor i
 Transformer Engine's columnwise copies and torchao's MX backward do.
 
 The emulation dequantizes into the operands' dtype and runs ``lax.dot_general`` there: exact
-for power-of-two (E8M0) scales and for NVFP4's E4M3 block scales; NVFP4's per-tensor float32
-scale and float32 block scales are rounded into the compute dtype once.
+for power-of-two (E8M0) scales and for NVFP4's E4M3 block scales (NVFP4's forward applies its
+per-tensor scales to the float32 product; its backward legs round them into the operands, as
+float32 block scales are rounded, once).
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ KEY_IMPL = "threefry2x32"  # as jaxmp's other stochastic rounding: bits independ
 
 
 def qdq(x: jax.Array, contract: tuple, batch: tuple, dtype: Any, block: Any, recipe: CurrentScaling,
-        key: jax.Array | None = None, h: jax.Array | None = None) -> jax.Array:
+        key: jax.Array | None = None, h: jax.Array | None = None, split_global: bool = False) -> Any:
     """``x`` quantized and dequantized with blocks along the axes ``contract`` (flattened, in
     order; ``batch`` first, then the free axes, form the rows), back in ``x``'s layout and dtype.
     ``h``: the signs of a Hadamard transform applied along the contraction axis first (its length a multiple
-    of the transform's size)."""
+    of the transform's size). ``split_global``: NVFP4's per-tensor scale left out of the values
+    (exact in the compute dtype then) and returned beside them."""
     free = tuple(d for d in range(x.ndim) if d not in contract and d not in batch)
     perm = (*batch, *free, *contract)
     xt = jnp.transpose(x, perm)
@@ -44,8 +46,9 @@ def qdq(x: jax.Array, contract: tuple, batch: tuple, dtype: Any, block: Any, rec
     if h is not None:
         x2 = apply_hadamard(x2, h)
     qx = quantize(x2, dtype, block, recipe.scale_format, recipe.scale_rule, key)
-    out = dequantize(qx, x.dtype).reshape(xt.shape)
-    return jnp.transpose(out, tuple(perm.index(d) for d in range(x.ndim)))
+    out = dequantize(qx, x.dtype, with_global=not split_global).reshape(xt.shape)
+    out = jnp.transpose(out, tuple(perm.index(d) for d in range(x.ndim)))
+    return (out, qx.global_scale) if split_global else out
 
 
 def _sr_key(recipe: CurrentScaling, g: jax.Array, leg: int) -> jax.Array | None:
@@ -95,7 +98,16 @@ def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe:
             out_dt = preferred_element_type if preferred_element_type is not None else jnp.result_type(a, b)
             return jax.nn.scaled_dot_general(a, b, ((lc, rc), (lb, rb)), preferred_element_type=out_dt,
                                              configs=[jax.nn.get_scaled_dot_general_config("mxfp8")] * 3)
-        return dot(qdq(a, lc, lb, fwd_dt, recipe.block, recipe), qdq(b, rc, rb, fwd_dt, rhs_block, recipe))
+        if recipe.scale_format != "e4m3":
+            return dot(qdq(a, lc, lb, fwd_dt, recipe.block, recipe), qdq(b, rc, rb, fwd_dt, rhs_block, recipe))
+        # NVFP4: the per-tensor scales multiply the float32 product, as the hardware's alpha (and
+        # JAX's scaled_dot_general) do; the backward legs fold them into their operands instead.
+        (qa, ga), (qb, gb) = (qdq(a, lc, lb, fwd_dt, recipe.block, recipe, split_global=True),
+                              qdq(b, rc, rb, fwd_dt, rhs_block, recipe, split_global=True))
+        out_dt = preferred_element_type if preferred_element_type is not None else jnp.result_type(a, b)
+        out = jax.lax.dot_general(qa, qb, ((lc, rc), (lb, rb)), precision=precision,
+                                  preferred_element_type=jnp.float32)
+        return (out * (ga * gb)).astype(out_dt)
 
     def fwd(a, b):
         return forward(a, b), (a, b)

@@ -34,8 +34,9 @@ Traps handled: amax 0 gives ``X = 1`` (E8M0 has no zero; a plain cast of 0 to
 the same zeros); a scale is never a plain cast to E8M0 (that rounds to nearest, not the rule);
 an inf or NaN amax gives the NaN scale (E8M0 0xFF), and the whole block decodes to NaN.
 
-E4M3 scales are NVFP4's: per block ``s = e4m3(amax_block / 6 / g)`` with the per-tensor
-``g = amax_tensor / (448 * 6)`` (1 where the tensor is all zero), ``x ~= q * s * g``. float32
+E4M3 scales are NVFP4's: the per-tensor ``g = amax_tensor / (448 * 6)`` (1 where the tensor is
+all zero), per block ``s = e4m3(amax(x / g) * float32(1 / 6))``, ``q = e2m1((x / g) / s)``,
+``x ~= q * s * g``. float32
 scales are ``amax / max`` exactly (1 for an all-zero block).
 """
 
@@ -247,12 +248,17 @@ def quantize(x: jax.Array, dtype: Any, block: Any = (1, 32), scale_format: str =
         scale = jnp.where(bad, jnp.nan, s)
         y = xb / jnp.where(bad, 1.0, s)[:, None, :, None]
     else:
+        # In the order of JAX's scaled_dot_general (bit-equal to it, tests/fp8/test_block_ops.py):
+        # divide by the per-tensor scale first, then the block scale amax / 6 as XLA computes it
+        # under jit (times the float32 reciprocal), saturated to E4M3.
         t = jnp.max(amax)
         g = jnp.where(jnp.isfinite(t) & (t > 0), divide(t, NVFP4_GLOBAL), 1.0)
-        s = jnp.clip(divide(amax, elem.max) / g, 0.0, 448.0).astype(jnp.float8_e4m3fn)
+        xg = xb / g
+        s = jnp.clip(jnp.max(jnp.abs(xg), axis=(1, 3)) * jnp.float32(1.0 / elem.max), 0.0, 448.0)
+        s = s.astype(jnp.float8_e4m3fn)
         scale = jnp.where(bad, jnp.nan, s.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
-        d = (s.astype(jnp.float32) * g)[:, None, :, None]
-        y = jnp.where(d > 0, xb / jnp.where(d > 0, d, 1.0), 0.0)
+        d = s.astype(jnp.float32)[:, None, :, None]
+        y = jnp.where(d > 0, xg / jnp.where(d > 0, d, 1.0), 0.0)
     y = jnp.where(jnp.isfinite(y), jnp.clip(y, -elem.max, elem.max), 0.0)
     if key is not None:
         y = round_stochastic(y, elem, key)

@@ -159,3 +159,31 @@ def test_hadamard_and_stochastic_rounding_change_only_the_backward_and_stay_clos
     for got, want in ((dw0, exact[1]), (dw_h, exact[1]), (dx_sr, exact[0]), (dw_sr, exact[1])):
         want = np.asarray(want)
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.08
+
+
+@pytest.mark.skipif(tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12),
+                    reason="jax.nn.scaled_dot_general lowers on CPU from JAX 0.12")
+@pytest.mark.standard_promotion(reason="JAX's own nvfp4 quantize divides the bf16 operand by the float32 global scale")
+def test_emulated_mxfp4_and_nvfp4_forwards_equal_jax_scaled_dot_general():
+    import dataclasses
+
+    x, w = jnp.asarray(X, jnp.bfloat16), jnp.asarray(np.ascontiguousarray(W.T), jnp.bfloat16)
+    dn = (((1,), (1,)), ((), ()))
+
+    def theirs(configs):
+        return np.asarray(jax.jit(functools.partial(jax.nn.scaled_dot_general, dimension_numbers=dn, configs=configs,
+                                                    preferred_element_type=jnp.float32))(x, w))
+
+    def mine(r):
+        return np.asarray(jax.jit(lambda a, b: fp8.fp8_dot_general(a, b, dn, r, preferred_element_type=jnp.float32))(
+            x, w))
+
+    mx4 = fp8.CurrentScaling(block=(1, 32), fwd_dtype=jnp.float4_e2m1fn, bwd_dtype=jnp.float4_e2m1fn,
+                             scale_format="e8m0", scale_rule="ceil")
+    np.testing.assert_array_equal(mine(mx4), theirs([jax.nn.get_scaled_dot_general_config("mxfp4")] * 3))
+    # NVFP4 with the per-tensor scales jaxmp computes (JAX's default is 1.0), 1x16 blocks on both operands
+    nv = jax.nn.get_scaled_dot_general_config("nvfp4")
+    g = [jnp.float32(np.float32(np.abs(np.asarray(t, np.float32)).max()) / np.float32(448 * 6)) for t in (x, w)]
+    configs = [dataclasses.replace(nv, global_scale=g[0]), dataclasses.replace(nv, global_scale=g[1]), nv]
+    mine_nv = mine(dataclasses.replace(jaxmp.get_recipe("O2-nvfp4").fp8, rhs_block=None))
+    np.testing.assert_array_equal(mine_nv, theirs(configs))
