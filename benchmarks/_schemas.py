@@ -185,6 +185,8 @@ SCHEMAS = {
     "efficiency": jax_benchmark({"keys": {"results": {"keys": {"models": {"nonempty": True, "values": {"keys": {
         prog: {"keys": {ref: PROGRAM}, "values": PROGRAM} for prog, ref in (("grad", "native"), ("step", "floor"))
     }}}}}}}),
+    "fp8_blocks": jax_benchmark(rows(policy="str", seed="int", eval_loss="nonneg", eval_accuracy="nonneg",
+                                     train_time_s="pos")),
     "fidelity": jax_benchmark({"keys": {"results": {"nonempty": True, "values": {
         "keys": {"setup": "any", "summary": "dict", "tail": "any", "runs": {"values": {"nonempty": True, "items": {
             "keys": {"eval_loss": "nonneg", "eval_accuracy": "nonneg"}}}}},

@@ -300,13 +300,17 @@ def dtypes_label(policy: str) -> str:
       policy: a policy or preset name.
 
     Returns:
-      e.g. ``"p=bf16,c=bf16,o=f32 + fp8 delayed"`` for ``"O2-fp8"``.
+      e.g. ``"p=bf16,c=bf16,o=f32 + fp8 delayed"`` for ``"O2-fp8"``,
+      ``"p=bf16,c=bf16,o=f32 + float8_e4m3fn 1x32 blocks"`` for ``"O2-mxfp8"``.
     """
     from jaxmp import fp8
 
     recipe = jaxmp.get_recipe(policy)
     label = str(recipe.policy)
-    if recipe.fp8 is not None:
+    if isinstance(recipe.fp8, fp8.CurrentScaling) and recipe.fp8.block is not None:  # the block presets
+        block = recipe.fp8.block if recipe.fp8.block == "row" else "x".join(map(str, recipe.fp8.block))
+        label += f" + {recipe.fp8.fwd_dtype} {block} blocks"
+    elif recipe.fp8 is not None:
         label += " + fp8 " + ("delayed" if isinstance(recipe.fp8, fp8.DelayedScaling) else "current")
     return label
 

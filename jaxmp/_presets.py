@@ -9,7 +9,7 @@ Every policy string a user passes is parsed once, here, into typed objects:
 from __future__ import annotations
 
 import difflib
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +28,28 @@ _HALF_SUFFIXES = {"": None, "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "fp1
                   "f16": jnp.float16, "float16": jnp.float16}
 _KERAS = ("float32", "mixed_float16", "mixed_bfloat16")
 _PRESET_HELP = ("O0, O1, O2, O3 (optionally with -bf16/-fp16, e.g. 'O2-bf16'), O2-fp8 (delayed scaling), "
-                "O2-fp8-current (current scaling), float32, mixed_float16, mixed_bfloat16")
-# fp8 presets: O2-bf16 with the half list's matmuls and convolutions in fp8.
-_FP8_SUFFIXES = {"fp8": _fp8.DelayedScaling, "fp8-delayed": _fp8.DelayedScaling, "fp8-current": _fp8.CurrentScaling}
+                "O2-fp8-current (current scaling), the block-scaled O2-mxfp8, O2-fp8-rowwise, O2-fp8-block128 and "
+                "O2-nvfp4, float32, mixed_float16, mixed_bfloat16")
+_E4M3, _E2M1 = jnp.float8_e4m3fn, jnp.float4_e2m1fn
+# fp8 presets: O2-bf16 with the half list's matmuls and convolutions in fp8 (or fp4). The
+# block-scaled ones are documented, with their sources, in docs/fp8.md#block-scaled-formats.
+_FP8_SUFFIXES: dict[str, Callable[[], _fp8.Fp8Recipe]] = {
+    "fp8": _fp8.DelayedScaling, "fp8-delayed": _fp8.DelayedScaling, "fp8-current": _fp8.CurrentScaling,
+    # Transformer Engine's MXFP8BlockScaling: E4M3 in every leg, 1x32 E8M0 scales, its round-up rule.
+    "mxfp8": lambda: _fp8.CurrentScaling(block=(1, 32), bwd_dtype=_E4M3, scale_format="e8m0", scale_rule="rceil"),
+    # torchao's "rowwise" Float8 recipe: E4M3 everywhere, a power-of-two scale per row.
+    "fp8-rowwise": lambda: _fp8.CurrentScaling(block="row", bwd_dtype=_E4M3, scale_format="e8m0", scale_rule="ceil"),
+    # DeepSeek-V3: 1x128 activation / gradient tiles, 128x128 weight blocks, E4M3 everywhere.
+    "fp8-block128": lambda: _fp8.CurrentScaling(block=(1, 128), rhs_block=(128, 128), bwd_dtype=_E4M3,
+                                                scale_format="e8m0", scale_rule="ceil"),
+    # NVIDIA's NVFP4 training recipe: E2M1, E4M3 scales per 1x16 (16x16 for weights) and a
+    # per-tensor float32 scale, stochastic rounding of gradients, a Hadamard transform on wgrad.
+    "nvfp4": lambda: _fp8.CurrentScaling(block=(1, 16), rhs_block=(16, 16), fwd_dtype=_E2M1, bwd_dtype=_E2M1,
+                                         scale_format="e4m3", stochastic_rounding=True, hadamard=True),
+}
 #: Every preset name in its documented spelling: what a typo is compared with ("did you mean").
 PRESET_NAMES = (*(f"O{i}{s}" for i in range(4) for s in ("", "-bf16", "-fp16")), "O2-fp8", "O2-fp8-current",
-                *_KERAS)
+                "O2-mxfp8", "O2-fp8-rowwise", "O2-fp8-block128", "O2-nvfp4", *_KERAS)
 
 
 def did_you_mean(text: str, choices: Any) -> str:
@@ -200,7 +216,8 @@ def resolve_policy(policy: PolicyLike) -> tuple[Policy, Recipe | None]:
 def get_recipe(name: str) -> Recipe:
     """Returns an Apex-style level or Keras policy name as a full [`Recipe`][jaxmp.Recipe].
 
-    ``O0``-``O3``, ``O2-fp8`` / ``O2-fp8-current`` and the Keras names; without ``-bf16`` /
+    ``O0``-``O3``, ``O2-fp8`` / ``O2-fp8-current``, the block-scaled ``O2-mxfp8``,
+    ``O2-fp8-rowwise``, ``O2-fp8-block128`` and ``O2-nvfp4``, and the Keras names; without ``-bf16`` /
     ``-fp16`` the half dtype is `preset_half_dtype`. The table of levels is in
     docs/concepts.md#policies-and-presets.
 

@@ -3,10 +3,52 @@ emulated, and the check a recipe's ``emulate`` setting asks for."""
 
 from __future__ import annotations
 
-
 import jax
+import jax.numpy as jnp
 
-from jaxmp.fp8._recipes import Fp8Recipe
+from jaxmp.fp8._recipes import CurrentScaling, Fp8Recipe
+
+NATIVE_JAX = (0, 12)  # jax.nn.scaled_dot_general's MXFP8 on cuDNN's block-scaled GEMMs
+
+
+def _jax_version() -> tuple[int, int]:
+    return tuple(int(p) for p in jax.__version__.split(".")[:2])  # type: ignore[return-value]
+
+
+def native_block(recipe: CurrentScaling, device: jax.Device | None = None) -> tuple[bool, str]:
+    """Whether a block-scaled recipe's forward matmul runs natively on ``device``, and why.
+
+    Block-scaled formats run natively only on Blackwell (compute capability >= 10.0) with
+    JAX >= 0.12, through ``jax.nn.scaled_dot_general``, and only for what it implements exactly
+    as jaxmp's emulation does: MXFP8 (E4M3, 1x32 blocks on both operands, E8M0 scales rounded up:
+    ``"ceil"`` or ``"rceil"``). Everything else (H100, TPU, CPU, NVFP4, rowwise, 128-blocks) is
+    the emulation: a quantize-dequantize around a bf16 matmul, which buys no speed.
+    Not tested on Blackwell hardware here: the native branch is kept to this one check.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmp import fp8
+      >>> r = fp8.CurrentScaling(block=(1, 32), bwd_dtype=jnp.float8_e4m3fn, scale_format="e8m0", scale_rule="rceil")
+      >>> fp8._hardware.native_block(r, jax.devices("cpu")[0])[0]
+      False
+    """
+    device = jax.devices()[0] if device is None else device
+    emulated = ("emulated (quantize-dequantize around a matmul in the operand dtype: no faster than bf16); "
+                "block-scaled formats run natively only on Blackwell (compute capability >= 10.0) with JAX >= 0.12")
+    mx = (recipe.block == (1, 32) and recipe.rhs_block in (None, (1, 32)) and recipe.scale_format == "e8m0"
+          and recipe.scale_rule in ("ceil", "rceil") and recipe.fwd_dtype == jnp.float8_e4m3fn)
+    cc = getattr(device, "compute_capability", None)
+    try:
+        major = int(str(cc).split(".")[0])
+    except ValueError:
+        major = 0
+    if device.platform != "gpu" or major < 10:
+        return False, f"{getattr(device, 'device_kind', device.platform)}: {emulated}"
+    if _jax_version() < NATIVE_JAX:
+        return False, f"JAX {jax.__version__} has no block-scaled GEMM: {emulated}"
+    if not mx:
+        return False, f"only MXFP8 (1x32 E4M3, round-up E8M0 scales) runs natively: {emulated}"
+    return True, f"{device.device_kind} (compute capability {cc}): MXFP8 forward through jax.nn.scaled_dot_general"
 
 
 def native_fp8(device: jax.Device | None = None) -> tuple[bool, str]:
@@ -49,6 +91,11 @@ def check_hardware(recipe: Fp8Recipe, device: jax.Device | None = None) -> str:
     accelerators (older GPUs, TPU), where the emulation is slower than bf16 and is opt-in
     (``emulate=True``). ``emulate=False`` requires fp8 Tensor Cores.
 
+    Block-scaled recipes (``CurrentScaling(block=...)``, ``"O2-mxfp8"``, ``"O2-nvfp4"``...) run
+    natively only on Blackwell with JAX >= 0.12, and then only MXFP8's forward matmul
+    (`native_block`); elsewhere, H100 included, they are emulated, which buys no speed: the
+    emulation answers whether a format trains, not how fast.
+
     Args:
       recipe: a `CurrentScaling` or `DelayedScaling`.
       device: a ``jax.Device`` (default: the first device).
@@ -69,11 +116,16 @@ def check_hardware(recipe: Fp8Recipe, device: jax.Device | None = None) -> str:
     if not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"expected a jaxmp.fp8 recipe (CurrentScaling or DelayedScaling), got {type(recipe).__name__}")
     device = jax.devices()[0] if device is None else device
-    native, reason = native_fp8(device)
+    block = isinstance(recipe, CurrentScaling) and recipe.block is not None
+    if isinstance(recipe, CurrentScaling) and recipe.block is not None:
+        native, reason = native_block(recipe, device)
+    else:
+        native, reason = native_fp8(device)
     if native:
         return "emulated" if recipe.emulate else "native"
     if recipe.emulate is False:
-        raise ValueError(f"fp8 with emulate=False needs fp8 Tensor Cores: {reason}")
+        raise ValueError(f"fp8 with emulate=False needs {'native block-scaled matmuls' if block else 'fp8 Tensor Cores'}: "
+                         f"{reason}")
     if recipe.emulate is None and device.platform != "cpu":
         raise ValueError(f"fp8 is not supported natively here: {reason}. The emulation is slower than bf16 on "
                          "this hardware; opt in with emulate=True (e.g. fp8.DelayedScaling(emulate=True)) "

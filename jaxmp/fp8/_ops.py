@@ -12,6 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
+from jaxmp.fp8._block_ops import block_dot_general
+from jaxmp.fp8._blocks import E2M1
+from jaxmp.fp8._formats import E4M3
 from jaxmp.fp8._recipes import CurrentScaling, DelayedScaling, Fp8Recipe
 from jaxmp.fp8._scaling import amax, dequantize, qdq, quantize
 from jaxmp.fp8._state import Fp8Scales
@@ -71,6 +74,14 @@ def _recipe(recipe: Any, scales: Any, name: str) -> Fp8Recipe:
     return recipe
 
 
+def per_tensor(recipe: CurrentScaling) -> CurrentScaling:
+    """The per-tensor recipe a block-scaled one gives convolutions (their windows have no
+    contraction axis to block along): the same fp8 formats, E2M1 as E4M3."""
+    def fp8_of(dtype):
+        return E4M3 if dtype == E2M1 else dtype
+    return CurrentScaling(fwd_dtype=fp8_of(recipe.fwd_dtype), bwd_dtype=fp8_of(recipe.bwd_dtype), emulate=recipe.emulate)
+
+
 def _scaled_bilinear(op, lhs, rhs, recipe: Fp8Recipe, scales: Fp8Scales | None):
     """``op(lhs, rhs)`` on fp8-rounded operands, with an fp8-rounded cotangent.
 
@@ -121,6 +132,10 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: F
                     precision: jax.lax.PrecisionLike = None) -> jax.Array:
     """``lax.dot_general`` with fp8 operands (E4M3) and an fp8 cotangent (E5M2).
 
+    A [`CurrentScaling`][jaxmp.fp8.CurrentScaling] with ``block`` set runs block-scaled
+    (MXFP8, NVFP4, rowwise, 128-blocks): each leg quantizes along its own contraction axis in
+    the recipe's formats (docs/fp8.md#block-scaled-formats).
+
     Current scaling: each operand is quantized with the scale of its own amax; in the backward
     pass the incoming cotangent is quantized to the gradient format the same way (so a loss
     scale cancels out), then the gradients are the dot's transposes on the quantized values.
@@ -148,6 +163,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: F
     """
     recipe = _recipe(recipe, scales, "fp8_dot_general")
     _check_operands("fp8_dot_general", lhs, rhs)
+    if isinstance(recipe, CurrentScaling) and recipe.block is not None:
+        return block_dot_general(lhs, rhs, dimension_numbers, recipe, preferred_element_type, precision)
 
     def dot(a, b):
         return jax.lax.dot_general(a, b, dimension_numbers, precision=precision,
@@ -162,6 +179,8 @@ def fp8_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, pad
                              preferred_element_type: DTypeLike | None = None, *, recipe: Fp8Recipe | None = None,
                              scales: Fp8Scales | None = None) -> jax.Array:
     """``lax.conv_general_dilated`` with fp8 operands and cotangent, like [`fp8_dot_general`][jaxmp.fp8.fp8_dot_general].
+
+    A block-scaled recipe runs per-tensor here, in its fp8 formats (E2M1 as E4M3).
 
     Args:
       lhs: the input (floating), as for ``jax.lax.conv_general_dilated``.
@@ -189,6 +208,8 @@ def fp8_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, pad
     """
     recipe = _recipe(recipe, scales, "fp8_conv_general_dilated")
     _check_operands("fp8_conv_general_dilated", lhs, rhs)
+    if isinstance(recipe, CurrentScaling) and recipe.block is not None:
+        recipe = per_tensor(recipe)
 
     def conv(a, b):
         return jax.lax.conv_general_dilated(a, b, window_strides, padding, lhs_dilation, rhs_dilation,

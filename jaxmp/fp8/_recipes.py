@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jaxmp.fp8._blocks import E2M1, POW2_RULES, SCALE_FORMATS, SCALE_RULES
 from jaxmp.fp8._formats import E4M3, E5M2, check_margin, fp8_dtype
 
 REDUCTIONS = ("max", "most_recent")
@@ -44,21 +45,82 @@ class _ScalingRecipe:
 
 @dataclasses.dataclass(frozen=True)
 class CurrentScaling(_ScalingRecipe):
-    """Per-tensor current scaling: each tensor's scale from its own amax, in the same step.
+    """Current scaling: each tensor's (or each block's) scale from its own amax, in the same step.
+
+    Per tensor by default; with ``block`` set, block-scaled as MXFP8, NVFP4, rowwise fp8 and
+    DeepSeek-V3's 128-blocks (the presets ``"O2-mxfp8"``, ``"O2-nvfp4"``, ``"O2-fp8-rowwise"``,
+    ``"O2-fp8-block128"``; docs/fp8.md#block-scaled-formats has each recipe and its source).
 
     Attributes:
-      margin: headroom in powers of two (the scale is divided by ``2**margin``).
-      fwd_dtype: format of forward operands (E4M3).
-      bwd_dtype: format of gradients (E5M2).
+      margin: headroom in powers of two (the scale is divided by ``2**margin``; per tensor only).
+      fwd_dtype: format of forward operands (E4M3; with ``block``, also E2M1 ``float4_e2m1fn``).
+      bwd_dtype: format of gradients (E5M2; with ``block``, E4M3, E5M2 or E2M1).
       emulate: None (default): native fp8 on GPUs with fp8 Tensor Cores, the emulation on CPU,
         and a clear error elsewhere (older GPUs, TPU); True: emulate anywhere (opt-in);
         False: require fp8 Tensor Cores. See [`jaxmp.fp8.check_hardware`][jaxmp.fp8.check_hardware].
+      block: None (one scale per tensor), ``"row"`` (one per row along the contraction axis) or
+        ``(a, b)``: ``a`` rows by ``b`` contraction elements per scale (``(1, 32)`` MX,
+        ``(1, 16)`` NVFP4, ``(1, 128)``, ``(128, 128)``). Each matmul quantizes its operands
+        along its own contraction axis, the backward ones included.
+      rhs_block: the block of a ``dot_general``'s second operand (the kernel of ``x @ w``);
+        None: ``block``.
+      scale_format: ``"float32"``, ``"e8m0"`` (a power of two) or ``"e4m3"`` (NVFP4's, with a
+        per-tensor float32 second level from the tensor's amax).
+      scale_rule: ``"exact"`` (``amax / max``; float32 and E4M3 scales) or, for E8M0, ``"floor"``
+        (OCP MX), ``"even"`` (torchao EVEN), ``"ceil"`` (round up: torchao CEIL/RCEIL) or
+        ``"rceil"`` (Transformer Engine).
+      high_precision_legs: backward matmuls kept unquantized, in the compute dtype: any of
+        ``"dgrad"`` (the input's gradient) and ``"wgrad"`` (the second operand's).
+      stochastic_rounding: round gradients (the backward legs' cotangent) stochastically.
+      hadamard: a random 16x16 Hadamard transform on both operands of the wgrad matmul.
+      seed: the seed of the Hadamard signs and of the stochastic rounding (whose key is also
+        folded with the cotangent's bits, so it changes from step to step).
 
     Example:
       >>> from jaxmp import fp8
       >>> fp8.CurrentScaling().fwd_dtype
       dtype(float8_e4m3fn)
+      >>> fp8.CurrentScaling(block=(1, 32), scale_format="e8m0", scale_rule="rceil").block
+      (1, 32)
     """
+
+    block: tuple[int, int] | str | None = None
+    rhs_block: tuple[int, int] | str | None = None
+    scale_format: str = "float32"
+    scale_rule: str = "exact"
+    high_precision_legs: tuple[str, ...] = ()
+    stochastic_rounding: bool = False
+    hadamard: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.block is None:
+            super().__post_init__()
+            extra = {f: getattr(self, f) for f in _BLOCK_ONLY if getattr(self, f) != _DEFAULTS[f]}
+            if extra:
+                raise ValueError(f"{', '.join(extra)}: only with block=... (per-tensor current scaling has one float32 "
+                                 "scale and no block options)")
+            return
+        for name in ("fwd_dtype", "bwd_dtype"):
+            object.__setattr__(self, name, _element_dtype(getattr(self, name), name))
+        base = dataclasses.replace(self, block=None, fwd_dtype=E4M3, bwd_dtype=E5M2,
+                                   **{f: _DEFAULTS[f] for f in _BLOCK_ONLY})
+        object.__setattr__(self, "margin", base.margin)
+        if self.margin:
+            raise ValueError("margin is per-tensor scaling's headroom; block scales take a scale_rule instead")
+        for name in ("block", "rhs_block"):
+            object.__setattr__(self, name, _check_block(getattr(self, name), name))
+        _check_scale(self.scale_format, self.scale_rule)
+        legs = tuple(self.high_precision_legs)
+        if not set(legs) <= {"dgrad", "wgrad"}:
+            raise ValueError(f"high_precision_legs takes 'dgrad' and/or 'wgrad', got {legs!r}")
+        object.__setattr__(self, "high_precision_legs", legs)
+        for name in ("stochastic_rounding", "hadamard"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
+                or not 0 <= int(self.seed) < 2**31:
+            raise ValueError(f"seed must be an int in [0, 2**31), got {self.seed!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +160,45 @@ class DelayedScaling(_ScalingRecipe):
         return Fp8Meta(scale=jnp.ones((), jnp.float32), amax_history=jnp.zeros((self.history_length,), jnp.float32))
 
 
+_BLOCK_ONLY = ("rhs_block", "scale_format", "scale_rule", "high_precision_legs", "stochastic_rounding", "hadamard")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CurrentScaling)}
+
+
+def _element_dtype(value, what: str) -> np.dtype:
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise TypeError(f"{what} must be float8_e4m3fn, float8_e5m2 or float4_e2m1fn, got {value!r}") from e
+    if dtype not in (E4M3, E5M2, E2M1):
+        raise ValueError(f"{what} of a block-scaled recipe must be float8_e4m3fn, float8_e5m2 or float4_e2m1fn, "
+                         f"got {dtype}")
+    return dtype
+
+
+def _check_block(block, what: str):
+    if block is None or block == "row":
+        return block
+    try:
+        a, b = (int(v) for v in block)
+        ok = all(not isinstance(v, bool) for v in block) and a >= 1 and b >= 1
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{what} must be None, 'row' or (rows, contraction) of positive ints such as (1, 32), "
+                         f"got {block!r}")
+    return (a, b)
+
+
+def _check_scale(scale_format: str, scale_rule: str) -> None:
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+    if (scale_format == "e8m0") != (scale_rule in POW2_RULES):
+        raise ValueError(f"scale_rule {scale_rule!r} does not go with scale_format {scale_format!r}: e8m0 scales take "
+                         f"one of {POW2_RULES}, float32 and e4m3 scales take 'exact'")
+
+
 Fp8Recipe = CurrentScaling | DelayedScaling
 """Either fp8 recipe (``CurrentScaling | DelayedScaling``): for ``isinstance`` checks and
 annotations that accept both, since neither recipe is a subclass of the other."""
@@ -134,4 +235,11 @@ def describe(recipe: Fp8Recipe) -> str:
     if not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"expected a jaxmp.fp8 recipe (CurrentScaling or DelayedScaling), got {type(recipe).__name__}")
     kind = "delayed" if isinstance(recipe, DelayedScaling) else "current"
+    if isinstance(recipe, CurrentScaling) and recipe.block is not None:
+        blocks = "rows" if recipe.block == "row" else "x".join(map(str, recipe.block))
+        if recipe.rhs_block is not None and recipe.rhs_block != recipe.block:
+            blocks += "/" + ("rows" if recipe.rhs_block == "row" else "x".join(map(str, recipe.rhs_block)))
+        legs = "".join(f", {leg} unquantized" for leg in recipe.high_precision_legs)
+        return (f"half list, block-scaled ({recipe.fwd_dtype} forward, {recipe.bwd_dtype} backward, {blocks} blocks, "
+                f"{recipe.scale_format} scales, {recipe.scale_rule} rule{legs})")
     return f"half list, fp8 ({recipe.fwd_dtype} forward, {recipe.bwd_dtype} backward, {kind} scaling)"

@@ -655,6 +655,19 @@ def test_efficiency_dry_run_writes_valid_json(tmp_path):
     _assert_valid(json.loads(out.read_text()), "efficiency")
 
 
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adamw's bias correction: Python float ** int32 count")
+def test_fp8_blocks_dry_run_trains_each_policy_and_compares_with_bf16(tmp_path):
+    from benchmarks import fp8_blocks
+
+    out = tmp_path / "fp8_blocks.json"
+    result = fp8_blocks.main(["--dry-run", "--quiet", "--seeds", "0", "--policies", "O2-mxfp8", "--out", str(out)])
+    _assert_valid(json.loads(out.read_text()), "fp8_blocks")
+    summary = result["results"]["summary"]
+    assert set(summary) == {"O2-bf16", "O2-mxfp8", "bf16_accuracy_spread"}  # bf16 always runs: the reference
+    assert summary["O2-bf16"]["time_vs_bf16"] == 1.0 and summary["O2-mxfp8"]["time_vs_bf16"] > 0
+
+
 #: Where each entry point's dry run (or, for scripts without a model to shrink, its plain run) is
 #: tested: a script added without one fails here.
 DRY_RUN_TESTS = {
@@ -664,6 +677,7 @@ DRY_RUN_TESTS = {
     "fidelity": "tests/benchmarks/test_fidelity.py::fidelity.main([\"--dry-run\"",
     "flops": "tests/benchmarks/test_benchmarks.py::test_flops_dry_run_counts_every_tiny_model",
     "fp8": "tests/benchmarks/test_benchmarks.py::test_fp8_benchmark_dry_run_times_every_variant",
+    "fp8_blocks": "tests/benchmarks/test_benchmarks.py::test_fp8_blocks_dry_run_trains_each_policy_and_compares_with_bf16",
     "kernel_profile": "tests/benchmarks/test_benchmarks.py::test_profile_writes_a_top_kernel_table",
     "memory": "tests/parallel/test_layouts.py::memory.main([\"--dry-run\"",
     "overhead": "tests/benchmarks/test_benchmarks.py::test_overhead_dry_run_writes_valid_json",

@@ -32,6 +32,13 @@ def _fp8_result() -> dict:
     return common.make_result("fp8", _load("overhead_cpu.json")["env"], {}, {"models": models}, dry_run=True)
 
 
+def _fp8_blocks_result() -> dict:
+    """A benchmarks/fp8_blocks.py result of one row (the committed study is checked with the other files)."""
+    rows = [{"policy": "O2-mxfp8", "seed": 0, "eval_loss": 0.5, "eval_accuracy": 0.9, "train_time_s": 2.0}]
+    return common.make_result("fp8_blocks", _load("overhead_cpu.json")["env"], {}, {"rows": rows, "summary": {}},
+                              dry_run=True)
+
+
 SOURCES = {
     "overhead": lambda: _load("overhead_cpu.json"),
     "gpu_suite": lambda: _load("gpu_nvidia_h100_80gb_hbm3.json"),
@@ -41,6 +48,7 @@ SOURCES = {
     "memory": lambda: _load("memory/memory_cpu.json"),
     "memory_gpt2": lambda: _load("memory/gpt2_cpu.json"),
     "fp8": _fp8_result,
+    "fp8_blocks": _fp8_blocks_result,
 }
 
 _DELETE = object()
@@ -85,6 +93,7 @@ CORRUPTIONS = [
      "results.lm: summary lacks an entry for a key of runs"),
     ("fidelity", ("results", "lm", "runs", "bf16-sr"), [], "results.lm.runs.bf16-sr is not a non-empty list: []"),
     ("memory", ("results", "rows", 0, "recipe"), _DELETE, "results.rows[0]: missing key 'recipe'"),
+    ("fp8_blocks", ("results", "rows", 0, "policy"), _DELETE, "results.rows[0]: missing key 'policy'"),
     ("memory", ("results", "rows"), [], "results.rows is not a non-empty list: []"),
     ("memory_gpt2", ("results", "rows", 1, "compiled", "peak_estimate_bytes"), 1.5,
      "results.rows[1].compiled.peak_estimate_bytes is not an int: 1.5"),

@@ -31,7 +31,8 @@ from tests._support._op_dtypes import ops_of
 from tests.cross import _conformance as C
 
 X, Y = C.data()
-FP8 = {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)}
+# fp8 and, under O2-nvfp4, fp4 (E2M1): the formats an fp8 preset quantises matmul operands to
+FP8 = {np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2), np.dtype(jnp.float4_e2m1fn)}
 
 
 def _cells(transforms, presets):

@@ -120,3 +120,14 @@ def test_the_fp8_tables_in_the_readmes_are_the_recorded_results():
             assert row and row.group(1) == acc, (readme, policy, row and row.group(0), acc)
             if row.group(2) is not None:
                 assert row.group(2) == seeds[policy], (readme, policy, row.group(2), seeds[policy])
+
+
+def test_the_block_presets_rows_are_labelled_with_their_format():
+    from experiments.train import dtypes_label
+
+    labels = {p: dtypes_label(p) for p in ("O2-fp8-current", "O2-mxfp8", "O2-fp8-rowwise", "O2-nvfp4")}
+    assert labels["O2-fp8-current"].endswith("+ fp8 current")
+    assert labels["O2-mxfp8"].endswith("+ float8_e4m3fn 1x32 blocks")
+    assert labels["O2-fp8-rowwise"].endswith("+ float8_e4m3fn row blocks")
+    assert labels["O2-nvfp4"].endswith("+ float4_e2m1fn 1x16 blocks")
+    assert len(set(labels.values())) == 4  # every row tells its format

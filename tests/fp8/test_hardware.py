@@ -52,3 +52,26 @@ def test_check_hardware_honours_an_explicit_emulate():
 def test_check_hardware_refuses_what_is_not_a_recipe():
     with pytest.raises(TypeError, match="expected a jaxmp.fp8 recipe .*got str"):
         check_hardware("delayed")
+
+
+def test_block_scaled_recipes_are_native_only_on_blackwell_with_jax_0_12(monkeypatch):
+    import jax.numpy as jnp
+    import jaxmp
+    from jaxmp.fp8 import _hardware
+
+    mx, nvfp4 = jaxmp.get_recipe("O2-mxfp8").fp8, jaxmp.get_recipe("O2-nvfp4").fp8
+    assert check_hardware(mx) == "emulated" and check_hardware(nvfp4) == "emulated"  # CPU
+    with pytest.raises(ValueError, match="only on Blackwell.*JAX >= 0.12.*opt in with emulate=True"):
+        check_hardware(mx, _gpu("9.0", "H100"))  # fp8 Tensor Cores, but no block-scaled GEMMs
+    assert check_hardware(fp8.CurrentScaling(), _gpu("9.0", "H100")) == "native"  # per-tensor fp8 is
+    monkeypatch.setattr(_hardware, "_jax_version", lambda: (0, 10))
+    ok, reason = _hardware.native_block(mx, _gpu("10.0", "B200"))
+    assert not ok and "has no block-scaled GEMM" in reason and "no faster than bf16" in reason
+    monkeypatch.setattr(_hardware, "_jax_version", lambda: (0, 12))
+    assert check_hardware(mx, _gpu("10.0", "B200")) == "native"
+    ok, reason = _hardware.native_block(nvfp4, _gpu("10.0", "B200"))
+    assert not ok and "only MXFP8" in reason  # NVFP4 stays emulated (JAX's has no second-level scale by default)
+    floor = fp8.CurrentScaling(block=(1, 32), bwd_dtype=jnp.float8_e4m3fn, scale_format="e8m0", scale_rule="floor")
+    assert not _hardware.native_block(floor, _gpu("10.0", "B200"))[0]  # JAX rounds scales up: not the floor rule
+    with pytest.raises(ValueError, match="emulate=False needs native block-scaled matmuls"):
+        check_hardware(fp8.CurrentScaling(block=(1, 32), scale_format="e8m0", scale_rule="ceil", emulate=False))

@@ -1,0 +1,147 @@
+"""The block-scaled ``dot_general``: each of the three matmuls of a linear layer (forward,
+dgrad, wgrad) quantizes its two operands along its own contraction axis, in the format the
+recipe gives that leg, with a custom gradient (`jaxmp.fp8.fp8_dot_general` calls it for a
+[`CurrentScaling`][jaxmp.fp8.CurrentScaling] with ``block`` set).
+
+Legs: forward ``x . w`` (both ``fwd_dtype``); dgrad ``g . w`` (``g`` in ``bwd_dtype`` with
+``block``, ``w`` re-quantized along its other axis in ``fwd_dtype`` with ``rhs_block``); wgrad
+``x . g`` (``x`` re-quantized along the token axis in ``fwd_dtype``, ``g`` in ``bwd_dtype``, both
+with ``block``; optionally after a random Hadamard transform). A leg in ``high_precision_legs``
+runs on the unquantized operands. Re-quantizing from the high-precision tensor is what
+Transformer Engine's columnwise copies and torchao's MX backward do.
+
+The emulation dequantizes into the operands' dtype and runs ``lax.dot_general`` there: exact
+for power-of-two (E8M0) scales and for NVFP4's E4M3 block scales (NVFP4's forward applies its
+per-tensor scales to the float32 product; its backward legs round them into the operands, as
+float32 block scales are rounded, once).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxmp.fp8._blocks import apply_hadamard, dequantize, hadamard_signs, quantize
+from jaxmp.fp8._hardware import native_block
+from jaxmp.fp8._recipes import CurrentScaling
+
+KEY_IMPL = "threefry2x32"  # as jaxmp's other stochastic rounding: bits independent of sharding
+
+
+def qdq(x: jax.Array, contract: tuple, batch: tuple, dtype: Any, block: Any, recipe: CurrentScaling,
+        key: jax.Array | None = None, h: jax.Array | None = None, split_global: bool = False) -> Any:
+    """``x`` quantized and dequantized with blocks along the axes ``contract`` (flattened, in
+    order; ``batch`` first, then the free axes, form the rows), back in ``x``'s layout and dtype.
+    ``h``: the signs of a Hadamard transform applied along the contraction axis first (its length a multiple
+    of the transform's size). ``split_global``: NVFP4's per-tensor scale left out of the values
+    (exact in the compute dtype then) and returned beside them."""
+    free = tuple(d for d in range(x.ndim) if d not in contract and d not in batch)
+    perm = (*batch, *free, *contract)
+    xt = jnp.transpose(x, perm)
+    rows = math.prod(xt.shape[:len(batch) + len(free)])
+    x2 = xt.reshape(rows, math.prod(xt.shape[len(batch) + len(free):]))
+    if h is not None:
+        x2 = apply_hadamard(x2, h)
+    qx = quantize(x2, dtype, block, recipe.scale_format, recipe.scale_rule, key)
+    out = dequantize(qx, x.dtype, with_global=not split_global).reshape(xt.shape)
+    out = jnp.transpose(out, tuple(perm.index(d) for d in range(x.ndim)))
+    return (out, qx.global_scale) if split_global else out
+
+
+def _sr_key(recipe: CurrentScaling, g: jax.Array, leg: int) -> jax.Array | None:
+    if not recipe.stochastic_rounding:
+        return None
+    # Folded with the cotangent's bits so that the draws change from step to step without a key
+    # in the signature (autocast's functions have none).
+    data = jax.lax.bitcast_convert_type(jnp.sum(g.astype(jnp.float32)), jnp.uint32)
+    key = jax.random.fold_in(jax.random.key(recipe.seed, impl=KEY_IMPL), leg)
+    return jax.random.fold_in(key, data)
+
+
+def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe: CurrentScaling,
+                      preferred_element_type: Any = None, precision: Any = None) -> jax.Array:
+    """``lax.dot_general`` with block-scaled operands in every leg (see the module docstring).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp import fp8
+      >>> r = fp8.CurrentScaling(block=(1, 32), bwd_dtype=jnp.float8_e4m3fn, scale_format="e8m0", scale_rule="floor")
+      >>> fp8._block_ops.block_dot_general(jnp.ones((2, 64)), jnp.full((64, 3), 0.5), (((1,), (0,)), ((), ())), r).tolist()
+      [[32.0, 32.0, 32.0], [32.0, 32.0, 32.0]]
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
+    lf = tuple(d for d in range(lhs.ndim) if d not in lc and d not in lb)
+    rf = tuple(d for d in range(rhs.ndim) if d not in rc and d not in rb)
+    nb = len(lb)
+    out_batch = tuple(range(nb))
+    out_lf = tuple(range(nb, nb + len(lf)))
+    out_rf = tuple(range(nb + len(lf), nb + len(lf) + len(rf)))
+    rhs_block = recipe.block if recipe.rhs_block is None else recipe.rhs_block
+    fwd_dt, bwd_dt = recipe.fwd_dtype, recipe.bwd_dtype
+
+    def dot(a, b):
+        return jax.lax.dot_general(a, b, ((lc, rc), (lb, rb)), precision=precision,
+                                   preferred_element_type=preferred_element_type)
+
+    k = math.prod(lhs.shape[d] for d in lc)
+    # Stage 3: the native MXFP8 forward where it exists (Blackwell, JAX >= 0.12), chosen at trace
+    # time; untested on Blackwell here, so the branch is this call and nothing else. Its scales
+    # are the "ceil" rule, bit-equal to the emulation (tests/fp8/test_block_ops.py, JAX 0.12).
+    native = recipe.emulate is not True and len(lc) == 1 and k % 32 == 0 and native_block(recipe)[0]
+
+    def forward(a, b):
+        if native:
+            out_dt = preferred_element_type if preferred_element_type is not None else jnp.result_type(a, b)
+            return jax.nn.scaled_dot_general(a, b, ((lc, rc), (lb, rb)), preferred_element_type=out_dt,
+                                             configs=[jax.nn.get_scaled_dot_general_config("mxfp8")] * 3)
+        if recipe.scale_format != "e4m3":
+            return dot(qdq(a, lc, lb, fwd_dt, recipe.block, recipe), qdq(b, rc, rb, fwd_dt, rhs_block, recipe))
+        # NVFP4: the per-tensor scales multiply the float32 product, as the hardware's alpha (and
+        # JAX's scaled_dot_general) do; the backward legs fold them into their operands instead.
+        (qa, ga), (qb, gb) = (qdq(a, lc, lb, fwd_dt, recipe.block, recipe, split_global=True),
+                              qdq(b, rc, rb, fwd_dt, rhs_block, recipe, split_global=True))
+        out_dt = preferred_element_type if preferred_element_type is not None else jnp.result_type(a, b)
+        out = jax.lax.dot_general(qa, qb, ((lc, rc), (lb, rb)), precision=precision,
+                                  preferred_element_type=jnp.float32)
+        return (out * (ga * gb)).astype(out_dt)
+
+    def fwd(a, b):
+        return forward(a, b), (a, b)
+
+    def bwd(res, g):
+        a, b = res
+        with jax.named_scope("dgrad"):  # the legs are named, for the precision report and tests
+            da = _dgrad(a, b, g)
+        with jax.named_scope("wgrad"):
+            db = _wgrad(a, b, g)
+        return da, db
+
+    def _dgrad(a, b, g):
+        if "dgrad" in recipe.high_precision_legs:
+            da = jax.vjp(dot, a, b)[1](g)[0]
+        else:
+            g_d = qdq(g, out_rf, out_batch, bwd_dt, recipe.block, recipe, _sr_key(recipe, g, 0))
+            b_d = qdq(b, rf, rb, fwd_dt, rhs_block, recipe)
+            da = jax.vjp(dot, a, b_d)[1](g_d.astype(g.dtype))[0]
+        return da
+
+    def _wgrad(a, b, g):
+        if "wgrad" in recipe.high_precision_legs:
+            db = jax.vjp(dot, a, b)[1](g)[1]
+        else:
+            tokens = math.prod(a.shape[d] for d in lf)
+            h = None
+            if recipe.hadamard and tokens % 16 == 0:
+                h = hadamard_signs(jax.random.fold_in(jax.random.key(recipe.seed, impl=KEY_IMPL), 2))
+            g_w = qdq(g, out_lf, out_batch, bwd_dt, recipe.block, recipe, _sr_key(recipe, g, 1), h)
+            a_w = qdq(a, lf, lb, fwd_dt, recipe.block, recipe, None, h)
+            db = jax.vjp(dot, a_w, b)[1](g_w.astype(g.dtype))[1]
+        return db
+
+    f = jax.custom_vjp(forward)
+    f.defvjp(fwd, bwd)
+    return f(lhs, rhs)

@@ -1,0 +1,340 @@
+"""The block-scaled quantizer: E4M3 / E5M2 / E2M1 elements, one scale per block (1x32, 1x16,
+1x128, 128x128, a whole row), scales in E8M0 (a power of two), E4M3 (with NVFP4's per-tensor
+float32 second level) or float32; optional stochastic rounding and a random Hadamard transform.
+
+Pure ``jnp`` with exact arithmetic (powers of two are built from their bits, never with ``log2``
+or ``exp2``, and never as a subnormal float32, which a backend may flush to zero), so the same
+bits come out on every backend, under ``jit`` and op by op.
+
+Layout: ``x`` is 2-D ``[rows, k]`` with the contraction axis last (``_block_ops`` moves it
+there); a block ``(a, b)`` is ``a`` rows by ``b`` consecutive elements of ``k``; ``"row"`` is
+``(1, k)``. Ragged edges are padded with zeros (they change no amax) and cut off again.
+
+Scales follow the OCP MX convention: the *decode* scale ``X``, ``x ~= q * X``.
+
+E8M0 scale rules (``X = 2**e``; ``emax`` is the exponent of the element format's largest
+normal: 8 for E4M3, 15 for E5M2, 2 for E2M1; ``e`` is clamped to [-127, 127]):
+
+- ``"floor"``: ``e = floor(log2(amax)) - emax``, the OCP Microscaling spec v1.0 (section
+  6.3) and torchao's ``ScaleCalculationMode.FLOOR`` (its default in ``to_mx``). Values up to
+  ``2**(emax+1)`` map above the element's max and saturate: at amax 0.9 (E4M3) ``X = 2**-9``
+  and 0.9 becomes 460.8, saturated to 448; at 449, ``X = 1`` and 449 saturates to 448.
+- ``"even"``: torchao's ``ScaleCalculationMode.EVEN``: amax's float32 mantissa is first rounded
+  (half up) to the element's mantissa bits, then the floor rule; the exponent moves up only when
+  that rounding carries (E4M3: mantissa >= 1.9375), so 0.9 and 449 give what ``"floor"`` gives.
+- ``"ceil"``: ``e = ceil(log2(amax / max))`` with ``amax / max`` rounded to float32: the
+  round-up rule, never saturating; torchao's ``CEIL`` and ``RCEIL`` (``RCEIL`` is the same
+  arithmetic done by the hardware's ``cvt.rp.satfinite.ue8m0x2``). 0.9 -> ``2**-8``, 449 -> 2.
+- ``"rceil"``: Transformer Engine's ``float_to_e8m0(amax * max_norm_rcp)`` (and cuBLAS's
+  MXFP8): as ``"ceil"`` but from ``amax * float32(1 / max)``, a product that can round
+  differently from the quotient; equal to ``"ceil"`` at 0.9, 448 and 449 for E4M3.
+
+Traps handled: amax 0 gives ``X = 1`` (E8M0 has no zero; a plain cast of 0 to
+``float8_e8m0fnu`` is NaN; Transformer Engine and torchao store ``2**-127`` there, which decodes
+the same zeros); a scale is never a plain cast to E8M0 (that rounds to nearest, not the rule);
+an inf or NaN amax gives the NaN scale (E8M0 0xFF), and the whole block decodes to NaN.
+
+E4M3 scales are NVFP4's: the per-tensor ``g = amax_tensor / (448 * 6)`` (1 where the tensor is
+all zero), per block ``s = e4m3(amax(x / g) * float32(1 / 6))``, ``q = e2m1((x / g) / s)``,
+``x ~= q * s * g``. float32
+scales are ``amax / max`` exactly (1 for an all-zero block).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E2M1 = jnp.dtype(jnp.float4_e2m1fn)
+"""``float4_e2m1fn``: NVFP4's and MXFP4's element format (largest value 6)."""
+E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
+
+
+class ElementFormat(NamedTuple):
+    """An element format: its dtype, largest value, exponent of that value, mantissa bits and
+    the exponent of its smallest normal."""
+
+    dtype: Any
+    max: float
+    emax: int
+    mbits: int
+    emin: int
+
+
+ELEMENTS = {
+    np.dtype(jnp.float8_e4m3fn): ElementFormat(np.dtype(jnp.float8_e4m3fn), 448.0, 8, 3, -6),
+    np.dtype(jnp.float8_e5m2): ElementFormat(np.dtype(jnp.float8_e5m2), 57344.0, 15, 2, -14),
+    np.dtype(E2M1): ElementFormat(np.dtype(E2M1), 6.0, 2, 1, 0),
+}
+SCALE_FORMATS = ("float32", "e8m0", "e4m3")
+POW2_RULES = ("floor", "even", "ceil", "rceil")
+SCALE_RULES = ("exact", *POW2_RULES)
+NVFP4_GLOBAL = 448.0 * 6.0
+
+
+def element_format(dtype: Any) -> ElementFormat:
+    """The `ElementFormat` of E4M3, E5M2 or E2M1, or a ``ValueError``."""
+    d = np.dtype(dtype)
+    if d not in ELEMENTS:
+        raise ValueError(f"element format must be float8_e4m3fn, float8_e5m2 or float4_e2m1fn, got {d}")
+    return ELEMENTS[d]
+
+
+def pow2(e: jax.Array) -> jax.Array:
+    """float32 ``2**e`` for int32 ``e`` in [-126, 127], built from its bits (exact)."""
+    return jax.lax.bitcast_convert_type((e.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def times_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
+    """``x * 2**e`` for int32 ``e`` in [-254, 254] as two exact normal multiplications."""
+    e = e.astype(jnp.int32)
+    h = e // 2
+    return x * pow2(h) * pow2(e - h)
+
+
+def divide(x: jax.Array, c: float) -> jax.Array:
+    """``x / c`` rounded once, also under ``jit``: XLA would rewrite a division by a constant into
+    a multiplication by its rounded reciprocal (another result), so the constant goes behind an
+    optimization barrier."""
+    return x / jax.lax.optimization_barrier(jnp.float32(c))
+
+
+def _fields(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    bits = jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)
+    return (bits >> 23) & 0xFF, bits & 0x7FFFFF
+
+
+def floor_log2(a: jax.Array) -> jax.Array:
+    """``floor(log2(a))`` of positive finite float32 ``a`` from its bits; subnormals give -127."""
+    field, _ = _fields(a)
+    return jnp.where(field == 0, -127, field - 127)
+
+
+def ceil_log2(a: jax.Array) -> jax.Array:
+    """``ceil(log2(a))`` of positive finite float32 ``a`` from its bits (as Transformer Engine's
+    ``float_to_e8m0``: a subnormal at most ``2**-127`` gives -127, a larger one -126)."""
+    field, mant = _fields(a)
+    return jnp.where(field == 0, jnp.where(mant <= 0x400000, -127, -126), field - 127 + (mant > 0).astype(jnp.int32))
+
+
+def e8m0_exponent(amax: jax.Array, elem: ElementFormat, rule: str) -> jax.Array:
+    """The unbiased int32 exponent ``e`` of ``X = 2**e`` for float32 ``amax`` under ``rule``
+    (see the module docstring); 0 where amax is 0; garbage where amax is not finite (the caller
+    marks those NaN)."""
+    amax = amax.astype(jnp.float32)
+    # "> 0" from the bits: a backend that treats subnormals as zero (XLA's CPU does) would call
+    # a subnormal amax zero.
+    usable = jnp.isfinite(amax) & (jax.lax.bitcast_convert_type(amax, jnp.int32) & 0x7FFFFFFF != 0)
+    safe = jnp.where(usable, amax, jnp.float32(1.0))
+    if rule == "floor":
+        e = floor_log2(safe) - elem.emax
+    elif rule == "even":
+        bits = jax.lax.bitcast_convert_type(safe, jnp.int32) + (1 << (23 - elem.mbits - 1))
+        e = floor_log2(jax.lax.bitcast_convert_type(bits & 0x7F800000, jnp.float32)) - elem.emax
+    elif rule in ("ceil", "rceil"):
+        # Scaled by 2**64 so that the quotient is never a subnormal a backend may flush to zero
+        # (as if float32 had more exponent range); a subnormal amax clamps to -127 anyway.
+        shift = jnp.where(safe < jnp.float32(2.0 ** -60), 64, 0)
+        big = times_pow2(safe, shift)
+        q = divide(big, elem.max) if rule == "ceil" else big * jnp.float32(1.0 / elem.max)
+        e = ceil_log2(q) - shift
+    else:
+        raise ValueError(f"E8M0 scale rule must be one of {POW2_RULES}, got {rule!r}")
+    return jnp.where(usable, jnp.clip(e, -127, 127), 0)
+
+
+def e8m0_bits(e: jax.Array, bad: jax.Array) -> jax.Array:
+    """E8M0 storage of ``2**e`` (biased exponent; 0xFF, NaN, where ``bad``)."""
+    biased = jnp.where(bad, 255, e + 127).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(biased, E8M0)
+
+
+def e8m0_exponent_of(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(e, is_nan)`` of stored E8M0 scales (read from the bits, never a conversion)."""
+    biased = jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
+    return biased - 127, biased == 255
+
+
+class Quantized(NamedTuple):
+    """A block-quantized 2-D tensor: elements, one scale per block, NVFP4's per-tensor scale.
+
+    Attributes:
+      q: the elements, ``[rows, k]`` padded to whole blocks, in the element dtype.
+      scale: ``[rows / a, k / b]`` in ``float8_e8m0fnu``, ``float8_e4m3fn`` or float32.
+      global_scale: float32 scalar (E4M3 scales) or None.
+      shape: the unpadded ``(rows, k)``.
+      block: the block ``(a, b)`` actually used.
+    """
+
+    q: jax.Array
+    scale: jax.Array
+    global_scale: jax.Array | None
+    shape: tuple
+    block: tuple
+
+
+def resolve_block(block: Any, shape: tuple) -> tuple[int, int]:
+    """``block`` (``"row"`` or ``(a, b)``) as ``(a, b)`` for a 2-D ``shape``."""
+    if block == "row":
+        return 1, max(int(shape[1]), 1)
+    a, b = block
+    return int(a), int(b)
+
+
+def _blocked(x: jax.Array, a: int, b: int) -> jax.Array:
+    rows, k = x.shape
+    pr, pk = -rows % a, -k % b
+    if pr or pk:
+        x = jnp.pad(x, ((0, pr), (0, pk)))
+    return x.reshape((rows + pr) // a, a, (k + pk) // b, b)
+
+
+def round_stochastic(y: jax.Array, elem: ElementFormat, key: jax.Array) -> jax.Array:
+    """``y`` (float32, finite, ``|y| <= max``) rounded to a neighbour on ``elem``'s grid, up
+    with probability equal to the distance over the grid spacing (unbiased)."""
+    mag = jnp.abs(y)
+    e = jnp.maximum(floor_log2(jnp.where(mag > 0, mag, 1.0)), elem.emin)
+    ulp = pow2(e - elem.mbits)
+    lo = jnp.floor(mag / ulp) * ulp
+    up = jax.random.uniform(key, y.shape, jnp.float32) < (mag - lo) / ulp
+    return jnp.sign(y) * jnp.minimum(lo + jnp.where(up, ulp, 0.0), elem.max)
+
+
+def quantize(x: jax.Array, dtype: Any, block: Any = (1, 32), scale_format: str = "e8m0", rule: str = "floor",
+             key: jax.Array | None = None) -> Quantized:
+    """Block-quantizes a 2-D ``x`` (contraction axis last).
+
+    Args:
+      x: ``[rows, k]`` floating.
+      dtype: the element format (E4M3, E5M2 or E2M1).
+      block: ``(a, b)`` or ``"row"``.
+      scale_format: ``"e8m0"``, ``"e4m3"`` (two-level, NVFP4) or ``"float32"``.
+      rule: an E8M0 rule (``"floor"``, ``"even"``, ``"ceil"``, ``"rceil"``); ``"exact"`` for
+        the other scale formats.
+      key: a PRNG key for stochastic rounding (None: round to nearest even).
+
+    Returns:
+      A `Quantized`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp import fp8
+      >>> qx = fp8._blocks.quantize(jnp.array([[0.9, -0.25]]), jnp.float8_e4m3fn, (1, 2), "e8m0", "ceil")
+      >>> fp8._blocks.dequantize(qx).tolist()
+      [[0.8984375, -0.25]]
+    """
+    elem = element_format(dtype)
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
+    if (scale_format == "e8m0") != (rule in POW2_RULES):
+        raise ValueError(f"scale rule {rule!r} does not go with scale_format {scale_format!r}: E8M0 scales take "
+                         f"one of {POW2_RULES}, float32 and E4M3 scales take 'exact'")
+    if x.ndim != 2:
+        raise ValueError(f"quantize takes a 2-D [rows, k] array, got shape {x.shape}")
+    a, b = resolve_block(block, x.shape)
+    xb = _blocked(x.astype(jnp.float32), a, b)
+    amax = jnp.max(jnp.abs(xb), axis=(1, 3))  # NaN propagates through max
+    bad = ~jnp.isfinite(amax)
+    g = None
+    if scale_format == "e8m0":
+        e = e8m0_exponent(amax, elem, rule)
+        scale = e8m0_bits(e, bad)
+        y = times_pow2(xb, -e[:, None, :, None])
+    elif scale_format == "float32":
+        s = jnp.where(amax > 0, divide(amax, elem.max), 1.0)
+        scale = jnp.where(bad, jnp.nan, s)
+        y = xb / jnp.where(bad, 1.0, s)[:, None, :, None]
+    else:
+        # In the order of JAX's scaled_dot_general (bit-equal to it, tests/fp8/test_block_ops.py):
+        # divide by the per-tensor scale first, then the block scale amax / 6 as XLA computes it
+        # under jit (times the float32 reciprocal), saturated to E4M3.
+        t = jnp.max(amax)
+        g = jnp.where(jnp.isfinite(t) & (t > 0), divide(t, NVFP4_GLOBAL), 1.0)
+        xg = xb / g
+        s = jnp.clip(jnp.max(jnp.abs(xg), axis=(1, 3)) * jnp.float32(1.0 / elem.max), 0.0, 448.0)
+        s = s.astype(jnp.float8_e4m3fn)
+        scale = jnp.where(bad, jnp.nan, s.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+        d = s.astype(jnp.float32)[:, None, :, None]
+        y = jnp.where(d > 0, xg / jnp.where(d > 0, d, 1.0), 0.0)
+    y = jnp.where(jnp.isfinite(y), jnp.clip(y, -elem.max, elem.max), 0.0)
+    if key is not None:
+        y = round_stochastic(y, elem, key)
+    q = y.astype(elem.dtype).reshape(xb.shape[0] * a, xb.shape[2] * b)
+    # XLA may fold a later ``fp8 -> float32`` back into a no-op (SimplifyFPConversions under
+    # xla_allow_excess_precision), and the matmul would see unquantized values: the barrier keeps
+    # the cast, as in JAX's own scaled_dot_general emulation.
+    q = jax.lax.optimization_barrier(q)
+    return Quantized(q, scale, g, tuple(x.shape), (a, b))
+
+
+def decode_scale(qx: Quantized) -> jax.Array:
+    """The float32 decode scale of each block (NaN for a bad block), without the global scale."""
+    if qx.scale.dtype == E8M0:
+        e, nan = e8m0_exponent_of(qx.scale)
+        return jnp.where(nan, jnp.nan, times_pow2(jnp.ones(e.shape, jnp.float32), e))
+    return qx.scale.astype(jnp.float32)
+
+
+def dequantize(qx: Quantized, dtype: Any = jnp.float32, with_global: bool = True) -> jax.Array:
+    """``q * X`` (times NVFP4's global scale unless ``with_global=False``) as ``[rows, k]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp import fp8
+      >>> fp8._blocks.dequantize(fp8._blocks.quantize(jnp.zeros((1, 4)), jnp.float4_e2m1fn, (1, 4))).tolist()
+      [[0.0, 0.0, 0.0, 0.0]]
+    """
+    a, b = qx.block
+    n, m = qx.scale.shape
+    qb = qx.q.astype(jnp.float32).reshape(n, a, m, b)
+    if qx.scale.dtype == E8M0:
+        e, nan = e8m0_exponent_of(qx.scale)
+        out = jnp.where(nan[:, None, :, None], jnp.nan, times_pow2(qb, e[:, None, :, None]))
+    else:
+        out = qb * qx.scale.astype(jnp.float32)[:, None, :, None]
+    if with_global and qx.global_scale is not None:
+        out = out * qx.global_scale
+    rows, k = qx.shape
+    return out.reshape(n * a, m * b)[:rows, :k].astype(dtype)
+
+
+def hadamard_signs(key: jax.Array, n: int = 16) -> jax.Array:
+    """The ``n`` random signs (float32 +-1) of a random Hadamard transform, from ``key``."""
+    return jax.random.rademacher(key, (n,), jnp.float32)
+
+
+def apply_hadamard(x: jax.Array, signs: jax.Array) -> jax.Array:
+    """``x`` (``[rows, k]``, float32) times the block-diagonal ``H diag(signs) / sqrt(n)`` along
+    ``k`` (``n = len(signs)``, a power of two; Sylvester's ``H``), by butterflies (adds and
+    subtracts, no matmul: nothing for autocast to see). ``k`` is zero-padded to whole blocks,
+    which keeps ``(x R)(y R)^T == x y^T`` for any ``k``."""
+    n = signs.shape[0]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard transform needs a power-of-two size, got {n}")
+    rows, k = x.shape
+    pad = -k % n
+    xp = (jnp.pad(x, ((0, 0), (0, pad))) if pad else x).astype(jnp.float32)
+    lead = (rows, (k + pad) // n)
+    h = 1
+    while h < n:
+        pairs = xp.reshape(*lead, n // (2 * h), 2, h)
+        lo, hi = pairs[..., 0, :], pairs[..., 1, :]
+        xp = jnp.stack([lo + hi, lo - hi], axis=-2).reshape(*lead, n)
+        h *= 2
+    return (xp * (signs / np.float32(np.sqrt(n)))).reshape(rows, k + pad)
+
+
+def hadamard(key: jax.Array, n: int = 16) -> jax.Array:
+    """The random orthogonal ``n x n`` transform `apply_hadamard` applies per block, as a matrix.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxmp import fp8
+      >>> h = fp8._blocks.hadamard(jax.random.key(0))
+      >>> bool((h @ h.T == jnp.eye(16)).all())
+      True
+    """
+    return apply_hadamard(jnp.eye(n, dtype=jnp.float32), hadamard_signs(key, n))
