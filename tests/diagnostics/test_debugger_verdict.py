@@ -101,6 +101,41 @@ def test_a_scope_rule_says_which_other_modules_share_its_name():
     assert ns["rules"].scope_rules == (("Conv_0", "float32"),)
 
 
+def test_a_fix_flop_share_is_the_models_the_same_under_bf16_and_fp16():
+    """It read 33.3% of matmul FLOPs at fp16 and 14.3% at bf16 for the same module. The share is
+    counted over every matmul of the step (forward and backward, whatever its dtype): here the
+    module 'a' (x @ w1 and its weight gradient) against 'b' (h @ w2, its weight and input
+    gradients) and a float32 head, by their shapes, under both half dtypes. Traced only."""
+    import dataclasses
+
+    from jaxmp._misuse import loss_scaled_grad
+    from jaxmp.diagnostics._fix import flops_leaving_half
+    from jaxmp.engine._seams import resolve_config
+
+    @jaxmp.float32_region
+    def head(h, w):
+        return h @ w
+
+    def f(p, x):
+        with jax.named_scope("a"):
+            h = jnp.tanh(x @ p["w1"])
+        with jax.named_scope("b"):
+            h = jnp.tanh(h @ p["w2"])
+        return jnp.mean(head(h, p["w3"]))  # float32 under every policy: counted all the same
+
+    p = {"w1": np.ones((16, 32), np.float32), "w2": np.ones((32, 4), np.float32), "w3": np.ones((4, 2), np.float32)}
+    args = (p, np.ones((8, 16), np.float32))
+    # 'a': forward + dW1; 'b': forward + dW2 + dh; the float32 head: forward + dW3 + dh
+    a, b, c = 2 * (2 * 8 * 16 * 32), 3 * (2 * 8 * 32 * 4), 3 * (2 * 8 * 4 * 2)
+    shares = {}
+    for policy in ("O1-bf16", "O1-fp16"):
+        keep_a = dataclasses.replace(resolve_config(policy, None).rules, promote=None).with_scope("a", "float32")
+        with loss_scaled_grad():  # the debugger's own gradients (no loss-scale warning at fp16)
+            shares[policy] = flops_leaving_half(jax.value_and_grad(jaxmp.autocast(f, policy)),
+                                                jax.value_and_grad(jaxmp.autocast(f, policy, rules=keep_a)), args)
+    assert shares["O1-bf16"] == shares["O1-fp16"] == a / (a + b + c), shares
+
+
 # ---- the verdict on real runs ----
 
 @pytest.mark.slow  # ~3 s on a shared 2-core CPU: one instrumented program
