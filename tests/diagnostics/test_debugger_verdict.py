@@ -247,7 +247,7 @@ def _flax_imagenet_resnet(policy: str):
     return loss, params, x, np.arange(8, dtype=np.int32) % 10
 
 
-@pytest.mark.slow  # ~70 s per case on a shared 2-core CPU (load ~8): model code we did not write, full comparison
+@pytest.mark.slow  # ~70 s per case on a shared 2-core CPU at load ~18: model code we did not write, full comparison
 @pytest.mark.filterwarnings("ignore::jaxmp.MixedPrecisionWarning")  # the example's dtype=float32 layers, above
 @pytest.mark.parametrize("policy", ["O1-bf16", "O1-fp16", "O2-bf16"])
 def test_flax_imagenet_resnet_has_nothing_to_fix(policy):
