@@ -66,6 +66,27 @@ def test_gradient_errors_are_normalised_by_the_whole_gradient():
     assert _gradient_errors(g)[0][0] == "['kernel']"
 
 
+def test_a_modules_gradient_error_is_read_over_all_its_backward_results():
+    """It read ``ResNet/bn_init`` "grad err 2.69": the largest relative error of any one backward
+    result, a near-zero cotangent's. Now the module's backward results are read together (RMS
+    error over RMS value): the near-zero one weighs by its size."""
+    from types import SimpleNamespace
+
+    from jaxmp.diagnostics._shadow import _modules
+
+    def site(i, path, backward):
+        return SimpleNamespace(index=i, path=path, backward=backward, half=True)
+
+    sites = SimpleNamespace(sites=[site(0, "bn", False), site(1, "bn", True), site(2, "bn", True), site(3, "head", False)])
+    # rows: relative error per op, squared error, squared float32 norm
+    errs = np.array([[1e-3, 1.0, 1e-3, 2e-3],        # op 1: a near-zero result, 100% off
+                     [1e-6, 1e-12, 1e-6, 4e-6],
+                     [1.0, 1e-12, 1.0, 1.0]], np.float32)
+    mods = {m.path: m for m in _modules(sites, errs, np.array([1e-4, 0, 0, 1e-4], np.float32), 2e-4)}
+    assert np.isclose(mods["bn"].gradient_error, 1e-3, rtol=1e-3), mods["bn"]
+    assert np.isnan(mods["head"].gradient_error) and mods["bn"].activation_error == np.float32(1e-3)
+
+
 def test_module_paths_fold_at_slashes_never_mid_name():
     from jaxmp.diagnostics._format import fold_path
 
