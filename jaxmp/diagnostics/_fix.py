@@ -33,7 +33,8 @@ class Fix:
       error_before, error_after: relative loss error against float32 without and with it
         (after ``steps`` optimizer steps when the comparison trained), NaN when not measured.
       gap_closed: ``1 - error_after / error_before``.
-      matmul_flops_leaving_half: the share of matmul FLOPs the override moves out of half precision.
+      matmul_flops_leaving_half: the share of matmul FLOPs the override moves out of half precision,
+        of every matmul and convolution of the step (forward and backward, whatever their dtype).
       measured: False when the override could not be applied automatically (the code says how).
     """
 
@@ -160,11 +161,18 @@ def rules_code(rules, component: str, cls: type | None = None) -> str:
     return "rules = (" + ("\n         ".join(calls)) + ")"
 
 
-def _matmul_low_flops(run: Callable, args: Sequence[Any]) -> tuple[int, int]:
+def flops_leaving_half(before: Callable, after: Callable, args: Sequence[Any]) -> float:
+    """The share of matmul/conv FLOPs that run in half precision in ``before`` and not in ``after``.
+
+    Both are traced (nothing compiles) on ``args``; the denominator is every matmul and
+    convolution of ``before`` whatever dtype it runs in, so the share is the model's (the same
+    module is the same share under bf16 and fp16), not the policy's count of half ops.
+    """
     from jaxmp.diagnostics._precision_report import precision_report
 
-    rep = precision_report(run, *args)
-    return rep.low_precision_flops, rep.total_flops
+    rep_b, rep_a = precision_report(before, *args), precision_report(after, *args)
+    total = rep_b.total_flops
+    return (rep_b.low_precision_flops - rep_a.low_precision_flops) / total if total else 0.0
 
 
 def module_class_at(root: Any, path: str) -> type | None:
@@ -300,15 +308,14 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
         forward = StrictJit(fixed).prepare(*args)
     if meanwhile is not None:
         meanwhile()
-    low_b, total = _matmul_low_flops(jax.value_and_grad(autocast(fn, policy, rules=rules)), args)
-    low_a, _ = _matmul_low_flops(jax.value_and_grad(fixed), args)
+    leaving = flops_leaving_half(jax.value_and_grad(autocast(fn, policy, rules=rules)),
+                                 jax.value_and_grad(fixed), args)
     if steps:
         loss_fix = train(None, args[0], args[1:], steps, tx, step)[1][-1]
     else:
         loss_fix = float(forward(*args))
     ref = max(abs(loss_float32), 1e-30)
     before, after = loss_error, abs(loss_fix - loss_float32) / ref
-    leaving = (low_b - low_a) / total if total else 0.0
     closed = 1.0 - after / before if before > 0 else float("nan")
     return dataclasses.replace(Fix(path, code), error_before=before, error_after=after, gap_closed=closed,
                                matmul_flops_leaving_half=leaving, measured=True)

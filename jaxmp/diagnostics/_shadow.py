@@ -141,7 +141,9 @@ class _Shadow(Hooks):
         err = jnp.sqrt(num) / jnp.maximum(jnp.sqrt(den), jnp.finfo(jnp.float32).tiny)
         err = jnp.where((num == 0) & (den == 0), 0.0, err)
         ids = jnp.asarray(np.array([f[0] for f in frame], np.int32))
-        return errs.at[ids].max(err)
+        # Row 0: each op's relative error; rows 1-2: its squared error and squared float32 norm,
+        # summed (a module's backward error is read over all its ops' results, see _modules).
+        return errs.at[0, ids].max(err).at[1, ids].add(num).at[2, ids].add(den)
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -171,7 +173,7 @@ class _Program:
             hooks.t, hooks.noise = t, noise
             lifted = [hooks.lift(x, None) for x in leaves]
             outs, errs = evaluate(self.closed.jaxpr, [hooks.lift(c, None) for c in consts], lifted,
-                                  jnp.zeros(n, jnp.float32), hooks, self.sites)
+                                  jnp.zeros((3, n), jnp.float32), hooks, self.sites)
             loss = outs[0][1] if attribute else jnp.zeros((), jnp.float32)
             return jnp.asarray(loss, jnp.float32).reshape(()), ([o[0] for o in outs], [o[1] for o in outs], errs)
 
@@ -187,7 +189,8 @@ class _Program:
         def shadow_only(consts, leaves):
             hooks = _Shadow(n, False, record=False)
             outs, _ = evaluate(self.closed.jaxpr, [hooks.lift(c, None) for c in consts],
-                               [hooks.lift(x, None) for x in leaves], jnp.zeros(n, jnp.float32), hooks, self.sites)
+                               [hooks.lift(x, None) for x in leaves], jnp.zeros((3, n), jnp.float32), hooks,
+                               self.sites)
             return [o[1] for o in outs]
 
         self.shadow_fn = shadow_only
@@ -219,12 +222,18 @@ class _Program:
 
 
 def _modules(sites: Sites, errs, contrib, total: float) -> list[ModuleError]:
+    """The modules' rows; ``errs``: per op, its relative error, squared error and squared norm."""
     by: dict[str, dict] = {}
     for site in sites.sites:
-        m = by.setdefault(site.path, {"impact": 0.0, "act": 0.0, "grad": float("nan"), "half": 0, "first": site.index})
-        e = float(errs[site.index])
+        m = by.setdefault(site.path, {"impact": 0.0, "act": 0.0, "grad": [0.0, 0.0, 0], "half": 0,
+                                      "first": site.index})
+        e = float(errs[0, site.index])
         if site.backward:
-            m["grad"] = e if np.isnan(m["grad"]) else max(m["grad"], e)
+            # Over all the module's backward results at once: a near-zero cotangent (BatchNorm's
+            # scale at init) with a large relative error of its own weighs by its size.
+            m["grad"][0] += float(errs[1, site.index])
+            m["grad"][1] += float(errs[2, site.index])
+            m["grad"][2] += 1
         else:
             m["impact"] += float(contrib[site.index])
             m["act"] = max(m["act"], e)
@@ -234,19 +243,25 @@ def _modules(sites: Sites, errs, contrib, total: float) -> list[ModuleError]:
     gross = sum(abs(d["impact"]) for d in by.values())
     sign = -1.0 if total < 0 else 1.0  # positive: the module moves the loss the way the run's error goes
     mods = [ModuleError(p, d["impact"], sign * d["impact"] / gross if gross and total == total else float("nan"), d["act"],
-                        d["grad"], d["half"], d["first"]) for p, d in by.items()]
+                        _ratio(*d["grad"]), d["half"], d["first"]) for p, d in by.items()]
     # The jump: in program order, the forward op whose error rises most over every op before it
     # (at least 4x); its module is marked.
     best, best_ratio, prev = None, 4.0, 0.0
     for site in sites.sites:
         if site.backward:
             continue
-        e = float(errs[site.index])
+        e = float(errs[0, site.index])
         if prev > 0 and np.isfinite(e) and e / prev > best_ratio:
             best, best_ratio = site.path, e / prev
         if np.isfinite(e):
             prev = max(prev, e)
     return [dataclasses.replace(m, jump=m.path == best) for m in mods]
+
+
+def _ratio(num: float, den: float, ops: int) -> float:
+    if not ops:
+        return float("nan")  # no backward op: "-"
+    return 0.0 if num == 0 else float(np.sqrt(num) / max(np.sqrt(den), float(np.finfo(np.float32).tiny)))
 
 
 def _half_dtype(sites: Sites):
@@ -371,7 +386,7 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
         grads = _gradient_errors(jax.tree_util.tree_unflatten(prog.out_tree, list(zip(p, s)))[1])
     ops = ()
     if per_op:
-        ops = tuple(sorted(((site, float(errs[site.index]), float(contrib[site.index])) for site in prog.sites.sites),
+        ops = tuple(sorted(((site, float(errs[0, site.index]), float(contrib[site.index])) for site in prog.sites.sites),
                            key=lambda r: (-abs(r[2]), -r[1])))
     report = ShadowReport(tuple(mods), loss, loss_f, grads, ops, steps, tuple(losses), tuple(losses_f),
                           None, 0.0, None if policy is None else str(policy), noise, drift, losses_noise,

@@ -30,7 +30,8 @@ class ModuleError:
         loss the way the run's error goes (modules of the other sign cancel part of it; the
         shares' magnitudes add up to 100%; NaN without a loss).
       activation_error: the largest relative error of its forward ops' results.
-      gradient_error: the largest relative error of its backward ops' results (NaN: none).
+      gradient_error: the relative error of its backward ops' results taken together (the RMS of
+        their errors over the RMS of their float32 values; NaN: none).
       half_ops: how many of its ops compute or round in half precision.
       first_site: its first op's position in the program (program order).
       jump: the point where the error jumps (the largest rise over the modules before it).
@@ -175,6 +176,7 @@ class ShadowReport:
             net = sum(m.impact for m in self.modules)
             notes.append(f"share: impact / sum of |impact| ({gross:.3g}), negative against the net {net:+.3g}"
                          + (" (opposite signs cancel)" if abs(net) < 0.5 * gross else ""))
+        notes.append("act err: worst forward result; grad err: RMS error / RMS of all backward results")
         footer = "\n".join(notes) or None
         out = [verdict, head, _format.render_table("Modules ranked by the loss error their rounding causes",
                                           ["#", "module", "loss impact", "share", "act err", "grad err",
