@@ -15,10 +15,12 @@ deterministic), the converts added per layer since the previous depth, and the t
 
 Variants: ``float32`` (the loss as written); ``hand-bf16`` (every matmul, add and activation in
 bfloat16, norm statistics and softmax in float32, the loss in float32: a user's all-bf16 cast);
-``hand-same`` (O1's plan written by hand, torch.autocast's: float32 residual stream and norms,
-bfloat16 matmul operands, bias adds in float32); ``O1`` (``jaxmp.autocast(loss, "O1-bf16")``,
+``hand-same`` (O1's plan written by hand: float32 residual stream, norms, GELU and softmax,
+bfloat16 matmul operands; the qkv bias add and the logit scale, whose values only half matmuls
+use, in bfloat16 as O1's ``promote="demand"`` runs them); ``O1`` (``jaxmp.autocast(loss, "O1-bf16")``,
 ``promote="demand"``); ``O2`` (``"O2-bf16"`` with ``promote="narrow"``); ``linen`` and ``nnx``
-(the same model as a Linen / NNX module through ``jaxmp.flax.mixed_precision(model, "O1-bf16")``).
+(the same model as a Linen / NNX module through ``jaxmp.flax.mixed_precision(model, "O1-bf16")``);
+``O1-scan`` and ``float32-scan`` (the layers' params stacked and run by one ``lax.scan``).
 
 Why (see docs/autocast.md, "Compile time of deep O1 models"): XLA:CPU's ``fusion`` pass
 duplicates a float32 residual chain ``(x + h) + b`` into every later consumer fusion (the
@@ -37,7 +39,7 @@ from pathlib import Path
 
 from benchmarks import _common as common
 
-VARIANTS = ("float32", "hand-bf16", "hand-same", "O1", "O2", "linen", "nnx")
+VARIANTS = ("float32", "hand-bf16", "hand-same", "O1", "O2", "linen", "nnx", "O1-scan", "float32-scan")
 _CONVERT = re.compile(r"\sconvert\(")
 _INSTR = re.compile(r"^\s+(ROOT )?%\S+ = ", re.M)
 
@@ -78,17 +80,25 @@ def forward(p, tok, *, d, seq, batch, heads, bias_in_branch=False, half=None, sa
 
     def residual(x, h, w, b):
         y, b = dense(h, w, b)
+        y = y.astype(x.dtype)  # explicit, so it also runs under strict dtype promotion
         return r(x + (y + b)) if bias_in_branch else r(x + y + b)
 
-    x = r(p["emb"][tok])
-    for b in p["blocks"]:
+    def block(x, b):
         y, bb = dense(ln(x, b["ln1"], b["ln1b"]), b["wqkv"], b["bqkv"])
-        q, k, v = jnp.split(r(y + bb).reshape(batch, seq, 3 * heads, d // heads), 3, axis=2)
-        a = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", c(q), c(k)).astype(f32) / 8.0, -1)
+        # O1's plan: a value that only half matmuls use stays half (the qkv bias add, the logit scale)
+        q, k, v = jnp.split((c(y) + c(bb)).reshape(batch, seq, 3 * heads, d // heads), 3, axis=2)
+        a = jax.nn.softmax((jnp.einsum("bqhd,bkhd->bhqk", c(q), c(k)) / 8.0).astype(f32), -1)
         o = jnp.einsum("bhqk,bkhd->bqhd", c(a), c(v)).reshape(batch, seq, d)
         x = residual(x, o, b["wo"], b["bo"])
         y, bb = dense(ln(x, b["ln2"], b["ln2b"]), b["w1"], b["b1"])
-        x = residual(x, jax.nn.gelu(r(y + bb)), b["w2"], b["b2"])
+        return residual(x, jax.nn.gelu(r(y.astype(bb.dtype) + bb)), b["w2"], b["b2"])
+
+    x = r(p["emb"][tok])
+    if isinstance(p["blocks"], dict):  # stacked layers: one lax.scan body
+        x, _ = jax.lax.scan(lambda x, b: (block(x, b), None), x, p["blocks"])
+    else:
+        for b in p["blocks"]:
+            x = block(x, b)
     return x.astype(f32).mean(1) @ p["head"] + p["hb"]
 
 
@@ -117,6 +127,9 @@ def make_variant(variant: str, layers: int, cfg: dict):
         return (lambda p, tok, y: _xent(forward(p, tok, half=jnp.bfloat16, same=same, **cfg), y)), params, batch
     if variant == "O1":
         return jaxmp.autocast(loss, "O1-bf16"), params, batch
+    if variant in ("O1-scan", "float32-scan"):  # the layers stacked, run by lax.scan
+        params = {**params, "blocks": jax.tree_util.tree_map(lambda *a: jnp.stack(a), *params["blocks"])}
+        return (jaxmp.autocast(loss, "O1-bf16") if variant == "O1-scan" else loss), params, batch
     if variant == "O2":
         return jaxmp.autocast(loss, "O2-bf16", rules=jaxmp.AutocastRules(promote="narrow")), params, batch
     if variant == "linen":
@@ -167,12 +180,13 @@ def _nnx(params, batch, cfg):
     return loss, state, batch
 
 
-def measure(variant: str, layers: int, cfg: dict) -> dict:
+def measure(variant: str, layers: int, cfg: dict, grad: bool = True) -> dict:
+    """Optimized-HLO figures and CPU times of ``jit(value_and_grad(loss'))`` (``grad=False``: ``jit(loss')``)."""
     import jax
 
     loss, params, batch = make_variant(variant, layers, cfg)
     t0 = time.process_time()
-    lowered = jax.jit(jax.value_and_grad(loss)).lower(params, *batch)
+    lowered = jax.jit(jax.value_and_grad(loss) if grad else loss).lower(params, *batch)
     t1 = time.process_time()
     text = lowered.compile().as_text()
     t2 = time.process_time()
