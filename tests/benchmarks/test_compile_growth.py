@@ -59,3 +59,29 @@ def test_scanned_layers_compile_one_layer_whatever_the_depth_value_and_grad():
     assert scanned[0] == scanned[1] > 0, scanned
     unrolled = _converts("O1", (2,), grad=True)[0]
     assert scanned[0] < unrolled  # one layer's body: less than two unrolled layers
+
+
+@pytest.mark.slow
+def test_compile_growth_dry_run_the_flax_doors_hand_xla_autocasts_program(tmp_path):
+    out = tmp_path / "compile_growth.json"
+    result = cg.main(["--dry-run", "--out", str(out)])
+    rows = result["results"]
+    assert set(rows) == set(cg.VARIANTS)
+    for depth in ("1", "2"):
+        # The same model through either Flax door compiles to the converts autocast's does.
+        assert rows["linen"][depth]["converts"] == rows["nnx"][depth]["converts"] == rows["O1"][depth]["converts"]
+        assert rows["float32"][depth]["converts"] == 0 < rows["O1"][depth]["converts"]
+    assert rows["O1-scan"]["1"]["converts_per_layer"] > 0
+    assert cg.json.loads(out.read_text())["depths"] == [1, 2]
+
+
+def test_residual_fusion_repro_dry_run(tmp_path):
+    from benchmarks import residual_fusion_repro
+
+    out = tmp_path / "repro.json"
+    results = residual_fusion_repro.main(["--dry-run", "--out", str(out)])["results"]
+    written, branch = results["as_written"], results["bias_in_branch"]
+    assert list(written) == list(branch) == ["2", "4"]
+    # The bias added inside the branch never gives XLA more adds than the chain as written.
+    assert all(branch[d] <= written[d] for d in written), results
+    assert cg.json.loads(out.read_text())["results"] == results
