@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import typing
 import warnings
 import weakref
 from typing import Any, Callable, Sequence
@@ -325,7 +326,7 @@ class MixedPrecision:
         for _ in range(_MAX_INIT_PASSES):
             used, call = dict(known), _Call(self.policy, self.rules)
 
-            run = self._runner(method, mutable, used, weights_only, lambda call=call: call)
+            run = self._runner(method, mutable, used, weights_only)
             run_config = dataclasses.replace(config, cast_inputs="weights") if weights_only else config
             fn = run if (config.identity or not engine) else (
                 self._cached_engine_fn(run_config, method, mutable, used, weights_only)
@@ -348,11 +349,11 @@ class MixedPrecision:
             return out, call
         raise RuntimeError(f"jaxmp.flax: the module rules of {type(self.module).__name__} did not settle")
 
-    def _runner(self, method: Any, mutable: Any, used: dict[Path, ModuleRule], weights_only: bool,
-                current: Callable[[], _Call]) -> Callable:
+    def _runner(self, method: Any, mutable: Any, used: dict[Path, ModuleRule], weights_only: bool) -> Callable:
         """``run(variables, args, kwargs, rngs)``: the module's ``apply`` with params cast by path, under
-        the interceptor of the `_Call` that ``current()`` returns when it is traced."""
-        policy, module = self.policy, self.module
+        the interceptor of the `_Call` of the ``apply`` that traces it (`_TRACING`)."""
+        policy: Policy = typing.cast(Policy, self.policy)
+        module = self.module
         compute = np.dtype(policy.compute_dtype)
 
         def run(variables, args, kwargs, rngs):
@@ -366,7 +367,7 @@ class MixedPrecision:
             # Float32 biases meet half kernels in Flax's own promote_dtype: traced under standard
             # promotion (a caller's strict mode would refuse it); the engine then sets every dtype.
             promotion = jax.numpy_dtype_promotion("standard") if weights_only else contextlib.nullcontext()
-            with promotion, nn.intercept_methods(current().interceptor()):
+            with promotion, nn.intercept_methods(_TRACING.call.interceptor()):
                 return module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
 
         run.__qualname__ = f"jaxmp.flax.mixed_precision({type(module).__name__})"  # as warnings name it
@@ -397,7 +398,7 @@ class MixedPrecision:
             return None
         fn = fns.get(key)
         if fn is None:
-            run = self._runner(method, mutable, used, weights_only, lambda: _TRACING.call)
+            run = self._runner(method, mutable, used, weights_only)
             fn = fns[key] = engine_function(run, config, cast_outputs=False)
         return fn
 
