@@ -3,7 +3,7 @@
     python -m benchmarks.compile_growth                           # depths 1,2,4,8,16, width 64
     python -m benchmarks.compile_growth --depths 1,4,8,16,32,64 --width 256
     python -m benchmarks.compile_growth --dry-run --out -         # depths 1,2, tiny, seconds
-    python -m benchmarks.compile_growth --bias-in-branch          # ``x + (h @ w + b)``: XLA keeps it linear
+    python -m benchmarks.compile_growth --bias-in-branch          # ``x + (h @ w + b)``: converts per layer constant
 
 The model is ``benchmarks/promotion.py``'s plain-JAX pre-LN Transformer LM (hand-written layer
 norm, separate bias adds, unrolled layers), its residual written as the user wrote it,
