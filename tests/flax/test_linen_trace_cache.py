@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tests._support._op_dtypes import assert_matmuls_in, op_dtypes
 
 import jaxmp
 import jaxmp.flax
@@ -53,11 +54,10 @@ def test_jit_traces_reuse_the_door_trace_and_keep_its_dtypes():
     model, variables, x, calls = _setup("jit")
     eager = model.apply(variables, x)
     loss = lambda p: model.apply({"params": p}, x).sum()  # noqa: E731
-    jaxpr = jax.make_jaxpr(jax.grad(loss))(variables["params"])
+    ops = op_dtypes(jax.grad(loss), variables["params"])
     grads = jax.jit(jax.grad(loss))(variables["params"])
     assert len(calls) == 1  # eager apply traced; make_jaxpr and jit reused its trace
-    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
-    assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    assert_matmuls_in(ops, jnp.bfloat16)  # the reused trace keeps the door's dtype plan
     assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
     np.testing.assert_allclose(np.asarray(jax.jit(lambda v: model.apply(v, x))(variables)), np.asarray(eager),
                                rtol=1e-6)
