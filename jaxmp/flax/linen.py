@@ -11,7 +11,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
+import typing
 import warnings
+import weakref
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -32,6 +35,13 @@ from jaxmp._misuse import MixedPrecisionWarning
 
 #: How many times ``init`` re-runs for layers that refuse the float32 params they just created.
 _MAX_INIT_PASSES = 64
+
+#: The engine functions of each wrapper, by static setting (`MixedPrecision._cached_engine_fn`);
+#: held weakly, so they go with the wrapper and never travel with it (pickle, copy).
+_ENGINE_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: The `_Call` of the ``apply`` being traced in this thread: a cached engine function's run reads
+#: it when (and only when) it traces, so each trace reports to the call that caused it.
+_TRACING = threading.local()
 
 
 def _uses_default_attention(module: nn.Module) -> bool:
@@ -316,25 +326,13 @@ class MixedPrecision:
         for _ in range(_MAX_INIT_PASSES):
             used, call = dict(known), _Call(self.policy, self.rules)
 
-            def run(variables, args, kwargs, rngs, used=used, call=call, weights_only=weights_only):
-                args, kwargs = self.policy.cast_to_compute((args, kwargs))
-                if "params" in variables:
-                    params = variables["params"]
-                    cast = cast_by_path(params, used, compute, "compute_dtype")
-                    if weights_only:  # only a per-class dtype other than the policy's is cast here
-                        cast = jax.tree.map(lambda c, p: p if c.dtype == compute else c, cast, params)
-                    variables = {**variables, "params": cast}
-                # Float32 biases meet half kernels in Flax's own promote_dtype: traced under standard
-                # promotion (a caller's strict mode would refuse it); the engine then sets every dtype.
-                promotion = jax.numpy_dtype_promotion("standard") if weights_only else contextlib.nullcontext()
-                with promotion, nn.intercept_methods(call.interceptor()):
-                    return self.module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
-
-            run.__qualname__ = f"jaxmp.flax.mixed_precision({type(self.module).__name__})"  # as warnings name it
+            run = self._runner(method, mutable, used, weights_only)
             run_config = dataclasses.replace(config, cast_inputs="weights") if weights_only else config
-            fn = run if (config.identity or not engine) else engine_function(run, run_config, cast_outputs=False,
-                                                                              cache=False)
+            fn = run if (config.identity or not engine) else (
+                self._cached_engine_fn(run_config, method, mutable, used, weights_only)
+                or engine_function(run, run_config, cast_outputs=False, cache=False))
             try:
+                _TRACING.call = call
                 out = fn(variables, args, kwargs, rngs)
             except Exception:
                 if weights_only:
@@ -350,6 +348,59 @@ class MixedPrecision:
             self._warn_overridden(call.overridden)
             return out, call
         raise RuntimeError(f"jaxmp.flax: the module rules of {type(self.module).__name__} did not settle")
+
+    def _runner(self, method: Any, mutable: Any, used: dict[Path, ModuleRule], weights_only: bool) -> Callable:
+        """``run(variables, args, kwargs, rngs)``: the module's ``apply`` with params cast by path, under
+        the interceptor of the `_Call` of the ``apply`` that traces it (`_TRACING`)."""
+        policy: Policy = typing.cast(Policy, self.policy)
+        module = self.module
+        compute = np.dtype(policy.compute_dtype)
+
+        def run(variables, args, kwargs, rngs):
+            args, kwargs = policy.cast_to_compute((args, kwargs))
+            if "params" in variables:
+                params = variables["params"]
+                cast = cast_by_path(params, used, compute, "compute_dtype")
+                if weights_only:  # only a per-class dtype other than the policy's is cast here
+                    cast = jax.tree.map(lambda c, p: p if c.dtype == compute else c, cast, params)
+                variables = {**variables, "params": cast}
+            # Float32 biases meet half kernels in Flax's own promote_dtype: traced under standard
+            # promotion (a caller's strict mode would refuse it); the engine then sets every dtype.
+            promotion = jax.numpy_dtype_promotion("standard") if weights_only else contextlib.nullcontext()
+            with promotion, nn.intercept_methods(_TRACING.call.interceptor()):
+                return module.apply(variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs)
+
+        run.__qualname__ = f"jaxmp.flax.mixed_precision({type(module).__name__})"  # as warnings name it
+        return run
+
+    def _cached_engine_fn(self, config: Any, method: Any, mutable: Any, used: dict[Path, ModuleRule],
+                          weights_only: bool) -> Callable | None:
+        """The engine function of this wrapper for one static setting, its traces cached per input signature.
+
+        Traced once per signature (params, inputs, rngs: shapes and dtypes; static leaves), as
+        ``jaxmp.autocast`` is, rather than on every ``apply``: the module is this wrapper's, and
+        the key holds everything else the trace reads (method, mutable, the rules by path, the
+        engine settings). None (trace on every call, as ``module.apply`` does) while a Flax method
+        interceptor is active, whose trace-time effects a cached trace would skip, or when the
+        setting is unhashable.
+        """
+        if len(getattr(nn.module, "_global_interceptor_stack", ())):
+            return None
+        try:
+            key = (config, method, tuple(mutable) if isinstance(mutable, list) else mutable,
+                   tuple(sorted(used.items())), weights_only)
+            hash(key)
+        except TypeError:
+            return None
+        try:  # equal wrappers (same module, policy and rules) trace alike: they share the cache
+            fns = _ENGINE_FNS.setdefault(self, {})
+        except TypeError:  # an unhashable module
+            return None
+        fn = fns.get(key)
+        if fn is None:
+            run = self._runner(method, mutable, used, weights_only)
+            fn = fns[key] = engine_function(run, config, cast_outputs=False)
+        return fn
 
     def _warn_overridden(self, overridden: dict[str, str]) -> None:
         """One [`jaxmp.MixedPrecisionWarning`][jaxmp.MixedPrecisionWarning] per wrapped model for layers whose float32 dtype lost.

@@ -672,6 +672,7 @@ def test_fp8_blocks_dry_run_trains_each_policy_and_compares_with_bf16(tmp_path):
 #: tested: a script added without one fails here.
 DRY_RUN_TESTS = {
     "autocast": "tests/benchmarks/test_benchmarks.py::test_autocast_benchmark_dry_run",
+    "compile_growth": "tests/benchmarks/test_compile_growth.py::test_compile_growth_dry_run_the_flax_doors_hand_xla_autocasts_program",
     "debugger": "tests/benchmarks/test_benchmarks.py::test_debugger_dry_run_times_the_step_and_a_tool",
     "efficiency": "tests/benchmarks/test_benchmarks.py::test_efficiency_dry_run_writes_valid_json",
     "fidelity": "tests/benchmarks/test_fidelity.py::fidelity.main([\"--dry-run\"",
@@ -683,6 +684,7 @@ DRY_RUN_TESTS = {
     "overhead": "tests/benchmarks/test_benchmarks.py::test_overhead_dry_run_writes_valid_json",
     "promotion": "tests/benchmarks/test_benchmarks.py::test_promotion_dry_run_measures_every_rule",
     "report": "tests/benchmarks/test_benchmarks.py::report.main([\"--check\"])",
+    "residual_fusion_repro": "tests/benchmarks/test_compile_growth.py::test_residual_fusion_repro_dry_run",
     "run_gpu": "tests/benchmarks/test_benchmarks.py::run_gpu.main([\"--dry-run\"",
     "scaling_model": "tests/docs/test_docs.py::module[\"main\"]([])",
     "throughput": "tests/benchmarks/test_benchmarks.py::test_throughput_part_of_the_suite",

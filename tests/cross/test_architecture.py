@@ -115,6 +115,9 @@ ALLOWED_MODULE_STATE = {
     ("jaxmp/engine/_build.py", "_SHARED"),
     # Warn once per model: keyed by the model object itself, held weakly.
     ("jaxmp/flax/nnx.py", "_WARNED_CALL"),
+    # The Linen door's engine functions (so a module is traced once per input signature, as
+    # jaxmp.autocast traces): keyed by the wrapper itself, held weakly.
+    ("jaxmp/flax/linen.py", "_ENGINE_FNS"),
     # Warn once per trace that a float16 region is differentiated with no loss scale: keyed by
     # the JAX trace object, held weakly.
     ("jaxmp/engine/_unscaled.py", "_WATCHED"),
