@@ -204,6 +204,50 @@ def test_quantized_moments_under_zero_and_fsdp_train_like_the_replicated_ones(ke
     assert codes and any(not x.sharding.is_fully_replicated for x in codes)  # the codes are sharded too
 
 
+@pytest.mark.slow  # orbax save and restore, steps on two meshes: seconds
+def test_an_orbax_checkpoint_of_quantized_zero_state_restores_onto_4_devices_and_continues():
+    # 8-bit moments (blocks of 8: no block crosses a device on 8 or on 4) under ZeRO on 8 devices,
+    # saved with orbax after 3 steps, restored onto a 4-device mesh with the 4-device layout's
+    # shardings: every leaf (codes, block scales, remainders, counters) comes back bit for bit,
+    # sharded over 4 devices, and 3 more steps on 4 devices are bitwise those of the in-memory
+    # state moved to 4 devices (the checkpoint loses nothing) and track the uninterrupted 8-device run.
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import tempfile
+
+    tx = jaxmp.loss_scaling(lean.param_remainders(lean.quantized_moments(optax.adamw(1e-2), bits=8, block=8,
+                                                                         min_size=0)), "none")
+    x, y = _data(6)
+    meshes = {n: jaxmp.parallel.make_data_mesh(jax.devices()[:n]) for n in (8, 4)}
+    steps = {n: jaxmp.parallel.make_sharded_train_step(_loss, tx, m, layout="zero", min_shard_size=0)
+             for n, m in meshes.items()}
+
+    def run(n, p, s, ts):
+        for t in ts:
+            p, s, _ = steps[n](p, s, jaxmp.parallel.make_global_batch({"x": x[t], "y": y[t]}, meshes[n]))
+        return p, s
+
+    p0, s0 = jaxmp.parallel.shard_state((_params(), tx.init(_params())), meshes[8], "zero", min_shard_size=0)
+    p_half, s_half = run(8, p0, s0, range(3))
+    saved = _bits((p_half, s_half))
+    p_all, _ = run(8, p_half, s_half, range(3, 6))
+    target = jaxmp.parallel.abstract_state((p_half, s_half), meshes[4], "zero", min_shard_size=0)
+    with tempfile.TemporaryDirectory() as d, ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(f"{d}/ckpt", {"params": p_half, "opt_state": s_half})
+        ckpt.wait_until_finished()
+        restored = ckpt.restore(f"{d}/ckpt", {"params": target[0], "opt_state": target[1]})
+    p4, s4 = restored["params"], restored["opt_state"]
+    assert _bits((p4, s4)) == saved
+    codes = [c for c in jax.tree_util.tree_leaves(s4) if c.dtype == jnp.uint8]
+    assert codes and all(len(c.sharding.device_set) == 4 for c in codes)
+    assert any(not c.sharding.is_fully_replicated for c in codes)
+    moved = jaxmp.parallel.shard_state(jax.device_get((p_half, s_half)), meshes[4], "zero", min_shard_size=0)
+    p_res, s_res = run(4, p4, s4, range(3, 6))
+    p_mem, s_mem = run(4, *moved, range(3, 6))
+    assert _bits((p_res, s_res)) == _bits((p_mem, s_mem))
+    for a, b in zip(jax.tree_util.tree_leaves(p_all), jax.tree_util.tree_leaves(p_res)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=1e-3)
+
+
 def _reduce_step_grads(reduce_dtype):
     # float32 params, w1 = 0 and SGD(lr=1): the new w1 is exactly minus the (reduced) gradient.
     tx = jaxmp.loss_scaling(optax.sgd(1.0), "none")
@@ -749,6 +793,50 @@ def test_docs_gpt2_memory_table_is_the_recorded_benchmark():
             for r in rows if r["layout"] == "zero" and r["devices"] == 8}
     for reduce_dtype, batch in ((None, 1), ("float32", 1), (None, 8), ("float32", 8)):
         assert zero["jaxmp", reduce_dtype, batch] <= 1.02 * zero["hand", reduce_dtype, batch]
+
+
+@pytest.mark.slow  # fifteen compiles of a tiny Transformer
+def test_lean_memory_table_dry_run_orders_the_recipes_state_and_peaks(tmp_path):
+    # benchmarks/memory.py --lean on the tiny GPT-2 shape, N = 8: the claims docs/lean-recipes.md
+    # makes of the GPT-2-small table, on the rows a test can afford.
+    from benchmarks import memory
+
+    recipes = ("fp32-masters", "bf16-sr", "remainders-8bit", "bf16-sr-8bit", "bf16-sr-4bit")
+    rows = memory.main(["--lean", "--dry-run", "--quiet", "--recipes", ",".join(recipes),
+                        "--out", str(tmp_path / "lean.json")])["results"]["rows"]
+    by = {(r["recipe"], r["layout"]): r for r in rows}
+    per_param = {r: by[r, "replicated"]["bytes_per_param"] for r in recipes}
+    # Training state a parameter costs (params + optimizer state, read from the compiled shardings):
+    # 4-bit < 8-bit < bf16 moments < O2 + masters; exact masters with 8-bit moments < O2 + masters.
+    assert per_param["bf16-sr-4bit"] < per_param["bf16-sr-8bit"] < per_param["bf16-sr"] < per_param["fp32-masters"]
+    assert per_param["remainders-8bit"] < per_param["fp32-masters"]
+    for recipe in recipes:
+        # Sharding divides the state over the devices: less state and a lower peak per device.
+        for layout in ("zero", "fsdp"):
+            assert by[recipe, layout]["bytes_per_param"] < per_param[recipe] / 2, (recipe, layout)
+            assert by[recipe, layout]["compiled"]["peak_estimate_bytes"] < by[recipe, "replicated"]["compiled"][
+                "peak_estimate_bytes"], (recipe, layout)
+    # Under ZeRO the 8-bit state leaves less per device than O2 + masters' (the params, replicated,
+    # are the same bf16 bytes in both).
+    assert by["bf16-sr-8bit", "zero"]["bytes_per_param"] < by["fp32-masters", "zero"]["bytes_per_param"]
+    assert memory.memory_lean.lean_markdown(rows).count("\n") == len(recipes) + 1
+
+
+def test_docs_lean_memory_table_is_the_recorded_benchmark():
+    # docs/lean-recipes.md quotes the table benchmarks/memory.py --lean printed for the recorded run
+    # (benchmarks/results/memory/lean_cpu.json), at GPT-2-small shape on 8 devices.
+    import json
+    import pathlib
+
+    from benchmarks import _gpt2, memory
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    result = json.loads((root / "benchmarks" / "results" / "memory" / "lean_cpu.json").read_text())
+    rows = result["results"]["rows"]
+    small = _gpt2.GPT2_SMALL   # its width, heads and vocabulary (the run may compile fewer layers: --depth)
+    assert f"width={small.width}, heads={small.heads}, vocab={small.vocab}" in result["config"]["shape"]
+    assert "partial" not in result["config"] and result["config"]["devices"] == 8
+    assert memory.memory_lean.lean_markdown(rows) in (root / "docs" / "lean-recipes.md").read_text()
 
 
 T = 16   # tokens of the attention test's sequences
