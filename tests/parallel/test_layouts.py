@@ -248,6 +248,29 @@ def test_an_orbax_checkpoint_of_quantized_zero_state_restores_onto_4_devices_and
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("layout", ["zero", "fsdp"])
+@pytest.mark.parametrize("bits,block", [(8, 256), (8, 64), (4, 128)])
+def test_quantized_blocks_of_a_leaf_split_on_its_first_axis_stay_on_their_device(layout, bits, block):
+    # docs/lean-recipes.md (8-bit and 4-bit moments, Sharding): a leaf split on its first axis, with
+    # size / devices a multiple of the block, keeps each block's codes and its absmax on one device.
+    # Read from the layout's shardings (no compile): the flat C-order indices of the codes a device
+    # holds, divided by the block, are exactly the absmax entries it holds.
+    tx = lean.quantized_moments(optax.adamw(1e-3), bits=bits, block=block, min_size=0)
+    params = {"w": jax.ShapeDtypeStruct((64, 32), BF16)}     # 8 rows of 32 per device: 256 values
+    mesh = jaxmp.parallel.make_data_mesh()
+    _, s = jaxmp.parallel.abstract_state((params, jax.eval_shape(tx.init, params)), mesh, layout, min_shard_size=0)
+    for moment in ("mu", "nu"):
+        codes, absmax = getattr(s.inner_state[0], moment)["w"], getattr(s.absmax[0], moment)["w"]
+        per_code = 2 if bits == 4 else 1     # 4-bit: two values a byte
+        code_map, scale_map = (x.sharding.devices_indices_map(x.shape) for x in (codes, absmax))
+        assert len({str(v) for v in scale_map.values()}) == N       # the scales are split too
+        for device, index in code_map.items():
+            flat = np.ravel_multi_index(np.indices(codes.shape)[(slice(None),) + index].reshape(2, -1), codes.shape)
+            blocks = set((flat * per_code // block).tolist())
+            held = set(range(absmax.shape[0])[scale_map[device][0]])
+            assert blocks == held, (moment, device, sorted(blocks)[:4], sorted(held)[:4])
+
+
 def _reduce_step_grads(reduce_dtype):
     # float32 params, w1 = 0 and SGD(lr=1): the new w1 is exactly minus the (reduced) gradient.
     tx = jaxmp.loss_scaling(optax.sgd(1.0), "none")
