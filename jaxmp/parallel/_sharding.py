@@ -226,7 +226,7 @@ def _gather_in_turn(placed: Any, shardings: Any) -> Any:
         return jax.lax.with_sharding_constraint(placed, shardings)
     leaves, treedef = jax.tree_util.tree_flatten(placed)
     out: list = []
-    for x, sharding in zip(leaves, treedef.flatten_up_to(shardings)):
+    for x, sharding in zip(leaves, jax.tree_util.tree_leaves(shardings), strict=True):
         if out:
             out[-1], x = jax.lax.optimization_barrier((out[-1], x))
         out.append(jax.lax.with_sharding_constraint(x, sharding))

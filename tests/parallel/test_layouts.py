@@ -834,9 +834,14 @@ def test_lean_memory_table_dry_run_orders_the_recipes_state_and_peaks(tmp_path):
     assert per_param["bf16-sr-4bit"] < per_param["bf16-sr-8bit"] < per_param["bf16-sr"] < per_param["fp32-masters"]
     assert per_param["remainders-8bit"] < per_param["fp32-masters"]
     for recipe in recipes:
-        # Sharding divides the state over the devices: less state and a lower peak per device.
+        # Sharding divides the state over the devices: ZeRO all but the (replicated) params, FSDP all.
+        assert by[recipe, "zero"]["bytes_per_param"] < per_param[recipe], recipe
+        assert by[recipe, "fsdp"]["bytes_per_param"] < per_param[recipe] / 4, recipe
+    # ...and, for the float moments, a lower compiled peak per device. Not claimed for the quantized
+    # ones: their update's float32 temporaries dominate the peak and do not shrink with the layout
+    # on CPU (docs/lean-recipes.md, the memory table).
+    for recipe in ("fp32-masters", "bf16-sr"):
         for layout in ("zero", "fsdp"):
-            assert by[recipe, layout]["bytes_per_param"] < per_param[recipe] / 2, (recipe, layout)
             assert by[recipe, layout]["compiled"]["peak_estimate_bytes"] < by[recipe, "replicated"]["compiled"][
                 "peak_estimate_bytes"], (recipe, layout)
     # Under ZeRO the 8-bit state leaves less per device than O2 + masters' (the params, replicated,
