@@ -182,6 +182,8 @@ SCHEMAS = {
                                                   "bytes_per_param_analytic"), "any"))),
     "memory_gpt2": jax_benchmark(rows(**dict.fromkeys(("who", "layout", "reduce_dtype", "devices", "params"), "any"),
                                       compiled={"keys": {"peak_estimate_bytes": "int"}})),
+    "memory_lean": jax_benchmark(rows(**dict.fromkeys(("recipe", "layout", "devices", "params", "bytes_per_param"),
+                                                       "any"), compiled={"keys": {"peak_estimate_bytes": "int"}})),
     "efficiency": jax_benchmark({"keys": {"results": {"keys": {"models": {"nonempty": True, "values": {"keys": {
         prog: {"keys": {ref: PROGRAM}, "values": PROGRAM} for prog, ref in (("grad", "native"), ("step", "floor"))
     }}}}}}}),

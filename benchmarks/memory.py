@@ -25,6 +25,7 @@ do not show here.
     python -m benchmarks.memory --dry-run --out -  # a tiny model, seconds (the tests use it)
     python -m benchmarks.memory --devices 8 --step-time   # + seconds per step of each layout
     python -m benchmarks.memory --gpt2 --devices 8        # GPT-2-small shape vs hand-written ZeRO (minutes)
+    python -m benchmarks.memory --lean [--depth 2]        # the lean recipes at GPT-2-small shape, N = 8
 
 ``--gpt2`` compiles a GPT-2-small-shaped Transformer (124.4M params, ``benchmarks/_gpt2.py``;
 unrolled for ZeRO, scanned with ``jaxmp.parallel.scan_layers`` for FSDP) with jaxmp's layouts
@@ -48,7 +49,7 @@ import argparse
 import os
 import sys
 
-from benchmarks import _common as common
+from benchmarks import _common as common, _memory_lean as memory_lean
 
 RECIPES = ("fp32-masters", "remainders", "bf16-sr")
 LAYOUTS = ("replicated", "zero", "fsdp")
@@ -209,13 +210,7 @@ GPT2_BATCHES = ((1, 128), (8, 512))
 GPT2_LARGE_BATCH_LAYERS = 4
 
 
-def _compiled_stats(compiled) -> dict:
-    mem = compiled.memory_analysis()
-    stats = {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-                                               "alias_size_in_bytes")}
-    stats["peak_estimate_bytes"] = (stats["argument_size_in_bytes"] + stats["output_size_in_bytes"]
-                                    + stats["temp_size_in_bytes"] - stats["alias_size_in_bytes"])
-    return stats
+_compiled_stats = memory_lean.compiled_stats
 
 
 def measure_gpt2(who: str, layout: str, reduce_dtype, model: str, remat, n: int, batch_per_device: int = 1,
@@ -310,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the GPT-2-small-shaped model: jaxmp's layouts against hand-written ZeRO (compile-only)")
     parser.add_argument("--gpt2-hand-fsdp", action="store_true",
                         help="with --gpt2: also the hand-written scan-over-layers FSDP against jaxmp's at XLA's reduce")
+    parser.add_argument("--lean", action="store_true",
+                        help="the lean recipes at GPT-2-small shape on 8 devices: state bytes per parameter and "
+                        "compiled peak per device, replicated / zero / fsdp (compile-only)")
     parser.add_argument("--step-time", action="store_true",
                         help="also time a step of each layout on a small model (regression-only on CPU)")
     return parser
@@ -333,6 +331,8 @@ def main(argv=None) -> dict:
                                    + " --xla_force_host_platform_device_count=8").strip()
     import jax
 
+    if args.lean:
+        return _main_lean(args, [int(c) for c in args.devices.split(",")] if args.devices else [8])
     size = dict(DRY if args.dry_run else DEFAULT)
     size.update({k: getattr(args, k) for k in ("width", "depth") if getattr(args, k) is not None})
     recipes = common.parse_choices(args.recipes, RECIPES, "recipe")
@@ -401,6 +401,40 @@ def main(argv=None) -> dict:
     if out is None:
         name = "dry_run.json" if args.dry_run else f"memory_{common.device_slug(result['env']['device'])}.json"
         out = str(common.RESULTS_DIR / "memory" / name)
+    common.emit(result, out)
+    return result
+
+
+def _main_lean(args, counts: list[int]) -> dict:
+    import jax
+
+    from benchmarks import _gpt2
+
+    import dataclasses
+
+    shape = _gpt2.TINY if args.dry_run else _gpt2.GPT2_SMALL
+    if args.depth is not None:  # fewer layers: the compiles of a shared 2-core machine (the table says which)
+        shape = dataclasses.replace(shape, layers=args.depth)
+    recipes = common.parse_choices(args.recipes, memory_lean.LEAN_RECIPES, "recipe")
+    layouts = common.parse_choices(args.layouts, LAYOUTS, "layout")
+    n = max(counts)
+    if n > jax.device_count():
+        raise SystemExit(f"--devices asks for {n} devices, JAX has {jax.device_count()}")
+    env = common.jax_env()
+    config = {"shape": str(shape), "devices": n, "optimizer": "adamw", "label": "CPU compile-only"}
+    out = args.out or str(common.RESULTS_DIR / "memory" / ("lean_dry_run.json" if args.dry_run else
+                                                           f"lean_{common.device_slug(env['device'])}.json"))
+    rows = []
+    for recipe in recipes:
+        for layout in layouts:
+            rows.append(memory_lean.measure_lean(recipe, layout, n, shape))
+            common.log(f"lean {recipe} {layout} N={n}: {rows[-1]['bytes_per_param']:.3f} B/param, peak "
+                       f"{rows[-1]['compiled']['peak_estimate_bytes'] / 2**20:.1f} MiB", args.quiet)
+            if out != "-":  # a compile a row: what is done survives an interrupted run
+                common.write_json(out, common.make_result("memory_lean", env, {**config, "partial": True},
+                                                          {"rows": rows}, args.dry_run))
+    print(memory_lean.lean_markdown(rows), flush=True)
+    result = common.make_result("memory_lean", env, config, {"rows": rows}, args.dry_run)
     common.emit(result, out)
     return result
 

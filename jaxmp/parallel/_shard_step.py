@@ -221,6 +221,28 @@ def per_shard_value_and_grad(mesh: Mesh, axis: str, reduce_dtype: Any, layout: s
     return differentiate
 
 
+def gather_in_turn(placed: Any, shardings: Any) -> Any:
+    """ZeRO's new params gathered from their slices one leaf after another (XLA:CPU only).
+
+    XLA:CPU widens a bfloat16 all-gather to float32 and issues every gather of the step before
+    the first convert back, so each param's float32 copy is live at once: 1.167x the
+    hand-written step's peak at the float32 reduce on JAX 0.12 (benchmarks/memory.py --gpt2).
+    Chained through ``optimization_barrier`` (an identity), a leaf's slice is released to its
+    gather only once the previous leaf is gathered and converted, so one float32 copy is live at
+    a time. Other backends keep XLA's schedule: a GPU's scheduler is memory-aware and combines
+    the gathers.
+    """
+    if jax.default_backend() != "cpu":
+        return jax.lax.with_sharding_constraint(placed, shardings)
+    leaves, treedef = jax.tree_util.tree_flatten(placed)
+    out: list = []
+    for x, sharding in zip(leaves, jax.tree_util.tree_leaves(shardings), strict=True):
+        if out:
+            out[-1], x = jax.lax.optimization_barrier((out[-1], x))
+        out.append(jax.lax.with_sharding_constraint(x, sharding))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 class Sharded(Strategy):
     """The sharded-``jit`` layouts' strategy (`jaxmp._step.Strategy`): ``"replicated"``, ``"zero"``, ``"fsdp"``.
 
@@ -239,11 +261,15 @@ class Sharded(Strategy):
       base_specs: the params' specs over the other (model) axes (`param_tree_specs`), read with
         ``reduce_dtype=None`` only.
       remat: the per-layer remat policy (`jaxmp.parallel.scan_layers`).
+      param_shardings: the params' ``NamedSharding`` leaves; under ``"zero"`` the new params are
+        gathered onto them leaf by leaf (`gather_in_turn`).
     """
 
     def __init__(self, mesh: Mesh, axis: str, layout: str, reduce_dtype: Any, grad_specs: Any,
-                 grad_shardings: Any, base_specs: Any, remat: Any):
+                 grad_shardings: Any, base_specs: Any, remat: Any, param_shardings: Any = None):
         self.grad_shardings = grad_shardings
+        # ZeRO's params are gathered from their slices leaf by leaf on XLA:CPU (`gather_in_turn`).
+        self._gather_shardings = param_shardings if layout == "zero" else None
         if reduce_dtype is None:
             self._wrap = global_view_loss(mesh, layout, base_specs, remat)
         else:
@@ -263,4 +289,7 @@ class Sharded(Strategy):
         # Made on the slices the master lives on (the gradients' layout): each device casts its
         # float32 slice and the params are gathered in their own dtype, half the wire bytes of
         # gathering the float32 master and converting after (XLA's choice otherwise).
-        return jax.lax.with_sharding_constraint(params, self.grad_shardings)
+        placed = jax.lax.with_sharding_constraint(params, self.grad_shardings)
+        if self._gather_shardings is None:
+            return placed
+        return gather_in_turn(placed, self._gather_shardings)

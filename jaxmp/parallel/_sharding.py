@@ -290,7 +290,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         p_sh, o_sh = layouts.named_shardings(mesh, p_specs), layouts.named_shardings(mesh, o_specs)
         g_sh = layouts.named_shardings(mesh, g_specs)
         base_specs = layouts.param_tree_specs(params, param_specs) if reduce_dtype is None else None
-        strategy = shard_step.Sharded(mesh, axis, layout, reduce_dtype, g_specs, g_sh, base_specs, remat)
+        strategy = shard_step.Sharded(mesh, axis, layout, reduce_dtype, g_specs, g_sh, base_specs, remat,
+                                      param_shardings=p_sh)
         common = {"has_aux": has_aux, "with_model_state": model_state}
         first = (p_sh, rep) if model_state else p_sh
         jitted = jax.jit(make_loss_fn_step(loss_fn, tx, strategy, with_rng=False, **common),

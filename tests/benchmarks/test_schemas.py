@@ -47,6 +47,7 @@ SOURCES = {
     "fidelity": lambda: _load("fidelity/fidelity_cpu.json"),
     "memory": lambda: _load("memory/memory_cpu.json"),
     "memory_gpt2": lambda: _load("memory/gpt2_cpu.json"),
+    "memory_lean": lambda: _load("memory/lean_cpu.json"),
     "fp8": _fp8_result,
     "fp8_blocks": _fp8_blocks_result,
 }
@@ -97,6 +98,7 @@ CORRUPTIONS = [
     ("memory", ("results", "rows"), [], "results.rows is not a non-empty list: []"),
     ("memory_gpt2", ("results", "rows", 1, "compiled", "peak_estimate_bytes"), 1.5,
      "results.rows[1].compiled.peak_estimate_bytes is not an int: 1.5"),
+    ("memory_lean", ("results", "rows", 2, "bytes_per_param"), _DELETE, "results.rows[2]: missing key 'bytes_per_param'"),
     ("fp8", ("results", "models", "mlp", "variants", "fp8", "fp8_state", "amaxes_recorded_min"), 0,
      "results.models.mlp.variants.fp8.fp8_state.amaxes_recorded_min is not a positive number: 0"),
     ("fp8", ("results", "models", "mlp", "variants", "fp8", "max_rel_loss_gap_last_half"), _DELETE,

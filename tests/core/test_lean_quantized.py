@@ -337,6 +337,23 @@ def test_presets_with_multisteps_move_every_second_step_and_learn(name):
     assert float(_loss(params, x, y)) < first
 
 
+def test_multisteps_goes_outside_the_quantized_moments_so_the_accumulator_stays_float32():
+    # docs/lean-recipes.md#gradient-accumulation: MultiSteps(quantized_moments(adamw)) keeps the
+    # gradient accumulator float32 (only Adam's moments become codes), as the presets'
+    # accumulate_steps does; the other order classes the accumulator as one more signed state leaf
+    # and stores the sum of the mini-batch gradients in 8 bits, requantized on every mini-step.
+    params = {"w": jax.ShapeDtypeStruct((64, 128), BF16)}
+    dtypes = lambda tx: {jax.tree_util.keystr(p): x.dtype for p, x in  # noqa: E731
+                         jax.tree_util.tree_leaves_with_path(jax.eval_shape(tx.init, params))}
+    outside = dtypes(optax.MultiSteps(lean.quantized_moments(optax.adamw(1e-3)), 2).gradient_transformation())
+    inside = dtypes(lean.quantized_moments(optax.MultiSteps(optax.adamw(1e-3), 2).gradient_transformation()))
+    preset = dtypes(lean.preset("remainders-8bit", optax.adamw(1e-3), accumulate_steps=2))
+    acc = lambda d: [v for k, v in d.items() if "acc_grads" in k and "absmax" not in k]  # noqa: E731
+    moments = lambda d: [v for k, v in d.items() if k.endswith(("mu['w']", "nu['w']")) and "absmax" not in k]  # noqa: E731
+    assert acc(outside) == acc(preset) == [np.dtype(np.float32)] and acc(inside) == [np.dtype(np.uint8)]
+    assert moments(outside) == moments(inside) == moments(preset) == [np.dtype(np.uint8)] * 2
+
+
 def test_inject_hyperparams_and_chain_with_clipping_inside():
     """The hyperparameters stay float32 scalars a schedule can set; clipping runs before the quantized
     Adam; after one step the dequantized moments are float32 Adam's to within half a map gap per block."""
