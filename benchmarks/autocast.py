@@ -256,10 +256,13 @@ def run(args) -> dict:
     for m in models:
         results[m] = measure_model(m, sizes, variants, args.half, timing, args.quiet)
         common.log(summary(m, results[m]), args.quiet)
+    # The machine may be shared: the load at the end beside the one at the start (env), so a
+    # reader can tell a quiet run from a busy one; the ratios are of interleaved runs.
+    results_end = {"load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     config = {"sizes": {m: sizes[m] for m in models}, "timing": timing, "variants": variants, "half": args.half,
               "step": "jit(value_and_grad(variant(loss)))(params, x, y), params float32",
               "policy": f"O1-{args.half}"}
-    return common.make_result("autocast", env, config, {"models": results}, args.dry_run)
+    return common.make_result("autocast", env, config, {"models": results, **results_end}, args.dry_run)
 
 
 def summary(name: str, r: dict) -> str:
