@@ -128,7 +128,11 @@ def variant_factory(variant: str, model, half_name: str):
 
 
 def _compile_once(factory, params, batch):
-    """(trace s, trace+lower+compile s, compiled) for a fresh wrapper."""
+    """(trace s, trace+lower+compile s, compiled, trace CPU s, trace+lower+compile CPU s) for a fresh wrapper.
+
+    The CPU times (``time.process_time``: this process, all threads) are what other processes on
+    a shared machine do not inflate; the wall times are kept beside them.
+    """
     import jax
 
     fn = factory()
@@ -138,12 +142,12 @@ def _compile_once(factory, params, batch):
     gc.collect()
     # stdout silenced for every variant alike: grampax 0.1.0 prints its arrays while tracing.
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         traced = jax.jit(jax.value_and_grad(fn)).trace(params, *batch)
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         compiled = traced.lower().compile()
-        t2 = time.perf_counter()
-    return t1 - t0, t2 - t0, compiled
+        c2, t2 = time.process_time(), time.perf_counter()
+    return t1 - t0, t2 - t0, compiled, c1 - c0, c2 - c0
 
 
 def _rel_errors(out, ref) -> dict:
@@ -202,6 +206,8 @@ def measure_model(name: str, sizes: dict, variants: list[str], half: str, timing
         out["variants"][v] = {
             "trace_s": statistics.median(r[0] for r in vruns),
             "trace_lower_compile_s": statistics.median(r[1] for r in vruns),
+            "trace_cpu_s": statistics.median(r[3] for r in vruns),
+            "trace_lower_compile_cpu_s": statistics.median(r[4] for r in vruns),
             "hlo_converts": len(_CONVERT.findall(c.as_text())),
             "temp_bytes": mem.get("temp_size_in_bytes"), "peak_bytes_estimate": mem.get("estimated_peak_bytes"),
             **_rel_errors(result, ref)}

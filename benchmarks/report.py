@@ -219,9 +219,13 @@ def evaluate_targets(res: dict[str, list[tuple[str, dict]]]) -> list[dict]:
             if not (a and h):
                 continue
             where = f"{r['env']['device']}, load {_load(r)} ({n})"
+            # CPU times where recorded: other processes on a shared machine do not inflate them.
+            cpu = "trace_cpu_s" in a and "trace_cpu_s" in h
+            tr, tlc, clock = (("trace_cpu_s", "trace_lower_compile_cpu_s", " (CPU time)") if cpu
+                              else ("trace_s", "trace_lower_compile_s", ""))
             checks = [("step / hand <= 1.02", a.get("step_vs_hand", {}).get("median"), 1.02),
-                      ("trace / hand trace <= 1.5", a["trace_s"] / h["trace_s"], 1.5),
-                      ("trace+lower+compile / hand's <= 1.1", a["trace_lower_compile_s"] / h["trace_lower_compile_s"], 1.1),
+                      (f"trace / hand trace <= 1.5{clock}", a[tr] / h[tr], 1.5),
+                      (f"trace+lower+compile / hand's <= 1.1{clock}", a[tlc] / h[tlc], 1.1),
                       ("HLO converts <= the hand cast's", a["hlo_converts"] / max(h["hlo_converts"], 1), 1.0)]
             for what, x, limit in checks:
                 if x is None:
