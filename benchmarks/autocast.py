@@ -30,7 +30,8 @@ Variants (each gives ``loss'`` with the loss's signature; the step is
   why; they are not jaxmp dependencies: install them in a scratch virtualenv).
 
 Per variant: the compiled step time (``--rounds`` blocks of ``--steps`` steps, variants
-interleaved with a rotating order in one process; median and IQR), the trace time and the
+interleaved with a rotating order in one process; median and IQR; CPU time on the CPU backend,
+``step_clock``), the trace time and the
 trace + lower + compile time of the step (medians of ``--compile-repeats`` fresh wrappers, each
 after a ``gc.collect()``), the number of ``convert`` instructions in the compiled HLO, the
 compiled step's memory (``memory_analysis()``: temporaries and arguments + outputs +
@@ -223,13 +224,18 @@ def measure_model(name: str, sizes: dict, variants: list[str], half: str, timing
 def _time_steps(compiled: dict, model, timing: dict, out: dict) -> None:
     import jax
 
+    # CPU time on the CPU backend (this process, all threads: other processes on a shared machine
+    # do not inflate it), wall time on accelerators, whose kernels no host clock sees.
+    clock = time.process_time if jax.default_backend() == "cpu" else time.perf_counter
+    out["step_clock"] = "cpu" if clock is time.process_time else "wall"
+
     def block(c):
         def run():
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(timing["steps"]):
                 r = c(model.params, *model.batch)
             jax.block_until_ready(r)
-            return (time.perf_counter() - t0) / timing["steps"]
+            return (clock() - t0) / timing["steps"]
         return run
 
     for c in compiled.values():
