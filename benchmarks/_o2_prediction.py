@@ -29,7 +29,6 @@ def optimizer_step_bytes(half: str) -> dict:
     import optax
 
     import jaxmp
-    from jaxmp._transform import update_and_apply
 
     dtype = jnp.bfloat16 if half == "bf16" else jnp.float16
     params = {k: jnp.zeros(s, dtype) for k, s in SHAPES.items()}
@@ -60,7 +59,7 @@ def optimizer_step_bytes(half: str) -> dict:
         masters = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
         floor = bytes_of(hand, (masters, inner.init(masters), jnp.float32(2.0 ** 15)))
         tx = jaxmp.loss_scaling(inner, "none" if half == "bf16" else "dynamic", master_weights=True)
-        ours = bytes_of(lambda g, s, p: update_and_apply(tx, g, s, p), tx.init(params))
+        ours = bytes_of(lambda g, s, p: tx.update_and_apply(g, s, p), tx.init(params))
     return {"params": n, "floor_bytes_per_param": floor, "jaxmp_bytes_per_param": ours, "ratio": ours / floor}
 
 
