@@ -30,7 +30,8 @@ Variants (each gives ``loss'`` with the loss's signature; the step is
   why; they are not jaxmp dependencies: install them in a scratch virtualenv).
 
 Per variant: the compiled step time (``--rounds`` blocks of ``--steps`` steps, variants
-interleaved with a rotating order in one process; median and IQR), the trace time and the
+interleaved with a rotating order in one process; median and IQR; CPU time on the CPU backend,
+``step_clock``), the trace time and the
 trace + lower + compile time of the step (medians of ``--compile-repeats`` fresh wrappers, each
 after a ``gc.collect()``), the number of ``convert`` instructions in the compiled HLO, the
 compiled step's memory (``memory_analysis()``: temporaries and arguments + outputs +
@@ -128,7 +129,11 @@ def variant_factory(variant: str, model, half_name: str):
 
 
 def _compile_once(factory, params, batch):
-    """(trace s, trace+lower+compile s, compiled) for a fresh wrapper."""
+    """(trace s, trace+lower+compile s, compiled, trace CPU s, trace+lower+compile CPU s) for a fresh wrapper.
+
+    The CPU times (``time.process_time``: this process, all threads) are what other processes on
+    a shared machine do not inflate; the wall times are kept beside them.
+    """
     import jax
 
     fn = factory()
@@ -138,12 +143,12 @@ def _compile_once(factory, params, batch):
     gc.collect()
     # stdout silenced for every variant alike: grampax 0.1.0 prints its arrays while tracing.
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         traced = jax.jit(jax.value_and_grad(fn)).trace(params, *batch)
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         compiled = traced.lower().compile()
-        t2 = time.perf_counter()
-    return t1 - t0, t2 - t0, compiled
+        c2, t2 = time.process_time(), time.perf_counter()
+    return t1 - t0, t2 - t0, compiled, c1 - c0, c2 - c0
 
 
 def _rel_errors(out, ref) -> dict:
@@ -202,6 +207,8 @@ def measure_model(name: str, sizes: dict, variants: list[str], half: str, timing
         out["variants"][v] = {
             "trace_s": statistics.median(r[0] for r in vruns),
             "trace_lower_compile_s": statistics.median(r[1] for r in vruns),
+            "trace_cpu_s": statistics.median(r[3] for r in vruns),
+            "trace_lower_compile_cpu_s": statistics.median(r[4] for r in vruns),
             "hlo_converts": len(_CONVERT.findall(c.as_text())),
             "temp_bytes": mem.get("temp_size_in_bytes"), "peak_bytes_estimate": mem.get("estimated_peak_bytes"),
             **_rel_errors(result, ref)}
@@ -217,13 +224,18 @@ def measure_model(name: str, sizes: dict, variants: list[str], half: str, timing
 def _time_steps(compiled: dict, model, timing: dict, out: dict) -> None:
     import jax
 
+    # CPU time on the CPU backend (this process, all threads: other processes on a shared machine
+    # do not inflate it), wall time on accelerators, whose kernels no host clock sees.
+    clock = time.process_time if jax.default_backend() == "cpu" else time.perf_counter
+    out["step_clock"] = "cpu" if clock is time.process_time else "wall"
+
     def block(c):
         def run():
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(timing["steps"]):
                 r = c(model.params, *model.batch)
             jax.block_until_ready(r)
-            return (time.perf_counter() - t0) / timing["steps"]
+            return (clock() - t0) / timing["steps"]
         return run
 
     for c in compiled.values():
@@ -241,9 +253,9 @@ def _ratios(out: dict) -> None:
         if "hand" in vs and "step_time_s" in r:
             paired = common.paired_ratios(r["samples_s"], vs["hand"]["samples_s"])
             r["step_vs_hand"] = common.summarize(paired)
-        if "float32" in vs:
-            r["trace_vs_float32"] = r["trace_s"] / vs["float32"]["trace_s"]
-            r["tlc_vs_float32"] = r["trace_lower_compile_s"] / vs["float32"]["trace_lower_compile_s"]
+        if "float32" in vs:  # in CPU time (the wall times are in trace_s, trace_lower_compile_s)
+            r["trace_vs_float32"] = r["trace_cpu_s"] / vs["float32"]["trace_cpu_s"]
+            r["tlc_vs_float32"] = r["trace_lower_compile_cpu_s"] / vs["float32"]["trace_lower_compile_cpu_s"]
 
 
 def run(args) -> dict:
@@ -256,10 +268,13 @@ def run(args) -> dict:
     for m in models:
         results[m] = measure_model(m, sizes, variants, args.half, timing, args.quiet)
         common.log(summary(m, results[m]), args.quiet)
+    # The machine may be shared: the load at the end beside the one at the start (env), so a
+    # reader can tell a quiet run from a busy one; the ratios are of interleaved runs.
+    results_end = {"load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     config = {"sizes": {m: sizes[m] for m in models}, "timing": timing, "variants": variants, "half": args.half,
               "step": "jit(value_and_grad(variant(loss)))(params, x, y), params float32",
               "policy": f"O1-{args.half}"}
-    return common.make_result("autocast", env, config, {"models": results}, args.dry_run)
+    return common.make_result("autocast", env, config, {"models": results, **results_end}, args.dry_run)
 
 
 def summary(name: str, r: dict) -> str:

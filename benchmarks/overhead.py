@@ -27,6 +27,13 @@ Variants (all jitted whole train steps, params and optimizer state donated):
   master_weights=True)`` on the same bf16 params: the train-step builder, the README loop
   (``tx.update`` + ``jaxmp.apply_updates``) and that loop with ``update_and_apply``; compared
   with ``hand-masters`` in time and in bytes, temporaries and peak (``o2_vs_hand_masters``);
+* ``hand-masters-fp16`` -- the O2-fp16 floor: float16 params, the loss scaled by a dynamic scale
+  by hand (x2 after 2000 finite steps, /2 on a skip), the gradients unscaled in float32, AdamW on
+  float32 masters under ``lax.cond(finite, ...)``, the new params cast from the masters;
+* ``jaxmp-o2-fp16`` -- ``loss_scaling(chain, DynamicLossScale(), master_weights=True)`` on the
+  same float16 params through the train-step builder; compared with ``hand-masters-fp16``
+  (``o2_vs_hand_masters``). Its update check (a master past float16's range would make an inf
+  param) is what it pays beyond the floor: docs/benchmarks.md#the-o2-optimizer-step;
 * ``jaxmp-noop-probe`` (not in the default set) -- a control: ``jaxmp-noop`` that also returns
   the sum of the batch's labels, one tiny reduction independent of the rest of the step. It adds
   no work worth timing; if it moves the step time, the time is set by where XLA's CPU runtime
@@ -41,7 +48,9 @@ Every step is finite, so all variants do the same arithmetic except the loss-sca
 machinery. Timing: warm-up (compilation and a few steps) excluded, blocks of ``--steps``
 steps closed by ``jax.block_until_ready``, ``--rounds`` rounds with the variants in rotating
 order (ABCD, BCDA, ...), median and spread per variant, and per-round (paired) ratios.
-Target: ``jaxmp/hand-skip`` median <= 1.01 (jaxmp costs no more than skipping by hand).
+Target: ``jaxmp/hand-skip`` median <= 1.01 (jaxmp costs no more than skipping by hand), printed
+last. The clock is CPU time on the CPU backend (``--clock auto``): on a shared machine other
+processes inflate wall time by tens of percent from block to block, not this process's CPU time.
 """
 
 from __future__ import annotations
@@ -61,7 +70,7 @@ DEFAULTS = {
 }
 DRY = dict(model="mlp", width=32, depth=1, batch_size=8, rounds=3, steps=2, warmup_steps=1)
 VARIANTS = ("bare", "floor", "hand-skip", "jmp", "jaxmp", "jaxmp-noop", "jaxmp-optax",
-            "hand-masters", "jaxmp-o2", "jaxmp-o2-optax", "jaxmp-o2-fused")
+            "hand-masters", "jaxmp-o2", "jaxmp-o2-optax", "jaxmp-o2-fused", "hand-masters-fp16", "jaxmp-o2-fp16")
 EXTRA_VARIANTS = ("jaxmp-noop-probe",)  # controls, run only when asked for
 
 
@@ -253,6 +262,41 @@ def make_variants(cfg: dict):
         p, o = tx_o2_loop.update_and_apply(g, o, p)
         return (p, o), loss
 
+    # O2-fp16: float16 params, float32 masters and state, a dynamic loss scale.
+    f16 = lambda t: jax.tree_util.tree_map(lambda x: x.astype(jnp.float16), t)  # noqa: E731
+    params_fp16 = f16(params)
+
+    def loss_fp16(p, batch):
+        bx, by = batch
+        logits = model.apply({"params": p}, bx.astype(jnp.float16)).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, by).mean()
+
+    def hand_masters_fp16_step(state, batch):
+        # The O2-fp16 floor by hand: scaled loss, float32 unscale, the skip, AdamW on float32 masters.
+        p, m, o, (scale, good) = state
+        sloss, g = jax.value_and_grad(lambda p_: loss_fp16(p_, batch) * scale)(p)
+        g = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) / scale, g)
+        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(g)]))
+
+        def apply(mo):
+            u, new_o = tx_masters.update(g, mo[1], mo[0])
+            return optax.apply_updates(mo[0], u), new_o
+
+        m, o = jax.lax.cond(finite, apply, lambda mo: mo, (m, o))
+        good = jnp.where(finite, good + 1, 0)
+        grow = good >= 2000
+        scale = jnp.where(finite, jnp.where(grow, scale * 2, scale), jnp.maximum(scale / 2, 1.0))
+        return (f16(m), m, o, (scale, jnp.where(grow, 0, good))), sloss / state[3][0]
+
+    tx_o2_fp16 = jaxmp.loss_scaling(chain(), loss_scale=jaxmp.DynamicLossScale(), master_weights=True,
+                                    skip_with=cfg.get("skip_with", "auto"))
+    body_o2_fp16 = make_step(lambda p_, s_, b_, r_: (loss_fp16(p_, b_), (s_, None)), tx_o2_fp16)
+
+    def o2_fp16_step(state, batch):
+        p, o = state
+        out = body_o2_fp16(p, None, o, batch)
+        return (out.params, out.opt_state), out.loss
+
     copy = lambda t: jax.tree_util.tree_map(jnp.array, t)  # noqa: E731 - fresh buffers per variant
     init = {
         "bare": lambda: (copy(params), tx_bare.init(copy(params))),
@@ -267,10 +311,14 @@ def make_variants(cfg: dict):
         "jaxmp-o2": lambda: (copy(params16), tx_o2.init(copy(params16))),
         "jaxmp-o2-optax": lambda: (copy(params16), tx_o2_loop.init(copy(params16))),
         "jaxmp-o2-fused": lambda: (copy(params16), tx_o2_loop.init(copy(params16))),
+        "hand-masters-fp16": lambda: (copy(params_fp16), f32(params_fp16), tx_masters.init(f32(params_fp16)),
+                                      (jnp.float32(2**15), jnp.int32(0))),
+        "jaxmp-o2-fp16": lambda: (copy(params_fp16), tx_o2_fp16.init(copy(params_fp16))),
     }
     fns = {"bare": bare_step, "floor": floor_step, "hand-skip": hand_skip_step, "jmp": jmp_step, "jaxmp": jaxmp_step, "jaxmp-noop": noop_step,
            "jaxmp-optax": optax_step, "jaxmp-noop-probe": noop_probe_step, "hand-masters": hand_masters_step,
-           "jaxmp-o2": o2_step, "jaxmp-o2-optax": o2_optax_step, "jaxmp-o2-fused": o2_fused_step}
+           "jaxmp-o2": o2_step, "jaxmp-o2-optax": o2_optax_step, "jaxmp-o2-fused": o2_fused_step,
+           "hand-masters-fp16": hand_masters_fp16_step, "jaxmp-o2-fp16": o2_fp16_step}
     steps = {n: jax.jit(fns[n], **donate) for n in cfg["variants"]}
     inits = {n: init[n] for n in cfg["variants"]}
     info = {"n_params": n_params, "input_shape": [cfg["batch_size"], *in_shape], "policy": str(policy)}
@@ -305,6 +353,22 @@ def compiled_stats(step, state, batch) -> dict:
         "total_fusion_computations": text.count("fused_computation"),
         **_memory(compiled),
     }
+
+
+def o2_floor(variant: str) -> str:
+    """The hand-written floor an O2 variant is compared with (float16 params: the fp16 one)."""
+    return "hand-masters-fp16" if variant.endswith("-fp16") else "hand-masters"
+
+
+def _o2_ratios(stats: dict) -> dict:
+    """Bytes accessed, temporaries and peak of each O2 variant over its hand-written floor's."""
+    out = {}
+    for n in stats:
+        ref = stats.get(o2_floor(n), {})
+        if n.startswith("jaxmp-o2") and ref:
+            out[n] = {k: stats[n][k] / ref[k] for k in ("bytes_accessed", "temp_bytes", "peak_bytes")
+                      if stats[n].get(k) and ref.get(k)}
+    return out
 
 
 def _memory(compiled) -> dict:
@@ -407,7 +471,7 @@ def run(cfg: dict, quiet: bool = False) -> dict:
     import jaxmp
 
     skipped = {}
-    for n in ("jaxmp", "jaxmp-noop", "jaxmp-optax", "jaxmp-noop-probe"):
+    for n in ("jaxmp", "jaxmp-noop", "jaxmp-optax", "jaxmp-noop-probe", "jaxmp-o2-fp16"):
         if n in states:
             skipped[n] = int(jaxmp.scaling_stats(states[n][1])["total_skips"])
 
@@ -417,7 +481,8 @@ def run(cfg: dict, quiet: bool = False) -> dict:
              ("jaxmp-noop", "bare"), ("jaxmp-noop", "floor"), ("jaxmp-optax", "floor"),
              ("jaxmp-noop-probe", "floor"), ("hand-skip", "floor"), ("jaxmp-noop", "hand-skip"),
              ("jaxmp", "hand-skip"), ("jaxmp-optax", "hand-skip"), ("jaxmp-o2", "hand-masters"),
-             ("jaxmp-o2-optax", "hand-masters"), ("jaxmp-o2-fused", "hand-masters")]
+             ("jaxmp-o2-optax", "hand-masters"), ("jaxmp-o2-fused", "hand-masters"),
+             ("jaxmp-o2-fp16", "hand-masters-fp16")]
     for a, b in pairs:
         if a in samples and b in samples:
             ratios[f"{a}/{b}"] = common.summarize(common.paired_ratios(samples[a], samples[b]))
@@ -442,10 +507,7 @@ def run(cfg: dict, quiet: bool = False) -> dict:
         "bytes_vs_floor": {n: st["bytes_accessed"] / stats["floor"]["bytes_accessed"] for n, st in stats.items()
                            if "floor" in stats and st.get("bytes_accessed") and stats["floor"].get("bytes_accessed")},
         # The O2 variants' bytes and temporaries over the hand-written masters + skip step's.
-        "o2_vs_hand_masters": {n: {k: stats[n][k] / stats["hand-masters"][k] for k in ("bytes_accessed", "temp_bytes",
-                                                                                       "peak_bytes")
-                                   if stats[n].get(k) and stats["hand-masters"].get(k)}
-                               for n in stats if n.startswith("jaxmp-o2") and "hand-masters" in stats},
+        "o2_vs_hand_masters": _o2_ratios(stats),
         "skipped_steps": skipped,
         **({"kernel_us_per_step_by_thread": by_thread} if by_thread is not None else {}),
         "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -457,6 +519,11 @@ def run(cfg: dict, quiet: bool = False) -> dict:
             "pass": bool(measured <= limit),
         },
     }
+
+
+def _load_text(results: dict) -> str:
+    end = results.get("load_average_end")
+    return f"{end[0]:.2f} (1-minute average at the end)" if end else "unknown"
 
 
 def main(argv=None) -> dict:
@@ -479,14 +546,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip-with", choices=("auto", "cond", "select"), default="auto",
                         help="how jaxmp's variants skip a non-finite step (jaxmp.loss_scaling's skip_with; "
                              "auto: cond except on GPU)")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+    parser.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                         help="wall: time.perf_counter; cpu: time.process_time (CPU seconds of this process, all "
-                             "threads), which other processes on a shared machine do not inflate")
+                             "threads), which other processes on a shared machine do not inflate; auto (default): "
+                             "cpu on the CPU backend, wall on accelerators (whose kernels no host clock sees)")
     args = parser.parse_args(argv)
 
     import jax
 
     platform = jax.devices()[0].platform
+    if args.clock == "auto":
+        args.clock = "cpu" if platform == "cpu" else "wall"
     base = dict(DRY if args.dry_run else DEFAULTS["cpu" if platform == "cpu" else "gpu"])
     for k in ("model", "width", "depth", "batch_size", "rounds", "steps", "warmup_steps"):
         v = getattr(args, k)
@@ -530,7 +600,14 @@ def main(argv=None) -> dict:
                      f"  min/max [{s['min']:.4f}, {s['max']:.4f}]  (ratio of medians {results['ratio_of_medians'][n]:.4f})")
     for n, pools in results.get("kernel_us_per_step_by_thread", {}).items():
         lines.append(f"  kernels per step {n:16s} " + ", ".join(f"{k} {v:.0f} us" for k, v in pools.items()))
-    lines.append(f"  target {t['what'].split()[3]} <= {t['limit']}: {'PASS' if t['pass'] else 'FAIL'} ({t['measured']:.4f})")
+    key = t["what"].split()[3]
+    r = results["ratios"][key]
+    floor = key.split("/")[1]
+    lines.append(f"  jaxmp vs its floor ({floor}{': skip-on-overflow by hand, optax + lax.cond' if floor == 'hand-skip' else ''}): "
+                 f"{t['measured']:.4f}x, median of {len(results['samples_s']['jaxmp'])} paired interleaved rounds "
+                 f"(IQR {r['q25']:.4f}-{r['q75']:.4f}), {cfg['clock']} time; load {_load_text(results)}")
+    lines.append(f"  target {key} <= {t['limit']} (jaxmp within {100 * (t['limit'] - 1):.0f}% of its floor): "
+                 f"{'PASS' if t['pass'] else 'FAIL'} ({t['measured']:.4f})")
     print("\n".join(lines), flush=True)
 
     out = args.out

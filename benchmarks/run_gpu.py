@@ -26,6 +26,27 @@ from benchmarks import report
 from benchmarks import throughput
 
 
+#: Issue 50's prediction for the GPU (benchmarks/README.md#gpu-prediction-for-issue-50-items-2-and-3-to-be-checked-by-the-gpu-issue):
+#: bytes per param measured on the CPU programs (``python -m benchmarks._o2_prediction``), what
+#: the GPU's own figures should show. Recorded in the suite's JSON (``config.predictions``) beside
+#: the overhead part's ``o2_vs_hand_masters``, which checks the ratios on the GPU's programs.
+PREDICTIONS = (
+    {"what": "O2-bf16 optimizer step bytes per param (fused, AdamW, half gradients in)", "predicted": 46.0,
+     "before": 88.0, "check": "python -m benchmarks._o2_prediction (bf16.jaxmp_bytes_per_param)"},
+    {"what": "O2-fp16 optimizer step bytes per param (fused, AdamW, dynamic loss scale)", "predicted": 62.0,
+     "before": 88.0, "check": "python -m benchmarks._o2_prediction (fp16.jaxmp_bytes_per_param)"},
+    {"what": "jaxmp-o2 / hand-masters bytes accessed, overhead.py train step", "predicted": "<= 1.05",
+     "check": "overhead part: o2_vs_hand_masters['jaxmp-o2'].bytes_accessed"},
+    {"what": "jaxmp-o2-fp16 / hand-masters-fp16 bytes accessed, overhead.py train step", "predicted": "<= 1.3",
+     "check": "overhead part: o2_vs_hand_masters['jaxmp-o2-fp16'].bytes_accessed"},
+    {"what": "bytes saved per O2-bf16 optimizer step, GPT-2 small (124.4M) / 1B params", "predicted": [5.23e9, 42.0e9]},
+    {"what": "bytes saved per O2-fp16 optimizer step, GPT-2 small (124.4M) / 1B params", "predicted": [3.24e9, 26.0e9]},
+    {"what": "ZeRO all-gather bytes per param (bf16, not the float32 master)", "predicted": 2.0, "before": 4.0,
+     "check": "python -m benchmarks._o2_prediction (zero_gather.jaxmp_bytes_per_param), 8 devices"},
+    {"what": "ZeRO wire bytes saved per step per device, 8 devices, GPT-2 small / 1B", "predicted": [218e6, 1.75e9]},
+)
+
+
 def _script(name: str, argv: list[str], timeout: float, out: Path) -> dict:
     """Runs ``python -m benchmarks.<name> argv --out out`` in a fresh process and returns its JSON.
 
@@ -116,7 +137,8 @@ def _suite(args, argv, tp, tr, ov, old) -> dict:
         ov = ov or old["results"].get("overhead")
     return common.make_result(
         "gpu_suite", tp["env"],
-        {"argv": argv if argv is not None else sys.argv[1:], "parts": ["throughput", "torch_amp", "overhead"]},
+        {"argv": argv if argv is not None else sys.argv[1:], "parts": ["throughput", "torch_amp", "overhead"],
+         "predictions": list(PREDICTIONS)},
         {"throughput": tp, "torch_amp": tr or torch_missing(args), "overhead": ov, "comparison": comparison(tp, tr)},
         args.dry_run)
 
