@@ -65,26 +65,20 @@ def optimizer_step_bytes(half: str) -> dict:
 
 def zero_gather_elements() -> dict:
     """Elements all-gathered per step per dtype over params, jaxmp's ZeRO step and the hand-written one."""
-    import importlib.util
-    import pathlib
-
     import jax
     import optax
 
     import jaxmp
+    from benchmarks import _zero_gathers as t
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "tests" / "parallel" / "test_gather_dtypes.py"
-    spec = importlib.util.spec_from_file_location("_gather_dtypes", path)
-    t = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(t)
-    mesh, params, batch = t._setup()
+    mesh, params, batch = t.setup()
     n = sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
     with jax.numpy_dtype_promotion("standard"):
         tx = jaxmp.loss_scaling(optax.adamw(1e-3), "none", master_weights=True)
-        step = jaxmp.parallel.make_sharded_train_step(t._loss, tx, mesh, layout="zero")
+        step = jaxmp.parallel.make_sharded_train_step(t.loss, tx, mesh, layout="zero")
         p, s = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)
-        ours = t._gathers(step.lower(p, s, batch))
-        hand = t._hand_written_zero()
+        ours = t.gathers(step.lower(p, s, batch))
+        hand = t.hand_written_zero_gathers()
 
     def per_param(c):
         return {k: v / n for k, v in c.items()}

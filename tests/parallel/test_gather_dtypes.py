@@ -8,63 +8,21 @@ that program in-process on every JAX of the matrix (jaxmp/engine/_tested.py).
 """
 
 import collections
-import glob
-import re
-import tempfile
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
 import jaxmp
+from benchmarks import _zero_gathers
+from benchmarks._zero_gathers import LAYERS, WIDTH, gathers as _gathers, loss as _loss, setup as _setup
 
 pytestmark = pytest.mark.standard_promotion(reason='optax.adamw bias correction: Python float ** int32 count')
-
-BF16 = jnp.bfloat16
-WIDTH = 128   # 128 x 128 weights: sharded over 8 devices (min_shard_size 1024)
-LAYERS = 2
-
-
-def _gathers(lowered) -> collections.Counter:
-    """Elements all-gathered per dtype, in the program just before float-normalization-bf16."""
-    with tempfile.TemporaryDirectory() as d:
-        lowered.compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "float-normalization-bf16"})
-        (path,) = glob.glob(d + "/*before_float-normalization-bf16.txt")
-        text = open(path).read()
-    counts: collections.Counter = collections.Counter()
-    for dtype, dims in re.findall(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^ ]* all-gather(?:-start)?\(", text):
-        counts[dtype] += int(np.prod([int(x) for x in dims.split(",") if x]))
-    return counts
-
-
-def _loss(p, b):
-    x = b["x"]
-    for i in range(LAYERS):
-        x = jnp.tanh((x.astype(BF16) @ p[f"w{i}"]).astype(jnp.float32))
-    return jnp.mean(x ** 2)
-
-
-def _setup():
-    mesh = jaxmp.parallel.make_data_mesh()
-    params = {f"w{i}": jnp.zeros((WIDTH, WIDTH), BF16) for i in range(LAYERS)}
-    batch = jaxmp.parallel.make_global_batch({"x": np.ones((16, WIDTH), np.float32)}, mesh)
-    return mesh, params, batch
 
 
 @pytest.fixture(scope="module")
 def hand_written_zero() -> collections.Counter:
-    """The gathers of a hand-written ZeRO step, lowered once for both layouts' tests.
-
-    What a user writes: bf16 params replicated, float32 masters and AdamW state on slices, the
-    new params cast from the updated masters and replicated (XLA gathers the float32 master)."""
-    from benchmarks import _gpt2
-
-    mesh, params, batch = _setup()
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    jitted, (p, m, o) = _gpt2.hand_written_step(_loss, abstract, mesh, "zero", None)
-    return _gathers(jitted.lower(p, m, o, batch))
+    """The gathers of a hand-written ZeRO step, lowered once for both layouts' tests."""
+    return _zero_gathers.hand_written_zero_gathers()
 
 
 @pytest.mark.parametrize("layout", ["zero", "fsdp"])

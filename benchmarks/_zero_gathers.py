@@ -1,0 +1,62 @@
+"""The all-gathers of a ZeRO step, counted per dtype from the program XLA partitions.
+
+Shared by tests/parallel/test_gather_dtypes.py (jaxmp gathers half params as half) and
+benchmarks/_o2_prediction.py (the wire bytes a bf16 gather saves). The count is read just before
+XLA:CPU's ``float-normalization-bf16`` pass, which widens every bf16 collective to float32 on
+the CPU (the final CPU HLO shows float32 gathers for both).
+"""
+
+import collections
+import glob
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxmp
+
+BF16 = jnp.bfloat16
+WIDTH = 128   # 128 x 128 weights: sharded over 8 devices (min_shard_size 1024)
+LAYERS = 2
+
+
+def gathers(lowered) -> collections.Counter:
+    """Elements all-gathered per dtype, in the program just before float-normalization-bf16."""
+    with tempfile.TemporaryDirectory() as d:
+        lowered.compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "float-normalization-bf16"})
+        (path,) = glob.glob(d + "/*before_float-normalization-bf16.txt")
+        text = open(path).read()
+    counts: collections.Counter = collections.Counter()
+    for dtype, dims in re.findall(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^ ]* all-gather(?:-start)?\(", text):
+        counts[dtype] += int(np.prod([int(x) for x in dims.split(",") if x]))
+    return counts
+
+
+def loss(p, b):
+    x = b["x"]
+    for i in range(LAYERS):
+        x = jnp.tanh((x.astype(BF16) @ p[f"w{i}"]).astype(jnp.float32))
+    return jnp.mean(x ** 2)
+
+
+def setup():
+    mesh = jaxmp.parallel.make_data_mesh()
+    params = {f"w{i}": jnp.zeros((WIDTH, WIDTH), BF16) for i in range(LAYERS)}
+    batch = jaxmp.parallel.make_global_batch({"x": np.ones((16, WIDTH), np.float32)}, mesh)
+    return mesh, params, batch
+
+
+
+def hand_written_zero_gathers() -> collections.Counter:
+    """The gathers of a hand-written ZeRO step on `setup`'s model.
+
+    What a user writes: bf16 params replicated, float32 masters and AdamW state on slices, the
+    new params cast from the updated masters and replicated (XLA gathers the float32 master)."""
+    from benchmarks import _gpt2
+
+    mesh, params, batch = setup()
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    jitted, (p, m, o) = _gpt2.hand_written_step(loss, abstract, mesh, "zero", None)
+    return gathers(jitted.lower(p, m, o, batch))
