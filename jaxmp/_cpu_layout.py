@@ -11,7 +11,7 @@ transposed producer, and the barrier cost the CNN step 4% of its time (measured 
 ``benchmarks/overhead.py``). Other backends keep their layouts (a TPU's tiled layout would
 make the reshape a copy). ``tests/cross/test_efficiency.py`` holds the step to the floor's passes.
 
-Private: used by `jaxmp._transform` only.
+Private: used by `jaxmp._scaling._transform` only.
 """
 
 from __future__ import annotations

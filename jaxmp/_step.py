@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import optax
 
 from jaxmp import fp8
-from jaxmp._collectives import all_reduce_gradients, check_axis_name, mean_model_state
+from jaxmp._scaling._collectives import all_reduce_gradients, check_axis_name, mean_model_state
 from jaxmp.fp8._seams import FP8_COLLECTION
-from jaxmp._grad import value_and_grad
-from jaxmp._opt_state import find_loss_scaling_state, get_loss_scale, scaling_stats
-from jaxmp._skip import keep_if_finite
-from jaxmp._transform import update_and_apply
+from jaxmp._scaling._grad import value_and_grad
+from jaxmp._scaling._opt_state import find_loss_scaling_state, get_loss_scale, scaling_stats
+from jaxmp._scaling._skip import keep_if_finite
+from jaxmp._scaling._transform import update_and_apply
 
 
 class Fp8Hooks(NamedTuple):
@@ -178,7 +178,7 @@ class TrainStep:
       run: the step function.
       loss_fn: the loss the step wraps (the user's; the Linen step's ``loss_fn(logits, labels)``).
       loss_view: ``loss_view(*step_args) -> LossView``, the same loss as one function of plain
-        arrays on the step's arguments: what the precision debugger runs (`jaxmp._loss_view`).
+        arrays on the step's arguments: what the precision debugger runs (`jaxmp._scaling._loss_view`).
       layout: the sharded step's ``jaxmp.parallel.Layout`` (mesh, data axis, layout name).
       reduce_dtype: the gradient reduction's dtype (sharded and pmap steps; None: each gradient's own).
       lower: the sharded step's ``lower(*step_args) -> jax.stages.Lowered`` (no run).

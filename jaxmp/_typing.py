@@ -24,12 +24,12 @@ PyTree = Any
 A pytree has no checkable type, so this alias is ``Any`` to a type checker; it is named here so a
 signature says "a pytree" rather than "anything"."""
 
-PolicyLike = Union["jaxmp._policy.Policy", "jaxmp._presets.Recipe", "jmp.Policy", str]  # noqa: F821 (see above)
+PolicyLike = Union["jaxmp._precision._policy.Policy", "jaxmp._precision._presets.Recipe", "jmp.Policy", str]  # noqa: F821 (see above)
 """A precision policy: a [`Policy`][jaxmp.Policy], a [`Recipe`][jaxmp.Recipe], a ``jmp.Policy``, or a
 string (a preset such as ``"O1"`` or ``"O2-bf16"``, a dtype name, or jmp's ``"p=f32,c=bf16,o=f32"``
 grammar). [`jaxmp.as_policy`][jaxmp.as_policy] turns any of them into a `Policy`."""
 
-LossScaleLike = Union["jaxmp._loss_scale.LossScale", str, float, None]  # noqa: F821 (see above)
+LossScaleLike = Union["jaxmp._scaling._loss_scale.LossScale", str, float, None]  # noqa: F821 (see above)
 """A loss scale or its description: a loss-scale object (returned as is), ``"dynamic"``, ``"torch"``,
 ``"none"``/``None``, a positive number or ``"static:1024"``. See
 [`jaxmp.make_loss_scale`][jaxmp.make_loss_scale]."""

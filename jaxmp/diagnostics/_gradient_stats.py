@@ -22,7 +22,7 @@ from jaxmp.diagnostics import _format
 from jaxmp._typing import PyTree
 
 if TYPE_CHECKING:
-    from jaxmp._loss_scale import LossScale
+    from jaxmp._scaling._loss_scale import LossScale
 
 FP16_MIN_SUBNORMAL = 2.0**-24
 FP16_MIN_NORMAL = 2.0**-14

@@ -1,6 +1,6 @@
 """What the precision debugger is handed, checked and normalised once for all its entry points.
 
-A jaxmp train step is replaced by the loss it wraps (`jaxmp._loss_view`: the debugger cannot
+A jaxmp train step is replaced by the loss it wraps (`jaxmp._scaling._loss_view`: the debugger cannot
 see into its ``shard_map`` or ``pmap``); non-array arguments (strings, Python numbers, objects)
 are static; a loss scale may be an array (the run's own ``get_loss_scale(opt_state).loss_scale``)
 but must be finite and positive; an input that already holds inf/NaN is named.
@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-from jaxmp import _loss_view
+from jaxmp._scaling import _loss_view
 
 
 class Prepared(NamedTuple):
@@ -106,7 +106,7 @@ def prepare(name: str, fn: Any, args: tuple, kwargs: dict, *, need_args: bool = 
         raise TypeError(f"{name}: fn was given no inputs. Pass them as arguments, {name}(fn, params, batch, ...): "
                         "the parameters first (the comparison differentiates args[0]); arrays a function closes "
                         "over are constants to it")
-    from jaxmp._opt_state import first_non_finite
+    from jaxmp._scaling._opt_state import first_non_finite
 
     bad = first_non_finite((args, kwargs) if kwargs else tuple(args))
     if bad is not None:
@@ -182,7 +182,7 @@ def scaled_like_the_step(grads: Any, opt_state: Any) -> Any:
     divides the gradients by its scale, so they are handed over scaled (and the scale marked as
     having scaled them: no "never multiplied a loss" warning), as ``jaxmp.value_and_grad`` does.
     """
-    from jaxmp._opt_state import get_loss_scale
+    from jaxmp._scaling._opt_state import get_loss_scale
 
     try:
         scale = get_loss_scale(opt_state)

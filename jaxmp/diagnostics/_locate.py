@@ -294,7 +294,7 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
     from jaxmp.diagnostics import _inputs
 
     _inputs.check_rules("locate_non_finite", rules)
-    from jaxmp._opt_state import first_non_finite
+    from jaxmp._scaling._opt_state import first_non_finite
 
     if not callable(fn):
         raise TypeError(f"locate_non_finite expects a callable (a loss function or train step), got "
@@ -337,14 +337,15 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
 # jaxmp's own files that run the user's optimizer: an op located there is the wrapped optax
 # transformation's arithmetic, which JAX's traceback cannot attribute further (optax is traced
 # inside jaxmp's step and its frames count as library frames).
-_OPTIMIZER_FILES = ("_transform.py", "lean.py", "_fold.py", "_skip.py")
+_OPTIMIZER_FILES = ("_scaling/_transform.py", "lean/__init__.py", "lean/_quantized.py", "_scaling/_fold.py",
+                    "_scaling/_skip.py")
 _OPTIMIZER = "the optimizer update (the optax transformation inside jaxmp.loss_scaling)"
 _JAXMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _user_facing_source(source: str) -> str:
     """``source``, or what runs there when it is a line of jaxmp's own optimizer wrapper."""
-    if source.startswith(_JAXMP_DIR) and source[len(_JAXMP_DIR):].split(":")[0] in _OPTIMIZER_FILES:
+    if source.startswith(_JAXMP_DIR) and source[len(_JAXMP_DIR):].split(":")[0].replace(os.sep, "/") in _OPTIMIZER_FILES:
         return _OPTIMIZER
     return source
 

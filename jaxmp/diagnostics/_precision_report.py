@@ -302,7 +302,7 @@ def analyze_jaxpr(closed_jaxpr, *, policy: PolicyLike | None = None, tensor_core
         raise ValueError(f"reduction_threshold must be a positive int, got {reduction_threshold!r}")
     pol = None
     if policy is not None:
-        from jaxmp._presets import as_policy
+        from jaxmp._precision._presets import as_policy
 
         pol = as_policy(policy)
     ops, risky, unknown = walk_jaxpr(

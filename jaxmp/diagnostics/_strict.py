@@ -18,7 +18,7 @@ from jaxmp._typing import PolicyLike
 from jaxmp.diagnostics._evaluate import Sites, _inner
 from jaxmp.diagnostics._find_ops import classify_risk
 from jaxmp.diagnostics._locate import _with_gradient
-from jaxmp._loss_view import find_view
+from jaxmp._scaling._loss_view import find_view
 
 if TYPE_CHECKING:  # imported in the functions that need them at run time (an import cycle otherwise)
     from jaxmp.engine._seams import AutocastRules

@@ -17,8 +17,8 @@ from jaxmp import fp8
 from jaxmp.engine import _internals as internals
 from jaxmp.engine._module_rules import ModuleRules
 from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules
-from jaxmp._policy import Policy
-from jaxmp._presets import resolve_policy
+from jaxmp._precision._policy import Policy
+from jaxmp._precision._presets import resolve_policy
 from jaxmp._misuse import MixedPrecisionWarning
 
 _F32 = np.dtype("float32")

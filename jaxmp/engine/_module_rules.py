@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxmp._policy import Policy
+from jaxmp._precision._policy import Policy
 
 _F32 = np.dtype("float32")
 _ACTIONS = ("half", "float32", "policy", "region")

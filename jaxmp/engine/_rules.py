@@ -26,7 +26,7 @@ from jax.typing import DTypeLike
 
 from jaxmp import _ops, fp8
 from jaxmp._dtypes import float_dtype
-from jaxmp._policy import Policy
+from jaxmp._precision._policy import Policy
 from jaxmp.engine._module_rules import ModuleRules, compile_module_rules
 
 # The lists are read from the one op catalogue (jaxmp/_ops.py): a row there per primitive.

@@ -23,7 +23,7 @@ from jaxmp.engine._seams import AutocastRules as _AutocastRules
 from jaxmp.flax._overrides import default_rules, resolve_rules
 from jaxmp.flax._steps import make_eval_step, make_train_step
 from jaxmp.flax._train_state import TrainState
-from jaxmp._loss_scale import register_flax_serialization as _register_flax_serialization
+from jaxmp._scaling._loss_scale import register_flax_serialization as _register_flax_serialization
 
 # Importing jaxmp.flax is asking for Flax support: the one effect of an import (effect 3 of
 # jaxmp._effects, an entry in Flax's serialization registry; Flax's code is not patched).

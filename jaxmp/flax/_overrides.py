@@ -18,8 +18,8 @@ from flax import nnx
 from jaxmp import fp8 as _fp8
 from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import PURE_HALF_RULES, AutocastRules, merge_rules
-from jaxmp._policy import Policy
-from jaxmp._presets import FLOAT32_CATEGORIES, resolve_policy
+from jaxmp._precision._policy import Policy
+from jaxmp._precision._presets import FLOAT32_CATEGORIES, resolve_policy
 
 #: Linen and NNX matmul / convolution / attention classes that run in the compute dtype.
 DEFAULT_HALF_MODULES: tuple[type, ...] = (

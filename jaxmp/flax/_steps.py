@@ -22,13 +22,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp import _loss_view, fp8
+from jaxmp import fp8
+from jaxmp._scaling import _loss_view
 from jaxmp._typing import AxisName
-from jaxmp._collectives import optional_axis_name
+from jaxmp._scaling._collectives import optional_axis_name
 from jaxmp.flax.fp8 import FP8_COLLECTION, Fp8State
 from jaxmp.flax._losses import accuracy, softmax_cross_entropy, split_batch
-from jaxmp._opt_state import find_loss_scaling_state
-from jaxmp._skip import keep_if_finite
+from jaxmp._scaling._opt_state import find_loss_scaling_state
+from jaxmp._scaling._skip import keep_if_finite
 from jaxmp._step import Fp8Hooks, StateRules, StepResult, TrainStep, make_step, step_metrics, strategy_for
 
 

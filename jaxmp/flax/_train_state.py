@@ -14,9 +14,9 @@ from flax import struct
 
 from jaxmp._typing import PyTree
 from jaxmp.flax.linen import MixedPrecision
-from jaxmp._opt_state import find_loss_scaling_state
-from jaxmp._skip import keep_if_finite
-from jaxmp._transform import update_and_apply
+from jaxmp._scaling._opt_state import find_loss_scaling_state
+from jaxmp._scaling._skip import keep_if_finite
+from jaxmp._scaling._transform import update_and_apply
 
 
 class TrainState(struct.PyTreeNode):
@@ -134,7 +134,7 @@ class TrainState(struct.PyTreeNode):
           >>> int(state.apply_gradients(grads).step)
           1
         """
-        # One fused update (jaxmp._transform.update_and_apply): a skipped step returns the old
+        # One fused update (jaxmp._scaling._transform.update_and_apply): a skipped step returns the old
         # params bit for bit, -0.0 and NaN payloads included.
         params, opt_state = update_and_apply(self.tx, grads, self.opt_state, self.params)
         finite = find_loss_scaling_state(opt_state).last_step_finite

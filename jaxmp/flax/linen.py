@@ -30,7 +30,7 @@ from jaxmp.flax._casting import Path, cast_by_path, enclosing_float32, is_float3
 from jaxmp.flax.fp8 import Fp8ConvGeneralDilated, Fp8DotGeneral, linen_fp8_field
 from jaxmp.engine._seams import AutocastRules, ModuleRule
 from jaxmp.flax._overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
-from jaxmp._policy import Policy
+from jaxmp._precision._policy import Policy
 from jaxmp._misuse import MixedPrecisionWarning
 
 #: How many times ``init`` re-runs for layers that refuse the float32 params they just created.

@@ -22,7 +22,8 @@ from jaxmp.engine._seams import flax_config
 from jaxmp.engine._seams import engine_function
 from jaxmp.engine._seams import install_call_hooks, instance_rules
 from jaxmp.flax._attention import fused_attention
-from jaxmp import _loss_view, _tree, fp8
+from jaxmp import _tree, fp8
+from jaxmp._scaling import _loss_view
 from jaxmp._typing import AxisName, PolicyLike, PyTree
 from jaxmp.flax import _steps as steps
 from jaxmp.flax.fp8 import install_nnx_fp8
@@ -30,8 +31,8 @@ from jaxmp.flax._casting import Path, cast_by_path, enclosing_float32, is_float3
 from jaxmp.engine._seams import AutocastRules, ModuleRule
 from jaxmp.flax._overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
 from jaxmp._misuse import MixedPrecisionWarning
-from jaxmp._policy import Policy
-from jaxmp._transform import LossScalingState
+from jaxmp._precision._policy import Policy
+from jaxmp._scaling._transform import LossScalingState
 
 def _str_path(path: tuple) -> Path:
     return tuple(str(k) for k in path)
@@ -375,7 +376,7 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
 def _train_step_view(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
                      loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
                      axis_name: AxisName | None = None, **model_kwargs):
-    # What the precision debugger runs when handed train_step (jaxmp._loss_view).
+    # What the precision debugger runs when handed train_step (jaxmp._scaling._loss_view).
     rules = model.rules if isinstance(model, MixedPrecision) else None
     return steps.nnx_loss_view(model, optimizer, optimizer_state(optimizer), batch, loss_fn=loss_fn,
                                float32_loss=rules.float32_loss if rules is not None else True, model_kwargs=model_kwargs)

@@ -27,7 +27,7 @@ from jaxmp.parallel._layouts import state_shardings
 from jaxmp.parallel._per_layer import gather_params
 from jaxmp.parallel._per_layer import remat_policy as remat_policy  # its docstring example imports it here
 from jaxmp.parallel._per_layer import scan_layers
-from jaxmp._collectives import all_reduce_gradients
+from jaxmp._scaling._collectives import all_reduce_gradients
 from jaxmp.parallel._pmap import make_pmap_train_step
 from jaxmp.parallel._replication import check_replicated
 from jaxmp.parallel._replication import replicate

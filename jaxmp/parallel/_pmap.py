@@ -15,8 +15,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmp import _loss_view
-from jaxmp._collectives import check_axis_name, check_reduce_dtype
+from jaxmp._scaling import _loss_view
+from jaxmp._scaling._collectives import check_axis_name, check_reduce_dtype
 from jaxmp._typing import AxisName
 from jaxmp.parallel._checks import check_not_donated, log_once, with_model_state
 from jaxmp.parallel._replication import check_replicated

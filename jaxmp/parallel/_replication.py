@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmp._transform import LossScalingState
+from jaxmp._scaling._transform import LossScalingState
 from jaxmp._typing import PyTree
 
 REPLICA_AXIS = "_jaxmp_replicas"

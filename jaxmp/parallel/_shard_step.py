@@ -144,7 +144,7 @@ def per_shard_value_and_grad(mesh: Mesh, axis: str, reduce_dtype: Any, layout: s
     Raises:
       ValueError: (in the step) an ``aux`` leaf neither per-example nor batch-independent.
     """
-    from jaxmp._grad import value_and_grad
+    from jaxmp._scaling._grad import value_and_grad
     from jaxmp.parallel import _reduce, _per_layer as per_layer
 
     n = mesh.shape[axis]

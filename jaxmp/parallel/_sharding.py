@@ -16,8 +16,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmp import _loss_view
-from jaxmp._collectives import check_reduce_dtype
+from jaxmp._scaling import _loss_view
+from jaxmp._scaling._collectives import check_reduce_dtype
 from jaxmp._typing import PyTree
 from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer, _shard_step as shard_step
 from jaxmp.parallel._checks import (

@@ -27,12 +27,9 @@ PACKAGES = ("jaxmp", "benchmarks")
 # The layers of jaxmp, lowest first: a module may import its own layer and the layers below it,
 # never one above. A unit is a top-level module or a subpackage of jaxmp (what the table shows).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("numerics", ("jaxmp._effects", "jaxmp._ops", "jaxmp._jaxpr", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp._dtypes", "jaxmp._misuse",
-                  "jaxmp.fp8", "jaxmp._fold", "jaxmp._blockwise", "jaxmp._keys")),
-    ("policies and loss scales", ("jaxmp._policy", "jaxmp._presets", "jaxmp._platform", "jaxmp._skip",
-                                  "jaxmp._loss_scale")),
-    ("optax transforms and gradients", ("jaxmp._transform", "jaxmp._state_checks", "jaxmp._opt_state", "jaxmp._grad", "jaxmp.lean", "jaxmp._quantized",
-                                        "jaxmp._collectives", "jaxmp._loss_view")),
+    ("numerics", ("jaxmp._effects", "jaxmp._ops", "jaxmp._jaxpr", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout", "jaxmp._dtypes", "jaxmp._misuse", "jaxmp._blockwise", "jaxmp._keys", "jaxmp.fp8")),
+    ("policies", ("jaxmp._precision",)),
+    ("loss scaling and optax transforms", ("jaxmp._scaling", "jaxmp.lean")),
     ("precision engine", ("jaxmp.engine", "jaxmp.diagnostics")),
     ("train step", ("jaxmp._step",)),
     ("Flax", ("jaxmp.flax",)),
@@ -189,7 +186,7 @@ SHARED_PRIVATE = frozenset({"jaxmp._typing", "jaxmp._jaxpr"})
 
 def private_module_allowed(importer: str, target: str, importer_is_package: bool = False) -> bool:
     """Whether ``importer`` may import the module ``target`` when ``target``'s path has a private
-    part: a private module belongs to the package that holds it (``jaxmp._transform`` to
+    part: a private module belongs to the package that holds it (``jaxmp._scaling._transform`` to
     ``jaxmp``, ``jaxmp.engine._rules`` to ``jaxmp.engine``), so modules inside that package may
     import it, as may the ``__init__`` of a package above it (a public face re-exporting from
     below); from anywhere else only `SHARED_PRIVATE` and ``_seams`` modules."""
@@ -208,7 +205,7 @@ def private_module_allowed(importer: str, target: str, importer_is_package: bool
 def private_uses(module: str, path: pathlib.Path, modules) -> list[str]:
     """``_private`` modules of another jaxmp package, or ``_private`` names of another jaxmp unit,
     that ``module`` imports or reads: ``from jaxmp.engine._x import y`` outside ``jaxmp.engine``,
-    ``from jaxmp._transform import _y``, and ``alias._y`` where ``alias`` is a module of another
+    ``from jaxmp._scaling._transform import _y``, and ``alias._y`` where ``alias`` is a module of another
     unit imported under that name (`private_module_allowed` says which private modules are whose)."""
     src, out, aliases = unit(module), [], {}
     is_package = path.name == "__init__.py"

@@ -11,7 +11,7 @@ import pytest
 
 import jaxmp
 from jaxmp import _misuse as misuse
-from jaxmp._transform import LossScalingState, MasterWeightsState
+from jaxmp._scaling._transform import LossScalingState, MasterWeightsState
 
 
 @pytest.fixture

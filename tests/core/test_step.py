@@ -136,12 +136,12 @@ def test_make_step_skips_a_non_finite_step_and_keeps_the_old_model_state_bitwise
     out = jax.jit(make_step(_quad, tx))(params, ms, tx.init(params), batch)
     assert not bool(out.finite) and int(out.model_state["calls"]) == 5
     assert np.asarray(out.params["w"]).tobytes() == np.asarray(params["w"]).tobytes()
-    s = jaxmp._opt_state.find_loss_scaling_state(out.opt_state)
+    s = jaxmp._scaling._opt_state.find_loss_scaling_state(out.opt_state)
     assert int(s.skip_reason) == 1  # the loss (given as value) was the non-finite thing
     assert float(s.loss_scale.loss_scale) == 2.0 ** 14  # backed off
     # Without the loss passed as value, the same step blames the gradients.
     out = jax.jit(make_step(_quad, tx, pass_value=False))(params, ms, tx.init(params), batch)
-    assert int(jaxmp._opt_state.find_loss_scaling_state(out.opt_state).skip_reason) == 2
+    assert int(jaxmp._scaling._opt_state.find_loss_scaling_state(out.opt_state).skip_reason) == 2
 
 
 class _Odd(Strategy):

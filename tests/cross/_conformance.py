@@ -2,7 +2,7 @@
 
 Each axis is generated from what exists, so a new cell joins by existing:
 
-- presets: every name of ``jaxmp._presets.PRESET_NAMES`` (the names the docs list);
+- presets: every name of ``jaxmp._precision._presets.PRESET_NAMES`` (the names the docs list);
 - doors: `DOORS` below, and tests/cross/test_conformance.py fails when a public jaxmp callable
   taking a ``policy`` is neither a door here nor listed in `NOT_DOORS` with its reason;
 - libraries: one small model per library (plain JAX, Flax Linen, Flax NNX, Equinox, Haiku), the same
@@ -25,7 +25,7 @@ import numpy as np
 
 import jaxmp
 import jaxmp.flax
-from jaxmp import _presets
+from jaxmp._precision import _presets
 
 D_IN, D_HIDDEN, D_OUT, BATCH = 8, 16, 4, 6
 

@@ -18,7 +18,7 @@ import pytest
 
 import jaxmp
 import jaxmp.parallel
-from jaxmp._transform import MasterWeightsState, master_weights, unscale_and_skip
+from jaxmp._scaling._transform import MasterWeightsState, master_weights, unscale_and_skip
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -222,7 +222,7 @@ def test_jmp_policy_and_jaxmp_policy_agree_on_casts():
 
 
 def test_resolve_policy_parses_once_into_typed_objects():
-    from jaxmp._presets import resolve_policy
+    from jaxmp._precision._presets import resolve_policy
 
     policy, recipe = resolve_policy("O2-fp16")
     assert isinstance(policy, jaxmp.Policy) and recipe.master_weights and recipe.loss_scale == "dynamic"
@@ -281,12 +281,12 @@ def test_the_skip_decision_has_one_owner():
     import pathlib
 
     root = pathlib.Path(jaxmp.__file__).parent
-    users = ["_transform.py", "flax/_train_state.py", "flax/_steps.py"]
+    users = ["_scaling/_transform.py", "flax/_train_state.py", "flax/_steps.py"]
     for rel in users:
         text = (root / rel).read_text()
         assert "keep_if_finite" in text, rel
         assert "select_tree(finite" not in text, rel
-    assert "apply_if_finite" in (root / "_skip.py").read_text()  # says why optax's does not fit
+    assert "apply_if_finite" in (root / "_scaling" / "_skip.py").read_text()  # says why optax's does not fit
 
 
 def test_layout_helpers_were_never_top_level():

@@ -266,7 +266,7 @@ CASES_BY_CLASS = {
          r"keeps no master weights"),
         ("bad max_consecutive_skips", lambda: jaxmp.check_health(jaxmp.loss_scaling(optax.sgd(0.1)).init(_P), 0),
          ValueError, r"max_consecutive_skips must be an int >= 1"),
-        ("two loss-scaling states", lambda: jaxmp._opt_state.find_loss_scaling_state(
+        ("two loss-scaling states", lambda: jaxmp._scaling._opt_state.find_loss_scaling_state(
             [jaxmp.loss_scaling(optax.sgd(0.1)).init(_P)] * 2), ValueError, r"found 2 jaxmp.loss_scaling states"),
     ],
     "data parallel": [

@@ -138,7 +138,7 @@ def test_every_public_callable_taking_a_policy_is_a_door_of_the_matrix_or_says_w
     doors = {d.api for d in C.DOORS}
     unclassified = _public_callables_taking_a_policy() - doors - set(C.NOT_DOORS)
     assert not unclassified, f"add these to tests/cross/_conformance.py DOORS (or NOT_DOORS with a reason): {unclassified}"
-    assert set(C.PRESETS) == set(jaxmp._presets.PRESET_NAMES)
+    assert set(C.PRESETS) == set(jaxmp._precision._presets.PRESET_NAMES)
 
 
 def test_the_matrix_counts():

@@ -3,7 +3,7 @@
 The matrix is generated, not hand-listed: `BUILDERS` holds one small factory per step builder,
 the sharded step's made by iterating over the layouts jaxmp accepts
 (``jaxmp.parallel._layouts.LAYOUTS``) with and without `jaxmp.parallel.scan_layers`, and the
-loss-scale kinds are jaxmp's own (``jaxmp._loss_scale.LOSS_SCALE_TYPES``), so a new layout or
+loss-scale kinds are jaxmp's own (``jaxmp._scaling._loss_scale.LOSS_SCALE_TYPES``), so a new layout or
 loss-scale type joins the matrix by existing (a loss-scale type with no constructor here fails
 `test_every_loss_scale_type_of_jaxmp_is_in_the_matrix`). Master weights: on with bfloat16
 params (O2), off with float32 params (O1); no combination of these is refused by design.
@@ -33,7 +33,7 @@ from flax import nnx
 
 import jaxmp
 import jaxmp.flax
-from jaxmp._loss_scale import LOSS_SCALE_TYPES
+from jaxmp._scaling._loss_scale import LOSS_SCALE_TYPES
 from jaxmp.parallel._layouts import LAYOUTS
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -352,7 +352,7 @@ def test_each_cell_trains_then_skips_a_non_finite_step_exactly(linen_variables, 
     assert after["last_step_finite"] is False
     assert after["consecutive_skips"] == before["consecutive_skips"] + 1
     assert after["total_skips"] == before["total_skips"] + 1 == _one(metrics["total_skips"])
-    assert after["skip_reason"] in (jaxmp._transform.NON_FINITE_LOSS, jaxmp._transform.NON_FINITE_GRADIENTS)
+    assert after["skip_reason"] in (jaxmp._scaling._transform.NON_FINITE_LOSS, jaxmp._scaling._transform.NON_FINITE_GRADIENTS)
     scale_before = before.get("scale", 1.0)
     if scale_type is jaxmp.DynamicLossScale:
         assert after["scale"] == scale_before / 2 and after["counter"] == 0   # backoff x0.5, growth count reset

@@ -22,7 +22,7 @@ from benchmarks import overhead  # noqa: E402
 #: jaxmp's bytes accessed over the floor's: within 1% for both. No loss scale: the skip is free
 #: (the updates are never materialized; the finite check is one fused reduction). Dynamic: the
 #: unscaling is fused into the optimizer's elementwise pass and folded out of the global norm's
-#: reduction (:mod:`jaxmp._fold`), so no unscaled copy of the gradients is written either
+#: reduction (:mod:`jaxmp._scaling._fold`), so no unscaled copy of the gradients is written either
 #: (measured: MLP 0.975, CNN 1.0015 of the floor).
 MARGIN = {"jaxmp-noop": 1.01, "jaxmp": 1.01}
 

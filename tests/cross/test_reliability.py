@@ -88,7 +88,7 @@ def test_pure_fp16_adam_is_blamed_on_updates_not_gradients():
     update = jax.jit(tx.update)
     for _ in range(3):
         _, state = update(grads, state, params)
-    assert int(state.skip_reason) == jaxmp._transform.NON_FINITE_UPDATES
+    assert int(state.skip_reason) == jaxmp._scaling._transform.NON_FINITE_UPDATES
     with pytest.raises(jaxmp.TrainingDivergedError, match="finite gradients but non-finite updates") as e:
         jaxmp.check_health(state, max_consecutive_skips=2)
     assert "non-finite gradients" not in str(e.value).split("for ")[1].split("(")[0]
@@ -102,7 +102,7 @@ def test_non_finite_gradients_name_the_first_offending_leaf_when_asked():
     grads = {"a": jnp.ones(2), "b": {"c": jnp.array([1.0, jnp.inf, 0.0])}}
     for _ in range(3):
         _, state = tx.update(grads, state, params)
-    assert int(state.skip_reason) == jaxmp._transform.NON_FINITE_GRADIENTS
+    assert int(state.skip_reason) == jaxmp._scaling._transform.NON_FINITE_GRADIENTS
     with pytest.raises(jaxmp.TrainingDivergedError, match=r"non-finite gradients.*first non-finite leaf is \['b'\]\['c'\]"):
         jaxmp.check_health(state, 2, tree=grads)
 
@@ -113,7 +113,7 @@ def test_a_nan_loss_is_recorded_as_the_loss():
     state = tx.init(params)
     for _ in range(2):
         _, state = tx.update({"w": jnp.full(2, jnp.nan)}, state, params, value=jnp.float32(jnp.nan))
-    assert int(state.skip_reason) == jaxmp._transform.NON_FINITE_LOSS
+    assert int(state.skip_reason) == jaxmp._scaling._transform.NON_FINITE_LOSS
     with pytest.raises(jaxmp.TrainingDivergedError, match="the loss itself was inf/NaN"):
         jaxmp.check_health(state, 1)
     _, state = tx.update({"w": jnp.ones(2)}, state, params, value=jnp.float32(1.0))
@@ -338,11 +338,11 @@ def test_a_transform_chained_after_master_weights_is_refused_not_dropped():
     with pytest.raises(ValueError, match="after the one keeping float32 master weights"):
         jaxmp.apply_updates(params, updates, new_state)
     with pytest.raises(ValueError, match="after the one keeping float32 master weights"):
-        jaxmp._transform.update_and_apply(tx, grads, state, params)
+        jaxmp._scaling._transform.update_and_apply(tx, grads, state, params)
     # Nothing after it: fine.
     tx = optax.chain(jaxmp.loss_scaling(optax.sgd(0.25), "none", master_weights=True))
     state = tx.init(params)
-    new, _ = jaxmp._transform.update_and_apply(tx, grads, state, params)
+    new, _ = jaxmp._scaling._transform.update_and_apply(tx, grads, state, params)
     np.testing.assert_array_equal(np.asarray(new["w"], np.float32), [0.75, 0.75])
 
 

@@ -153,5 +153,5 @@ def test_plain_any_detection(annotation, plain):
 
 
 def test_unresolved_names_are_found():
-    assert _unresolved("optax.NoSuchAlias | Bogus | None", "jaxmp._transform") == ["optax.NoSuchAlias", "Bogus"]
-    assert _unresolved("jax.typing.DTypeLike | LossScaleLike", "jaxmp._transform") == []
+    assert _unresolved("optax.NoSuchAlias | Bogus | None", "jaxmp._scaling._transform") == ["optax.NoSuchAlias", "Bogus"]
+    assert _unresolved("jax.typing.DTypeLike | LossScaleLike", "jaxmp._scaling._transform") == []

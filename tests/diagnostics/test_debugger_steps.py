@@ -2,7 +2,7 @@
 wraps (``step.loss_fn``, ``step.loss_view``), so the debugger gives the same answers on a step as on
 its loss: the same culprit for a seeded forward overflow, the same ranking, the same strict refusal.
 
-Builders are enumerated from ``jaxmp._loss_view.STEP_BUILDERS`` (each registers itself); a public
+Builders are enumerated from ``jaxmp._scaling._loss_view.STEP_BUILDERS`` (each registers itself); a public
 ``*train_step`` builder that is not registered fails `test_every_public_step_builder_is_registered`."""
 
 import inspect
@@ -19,7 +19,7 @@ import jaxmp
 import jaxmp.flax
 import jaxmp.flax.nnx
 import jaxmp.parallel
-from jaxmp._loss_view import STEP_BUILDERS
+from jaxmp._scaling._loss_view import STEP_BUILDERS
 from jaxmp.diagnostics import StrictPrecisionError, compare_to_float32, locate_non_finite, strict_precision
 
 X = np.asarray(jax.random.normal(jax.random.key(0), (16, 8)), np.float32)

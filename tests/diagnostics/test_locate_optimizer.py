@@ -28,7 +28,7 @@ def test_adam_in_float16_is_named_as_the_optimizer_and_its_epsilon():
     found = locate_non_finite(_step(tx), params, tx.init(params), grads)
     assert found.found and found.primitive == "div" and not found.backward
     summary = found.summary()
-    assert "the optimizer update" in summary and "jaxmp/_transform.py" not in summary, summary
+    assert "the optimizer update" in summary and "jaxmp/_scaling/_transform.py" not in summary, summary
     assert "Adam's eps" in summary and "master_weights=True" in summary, summary
     # The fix it names works: with float32 masters and state the same step is finite.
     tx = jaxmp.loss_scaling(optax.adam(1e-3), "none", master_weights=True)

@@ -20,7 +20,7 @@ DIRECTIVE = re.compile(r"^::: ([\w.]+)", flags=re.M)
 def public_names() -> list[str]:
     """``jaxmp.__all__`` when the package declares it, else the names of ``dir(jaxmp)`` without underscores."""
     names = getattr(jaxmp, "__all__", None)
-    if names is None:  # implementation modules (jaxmp._policy, jaxmp._transform ...) are not API names
+    if names is None:  # implementation modules (jaxmp._precision._policy, jaxmp._scaling._transform ...) are not API names
         names = [n for n in dir(jaxmp) if not n.startswith("_")
                  and (not isinstance(getattr(jaxmp, n), types.ModuleType) or n in ("flax", "parallel", "diagnostics"))]
     return sorted(names)

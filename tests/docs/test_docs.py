@@ -43,7 +43,7 @@ def _imagenet_recipe(ns, tmp_path):
     import jax
     import numpy as np
 
-    from jaxmp._opt_state import find_loss_scaling_state
+    from jaxmp._scaling._opt_state import find_loss_scaling_state
 
     def same(a, b):
         return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

@@ -23,9 +23,9 @@ STANDARD_PROMOTION = {
     "jaxmp.flax.nnx.MixedPrecision": _ADAM,
     "jaxmp.flax._train_state.TrainState": _ADAM,
     "jaxmp.lean.bf16_moments": _ADAM,
-    "jaxmp._quantized.quantized_moments": _ADAM,
+    "jaxmp.lean._quantized.quantized_moments": _ADAM,
     "jaxmp.parallel._sharding.make_sharded_train_step": _ADAM,
-    "jaxmp._transform.loss_scaling": _ADAM,
+    "jaxmp._scaling._transform.loss_scaling": _ADAM,
 }
 
 
@@ -52,8 +52,8 @@ EXAMPLES = _examples()
 
 def test_the_run_covers_the_core_modules():
     covered = {p.values[0].name.rsplit(".", 1)[0] for p in EXAMPLES} | {p.values[0].name for p in EXAMPLES}
-    for module in ("jaxmp._dtypes", "jaxmp._presets", "jaxmp._loss_scale", "jaxmp._transform", "jaxmp._opt_state",
-                   "jaxmp._skip", "jaxmp._grad", "jaxmp._platform", "jaxmp.flax.linen", "jaxmp.flax.nnx",
+    for module in ("jaxmp._dtypes", "jaxmp._precision._presets", "jaxmp._scaling._loss_scale", "jaxmp._scaling._transform", "jaxmp._scaling._opt_state",
+                   "jaxmp._scaling._skip", "jaxmp._scaling._grad", "jaxmp._precision._platform", "jaxmp.flax.linen", "jaxmp.flax.nnx",
                    "jaxmp.flax._overrides", "jaxmp.flax._attention"):
         assert any(c.startswith(module + ".") for c in covered), module
     assert "jaxmp.flax.mixed_precision" in covered

@@ -20,7 +20,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import jaxmp
 from jaxmp import fp8
-from jaxmp._presets import PRESET_NAMES, get_recipe
+from jaxmp._precision._presets import PRESET_NAMES, get_recipe
 
 # Float16 gradients here are taken without a loss scale on purpose (tiny, well-scaled programs).
 pytestmark = pytest.mark.filterwarnings("ignore::jaxmp.MixedPrecisionWarning")

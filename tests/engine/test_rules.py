@@ -472,12 +472,12 @@ def test_a_preset_carries_its_level_as_data_not_in_its_name():
 
 def _preset_promote(name):
     """The documented promotion of a preset: O2 and O3 narrow, everything else demand."""
-    from jaxmp._presets import parse_preset
+    from jaxmp._precision._presets import parse_preset
 
     return "narrow" if parse_preset(name).level in ("O2", "O3") else "demand"
 
 
-@pytest.mark.parametrize("name", __import__("jaxmp._presets", fromlist=["_"]).PRESET_NAMES)
+@pytest.mark.parametrize("name", __import__("jaxmp._precision._presets", fromlist=["_"]).PRESET_NAMES)
 def test_a_rules_object_keeps_the_presets_promotion(name):
     from jaxmp.engine._config import resolve_config
 

@@ -521,7 +521,7 @@ class _NormNet(nn.Module):
         return jnp.tanh(nn.LayerNorm()(nn.Dense(4)(x)))
 
 
-@pytest.mark.parametrize("name", __import__("jaxmp._presets", fromlist=["_"]).PRESET_NAMES)
+@pytest.mark.parametrize("name", __import__("jaxmp._precision._presets", fromlist=["_"]).PRESET_NAMES)
 def test_flax_door_merges_a_rules_object_onto_the_presets_rules(name):
     base = default_rules(name)
     wrapped = jaxmp.flax.mixed_precision(_NormNet(), name, jaxmp.AutocastRules().with_float32("tanh"))

@@ -231,7 +231,7 @@ def test_an_orbax_checkpoint_of_quantized_zero_state_restores_onto_4_devices_and
 
     p0, s0 = jaxmp.parallel.shard_state((_params(), tx.init(_params())), meshes[8], "zero", min_shard_size=0)
     p_half, s_half = run(8, p0, s0, range(3))
-    saved = _bits((p_half, s_half))
+    saved = leaf_bytes((p_half, s_half))
     p_all, _ = run(8, p_half, s_half, range(3, 6))
     target = jaxmp.parallel.abstract_state((p_half, s_half), meshes[4], "zero", min_shard_size=0)
     with tempfile.TemporaryDirectory() as d, ocp.StandardCheckpointer() as ckpt:
@@ -239,14 +239,14 @@ def test_an_orbax_checkpoint_of_quantized_zero_state_restores_onto_4_devices_and
         ckpt.wait_until_finished()
         restored = ckpt.restore(f"{d}/ckpt", {"params": target[0], "opt_state": target[1]})
     p4, s4 = restored["params"], restored["opt_state"]
-    assert _bits((p4, s4)) == saved
+    assert leaf_bytes((p4, s4)) == saved
     codes = [c for c in jax.tree_util.tree_leaves(s4) if c.dtype == jnp.uint8]
     assert codes and all(len(c.sharding.device_set) == 4 for c in codes)
     assert any(not c.sharding.is_fully_replicated for c in codes)
     moved = jaxmp.parallel.shard_state(jax.device_get((p_half, s_half)), meshes[4], "zero", min_shard_size=0)
     p_res, s_res = run(4, p4, s4, range(3, 6))
     p_mem, s_mem = run(4, *moved, range(3, 6))
-    assert _bits((p_res, s_res)) == _bits((p_mem, s_mem))
+    assert leaf_bytes((p_res, s_res)) == leaf_bytes((p_mem, s_mem))
     for a, b in zip(jax.tree_util.tree_leaves(p_all), jax.tree_util.tree_leaves(p_res)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=1e-3)
 

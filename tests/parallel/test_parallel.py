@@ -137,8 +137,8 @@ def test_nan_in_one_replica_makes_every_replica_skip_and_replicas_stay_bitwise_i
     # The skipped step left params and every optimizer leaf bitwise unchanged, on every replica.
     for a, b in zip(jax.tree_util.tree_leaves(after[0]), jax.tree_util.tree_leaves(before[0])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    adam_before = jaxmp._opt_state.find_loss_scaling_state(before[1]).inner_state
-    adam_after = jaxmp._opt_state.find_loss_scaling_state(after[1]).inner_state
+    adam_before = jaxmp._scaling._opt_state.find_loss_scaling_state(before[1]).inner_state
+    adam_after = jaxmp._scaling._opt_state.find_loss_scaling_state(after[1]).inner_state
     for a, b in zip(jax.tree_util.tree_leaves(adam_after), jax.tree_util.tree_leaves(adam_before)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     skips = np.asarray(jaxmp.scaling_stats(s)["total_skips"])

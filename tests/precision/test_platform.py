@@ -1,9 +1,9 @@
-"""jaxmp/_platform.py: recommended_policy's choice per platform and compute capability, and its refusals."""
+"""jaxmp/_precision/_platform.py: recommended_policy's choice per platform and compute capability, and its refusals."""
 
 import jax
 import pytest
 
-from jaxmp._platform import Recommendation, recommended_policy
+from jaxmp._precision._platform import Recommendation, recommended_policy
 
 
 @pytest.mark.parametrize("cc,recipe,policy", [

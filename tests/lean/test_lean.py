@@ -558,7 +558,7 @@ def _train_seeds(make, seeds=(0, 1, 2)):
             u, s_new = tx.update(g, s, p)
             new = jaxmp.apply_updates(p, u, s_new)
             ratio = jnp.zeros(())
-            if find_states(s, jaxmp._transform.MasterWeightsState):
+            if find_states(s, jaxmp._scaling._transform.MasterWeightsState):
                 step = jaxmp.master_params(s_new)["w1"] - jaxmp.master_params(s)["w1"]
                 ulp = jnp.nextafter(p["w1"], jnp.bfloat16(jnp.inf)).astype(jnp.float32) - p["w1"].astype(jnp.float32)
                 ratio = jnp.median(jnp.abs(step) / jnp.abs(ulp))
@@ -622,7 +622,7 @@ def test_remainder_master_of_mixed_bf16_and_f32_params():
     tx = jaxmp.loss_scaling(lean.preset("remainders", optax.adamw(1e-3)), "none")
     state = tx.init(params)
     grads = {"w": jnp.ones((2, 3), jnp.bfloat16), "bias": jnp.ones(3)}
-    params, state = jax.jit(functools.partial(jaxmp._transform.update_and_apply, tx))(grads, state, params)
+    params, state = jax.jit(functools.partial(jaxmp._scaling._transform.update_and_apply, tx))(grads, state, params)
     masters = lean.remainder_master(params, state)
     assert masters["w"].dtype == jnp.float32 and masters["w"].shape == (2, 3)
     assert masters["bias"] is params["bias"]

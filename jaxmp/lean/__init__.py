@@ -25,11 +25,11 @@ from jaxmp import _tree
 from jaxmp._typing import PyTree
 from jaxmp._dtypes import is_floating_array
 from jaxmp._keys import IMPL as _IMPL, as_key as _as_key, key_data as _key_data, leaf_keys as _leaf_keys
-from jaxmp._presets import did_you_mean
-from jaxmp._quantized import QuantizedMomentsState, quantized_moments
+from jaxmp._precision._presets import did_you_mean
+from jaxmp.lean._quantized import QuantizedMomentsState, quantized_moments
 from jaxmp._misuse import MixedPrecisionWarning
-from jaxmp._transform import check_inner
-from jaxmp._transform import master_weights as _master_weights
+from jaxmp._scaling._transform import check_inner
+from jaxmp._scaling._transform import master_weights as _master_weights
 
 __all__ = [
     "Bf16MomentsState",
@@ -520,7 +520,7 @@ biases and norms: a fraction of a percent of its parameters)."""
 
 #: Bytes per parameter with AdamW when the params are float32, not bfloat16 (plain float32 AdamW:
 #: 12): the params cost 4, a float32 master duplicates them, and a remainder is empty. What the
-#: presets save comes from bfloat16 params; tests/core/test_lean.py measures these figures.
+#: presets save comes from bfloat16 params; tests/lean/test_lean.py measures these figures.
 _FLOAT32_PARAM_BYTES = {"fp32-masters": 16, "remainders": 12, "masters-bf16-moments": 12, "sr-params": 12,
                         "remainders-bf16-moments": 8, "bf16-sr": 8, "remainders-8bit": 6, "remainders-4bit": 5,
                         "bf16-sr-8bit": 6, "bf16-sr-4bit": 5}
@@ -630,6 +630,7 @@ def _user_stacklevel() -> int:
 
 # The directories of jaxmp's and optax's own source files (``os.sep``-terminated so that a
 # sibling such as ``jaxmp_examples/`` is not mistaken for the package).
+# This file is jaxmp/lean/__init__.py: jaxmp's directory is two levels up.
 _LIBRARY_DIRS = tuple(os.path.join(os.path.dirname(os.path.abspath(path)), "")
-                      for path in (__file__, optax.__file__))
+                      for path in (os.path.dirname(os.path.abspath(__file__)), optax.__file__))
 

@@ -1,7 +1,7 @@
 """The skip decision: is a step finite, and keep the new state or the old one.
 
 One owner for "finite? then the new state, else the old one": the loss-scaling
-transform, both Flax train states and the parallel helpers call `jaxmp._skip.keep_if_finite`.
+transform, both Flax train states and the parallel helpers call `jaxmp._scaling._skip.keep_if_finite`.
 
 Why not ``optax.apply_if_finite``: it also skips non-finite updates, but after
 ``max_consecutive_errors`` failures in a row it *applies* the non-finite update, and it

@@ -18,7 +18,7 @@ import optax
 from jaxmp import _blockwise
 from jaxmp._dtypes import is_floating_array
 from jaxmp._keys import key_data as _key_data, leaf_keys
-from jaxmp._transform import check_inner
+from jaxmp._scaling._transform import check_inner
 from jaxmp._typing import PyTree
 
 #: NamedTuple fields (optax's state classes) that hold non-negative moments: squares and their

@@ -180,7 +180,7 @@ NU_STEPS = 5000
 
 @pytest.mark.slow
 def test_nu_tracks_float32_where_round_to_nearest_bf16_stalls():
-    """The bf16 stall test's setting (tests/core/test_lean.py): Adam, b2 = 0.999, g**2 = 1, 5000 steps,
+    """The bf16 stall test's setting (tests/lean/test_lean.py): Adam, b2 = 0.999, g**2 = 1, 5000 steps,
     float32 nu = 1 - 0.999**5000 = 0.99329. bf16 round-to-nearest sticks at 0.25; blockwise codes are
     relative to the block's absmax, so a block of equal values is stored exactly at 8 and 4 bits,
     nearest or stochastic."""
@@ -218,7 +218,7 @@ def test_state_layout_small_leaves_scalars_and_classification():
     assert state.absmax.inner_state[0].nu["w"].shape == (64 * 96 // 128,)
     assert adam.count.dtype == jnp.int32 and state.inner_state.hyperparams["learning_rate"].dtype == jnp.float32
     # A param named "nu" (a dict key) is a signed mu leaf: only NamedTuple fields classify.
-    from jaxmp._quantized import _non_negative
+    from jaxmp.lean._quantized import _non_negative
     paths = dict(jax.tree_util.tree_leaves_with_path(adam))
     kinds = {jax.tree_util.keystr(p): _non_negative(p) for p in paths}
     assert kinds[".mu['nu']"] is False and kinds[".nu['w']"] is True
@@ -299,7 +299,7 @@ def test_inside_loss_scaling_fp16_dynamic_a_skipped_step_leaves_every_leaf_bitwi
 @pytest.mark.slow
 def test_remainders_8bit_is_bitwise_float32_masters_with_8bit_moments():
     """param_remainders(quantized) vs master_weights(quantized), fed the same gradients (open loop, as
-    tests/core/test_lean.py's remainder test): the same inner computation on the same float32 masters,
+    tests/lean/test_lean.py's remainder test): the same inner computation on the same float32 masters,
     so the same masters, codes and scales at each of 30 steps."""
     x, y, params = _problem()
     ref = jaxmp.loss_scaling(lean.quantized_moments(optax.adamw(1e-2)), "none", master_weights=True)
@@ -424,7 +424,7 @@ def test_flax_train_state_and_check_health():
 
 @pytest.mark.slow
 def test_fidelity_8bit_and_4bit_against_float32_masters():
-    """The tanh MLP of tests/core/test_lean.py's fidelity test (3 seeds, 1500 AdamW steps, cosine
+    """The tanh MLP of tests/lean/test_lean.py's fidelity test (3 seeds, 1500 AdamW steps, cosine
     decay), every leaf quantized (min_size=0): the 8-bit recipes end within the float32-master seed
     spread; prints the table of docs/lean-recipes.md#8-bit-and-4-bit-moments."""
     from tests.core.test_lean import FIDELITY_STEPS, _train_seeds

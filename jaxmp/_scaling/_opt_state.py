@@ -17,8 +17,8 @@ from jaxmp._typing import PyTree
 
 from jaxmp import _tree
 from jaxmp._dtypes import is_inexact_array
-from jaxmp._loss_scale import LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale
-from jaxmp._transform import (NON_FINITE_GRADIENTS, NON_FINITE_LOSS, NON_FINITE_UPDATES, LossScalingState,
+from jaxmp._scaling._loss_scale import LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale
+from jaxmp._scaling._transform import (NON_FINITE_GRADIENTS, NON_FINITE_LOSS, NON_FINITE_UPDATES, LossScalingState,
                              MasterWeightsState, apply_to_params)
 
 
@@ -42,7 +42,7 @@ def find_loss_scaling_state(tree: PyTree) -> LossScalingState:
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
       >>> state = jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-      >>> jaxmp._opt_state.find_loss_scaling_state((state,)) is state
+      >>> jaxmp._scaling._opt_state.find_loss_scaling_state((state,)) is state
       True
     """
     if isinstance(tree, LossScalingState):
@@ -100,7 +100,7 @@ def scaling_stats(opt_state: optax.OptState) -> dict[str, jax.Array]:
 
 
 def master_params(opt_state: optax.OptState) -> optax.Params:
-    """The float32 master copy kept by `jaxmp._transform.master_weights` (``loss_scaling(..., master_weights=True)``).
+    """The float32 master copy kept by `jaxmp._scaling._transform.master_weights` (``loss_scaling(..., master_weights=True)``).
 
     Args:
       opt_state: an optimizer state holding a [`LossScalingState`][jaxmp.LossScalingState].
@@ -177,7 +177,7 @@ def first_non_finite(tree: PyTree) -> str | None:
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
-      >>> jaxmp._opt_state.first_non_finite({"a": jnp.ones(2), "b": jnp.array([jnp.nan])})
+      >>> jaxmp._scaling._opt_state.first_non_finite({"a": jnp.ones(2), "b": jnp.array([jnp.nan])})
       "['b']"
     """
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -214,7 +214,7 @@ def check_health(opt_state: optax.OptState, max_consecutive_skips: int = 50, *, 
       >>> jaxmp.check_health(state, max_consecutive_skips=1)
       Traceback (most recent call last):
       ...
-      jaxmp._opt_state.TrainingDivergedError: 2 consecutive steps were skipped for non-finite gradients ...
+      jaxmp._scaling._opt_state.TrainingDivergedError: 2 consecutive steps were skipped for non-finite gradients ...
     """
     if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, (int, np.integer)) or max_consecutive_skips < 1:
         raise ValueError(f"max_consecutive_skips must be an int >= 1, got {max_consecutive_skips!r}")

@@ -1,11 +1,11 @@
-"""jaxmp/_skip.py: the finite check and the keep-new-or-old selection, unit by unit."""
+"""jaxmp/_scaling/_skip.py: the finite check and the keep-new-or-old selection, unit by unit."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp._skip import all_finite, check_flag, keep_if_finite, select_tree
+from jaxmp._scaling._skip import all_finite, check_flag, keep_if_finite, select_tree
 
 
 def test_check_flag_accepts_a_boolean_scalar_and_refuses_anything_else():

@@ -6,8 +6,8 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxmp._policy import Policy
-from jaxmp._presets import Recipe, get_recipe
+from jaxmp._precision._policy import Policy
+from jaxmp._precision._presets import Recipe, get_recipe
 
 
 class Recommendation(NamedTuple):
@@ -54,7 +54,7 @@ def recommended_policy(device: jax.Device | None = None, *, platform: str | None
       compute_capability: overrides the GPU's compute capability (``"8.0"``).
 
     Returns:
-      A `jaxmp._platform.Recommendation` with ``recipe`` (and ``policy``) and ``reason``.
+      A `jaxmp._precision._platform.Recommendation` with ``recipe`` (and ``policy``) and ``reason``.
 
     Raises:
       ValueError: an unknown platform, or a GPU whose compute capability is unknown.

@@ -239,7 +239,7 @@ def test_a_python_int_too_big_for_float32_is_out_of_range_like_the_float(value):
 
 
 def test_fold_exactness_is_a_property_of_the_loss_scale():
-    # Issue 38, item 2: the scale says whether jaxmp._fold is exact (scale >= 1 on every step).
+    # Issue 38, item 2: the scale says whether jaxmp._scaling._fold is exact (scale >= 1 on every step).
     assert jaxmp.DynamicLossScale().fold_is_exact()
     assert not jaxmp.DynamicLossScale.torch_parity().fold_is_exact()  # no floor at 1
     assert not jaxmp.DynamicLossScale(1.0, min_loss_scale=0.5).fold_is_exact()
@@ -255,7 +255,7 @@ def test_fold_exactness_is_a_property_of_the_loss_scale():
 def test_flax_serialization_is_registered_once_not_on_every_init(monkeypatch):
     import flax.serialization
 
-    from jaxmp._loss_scale import register_flax_serialization
+    from jaxmp._scaling._loss_scale import register_flax_serialization
 
     assert register_flax_serialization(force=True)
     calls = []

@@ -1,4 +1,4 @@
-"""jaxmp/_grad.py: value_and_grad scales the loss, returns it unscaled, and refuses bad losses."""
+"""jaxmp/_scaling/_grad.py: value_and_grad scales the loss, returns it unscaled, and refuses bad losses."""
 
 import warnings
 
@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp._grad import value_and_grad
+from jaxmp._scaling._grad import value_and_grad
 from jaxmp._misuse import MixedPrecisionWarning
 
 

@@ -447,7 +447,7 @@ def test_master_weights_step_complex_params_as_optax_does():
     np.testing.assert_allclose(np.asarray(params["c"]) + np.asarray(updates["c"]), np.asarray(want), rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(jax.jit(jaxmp.apply_updates)(params, updates, new_state)["c"]),
                                   np.asarray(want))
-    fused, fused_state = jax.jit(functools.partial(jaxmp._transform.update_and_apply, tx))(grads, state, params)
+    fused, fused_state = jax.jit(functools.partial(jaxmp._scaling._transform.update_and_apply, tx))(grads, state, params)
     np.testing.assert_array_equal(np.asarray(fused["c"]), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(jaxmp.master_params(fused_state)["c"]), np.asarray(want))
 
@@ -459,9 +459,9 @@ def test_pure_fp16_adam_skips_a_step_that_overflows_its_state():
     params = {"w": jnp.array([1.0, 1.0], jnp.float16)}
     tx = jaxmp.loss_scaling(optax.adam(1e-2), "static:1")
     state = tx.init(params)
-    fused = jax.jit(functools.partial(jaxmp._transform.update_and_apply, tx))  # one program for both calls
+    fused = jax.jit(functools.partial(jaxmp._scaling._transform.update_and_apply, tx))  # one program for both calls
     new, state = fused({"w": jnp.array([300.0, 1.0], jnp.float16)}, state, params)
-    assert not bool(state.last_step_finite) and int(state.skip_reason) == jaxmp._transform.NON_FINITE_UPDATES
+    assert not bool(state.last_step_finite) and int(state.skip_reason) == jaxmp._scaling._transform.NON_FINITE_UPDATES
     assert leaf_bytes(new) == leaf_bytes(params)
     assert bool(jaxmp.all_finite(state.inner_state))
     updates, state2 = jax.jit(tx.update)({"w": jnp.array([300.0, 1.0], jnp.float16)}, tx.init(params), params)
@@ -483,14 +483,14 @@ def test_a_param_holding_minus_inf_is_applied_by_update_and_skipped_by_the_fused
     unfused = jaxmp.apply_updates(params, updates, unfused_state)
     assert bool(unfused_state.last_step_finite)
     np.testing.assert_array_equal(np.asarray(unfused["w"], np.float32), [0.5, 1.5])
-    fused, fused_state = jaxmp._transform.update_and_apply(tx, grads, state, params)
+    fused, fused_state = jaxmp._scaling._transform.update_and_apply(tx, grads, state, params)
     if master:
         # bfloat16 params with float32 masters: no check after the update (the gradient bound
         # stands in for it), so both paths apply the step and the mask stays -inf.
         assert bool(fused_state.last_step_finite)
         assert leaf_bytes(fused) == leaf_bytes(unfused)
         return
-    assert not bool(fused_state.last_step_finite) and int(fused_state.skip_reason) == jaxmp._transform.NON_FINITE_UPDATES
+    assert not bool(fused_state.last_step_finite) and int(fused_state.skip_reason) == jaxmp._scaling._transform.NON_FINITE_UPDATES
     assert leaf_bytes(fused) == leaf_bytes(params)
 
 
@@ -498,7 +498,7 @@ def test_each_init_hands_out_fresh_buffers_that_survive_another_states_donation(
     tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
     params = {"w": jnp.ones(3)}
     s1, s2 = tx.init(params), tx.init(params)
-    step = jax.jit(lambda p, s: jaxmp._transform.update_and_apply(
+    step = jax.jit(lambda p, s: jaxmp._scaling._transform.update_and_apply(
         tx, jaxmp.value_and_grad(lambda q: jnp.sum(q["w"] ** 2), s)(p)[1], s, p), donate_argnums=(0, 1))
     step({"w": jnp.ones(3)}, s1)
     new, s2 = step({"w": jnp.ones(3)}, s2)  # a deleted (donated) buffer in s2 would raise here
@@ -534,7 +534,7 @@ def test_a_half_master_copy_is_refused(master_dtype):
                                          r"every update .*master_dtype=jnp.float32"):
         jaxmp.loss_scaling(optax.sgd(1e-4), master_weights=True, master_dtype=master_dtype)
     with pytest.raises(ValueError, match=r"master copy in half precision"):
-        jaxmp._transform.master_weights(optax.sgd(1e-4), master_dtype=master_dtype)
+        jaxmp._scaling._transform.master_weights(optax.sgd(1e-4), master_dtype=master_dtype)
 
 
 @pytest.mark.parametrize("master_weights", [None, False])
@@ -617,7 +617,7 @@ def test_the_fused_step_is_an_explicit_entry_of_a_typed_transform():
     # Issue 38, item 2: no hidden keyword on update and no attribute set on the update function.
     import inspect
 
-    from jaxmp._transform import FusedTransformation
+    from jaxmp._scaling._transform import FusedTransformation
 
     tx = jaxmp.loss_scaling(optax.sgd(0.5), "static:4")
     assert isinstance(tx, FusedTransformation) and isinstance(tx, optax.GradientTransformationExtraArgs)
@@ -628,7 +628,7 @@ def test_the_fused_step_is_an_explicit_entry_of_a_typed_transform():
     np.testing.assert_array_equal(new["w"], [0.5, 0.5])
     # Rebuilt from init and update (what _replace does), the fused entry is gone, not stale.
     assert type(tx._replace(update=tx.update)) is optax.GradientTransformationExtraArgs
-    assert jaxmp._transform.update_and_apply(tx._replace(update=tx.update), {"w": jnp.full(2, 4.0)},
+    assert jaxmp._scaling._transform.update_and_apply(tx._replace(update=tx.update), {"w": jnp.full(2, 4.0)},
                                             tx.init(params), params)[0]["w"].tolist() == [0.5, 0.5]
 
 
@@ -638,7 +638,7 @@ def test_the_fused_step_is_an_explicit_entry_of_a_typed_transform():
 def test_update_and_apply_falls_back_for_a_wrapped_loss_scaling_and_trains_the_same(wrap):
     # optax's wrappers rebuild a plain (init, update): update_and_apply must take the unfused path
     # and give exactly what tx.update + jaxmp.apply_updates give, skipped steps included.
-    from jaxmp._transform import FusedTransformation
+    from jaxmp._scaling._transform import FusedTransformation
 
     inner = jaxmp.loss_scaling(optax.adam(1e-2), "dynamic")
     tx = {"multisteps": lambda: optax.MultiSteps(inner, every_k_schedule=2),
@@ -657,7 +657,7 @@ def test_update_and_apply_falls_back_for_a_wrapped_loss_scaling_and_trains_the_s
         if t == 7:  # an overflow: a skipped step (the last: optax's MultiSteps keeps an inf accumulator)
             grads = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.inf), grads)
         losses.append(float(loss))
-        fused_p, fused_s = jaxmp._transform.update_and_apply(tx, grads, fused_s, fused_p)
+        fused_p, fused_s = jaxmp._scaling._transform.update_and_apply(tx, grads, fused_s, fused_p)
         updates, plain_s = tx.update(grads, plain_s, plain_p)
         plain_p = jaxmp.apply_updates(plain_p, updates, plain_s)
         assert leaf_bytes(fused_p) == leaf_bytes(plain_p) and leaf_bytes(fused_s) == leaf_bytes(plain_s)

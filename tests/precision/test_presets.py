@@ -1,4 +1,4 @@
-"""jaxmp/_presets.py: preset names to recipes, the one policy parser, and the typo hints."""
+"""jaxmp/_precision/_presets.py: preset names to recipes, the one policy parser, and the typo hints."""
 
 from types import SimpleNamespace
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxmp import fp8
-from jaxmp._policy import Policy
-from jaxmp._presets import (FLOAT32_CATEGORIES, PRESET_NAMES, Recipe, as_policy, did_you_mean, get_policy, get_recipe,
+from jaxmp._precision._policy import Policy
+from jaxmp._precision._presets import (FLOAT32_CATEGORIES, PRESET_NAMES, Recipe, as_policy, did_you_mean, get_policy, get_recipe,
                            parse_preset, preset_half_dtype, resolve_policy)
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32)

@@ -3,7 +3,7 @@
 The state made by another transform, for other params, with a master copy the transform does
 not keep (or the reverse), an optax chain with transforms after the master copy, an inner chain
 that changes its state's types on update: each raised as a ValueError that names the leaf and the
-fix. Used by `jaxmp._transform`; they read structure and shapes only (``jax.eval_shape``).
+fix. Used by `jaxmp._scaling._transform`; they read structure and shapes only (``jax.eval_shape``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from jaxmp import _tree
 def check_nothing_after_master(state: Any, master_state: type) -> None:
     """Raises when an optax chain runs transforms after the one keeping the master copy (state structure only).
 
-    ``master_state``: the master copy's state class (`jaxmp._transform.MasterWeightsState`).
+    ``master_state``: the master copy's state class (`jaxmp._scaling._transform.MasterWeightsState`).
     """
     if isinstance(state, dict):  # optax.named_chain: its parts in chain order
         parts = list(state.values())
@@ -64,8 +64,8 @@ def check_state_matches(inner, state_inner, ref) -> None:
 def check_master_matches(inner: Any, state_keeps_master: bool, ref: Any, built_with: bool, master_state: type) -> None:
     """Raises when a state with a master copy meets a transform without one (or the reverse), before the step.
 
-    ``built_with``: the transform was built by `jaxmp._transform.master_weights`; ``master_state``:
-    the master copy's state class (`jaxmp._transform.MasterWeightsState`).
+    ``built_with``: the transform was built by `jaxmp._scaling._transform.master_weights`; ``master_state``:
+    the master copy's state class (`jaxmp._scaling._transform.MasterWeightsState`).
     """
     if not built_with and state_keeps_master:
         try:

@@ -1,7 +1,7 @@
 """The optax transforms: loss scaling with skip-on-non-finite, and fp32 master weights.
 
-`jaxmp._transform.master_weights` keeps a float32 copy of the params and runs the inner chain on
-it; `jaxmp._transform.unscale_and_skip` unscales, checks, skips a non-finite step and adjusts the
+`jaxmp._scaling._transform.master_weights` keeps a float32 copy of the params and runs the inner chain on
+it; `jaxmp._scaling._transform.unscale_and_skip` unscales, checks, skips a non-finite step and adjusts the
 scale. [`loss_scaling`][jaxmp.loss_scaling] composes the two. See docs/design.md#loss-scaling.
 """
 
@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp import _cpu_layout, _tree, _fold as fold, _state_checks as state_checks, _misuse as misuse
+from jaxmp import _cpu_layout, _tree, _misuse as misuse
+from jaxmp._scaling import _fold as fold, _state_checks as state_checks
 from jaxmp._typing import AxisName, LossScaleLike
-from jaxmp._collectives import optional_axis_name
+from jaxmp._scaling._collectives import optional_axis_name
 from jaxmp._dtypes import float_dtype, is_floating_array, is_inexact_array
-from jaxmp._loss_scale import LOSS_SCALE_TYPES, LossScale, make_loss_scale
-from jaxmp._skip import all_finite, keep_if_finite
+from jaxmp._scaling._loss_scale import LOSS_SCALE_TYPES, LossScale, make_loss_scale
+from jaxmp._scaling._skip import all_finite, keep_if_finite
 
 #: With float32 master weights and no float16 leaf, a step whose unscaled gradients are not all
 #: within this bound is skipped in place of checking its updates: 2**40 (1.1e12) keeps a squared
@@ -33,7 +34,7 @@ APPLIED, NON_FINITE_LOSS, NON_FINITE_GRADIENTS, NON_FINITE_UPDATES = 0, 1, 2, 3
 
 
 class MasterWeightsState(NamedTuple):
-    """State of `jaxmp._transform.master_weights`.
+    """State of `jaxmp._scaling._transform.master_weights`.
 
     Attributes:
       inner_state: the wrapped transformation's state, built on the master copy.
@@ -45,11 +46,11 @@ class MasterWeightsState(NamedTuple):
 
 
 class LossScalingState(NamedTuple):
-    """State of `jaxmp._transform.unscale_and_skip` (and so of [`loss_scaling`][jaxmp.loss_scaling]).
+    """State of `jaxmp._scaling._transform.unscale_and_skip` (and so of [`loss_scaling`][jaxmp.loss_scaling]).
 
     Attributes:
       inner_state: the wrapped transformation's state (unchanged on skipped steps); a
-        `jaxmp._transform.MasterWeightsState` when master weights are kept.
+        `jaxmp._scaling._transform.MasterWeightsState` when master weights are kept.
       loss_scale: the current loss-scale pytree (scale is float32 []).
       last_step_finite: bool [], whether the last update was applied.
       consecutive_skips: int32 [], skipped steps in a row (0 after an applied step).
@@ -68,7 +69,7 @@ class LossScalingState(NamedTuple):
 
     @property
     def master_params(self) -> Any:
-        """The master copy when the inner chain keeps one (`jaxmp._transform.master_weights`), else None."""
+        """The master copy when the inner chain keeps one (`jaxmp._scaling._transform.master_weights`), else None."""
         found = _tree.find_states(self.inner_state, MasterWeightsState)
         return found[0].master_params if found else None
 
@@ -135,14 +136,14 @@ class _NumericLeavesOnly(optax.GradientTransformationExtraArgs):
 
 
 class _MasterWeights(_NumericLeavesOnly):
-    """`master_weights`' transform: its state holds the master copy (`jaxmp._state_checks.check_master_matches`)."""
+    """`master_weights`' transform: its state holds the master copy (`jaxmp._scaling._state_checks.check_master_matches`)."""
 
 
 class FusedTransformation(optax.GradientTransformationExtraArgs):
     """An optax ``GradientTransformationExtraArgs`` whose update can also step the params.
 
     Adds ``update_and_apply(grads, state, params, **extra_args) -> (new_params, new_state)``,
-    which steps the params inside the skip. optax's wrappers drop it; `jaxmp._transform.update_and_apply`
+    which steps the params inside the skip. optax's wrappers drop it; `jaxmp._scaling._transform.update_and_apply`
     then falls back to ``update`` and [`jaxmp.apply_updates`][jaxmp.apply_updates].
     See docs/design.md#loss-scaling.
 
@@ -233,14 +234,14 @@ def master_weights(inner: optax.GradientTransformation, master_dtype: Any = jnp.
 
     ``update`` returns the updates that move each half param onto the cast of the new master;
     [`jaxmp.apply_updates`][jaxmp.apply_updates] with the state returns exactly that cast. Compose it
-    under `jaxmp._transform.unscale_and_skip`. See docs/design.md#loss-scaling.
+    under `jaxmp._scaling._transform.unscale_and_skip`. See docs/design.md#loss-scaling.
 
     Args:
       inner: the optax transformation run on the master copy.
       master_dtype: dtype of the master copy (float32 or wider).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is `jaxmp._transform.MasterWeightsState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is `jaxmp._scaling._transform.MasterWeightsState`.
 
     Raises:
       ValueError: a half-precision ``master_dtype``.
@@ -337,7 +338,7 @@ class _StepPlan(NamedTuple):
     from_master: bool   # fused with a master copy: the new params are made once, from the chosen master
     fused_inner: bool   # the inner step returns the new params instead of the updates
     check_after: bool   # check the updates (or new params) and float16 state after the update
-    fold_ok: bool       # jaxmp._fold is exact for this loss scale
+    fold_ok: bool       # jaxmp._scaling._fold is exact for this loss scale
 
 
 def _inner_step(inner, plan: _StepPlan, grads, grads_finite, state, params, extra_args, check=None):
@@ -350,7 +351,7 @@ def _inner_step(inner, plan: _StepPlan, grads, grads_finite, state, params, extr
     updated in place under the skip: no select against the old state, which would keep it alive.
 
     The gradients are unscaled inside the step, so XLA fuses the unscaling into the inner chain and
-    no unscaled copy is written out; reductions are folded (`jaxmp._fold`). ``plan.fused_inner``:
+    no unscaled copy is written out; reductions are folded (`jaxmp._scaling._fold`). ``plan.fused_inner``:
     return the new params instead of the updates, so the updates are never written out and read back.
     """
     loss_scale, fused = state.loss_scale, plan.fused_inner
@@ -415,7 +416,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
     """Unscales gradients, skips non-finite steps and adjusts the loss scale around ``inner``.
 
     The loss-scaling half of [`loss_scaling`][jaxmp.loss_scaling]; compose with
-    `jaxmp._transform.master_weights` as ``unscale_and_skip(master_weights(inner))``.
+    `jaxmp._scaling._transform.master_weights` as ``unscale_and_skip(master_weights(inner))``.
 
     Args:
       inner: the optax transformation to wrap.
@@ -425,7 +426,7 @@ def unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any = "dyn
       check_updates: also skip steps whose updates are non-finite, as in [`loss_scaling`][jaxmp.loss_scaling].
 
     Returns:
-      A `jaxmp._transform.FusedTransformation` whose state is [`LossScalingState`][jaxmp.LossScalingState];
+      A `jaxmp._scaling._transform.FusedTransformation` whose state is [`LossScalingState`][jaxmp.LossScalingState];
       ``update`` takes ``value=loss`` to tell a non-finite loss from non-finite gradients.
 
     Raises:
@@ -564,7 +565,7 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
         return out, new_state
 
     def fold_ok(loss_scale):
-        # Whether jaxmp._fold is exact for this scale (the loss scale knows; see fold_is_exact).
+        # Whether jaxmp._scaling._fold is exact for this scale (the loss scale knows; see fold_is_exact).
         return isinstance(loss_scale, LOSS_SCALE_TYPES) and loss_scale.fold_is_exact(initial_scale)
 
     return FusedTransformation(init_fn, update_fn, update_and_apply_fn)
@@ -597,7 +598,7 @@ def loss_scaling(inner: optax.GradientTransformation, loss_scale: LossScaleLike 
         when half arithmetic can cause it (master weights, or half gradients or state).
 
     Returns:
-      A `jaxmp._transform.FusedTransformation` whose state is [`LossScalingState`][jaxmp.LossScalingState].
+      A `jaxmp._scaling._transform.FusedTransformation` whose state is [`LossScalingState`][jaxmp.LossScalingState].
 
     Raises:
       TypeError: ``master_weights`` or ``check_updates`` is not a bool.

@@ -5,7 +5,7 @@
 additions: its dtypes are validated and canonicalised when it is built, and its
 casts touch floating array leaves only. `parse_policy_grammar` reads jmp's
 ``"params=...,compute=...,output=..."`` grammar; presets and the string entry points
-(`jaxmp.get_policy`, `jaxmp._presets.resolve_policy`) live in `jaxmp._presets`.
+(`jaxmp.get_policy`, `jaxmp._precision._presets.resolve_policy`) live in `jaxmp._precision._presets`.
 """
 
 from __future__ import annotations

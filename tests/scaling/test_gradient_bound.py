@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp._transform import GRADIENT_BOUND, NON_FINITE_GRADIENTS, NON_FINITE_UPDATES, update_and_apply
+from jaxmp._scaling._transform import GRADIENT_BOUND, NON_FINITE_GRADIENTS, NON_FINITE_UPDATES, update_and_apply
 from tests._support._arrays import leaf_bytes
 
 

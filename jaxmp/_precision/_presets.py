@@ -1,7 +1,7 @@
 """Presets (Apex ``O0``-``O3``, Keras names) as recipes, and the string entry points.
 
 Every policy string a user passes is parsed once, here, into typed objects:
-`jaxmp._presets.resolve_policy` returns the [`Policy`][jaxmp.Policy] and, for a preset, the
+`jaxmp._precision._presets.resolve_policy` returns the [`Policy`][jaxmp.Policy] and, for a preset, the
 [`Recipe`][jaxmp.Recipe] that goes with it (master weights, loss scale, float32 categories).
 [`get_policy`][jaxmp.get_policy], [`as_policy`][jaxmp.as_policy] and [`get_recipe`][jaxmp.get_recipe] are views of it.
 """
@@ -18,7 +18,7 @@ import numpy as np
 from jaxmp import fp8 as _fp8
 from jaxmp._typing import PolicyLike
 from jaxmp._dtypes import dtype_names
-from jaxmp._policy import Policy, parse_policy_grammar
+from jaxmp._precision._policy import Policy, parse_policy_grammar
 
 #: Op categories that a recipe keeps in float32 (read by the Flax integration).
 FLOAT32_CATEGORIES = ("norm", "softmax", "loss")
@@ -188,7 +188,7 @@ def resolve_policy(policy: PolicyLike) -> tuple[Policy, Recipe | None]:
 
     Example:
       >>> import jaxmp
-      >>> policy, recipe = jaxmp._presets.resolve_policy("O2-bf16")
+      >>> policy, recipe = jaxmp._precision._presets.resolve_policy("O2-bf16")
       >>> str(policy), recipe.master_weights
       ('p=bf16,c=bf16,o=f32', True)
     """
@@ -277,7 +277,7 @@ def as_policy(policy: PolicyLike) -> Policy:
     """Returns a jaxmp [`Policy`][jaxmp.Policy] from a Policy, a ``jmp.Policy``, a Recipe or a policy string.
 
     Args:
-      policy: anything `jaxmp._presets.resolve_policy` accepts.
+      policy: anything `jaxmp._precision._presets.resolve_policy` accepts.
 
     Returns:
       A [`Policy`][jaxmp.Policy].

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 
 from jaxmp import _misuse as misuse
 from jaxmp._typing import PyTree
-from jaxmp._loss_scale import LossScale
-from jaxmp._opt_state import get_loss_scale
-from jaxmp._transform import LossScalingState
+from jaxmp._scaling._loss_scale import LossScale
+from jaxmp._scaling._opt_state import get_loss_scale
+from jaxmp._scaling._transform import LossScalingState
 
 
 def _check_loss(loss: Any) -> jax.Array:

@@ -1,4 +1,4 @@
-"""The unscaling folded out of the inner chain's reductions (jaxmp._fold): same numbers, fewer passes."""
+"""The unscaling folded out of the inner chain's reductions (jaxmp._scaling._fold): same numbers, fewer passes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp import _fold as fold
-from jaxmp._transform import update_and_apply
+from jaxmp._scaling import _fold as fold
+from jaxmp._scaling._transform import update_and_apply
 
 # The folded chains are optax's (adamw, clip_by_global_norm): adamw's bias correction is a
 # Python float ** int32 count, which strict promotion refuses.

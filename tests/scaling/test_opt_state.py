@@ -1,4 +1,4 @@
-"""jaxmp/_opt_state.py: finding the loss-scaling state, reading it, applying updates, check_health's verdicts."""
+"""jaxmp/_scaling/_opt_state.py: finding the loss-scaling state, reading it, applying updates, check_health's verdicts."""
 
 import jax
 import jax.numpy as jnp
@@ -7,9 +7,9 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp._opt_state import (TrainingDivergedError, apply_updates, check_health, find_loss_scaling_state,
+from jaxmp._scaling._opt_state import (TrainingDivergedError, apply_updates, check_health, find_loss_scaling_state,
                              first_non_finite, get_loss_scale, master_params, scaling_stats)
-from jaxmp._transform import NON_FINITE_GRADIENTS, NON_FINITE_LOSS, NON_FINITE_UPDATES
+from jaxmp._scaling._transform import NON_FINITE_GRADIENTS, NON_FINITE_LOSS, NON_FINITE_UPDATES
 
 PARAMS = {"w": jnp.ones(2)}
 

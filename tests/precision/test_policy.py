@@ -196,7 +196,7 @@ class _FakeDevice:
 @pytest.mark.parametrize("platform,cc,expected", [("tpu", None, BF16), ("gpu", "9.0", BF16), ("gpu", "8.0", BF16),
                                                   ("gpu", "7.5", F16), ("cpu", None, F16)])
 def test_preset_half_follows_the_hardware(platform, cc, expected):
-    assert jaxmp._presets.preset_half_dtype(_FakeDevice(platform, cc)) == expected
+    assert jaxmp._precision._presets.preset_half_dtype(_FakeDevice(platform, cc)) == expected
 
 
 @pytest.mark.parametrize("dtypes", [(None, None, None), (jnp.float32, None, jnp.float32)])

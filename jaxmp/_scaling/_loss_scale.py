@@ -20,7 +20,7 @@ from jaxmp import _effects
 from jaxmp import _misuse as misuse
 from jaxmp._typing import LossScaleLike
 from jaxmp._dtypes import is_inexact_array
-from jaxmp._skip import check_flag
+from jaxmp._scaling._skip import check_flag
 
 T = TypeVar("T")
 
@@ -151,7 +151,7 @@ class NoOpLossScale:
         return self
 
     def fold_is_exact(self, built_with: "LossScale | None" = None) -> bool:
-        """False: there is no scale to fold (see `jaxmp._fold`)."""
+        """False: there is no scale to fold (see `jaxmp._scaling._fold`)."""
         return False
 
 
@@ -215,7 +215,7 @@ class StaticLossScale(_Scaling):
         return dataclasses.replace(self, scaled_mark=misuse.UNSCALED) if misuse.was_scaled(self) else self
 
     def fold_is_exact(self, built_with: "LossScale | None" = None) -> bool:
-        """Whether the scale is >= 1, so that `jaxmp._fold` is exact (see `DynamicLossScale.fold_is_exact`).
+        """Whether the scale is >= 1, so that `jaxmp._scaling._fold` is exact (see `DynamicLossScale.fold_is_exact`).
 
         Args:
           built_with: the scale the transform was built with: a static scale never changes, so
@@ -362,7 +362,7 @@ class DynamicLossScale(_Scaling):
         return self.factor
 
     def fold_is_exact(self, built_with: "LossScale | None" = None) -> bool:
-        """Whether the scale is >= 1 on every step (its floor is): then `jaxmp._fold` is exact.
+        """Whether the scale is >= 1 on every step (its floor is): then `jaxmp._scaling._fold` is exact.
 
         Args:
           built_with: unused (the floor is configuration); there for the static scale's sake.

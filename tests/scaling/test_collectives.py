@@ -1,11 +1,11 @@
-"""jaxmp/_collectives.py: axis-name and reduce-dtype checks, the float32 all-reduce and the model-state mean."""
+"""jaxmp/_scaling/_collectives.py: axis-name and reduce-dtype checks, the float32 all-reduce and the model-state mean."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp._collectives import (all_reduce_gradients, check_axis_name, check_reduce_dtype, mean_model_state,
+from jaxmp._scaling._collectives import (all_reduce_gradients, check_axis_name, check_reduce_dtype, mean_model_state,
                                optional_axis_name)
 
 N = jax.local_device_count()

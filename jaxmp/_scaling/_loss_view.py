@@ -77,7 +77,7 @@ def loss_only(loss_fn: Callable, with_aux: bool) -> Callable:
 
 def scale_of(opt_state: Any) -> jax.Array:
     """The loss scale in ``opt_state`` (1 when it holds no loss-scaling state), float32 0-d."""
-    from jaxmp._opt_state import get_loss_scale
+    from jaxmp._scaling._opt_state import get_loss_scale
 
     try:
         scale = get_loss_scale(opt_state).loss_scale
