@@ -535,7 +535,9 @@ def test_fp8_benchmark_dry_run_times_every_variant_updates_the_fp8_state_and_com
     _assert_valid(on_disk, "fp8")
     assert on_disk["env"]["versions"]["jax"] and on_disk["env"]["device"] and on_disk["env"]["git_commit"]["sha"]
     r = result["results"]["models"]["mlp"]
-    assert list(r["variants"]) == ["bf16", "fp8", "fp8-current"] and r["skipped"] == {}  # the CPU emulates fp8
+    assert list(r["variants"]) == list(bench.VARIANTS) and r["skipped"] == {}  # the CPU emulates fp8
+    assert set(bench.BLOCK_VARIANTS) < set(bench.VARIANTS)
+    assert not any("emulated" in x for x in r["variants"].values())  # on a CPU emulation is the default
     assert {v: x["policy"] for v, x in r["variants"].items()} == bench.POLICIES
     curves = {v: x["loss_curve"] for v, x in r["variants"].items()}
     for v, c in curves.items():
@@ -543,6 +545,8 @@ def test_fp8_benchmark_dry_run_times_every_variant_updates_the_fp8_state_and_com
         assert len(c) == steps and all(np.isfinite(c)) and c[4] < c[0], v
         assert r["variants"][v]["skipped_steps"] == 0
         assert r["variants"][v]["step_time_s"]["n"] == 2
+    for v in bench.BLOCK_VARIANTS:
+        assert curves[v] != curves["bf16"], v  # the block formats quantize too
     for v in ("fp8", "fp8-current"):
         assert curves[v] != curves["bf16"], v  # fp8 rounding changes the numbers ...
         assert 0 < r["variants"][v]["max_rel_loss_gap_last_half"] < 0.05, v  # ... but not the curve
