@@ -672,6 +672,23 @@ def test_fp8_blocks_dry_run_trains_each_policy_and_compares_with_bf16(tmp_path):
     assert summary["O2-bf16"]["time_vs_bf16"] == 1.0 and summary["O2-mxfp8"]["time_vs_bf16"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adamw's bias correction: Python float ** int32 count")
+def test_fp8_blocks_lm_dry_run_judges_the_loss_and_runs_the_nvfp4_variants(tmp_path):
+    from benchmarks import fp8_blocks
+
+    out = tmp_path / "fp8_blocks_lm.json"
+    result = fp8_blocks.main(["--dry-run", "--quiet", "--model", "lm", "--seeds", "0", "--policies", "O2-nvfp4",
+                              "O2-nvfp4-plain", "O2-nvfp4-head-f32", "--out", str(out)])
+    _assert_valid(json.loads(out.read_text()), "fp8_blocks")
+    summary = result["results"]["summary"]
+    assert set(summary) == {"O2-bf16", "O2-nvfp4", "O2-nvfp4-plain", "O2-nvfp4-head-f32", "bf16_loss_spread"}
+    losses = {p: summary[p]["eval_loss_mean"] for p in ("O2-bf16", "O2-nvfp4", "O2-nvfp4-plain", "O2-nvfp4-head-f32")}
+    assert len(set(losses.values())) == 4, losses  # four different programs, the same seed and batches
+    with pytest.raises(SystemExit):  # the extra variants are the LM study's
+        fp8_blocks.main(["--dry-run", "--quiet", "--policies", "O2-nvfp4-plain", "--out", "-"])
+
+
 #: Where each entry point's dry run (or, for scripts without a model to shrink, its plain run) is
 #: tested: a script added without one fails here.
 DRY_RUN_TESTS = {
