@@ -20,7 +20,13 @@ policy is the only difference:
   max, margin 0; E4M3 forward, E5M2 gradients): every ``Dense``/``DenseGeneral`` (attention
   projections included) gets an fp8 op whose scales and amax histories live in the
   ``fp8_meta`` collection, updated by the train step every step;
-* ``fp8-current``: ``"O2-fp8-current"``, per-tensor current scaling (no state).
+* ``fp8-current``: ``"O2-fp8-current"``, per-tensor current scaling (no state);
+* ``mxfp8``, ``fp8-rowwise``, ``fp8-block128``, ``nvfp4``: the block-scaled presets
+  (docs/fp8.md#block-scaled-formats). Where ``jaxmp.fp8.check_hardware`` finds no native path
+  (anything but Blackwell with JAX >= 0.12, and there only MXFP8's forward) they run emulated
+  (``emulate=True``, opted in by this script) and their row carries ``emulated``: the reason. An
+  emulated row's time is the simulator's cost, not the format's speed; its loss curve is the
+  format's fidelity on this model.
 
 Attention's two batched matmuls and the norms are not fp8 in any variant (as in Transformer
 Engine). ``make_train_step`` also computes its argmax accuracy metric, meaningless for a
@@ -44,8 +50,12 @@ import time
 from benchmarks import _common as common
 
 MODELS = ("mlp", "transformer")
-VARIANTS = ("bf16", "fp8", "fp8-current")
-POLICIES = {"bf16": "O2-bf16", "fp8": "O2-fp8", "fp8-current": "O2-fp8-current"}
+VARIANTS = ("bf16", "fp8", "fp8-current", "mxfp8", "fp8-rowwise", "fp8-block128", "nvfp4")
+POLICIES = {"bf16": "O2-bf16", "fp8": "O2-fp8", "fp8-current": "O2-fp8-current", "mxfp8": "O2-mxfp8",
+            "fp8-rowwise": "O2-fp8-rowwise", "fp8-block128": "O2-fp8-block128", "nvfp4": "O2-nvfp4"}
+#: The block-scaled variants: native only on Blackwell with JAX >= 0.12 (MXFP8's forward), so
+#: elsewhere (H100) they run emulated, opted in here, and their rows say so (``emulated``).
+BLOCK_VARIANTS = ("mxfp8", "fp8-rowwise", "fp8-block128", "nvfp4")
 NOISE_REFERENCE = "bf16-init1"  # bf16 again from another init: the yardstick for "within noise"
 SIZES = {"mlp": dict(d_in=4096, hidden=16384, tokens=16384),
          "transformer": dict(layers=2, dim=2048, heads=16, mlp=8192, seq=512, batch=8)}
@@ -175,6 +185,8 @@ class Variant:
     """
 
     def __init__(self, module, policy: str, sample, batch):
+        import dataclasses
+
         import jax
         import optax
 
@@ -182,7 +194,14 @@ class Variant:
         import jaxmp.flax
 
         recipe = jaxmp.get_recipe(policy)
-        self.model = jaxmp.flax.mixed_precision(module, policy)
+        self.emulated = None
+        if getattr(recipe.fp8, "block", None) is not None and jax.devices()[0].platform != "cpu":
+            try:
+                jaxmp.fp8.check_hardware(recipe.fp8)
+            except ValueError as e:  # no native block-scaled GEMM here: emulate, and say so
+                self.emulated = str(e).splitlines()[0]
+                recipe = recipe._replace(fp8=dataclasses.replace(recipe.fp8, emulate=True))
+        self.model = jaxmp.flax.mixed_precision(module, recipe)
         self.tx = jaxmp.loss_scaling(optax.adamw(LEARNING_RATE), loss_scale=recipe.loss_scale,
                                      master_weights=recipe.master_weights)
         # Collections other than params (the fp8 state) from this policy's init; their shapes do
@@ -281,6 +300,8 @@ def measure_model(name: str, sizes: dict, variants: list[str], timing: dict, qui
             out["skipped"][v] = str(e)
             continue
         out["variants"][v] = {"policy": POLICIES[v], "compile_s": built[v].compile_s}
+        if built[v].emulated:
+            out["variants"][v]["emulated"] = built[v].emulated
         states[v] = built[v].fresh_state(params)
 
     def block(v):

@@ -238,7 +238,18 @@ class StackItem(NamedTuple):
 
 def stack_of(eqn: Any) -> tuple[StackItem, ...]:
     """``eqn``'s own name stack as data, outermost first (relative to an enclosing equation)."""
-    stack = eqn.source_info.name_stack
+    return _stack_items(eqn.source_info.name_stack)
+
+
+def current_stack() -> tuple[StackItem, ...]:
+    """The name stack of the code being traced now (its module path while autocast re-binds an
+    equation: `equation_context`), as data, outermost first."""
+    from jax._src import source_info_util
+
+    return _stack_items(source_info_util.current_name_stack())
+
+
+def _stack_items(stack: Any) -> tuple[StackItem, ...]:
     items = getattr(stack, "stack", None)
     if items is None:  # an older form: a string
         text = str(stack)

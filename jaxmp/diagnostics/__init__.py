@@ -20,6 +20,8 @@ from jaxmp.diagnostics._precision_report import RiskyOp
 from jaxmp.diagnostics._precision_report import precision_report
 from jaxmp.diagnostics._locate import NonFiniteCulprit
 from jaxmp.diagnostics._locate import locate_non_finite
+# Not public yet (docs/fp8.md shows it as diagnostics._block_report.block_report).
+from jaxmp.diagnostics import _block_report  # noqa: F401
 # The rows of a ShadowReport (its API page documents them), outside the counted surface.
 from jaxmp.diagnostics._fix import Fix as Fix
 from jaxmp.diagnostics._shadow_report import ModuleError as ModuleError

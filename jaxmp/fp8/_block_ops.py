@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxmp.fp8._block_watch import watch, watched_stack
 from jaxmp.fp8._blocks import apply_hadamard, dequantize, hadamard_signs, quantize
 from jaxmp.fp8._hardware import native_block
 from jaxmp.fp8._recipes import CurrentScaling
@@ -32,12 +33,14 @@ KEY_IMPL = "threefry2x32"  # as jaxmp's other stochastic rounding: bits independ
 
 
 def qdq(x: jax.Array, contract: tuple, batch: tuple, dtype: Any, block: Any, recipe: CurrentScaling,
-        key: jax.Array | None = None, h: jax.Array | None = None, split_global: bool = False) -> Any:
+        key: jax.Array | None = None, h: jax.Array | None = None, split_global: bool = False,
+        leg: tuple = ()) -> Any:
     """``x`` quantized and dequantized with blocks along the axes ``contract`` (flattened, in
     order; ``batch`` first, then the free axes, form the rows), back in ``x``'s layout and dtype.
     ``h``: the signs of a Hadamard transform applied along the contraction axis first (its length a multiple
     of the transform's size). ``split_global``: NVFP4's per-tensor scale left out of the values
-    (exact in the compute dtype then) and returned beside them."""
+    (exact in the compute dtype then) and returned beside them. ``leg``: ``(leg, operand, stack)``
+    for the debugger's block watch (`jaxmp.fp8._block_watch`; empty when it is off)."""
     free = tuple(d for d in range(x.ndim) if d not in contract and d not in batch)
     perm = (*batch, *free, *contract)
     xt = jnp.transpose(x, perm)
@@ -46,6 +49,8 @@ def qdq(x: jax.Array, contract: tuple, batch: tuple, dtype: Any, block: Any, rec
     if h is not None:
         x2 = apply_hadamard(x2, h)
     qx = quantize(x2, dtype, block, recipe.scale_format, recipe.scale_rule, key)
+    if leg:
+        watch(x2, qx, *leg)
     out = dequantize(qx, x.dtype, with_global=not split_global).reshape(xt.shape)
     out = jnp.transpose(out, tuple(perm.index(d) for d in range(x.ndim)))
     return (out, qx.global_scale) if split_global else out
@@ -88,6 +93,11 @@ def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe:
                                    preferred_element_type=preferred_element_type)
 
     k = math.prod(lhs.shape[d] for d in lc)
+    # The module path, read here: custom_vjp traces ``forward`` in a fresh name stack.
+    stack = watched_stack()
+
+    def _leg(leg, operand):
+        return () if stack is None else (leg, operand, stack)
     # Stage 3: the native MXFP8 forward where it exists (Blackwell, JAX >= 0.12), chosen at trace
     # time; untested on Blackwell here, so the branch is this call and nothing else. Its scales
     # are the "ceil" rule, bit-equal to the emulation (tests/fp8/test_block_ops.py, JAX 0.12).
@@ -99,11 +109,12 @@ def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe:
             return jax.nn.scaled_dot_general(a, b, ((lc, rc), (lb, rb)), preferred_element_type=out_dt,
                                              configs=[jax.nn.get_scaled_dot_general_config("mxfp8")] * 3)
         if recipe.scale_format != "e4m3":
-            return dot(qdq(a, lc, lb, fwd_dt, recipe.block, recipe), qdq(b, rc, rb, fwd_dt, rhs_block, recipe))
+            return dot(qdq(a, lc, lb, fwd_dt, recipe.block, recipe, leg=_leg("forward", "lhs")),
+                       qdq(b, rc, rb, fwd_dt, rhs_block, recipe, leg=_leg("forward", "rhs")))
         # NVFP4: the per-tensor scales multiply the float32 product, as the hardware's alpha (and
         # JAX's scaled_dot_general) do; the backward legs fold them into their operands instead.
-        (qa, ga), (qb, gb) = (qdq(a, lc, lb, fwd_dt, recipe.block, recipe, split_global=True),
-                              qdq(b, rc, rb, fwd_dt, rhs_block, recipe, split_global=True))
+        (qa, ga), (qb, gb) = (qdq(a, lc, lb, fwd_dt, recipe.block, recipe, split_global=True, leg=_leg("forward", "lhs")),
+                              qdq(b, rc, rb, fwd_dt, rhs_block, recipe, split_global=True, leg=_leg("forward", "rhs")))
         out_dt = preferred_element_type if preferred_element_type is not None else jnp.result_type(a, b)
         out = jax.lax.dot_general(qa, qb, ((lc, rc), (lb, rb)), precision=precision,
                                   preferred_element_type=jnp.float32)
@@ -124,8 +135,9 @@ def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe:
         if "dgrad" in recipe.high_precision_legs:
             da = jax.vjp(dot, a, b)[1](g)[0]
         else:
-            g_d = qdq(g, out_rf, out_batch, bwd_dt, recipe.block, recipe, _sr_key(recipe, g, 0))
-            b_d = qdq(b, rf, rb, fwd_dt, rhs_block, recipe)
+            g_d = qdq(g, out_rf, out_batch, bwd_dt, recipe.block, recipe, _sr_key(recipe, g, 0),
+                      leg=_leg("dgrad", "gradient"))
+            b_d = qdq(b, rf, rb, fwd_dt, rhs_block, recipe, leg=_leg("dgrad", "rhs"))
             da = jax.vjp(dot, a, b_d)[1](g_d.astype(g.dtype))[0]
         return da
 
@@ -137,8 +149,9 @@ def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe:
             h = None
             if recipe.hadamard and tokens % 16 == 0:
                 h = hadamard_signs(jax.random.fold_in(jax.random.key(recipe.seed, impl=KEY_IMPL), 2))
-            g_w = qdq(g, out_lf, out_batch, bwd_dt, recipe.block, recipe, _sr_key(recipe, g, 1), h)
-            a_w = qdq(a, lf, lb, fwd_dt, recipe.block, recipe, None, h)
+            g_w = qdq(g, out_lf, out_batch, bwd_dt, recipe.block, recipe, _sr_key(recipe, g, 1), h,
+                      leg=_leg("wgrad", "gradient"))
+            a_w = qdq(a, lf, lb, fwd_dt, recipe.block, recipe, None, h, leg=_leg("wgrad", "lhs"))
             db = jax.vjp(dot, a_w, b)[1](g_w.astype(g.dtype))[1]
         return db
 

@@ -236,8 +236,10 @@ def quantize(x: jax.Array, dtype: Any, block: Any = (1, 32), scale_format: str =
         raise ValueError(f"quantize takes a 2-D [rows, k] array, got shape {x.shape}")
     a, b = resolve_block(block, x.shape)
     xb = _blocked(x.astype(jnp.float32), a, b)
-    amax = jnp.max(jnp.abs(xb), axis=(1, 3))  # NaN propagates through max
-    bad = ~jnp.isfinite(amax)
+    # A block's NaN/inf is found by its own reduction, never by trusting max to propagate NaN:
+    # XLA's CPU max (fast min/max) drops a NaN next to the zero padding of a ragged block.
+    bad = jnp.any(~jnp.isfinite(xb), axis=(1, 3))
+    amax = jnp.where(bad, jnp.float32(jnp.nan), jnp.max(jnp.abs(xb), axis=(1, 3)))
     g = None
     if scale_format == "e8m0":
         e = e8m0_exponent(amax, elem, rule)

@@ -7,12 +7,14 @@ name here has a user outside ``jaxmp.fp8``). No stability promise: these names c
 release, without a deprecation period; code outside jaxmp uses ``jaxmp.fp8``'s public names.
 """
 
+from jaxmp.fp8 import _block_watch as block_watch
 from jaxmp.fp8 import _recipes as recipes
 from jaxmp.fp8 import _state as state
 from jaxmp.fp8._state import FP8_COLLECTION
 
 __all__ = [
     "FP8_COLLECTION",
+    "block_watch",
     "recipes",
     "state",
 ]

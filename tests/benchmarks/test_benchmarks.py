@@ -553,7 +553,9 @@ def test_fp8_benchmark_dry_run_times_every_variant_updates_the_fp8_state_and_com
     _assert_valid(on_disk, "fp8")
     assert on_disk["env"]["versions"]["jax"] and on_disk["env"]["device"] and on_disk["env"]["git_commit"]["sha"]
     r = result["results"]["models"]["mlp"]
-    assert list(r["variants"]) == ["bf16", "fp8", "fp8-current"] and r["skipped"] == {}  # the CPU emulates fp8
+    assert list(r["variants"]) == list(bench.VARIANTS) and r["skipped"] == {}  # the CPU emulates fp8
+    assert set(bench.BLOCK_VARIANTS) < set(bench.VARIANTS)
+    assert not any("emulated" in x for x in r["variants"].values())  # on a CPU emulation is the default
     assert {v: x["policy"] for v, x in r["variants"].items()} == bench.POLICIES
     curves = {v: x["loss_curve"] for v, x in r["variants"].items()}
     for v, c in curves.items():
@@ -561,6 +563,8 @@ def test_fp8_benchmark_dry_run_times_every_variant_updates_the_fp8_state_and_com
         assert len(c) == steps and all(np.isfinite(c)) and c[4] < c[0], v
         assert r["variants"][v]["skipped_steps"] == 0
         assert r["variants"][v]["step_time_s"]["n"] == 2
+    for v in bench.BLOCK_VARIANTS:
+        assert curves[v] != curves["bf16"], v  # the block formats quantize too
     for v in ("fp8", "fp8-current"):
         assert curves[v] != curves["bf16"], v  # fp8 rounding changes the numbers ...
         assert 0 < r["variants"][v]["max_rel_loss_gap_last_half"] < 0.05, v  # ... but not the curve
@@ -684,6 +688,23 @@ def test_fp8_blocks_dry_run_trains_each_policy_and_compares_with_bf16(tmp_path):
     summary = result["results"]["summary"]
     assert set(summary) == {"O2-bf16", "O2-mxfp8", "bf16_accuracy_spread"}  # bf16 always runs: the reference
     assert summary["O2-bf16"]["time_vs_bf16"] == 1.0 and summary["O2-mxfp8"]["time_vs_bf16"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adamw's bias correction: Python float ** int32 count")
+def test_fp8_blocks_lm_dry_run_judges_the_loss_and_runs_the_nvfp4_variants(tmp_path):
+    from benchmarks import fp8_blocks
+
+    out = tmp_path / "fp8_blocks_lm.json"
+    result = fp8_blocks.main(["--dry-run", "--quiet", "--model", "lm", "--seeds", "0", "--policies", "O2-nvfp4",
+                              "O2-nvfp4-plain", "O2-nvfp4-head-f32", "--out", str(out)])
+    _assert_valid(json.loads(out.read_text()), "fp8_blocks")
+    summary = result["results"]["summary"]
+    assert set(summary) == {"O2-bf16", "O2-nvfp4", "O2-nvfp4-plain", "O2-nvfp4-head-f32", "bf16_loss_spread"}
+    losses = {p: summary[p]["eval_loss_mean"] for p in ("O2-bf16", "O2-nvfp4", "O2-nvfp4-plain", "O2-nvfp4-head-f32")}
+    assert len(set(losses.values())) == 4, losses  # four different programs, the same seed and batches
+    with pytest.raises(SystemExit):  # the extra variants are the LM study's
+        fp8_blocks.main(["--dry-run", "--quiet", "--policies", "O2-nvfp4-plain", "--out", "-"])
 
 
 #: Where each entry point's dry run (or, for scripts without a model to shrink, its plain run) is

@@ -398,6 +398,19 @@ def test_name_stacks_are_read_as_data_through_transformations():
     assert ("scope", "head") in item and "head" in _jaxpr.scope_names(next(e.eqn for e in backward))
 
 
+def test_the_current_stack_is_the_scopes_being_traced():
+    seen = []
+
+    def f(x):
+        with jax.named_scope("outer"), jax.named_scope("inner"):
+            seen.append(_jaxpr.current_stack())
+            return jnp.sin(x)
+
+    jax.make_jaxpr(jax.grad(f))(1.0)
+    assert [i.name for i in seen[0] if i.kind == "scope"] == ["outer", "inner"]
+    assert _jaxpr.current_stack() == ()  # outside any trace
+
+
 def test_render_prints_a_stack_as_jax_does():
     S, T = (lambda n: _jaxpr.StackItem("scope", n)), (lambda n: _jaxpr.StackItem("transform", n))
     assert _jaxpr.render((S("a"), T("transpose"), T("jvp"), S("b"), S("c"))) == "a/transpose(jvp(b))/c"
@@ -488,8 +501,8 @@ TESTED = {
                 "equation_context", "equations", "is_literal", "open_jaxpr", "scope_names", "sub_jaxprs", "Literal",
                 "bodies"},
     _jaxpr: {"Jaxpr", "ClosedJaxpr", "Literal", "Var", "Primitive", "is_jaxpr", "open_jaxpr", "is_literal", "is_var",
-             "equations", "sub_jaxprs", "primitive_objects", "StackItem", "stack_of", "scope_names", "render",
-             "user_frames", "source_line", "Equation", "walk", "bind", "bind_primitive", "equation_context",
+             "equations", "sub_jaxprs", "primitive_objects", "StackItem", "stack_of", "current_stack", "scope_names",
+             "render", "user_frames", "source_line", "Equation", "walk", "bind", "bind_primitive", "equation_context",
              "one_equation_program",
              # the control-flow dispatcher (re-exported by internals; tested in tests/core/test_jaxpr.py)
              "JaxInternalsError", "param", "primitive_kind", "call_jaxpr", "scan_counts", "while_parts", "Body",

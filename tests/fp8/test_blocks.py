@@ -219,3 +219,23 @@ def test_recipe_fields_are_validated():
         fp8.CurrentScaling(block=(1, 32), high_precision_legs=("fwd",))
     with pytest.raises(ValueError, match="2-D"):
         B.quantize(jnp.ones((2, 2, 2)), E4M3)
+
+
+def test_a_nan_in_a_ragged_block_gives_the_nan_scale_under_jit():
+    # 64 elements in a 1x128 block (zero-padded): XLA's CPU max drops a NaN beside the padding,
+    # so the quantizer must find it on its own, or the NaN row decodes to zeros and a
+    # skip-on-overflow check never sees it.
+    x = np.ones((32, 64), np.float32)
+    x[5] = np.nan
+    x[9, 3] = np.inf
+    for fmt, rule, dtype in (("e8m0", "ceil", jnp.float8_e4m3fn), ("float32", "exact", jnp.float8_e4m3fn),
+                             ("e4m3", "exact", jnp.float4_e2m1fn)):
+        qx = jax.jit(lambda a: fp8._blocks.quantize(a, dtype, (1, 128), fmt, rule))(x)
+        got = np.asarray(fp8._blocks.dequantize(qx))
+        assert np.isnan(got[5]).all() and np.isnan(got[9]).all(), fmt
+        assert np.isfinite(np.delete(got, [5, 9], axis=0)).all(), fmt
+    r = fp8.CurrentScaling(block=(1, 128), rhs_block=(128, 128), bwd_dtype=jnp.float8_e4m3fn, scale_format="e8m0",
+                           scale_rule="ceil")
+    out = np.asarray(jax.jit(lambda a, w: fp8.fp8_dot_general(a, w, (((1,), (0,)), ((), ())), r))(
+        x, np.full((64, 8), 0.5, np.float32)))
+    assert np.isnan(out[[5, 9]]).all() and np.isfinite(np.delete(out, [5, 9], axis=0)).all()

@@ -1,0 +1,110 @@
+"""The debugger's view of block-scaled formats: which blocks saturate or underflow, by module path.
+
+`block_report` runs a loss once under a block-scaled preset (forward and, by default, its
+gradient) with the quantizer's watch open (`jaxmp.fp8._block_watch`) and sums, per module path,
+matmul leg and operand, the blocks whose largest elements were clipped to the format's max
+(*saturated*: only the E8M0 ``"floor"``/``"even"`` rules, or an E4M3 scale that rounds down,
+allow it) and the nonzero blocks that quantized to all zeros (*underflowed*: e.g. NVFP4's
+per-tensor scale leaving a small block's E4M3 scale at zero). Off the hot path: a training step
+traced outside it pays nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from jaxmp.diagnostics import _format
+from jaxmp.engine._seams import AutocastRules, autocast
+from jaxmp.fp8._seams import block_watch
+
+#: The scopes that say which leg, not where: left out of the module path (the leg is a column).
+_LEG_SCOPES = frozenset({"dgrad", "wgrad"})
+
+
+class BlockRow(NamedTuple):
+    """Blocks of one operand of one matmul leg, summed over the calls at one module path.
+
+    Attributes:
+      path: the module path (Flax/Equinox/Haiku scopes, ``jax.named_scope`` names).
+      leg: ``"forward"``, ``"dgrad"`` or ``"wgrad"``.
+      operand: ``"lhs"``, ``"rhs"`` (the kernel of ``x @ w``) or ``"gradient"``.
+      dtype: the element format.
+      blocks: blocks quantized.
+      saturated: blocks whose largest elements were clipped to the format's max.
+      underflowed: nonzero blocks that quantized to all zeros.
+    """
+
+    path: str
+    leg: str
+    operand: str
+    dtype: str
+    blocks: int
+    saturated: int
+    underflowed: int
+
+
+class BlockReport(NamedTuple):
+    """What `block_report` found: one `BlockRow` per (path, leg, operand), by leg, path, operand."""
+
+    rows: tuple[BlockRow, ...]
+
+    def flagged(self) -> tuple[BlockRow, ...]:
+        """The rows with a saturated or underflowed block."""
+        return tuple(r for r in self.rows if r.saturated or r.underflowed)
+
+    def __str__(self) -> str:
+        bad = self.flagged()
+        if not self.rows:
+            return "block_report: no block-scaled matmul ran (is the policy a block-scaled preset?)"
+        if not bad:
+            return f"block_report: no block saturated or underflowed ({len(self.rows)} quantized operands)"
+        rows = [(_format.fold_path(r.path or "(top level)", 36), r.leg, r.operand, r.dtype, str(r.blocks),
+                 str(r.saturated), str(r.underflowed)) for r in bad]
+        return _format.render_table("block_report: blocks that saturate or underflow",
+                                    ("module path", "leg", "operand", "format", "blocks", "saturated", "underflowed"),
+                                    rows, width=_format.WIDTH, compact=True)
+
+
+def _path(stack: tuple) -> str:
+    own = _format._OWN_SCOPE
+    return "/".join(i.name for i in stack if i.kind == "scope" and not own.match(i.name) and i.name not in _LEG_SCOPES)
+
+
+def block_report(fn: Callable[..., Any], *args: Any, policy: str = "O2-mxfp8", rules: AutocastRules | None = None,
+                 backward: bool = True) -> BlockReport:
+    """Runs ``fn`` once under a block-scaled policy and names the blocks that saturate or underflow.
+
+    Args:
+      fn: a loss (a scalar) or, with ``backward=False``, any function of arrays.
+      *args: its inputs (the gradient is taken with respect to the first).
+      policy: a block-scaled preset (``"O2-mxfp8"``, ``"O2-nvfp4"`` ...).
+      rules: autocast rules (e.g. ``fp8_matmuls=`` a `jaxmp.fp8.CurrentScaling` of your own).
+      backward: also run the gradient, whose dgrad and wgrad legs quantize too.
+
+    Returns:
+      A `BlockReport`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp import diagnostics
+      >>> r = diagnostics._block_report.block_report(lambda w, x: jnp.sum(x @ w), jnp.ones((32, 4)), jnp.ones((2, 32)))
+      >>> [(row.leg, row.operand, row.saturated, row.underflowed) for row in r.rows][:2]
+      [('forward', 'lhs', 0, 0), ('forward', 'rhs', 0, 0)]
+    """
+    f = autocast(fn, policy, rules=rules)
+    run = jax.jit(jax.grad(f) if backward else f)
+    with block_watch.watching() as events:
+        jax.block_until_ready(run(*args))
+    rows: dict[tuple, list] = {}
+    for e in events:
+        key = (_path(e.stack), e.leg, e.operand, e.dtype)
+        acc = rows.setdefault(key, [0, 0, 0])
+        acc[0] += e.blocks
+        acc[1] += e.saturated
+        acc[2] += e.underflowed
+    order = {"forward": 0, "dgrad": 1, "wgrad": 2}
+    # callbacks arrive in the compiled program's order: sorted by leg, path and operand instead
+    ranked = sorted(rows.items(), key=lambda kv: (order[kv[0][1]], kv[0][0], kv[0][2]))
+    return BlockReport(tuple(BlockRow(*k, *v) for k, v in ranked))
