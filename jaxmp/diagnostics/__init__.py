@@ -20,8 +20,7 @@ from jaxmp.diagnostics._precision_report import RiskyOp
 from jaxmp.diagnostics._precision_report import precision_report
 from jaxmp.diagnostics._locate import NonFiniteCulprit
 from jaxmp.diagnostics._locate import locate_non_finite
-# Not public yet (docs/fp8.md shows it as diagnostics._block_report.block_report).
-from jaxmp.diagnostics import _block_report  # noqa: F401
+from jaxmp.diagnostics._block_report import block_report
 # The rows of a ShadowReport (its API page documents them), outside the counted surface.
 from jaxmp.diagnostics._fix import Fix as Fix
 from jaxmp.diagnostics._shadow_report import ModuleError as ModuleError
@@ -35,5 +34,5 @@ __all__ = [
     "gradient_stats", "GradientStats", "GroupStats",
     "input_pipeline_overhead", "PipelineOverhead",
     "locate_non_finite", "NonFiniteCulprit", "compare_to_float32", "ShadowReport",
-    "strict_precision", "StrictPrecisionError",
+    "strict_precision", "StrictPrecisionError", "block_report",
 ]

@@ -89,7 +89,7 @@ def block_report(fn: Callable[..., Any], *args: Any, policy: str = "O2-mxfp8", r
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import diagnostics
-      >>> r = diagnostics._block_report.block_report(lambda w, x: jnp.sum(x @ w), jnp.ones((32, 4)), jnp.ones((2, 32)))
+      >>> r = diagnostics.block_report(lambda w, x: jnp.sum(x @ w), jnp.ones((32, 4)), jnp.ones((2, 32)))
       >>> [(row.leg, row.operand, row.saturated, row.underflowed) for row in r.rows][:2]
       [('forward', 'lhs', 0, 0), ('forward', 'rhs', 0, 0)]
     """

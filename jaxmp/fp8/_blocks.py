@@ -224,7 +224,7 @@ def quantize(x: jax.Array, dtype: Any, block: Any = (1, 32), scale_format: str =
       >>> from jaxmp import fp8
       >>> qx = fp8._blocks.quantize(jnp.array([[0.9, -0.25]]), jnp.float8_e4m3fn, (1, 2), "e8m0", "ceil")
       >>> fp8._blocks.dequantize(qx).tolist()
-      [[0.8984375, -0.25]]
+      [[0.875, -0.25]]
     """
     elem = element_format(dtype)
     if scale_format not in SCALE_FORMATS:
