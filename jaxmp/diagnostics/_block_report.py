@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
+from jaxmp._typing import PyTree
 from jaxmp.diagnostics import _format
 from jaxmp.engine._seams import AutocastRules, autocast
 from jaxmp.fp8._seams import block_watch
@@ -72,7 +73,7 @@ def _path(stack: tuple) -> str:
     return "/".join(i.name for i in stack if i.kind == "scope" and not own.match(i.name) and i.name not in _LEG_SCOPES)
 
 
-def block_report(fn: Callable[..., Any], *args: Any, policy: str = "O2-mxfp8", rules: AutocastRules | None = None,
+def block_report(fn: Callable[..., Any], *args: PyTree, policy: str = "O2-mxfp8", rules: AutocastRules | None = None,
                  backward: bool = True) -> BlockReport:
     """Runs ``fn`` once under a block-scaled policy and names the blocks that saturate or underflow.
 

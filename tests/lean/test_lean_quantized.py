@@ -427,7 +427,7 @@ def test_fidelity_8bit_and_4bit_against_float32_masters():
     """The tanh MLP of tests/lean/test_lean.py's fidelity test (3 seeds, 1500 AdamW steps, cosine
     decay), every leaf quantized (min_size=0): the 8-bit recipes end within the float32-master seed
     spread; prints the table of docs/lean-recipes.md#8-bit-and-4-bit-moments."""
-    from tests.core.test_lean import FIDELITY_STEPS, _train_seeds
+    from tests.lean.test_lean import FIDELITY_STEPS, _train_seeds
 
     sched = optax.cosine_decay_schedule(1e-2, FIDELITY_STEPS)
     ref, _ = _train_seeds(lambda s: lean.preset("fp32-masters", optax.adamw(sched)))
