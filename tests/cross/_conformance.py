@@ -249,6 +249,7 @@ NOT_DOORS = {
     "jaxmp.diagnostics.compare_to_float32": "a diagnostic",
     "jaxmp.diagnostics.ShadowReport": "a diagnostic's result",
     "jaxmp.diagnostics.strict_precision": "a diagnostic",
+    "jaxmp.diagnostics.block_report": "a diagnostic (block-scaled presets only)",
 }
 
 
