@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp import _keys
+
 
 def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> np.ndarray:
     """bitsandbytes' ``create_dynamic_map``: ``2**total_bits`` sorted float32 values.
@@ -164,7 +166,7 @@ def quantize(x: jax.Array, bits: int, signed: bool, block: int, key: jax.Array |
         lo = jnp.clip(_count(normed, code_map(bits, signed), "right") - 1, 0, qmap.size - 2)
         below, above = qmap[lo], qmap[lo + 1]
         p = jnp.clip((normed - below) / (above - below), 0, 1)
-        codes = lo + (jax.random.uniform(key, normed.shape, jnp.float32) < p)
+        codes = lo + (_keys.uniform(key, normed.shape) < p)
     codes = codes.astype(jnp.uint8).reshape(-1)
     size = int(np.prod(x.shape, dtype=np.int64))
     if bits == 8:

@@ -1,7 +1,9 @@
 """The stochastic-rounding keys of jaxmp.lean's recipes: an int seed or a threefry2x32 key stored as raw
-uint32[2] data in the optimizer state, folded with the update count and the leaf's index.
+uint32[2] data in the optimizer state, folded with the update count and the leaf's index; and their
+random bits, those of ``jax.random.bits`` written as elementwise jnp so that XLA fuses them.
 
-Private: jaxmp.lean and its quantized moments share it (threefry2x32: its bits do not depend on sharding).
+Private: jaxmp.lean, its quantized moments and jaxmp.fp8's stochastic rounding share it
+(threefry2x32: its bits do not depend on sharding).
 """
 
 from __future__ import annotations
@@ -54,3 +56,56 @@ def as_key(key: Any) -> jax.Array:
 def leaf_keys(key_data: jax.Array, count: jax.Array, n: int) -> list:
     step = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl=IMPL), count)
     return [jax.random.fold_in(step, i) for i in range(n)]
+
+
+# --------------------------------------------------------------------------- fused random bits
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _rotl(x: jax.Array, d: int) -> jax.Array:
+    return (x << np.uint32(d)) | (x >> np.uint32(32 - d))
+
+
+def _threefry2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Threefry-2x32 (20 rounds) unrolled in jnp: the hash of JAX's ``threefry2x32`` primitive, bit for bit."""
+    ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
+    x = [x1 + ks[0], x2 + ks[1]]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x[0] = x[0] + x[1]
+            x[1] = x[0] ^ _rotl(x[1], r)
+        x = [x[0] + ks[(i + 1) % 3], x[1] + ks[(i + 2) % 3] + np.uint32(i + 1)]
+    return x[0], x[1]
+
+
+def random_bits(key: jax.Array, shape: tuple) -> jax.Array:
+    """``jax.random.bits(key, shape, jnp.uint32)`` for a threefry2x32 key, bit for bit, as elementwise jnp.
+
+    Why not ``jax.random.bits`` itself: JAX lowers threefry on the CPU as a rolled loop and on the
+    GPU as a kernel, and either way each call materializes its uint32 bits (and on the CPU two
+    loop carries): 4 to 8 bytes an element for every stochastically rounded leaf, all live in an
+    optimizer update at once. Written as jnp ops on the element's index, XLA fuses the hash into
+    the op that consumes the bits, so stochastic rounding costs no memory. With
+    ``jax_threefry_partitionable`` off (its counters differ) or 2**32 elements or more, this
+    falls back to ``jax.random.bits``.
+    """
+    shape = tuple(int(d) for d in shape)
+    size = int(np.prod(shape, dtype=np.int64))
+    if not jax.config.jax_threefry_partitionable or size >= 2**32:
+        return jax.random.bits(key, shape, jnp.uint32)
+    data = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    # The element's C-order index: the low word of jax.random's 64-bit counter (the high one is 0).
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * np.uint32(stride)
+        stride *= shape[d]
+    hi, lo = _threefry2x32(data[0], data[1], jnp.zeros(shape, jnp.uint32), index)
+    return hi ^ lo
+
+
+def uniform(key: jax.Array, shape: tuple) -> jax.Array:
+    """``jax.random.uniform(key, shape, jnp.float32)`` bit for bit, fused like `random_bits`."""
+    bits = (random_bits(key, shape) >> np.uint32(9)) | np.uint32(0x3F800000)
+    return jnp.maximum(jnp.float32(0), jax.lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(1))

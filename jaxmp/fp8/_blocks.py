@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp import _keys
+
 E2M1 = jnp.dtype(jnp.float4_e2m1fn)
 """``float4_e2m1fn``: NVFP4's and MXFP4's element format (largest value 6)."""
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
@@ -199,7 +201,7 @@ def round_stochastic(y: jax.Array, elem: ElementFormat, key: jax.Array) -> jax.A
     e = jnp.maximum(floor_log2(jnp.where(mag > 0, mag, 1.0)), elem.emin)
     ulp = pow2(e - elem.mbits)
     lo = jnp.floor(mag / ulp) * ulp
-    up = jax.random.uniform(key, y.shape, jnp.float32) < (mag - lo) / ulp
+    up = _keys.uniform(key, y.shape) < (mag - lo) / ulp
     return jnp.sign(y) * jnp.minimum(lo + jnp.where(up, ulp, 0.0), elem.max)
 
 

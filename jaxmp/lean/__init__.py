@@ -24,7 +24,8 @@ from jax.typing import DTypeLike
 from jaxmp import _tree
 from jaxmp._typing import PyTree
 from jaxmp._dtypes import is_floating_array
-from jaxmp._keys import IMPL as _IMPL, as_key as _as_key, key_data as _key_data, leaf_keys as _leaf_keys
+from jaxmp._keys import IMPL as _IMPL, as_key as _as_key, key_data as _key_data, leaf_keys as _leaf_keys, \
+    random_bits as _random_bits
 from jaxmp._precision._presets import did_you_mean
 from jaxmp.lean._quantized import QuantizedMomentsState, quantized_moments
 from jaxmp._misuse import MixedPrecisionWarning
@@ -141,7 +142,7 @@ def stochastic_round(x: jax.Array, key: jax.Array | int, dtype: DTypeLike = jnp.
     if x.dtype != jnp.float32:
         raise TypeError(f"stochastic_round rounds float32 values, got {x.dtype}")
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    noise = jax.random.bits(_as_key(key), x.shape, jnp.uint32) >> 16
+    noise = _random_bits(_as_key(key), x.shape) >> 16
     high = ((bits + noise) >> 16).astype(jnp.uint16)
     rounded = jax.lax.bitcast_convert_type(high, jnp.bfloat16)
     # A NaN whose payload sits in the low half only would otherwise truncate to inf.
