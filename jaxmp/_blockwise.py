@@ -1,7 +1,8 @@
 """Blockwise quantization of optimizer moments: code maps, quantize, dequantize, 4-bit packing (pure jnp).
 
 The scheme of bitsandbytes' 8-bit optimizers (arXiv:2110.02861) and torchao's 4-bit ones: a leaf is
-cut into blocks of ``block`` consecutive elements (C order over the flattened leaf); each block keeps
+cut into blocks of ``block`` consecutive elements (C order over the flattened leaf; kept in the
+leaf's shape as rows of its last axis when that axis is a whole number of blocks); each block keeps
 one float32 ``absmax`` and each element the index of the map entry nearest ``x / absmax``. The maps
 are sorted float32 tables in [-1, 1] (signed) or [0, 1] (non-negative): bitsandbytes' dynamic map
 (a decimal exponent plus linear fractions: fine near 0, coarse near 1) for 8 bits and for a signed
@@ -12,6 +13,7 @@ use it; docs/lean-recipes.md#8-bit-and-4-bit-moments says why.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -19,6 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import _keys
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """How a quantized state cuts its leaves: ``bits`` a code, ``block`` elements an absmax.
+
+    A static pytree node (no leaves; its values live in the tree's structure), so that a layout
+    reading only an abstract state can keep each block on one device (`shard_aligned_axes`).
+    """
+
+    bits: int
+    block: int
 
 
 def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> np.ndarray:
@@ -122,6 +137,41 @@ def n_blocks(size: int, block: int) -> int:
     return -(-size // block)
 
 
+def rows_of_blocks(shape: tuple, bits: int, block: int) -> bool:
+    """Whether a leaf's blocks are rows of its last axis: that axis is a whole number of blocks
+    (and, at 4 bits, even, so the codes pack within it). The blocks are then the C-order blocks
+    of the flattened leaf, cut at the same places, but kept in the leaf's shape: a leaf split over
+    devices on any axis, its last one included, keeps each block on one device
+    (`shard_aligned_axes`). Otherwise the leaf is flattened and cut into C-order blocks."""
+    return len(shape) >= 1 and shape[-1] % block == 0 and (bits == 8 or shape[-1] % 2 == 0)
+
+
+def scales_shape(shape: tuple, bits: int, block: int) -> tuple:
+    """The absmax's shape: ``shape[:-1] + (shape[-1] // block,)`` for rows of blocks, else
+    ``(n_blocks(size, block),)``: one float32 a block, in C order either way."""
+    shape = tuple(shape)
+    if rows_of_blocks(shape, bits, block):
+        return shape[:-1] + (shape[-1] // block,)
+    return (n_blocks(int(np.prod(shape, dtype=np.int64)), block),)
+
+
+def shard_aligned_axes(shape: tuple, bits: int, block: int, n: int) -> tuple:
+    """The axes of a ``shape`` leaf that can be split ``n`` ways with every block (and the 4-bit
+    byte holding two codes) on one device: for rows of blocks, any axis but the last, and the
+    last when each device's part of it is a whole number of blocks; for flattened blocks, the
+    first axis when each device's part is a whole number of blocks. ZeRO and FSDP split a
+    quantized leaf on one of these (`jaxmp.parallel`'s layouts)."""
+    shape = tuple(shape)
+    if not shape or n <= 1:
+        return tuple(range(len(shape)))
+    size = int(np.prod(shape, dtype=np.int64))
+    if rows_of_blocks(shape, bits, block):
+        last = len(shape) - 1
+        return tuple(d for d in range(last) if shape[d] % n == 0) + (
+            (last,) if shape[last] % n == 0 and (shape[last] // n) % block == 0 else ())
+    return (0,) if shape[0] % n == 0 and (size // n) % block == 0 else ()
+
+
 def codes_shape(shape: tuple, bits: int) -> tuple:
     """The stored codes' shape: the leaf's for 8 bits; 4 bits: two a byte, the last axis halved when
     it is even (so a leaf split on another axis keeps its split), else flat."""
@@ -133,9 +183,12 @@ def codes_shape(shape: tuple, bits: int) -> tuple:
     return (-(-size // 2),)
 
 
-def _blocks(x: jax.Array, block: int) -> jax.Array:
-    """``x`` flattened, zero-padded to whole blocks: (n_blocks, block) float32. A partial last block
-    is padded with zeros, which change no absmax; the padding is never stored."""
+def _blocks(x: jax.Array, bits: int, block: int) -> jax.Array:
+    """``x`` in float32 as blocks on its last axis: ``shape[:-1] + (n, block)`` for rows of blocks,
+    else flattened and zero-padded to ``(n_blocks, block)``. A partial last block is padded with
+    zeros, which change no absmax; the padding is never stored."""
+    if rows_of_blocks(x.shape, bits, block):
+        return x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // block, block))
     flat = x.astype(jnp.float32).reshape(-1)
     pad = n_blocks(flat.size, block) * block - flat.size
     if pad:
@@ -145,19 +198,20 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
 
 def quantize(x: jax.Array, bits: int, signed: bool, block: int, key: jax.Array | None = None
              ) -> tuple[jax.Array, jax.Array]:
-    """``(codes, absmax)``: uint8 codes (``codes_shape``) and float32[n_blocks] scales of ``x``.
+    """``(codes, absmax)``: uint8 codes (``codes_shape``) and float32 scales (``scales_shape``) of ``x``.
 
     ``key`` None rounds ``x / absmax`` to the nearest map entry; a PRNG key rounds stochastically
     between the two entries around it (up with probability equal to the distance: unbiased
     inside the map's range). An all-zero block stores absmax 0 (it dequantizes to exact zeros).
     """
     qmap = jnp.asarray(code_map(bits, signed))
-    blocks = _blocks(x, block)
-    absmax = jnp.max(jnp.abs(blocks), axis=1)
-    normed = blocks / jnp.where(absmax > 0, absmax, jnp.float32(1))[:, None]
+    rows = rows_of_blocks(x.shape, bits, block)
+    blocks = _blocks(x, bits, block)
+    absmax = jnp.max(jnp.abs(blocks), axis=-1)
+    normed = blocks / jnp.where(absmax > 0, absmax, jnp.float32(1))[..., None]
     # The block's largest element is +-1 exactly (the map's end): XLA may divide by multiplying
     # with the reciprocal once the search is fused in, which leaves 1 - 2**-24.
-    normed = jnp.where(jnp.abs(blocks) == absmax[:, None], jnp.sign(blocks), normed)
+    normed = jnp.where(jnp.abs(blocks) == absmax[..., None], jnp.sign(blocks), normed)
     if key is None:
         # Nearest entry: the number of midpoints below the value (ties to the lower entry).
         mids = (code_map(bits, signed)[:-1] + code_map(bits, signed)[1:]) / np.float32(2)
@@ -166,8 +220,16 @@ def quantize(x: jax.Array, bits: int, signed: bool, block: int, key: jax.Array |
         lo = jnp.clip(_count(normed, code_map(bits, signed), "right") - 1, 0, qmap.size - 2)
         below, above = qmap[lo], qmap[lo + 1]
         p = jnp.clip((normed - below) / (above - below), 0, 1)
+        # The uniforms of the flattened leaf's C order, whatever the blocks' shape.
         codes = lo + (_keys.uniform(key, normed.shape) < p)
-    codes = codes.astype(jnp.uint8).reshape(-1)
+    codes = codes.astype(jnp.uint8)
+    if rows:
+        # Reshapes within the last axis only, so a split of any axis stays where it is.
+        if bits == 8:
+            return codes.reshape(x.shape), absmax
+        pairs = codes.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+        return pairs[..., 0] | (pairs[..., 1] << 4), absmax
+    codes = codes.reshape(-1)
     size = int(np.prod(x.shape, dtype=np.int64))
     if bits == 8:
         return codes[:size].reshape(x.shape), absmax
@@ -182,6 +244,12 @@ def dequantize(codes: jax.Array, absmax: jax.Array, bits: int, signed: bool, blo
                ) -> jax.Array:
     """The float32 leaf of ``shape`` that ``(codes, absmax)`` hold: ``map[code] * absmax[block]``."""
     qmap = jnp.asarray(code_map(bits, signed))
+    shape = tuple(shape)
+    if rows_of_blocks(shape, bits, block):
+        if bits == 4:
+            codes = jnp.stack([codes & 15, codes >> 4], axis=-1)
+        index = codes.reshape(shape[:-1] + (shape[-1] // block, block)).astype(jnp.int32)
+        return (qmap[index] * absmax[..., None]).reshape(shape)
     size = int(np.prod(shape, dtype=np.int64))
     flat = codes.reshape(-1)
     if bits == 4:

@@ -42,16 +42,22 @@ class QuantizedMomentsState(NamedTuple):
         at least ``min_size`` elements) replaced by its codes: uint8 of the leaf's shape (8 bits), or two
         4-bit codes a byte (the last axis halved when it is even, else flat: ``ceil(size / 2)``). Other
         leaves (small moments, counts, hyperparameters) as the inner transformation keeps them.
-      absmax: the same tree as ``inner_state`` with float32[ceil(size / block)] (one scale per block
-        of ``block`` consecutive elements, C order) at each quantized leaf and None elsewhere.
+      absmax: the same tree as ``inner_state`` with one float32 scale per block of ``block``
+        consecutive elements (C order) at each quantized leaf and None elsewhere: of shape
+        ``shape[:-1] + (shape[-1] // block,)`` when the leaf's last axis is a whole number of
+        blocks (and even, at 4 bits), else ``(ceil(size / block),)``.
       key: uint32[2], the raw threefry2x32 key data (zeros for nearest rounding; constant).
       count: int32 [], updates applied so far (folded into ``key`` for each update's bits).
+      grid: the ``bits`` and ``block`` the leaves are cut by: static (part of the tree's structure,
+        no leaf), so that jaxmp.parallel's ZeRO and FSDP layouts split each quantized leaf where
+        no block crosses a device.
     """
 
     inner_state: optax.OptState
     absmax: PyTree
     key: jax.Array
     count: jax.Array  # type: ignore[assignment]  # optax names its step counters count
+    grid: _blockwise.Grid
 
 
 def _non_negative(path: tuple) -> bool:
@@ -122,6 +128,8 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
     key_data = _key_data(key, "quantized_moments") if rounding == "stochastic" or key is not None \
         else jnp.zeros(2, jnp.uint32)
 
+    grid = _blockwise.Grid(bits, block)
+
     def quantize(path, x, k=None):
         return _blockwise.quantize(x, bits, not _non_negative(path), block, k)
 
@@ -138,12 +146,15 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
                 stored.append(x)
                 scales.append(None)
         return QuantizedMomentsState(treedef.unflatten(stored), treedef.unflatten(scales), jnp.array(key_data),
-                                     jnp.zeros([], jnp.int32))
+                                     jnp.zeros([], jnp.int32), grid)
 
     def update_fn(grads, state, params=None, **extra_args):
         if not isinstance(state, QuantizedMomentsState):
             raise TypeError(f"state must be the QuantizedMomentsState made by quantized_moments' init, got "
                             f"{type(state).__name__}")
+        if state.grid != grid:
+            raise ValueError(f"quantized_moments: the state was made with bits={state.grid.bits}, "
+                             f"block={state.grid.block}, this transformation has bits={bits}, block={block}")
         # The leaves' own shapes (4-bit codes are packed): the inner state the grads' shapes give.
         template = jax.eval_shape(inner.init, grads)
         t_leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
@@ -154,8 +165,8 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
             if a is None:
                 wide.append(c)
                 continue
-            if jnp.shape(c) != _blockwise.codes_shape(t.shape, bits) or a.shape != (
-                    _blockwise.n_blocks(t.size, block),):
+            if jnp.shape(c) != _blockwise.codes_shape(t.shape, bits) or a.shape != _blockwise.scales_shape(
+                    t.shape, bits, block):
                 raise ValueError(f"quantized_moments: state leaf at {jax.tree_util.keystr(path)} holds codes of shape "
                                  f"{jnp.shape(c)} and {a.shape} scales, not those of a {t.shape} moment: the "
                                  "state was made for other params (or another bits/block)")
@@ -174,6 +185,6 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
                 out.append(codes)
                 out_scales.append(absmax)
         return updates, QuantizedMomentsState(treedef.unflatten(out), treedef.unflatten(out_scales), state.key,
-                                              (state.count + 1).astype(jnp.int32))
+                                              (state.count + 1).astype(jnp.int32), grid)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -17,6 +17,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxmp import _blockwise
+from jaxmp.lean import QuantizedMomentsState
 from jaxmp.parallel._checks import check_not_donated
 from jaxmp.parallel._replication import PMAP_LAYOUT_HINT, is_pmap_replicated, replica_axis_size
 
@@ -147,7 +149,7 @@ def axes_of(entry: Any) -> tuple:
 
 
 def leaf_spec(shape: Sequence[int], mesh: Mesh, data_axis: str, base: PartitionSpec | None = None, *,
-              min_shard_size: int = DEFAULT_MIN_SHARD_SIZE) -> PartitionSpec:
+              min_shard_size: int = DEFAULT_MIN_SHARD_SIZE, allowed: Sequence[int] | None = None) -> PartitionSpec:
     """The ``PartitionSpec`` of one leaf sharded over ``data_axis``.
 
     The rule: docs/parallel.md#sharded-state-zero-and-fsdp-layouts ("Which dimension is split").
@@ -158,9 +160,11 @@ def leaf_spec(shape: Sequence[int], mesh: Mesh, data_axis: str, base: PartitionS
       data_axis: the mesh axis to shard over.
       base: the user's spec for this leaf over other mesh axes (kept as is); default replicated.
       min_shard_size: leaves with fewer elements stay replicated over ``data_axis``.
+      allowed: the dimensions that may be split (default all): for a leaf with quantized
+        moments, those that keep each block on one device (``jaxmp._blockwise.shard_aligned_axes``).
 
     Returns:
-      ``base`` with ``data_axis`` added on the largest dimension it divides, or ``base`` itself.
+      ``base`` with ``data_axis`` added on the largest allowed dimension it divides, or ``base`` itself.
     """
     base = PartitionSpec() if base is None else base
     entries = _spec_entries(base, len(shape))
@@ -174,6 +178,8 @@ def leaf_spec(shape: Sequence[int], mesh: Mesh, data_axis: str, base: PartitionS
     best = None
     for d, dim in enumerate(shape):
         if entries[d] is not None:  # the user's own split of this dimension (another axis) stays alone
+            continue
+        if allowed is not None and d not in allowed:
             continue
         if dim % n == 0 and dim > 0 and (best is None or dim > shape[best]):
             best = d
@@ -245,19 +251,33 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
                 if a not in mesh.axis_names:
                     raise ValueError(f"param_specs name the axis {a!r}, which the mesh does not have "
                                      f"(axes: {mesh.axis_names})")
-    sharded = [leaf_spec(_shape(p), mesh, axis, b, min_shard_size=min_shard_size) for p, b in zip(p_leaves, b_leaves)]
-    shard_params = layout == "fsdp"
-    shard_state = layout in ("zero", "fsdp")
-    p_specs = jax.tree_util.tree_unflatten(p_treedef, sharded if shard_params else b_leaves)
-    g_specs = jax.tree_util.tree_unflatten(p_treedef, sharded if shard_state else b_leaves)
 
     def is_param_tree(x):
         return jax.tree_util.tree_structure(x) == p_treedef and p_treedef.num_leaves > 0 and not (
             p_treedef.num_leaves == 1 and jax.tree_util.treedef_is_leaf(p_treedef))
 
+    n = mesh.shape[axis]
+    grids = _quantized_grids(opt_state, p_treedef.num_leaves, is_param_tree)
+
+    def allowed(j: int, shape: tuple) -> tuple | None:
+        # A param whose moments are quantized is split only where each block stays on one device.
+        if j not in grids:
+            return None
+        sets = [set(_blockwise.shard_aligned_axes(shape, g.bits, g.block, n)) for g in grids[j]]
+        return tuple(sorted(set.intersection(*sets)))
+
+    sharded = [leaf_spec(_shape(p), mesh, axis, b, min_shard_size=min_shard_size, allowed=allowed(j, _shape(p)))
+               for j, (p, b) in enumerate(zip(p_leaves, b_leaves))]
+    shard_params = layout == "fsdp"
+    shard_state = layout in ("zero", "fsdp")
+    p_specs = jax.tree_util.tree_unflatten(p_treedef, sharded if shard_params else b_leaves)
+    g_specs = jax.tree_util.tree_unflatten(p_treedef, sharded if shard_state else b_leaves)
+
     def spec_of(x, matched=None):
-        # A leaf of a sub-tree shaped like the params: its param's spec when the shapes agree.
-        if matched is not None and _shape(x) == matched[0]:
+        # A leaf of a sub-tree shaped like the params: its param's spec when the shapes agree (or,
+        # for 4-bit codes, two a byte on the last axis, the ranks).
+        if matched is not None and (_shape(x) == matched[0] or (
+                _is_codes(x) and len(_shape(x)) == len(matched[0]) and _shape(x)[:-1] == matched[0][:-1])):
             return matched[2] if shard_state else matched[1]
         if not shard_state or not (is_float_leaf(x) or _is_codes(x)):
             # Counters, keys, the loss scale: replicated (they are scalars or tiny anyway).
@@ -266,15 +286,57 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
 
     infos = [(_shape(p), b, s) for p, b, s in zip(p_leaves, b_leaves, sharded)]
 
-    def walk(node):
-        if is_param_tree(node):
-            leaves = p_treedef.flatten_up_to(node)
-            return jax.tree_util.tree_unflatten(p_treedef, [spec_of(x, m) for x, m in zip(leaves, infos)])
-        return None
+    def specs_of(node):
+        pieces, tdef = jax.tree_util.tree_flatten(
+            node, is_leaf=lambda x: isinstance(x, QuantizedMomentsState) or is_param_tree(x))
+        out = []
+        for x in pieces:
+            if isinstance(x, QuantizedMomentsState):
+                out.append(quantized_specs(x))
+            elif is_param_tree(x):
+                out.append(jax.tree_util.tree_unflatten(
+                    p_treedef, [spec_of(v, m) for v, m in zip(p_treedef.flatten_up_to(x), infos)]))
+            else:
+                out.append(spec_of(x))
+        return tdef.unflatten(out)
 
-    top_leaves, top_def = jax.tree_util.tree_flatten(opt_state, is_leaf=lambda x: is_param_tree(x))
-    o_specs = [walk(x) if is_param_tree(x) else spec_of(x) for x in top_leaves]
-    return p_specs, jax.tree_util.tree_unflatten(top_def, o_specs), g_specs
+    def quantized_specs(q):
+        # Each absmax follows its codes: the same split on the leading axes, and on the last one
+        # when the codes' last axis is split (whole blocks a device: the aligned split above).
+        inner = specs_of(q.inner_state)
+        inner_def = jax.tree_util.tree_structure(q.inner_state)
+        scales = []
+        for c, spec, a in zip(inner_def.flatten_up_to(q.inner_state), inner_def.flatten_up_to(inner),
+                              inner_def.flatten_up_to(q.absmax)):
+            if a is None:
+                scales.append(None)
+                continue
+            entries = _spec_entries(spec, len(_shape(c)))
+            if len(_shape(a)) == len(_shape(c)):
+                scales.append(make_spec(entries))
+            else:  # flattened blocks: split with the codes' first axis only
+                scales.append(make_spec(entries[:1]) if entries and entries[0] == axis else PartitionSpec())
+        return QuantizedMomentsState(inner, inner_def.unflatten(scales), PartitionSpec(), PartitionSpec(), q.grid)
+
+    return p_specs, specs_of(opt_state), g_specs
+
+
+def _quantized_grids(opt_state: Any, n_params: int, is_param_tree) -> dict:
+    """``{param index: [Grid, ...]}``: the params whose moments a `QuantizedMomentsState` in
+    ``opt_state`` quantizes, with the grid (bits, block) each is cut by."""
+    grids: dict = {}
+    pieces = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, QuantizedMomentsState))
+    for q in pieces:
+        if not isinstance(q, QuantizedMomentsState):
+            continue
+        positions: list = []
+        for piece in jax.tree_util.tree_leaves(q.inner_state, is_leaf=is_param_tree):
+            positions += list(range(n_params)) if is_param_tree(piece) else [None]
+        inner_def = jax.tree_util.tree_structure(q.inner_state)
+        for j, a in zip(positions, inner_def.flatten_up_to(q.absmax)):
+            if j is not None and a is not None:
+                grids.setdefault(j, []).append(q.grid)
+    return grids
 
 
 def pmap_state_error(what: str, where: str, shape: tuple, layout: str, why: str = "") -> ValueError:

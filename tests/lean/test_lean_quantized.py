@@ -68,6 +68,32 @@ def test_quantize_round_trip_packing_and_partial_block():
         assert (err <= bound * (1 + 1e-5)).all()   # -absmax is 1 - 0.993 (8 bits) from -0.993: half the top gap
 
 
+@pytest.mark.parametrize("bits,block", [(8, 256), (8, 64), (4, 128)])
+def test_rows_of_blocks_are_the_flattened_blocks_kept_in_the_leafs_shape(bits, block):
+    # A last axis of whole blocks: the same blocks as the flattened leaf's (bitsandbytes' C order),
+    # the codes bit for bit (stochastic ones too: their uniforms follow the C order), the absmax
+    # the flat one reshaped to shape[:-1] + (blocks a row,), so a split of any axis keeps it whole.
+    rng = np.random.default_rng(1)
+    x = (rng.normal(size=(6, 4 * block)) * np.exp(rng.normal(size=(6, 1)) * 4)).astype(np.float32)
+    assert _blockwise.rows_of_blocks(x.shape, bits, block)
+    assert _blockwise.scales_shape(x.shape, bits, block) == (6, 4)
+    key = jax.random.key(3)
+    for k in (None, key):
+        codes, absmax = _blockwise.quantize(jnp.asarray(x), bits, True, block, k)
+        flat_codes, flat_absmax = _blockwise.quantize(jnp.asarray(x.reshape(-1)), bits, True, block, k)
+        assert absmax.shape == (6, 4) and codes.shape == _blockwise.codes_shape(x.shape, bits)
+        np.testing.assert_array_equal(np.asarray(absmax).reshape(-1), flat_absmax)
+        np.testing.assert_array_equal(np.asarray(codes).reshape(-1), flat_codes)
+        np.testing.assert_array_equal(_blockwise.dequantize(codes, absmax, bits, True, block, x.shape),
+                                      np.asarray(_blockwise.dequantize(flat_codes, flat_absmax, bits, True, block,
+                                                                       (x.size,))).reshape(x.shape))
+    if bits == 8:
+        want_codes, want_absmax = _np_quantize(x, _blockwise.code_map(8, True), block)
+        np.testing.assert_array_equal(np.asarray(absmax).reshape(-1), want_absmax)
+    # A last axis that is not a whole number of blocks: flattened blocks, a 1-D absmax.
+    assert _blockwise.scales_shape((6, block + 2), bits, block) == (-(-6 * (block + 2) // block),)
+
+
 # ----------------------------------------------------------------------------------- one Adam step, NumPy
 
 
@@ -242,6 +268,9 @@ def test_state_layout_small_leaves_scalars_and_classification():
     (lambda: lean.quantized_moments(optax.adam(0.1)).update(
         {"w": jnp.ones((64, 128))}, lean.quantized_moments(optax.adam(0.1)).init({"w": jnp.ones((128, 64))})),
      ValueError, r"state leaf at .*mu\['w'\].*made for other params"),
+    (lambda: lean.quantized_moments(optax.adam(0.1), bits=4).update(
+        {"w": jnp.ones((64, 128))}, lean.quantized_moments(optax.adam(0.1)).init({"w": jnp.ones((64, 128))})),
+     ValueError, r"state was made with bits=8, block=256, this transformation has bits=4, block=128"),
 ])
 def test_bad_inputs(make, exc, pattern):
     with pytest.raises(exc, match=pattern):
