@@ -196,13 +196,15 @@ def _blocks(x: jax.Array, bits: int, block: int) -> jax.Array:
     return flat.reshape(-1, block)
 
 
-def quantize(x: jax.Array, bits: int, signed: bool, block: int, key: jax.Array | None = None
-             ) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, bits: int, signed: bool, block: int, key: jax.Array | None = None,
+             offset: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array]:
     """``(codes, absmax)``: uint8 codes (``codes_shape``) and float32 scales (``scales_shape``) of ``x``.
 
     ``key`` None rounds ``x / absmax`` to the nearest map entry; a PRNG key rounds stochastically
     between the two entries around it (up with probability equal to the distance: unbiased
     inside the map's range). An all-zero block stores absmax 0 (it dequantizes to exact zeros).
+    ``offset``: ``x`` is the slice of a larger leaf that starts at that C-order element (at a block
+    boundary), and its stochastic rounding draws that leaf's bits (`jaxmp._keys.random_bits`).
     """
     qmap = jnp.asarray(code_map(bits, signed))
     rows = rows_of_blocks(x.shape, bits, block)
@@ -221,7 +223,7 @@ def quantize(x: jax.Array, bits: int, signed: bool, block: int, key: jax.Array |
         below, above = qmap[lo], qmap[lo + 1]
         p = jnp.clip((normed - below) / (above - below), 0, 1)
         # The uniforms of the flattened leaf's C order, whatever the blocks' shape.
-        codes = lo + (_keys.uniform(key, normed.shape) < p)
+        codes = lo + (_keys.uniform(key, normed.shape, offset) < p)
     codes = codes.astype(jnp.uint8)
     if rows:
         # Reshapes within the last axis only, so a split of any axis stays where it is.

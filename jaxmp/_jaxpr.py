@@ -226,6 +226,73 @@ def bodies(eqn: Any) -> list[Body]:
     return []
 
 
+# -- per-element dependencies ------------------------------------------------------------
+
+def per_element_inputs(closed: Any) -> list[frozenset[int] | None]:
+    """For each output of a jaxpr: the inputs it reads element by element, or None.
+
+    An output is per element when each of its elements is computed from the same element of each
+    non-scalar input it reads, and from scalar inputs, through ops of the catalogue's
+    ``per_element`` fact, broadcasts of scalars, and any op on scalars alone; calls, remat and
+    custom-derivative calls are entered. Such an output can be computed a slice at a time from
+    the same slices of its inputs (jaxmp.lean's chunked update relies on it). Anything else (a
+    reduction, a reshape, a matmul, a loop over arrays, a constant array) makes it None.
+
+    Args:
+      closed: a ``Jaxpr`` or ``ClosedJaxpr`` (``jax.make_jaxpr``'s).
+
+    Returns:
+      One entry per output: the positions (in ``invars``) it reads, or None.
+    """
+    jaxpr = open_jaxpr(closed)
+    seeds = [("scalar" if _shape_of(v) == () else "elem", frozenset({i})) for i, v in enumerate(jaxpr.invars)]
+    return [None if out is None else out[1] for out in _per_element(jaxpr, seeds)]
+
+
+def _shape_of(atom: Any) -> tuple | None:
+    return tuple(getattr(getattr(atom, "aval", None), "shape", None) or ()) if hasattr(atom, "aval") else None
+
+
+def _per_element(jaxpr: Any, seeds: list) -> list:
+    # A value is ("scalar", inputs), ("elem", inputs) or None (not per element).
+    env: dict = dict(zip(jaxpr.invars, seeds))
+    for v in jaxpr.constvars:
+        env[v] = ("scalar", frozenset()) if _shape_of(v) == () else None
+    per_element = _ops.having("per_element")
+
+    def read(atom):
+        if not is_var(atom):
+            return ("scalar", frozenset()) if _shape_of(atom) == () else None
+        return env.get(atom)
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs_scalar = all(_shape_of(v) == () for v in eqn.outvars)
+        deps = frozenset().union(*(x[1] for x in ins if x is not None))
+        kind = primitive_kind(eqn)
+        if kind in ("call", "remat", "custom_jvp", "custom_vjp"):
+            body = bodies(eqn)[0]
+            if len(body.jaxpr.outvars) == len(eqn.outvars) and len(body.operands) == len(body.jaxpr.invars):
+                outs = _per_element(body.jaxpr, [ins[i] for i in body.operands])
+                env.update(zip(eqn.outvars, outs))
+                continue
+            outs = [None] * len(eqn.outvars)
+        elif all(x is not None and x[0] == "scalar" for x in ins) and outs_scalar:
+            outs = [("scalar", deps)] * len(eqn.outvars)   # any op on scalars alone
+        elif any(x is None for x in ins):
+            outs = [None] * len(eqn.outvars)
+        elif eqn.primitive.name == "broadcast_in_dim":
+            outs = [("elem", deps) if all(x[0] == "scalar" for x in ins) else None]
+        elif eqn.primitive.name in per_element:
+            shape = _shape_of(eqn.outvars[0])
+            same = all(x[0] == "scalar" or _shape_of(v) == shape for v, x in zip(eqn.invars, ins))
+            outs = [("elem", deps) if same else None] * len(eqn.outvars)
+        else:
+            outs = [None] * len(eqn.outvars)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
 # -- name stacks -----------------------------------------------------------------------------
 
 class StackItem(NamedTuple):

@@ -79,7 +79,7 @@ def _threefry2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array) ->
     return x[0], x[1]
 
 
-def random_bits(key: jax.Array, shape: tuple) -> jax.Array:
+def random_bits(key: jax.Array, shape: tuple, offset: jax.Array | int | None = None) -> jax.Array:
     """``jax.random.bits(key, shape, jnp.uint32)`` for a threefry2x32 key, bit for bit, as elementwise jnp.
 
     Why not ``jax.random.bits`` itself: JAX lowers threefry on the CPU as a rolled loop and on the
@@ -89,10 +89,15 @@ def random_bits(key: jax.Array, shape: tuple) -> jax.Array:
     the op that consumes the bits, so stochastic rounding costs no memory. With
     ``jax_threefry_partitionable`` off (its counters differ) or 2**32 elements or more, this
     falls back to ``jax.random.bits``.
+
+    ``offset`` (an int or a traced uint32/int32 scalar): the bits of elements ``offset ..`` of a
+    larger C-order array drawn with the same key, for a caller that rounds it a slice at a time
+    (jaxmp.lean's chunked update); the caller keeps ``offset + size`` below 2**32 and checks
+    `fused_bits_available` first.
     """
     shape = tuple(int(d) for d in shape)
     size = int(np.prod(shape, dtype=np.int64))
-    if not jax.config.jax_threefry_partitionable or size >= 2**32:
+    if offset is None and (not fused_bits_available() or size >= 2**32):
         return jax.random.bits(key, shape, jnp.uint32)
     data = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
     # The element's C-order index: the low word of jax.random's 64-bit counter (the high one is 0).
@@ -101,11 +106,20 @@ def random_bits(key: jax.Array, shape: tuple) -> jax.Array:
     for d in reversed(range(len(shape))):
         index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * np.uint32(stride)
         stride *= shape[d]
+    if offset is not None:
+        index = index + jnp.asarray(offset).astype(jnp.uint32)
     hi, lo = _threefry2x32(data[0], data[1], jnp.zeros(shape, jnp.uint32), index)
     return hi ^ lo
 
 
-def uniform(key: jax.Array, shape: tuple) -> jax.Array:
-    """``jax.random.uniform(key, shape, jnp.float32)`` bit for bit, fused like `random_bits`."""
-    bits = (random_bits(key, shape) >> np.uint32(9)) | np.uint32(0x3F800000)
+def fused_bits_available() -> bool:
+    """Whether `random_bits` computes JAX's bits itself (``jax_threefry_partitionable``, the
+    default since JAX 0.5): only then can it draw a slice of a larger array's bits."""
+    return bool(getattr(jax.config, "jax_threefry_partitionable"))
+
+
+def uniform(key: jax.Array, shape: tuple, offset: jax.Array | int | None = None) -> jax.Array:
+    """``jax.random.uniform(key, shape, jnp.float32)`` bit for bit, fused like `random_bits` (and
+    with its ``offset``)."""
+    bits = (random_bits(key, shape, offset) >> np.uint32(9)) | np.uint32(0x3F800000)
     return jnp.maximum(jnp.float32(0), jax.lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(1))

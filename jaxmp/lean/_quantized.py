@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmp import _blockwise
+from jaxmp import _blockwise, _keys
+from jaxmp.lean import _chunked
 from jaxmp._dtypes import is_floating_array
 from jaxmp._keys import key_data as _key_data, leaf_keys
 from jaxmp._scaling._transform import check_inner
@@ -29,6 +30,10 @@ NON_NEGATIVE_FIELDS = frozenset({"nu", "nu_max", "sum_of_squares", "v_row", "v_c
 #: Leaves with fewer elements stay float32 (bitsandbytes' ``min_8bit_size``, torchao's 4096):
 #: biases and norms cost little and their per-block scale would cost more than it saves.
 MIN_SIZE = 4096
+
+#: The extra argument through which jaxmp.lean's wrappers hand over their float32 grads and
+#: params unwidened: ``(grads, params)`` as `_chunked.Inputs` (params None when there are none).
+WIDEN = "_jaxmp_widen"
 
 _BLOCKS = {8: 256, 4: 128}   # torchao's AdamW8bit / AdamW4bit (bitsandbytes: 256 on the GPU path)
 _ROUNDINGS = ("nearest", "stochastic")
@@ -79,7 +84,8 @@ def _check_int(value: Any, name: str, low: int) -> int:
 
 def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int | None = None, *, bits: int = 8,
                       block: int | None = None, rounding: str = "nearest",
-                      min_size: int = MIN_SIZE) -> optax.GradientTransformationExtraArgs:
+                      min_size: int = MIN_SIZE, slice_size: int | None = _chunked.SLICE
+                      ) -> optax.GradientTransformationExtraArgs:
     """Stores ``inner``'s moments in 8 or 4 bits a value, blockwise (bitsandbytes' 8-bit Adam, torchao's 4-bit).
 
     Each floating state leaf with ``ndim >= 1`` and at least ``min_size`` elements is kept as uint8 codes
@@ -100,6 +106,12 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         it so that ``size / devices`` is a multiple of it: no block then crosses a device.
       rounding: ``"nearest"`` (default, as bitsandbytes and torchao) or ``"stochastic"``.
       min_size: leaves with fewer elements stay in their dtype (4096, bitsandbytes' ``min_8bit_size``).
+      slice_size: when ``inner``'s update works element by element (Adam, AdamW, Lion, SGD;
+        not a global-norm clip or Adafactor), larger leaves are updated about this many values at
+        a time, in a loop over slices of their first axis, so that the float32 moments of one
+        slice, not of the whole model, are live at once: the same result, bit for bit. None:
+        whole leaves, in one program (for a layout of your own that splits leaves on their first
+        axis, which a loop over it would gather; jaxmp.parallel's ZeRO and FSDP need nothing).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is [`QuantizedMomentsState`][jaxmp.lean.QuantizedMomentsState].
@@ -123,6 +135,8 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
     block = _BLOCKS[bits] if block is None else _check_int(block, "block", 2)
     min_size = _check_int(min_size, "min_size", 0)
+    if slice_size is not None:
+        slice_size = _check_int(slice_size, "slice_size", 1)
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     key_data = _key_data(key, "quantized_moments") if rounding == "stochastic" or key is not None \
@@ -155,36 +169,82 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         if state.grid != grid:
             raise ValueError(f"quantized_moments: the state was made with bits={state.grid.bits}, "
                              f"block={state.grid.block}, this transformation has bits={bits}, block={block}")
+        # A lean wrapper's float32 grads and params, as it holds them (see _chunked.Inputs).
+        lazy = extra_args.pop(WIDEN, None)
+        g_def = jax.tree_util.tree_structure(grads)
+        g_in = _chunked.Inputs((grads,), _chunked.identity) if lazy is None else lazy[0]
+        p_in = None if params is None else _chunked.Inputs((params,), _chunked.identity) if lazy is None else lazy[1]
+        if lazy is not None:
+            grads, params = g_in.whole(g_def), None if p_in is None else p_in.whole(g_def)
         # The leaves' own shapes (4-bit codes are packed): the inner state the grads' shapes give.
         template = jax.eval_shape(inner.init, grads)
         t_leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
         stored = treedef.flatten_up_to(state.inner_state)
         scales = treedef.flatten_up_to(state.absmax)
-        wide = []
         for (path, t), c, a in zip(t_leaves, stored, scales):
-            if a is None:
-                wide.append(c)
-                continue
-            if jnp.shape(c) != _blockwise.codes_shape(t.shape, bits) or a.shape != _blockwise.scales_shape(
-                    t.shape, bits, block):
+            if a is not None and (jnp.shape(c) != _blockwise.codes_shape(t.shape, bits)
+                                  or a.shape != _blockwise.scales_shape(t.shape, bits, block)):
                 raise ValueError(f"quantized_moments: state leaf at {jax.tree_util.keystr(path)} holds codes of shape "
                                  f"{jnp.shape(c)} and {a.shape} scales, not those of a {t.shape} moment: the "
                                  "state was made for other params (or another bits/block)")
-            wide.append(_blockwise.dequantize(c, a, bits, not _non_negative(path), block, t.shape))
-        updates, new_inner = inner.update(grads, treedef.unflatten(wide), params, **extra_args)
-        new_leaves = treedef.flatten_up_to(new_inner)
-        keys = leaf_keys(state.key, state.count, len(new_leaves)) if rounding == "stochastic" else [None] * len(
-            new_leaves)
+        signed = [not _non_negative(path) for path, _ in t_leaves]
+        keys = leaf_keys(state.key, state.count, len(t_leaves)) if rounding == "stochastic" else [None] * len(
+            t_leaves)
+
+        def inner_update(g, s, p):
+            return inner.update(g, s, p, **extra_args)
+
+        sliced, out_dtypes = _slices(grads, params, template, treedef, [t for _, t in t_leaves], stored, scales,
+                                     inner_update)
+        in_slices = {i for s in sliced.values() for i in s.state}
+        wide = [None if i in in_slices else c if a is None else _blockwise.dequantize(c, a, bits, signed[i], block,
+                                                                                     t.shape)
+                for i, ((_, t), c, a) in enumerate(zip(t_leaves, stored, scales))]
+        if sliced:
+            updates, new_wide, codes_out, scales_out = _chunked.update(
+                inner_update, g_def, g_in, p_in, wide, treedef, stored, scales, sliced, bits, block, signed, keys,
+                out_dtypes)
+        else:
+            updates, new_inner = inner_update(grads, treedef.unflatten(wide), params)
+            new_wide, codes_out, scales_out = treedef.flatten_up_to(new_inner), list(stored), list(scales)
         out, out_scales = [], []
-        for (path, _), new, a, k in zip(t_leaves, new_leaves, scales, keys):
-            if a is None:
-                out.append(new)
+        for i, (path, _) in enumerate(t_leaves):
+            if i in in_slices:
+                out.append(codes_out[i])
+                out_scales.append(scales_out[i])
+            elif scales[i] is None:
+                out.append(new_wide[i])
                 out_scales.append(None)
             else:
-                codes, absmax = quantize(path, new, k)
+                codes, absmax = quantize(path, new_wide[i], keys[i])
                 out.append(codes)
                 out_scales.append(absmax)
         return updates, QuantizedMomentsState(treedef.unflatten(out), treedef.unflatten(out_scales), state.key,
                                               (state.count + 1).astype(jnp.int32), grid)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    def _slices(grads, params, template, treedef, shapes, stored, scales, inner_update) -> tuple[dict, list | None]:
+        # The large leaves to update a slice at a time (docs/lean-recipes.md#the-update-a-slice-at-a-time).
+        if slice_size is None or (rounding == "stochastic" and not _keys.fused_bits_available()):
+            return {}, None
+        g_leaves, g_def = jax.tree_util.tree_flatten(grads)
+        positions = _chunked.mirrors(template, g_def)
+        if len(positions) != len(shapes):
+            return {}, None
+        sliced = _chunked.plan([tuple(jnp.shape(g)) for g in g_leaves], positions, [t.shape for t in shapes],
+                               [a is not None for a in scales], bits, block, slice_size)
+        if not sliced:
+            return {}, None
+        abstract = lambda tree: jax.tree_util.tree_map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+        wide = treedef.unflatten([jax.ShapeDtypeStruct(t.shape, jnp.float32) if a is not None else abstract(c)
+                                  for t, c, a in zip(shapes, stored, scales)])
+        dtypes = _chunked.per_element(inner_update, abstract(grads), wide,
+                                      None if params is None else abstract(params), positions, sliced)
+        return (sliced, dtypes) if dtypes is not None else ({}, None)
+
+    return QuantizedMoments(init_fn, update_fn)
+
+
+class QuantizedMoments(optax.GradientTransformationExtraArgs):
+    """`quantized_moments`' transformation: optax's, marked so that jaxmp.lean's wrappers around it
+    hand over their float32 grads and params unwidened (`WIDEN`)."""

@@ -243,6 +243,7 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
     axis = check_data_axis(mesh, data_axis)
     min_shard_size = check_min_size(min_shard_size)
     base = param_tree_specs(params, param_specs)
+    p_treedef: Any  # jax's PyTreeDef stubs lack flatten_up_to and num_leaves
     p_leaves, p_treedef = jax.tree_util.tree_flatten(params)
     b_leaves = p_treedef.flatten_up_to(base)
     for b in b_leaves:
@@ -304,7 +305,7 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
         # Each absmax follows its codes: the same split on the leading axes, and on the last one
         # when the codes' last axis is split (whole blocks a device: the aligned split above).
         inner = specs_of(q.inner_state)
-        inner_def = jax.tree_util.tree_structure(q.inner_state)
+        inner_def: Any = jax.tree_util.tree_structure(q.inner_state)
         scales = []
         for c, spec, a in zip(inner_def.flatten_up_to(q.inner_state), inner_def.flatten_up_to(inner),
                               inner_def.flatten_up_to(q.absmax)):
@@ -332,7 +333,7 @@ def _quantized_grids(opt_state: Any, n_params: int, is_param_tree) -> dict:
         positions: list = []
         for piece in jax.tree_util.tree_leaves(q.inner_state, is_leaf=is_param_tree):
             positions += list(range(n_params)) if is_param_tree(piece) else [None]
-        inner_def = jax.tree_util.tree_structure(q.inner_state)
+        inner_def: Any = jax.tree_util.tree_structure(q.inner_state)
         for j, a in zip(positions, inner_def.flatten_up_to(q.absmax)):
             if j is not None and a is not None:
                 grids.setdefault(j, []).append(q.grid)

@@ -209,3 +209,31 @@ def test_bodies_of_a_first_order_equation_are_none_and_a_missing_parameter_is_na
         _jaxpr.bodies(eqn.replace(params={k: v for k, v in eqn.params.items() if k not in ("num_consts", "ft_in")}))
     with pytest.raises(_jaxpr.JaxInternalsError, match="'length'"):
         _jaxpr.bodies(eqn.replace(params={k: v for k, v in eqn.params.items() if k != "length"}))
+
+
+# -- per-element dependencies -------------------------------------------------------------
+
+
+def _deps(fn, *args):
+    return _jaxpr.per_element_inputs(jax.make_jaxpr(fn)(*args))
+
+
+def test_per_element_inputs_follows_elementwise_ops_and_scalars():
+    x, y, c = jnp.ones((3, 4)), jnp.ones((3, 4)), jnp.float32(2.0)
+    # an elementwise formula of x, y and the scalar c (broadcast), through a jitted helper
+    assert _deps(lambda x, y, c: jax.jit(lambda a, b: jnp.sqrt(a * c) / (b + 1e-8))(x, y), x, y, c) == [
+        frozenset({0, 1, 2})]
+    # ops on scalars alone are fine: a bias correction from a count
+    assert _deps(lambda x, n: x / (1 - 0.9 ** n), x, jnp.int32(3).astype(jnp.float32)) == [frozenset({0, 1})]
+    assert _deps(lambda x, y: (x, y * 2), x, y) == [frozenset({0}), frozenset({1})]
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, y: x * jnp.sum(y),              # a reduction (a global norm) feeds every element
+    lambda x, y: x + y.T.reshape(3, 4),       # elements moved
+    lambda x, y: x @ y.T @ x,                 # a matmul
+    lambda x, y: x + jnp.arange(12.0).reshape(3, 4),   # an array that is not an input
+])
+def test_per_element_inputs_refuses_what_mixes_elements(fn):
+    x = jnp.ones((3, 4))
+    assert _deps(fn, x, x) == [None]

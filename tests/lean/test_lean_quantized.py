@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp import _blockwise, lean
+from jaxmp import _blockwise, _jaxpr, lean
 from tests._support._arrays import leaf_bytes
 
 # optax.adam's bias correction (Python float ** int32 count) is not strict-promotion clean.
@@ -271,6 +271,7 @@ def test_state_layout_small_leaves_scalars_and_classification():
     (lambda: lean.quantized_moments(optax.adam(0.1), bits=4).update(
         {"w": jnp.ones((64, 128))}, lean.quantized_moments(optax.adam(0.1)).init({"w": jnp.ones((64, 128))})),
      ValueError, r"state was made with bits=8, block=256, this transformation has bits=4, block=128"),
+    (lambda: lean.quantized_moments(optax.adam(0.1), slice_size=0), ValueError, r"slice_size must be an int >= 1"),
 ])
 def test_bad_inputs(make, exc, pattern):
     with pytest.raises(exc, match=pattern):
@@ -559,3 +560,102 @@ def test_update_bytes_per_parameter_against_float32_adamw():
     assert rows["bf16-sr-8bit"][0] < 4.1 and rows["remainders-8bit"][0] < 6.1
     # One pass for the code search: well under searchsorted's (336 and 310 B/param before).
     assert rows["bf16-sr-8bit"][1] < 4.5 * base and rows["remainders-8bit"][1] < 4 * base
+
+
+# ----------------------------------------------------------------------------------- a slice at a time
+
+
+def _has_loop(fn, *args) -> bool:
+    return any(_jaxpr.primitive_kind(e) in ("scan", "while") for e in _jaxpr.equations(jax.make_jaxpr(fn)(*args)))
+
+
+def _sliced_pair(make, params, steps=2, seed=0):
+    """``make(slice_size)``'s updates and states after ``steps`` updates, for small slices and whole leaves."""
+    rng = np.random.default_rng(seed)
+    grads = [jax.tree_util.tree_map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
+             for _ in range(steps)]
+    out = []
+    for slice_size in (256, None):
+        tx = make(slice_size)
+        s, fn = tx.init(params), jax.jit(tx.update)
+        for g in grads:
+            u, s = fn(g, s, params)
+        out.append((u, s, _has_loop(tx.update, grads[0], tx.init(params), params)))
+    return out
+
+
+SLICE_PARAMS = {"rows": (24, 256), "flat": (40, 100), "vec": (3000,), "cube": (6, 4, 128), "small": (8,)}
+
+
+@pytest.mark.standard_promotion(reason="optax's Adam bias correction mixes a float with its int32 count")
+@pytest.mark.parametrize("bits,rounding", [(8, "nearest"), (4, "nearest"), (8, "stochastic")])
+def test_the_update_a_slice_at_a_time_is_the_whole_leaf_update(bits, rounding):
+    # Rows of blocks, flattened blocks (100 is no whole number of 256), a 1-D and a 3-D leaf, a
+    # small one (whole, beside the slices), AdamW with a mask on the params' rank: the same codes
+    # (the stochastic ones draw each slice's own bits), the absmax and updates to float32's
+    # rounding (XLA contracts multiply-adds differently in the two programs; so does plain optax
+    # when another leaf's shape changes).
+    rng = np.random.default_rng(2)
+    params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SLICE_PARAMS.items()}
+    inner = optax.adamw(1e-2, mask=lambda t: jax.tree_util.tree_map(lambda x: x.ndim > 1, t))
+    (u, s, looped), (u0, s0, looped0) = _sliced_pair(
+        lambda ss: lean.quantized_moments(inner, 1, bits=bits, rounding=rounding, min_size=0, slice_size=ss), params)
+    assert looped and not looped0
+    codes = lambda st: [x for x in jax.tree_util.tree_leaves(st.inner_state) if x.dtype == jnp.uint8]  # noqa: E731
+    same = [np.mean(np.asarray(a) == np.asarray(b)) for a, b in zip(codes(s), codes(s0))]
+    assert min(same) >= 0.999, same
+    for a, b in zip(jax.tree_util.tree_leaves(s.absmax), jax.tree_util.tree_leaves(s0.absmax)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+    for k in params:
+        np.testing.assert_allclose(u[k], u0[k], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.standard_promotion(reason="optax's Adam bias correction mixes a float with its int32 count")
+@pytest.mark.parametrize("wrap", ["bf16_params", "param_remainders"])
+def test_lean_wrappers_hand_their_bfloat16_grads_and_params_to_the_slices_unwidened(wrap):
+    params = {k: jnp.asarray(np.random.default_rng(3).normal(size=s), BF16) for k, s in SLICE_PARAMS.items()}
+
+    def make(ss):
+        q = lean.quantized_moments(optax.adamw(1e-2), bits=8, min_size=0, slice_size=ss)
+        return lean.bf16_params(q, key=4) if wrap == "bf16_params" else lean.param_remainders(q)
+
+    (u, s, looped), (u0, s0, _) = _sliced_pair(make, params, steps=1)
+    assert looped
+    for k in params:
+        np.testing.assert_allclose(u[k], u0[k], rtol=1e-5, atol=1e-9)
+    for a, b in zip(jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(s0)):
+        if a.dtype != jnp.int16:   # codes, absmax, counts (the remainders: the masters below)
+            assert np.mean(np.asarray(a) == np.asarray(b)) >= 0.999
+    if wrap == "param_remainders":   # the float32 masters the remainders complete, to their rounding
+        masters = [lean.remainder_master(jaxmp.apply_updates(params, upd), st) for upd, st in ((u, s), (u0, s0))]
+        for k in params:
+            np.testing.assert_allclose(masters[0][k], masters[1][k], rtol=1e-6, atol=1e-8)   # the ulp of a 1e-2 step
+
+
+@pytest.mark.parametrize("inner", [
+    lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),   # a norm over every leaf
+    lambda: optax.adafactor(1e-2),                                            # factored moments
+])
+@pytest.mark.standard_promotion(reason="optax's transforms mix a float with their int32 counts")
+def test_an_update_that_is_not_per_element_is_run_on_whole_leaves(inner):
+    params = {"w": jnp.ones((64, 128)), "v": jnp.ones(4096)}
+    tx = lean.quantized_moments(inner(), min_size=0, slice_size=256)
+    assert not _has_loop(tx.update, params, tx.init(params), params)
+    u, _ = jax.jit(tx.update)(params, tx.init(params), params)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(u))
+
+
+@pytest.mark.standard_promotion(reason="optax's Adam bias correction mixes a float with its int32 count")
+def test_a_slice_at_a_time_cuts_the_updates_temporaries():
+    # XLA's own (deterministic) figure for the jitted update of a 2048x2048 bfloat16 weight:
+    # the whole-leaf program holds both moments in float32, old and new (16 bytes a parameter);
+    # a slice at a time keeps one slice's, plus the float32 updates the optax interface returns
+    # and the copies of the skip (10.3).
+    p = {"w": jax.ShapeDtypeStruct((2048, 2048), BF16)}
+    temp = {}
+    for ss in (1 << 16, None):
+        tx = jaxmp.loss_scaling(lean.bf16_params(lean.quantized_moments(optax.adamw(1e-3), slice_size=ss), key=0),
+                                "none")
+        compiled = jax.jit(tx.update_and_apply, donate_argnums=(1, 2)).lower(p, jax.eval_shape(tx.init, p), p).compile()
+        temp[ss] = compiled.memory_analysis().temp_size_in_bytes / 2048**2
+    assert temp[None] > 15 and temp[1 << 16] < 11, temp

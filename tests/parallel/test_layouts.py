@@ -74,11 +74,12 @@ _TXS = {
     # 8-bit and 4-bit moments on every leaf (min_size=0: the test's params are small), blocks of
     # 8 elements, each leaf's last axis a whole number of them: ZeRO and FSDP split w1 (16x64)
     # and b1 (64) on their last axis, a block a device at least, and w2 (64x8) on its rows
-    # (its columns, 1 a device, would cut every block).
+    # (its columns, 1 a device, would cut every block). Slices of 32 values: every leaf is updated
+    # a slice at a time (jaxmp.lean._chunked), over its first axis, split or not.
     "remainders-8bit": lambda: jaxmp.loss_scaling(lean.param_remainders(lean.quantized_moments(
-        optax.adamw(1e-2), bits=8, block=8, min_size=0)), "none"),
+        optax.adamw(1e-2), bits=8, block=8, min_size=0, slice_size=32)), "none"),
     "remainders-4bit": lambda: jaxmp.loss_scaling(lean.param_remainders(lean.quantized_moments(
-        optax.adamw(1e-2), bits=4, block=8, min_size=0)), "none"),
+        optax.adamw(1e-2), bits=4, block=8, min_size=0, slice_size=32)), "none"),
 }
 
 
@@ -197,9 +198,9 @@ def test_lean_recipes_under_zero_are_bitwise_the_replicated_ones(sharded_steps, 
 @pytest.mark.parametrize("key", ["remainders-8bit", "remainders-4bit"])
 def test_quantized_moments_under_zero_and_fsdp_train_like_the_replicated_ones(sharded_steps, key, layout):
     # Every block on one device (see _TXS): each device quantizes whole blocks of its own. Same
-    # skips, the same codes bit for bit; the float32 absmax (and so the masters) to an ulp, as
-    # XLA:CPU contracts Adam's b1 * mu + (1 - b1) * g into a fused multiply-add in some slices'
-    # programs and not in others (a leaf with one block a device: b1 here).
+    # skips, the same codes bit for bit; the float32 absmax (and so the masters) to a few ulps
+    # after 8 steps, as XLA:CPU contracts Adam's b1 * mu + (1 - b1) * g into a fused multiply-add
+    # in some programs and not in others (a device's slice, a slice of the update loop).
     ref = _run(sharded_steps, "replicated", steps=8, key=key)
     got = _run(sharded_steps, layout, steps=8, key=key)
     assert got[2] == ref[2] and got[4] == ref[4]
@@ -211,7 +212,7 @@ def test_quantized_moments_under_zero_and_fsdp_train_like_the_replicated_ones(sh
     assert leaf_bytes([c for c in codes_got if c.dtype == jnp.uint8]) == leaf_bytes(
         [c for c in codes_ref if c.dtype == jnp.uint8])
     for a, b in zip(jax.tree_util.tree_leaves(q_ref.absmax), jax.tree_util.tree_leaves(q_got.absmax)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2.4e-7, atol=0)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=0)
     codes = [x for x in jax.tree_util.tree_leaves(got[1]) if getattr(x, "dtype", None) == jnp.uint8]
     assert codes and any(not x.sharding.is_fully_replicated for x in codes)  # the codes are sharded too
 

@@ -1,0 +1,245 @@
+"""The quantized update a slice at a time, for an inner optimizer that works element by element.
+
+Dequantize, update, requantize as one program over whole leaves holds every large leaf's moments
+in float32 at once, twice (the old ones dequantized, the new ones before their absmax): 16 bytes
+a parameter of temporaries at GPT-2 width, more than the 4 bytes of state the 8-bit moments save
+over float32 ones. When the inner optimizer's update is per element (Adam, AdamW, Lion, SGD with
+momentum, a schedule or a mask: `jaxmp._jaxpr.per_element_inputs` reads it off the traced update),
+each large leaf is updated instead in slices of whole blocks along its first axis, in a
+``fori_loop`` that writes each slice's codes and absmax back into the old ones: the float32
+temporaries are one slice's (``SLICE`` values), whatever the model's size. The result is the
+whole-leaf update's, bit for bit (the stochastic rounding draws the same bits: each slice's at its
+offset in the leaf). Private: `jaxmp.lean.quantized_moments` calls it; docs/lean-recipes.md says
+what it saves.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxmp import _blockwise, _jaxpr
+
+#: Values a slice: its float32 temporaries (old and new moments, the update) are a few MiB.
+SLICE = 1 << 20
+
+
+class Sliced(NamedTuple):
+    """A param leaf updated a slice at a time."""
+
+    shape: tuple    # the param's shape
+    rows: int       # rows of its first axis a slice
+    slices: int     # whole slices (a shorter last one follows when rows do not divide)
+    state: tuple    # the indices of the state leaves that mirror it (all quantized)
+
+
+def mirrors(state_template: Any, params_def: Any) -> list:
+    """For each leaf of an inner state: the index of the param it mirrors (a leaf of a sub-tree
+    shaped like the params, of its param's shape), or None (counts, hyperparameters)."""
+    n = params_def.num_leaves
+
+    def is_param_tree(x):
+        return jax.tree_util.tree_structure(x) == params_def and n > 0 and not (
+            n == 1 and jax.tree_util.treedef_is_leaf(params_def))
+
+    out: list = []
+    for piece in jax.tree_util.tree_leaves(state_template, is_leaf=is_param_tree):
+        out += list(range(n)) if is_param_tree(piece) else [None]
+    return out
+
+
+def plan(param_shapes: list, positions: list, state_shapes: list, quantized: list, bits: int, block: int,
+         slice_size: int) -> dict:
+    """``{param index: Sliced}``: the params large enough to update in two or more slices of about
+    ``slice_size`` values, all of whose mirrored state leaves are quantized, with slices of whole
+    blocks."""
+    if bits == 4 and block % 2:
+        return {}   # a slice must end on a whole byte of 4-bit codes
+    out = {}
+    for j, shape in enumerate(param_shapes):
+        state = tuple(i for i, pos in enumerate(positions) if pos == j)
+        size = math.prod(shape)
+        if not state or len(shape) == 0 or size >= 2**32 or not all(
+                quantized[i] and state_shapes[i] == shape for i in state):
+            continue
+        unit = math.prod(shape[1:])
+        rows = max(1, slice_size // unit)
+        if len(shape) == 1 or not _blockwise.rows_of_blocks(shape, bits, block):
+            step = block // math.gcd(unit, block)   # flattened blocks: a slice of whole blocks
+            rows = max(step, rows // step * step)
+        if shape[0] // rows >= 2:
+            out[j] = Sliced(tuple(shape), rows, shape[0] // rows, state)
+    return out
+
+
+def per_element(inner_update: Callable, grads: Any, wide: Any, params: Any, positions: list,
+                sliced: dict) -> list | None:
+    """The dtypes of ``inner_update(grads, wide, params)``'s updates when each of its outputs reads
+    the sliced params' leaves only element by element, and only its own param's
+    (`_jaxpr.per_element_inputs`); else None. Arguments may be ``jax.ShapeDtypeStruct``."""
+    g_leaves = jax.tree_util.tree_leaves(grads)
+    closed = jax.make_jaxpr(inner_update)(grads, wide, params)
+    ins = list(range(len(g_leaves))) + list(positions) + (list(range(len(g_leaves))) if params is not None else [])
+    outs = list(range(len(g_leaves))) + list(positions)
+    if len(closed.jaxpr.invars) != len(ins) or len(closed.jaxpr.outvars) != len(outs):
+        return None
+    for pos, deps in zip(outs, _jaxpr.per_element_inputs(closed)):
+        if deps is None:
+            return None
+        touched = {ins[i] for i in deps if ins[i] in sliced}
+        if touched and (pos not in sliced or touched != {pos}):
+            return None
+    return [a.dtype for a in closed.out_avals[:len(g_leaves)]]
+
+
+def _span(x_shape: tuple, shape: tuple, start: Any, n_rows: int, per: int, last: bool) -> tuple:
+    """``(offset, length)`` on ``x``'s first axis of rows ``start .. start + n_rows`` of a
+    ``shape`` leaf: the same rows when ``x`` keeps the leaf's rank (codes, absmax of rows of
+    blocks), else its flat share, ``per`` values an entry (2 for 4-bit codes, ``block`` for a
+    flat absmax; a slice starts on a whole block, and the last one takes what is left: a partial
+    block, an odd code)."""
+    if len(x_shape) == len(shape) and len(shape) >= 2:
+        return start, n_rows
+    unit = math.prod(shape[1:])
+    offset = start * unit // per
+    return offset, (x_shape[0] - offset if last else n_rows * unit // per)
+
+
+class Inputs(NamedTuple):
+    """The gradients or params the inner update reads, as leaf-by-leaf functions of what the
+    caller holds: ``fn(*(part leaves))``. A lean wrapper that widens bfloat16 grads and params
+    to float32 (`jaxmp.lean.bf16_params`, `param_remainders`: a master from a param and its
+    remainder) hands them over unwidened, so that each slice is widened in the loop, never a
+    whole float32 copy of a large leaf."""
+
+    parts: tuple      # trees of the params' structure
+    fn: Callable      # one leaf of each part -> the leaf the inner update reads
+
+    def leaf(self, treedef: Any, j: int, rows: tuple | None = None) -> jax.Array:
+        """Leaf ``j``, or rows ``(start, n)`` of its first axis."""
+        leaves = [treedef.flatten_up_to(part)[j] for part in self.parts]
+        if rows is not None:
+            leaves = [_from_bits(jax.lax.dynamic_slice_in_dim(_to_bits(x), rows[0], rows[1]), x.dtype)
+                      for x in leaves]
+        return self.fn(*leaves)
+
+    def whole(self, treedef: Any) -> Any:
+        return treedef.unflatten([self.leaf(treedef, j) for j in range(treedef.num_leaves)])
+
+
+def _to_bits(x: jax.Array) -> jax.Array:
+    # XLA:CPU computes on a 16-bit float array that a loop slices as a whole float32 copy (a
+    # loop over a bfloat16 leaf: 4 bytes an element of temporaries, measured); on its bits, as
+    # uint16, it slices in place.
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def _from_bits(x: jax.Array, dtype: Any) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def identity(x: jax.Array) -> jax.Array:
+    return x
+
+
+def update(inner_update: Callable, g_def: Any, grads: Inputs, params: Inputs | None, wide: list, state_def: Any,
+           codes: list, scales: list, sliced: dict, bits: int, block: int, signed: list, keys: list,
+           out_dtypes: list) -> tuple:
+    """The inner update with each `Sliced` param's state updated a slice at a time.
+
+    Args:
+      inner_update: ``(grads, state, params) -> (updates, state)``, float32 state.
+      g_def: the params' treedef.
+      grads, params: what the inner update reads (`Inputs`); params None when it reads none.
+      wide: the inner state's leaves, dequantized (None at the sliced params' state leaves).
+      state_def: the inner state's treedef.
+      codes, scales: the stored state leaves and their absmax (None where not quantized).
+      sliced: `plan`'s.
+      bits, block, signed: the grid, and per state leaf its map's sign.
+      keys: per state leaf the stochastic rounding key, or None (nearest).
+      out_dtypes: the dtypes of the updates' leaves.
+
+    Returns:
+      ``(updates, new wide leaves (None at sliced ones), new codes, new scales)``; the lists are
+      per state leaf.
+    """
+    def base(inputs: Inputs) -> list:
+        # Whole leaves but the sliced ones, which are empty: rows of none.
+        out = []
+        for j in range(g_def.num_leaves):
+            if j in sliced:
+                x = jax.eval_shape(lambda j=j: inputs.leaf(g_def, j))
+                out.append(jnp.zeros((0,) + tuple(x.shape[1:]), x.dtype))
+            else:
+                out.append(inputs.leaf(g_def, j))
+        return out
+
+    base_g = base(grads)
+    base_p = None if params is None else base(params)
+    base_s = list(wide)
+    for s in sliced.values():
+        for i in s.state:
+            base_s[i] = jnp.zeros((0,) + s.shape[1:], jnp.float32)
+
+    def call(g, s, p):
+        updates, new = inner_update(g_def.unflatten(g), state_def.unflatten(s),
+                                    None if p is None else g_def.unflatten(p))
+        return g_def.flatten_up_to(updates), state_def.flatten_up_to(new)
+
+    # Everything but the sliced leaves, whole (counts, small leaves).
+    rest_updates, rest_state = call(base_g, base_s, base_p)
+    updates = list(rest_updates)
+    new_wide = [None if any(i in s.state for s in sliced.values()) else x for i, x in enumerate(rest_state)]
+    new_codes, new_scales = list(codes), list(scales)
+
+    for j, s in sliced.items():
+        unit = math.prod(s.shape[1:])
+
+        def one_slice(start, n_rows, carry, last=False, j=j, s=s, unit=unit):
+            upd, cs, ss = carry
+
+            def take(x, per):
+                offset, length = _span(x.shape, s.shape, start, n_rows, per, last)
+                return jax.lax.dynamic_slice_in_dim(x, offset, length)
+
+            def put(x, value, per):
+                return jax.lax.dynamic_update_slice_in_dim(x, value, _span(x.shape, s.shape, start, n_rows, per,
+                                                                           last)[0], 0)
+
+            g = list(base_g)
+            g[j] = grads.leaf(g_def, j, (start, n_rows))
+            p = None
+            if base_p is not None and params is not None:
+                p = list(base_p)
+                p[j] = params.leaf(g_def, j, (start, n_rows))
+            st = list(base_s)
+            piece = (n_rows,) + s.shape[1:]
+            code_per = 2 if bits == 4 else 1
+            for k, i in enumerate(s.state):
+                st[i] = _blockwise.dequantize(take(cs[k], code_per), take(ss[k], block), bits, signed[i], block,
+                                              piece)
+            u, new = call(g, st, p)
+            upd = jax.lax.dynamic_update_slice_in_dim(upd, u[j].astype(upd.dtype), start, 0)
+            cs, ss = list(cs), list(ss)
+            for k, i in enumerate(s.state):
+                c, a = _blockwise.quantize(new[i], bits, signed[i], block, keys[i], start * unit)
+                cs[k], ss[k] = put(cs[k], c, code_per), put(ss[k], a, block)
+            return upd, tuple(cs), tuple(ss)
+
+        carry = (jnp.zeros(s.shape, out_dtypes[j]), tuple(codes[i] for i in s.state),
+                 tuple(scales[i] for i in s.state))
+        # Each slice reads its own rows of the codes and absmax before writing them: the loop
+        # updates them in place.
+        carry = jax.lax.fori_loop(0, s.slices, lambda k, c, s=s, f=one_slice: f(k * s.rows, s.rows, c), carry)
+        tail = s.shape[0] - s.slices * s.rows
+        if tail:
+            carry = one_slice(s.slices * s.rows, tail, carry, last=True)
+        updates[j] = carry[0]
+        for k, i in enumerate(s.state):
+            new_codes[i], new_scales[i] = carry[1][k], carry[2][k]
+    return g_def.unflatten(updates), new_wide, new_codes, new_scales
