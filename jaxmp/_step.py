@@ -7,6 +7,8 @@ What one step does, in order: see docs/design.md#the-train-step.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
@@ -108,6 +110,10 @@ class Strategy:
     def replica_key(self, rng: Any) -> Any:
         """This replica's key from the step's one key (dropout masks differ between shards)."""
         return rng
+
+    def update_context(self) -> contextlib.AbstractContextManager:
+        """Entered around ``tx.update``'s trace (a layout's hints to the optimizer)."""
+        return contextlib.nullcontext()
 
 
 #: The single-device layout (and a global view under sharded ``jit`` needing no reduction).
@@ -274,7 +280,8 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, strategy: Strategy = LOCAL, 
             new_fp8 = fp8_hooks.update(fp8_state, observed)
             new_model_state = fp8_hooks.merge(fp8_hooks.split(new_model_state)[1], new_fp8)
         extra = {"value": loss} if pass_value else {}
-        new_params, new_opt_state = update_and_apply(tx, grads, opt_state, params, **extra)
+        with strategy.update_context():
+            new_params, new_opt_state = update_and_apply(tx, grads, opt_state, params, **extra)
         new_params = strategy.place_params(new_params)
         finite = find_loss_scaling_state(new_opt_state).last_step_finite
         new_model_state = state.keep(finite, new_model_state, model_state)

@@ -109,9 +109,10 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
       slice_size: when ``inner``'s update works element by element (Adam, AdamW, Lion, SGD;
         not a global-norm clip or Adafactor), larger leaves are updated about this many values at
         a time, in a loop over slices of their first axis, so that the float32 moments of one
-        slice, not of the whole model, are live at once: the same result, bit for bit. None:
-        whole leaves, in one program (for a layout of your own that splits leaves on their first
-        axis, which a loop over it would gather; jaxmp.parallel's ZeRO and FSDP need nothing).
+        slice, not of the whole model, are live at once: the same codes, the updates to float32's
+        rounding. None: whole leaves, in one program (for a sharding of your own that splits
+        leaves on their first axis, which a loop over it would gather; jaxmp.parallel's ZeRO and
+        FSDP steps update whole leaves themselves).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is [`QuantizedMomentsState`][jaxmp.lean.QuantizedMomentsState].
@@ -224,7 +225,8 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
 
     def _slices(grads, params, template, treedef, shapes, stored, scales, inner_update) -> tuple[dict, list | None]:
         # The large leaves to update a slice at a time (docs/lean-recipes.md#the-update-a-slice-at-a-time).
-        if slice_size is None or (rounding == "stochastic" and not _keys.fused_bits_available()):
+        if slice_size is None or _chunked.whole_leaves_only() or (
+                rounding == "stochastic" and not _keys.fused_bits_available()):
             return {}, None
         g_leaves, g_def = jax.tree_util.tree_flatten(grads)
         positions = _chunked.mirrors(template, g_def)

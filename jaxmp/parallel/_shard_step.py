@@ -9,6 +9,7 @@ See docs/parallel.md#gradient-reduce-dtype.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -17,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp._dtypes import accumulation_dtype
 from jaxmp._step import Strategy
+from jaxmp.lean._seams import whole_leaves
 from jaxmp.parallel._layouts import axes_of, is_float_leaf, make_spec
 
 
@@ -268,6 +270,7 @@ class Sharded(Strategy):
     def __init__(self, mesh: Mesh, axis: str, layout: str, reduce_dtype: Any, grad_specs: Any,
                  grad_shardings: Any, base_specs: Any, remat: Any, param_shardings: Any = None):
         self.grad_shardings = grad_shardings
+        self._sharded_state = layout in ("zero", "fsdp")
         # ZeRO's params are gathered from their slices leaf by leaf on XLA:CPU (`gather_in_turn`).
         self._gather_shardings = param_shardings if layout == "zero" else None
         if reduce_dtype is None:
@@ -284,6 +287,10 @@ class Sharded(Strategy):
         # reduce-scatters instead of all-reducing; the finite check then reduces the per-slice
         # verdicts, identical on every device.
         return jax.lax.with_sharding_constraint(grads, self.grad_shardings)
+
+    def update_context(self) -> Any:
+        # A split leaf is updated whole: a loop over slices of its split axis would gather them.
+        return whole_leaves() if self._sharded_state else contextlib.nullcontext()
 
     def place_params(self, params: Any) -> Any:
         # Made on the slices the master lives on (the gradients' layout): each device casts its
