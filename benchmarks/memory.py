@@ -26,6 +26,7 @@ do not show here.
     python -m benchmarks.memory --devices 8 --step-time   # + seconds per step of each layout
     python -m benchmarks.memory --gpt2 --devices 8        # GPT-2-small shape vs hand-written ZeRO (minutes)
     python -m benchmarks.memory --lean [--depth 2]        # the lean recipes at GPT-2-small shape, N = 8
+    python -m benchmarks.memory --lean --update-cost      # their optimizer update alone: bytes, time
 
 ``--gpt2`` compiles a GPT-2-small-shaped Transformer (124.4M params, ``benchmarks/_gpt2.py``;
 unrolled for ZeRO, scanned with ``jaxmp.parallel.scan_layers`` for FSDP) with jaxmp's layouts
@@ -301,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", help="comma list of device counts (default 1,2,4,8)")
     parser.add_argument("--width", type=int, help="hidden width (default 2048; dry run 256)")
     parser.add_argument("--depth", type=int, help="layers (default 12; dry run 2)")
+    parser.add_argument("--update-cost", action="store_true",
+                        help="with --lean: the optimizer update alone on 2.1M params, one device: bytes accessed, "
+                             "temporaries and CPU time per recipe against float32 AdamW, in one run")
     parser.add_argument("--vocab", type=int, help="with --lean: the vocabulary (default 50304, GPT-2's padded to a "
                         "multiple of 64)")
     parser.add_argument("--gpt2", action="store_true",
@@ -426,6 +430,8 @@ def _main_lean(args, counts: list[int]) -> dict:
     if args.vocab is not None:
         shape = dataclasses.replace(shape, vocab=args.vocab)
     recipes = common.parse_choices(args.recipes, memory_lean.LEAN_RECIPES, "recipe")
+    if args.update_cost:
+        return _main_update_cost(args, recipes)
     layouts = common.parse_choices(args.layouts, LAYOUTS, "layout")
     n = max(counts)
     if n > jax.device_count():
@@ -445,6 +451,26 @@ def _main_lean(args, counts: list[int]) -> dict:
                                                           {"rows": rows}, args.dry_run))
     print(memory_lean.lean_markdown(rows), flush=True)
     result = common.make_result("memory_lean", env, config, {"rows": rows}, args.dry_run)
+    common.emit(result, out)
+    return result
+
+
+def _main_update_cost(args, recipes: list[str]) -> dict:
+    env = common.jax_env()
+    shapes = memory_lean.UPDATE_SHAPES_DRY if args.dry_run else memory_lean.UPDATE_SHAPES
+    rounds, calls = (2, 1) if args.dry_run else (7, 5)
+    recipes = ["fp32-adamw"] + [r for r in recipes if r != "fp32-adamw"]
+    rows = []
+    for recipe in recipes:
+        rows.append(memory_lean.measure_update(recipe, shapes, rounds, calls))
+        common.log(f"update {recipe}: {rows[-1]['bytes_accessed_per_param']:.0f} B/param accessed, "
+                   f"{rows[-1]['seconds_per_update'] * 1e3:.2f} ms", args.quiet)
+    print(memory_lean.update_markdown(rows), flush=True)
+    config = {"shapes": {k: list(v) for k, v in shapes.items()}, "devices": 1, "optimizer": "adamw",
+              "rounds": rounds, "calls_per_round": calls, "label": "CPU, one process, one run: read ratios"}
+    result = common.make_result("memory_lean", env, config, {"rows": rows}, args.dry_run)
+    out = args.out or str(common.RESULTS_DIR / "memory" / ("lean_update_dry_run.json" if args.dry_run else
+                                                           f"lean_update_{common.device_slug(env['device'])}.json"))
     common.emit(result, out)
     return result
 

@@ -1014,3 +1014,22 @@ def test_zero_and_fsdp_update_quantized_leaves_whole_so_no_slice_is_gathered(lay
     for op in ("all-gather", "collective-permute", "all-reduce", "reduce-scatter"):
         assert count(texts[0], op) == count(texts[1], op), op
     assert count(texts[0], "collective-permute") == 0
+
+
+def test_memory_lean_update_cost_dry_run_compares_every_recipe_with_float32_adamw(tmp_path):
+    import json
+
+    from benchmarks import _common as common
+    from benchmarks import memory
+
+    out = tmp_path / "update.json"
+    memory.main(["--dry-run", "--quiet", "--lean", "--update-cost", "--recipes", "bf16-sr-8bit,fp32-masters",
+                 "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert common.validate_result(result) == []
+    rows = result["results"]["rows"]
+    assert [r["recipe"] for r in rows] == ["fp32-adamw", "bf16-sr-8bit", "fp32-masters"]   # the baseline first
+    by = {r["recipe"]: r for r in rows}
+    assert by["bf16-sr-8bit"]["bytes_per_param"] < by["fp32-masters"]["bytes_per_param"] / 3
+    assert all(r["seconds_per_update"] > 0 and r["bytes_accessed_per_param"] > 0 for r in rows)
+    assert memory.memory_lean.update_markdown(rows).count("\n") == len(rows) + 1
