@@ -45,10 +45,13 @@ import numpy as np
 from benchmarks._common import REPO_ROOT, add_common_args, emit, jax_env, log, make_result
 
 RECIPES = ("fp32-masters", "remainders", "masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr",
-           "bf16-nearest", "remainders-8bit", "bf16-sr-8bit", "remainders-4bit", "bf16-sr-4bit")
-"""What is compared: the reference, the ``jaxmp.lean`` presets (bytes/param in ``jaxmp.lean.PRESETS``)
-and plain bf16 params rounded to nearest."""
-SR_RECIPES = ("masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr", "bf16-sr-8bit", "bf16-sr-4bit")
+           "bf16-nearest", "remainders-8bit", "bf16-sr-8bit", "remainders-4bit", "bf16-sr-4bit",
+           "bf16-sr-8bit-all", "bf16-sr-8bit-all-sr", "bf16-sr-4bit-all", "bf16-sr-4bit-all-sr")
+"""What is compared: the reference, the ``jaxmp.lean`` presets (bytes/param in ``jaxmp.lean.PRESETS``),
+plain bf16 params rounded to nearest, and the quantized presets with every leaf quantized, moments
+rounded to nearest or stochastically (``-all``, ``-all-sr``: `experiments.validation.LEAN_QUANTIZED_STUDY`)."""
+SR_RECIPES = ("masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr", "bf16-sr-8bit", "bf16-sr-4bit",
+              "bf16-sr-8bit-all", "bf16-sr-8bit-all-sr", "bf16-sr-4bit-all", "bf16-sr-4bit-all-sr")
 REFERENCE = "fp32-masters"
 NEAREST = "bf16-nearest"
 DEFAULT_OUT = str(REPO_ROOT / "benchmarks" / "results" / "fidelity" / "fidelity_cpu.json")
@@ -384,7 +387,8 @@ def markdown(result: dict) -> str:
         for recipe in [r for r in RECIPES if r in summary]:
             row = summary[recipe]
             loss, acc = row["eval_loss"], row["eval_accuracy"]
-            nbytes = lean.PRESETS[recipe][0] if recipe in lean.PRESETS else 10
+            base = recipe.split("-all")[0]   # a study variant: its preset's bytes (plus its small leaves' codes)
+            nbytes = lean.PRESETS[base][0] if base in lean.PRESETS else 10
             verdict = "reference" if recipe == REFERENCE else ("yes" if loss["within"] else "**no**")
             diff = "" if recipe == REFERENCE else f"{loss['diff_from_reference']:+.4f} ({loss['tolerance']:.4f})"
             lines.append(f"| {recipe} | {nbytes} | " + " | ".join(_fmt(v, "eval_loss") for v in loss["per_seed"])

@@ -22,7 +22,7 @@ import optax
 import jaxmp
 import jaxmp.flax
 import jaxmp.parallel as mpp
-from experiments.validation import ENGINES, LEAN_NEAREST, Plan, UserError
+from experiments.validation import ENGINES, LEAN_NEAREST, LEAN_QUANTIZED_STUDY, Plan, UserError
 
 
 class Program(NamedTuple):
@@ -140,8 +140,9 @@ def lean_optimizer(inner: optax.GradientTransformation, name: str, seed: int) ->
 
     Args:
       inner: the optax chain.
-      name: a ``jaxmp.lean`` preset, or ``"bf16-nearest"``: ``jaxmp.lean.bf16_params`` with
-        round-to-nearest (plain bf16 params, no master).
+      name: a ``jaxmp.lean`` preset, ``"bf16-nearest"`` (``jaxmp.lean.bf16_params`` with
+        round-to-nearest: plain bf16 params, no master), or a study variant of the quantized
+        presets (`experiments.validation.LEAN_QUANTIZED_STUDY`: every leaf quantized).
       seed: the stochastic-rounding key of the stochastic presets.
 
     Example:
@@ -152,6 +153,11 @@ def lean_optimizer(inner: optax.GradientTransformation, name: str, seed: int) ->
 
     if name == LEAN_NEAREST:
         return lean.bf16_params(inner, rounding="nearest")
+    if name in LEAN_QUANTIZED_STUDY:
+        bits, stochastic = LEAN_QUANTIZED_STUDY[name]
+        moments = lean.quantized_moments(inner, seed + 1 if stochastic else None, bits=bits, min_size=0,
+                                         rounding="stochastic" if stochastic else "nearest")
+        return lean.bf16_params(moments, key=seed)
     return lean.preset(name, inner, key=seed if lean_is_stochastic(name) else None)
 
 

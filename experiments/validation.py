@@ -207,12 +207,19 @@ LEAN_NEAREST = "bf16-nearest"
 """The ``lean_recipe`` of plain bf16 params rounded to nearest with no master (the failure mode)."""
 
 
+#: Study variants of the SR + quantized-moment presets: ``-all`` quantizes every leaf
+#: (``min_size=0``: the MNIST-1D CNN has no leaf of 4096 elements, so the presets quantize nothing
+#: there), ``-all-sr`` rounds the moments stochastically too. ``name: (bits, stochastic moments)``.
+LEAN_QUANTIZED_STUDY = {f"bf16-sr-{bits}bit{tail}": (bits, tail == "-all-sr")
+                        for bits in (8, 4) for tail in ("-all", "-all-sr")}
+
+
 def lean_recipes() -> tuple[str, ...]:
     """The values ``--config.lean_recipe`` takes: "" (the policy's own state), the ``jaxmp.lean``
-    presets and `LEAN_NEAREST`."""
+    presets, `LEAN_NEAREST` and `LEAN_QUANTIZED_STUDY`."""
     from jaxmp import lean
 
-    return ("",) + tuple(lean.PRESETS) + (LEAN_NEAREST,)
+    return ("",) + tuple(lean.PRESETS) + (LEAN_NEAREST,) + tuple(LEAN_QUANTIZED_STUDY)
 
 
 def _check_lean(config, policy: str, recipe) -> bool:

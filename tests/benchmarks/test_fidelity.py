@@ -7,6 +7,8 @@ import json
 import socket
 
 import jax.numpy as jnp
+
+import jaxmp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -98,6 +100,23 @@ def test_experiments_lean_recipe_is_validated_against_the_policy():
     tx = lean_optimizer(optax.sgd(1e-4), "bf16-nearest", seed=0)
     updates, _ = tx.update({"w": jnp.ones(4, jnp.bfloat16)}, tx.init(params), params)
     assert float(jnp.abs(updates["w"]).max()) == 0.0              # below half an ulp: dropped
+
+
+def test_the_quantized_study_variants_quantize_every_leaf_with_their_rounding():
+    # The MNIST-1D CNN has no leaf of 4096 elements: the presets would quantize nothing there.
+    import optax
+
+    from experiments.program import lean_optimizer
+    from experiments.validation import LEAN_QUANTIZED_STUDY, lean_recipes
+    from jaxmp import lean
+
+    params = {"w": jnp.ones((8, 16), jnp.bfloat16)}
+    assert set(LEAN_QUANTIZED_STUDY) <= set(lean_recipes())
+    for name, (bits, stochastic) in LEAN_QUANTIZED_STUDY.items():
+        state = lean_optimizer(optax.adam(1e-3), name, seed=3).init(params)
+        q = jaxmp._tree.find_states(state, lean.QuantizedMomentsState)[0]
+        assert q.grid.bits == bits and q.inner_state[0].mu["w"].dtype == jnp.uint8
+        assert bool((q.key != 0).any()) == stochastic    # nearest moments keep no key
 
 
 @pytest.mark.slow  # ~25 s: both jobs, every recipe, two seeds (the committed result's schema is checked by the default tier)
