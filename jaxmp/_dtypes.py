@@ -188,7 +188,8 @@ def cast_floating(tree: T, dtype: DTypeLike) -> T:
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
-      >>> jaxmp.cast_floating({"w": jnp.ones(2), "step": jnp.int32(3)}, jnp.float16)["w"].dtype
+      >>> tree = {"w": jnp.ones(2), "step": jnp.int32(3)}
+      >>> jaxmp.cast_floating(tree, jnp.float16)["w"].dtype
       dtype('float16')
     """
     dtype = float_dtype(dtype)

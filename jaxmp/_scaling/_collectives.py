@@ -100,7 +100,8 @@ def all_reduce_gradients(grads: PyTree, axis_name: AxisName,
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmp
-      >>> f = jax.pmap(lambda g: jaxmp.parallel.all_reduce_gradients(g, "batch"), axis_name="batch")
+      >>> all_reduce = lambda g: jaxmp.parallel.all_reduce_gradients(g, "batch")
+      >>> f = jax.pmap(all_reduce, axis_name="batch")
       >>> n = jax.local_device_count()
       >>> f(jnp.arange(n, dtype=jnp.float32))[0] == (n - 1) / 2
       Array(True, dtype=bool)

@@ -177,7 +177,8 @@ def first_non_finite(tree: PyTree) -> str | None:
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
-      >>> jaxmp._scaling._opt_state.first_non_finite({"a": jnp.ones(2), "b": jnp.array([jnp.nan])})
+      >>> tree = {"a": jnp.ones(2), "b": jnp.array([jnp.nan])}
+      >>> jaxmp._scaling._opt_state.first_non_finite(tree)
       "['b']"
     """
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):

@@ -90,7 +90,8 @@ def block_report(fn: Callable[..., Any], *args: PyTree, policy: str = "O2-mxfp8"
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import diagnostics
-      >>> r = diagnostics.block_report(lambda w, x: jnp.sum(x @ w), jnp.ones((32, 4)), jnp.ones((2, 32)))
+      >>> w, x = jnp.ones((32, 4)), jnp.ones((2, 32))
+      >>> r = diagnostics.block_report(lambda w, x: jnp.sum(x @ w), w, x)
       >>> [(row.leg, row.operand, row.saturated, row.underflowed) for row in r.rows][:2]
       [('forward', 'lhs', 0, 0), ('forward', 'rhs', 0, 0)]
     """

@@ -112,7 +112,8 @@ def input_pipeline_overhead(step_fn: Callable, state: PyTree, batches: Iterable,
       >>> import itertools, jax, numpy as np, jaxmp
       >>> step = jax.jit(lambda w, batch: w - 0.1 * batch.mean(axis=0))
       >>> batches = itertools.repeat(np.ones((8, 3), np.float32))
-      >>> ov = jaxmp.input_pipeline_overhead(step, np.zeros(3, np.float32), batches, num_steps=5)
+      >>> w = np.zeros(3, np.float32)
+      >>> ov = jaxmp.input_pipeline_overhead(step, w, batches, num_steps=5)
       >>> 0.0 <= ov.exposed_fraction <= 1.0
       True
     """

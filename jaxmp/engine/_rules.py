@@ -184,7 +184,8 @@ class AutocastRules:
 
     Example:
       >>> import flax.linen, jaxmp
-      >>> rules = jaxmp.AutocastRules().with_float32("tanh").with_class(flax.linen.LayerNorm, "float32")
+      >>> rules = (jaxmp.AutocastRules().with_float32("tanh")
+      ...          .with_class(flax.linen.LayerNorm, "float32"))
       >>> "tanh" in rules.float32_ops
       True
     """
@@ -392,9 +393,12 @@ class AutocastRules:
 
         Example:
           >>> import flax.linen as nn, jaxmp
-          >>> rules = jaxmp.AutocastRules().with_class(nn.Dense, "half").with_path("head", "float32")
+          >>> rules = (jaxmp.AutocastRules().with_class(nn.Dense, "half")
+          ...          .with_path("head", "float32"))
           >>> compiled = rules.module_rules(jaxmp.get_policy("O1-bf16"))
-          >>> compiled.rule_at(("head",), nn.Dense).action, compiled.rule_at(("body",), nn.Dense).action
+          >>> head = compiled.rule_at(("head",), nn.Dense)
+          >>> body = compiled.rule_at(("body",), nn.Dense)
+          >>> head.action, body.action
           ('float32', 'half')
         """
         return compile_module_rules(tuple((c, d) for c, d in self.class_rules if not _is_follow(d)), self.path_rules, policy)

@@ -56,7 +56,8 @@ def mixed_precision(model: _nn.Module | _nnx.Module, policy: PolicyLike, rules: 
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp.flax
-      >>> model = jaxmp.flax.mixed_precision(nn.Sequential([nn.Dense(4), nn.LayerNorm()]), "O1-bf16")
+      >>> net = nn.Sequential([nn.Dense(4), nn.LayerNorm()])
+      >>> model = jaxmp.flax.mixed_precision(net, "O1-bf16")
       >>> x = jnp.ones((2, 3))
       >>> model.apply(model.init(jax.random.key(0), x), x).dtype   # the output dtype: float32
       dtype('float32')

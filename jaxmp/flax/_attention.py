@@ -77,7 +77,8 @@ def float32_softmax_attention(
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp.flax
-      >>> attn = nn.MultiHeadDotProductAttention(2, dtype=jnp.bfloat16, attention_fn=jaxmp.flax.float32_softmax_attention)
+      >>> attn = nn.MultiHeadDotProductAttention(
+      ...     2, dtype=jnp.bfloat16, attention_fn=jaxmp.flax.float32_softmax_attention)
       >>> x = jnp.ones((1, 4, 8), jnp.bfloat16)
       >>> attn.apply(attn.init(jax.random.key(0), x), x).shape
       (1, 4, 8)

@@ -117,7 +117,8 @@ def default_rules(policy: PolicyLike = "O1", keep_float32: Iterable[str] | None 
     Example:
       >>> import flax.linen as nn, jaxmp.flax
       >>> rules = jaxmp.flax.default_rules("O2")
-      >>> dict(rules.class_rules)[nn.LayerNorm], dict(rules.class_rules)[nn.Dense], rules.float32_loss
+      >>> by_class = dict(rules.class_rules)
+      >>> by_class[nn.LayerNorm], by_class[nn.Dense], rules.float32_loss
       ('float32', 'half', True)
     """
     _, recipe = resolve_policy(policy)

@@ -120,7 +120,8 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
       >>> model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-fp16")
       >>> state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
       ...                                      jaxmp.loss_scaling(optax.sgd(0.1)))
-      >>> state, metrics = jax.jit(jaxmp.flax.make_train_step())(state, {"image": x, "label": y})
+      >>> step = jax.jit(jaxmp.flax.make_train_step())
+      >>> state, metrics = step(state, {"image": x, "label": y})
       >>> sorted(metrics)
       ['accuracy', 'consecutive_skips', 'last_step_finite', 'loss', 'loss_scale', 'total_skips']
     """
@@ -258,8 +259,10 @@ def nnx_train_step(model: nnx.Module, optimizer: nnx.Optimizer, opt_state: Any, 
       >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
       >>> from flax import nnx
       >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-      >>> optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1), "none"), wrt=nnx.Param)
-      >>> metrics = jaxmp.flax.nnx.train_step(model, optimizer, (jnp.ones((2, 4)), jnp.array([0, 2])))
+      >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), "none")
+      >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> batch = (jnp.ones((2, 4)), jnp.array([0, 2]))
+      >>> metrics = jaxmp.flax.nnx.train_step(model, optimizer, batch)
       >>> bool(metrics["last_step_finite"])
       True
     """

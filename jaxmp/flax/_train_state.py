@@ -35,8 +35,8 @@ class TrainState(struct.PyTreeNode):
       >>> import jax, numpy as np, optax, flax.linen as nn, jaxmp, jaxmp.flax
       >>> x, y = np.ones((4, 3), np.float32), np.array([0, 1, 0, 1])
       >>> model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-fp16")
-      >>> state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x),
-      ...                                      jaxmp.loss_scaling(optax.adam(1e-3), "dynamic"))
+      >>> tx = jaxmp.loss_scaling(optax.adam(1e-3), "dynamic")
+      >>> state = jaxmp.flax.TrainState.create(model, model.init(jax.random.key(0), x), tx)
       >>> state, metrics = jax.jit(jaxmp.flax.make_train_step())(state, (x, y))
       >>> int(state.step), bool(metrics["last_step_finite"])
       (1, True)
@@ -71,7 +71,8 @@ class TrainState(struct.PyTreeNode):
           >>> x, y = np.ones((4, 3), np.float32), np.array([0, 1, 0, 1])
           >>> model = jaxmp.flax.mixed_precision(nn.Dense(2), "O1-fp16")
           >>> variables = model.init(jax.random.key(0), x)
-          >>> state = jaxmp.flax.TrainState.create(model, variables, jaxmp.loss_scaling(optax.sgd(0.1)))
+          >>> tx = jaxmp.loss_scaling(optax.sgd(0.1))
+          >>> state = jaxmp.flax.TrainState.create(model, variables, tx)
           >>> int(state.step)
           0
         """

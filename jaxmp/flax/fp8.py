@@ -71,7 +71,8 @@ class Fp8DotGeneral(_LinenFp8Op):
       >>> import functools, jax, jax.numpy as jnp, flax.linen as nn
       >>> from jaxmp import fp8
       >>> from jaxmp.flax.fp8 import Fp8DotGeneral
-      >>> layer = nn.Dense(4, dot_general_cls=functools.partial(Fp8DotGeneral, recipe=fp8.DelayedScaling(history_length=8)))
+      >>> recipe = fp8.DelayedScaling(history_length=8)
+      >>> layer = nn.Dense(4, dot_general_cls=functools.partial(Fp8DotGeneral, recipe=recipe))
       >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 3)))
       >>> variables["fp8_meta"]["Fp8DotGeneral_0"]["input_amax_history"].shape
       (8,)
@@ -87,9 +88,10 @@ class Fp8ConvGeneralDilated(_LinenFp8Op):
       >>> import functools, jax, jax.numpy as jnp, flax.linen as nn
       >>> from jaxmp import fp8
       >>> from jaxmp.flax.fp8 import Fp8ConvGeneralDilated
-      >>> conv = nn.Conv(2, (3, 3), conv_general_dilated_cls=functools.partial(Fp8ConvGeneralDilated,
-      ...                                                                       recipe=fp8.CurrentScaling()))
-      >>> conv.apply(conv.init(jax.random.key(0), jnp.ones((1, 4, 4, 1))), jnp.ones((1, 4, 4, 1))).shape
+      >>> op = functools.partial(Fp8ConvGeneralDilated, recipe=fp8.CurrentScaling())
+      >>> conv = nn.Conv(2, (3, 3), conv_general_dilated_cls=op)
+      >>> x = jnp.ones((1, 4, 4, 1))
+      >>> conv.apply(conv.init(jax.random.key(0), x), x).shape
       (1, 4, 4, 2)
     """
 
@@ -129,7 +131,8 @@ class NnxFp8Op(nnx.Module):
       >>> from flax import nnx
       >>> from jaxmp import fp8
       >>> from jaxmp.flax.fp8 import NnxFp8Op, Fp8State
-      >>> layer = nnx.Linear(3, 4, rngs=nnx.Rngs(0), dot_general=NnxFp8Op(fp8.DelayedScaling(history_length=8)))
+      >>> op = NnxFp8Op(fp8.DelayedScaling(history_length=8))
+      >>> layer = nnx.Linear(3, 4, rngs=nnx.Rngs(0), dot_general=op)
       >>> layer(jnp.ones((2, 3))).shape, len(nnx.state(layer, Fp8State))
       ((2, 4), 1)
     """

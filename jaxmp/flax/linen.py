@@ -168,7 +168,8 @@ class MixedPrecision:
       >>> net = nn.Sequential([nn.Dense(3), nn.BatchNorm(use_running_average=False)])
       >>> model = jaxmp.flax.mixed_precision(net, "O1-bf16")
       >>> x = jnp.ones((2, 4))
-      >>> logits, updates = model.apply(model.init(jax.random.key(0), x), x, mutable=["batch_stats"])
+      >>> variables = model.init(jax.random.key(0), x)
+      >>> logits, updates = model.apply(variables, x, mutable=["batch_stats"])
       >>> logits.dtype, updates["batch_stats"]["layers_1"]["mean"].dtype
       (dtype('float32'), dtype('float32'))
     """
@@ -207,7 +208,8 @@ class MixedPrecision:
         Example:
           >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmp, jaxmp.flax
           >>> x = jnp.ones((2, 4))
-          >>> variables = jaxmp.flax.mixed_precision(nn.Dense(3), "O2-bf16").init(jax.random.key(0), x)
+          >>> model = jaxmp.flax.mixed_precision(nn.Dense(3), "O2-bf16")
+          >>> variables = model.init(jax.random.key(0), x)
           >>> variables["params"]["kernel"].dtype
           dtype(bfloat16)
         """

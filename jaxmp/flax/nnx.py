@@ -61,8 +61,10 @@ def module_rules(model: nnx.Module, policy: Policy, rules: AutocastRules) -> dic
     Example:
       >>> import jaxmp, jaxmp.flax
       >>> from flax import nnx
-      >>> model = nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
-      >>> rules = jaxmp.flax.nnx.module_rules(model, jaxmp.get_policy("O1-bf16"), jaxmp.flax.default_rules())
+      >>> model = nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0)),
+      ...                        nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
+      >>> policy, defaults = jaxmp.get_policy("O1-bf16"), jaxmp.flax.default_rules()
+      >>> rules = jaxmp.flax.nnx.module_rules(model, policy, defaults)
       >>> rules[("layers", "0")].compute_dtype, rules[("layers", "1")].compute_dtype
       (dtype(bfloat16), dtype('float32'))
     """
@@ -111,7 +113,8 @@ def overridden_float32(model: nnx.Module, policy: Policy, rules: AutocastRules) 
       >>> policy, rules = jaxmp.get_policy("O1-bf16"), jaxmp.flax.default_rules()
       >>> jaxmp.flax.nnx.overridden_float32(model, policy, rules)
       {'layers/1': 'Linear'}
-      >>> jaxmp.flax.nnx.overridden_float32(model, policy, rules.with_path("layers/1", "float32"))
+      >>> pinned = rules.with_path("layers/1", "float32")
+      >>> jaxmp.flax.nnx.overridden_float32(model, policy, pinned)
       {}
     """
     if np.dtype(policy.compute_dtype).itemsize >= 4:
@@ -147,7 +150,8 @@ def store_params(model: nnx.Module, policy: PolicyLike, rules: AutocastRules | N
     Example:
       >>> import jaxmp.flax
       >>> from flax import nnx
-      >>> jaxmp.flax.nnx.store_params(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O2-bf16").kernel.dtype
+      >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+      >>> jaxmp.flax.nnx.store_params(model, "O2-bf16").kernel.dtype
       dtype(bfloat16)
     """
     policy, rules = resolve_rules(policy, rules)
@@ -204,7 +208,8 @@ def call(model: nnx.Module, *args, policy: PolicyLike, rules: AutocastRules | No
       >>> from flax import nnx
       >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
       >>> logits = jaxmp.flax.nnx.call(model, jnp.ones((2, 4)), policy="O1-bf16")
-      >>> logits.dtype, model.kernel.dtype          # f32 output; the params are left as they were
+      >>> # f32 output; the params are left as they were
+      >>> logits.dtype, model.kernel.dtype
       (dtype('float32'), dtype('float32'))
     """
     _check_model(model)
@@ -285,8 +290,10 @@ class MixedPrecision(nnx.Module):
       >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
       >>> from flax import nnx
       >>> model = jaxmp.flax.mixed_precision(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O1-bf16")
-      >>> optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.adam(1e-3), "none"), wrt=nnx.Param)
-      >>> metrics = jaxmp.flax.nnx.train_step(model, optimizer, (jnp.ones((2, 4)), jnp.array([0, 2])))
+      >>> tx = jaxmp.loss_scaling(optax.adam(1e-3), "none")
+      >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> batch = (jnp.ones((2, 4)), jnp.array([0, 2]))
+      >>> metrics = jaxmp.flax.nnx.train_step(model, optimizer, batch)
       >>> metrics["last_step_finite"]
       Array(True, dtype=bool)
     """
@@ -320,7 +327,8 @@ def optimizer_state(optimizer: nnx.Optimizer) -> Any:
       >>> import optax, jaxmp, jaxmp.flax
       >>> from flax import nnx
       >>> model = jaxmp.flax.mixed_precision(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O1-fp16")
-      >>> optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"), wrt=nnx.Param)
+      >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
+      >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
       >>> jaxmp.scaling_stats(jaxmp.flax.nnx.optimizer_state(optimizer))["loss_scale"]
       Array(32768., dtype=float32)
     """
@@ -361,7 +369,8 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, *,
       >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
       >>> from flax import nnx
       >>> model = jaxmp.flax.mixed_precision(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "O1-fp16")
-      >>> optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1), "dynamic"), wrt=nnx.Param)
+      >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), "dynamic")
+      >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
       >>> step = nnx.jit(jaxmp.flax.nnx.train_step)
       >>> metrics = step(model, optimizer, (jnp.ones((2, 4)), jnp.array([0, 2])))
       >>> metrics["loss_scale"], metrics["last_step_finite"]

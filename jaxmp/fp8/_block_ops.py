@@ -73,8 +73,11 @@ def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe:
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> r = fp8.CurrentScaling(block=(1, 32), bwd_dtype=jnp.float8_e4m3fn, scale_format="e8m0", scale_rule="floor")
-      >>> fp8._block_ops.block_dot_general(jnp.ones((2, 64)), jnp.full((64, 3), 0.5), (((1,), (0,)), ((), ())), r).tolist()
+      >>> r = fp8.CurrentScaling(block=(1, 32), bwd_dtype=jnp.float8_e4m3fn,
+      ...                        scale_format="e8m0", scale_rule="floor")
+      >>> dims = (((1,), (0,)), ((), ()))
+      >>> x, w = jnp.ones((2, 64)), jnp.full((64, 3), 0.5)
+      >>> fp8._block_ops.block_dot_general(x, w, dims, r).tolist()
       [[32.0, 32.0, 32.0], [32.0, 32.0, 32.0]]
     """
     (lc, rc), (lb, rb) = dimension_numbers

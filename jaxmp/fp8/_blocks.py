@@ -224,7 +224,8 @@ def quantize(x: jax.Array, dtype: Any, block: Any = (1, 32), scale_format: str =
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> qx = fp8._blocks.quantize(jnp.array([[0.9, -0.25]]), jnp.float8_e4m3fn, (1, 2), "e8m0", "ceil")
+      >>> x = jnp.array([[0.9, -0.25]])
+      >>> qx = fp8._blocks.quantize(x, jnp.float8_e4m3fn, (1, 2), "e8m0", "ceil")
       >>> fp8._blocks.dequantize(qx).tolist()
       [[0.875, -0.25]]
     """
@@ -288,7 +289,8 @@ def dequantize(qx: Quantized, dtype: Any = jnp.float32, with_global: bool = True
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> fp8._blocks.dequantize(fp8._blocks.quantize(jnp.zeros((1, 4)), jnp.float4_e2m1fn, (1, 4))).tolist()
+      >>> qx = fp8._blocks.quantize(jnp.zeros((1, 4)), jnp.float4_e2m1fn, (1, 4))
+      >>> fp8._blocks.dequantize(qx).tolist()
       [[0.0, 0.0, 0.0, 0.0]]
     """
     a, b = qx.block

@@ -28,7 +28,8 @@ def native_block(recipe: CurrentScaling, device: jax.Device | None = None) -> tu
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> r = fp8.CurrentScaling(block=(1, 32), bwd_dtype=jnp.float8_e4m3fn, scale_format="e8m0", scale_rule="rceil")
+      >>> r = fp8.CurrentScaling(block=(1, 32), bwd_dtype=jnp.float8_e4m3fn,
+      ...                        scale_format="e8m0", scale_rule="rceil")
       >>> fp8._hardware.native_block(r, jax.devices("cpu")[0])[0]
       False
     """

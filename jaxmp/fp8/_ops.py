@@ -41,10 +41,11 @@ def gradient_loss_scale(loss_scale: ArrayLike):
       >>> scales = fp8._state.layer_scales(fp8._state.init_layer_state(recipe))
       >>> def scaled_loss(s):
       ...     with fp8.gradient_loss_scale(1024.0):
-      ...         y = fp8.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)), (((1,), (0,)), ((), ())),
-      ...                                 recipe, scales=s)
+      ...         y = fp8.fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 4)),
+      ...                                 (((1,), (0,)), ((), ())), recipe, scales=s)
       ...     return 1024.0 * jnp.sum(y)
-      >>> float(jax.grad(scaled_loss)(scales).output_grad)  # the cotangent is 1024; its amax, unscaled
+      >>> # the cotangent is 1024; its amax, unscaled:
+      >>> float(jax.grad(scaled_loss)(scales).output_grad)
       1.0
     """
     token = _GRAD_LOSS_SCALE.set(loss_scale)
@@ -203,7 +204,9 @@ def fp8_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, pad
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> fp8.fp8_conv_general_dilated(jnp.ones((1, 1, 4)), jnp.ones((1, 1, 2)), (1,), "VALID").tolist()
+      >>> x, kernel = jnp.ones((1, 1, 4)), jnp.ones((1, 1, 2))
+      >>> y = fp8.fp8_conv_general_dilated(x, kernel, (1,), "VALID")
+      >>> y.tolist()
       [[[2.0, 2.0, 2.0]]]
     """
     recipe = _recipe(recipe, scales, "fp8_conv_general_dilated")

@@ -27,7 +27,8 @@ def compute_scale(amax: jax.Array, old_scale: jax.Array, dtype: Any, margin: flo
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> float(fp8._scaling.compute_scale(jnp.float32(0.0), jnp.float32(3.0), fp8._formats.E4M3))
+      >>> amax, old_scale = jnp.float32(0.0), jnp.float32(3.0)
+      >>> float(fp8._scaling.compute_scale(amax, old_scale, fp8._formats.E4M3))
       3.0
     """
     amax = jnp.asarray(amax, jnp.float32)
@@ -92,7 +93,8 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> fp8._scaling.quantize(jnp.array([1000.0]), jnp.float32(1.0), fp8._formats.E4M3).astype(jnp.float32)
+      >>> q = fp8._scaling.quantize(jnp.array([1000.0]), jnp.float32(1.0), fp8._formats.E4M3)
+      >>> q.astype(jnp.float32)
       Array([448.], dtype=float32)
     """
     top = fp8_max(dtype)
@@ -106,7 +108,8 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> fp8._scaling.dequantize(fp8._scaling.quantize(jnp.array([3.0]), jnp.float32(2.0), fp8._formats.E4M3), jnp.float32(2.0), jnp.float32)
+      >>> q = fp8._scaling.quantize(jnp.array([3.0]), jnp.float32(2.0), fp8._formats.E4M3)
+      >>> fp8._scaling.dequantize(q, jnp.float32(2.0), jnp.float32)
       Array([3.], dtype=float32)
     """
     return (q.astype(jnp.float32) / scale).astype(dtype)

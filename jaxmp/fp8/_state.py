@@ -67,7 +67,8 @@ def layer_scales(layer_state: Mapping[str, Any]) -> Fp8Scales:
 
     Example:
       >>> from jaxmp import fp8
-      >>> float(fp8._state.layer_scales(fp8._state.init_layer_state(fp8.DelayedScaling())).kernel)
+      >>> state = fp8._state.init_layer_state(fp8.DelayedScaling())
+      >>> float(fp8._state.layer_scales(state).kernel)
       1.0
     """
     return Fp8Scales(*(layer_state[f"{name}_scale"] for name in LAYER_TENSORS))

@@ -132,7 +132,8 @@ def stochastic_round(x: jax.Array, key: jax.Array | int, dtype: DTypeLike = jnp.
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from jaxmp.lean import stochastic_round
-      >>> x = jnp.full(10_000, 1.0 + 2.0**-9, jnp.float32)      # a quarter of the way to the next bf16
+      >>> # a quarter of the way to the next bf16:
+      >>> x = jnp.full(10_000, 1.0 + 2.0**-9, jnp.float32)
       >>> r = stochastic_round(x, jax.random.key(0)).astype(jnp.float32)
       >>> sorted(set(r.tolist())), round(float(r.mean()), 4)
       ([1.0, 1.0078125], 1.002)
@@ -290,10 +291,12 @@ def bf16_params(inner: optax.GradientTransformation, key: jax.Array | int | None
       >>> import jax.numpy as jnp, optax, jaxmp
       >>> from jaxmp.lean import bf16_params
       >>> tx = jaxmp.loss_scaling(bf16_params(optax.sgd(1e-4), key=0), "none")
-      >>> params = {"w": jnp.ones(4096, jnp.bfloat16)}      # the bf16 below 1.0 is 2**-8 away: 39x the step
+      >>> # the bf16 below 1.0 is 2**-8 away: 39x the step
+      >>> params = {"w": jnp.ones(4096, jnp.bfloat16)}
       >>> state = tx.init(params)
       >>> updates, state = tx.update({"w": jnp.ones(4096, jnp.bfloat16)}, state, params)
-      >>> moved = float((jaxmp.apply_updates(params, updates, state)["w"] != 1).mean())  # ~1/39
+      >>> new_params = jaxmp.apply_updates(params, updates, state)
+      >>> moved = float((new_params["w"] != 1).mean())  # ~1/39
       >>> 0.015 < moved < 0.035
       True
     """
@@ -389,7 +392,8 @@ def merge_master(param: jax.Array, remainder: jax.Array) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp.lean import merge_master
-      >>> merge_master(jnp.array([1.0], jnp.bfloat16), jnp.array([1], jnp.int16)).tolist() == [1.0 + 2.0**-23]
+      >>> param, remainder = jnp.array([1.0], jnp.bfloat16), jnp.array([1], jnp.int16)
+      >>> merge_master(param, remainder).tolist() == [1.0 + 2.0**-23]
       True
     """
     param, remainder = jnp.asarray(param), jnp.asarray(remainder)
@@ -442,7 +446,8 @@ def param_remainders(inner: optax.GradientTransformation) -> optax.GradientTrans
       >>> state = tx.init(params)
       >>> updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
       >>> params = jaxmp.apply_updates(params, updates, state)
-      >>> params["w"].tolist(), remainder_master(params, state)["w"].tolist() == [jnp.float32(1) - jnp.float32(1e-4)] * 2
+      >>> expected = [jnp.float32(1) - jnp.float32(1e-4)] * 2
+      >>> params["w"].tolist(), remainder_master(params, state)["w"].tolist() == expected
       ([1.0, 1.0], True)
     """
     inner = check_inner(inner)

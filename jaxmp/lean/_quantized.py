@@ -127,7 +127,8 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
       >>> tx = quantized_moments(optax.adam(1e-3), bits=8)
       >>> state = tx.init({"w": jnp.zeros((64, 128)), "b": jnp.zeros(128)})
       >>> adam = state.inner_state[0]
-      >>> adam.mu["w"].dtype, state.absmax[0].nu["w"].shape, adam.mu["b"].dtype   # "b" is too small
+      >>> # "b" is too small:
+      >>> adam.mu["w"].dtype, state.absmax[0].nu["w"].shape, adam.mu["b"].dtype
       (dtype('uint8'), (32,), dtype('float32'))
       >>> updates, state = tx.update({"w": jnp.ones((64, 128)), "b": jnp.ones(128)}, state)
     """

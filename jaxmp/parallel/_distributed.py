@@ -128,7 +128,8 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     Example:
       >>> import jaxmp
       >>> # process i of 2, on one machine:
-      >>> # JAXMP_COORDINATOR_ADDRESS=127.0.0.1:12345 JAXMP_NUM_PROCESSES=2 JAXMP_PROCESS_ID=i python train.py
+      >>> # export JAXMP_COORDINATOR_ADDRESS=127.0.0.1:12345 JAXMP_NUM_PROCESSES=2
+      >>> # JAXMP_PROCESS_ID=i python train.py
       >>> info = jaxmp.parallel.initialize_distributed()  # doctest: +SKIP
       >>> info.process_count  # doctest: +SKIP
       2

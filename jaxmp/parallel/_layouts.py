@@ -481,7 +481,8 @@ def abstract_state(state: tuple[Any, Any], mesh: Mesh | Layout, layout: str | No
       >>> mesh = jaxmp.parallel.make_data_mesh()
       >>> tx = jaxmp.loss_scaling(optax.adam(1e-3), "none", master_weights=True)
       >>> params = {"w": jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16)}
-      >>> p, s = jaxmp.parallel.abstract_state((params, jax.eval_shape(tx.init, params)), mesh, "fsdp")
+      >>> state = (params, jax.eval_shape(tx.init, params))
+      >>> p, s = jaxmp.parallel.abstract_state(state, mesh, "fsdp")
       >>> jaxmp.parallel.state_bytes_per_device(p) * mesh.size == 8 * 1024 * 2
       True
     """

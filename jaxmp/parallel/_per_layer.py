@@ -262,7 +262,8 @@ def scan_layers(body: Callable, init: PyTree, layers: PyTree, *, dtype: jax.typi
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp.parallel import scan_layers
-      >>> carry, _ = scan_layers(lambda h, p: (h @ p["w"], None), jnp.ones(4), {"w": jnp.stack([jnp.eye(4)] * 3)})
+      >>> layers = {"w": jnp.stack([jnp.eye(4)] * 3)}
+      >>> carry, _ = scan_layers(lambda h, p: (h @ p["w"], None), jnp.ones(4), layers)
       >>> carry.tolist()
       [1.0, 1.0, 1.0, 1.0]
     """

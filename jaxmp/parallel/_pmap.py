@@ -121,7 +121,8 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
       >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
       >>> step = jaxmp.parallel.make_pmap_train_step(loss_fn, tx, "batch")
       >>> p, s = jaxmp.parallel.replicate(params), jaxmp.parallel.replicate(tx.init(params))
-      >>> batch = jaxmp.parallel.shard_batch({"x": np.ones((16, 3), np.float32), "y": np.ones(16, np.float32)})
+      >>> batch = jaxmp.parallel.shard_batch(
+      ...     {"x": np.ones((16, 3), np.float32), "y": np.ones(16, np.float32)})
       >>> p, s, metrics = step(p, s, batch)
       >>> jaxmp.parallel.unreplicate(p)["w"], float(metrics["loss"][0])
       (Array([0.2, 0.2, 0.2], dtype=float32), 1.0)

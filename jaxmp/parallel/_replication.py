@@ -185,9 +185,11 @@ def check_replicated(tree: PyTree, *, num_replicas: int | None = None, name: str
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
-      >>> jaxmp.parallel.check_replicated(jaxmp.parallel.replicate({"w": jnp.ones(3)})) is None
+      >>> replicated = jaxmp.parallel.replicate({"w": jnp.ones(3)})
+      >>> jaxmp.parallel.check_replicated(replicated) is None
       True
-      >>> jaxmp.parallel.check_replicated({"w": jnp.ones((3, 2))}, num_replicas=2)  # no replica axis
+      >>> # no replica axis:
+      >>> jaxmp.parallel.check_replicated({"w": jnp.ones((3, 2))}, num_replicas=2)
       Traceback (most recent call last):
       ...
       ValueError: state is not replicated: leaf ['w'] has shape (3, 2), expected a leading replica axis ...
@@ -232,7 +234,8 @@ def is_replicated(tree: Any, *, num_replicas: int | None = None) -> bool:
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
-      >>> jaxmp.parallel._replication.is_replicated(jaxmp.parallel.replicate({"w": jnp.ones(3)}))
+      >>> replicated = jaxmp.parallel.replicate({"w": jnp.ones(3)})
+      >>> jaxmp.parallel._replication.is_replicated(replicated)
       True
     """
     try:

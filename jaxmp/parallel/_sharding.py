@@ -80,7 +80,8 @@ def replicated_sharding(mesh: Mesh) -> NamedSharding:
 
     Example:
       >>> import jaxmp
-      >>> jaxmp.parallel.replicated_sharding(jaxmp.parallel.make_data_mesh()).is_fully_replicated
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> jaxmp.parallel.replicated_sharding(mesh).is_fully_replicated
       True
     """
     if not isinstance(mesh, Mesh):
@@ -101,7 +102,8 @@ def replicate_on_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
-      >>> w = jaxmp.parallel.replicate_on_mesh({"w": jnp.ones(3)}, jaxmp.parallel.make_data_mesh())["w"]
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> w = jaxmp.parallel.replicate_on_mesh({"w": jnp.ones(3)}, mesh)["w"]
       >>> w.sharding.is_fully_replicated
       True
     """
@@ -132,7 +134,8 @@ def make_global_batch(local_batch: PyTree, mesh: Mesh, data_axis: str | None = N
 
     Example:
       >>> import numpy as np, jaxmp
-      >>> b = jaxmp.parallel.make_global_batch({"x": np.zeros((16, 3))}, jaxmp.parallel.make_data_mesh())
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> b = jaxmp.parallel.make_global_batch({"x": np.zeros((16, 3))}, mesh)
       >>> b["x"].shape
       (16, 3)
     """
@@ -165,7 +168,9 @@ def prefetch_to_mesh(iterator: Iterable[Any], mesh: Mesh, size: int = 2, data_ax
 
     Example:
       >>> import numpy as np, jaxmp
-      >>> it = jaxmp.parallel._sharding.prefetch_to_mesh(iter([{"x": np.zeros((16, 3))}]), jaxmp.parallel.make_data_mesh())
+      >>> mesh = jaxmp.parallel.make_data_mesh()
+      >>> batches = iter([{"x": np.zeros((16, 3))}])
+      >>> it = jaxmp.parallel._sharding.prefetch_to_mesh(batches, mesh)
       >>> next(it)["x"].shape
       (16, 3)
     """
@@ -257,12 +262,15 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jaxmp
       >>> mesh = jaxmp.parallel.make_data_mesh()
-      >>> tx = jaxmp.loss_scaling(optax.adam(0.1), jaxmp.DynamicLossScale(), master_weights=True)
+      >>> tx = jaxmp.loss_scaling(
+      ...     optax.adam(0.1), jaxmp.DynamicLossScale(), master_weights=True)
       >>> params = {"w": jnp.zeros((3, 1024), jnp.bfloat16)}
       >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"].astype(jnp.float32) - b["y"]) ** 2)
       >>> step = jaxmp.parallel.make_sharded_train_step(loss, tx, mesh, layout="zero")
       >>> p, s = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)
-      >>> batch = jaxmp.parallel.make_global_batch({"x": np.ones((16, 3), np.float32), "y": np.ones((16, 1024), np.float32)}, mesh)
+      >>> batch = jaxmp.parallel.make_global_batch(
+      ...     {"x": np.ones((16, 3), np.float32), "y": np.ones((16, 1024), np.float32)},
+      ...     mesh)
       >>> p, s, metrics = step(p, s, batch)
       >>> jaxmp.master_params(s)["w"].sharding.spec, p["w"].sharding.is_fully_replicated
       (P(None, 'data'), True)

@@ -1,6 +1,7 @@
 """How the pages look: every line of a code block fits 88 characters, so nothing is cut off at
 1280 px and a phone scrolls sideways only where a block must (the screenshots are the real check;
-this is the proxy a test can hold).
+this is the proxy a test can hold). The docstring examples under jaxmp/ are held to the same
+88 characters: the API pages render them as code blocks too.
 
 "A code block" is what a renderer draws as one, not what a regex takes for one: each page is
 rendered the two ways readers meet it, by Python-Markdown with the site's extensions from
@@ -11,6 +12,7 @@ and admonitions, console and pycon blocks alike. Tables and prose are not code b
 browser wraps them) and are not measured.
 """
 
+import ast
 import html
 import re
 
@@ -109,3 +111,82 @@ def test_verbatim_exemptions_still_exist():
         blocks = commonmark_blocks((ROOT / name).read_text())
         assert any(_first_line(b) == first and any(len(x) > MAX for x in b.splitlines()) for b in blocks), (
             name, first, why)
+
+
+# Docstring examples: the API pages (mkdocstrings, Google style) render each ``Example:`` section
+# as a code block with the section's indentation removed, so a line is measured from its prompt.
+_PROMPT = re.compile(r"^(>>>|\.\.\.)( |$)")
+_DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def docstring_example_lines(source: str) -> list[tuple[int, str]]:
+    """``(line number, line)`` of each ``>>>``/``...`` line of the module's, the classes' and
+    the functions' docstrings in ``source``, the docstring's indentation stripped (other strings
+    and comments are not docstrings and are not read)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, _DOCUMENTED) and node.body and isinstance(node.body[0], ast.Expr)):
+            continue
+        doc = node.body[0].value
+        if isinstance(doc, ast.Constant) and isinstance(doc.value, str):
+            for offset, line in enumerate(doc.value.splitlines()):
+                if _PROMPT.match(line.lstrip()):
+                    found.append((doc.lineno + offset, line.lstrip()))
+    return found
+
+
+def too_long_examples(name: str, source: str) -> list[str]:
+    """``name:LINE: N chars: ...`` for each docstring example line over MAX in ``source``."""
+    return [f"{name}:{lineno}: {len(line)} chars: {line[:60]}..."
+            for lineno, line in docstring_example_lines(source) if len(line) > MAX]
+
+
+MODULES = sorted((ROOT / "jaxmp").rglob("*.py"))
+
+
+def test_docstring_example_lines_fit_on_the_api_pages():
+    assert len(MODULES) > 50  # the walk sees the package
+    long = [msg for path in MODULES
+            for msg in too_long_examples(str(path.relative_to(ROOT)), path.read_text())]
+    assert not long, (f"docstring example lines over {MAX} characters (split the call over "
+                      "'... ' lines, put a trailing comment on its own line):\n" + "\n".join(long))
+
+
+def test_every_docstring_example_line_is_measured():
+    wide = "x" * MAX
+    source = f'''"""Module.
+
+    >>> {wide}
+    """
+
+
+def f():
+    """Function.
+
+    Example:
+      >>> g(1,
+      ...   {wide})
+    """
+    note = f"... {wide} not a docstring"  # >>> {wide} a comment
+
+
+class C:
+    """Class.
+
+        >>> {wide}
+    """
+
+    async def m(self):
+        """Method: prose with ... {wide} inside is not an example.
+
+        Example:
+          >>> {wide}
+        """
+'''
+    long = too_long_examples("sample.py", source)
+    # Module, function (its continuation line), class and method: each named by line and length.
+    assert [m.split(": ")[0:2] for m in long] == [
+        ["sample.py:3", f"{MAX + 4} chars"], ["sample.py:12", f"{MAX + 7} chars"],
+        ["sample.py:20", f"{MAX + 4} chars"], ["sample.py:27", f"{MAX + 4} chars"]], long
+    # The indentation is not counted: a line of exactly MAX from its prompt passes.
+    assert not too_long_examples("sample.py", f'def f():\n    """\n    >>> {"x" * (MAX - 4)}\n    """\n')
