@@ -44,14 +44,17 @@ import numpy as np
 
 from benchmarks._common import REPO_ROOT, add_common_args, emit, jax_env, log, make_result
 
+#: The quantized presets with every leaf quantized (``-all``) and moments rounded stochastically
+#: too (``-all-sr``): `experiments.validation.LEAN_QUANTIZED_STUDY`, recorded apart
+#: (``--recipes fp32-masters,<these>``: benchmarks/results/fidelity/fidelity_quantized_cpu.json).
+QUANTIZED_STUDY = ("bf16-sr-8bit-all", "bf16-sr-8bit-all-sr", "bf16-sr-4bit-all", "bf16-sr-4bit-all-sr")
 RECIPES = ("fp32-masters", "remainders", "masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr",
-           "bf16-nearest", "remainders-8bit", "bf16-sr-8bit", "remainders-4bit", "bf16-sr-4bit",
-           "bf16-sr-8bit-all", "bf16-sr-8bit-all-sr", "bf16-sr-4bit-all", "bf16-sr-4bit-all-sr")
+           "bf16-nearest", "remainders-8bit", "bf16-sr-8bit", "remainders-4bit", "bf16-sr-4bit") + QUANTIZED_STUDY
 """What is compared: the reference, the ``jaxmp.lean`` presets (bytes/param in ``jaxmp.lean.PRESETS``),
 plain bf16 params rounded to nearest, and the quantized presets with every leaf quantized, moments
 rounded to nearest or stochastically (``-all``, ``-all-sr``: `experiments.validation.LEAN_QUANTIZED_STUDY`)."""
-SR_RECIPES = ("masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr", "bf16-sr-8bit", "bf16-sr-4bit",
-              "bf16-sr-8bit-all", "bf16-sr-8bit-all-sr", "bf16-sr-4bit-all", "bf16-sr-4bit-all-sr")
+SR_RECIPES = ("masters-bf16-moments", "sr-params", "remainders-bf16-moments", "bf16-sr", "bf16-sr-8bit",
+              "bf16-sr-4bit") + QUANTIZED_STUDY
 REFERENCE = "fp32-masters"
 NEAREST = "bf16-nearest"
 DEFAULT_OUT = str(REPO_ROOT / "benchmarks" / "results" / "fidelity" / "fidelity_cpu.json")

@@ -156,7 +156,12 @@ def test_docs_table_is_what_the_committed_result_prints():
 
     result = json.loads((REPO_ROOT / "benchmarks" / "results" / "fidelity" / "fidelity_cpu.json").read_text())
     assert result["dry_run"] is False and result["config"]["seeds"] == [0, 1, 2]
-    assert set(result["config"]["recipes"]) == set(fidelity.RECIPES)
+    assert set(result["config"]["recipes"]) == set(fidelity.RECIPES) - set(fidelity.QUANTIZED_STUDY)
     page = (REPO_ROOT / "docs" / "lean-recipes.md").read_text()
     assert fidelity.markdown(result) in page
+    # The quantized presets with every leaf quantized: their own study, against the same reference.
+    study = json.loads((REPO_ROOT / "benchmarks" / "results" / "fidelity" / "fidelity_quantized_cpu.json").read_text())
+    assert study["dry_run"] is False and study["config"]["seeds"] == [0, 1, 2]
+    assert set(study["config"]["recipes"]) == {fidelity.REFERENCE, *fidelity.QUANTIZED_STUDY}
+    assert fidelity.markdown(study) in page
     assert "python -m benchmarks.fidelity" in page and result["results"]["lm"]["setup"]["text_sha256"][:16] in page

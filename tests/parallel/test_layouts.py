@@ -940,6 +940,27 @@ def test_docs_lean_memory_table_is_the_recorded_benchmark():
         assert by[recipe, "replicated"]["bytes_per_param"] < by["fp32-masters", "replicated"]["bytes_per_param"] / 3
 
 
+def test_docs_quote_the_12_layer_table_and_the_update_cost():
+    # The full-depth GPT-2-small table and the update-cost table, as their recorded runs print them.
+    import json
+    import pathlib
+
+    from benchmarks import memory
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    page = (root / "docs" / "lean-recipes.md").read_text()
+    results = root / "benchmarks" / "results" / "memory"
+    full = json.loads((results / "lean_cpu_12layers.json").read_text())
+    assert "layers=12" in full["config"]["shape"] and "partial" not in full["config"]
+    assert memory.memory_lean.lean_markdown(full["results"]["rows"]) in page
+    by = {(r["recipe"], r["layout"]): r["compiled"]["peak_estimate_bytes"] for r in full["results"]["rows"]}
+    assert all(by["bf16-sr-8bit", lay] < by["fp32-masters", lay] for lay in memory.memory_lean.LEAN_LAYOUTS)
+    update = json.loads((results / "lean_update_cpu.json").read_text())
+    rows = update["results"]["rows"]
+    assert rows[0]["recipe"] == "fp32-adamw" and update["dry_run"] is False
+    assert memory.memory_lean.update_markdown(rows) in page
+
+
 T = 16   # tokens of the attention test's sequences
 
 
