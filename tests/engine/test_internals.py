@@ -506,7 +506,9 @@ TESTED = {
              "one_equation_program",
              # the control-flow dispatcher (re-exported by internals; tested in tests/core/test_jaxpr.py)
              "JaxInternalsError", "param", "primitive_kind", "call_jaxpr", "scan_counts", "while_parts", "Body",
-             "bodies"},
+             "bodies",
+             # the lean slice loop's reader (tested in tests/core/test_jaxpr.py)
+             "per_element_inputs"},
 }
 
 
