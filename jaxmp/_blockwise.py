@@ -2,7 +2,7 @@
 
 The scheme of bitsandbytes' 8-bit optimizers (arXiv:2110.02861) and torchao's 4-bit ones: a leaf is
 cut into blocks of ``block`` consecutive elements (C order over the flattened leaf; kept in the
-leaf's shape as rows of its last axis when that axis is a whole number of blocks); each block keeps
+leaf's leading axes when its trailing axes are a whole number of blocks: `grid_axis`); each block keeps
 one float32 ``absmax`` and each element the index of the map entry nearest ``x / absmax``. The maps
 are sorted float32 tables in [-1, 1] (signed) or [0, 1] (non-negative): bitsandbytes' dynamic map
 (a decimal exponent plus linear fractions: fine near 0, coarse near 1) for 8 bits and for a signed
@@ -137,39 +137,48 @@ def n_blocks(size: int, block: int) -> int:
     return -(-size // block)
 
 
-def rows_of_blocks(shape: tuple, bits: int, block: int) -> bool:
-    """Whether a leaf's blocks are rows of its last axis: that axis is a whole number of blocks
-    (and, at 4 bits, even, so the codes pack within it). The blocks are then the C-order blocks
-    of the flattened leaf, cut at the same places, but kept in the leaf's shape: a leaf split over
-    devices on any axis, its last one included, keeps each block on one device
-    (`shard_aligned_axes`). Otherwise the leaf is flattened and cut into C-order blocks."""
-    return len(shape) >= 1 and shape[-1] % block == 0 and (bits == 8 or shape[-1] % 2 == 0)
+def grid_axis(shape: tuple, bits: int, block: int) -> int | None:
+    """The first axis of the slabs a leaf's blocks tile: the largest ``k`` for which
+    ``shape[k:]`` is a whole number of blocks (and, at 4 bits, the last axis even, so the codes
+    pack within it); None when the leaf is no whole number of blocks (flattened, the last block
+    zero-padded). The blocks are the C-order blocks of the flattened leaf either way, cut at the
+    same places; kept in the leaf's leading axes, ``shape[:k]``, they stay whole when any of
+    those axes is split over devices (`shard_aligned_axes`). ``k = ndim - 1``: rows of the last
+    axis (every GPT-2 matrix at block 256)."""
+    shape = tuple(shape)
+    if not shape or (bits == 4 and shape[-1] % 2):
+        return None
+    for k in range(len(shape) - 1, -1, -1):
+        if int(np.prod(shape[k:], dtype=np.int64)) % block == 0:
+            return k
+    return None
 
 
 def scales_shape(shape: tuple, bits: int, block: int) -> tuple:
-    """The absmax's shape: ``shape[:-1] + (shape[-1] // block,)`` for rows of blocks, else
+    """The absmax's shape: ``shape[:k] + (blocks a slab,)`` (``k``: `grid_axis`), else
     ``(n_blocks(size, block),)``: one float32 a block, in C order either way."""
     shape = tuple(shape)
-    if rows_of_blocks(shape, bits, block):
-        return shape[:-1] + (shape[-1] // block,)
+    k = grid_axis(shape, bits, block)
+    if k is not None:
+        return shape[:k] + (int(np.prod(shape[k:], dtype=np.int64)) // block,)
     return (n_blocks(int(np.prod(shape, dtype=np.int64)), block),)
 
 
 def shard_aligned_axes(shape: tuple, bits: int, block: int, n: int) -> tuple:
     """The axes of a ``shape`` leaf that can be split ``n`` ways with every block (and the 4-bit
-    byte holding two codes) on one device: for rows of blocks, any axis but the last, and the
-    last when each device's part of it is a whole number of blocks; for flattened blocks, the
-    first axis when each device's part is a whole number of blocks. ZeRO and FSDP split a
-    quantized leaf on one of these (`jaxmp.parallel`'s layouts)."""
+    byte holding two codes) on one device: those before `grid_axis`'s ``k`` that ``n`` divides,
+    and ``k`` itself when each device's part of a slab is a whole number of blocks. A leaf with
+    no ``k`` has none. ZeRO and FSDP split a quantized leaf on one of these (`jaxmp.parallel`'s
+    layouts)."""
     shape = tuple(shape)
     if not shape or n <= 1:
         return tuple(range(len(shape)))
-    size = int(np.prod(shape, dtype=np.int64))
-    if rows_of_blocks(shape, bits, block):
-        last = len(shape) - 1
-        return tuple(d for d in range(last) if shape[d] % n == 0) + (
-            (last,) if shape[last] % n == 0 and (shape[last] // n) % block == 0 else ())
-    return (0,) if shape[0] % n == 0 and (size // n) % block == 0 else ()
+    k = grid_axis(shape, bits, block)
+    if k is None:
+        return ()
+    part = int(np.prod(shape[k + 1:], dtype=np.int64))
+    return tuple(d for d in range(k) if shape[d] % n == 0) + (
+        (k,) if shape[k] % n == 0 and (shape[k] // n * part) % block == 0 else ())
 
 
 def codes_shape(shape: tuple, bits: int) -> tuple:
@@ -184,11 +193,12 @@ def codes_shape(shape: tuple, bits: int) -> tuple:
 
 
 def _blocks(x: jax.Array, bits: int, block: int) -> jax.Array:
-    """``x`` in float32 as blocks on its last axis: ``shape[:-1] + (n, block)`` for rows of blocks,
-    else flattened and zero-padded to ``(n_blocks, block)``. A partial last block is padded with
-    zeros, which change no absmax; the padding is never stored."""
-    if rows_of_blocks(x.shape, bits, block):
-        return x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+    """``x`` in float32 as blocks: ``shape[:k] + (n, block)`` (``k``: `grid_axis`), else flattened
+    and zero-padded to ``(n_blocks, block)``. A partial last block is padded with zeros, which
+    change no absmax; the padding is never stored."""
+    k = grid_axis(x.shape, bits, block)
+    if k is not None:
+        return x.astype(jnp.float32).reshape(scales_shape(x.shape, bits, block) + (block,))
     flat = x.astype(jnp.float32).reshape(-1)
     pad = n_blocks(flat.size, block) * block - flat.size
     if pad:
@@ -207,7 +217,7 @@ def quantize(x: jax.Array, bits: int, signed: bool, block: int, key: jax.Array |
     boundary), and its stochastic rounding draws that leaf's bits (`jaxmp._keys.random_bits`).
     """
     qmap = jnp.asarray(code_map(bits, signed))
-    rows = rows_of_blocks(x.shape, bits, block)
+    rows = grid_axis(x.shape, bits, block) is not None
     blocks = _blocks(x, bits, block)
     absmax = jnp.max(jnp.abs(blocks), axis=-1)
     normed = blocks / jnp.where(absmax > 0, absmax, jnp.float32(1))[..., None]
@@ -226,7 +236,7 @@ def quantize(x: jax.Array, bits: int, signed: bool, block: int, key: jax.Array |
         codes = lo + (_keys.uniform(key, normed.shape, offset) < p)
     codes = codes.astype(jnp.uint8)
     if rows:
-        # Reshapes within the last axis only, so a split of any axis stays where it is.
+        # Reshapes within the slabs only, so a split of a leading axis stays where it is.
         if bits == 8:
             return codes.reshape(x.shape), absmax
         pairs = codes.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
@@ -247,10 +257,10 @@ def dequantize(codes: jax.Array, absmax: jax.Array, bits: int, signed: bool, blo
     """The float32 leaf of ``shape`` that ``(codes, absmax)`` hold: ``map[code] * absmax[block]``."""
     qmap = jnp.asarray(code_map(bits, signed))
     shape = tuple(shape)
-    if rows_of_blocks(shape, bits, block):
+    if grid_axis(shape, bits, block) is not None:
         if bits == 4:
             codes = jnp.stack([codes & 15, codes >> 4], axis=-1)
-        index = codes.reshape(shape[:-1] + (shape[-1] // block, block)).astype(jnp.int32)
+        index = codes.reshape(scales_shape(shape, bits, block) + (block,)).astype(jnp.int32)
         return (qmap[index] * absmax[..., None]).reshape(shape)
     size = int(np.prod(shape, dtype=np.int64))
     flat = codes.reshape(-1)

@@ -89,7 +89,7 @@ def plan(param_shapes: list, positions: list, state_shapes: list, quantized: lis
             continue
         unit = math.prod(shape[1:])
         rows = max(1, slice_size // unit)
-        if len(shape) == 1 or not _blockwise.rows_of_blocks(shape, bits, block):
+        if not _blockwise.grid_axis(shape, bits, block):   # no slabs within the first axis
             step = block // math.gcd(unit, block)   # flattened blocks: a slice of whole blocks
             rows = max(step, rows // step * step)
         if shape[0] // rows >= 2:
@@ -119,11 +119,11 @@ def per_element(inner_update: Callable, grads: Any, wide: Any, params: Any, posi
 
 def _span(x_shape: tuple, shape: tuple, start: Any, n_rows: int, per: int, last: bool) -> tuple:
     """``(offset, length)`` on ``x``'s first axis of rows ``start .. start + n_rows`` of a
-    ``shape`` leaf: the same rows when ``x`` keeps the leaf's rank (codes, absmax of rows of
-    blocks), else its flat share, ``per`` values an entry (2 for 4-bit codes, ``block`` for a
-    flat absmax; a slice starts on a whole block, and the last one takes what is left: a partial
-    block, an odd code)."""
-    if len(x_shape) == len(shape) and len(shape) >= 2:
+    ``shape`` leaf: the same rows when ``x`` keeps the leaf's first axis (codes; the absmax of
+    slabs within it), else its flat share, ``per`` values an entry (2 for 4-bit codes, ``block``
+    for a flat absmax; a slice starts on a whole block, and the last one takes what is left: a
+    partial block, an odd code)."""
+    if len(x_shape) >= 2 and len(shape) >= 2:
         return start, n_rows
     unit = math.prod(shape[1:])
     offset = start * unit // per

@@ -280,6 +280,8 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
         if matched is not None and (_shape(x) == matched[0] or (
                 _is_codes(x) and len(_shape(x)) == len(matched[0]) and _shape(x)[:-1] == matched[0][:-1])):
             return matched[2] if shard_state else matched[1]
+        if matched is not None and _is_codes(x):
+            return matched[1]   # 4-bit codes packed flat (an odd last axis): no split keeps them whole
         if not shard_state or not (is_float_leaf(x) or _is_codes(x)):
             # Counters, keys, the loss scale: replicated (they are scalars or tiny anyway).
             return PartitionSpec()
@@ -312,11 +314,10 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
             if a is None:
                 scales.append(None)
                 continue
+            # The absmax of slabs starting at axis k has the codes' axes up to k (the split, if
+            # any, is on one of them: aligned); that of flattened blocks is not split.
             entries = _spec_entries(spec, len(_shape(c)))
-            if len(_shape(a)) == len(_shape(c)):
-                scales.append(make_spec(entries))
-            else:  # flattened blocks: split with the codes' first axis only
-                scales.append(make_spec(entries[:1]) if entries and entries[0] == axis else PartitionSpec())
+            scales.append(make_spec(entries[:len(_shape(a))]))
         return QuantizedMomentsState(inner, inner_def.unflatten(scales), PartitionSpec(), PartitionSpec(), q.grid)
 
     return p_specs, specs_of(opt_state), g_specs

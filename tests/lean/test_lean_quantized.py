@@ -75,7 +75,7 @@ def test_rows_of_blocks_are_the_flattened_blocks_kept_in_the_leafs_shape(bits, b
     # the flat one reshaped to shape[:-1] + (blocks a row,), so a split of any axis keeps it whole.
     rng = np.random.default_rng(1)
     x = (rng.normal(size=(6, 4 * block)) * np.exp(rng.normal(size=(6, 1)) * 4)).astype(np.float32)
-    assert _blockwise.rows_of_blocks(x.shape, bits, block)
+    assert _blockwise.grid_axis(x.shape, bits, block) == 1
     assert _blockwise.scales_shape(x.shape, bits, block) == (6, 4)
     key = jax.random.key(3)
     for k in (None, key):
@@ -90,8 +90,14 @@ def test_rows_of_blocks_are_the_flattened_blocks_kept_in_the_leafs_shape(bits, b
     if bits == 8:
         want_codes, want_absmax = _np_quantize(x, _blockwise.code_map(8, True), block)
         np.testing.assert_array_equal(np.asarray(absmax).reshape(-1), want_absmax)
-    # A last axis that is not a whole number of blocks: flattened blocks, a 1-D absmax.
+    # Slabs of the trailing axes that are a whole number of blocks; else flattened and padded.
+    assert _blockwise.scales_shape((3, 4, block // 2), bits, block) == (3, 2)          # slabs of 2 rows
     assert _blockwise.scales_shape((6, block + 2), bits, block) == (-(-6 * (block + 2) // block),)
+    stacked = (rng.normal(size=(3, 4, block // 2))).astype(np.float32)
+    codes, absmax = _blockwise.quantize(jnp.asarray(stacked), bits, True, block)
+    flat_codes, flat_absmax = _blockwise.quantize(jnp.asarray(stacked.reshape(-1)), bits, True, block)
+    np.testing.assert_array_equal(np.asarray(codes).reshape(-1), flat_codes)
+    np.testing.assert_array_equal(np.asarray(absmax).reshape(-1), flat_absmax)
 
 
 # ----------------------------------------------------------------------------------- one Adam step, NumPy

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxmp
-from jaxmp import _blockwise, lean
+from jaxmp import lean
 from jaxmp.parallel import _layouts as layouts
 from tests._support._arrays import leaf_bytes
 
@@ -285,25 +285,17 @@ def test_quantized_blocks_of_a_leaf_split_on_its_first_axis_stay_on_their_device
 
 
 def _blocks_held(codes, absmax, bits: int, block: int, shape: tuple) -> dict:
-    """``{device: (block ids of the values its codes hold, block ids of the absmax it holds)}``."""
+    """``{device: (block ids of the values its codes hold, block ids of the absmax it holds)}``:
+    a value's block is its C-order index over the flattened leaf divided by ``block``."""
     code_map, scale_map = (x.sharding.devices_indices_map(x.shape) for x in (codes, absmax))
-    rows = _blockwise.rows_of_blocks(shape, bits, block)
     out = {}
     for device, index in code_map.items():
-        idx = np.indices(codes.shape)[(slice(None),) + index].reshape(codes.ndim, -1)
-        if bits == 4:  # two values a byte: on the last axis (rows), else in flat C order
-            if rows:
-                idx = np.concatenate([np.concatenate([idx[:-1], 2 * idx[-1:] + k]) for k in (0, 1)], axis=1)
-            else:
-                flat = np.ravel_multi_index(idx, codes.shape)
-                idx = np.unravel_index(np.concatenate([2 * flat, 2 * flat + 1]), shape)
-                idx = np.stack(idx)
-        if rows:
-            ids = np.ravel_multi_index(np.concatenate([idx[:-1], idx[-1:] // block]), absmax.shape)
-        else:
-            ids = np.ravel_multi_index(idx, shape) // block
+        flat = np.ravel_multi_index(np.indices(codes.shape)[(slice(None),) + index].reshape(codes.ndim, -1),
+                                    codes.shape)
+        if bits == 4:  # two values a byte, consecutive in C order
+            flat = np.concatenate([2 * flat, 2 * flat + 1])
         held = np.arange(absmax.size).reshape(absmax.shape)[scale_map[device]].ravel()
-        out[device] = (set(ids.tolist()), set(held.tolist()))
+        out[device] = (set((flat // block).tolist()), set(held.tolist()))
     return out
 
 
@@ -313,8 +305,10 @@ def _blocks_held(codes, absmax, bits: int, block: int, shape: tuple) -> dict:
     ((16, 2048), 4, 128, 1),
     ((64, 768), 8, 256, 0),    # 96 columns a device would cut each block: the rows instead
     ((9, 768), 8, 256, None),  # neither 9 rows nor 96 columns: not split, the step still right
-    ((64, 8), 8, 64, 0),       # flattened blocks (8 < 64): 8 rows a device, one block
+    ((64, 8), 8, 64, 0),       # slabs of 8 rows (8 < 64): 8 rows a device, one block
     ((64, 8), 4, 64, 0),
+    ((2, 128, 384), 8, 256, 1),    # stacked layers (scan): slabs of 2 rows of 384, 16 rows a device
+    ((6, 7), 8, 8, None),      # no whole number of blocks: flattened and padded, never split
 ])
 def test_zero_and_fsdp_split_a_quantized_leaf_only_where_its_blocks_stay_whole(layout, shape, bits, block, split):
     # Read from the layout's shardings (no compile): the param (FSDP), its gradient's slice and
