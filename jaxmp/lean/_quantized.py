@@ -49,8 +49,9 @@ class QuantizedMomentsState(NamedTuple):
         leaves (small moments, counts, hyperparameters) as the inner transformation keeps them.
       absmax: the same tree as ``inner_state`` with one float32 scale per block of ``block``
         consecutive elements (C order) at each quantized leaf and None elsewhere: of shape
-        ``shape[:-1] + (shape[-1] // block,)`` when the leaf's last axis is a whole number of
-        blocks (and even, at 4 bits), else ``(ceil(size / block),)``.
+        ``shape[:k] + (blocks a slab,)`` when the leaf's axes from ``k`` on are a whole number of
+        blocks (``jaxmp._blockwise.grid_axis``: the last axis of a matrix whose rows are whole
+        blocks), else ``(ceil(size / block),)``.
       key: uint32[2], the raw threefry2x32 key data (zeros for nearest rounding; constant).
       count: int32 [], updates applied so far (folded into ``key`` for each update's bits).
       grid: the ``bits`` and ``block`` the leaves are cut by: static (part of the tree's structure,
@@ -102,8 +103,8 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
       inner: the optax transformation whose moments are quantized (e.g. ``optax.adamw``).
       key: an int seed or a threefry2x32 ``jax.random.key``; required for stochastic rounding.
       bits: 8 or 4.
-      block: elements per absmax (default 256 at 8 bits, 128 at 4: torchao's); under ZeRO/FSDP, pick
-        it so that ``size / devices`` is a multiple of it: no block then crosses a device.
+      block: elements per absmax (default 256 at 8 bits, 128 at 4: torchao's). jaxmp.parallel's
+        ZeRO and FSDP split a quantized leaf only where each block stays on one device.
       rounding: ``"nearest"`` (default, as bitsandbytes and torchao) or ``"stochastic"``.
       min_size: leaves with fewer elements stay in their dtype (4096, bitsandbytes' ``min_8bit_size``).
       slice_size: when ``inner``'s update works element by element (Adam, AdamW, Lion, SGD;
