@@ -241,17 +241,6 @@ def _leaf_f32(x: Any) -> Any:
     return jnp.asarray(x).astype(jnp.float32) if is_floating_array(x) else x
 
 
-def _slice_f32(x: Any) -> Any:
-    """`_leaf_f32` of a slice a loop takes: a bfloat16 value is the high half of its float32, so
-    it is widened through its bits. XLA moves a ``convert`` of a slice taken in a loop ahead of
-    the slice, out of the loop: a float32 copy of the whole leaf (measured: 8 bytes a parameter
-    for the grads and params of the lean 8-bit recipes); it leaves bit operations where they are."""
-    if is_floating_array(x) and jnp.asarray(x).dtype == jnp.bfloat16:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
-        return jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return _leaf_f32(x)
-
-
 def _to_f32(tree: Any) -> Any:
     return jax.tree_util.tree_map(_leaf_f32, tree)
 
@@ -261,8 +250,8 @@ def _inner_update(inner, grads, state, params, wide_params, extra_args, param_pa
     moments get them unwidened, with how to widen a leaf (`jaxmp.lean._chunked.Inputs`): they
     update large leaves a slice at a time and widen each slice, never a whole leaf."""
     if isinstance(inner, _QuantizedMoments):
-        lazy = (_chunked.Inputs((grads,), _slice_f32),
-                _chunked.Inputs(param_parts or (params,), param_fn or _slice_f32))
+        lazy = (_chunked.Inputs((grads,), _leaf_f32),
+                _chunked.Inputs(param_parts or (params,), param_fn or _leaf_f32))
         return inner.update(grads, state, params, **extra_args, **{_WIDEN: lazy})
     return inner.update(_to_f32(grads), state, wide_params, **extra_args)
 

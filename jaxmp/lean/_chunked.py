@@ -7,10 +7,11 @@ over float32 ones. When the inner optimizer's update is per element (Adam, AdamW
 momentum, a schedule or a mask: `jaxmp._jaxpr.per_element_inputs` reads it off the traced update),
 each large leaf is updated instead in slices of whole blocks along its first axis, in a
 ``fori_loop`` that writes each slice's codes and absmax back into the old ones: the float32
-temporaries are one slice's (``SLICE`` values), whatever the model's size. The result is the
-whole-leaf update's, bit for bit (the stochastic rounding draws the same bits: each slice's at its
-offset in the leaf). Private: `jaxmp.lean.quantized_moments` calls it; docs/lean-recipes.md says
-what it saves.
+temporaries are one slice's (``SLICE`` values), whatever the model's size. The codes are the
+whole-leaf update's (the stochastic rounding draws the same bits: each slice's at its offset in
+the leaf); the float32 absmax and updates agree to float32's rounding (XLA contracts
+multiply-adds differently in the two programs). Private: `jaxmp.lean.quantized_moments` calls
+it; docs/lean-recipes.md says what it saves.
 """
 
 from __future__ import annotations
@@ -102,19 +103,16 @@ def per_element(inner_update: Callable, grads: Any, wide: Any, params: Any, posi
     """The dtypes of ``inner_update(grads, wide, params)``'s updates when each of its outputs reads
     the sliced params' leaves only element by element, and only its own param's
     (`_jaxpr.per_element_inputs`); else None. Arguments may be ``jax.ShapeDtypeStruct``."""
-    g_leaves = jax.tree_util.tree_leaves(grads)
-    closed = jax.make_jaxpr(inner_update)(grads, wide, params)
-    ins = list(range(len(g_leaves))) + list(positions) + (list(range(len(g_leaves))) if params is not None else [])
-    outs = list(range(len(g_leaves))) + list(positions)
-    if len(closed.jaxpr.invars) != len(ins) or len(closed.jaxpr.outvars) != len(outs):
-        return None
-    for pos, deps in zip(outs, _jaxpr.per_element_inputs(closed)):
+    n = len(jax.tree_util.tree_leaves(grads))
+    closed, (updates, _) = jax.make_jaxpr(inner_update, return_shape=True)(grads, wide, params)
+    ins = list(range(n)) + list(positions) + (list(range(n)) if params is not None else [])
+    for pos, deps in zip(list(range(n)) + list(positions), _jaxpr.per_element_inputs(closed)):
         if deps is None:
             return None
         touched = {ins[i] for i in deps if ins[i] in sliced}
         if touched and (pos not in sliced or touched != {pos}):
             return None
-    return [a.dtype for a in closed.out_avals[:len(g_leaves)]]
+    return [u.dtype for u in jax.tree_util.tree_leaves(updates)]
 
 
 def _span(x_shape: tuple, shape: tuple, start: Any, n_rows: int, per: int, last: bool) -> tuple:
