@@ -215,7 +215,8 @@ def check_health(opt_state: optax.OptState, max_consecutive_skips: int = 50, *, 
       >>> jaxmp.check_health(state, max_consecutive_skips=1)
       Traceback (most recent call last):
       ...
-      jaxmp._scaling._opt_state.TrainingDivergedError: 2 consecutive steps were skipped for non-finite gradients ...
+      jaxmp._scaling._opt_state.TrainingDivergedError: 2 consecutive steps were skipped for
+      non-finite gradients ...
     """
     if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, (int, np.integer)) or max_consecutive_skips < 1:
         raise ValueError(f"max_consecutive_skips must be an int >= 1, got {max_consecutive_skips!r}")

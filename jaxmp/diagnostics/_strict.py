@@ -142,7 +142,8 @@ def strict_precision(fn: Callable, *, policy: PolicyLike | None = None, rules: A
       >>> strict_precision(lambda x: jax.lax.reduce_sum(x, (1,)))(x)
       Traceback (most recent call last):
       ...
-      jaxmp.diagnostics._strict.StrictPrecisionError: strict precision: reduce_sum runs in bf16 ...
+      jaxmp.diagnostics._strict.StrictPrecisionError: strict precision:
+      reduce_sum runs in bf16 ...
     """
     if not callable(fn):
         raise TypeError(f"strict_precision expects a callable, got {type(fn).__name__}: {fn!r}")

@@ -123,7 +123,8 @@ def make_train_step(*, loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | No
       >>> step = jax.jit(jaxmp.flax.make_train_step())
       >>> state, metrics = step(state, {"image": x, "label": y})
       >>> sorted(metrics)
-      ['accuracy', 'consecutive_skips', 'last_step_finite', 'loss', 'loss_scale', 'total_skips']
+      ['accuracy', 'consecutive_skips', 'last_step_finite', 'loss', 'loss_scale',
+       'total_skips']
     """
     loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
     model_kwargs = dict(model_kwargs or {})

@@ -68,7 +68,7 @@ def native_fp8(device: jax.Device | None = None) -> tuple[bool, str]:
       >>> import jax
       >>> from jaxmp import fp8
       >>> fp8._hardware.native_fp8(jax.devices("cpu")[0])
-      (False, 'cpu has no fp8 Tensor Cores: fp8 is emulated (fp8 rounding, matmul in the operand dtype)')
+      (False, 'cpu has no fp8 Tensor Cores: fp8 is emulated (fp8 rounding, matmul in ...)')
     """
     device = jax.devices()[0] if device is None else device
     emulated = "fp8 is emulated (fp8 rounding, matmul in the operand dtype)"

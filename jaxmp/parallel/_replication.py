@@ -192,7 +192,8 @@ def check_replicated(tree: PyTree, *, num_replicas: int | None = None, name: str
       >>> jaxmp.parallel.check_replicated({"w": jnp.ones((3, 2))}, num_replicas=2)
       Traceback (most recent call last):
       ...
-      ValueError: state is not replicated: leaf ['w'] has shape (3, 2), expected a leading replica axis ...
+      ValueError: state is not replicated: leaf ['w'] has shape (3, 2),
+      expected a leading replica axis ...
     """
     n = jax.local_device_count() if num_replicas is None else int(num_replicas)
     for path, x in jax.tree_util.tree_leaves_with_path(tree):

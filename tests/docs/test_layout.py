@@ -13,6 +13,7 @@ browser wraps them) and are not measured.
 """
 
 import ast
+import doctest
 import html
 import re
 
@@ -120,8 +121,9 @@ _DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
 def docstring_example_lines(source: str) -> list[tuple[int, str]]:
-    """``(line number, line)`` of each ``>>>``/``...`` line of the module's, the classes' and
-    the functions' docstrings in ``source``, the docstring's indentation stripped (other strings
+    """``(line number, line)`` of each ``>>>``/``...`` line, and each line of expected output, of
+    the module's, the classes' and the functions' docstrings in ``source``, the example's
+    indentation stripped (other strings
     and comments are not docstrings and are not read)."""
     found = []
     for node in ast.walk(ast.parse(source)):
@@ -132,7 +134,11 @@ def docstring_example_lines(source: str) -> list[tuple[int, str]]:
             for offset, line in enumerate(doc.value.splitlines()):
                 if _PROMPT.match(line.lstrip()):
                     found.append((doc.lineno + offset, line.lstrip()))
-    return found
+            # The expected output is shown in the same code block (doctest's own parse of it).
+            for ex in doctest.DocTestParser().get_examples(doc.value):
+                first = doc.lineno + ex.lineno + len(ex.source.splitlines())
+                found += [(first + k, line) for k, line in enumerate(ex.want.splitlines())]
+    return sorted(found)
 
 
 def too_long_examples(name: str, source: str) -> list[str]:
@@ -188,5 +194,8 @@ class C:
     assert [m.split(": ")[0:2] for m in long] == [
         ["sample.py:3", f"{MAX + 4} chars"], ["sample.py:12", f"{MAX + 7} chars"],
         ["sample.py:20", f"{MAX + 4} chars"], ["sample.py:27", f"{MAX + 4} chars"]], long
+    # Expected output is in the same code block: measured too.
+    out = too_long_examples("sample.py", f'def f():\n    """\n    >>> f()\n    {wide}y\n    """\n')
+    assert [m.split(": ")[0:2] for m in out] == [["sample.py:4", f"{MAX + 1} chars"]], out
     # The indentation is not counted: a line of exactly MAX from its prompt passes.
     assert not too_long_examples("sample.py", f'def f():\n    """\n    >>> {"x" * (MAX - 4)}\n    """\n')
