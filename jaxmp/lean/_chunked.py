@@ -36,9 +36,8 @@ _WHOLE_LEAVES: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxmp_lean
 def whole_leaves() -> Iterator[None]:
     """Updates traced inside run on whole leaves. jaxmp.parallel's ZeRO and FSDP enter it: a loop
     over the first axis of a leaf split on that axis makes XLA's partitioner gather and permute
-    each slice (measured on a [1024, 768] weight split on its rows over 8 devices: 7 all-gathers
-    and 24 collective permutes instead of 1 all-gather, temporaries 6.0 -> 9.1 MiB), and each
-    device's share of a leaf is already an eighth of it."""
+    each slice (tests/parallel/test_layouts.py compares the collectives), and each device's share
+    of a leaf is already an eighth of it."""
     token = _WHOLE_LEAVES.set(True)
     try:
         yield
