@@ -130,11 +130,11 @@ def class_name(cls: type) -> str:
     return f"{cls.__module__}.{name}"
 
 
-def rules_code(rules, component: str, cls: type | None = None) -> str:
+def rules_code(rules, component: str | None, cls: type | None = None) -> str:
     """``rules`` plus a float32 rule for the module, spelled as code to paste.
 
     A scope rule for the name-stack ``component``; a class rule for ``cls`` when given (NNX and
-    Equinox modules emit no instance scope a scope rule could match). One line when it fits 84
+    Equinox modules emit no instance scope a scope rule could match); neither: ``rules`` alone. One line when it fits 84
     columns (the fix is printed indented by 4), else one call per line.
     """
     from jaxmp.engine._seams import AutocastRules
@@ -153,8 +153,10 @@ def rules_code(rules, component: str, cls: type | None = None) -> str:
     calls = [f"jaxmp.AutocastRules({', '.join(kw)})"]
     calls += [f".with_scope({pattern!r}, {dtype!r})" for pattern, dtype in rules.scope_rules]
     calls += [f".with_class({class_name(c)}, {dtype!r})" for c, dtype in rules.class_rules]
-    calls.append(f".with_class({class_name(cls)}, \"float32\")" if cls is not None
-                 else f".with_scope({component!r}, \"float32\")")
+    if cls is not None:
+        calls.append(f".with_class({class_name(cls)}, \"float32\")")
+    elif component is not None:
+        calls.append(f".with_scope({component!r}, \"float32\")")
     one = "rules = " + "".join(calls)
     if len(one) <= _FIT:
         return one

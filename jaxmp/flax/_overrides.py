@@ -7,8 +7,10 @@ See docs/guides/flax-linen.md#choosing-what-runs-in-float32.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Iterable, Sequence
+import threading
+from typing import Any, Iterable, Iterator, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -173,3 +175,46 @@ def resolve_rules(policy: PolicyLike, rules: AutocastRules | None = None) -> tup
     if rules.fp8_matmuls is not None:
         _fp8.check_hardware(rules.fp8_matmuls)  # native, emulated on CPU, or a clear error naming the device
     return resolved, rules
+
+
+class _DoorWatch(threading.local):
+    """The doors run in this thread while the precision debugger traces (`watch_doors`)."""
+
+    doors: list | None = None
+    swap: list | None = None
+
+
+_WATCH = _DoorWatch()
+
+
+@contextlib.contextmanager
+def watch_doors(swap: Sequence[tuple[Any, AutocastRules]] = ()) -> Iterator[list]:
+    """Records every Flax door (Linen or NNX ``MixedPrecision``) run in this thread, for the debugger.
+
+    Args:
+      swap: ``((door, rules), ...)``: a door like ``door`` (its class, policy and rules: a traced
+        NNX door is a new object each trace) runs under ``rules`` instead of its own; the debugger
+        measures a fix this way, as the door rebuilt with those rules would run.
+
+    Yields:
+      The list the doors are appended to, once each, in the order they first run.
+    """
+    old = (_WATCH.doors, _WATCH.swap)
+    _WATCH.doors, _WATCH.swap = [], list(swap)
+    try:
+        yield _WATCH.doors
+    finally:
+        _WATCH.doors, _WATCH.swap = old
+
+
+def door_rules(door: Any, rules: AutocastRules) -> AutocastRules:
+    """The rules ``door`` runs under now: its own, or those `watch_doors` swaps in; records the door."""
+    doors = _WATCH.doors
+    if doors is None:
+        return rules
+    if not any(d is door for d in doors):
+        doors.append(door)
+    for like, other in _WATCH.swap or ():
+        if door is like or (type(door) is type(like) and door.policy == like.policy and rules == like.rules):
+            return other
+    return rules

@@ -29,7 +29,8 @@ from jaxmp.flax._attention import fused_attention
 from jaxmp.flax._casting import Path, cast_by_path, enclosing_float32, is_float32_rule
 from jaxmp.flax.fp8 import Fp8ConvGeneralDilated, Fp8DotGeneral, linen_fp8_field
 from jaxmp.engine._seams import AutocastRules, ModuleRule
-from jaxmp.flax._overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
+from jaxmp.flax._overrides import (door_rules, explicit_float32, join_path, overridden_float32_message,
+                                   resolve_rules)
 from jaxmp._precision._policy import Policy
 from jaxmp._misuse import MixedPrecisionWarning
 
@@ -278,6 +279,10 @@ class MixedPrecision:
           >>> logits.dtype, grads["kernel"].dtype          # f32 output, grads for the f32 params
           (dtype('float32'), dtype('float32'))
         """
+        rules = door_rules(self, self.rules)
+        if rules is not self.rules:  # the debugger measuring a fix: the door rebuilt with these rules
+            return dataclasses.replace(self, rules=rules).apply(variables, *args, rngs=rngs, method=method,
+                                                                mutable=mutable, **kwargs)
         out, _ = self._apply(variables, args, kwargs, rngs, method, mutable, engine=True)
         if mutable is not False and mutable is not None and isinstance(out, tuple) and len(out) == 2:
             return self.policy.cast_to_output(out[0]), out[1]
