@@ -231,6 +231,21 @@ def _own_precision_code(path: str, params: Any = None) -> str:
         f"#     half{where} = params{where}"])
 
 
+def _own_precision_fix(fn: Callable, args: Sequence[Any], path: str) -> str:
+    """The override for code that computes its own precision: the Flax door's path rule when ``fn``
+    runs through the door, else (plain JAX with its own casts) leaving the module out of the casts,
+    or running under ``jaxmp.autocast`` with its lines in a float32 named scope."""
+    from jaxmp.diagnostics import _locate_fix
+
+    with _locate_fix.doors() as met:  # the doors fn runs through (a trace, nothing compiles)
+        closed = jax.make_jaxpr(fn)(*args)
+    if met:
+        return _own_precision_code(path, args[0] if args else None)
+    half = any(getattr(getattr(v, "aval", None), "dtype", None) == jnp.float16
+               for eqn in closed.jaxpr.eqns for v in eqn.outvars)
+    return _locate_fix.own_code([_locate_fix.Unit("own", path)], args, "O1-fp16" if half else "O1-bf16")
+
+
 def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_error: float, loss_float32: float,
                 steps: int, tx: Any, scoped: bool = True, meanwhile: Callable[[], Any] | None = None,
                 rules: Any = None, paths: Sequence[str] = ()) -> Fix:
@@ -263,7 +278,7 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     """
     component = path.rsplit("/", 1)[-1]
     if policy is None:
-        return Fix(path, _own_precision_code(path, args[0] if args else None))
+        return Fix(path, _own_precision_fix(fn, args, path))
     from jaxmp.engine._seams import resolve_config
     from jaxmp.engine._seams import autocast
 

@@ -105,7 +105,7 @@ class Step:
         """The override keeping ``units`` in float32, as code to paste (None entries skipped)."""
         units = [u for u in units if u is not None]
         if self.policy is None:
-            return self._door_code(units) if self.door is not None else _own_code(units, self.args, self.preset)
+            return self._door_code(units) if self.door is not None else own_code(units, self.args, self.preset)
         notes, rules = [], self._base_rules()
         for u in units:
             if u.kind == "class":
@@ -232,20 +232,22 @@ def _bf16_twin(policy: Any) -> str | None:
     return twin if twin != policy and twin in PRESET_NAMES else None
 
 
-def _own_code(units: Sequence[Unit], args: Sequence[Any], preset: str) -> str:
-    """Code that casts by itself (``Policy.cast_to_compute``, ``dtype=bfloat16`` layers): leave the
-    module out of the casts, or run the step under ``jaxmp.autocast`` with it in a float32 scope."""
+def own_code(units: Sequence[Unit], args: Sequence[Any], preset: str) -> str:
+    """Code that casts by itself (``Policy.cast_to_compute``, layers with a half ``dtype``): leave the
+    module out of the casts, or run the step under ``jaxmp.autocast`` with it in a float32 named scope."""
     lines = []
     for u in units:
         where = param_prefix(args[0], u.name) if args else f"[{u.name.split('/')[0]!r}]"
-        lines += [*_comment(f"your own casts (Policy.cast_to_compute, dtype=float16): leave {u.name!r} out of "
+        lines += [*_comment(f"your own casts (Policy.cast_to_compute, a half dtype=): leave {u.name!r} out of "
                             "them, its parameters and its input, e.g."),
                   "#     half = policy.cast_to_compute(params)",
                   f"#     half{where} = params{where}"]
     names = [u.name.rsplit("/", 1)[-1] for u in units]
     rules = "jaxmp.AutocastRules()" + "".join(f".with_scope({n!r}, {_F32})" for n in names)
-    lines += ["# or run it under jaxmp.autocast (with no casts of your own), the lines of",
-              *[f"# {n!r} inside `with jax.named_scope({n!r}):`" for n in names],
+    lines += ["# or drop your casts and run fn under jaxmp.autocast, the lines that use",
+              *[f"# params{param_prefix(args[0], u.name) if args else ''} inside `with jax.named_scope({n!r}):` "
+                "(or in a function" for u, n in zip(units, names)],
+              "# decorated with @jaxmp.float32_region):",
               f"rules = {rules}",
               f"fn = jaxmp.autocast(fn, {preset!r}, rules=rules)"]
     return "\n".join(lines)

@@ -2,6 +2,8 @@
 came through, executed here and measured as compare_to_float32 measures its own fix; a fix that
 moves the overflow says where to and what holds it."""
 
+import contextlib
+
 import flax
 import flax.linen as nn
 import jax
@@ -205,3 +207,48 @@ def test_a_fix_that_moves_the_overflow_says_where_and_what_holds_it():
     ns = {"jaxmp": jaxmp, "fn": loss}
     exec(compile(effect.rsplit("\n", 1)[1], "bf16", "exec"), ns)  # training in bfloat16 holds it too
     assert np.isfinite(float(ns["fn"](v, X)))
+
+
+# ---- compare_to_float32 on plain JAX without scopes: the fix that applies there ----
+
+def _sched_problem():
+    k = jax.random.split(jax.random.key(0), 4)
+    xs = jax.random.normal(k[0], (64, 16))
+    params = {"w1": jax.random.normal(k[1], (16, 32)) / 4, "ws": jax.random.normal(k[2], (32, 1)) * 0.01,
+              "bs": jnp.full((1,), 13.3), "w2": jax.random.normal(k[3], (32, 1)) / 6}
+    h = jnp.tanh(xs @ params["w1"])
+    ys = (h @ params["w2"] * 1.1) * jnp.exp(h @ params["ws"] + 13.33 - 13.0)
+    return params, xs, ys
+
+
+def _sched_loss(p, x, y, scope=False):
+    h = jnp.tanh(x @ p["w1"])
+    with jax.named_scope("bs") if scope else contextlib.nullcontext():  # the user's edit: a scope
+        gamma = h @ p["ws"] + p["bs"]
+    return jnp.mean((h @ p["w2"] * jnp.exp(gamma - 13.0) - y) ** 2)
+
+
+@pytest.mark.slow  # ~60 s on a shared 2-core CPU: two 50-step comparisons
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_plain_jax_with_its_own_casts_gets_a_fix_that_applies_to_it():
+    import optax
+
+    params, xs, ys = _sched_problem()
+    policy = jaxmp.get_policy("p=f32,c=bf16,o=f32")
+
+    def hand(p, x, y):  # plain JAX, its own casts, no name scopes
+        return jnp.asarray(_sched_loss(policy.cast_to_compute(p), policy.cast_to_compute(x),
+                                       policy.cast_to_compute(y)), jnp.float32)
+
+    rep = compare_to_float32(hand, params, xs, ys, steps=50, optimizer=optax.adam(2e-3))
+    assert not rep.within_noise and rep.fix is not None and rep.fix.path == "bs", rep
+    code = rep.fix.code
+    # no Flax door, no module class: neither exists here
+    assert "jaxmp.flax" not in code and "with_class" not in code and "with_path" not in code, code
+    assert "half['bs'] = params['bs']" in code and "with jax.named_scope('bs')" in code, code
+    assert "@jaxmp.float32_region" in code, code
+    # the pasted code, on the loss with the lines of 'bs' in that scope as the comment says, closes the gap
+    ns = {"jaxmp": jaxmp, "fn": lambda p, x, y: _sched_loss(p, x, y, scope=True)}
+    exec(compile(code, "fix", "exec"), ns)
+    after = compare_to_float32(ns["fn"], params, xs, ys, steps=50, optimizer=optax.adam(2e-3), fix=False)
+    assert after.loss_error < 0.1 * rep.loss_error, (rep.loss_error, after.loss_error)
