@@ -67,6 +67,10 @@ class Interpreter:
             self._regions[components] = found
         return self._regions[components]
 
+    def scopes_seen(self) -> set:
+        """The name-stack component tuples of the ops run so far (for rules that match none)."""
+        return set(self._regions)
+
     # -- running a jaxpr --------------------------------------------------------------------
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Val],
