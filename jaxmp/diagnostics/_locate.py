@@ -424,10 +424,13 @@ def _measure(step: "_locate_fix.Step", units: list, found: NonFiniteCulprit, gra
                           "in float32 too, or train in bfloat16 (float32's range)" + (":" if twin else ""),
                           *bf16[1:]])
     held = _located_with(step, [*units, nxt], grad, loss_scale)
-    verdict = ("is not measured" if held is None else "holds it: no op makes inf/NaN on these inputs"
-               if held[0] is None else f"moves it on to {_locate_fix.describe(held[0])}")
-    return "\n".join([f"with the fix, the first {moved.kind} moves to the next module: {where}; "
-                      f"keeping {str(nxt)!r} in float32 too {verdict}:", step.code([*units, nxt]), *bf16])
+    head = f"with the fix, the first {moved.kind} moves to the next module: {where}; keeping {str(nxt)!r} in float32 too"
+    if held is not None and held[0] is not None:  # it moves on: the values outgrow the half dtype from here
+        return "\n".join([f"{head} moves it on to {_locate_fix.describe(held[0])}: the values outgrow "
+                          f"{found.out_dtypes[0]} past {str(units[-1])!r}; train in bfloat16 (float32's range)"
+                          + (":" if twin else ""), *bf16[1:]])
+    verdict = "is not measured" if held is None else "holds it: no op makes inf/NaN on these inputs"
+    return "\n".join([f"{head} {verdict}:", step.code([*units, nxt]), *bf16])
 
 
 # jaxmp's own files that run the user's optimizer: an op located there is the wrapped optax

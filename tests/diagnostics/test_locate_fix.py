@@ -252,3 +252,47 @@ def test_plain_jax_with_its_own_casts_gets_a_fix_that_applies_to_it():
     exec(compile(code, "fix", "exec"), ns)
     after = compare_to_float32(ns["fn"], params, xs, ys, steps=50, optimizer=optax.adam(2e-3), fix=False)
     assert after.loss_error < 0.1 * rep.loss_error, (rep.loss_error, after.loss_error)
+
+
+# ---- a rule of the user's that matches nothing warns once, naming the closest paths ----
+
+def test_rules_that_match_nothing_warn_once_with_the_closest_paths():
+    import warnings
+
+    from flax import nnx
+
+    net, v = _linen()
+    # the locator's old spelling of the path: root class and trailing class scope
+    rules = jaxmp.flax.default_rules("O1-fp16").with_path("_Net/block_1/Dense_1/Dense", "float32")
+    door = jaxmp.flax.mixed_precision(net, "O1-fp16", rules=rules)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        door.apply(v, X)
+        door.apply(v, X * 2)
+    msgs = [str(w.message) for w in seen if issubclass(w.category, jaxmp.MixedPrecisionWarning)]
+    assert len(msgs) == 1 and "'_Net/block_1/Dense_1/Dense'" in msgs[0], msgs
+    assert "closest module paths: 'block_1/Dense_1'" in msgs[0], msgs[0]
+    # the preset's own class rules (most models have some of those classes only) never warn
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        jaxmp.flax.mixed_precision(net, "O1-fp16").apply(v, X)
+        jaxmp.flax.mixed_precision(net, "O1-fp16", rules=rules.with_path("block_1/Dense_1")).apply(v, X)
+    assert not [w for w in seen if "matches no" in str(w.message)], [str(w.message) for w in seen]
+    # NNX: a path rule and a class rule of the user's
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match=r"'layer/0' \(closest module paths: 'layers/0'"):
+        jaxmp.flax.mixed_precision(nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0))), "O1-fp16",
+                                   rules=jaxmp.flax.default_rules("O1-fp16").with_path("layer/0"))
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match="class rule for Conv"):
+        jaxmp.flax.mixed_precision(nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0))), "O1-fp16",
+                                   rules=jaxmp.AutocastRules().with_class(_NnxConv, "float32"))
+    # autocast: a scope rule that names no scope of the function
+    def f(x):
+        with jax.named_scope("enc"), jax.named_scope("Dense_0"):
+            return jnp.sum(x @ x)
+
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match=r"'enc/Dense_1' matches no name scope.*'enc/Dense_0'"):
+        jaxmp.autocast(f, "O1-bf16", rules=jaxmp.AutocastRules().with_scope("enc/Dense_1", "float32"))(jnp.ones((2, 2)))
+
+
+class _NnxConv:  # a user's module class the model does not use
+    pass
