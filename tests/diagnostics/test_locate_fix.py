@@ -276,7 +276,8 @@ def test_rules_that_match_nothing_warn_once_with_the_closest_paths():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         jaxmp.flax.mixed_precision(net, "O1-fp16").apply(v, X)
-        jaxmp.flax.mixed_precision(net, "O1-fp16", rules=rules.with_path("block_1/Dense_1")).apply(v, X)
+        good = jaxmp.flax.default_rules("O1-fp16").with_path("block_1/Dense_1")
+        jaxmp.flax.mixed_precision(net, "O1-fp16", rules=good).apply(v, X)
     assert not [w for w in seen if "matches no" in str(w.message)], [str(w.message) for w in seen]
     # NNX: a path rule and a class rule of the user's
     with pytest.warns(jaxmp.MixedPrecisionWarning, match=r"'layer/0' \(closest module paths: 'layers/0'"):
