@@ -283,7 +283,7 @@ def test_rules_that_match_nothing_warn_once_with_the_closest_paths():
     with pytest.warns(jaxmp.MixedPrecisionWarning, match=r"'layer/0' \(closest module paths: 'layers/0'"):
         jaxmp.flax.mixed_precision(nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0))), "O1-fp16",
                                    rules=jaxmp.flax.default_rules("O1-fp16").with_path("layer/0"))
-    with pytest.warns(jaxmp.MixedPrecisionWarning, match="class rule for Conv"):
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match="class rule for _NnxConv"):
         jaxmp.flax.mixed_precision(nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0))), "O1-fp16",
                                    rules=jaxmp.AutocastRules().with_class(_NnxConv, "float32"))
     # autocast: a scope rule that names no scope of the function
