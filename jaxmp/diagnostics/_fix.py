@@ -130,11 +130,11 @@ def class_name(cls: type) -> str:
     return f"{cls.__module__}.{name}"
 
 
-def rules_code(rules, component: str, cls: type | None = None) -> str:
+def rules_code(rules, component: str | None, cls: type | None = None) -> str:
     """``rules`` plus a float32 rule for the module, spelled as code to paste.
 
     A scope rule for the name-stack ``component``; a class rule for ``cls`` when given (NNX and
-    Equinox modules emit no instance scope a scope rule could match). One line when it fits 84
+    Equinox modules emit no instance scope a scope rule could match); neither: ``rules`` alone. One line when it fits 84
     columns (the fix is printed indented by 4), else one call per line.
     """
     from jaxmp.engine._seams import AutocastRules
@@ -153,8 +153,10 @@ def rules_code(rules, component: str, cls: type | None = None) -> str:
     calls = [f"jaxmp.AutocastRules({', '.join(kw)})"]
     calls += [f".with_scope({pattern!r}, {dtype!r})" for pattern, dtype in rules.scope_rules]
     calls += [f".with_class({class_name(c)}, {dtype!r})" for c, dtype in rules.class_rules]
-    calls.append(f".with_class({class_name(cls)}, \"float32\")" if cls is not None
-                 else f".with_scope({component!r}, \"float32\")")
+    if cls is not None:
+        calls.append(f".with_class({class_name(cls)}, \"float32\")")
+    elif component is not None:
+        calls.append(f".with_scope({component!r}, \"float32\")")
     one = "rules = " + "".join(calls)
     if len(one) <= _FIT:
         return one
@@ -229,6 +231,21 @@ def _own_precision_code(path: str, params: Any = None) -> str:
         f"#     half{where} = params{where}"])
 
 
+def _own_precision_fix(fn: Callable, args: Sequence[Any], path: str) -> str:
+    """The override for code that computes its own precision: the Flax door's path rule when ``fn``
+    runs through the door, else (plain JAX with its own casts) leaving the module out of the casts,
+    or running under ``jaxmp.autocast`` with its lines in a float32 named scope."""
+    from jaxmp.diagnostics import _locate_fix
+
+    with _locate_fix.doors() as met:  # the doors fn runs through (a trace, nothing compiles)
+        closed = jax.make_jaxpr(fn)(*args)
+    if met:
+        return _own_precision_code(path, args[0] if args else None)
+    half = any(getattr(getattr(v, "aval", None), "dtype", None) == jnp.float16
+               for eqn in closed.jaxpr.eqns for v in eqn.outvars)
+    return _locate_fix.own_code([_locate_fix.Unit("own", path)], args, "O1-fp16" if half else "O1-bf16")
+
+
 def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_error: float, loss_float32: float,
                 steps: int, tx: Any, scoped: bool = True, meanwhile: Callable[[], Any] | None = None,
                 rules: Any = None, paths: Sequence[str] = ()) -> Fix:
@@ -261,7 +278,7 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     """
     component = path.rsplit("/", 1)[-1]
     if policy is None:
-        return Fix(path, _own_precision_code(path, args[0] if args else None))
+        return Fix(path, _own_precision_fix(fn, args, path))
     from jaxmp.engine._seams import resolve_config
     from jaxmp.engine._seams import autocast
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import _ops
-from jaxmp.diagnostics import _format
+from jaxmp.diagnostics import _format, _locate_fix
 from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import AutocastRules
 from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, leaf_paths, trace
@@ -51,6 +51,14 @@ class NonFiniteCulprit:
       context: enclosing loops (``"scan x12"``).
       bad_input: the path of an argument that already held inf/NaN, if any.
       note: what the locator ran instead of ``fn`` (a jaxmp step: the loss it wraps), or "".
+      fix_code: the override that keeps the module in float32, as code that runs as printed in the
+        spelling of the door the step came through (``fn = jaxmp.autocast(fn, ...)``, the Flax door's
+        ``model = jaxmp.flax.mixed_precision(...)``), or "" (no module to keep: see `advice`).
+      fix_effect: the override's measured effect: the step re-run op by op with it applied, on the
+        same inputs (no inf/NaN, or where the first one moves to and what holds it), or why it was
+        not measured.
+      fix_module: the module the fix keeps in float32, as the fix's rule spells it (the Flax door's
+        path, a scope path, a class), or "".
     """
 
     found: bool
@@ -67,6 +75,9 @@ class NonFiniteCulprit:
     context: str = ""
     bad_input: str | None = None
     note: str = ""
+    fix_code: str = ""
+    fix_effect: str = ""
+    fix_module: str = ""
 
     def summary(self) -> str:
         """One line, for error messages."""
@@ -102,8 +113,18 @@ class NonFiniteCulprit:
         if self.note:
             lines.append(f"  ran         : {self.note}")
         lines.append(f"  fix         : {self.advice()}")
-        # Fields continue under their value, so the report reads at 88 columns (a log, a docs page).
-        return "\n".join(_format.wrap(line, hang=14) for line in lines)
+        # Fields continue under their value, so the report reads at 88 columns (a log, a docs page);
+        # code is laid out to fit already, and is never re-wrapped (it runs as printed).
+        text = [_format.wrap(line, hang=14) for line in lines]
+        if self.fix_code:
+            text.append(_indent(self.fix_code))
+        if self.fix_effect:
+            prose, _, code = self.fix_effect.partition("\n")
+            text.append(_format.wrap(f"  measured    : {prose}", hang=14))
+            if code:
+                text.append("\n".join(line if line.startswith("  ") and not line.startswith("    ")
+                                      else _indent(line) for line in code.split("\n")))
+        return "\n".join(text)
 
     def advice(self) -> str:
         """What usually fixes this kind of overflow."""
@@ -116,14 +137,14 @@ class NonFiniteCulprit:
                     "an unguarded log/div); see " + _DOCS)
         if self.source == _OPTIMIZER:
             return self._optimizer_advice()
-        where = f"the module {self.path.rsplit('/', 1)[-1]!r}" if self.path else "this op"
+        where = repr(self.fix_module or self.path) if self.path else "this op"
+        code = ", as code:" if self.fix_code else ""
         if self.backward:
             return (f"the gradient overflows the half dtype in {where}: lower the loss scale (a dynamic scale "
-                    "backs off by itself), or keep " + where + " in float32 (a float32 region / float32 path rule, "
-                    "see " + _DOCS + "), or train in bfloat16")
-        return (f"keep {where} in float32 (jaxmp.AutocastRules().with_scope(...), "
-                "AutocastRules.with_path(..., 'float32') or @jaxmp.float32_region), normalise its input, "
-                "or use bfloat16 (float32's range); see " + _DOCS)
+                    f"backs off by itself), train in bfloat16, or keep {where} in float32{code}"
+                    + ("" if code else f" (see {_DOCS})"))
+        return (f"normalise the input of {where}, train in bfloat16 (float32's range), or keep {where} in "
+                f"float32{code}" + ("" if code else f" (see {_DOCS})"))
 
 
     def _optimizer_advice(self) -> str:
@@ -210,6 +231,10 @@ class _Locate(Hooks):
         ids = jnp.asarray(np.array([f[0] for f in frame], np.int32))
         return (jnp.where(new, ids[i], first), jnp.where(new, mag[jnp.asarray(head)[i]], mags),
                 jnp.where(new, jnp.any(nan_of[jnp.asarray(out_idx)[i]]), nan))
+
+
+def _indent(code: str) -> str:
+    return "\n".join("    " + line for line in code.split("\n"))
 
 
 def _floating(x) -> bool:
@@ -316,8 +341,23 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
     if grad is None:
         _, shape = jax.eval_shape(lambda *a, **k: (0, run(*a, **k)), *args, **kwargs)
         grad = _scalar_float(shape)
+    with _locate_fix.doors() as met:  # the Flax doors the step runs through (their fix is a path rule)
+        found, site, sites = _run_once(run, args, kwargs, grad, float(loss_scale))
+    if found is None:
+        return NonFiniteCulprit(False, note=prep.note)
+    found = dataclasses.replace(found, note=prep.note)
+    if not _fixable(found):
+        return found
+    paths = frozenset(s.path for s in sites.sites if s.path)
+    half = "O1-fp16" if "f16" in found.in_dtypes + found.out_dtypes else "O1-bf16"
+    step = _locate_fix.Step(fn, tuple(args), kwargs, policy, rules, met[0] if met else None, paths, half)
+    return _with_fix(found, site, step, grad, float(loss_scale))
+
+
+def _run_once(run: Callable, args, kwargs, grad: bool, loss_scale: float):
+    """``(culprit, its site, the program's sites)`` of one op-by-op run (culprit and site None: all finite)."""
     if grad:
-        run = _with_gradient(run, float(loss_scale))
+        run = _with_gradient(run, loss_scale)
     closed, _ = trace(run, args, kwargs)
     sites = Sites(closed.jaxpr, leaf_paths(args, kwargs))
     hooks = _Locate()
@@ -330,8 +370,67 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
     leaves = jax.tree_util.tree_leaves((args, kwargs))
     first, mags, nan = jax.device_get(compile_strict(program, list(closed.consts), leaves))
     if int(first) < 0:
-        return NonFiniteCulprit(False, note=prep.note)
-    return dataclasses.replace(culprit(sites.sites[int(first)], mags, bool(nan)), note=prep.note)
+        return None, None, sites
+    site = sites.sites[int(first)]
+    return culprit(site, mags, bool(nan)), site, sites
+
+
+def _fixable(found: NonFiniteCulprit) -> bool:
+    """A half-precision op of a module (not a whole mapped program, not the optimizer's arithmetic)."""
+    halves = any(d in ("f16", "bf16") for d in found.in_dtypes + found.out_dtypes)
+    return halves and found.primitive not in _MAPS and found.source != _OPTIMIZER
+
+
+def _with_fix(found: NonFiniteCulprit, site: Site, step: "_locate_fix.Step", grad: bool,
+              loss_scale: float) -> NonFiniteCulprit:
+    """``found`` with the override keeping its module in float32, as code, and its measured effect."""
+    unit = step.unit(site.path, site.from_param)
+    if unit is None:
+        return found
+    return dataclasses.replace(found, fix_code=step.code([unit]), fix_module=str(unit),
+                               fix_effect=_measure(step, [unit], found, grad, loss_scale))
+
+
+def _located_with(step: "_locate_fix.Step", units: list, grad: bool, loss_scale: float):
+    """The step re-run with ``units`` in float32: ``(culprit, site)``, or None when it cannot be rebuilt."""
+    runner = step.runner(units)
+    if runner is None:
+        return None
+    run, context = runner
+    with context():
+        found, site, _ = _run_once(run, step.args, step.kwargs, grad, loss_scale)
+    return found, site
+
+
+def _measure(step: "_locate_fix.Step", units: list, found: NonFiniteCulprit, grad: bool, loss_scale: float) -> str:
+    """What the override does, re-run on the same inputs: the first line prose, then code to paste."""
+    after = _located_with(step, units, grad, loss_scale)
+    if after is None:
+        return ("not measured: the step computes its own precision, which the locator cannot rebuild; apply it "
+                "and run locate_non_finite again")
+    if after[0] is None:
+        return "with the fix, no op makes inf/NaN on these inputs (re-run op by op)"
+    moved, site = after
+    nxt = step.unit(site.path, site.from_param)
+    twin = step.bfloat16_code()
+    bf16 = ["  or train in bfloat16 (float32's range):", twin] if twin else []
+    where = _locate_fix.describe(moved)
+    if nxt in units:
+        return "\n".join([f"with the fix, the first {moved.kind} is still {where}: the rule does not reach that op; "
+                          "train in bfloat16 (float32's range)" + (":" if twin else ""), *bf16[1:]])
+    if nxt is None:
+        return "\n".join([f"with the fix, the first {moved.kind} moves to {where}, outside any module: the values "
+                          f"grow past {found.out_dtypes[0]}'s range after {str(units[-1])!r}; keep what follows it "
+                          "in float32 too, or train in bfloat16 (float32's range)" + (":" if twin else ""),
+                          *bf16[1:]])
+    held = _located_with(step, [*units, nxt], grad, loss_scale)
+    head = f"with the fix, the first {moved.kind} moves to the next module: {where}; keeping {str(nxt)!r} in float32 too"
+    if held is not None and held[0] is not None:  # it moves on: the values outgrow the half dtype from here
+        return "\n".join([f"{head} moves it on to {_locate_fix.describe(held[0])}: the values outgrow "
+                          f"{found.out_dtypes[0]} past {str(units[-1])!r}; train in bfloat16 (float32's range)"
+                          + (":" if twin else ""), *bf16[1:]])
+    verdict = "is not measured" if held is None else "holds it: no op makes inf/NaN on these inputs"
+    return "\n".join([f"{head} {verdict}:", step.code([*units, nxt]), *bf16])
 
 
 # jaxmp's own files that run the user's optimizer: an op located there is the wrapped optax

@@ -122,6 +122,8 @@ class _Program:
             for i, c in zip(outer, watched[len(xs):]):
                 consts[i] = c
         outs = interp.run(self.closed.jaxpr, consts, [_argument(x) for x in xs])
+        if self.config.rules.scope_rules:
+            _warn_unmatched_scopes(self.config.rules, interp.scopes_seen(), self.label)
         return [o.x for o in outs]
 
     def call(self, *xs):
@@ -314,3 +316,36 @@ def build(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = Non
 
         return identity
     return _Autocast(fn, config)
+
+
+#: (function label, scope pattern) pairs already warned about: a rule that matches nothing warns once.
+_WARNED_SCOPES: set = set()
+
+
+def _warn_unmatched_scopes(rules: AutocastRules, seen: set, label: str) -> None:
+    """A [`jaxmp.MixedPrecisionWarning`][jaxmp.MixedPrecisionWarning] for each scope rule that matches
+    no name scope of the traced program, naming the closest scope paths there are (once per rule and
+    function)."""
+    import difflib
+    import warnings
+
+    from jaxmp._misuse import MixedPrecisionWarning
+    from jaxmp.engine._rules import MARKER, scope_matches
+
+    paths = set()
+    for comps in seen:
+        names = tuple(c for c in comps if not MARKER.match(c))
+        paths.update("/".join(names[:k]) for k in range(1, len(names) + 1))
+    for pattern, _ in rules.scope_rules:
+        key = (label, pattern)
+        if key in _WARNED_SCOPES or any(scope_matches(pattern, p.rsplit("/", 1)[-1], tuple(p.split("/")[:-1]))
+                                        for p in paths):
+            continue
+        _WARNED_SCOPES.add(key)
+        close = difflib.get_close_matches(pattern, sorted(paths), n=3, cutoff=0.0)
+        near = f"; the closest scope paths there are: {', '.join(map(repr, close))}" if close else (
+            "; it has no name scopes: put the lines in `with jax.named_scope(name):` (or a function decorated "
+            "with @jaxmp.float32_region)")
+        warnings.warn(f"jaxmp.autocast({label}): the scope rule {pattern!r} matches no name scope of the traced "
+                      f"function, so it does nothing{near}. Warned once per rule.", MixedPrecisionWarning,
+                      stacklevel=4)

@@ -53,15 +53,23 @@ class Interpreter:
         """The dtype a name stack forces (a dtype, ``"keep"``) or None: the innermost rule wins."""
         if components not in self._regions:
             found = None
-            for comp in reversed(components):
+            # A path pattern ("block_1/Dense_0") reads the user's scopes around a component:
+            # jaxmp's own markers between them are not part of the module path.
+            names = tuple(c for c in components if not MARKER.match(c))
+            for i, comp in reversed(list(enumerate(components))):
                 m = MARKER.match(comp)
-                dtype = m.group("dtype") if m else self.rules.scope_dtype(comp)
+                outer = names[:sum(1 for c in components[:i] if not MARKER.match(c))]
+                dtype = m.group("dtype") if m else self.rules.scope_dtype(comp, outer)
                 if dtype is not None:
                     found = "keep" if dtype == "keep" else (
                         self.config.compute_dtype if dtype == "half" else np.dtype(dtype))
                     break
             self._regions[components] = found
         return self._regions[components]
+
+    def scopes_seen(self) -> set:
+        """The name-stack component tuples of the ops run so far (for rules that match none)."""
+        return set(self._regions)
 
     # -- running a jaxpr --------------------------------------------------------------------
 

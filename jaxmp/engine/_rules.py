@@ -310,10 +310,12 @@ class AutocastRules:
         """Copy where ops under a ``jax.named_scope`` matching the glob ``pattern`` run in ``dtype``.
 
         The pattern is matched against each component of the name stack (``"attn*"``
-        matches the scope ``attn_0``); the innermost matching scope wins.
+        matches the scope ``attn_0``); the innermost matching scope wins. A pattern with
+        ``/`` matches that many nested scopes, ending at one (``"block_1/Dense_0"`` is the
+        ``Dense_0`` inside ``block_1``, not the one inside ``block_0``): a module path.
 
         Args:
-          pattern: a glob such as ``"*norm*"``.
+          pattern: a glob such as ``"*norm*"``, or a path of scopes such as ``"block_1/Dense_0"``.
           dtype: ``"float32"``, ``"half"``, ``"keep"`` or a floating dtype.
 
         Returns:
@@ -372,10 +374,19 @@ class AutocastRules:
         """
         return dataclasses.replace(self, path_rules=self.path_rules + ((pattern, dtype),))
 
-    def scope_dtype(self, component: str) -> str | None:
-        """The region dtype a scope rule gives a name-stack component, or None."""
+    def scope_dtype(self, component: str, outer: tuple[str, ...] = ()) -> str | None:
+        """The region dtype a scope rule gives a name-stack component, or None.
+
+        Args:
+          component: the scope's name.
+          outer: the names of the scopes around it, outermost first (a ``/`` pattern matches
+            the innermost of them joined with ``component``).
+
+        Returns:
+          The dtype of the last matching rule, or None.
+        """
         for pattern, dtype in reversed(self.scope_rules):
-            if fnmatch.fnmatchcase(component, pattern):
+            if scope_matches(pattern, component, outer):
                 return dtype
         return None
 
@@ -402,6 +413,20 @@ class AutocastRules:
           ('float32', 'half')
         """
         return compile_module_rules(tuple((c, d) for c, d in self.class_rules if not _is_follow(d)), self.path_rules, policy)
+
+
+def scope_matches(pattern: str, component: str, outer: tuple[str, ...] = ()) -> bool:
+    """Whether a scope rule's ``pattern`` matches ``component`` inside the scopes ``outer``.
+
+    A pattern without ``/`` is matched against the component alone; one with ``n - 1`` slashes
+    against the last ``n`` scopes (``outer``'s innermost and ``component``) joined by ``/``.
+    """
+    if "/" not in pattern:
+        return fnmatch.fnmatchcase(component, pattern)
+    n = pattern.count("/") + 1
+    if len(outer) + 1 < n:
+        return False
+    return fnmatch.fnmatchcase("/".join((*outer[len(outer) + 1 - n:], component)), pattern)
 
 
 def merge_rules(base: AutocastRules, edits: AutocastRules) -> AutocastRules:

@@ -7,8 +7,10 @@ See docs/guides/flax-linen.md#choosing-what-runs-in-float32.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Iterable, Sequence
+import threading
+from typing import Any, Iterable, Iterator, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -95,6 +97,43 @@ def overridden_float32_message(paths: Sequence[str], classes: Sequence[str], com
     )
 
 
+def unmatched_rules_message(rules: AutocastRules, paths: Iterable[str], classes: Iterable[type],
+                            model: str) -> str | None:
+    """The warning for path and class rules of the user's that match no module of the model, or None.
+
+    The preset's own class rules (`DEFAULT_HALF_MODULES`, `DEFAULT_NORM_MODULES`: most models have
+    only some of them) are not the user's and are not checked.
+
+    Args:
+      rules: the door's rules.
+      paths: every module path of the model, joined by ``"/"`` (relative to the wrapped model).
+      classes: the classes of its modules.
+      model: the model's class name, for the message.
+
+    Returns:
+      One message naming each rule that matches nothing and the closest paths that exist.
+    """
+    import difflib
+    import fnmatch
+
+    paths, classes = sorted({p for p in paths if p}), tuple(set(classes))
+    prefixes = {"/".join(p.split("/")[:k]) for p in paths for k in range(1, p.count("/") + 2)}
+    preset = set(DEFAULT_HALF_MODULES) | set(DEFAULT_NORM_MODULES)
+    missed = []
+    for pattern, _ in rules.path_rules:
+        if not any(fnmatch.fnmatchcase(p, pattern) for p in prefixes):
+            close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0)
+            missed.append(f"the path rule {pattern!r} (closest module paths: {', '.join(map(repr, close))})")
+    for cls, _ in rules.class_rules:
+        if cls not in preset and not any(issubclass(c, cls) for c in classes):
+            missed.append(f"the class rule for {cls.__name__} (no {cls.__name__} in the model)")
+    if not missed:
+        return None
+    return (f"jaxmp.flax.mixed_precision({model}): {'; '.join(missed)} matches no module, so it does nothing. "
+            "Module paths are relative to the wrapped model and joined by '/', as Flax names the modules "
+            "(no root class, no trailing class scope: 'decoder/block_1/Dense_0'). Warned once per wrapped model.")
+
+
 def default_rules(policy: PolicyLike = "O1", keep_float32: Iterable[str] | None = None) -> AutocastRules:
     """The Flax door's rules for a preset: its matmul layers in half, its norm layers in float32.
 
@@ -173,3 +212,46 @@ def resolve_rules(policy: PolicyLike, rules: AutocastRules | None = None) -> tup
     if rules.fp8_matmuls is not None:
         _fp8.check_hardware(rules.fp8_matmuls)  # native, emulated on CPU, or a clear error naming the device
     return resolved, rules
+
+
+class _DoorWatch(threading.local):
+    """The doors run in this thread while the precision debugger traces (`watch_doors`)."""
+
+    doors: list | None = None
+    swap: list | None = None
+
+
+_WATCH = _DoorWatch()
+
+
+@contextlib.contextmanager
+def watch_doors(swap: Sequence[tuple[Any, AutocastRules]] = ()) -> Iterator[list]:
+    """Records every Flax door (Linen or NNX ``MixedPrecision``) run in this thread, for the debugger.
+
+    Args:
+      swap: ``((door, rules), ...)``: a door like ``door`` (its class, policy and rules: a traced
+        NNX door is a new object each trace) runs under ``rules`` instead of its own; the debugger
+        measures a fix this way, as the door rebuilt with those rules would run.
+
+    Yields:
+      The list the doors are appended to, once each, in the order they first run.
+    """
+    old = (_WATCH.doors, _WATCH.swap)
+    _WATCH.doors, _WATCH.swap = [], list(swap)
+    try:
+        yield _WATCH.doors
+    finally:
+        _WATCH.doors, _WATCH.swap = old
+
+
+def door_rules(door: Any, rules: AutocastRules) -> AutocastRules:
+    """The rules ``door`` runs under now: its own, or those `watch_doors` swaps in; records the door."""
+    doors = _WATCH.doors
+    if doors is None:
+        return rules
+    if not any(d is door for d in doors):
+        doors.append(door)
+    for like, other in _WATCH.swap or ():
+        if door is like or (type(door) is type(like) and door.policy == like.policy and rules == like.rules):
+            return other
+    return rules

@@ -29,7 +29,8 @@ from jaxmp.flax._attention import fused_attention
 from jaxmp.flax._casting import Path, cast_by_path, enclosing_float32, is_float32_rule
 from jaxmp.flax.fp8 import Fp8ConvGeneralDilated, Fp8DotGeneral, linen_fp8_field
 from jaxmp.engine._seams import AutocastRules, ModuleRule
-from jaxmp.flax._overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
+from jaxmp.flax._overrides import (door_rules, explicit_float32, join_path, overridden_float32_message,
+                                   resolve_rules, unmatched_rules_message)
 from jaxmp._precision._policy import Policy
 from jaxmp._misuse import MixedPrecisionWarning
 
@@ -67,9 +68,11 @@ class _Call:
         self.overridden: dict[str, str] = {}
         self.failed_params: Any = None  # the params created before a layer raised (init)
         self._by_class: dict[type, ModuleRule | None] = {}
+        self.met: dict[str, type] = {}  # every module called: its path joined by "/", its class
         self.float32_paths: dict[Path, ModuleRule] = {}  # modules met with a float32 rule, by path
 
     def decide(self, module: nn.Module) -> ModuleRule | None:
+        self.met.setdefault(join_path(module.path), type(module))
         if self.compiled.paths:
             rule = self._at_init(self.compiled.rule_at(module.path, module))
         else:
@@ -278,6 +281,10 @@ class MixedPrecision:
           >>> logits.dtype, grads["kernel"].dtype          # f32 output, grads for the f32 params
           (dtype('float32'), dtype('float32'))
         """
+        rules = door_rules(self, self.rules)
+        if rules is not self.rules:  # the debugger measuring a fix: the door rebuilt with these rules
+            return dataclasses.replace(self, rules=rules).apply(variables, *args, rngs=rngs, method=method,
+                                                                mutable=mutable, **kwargs)
         out, _ = self._apply(variables, args, kwargs, rngs, method, mutable, engine=True)
         if mutable is not False and mutable is not None and isinstance(out, tuple) and len(out) == 2:
             return self.policy.cast_to_output(out[0]), out[1]
@@ -348,6 +355,7 @@ class MixedPrecision:
                 known = self._remember(call.seen)
                 continue
             self._warn_overridden(call.overridden)
+            self._warn_unmatched(call.met)
             return out, call
         raise RuntimeError(f"jaxmp.flax: the module rules of {type(self.module).__name__} did not settle")
 
@@ -417,6 +425,17 @@ class MixedPrecision:
         warned.update(new)
         warnings.warn(overridden_float32_message(list(new), list(new.values()), self.policy.compute_dtype),
                       MixedPrecisionWarning, stacklevel=3)
+
+    def _warn_unmatched(self, met: dict[str, type]) -> None:
+        """One [`jaxmp.MixedPrecisionWarning`][jaxmp.MixedPrecisionWarning] per wrapped model for the
+        user's path and class rules that match no module the call met (`unmatched_rules_message`)."""
+        if self.__dict__.get("_warned_unmatched") or not met or (not self.rules.path_rules
+                                                                 and not self.rules.class_rules):
+            return
+        message = unmatched_rules_message(self.rules, met, met.values(), type(self.module).__name__)
+        if message is not None:
+            self.__dict__["_warned_unmatched"] = True
+            warnings.warn(message, MixedPrecisionWarning, stacklevel=3)
 
     # -- conveniences ------------------------------------------------------------------------
 

@@ -29,7 +29,8 @@ from jaxmp.flax import _steps as steps
 from jaxmp.flax.fp8 import install_nnx_fp8
 from jaxmp.flax._casting import Path, cast_by_path, enclosing_float32, is_float32_rule
 from jaxmp.engine._seams import AutocastRules, ModuleRule
-from jaxmp.flax._overrides import explicit_float32, join_path, overridden_float32_message, resolve_rules
+from jaxmp.flax._overrides import (door_rules, explicit_float32, join_path, overridden_float32_message,
+                                   resolve_rules, unmatched_rules_message)
 from jaxmp._misuse import MixedPrecisionWarning
 from jaxmp._precision._policy import Policy
 from jaxmp._scaling._transform import LossScalingState
@@ -132,6 +133,12 @@ def _warn_overridden(model: nnx.Module, policy: Policy, rules: AutocastRules, st
     if overridden:
         warnings.warn(overridden_float32_message(list(overridden), list(overridden.values()), policy.compute_dtype),
                       MixedPrecisionWarning, stacklevel=stacklevel)
+    if rules.path_rules or rules.class_rules:  # a rule of the user's that matches no module of the model
+        modules = [(join_path(path), type(node)) for path, node, _ in _ruled_modules(model, policy, rules)]
+        message = unmatched_rules_message(rules, [p for p, _ in modules], [c for _, c in modules],
+                                          type(model).__name__)
+        if message is not None:
+            warnings.warn(message, MixedPrecisionWarning, stacklevel=stacklevel)
 
 
 def store_params(model: nnx.Module, policy: PolicyLike, rules: AutocastRules | None = None) -> nnx.Module:
@@ -308,7 +315,8 @@ class MixedPrecision(nnx.Module):
         self.model = store_params(model, self.policy, self.rules)
 
     def __call__(self, *args, **kwargs) -> Any:
-        return _call(self.model, self.policy, self.rules, args, kwargs)
+        # door_rules: the door's rules, or those the precision debugger measures a fix with
+        return _call(self.model, self.policy, door_rules(self, self.rules), args, kwargs)
 
 
 def optimizer_state(optimizer: nnx.Optimizer) -> Any:

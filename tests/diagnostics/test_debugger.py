@@ -246,7 +246,7 @@ def test_reports_fit_88_columns():
     report = ShadowReport(mods, 0.000242492, 2.54666e-05, (("['ws']", 0.8),), steps=50, fix=fix, policy="O2-bf16")
     for text in (str(culprit), str(report), str(Fix("a/b", "x"))):
         assert max(map(len, text.splitlines())) <= 88, text
-    assert "keep the module 'blowup' in float32" in " ".join(str(culprit).split())
+    assert "keep 'Net/blowup' in float32" in " ".join(str(culprit).split())
 
 
 # ---- every framework, scan and remat: the right module is named ----
