@@ -92,6 +92,31 @@ def check_not_donated(params: Any, opt_state: Any, by: str = "this step") -> Non
                     "donate=False to keep the inputs")
 
 
+def abstract_leaf_error(what: str, where: str) -> TypeError:
+    """What a step says when handed a ``jax.ShapeDtypeStruct`` (e.g. ``abstract_state``'s output) as state."""
+    return TypeError(
+        f"{what} leaf at {where} is a jax.ShapeDtypeStruct, a shape and dtype with no values: "
+        "jaxmp.parallel.abstract_state(...) gives a checkpoint restore target (or what step.lower compiles), not a "
+        "state to train. Restore into it first and pass what the restore returns, restored = ckptr.restore(path, "
+        "{'params': target_p, 'opt_state': target_s}) (docs/guides/checkpointing.md), or lay out real arrays: "
+        "params, opt_state = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)")
+
+
+def check_concrete(tree: Any, what: str) -> None:
+    """Raises `abstract_leaf_error` for the first ``jax.ShapeDtypeStruct`` leaf of ``tree``."""
+    if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(tree)):
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise abstract_leaf_error(what, jax.tree_util.keystr(path) or "<root>")
+
+
+def step_form(model_state: bool) -> str:
+    """How a parallel step is called, for messages."""
+    return ("step(params, model_state, opt_state, batch[, rng])" if model_state
+            else "step(params, opt_state, batch[, rng])")
+
+
 def with_model_state(run: Callable, model_state: bool) -> Callable:
     """The public step signature: ``(params, state, opt_state, batch, rng)`` when the model has
     state (BatchNorm statistics), else ``run``'s own ``(params, opt_state, batch, rng)``."""
