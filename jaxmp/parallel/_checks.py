@@ -111,6 +111,57 @@ def check_concrete(tree: Any, what: str) -> None:
             raise abstract_leaf_error(what, jax.tree_util.keystr(path) or "<root>")
 
 
+def _spec_text(spec: Any) -> str:
+    return f"{spec['dtype']}{list(spec['shape'])}"
+
+
+def _first(items: list, n: int = 3) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def target_mismatch_error(saved: Any, target: Any, where: str = "the checkpoint") -> ValueError | None:
+    """What a restore says when its target is not the saved state's structure, or None when it is.
+
+    Orbax's own message for this lists tree diffs; this one names the arrays that differ and the
+    target to build. For a checkpoint restore helper to raise in place of orbax's.
+
+    Args:
+      saved: per saved array, a mapping with ``path`` (``keystr``), ``shape`` and ``dtype``, and
+        optionally ``key`` (a spelling shared by a state and orbax's target-free dicts; matched
+        on when present).
+      target: the same for the restore target's leaves.
+      where: the checkpoint, for the message (its path).
+
+    Returns:
+      A ValueError to raise, or None when every array matches by name, shape and dtype.
+
+    Example:
+      >>> from jaxmp.parallel._checks import target_mismatch_error
+      >>> a = {"path": "['w']", "shape": [4, 2], "dtype": "float32"}
+      >>> err = target_mismatch_error([a], [dict(a, dtype="bfloat16")])
+      >>> "['w'] saved float32[4, 2], the target's bfloat16[4, 2]" in str(err)
+      True
+    """
+    def by_name(specs):
+        return {spec.get("key", spec["path"]): spec for spec in specs}
+
+    s, t = by_name(saved), by_name(target)
+    missing = [s[k]["path"] for k in s if k not in t]
+    extra = [t[k]["path"] for k in t if k not in s]
+    differ = [f"{s[k]['path']} saved {_spec_text(s[k])}, the target's {_spec_text(t[k])}" for k in s
+              if k in t and (list(s[k]["shape"]), str(s[k]["dtype"])) != (list(t[k]["shape"]), str(t[k]["dtype"]))]
+    if not (missing or extra or differ):
+        return None
+    parts = ([_first(differ)] if differ else []) + (
+        [f"{len(missing)} saved arrays the target lacks ({_first(missing)})"] if missing else []) + (
+        [f"{len(extra)} target arrays {where} lacks ({_first(extra)})"] if extra else [])
+    return ValueError(
+        f"the restore target does not match {where}: {'; '.join(parts)}. Build the target from the state that was "
+        "saved, the same params, optimizer and options (master_weights, a lean recipe): target_p, target_s = "
+        "jaxmp.parallel.abstract_state((params, tx.init(params)), mesh, layout), restored into "
+        "{'params': target_p, 'opt_state': target_s}; or restore with no target to read the saved structure")
+
+
 def step_form(model_state: bool) -> str:
     """How a parallel step is called, for messages."""
     return ("step(params, model_state, opt_state, batch[, rng])" if model_state
