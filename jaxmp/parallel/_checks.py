@@ -134,13 +134,6 @@ def target_mismatch_error(saved: Any, target: Any, where: str = "the checkpoint"
 
     Returns:
       A ValueError to raise, or None when every array matches by name, shape and dtype.
-
-    Example:
-      >>> from jaxmp.parallel._checks import target_mismatch_error
-      >>> a = {"path": "['w']", "shape": [4, 2], "dtype": "float32"}
-      >>> err = target_mismatch_error([a], [dict(a, dtype="bfloat16")])
-      >>> "['w'] saved float32[4, 2], the target's bfloat16[4, 2]" in str(err)
-      True
     """
     def by_name(specs):
         return {spec.get("key", spec["path"]): spec for spec in specs}
