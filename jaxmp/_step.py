@@ -204,9 +204,57 @@ class TrainStep:
     pmapped: Callable[..., Any] | None = None
     pmapped_with_rng: Callable[..., Any] | None = None
     num_devices: int | None = None
+    #: ``(run, loss_fn, loss_view)`` as first built: ``dataclasses.replace`` passes it on, so a
+    #: new ``loss_fn`` beside the old ``run`` or ``loss_view`` (built around the old loss) is seen.
+    _built: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self._built is not None:
+            run, loss_fn, view = self._built
+            if self.loss_fn is not loss_fn and (self.run is run or self.loss_view is view):
+                kept = " and ".join(n for n, same in (("run", self.run is run), ("loss_view", self.loss_view is view))
+                                    if same)
+                raise ValueError(
+                    f"a TrainStep's {kept} {'were' if ' and ' in kept else 'was'} built around its loss_fn: replacing "
+                    "loss_fn alone (dataclasses.replace(step, loss_fn=...)) would leave the step training, and the "
+                    "precision debugger analysing, the old loss. Build the step again around the new loss, with "
+                    f"the call that built this one: {self._builder()}")
+        object.__setattr__(self, "_built", (self.run, self.loss_fn, self.loss_view))
+
+    def _builder(self) -> str:
+        """The builder call that makes a step like this one, for messages."""
+        if self.layout is not None:
+            return "jaxmp.parallel.make_sharded_train_step(loss_fn, tx, step.layout)"
+        if self.pmapped is not None:
+            return "jaxmp.parallel.make_pmap_train_step(loss_fn, tx)"
+        return "jaxmp.flax.make_train_step(loss_fn=loss_fn)"
+
+    def _call_form(self) -> str:
+        if self.layout is not None or self.pmapped is not None:
+            return "params, opt_state, metrics = step(params, opt_state, batch)"
+        return "state, metrics = step(state, batch)"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(*args, **kwargs)
+
+    def __getitem__(self, index: Any) -> Any:
+        # Also what tuple-unpacking a step reaches (it has no __iter__, so it is no Iterable).
+        raise TypeError(f"a TrainStep is not a tuple, so it cannot be indexed or unpacked: call it and unpack what it "
+                        f"returns, {self._call_form()}; its parts are fields (step.run, step.loss_fn, "
+                        "step.loss_view, step.layout)")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("a jaxmp TrainStep cannot be pickled: its functions close over the loss, the optimizer and "
+                        "compiled programs. Save the training state instead (params and opt_state, "
+                        "docs/guides/checkpointing.md) and, in the process that loads it, build the step again with "
+                        f"the call that built this one: {self._builder()}")
+
+    # copy.copy / copy.deepcopy would go through __reduce_ex__: a step is immutable, so it is its own copy.
+    def __copy__(self) -> "TrainStep":
+        return self
+
+    def __deepcopy__(self, memo: Any) -> "TrainStep":
+        return self
 
     @property
     def mesh(self) -> Any:
@@ -221,6 +269,19 @@ class TrainStep:
     @property
     def __name__(self) -> str:
         return getattr(self.run, "__name__", "step")
+
+
+def _refuse_assignment(self: TrainStep, name: str, value: Any = None) -> None:
+    # dataclasses' frozen __setattr__ says only "cannot assign to field"; this says what to do.
+    raise dataclasses.FrozenInstanceError(
+        f"cannot assign to TrainStep.{name}: a step is immutable (its run and loss_view were built around its "
+        f"loss_fn). Build a new one with the call that built it, {self._builder()}, or derive one with "
+        "dataclasses.replace(step, run=..., loss_view=...)")
+
+
+# Set after the class is made: a frozen dataclass refuses a __setattr__ of its own in the class body.
+TrainStep.__setattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
+TrainStep.__delattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
 
 
 def make_step(loss_fn: Callable[..., Any], tx: Any, strategy: Strategy = LOCAL, *,
@@ -324,6 +385,34 @@ def check_no_model_state_in_aux(aux: Any) -> None:
         )
 
 
+def _optimizer_state_in(tree: Any) -> str | None:
+    """``"<type> at <path>"`` of the first optax or jaxmp optimizer state (``...State`` NamedTuple) in ``tree``."""
+    def is_state(x: Any) -> bool:
+        kind = type(x)
+        return (isinstance(x, tuple) and hasattr(kind, "_fields") and kind.__name__.endswith("State")
+                and kind.__module__.split(".")[0] in ("optax", "jaxmp"))
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]:
+        if is_state(leaf):
+            return f"{type(leaf).__module__.split('.')[0]}'s {type(leaf).__name__} at {jax.tree_util.keystr(path) or '<root>'}"
+    return None
+
+
+def check_argument_order(params: Any, form: str) -> None:
+    """A TypeError when the step's first argument holds an optimizer state: ``params`` and
+    ``opt_state`` were swapped (else the params check blames the state's integer counters).
+
+    Args:
+      params: the step's first argument.
+      form: the step's call, for the message (``"step(params, opt_state, batch)"``).
+    """
+    found = _optimizer_state_in(params)
+    if found is not None:
+        raise TypeError(f"the step's first argument holds an optimizer state ({found}): the step is called {form}. "
+                        "Were params and opt_state swapped? Pass the params first and the state tx.init returned "
+                        "second")
+
+
 def check_differentiable_params(params: Any) -> None:
     """A TypeError naming the first params leaf the step cannot differentiate (integer, bool, key).
 
@@ -332,6 +421,8 @@ def check_differentiable_params(params: Any) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         dtype = getattr(leaf, "dtype", None)
         if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            # An optimizer state's counters are integers: say the arguments were swapped instead.
+            check_argument_order(params, "step(params[, model_state], opt_state, batch[, rng])")
             raise TypeError(
                 f"params leaf at {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}: the step differentiates "
                 "every params leaf, so each must be floating. Keep integer arrays (indices, counters, masks) out of "

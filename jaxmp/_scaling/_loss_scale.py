@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import warnings
 from typing import Any, ClassVar, TypeVar, Union
 
 import jax
@@ -229,10 +230,41 @@ class StaticLossScale(_Scaling):
         return bool(np.all(np.asarray(value) >= 1))
 
 
+def _whole_number(value: Any, name: str) -> int:
+    """An int from an int, a whole float (jmp's ``period=5.``) or a concrete 0-d array of one."""
+    if isinstance(value, bool) or isinstance(value, str):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    try:
+        number = _concrete_float(value, name)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}") from None
+    if not number.is_integer():
+        raise TypeError(f"{name} must be an int (a whole number of steps), got {value!r}")
+    return int(number)
+
+
+def _warn_if_integer_array(value: Any, name: str) -> None:
+    """jmp's warning for an integer array given as a scale (a Python int is taken without one)."""
+    dtype = getattr(value, "dtype", None)
+    if (isinstance(value, (jax.Array, np.ndarray, np.integer)) and not _is_tracer(value)
+            and np.issubdtype(np.dtype(dtype), np.integer)):
+        warnings.warn(f"Expected floating type for {name}, got {np.dtype(dtype).name}: it is used as float32",
+                      stacklevel=4)
+
+
+def _hashable(config: tuple) -> bool:
+    try:
+        hash(config)
+    except TypeError:  # an array hyperparameter (jmp accepts jnp.float32(0.37))
+        return False
+    return True
+
+
 def _check_config(period, factor, backoff, lo, hi):
     """Validates a dynamic scale's configuration; returns it as Python numbers."""
-    if isinstance(period, bool) or not isinstance(period, (int, np.integer)):
-        raise TypeError(f"period (growth interval) must be an int, got {type(period).__name__}: {period!r}")
+    period = _whole_number(period, "period (growth interval)")
     if period < 1:
         raise ValueError(f"period (growth interval) must be >= 1, got {period}")
     if period > INT32_MAX:
@@ -275,9 +307,12 @@ class DynamicLossScale(_Scaling):
     Args:
       loss_scale: initial scale (validated after the cast to float32); default ``2**15``.
       counter: initial count of consecutive finite steps (int32).
-      period: growth interval, consecutive finite steps before growing (>= 1).
+      period: growth interval, consecutive finite steps before growing (>= 1; a whole float or
+        a 0-d array is taken, as jmp takes it).
       factor: growth factor (> 1).
-      min_loss_scale: floor applied on back-off (a normal float32, >= 2**-126).
+      min_loss_scale: floor applied on back-off (a normal float32, >= 2**-126). As in jmp, the
+        hyperparameters may be concrete 0-d arrays (``jnp.float32(0.37)``); an integer array
+        scale or floor warns, as jmp's does.
       backoff_factor: multiplier on overflow, in (0, 1); default ``1 / factor``.
       max_loss_scale: cap on growth (``inf`` allowed: growth still stops short of inf).
 
@@ -315,10 +350,14 @@ class DynamicLossScale(_Scaling):
             name, value = ("loss_scale", ls) if isinstance(ls, bool) else ("counter", counter)
             raise TypeError(f"{name} must be a number, got the bool {value!r} (e.g. DynamicLossScale(2.0**15), "
                             "counter=0)")
-        if (config in self._valid and isinstance(ls, jax.Array) and isinstance(counter, jax.Array)
+        known = _hashable(config) and config in self._valid
+        if (known and isinstance(ls, jax.Array) and isinstance(counter, jax.Array)
                 and ls.dtype == np.float32 and counter.dtype == np.int32):
             return  # JAX rebuilding a state it flattened: nothing to check (runs on every jit call)
-        if config not in self._valid:
+        _warn_if_integer_array(ls, "loss_scale")
+        if not known:
+            _warn_if_integer_array(self.min_loss_scale, "min_loss_scale")
+            # Python numbers from here on (arrays read once), so the cache and the fast path apply.
             config = _check_config(*config)
             self._valid.add(config)
         for name, value in zip(("period", "factor", "backoff_factor", "min_loss_scale", "max_loss_scale"), config):

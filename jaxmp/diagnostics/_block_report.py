@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxmp._typing import PyTree
 from jaxmp.diagnostics import _format
@@ -73,6 +74,43 @@ def _path(stack: tuple) -> str:
     return "/".join(i.name for i in stack if i.kind == "scope" and not own.match(i.name) and i.name not in _LEG_SCOPES)
 
 
+def _floating_leaf(x: Any) -> bool:
+    if isinstance(x, float):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return (dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+            and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+def _differentiable(f: Callable[..., Any], args: tuple) -> tuple[Callable[..., Any], tuple]:
+    """``f`` and ``args`` ready for ``jax.grad``, or a TypeError saying what to pass instead of JAX's.
+
+    The gradient is taken with respect to ``args[0]``: its non-floating leaves (ints, keys) are
+    held fixed, as `compare_to_float32` holds them; a first argument with none is refused.
+    """
+    if not args:
+        raise TypeError("block_report: fn was given no inputs, and the backward pass differentiates the first: "
+                        "pass them, block_report(fn, params, batch), or run the forward pass alone with "
+                        "backward=False")
+    leaves = jax.tree_util.tree_leaves(args[0])
+    if not any(_floating_leaf(x) for x in leaves):
+        kinds = sorted({str(getattr(x, "dtype", type(x).__name__)) for x in leaves}) or ["no leaves"]
+        raise TypeError(f"block_report: the backward pass differentiates fn with respect to its first argument, "
+                        f"which holds no floating leaf ({', '.join(kinds)}): put the floating parameters first, "
+                        "block_report(fn, params, batch), or pass backward=False")
+    from jaxmp.diagnostics._inputs import bind_non_floating_params
+
+    f, args = bind_non_floating_params(f, args)
+    out = jax.eval_shape(f, *args)
+    if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)):
+        got = (f"shape {out.shape} {out.dtype}" if isinstance(out, jax.ShapeDtypeStruct)
+               else f"a {type(out).__name__}")
+        raise TypeError(f"block_report: the backward pass differentiates fn, which returns {got}, not a floating "
+                        "scalar: return the loss (e.g. jnp.mean(...)), or pass backward=False to report the forward "
+                        "pass alone")
+    return f, args
+
+
 def block_report(fn: Callable[..., Any], *args: PyTree, policy: str = "O2-mxfp8", rules: AutocastRules | None = None,
                  backward: bool = True) -> BlockReport:
     """Runs ``fn`` once under a block-scaled policy and names the blocks that saturate or underflow.
@@ -87,6 +125,11 @@ def block_report(fn: Callable[..., Any], *args: PyTree, policy: str = "O2-mxfp8"
     Returns:
       A `BlockReport`.
 
+    Raises:
+      TypeError: ``fn`` is not callable; with ``backward``: no inputs, a first input with no
+        floating leaf (its integer leaves alone are held fixed), or an output that is not a
+        floating scalar.
+
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxmp import diagnostics
@@ -95,7 +138,11 @@ def block_report(fn: Callable[..., Any], *args: PyTree, policy: str = "O2-mxfp8"
       >>> [(row.leg, row.operand, row.saturated, row.underflowed) for row in r.rows][:2]
       [('forward', 'lhs', 0, 0), ('forward', 'rhs', 0, 0)]
     """
+    if not callable(fn):
+        raise TypeError(f"block_report expects a callable (a loss), got {type(fn).__name__}: {fn!r}")
     f = autocast(fn, policy, rules=rules)
+    if backward:
+        f, args = _differentiable(f, args)
     run = jax.jit(jax.grad(f) if backward else f)
     with block_watch.watching() as events:
         jax.block_until_ready(run(*args))

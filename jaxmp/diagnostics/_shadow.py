@@ -275,6 +275,17 @@ def _dtypes_of(eqn) -> list:
             if getattr(getattr(a, "aval", None), "dtype", None) is not None and _floating(a.aval)]
 
 
+def _without_floating(params: Any) -> str | None:
+    """The dtypes of ``params``' leaves when none is floating (nothing to train), else None."""
+    from jaxmp.diagnostics._inputs import _floating
+
+    leaves = jax.tree_util.tree_leaves(params)
+    if any(_floating(x) for x in leaves):
+        return None
+    kinds = {str(x.dtype) if hasattr(x, "dtype") else f"a Python {type(x).__name__}, static" for x in leaves}
+    return ", ".join(sorted(kinds)) or "no leaves"
+
+
 def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, steps: int = 0,
                        optimizer: optax.GradientTransformation | None = None,
                        per_op: bool = False, grad: bool | None = None, fix: bool = True,
@@ -310,7 +321,9 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
     Raises:
       TypeError: ``fn`` is not callable or given no inputs, ``steps > 0`` without a scalar loss,
         an ``optimizer`` that is not an optax transformation, ``rules`` not AutocastRules.
-      ValueError: ``steps < 0``, or an input already holds inf/NaN (named).
+      ValueError: ``steps < 0``; ``steps > 0`` or ``grad=True`` when ``args[0]`` holds no floating
+        leaf (with ``steps=0`` the report then says no gradient was compared); or an input
+        already holds inf/NaN (named).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -343,6 +356,7 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
     _inputs.check_rules("compare_to_float32", rules)
     if rules is not None and policy is None:
         raise ValueError("compare_to_float32: rules= applies to jaxmp.autocast: give a policy too")
+    given = args  # as the user gave them: a Python number in args[0] is static after `prepare`
     prep = _inputs.prepare("compare_to_float32", fn, args, {})
     fn, args = _inputs.bind_non_floating_params(prep.fn, prep.args)
     run = fn
@@ -353,7 +367,20 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
     has_loss = _scalar_first(jax.eval_shape(lambda *a: (run(*a),), *args)[0])
     if steps and not has_loss:
         raise TypeError("compare_to_float32(steps=k) trains on fn's loss: fn must return a floating scalar first")
+    note = prep.note
+    fixed = _without_floating((prep.args if prep.note else given)[0]) if given else "no arguments"
+    if fixed is not None and (steps or grad):
+        # Nothing to train or differentiate: the runs would never move, and every gradient
+        # error and trained share would be NaN.
+        what = f"steps={steps} trains" if steps else "grad=True differentiates"
+        raise ValueError(f"compare_to_float32: {what} args[0], which holds no floating leaf ({fixed}). Pass the "
+                         f"floating parameters first, compare_to_float32(fn, params, *batch, ...), or compare one "
+                         "forward pass with steps=0, grad=False")
+    if fixed is not None and has_loss:
+        note = "; ".join(n for n in (note, f"the loss alone (no gradient: args[0] holds no floating leaf, {fixed})")
+                         if n)
     grad = has_loss if grad is None else bool(grad and has_loss)
+    grad = grad and fixed is None
     step = jax.value_and_grad(run) if grad else run
     prog = _Program(step, args, attribute=has_loss)
     losses, losses_f = (), ()
@@ -390,7 +417,7 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
                            key=lambda r: (-abs(r[2]), -r[1])))
     report = ShadowReport(tuple(mods), loss, loss_f, grads, ops, steps, tuple(losses), tuple(losses_f),
                           None, 0.0, None if policy is None else str(policy), noise, drift, losses_noise,
-                          note=prep.note)
+                          note=note)
     if steps:
         noise, formula = 0.0, "nothing computes in half precision (the policy run is the float32 run)"
         if half is not None:

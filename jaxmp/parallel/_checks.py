@@ -92,6 +92,75 @@ def check_not_donated(params: Any, opt_state: Any, by: str = "this step") -> Non
                     "donate=False to keep the inputs")
 
 
+def abstract_leaf_error(what: str, where: str) -> TypeError:
+    """What a step says when handed a ``jax.ShapeDtypeStruct`` (e.g. ``abstract_state``'s output) as state."""
+    return TypeError(
+        f"{what} leaf at {where} is a jax.ShapeDtypeStruct, a shape and dtype with no values: "
+        "jaxmp.parallel.abstract_state(...) gives a checkpoint restore target (or what step.lower compiles), not a "
+        "state to train. Restore into it first and pass what the restore returns, restored = ckptr.restore(path, "
+        "{'params': target_p, 'opt_state': target_s}) (docs/guides/checkpointing.md), or lay out real arrays: "
+        "params, opt_state = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)")
+
+
+def check_concrete(tree: Any, what: str) -> None:
+    """Raises `abstract_leaf_error` for the first ``jax.ShapeDtypeStruct`` leaf of ``tree``."""
+    if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(tree)):
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise abstract_leaf_error(what, jax.tree_util.keystr(path) or "<root>")
+
+
+def _spec_text(spec: Any) -> str:
+    return f"{spec['dtype']}{list(spec['shape'])}"
+
+
+def _first(items: list, n: int = 3) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def target_mismatch_error(saved: Any, target: Any, where: str = "the checkpoint") -> ValueError | None:
+    """What a restore says when its target is not the saved state's structure, or None when it is.
+
+    Orbax's own message for this lists tree diffs; this one names the arrays that differ and the
+    target to build. For a checkpoint restore helper to raise in place of orbax's.
+
+    Args:
+      saved: per saved array, a mapping with ``path`` (``keystr``), ``shape`` and ``dtype``, and
+        optionally ``key`` (a spelling shared by a state and orbax's target-free dicts; matched
+        on when present).
+      target: the same for the restore target's leaves.
+      where: the checkpoint, for the message (its path).
+
+    Returns:
+      A ValueError to raise, or None when every array matches by name, shape and dtype.
+    """
+    def by_name(specs):
+        return {spec.get("key", spec["path"]): spec for spec in specs}
+
+    s, t = by_name(saved), by_name(target)
+    missing = [s[k]["path"] for k in s if k not in t]
+    extra = [t[k]["path"] for k in t if k not in s]
+    differ = [f"{s[k]['path']} saved {_spec_text(s[k])}, the target's {_spec_text(t[k])}" for k in s
+              if k in t and (list(s[k]["shape"]), str(s[k]["dtype"])) != (list(t[k]["shape"]), str(t[k]["dtype"]))]
+    if not (missing or extra or differ):
+        return None
+    parts = ([_first(differ)] if differ else []) + (
+        [f"{len(missing)} saved arrays the target lacks ({_first(missing)})"] if missing else []) + (
+        [f"{len(extra)} target arrays {where} lacks ({_first(extra)})"] if extra else [])
+    return ValueError(
+        f"the restore target does not match {where}: {'; '.join(parts)}. Build the target from the state that was "
+        "saved, the same params, optimizer and options (master_weights, a lean recipe): target_p, target_s = "
+        "jaxmp.parallel.abstract_state((params, tx.init(params)), mesh, layout), restored into "
+        "{'params': target_p, 'opt_state': target_s}; or restore with no target to read the saved structure")
+
+
+def step_form(model_state: bool) -> str:
+    """How a parallel step is called, for messages."""
+    return ("step(params, model_state, opt_state, batch[, rng])" if model_state
+            else "step(params, opt_state, batch[, rng])")
+
+
 def with_model_state(run: Callable, model_state: bool) -> Callable:
     """The public step signature: ``(params, state, opt_state, batch, rng)`` when the model has
     state (BatchNorm statistics), else ``run``'s own ``(params, opt_state, batch, rng)``."""

@@ -18,9 +18,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxmp._scaling import _loss_view
 from jaxmp._scaling._collectives import check_axis_name, check_reduce_dtype
 from jaxmp._typing import AxisName
-from jaxmp.parallel._checks import check_not_donated, log_once, with_model_state
+from jaxmp.parallel._checks import check_concrete, check_not_donated, log_once, step_form, with_model_state
 from jaxmp.parallel._replication import check_replicated
-from jaxmp._step import Replicas, TrainStep, make_loss_fn_step
+from jaxmp._step import Replicas, TrainStep, check_argument_order, make_loss_fn_step
 
 _CHECK_MODES = ("first", "always", "never")
 
@@ -165,6 +165,10 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
     def run(params, opt_state, batch, rng=None):
         # A donated state used again would crash or fail deep inside pmap (this step's, or another's).
         check_not_donated(params, opt_state, by="this step" if donate else "a step built with donate=True")
+        check_concrete(params, "params")
+        check_concrete(opt_state, "opt_state")
+        if not checked[0]:
+            check_argument_order(params, step_form(model_state))
         check_leading(params, "params", "replicate them with jaxmp.parallel.replicate(params)")
         check_leading(opt_state, "opt_state", "replicate it with jaxmp.parallel.replicate(tx.init(params))")
         check_leading(batch, "batch", f"split the global batch with jaxmp.parallel.shard_batch(batch, {n})")

@@ -21,10 +21,11 @@ from jaxmp._scaling._collectives import check_reduce_dtype
 from jaxmp._typing import PyTree
 from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer, _shard_step as shard_step
 from jaxmp.parallel._checks import (
+    abstract_leaf_error, step_form,
     check_divisible, check_not_donated, check_positive_int, leading_size, log_once, with_model_state,
 )
 from jaxmp.parallel._replication import is_pmap_replicated
-from jaxmp._step import TrainStep, make_loss_fn_step
+from jaxmp._step import TrainStep, check_argument_order, make_loss_fn_step
 
 
 def make_data_mesh(devices: Sequence[Any] | None = None, axis_name: str = "data") -> Mesh:
@@ -201,6 +202,8 @@ def enter_layout(tree: Any, shardings: Any, mesh: Mesh, layout: str, what: str) 
       ValueError: a pmap-replicated leaf (a leading device axis: no resharding makes it the state).
     """
     def enter(path, x, sharding):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise abstract_leaf_error(what, jax.tree_util.keystr(path) or "<root>")
         current = getattr(x, "sharding", None)
         if not isinstance(x, jax.Array) or current is None:
             return x
@@ -315,7 +318,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         sig = jax.tree_util.tree_structure((params, opt_state)), tuple(
             (tuple(jnp.shape(x)), str(getattr(x, "dtype", type(x)))) for x in jax.tree_util.tree_leaves((params, opt_state)))
         if sig not in cache:
-            # Once per state shape: a pmap-replicated state has its own shapes, so it comes here.
+            # Once per state shape: a pmap-replicated state, or a swapped one, has its own, so it comes here.
+            check_argument_order(state, step_form(model_state))
             layouts.check_not_pmap_state(params, opt_state, layout)
             cache[sig] = build(params, opt_state)
         return cache[sig]

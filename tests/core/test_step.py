@@ -304,3 +304,45 @@ def test_every_step_reports_the_loss_scale_this_step_used():
         sharded_scales.append(float(m["loss_scale"]))
     assert flax_scales == sharded_scales == [2.0**15, 2.0**15, 2.0**14]
     assert float(jaxmp.scaling_stats(s)["loss_scale"]) == 2.0**14  # the next step's: in the state
+
+
+def test_a_train_step_says_what_to_do_when_misused():
+    """Issue 59 item 15: swapped arguments, a replaced loss_fn, pickling, assigning and unpacking."""
+    import copy
+    import pickle
+
+    tx = jaxmp.loss_scaling(optax.adam(0.1), "dynamic", axis_name=None)
+    loss = lambda p, b: jnp.mean((b @ p["w"]) ** 2)  # noqa: E731
+    params, batch = {"w": jnp.ones((3, 1))}, np.ones((8, 3), np.float32)
+    mesh = jaxmp.parallel.make_data_mesh()
+    sharded = jaxmp.parallel.make_sharded_train_step(loss, tx, mesh)
+    pmapped = jaxmp.parallel.make_pmap_train_step(loss, tx)
+    p, s = jaxmp.parallel.shard_state((params, tx.init(params)), mesh)
+    # Swapped: named as a swap, not blamed on the optimizer state's integer counters.
+    swapped = r"first argument holds an optimizer state \(jaxmp's LossScalingState at <root>\).*swapped"
+    with pytest.raises(TypeError, match=swapped):
+        sharded(s, p, batch)
+    rep = jaxmp.parallel.replicate
+    with pytest.raises(TypeError, match=swapped):
+        pmapped(rep(tx.init(params)), rep(params), jaxmp.parallel.shard_batch(batch, jax.local_device_count()))
+    with pytest.raises(TypeError, match=r"optimizer state \(optax's ScaleByAdamState at \[0\]\)"):
+        check_differentiable_params(optax.adam(0.1).init(params))
+    # A new loss beside the old run and loss_view would train one loss and debug another: refused.
+    other = lambda p, b: jnp.sum(b @ p["w"])  # noqa: E731
+    with pytest.raises(ValueError, match=r"run and loss_view were built around its loss_fn.*make_sharded_train_step"):
+        dataclasses.replace(sharded, loss_fn=other)
+    rebuilt = jaxmp.parallel.make_sharded_train_step(other, tx, mesh)
+    # Replacing what is built around the loss along with it, or run alone (e.g. jitted), is fine.
+    assert dataclasses.replace(sharded, run=jax.jit(sharded.run)).loss_fn is loss
+    assert dataclasses.replace(sharded, loss_fn=other, run=rebuilt.run, loss_view=rebuilt.loss_view).loss_fn is other
+    view = sharded.loss_view(p, s, batch)
+    assert float(view.fn(*view.args)) == pytest.approx(float(loss(params, batch)))
+    with pytest.raises(TypeError, match=r"cannot be pickled.*docs/guides/checkpointing.md.*make_sharded_train_step"):
+        pickle.dumps(sharded)
+    assert copy.copy(sharded) is sharded and copy.deepcopy(pmapped) is pmapped
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"cannot assign to TrainStep.loss_fn: a step is immutable"):
+        sharded.loss_fn = other  # type: ignore[misc]
+    with pytest.raises(TypeError, match=r"not a tuple.*params, opt_state, metrics = step\(params, opt_state, batch\)"):
+        _, _, _ = sharded
+    with pytest.raises(TypeError, match=r"not a tuple.*state, metrics = step\(state, batch\)"):
+        jaxmp.flax.make_train_step()[0]

@@ -64,3 +64,25 @@ def test_the_backward_legs_are_reported_with_the_path_of_their_forward():
     assert {("encoder", "wgrad", "gradient"), ("encoder", "wgrad", "lhs"), ("head", "dgrad", "gradient"),
             ("head", "wgrad", "gradient")} <= legs
     assert all(r.blocks > 0 for r in report.rows)
+
+
+def test_inputs_the_backward_pass_cannot_take_are_refused_naming_what_to_pass():
+    import pytest
+
+    loss = lambda w1, x, w2: jnp.sum(_model(x, w1, w2).astype(jnp.float32))  # noqa: E731
+    cases = [
+        (lambda: _block_report.block_report(lambda w1, x, w2: _model(x, w1, w2), W1, X, W2),
+         r"returns shape \(8, 4\) \S+, not a floating scalar.*backward=False"),
+        (lambda: _block_report.block_report(lambda n, x: loss(W1, x, W2) * jnp.float32(n), 3, X),
+         r"first argument, which holds no floating leaf \(int\).*parameters first"),
+        (lambda: _block_report.block_report(lambda n, x: loss(W1, x, W2) * jnp.float32(n), jnp.arange(3), X),
+         r"no floating leaf \(int32\)"),
+        (lambda: _block_report.block_report(lambda: loss(W1, X, W2)), r"fn was given no inputs.*backward=False"),
+    ]
+    for call, message in cases:
+        with pytest.raises(TypeError, match=message):
+            call()
+    # The ways out the messages name run: the forward pass alone (a non-scalar output), integer leaves held fixed.
+    assert _block_report.block_report(lambda w1, x, w2: _model(x, w1, w2), W1, X, W2, backward=False).rows
+    mixed = _block_report.block_report(lambda p, x: loss(p["w1"], x, W2) * p["n"].astype(jnp.float32), {"w1": W1, "n": jnp.int32(2)}, X)
+    assert {r.leg for r in mixed.rows} == {"forward", "dgrad", "wgrad"}

@@ -42,6 +42,23 @@ def test_bad_arguments_get_clear_errors():
         locate_non_finite(_loss, P, X, loss_scale=np.ones(2))
 
 
+def test_a_first_argument_with_nothing_to_train_is_refused_or_said():
+    """Issue 60 item 7: an integer args[0] with steps=2 gave a report of NaN shares and gradient errors."""
+    def scaled(n, x):
+        return _loss(P, x) * jnp.asarray(n, jnp.float32)
+
+    for n, kind in ((3, r"a Python int, static"), (jnp.int32(3), "int32"), ({"n": jnp.int32(3)}, "int32")):
+        f = scaled if not isinstance(n, dict) else (lambda p, x: scaled(p["n"], x))
+        with pytest.raises(ValueError, match=rf"steps=2 trains args\[0\], which holds no floating leaf \({kind}\)"):
+            compare_to_float32(f, n, X, policy="O1-bf16", steps=2, fix=False)
+        with pytest.raises(ValueError, match=r"grad=True differentiates args\[0\].*steps=0, grad=False"):
+            compare_to_float32(f, n, X, policy="O1-bf16", grad=True, fix=False)
+    # The forward comparison the message offers runs, and says that it compared no gradient.
+    rep = compare_to_float32(scaled, jnp.int32(3), X, policy="O1-bf16", steps=0, grad=False, fix=False)
+    assert rep.gradient_errors == () and np.isfinite(rep.loss_error)
+    assert "no gradient: args[0] holds no floating leaf, int32" in str(rep)
+
+
 def test_a_nan_input_is_named_by_the_comparison_as_by_the_locator():
     x = X.copy()
     x[3, 1] = np.nan

@@ -94,3 +94,67 @@ def test_with_model_state_splits_and_joins_the_params_state_pair():
     assert seen == [((1, 10), "opt", "batch", None)]  # rng defaults to None
     step(1, 10, "opt", "batch", "key")
     assert seen[-1][3] == "key"
+
+
+@pytest.mark.standard_promotion(reason="optax's Adam")
+def test_an_abstract_state_handed_to_a_step_is_refused_naming_what_to_pass():
+    """Issue 60 item 8: abstract_state's ShapeDtypeStructs into a step, instead of JAX's "not a valid JAX type"."""
+    import jax
+    import optax
+
+    import jaxmp
+
+    tx = jaxmp.loss_scaling(optax.adam(1e-3), "dynamic", axis_name=None)
+    loss = lambda p, b: jnp.mean((b @ p["w"]) ** 2)  # noqa: E731
+    params, batch = {"w": jnp.ones((4, 2))}, np.ones((8, 4), np.float32)
+    mesh = jaxmp.parallel.make_data_mesh()
+    step = jaxmp.parallel.make_sharded_train_step(loss, tx, mesh, layout="zero")
+    target = jaxmp.parallel.abstract_state((params, tx.init(params)), step.layout)
+    message = (r"params leaf at \['w'\] is a jax.ShapeDtypeStruct.*restored = ckptr.restore\(path.*"
+               r"jaxmp.parallel.shard_state\(\(params, tx.init\(params\)\), step.layout\)")
+    with pytest.raises(TypeError, match=message):
+        step(*target, batch)
+    # The way out the message names runs, and a step that ran once still refuses the abstract state.
+    p, s, _ = step(*jaxmp.parallel.shard_state((params, tx.init(params)), step.layout), batch)
+    with pytest.raises(TypeError, match="jax.ShapeDtypeStruct"):
+        step(p, target[1], batch)
+    pmapped = jaxmp.parallel.make_pmap_train_step(loss, tx)
+    rep = jaxmp.parallel.replicate((params, tx.init(params)))
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rep)
+    with pytest.raises(TypeError, match=r"opt_state leaf at .* is a jax.ShapeDtypeStruct"):
+        pmapped(rep[0], abstract[1], jaxmp.parallel.shard_batch(batch, jax.local_device_count()))
+
+
+def _specs(tree):
+    import jax
+
+    return [{"path": jax.tree_util.keystr(k), "shape": list(np.shape(x)), "dtype": str(np.asarray(x).dtype)}
+            for k, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def test_a_restore_target_of_another_state_is_named_array_by_array():
+    """Issue 60 item 8: what a restore raises for a wrong target, in place of orbax's tree diff."""
+    import optax
+
+    import jaxmp
+
+    params = {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}
+    tx = jaxmp.loss_scaling(optax.adam(1e-3), "dynamic", master_weights=True)
+    saved = _specs({"params": params, "opt_state": tx.init(params)})
+    assert _checks.target_mismatch_error(saved, saved) is None
+    # The target of another optimizer (no masters, no moments): the saved arrays it lacks, named.
+    other = jaxmp.loss_scaling(optax.sgd(1e-3), "dynamic")
+    err = _checks.target_mismatch_error(saved, _specs({"params": params, "opt_state": other.init(params)}),
+                                        where="/ckpt/step_3")
+    assert isinstance(err, ValueError)
+    text = str(err)
+    assert "does not match /ckpt/step_3" in text and "saved arrays the target lacks" in text
+    assert "['opt_state'].inner_state" in text and "and " in text  # the first three, then a count
+    assert "jaxmp.parallel.abstract_state((params, tx.init(params)), mesh, layout)" in text
+    # Params cast to bfloat16 for the target: each differing array with both specs.
+    half = {k: v.astype(jnp.bfloat16) for k, v in params.items()}
+    err = _checks.target_mismatch_error(saved, _specs({"params": half, "opt_state": tx.init(params)}))
+    assert "['params']['w'] saved float32[4, 2], the target's bfloat16[4, 2]" in str(err)
+    # Orbax's spelling of a path differs from keystr's: a shared "key" is matched when given.
+    keyed = [dict(s, key=s["path"].replace("'", ""), path="orbax" + s["path"]) for s in saved]
+    assert _checks.target_mismatch_error(keyed, [dict(s, key=s["path"].replace("'", "")) for s in saved]) is None

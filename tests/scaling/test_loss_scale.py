@@ -293,3 +293,20 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_array_hyperparameters_are_taken_as_jmp_takes_them():
+    # jmp's constructor contract: array hyperparameters (here an unhashable jax.Array floor).
+    ls = jaxmp.DynamicLossScale(jnp.float32(2.0**15), min_loss_scale=jnp.float32(0.37))
+    assert ls.min_loss_scale == float(np.float32(0.37)) and isinstance(ls.min_loss_scale, float)
+    for _ in range(20):
+        ls = ls.adjust(jnp.array(False))
+    assert float(ls.loss_scale) == np.float32(0.37)
+    # Whole-number periods as jmp passes them (5., a 0-d int array); a fraction is refused.
+    assert jaxmp.DynamicLossScale(10.0, jnp.int32(0), 5.0, 2.0).period == 5
+    assert jaxmp.DynamicLossScale(10.0, period=jnp.int32(20), factor=jnp.float32(3.0)).factor == 3.0
+    with pytest.raises(TypeError, match="whole number"):
+        jaxmp.DynamicLossScale(10.0, period=2.5)
+    # jmp's warning for an integer array given as a scale.
+    with pytest.warns(UserWarning, match="Expected floating type for min_loss_scale"):
+        jaxmp.DynamicLossScale(jnp.float32(1.0), min_loss_scale=jnp.asarray(1, jnp.int32))
