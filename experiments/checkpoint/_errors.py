@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from experiments.validation import RunFailedError, UserError
+from jaxmp.parallel._checksums import _Damaged as _Damaged  # one verdict for both checkpointers
 
 
 class CheckpointMismatchError(UserError):
@@ -19,7 +20,3 @@ class CheckpointWriteError(RunFailedError):
 
 class CheckpointDamageWarning(UserWarning):
     """A checkpoint step was damaged and skipped; the run resumed from an older one."""
-
-
-class _Damaged(Exception):
-    """One step failed verification; the message says which array and what."""

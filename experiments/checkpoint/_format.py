@@ -3,9 +3,7 @@ and the canonical JSON and hashing every checksum is made with."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from typing import Any
+from jaxmp.parallel._checksums import _canonical as _canonical, _key as _key, _sha256 as _sha256
 
 FORMAT = "jaxmp-experiments-checkpoint/2"
 # Formats this version recognises but cannot verify (whole-array checksums, no shard files).
@@ -29,15 +27,3 @@ SETTINGS = "settings"
 # split). Only the order of the cross-device gradient sum changes, by rounding.
 RESHARDABLE = ("num_devices", "per_device_batch_size")
 
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _key(path) -> str:
-    """A path as ``a/b/0``: the same for a state and for orbax's template-free dict of it."""
-    return "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
