@@ -11,6 +11,7 @@ import warnings
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from experiments.checkpoint._agree import agreed, allgather_text
 from experiments.checkpoint._errors import CheckpointDamagedError, CheckpointDamageWarning, CheckpointMismatchError, _Damaged
@@ -20,8 +21,27 @@ from experiments.checkpoint._verify import (_check_layout, _check_manifest, _fla
                                             check_shards, read_shard_records, settings_diffs, unreadable)
 from experiments.checkpoint._write_errors import write_failure
 from experiments.orbax_noise import drop_closed_loop_noise, quiet_save
-from jaxmp.parallel._checksums import restore_target as restore_target
 from experiments.validation import UserError
+
+
+def restore_target(template: Any) -> Any:
+    """What orbax restores into: host (numpy) arrays, or ``ShapeDtypeStruct`` leaves with shardings.
+
+    Args:
+      template: host arrays; ``jax.Array`` leaves (fetched to the host unless they span processes);
+        or ``jax.ShapeDtypeStruct`` leaves (with a sharding: restored onto it; without: on the host).
+
+    Returns:
+      The same pytree, every leaf a numpy array or a sharded ``jax.ShapeDtypeStruct``.
+    """
+    def one(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x if x.sharding is not None else np.zeros(x.shape, x.dtype)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return np.asarray(x)
+
+    return jax.tree_util.tree_map(one, template)
 
 
 class Restored(NamedTuple):

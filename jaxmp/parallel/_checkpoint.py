@@ -24,9 +24,10 @@ import re
 from typing import Any
 
 import jax
+import numpy as np
 
-from jaxmp.parallel._checksums import (_Damaged, _canonical, _sha256, array_specs, check_cover, check_shards,
-                                       restore_target, saveable, shard_records)
+from jaxmp.parallel._checksums import (_Damaged, _canonical, _sha256, array_specs, check_cover, check_shards, saveable,
+                                       shard_records)
 
 FORMAT = "jaxmp-checkpoint/1"
 _STATE, _CHECKSUMS = "state", "checksums"
@@ -71,6 +72,23 @@ def _read_checksums(path: str) -> tuple[list[dict], dict[str, list[dict]]]:
     except (TypeError, ValueError, KeyError) as e:
         raise _Damaged(f"{_CHECKSUMS}: malformed piece records ({type(e).__name__}: {e})") from None
     return arrays, by_key
+
+
+def _as_target(template: Any) -> Any:
+    """What orbax restores into: ``ShapeDtypeStruct`` leaves with shardings, or host arrays.
+
+    A ``jax.Array`` is restored onto its own sharding, a ``ShapeDtypeStruct`` without one (from
+    ``jax.eval_shape``) onto the default device; neither is ever filled with stand-in values, which a
+    pytree that checks its fields when rebuilt (a loss scale must be positive) would refuse.
+    """
+    def one(x):
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+            sharding = x.sharding if x.sharding is not None else jax.sharding.SingleDeviceSharding(
+                jax.local_devices()[0])
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return np.asarray(x)
+
+    return jax.tree_util.tree_map(one, template)
 
 
 def _unreadable(error: BaseException, arrays: list[dict]) -> str:
@@ -151,8 +169,9 @@ class Checkpointer:
           path: a checkpoint written by `save`.
           target: the state's structure: ``jax.ShapeDtypeStruct`` leaves with shardings (e.g.
             `jaxmp.parallel.abstract_state`; restored onto those shardings, on any mesh size),
-            arrays or sharding-less ``ShapeDtypeStruct`` leaves (restored as host arrays), or
-            ``None`` (the saved structure, as orbax restores it without a target).
+            ``jax.Array`` leaves (restored onto their shardings), ``jax.eval_shape`` of the state
+            (onto the default device), host arrays (restored as host arrays), or ``None`` (the
+            saved structure, as orbax restores it without a target).
 
         Returns:
           The restored state, in ``target``'s structure.
@@ -182,7 +201,7 @@ class Checkpointer:
     def _read_state(self, path: str, target: Any, arrays: list[dict]) -> Any:
         """orbax's restore of the ``state`` item into ``target`` (see `restore`)."""
         ocp = self._ocp
-        target = None if target is None else restore_target(target)
+        target = None if target is None else _as_target(target)
         try:
             return self._orbax.restore(path, args=ocp.args.Composite(
                 **{_STATE: ocp.args.StandardRestore(target)}))[_STATE]

@@ -132,26 +132,6 @@ def array_specs(tree: Any) -> list[dict]:
     return out
 
 
-def restore_target(template: Any) -> Any:
-    """What orbax restores into: host (numpy) arrays, or ``ShapeDtypeStruct`` leaves with shardings.
-
-    Args:
-      template: host arrays; ``jax.Array`` leaves (fetched to the host unless they span processes);
-        or ``jax.ShapeDtypeStruct`` leaves (with a sharding: restored onto it; without: on the host).
-
-    Returns:
-      The same pytree, every leaf a numpy array or a sharded ``jax.ShapeDtypeStruct``.
-    """
-    def one(x):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x if x.sharding is not None else np.zeros(x.shape, x.dtype)
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return np.asarray(x)
-
-    return jax.tree_util.tree_map(one, template)
-
-
 def check_cover(array: dict, records: list[dict]) -> None:
     """The records of one array (``path``, ``shape``, ``dtype``) lie inside it, have its dtype,
     and add up to its size.
