@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from experiments.validation import RunFailedError, UserError
-from jaxmp.parallel._checksums import _Damaged as _Damaged  # one verdict for both checkpointers
+from experiments.checkpoint._format import shared
 
 
 class CheckpointMismatchError(UserError):
@@ -20,3 +20,6 @@ class CheckpointWriteError(RunFailedError):
 
 class CheckpointDamageWarning(UserWarning):
     """A checkpoint step was damaged and skipped; the run resumed from an older one."""
+
+
+_Damaged = shared._Damaged  # one verdict for both checkpointers: the message says which array and what

@@ -3,7 +3,12 @@ and the canonical JSON and hashing every checksum is made with."""
 
 from __future__ import annotations
 
-from jaxmp.parallel._checksums import _canonical as _canonical, _key as _key, _sha256 as _sha256
+from jaxmp.parallel import _checksums as shared
+
+# The hashing every checksum is made with, and the records of the pieces each process writes and
+# their check (`region`, `saveable`, `shard_records`, `array_specs`, `check_shards`, `_Damaged`),
+# are jaxmp's (``jaxmp/parallel/_checksums.py``): one implementation for both checkpointers.
+_sha256, _canonical, _key = shared._sha256, shared._canonical, shared._key
 
 FORMAT = "jaxmp-experiments-checkpoint/2"
 # Formats this version recognises but cannot verify (whole-array checksums, no shard files).

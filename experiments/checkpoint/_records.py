@@ -10,9 +10,9 @@ from typing import Any
 
 import jax
 
-from experiments.checkpoint._format import FORMAT, _canonical, _sha256
-from jaxmp.parallel._checksums import region as region, saveable as saveable
-from jaxmp.parallel._checksums import array_specs as array_specs, shard_records as shard_records
+from experiments.checkpoint._format import FORMAT, _canonical, _sha256, shared
+
+region, saveable, shard_records, array_specs = shared.region, shared.saveable, shared.shard_records, shared.array_specs
 
 
 def make_manifest(state: Any, meta: dict, step: int) -> dict:

@@ -12,8 +12,9 @@ import jax
 
 from experiments.checkpoint._errors import CheckpointMismatchError, _Damaged
 from experiments.checkpoint._format import (_META_TYPES, FILE_LIST, FORMAT, OLD_FORMATS, RESHARDABLE, SHARDS, _canonical, _key,
-                                            _sha256)
-from jaxmp.parallel._checksums import _covers, check_cover as _check_cover, check_shards as check_shards, region
+                                            _sha256, shared)
+
+_covers, _check_cover, check_shards, region = shared._covers, shared.check_cover, shared.check_shards, shared.region
 
 
 def _check_manifest(manifest: Any, step: int) -> None:

@@ -51,11 +51,6 @@ def region(index: tuple, shape: Any) -> list[list[int]]:
 
     Raises:
       ValueError: a strided slice (no shard of a jax.Array has one).
-
-    Example:
-      >>> from jaxmp.parallel._checksums import region
-      >>> region((slice(0, 4),), (8, 2))
-      [[0, 4], [0, 2]]
     """
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     out = []
@@ -228,7 +223,7 @@ def check_shards(state: Any, by_key: dict[str, list[dict]]) -> int:
     leaves = jax.tree_util.tree_leaves_with_path(state)
     if sorted(_key(p) for p, _ in leaves) != sorted(by_key):
         missing = sorted(set(by_key).symmetric_difference(_key(p) for p, _ in leaves))
-        raise _Damaged(f"arrays: the saved tree and the manifest differ (first: {missing[:1]})")
+        raise _Damaged(f"arrays: the restored tree and the recorded checksums differ (first: {missing[:1]})")
     checked = 0
     for path, x in leaves:
         blocks = _blocks(x)

@@ -142,6 +142,8 @@ PRIVATE_IMPORT_EXCEPTIONS = {
     "benchmarks/overhead.py": ("from jaxmp._step import make_step", "measures the step builder itself"),
     "benchmarks/flops.py": ("from jaxmp import _jaxpr", "counts FLOPs from the traced program's equations"),
     "benchmarks/_gpt2.py": ("from jaxmp.parallel._layouts import leaf_spec", "hand-written ZeRO baseline"),
+    "experiments/checkpoint/_format.py": ("from jaxmp.parallel import _checksums as shared",
+                                          "the per-piece checksums, one implementation with jaxmp.parallel.Checkpointer"),
     "experiments/precision_reports.py": ("from jaxmp.diagnostics import _format as jaxmp_fmt",
                                          "the diagnostics' count format, for the same table"),
 }
