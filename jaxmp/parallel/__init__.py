@@ -8,7 +8,8 @@ Two paths, same semantics and results:
 * [`make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step] -- ``jax.pmap`` with an explicit gradient all-reduce whose
   dtype you choose (float32 by default).
 
-Plus `Checkpointer` (orbax, with a checksum of every saved piece checked on restore), replication helpers, batch splitting (per device and per process), prefetching and
+Plus `Checkpointer` (orbax, with a checksum of every saved piece checked on restore),
+replication helpers, batch splitting (per device and per process), prefetching and
 `initialize_distributed` for multi-host runs. Lower-level helpers (``leaf_spec``,
 ``batch_sharding``, ...) live in this package's modules and are not public API. See the README section "Data-parallel and multi-host training".
 """

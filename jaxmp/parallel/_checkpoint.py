@@ -188,7 +188,7 @@ class Checkpointer:
             raise ValueError(
                 f"{path} has no {_CHECKSUMS}/ item, so it was not written by jaxmp.parallel.Checkpointer and "
                 "cannot be verified. A checkpoint of orbax's own StandardCheckpointer restores, unverified, with "
-                "orbax.checkpoint.StandardCheckpointer().restore(path, target).")
+                f"orbax.checkpoint.StandardCheckpointer().restore({path!r}, target).")
         try:
             arrays, by_key = _read_checksums(path)
             state = self._read_state(path, target, arrays)
