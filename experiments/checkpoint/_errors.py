@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from experiments.validation import RunFailedError, UserError
+from experiments.checkpoint._format import shared
 
 
 class CheckpointMismatchError(UserError):
@@ -21,5 +22,4 @@ class CheckpointDamageWarning(UserWarning):
     """A checkpoint step was damaged and skipped; the run resumed from an older one."""
 
 
-class _Damaged(Exception):
-    """One step failed verification; the message says which array and what."""
+_Damaged = shared._Damaged  # one verdict for both checkpointers: the message says which array and what

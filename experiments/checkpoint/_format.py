@@ -3,9 +3,12 @@ and the canonical JSON and hashing every checksum is made with."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from typing import Any
+from jaxmp.parallel import _checksums as shared
+
+# The hashing every checksum is made with, and the records of the pieces each process writes and
+# their check (`region`, `saveable`, `shard_records`, `array_specs`, `check_shards`, `_Damaged`),
+# are jaxmp's (``jaxmp/parallel/_checksums.py``): one implementation for both checkpointers.
+_sha256, _canonical, _key = shared._sha256, shared._canonical, shared._key
 
 FORMAT = "jaxmp-experiments-checkpoint/2"
 # Formats this version recognises but cannot verify (whole-array checksums, no shard files).
@@ -29,15 +32,3 @@ SETTINGS = "settings"
 # split). Only the order of the cross-device gradient sum changes, by rounding.
 RESHARDABLE = ("num_devices", "per_device_batch_size")
 
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _key(path) -> str:
-    """A path as ``a/b/0``: the same for a state and for orbax's template-free dict of it."""
-    return "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)

@@ -1,20 +1,20 @@
 """Damage detection: the checks of a step's manifest, metadata, settings, shard files, file lists
-and restored pieces, each raising `_Damaged` (or `CheckpointMismatchError`) with what is wrong."""
+and restored pieces, each raising `_Damaged` (or `CheckpointMismatchError`) with what is wrong.
+The check of the restored pieces, `check_shards`, is jaxmp's (``jaxmp/parallel/_checksums.py``)."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
 import jax
-import numpy as np
 
 from experiments.checkpoint._errors import CheckpointMismatchError, _Damaged
 from experiments.checkpoint._format import (_META_TYPES, FILE_LIST, FORMAT, OLD_FORMATS, RESHARDABLE, SHARDS, _canonical, _key,
-                                            _sha256)
-from experiments.checkpoint._records import _contains, region
+                                            _sha256, shared)
+
+_covers, _check_cover, check_shards, region = shared._covers, shared.check_cover, shared.check_shards, shared.region
 
 
 def _check_manifest(manifest: Any, step: int) -> None:
@@ -107,23 +107,6 @@ def _shard_file(step_dir: str, process: int, step: int) -> list[dict]:
     return body["shards"]
 
 
-def _check_cover(array: dict, records: list[dict]) -> None:
-    """The records of one array lie inside it, have its dtype, and add up to its size."""
-    shape, total = array["shape"], 0
-    for r in records:
-        idx = r["index"]
-        fits = (len(idx) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(idx, shape))
-                and r["shape"] == [b - a for a, b in idx] and r["dtype"] == array["dtype"])
-        if not fits:
-            raise _Damaged(f"array {array['path']}: the shard record {idx} of process {r['process']} "
-                           f"({r['shape']} {r['dtype']}) does not fit the array ({shape} {array['dtype']})")
-        total += math.prod(b - a for a, b in idx)
-    if total != math.prod(shape):
-        # Pieces of one array never overlap (replica-0 shards tile it), so a wrong sum means
-        # a piece is missing or recorded twice.
-        raise _Damaged(f"array {array['path']}: its shard checksums cover {total} of {math.prod(shape)} elements")
-
-
 def read_shard_records(step_dir: str, manifest: dict, step: int) -> dict[str, list[dict]]:
     """Every process's shard records of a step, by array key, each with the ``process`` that wrote it.
 
@@ -151,92 +134,6 @@ def read_shard_records(step_dir: str, manifest: dict, step: int) -> dict[str, li
     except (TypeError, ValueError, KeyError) as e:
         raise _Damaged(f"{SHARDS}: malformed shard records ({type(e).__name__}: {e})") from None
     return by_key
-
-
-def _blocks(x: Any) -> list[tuple[list, Any]]:
-    """The blocks of a restored leaf this process holds: ``(global region, data)``, each block once."""
-    if isinstance(x, jax.Array):
-        seen: dict = {}
-        for s in x.addressable_shards:
-            seen.setdefault(str(region(s.index, x.shape)), (region(s.index, x.shape), s.data))
-        return list(seen.values())
-    a = np.asarray(x)
-    return [(region((), a.shape), a)]
-
-
-def _overlap(a: list, b: list) -> list | None:
-    """The intersection of two regions (``[start, stop]`` per dimension), or ``None`` if empty."""
-    out = [[max(x[0], y[0]), min(x[1], y[1])] for x, y in zip(a, b)]
-    return out if all(lo < hi for lo, hi in out) else None
-
-
-def _size(r: list) -> int:
-    return math.prod(b - a for a, b in r)
-
-
-def _covers(blocks: list[list], piece: list) -> bool:
-    """Whether distinct blocks of one sharding (they never overlap) together hold all of ``piece``."""
-    return sum(_size(o) for o in (_overlap(b, piece) for b in blocks) if o is not None) == _size(piece)
-
-
-def _assemble(piece: list, blocks: list[tuple[list, Any]]) -> Any | None:
-    """The data of ``piece`` put together from this process's blocks, or ``None`` if they do not
-    hold all of it. A piece saved on fewer devices than it is restored onto (4 -> 8) lies across
-    several blocks; the usual case, one block holding it whole, is a slice and no copy."""
-    whole = next(((b, d) for b, d in blocks if _contains(b, piece)), None)
-    if whole is not None:
-        b, d = whole
-        return np.asarray(d)[tuple(slice(i[0] - o[0], i[1] - o[0]) for o, i in zip(b, piece))]
-    parts = [(o, b, d) for b, d in blocks if (o := _overlap(b, piece)) is not None]
-    if sum(_size(o) for o, _, _ in parts) != _size(piece):
-        return None
-    out = None
-    for o, b, d in parts:
-        data = np.asarray(d)
-        if out is None:
-            out = np.empty([hi - lo for lo, hi in piece], data.dtype)
-        out[tuple(slice(i[0] - p[0], i[1] - p[0]) for p, i in zip(piece, o))] = \
-            data[tuple(slice(i[0] - c[0], i[1] - c[0]) for c, i in zip(b, o))]
-    return out
-
-
-def _compare(record: dict, data: Any) -> None:
-    """Hashes ``data``, the restored piece that ``record`` covers."""
-    a = np.asarray(data)
-    where = f"array {record['path']}: shard {record['index']} (written by process {record['process']})"
-    if list(a.shape) != record["shape"] or str(a.dtype) != record["dtype"]:
-        raise _Damaged(f"{where}: restored as {list(a.shape)} {a.dtype}, saved {record['shape']} {record['dtype']}")
-    if _sha256(a.tobytes()) != record["sha256"]:
-        raise _Damaged(f"{where}: content checksum mismatch")
-
-
-def check_shards(state: Any, by_key: dict[str, list[dict]]) -> int:
-    """Checks every recorded piece that lies in the data this process holds of a restored state.
-
-    Args:
-      state: the restored state: host arrays (every piece is held) or ``jax.Array`` objects (the
-        pieces that this process's addressable shards hold, whole or between them, are).
-      by_key: `read_shard_records`.
-
-    Returns:
-      How many pieces were checked.
-
-    Raises:
-      _Damaged: naming the array, the shard index, the process that wrote it and what differs.
-    """
-    leaves = jax.tree_util.tree_leaves_with_path(state)
-    if sorted(_key(p) for p, _ in leaves) != sorted(by_key):
-        missing = sorted(set(by_key).symmetric_difference(_key(p) for p, _ in leaves))
-        raise _Damaged(f"arrays: the saved tree and the manifest differ (first: {missing[:1]})")
-    checked = 0
-    for path, x in leaves:
-        blocks = _blocks(x)
-        for r in by_key[_key(path)]:
-            piece = _assemble(r["index"], blocks)
-            if piece is not None:
-                _compare(r, piece)
-                checked += 1
-    return checked
 
 
 def held_by_one_process(piece: list, by_process: dict[int, dict[str, list]]) -> bool:

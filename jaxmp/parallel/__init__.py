@@ -8,7 +8,8 @@ Two paths, same semantics and results:
 * [`make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step] -- ``jax.pmap`` with an explicit gradient all-reduce whose
   dtype you choose (float32 by default).
 
-Plus replication helpers, batch splitting (per device and per process), prefetching and
+Plus `Checkpointer` (orbax, with a checksum of every saved piece checked on restore),
+replication helpers, batch splitting (per device and per process), prefetching and
 `initialize_distributed` for multi-host runs. Lower-level helpers (``leaf_spec``,
 ``batch_sharding``, ...) live in this package's modules and are not public API. See the README section "Data-parallel and multi-host training".
 """
@@ -17,6 +18,7 @@ from jaxmp.parallel._batching import prefetch_to_device
 from jaxmp.parallel._batching import process_batch_slice
 from jaxmp.parallel._batching import process_dataset_range
 from jaxmp.parallel._batching import shard_batch
+from jaxmp.parallel._checkpoint import Checkpointer
 from jaxmp.parallel._distributed import DistributedInfo
 from jaxmp.parallel._distributed import distributed_info
 from jaxmp.parallel._distributed import initialize_distributed
@@ -39,6 +41,7 @@ from jaxmp.parallel._sharding import replicate_on_mesh
 from jaxmp.parallel._sharding import replicated_sharding
 
 __all__ = [
+    "Checkpointer",
     "DistributedInfo",
     "abstract_state",
     "all_reduce_gradients",
