@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxmp.parallel._checks import target_mismatch_error
 from jaxmp.parallel._checksums import (_Damaged, _canonical, _sha256, array_specs, check_cover, check_shards, saveable,
                                        shard_records)
 
@@ -207,8 +208,13 @@ class Checkpointer:
                 **{_STATE: ocp.args.StandardRestore(target)}))[_STATE]
         except Exception as e:  # noqa: BLE001 - TensorStore's DATA_LOSS/OUT_OF_RANGE/... on a damaged file
             saved = [(a.get("key"), a.get("shape"), a.get("dtype")) for a in arrays]
-            if target is not None and saved != [(a["key"], a["shape"], a["dtype"]) for a in array_specs(target)]:
-                raise  # a target of another structure, not damage: orbax says what differs
+            specs = None if target is None else array_specs(target)
+            if specs is not None and saved != [(a["key"], a["shape"], a["dtype"]) for a in specs]:
+                # A target of another structure, not damage: name the arrays that differ.
+                mismatch = target_mismatch_error(arrays, specs, where=f"checkpoint {path}")
+                if mismatch is not None:
+                    raise mismatch from e
+                raise
             raise _Damaged(_unreadable(e, arrays)) from None
 
     def close(self) -> None:

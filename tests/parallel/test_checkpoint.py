@@ -143,6 +143,18 @@ def test_a_one_device_state_round_trips_with_a_concrete_target_and_without_one(t
         assert by_key(ckptr.restore(tmp_path / "ckpt")) == by_key(state)
 
 
+def test_a_restore_into_the_target_of_another_state_names_the_arrays_that_differ(tmp_path):
+    # Issue 60 item 8: orbax's own tree-mismatch message listed tree diffs; the Checkpointer names
+    # the arrays and the target to build instead.
+    params = {"w": jnp.ones((3, 4), jnp.float32)}
+    state = {"params": params, "opt_state": optax.adam(0.1).init(params)}
+    wrong = {"params": {"w": jnp.ones((4, 4), jnp.float32)}, "opt_state": optax.sgd(0.1).init(params)}
+    with jaxmp.parallel.Checkpointer() as ckptr:
+        ckptr.save(tmp_path / "ckpt", state)
+        with pytest.raises(ValueError, match=r"restore target does not match checkpoint .*\['w'\].*saved"):
+            ckptr.restore(tmp_path / "ckpt", wrong)
+
+
 def test_what_is_not_a_checkpointer_checkpoint_is_a_clear_error(tmp_path):
     with jaxmp.parallel.Checkpointer() as ckptr:
         with pytest.raises(ValueError, match="no checkpoint at .*missing: pass the directory given to"):
