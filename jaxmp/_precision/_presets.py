@@ -38,10 +38,10 @@ _FP8_SUFFIXES: dict[str, Callable[[], _fp8.Fp8Recipe]] = {
     # Transformer Engine's MXFP8BlockScaling: E4M3 in every leg, 1x32 E8M0 scales, its round-up rule.
     "mxfp8": lambda: _fp8.CurrentScaling(block=(1, 32), bwd_dtype=_E4M3, scale_format="e8m0", scale_rule="rceil"),
     # torchao's "rowwise" Float8 recipe: E4M3 everywhere, a power-of-two scale per row.
-    "fp8-rowwise": lambda: _fp8.CurrentScaling(block="row", bwd_dtype=_E4M3, scale_format="e8m0", scale_rule="ceil"),
+    "fp8-rowwise": lambda: _fp8.CurrentScaling(block="row", bwd_dtype=_E4M3, scale_format="e8m0", scale_rule="rceil"),
     # DeepSeek-V3: 1x128 activation / gradient tiles, 128x128 weight blocks, E4M3 everywhere.
     "fp8-block128": lambda: _fp8.CurrentScaling(block=(1, 128), rhs_block=(128, 128), bwd_dtype=_E4M3,
-                                                scale_format="e8m0", scale_rule="ceil"),
+                                                scale_format="e8m0", scale_rule="rceil"),
     # NVIDIA's NVFP4 training recipe: E2M1, E4M3 scales per 1x16 (16x16 for weights) and a
     # per-tensor float32 scale, stochastic rounding of gradients, a Hadamard transform on wgrad.
     "nvfp4": lambda: _fp8.CurrentScaling(block=(1, 16), rhs_block=(16, 16), fwd_dtype=_E2M1, bwd_dtype=_E2M1,

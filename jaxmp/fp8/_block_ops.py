@@ -51,7 +51,10 @@ def qdq(x: jax.Array, contract: tuple, batch: tuple, dtype: Any, block: Any, rec
     qx = quantize(x2, dtype, block, recipe.scale_format, recipe.scale_rule, key)
     if leg:
         watch(x2, qx, *leg)
-    out = dequantize(qx, x.dtype, with_global=not split_global).reshape(xt.shape)
+    # An fp8 (or fp4) operand is dequantized into float32, which holds every decoded value: in its
+    # own dtype NVFP4's q * s (up to 6 * 448) is NaN in E4M3 and an E5M2 value may not round-trip.
+    dt = jnp.float32 if jnp.dtype(x.dtype).itemsize < 2 else x.dtype
+    out = dequantize(qx, dt, with_global=not split_global).reshape(xt.shape)
     out = jnp.transpose(out, tuple(perm.index(d) for d in range(x.ndim)))
     return (out, qx.global_scale) if split_global else out
 
@@ -103,7 +106,7 @@ def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe:
         return () if stack is None else (leg, operand, stack)
     # Stage 3: the native MXFP8 forward where it exists (Blackwell, JAX >= 0.12), chosen at trace
     # time; untested on Blackwell here, so the branch is this call and nothing else. Its scales
-    # are the "ceil" rule, bit-equal to the emulation (tests/fp8/test_block_ops.py, JAX 0.12).
+    # are the "rceil" rule, bit-equal to the emulation (tests/fp8/test_block_ops.py, JAX 0.12).
     native = recipe.emulate is not True and len(lc) == 1 and k % 32 == 0 and native_block(recipe)[0]
 
     def forward(a, b):

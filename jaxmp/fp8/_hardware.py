@@ -20,8 +20,8 @@ def native_block(recipe: CurrentScaling, device: jax.Device | None = None) -> tu
 
     Block-scaled formats run natively only on Blackwell (compute capability >= 10.0) with
     JAX >= 0.12, through ``jax.nn.scaled_dot_general``, and only for what it implements exactly
-    as jaxmp's emulation does: MXFP8 (E4M3, 1x32 blocks on both operands, E8M0 scales rounded up:
-    ``"ceil"`` or ``"rceil"``). Everything else (H100, TPU, CPU, NVFP4, rowwise, 128-blocks) is
+    as jaxmp's emulation does: MXFP8 (E4M3, 1x32 blocks on both operands, E8M0 scales by JAX's
+    rule, ``"rceil"``). Everything else (H100, TPU, CPU, NVFP4, rowwise, 128-blocks) is
     the emulation: a quantize-dequantize around a bf16 matmul, which buys no speed.
     Not tested on Blackwell hardware here: the native branch is kept to this one check.
 
@@ -37,7 +37,7 @@ def native_block(recipe: CurrentScaling, device: jax.Device | None = None) -> tu
     emulated = ("emulated (quantize-dequantize around a matmul in the operand dtype: no faster than bf16); "
                 "block-scaled formats run natively only on Blackwell (compute capability >= 10.0) with JAX >= 0.12")
     mx = (recipe.block == (1, 32) and recipe.rhs_block in (None, (1, 32)) and recipe.scale_format == "e8m0"
-          and recipe.scale_rule in ("ceil", "rceil") and recipe.fwd_dtype == jnp.float8_e4m3fn)
+          and recipe.scale_rule == "rceil" and recipe.fwd_dtype == jnp.float8_e4m3fn)
     cc = getattr(device, "compute_capability", None)
     try:
         major = int(str(cc).split(".")[0])
@@ -48,7 +48,7 @@ def native_block(recipe: CurrentScaling, device: jax.Device | None = None) -> tu
     if _jax_version() < NATIVE_JAX:
         return False, f"JAX {jax.__version__} has no block-scaled GEMM: {emulated}"
     if not mx:
-        return False, f"only MXFP8 (1x32 E4M3, round-up E8M0 scales) runs natively: {emulated}"
+        return False, f"only MXFP8 (1x32 E4M3, E8M0 scales by the 'rceil' rule) runs natively: {emulated}"
     return True, f"{device.device_kind} (compute capability {cc}): MXFP8 forward through jax.nn.scaled_dot_general"
 
 

@@ -67,8 +67,9 @@ class CurrentScaling(_ScalingRecipe):
       scale_format: ``"float32"``, ``"e8m0"`` (a power of two) or ``"e4m3"`` (NVFP4's, with a
         per-tensor float32 second level from the tensor's amax).
       scale_rule: ``"exact"`` (``amax / max``; float32 and E4M3 scales) or, for E8M0, ``"floor"``
-        (OCP MX), ``"even"`` (torchao EVEN), ``"ceil"`` (round up: torchao CEIL/RCEIL) or
-        ``"rceil"`` (Transformer Engine).
+        (OCP MX, torchao FLOOR), ``"even"`` (torchao EVEN), ``"ceil"`` (torchao CEIL: amax's
+        exponent rounded up) or ``"rceil"`` (``amax / max`` rounded up: torchao RCEIL, JAX's
+        ``scaled_dot_general``, Transformer Engine). docs/fp8.md#block-scaled-formats.
       high_precision_legs: backward matmuls kept unquantized, in the compute dtype: any of
         ``"dgrad"`` (the input's gradient) and ``"wgrad"`` (the second operand's).
       stochastic_rounding: round gradients (the backward legs' cotangent) stochastically.

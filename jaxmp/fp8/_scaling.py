@@ -47,7 +47,8 @@ def amax(x: jax.Array) -> jax.Array:
       >>> float(fp8._scaling.amax(jnp.array([1.0, -3.0])))
       3.0
     """
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+    # initial=0: an empty tensor's amax is 0 (scale 1), not a reduction error.
+    return jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)
 
 
 def update_meta(meta: Fp8Meta, x: jax.Array, recipe: DelayedScaling, dtype: Any | None = None) -> Fp8Meta:

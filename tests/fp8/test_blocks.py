@@ -21,41 +21,35 @@ ELEM = {d: B.element_format(d) for d in (E4M3, E5M2, E2M1)}
 
 
 def _ref_exponent(amax: float, dtype, rule: str) -> int:
-    """The rules of jaxmp/fp8/_blocks.py, in Python on exact float32 values (math.frexp)."""
+    """The rules of jaxmp/fp8/_blocks.py in numpy (IEEE float32 with subnormals), written after
+    the peers: torchao's FLOOR / EVEN / CEIL read amax's exponent field, RCEIL rounds the float32
+    quotient amax / max up as JAX's cast_to_e8m0_with_rounding_up (and the hardware's cvt.rp)."""
     f = ELEM[dtype]
     a = np.float32(amax)
     if a == 0:
         return 0
-
-    def floor_log2(v):
-        return math.frexp(float(v))[1] - 1
-
-    def ceil_log2(v):
-        m, e = math.frexp(float(v))
-        return e - 1 if m == 0.5 else e
-
-    if rule == "floor":
-        e = floor_log2(a) - f.emax
-    elif rule == "even":
-        bits = (a.view(np.int32) + np.int32(1 << (23 - f.mbits - 1))) & np.int32(0x7F800000)
-        e = (int(bits) >> 23) - 127 - f.emax
-    elif math.frexp(float(a))[1] - 1 < -126:  # a subnormal amax: below any scale
-        e = -127
-    else:  # the float32 quotient (product), rounded as if float32 had no subnormals
-        exact = float(a) / f.max if rule == "ceil" else float(a) * float(np.float32(1.0 / f.max))
-        shift = 64 if exact < 1e-30 else 0
-        e = ceil_log2(np.float32(exact * 2.0 ** shift)) - shift
+    bits = int(a.view(np.int32))
+    field, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    if rule == "even":
+        field = ((bits + (1 << (23 - f.mbits - 1))) >> 23) & 0xFF
+    if rule in ("floor", "even", "ceil"):
+        e = field - 127 + (rule == "ceil" and mant > 0) - f.emax
+    else:
+        with np.errstate(under="ignore"):
+            q = int((a / np.float32(f.max)).view(np.int32))
+        qf, qm = q >> 23, q & 0x7FFFFF
+        e = qf - 127 + (qm > 0 and qf != 0xFE and not (qf == 0 and qm <= 0x400000))
     return max(-127, min(127, e))
 
 
-# The boundaries the issue names: E4M3's rules disagree at 0.9 and 449.
+# The boundaries the issue names: E4M3's rules disagree at 0.9, 448 and 449.
 E4M3_TABLE = {  # amax: (floor, even, ceil, rceil)
     0.0: (0, 0, 0, 0),
     0.9: (-9, -9, -8, -8),
-    448.0: (0, 0, 0, 0),
+    448.0: (0, 0, 1, 0),      # torchao's CEIL rounds amax's exponent up (448 = 1.75 * 2**8): 2**1
     449.0: (0, 0, 1, 1),
     480.0: (0, 0, 1, 1),
-    496.0: (1, 1, 1, 1),      # mantissa 1.9375 rounds up to 2 in 3 bits: EVEN moves, FLOOR does not
+    496.0: (0, 1, 1, 1),      # mantissa 1.9375 rounds up to 2 in 3 bits: EVEN moves, FLOOR does not
     1e-40: (-127, -127, -127, -127),  # a subnormal amax: the smallest scale, not "zero"
 }
 
@@ -64,10 +58,7 @@ E4M3_TABLE = {  # amax: (floor, even, ceil, rceil)
 def test_e4m3_scale_table_at_the_boundaries(amax):
     table = _exponents(jnp.float32(amax), 0)
     got = [int(table[r]) for r in B.POW2_RULES]
-    want = list(E4M3_TABLE[amax])
-    if amax == 496.0:  # floor keeps 2**0 (saturating), even rounds the mantissa up first
-        want = [0, 1, 1, 1]
-    assert got == want
+    assert got == list(E4M3_TABLE[amax])
     assert got == [_ref_exponent(amax, E4M3, r) for r in B.POW2_RULES]
 
 
@@ -100,8 +91,8 @@ def test_e8m0_scales_are_never_a_round_to_nearest_cast():
     amax = np.float32(0.6)
     cast = np.float32((amax / np.float32(448)).astype(ml_dtypes.float8_e8m0fnu))
     assert cast == 2.0 ** -10
-    assert int(_exponents(jnp.float32(amax), 0)["ceil"]) == -9
-    assert abs(float(QDQ(jnp.array([[0.6, 0.1]], jnp.float32), E4M3, (1, 2), "e8m0", "ceil")[0, 0]) - 0.6) < 0.6 / 16
+    assert int(_exponents(jnp.float32(amax), 0)["rceil"]) == -9
+    assert abs(float(QDQ(jnp.array([[0.6, 0.1]], jnp.float32), E4M3, (1, 2), "e8m0", "rceil")[0, 0]) - 0.6) < 0.6 / 16
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -228,14 +219,69 @@ def test_a_nan_in_a_ragged_block_gives_the_nan_scale_under_jit():
     x = np.ones((32, 64), np.float32)
     x[5] = np.nan
     x[9, 3] = np.inf
-    for fmt, rule, dtype in (("e8m0", "ceil", jnp.float8_e4m3fn), ("float32", "exact", jnp.float8_e4m3fn),
+    for fmt, rule, dtype in (("e8m0", "rceil", jnp.float8_e4m3fn), ("float32", "exact", jnp.float8_e4m3fn),
                              ("e4m3", "exact", jnp.float4_e2m1fn)):
         qx = jax.jit(lambda a: fp8._blocks.quantize(a, dtype, (1, 128), fmt, rule))(x)
         got = np.asarray(fp8._blocks.dequantize(qx))
         assert np.isnan(got[5]).all() and np.isnan(got[9]).all(), fmt
         assert np.isfinite(np.delete(got, [5, 9], axis=0)).all(), fmt
     r = fp8.CurrentScaling(block=(1, 128), rhs_block=(128, 128), bwd_dtype=jnp.float8_e4m3fn, scale_format="e8m0",
-                           scale_rule="ceil")
+                           scale_rule="rceil")
     out = np.asarray(jax.jit(lambda a, w: fp8.fp8_dot_general(a, w, (((1,), (0,)), ((), ())), r))(
         x, np.full((64, 8), 0.5, np.float32)))
     assert np.isnan(out[[5, 9]]).all() and np.isfinite(np.delete(out, [5, 9], axis=0)).all()
+
+
+def test_rceil_is_jaxs_rule_and_ceil_is_torchaos_ceil():
+    # Issue 59 item 2: "ceil" was the round-up of amax / max (torchao's RCEIL) under a CEIL label.
+    # Now "rceil" is that rule, the one jax.nn.scaled_dot_general's MXFP8 quantizer uses (its own
+    # code, run here on CPU), and "ceil" is torchao's CEIL: amax's exponent rounded up.
+    from jax._src.cudnn import scaled_matmul_stablehlo as sm
+    rs = np.random.RandomState(7)
+    x = (rs.randn(64, 256) * np.exp(rs.randn(64, 1) * 4)).astype(np.float32)
+    theirs_q, theirs_s = jax.jit(lambda v: sm.quantize(v, jax.nn.get_scaled_dot_general_config("mxfp8")))(x[None])
+    theirs_s = np.asarray(jax.lax.bitcast_convert_type(theirs_s, jnp.uint8))[0]
+    got = {r: jax.jit(lambda v, r=r: B.quantize(v, E4M3, (1, 32), "e8m0", r))(x) for r in ("ceil", "rceil")}
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got["rceil"].scale, jnp.uint8)), theirs_s)
+    np.testing.assert_array_equal(np.asarray(got["rceil"].q.astype(jnp.float32)),
+                                  np.asarray(theirs_q[0].astype(jnp.float32)))
+    ceil = np.asarray(jax.lax.bitcast_convert_type(got["ceil"].scale, jnp.uint8)).astype(int)
+    amax = np.abs(x).reshape(64, 8, 32).max(-1)
+    fields, mant = (amax.view(np.int32) >> 23) & 0xFF, amax.view(np.int32) & 0x7FFFFF
+    np.testing.assert_array_equal(ceil, fields + (mant > 0) - 8)  # torchao's CEIL, from amax's bits
+    assert (ceil != theirs_s).mean() > 0.5  # two different rules: most blocks disagree
+    # The native MXFP8 path is taken for JAX's rule only.
+    from jaxmp.fp8 import _hardware
+    mx = {r: fp8.CurrentScaling(block=(1, 32), bwd_dtype=jnp.float8_e4m3fn, scale_format="e8m0", scale_rule=r)
+          for r in ("ceil", "rceil")}
+    reasons = {r: _hardware.native_block(mx[r], jax.devices("cpu")[0])[1] for r in mx}
+    assert all("emulated" in v for v in reasons.values())
+
+
+def test_subnormals_are_quantized_from_their_bits():
+    # Issue 59 item 3: XLA:CPU flushes subnormals in float arithmetic; a block of 1e-40 got scale
+    # 2**0 and decoded to zeros, and 3.66e-41 beside an amax of 8.339e-36 coded 0 (torchao: 2**-9).
+    tiny = np.full((1, 32), 1e-40, np.float32)
+    for rule in B.POW2_RULES:
+        qx = jax.jit(lambda v, r=rule: B.quantize(v, E4M3, (1, 32), "e8m0", r))(tiny)
+        assert int(np.asarray(jax.lax.bitcast_convert_type(qx.scale, jnp.uint8))[0, 0]) == 0, rule  # 2**-127
+        want = (np.float32(1e-40) * np.float32(2.0 ** 127)).astype(E4M3).astype(np.float32) * np.float32(2.0 ** -127)
+        out = np.asarray(QDQ(tiny, E4M3, (1, 32), "e8m0", rule))
+        assert want > 0 and (out.view(np.int32) == np.float32(want).view(np.int32)).all(), rule
+    x = np.zeros((1, 32), np.float32)
+    x[0, :2] = 8.339e-36, 3.66e-41
+    qx = jax.jit(lambda v: B.quantize(v, E4M3, (1, 32), "e8m0", "floor"))(x)
+    assert float(qx.q[0, 1].astype(jnp.float32)) == 2.0 ** -9
+    assert float(np.asarray(QDQ(x, E4M3, (1, 32), "e8m0", "floor"))[0, 1]) == np.float32(2.0 ** -134)
+    # RCEIL's quotient near 2**-127 is rounded as IEEE float32 with subnormals (numpy) rounds it.
+    for dtype in (E4M3, E5M2, E2M1):
+        mid = np.float32(ELEM[dtype].max * 2.0 ** -127).view(np.int32)
+        amax = np.arange(mid - 300, mid + 300, dtype=np.int32).view(np.float32)
+        got = np.asarray(_exponents(jnp.asarray(amax), (E4M3, E5M2, E2M1).index(dtype))["rceil"])
+        want = np.array([_ref_exponent(a, dtype, "rceil") for a in amax])
+        np.testing.assert_array_equal(got, want)
+        assert set(want.tolist()) == {-127, -126}
+    # float32 and NVFP4 scales stay normal floats; the subnormal elements still code nonzero.
+    for fmt, dt in (("float32", E4M3), ("e4m3", E2M1)):
+        out = np.asarray(QDQ(tiny, dt, (1, 16), fmt, "exact"))
+        assert (out > 0).all() and np.abs(out / 1e-40 - 1).max() < 0.5, fmt

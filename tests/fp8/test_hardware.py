@@ -74,4 +74,4 @@ def test_block_scaled_recipes_are_native_only_on_blackwell_with_jax_0_12(monkeyp
     floor = fp8.CurrentScaling(block=(1, 32), bwd_dtype=jnp.float8_e4m3fn, scale_format="e8m0", scale_rule="floor")
     assert not _hardware.native_block(floor, _gpu("10.0", "B200"))[0]  # JAX rounds scales up: not the floor rule
     with pytest.raises(ValueError, match="emulate=False needs native block-scaled matmuls"):
-        check_hardware(fp8.CurrentScaling(block=(1, 32), scale_format="e8m0", scale_rule="ceil", emulate=False))
+        check_hardware(fp8.CurrentScaling(block=(1, 32), scale_format="e8m0", scale_rule="rceil", emulate=False))
