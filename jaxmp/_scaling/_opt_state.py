@@ -219,6 +219,7 @@ def scale_overflow_fix(scale: float, fits: float, dtype: str, current: LossScale
     cause = (f"the loss scale {scale:g} overflows {dtype} in this gradient (the same step is finite unscaled "
              f"and at every scale up to {scale_literal(fits)})")
     if isinstance(current, DynamicLossScale):
+        suggested = min(max(suggested, current.min_loss_scale), fits)  # a start its floor accepts
         return (f"{cause}: a dynamic scale backs off by itself (x{current.backoff_factor:g} per skipped step), but "
                 f"this one started above what fits; start it lower, jaxmp.loss_scaling(tx, "
                 f"jaxmp.DynamicLossScale({float(suggested)!r})) ({SCALE_HEADROOM:g}x below the largest scale that "
