@@ -17,7 +17,7 @@ from jaxmp._typing import PyTree
 
 from jaxmp import _tree
 from jaxmp._dtypes import is_inexact_array
-from jaxmp._scaling._loss_scale import LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale
+from jaxmp._scaling._loss_scale import LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxmp._scaling._transform import (NON_FINITE_GRADIENTS, NON_FINITE_LOSS, NON_FINITE_UPDATES, LossScalingState,
                              MasterWeightsState, apply_to_params)
 
@@ -187,19 +187,83 @@ def first_non_finite(tree: PyTree) -> str | None:
     return None
 
 
+#: How far below the largest loss scale at which a located step is finite a suggested scale
+#: sits: gradients grow as training goes on (8x, three powers of two of headroom).
+SCALE_HEADROOM = 8.0
+
+
+def scale_literal(x: float) -> str:
+    """``x`` as code: ``4096`` for an integer value, else its repr (``0.125``)."""
+    x = float(x)
+    return str(int(x)) if x >= 1 and x == int(x) else repr(x)
+
+
+def scale_overflow_fix(scale: float, fits: float, dtype: str, current: LossScale | None = None) -> str:
+    """The fix when the loss scale itself overflows a gradient: a scale that fits, as pasteable code.
+
+    Args:
+      scale: the loss scale the overflowing step ran at.
+      fits: the largest power of two at which the same step is finite (> 0).
+      dtype: the dtype it overflowed (``"float16"``).
+      current: the run's loss-scale object, when known: a dynamic one is told where to start.
+
+    Returns:
+      One sentence, ``tx`` standing for the optimizer ``jaxmp.loss_scaling`` wraps.
+
+    Example:
+      >>> import jaxmp
+      >>> jaxmp._scaling._opt_state.scale_overflow_fix(1e9, 65536.0, "float16")[:58]
+      'the loss scale 1e+09 overflows float16 in this gradient (t'
+    """
+    suggested = max(fits / SCALE_HEADROOM, 2.0 ** -10)
+    cause = (f"the loss scale {scale:g} overflows {dtype} in this gradient (the same step is finite unscaled "
+             f"and at every scale up to {scale_literal(fits)})")
+    if isinstance(current, DynamicLossScale):
+        suggested = min(max(suggested, current.min_loss_scale), fits)  # a start its floor accepts
+        return (f"{cause}: a dynamic scale backs off by itself (x{current.backoff_factor:g} per skipped step), but "
+                f"this one started above what fits; start it lower, jaxmp.loss_scaling(tx, "
+                f"jaxmp.DynamicLossScale({float(suggested)!r})) ({SCALE_HEADROOM:g}x below the largest scale that "
+                "fits this step)")
+    return (f"{cause}: pass jaxmp.loss_scaling(tx, \"dynamic\") (it backs off by itself) or "
+            f"jaxmp.loss_scaling(tx, \"static:{scale_literal(suggested)}\") ({SCALE_HEADROOM:g}x below the largest scale that fits "
+            "this step)")
+
+
+def _scale_hint(found: Any, current: LossScale, scale: float, reason: int) -> tuple[str, bool]:
+    """What the located culprit says about the loss scale as the cause (a sentence, or ""), and
+    whether the scale is the cause (then the usual fixes cannot help)."""
+    if reason != NON_FINITE_GRADIENTS or found is None:
+        return "", False
+    fits, seeded = getattr(found, "fits_scale", None), getattr(found, "loss_scale", None)
+    advice = found.scale_advice(current) if fits and callable(getattr(found, "scale_advice", None)) else ""
+    if advice:
+        return f" {advice[:1].upper()}{advice[1:]}, tx being the optimizer you wrap.", True
+    if fits == 0.0:
+        return " The located gradient overflows unscaled too, so lowering the loss scale cannot help.", False
+    if getattr(found, "found", True) is False and seeded is not None and seeded < scale:
+        return (f" The locator ran the backward pass at a loss scale of {seeded:g}, where this step is finite, but "
+                f"the run's scale is {scale:g}: pass loss_scale=jaxmp.get_loss_scale(opt_state).loss_scale to "
+                "locate_non_finite to name the op the scale overflows.", False)
+    return "", False
+
+
 def check_health(opt_state: optax.OptState, max_consecutive_skips: int = 50, *, tree: PyTree = None,
                  locate: Callable[[], Any] | None = None) -> None:
     """Host-side check that raises when training keeps skipping steps, saying why.
 
     Names the cause the state recorded (non-finite loss, gradients or updates) and the usual fix.
-    Call it every few steps outside ``jit`` (it syncs); replicated states are checked on every replica.
+    With ``locate``, the culprit op; when that op overflowed only because of the loss scale (the
+    locator finds the same step finite unscaled), the loss scale is named as the cause and a
+    scale that fits is given as code. Call it every few steps outside ``jit`` (it syncs);
+    replicated states are checked on every replica.
 
     Args:
       opt_state: an optimizer state holding a [`jaxmp.LossScalingState`][jaxmp.LossScalingState].
       max_consecutive_skips: how many skipped steps in a row are tolerated (>= 1).
       tree: optionally the last step's gradients (or updates): the message names the first inf/NaN leaf.
       locate: optionally a function of no arguments that finds the culprit op, called only when the
-        check fires, e.g. ``lambda: jaxmp.diagnostics.locate_non_finite(loss_fn, params, batch)``.
+        check fires, e.g. ``lambda: jaxmp.diagnostics.locate_non_finite(loss_fn, params, batch,
+        loss_scale=jaxmp.get_loss_scale(opt_state).loss_scale)``.
 
     Raises:
       TrainingDivergedError: more than ``max_consecutive_skips`` consecutive skips.
@@ -224,6 +288,8 @@ def check_health(opt_state: optax.OptState, max_consecutive_skips: int = 50, *, 
     consecutive = int(np.max(np.asarray(jax.device_get(s.consecutive_skips))))
     if consecutive <= max_consecutive_skips:
         return
+    if locate is not None and not callable(locate):
+        raise TypeError(f"check_health(locate=...) expects a function of no arguments, got {type(locate).__name__}")
     total = int(np.max(np.asarray(jax.device_get(s.total_skips))))
     reason = int(np.max(np.asarray(jax.device_get(s.skip_reason))))
     what, fix = _REASONS.get(reason, _REASONS[NON_FINITE_GRADIENTS])
@@ -237,18 +303,24 @@ def check_health(opt_state: optax.OptState, max_consecutive_skips: int = 50, *, 
         hint = f"The loss scale is now {scale:g}."
     leaf = first_non_finite(tree) if tree is not None else None
     where = f" The first non-finite leaf is {leaf}." if leaf is not None else ""
-    culprit = ""
+    culprit, found = "", None
     if locate is not None:
-        if not callable(locate):
-            raise TypeError(f"check_health(locate=...) expects a function of no arguments, got {type(locate).__name__}")
         try:
             found = locate()
             line = found.summary() if hasattr(found, "summary") else str(found)
             culprit = f" Culprit: {line}."
         except Exception as e:  # noqa: BLE001 - the diagnosis must not hide the divergence it explains
             culprit = f" (locating the culprit failed: {type(e).__name__}: {e})"
+    cause, by_scale = _scale_hint(found, s.loss_scale, scale, reason)
+    if by_scale:
+        fix = ""  # the learning rate, data or norms cannot help a gradient the scale overflows
+    elif (not cause and locate is None and reason == NON_FINITE_GRADIENTS and isinstance(s.loss_scale, StaticLossScale)
+          and scale > 1):
+        cause = (f" A static loss scale multiplies every gradient before the finite check: if they are finite "
+                 f"unscaled, the scale {scale:g} is the cause (check_health(..., locate=...) with "
+                 "jaxmp.diagnostics.locate_non_finite tells; jaxmp.loss_scaling(tx, \"dynamic\") backs off by itself).")
     raise TrainingDivergedError(
         f"{consecutive} consecutive steps were skipped for {what} ({total} skipped in total); "
-        f"params and optimizer state were left unchanged each time. {hint}{where}{culprit} {fix} "
-        "See docs/debugging.md."
+        f"params and optimizer state were left unchanged each time. {hint}{where}{culprit}{cause}"
+        f"{' ' + fix if fix else ''} See docs/debugging.md."
     )

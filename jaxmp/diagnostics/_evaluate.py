@@ -436,15 +436,18 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict) -> tuple[Any, Any]:
     """``fn(*args, **kwargs)`` traced in explain mode: ``(closed jaxpr, output tree)``.
 
     Explain mode makes `jaxmp.autocast` record the rule of every op it emits, which the
-    sites read back. Arguments are flattened: the jaxpr's invars are the array leaves.
+    sites read back; under `jaxmp.engine._build.debugger_tracing` a jaxmp sharded step that
+    ``fn`` calls differentiates its loss outside its ``shard_map``, so its ops are in the
+    program. Arguments are flattened: the jaxpr's invars are the array leaves.
     """
-    from jaxmp.engine._seams import explaining
+    from jaxmp.engine._seams import debugger_tracing, explaining
 
     if not callable(fn):
         raise TypeError(f"expected a callable (a loss function or a train step), got {type(fn).__name__}: {fn!r}")
     from jaxmp._misuse import loss_scaled_grad
 
     # The debugger's own differentiation is no user's unscaled float16 gradient: no warning for it.
-    with explaining(), loss_scaled_grad():
+    # A jaxmp step called inside ``fn`` runs its loss outside its shard_map (one op to the evaluator).
+    with explaining(), loss_scaled_grad(), debugger_tracing():
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     return closed, jax.tree_util.tree_structure(shape)

@@ -20,7 +20,7 @@ from jaxmp import _ops
 from jaxmp.diagnostics import _format, _locate_fix
 from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import AutocastRules
-from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, bind, compile_strict, evaluate, leaf_paths, trace
+from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths, trace
 
 if TYPE_CHECKING:  # annotation only: the engine is imported where it is used
     from jaxmp.engine._seams import AutocastRules
@@ -59,6 +59,12 @@ class NonFiniteCulprit:
         not measured.
       fix_module: the module the fix keeps in float32, as the fix's rule spells it (the Flax door's
         path, a scope path, a class), or "".
+      loss_scale: the cotangent the backward pass was seeded with (the run's loss scale), or
+        None when no backward pass ran.
+      fits_scale: for a backward culprit seeded with a scale above 1, the largest power of two
+        in ``[1, loss_scale]`` at which the same step is finite (the same program re-run, the
+        backward linear in the scale), 0.0 when it overflows at a scale of 1 too (the scale is
+        not the cause); None when not measured.
     """
 
     found: bool
@@ -78,6 +84,8 @@ class NonFiniteCulprit:
     fix_code: str = ""
     fix_effect: str = ""
     fix_module: str = ""
+    loss_scale: float | None = None
+    fits_scale: float | None = None
 
     def summary(self) -> str:
         """One line, for error messages."""
@@ -139,6 +147,11 @@ class NonFiniteCulprit:
             return self._optimizer_advice()
         where = repr(self.fix_module or self.path) if self.path else "this op"
         code = ", as code:" if self.fix_code else ""
+        if self.backward and self.fits_scale:
+            return self.scale_advice()
+        if self.backward and self.fits_scale == 0.0:  # measured: it overflows unscaled too
+            return (f"the gradient overflows the half dtype in {where} even at a loss scale of 1: train in "
+                    f"bfloat16, or keep {where} in float32{code}" + ("" if code else f" (see {_DOCS})"))
         if self.backward:
             return (f"the gradient overflows the half dtype in {where}: lower the loss scale (a dynamic scale "
                     f"backs off by itself), train in bfloat16, or keep {where} in float32{code}"
@@ -146,6 +159,23 @@ class NonFiniteCulprit:
         return (f"normalise the input of {where}, train in bfloat16 (float32's range), or keep {where} in "
                 f"float32{code}" + ("" if code else f" (see {_DOCS})"))
 
+    def scale_advice(self, current: Any = None) -> str:
+        """What to pass instead when the loss scale itself overflowed this op (``fits_scale`` > 0), or "".
+
+        Code that runs as printed, ``tx`` being the optimizer ``jaxmp.loss_scaling`` wraps
+        (`jaxmp._scaling._opt_state.scale_overflow_fix`); ``current``, the run's loss-scale
+        object when known (a dynamic one is told where to start).
+        """
+        if not self.fits_scale or self.loss_scale is None:
+            return ""
+        from jaxmp._scaling._opt_state import scale_overflow_fix
+
+        return scale_overflow_fix(self.loss_scale, self.fits_scale, self._half_name(), current)
+
+    def _half_name(self) -> str:
+        half = next((d for d in self.out_dtypes + self.in_dtypes if d in ("f16", "bf16")),
+                    self.out_dtypes[0] if self.out_dtypes else "")
+        return {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}.get(half, half)
 
     def _optimizer_advice(self) -> str:
         half = next((d for d in self.out_dtypes + self.in_dtypes if d in ("f16", "bf16")), "half")
@@ -242,10 +272,17 @@ def _floating(x) -> bool:
     return dtype is not None and _format.is_floating(dtype)
 
 
-def _with_gradient(fn: Callable, loss_scale: float) -> Callable:
-    """``fn`` and its gradient (w.r.t. every floating argument), the cotangent seeded with ``loss_scale``."""
+def _with_gradient(fn: Callable, loss_scale: float | None) -> Callable:
+    """``fn`` and its gradient (w.r.t. every floating argument), the cotangent seeded with ``loss_scale``.
+
+    ``loss_scale=None``: the scale is the returned function's first argument (a traced float32
+    scalar), so one compiled program runs the step at several scales.
+    """
 
     def both(*args, **kwargs):
+        scale = loss_scale
+        if scale is None:
+            scale, args = args[0], args[1:]
         flat, tree = jax.tree_util.tree_flatten((args, kwargs))
         diff = [i for i, x in enumerate(flat) if _floating(x)]
 
@@ -257,11 +294,26 @@ def _with_gradient(fn: Callable, loss_scale: float) -> Callable:
             return fn(*a, **k)
 
         out, vjp = jax.vjp(of, *[flat[i] for i in diff])
-        cts = jax.tree_util.tree_map(lambda o: jnp.full(jnp.shape(o), loss_scale, o.dtype) if _floating(o)
+        cts = jax.tree_util.tree_map(lambda o: jnp.full(jnp.shape(o), scale).astype(o.dtype) if _floating(o)
                                      else np.zeros(jnp.shape(o), jax.dtypes.float0), out)
         return out, vjp(cts)
 
     return both
+
+
+def _largest_finite_scale(finite_at: Callable[[float], bool], loss_scale: float) -> float:
+    """The largest power of two in ``[1, loss_scale]`` at which ``finite_at`` holds; 0.0 if not at 1.
+
+    ``finite_at(loss_scale)`` is known False. The backward pass is linear in its seed, so
+    finiteness is monotone in the scale: a bisection over the exponents (at most 7 runs).
+    """
+    if not finite_at(1.0):
+        return 0.0
+    lo, hi = 0, int(np.floor(np.log2(loss_scale))) + 1  # finite at 2**lo; 2**hi > loss_scale is not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if finite_at(2.0 ** mid) else (lo, mid)
+    return 2.0 ** lo
 
 
 def _scalar_float(shape_tree) -> bool:
@@ -294,7 +346,9 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
       loss_scale: the cotangent the backward pass is seeded with (the run's loss scale: float16
         gradients overflow at the scale, not at 1): a number or a one-element array such as
         ``jaxmp.get_loss_scale(opt_state).loss_scale``; finite and positive. None: 1, or for a
-        jaxmp step the scale in its optimizer state.
+        jaxmp step the scale in its optimizer state. When the culprit is in the backward pass at
+        a scale above 1, the same compiled program re-runs at smaller powers of two (a few runs,
+        no new compile) to tell whether the scale is the cause (``fits_scale``).
       rules: `jaxmp.AutocastRules` for ``jaxmp.autocast`` (with ``policy``).
       **kwargs: keyword arguments of ``fn``.
 
@@ -344,9 +398,9 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
     with _locate_fix.doors() as met:  # the Flax doors the step runs through (their fix is a path rule)
         found, site, sites = _run_once(run, args, kwargs, grad, float(loss_scale))
     if found is None:
-        return NonFiniteCulprit(False, note=prep.note)
+        return NonFiniteCulprit(False, note=prep.note, loss_scale=float(loss_scale) if grad else None)
     found = dataclasses.replace(found, note=prep.note)
-    if not _fixable(found):
+    if not _fixable(found) or found.fits_scale:  # a scale that fits is the fix (`advice`), not a rule
         return found
     paths = frozenset(s.path for s in sites.sites if s.path)
     half = "O1-fp16" if "f16" in found.in_dtypes + found.out_dtypes else "O1-bf16"
@@ -354,12 +408,20 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
     return _with_fix(found, site, step, grad, float(loss_scale))
 
 
-def _run_once(run: Callable, args, kwargs, grad: bool, loss_scale: float):
-    """``(culprit, its site, the program's sites)`` of one op-by-op run (culprit and site None: all finite)."""
+def _run_once(run: Callable, args, kwargs, grad: bool, loss_scale: float, scale_cause: bool = True):
+    """``(culprit, its site, the program's sites)`` of one op-by-op run (culprit and site None: all finite).
+
+    ``scale_cause``: for a backward culprit at a scale above 1, re-run the same program at smaller
+    scales to measure ``fits_scale`` (the fix's re-runs skip it).
+    """
+    seed = float(loss_scale) if grad else None
     if grad:
-        run = _with_gradient(run, loss_scale)
+        # The seed is the program's first input: the same compiled program re-runs at other scales.
+        run = _with_gradient(run, None)
+        args = (jnp.float32(seed), *args)
     closed, _ = trace(run, args, kwargs)
-    sites = Sites(closed.jaxpr, leaf_paths(args, kwargs))
+    paths = ["<loss scale>", *leaf_paths(args[1:], kwargs)] if grad else leaf_paths(args, kwargs)
+    sites = Sites(closed.jaxpr, paths)
     hooks = _Locate()
 
     def program(consts, leaves):
@@ -367,12 +429,21 @@ def _run_once(run: Callable, args, kwargs, grad: bool, loss_scale: float):
         _, state = evaluate(closed.jaxpr, consts, leaves, state, hooks, sites)
         return state
 
+    located = StrictJit(program)
     leaves = jax.tree_util.tree_leaves((args, kwargs))
-    first, mags, nan = jax.device_get(compile_strict(program, list(closed.consts), leaves))
+    first, mags, nan = jax.device_get(located(list(closed.consts), leaves))
     if int(first) < 0:
         return None, None, sites
     site = sites.sites[int(first)]
-    return culprit(site, mags, bool(nan)), site, sites
+    found = dataclasses.replace(culprit(site, mags, bool(nan)), loss_scale=seed)
+    if scale_cause and found.backward and seed is not None and seed > 1:
+        # Is the scale the cause? The same step at other seeds: finite unscaled, up to which scale.
+        def finite_at(scale: float) -> bool:
+            again = located(list(closed.consts), [jnp.float32(scale), *leaves[1:]])
+            return int(jax.device_get(again[0])) < 0
+
+        found = dataclasses.replace(found, fits_scale=_largest_finite_scale(finite_at, seed))
+    return found, site, sites
 
 
 def _fixable(found: NonFiniteCulprit) -> bool:
@@ -398,7 +469,7 @@ def _located_with(step: "_locate_fix.Step", units: list, grad: bool, loss_scale:
         return None
     run, context = runner
     with context():
-        found, site, _ = _run_once(run, step.args, step.kwargs, grad, loss_scale)
+        found, site, _ = _run_once(run, step.args, step.kwargs, grad, loss_scale, scale_cause=False)
     return found, site
 
 

@@ -40,6 +40,8 @@ _F32 = np.dtype(np.float32)
 
 #: First-order ops with a combiner jaxpr (the op catalogue's).
 _COMBINER_OPS = _ops.of_class("combiner")
+#: Per-device programs (``shard_map``, ``pmap``) the evaluator runs as one op, in both runs.
+_MAPPED = _ops.having("mapped")
 
 
 def _up(x):
@@ -153,6 +155,17 @@ def _scalar_first(shape_tree) -> bool:
     return bool(leaves) and getattr(leaves[0], "shape", None) == () and _floating(leaves[0])
 
 
+
+
+def _mapped_note(sites: Sites, note: str) -> str:
+    """``note``, and a word on each ``shard_map``/``pmap`` the program runs as one op: its body runs
+    in the policy's precision in both runs, so it adds no error to the comparison."""
+    mapped = sorted({f"{s.primitive} at {s.path or '(top level)'}" for s in sites.sites if s.primitive in _MAPPED})
+    if not mapped:
+        return note
+    word = (f"{', '.join(mapped)} ran as one op, the same in both runs: its body is not compared (pass the "
+            "function it maps, or the jaxmp step itself)")
+    return f"{note}; {word}" if note else word
 
 
 class _Program:
@@ -417,7 +430,7 @@ def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> Sh
                            key=lambda r: (-abs(r[2]), -r[1])))
     report = ShadowReport(tuple(mods), loss, loss_f, grads, ops, steps, tuple(losses), tuple(losses_f),
                           None, 0.0, None if policy is None else str(policy), noise, drift, losses_noise,
-                          note=note)
+                          note=_mapped_note(prog.sites, note))
     if steps:
         noise, formula = 0.0, "nothing computes in half precision (the policy run is the float32 run)"
         if half is not None:

@@ -78,6 +78,40 @@ def explain_enabled() -> bool:
     return bool(_EXPLAIN.value)
 
 
+#: While True (see `debugger_tracing`), jaxmp's own train steps run the loss they wrap without a
+#: ``shard_map``: the debugger evaluates a program op by op and runs a ``shard_map`` as one op, so
+#: the float32 shadow of a step called inside a traced function would otherwise be the policy run
+#: itself. A jit cache key, so a step traced for the debugger is never reused by training.
+_DEBUGGER = internals.jit_key_state(
+    "jaxmp_debugger_trace", False,
+    "jaxmp's train steps run their loss on the global batch, outside any shard_map (the precision debugger traces).",
+    kind="bool")
+
+
+@contextlib.contextmanager
+def debugger_tracing():
+    """While active, jaxmp's sharded train steps differentiate their loss on the global batch.
+
+    The precision debugger (`jaxmp.diagnostics._evaluate.trace`) traces under it, so a function
+    that calls ``make_sharded_train_step``'s step has every op of the loss in its program, as the
+    step's own ``loss_view`` has.
+
+    Yields:
+      Nothing.
+    """
+    with _DEBUGGER(True):
+        yield
+
+
+def debugger_tracing_enabled() -> bool:
+    """Whether `debugger_tracing` is active.
+
+    Returns:
+      True while the precision debugger traces a function.
+    """
+    return bool(_DEBUGGER.value)
+
+
 def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 

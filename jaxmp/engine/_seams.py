@@ -22,6 +22,8 @@ from jaxmp.engine._autocast_fn import autocast, engine_function
 
 # Reading back what the engine decided (the diagnostics' "explain", the fp8 layers' markers).
 from jaxmp.engine._build import explain_enabled, explaining
+# The debugger's trace: jaxmp's sharded steps run their loss outside the shard_map under it.
+from jaxmp.engine._build import debugger_tracing, debugger_tracing_enabled
 from jaxmp.engine._rules import MARKER
 
 # JAX's internals as the engine reads them, and the contract the self-check runs.
@@ -47,6 +49,8 @@ __all__ = [
     # reading back what the engine decided
     "explain_enabled",
     "explaining",
+    "debugger_tracing",
+    "debugger_tracing_enabled",
     "MARKER",
     # internals and the contract
     "contract",

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxmp._scaling import _loss_view
 from jaxmp._scaling._collectives import check_reduce_dtype
 from jaxmp._typing import PyTree
+from jaxmp.engine._seams import debugger_tracing_enabled
 from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer, _shard_step as shard_step
 from jaxmp.parallel._checks import (
     abstract_leaf_error, step_form,
@@ -294,7 +295,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
     donate_argnums = (0, 1) if donate else ()
     cache: dict = {}
 
-    def build(params, opt_state):
+    def build(params, opt_state, reduce_dtype):
         """The jitted steps for states of this structure and these shapes (shardings follow shapes)."""
         p_specs, o_specs, g_specs = layouts.state_specs(params, opt_state, mesh, layout, data_axis=axis,
                                                         param_specs=param_specs, min_shard_size=min_shard_size)
@@ -315,14 +316,18 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
 
     def get(state, opt_state):
         params = state[0] if model_state else state
+        # Traced by the precision debugger, the step differentiates its loss on the global batch
+        # (reduce_dtype None): the debugger runs a shard_map as one op, so inside one its float32
+        # shadow would be the policy run itself. The same loss, as the step's loss_view runs it.
+        reduce = None if debugger_tracing_enabled() else reduce_dtype
         sig = jax.tree_util.tree_structure((params, opt_state)), tuple(
             (tuple(jnp.shape(x)), str(getattr(x, "dtype", type(x)))) for x in jax.tree_util.tree_leaves((params, opt_state)))
-        if sig not in cache:
+        if (sig, reduce) not in cache:
             # Once per state shape: a pmap-replicated state, or a swapped one, has its own, so it comes here.
             check_argument_order(state, step_form(model_state))
             layouts.check_not_pmap_state(params, opt_state, layout)
-            cache[sig] = build(params, opt_state)
-        return cache[sig]
+            cache[sig, reduce] = build(params, opt_state, reduce)
+        return cache[sig, reduce]
 
     def run(params, opt_state, batch, rng=None):
         # A donated state used again crashes the process (SIGSEGV) instead of raising; one donated

@@ -223,3 +223,57 @@ def test_comparison_ranks_the_same_on_the_step_and_its_loss(case):
     if case not in ("linen", "nnx"):
         assert on_step.top.path == "sched", on_step
     assert "the loss it wraps (step.loss_fn" in " ".join(str(on_step).split())
+
+
+# ---- a function that calls a sharded step (issue 60, item 5) ----
+
+def _calling_the_step(layout, reduce_dtype):
+    """``fn(params, opt_state, batch) -> loss`` that runs ``make_sharded_train_step``'s step."""
+    step = jaxmp.parallel.make_sharded_train_step(jaxmp.autocast(_loss, "O2-bf16"), _tx(),
+                                                  jaxmp.parallel.make_data_mesh(), layout=layout,
+                                                  **({} if reduce_dtype == "default" else {"reduce_dtype": reduce_dtype}))
+    return lambda p, s, b: step(p, s, b)[2]["loss"]
+
+
+@pytest.fixture(scope="module")
+def direct():
+    """The comparison of the loss itself, the one a step's must equal."""
+    return compare_to_float32(jaxmp.autocast(_loss, "O2-bf16"), _params(), {"x": X, "y": Y}, fix=False)
+
+
+def _same_comparison(on_call, on_loss):
+    assert on_loss.loss_error > 1e-3  # the seeded bias path: the policy run against itself would be 0
+    assert on_call.loss == pytest.approx(on_loss.loss, rel=1e-6)
+    assert on_call.loss_error == pytest.approx(on_loss.loss_error, rel=1e-4)
+    assert on_call.top.path == on_loss.top.path == "sched"
+    assert "ran as one op" not in on_call.note
+
+
+def test_a_function_calling_the_sharded_step_is_compared_as_its_loss(direct):
+    # The default layout and reduce dtype (float32) run the loss per data shard inside a shard_map,
+    # which the shadow ran as one op: the comparison was the policy run against itself (error 0).
+    p = _params()
+    on_call = compare_to_float32(_calling_the_step("replicated", "default"), p, _tx().init(p), {"x": X, "y": Y},
+                                 fix=False)
+    _same_comparison(on_call, direct)
+
+
+@pytest.mark.slow  # ~5-20 s per case on a shared 2-core CPU: a comparison with its noise runs
+@pytest.mark.parametrize("layout", ["replicated", "zero", "fsdp"])
+@pytest.mark.parametrize("reduce_dtype", ["default", "bfloat16", "float16", None])
+def test_every_layout_and_reduce_dtype_of_the_sharded_step_is_compared_as_its_loss(layout, reduce_dtype, direct):
+    p = _params()
+    on_call = compare_to_float32(_calling_the_step(layout, reduce_dtype), p, _tx().init(p), {"x": X, "y": Y},
+                                 fix=False)
+    _same_comparison(on_call, direct)
+
+
+def test_a_users_own_shard_map_is_said_to_be_one_op():
+    mesh = jaxmp.parallel.make_data_mesh()
+    P = jax.sharding.PartitionSpec
+    mean = jax.shard_map(lambda v: jax.lax.pmean(jnp.mean(v, keepdims=True), "data"), mesh=mesh,
+                         in_specs=P("data"), out_specs=P())
+    report = compare_to_float32(lambda w, x: mean(jnp.tanh(x @ w).ravel())[0], _params()["embed"], X,
+                                policy="O1-bf16", fix=False)
+    assert "shard_map at (top level) ran as one op" in " ".join(report.note.split())
+    assert "shard_map at (top level) ran as one op" in " ".join(str(report).split())

@@ -158,3 +158,33 @@ def test_check_health_reads_every_replica_of_a_replicated_state():
 def test_check_health_refuses_a_bad_limit(bad):
     with pytest.raises(ValueError, match="max_consecutive_skips must be an int >= 1"):
         check_health(_state(), bad)
+
+
+def test_check_health_reads_the_loss_scale_out_of_the_located_culprit():
+    # What a culprit located at the run's scale says about that scale (issue 60, item 4); the
+    # measurement itself is tests/diagnostics/test_loss_scale_cause.py's.
+    import re
+
+    from jaxmp.diagnostics import NonFiniteCulprit
+
+    def culprit(**kw):
+        return NonFiniteCulprit(True, "dot_general", "Net/head", "run.py:1:1 (f)", True, ("f16", "f16"), ("f16",),
+                                (1024.0, 437.5), 65504.0, "inf", "half list", **kw)
+
+    state = _skipping(_state(), 2, NON_FINITE_GRADIENTS)  # a dynamic scale, now 32768
+    with pytest.raises(TrainingDivergedError) as e:
+        check_health(state, 1, locate=lambda: culprit(loss_scale=32768.0, fits_scale=1024.0))
+    message = str(e.value)
+    assert "The loss scale 32768 overflows float16" in message and "learning rate" not in message
+    code = re.search(r"jaxmp\.loss_scaling\(tx, jaxmp\.DynamicLossScale\(([\d.]+)\)\)", message)
+    assert code and float(code.group(1)) == 128.0, message
+    tx = eval(code.group(0), {"jaxmp": jaxmp, "tx": optax.sgd(0.1)})  # noqa: S307 - the message's own code
+    assert float(jaxmp.get_loss_scale(tx.init({"w": jnp.ones(2)})).loss_scale) == 128.0
+    # Measured to overflow unscaled too: the scale is not the cause, the usual fixes stay.
+    with pytest.raises(TrainingDivergedError, match="overflows unscaled too, so lowering the loss scale cannot help"
+                       r".*lower the learning rate"):
+        check_health(state, 1, locate=lambda: culprit(loss_scale=32768.0, fits_scale=0.0))
+    # Located at another seed than the run's scale: the message says which scale to pass.
+    with pytest.raises(TrainingDivergedError, match=r"at a loss scale of 1, where this step is finite, but the run's "
+                                                    r"scale is 32768: pass loss_scale=jaxmp\.get_loss_scale"):
+        check_health(state, 1, locate=lambda: NonFiniteCulprit(False, loss_scale=1.0))
