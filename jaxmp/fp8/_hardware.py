@@ -185,8 +185,9 @@ def check_hardware(recipe: Fp8Recipe, device: Any = None) -> HardwareVerdict:
     Example:
       >>> import jaxmp
       >>> from jaxmp import fp8
-      >>> fp8.check_hardware(fp8.DelayedScaling(), "cpu")
-      'emulated'
+      >>> verdict = fp8.check_hardware(fp8.DelayedScaling(), "cpu")
+      >>> verdict == "emulated", verdict.reason.split(":")[0]
+      (True, 'cpu has no fp8 Tensor Cores')
       >>> fp8.check_hardware(jaxmp.get_recipe("O2-mxfp8").fp8, "cpu").cost.split(":")[0]
       'a quantize-dequantize pass per operand around a matmul in the compute dtype'
     """

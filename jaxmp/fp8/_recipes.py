@@ -257,10 +257,12 @@ def source(recipe: Fp8Recipe, **changes) -> str:
       The constructor call, with the fields that differ from their defaults.
 
     Example:
-      >>> import jaxmp
+      >>> import jax.numpy as jnp
       >>> from jaxmp import fp8
-      >>> fp8._recipes.source(jaxmp.get_recipe("O2-mxfp8").fp8, emulate=True)
-      "jaxmp.fp8.CurrentScaling(bwd_dtype=jnp.float8_e4m3fn, emulate=True, block=(1, 32), scale_format='e8m0', scale_rule='rceil')"
+      >>> fp8._recipes.source(fp8.DelayedScaling(history_length=16), emulate=True)
+      'jaxmp.fp8.DelayedScaling(emulate=True, history_length=16)'
+      >>> fp8._recipes.source(fp8.CurrentScaling(bwd_dtype=jnp.float8_e4m3fn))
+      'jaxmp.fp8.CurrentScaling(bwd_dtype=jnp.float8_e4m3fn)'
     """
     if not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"expected a jaxmp.fp8 recipe (CurrentScaling or DelayedScaling), got {type(recipe).__name__}")
@@ -284,8 +286,9 @@ def conv_recipe(recipe: Fp8Recipe) -> Fp8Recipe:
     Example:
       >>> import jaxmp
       >>> from jaxmp import fp8
-      >>> fp8._recipes.conv_recipe(jaxmp.get_recipe("O2-nvfp4").fp8)
-      CurrentScaling(margin=0.0, fwd_dtype=dtype(float8_e4m3fn), bwd_dtype=dtype(float8_e4m3fn), emulate=None, block=None, rhs_block=None, scale_format='float32', scale_rule='exact', high_precision_legs=(), stochastic_rounding=False, hadamard=False, seed=0)
+      >>> r = fp8._recipes.conv_recipe(jaxmp.get_recipe("O2-nvfp4").fp8)
+      >>> r.block, r.fwd_dtype, r.bwd_dtype
+      (None, dtype(float8_e4m3fn), dtype(float8_e4m3fn))
     """
     if not (isinstance(recipe, CurrentScaling) and recipe.block is not None):
         return recipe
