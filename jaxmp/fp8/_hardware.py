@@ -195,7 +195,10 @@ def check_hardware(recipe: Fp8Recipe, device: Any = None) -> HardwareVerdict:
         raise TypeError(f"expected a jaxmp.fp8 recipe (CurrentScaling or DelayedScaling), got {type(recipe).__name__}")
     device = as_device(device)
     block = isinstance(recipe, CurrentScaling) and recipe.block is not None
-    native, reason = native_block(recipe, device) if block else native_fp8(device)
+    if isinstance(recipe, CurrentScaling) and recipe.block is not None:
+        native, reason = native_block(recipe, device)
+    else:
+        native, reason = native_fp8(device)
     if native and not recipe.emulate:
         return HardwareVerdict("native", reason, NATIVE_BLOCK_COST if block else NATIVE_FP8_COST, device.platform)
     if native:
@@ -244,7 +247,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 
 def _user_stacklevel() -> int:
     """The ``stacklevel`` of the first frame outside jaxmp (the user's wrapping call)."""
-    frame, level = sys._getframe(2), 2
+    frame: Any = sys._getframe(2)
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     return level

@@ -96,15 +96,15 @@ def _scaled_bilinear(op, lhs, rhs, recipe: Fp8Recipe, scales: Fp8Scales | None):
 
         def jvp(primals, tangents):
             (a, b), (ta, tb) = primals, tangents
-            y = f(a, b)  # through this rule again in a second derivative, never through the casts
+            y = scaled(a, b)  # through this rule again in a second derivative, never through the casts
             qa, qb = (straight_through(lambda v: q(v, fwd_dt, None), v) for v in (a, b))
             # The derivative of the quantized forward, quantization passed straight through.
             parts = ([] if is_zero(ta) else [op(ta, qb)]) + ([] if is_zero(tb) else [op(qa, tb)])
             return y, rounded_cotangent(tangent_sum(parts, y), lambda g: q(g, bwd_dt, None))
 
-        f = jax.custom_jvp(primal)
-        f.defjvp(jvp, symbolic_zeros=True)
-        return f(lhs, rhs)
+        scaled = jax.custom_jvp(primal)
+        scaled.defjvp(jvp, symbolic_zeros=True)
+        return scaled(lhs, rhs)
 
     def fwd_d(a, b, sa, sb, sg):
         qa, qb = q(a, fwd_dt, sa), q(b, fwd_dt, sb)
