@@ -196,10 +196,9 @@ class Variant:
         recipe = jaxmp.get_recipe(policy)
         self.emulated = None
         if getattr(recipe.fp8, "block", None) is not None and jax.devices()[0].platform != "cpu":
-            try:
-                jaxmp.fp8.check_hardware(recipe.fp8)
-            except ValueError as e:  # no native block-scaled GEMM here: emulate, and say so
-                self.emulated = str(e).splitlines()[0]
+            verdict = jaxmp.fp8.check_hardware(recipe.fp8)
+            if verdict == "emulated":  # no native block-scaled GEMM here: emulate on purpose, and say so
+                self.emulated = verdict.reason
                 recipe = recipe._replace(fp8=dataclasses.replace(recipe.fp8, emulate=True))
         self.model = jaxmp.flax.mixed_precision(module, recipe)
         self.tx = jaxmp.loss_scaling(optax.adamw(LEARNING_RATE), loss_scale=recipe.loss_scale,

@@ -81,7 +81,12 @@ class AutocastModel:
 
     @property
     def policy(self) -> jaxmp.Policy:
-        return jaxmp.get_policy(self.preset)
+        # The dtypes alone (autocast applies the preset itself, fp8 recipe included): a preset's
+        # through its recipe, since get_policy refuses an fp8 preset's name.
+        try:
+            return jaxmp.get_recipe(self.preset).policy
+        except ValueError:  # not a preset: jmp's grammar or a dtype name
+            return jaxmp.get_policy(self.preset)
 
     @property
     def rules(self) -> Any:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import fp8 as _fp8
+from jaxmp.fp8._seams import recipes as _fp8_recipes
 from jaxmp._typing import PolicyLike
 from jaxmp._dtypes import dtype_names
 from jaxmp._precision._policy import Policy, parse_policy_grammar
@@ -259,7 +260,9 @@ def get_policy(policy_name: str) -> Policy:
 
     Raises:
       TypeError: ``policy_name`` is not a string.
-      ValueError: malformed string, unknown key or unknown name (the message lists presets and dtypes).
+      ValueError: malformed string, unknown key or unknown name (the message lists presets and dtypes);
+        or an fp8 preset (``"O2-fp8"``, ``"O2-mxfp8"``, ``"O2-nvfp4"``...), whose recipe a Policy
+        cannot hold: the message names [`get_recipe`][jaxmp.get_recipe] and the doors that keep it.
 
     Example:
       >>> import jaxmp
@@ -270,7 +273,21 @@ def get_policy(policy_name: str) -> Policy:
     """
     if not isinstance(policy_name, str):
         raise TypeError(f"policy name must be a string, got {type(policy_name).__name__}: {policy_name!r}")
-    return resolve_policy(policy_name)[0]
+    return _dtypes_only(policy_name, "get_policy")
+
+
+def _dtypes_only(policy: PolicyLike, caller: str) -> Policy:
+    """The Policy of ``policy``, refusing an fp8 preset's name: a Policy is three dtypes, and
+    handing it on (to autocast, a Flax door, Haiku) would run bf16 where the name promised fp8."""
+    resolved, recipe = resolve_policy(policy)
+    if isinstance(policy, str) and recipe is not None and recipe.fp8 is not None:
+        name = policy.strip()
+        raise ValueError(
+            f"jaxmp.{caller}({name!r}): {name!r} is an fp8 preset, and a Policy holds only dtypes ({resolved}): it would "
+            f"drop the recipe {_fp8_recipes.source(recipe.fp8)}. Pass the name where it is applied, "
+            f"jaxmp.autocast(fn, {name!r}) or jaxmp.flax.mixed_precision(model, {name!r}); "
+            f"jaxmp.get_recipe({name!r}) is the whole level (.fp8 the recipe, .policy the dtypes alone).")
+    return resolved
 
 
 def as_policy(policy: PolicyLike) -> Policy:
@@ -284,11 +301,12 @@ def as_policy(policy: PolicyLike) -> Policy:
 
     Raises:
       TypeError: ``policy`` is none of those.
+      ValueError: an fp8 preset's name, as for [`get_policy`][jaxmp.get_policy].
 
     Example:
       >>> import jmp, jaxmp
       >>> jaxmp.as_policy(jmp.get_policy("c=bf16")).compute_dtype
       dtype(bfloat16)
     """
-    return resolve_policy(policy)[0]
+    return _dtypes_only(policy, "as_policy")
 

@@ -302,9 +302,9 @@ def analyze_jaxpr(closed_jaxpr, *, policy: PolicyLike | None = None, tensor_core
         raise ValueError(f"reduction_threshold must be a positive int, got {reduction_threshold!r}")
     pol = None
     if policy is not None:
-        from jaxmp._precision._presets import as_policy
+        from jaxmp._precision._presets import resolve_policy
 
-        pol = as_policy(policy)
+        pol = resolve_policy(policy)[0]  # an fp8 preset's name labels the report with its dtypes
     ops, risky, unknown = walk_jaxpr(
         jaxpr, compute_half=pol is not None and _format.is_low_precision(pol.compute_dtype),
         tc_multiple=tc_multiple, reduction_threshold=reduction_threshold, values=values)

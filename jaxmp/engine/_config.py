@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import fp8
+from jaxmp.fp8._seams import hardware as fp8_hardware
 from jaxmp.engine import _internals as internals
 from jaxmp.engine._module_rules import ModuleRules
 from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules
@@ -118,9 +119,12 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
             raise ValueError(f"{name}: delayed fp8 scaling keeps amax histories per layer, which a plain function "
                              "under jaxmp.autocast has no state for; use 'O2-fp8-current' (current scaling) here, "
                              "or jaxmp.flax.mixed_precision(model, 'O2-fp8') for delayed scaling")
-        fp8.check_hardware(fp8_recipe)
         if rules.fp8_matmuls is None:
             rules = dataclasses.replace(rules, fp8_matmuls=fp8_recipe)
+    if rules.fp8_matmuls is not None:
+        # The recipe that will run (the rules' own wins over the preset's): native, emulated with
+        # one warning where a block format has no native path, or a clear error naming the way out.
+        fp8_hardware.check_for_run(rules.fp8_matmuls)
     return AutocastConfig(name, compute, output, cast_inputs, rules, modules=modules)
 
 

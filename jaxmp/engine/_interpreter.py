@@ -251,12 +251,22 @@ class Interpreter:
         recipe = self.rules.fp8_matmuls
         if recipe is not None and eqn.primitive.name == "dot_general" and len(floats) == 2:
             return [Val(self._fp8_dot(eqn, args, params, recipe))]
+        if recipe is not None and eqn.primitive.name == "conv_general_dilated" and len(floats) == 2:
+            return [Val(self._fp8_conv(args, params, recipe))]
         return [Val(o) for o in self.bind(eqn, args, params, rule="half list")]
 
     def _fp8_dot(self, eqn, args, params, recipe) -> Any:
         with self._rule_scope(fp8_recipes.describe(recipe)):
             return fp8.fp8_dot_general(args[0], args[1], params["dimension_numbers"], recipe,
                                        preferred_element_type=params.get("preferred_element_type"))
+
+    def _fp8_conv(self, args, params, recipe) -> Any:
+        # What the Flax door's Conv layers run: fp8_conv_general_dilated, which gives a block recipe
+        # per-tensor scaling in its fp8 formats (a convolution's window has no contraction axis to
+        # block along); labelled with the recipe that actually runs.
+        with self._rule_scope(fp8_recipes.describe(fp8_recipes.conv_recipe(recipe))):
+            kwargs = {k: v for k, v in params.items() if k != "out_sharding"}  # as _fp8_dot: not an fp8 op's
+            return fp8.fp8_conv_general_dilated(args[0], args[1], recipe=recipe, **kwargs)
 
     def _follow(self, eqn, vals, floats, cast) -> list[Val]:
         dts = [dtype_of(vals[i].x) for i in floats]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp import fp8 as _fp8
+from jaxmp.fp8._seams import hardware as fp8_hardware
 from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import PURE_HALF_RULES, AutocastRules, merge_rules
 from jaxmp._precision._policy import Policy
@@ -210,7 +210,8 @@ def resolve_rules(policy: PolicyLike, rules: AutocastRules | None = None) -> tup
         # drop its class rules (norms in float32) and op lists. They are merged onto them instead.
         rules = merge_rules(default_rules(recipe if recipe is not None else resolved), rules)
     if rules.fp8_matmuls is not None:
-        _fp8.check_hardware(rules.fp8_matmuls)  # native, emulated on CPU, or a clear error naming the device
+        # native, emulated (one warning off CPU for a block format), or a clear error naming the way out
+        fp8_hardware.check_for_run(rules.fp8_matmuls)
     return resolved, rules
 
 

@@ -42,7 +42,7 @@ def _run(op_name: str, recipe, scales, args, kwargs):
     if kwargs.pop("out_sharding", None) is not None:  # NNX always passes it, usually None
         raise ValueError("fp8 layers do not take out_sharding: shard the operands instead")
     op = fp8.fp8_dot_general if op_name == "dot_general" else fp8.fp8_conv_general_dilated
-    with _labelled(recipe):
+    with _labelled(recipe if op_name == "dot_general" else fp8_recipes.conv_recipe(recipe)):
         return op(*args, recipe=recipe, scales=scales, **kwargs)
 
 

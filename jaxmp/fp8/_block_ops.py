@@ -18,6 +18,7 @@ float32 block scales are rounded, once).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -28,6 +29,7 @@ from jaxmp.fp8._block_watch import watch, watched_stack
 from jaxmp.fp8._blocks import apply_hadamard, dequantize, hadamard_signs, quantize
 from jaxmp.fp8._hardware import native_block
 from jaxmp.fp8._recipes import CurrentScaling
+from jaxmp.fp8._tangents import is_zero, rounded_cotangent, straight_through, tangent_sum
 
 KEY_IMPL = "threefry2x32"  # as jaxmp's other stochastic rounding: bits independent of sharding
 
@@ -57,6 +59,18 @@ def qdq(x: jax.Array, contract: tuple, batch: tuple, dtype: Any, block: Any, rec
     out = dequantize(qx, dt, with_global=not split_global).reshape(xt.shape)
     out = jnp.transpose(out, tuple(perm.index(d) for d in range(x.ndim)))
     return (out, qx.global_scale) if split_global else out
+
+
+def rotate(x: jax.Array, contract: tuple, batch: tuple, h: jax.Array) -> jax.Array:
+    """The linear part of `qdq` with a Hadamard transform: ``x`` in the same layout, transformed
+    along ``contract`` by the signs ``h``, unquantized (in ``x``'s dtype)."""
+    free = tuple(d for d in range(x.ndim) if d not in contract and d not in batch)
+    perm = (*batch, *free, *contract)
+    xt = jnp.transpose(x, perm)
+    rows = math.prod(xt.shape[:len(batch) + len(free)])
+    x2 = apply_hadamard(xt.reshape(rows, math.prod(xt.shape[len(batch) + len(free):])), h)
+    out = x2.astype(x.dtype).reshape(xt.shape)
+    return jnp.transpose(out, tuple(perm.index(d) for d in range(x.ndim)))
 
 
 def _sr_key(recipe: CurrentScaling, g: jax.Array, leg: int) -> jax.Array | None:
@@ -99,7 +113,7 @@ def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe:
                                    preferred_element_type=preferred_element_type)
 
     k = math.prod(lhs.shape[d] for d in lc)
-    # The module path, read here: custom_vjp traces ``forward`` in a fresh name stack.
+    # The module path, read here: custom_jvp traces ``forward`` in a fresh name stack.
     stack = watched_stack()
 
     def _leg(leg, operand):
@@ -126,41 +140,50 @@ def block_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, recipe:
                                   preferred_element_type=jnp.float32)
         return (out * (ga * gb)).astype(out_dt)
 
-    def fwd(a, b):
-        return forward(a, b), (a, b)
+    def jvp(primals, tangents):
+        # A custom JVP (jaxmp/fp8/_tangents.py): each leg's tangent is its dot on the operand it
+        # quantizes, so reverse mode transposes it into that leg's backward matmul, with the
+        # cotangent rounded per leg, and forward mode gets the same linear map untransposed.
+        (a, b), (ta, tb) = primals, tangents
+        y = f(a, b)  # through this rule again in a second derivative, never through the casts
+        parts = []
+        if not is_zero(ta):
+            with jax.named_scope("dgrad"):  # the legs are named, for the precision report and tests
+                parts.append(_dgrad(a, b, ta))
+        if not is_zero(tb):
+            with jax.named_scope("wgrad"):
+                parts.append(_wgrad(a, b, tb))
+        return y, tangent_sum(parts, y)
 
-    def bwd(res, g):
-        a, b = res
-        with jax.named_scope("dgrad"):  # the legs are named, for the precision report and tests
-            da = _dgrad(a, b, g)
-        with jax.named_scope("wgrad"):
-            db = _wgrad(a, b, g)
-        return da, db
-
-    def _dgrad(a, b, g):
+    def _dgrad(a, b, ta):
         if "dgrad" in recipe.high_precision_legs:
-            da = jax.vjp(dot, a, b)[1](g)[0]
-        else:
-            g_d = qdq(g, out_rf, out_batch, bwd_dt, recipe.block, recipe, _sr_key(recipe, g, 0),
-                      leg=_leg("dgrad", "gradient"))
-            b_d = qdq(b, rf, rb, fwd_dt, rhs_block, recipe, leg=_leg("dgrad", "rhs"))
-            da = jax.vjp(dot, a, b_d)[1](g_d.astype(g.dtype))[0]
-        return da
+            return dot(ta, b)
+        b_d = straight_through(lambda v: qdq(v, rf, rb, fwd_dt, rhs_block, recipe, leg=_leg("dgrad", "rhs")), b)
 
-    def _wgrad(a, b, g):
+        def rounded(g):
+            return qdq(g, out_rf, out_batch, bwd_dt, recipe.block, recipe, _sr_key(recipe, g, 0),
+                       leg=_leg("dgrad", "gradient")).astype(g.dtype)
+        return rounded_cotangent(dot(ta, b_d), rounded)
+
+    def _wgrad(a, b, tb):
         if "wgrad" in recipe.high_precision_legs:
-            db = jax.vjp(dot, a, b)[1](g)[1]
-        else:
-            tokens = math.prod(a.shape[d] for d in lf)
-            h = None
-            if recipe.hadamard and tokens % 16 == 0:
-                h = hadamard_signs(jax.random.fold_in(jax.random.key(recipe.seed, impl=KEY_IMPL), 2))
-            g_w = qdq(g, out_lf, out_batch, bwd_dt, recipe.block, recipe, _sr_key(recipe, g, 1), h,
-                      leg=_leg("wgrad", "gradient"))
-            a_w = qdq(a, lf, lb, fwd_dt, recipe.block, recipe, None, h, leg=_leg("wgrad", "lhs"))
-            db = jax.vjp(dot, a_w, b)[1](g_w.astype(g.dtype))[1]
-        return db
+            return dot(a, tb)
+        tokens = math.prod(a.shape[d] for d in lf)
+        h = None
+        if recipe.hadamard and tokens % 16 == 0:
+            h = hadamard_signs(jax.random.fold_in(jax.random.key(recipe.seed, impl=KEY_IMPL), 2))
+        a_w = straight_through(lambda v: qdq(v, lf, lb, fwd_dt, recipe.block, recipe, None, h, leg=_leg("wgrad", "lhs")),
+                               a)
 
-    f = jax.custom_vjp(forward)
-    f.defvjp(fwd, bwd)
+        def rounded(g):
+            return qdq(g, out_lf, out_batch, bwd_dt, recipe.block, recipe, _sr_key(recipe, g, 1), h,
+                       leg=_leg("wgrad", "gradient")).astype(g.dtype)
+
+        def untransformed(t):  # a_w and the rounded cotangent meet in the Hadamard basis
+            transform = functools.partial(rotate, contract=out_lf, batch=out_batch, h=h)
+            return t if h is None else jax.linear_transpose(transform, t)(t)[0]
+        return rounded_cotangent(dot(a_w, tb), rounded, untransformed)
+
+    f = jax.custom_jvp(forward)
+    f.defjvp(jvp, symbolic_zeros=True)
     return f(lhs, rhs)

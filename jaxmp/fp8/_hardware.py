@@ -3,10 +3,17 @@ emulated, and the check a recipe's ``emulate`` setting asks for."""
 
 from __future__ import annotations
 
+import os
+import sys
+import types
+import warnings
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from jaxmp.fp8._recipes import CurrentScaling, Fp8Recipe
+from jaxmp._misuse import MixedPrecisionWarning
+from jaxmp.fp8._recipes import CurrentScaling, Fp8Recipe, source
 
 NATIVE_JAX = (0, 12)  # jax.nn.scaled_dot_general's MXFP8 on cuDNN's block-scaled GEMMs
 
@@ -33,7 +40,7 @@ def native_block(recipe: CurrentScaling, device: jax.Device | None = None) -> tu
       >>> fp8._hardware.native_block(r, jax.devices("cpu")[0])[0]
       False
     """
-    device = jax.devices()[0] if device is None else device
+    device = as_device(device)
     emulated = ("emulated (quantize-dequantize around a matmul in the operand dtype: no faster than bf16); "
                 "block-scaled formats run natively only on Blackwell (compute capability >= 10.0) with JAX >= 0.12")
     mx = (recipe.block == (1, 32) and recipe.rhs_block in (None, (1, 32)) and recipe.scale_format == "e8m0"
@@ -70,7 +77,7 @@ def native_fp8(device: jax.Device | None = None) -> tuple[bool, str]:
       >>> fp8._hardware.native_fp8(jax.devices("cpu")[0])
       (False, 'cpu has no fp8 Tensor Cores: fp8 is emulated (fp8 rounding, matmul in ...)')
     """
-    device = jax.devices()[0] if device is None else device
+    device = as_device(device)
     emulated = "fp8 is emulated (fp8 rounding, matmul in the operand dtype)"
     if device.platform != "gpu":
         return False, f"{device.platform} has no fp8 Tensor Cores: {emulated}"
@@ -84,51 +91,164 @@ def native_fp8(device: jax.Device | None = None) -> tuple[bool, str]:
     return True, f"{device.device_kind} (compute capability {cc}) has fp8 Tensor Cores"
 
 
-def check_hardware(recipe: Fp8Recipe, device: jax.Device | None = None) -> str:
-    """Whether ``recipe`` runs natively or emulated on ``device``; a clear error if neither is allowed.
+# What each way of running costs, beside the reason (check_hardware's verdict carries both).
+NATIVE_FP8_COST = "fp8 GEMMs (twice bf16's matmul peak) plus a quantize pass per operand"
+NATIVE_BLOCK_COST = ("the forward matmul on block-scaled Tensor Cores; the two backward matmuls emulated "
+                     "(quantize-dequantize around a bf16 matmul)")
+EMULATED_COST = ("a quantize-dequantize pass per operand around a matmul in the compute dtype: slower than bf16, "
+                 "never faster; it shows whether a format trains, not how fast")
+_PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
-    ``recipe.emulate`` None (default): native on fp8 Tensor Cores (NVIDIA compute capability
-    >= 8.9), emulated on CPU (so everything can be tested there), a ``ValueError`` on other
-    accelerators (older GPUs, TPU), where the emulation is slower than bf16 and is opt-in
-    (``emulate=True``). ``emulate=False`` requires fp8 Tensor Cores.
 
+class HardwareVerdict(str):
+    """What [`check_hardware`][jaxmp.fp8.check_hardware] found: the string ``"native"`` or
+    ``"emulated"`` (so ``verdict == "native"`` reads as before), with the reason and the cost.
+
+    Attributes:
+      reason: why it runs that way on that device.
+      cost: what running that way costs (emulation: slower than bf16).
+      platform: the device's platform (``"cpu"``, ``"gpu"``, ``"tpu"``).
+    """
+
+    reason: str
+    cost: str
+    platform: str
+
+    def __new__(cls, mode: str, reason: str, cost: str, platform: str):
+        verdict = super().__new__(cls, mode)
+        verdict.reason, verdict.cost, verdict.platform = reason, cost, platform
+        return verdict
+
+    def __getnewargs__(self):  # pickling and copying rebuild it with its fields
+        return str(self), self.reason, self.cost, self.platform
+
+    def __repr__(self) -> str:
+        return f"HardwareVerdict({str(self)!r}, reason={self.reason!r}, cost={self.cost!r})"
+
+
+def as_device(device: Any) -> Any:
+    """``device`` as something with a ``platform``: a ``jax.Device`` (or a description of one with
+    ``platform``, ``device_kind`` and ``compute_capability``) as given; a platform name
+    (``"cpu"``, ``"gpu"``/``"cuda"``/``"rocm"``, ``"tpu"``) as that platform's first local device,
+    or, where there is none, a description with an unknown compute capability; None: the first device.
+
+    Example:
+      >>> from jaxmp import fp8
+      >>> fp8._hardware.as_device("cpu").platform
+      'cpu'
+    """
+    if device is None:
+        return _first_device()
+    if isinstance(device, str):
+        platform = _PLATFORMS.get(device.strip().lower())
+        if platform is None:
+            raise ValueError(f"unknown platform {device!r}: pass one of {sorted(_PLATFORMS)}, a jax.Device "
+                             "(e.g. jax.devices()[0]) or None for the first device")
+        try:
+            return jax.devices(platform)[0]
+        except RuntimeError:  # not on this machine: what the name says, and nothing more
+            return types.SimpleNamespace(platform=platform, device_kind=platform, compute_capability=None)
+    if not isinstance(getattr(device, "platform", None), str):
+        raise TypeError(f"device must be a jax.Device (e.g. jax.devices()[0]), a platform name ('cpu', 'gpu', "
+                        f"'tpu') or None, got {type(device).__name__}: {device!r}")
+    return device
+
+
+def check_hardware(recipe: Fp8Recipe, device: Any = None) -> HardwareVerdict:
+    """Whether ``recipe`` runs natively or emulated on ``device``, why, and at what cost; a clear
+    error where the recipe's ``emulate`` setting rules out both.
+
+    ``recipe.emulate`` None (default): per-tensor fp8 runs natively on fp8 Tensor Cores (NVIDIA
+    compute capability >= 8.9), emulated on CPU (so everything can be tested there), and is a
+    ``ValueError`` on other accelerators (older GPUs, TPU), where its only point, speed, is lost:
+    the message gives the same recipe with ``emulate=True``, code that runs when pasted.
     Block-scaled recipes (``CurrentScaling(block=...)``, ``"O2-mxfp8"``, ``"O2-nvfp4"``...) run
     natively only on Blackwell with JAX >= 0.12, and then only MXFP8's forward matmul
-    (`native_block`); elsewhere, H100 included, they are emulated, which buys no speed: the
-    emulation answers whether a format trains, not how fast.
+    (`native_block`); everywhere else (H100, H200, TPU, CPU) they run emulated, as torchao's MX
+    formats and ``jax.nn.scaled_dot_general`` do there, and the doors (`jaxmp.autocast`,
+    `jaxmp.flax.mixed_precision`) warn once off CPU, since the emulation is slower than bf16.
+    ``emulate=True`` emulates anywhere, silently; ``emulate=False`` requires the native path.
 
     Args:
       recipe: a `CurrentScaling` or `DelayedScaling`.
-      device: a ``jax.Device`` (default: the first device).
+      device: a ``jax.Device``, a platform name (``"cpu"``, ``"gpu"``, ``"tpu"``; a name with no
+        local device stands for that platform with an unknown compute capability), or None for
+        the first device.
 
     Returns:
-      ``"native"`` or ``"emulated"``.
+      A `HardwareVerdict`: ``"native"`` or ``"emulated"`` (a ``str``), with ``.reason`` and ``.cost``.
 
     Raises:
-      TypeError: ``recipe`` is not an fp8 recipe.
+      TypeError: ``recipe`` is not an fp8 recipe, or ``device`` is no device or platform name.
       ValueError: the hardware cannot run it the way ``recipe.emulate`` asks.
 
     Example:
-      >>> import jax
+      >>> import jaxmp
       >>> from jaxmp import fp8
-      >>> fp8.check_hardware(fp8.DelayedScaling(), jax.devices("cpu")[0])
-      'emulated'
+      >>> verdict = fp8.check_hardware(fp8.DelayedScaling(), "cpu")
+      >>> verdict == "emulated", verdict.reason.split(":")[0]
+      (True, 'cpu has no fp8 Tensor Cores')
+      >>> fp8.check_hardware(jaxmp.get_recipe("O2-mxfp8").fp8, "cpu").cost.split(":")[0]
+      'a quantize-dequantize pass per operand around a matmul in the compute dtype'
     """
     if not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"expected a jaxmp.fp8 recipe (CurrentScaling or DelayedScaling), got {type(recipe).__name__}")
-    device = jax.devices()[0] if device is None else device
+    device = as_device(device)
     block = isinstance(recipe, CurrentScaling) and recipe.block is not None
     if isinstance(recipe, CurrentScaling) and recipe.block is not None:
         native, reason = native_block(recipe, device)
     else:
         native, reason = native_fp8(device)
+    if native and not recipe.emulate:
+        return HardwareVerdict("native", reason, NATIVE_BLOCK_COST if block else NATIVE_FP8_COST, device.platform)
     if native:
-        return "emulated" if recipe.emulate else "native"
+        return HardwareVerdict("emulated", f"emulate=True (the hardware has the native path: {reason})",
+                               EMULATED_COST, device.platform)
     if recipe.emulate is False:
         raise ValueError(f"fp8 with emulate=False needs {'native block-scaled matmuls' if block else 'fp8 Tensor Cores'}: "
-                         f"{reason}")
-    if recipe.emulate is None and device.platform != "cpu":
-        raise ValueError(f"fp8 is not supported natively here: {reason}. The emulation is slower than bf16 on "
-                         "this hardware; opt in with emulate=True (e.g. fp8.DelayedScaling(emulate=True)) "
-                         "to test fp8 numerics, or use a bf16 policy")
-    return "emulated"
+                         f"{reason}. To run it emulated ({EMULATED_COST}), keep the recipe with emulate=True: "
+                         f"{source(recipe, emulate=True)}")
+    if recipe.emulate is None and device.platform != "cpu" and not block:
+        raise ValueError(f"fp8 is not supported natively here: {reason}. The emulation costs {EMULATED_COST}; opt in "
+                         f"with emulate=True, keeping the recipe: {way_out(recipe)}; or use a bf16 policy")
+    return HardwareVerdict("emulated", reason, EMULATED_COST, device.platform)
+
+
+def way_out(recipe: Fp8Recipe) -> str:
+    """The pasteable call that runs ``recipe`` emulated on purpose, through either door."""
+    return (f"rules=jaxmp.AutocastRules(fp8_matmuls={source(recipe, emulate=True)}) to jaxmp.autocast or "
+            "jaxmp.flax.mixed_precision (with import jax.numpy as jnp, jaxmp)")
+
+
+_WARNED: set = set()
+
+
+def _first_device() -> Any:
+    return jax.devices()[0]
+
+
+def check_for_run(recipe: Fp8Recipe) -> HardwareVerdict:
+    """[`check_hardware`][jaxmp.fp8.check_hardware] on the first device, as the doors call it when
+    a model or function is wrapped: and one warning (once per recipe and device) where a block-scaled recipe will run emulated
+    off CPU without ``emulate=True`` having asked for it (H100, H200, TPU), with the reason, the
+    cost and the pasteable call that keeps the recipe and silences it."""
+    verdict = check_hardware(recipe)
+    key = (recipe, verdict.reason)
+    if verdict == "emulated" and recipe.emulate is None and verdict.platform != "cpu" and key not in _WARNED:
+        _WARNED.add(key)  # once per recipe and device: Linen re-resolves its rules on every clone
+        warnings.warn(f"{source(recipe)} runs emulated here: {verdict.reason}. Cost: {verdict.cost}. To run it "
+                      f"emulated on purpose (the recipe kept, this warning gone), pass {way_out(recipe)}",
+                      MixedPrecisionWarning, stacklevel=_user_stacklevel())
+    return verdict
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside jaxmp (the user's wrapping call)."""
+    frame: Any = sys._getframe(2)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -13,11 +13,10 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
 from jaxmp.fp8._block_ops import block_dot_general
-from jaxmp.fp8._blocks import E2M1
-from jaxmp.fp8._formats import E4M3
-from jaxmp.fp8._recipes import CurrentScaling, DelayedScaling, Fp8Recipe
+from jaxmp.fp8._recipes import CurrentScaling, DelayedScaling, Fp8Recipe, conv_recipe
 from jaxmp.fp8._scaling import amax, dequantize, qdq, quantize
 from jaxmp.fp8._state import Fp8Scales
+from jaxmp.fp8._tangents import is_zero, rounded_cotangent, straight_through, tangent_sum
 
 _GRAD_LOSS_SCALE: contextvars.ContextVar = contextvars.ContextVar("jaxmp_fp8_gradient_loss_scale", default=None)
 
@@ -75,20 +74,14 @@ def _recipe(recipe: Any, scales: Any, name: str) -> Fp8Recipe:
     return recipe
 
 
-def per_tensor(recipe: CurrentScaling) -> CurrentScaling:
-    """The per-tensor recipe a block-scaled one gives convolutions (their windows have no
-    contraction axis to block along): the same fp8 formats, E2M1 as E4M3."""
-    def fp8_of(dtype):
-        return E4M3 if dtype == E2M1 else dtype
-    return CurrentScaling(fwd_dtype=fp8_of(recipe.fwd_dtype), bwd_dtype=fp8_of(recipe.bwd_dtype), emulate=recipe.emulate)
-
-
 def _scaled_bilinear(op, lhs, rhs, recipe: Fp8Recipe, scales: Fp8Scales | None):
     """``op(lhs, rhs)`` on fp8-rounded operands, with an fp8-rounded cotangent.
 
     ``op`` is linear in each operand (a dot or a convolution), so its VJP on the quantized
-    operands is the gradient of the quantized forward pass. With delayed scaling the scales are
-    inputs whose cotangents are the amaxes observed for them (``update_state`` records those).
+    operands is the gradient of the quantized forward pass. Current scaling is a custom JVP
+    (`jaxmp.fp8._tangents`): forward mode and reverse mode both work. With delayed scaling the
+    scales are inputs whose cotangents are the amaxes observed for them (``update_state``
+    records those): a custom VJP, so reverse mode only (a gradient's amax has no forward mode).
     """
     fwd_dt, bwd_dt, margin = recipe.fwd_dtype, recipe.bwd_dtype, recipe.margin
 
@@ -96,17 +89,22 @@ def _scaled_bilinear(op, lhs, rhs, recipe: Fp8Recipe, scales: Fp8Scales | None):
         return qdq(x, dtype, margin) if scale is None else dequantize(quantize(x, scale, dtype), scale, x.dtype)
 
     if scales is None:
-        def fwd(a, b):
-            qa, qb = q(a, fwd_dt, None), q(b, fwd_dt, None)
-            return op(qa, qb), (qa, qb)
+        # Current scaling: a custom JVP whose tangent map, transposed, is the backward pass (the
+        # op's transposes at the cotangent rounded to bwd_dtype), so forward mode works too.
+        def primal(a, b):
+            return op(q(a, fwd_dt, None), q(b, fwd_dt, None))
 
-        def bwd(res, g):
-            qa, qb = res
-            return jax.vjp(op, qa, qb)[1](q(g, bwd_dt, None))
+        def jvp(primals, tangents):
+            (a, b), (ta, tb) = primals, tangents
+            y = scaled(a, b)  # through this rule again in a second derivative, never through the casts
+            qa, qb = (straight_through(lambda v: q(v, fwd_dt, None), v) for v in (a, b))
+            # The derivative of the quantized forward, quantization passed straight through.
+            parts = ([] if is_zero(ta) else [op(ta, qb)]) + ([] if is_zero(tb) else [op(qa, tb)])
+            return y, rounded_cotangent(tangent_sum(parts, y), lambda g: q(g, bwd_dt, None))
 
-        f = jax.custom_vjp(lambda a, b: fwd(a, b)[0])
-        f.defvjp(fwd, bwd)
-        return f(lhs, rhs)
+        scaled = jax.custom_jvp(primal)
+        scaled.defjvp(jvp, symbolic_zeros=True)
+        return scaled(lhs, rhs)
 
     def fwd_d(a, b, sa, sb, sg):
         qa, qb = q(a, fwd_dt, sa), q(b, fwd_dt, sb)
@@ -211,8 +209,7 @@ def fp8_conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides, pad
     """
     recipe = _recipe(recipe, scales, "fp8_conv_general_dilated")
     _check_operands("fp8_conv_general_dilated", lhs, rhs)
-    if isinstance(recipe, CurrentScaling) and recipe.block is not None:
-        recipe = per_tensor(recipe)
+    recipe = conv_recipe(recipe)
 
     def conv(a, b):
         return jax.lax.conv_general_dilated(a, b, window_strides, padding, lhs_dilation, rhs_dilation,

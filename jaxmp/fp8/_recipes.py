@@ -244,3 +244,56 @@ def describe(recipe: Fp8Recipe) -> str:
         return (f"half list, block-scaled ({recipe.fwd_dtype} forward, {recipe.bwd_dtype} backward, {blocks} blocks, "
                 f"{recipe.scale_format} scales, {recipe.scale_rule} rule{legs})")
     return f"half list, fp8 ({recipe.fwd_dtype} forward, {recipe.bwd_dtype} backward, {kind} scaling)"
+
+
+def source(recipe: Fp8Recipe, **changes) -> str:
+    """``recipe`` (with ``changes``) as the Python expression that builds it, for messages whose way
+    out must run when pasted (it needs ``import jax.numpy as jnp, jaxmp``).
+
+    Args:
+      recipe: a [`CurrentScaling`][jaxmp.fp8.CurrentScaling] or [`DelayedScaling`][jaxmp.fp8.DelayedScaling].
+      **changes: fields to change first (``emulate=True``).
+
+    Returns:
+      The constructor call, with the fields that differ from their defaults.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxmp import fp8
+      >>> fp8._recipes.source(fp8.DelayedScaling(history_length=16), emulate=True)
+      'jaxmp.fp8.DelayedScaling(emulate=True, history_length=16)'
+      >>> fp8._recipes.source(fp8.CurrentScaling(bwd_dtype=jnp.float8_e4m3fn))
+      'jaxmp.fp8.CurrentScaling(bwd_dtype=jnp.float8_e4m3fn)'
+    """
+    if not isinstance(recipe, Fp8Recipe):
+        raise TypeError(f"expected a jaxmp.fp8 recipe (CurrentScaling or DelayedScaling), got {type(recipe).__name__}")
+    recipe = dataclasses.replace(recipe, **changes)
+    default = type(recipe)()
+    parts = []
+    for field in dataclasses.fields(recipe):
+        value = getattr(recipe, field.name)
+        if value == getattr(default, field.name):
+            continue
+        text = f"jnp.{value.name}" if isinstance(value, np.dtype) else repr(value)
+        parts.append(f"{field.name}={text}")
+    return f"jaxmp.fp8.{type(recipe).__name__}({', '.join(parts)})"
+
+
+def conv_recipe(recipe: Fp8Recipe) -> Fp8Recipe:
+    """The recipe a convolution runs under ``recipe``: a block-scaled one becomes per-tensor current
+    scaling in its fp8 formats (E2M1 as E4M3), since a convolution's window has no contraction
+    axis to block along; a per-tensor recipe as given.
+
+    Example:
+      >>> import jaxmp
+      >>> from jaxmp import fp8
+      >>> r = fp8._recipes.conv_recipe(jaxmp.get_recipe("O2-nvfp4").fp8)
+      >>> r.block, r.fwd_dtype, r.bwd_dtype
+      (None, dtype(float8_e4m3fn), dtype(float8_e4m3fn))
+    """
+    if not (isinstance(recipe, CurrentScaling) and recipe.block is not None):
+        return recipe
+
+    def fp8_of(dtype):
+        return E4M3 if dtype == E2M1 else dtype
+    return CurrentScaling(fwd_dtype=fp8_of(recipe.fwd_dtype), bwd_dtype=fp8_of(recipe.bwd_dtype), emulate=recipe.emulate)

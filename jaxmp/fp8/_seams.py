@@ -8,6 +8,7 @@ release, without a deprecation period; code outside jaxmp uses ``jaxmp.fp8``'s p
 """
 
 from jaxmp.fp8 import _block_watch as block_watch
+from jaxmp.fp8 import _hardware as hardware
 from jaxmp.fp8 import _recipes as recipes
 from jaxmp.fp8 import _state as state
 from jaxmp.fp8._state import FP8_COLLECTION
@@ -15,6 +16,7 @@ from jaxmp.fp8._state import FP8_COLLECTION
 __all__ = [
     "FP8_COLLECTION",
     "block_watch",
+    "hardware",
     "recipes",
     "state",
 ]

@@ -256,6 +256,9 @@ NOT_DOORS = {
 def refusal(door: Door, preset: str) -> str | None:
     """The documented refusal of a cell (a regex of its message), or None where the cell runs."""
     delayed = type(recipe(preset).fp8).__name__ == "DelayedScaling"
+    # A Policy is dtypes only: jaxmp.get_policy refuses an fp8 preset's name rather than drop its recipe.
+    if door.name == "policy-casts" and recipe(preset).fp8 is not None:
+        return r"is an fp8 preset, and a Policy holds only dtypes.*jaxmp\.get_recipe"
     # Delayed scaling keeps amax histories in module state: a function has none.
     if delayed and door.name == "autocast":
         return "use 'O2-fp8-current'"

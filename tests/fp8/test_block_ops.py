@@ -211,3 +211,65 @@ def test_an_empty_matmul_returns_the_empty_result(preset):
     assert out.shape == (0, 32)
     gx, gw = jax.grad(f, argnums=(0, 1))(x, w)
     assert gx.shape == (0, 64) and (np.asarray(gw) == 0).all()
+
+
+# -- issue 59, item 13: forward mode through the quantized matmuls ------------------------------
+
+@pytest.mark.parametrize("preset", ["O2-fp8-current", "O2-mxfp8", "O2-fp8-rowwise", "O2-fp8-block128", "O2-nvfp4"])
+def test_forward_mode_runs_through_every_fp8_and_block_preset(preset):
+    x, w = X[:16], W  # 16 tokens: NVFP4's wgrad leg takes its Hadamard transform
+    tx, tw = RS.randn(*x.shape).astype(np.float32), RS.randn(*w.shape).astype(np.float32)
+
+    def f(x, w):
+        return x @ w
+
+    g = jaxmp.autocast(f, preset)
+
+    @jax.jit
+    def run(x, w, tx, tw):
+        y, t = jax.jvp(g, (x, w), (tx, tw))
+        y_lin, lin = jax.linearize(g, x, w)
+        jac = jax.jacfwd(lambda v: g(x[:2], v))(w[:, :3])
+        hess = jax.hessian(lambda v: jnp.sum(g(x[:2], v) ** 2))(w[:, :3])
+        return y, t, y_lin, lin(tx, tw), jac, hess, g(x, w)
+
+    y, t, y_lin, t_lin, jac, hess, plain = run(x, w, tx, tw)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(plain))  # the primal is the quantized forward
+    np.testing.assert_array_equal(np.asarray(y_lin), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(t_lin), np.asarray(t))
+    exact = tx @ w + x @ tw
+    rel = np.linalg.norm(np.asarray(t, np.float32) - exact) / np.linalg.norm(exact)
+    assert 1e-4 < rel < (0.35 if preset == "O2-nvfp4" else 0.08), rel  # quantized, and the derivative's
+    assert jac.shape == (2, 3, 64, 3) and hess.shape == (64, 3, 64, 3) and np.isfinite(np.asarray(hess)).all()
+
+
+@pytest.mark.parametrize("preset", ["O2-fp8-current", "O2-mxfp8", "O2-fp8-rowwise"])
+def test_forward_mode_is_the_linear_map_reverse_mode_transposes(preset):
+    # A one-hot cotangent or tangent quantizes exactly (1 is in every format), so jacfwd and
+    # jacrev see the same linear map: each leg's dot on the operand copy that leg quantizes.
+    r = jaxmp.get_recipe(preset).fp8
+    x, w = X[:4], W[:, :8]
+    fns = (lambda v: fp8.fp8_dot_general(v, w, DN, r), lambda v: fp8.fp8_dot_general(x, v, DN, r))
+    for fn, arg in zip(fns, (x, w)):
+        fwd, rev = jax.jit(lambda v, fn=fn: (jax.jacfwd(fn)(v), jax.jacrev(fn)(v)))(arg)
+        np.testing.assert_array_equal(np.asarray(fwd), np.asarray(rev))
+    # Per tensor, that map is the quantized forward's derivative, quantization passed straight through.
+    if r.block is None:
+        tx, tw = RS.randn(*x.shape).astype(np.float32), RS.randn(*w.shape).astype(np.float32)
+        t = jax.jvp(lambda a, b: fp8.fp8_dot_general(a, b, DN, r), (x, w), (tx, tw))[1]
+        qx, qw = (np.asarray(fp8._scaling.qdq(v, E4M3)) for v in (x, w))
+        np.testing.assert_allclose(np.asarray(t), tx @ qw + qx @ tw, rtol=1e-6, atol=1e-6)
+
+
+def test_jvp_through_a_block_matmul_under_vmap_and_checkpoint():
+    r = jaxmp.get_recipe("O2-nvfp4").fp8
+
+    def f(x, w):
+        return jnp.sum(jax.checkpoint(lambda a, b: fp8.fp8_dot_general(a, b, DN, r))(x, w) ** 2)
+
+    batched = jax.jit(jax.vmap(lambda x, t: jax.jvp(lambda v: f(v, W), (x,), (t,))[1]))
+    xs = np.stack([X[:16], X[16:]])
+    out = batched(xs, xs)
+    assert out.shape == (2,) and np.isfinite(np.asarray(out)).all()
+    grads = jax.jit(jax.vmap(jax.grad(f), (0, None)))(xs, W)
+    assert grads.shape == (2, 16, 64) and np.isfinite(np.asarray(grads)).all()

@@ -100,3 +100,40 @@ def test_gradient_loss_scale_reports_the_gradient_amax_unscaled_and_is_undone_on
 def test_misuse_is_named_with_the_function(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+# -- issue 59, item 17: autocast quantizes convolutions as the Flax door does ------------------
+
+@pytest.mark.parametrize("name", ["O2-fp8-current", "O2-mxfp8", "O2-nvfp4", "O2-fp8-rowwise", "O2-fp8-block128"])
+def test_autocast_runs_a_convolution_in_fp8_as_the_flax_door_does(name):
+    import flax.linen as nn
+
+    import jaxmp
+    import jaxmp.flax
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 8, 8, 3)).astype(np.float32)
+    w = rng.normal(size=(1, 1, 3, 4)).astype(np.float32)  # a 1x1 convolution (a Fourier layer's mixing)
+    dims = ("NHWC", "HWIO", "NHWC")
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dims)
+
+    def loss(policy):
+        return lambda w: jnp.sum(jaxmp.autocast(conv, policy)(x, w).astype(jnp.float32) ** 2)
+
+    run = jax.jit(lambda w: (jaxmp.autocast(conv, name)(x, w), jax.grad(loss(name))(w),
+                             jaxmp.autocast(conv, "O2-bf16")(x, w), jax.grad(loss("O2-bf16"))(w)))
+    out, grad, bf16_out, bf16_grad = run(w)
+    assert not np.array_equal(out, bf16_out) and not np.array_equal(grad, bf16_grad)  # quantized, both ways
+    # The Flax door's Conv on the same kernel: the same fp8 convolution (autocast's O2 keeps a
+    # matmul's float32 output where the door's layer returns bf16: equal once rounded alike).
+    layer = jaxmp.flax.mixed_precision(nn.Conv(4, (1, 1), use_bias=False), name)
+    variables = layer.init(jax.random.key(0), x)
+    door = layer.apply({**variables, "params": {"kernel": w}}, x)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.bfloat16), np.float32), np.asarray(door, np.float32))
+    # And the precision report names the recipe that ran: per-tensor fp8 (E2M1 as E4M3).
+    label = fp8._recipes.describe(fp8._recipes.conv_recipe(jaxmp.get_recipe(name).fp8))
+    explained = jaxmp.precision_report(jaxmp.autocast(conv, name), x, w)
+    assert label.startswith("half list, fp8 (float8_e4m3fn forward")
+    assert {d.rule for d in explained.decisions if d.primitive == "conv_general_dilated"} == {label}

@@ -105,3 +105,36 @@ def test_did_you_mean_suggests_close_names_in_their_spelling_or_nothing():
     assert did_you_mean("o2-bf61", PRESET_NAMES).startswith(" (did you mean 'O2-bf16'")
     assert did_you_mean("zzzzzz", PRESET_NAMES) == ""
     assert did_you_mean(17, ["O1"]) == ""
+
+
+# -- issue 59, item 12: a Policy cannot carry an fp8 recipe, so the dtype views refuse fp8 presets --
+
+_FP8_PRESETS = tuple(n for n in (*PRESET_NAMES, "O2-fp8-delayed") if get_recipe(n).fp8 is not None)
+
+
+def test_every_fp8_and_block_preset_is_listed():
+    assert set(_FP8_PRESETS) == {"O2-fp8", "O2-fp8-delayed", "O2-fp8-current", "O2-mxfp8", "O2-fp8-rowwise",
+                                 "O2-fp8-block128", "O2-nvfp4"}
+
+
+@pytest.mark.parametrize("name", _FP8_PRESETS)
+def test_get_policy_refuses_an_fp8_preset_naming_the_calls_that_keep_its_recipe(name):
+    import jax
+    import jaxmp
+
+    recipe = get_recipe(name)
+    for view in (get_policy, as_policy, jaxmp.get_policy, jaxmp.as_policy):
+        with pytest.raises(ValueError, match="is an fp8 preset, and a Policy holds only dtypes") as refused:
+            view(f" {name}")
+        message = str(refused.value)
+        assert f"jaxmp.autocast(fn, {name!r})" in message and f"jaxmp.flax.mixed_precision(model, {name!r})" in message
+        assert f"jaxmp.get_recipe({name!r})" in message
+        assert fp8._recipes.source(recipe.fp8) in message  # the recipe it would have dropped, named
+    # The calls it names keep the recipe: the level itself, and the name passed to a door.
+    kept = eval(f"jaxmp.get_recipe({name!r})", {"jaxmp": jaxmp})
+    assert kept.fp8 == recipe.fp8 and kept.policy == Policy(BF16, BF16, F32)
+    # A Recipe object handed over explicitly is the caller's choice: its dtypes, as documented.
+    assert as_policy(recipe) == recipe.policy
+    if isinstance(recipe.fp8, fp8.CurrentScaling):
+        x = jax.numpy.ones((2, 64))
+        assert jaxmp.precision_report(jaxmp.autocast(lambda x: x @ x.T, name), x, policy=name).policy == "p=bf16,c=bf16,o=f32"
