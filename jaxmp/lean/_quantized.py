@@ -8,9 +8,8 @@ measurements: docs/lean-recipes.md#8-bit-and-4-bit-moments.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import warnings
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,8 +82,8 @@ def _non_negative(path: tuple) -> bool:
 
 
 def _quantizable(x: Any, min_size: int) -> bool:
-    # Every floating dtype (float32, bfloat16, float16, fp8, float64): the inner update runs on
-    # the float32 decoding either way, and a float16 or e4m3 moment is no better kept as it is.
+    # Every floating dtype: the inner update runs on the float32 decoding either way, and a
+    # float16 moment is no better kept as it is (fp8 ones are refused at init: `_refuse_fp8`).
     return is_floating_array(x) and jnp.ndim(x) >= 1 and int(np.prod(jnp.shape(x))) >= max(min_size, 1)
 
 
@@ -115,8 +114,8 @@ def check_restored(state: QuantizedMomentsState) -> None:
     revision = state.map_revision
     if revision is None:
         raise ValueError("QuantizedMomentsState.map_revision is None: the state was rebuilt without the revision of its "
-                         "code maps, e.g. from a checkpoint written before jaxmp recorded it (8-bit codes of maps a "
-                         "float32 ulp off the peers' at 22 signed and 26 unsigned entries: they would decode "
+                         "code maps, e.g. from a checkpoint written before jaxmp recorded it (8-bit codes of maps one "
+                         "or two float32 ulps off the peers' at 22 signed and 26 unsigned entries: they would decode "
                          f"differently). A checkpoint with the revision restores whole: {_RESTORE}. One without it "
                          "cannot be resumed by this jaxmp: start the moments afresh with tx.init(params)")
     # Its value when it has one here (an eager call; a jitted step sees a tracer, an abstract
@@ -188,10 +187,10 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
 
     Raises:
       ValueError: ``bits`` not 8 or 4, a ``block`` < 2, a ``min_size`` < 0 or an unknown ``rounding``;
-        at ``init``, fp8 moment leaves to quantize (fp8 params: keep float32 masters, the message says how).
-      TypeError: no ``key`` for stochastic rounding.
-      ValueError: at ``update``, a state that lost its static ``grid`` or its ``map_revision`` (a
+        at ``init``, fp8 moment leaves to quantize (fp8 params: keep float32 masters, the message says
+        how); at ``update``, a state that lost its static ``grid`` or its ``map_revision`` (a
         hand-written restore; the message names the restore target), or other bits/block/params.
+      TypeError: no ``key`` for stochastic rounding.
 
     Warns:
       MixedPrecisionWarning: a ``key`` with ``rounding="nearest"`` (unused).
