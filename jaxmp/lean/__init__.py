@@ -29,7 +29,7 @@ from jaxmp._keys import IMPL as _IMPL, as_key as _as_key, key_data as _key_data,
 from jaxmp._precision._presets import did_you_mean
 from jaxmp.lean import _chunked
 from jaxmp.lean._quantized import WIDEN as _WIDEN, QuantizedMoments as _QuantizedMoments, QuantizedMomentsState, \
-    quantized_moments
+    quantized_moments, unused_key_warning as _unused_key_warning
 from jaxmp._misuse import MixedPrecisionWarning
 from jaxmp._scaling._transform import check_inner
 from jaxmp._scaling._transform import master_weights as _master_weights
@@ -152,6 +152,12 @@ def stochastic_round(x: jax.Array, key: jax.Array | int, dtype: DTypeLike = jnp.
     return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), rounded)
 
 
+def _no_key(what: str, key: Any) -> jax.Array:
+    """The key data of a transformation that rounds to nearest: zeros, ``key`` unused (said)."""
+    _unused_key_warning(what, key, "rounding='nearest' rounds to the nearest bfloat16", stacklevel=4)
+    return jnp.zeros(2, jnp.uint32)
+
+
 def _round(x: jax.Array, key, rounding: str) -> jax.Array:
     x = x.astype(jnp.float32)
     return stochastic_round(x, key) if rounding == "stochastic" else x.astype(jnp.bfloat16)
@@ -174,7 +180,8 @@ def bf16_moments(inner: optax.GradientTransformation, key: jax.Array | int | Non
 
     Args:
       inner: the optax transformation whose state is stored in bfloat16 (e.g. ``optax.adamw``).
-      key: an int seed or a threefry2x32 ``jax.random.key``; required for stochastic rounding.
+      key: an int seed or a threefry2x32 ``jax.random.key``; required for stochastic rounding,
+        unused with ``rounding="nearest"`` (a ``MixedPrecisionWarning`` says so).
       rounding: ``"stochastic"`` (default) or ``"nearest"``.
 
     Returns:
@@ -195,8 +202,7 @@ def bf16_moments(inner: optax.GradientTransformation, key: jax.Array | int | Non
     """
     inner = check_inner(inner)
     rounding = _check_rounding(rounding)
-    key_data = _key_data(key, "bf16_moments") if rounding == "stochastic" or key is not None \
-        else jnp.zeros(2, jnp.uint32)
+    key_data = _key_data(key, "bf16_moments") if rounding == "stochastic" else _no_key("bf16_moments", key)
 
     def init_fn(params):
         state = inner.init(params)
@@ -266,7 +272,8 @@ def bf16_params(inner: optax.GradientTransformation, key: jax.Array | int | None
 
     Args:
       inner: the optax transformation run in float32 (e.g. ``optax.adamw``).
-      key: an int seed or a threefry2x32 ``jax.random.key``; required for stochastic rounding.
+      key: an int seed or a threefry2x32 ``jax.random.key``; required for stochastic rounding,
+        unused with ``rounding="nearest"`` (a ``MixedPrecisionWarning`` says so).
       rounding: ``"stochastic"`` (default) or ``"nearest"`` (updates below half an ulp are lost).
 
     Returns:
@@ -291,8 +298,7 @@ def bf16_params(inner: optax.GradientTransformation, key: jax.Array | int | None
     """
     inner = check_inner(inner)
     rounding = _check_rounding(rounding)
-    key_data = _key_data(key, "bf16_params") if rounding == "stochastic" or key is not None \
-        else jnp.zeros(2, jnp.uint32)
+    key_data = _key_data(key, "bf16_params") if rounding == "stochastic" else _no_key("bf16_params", key)
     fix = "bf16_params keeps bfloat16 params (float32 ones are updated in float32); use master weights for float16"
 
     def init_fn(params):
@@ -596,7 +602,9 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: jax.Array | i
     Args:
       name: a key of `PRESETS`.
       inner: the optax optimizer (e.g. ``optax.adamw(1e-3)``).
-      key: an int seed or threefry2x32 key; required by the presets that round stochastically.
+      key: an int seed or threefry2x32 key; required by the presets that round stochastically
+        (``"masters-bf16-moments"``, ``"sr-params"``, ``"remainders-bf16-moments"`` and the
+        ``"bf16-sr"`` ones), unused by the others (a ``MixedPrecisionWarning`` says so).
       accumulate_steps: gradient accumulation over this many steps (``optax.MultiSteps``, placed
         as docs/lean-recipes.md#gradient-accumulation says).
 
@@ -608,7 +616,8 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: jax.Array | i
       TypeError: a stochastic preset without a key.
 
     Warns:
-      MixedPrecisionWarning: at ``init``, when no floating param is bfloat16 (the presets then save little).
+      MixedPrecisionWarning: at ``init``, when no floating param is bfloat16 (the presets then save little);
+        at the call, a ``key`` for a preset that rounds to nearest (unused).
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp
@@ -623,7 +632,10 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: jax.Array | i
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, (int, np.integer)) \
             or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
-    stochastic = name in ("masters-bf16-moments", "sr-params", "remainders-bf16-moments") or name.startswith("bf16-sr")
+    stochastic = name in _STOCHASTIC or name.startswith("bf16-sr")
+    if not stochastic:
+        _unused_key_warning(f"jaxmp.lean.preset({name!r})", key, "it rounds every value to nearest (its moments "
+                            "too)", f"Drop key=; the presets that round stochastically: {', '.join(_stochastic())}")
     base = jax.random.wrap_key_data(_key_data(key, f"preset {name!r}"), impl=_IMPL) if stochastic else None
     inner = check_inner(inner)
     if name.endswith("bf16-moments") or name == "bf16-sr":
@@ -639,6 +651,13 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: jax.Array | i
     else:
         tx = _master_weights(inner)
     return _warn_on_float32_params(name, tx)
+
+
+_STOCHASTIC = ("masters-bf16-moments", "sr-params", "remainders-bf16-moments")
+
+
+def _stochastic() -> list[str]:
+    return [n for n in PRESETS if n in _STOCHASTIC or n.startswith("bf16-sr")]
 
 
 def _user_stacklevel() -> int:

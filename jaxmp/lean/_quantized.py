@@ -8,6 +8,7 @@ measurements: docs/lean-recipes.md#8-bit-and-4-bit-moments.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -19,6 +20,7 @@ from jaxmp import _blockwise, _keys
 from jaxmp.lean import _chunked
 from jaxmp._dtypes import is_floating_array
 from jaxmp._keys import key_data as _key_data, leaf_keys
+from jaxmp._misuse import MixedPrecisionWarning
 from jaxmp._scaling._transform import check_inner
 from jaxmp._typing import PyTree
 
@@ -56,7 +58,13 @@ class QuantizedMomentsState(NamedTuple):
       count: int32 [], updates applied so far (folded into ``key`` for each update's bits).
       grid: the ``bits`` and ``block`` the leaves are cut by: static (part of the tree's structure,
         no leaf), so that jaxmp.parallel's ZeRO and FSDP layouts split each quantized leaf where
-        no block crosses a device.
+        no block crosses a device. A checkpoint holds no grid: restore into the structure of
+        ``tx.init(params)`` (``jax.eval_shape(tx.init, params)``), which carries it.
+      map_revision: int32 [], the revision of the code maps the codes index
+        (``jaxmp._blockwise.MAP_REVISION``: 2, bitsandbytes' and torchao's maps bit for bit). A leaf,
+        so that a checkpoint records it: one written before it existed (maps of revision 1) has no
+        such leaf, and orbax's restore into a ``tx.init`` target refuses it by name rather than
+        decode its codes with other maps (docs/lean-recipes.md#8-bit-and-4-bit-moments).
     """
 
     inner_state: optax.OptState
@@ -64,6 +72,7 @@ class QuantizedMomentsState(NamedTuple):
     key: jax.Array
     count: jax.Array  # type: ignore[assignment]  # optax names its step counters count
     grid: _blockwise.Grid
+    map_revision: jax.Array | None = None
 
 
 def _non_negative(path: tuple) -> bool:
@@ -73,8 +82,64 @@ def _non_negative(path: tuple) -> bool:
 
 
 def _quantizable(x: Any, min_size: int) -> bool:
-    return (is_floating_array(x) and jnp.ndim(x) >= 1 and jnp.asarray(x).dtype in (jnp.float32, jnp.bfloat16)
-            and int(np.prod(jnp.shape(x))) >= max(min_size, 1))
+    # Every floating dtype: the inner update runs on the float32 decoding either way, and a
+    # float16 moment is no better kept as it is (fp8 ones are refused at init: `_refuse_fp8`).
+    return is_floating_array(x) and jnp.ndim(x) >= 1 and int(np.prod(jnp.shape(x))) >= max(min_size, 1)
+
+
+def _refuse_fp8(leaves: list) -> None:
+    """fp8 moments (optax keeps fp8 params' moments in fp8) decode to float32, which optax's update
+    cannot mix with fp8 gradients (JAX promotes no 8-bit float implicitly): refused, by name."""
+    fp8 = [f"{jax.tree_util.keystr(path)} ({jnp.result_type(x)})" for path, x in leaves
+           if jnp.dtype(jnp.result_type(x)).itemsize == 1]
+    if fp8:
+        raise ValueError(f"quantized_moments: the inner state keeps fp8 moments ({', '.join(fp8)}), the moments of "
+                         "fp8 params: decoded to float32 they would meet fp8 gradients, which JAX does not promote. "
+                         "Keep float32 masters of the params, whose moments are float32 and quantize: "
+                         "jaxmp.loss_scaling(jaxmp.lean.quantized_moments(inner), 'none', master_weights=True)")
+
+
+_RESTORE = ("restore into the structure of the optimizer's own init, which carries it: orbax's "
+            "`ckptr.restore(path, jax.eval_shape(tx.init, params))`, or for a sharded state "
+            "`jaxmp.parallel.abstract_state((params, tx.init(params)), mesh, layout)`")
+
+
+def check_restored(state: QuantizedMomentsState) -> None:
+    """Refuses a quantized state whose static ``grid`` or ``map_revision`` a hand-written restore
+    lost (a checkpoint holds neither a grid nor, before revision 2, a map revision)."""
+    if not isinstance(state.grid, _blockwise.Grid):
+        raise ValueError(f"QuantizedMomentsState.grid is {state.grid!r}, not a jaxmp._blockwise.Grid: the state was "
+                         "rebuilt without its structure (a checkpoint holds no grid; it is static, part of the "
+                         f"tree's structure). To resume it, {_RESTORE}")
+    revision = state.map_revision
+    if revision is None:
+        raise ValueError("QuantizedMomentsState.map_revision is None: the state was rebuilt without the revision of its "
+                         "code maps, e.g. from a checkpoint written before jaxmp recorded it (8-bit codes of maps one "
+                         "or two float32 ulps off the peers' at 22 signed and 26 unsigned entries: they would decode "
+                         f"differently). A checkpoint with the revision restores whole: {_RESTORE}. One without it "
+                         "cannot be resumed by this jaxmp: start the moments afresh with tx.init(params)")
+    # Its value when it has one here (an eager call; a jitted step sees a tracer, an abstract
+    # target a ShapeDtypeStruct).
+    concrete = isinstance(revision, (jax.Array, np.ndarray, np.generic)) and not isinstance(
+        revision, jax.core.Tracer) and getattr(revision, "is_fully_addressable", True) and np.shape(revision) == ()
+    if concrete and int(np.asarray(revision)) != _blockwise.MAP_REVISION:
+        raise ValueError(f"QuantizedMomentsState.map_revision is {int(np.asarray(revision))}: its codes index code maps "
+                         f"of another revision than this jaxmp's ({_blockwise.MAP_REVISION}), which would decode them "
+                         "differently; resume it with the jaxmp that wrote it, or start the moments afresh with "
+                         "tx.init(params)")
+
+
+#: The way out of `unused_key_warning` for a transformation with a ``rounding`` argument.
+ROUND_STOCHASTICALLY = "Drop key=, or pass rounding='stochastic' to round stochastically with it"
+
+
+def unused_key_warning(what: str, key: Any, why: str, fix: str = ROUND_STOCHASTICALLY, stacklevel: int = 3) -> None:
+    """Warns (MixedPrecisionWarning, at the caller's caller) that ``key`` is unused: ``what`` (a
+    call) draws no random bits (``why``). Nothing is refused: code that picks a recipe by name
+    often passes one key to every one."""
+    if key is not None:
+        warnings.warn(f"{what}: key={key!r} is unused: {why}, so it draws no random bits. {fix}",
+                      MixedPrecisionWarning, stacklevel=stacklevel)
 
 
 def _check_int(value: Any, name: str, low: int) -> int:
@@ -89,7 +154,8 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
                       ) -> optax.GradientTransformationExtraArgs:
     """Stores ``inner``'s moments in 8 or 4 bits a value, blockwise (bitsandbytes' 8-bit Adam, torchao's 4-bit).
 
-    Each floating state leaf with ``ndim >= 1`` and at least ``min_size`` elements is kept as uint8 codes
+    Each floating state leaf with ``ndim >= 1`` and at least ``min_size`` elements, whatever its dtype (float32,
+    bfloat16 or float16: optax keeps float16 params' moments in float16; fp8 ones are refused), is kept as uint8 codes
     plus a float32 absmax per ``block`` consecutive elements: 1 + 4/256 bytes a value at 8 bits, 0.5 +
     4/128 at 4. ``update`` dequantizes them, runs ``inner`` in float32 and requantizes the new state.
     A leaf under a NamedTuple field named ``nu``, ``nu_max``, ``sum_of_squares``, ``v_row``, ``v_col``,
@@ -101,7 +167,8 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
 
     Args:
       inner: the optax transformation whose moments are quantized (e.g. ``optax.adamw``).
-      key: an int seed or a threefry2x32 ``jax.random.key``; required for stochastic rounding.
+      key: an int seed or a threefry2x32 ``jax.random.key``; required for stochastic rounding and
+        unused with nearest rounding (a ``MixedPrecisionWarning`` says so).
       bits: 8 or 4.
       block: elements per absmax (default 256 at 8 bits, 128 at 4: torchao's). jaxmp.parallel's
         ZeRO and FSDP split a quantized leaf only where each block stays on one device.
@@ -119,8 +186,14 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
       An ``optax.GradientTransformationExtraArgs`` whose state is [`QuantizedMomentsState`][jaxmp.lean.QuantizedMomentsState].
 
     Raises:
-      ValueError: ``bits`` not 8 or 4, a ``block`` < 2, a ``min_size`` < 0 or an unknown ``rounding``.
+      ValueError: ``bits`` not 8 or 4, a ``block`` < 2, a ``min_size`` < 0 or an unknown ``rounding``;
+        at ``init``, fp8 moment leaves to quantize (fp8 params: keep float32 masters, the message says
+        how); at ``update``, a state that lost its static ``grid`` or its ``map_revision`` (a
+        hand-written restore; the message names the restore target), or other bits/block/params.
       TypeError: no ``key`` for stochastic rounding.
+
+    Warns:
+      MixedPrecisionWarning: a ``key`` with ``rounding="nearest"`` (unused).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -142,8 +215,11 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         slice_size = _check_int(slice_size, "slice_size", 1)
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    key_data = _key_data(key, "quantized_moments") if rounding == "stochastic" or key is not None \
-        else jnp.zeros(2, jnp.uint32)
+    if rounding == "stochastic":
+        key_data = _key_data(key, "quantized_moments")
+    else:
+        unused_key_warning("quantized_moments", key, "rounding='nearest' rounds each moment to the nearest map entry")
+        key_data = jnp.zeros(2, jnp.uint32)
 
     grid = _blockwise.Grid(bits, block)
 
@@ -153,6 +229,7 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
     def init_fn(params):
         state = inner.init(params)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        _refuse_fp8([(path, x) for path, x in leaves if _quantizable(x, min_size)])
         stored, scales = [], []
         for path, x in leaves:
             if _quantizable(x, min_size):
@@ -163,12 +240,13 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
                 stored.append(x)
                 scales.append(None)
         return QuantizedMomentsState(treedef.unflatten(stored), treedef.unflatten(scales), jnp.array(key_data),
-                                     jnp.zeros([], jnp.int32), grid)
+                                     jnp.zeros([], jnp.int32), grid, _revision())
 
     def update_fn(grads, state, params=None, **extra_args):
         if not isinstance(state, QuantizedMomentsState):
             raise TypeError(f"state must be the QuantizedMomentsState made by quantized_moments' init, got "
                             f"{type(state).__name__}")
+        check_restored(state)
         if state.grid != grid:
             raise ValueError(f"quantized_moments: the state was made with bits={state.grid.bits}, "
                              f"block={state.grid.block}, this transformation has bits={bits}, block={block}")
@@ -223,7 +301,7 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
                 out.append(codes)
                 out_scales.append(absmax)
         return updates, QuantizedMomentsState(treedef.unflatten(out), treedef.unflatten(out_scales), state.key,
-                                              (state.count + 1).astype(jnp.int32), grid)
+                                              (state.count + 1).astype(jnp.int32), grid, state.map_revision)
 
     def _slices(grads, params, template, treedef, shapes, stored, scales, inner_update) -> tuple[dict, list | None]:
         # The large leaves to update a slice at a time (docs/lean-recipes.md#the-update-a-slice-at-a-time).
@@ -247,6 +325,10 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         return (sliced, dtypes) if dtypes is not None else ({}, None)
 
     return QuantizedMoments(init_fn, update_fn)
+
+
+def _revision() -> jax.Array:
+    return jnp.asarray(_blockwise.MAP_REVISION, jnp.int32)
 
 
 class QuantizedMoments(optax.GradientTransformationExtraArgs):

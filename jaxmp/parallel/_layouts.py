@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp import _blockwise
 from jaxmp.lean import QuantizedMomentsState
+from jaxmp.lean._quantized import check_restored
 from jaxmp.parallel._checks import check_not_donated
 from jaxmp.parallel._replication import PMAP_LAYOUT_HINT, is_pmap_replicated, replica_axis_size
 
@@ -318,7 +319,8 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
             # any, is on one of them: aligned); that of flattened blocks is not split.
             entries = _spec_entries(spec, len(_shape(c)))
             scales.append(make_spec(entries[:len(_shape(a))]))
-        return QuantizedMomentsState(inner, inner_def.unflatten(scales), PartitionSpec(), PartitionSpec(), q.grid)
+        return q._replace(inner_state=inner, absmax=inner_def.unflatten(scales), key=PartitionSpec(),
+                          count=PartitionSpec(), map_revision=PartitionSpec())
 
     return p_specs, specs_of(opt_state), g_specs
 
@@ -331,6 +333,7 @@ def _quantized_grids(opt_state: Any, n_params: int, is_param_tree) -> dict:
     for q in pieces:
         if not isinstance(q, QuantizedMomentsState):
             continue
+        check_restored(q)   # a grid lost by a hand-written restore, named before its bits are read
         positions: list = []
         for piece in jax.tree_util.tree_leaves(q.inner_state, is_leaf=is_param_tree):
             positions += list(range(n_params)) if is_param_tree(piece) else [None]

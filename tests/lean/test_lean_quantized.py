@@ -41,12 +41,14 @@ def _np_dynamic_map(signed, exp_bits, total_bits):
 
 
 def test_code_maps_are_bitsandbytes_and_torchao_maps():
+    # Bit for bit against the peers' own tables: tests/lean/test_lean_reference.py. Here the
+    # re-derivation: the 8-bit maps are torch.linspace's points, within 6e-8 of NumPy's.
     for bits, signed, want in [(8, True, _np_dynamic_map(True, 7, 8)), (8, False, _np_dynamic_map(False, 7, 8)),
                                (4, True, _np_dynamic_map(True, 3, 4)),
                                (4, False, np.arange(1, 17, dtype=np.float32) / 16)]:
         got = _blockwise.code_map(bits, signed)
-        assert got.shape == (2 ** bits,) and len(np.unique(got)) == 2 ** bits
-        np.testing.assert_array_equal(got, want)
+        assert got.shape == (2 ** bits,) and len(np.unique(got)) == 2 ** bits and (np.diff(got) > 0).all()
+        np.testing.assert_allclose(got, want, rtol=0, atol=6e-8 if bits == 8 else 0)
     assert _blockwise.code_map(4, False).min() == 1 / 16   # no zero: a second moment never rounds to 0
     assert _blockwise.code_map(8, False).min() == 0 and _blockwise.code_map(8, True).max() == 1
 
@@ -218,8 +220,8 @@ def test_nu_tracks_float32_where_round_to_nearest_bf16_stalls():
     nearest or stochastic."""
     adam = optax.adam(1e-3, b1=0.9, b2=0.999)
     params, grads = {"w": jnp.zeros(4096)}, {"w": jnp.ones(4096)}
-    txs = [adam] + [lean.quantized_moments(adam, bits=b, rounding=r, key=0) for b in (8, 4)
-                    for r in ("nearest", "stochastic")]
+    txs = [adam] + [lean.quantized_moments(adam, bits=b, rounding=r, key=0 if r == "stochastic" else None)
+                    for b in (8, 4) for r in ("nearest", "stochastic")]
 
     @jax.jit
     def run(states):
@@ -472,7 +474,8 @@ def test_fidelity_8bit_and_4bit_against_float32_masters():
         for bits in (8, 4):
             for r in ("nearest", "stochastic"):
                 rows[f"{outer} + {bits}-bit, {r}"], _ = _train_seeds(lambda s, b=bits, r=r, wrap=wrap: wrap(
-                    lean.quantized_moments(optax.adamw(sched), s, bits=b, rounding=r, min_size=0), s))
+                    lean.quantized_moments(optax.adamw(sched), s if r == "stochastic" else None, bits=b, rounding=r,
+                                           min_size=0), s))
     for name, v in rows.items():
         print(f"| {name} | {' | '.join(f'{x:.5f}' for x in v)} | {v.mean():.5f} |")
     tolerance = max(ref.max() - ref.min(), 0.01 * ref.mean())
@@ -605,7 +608,8 @@ def test_the_update_a_slice_at_a_time_is_the_whole_leaf_update(bits, rounding):
     params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SLICE_PARAMS.items()}
     inner = optax.adamw(1e-2, mask=lambda t: jax.tree_util.tree_map(lambda x: x.ndim > 1, t))
     (u, s, looped), (u0, s0, looped0) = _sliced_pair(
-        lambda ss: lean.quantized_moments(inner, 1, bits=bits, rounding=rounding, min_size=0, slice_size=ss), params)
+        lambda ss: lean.quantized_moments(inner, 1 if rounding == "stochastic" else None, bits=bits, rounding=rounding,
+                                          min_size=0, slice_size=ss), params)
     assert looped and not looped0
     codes = lambda st: [x for x in jax.tree_util.tree_leaves(st.inner_state) if x.dtype == jnp.uint8]  # noqa: E731
     same = [np.mean(np.asarray(a) == np.asarray(b)) for a, b in zip(codes(s), codes(s0))]
