@@ -49,7 +49,10 @@ def _tx(recipe: str):
 
     if recipe == "fp32-adamw":
         return jaxmp.loss_scaling(optax.adamw(1e-3), "none")
-    return jaxmp.loss_scaling(lean.preset(recipe, optax.adamw(1e-3), key=0), "none")
+    from experiments.program import lean_is_stochastic
+
+    return jaxmp.loss_scaling(lean.preset(recipe, optax.adamw(1e-3), key=0 if lean_is_stochastic(recipe) else None),
+                              "none")
 
 
 def measure_lean(recipe: str, layout: str, n: int, shape) -> dict:

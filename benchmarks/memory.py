@@ -91,7 +91,9 @@ def _tx(recipe: str):
     import jaxmp
     from jaxmp import lean
 
-    return jaxmp.loss_scaling(lean.preset(recipe, optax.adamw(1e-3), key=0 if recipe != "fp32-masters" else None),
+    from experiments.program import lean_is_stochastic
+
+    return jaxmp.loss_scaling(lean.preset(recipe, optax.adamw(1e-3), key=0 if lean_is_stochastic(recipe) else None),
                               "none")
 
 

@@ -136,8 +136,12 @@ def make_optimizer(hp: dict, plan: Plan) -> optax.GradientTransformation:
 
 
 def lean_is_stochastic(name: str) -> bool:
-    """Whether the ``lean_recipe`` ``name`` rounds stochastically (its key is the run's seed)."""
-    return name not in ("", "fp32-masters", "remainders", LEAN_NEAREST)
+    """Whether the ``lean_recipe`` ``name`` rounds stochastically (its key is the run's seed).
+
+    The params of ``"bf16-sr*"`` (and the study variants) or the moments of the three named
+    presets; the others round to nearest, and a key passed to them would be unused (jaxmp warns).
+    """
+    return name.startswith("bf16-sr") or name in ("masters-bf16-moments", "sr-params", "remainders-bf16-moments")
 
 
 def lean_optimizer(inner: optax.GradientTransformation, name: str, seed: int) -> optax.GradientTransformation:
