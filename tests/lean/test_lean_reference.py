@@ -18,6 +18,7 @@ import optax
 import pytest
 
 from jaxmp import _blockwise, lean
+from tests.lean.test_lean_quantized import _np_dynamic_map  # how jaxmp derived its maps before revision 2
 
 pytestmark = pytest.mark.standard_promotion(reason="optax.adamw: bias correction is a Python float ** int32 count")
 
@@ -38,20 +39,6 @@ def _same(a, b) -> np.ndarray:
     return (a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))
 
 
-def _numpy_dynamic_map(signed, exp_bits, total_bits):
-    """create_dynamic_map in NumPy's float32 (linspace, midpoints, decade scales): how jaxmp derived its
-    maps before revision 2."""
-    vals = [0.0, 1.0]
-    for e in range(exp_bits):
-        k = 2 ** (e + total_bits - 1 - exp_bits + (0 if signed else 1))
-        edges = np.linspace(0.1, 1, k + 1, dtype=np.float32)
-        mids = (edges[:-1] + edges[1:]) / np.float32(2)
-        vals += list(np.float32(10.0 ** (e - exp_bits + 1)) * mids)
-        if signed:
-            vals += list(-np.float32(10.0 ** (e - exp_bits + 1)) * mids)
-    return np.sort(np.asarray(vals, np.float32))
-
-
 def test_every_map_is_the_peers_bit_for_bit(ref):
     for name, (bits, signed) in {"8s": (8, True), "8u": (8, False), "4s": (4, True), "4u": (4, False)}.items():
         ours = _blockwise.code_map(bits, signed)
@@ -63,7 +50,7 @@ def test_every_map_is_the_peers_bit_for_bit(ref):
     # float32 ulp but two by two (at most 6e-8); the 4-bit map was already equal.
     for (bits, signed, exp_bits), ulps in {(8, True, 7): [0, 20, 2], (8, False, 7): [0, 24, 2],
                                            (4, True, 3): [0]}.items():
-        old, new = _numpy_dynamic_map(signed, exp_bits, bits), _blockwise.code_map(bits, signed)
+        old, new = _np_dynamic_map(signed, exp_bits, bits), _blockwise.code_map(bits, signed)
         apart = np.abs(old.view(np.int32).astype(np.int64) - new.view(np.int32))
         assert np.bincount(apart).tolist() == [2 ** bits - sum(ulps)] + ulps[1:]
     assert _blockwise.MAP_REVISION == 2
