@@ -20,7 +20,7 @@ from jaxmp.engine import _internals as internals, _unscaled as unscaled
 from jaxmp.engine._attention import route_attention
 from jaxmp.engine._interpreter import Interpreter, repeated_ops
 from jaxmp.engine._values import Val, dtype_of, is_float, saturate
-from jaxmp.engine._modules import apply_module_rules
+from jaxmp.engine._modules import apply_module_rules, recording_classes
 from jaxmp.engine._rules import AutocastRules, marker
 from jaxmp._dtypes import cast_floating
 
@@ -283,11 +283,13 @@ class _Autocast:
             return flat
 
         dyn_vals = [leaf for leaf, d in zip(leaves, dynamic) if d]
-        with _config.TRACING(self.config), route_attention(), \
+        with _config.TRACING(self.config), route_attention(), recording_classes() as seen, \
                 apply_module_rules(self.config.modules, intercept=not self.config.from_flax_wrapper):
             closed = jax.make_jaxpr(flat_fn)(*dyn_vals)
         tracer_consts = any(internals.is_tracer(c) for c in closed.consts)
         label = f"{_name(self.fn)} under {self.config.name!r}"
+        if self.config.rules.class_rules and not self.config.from_flax_wrapper:  # the door says its own
+            _warn_unmatched_classes(self.config.rules, seen, label)
         return _Program(closed, out_tree[0], self.config, tracer_consts, self.cast_outputs, label)
 
     def _program(self, leaves, dynamic, treedef) -> _Program:
@@ -383,3 +385,31 @@ def _warn_unmatched_scopes(rules: AutocastRules, seen: set, label: str) -> None:
         warnings.warn(f"jaxmp.autocast({label}): the scope rule {pattern!r} matches no name scope of the traced "
                       f"function, so it does nothing{near}. Warned once per rule.", MixedPrecisionWarning,
                       stacklevel=4)
+
+
+def _warn_unmatched_classes(rules: AutocastRules, seen: set, label: str) -> None:
+    """A [`jaxmp.MixedPrecisionWarning`][jaxmp.MixedPrecisionWarning] for each class rule of the user's
+    that no module call of the traced function matched (once per rule and function).
+
+    The Flax door's preset class rules (passed on with `jaxmp.flax.default_rules`: most models
+    use only some of those classes) are not the user's and never warn.
+    """
+    import sys
+    import warnings
+
+    from jaxmp._misuse import MixedPrecisionWarning
+
+    overrides = sys.modules.get("jaxmp.flax._overrides")  # loaded only when the Flax door was imported
+    for cls, dtype in rules.class_rules:
+        key = (label, cls)
+        if (overrides is not None and overrides.is_preset_class_rule(cls, dtype)) or key in _WARNED_SCOPES \
+                or any(issubclass(c, cls) for c in seen):
+            continue
+        _WARNED_SCOPES.add(key)
+        called = sorted({c.__name__ for c in seen})
+        near = f"; the module classes it called: {', '.join(called)}" if called else ""
+        warnings.warn(f"jaxmp.autocast({label}): the class rule for {cls.__name__} matches no module call of the "
+                      f"traced function (no {cls.__name__} or subclass of it is called), so it does nothing{near}. "
+                      "For code without modules, keep lines in float32 with `jax.named_scope` and "
+                      "AutocastRules.with_scope, or @jaxmp.float32_region. Warned once per rule.",
+                      MixedPrecisionWarning, stacklevel=4)

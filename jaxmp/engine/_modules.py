@@ -139,6 +139,7 @@ def _intercepted(module_name: str, rules: ModuleRules) -> Iterator[None]:
         return
 
     def decide(module):
+        saw(module)
         return rules.rule_for(module)
 
     with lib.intercept_methods(module_interceptor(decide)):
@@ -165,10 +166,39 @@ _INSTANCES = threading.local()
 _lock = threading.Lock()
 
 
+#: Per-thread: the classes of the module calls an autocast trace made (`recording_classes`).
+_SEEN = threading.local()
+
+
+@contextlib.contextmanager
+def recording_classes() -> Iterator[set]:
+    """While active, the classes of this thread's ruled-class and intercepted module calls are
+    collected into the yielded set (an autocast trace: which class rules matched something).
+
+    Yields:
+      The set of classes seen so far.
+    """
+    previous = getattr(_SEEN, "classes", None)
+    seen: set = set()
+    _SEEN.classes = seen
+    try:
+        yield seen
+    finally:
+        _SEEN.classes = previous
+
+
+def saw(module: Any) -> None:
+    """Records ``module``'s class for `recording_classes` (nothing when it is not active)."""
+    seen = getattr(_SEEN, "classes", None)
+    if seen is not None:
+        seen.add(type(module))
+
+
 def _active_rule(obj: Any) -> ModuleRule | None:
     cfg = _config.current()
     if cfg is None:
         return None
+    saw(obj)
     by_id = getattr(_INSTANCES, "rules", None)
     if by_id is not None and id(obj) in by_id:
         return by_id[id(obj)]

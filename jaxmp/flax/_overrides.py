@@ -97,6 +97,14 @@ def overridden_float32_message(paths: Sequence[str], classes: Sequence[str], com
     )
 
 
+def is_preset_class_rule(cls: type, dtype: Any) -> bool:
+    """Whether ``(cls, dtype)`` is one of the presets' own class rules (`default_rules`): a half
+    module class in ``"half"`` or a norm class in ``"float32"``. Most models use only some of
+    those classes, so a rule that matches nothing warns only when it is not one of them.
+    """
+    return (cls in DEFAULT_HALF_MODULES and dtype == "half") or (cls in DEFAULT_NORM_MODULES and dtype == "float32")
+
+
 def unmatched_rules_message(rules: AutocastRules, paths: Iterable[str], classes: Iterable[type],
                             model: str) -> str | None:
     """The warning for path and class rules of the user's that match no module of the model, or None.
@@ -118,14 +126,13 @@ def unmatched_rules_message(rules: AutocastRules, paths: Iterable[str], classes:
 
     paths, classes = sorted({p for p in paths if p}), tuple(set(classes))
     prefixes = {"/".join(p.split("/")[:k]) for p in paths for k in range(1, p.count("/") + 2)}
-    preset = set(DEFAULT_HALF_MODULES) | set(DEFAULT_NORM_MODULES)
     missed = []
     for pattern, _ in rules.path_rules:
         if not any(fnmatch.fnmatchcase(p, pattern) for p in prefixes):
             close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0)
             missed.append(f"the path rule {pattern!r} (closest module paths: {', '.join(map(repr, close))})")
-    for cls, _ in rules.class_rules:
-        if cls not in preset and not any(issubclass(c, cls) for c in classes):
+    for cls, dtype in rules.class_rules:
+        if not is_preset_class_rule(cls, dtype) and not any(issubclass(c, cls) for c in classes):
             missed.append(f"the class rule for {cls.__name__} (no {cls.__name__} in the model)")
     if not missed:
         return None

@@ -295,5 +295,24 @@ def test_rules_that_match_nothing_warn_once_with_the_closest_paths():
         jaxmp.autocast(f, "O1-bf16", rules=jaxmp.AutocastRules().with_scope("enc/Dense_1", "float32"))(jnp.ones((2, 2)))
 
 
+def test_an_autocast_class_rule_that_matches_no_call_warns_once_and_one_that_matches_is_silent():
+    import warnings
+
+    import flax.linen as nn
+
+    net, v = _linen()
+    fn = lambda p, x: jnp.sum(net.apply(p, x))  # noqa: E731
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match=r"class rule for Conv matches no module call.*"
+                                                         r"module classes it called: .*Dense") as caught:
+        jaxmp.autocast(fn, "O1-fp16", rules=jaxmp.AutocastRules().with_class(nn.Conv, "float32"))(v, X)
+    assert len([w for w in caught if "matches no module call" in str(w.message)]) == 1
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        jaxmp.autocast(fn, "O1-fp16", rules=jaxmp.AutocastRules().with_class(nn.Dense, "float32"))(v, X)
+        # the Flax door's preset rules passed on to autocast: its own classes never warn
+        jaxmp.autocast(fn, "O1-fp16", rules=jaxmp.flax.default_rules("O1-fp16"))(v, X)
+    assert not [w for w in seen if "matches no" in str(w.message)], [str(w.message) for w in seen]
+
+
 class _NnxConv:  # a user's module class the model does not use
     pass
