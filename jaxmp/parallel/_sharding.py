@@ -301,9 +301,12 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
                                                         param_specs=param_specs, min_shard_size=min_shard_size)
         p_sh, o_sh = layouts.named_shardings(mesh, p_specs), layouts.named_shardings(mesh, o_specs)
         g_sh = layouts.named_shardings(mesh, g_specs)
-        base_specs = layouts.param_tree_specs(params, param_specs) if reduce_dtype is None else None
-        strategy = shard_step.Sharded(mesh, axis, layout, reduce_dtype, g_specs, g_sh, base_specs, remat,
-                                      param_shardings=p_sh)
+        if reduce_dtype is None:
+            strategy: shard_step.Sharded = shard_step.GlobalView(
+                state_layout, g_sh, p_sh, base_specs=layouts.param_tree_specs(params, param_specs), remat=remat)
+        else:
+            strategy = shard_step.PerShard(state_layout, g_sh, p_sh, reduce_dtype=reduce_dtype, grad_specs=g_specs,
+                                           remat=remat)
         common = {"has_aux": has_aux, "with_model_state": model_state}
         first = (p_sh, rep) if model_state else p_sh
         jitted = jax.jit(make_loss_fn_step(loss_fn, tx, strategy, with_rng=False, **common),
