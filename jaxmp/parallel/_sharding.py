@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,33 @@ from jaxmp.parallel._checks import (
     check_divisible, check_not_donated, check_positive_int, leading_size, log_once, with_model_state,
 )
 from jaxmp.parallel._replication import is_pmap_replicated
-from jaxmp._step import TrainStep, check_argument_order, make_loss_fn_step
+from jaxmp._step import TrainStep, check_argument_order, make_loss_fn_step, step_record
+
+
+@step_record
+class ShardedTrainStep(TrainStep):
+    """The sharded step's record: `jaxmp._step.TrainStep`'s fields and the state's layout.
+
+    Attributes:
+      layout: the state's `jaxmp.parallel._layouts.Layout` (mesh, data axis, layout name):
+        ``shard_state(state, step.layout)``.
+      reduce_dtype: the gradient reduction's dtype (None: XLA's, on the global batch).
+      lower: ``lower(*step_args) -> jax.stages.Lowered`` (no run).
+      shardings: ``shardings(params, opt_state) -> (param shardings, opt_state shardings)``.
+    """
+
+    builder_call: ClassVar[str] = "jaxmp.parallel.make_sharded_train_step(loss_fn, tx, step.layout)"
+    call_form: ClassVar[str] = "params, opt_state, metrics = step(params, opt_state, batch)"
+
+    layout: layouts.Layout
+    reduce_dtype: Any
+    lower: Callable[..., Any]
+    shardings: Callable[..., Any]
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh (``step.layout.mesh``)."""
+        return self.layout.mesh
 
 
 def make_data_mesh(devices: Sequence[Any] | None = None, axis_name: str = "data") -> Mesh:
@@ -225,7 +251,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
                             model_state: bool = False, layout: str | None = None,
                             reduce_dtype: jax.typing.DTypeLike | None = "float32", param_specs: PyTree | None = None,
                             min_shard_size: int | None = None,
-                            remat: str | Callable[..., bool] | None = None) -> TrainStep:
+                            remat: str | Callable[..., bool] | None = None) -> ShardedTrainStep:
     """A ``jax.jit`` train step: the batch sharded over the mesh's data axis, the state in ``layout``.
 
     [`make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step]'s semantics without ``pmap``.
@@ -366,6 +392,6 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
     view = _loss_view.generic_view(
         loss_fn, has_aux=has_aux, model_state=model_state,
         name=f"make_sharded_train_step(layout={layout!r}, reduce_dtype={getattr(reduce_dtype, 'name', None)!r})")
-    return TrainStep(with_model_state(run, model_state), loss_fn, view, layout=state_layout,
-                     reduce_dtype=reduce_dtype, lower=lower_step,
-                     shardings=lambda params, opt_state: get(params, opt_state)[2])
+    return ShardedTrainStep(with_model_state(run, model_state), loss_fn, view, layout=state_layout,
+                            reduce_dtype=reduce_dtype, lower=lower_step,
+                            shardings=lambda params, opt_state: get(params, opt_state)[2])
