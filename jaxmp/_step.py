@@ -327,7 +327,7 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, strategy: Strategy = LOCAL, 
             with fp8.gradient_loss_scale(scale):
                 (loss, (new_model_state, aux)), grads = differentiate(loss_fn, opt_state, params, model_state,
                                                                       batch, rng)
-            return finish(params, model_state, opt_state, scale, loss, new_model_state, aux, grads, None)
+            return finish(params, model_state, opt_state, scale, (loss, new_model_state, aux), grads, None)
         fp8_state, rest = fp8_hooks.split(model_state) if fp8_hooks is not None else (None, model_state)
 
         def scaled(p, f):
@@ -338,10 +338,12 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, strategy: Strategy = LOCAL, 
         # step observed (jaxmp.fp8.update_state); it never reaches the optimizer.
         (loss, (new_model_state, aux)), (grads, observed) = value_and_grad(
             scaled, opt_state, argnums=(0, 1), has_aux=True)(params, fp8_state)
-        return finish(params, model_state, opt_state, scale, loss, new_model_state, aux, grads,
+        return finish(params, model_state, opt_state, scale, (loss, new_model_state, aux), grads,
                       (fp8_state, observed))
 
-    def finish(params, model_state, opt_state, scale, loss, new_model_state, aux, grads, fp8_observed):
+    def finish(params, model_state, opt_state, scale, evaluated, grads, fp8_observed):
+        # ``evaluated``: the loss function's (loss, new model state, aux) on this replica.
+        loss, new_model_state, aux = evaluated
         # Reduce before the update: a NaN on one replica, or an overflowing half-precision sum, is
         # then seen by every replica's finite check.
         grads = strategy.reduce_grads(grads)

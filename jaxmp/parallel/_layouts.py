@@ -103,6 +103,9 @@ class Layout:
       data_axis: the mesh axis the batch and a sharded state are split over.
       param_specs: the params' ``PartitionSpec`` tree over the other (model) axes, or None.
       min_shard_size: leaves with fewer elements stay replicated over the data axis.
+
+    What the layout does is read from its facts (`LayoutKind`, by ``name``): ``kind``,
+    ``shards_state``, ``shards_params``, ``gathers_in_turn``.
     """
 
     mesh: Mesh

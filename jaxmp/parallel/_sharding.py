@@ -246,6 +246,37 @@ def enter_layout(tree: Any, shardings: Any, mesh: Mesh, layout: str, what: str) 
     return jax.tree_util.tree_map_with_path(enter, tree, shardings)
 
 
+def _jitted_steps(loss_fn: Callable[..., Any], tx: Any, lay: layouts.Layout, state: tuple[Any, Any], *,
+                  reduce_dtype: Any, remat: Any, has_aux: bool, model_state: bool, donate: bool) -> tuple:
+    """A sharded step's jitted steps for states of this structure and these shapes (shardings follow shapes).
+
+    Returns:
+      ``(jitted, jitted_with_rng, (param_shardings, opt_state_shardings))``.
+    """
+    params, opt_state = state
+    mesh = lay.mesh
+    p_specs, o_specs, g_specs = layouts.state_specs(params, opt_state, mesh, lay.name, data_axis=lay.data_axis,
+                                                    param_specs=lay.param_specs, min_shard_size=lay.min_shard_size)
+    p_sh, o_sh, g_sh = (layouts.named_shardings(mesh, specs) for specs in (p_specs, o_specs, g_specs))
+    # Two strategies: each data shard differentiates its own loss and reduces in reduce_dtype, or
+    # (None) the loss is the global view and XLA reduces.
+    if reduce_dtype is None:
+        strategy: shard_step.Sharded = shard_step.GlobalView(
+            lay, g_sh, p_sh, base_specs=layouts.param_tree_specs(params, lay.param_specs), remat=remat)
+    else:
+        strategy = shard_step.PerShard(lay, g_sh, p_sh, reduce_dtype=reduce_dtype, grad_specs=g_specs, remat=remat)
+    rep, data = replicated_sharding(mesh), NamedSharding(mesh, PartitionSpec(lay.data_axis))
+    first = (p_sh, rep) if model_state else p_sh
+
+    def jitted(with_rng: bool) -> Any:
+        body = make_loss_fn_step(loss_fn, tx, strategy, has_aux=has_aux, with_rng=with_rng,
+                                 with_model_state=model_state)
+        return jax.jit(body, in_shardings=(first, o_sh, data) + ((rep,) if with_rng else ()),
+                       out_shardings=(first, o_sh, rep), donate_argnums=(0, 1) if donate else ())
+
+    return jitted(False), jitted(True), (p_sh, o_sh)
+
+
 def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, mesh: Mesh | layouts.Layout, *,
                             data_axis: str | None = None, has_aux: bool = False, donate: bool = False,
                             model_state: bool = False, layout: str | None = None,
@@ -312,36 +343,11 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
     state_layout = layouts.resolve_layout(mesh, layout, data_axis=data_axis, param_specs=param_specs,
                                           min_shard_size=min_shard_size)
     mesh, layout, axis = state_layout.mesh, state_layout.name, state_layout.data_axis
-    param_specs, min_shard_size = state_layout.param_specs, state_layout.min_shard_size
     reduce_dtype = check_reduce_dtype(reduce_dtype)
     remat = per_layer.remat_policy(remat)
     rep = replicated_sharding(mesh)
-    data = NamedSharding(mesh, PartitionSpec(axis))
     num_devices = mesh.shape[axis]
-    donate_argnums = (0, 1) if donate else ()
     cache: dict = {}
-
-    def build(params, opt_state, reduce_dtype):
-        """The jitted steps for states of this structure and these shapes (shardings follow shapes)."""
-        p_specs, o_specs, g_specs = layouts.state_specs(params, opt_state, mesh, layout, data_axis=axis,
-                                                        param_specs=param_specs, min_shard_size=min_shard_size)
-        p_sh, o_sh = layouts.named_shardings(mesh, p_specs), layouts.named_shardings(mesh, o_specs)
-        g_sh = layouts.named_shardings(mesh, g_specs)
-        if reduce_dtype is None:
-            strategy: shard_step.Sharded = shard_step.GlobalView(
-                state_layout, g_sh, p_sh, base_specs=layouts.param_tree_specs(params, param_specs), remat=remat)
-        else:
-            strategy = shard_step.PerShard(state_layout, g_sh, p_sh, reduce_dtype=reduce_dtype, grad_specs=g_specs,
-                                           remat=remat)
-        common = {"has_aux": has_aux, "with_model_state": model_state}
-        first = (p_sh, rep) if model_state else p_sh
-        jitted = jax.jit(make_loss_fn_step(loss_fn, tx, strategy, with_rng=False, **common),
-                         in_shardings=(first, o_sh, data), out_shardings=(first, o_sh, rep),
-                         donate_argnums=donate_argnums)
-        jitted_rng = jax.jit(make_loss_fn_step(loss_fn, tx, strategy, with_rng=True, **common),
-                             in_shardings=(first, o_sh, data, rep), out_shardings=(first, o_sh, rep),
-                             donate_argnums=donate_argnums)
-        return jitted, jitted_rng, (p_sh, o_sh)
 
     def get(state, opt_state):
         params = state[0] if model_state else state
@@ -355,7 +361,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
             # Once per state shape: a pmap-replicated state, or a swapped one, has its own, so it comes here.
             check_argument_order(state, step_form(model_state))
             layouts.check_not_pmap_state(params, opt_state, layout)
-            cache[sig, reduce] = build(params, opt_state, reduce)
+            cache[sig, reduce] = _jitted_steps(loss_fn, tx, state_layout, (params, opt_state), reduce_dtype=reduce,
+                                               remat=remat, has_aux=has_aux, model_state=model_state, donate=donate)
         return cache[sig, reduce]
 
     def run(params, opt_state, batch, rng=None):
