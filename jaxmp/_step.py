@@ -11,7 +11,7 @@ import contextlib
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable, ClassVar, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple, TypeVar, dataclass_transform
 
 import jax
 import jax.numpy as jnp
@@ -170,7 +170,11 @@ class StepResult(NamedTuple):
     loss_scale: jax.Array
 
 
-def step_record(cls: type) -> type:
+_Record = TypeVar("_Record", bound=type)
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
+def step_record(cls: _Record) -> _Record:
     """Makes ``cls`` (`TrainStep` or a builder's extension of it) a frozen, slotted step record.
 
     The dataclass decorator gives every frozen class its own ``__setattr__``; this one replaces
@@ -192,10 +196,10 @@ def step_record(cls: type) -> type:
       >>> CountedStep(lambda x: x, None, None, count=2)(3)
       3
     """
-    cls = dataclasses.dataclass(frozen=True, eq=False, slots=True, weakref_slot=True)(cls)
-    cls.__setattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
-    cls.__delattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
-    return cls
+    record: Any = dataclasses.dataclass(frozen=True, eq=False, slots=True, weakref_slot=True)(cls)
+    record.__setattr__ = _refuse_assignment
+    record.__delattr__ = _refuse_assignment
+    return record
 
 
 def _refuse_assignment(self: "TrainStep", name: str, value: Any = None) -> None:
@@ -206,9 +210,10 @@ def _refuse_assignment(self: "TrainStep", name: str, value: Any = None) -> None:
         "dataclasses.replace(step, run=..., loss_view=...)")
 
 
-def _kinds(cls: type) -> list[type]:
+def _kinds(cls: type[TrainStep]) -> list[type[TrainStep]]:
     """``cls`` and every step record extending it."""
-    return [cls] + [k for sub in cls.__subclasses__() for k in _kinds(sub)]
+    subs: list[type[TrainStep]] = cls.__subclasses__()
+    return [cls] + [k for sub in subs for k in _kinds(sub)]
 
 
 @step_record

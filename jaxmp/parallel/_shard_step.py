@@ -130,7 +130,8 @@ def _leaf_plan(layout: Layout, leaves: list, g_leaves: list, deferred: set) -> t
     reduce-scattered) or ``"defer"`` (a sharded param the loss gathers itself where it is used).
     """
     axis = layout.data_axis
-    fixed, fixed_specs, diff, diff_specs, kinds = [], [], [], [], []
+    fixed, fixed_specs, diff, diff_specs = [], [], [], []
+    kinds: list[tuple[str, int | None]] = []
     for i, (p, g) in enumerate(zip(leaves, g_leaves)):
         dims = [d for d, e in enumerate(g) if axis in axes_of(e)]
         if not layout.shards_state or not dims:
