@@ -188,13 +188,12 @@ def step_record(cls: _Record) -> _Record:
     Returns:
       The dataclass.
 
-    Example:
-      >>> from jaxmp._step import TrainStep, step_record
-      >>> @step_record
-      ... class CountedStep(TrainStep):
-      ...     count: int
-      >>> CountedStep(lambda x: x, None, None, count=2)(3)
-      3
+    Example (the pmap step's, `jaxmp.parallel._pmap.PmapTrainStep`, shortened)::
+
+        @step_record
+        class PmapTrainStep(TrainStep):
+            builder_call: ClassVar[str] = "jaxmp.parallel.make_pmap_train_step(loss_fn, tx)"
+            pmapped: Callable[..., Any]
     """
     record: Any = dataclasses.dataclass(frozen=True, eq=False, slots=True, weakref_slot=True)(cls)
     record.__setattr__ = _refuse_assignment
