@@ -11,7 +11,7 @@ import contextlib
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple, TypeVar, dataclass_transform
 
 import jax
 import jax.numpy as jnp
@@ -170,43 +170,83 @@ class StepResult(NamedTuple):
     loss_scale: jax.Array
 
 
-@dataclasses.dataclass(frozen=True, eq=False, slots=True, weakref_slot=True)
+_Record = TypeVar("_Record", bound=type)
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
+def step_record(cls: _Record) -> _Record:
+    """Makes ``cls`` (`TrainStep` or a builder's extension of it) a frozen, slotted step record.
+
+    The dataclass decorator gives every frozen class its own ``__setattr__``; this one replaces
+    it with the refusal that says what to do (`_refuse_assignment`), on the base and each
+    extension alike. Slotted: no ``__dict__`` for ``jax.jit``'s ``functools.wraps`` to copy, so
+    a field such as ``lower`` never hides the jitted function's own.
+
+    Args:
+      cls: the record class (its fields as annotations).
+
+    Returns:
+      The dataclass.
+
+    Example (the pmap step's, `jaxmp.parallel._pmap.PmapTrainStep`, shortened)::
+
+        @step_record
+        class PmapTrainStep(TrainStep):
+            builder_call: ClassVar[str] = "jaxmp.parallel.make_pmap_train_step(loss_fn, tx)"
+            pmapped: Callable[..., Any]
+    """
+    record: Any = dataclasses.dataclass(frozen=True, eq=False, slots=True, weakref_slot=True)(cls)
+    record.__setattr__ = _refuse_assignment
+    record.__delattr__ = _refuse_assignment
+    return record
+
+
+def _refuse_assignment(self: "TrainStep", name: str, value: Any = None) -> None:
+    # dataclasses' frozen __setattr__ says only "cannot assign to field"; this says what to do.
+    raise dataclasses.FrozenInstanceError(
+        f"cannot assign to TrainStep.{name}: a step is immutable (its run and loss_view were built around its "
+        f"loss_fn). Build a new one with the call that built it, {self.builder_call}, or derive one with "
+        "dataclasses.replace(step, run=..., loss_view=...)")
+
+
+def _kinds(cls: type[TrainStep]) -> list[type[TrainStep]]:
+    """``cls`` and every step record extending it."""
+    subs: list[type[TrainStep]] = cls.__subclasses__()
+    return [cls] + [k for sub in subs for k in _kinds(sub)]
+
+
+@step_record
 class TrainStep:
     """What the train-step builders return: the step, called as before, and what it is made of.
 
     ``step(*args)`` runs ``step.run(*args)``; ``jax.jit(step)`` compiles it under ``run``'s
     name and signature. A typed record, as optax's ``GradientTransformation`` is, but not a
-    tuple: a step is no pytree, and ``jax.jit`` keys its caches on the step itself. Slotted: no
-    ``__dict__`` for ``jax.jit``'s ``functools.wraps`` to copy, so a field such as ``lower``
-    never hides the jitted function's own. Fields a builder does not make are None.
+    tuple: a step is no pytree, and ``jax.jit`` keys its caches on the step itself. These are
+    the fields every step has (the Flax step's are these alone); a builder with more extends
+    the record, as optax's ``GradientTransformationExtraArgs`` extends ``GradientTransformation``:
+    the sharded step's `jaxmp.parallel._sharding.ShardedTrainStep` (``layout``, ``lower``, ...),
+    the pmap step's `jaxmp.parallel._pmap.PmapTrainStep` (``pmapped``, ...). A field another
+    kind of step has is an ``AttributeError`` naming that kind.
 
     Attributes:
       run: the step function.
       loss_fn: the loss the step wraps (the user's; the Linen step's ``loss_fn(logits, labels)``).
       loss_view: ``loss_view(*step_args) -> LossView``, the same loss as one function of plain
         arrays on the step's arguments: what the precision debugger runs (`jaxmp._scaling._loss_view`).
-      layout: the sharded step's ``jaxmp.parallel.Layout`` (mesh, data axis, layout name).
-      reduce_dtype: the gradient reduction's dtype (sharded and pmap steps; None: each gradient's own).
-      lower: the sharded step's ``lower(*step_args) -> jax.stages.Lowered`` (no run).
-      shardings: the sharded step's ``shardings(params, opt_state) -> (param shardings, opt_state shardings)``.
-      pmapped: the pmap step's ``jax.pmap``-ed body without an rng.
-      pmapped_with_rng: the pmap step's ``jax.pmap``-ed body with an rng.
-      num_devices: the pmap step's device count.
     """
+
+    #: The call that builds a step of this kind, for messages (each extension names its builder).
+    builder_call: ClassVar[str] = "jaxmp.flax.make_train_step(loss_fn=loss_fn)"
+    #: How a step of this kind is called, for messages.
+    call_form: ClassVar[str] = "state, metrics = step(state, batch)"
 
     run: Callable[..., Any]
     loss_fn: Callable[..., Any] | None
     loss_view: Callable[..., Any]
-    layout: Any = None
-    reduce_dtype: Any = None
-    lower: Callable[..., Any] | None = None
-    shardings: Callable[..., Any] | None = None
-    pmapped: Callable[..., Any] | None = None
-    pmapped_with_rng: Callable[..., Any] | None = None
-    num_devices: int | None = None
     #: ``(run, loss_fn, loss_view)`` as first built: ``dataclasses.replace`` passes it on, so a
     #: new ``loss_fn`` beside the old ``run`` or ``loss_view`` (built around the old loss) is seen.
-    _built: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: Keyword-only, so an extension's own fields follow the common ones.
+    _built: tuple | None = dataclasses.field(default=None, repr=False, compare=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if self._built is not None:
@@ -218,36 +258,30 @@ class TrainStep:
                     f"a TrainStep's {kept} {'were' if ' and ' in kept else 'was'} built around its loss_fn: replacing "
                     "loss_fn alone (dataclasses.replace(step, loss_fn=...)) would leave the step training, and the "
                     "precision debugger analysing, the old loss. Build the step again around the new loss, with "
-                    f"the call that built this one: {self._builder()}")
+                    f"the call that built this one: {self.builder_call}")
         object.__setattr__(self, "_built", (self.run, self.loss_fn, self.loss_view))
 
-    def _builder(self) -> str:
-        """The builder call that makes a step like this one, for messages."""
-        if self.layout is not None:
-            return "jaxmp.parallel.make_sharded_train_step(loss_fn, tx, step.layout)"
-        if self.pmapped is not None:
-            return "jaxmp.parallel.make_pmap_train_step(loss_fn, tx)"
-        return "jaxmp.flax.make_train_step(loss_fn=loss_fn)"
-
-    def _call_form(self) -> str:
-        if self.layout is not None or self.pmapped is not None:
-            return "params, opt_state, metrics = step(params, opt_state, batch)"
-        return "state, metrics = step(state, batch)"
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for a name this step lacks: one another kind of step has says whose it is.
+        owners = [k for k in _kinds(TrainStep) if not name.startswith("__") and name in vars(k)]
+        whose = (f": only {' and '.join(f'a {k.__name__} ({k.builder_call})' for k in owners)} "
+                 f"{'has' if len(owners) == 1 else 'have'} it" if owners else "")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{whose}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(*args, **kwargs)
 
     def __getitem__(self, index: Any) -> Any:
         # Also what tuple-unpacking a step reaches (it has no __iter__, so it is no Iterable).
+        parts = ", ".join(f"step.{f.name}" for f in dataclasses.fields(self) if not f.name.startswith("_"))
         raise TypeError(f"a TrainStep is not a tuple, so it cannot be indexed or unpacked: call it and unpack what it "
-                        f"returns, {self._call_form()}; its parts are fields (step.run, step.loss_fn, "
-                        "step.loss_view, step.layout)")
+                        f"returns, {self.call_form}; its parts are fields ({parts})")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("a jaxmp TrainStep cannot be pickled: its functions close over the loss, the optimizer and "
                         "compiled programs. Save the training state instead (params and opt_state, "
                         "docs/guides/checkpointing.md) and, in the process that loads it, build the step again with "
-                        f"the call that built this one: {self._builder()}")
+                        f"the call that built this one: {self.builder_call}")
 
     # copy.copy / copy.deepcopy would go through __reduce_ex__: a step is immutable, so it is its own copy.
     def __copy__(self) -> "TrainStep":
@@ -255,11 +289,6 @@ class TrainStep:
 
     def __deepcopy__(self, memo: Any) -> "TrainStep":
         return self
-
-    @property
-    def mesh(self) -> Any:
-        """The sharded step's mesh (``step.layout.mesh``), else None."""
-        return None if self.layout is None else self.layout.mesh
 
     # What jax.jit and inspect.signature read: the step's own name and signature, not __call__'s.
     @property
@@ -269,19 +298,6 @@ class TrainStep:
     @property
     def __name__(self) -> str:
         return getattr(self.run, "__name__", "step")
-
-
-def _refuse_assignment(self: TrainStep, name: str, value: Any = None) -> None:
-    # dataclasses' frozen __setattr__ says only "cannot assign to field"; this says what to do.
-    raise dataclasses.FrozenInstanceError(
-        f"cannot assign to TrainStep.{name}: a step is immutable (its run and loss_view were built around its "
-        f"loss_fn). Build a new one with the call that built it, {self._builder()}, or derive one with "
-        "dataclasses.replace(step, run=..., loss_view=...)")
-
-
-# Set after the class is made: a frozen dataclass refuses a __setattr__ of its own in the class body.
-TrainStep.__setattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
-TrainStep.__delattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
 
 
 def make_step(loss_fn: Callable[..., Any], tx: Any, strategy: Strategy = LOCAL, *,
@@ -315,7 +331,7 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, strategy: Strategy = LOCAL, 
             with fp8.gradient_loss_scale(scale):
                 (loss, (new_model_state, aux)), grads = differentiate(loss_fn, opt_state, params, model_state,
                                                                       batch, rng)
-            return finish(params, model_state, opt_state, scale, loss, new_model_state, aux, grads, None)
+            return finish(params, model_state, opt_state, scale, (loss, new_model_state, aux), grads, None)
         fp8_state, rest = fp8_hooks.split(model_state) if fp8_hooks is not None else (None, model_state)
 
         def scaled(p, f):
@@ -326,10 +342,12 @@ def make_step(loss_fn: Callable[..., Any], tx: Any, strategy: Strategy = LOCAL, 
         # step observed (jaxmp.fp8.update_state); it never reaches the optimizer.
         (loss, (new_model_state, aux)), (grads, observed) = value_and_grad(
             scaled, opt_state, argnums=(0, 1), has_aux=True)(params, fp8_state)
-        return finish(params, model_state, opt_state, scale, loss, new_model_state, aux, grads,
+        return finish(params, model_state, opt_state, scale, (loss, new_model_state, aux), grads,
                       (fp8_state, observed))
 
-    def finish(params, model_state, opt_state, scale, loss, new_model_state, aux, grads, fp8_observed):
+    def finish(params, model_state, opt_state, scale, evaluated, grads, fp8_observed):
+        # ``evaluated``: the loss function's (loss, new model state, aux) on this replica.
+        loss, new_model_state, aux = evaluated
         # Reduce before the update: a NaN on one replica, or an overflowing half-precision sum, is
         # then seen by every replica's finite check.
         grads = strategy.reduce_grads(grads)

@@ -26,7 +26,37 @@ from jaxmp.parallel._replication import PMAP_LAYOUT_HINT, is_pmap_replicated, re
 from jaxmp._typing import PyTree
 
 
-LAYOUTS = ("replicated", "zero", "fsdp")
+@dataclasses.dataclass(frozen=True)
+class LayoutKind:
+    """What a layout does, as the facts the step reads (never its name).
+
+    Attributes:
+      name: the layout's name (``layout="..."``).
+      shards_state: the optimizer state (and masters) and the reduced gradients are split over
+        the data axis: each device updates its slice (ZeRO-1/2, FSDP).
+      shards_params: the params are split at rest too, gathered where the loss uses them (FSDP).
+      gathers_in_turn: the new params, made on the slices, are gathered back whole after the
+        update (ZeRO: sharded state, whole params), one leaf after another on XLA:CPU.
+      summary: what the layout keeps where, for messages.
+    """
+
+    name: str
+    shards_state: bool
+    shards_params: bool
+    gathers_in_turn: bool
+    summary: str
+
+
+#: The layouts, by name: a new layout is one row here (the step reads only these facts).
+KINDS = {kind.name: kind for kind in (
+    LayoutKind("replicated", shards_state=False, shards_params=False, gathers_in_turn=False,
+               summary="today's full copy"),
+    LayoutKind("zero", shards_state=True, shards_params=False, gathers_in_turn=True,
+               summary="optimizer state and masters sharded"),
+    LayoutKind("fsdp", shards_state=True, shards_params=True, gathers_in_turn=False, summary="params too"),
+)}
+
+LAYOUTS = tuple(KINDS)
 """The layout names: a full copy; optimizer state sharded (ZeRO-1/2); params sharded too (FSDP)."""
 
 DEFAULT_MIN_SHARD_SIZE = 1024
@@ -34,9 +64,9 @@ DEFAULT_MIN_SHARD_SIZE = 1024
 
 def check_layout(layout: Any) -> str:
     """``layout`` if it is one of `LAYOUTS`, else a ValueError listing them."""
-    if not isinstance(layout, str) or layout not in LAYOUTS:
+    if not isinstance(layout, str) or layout not in KINDS:
         raise ValueError(f"unknown layout {layout!r}: the layouts are {', '.join(repr(x) for x in LAYOUTS)} "
-                         "(replicated: today's full copy; zero: optimizer state and masters sharded; fsdp: params too)")
+                         f"({'; '.join(f'{k.name}: {k.summary}' for k in KINDS.values())})")
     return layout
 
 
@@ -73,6 +103,9 @@ class Layout:
       data_axis: the mesh axis the batch and a sharded state are split over.
       param_specs: the params' ``PartitionSpec`` tree over the other (model) axes, or None.
       min_shard_size: leaves with fewer elements stay replicated over the data axis.
+
+    What the layout does is read from its facts (`LayoutKind`, by ``name``): ``kind``,
+    ``shards_state``, ``shards_params``, ``gathers_in_turn``.
     """
 
     mesh: Mesh
@@ -83,6 +116,26 @@ class Layout:
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def kind(self) -> LayoutKind:
+        """The layout's facts (`LayoutKind`), by its name."""
+        return KINDS[check_layout(self.name)]
+
+    @property
+    def shards_state(self) -> bool:
+        """The optimizer state and the reduced gradients are split over the data axis (zero, fsdp)."""
+        return self.kind.shards_state
+
+    @property
+    def shards_params(self) -> bool:
+        """The params are split over the data axis at rest, gathered where used (fsdp)."""
+        return self.kind.shards_params
+
+    @property
+    def gathers_in_turn(self) -> bool:
+        """The new params are gathered whole from their slices after the update (zero)."""
+        return self.kind.gathers_in_turn
 
 
 def resolve_layout(mesh: Any, layout: Any = None, *, data_axis: str | None = None, param_specs: Any = None,
@@ -270,8 +323,7 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
 
     sharded = [leaf_spec(_shape(p), mesh, axis, b, min_shard_size=min_shard_size, allowed=allowed(j, _shape(p)))
                for j, (p, b) in enumerate(zip(p_leaves, b_leaves))]
-    shard_params = layout == "fsdp"
-    shard_state = layout in ("zero", "fsdp")
+    shard_params, shard_state = KINDS[layout].shards_params, KINDS[layout].shards_state
     p_specs = jax.tree_util.tree_unflatten(p_treedef, sharded if shard_params else b_leaves)
     g_specs = jax.tree_util.tree_unflatten(p_treedef, sharded if shard_state else b_leaves)
 

@@ -7,7 +7,7 @@ for explicit control of the gradient all-reduce dtype.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +20,29 @@ from jaxmp._scaling._collectives import check_axis_name, check_reduce_dtype
 from jaxmp._typing import AxisName
 from jaxmp.parallel._checks import check_concrete, check_not_donated, log_once, step_form, with_model_state
 from jaxmp.parallel._replication import check_replicated
-from jaxmp._step import Replicas, TrainStep, check_argument_order, make_loss_fn_step
+from jaxmp._step import Replicas, TrainStep, check_argument_order, make_loss_fn_step, step_record
 
 _CHECK_MODES = ("first", "always", "never")
+
+
+@step_record
+class PmapTrainStep(TrainStep):
+    """The pmap step's record: `jaxmp._step.TrainStep`'s fields and what the ``pmap`` is made of.
+
+    Attributes:
+      reduce_dtype: the gradient all-reduce's dtype (None: each gradient's own).
+      pmapped: the ``jax.pmap``-ed body without an rng.
+      pmapped_with_rng: the ``jax.pmap``-ed body with an rng.
+      num_devices: the local device count it runs over.
+    """
+
+    builder_call: ClassVar[str] = "jaxmp.parallel.make_pmap_train_step(loss_fn, tx)"
+    call_form: ClassVar[str] = "params, opt_state, metrics = step(params, opt_state, batch)"
+
+    reduce_dtype: Any
+    pmapped: Callable[..., Any]
+    pmapped_with_rng: Callable[..., Any]
+    num_devices: int
 
 
 def _relabel(tree: Any, target: NamedSharding) -> Any:
@@ -56,7 +76,7 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
                          axis_name: AxisName = "batch", *,
                          reduce_dtype: jax.typing.DTypeLike | None = jnp.float32, has_aux: bool = False,
                          devices: Sequence[Any] | None = None, donate: bool = False,
-                         check_replicas: str = "first", model_state: bool = False) -> TrainStep:
+                         check_replicas: str = "first", model_state: bool = False) -> PmapTrainStep:
     """A ``jax.pmap``-ed data-parallel train step with loss scaling that every replica agrees on.
 
     Each step, on every device: the loss of the device's batch shard is scaled and
@@ -105,7 +125,7 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
       metrics (a dict, the keys of every jaxmp step) holds, per replica,
       ``loss`` (the global mean loss), ``loss_scale``, ``last_step_finite``,
       ``consecutive_skips`` and ``total_skips`` (and ``aux`` with ``has_aux``). The step is a
-      `jaxmp._step.TrainStep` record: the pmapped function is ``step.pmapped`` (and
+      `PmapTrainStep` record (a `jaxmp._step.TrainStep`): the pmapped function is ``step.pmapped`` (and
       ``step.pmapped_with_rng``), with ``step.reduce_dtype``, ``step.num_devices``, ``step.loss_fn``.
 
     Raises:
@@ -190,5 +210,5 @@ def make_pmap_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransfor
     # The debugger cannot see into the pmap: it runs the loss this step wraps.
     view = _loss_view.generic_view(loss_fn, has_aux=has_aux, model_state=model_state,
                                    name=f"make_pmap_train_step(axis_name={axis_name!r})", per_device=True)
-    return TrainStep(with_model_state(run, model_state), loss_fn, view, reduce_dtype=reduce_dtype,
-                     pmapped=pmapped, pmapped_with_rng=pmapped_rng, num_devices=n)
+    return PmapTrainStep(with_model_state(run, model_state), loss_fn, view, reduce_dtype=reduce_dtype,
+                         pmapped=pmapped, pmapped_with_rng=pmapped_rng, num_devices=n)

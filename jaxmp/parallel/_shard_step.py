@@ -1,4 +1,4 @@
-"""The sharded step's strategy (`Sharded`) and differentiation: the per-shard loss and gradient of a reduce dtype.
+"""The sharded step's strategies (`Sharded`: `PerShard`, `GlobalView`) and differentiation: the per-shard loss and gradient of a reduce dtype.
 
 The step of `jaxmp.parallel.make_sharded_train_step` differentiates through here when the
 gradient is reduced over the data axis in a dtype of its own (one ``shard_map`` over the data
@@ -14,12 +14,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmp._dtypes import accumulation_dtype
 from jaxmp._step import Strategy
 from jaxmp.lean._seams import whole_leaves
-from jaxmp.parallel._layouts import axes_of, is_float_leaf, make_spec
+from jaxmp.parallel._layouts import Layout, axes_of, is_float_leaf, make_spec
 
 
 def _mean_over_shards(x: jax.Array) -> jax.Array:
@@ -95,18 +95,20 @@ def recorded_leaves(canonical: Any, params: Any, model_state: Any, batch: Any, r
     return found
 
 
-def global_view_loss(mesh: Mesh, layout: str, base_specs: Any, remat: Any) -> Any:
+def global_view_loss(layout: Layout, base_specs: Any, remat: Any) -> Any:
     """The loss wrapper of ``reduce_dtype=None``: what the per-layer helpers do in it (gather, remat).
 
-    Under ``"fsdp"`` `jaxmp.parallel.gather_params` and `jaxmp.parallel.scan_layers` constrain
-    a param to its spec without the data axis where it is used.
+    Where the layout shards the params (``"fsdp"``) `jaxmp.parallel.gather_params` and
+    `jaxmp.parallel.scan_layers` constrain a param to its spec without the data axis where it is used.
     """
     from jaxmp.parallel import _per_layer as per_layer
+
+    mesh = layout.mesh
 
     def wrap(canonical):
         def loss(params, model_state, batch, rng):
             leaves = {}
-            if layout == "fsdp":
+            if layout.shards_params:
                 p_leaves, treedef = jax.tree_util.tree_flatten(params)
                 leaves = {id(p): NamedSharding(mesh, b) for p, b in zip(p_leaves, treedef.flatten_up_to(base_specs))}
             with per_layer.context(per_layer.LayerContext("global", leaves=leaves, remat=remat, mesh=mesh)):
@@ -117,8 +119,48 @@ def global_view_loss(mesh: Mesh, layout: str, base_specs: Any, remat: Any) -> An
     return wrap
 
 
-def per_shard_value_and_grad(mesh: Mesh, axis: str, reduce_dtype: Any, layout: str, grad_specs: Any,
-                             remat: Any = None) -> Any:
+def _leaf_plan(layout: Layout, leaves: list, g_leaves: list, deferred: set) -> tuple:
+    """How each param leaf enters the per-shard loss, by the layout's facts.
+
+    Returns ``(fixed, fixed_specs, diff, diff_specs, kinds)``: ``fixed`` the inputs not
+    differentiated (ZeRO's whole params: their gradient goes to the slice); ``diff`` one per
+    param leaf, the input its reduced gradient belongs to; ``kinds`` one ``(kind, dim)`` per leaf:
+    ``"all"`` (all-reduced, a replicated gradient), ``"scatter"`` (reduce-scattered onto the
+    slice of a whole param), ``"gather"`` (a sharded param gathered, its gradient
+    reduce-scattered) or ``"defer"`` (a sharded param the loss gathers itself where it is used).
+    """
+    axis = layout.data_axis
+    fixed, fixed_specs, diff, diff_specs = [], [], [], []
+    kinds: list[tuple[str, int | None]] = []
+    for i, (p, g) in enumerate(zip(leaves, g_leaves)):
+        dims = [d for d, e in enumerate(g) if axis in axes_of(e)]
+        if not layout.shards_state or not dims:
+            kinds.append(("all", None))
+            diff.append(p)
+            diff_specs.append(PartitionSpec())
+            continue
+        if not layout.shards_params:
+            kinds.append(("scatter", dims[0]))
+            fixed.append(jax.lax.stop_gradient(p))
+            fixed_specs.append(PartitionSpec())
+        else:
+            kinds.append(("defer" if i in deferred else "gather", dims[0]))
+        diff.append(p)
+        diff_specs.append(_manual_spec(g, axis))
+    return fixed, fixed_specs, diff, diff_specs, kinds
+
+
+def _whole_aux(aux: Any, canonical: Any, params: Any, model_state: Any, batch: Any, rng: Any, n: int) -> Any:
+    """The per-shard ``aux`` (stacked) as the step returns it: per-example leaves concatenated."""
+    if any(jnp.ndim(x) > 1 for x in jax.tree_util.tree_leaves(aux)):
+        # An array in aux may be per-example: the shapes of one abstract evaluation on
+        # the global batch (a trace, no compute) tell which leaves to concatenate.
+        global_aux = jax.eval_shape(lambda p, b, k: canonical(p, model_state, b, k)[1][1], params, batch, rng)
+        return _reassemble_aux(aux, global_aux, n)
+    return jax.tree_util.tree_map(_reduce_aux_leaf, aux)
+
+
+def per_shard_value_and_grad(layout: Layout, reduce_dtype: Any, grad_specs: Any, remat: Any = None) -> Any:
     """The step's differentiation (`Sharded`'s ``differentiate``, `jaxmp._step.Strategy`) when the gradient
     is reduced over the data axis in ``reduce_dtype``.
 
@@ -131,10 +173,8 @@ def per_shard_value_and_grad(mesh: Mesh, axis: str, reduce_dtype: Any, layout: s
     shard, and where the gradient is taken: docs/parallel.md#gradient-reduce-dtype.
 
     Args:
-      mesh: the mesh.
-      axis: its data axis.
+      layout: the state's `Layout` (its mesh, data axis and facts: ``"replicated"``, ``"zero"``, ``"fsdp"``).
       reduce_dtype: the dtype of the gradient reduction.
-      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"``.
       grad_specs: where the reduced gradients go (`state_specs`).
       remat: the per-layer remat policy (`jaxmp.parallel.scan_layers`).
 
@@ -149,30 +189,14 @@ def per_shard_value_and_grad(mesh: Mesh, axis: str, reduce_dtype: Any, layout: s
     from jaxmp._scaling._grad import value_and_grad
     from jaxmp.parallel import _reduce, _per_layer as per_layer
 
+    mesh, axis = layout.mesh, layout.data_axis
     n = mesh.shape[axis]
 
     def differentiate(canonical, opt_state, params, model_state, batch, rng):
         leaves, treedef = jax.tree_util.tree_flatten(params)
-        g_leaves = treedef.flatten_up_to(grad_specs)
-        deferred = recorded_leaves(canonical, params, model_state, batch, rng) if layout == "fsdp" else set()
-        # ``fixed``: inputs not differentiated (ZeRO's replicated params: their gradient goes to
-        # the slice); ``diff``: one per param leaf, the input its reduced gradient belongs to.
-        fixed, fixed_specs, diff, diff_specs, kinds = [], [], [], [], []
-        for i, (p, g) in enumerate(zip(leaves, g_leaves)):
-            dims = [d for d, e in enumerate(g) if axis in axes_of(e)]
-            if layout == "replicated" or not dims:
-                kinds.append(("all", None))
-                diff.append(p)
-                diff_specs.append(PartitionSpec())
-                continue
-            if layout == "zero":
-                kinds.append(("scatter", dims[0]))
-                fixed.append(jax.lax.stop_gradient(p))
-                fixed_specs.append(PartitionSpec())
-            else:
-                kinds.append(("defer" if i in deferred else "gather", dims[0]))
-            diff.append(p)
-            diff_specs.append(_manual_spec(g, axis))
+        deferred = recorded_leaves(canonical, params, model_state, batch, rng) if layout.shards_params else set()
+        fixed, fixed_specs, diff, diff_specs, kinds = _leaf_plan(layout, leaves, treedef.flatten_up_to(grad_specs),
+                                                                 deferred)
 
         def body(fixed, diff, model_state, batch, rng):
             key = None if rng is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
@@ -210,13 +234,7 @@ def per_shard_value_and_grad(mesh: Mesh, axis: str, reduce_dtype: Any, layout: s
                                axis_names=frozenset({axis}))
         losses, states, aux, grads = mapped(fixed, diff, model_state, batch, rng)
         loss = jnp.mean(jnp.asarray(losses, jnp.float32))
-        if any(jnp.ndim(x) > 1 for x in jax.tree_util.tree_leaves(aux)):
-            # An array in aux may be per-example: the shapes of one abstract evaluation on
-            # the global batch (a trace, no compute) tell which leaves to concatenate.
-            global_aux = jax.eval_shape(lambda p, b, k: canonical(p, model_state, b, k)[1][1], params, batch, rng)
-            aux = _reassemble_aux(aux, global_aux, n)
-        else:
-            aux = jax.tree_util.tree_map(_reduce_aux_leaf, aux)
+        aux = _whole_aux(aux, canonical, params, model_state, batch, rng, n)
         return ((loss, (jax.tree_util.tree_map(_mean_over_shards, states), aux)),
                 jax.tree_util.tree_unflatten(treedef, grads))
 
@@ -246,41 +264,27 @@ def gather_in_turn(placed: Any, shardings: Any) -> Any:
 
 
 class Sharded(Strategy):
-    """The sharded-``jit`` layouts' strategy (`jaxmp._step.Strategy`): ``"replicated"``, ``"zero"``, ``"fsdp"``.
+    """The sharded-``jit`` layouts' strategies (`jaxmp._step.Strategy`): what both share.
 
     The loss runs on the global batch, so the loss and model state need no explicit reduction.
-    With a ``reduce_dtype`` each data shard differentiates its own loss and reduces its gradients
-    in one ``shard_map`` (`per_shard_value_and_grad`); without one (``None``) the loss is the
-    global view (`global_view_loss`) and XLA reduces.
+    Two strategies, chosen by the step's ``reduce_dtype``: `PerShard` (a dtype: each data shard
+    differentiates its own loss and reduces its gradients in one ``shard_map``) and `GlobalView`
+    (``None``: the loss is the global view and XLA reduces). What a layout does (``"replicated"``,
+    ``"zero"``, ``"fsdp"``) is read from its facts (`jaxmp.parallel._layouts.LayoutKind`).
 
     Args:
-      mesh: the mesh.
-      axis: its data axis.
-      layout: ``"replicated"``, ``"zero"`` or ``"fsdp"``.
-      reduce_dtype: the gradient reduction's dtype, or None (XLA's, on the global batch).
-      grad_specs: where the reduced gradients go (`jaxmp.parallel._layouts.state_specs`).
-      grad_shardings: the same as ``NamedSharding`` leaves.
-      base_specs: the params' specs over the other (model) axes (`param_tree_specs`), read with
-        ``reduce_dtype=None`` only.
-      remat: the per-layer remat policy (`jaxmp.parallel.scan_layers`).
-      param_shardings: the params' ``NamedSharding`` leaves; under ``"zero"`` the new params are
-        gathered onto them leaf by leaf (`gather_in_turn`).
+      layout: the state's `Layout` (mesh, data axis, facts).
+      grad_shardings: where the reduced gradients go, ``NamedSharding`` leaves
+        (`jaxmp.parallel._layouts.state_specs`).
+      param_shardings: the params' ``NamedSharding`` leaves; where the layout gathers the new
+        params in turn (``"zero"``) they are gathered onto them leaf by leaf (`gather_in_turn`).
     """
 
-    def __init__(self, mesh: Mesh, axis: str, layout: str, reduce_dtype: Any, grad_specs: Any,
-                 grad_shardings: Any, base_specs: Any, remat: Any, param_shardings: Any = None):
+    def __init__(self, layout: Layout, grad_shardings: Any, param_shardings: Any = None):
+        self.layout = layout
         self.grad_shardings = grad_shardings
-        self._sharded_state = layout in ("zero", "fsdp")
         # ZeRO's params are gathered from their slices leaf by leaf on XLA:CPU (`gather_in_turn`).
-        self._gather_shardings = param_shardings if layout == "zero" else None
-        if reduce_dtype is None:
-            self._wrap = global_view_loss(mesh, layout, base_specs, remat)
-        else:
-            self._wrap = None
-            self.differentiate = per_shard_value_and_grad(mesh, axis, reduce_dtype, layout, grad_specs, remat)
-
-    def wrap_loss(self, loss_fn: Any) -> Any:
-        return loss_fn if self._wrap is None else self._wrap(loss_fn)
+        self._gather_shardings = param_shardings if layout.gathers_in_turn else None
 
     def reduce_grads(self, grads: Any) -> Any:
         # Where the reduced gradients go: onto the slices each device updates (zero, fsdp), so XLA
@@ -290,7 +294,7 @@ class Sharded(Strategy):
 
     def update_context(self) -> Any:
         # A split leaf is updated whole: a loop over slices of its split axis would gather them.
-        return whole_leaves() if self._sharded_state else contextlib.nullcontext()
+        return whole_leaves() if self.layout.shards_state else contextlib.nullcontext()
 
     def place_params(self, params: Any) -> Any:
         # Made on the slices the master lives on (the gradients' layout): each device casts its
@@ -300,3 +304,46 @@ class Sharded(Strategy):
         if self._gather_shardings is None:
             return placed
         return gather_in_turn(placed, self._gather_shardings)
+
+
+class PerShard(Sharded):
+    """A ``reduce_dtype``: each data shard differentiates its own loss, the gradients reduced in
+    that dtype (`per_shard_value_and_grad`, the step's ``differentiate``).
+
+    Args:
+      layout: as `Sharded`.
+      grad_shardings: as `Sharded`.
+      param_shardings: as `Sharded`.
+      reduce_dtype: the gradient reduction's dtype.
+      grad_specs: ``grad_shardings`` as ``PartitionSpec`` leaves.
+      remat: the per-layer remat policy (`jaxmp.parallel.scan_layers`).
+    """
+
+    def __init__(self, layout: Layout, grad_shardings: Any, param_shardings: Any = None, *, reduce_dtype: Any,
+                 grad_specs: Any, remat: Any = None):
+        super().__init__(layout, grad_shardings, param_shardings)
+        self.reduce_dtype = reduce_dtype
+        self.differentiate = per_shard_value_and_grad(layout, reduce_dtype, grad_specs, remat)
+
+
+class GlobalView(Sharded):
+    """``reduce_dtype=None``: the loss on the global batch (`global_view_loss`, the step's
+    ``wrap_loss``), its gradient reduced by XLA in each gradient's dtype.
+
+    Args:
+      layout: as `Sharded`.
+      grad_shardings: as `Sharded`.
+      param_shardings: as `Sharded`.
+      base_specs: the params' specs over the other (model) axes (`param_tree_specs`).
+      remat: the per-layer remat policy (`jaxmp.parallel.scan_layers`).
+    """
+
+    reduce_dtype = None
+
+    def __init__(self, layout: Layout, grad_shardings: Any, param_shardings: Any = None, *, base_specs: Any,
+                 remat: Any = None):
+        super().__init__(layout, grad_shardings, param_shardings)
+        self._wrap = global_view_loss(layout, base_specs, remat)
+
+    def wrap_loss(self, loss_fn: Any) -> Any:
+        return self._wrap(loss_fn)

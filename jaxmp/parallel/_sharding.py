@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,33 @@ from jaxmp.parallel._checks import (
     check_divisible, check_not_donated, check_positive_int, leading_size, log_once, with_model_state,
 )
 from jaxmp.parallel._replication import is_pmap_replicated
-from jaxmp._step import TrainStep, check_argument_order, make_loss_fn_step
+from jaxmp._step import TrainStep, check_argument_order, make_loss_fn_step, step_record
+
+
+@step_record
+class ShardedTrainStep(TrainStep):
+    """The sharded step's record: `jaxmp._step.TrainStep`'s fields and the state's layout.
+
+    Attributes:
+      layout: the state's `jaxmp.parallel._layouts.Layout` (mesh, data axis, layout name):
+        ``shard_state(state, step.layout)``.
+      reduce_dtype: the gradient reduction's dtype (None: XLA's, on the global batch).
+      lower: ``lower(*step_args) -> jax.stages.Lowered`` (no run).
+      shardings: ``shardings(params, opt_state) -> (param shardings, opt_state shardings)``.
+    """
+
+    builder_call: ClassVar[str] = "jaxmp.parallel.make_sharded_train_step(loss_fn, tx, step.layout)"
+    call_form: ClassVar[str] = "params, opt_state, metrics = step(params, opt_state, batch)"
+
+    layout: layouts.Layout
+    reduce_dtype: Any
+    lower: Callable[..., Any]
+    shardings: Callable[..., Any]
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh (``step.layout.mesh``)."""
+        return self.layout.mesh
 
 
 def make_data_mesh(devices: Sequence[Any] | None = None, axis_name: str = "data") -> Mesh:
@@ -220,12 +246,43 @@ def enter_layout(tree: Any, shardings: Any, mesh: Mesh, layout: str, what: str) 
     return jax.tree_util.tree_map_with_path(enter, tree, shardings)
 
 
+def _jitted_steps(loss_fn: Callable[..., Any], tx: Any, lay: layouts.Layout, state: tuple[Any, Any], *,
+                  reduce_dtype: Any, remat: Any, has_aux: bool, model_state: bool, donate: bool) -> tuple:
+    """A sharded step's jitted steps for states of this structure and these shapes (shardings follow shapes).
+
+    Returns:
+      ``(jitted, jitted_with_rng, (param_shardings, opt_state_shardings))``.
+    """
+    params, opt_state = state
+    mesh = lay.mesh
+    p_specs, o_specs, g_specs = layouts.state_specs(params, opt_state, mesh, lay.name, data_axis=lay.data_axis,
+                                                    param_specs=lay.param_specs, min_shard_size=lay.min_shard_size)
+    p_sh, o_sh, g_sh = (layouts.named_shardings(mesh, specs) for specs in (p_specs, o_specs, g_specs))
+    # Two strategies: each data shard differentiates its own loss and reduces in reduce_dtype, or
+    # (None) the loss is the global view and XLA reduces.
+    if reduce_dtype is None:
+        strategy: shard_step.Sharded = shard_step.GlobalView(
+            lay, g_sh, p_sh, base_specs=layouts.param_tree_specs(params, lay.param_specs), remat=remat)
+    else:
+        strategy = shard_step.PerShard(lay, g_sh, p_sh, reduce_dtype=reduce_dtype, grad_specs=g_specs, remat=remat)
+    rep, data = replicated_sharding(mesh), NamedSharding(mesh, PartitionSpec(lay.data_axis))
+    first = (p_sh, rep) if model_state else p_sh
+
+    def jitted(with_rng: bool) -> Any:
+        body = make_loss_fn_step(loss_fn, tx, strategy, has_aux=has_aux, with_rng=with_rng,
+                                 with_model_state=model_state)
+        return jax.jit(body, in_shardings=(first, o_sh, data) + ((rep,) if with_rng else ()),
+                       out_shardings=(first, o_sh, rep), donate_argnums=(0, 1) if donate else ())
+
+    return jitted(False), jitted(True), (p_sh, o_sh)
+
+
 def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation, mesh: Mesh | layouts.Layout, *,
                             data_axis: str | None = None, has_aux: bool = False, donate: bool = False,
                             model_state: bool = False, layout: str | None = None,
                             reduce_dtype: jax.typing.DTypeLike | None = "float32", param_specs: PyTree | None = None,
                             min_shard_size: int | None = None,
-                            remat: str | Callable[..., bool] | None = None) -> TrainStep:
+                            remat: str | Callable[..., bool] | None = None) -> ShardedTrainStep:
     """A ``jax.jit`` train step: the batch sharded over the mesh's data axis, the state in ``layout``.
 
     [`make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step]'s semantics without ``pmap``.
@@ -286,33 +343,11 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
     state_layout = layouts.resolve_layout(mesh, layout, data_axis=data_axis, param_specs=param_specs,
                                           min_shard_size=min_shard_size)
     mesh, layout, axis = state_layout.mesh, state_layout.name, state_layout.data_axis
-    param_specs, min_shard_size = state_layout.param_specs, state_layout.min_shard_size
     reduce_dtype = check_reduce_dtype(reduce_dtype)
     remat = per_layer.remat_policy(remat)
     rep = replicated_sharding(mesh)
-    data = NamedSharding(mesh, PartitionSpec(axis))
     num_devices = mesh.shape[axis]
-    donate_argnums = (0, 1) if donate else ()
     cache: dict = {}
-
-    def build(params, opt_state, reduce_dtype):
-        """The jitted steps for states of this structure and these shapes (shardings follow shapes)."""
-        p_specs, o_specs, g_specs = layouts.state_specs(params, opt_state, mesh, layout, data_axis=axis,
-                                                        param_specs=param_specs, min_shard_size=min_shard_size)
-        p_sh, o_sh = layouts.named_shardings(mesh, p_specs), layouts.named_shardings(mesh, o_specs)
-        g_sh = layouts.named_shardings(mesh, g_specs)
-        base_specs = layouts.param_tree_specs(params, param_specs) if reduce_dtype is None else None
-        strategy = shard_step.Sharded(mesh, axis, layout, reduce_dtype, g_specs, g_sh, base_specs, remat,
-                                      param_shardings=p_sh)
-        common = {"has_aux": has_aux, "with_model_state": model_state}
-        first = (p_sh, rep) if model_state else p_sh
-        jitted = jax.jit(make_loss_fn_step(loss_fn, tx, strategy, with_rng=False, **common),
-                         in_shardings=(first, o_sh, data), out_shardings=(first, o_sh, rep),
-                         donate_argnums=donate_argnums)
-        jitted_rng = jax.jit(make_loss_fn_step(loss_fn, tx, strategy, with_rng=True, **common),
-                             in_shardings=(first, o_sh, data, rep), out_shardings=(first, o_sh, rep),
-                             donate_argnums=donate_argnums)
-        return jitted, jitted_rng, (p_sh, o_sh)
 
     def get(state, opt_state):
         params = state[0] if model_state else state
@@ -326,7 +361,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
             # Once per state shape: a pmap-replicated state, or a swapped one, has its own, so it comes here.
             check_argument_order(state, step_form(model_state))
             layouts.check_not_pmap_state(params, opt_state, layout)
-            cache[sig, reduce] = build(params, opt_state, reduce)
+            cache[sig, reduce] = _jitted_steps(loss_fn, tx, state_layout, (params, opt_state), reduce_dtype=reduce,
+                                               remat=remat, has_aux=has_aux, model_state=model_state, donate=donate)
         return cache[sig, reduce]
 
     def run(params, opt_state, batch, rng=None):
@@ -363,6 +399,6 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
     view = _loss_view.generic_view(
         loss_fn, has_aux=has_aux, model_state=model_state,
         name=f"make_sharded_train_step(layout={layout!r}, reduce_dtype={getattr(reduce_dtype, 'name', None)!r})")
-    return TrainStep(with_model_state(run, model_state), loss_fn, view, layout=state_layout,
-                     reduce_dtype=reduce_dtype, lower=lower_step,
-                     shardings=lambda params, opt_state: get(params, opt_state)[2])
+    return ShardedTrainStep(with_model_state(run, model_state), loss_fn, view, layout=state_layout,
+                            reduce_dtype=reduce_dtype, lower=lower_step,
+                            shardings=lambda params, opt_state: get(params, opt_state)[2])

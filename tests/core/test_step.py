@@ -188,9 +188,51 @@ def test_every_builder_returns_a_train_step_record_with_its_settings_as_fields()
     linen = jaxmp.flax.make_train_step()
     assert all(isinstance(s, TrainStep) for s in (sharded, pmapped, linen))
     assert sharded.reduce_dtype == jnp.bfloat16 and pmapped.reduce_dtype == jnp.float16
-    assert sharded.layout.name == "zero" and sharded.mesh is sharded.layout.mesh and pmapped.mesh is None
+    assert sharded.layout.name == "zero" and sharded.mesh is sharded.layout.mesh
     assert sharded.loss_fn is loss and pmapped.loss_fn is loss and pmapped.num_devices == jax.local_device_count()
-    assert pmapped.lower is None and linen.layout is None and callable(sharded.lower)
+    assert callable(sharded.lower) and callable(pmapped.pmapped)
+    # A field another kind of step has is no None on this one: an AttributeError naming whose it is.
+    with pytest.raises(AttributeError, match=r"'PmapTrainStep' object has no attribute 'lower': only a "
+                                             r"ShardedTrainStep \(jaxmp.parallel.make_sharded_train_step"):
+        pmapped.lower
+    with pytest.raises(AttributeError, match=r"no attribute 'mesh': only a ShardedTrainStep"):
+        pmapped.mesh
+    with pytest.raises(AttributeError, match=r"'TrainStep' object has no attribute 'layout'"):
+        linen.layout
+    with pytest.raises(AttributeError, match=r"no attribute 'bogus'$"):
+        linen.bogus
+
+
+def test_each_builder_fills_every_field_of_its_record():
+    """Issue 61 item 4: the common fields, extended per builder (as optax's
+    ``GradientTransformationExtraArgs`` extends ``GradientTransformation``): every field a step
+    has is one its builder made, none left None for another builder's sake."""
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), "none")
+    loss = lambda p, b: jnp.sum(p["w"] * b)  # noqa: E731
+    mesh = jaxmp.parallel.make_data_mesh()
+    steps = {"sharded": jaxmp.parallel.make_sharded_train_step(loss, tx, mesh, layout="fsdp"),
+             "sharded, XLA's reduce": jaxmp.parallel.make_sharded_train_step(loss, tx, mesh, reduce_dtype=None),
+             "pmap": jaxmp.parallel.make_pmap_train_step(loss, tx),
+             "linen": jaxmp.flax.make_train_step()}
+    common = ["run", "loss_fn", "loss_view"]
+    assert [f.name for f in dataclasses.fields(TrainStep) if not f.name.startswith("_")] == common
+    fields = {name: [f.name for f in dataclasses.fields(s) if not f.name.startswith("_")] for name, s in steps.items()}
+    assert fields == {"sharded": common + ["layout", "reduce_dtype", "lower", "shardings"],
+                      "sharded, XLA's reduce": common + ["layout", "reduce_dtype", "lower", "shardings"],
+                      "pmap": common + ["reduce_dtype", "pmapped", "pmapped_with_rng", "num_devices"],
+                      "linen": common}
+    unfilled = {(name, f) for name, s in steps.items() for f in fields[name]
+                if getattr(s, f) is None and f not in ("loss_fn", "reduce_dtype")}
+    assert unfilled == set() and steps["sharded, XLA's reduce"].reduce_dtype is None
+    assert type(steps["linen"]) is TrainStep and all(type(s) is not TrainStep for n, s in steps.items() if n != "linen")
+    # Still one immutable, slotted record: no __dict__ for jax.jit's functools.wraps to copy.
+    for s in steps.values():
+        assert not hasattr(s, "__dict__")
+        with pytest.raises(dataclasses.FrozenInstanceError, match=r"cannot assign to TrainStep.run"):
+            s.run = None  # type: ignore[misc]
+    # A replaced field keeps the record's kind (and its fields).
+    jitted = dataclasses.replace(steps["pmap"], run=jax.jit(steps["pmap"].run))
+    assert type(jitted) is type(steps["pmap"]) and jitted.pmapped is steps["pmap"].pmapped
 
 
 def test_a_train_step_record_is_jitted_under_its_functions_name_and_signature():

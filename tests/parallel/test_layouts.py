@@ -1048,3 +1048,54 @@ def test_memory_lean_update_cost_dry_run_compares_every_recipe_with_float32_adam
     assert by["bf16-sr-8bit"]["bytes_per_param"] < by["fp32-masters"]["bytes_per_param"] / 3
     assert all(r["seconds_per_update"] > 0 and r["bytes_accessed_per_param"] > 0 for r in rows)
     assert memory.memory_lean.update_markdown(rows).count("\n") == len(rows) + 1
+
+
+def test_a_new_layout_is_one_row_of_facts_the_step_reads(monkeypatch):
+    """Issue 61 item 4: the sharded step reads a layout's facts (`LayoutKind`), never its name.
+    A new row (ZeRO's sharded state without the in-turn gather of the new params) is a layout
+    the step, the shardings and the error message know, with no other change."""
+    row = layouts.LayoutKind("zero-plain", shards_state=True, shards_params=False, gathers_in_turn=False,
+                             summary="zero without the in-turn gather")
+    monkeypatch.setitem(layouts.KINDS, row.name, row)
+    monkeypatch.setattr(layouts, "LAYOUTS", tuple(layouts.KINDS))
+    with pytest.raises(ValueError, match="zero-plain: zero without the in-turn gather"):
+        layouts.check_layout("bogus")
+    texts = {}
+    for layout in ("zero", "zero-plain"):
+        step = _lowered_step(layout, "bfloat16")
+        texts[layout] = step.as_text()
+    for layout in ("zero", "zero-plain"):
+        # The same reductions as ZeRO: each gradient reduce-scattered onto the slice its device updates.
+        reductions = [(k, e) for k, e, _ in _lowered_collectives(texts[layout]) if k != "all_gather"]
+        assert reductions == [("reduce_scatter", "bf16")] * 3, (layout, reductions)
+    # What differs is the one fact that differs: ZeRO chains its gathers of the new params through
+    # a barrier between each pair of leaves (XLA:CPU, `gather_in_turn`), the new row does not.
+    barriers = {k: t.count("stablehlo.optimization_barrier") for k, t in texts.items()}
+    assert barriers["zero"] - barriers["zero-plain"] == len(_params()) - 1, barriers
+    mesh = jaxmp.parallel.make_data_mesh()
+    ps, ss = jaxmp.parallel.state_shardings(_params(), _tx().init(_params()), mesh, "zero-plain", min_shard_size=0)
+    assert ps["w1"].spec == P() and jaxmp.master_params(ss)["w1"].spec == P(None, "data")
+    lay = layouts.resolve_layout(mesh, "zero-plain")
+    assert (lay.shards_state, lay.shards_params, lay.gathers_in_turn) == (True, False, False)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "zero", "fsdp"])
+def test_the_sharded_steps_two_strategies_set_the_same_attributes_whatever_the_layout(layout):
+    """Issue 61 item 4: a reduce dtype and ``reduce_dtype=None`` are two strategies, each with a
+    fixed set of attributes (no attribute set on one branch only)."""
+    from jaxmp.parallel import _shard_step as shard_step
+
+    mesh = jaxmp.parallel.make_data_mesh()
+    lay = layouts.resolve_layout(mesh, layout, min_shard_size=0)
+    p_specs, _, g_specs = layouts.state_specs(_params(), (), mesh, layout, min_shard_size=0)
+    g_sh, p_sh = layouts.named_shardings(mesh, g_specs), layouts.named_shardings(mesh, p_specs)
+    per_shard = shard_step.PerShard(lay, g_sh, p_sh, reduce_dtype=jnp.bfloat16, grad_specs=g_specs)
+    global_view = shard_step.GlobalView(lay, g_sh, p_sh, base_specs=layouts.param_tree_specs(_params(), None))
+    assert set(vars(per_shard)) == {"layout", "grad_shardings", "_gather_shardings", "reduce_dtype", "differentiate"}
+    assert set(vars(global_view)) == {"layout", "grad_shardings", "_gather_shardings", "_wrap"}
+    assert callable(per_shard.differentiate) and global_view.differentiate is None
+    assert global_view.reduce_dtype is None and per_shard.reduce_dtype == jnp.bfloat16
+    loss = lambda p, s, b, r: (0.0, (s, None))  # noqa: E731
+    assert per_shard.wrap_loss(loss) is loss and global_view.wrap_loss(loss) is not loss
+    gathers = {s._gather_shardings is not None for s in (per_shard, global_view)}
+    assert gathers == {layout == "zero"}   # ZeRO's new params gathered in turn, by its facts
