@@ -22,4 +22,4 @@ class CheckpointDamageWarning(UserWarning):
     """A checkpoint step was damaged and skipped; the run resumed from an older one."""
 
 
-_Damaged = shared._Damaged  # one verdict for both checkpointers: the message says which array and what
+_Damaged = shared.Damaged  # one verdict for both checkpointers: the message says which array and what

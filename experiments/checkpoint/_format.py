@@ -8,7 +8,7 @@ from jaxmp.parallel import _checksums as shared
 # The hashing every checksum is made with, and the records of the pieces each process writes and
 # their check (`region`, `saveable`, `shard_records`, `array_specs`, `check_shards`, `_Damaged`),
 # are jaxmp's (``jaxmp/parallel/_checksums.py``): one implementation for both checkpointers.
-_sha256, _canonical, _key = shared._sha256, shared._canonical, shared._key
+_sha256, _canonical, _key = shared.sha256, shared.canonical, shared._key
 
 FORMAT = "jaxmp-experiments-checkpoint/2"
 # Formats this version recognises but cannot verify (whole-array checksums, no shard files).

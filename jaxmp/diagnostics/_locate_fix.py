@@ -18,7 +18,7 @@ import sys
 import textwrap
 from typing import Any, Callable, Sequence
 
-from jaxmp.diagnostics._fix import _FIT, door_path, module_class_at, param_prefix, rules_code
+from jaxmp.diagnostics._fix_code import _FIT, door_path, module_class_at, param_prefix, rules_code
 
 _F32 = "'float32'"
 
@@ -169,7 +169,7 @@ class Step:
                 rules = rules.with_path(u.name, "float32")
             overrides = sys.modules["jaxmp.flax._overrides"]
             return self.fn, lambda: overrides.watch_doors(((self.door, rules),))
-        from jaxmp.diagnostics._fix import with_param_scope
+        from jaxmp.diagnostics._fix_code import with_param_scope
         from jaxmp.engine._seams import autocast
 
         target, rules = self.fn, self._base_rules()
@@ -210,8 +210,10 @@ def _spelled(policy: Any) -> str:
 def door_preset(door: Any) -> str | None:
     """The preset whose Flax door is ``door`` (its policy and rules are the preset's own), or None."""
     from jaxmp._precision._presets import PRESET_NAMES
-    from jaxmp.flax._overrides import resolve_rules
 
+    # A door was met, so the Flax door's module is loaded: looked up, not imported (diagnostics
+    # sits below jaxmp.flax).
+    resolve_rules = sys.modules["jaxmp.flax._overrides"].resolve_rules
     # the names that say their half dtype first: 'O1' is float16 on one machine, bfloat16 on another
     for name in sorted(PRESET_NAMES, key=lambda n: not n.endswith(("-fp16", "-bf16"))):
         try:

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from jaxmp.parallel._checks import target_mismatch_error
-from jaxmp.parallel._checksums import (_Damaged, _canonical, _sha256, array_specs, check_cover, check_shards, saveable,
+from jaxmp.parallel._checksums import (Damaged, canonical, sha256, array_specs, check_cover, check_shards, saveable,
                                        shard_records)
 
 FORMAT = "jaxmp-checkpoint/1"
@@ -41,14 +41,14 @@ def _checksum_file(path: str, process: int) -> dict:
         with open(os.path.join(path, _CHECKSUMS, f"process_{process}.json"), "rb") as f:
             body = json.loads(f.read())
     except FileNotFoundError:
-        raise _Damaged(f"{name}: missing") from None
+        raise Damaged(f"{name}: missing") from None
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise _Damaged(f"{name}: unreadable ({type(e).__name__})") from None
-    if not isinstance(body, dict) or body.get("sha256") != _sha256(_canonical({k: v for k, v in body.items()
+        raise Damaged(f"{name}: unreadable ({type(e).__name__})") from None
+    if not isinstance(body, dict) or body.get("sha256") != sha256(canonical({k: v for k, v in body.items()
                                                                                  if k != "sha256"})):
-        raise _Damaged(f"{name}: its own checksum does not match (edited or corrupted)")
+        raise Damaged(f"{name}: its own checksum does not match (edited or corrupted)")
     if (body.get("format"), body.get("process_index")) != (FORMAT, process):
-        raise _Damaged(f"{name}: format {body.get('format')!r} of process {body.get('process_index')!r}, "
+        raise Damaged(f"{name}: format {body.get('format')!r} of process {body.get('process_index')!r}, "
                        f"expected {FORMAT!r} of process {process}")
     return body
 
@@ -57,12 +57,12 @@ def _read_checksums(path: str) -> tuple[list[dict], dict[str, list[dict]]]:
     """The saved leaves (path, key, shape, dtype) and every process's piece records by leaf key.
 
     Raises:
-      _Damaged: a checksum file is missing, edited or malformed, or the records do not tile a leaf.
+      Damaged: a checksum file is missing, edited or malformed, or the records do not tile a leaf.
     """
     first = _checksum_file(path, 0)
     count, arrays = first.get("process_count"), first.get("arrays")
     if not isinstance(count, int) or count < 1 or not isinstance(arrays, list):
-        raise _Damaged(f"{_CHECKSUMS}/process_0.json: malformed (process_count {count!r})")
+        raise Damaged(f"{_CHECKSUMS}/process_0.json: malformed (process_count {count!r})")
     try:
         by_key: dict[str, list[dict]] = {a["key"]: [] for a in arrays}
         for process in range(count):
@@ -71,7 +71,7 @@ def _read_checksums(path: str) -> tuple[list[dict], dict[str, list[dict]]]:
         for a in arrays:
             check_cover(a, by_key[a["key"]])
     except (TypeError, ValueError, KeyError) as e:
-        raise _Damaged(f"{_CHECKSUMS}: malformed piece records ({type(e).__name__}: {e})") from None
+        raise Damaged(f"{_CHECKSUMS}: malformed piece records ({type(e).__name__}: {e})") from None
     return arrays, by_key
 
 
@@ -159,7 +159,7 @@ class Checkpointer:
         state = saveable(state)
         body = {"format": FORMAT, "process_index": jax.process_index(), "process_count": jax.process_count(),
                 "arrays": array_specs(state), "pieces": shard_records(state)}
-        body["sha256"] = _sha256(_canonical(body))
+        body["sha256"] = sha256(canonical(body))
         self._orbax.save(os.path.abspath(os.fspath(path)), args=ocp.args.Composite(
             **{_STATE: ocp.args.StandardSave(state), _CHECKSUMS: ocp.args.JsonSave(body)}), force=force)
 
@@ -194,7 +194,7 @@ class Checkpointer:
             arrays, by_key = _read_checksums(path)
             state = self._read_state(path, target, arrays)
             check_shards(state, by_key)
-        except _Damaged as e:
+        except Damaged as e:
             raise ValueError(f"checkpoint {path} is damaged: {e}. Its bytes on disk are not the bytes that were "
                              "saved: restore an earlier checkpoint.") from None
         return state
@@ -215,7 +215,7 @@ class Checkpointer:
                 if mismatch is not None:
                     raise mismatch from e
                 raise
-            raise _Damaged(_unreadable(e, arrays)) from None
+            raise Damaged(_unreadable(e, arrays)) from None
 
     def close(self) -> None:
         """Closes orbax's checkpointer (the ``with`` statement calls it)."""

@@ -22,15 +22,15 @@ import jax
 import numpy as np
 
 
-class _Damaged(Exception):
+class Damaged(Exception):
     """A checkpoint failed verification; the message says which leaf (array) and what."""
 
 
-def _sha256(data: bytes) -> str:
+def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _canonical(obj: Any) -> bytes:
+def canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -69,7 +69,7 @@ def _contains(outer: list, inner: list) -> bool:
 def _record(path, data: Any, where: list[list[int]]) -> dict:
     a = np.asarray(data)  # not ascontiguousarray: it makes 0-d arrays 1-d; tobytes() is C order anyway
     return {"path": jax.tree_util.keystr(path), "key": _key(path), "index": where, "shape": list(a.shape),
-            "dtype": str(a.dtype), "sha256": _sha256(a.tobytes())}
+            "dtype": str(a.dtype), "sha256": sha256(a.tobytes())}
 
 
 def saveable(state: Any) -> Any:
@@ -132,7 +132,7 @@ def check_cover(array: dict, records: list[dict]) -> None:
     and add up to its size.
 
     Raises:
-      _Damaged: naming the array and the record that does not fit, or how much is covered.
+      Damaged: naming the array and the record that does not fit, or how much is covered.
     """
     shape, total = array["shape"], 0
     for r in records:
@@ -140,13 +140,13 @@ def check_cover(array: dict, records: list[dict]) -> None:
         fits = (len(idx) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(idx, shape))
                 and r["shape"] == [b - a for a, b in idx] and r["dtype"] == array["dtype"])
         if not fits:
-            raise _Damaged(f"array {array['path']}: the shard record {idx} of process {r['process']} "
+            raise Damaged(f"array {array['path']}: the shard record {idx} of process {r['process']} "
                            f"({r['shape']} {r['dtype']}) does not fit the array ({shape} {array['dtype']})")
         total += math.prod(b - a for a, b in idx)
     if total != math.prod(shape):
         # Pieces of one array never overlap (replica-0 shards tile it), so a wrong sum means
         # a piece is missing or recorded twice.
-        raise _Damaged(f"array {array['path']}: its shard checksums cover {total} of {math.prod(shape)} elements")
+        raise Damaged(f"array {array['path']}: its shard checksums cover {total} of {math.prod(shape)} elements")
 
 
 def _blocks(x: Any) -> list[tuple[list, Any]]:
@@ -201,9 +201,9 @@ def _compare(record: dict, data: Any) -> None:
     a = np.asarray(data)
     where = f"array {record['path']}: shard {record['index']} (written by process {record['process']})"
     if list(a.shape) != record["shape"] or str(a.dtype) != record["dtype"]:
-        raise _Damaged(f"{where}: restored as {list(a.shape)} {a.dtype}, saved {record['shape']} {record['dtype']}")
-    if _sha256(a.tobytes()) != record["sha256"]:
-        raise _Damaged(f"{where}: content checksum mismatch")
+        raise Damaged(f"{where}: restored as {list(a.shape)} {a.dtype}, saved {record['shape']} {record['dtype']}")
+    if sha256(a.tobytes()) != record["sha256"]:
+        raise Damaged(f"{where}: content checksum mismatch")
 
 
 def check_shards(state: Any, by_key: dict[str, list[dict]]) -> int:
@@ -218,12 +218,12 @@ def check_shards(state: Any, by_key: dict[str, list[dict]]) -> int:
       How many pieces were checked.
 
     Raises:
-      _Damaged: naming the array, the shard index, the process that wrote it and what differs.
+      Damaged: naming the array, the shard index, the process that wrote it and what differs.
     """
     leaves = jax.tree_util.tree_leaves_with_path(state)
     if sorted(_key(p) for p, _ in leaves) != sorted(by_key):
         missing = sorted(set(by_key).symmetric_difference(_key(p) for p, _ in leaves))
-        raise _Damaged(f"arrays: the restored tree and the recorded checksums differ (first: {missing[:1]})")
+        raise Damaged(f"arrays: the restored tree and the recorded checksums differ (first: {missing[:1]})")
     checked = 0
     for path, x in leaves:
         blocks = _blocks(x)

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp import _blockwise
 from jaxmp.lean import QuantizedMomentsState
-from jaxmp.lean._quantized import check_restored
+from jaxmp.lean._seams import check_restored
 from jaxmp.parallel._checks import check_not_donated
 from jaxmp.parallel._replication import PMAP_LAYOUT_HINT, is_pmap_replicated, replica_axis_size
 

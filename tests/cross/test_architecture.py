@@ -123,6 +123,11 @@ ALLOWED_MODULE_STATE = {
     ("jaxmp/engine/_unscaled.py", "_WATCHED"),
     # Log-once de-duplication of INFO messages; no result depends on it.
     ("jaxmp/parallel/_checks.py", "_LOGGED"),
+    # Warn-once de-duplication, no result depends on it: a block recipe that runs emulated, once
+    # per (recipe, device) (Linen re-resolves its rules on every clone, so no object lives long
+    # enough to hold it); an autocast rule that matches nothing, once per (function, rule).
+    ("jaxmp/fp8/_hardware.py", "_WARNED"),
+    ("jaxmp/engine/_build.py", "_WARNED_SCOPES"),
     ("jaxmp/engine/_attention.py", "_LOGGED"),
     # The record of the last attention routing choice (read by tests and benchmarks).
     ("jaxmp/engine/_attention.py", "last_choice"),
@@ -266,8 +271,14 @@ def _python_files():
             yield path.relative_to(graph_lib.ROOT).as_posix(), path
 
 
+#: Tests that call JAX's own private code as a peer reference (its result compared with jaxmp's),
+#: reading no jaxpr: ``jax.nn.scaled_dot_general``'s MXFP8 quantizer has no public name.
+PEER_REFERENCES = {"tests/fp8/test_blocks.py": {"jax._src"}}
+
+
 def test_jaxprs_are_read_through_the_one_reader_only():
-    readers = {rel: used for rel, path in _python_files() if (used := jaxpr_internals_used(path.read_text()))}
+    readers = {rel: used for rel, path in _python_files() if (used := jaxpr_internals_used(path.read_text()))
+               and PEER_REFERENCES.get(rel) != used}
     assert set(readers) <= {READER, SEAM}, {k: v for k, v in readers.items() if k not in (READER, SEAM)}
     assert readers.get(SEAM, set()) == {"jax._src"}, readers.get(SEAM)  # trace state and config only
     assert "jax.extend.core" in readers[READER] and ".name_stack" in readers[READER]
