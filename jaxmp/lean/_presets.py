@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +33,9 @@ class Part(NamedTuple):
 
     #: How `preset`'s docstring writes it, ``{}`` standing for what it wraps.
     code: str
-    #: ``(inner, base) -> transformation``; ``base``: the preset's key (None when it draws no bits).
-    wrap: Callable[[optax.GradientTransformation, jax.Array | None], optax.GradientTransformation]
+    #: ``(inner, base) -> transformation``; ``base``: the preset's key (a ``jax.random.key``; None
+    #: when the preset draws no bits, and then only a part that draws none is given it).
+    wrap: Callable[[optax.GradientTransformation, Any], optax.GradientTransformation]
     #: Whether it rounds stochastically (needs the key).
     draws_random_bits: bool
 

@@ -18,7 +18,7 @@ import optax
 
 from jaxmp import _blockwise, _keys
 from jaxmp.lean import _chunked
-from jaxmp.lean._widening import Widening, WidensItself
+from jaxmp.lean._widening import WidensItself
 from jaxmp._dtypes import is_floating_array
 from jaxmp._keys import key_data as _key_data, leaf_keys
 from jaxmp._misuse import MixedPrecisionWarning
@@ -239,7 +239,7 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         return QuantizedMomentsState(treedef.unflatten(stored), treedef.unflatten(scales), jnp.array(key_data),
                                      jnp.zeros([], jnp.int32), grid, _revision())
 
-    def update_fn(grads, state, params=None, *, widening: Widening | None = None, **extra_args):
+    def update_fn(grads, state, params=None, *, widening=None, **extra_args):  # widening: see WidensItself
         if not isinstance(state, QuantizedMomentsState):
             raise TypeError(f"state must be the QuantizedMomentsState made by quantized_moments' init, got "
                             f"{type(state).__name__}")
