@@ -184,9 +184,6 @@ def preset(name: str, inner: optax.GradientTransformation, *, key: jax.Array | i
     if name not in PRESETS:
         raise ValueError(f"Unknown lean preset {name!r}{did_you_mean(name, PRESETS)}; the presets are "
                          f"{', '.join(PRESETS)}")
-    if name not in PRESETS:
-        raise ValueError(f"Unknown lean preset {name!r}{did_you_mean(name, PRESETS)}; the presets are "
-                         f"{', '.join(PRESETS)}")
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, (int, np.integer)) \
             or accumulate_steps < 1:
         raise ValueError(f"accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
