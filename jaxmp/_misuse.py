@@ -6,6 +6,7 @@ list of traps and why each matters: see docs/reliability.md#traps-misuse-that-wo
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import contextvars
 import warnings
@@ -139,8 +140,12 @@ def _warn(message: str) -> None:
     warnings.warn(message, MixedPrecisionWarning, stacklevel=4)
 
 
-def check_gradients(grads: Any, loss_scale: Any) -> None:
-    """Trace-time checks of the gradients given to ``unscale_and_skip.update``."""
+def check_gradients(grads: Any, loss_scale: Any, *, dynamic: bool) -> None:
+    """Trace-time checks of the gradients given to ``unscale_and_skip.update``.
+
+    ``dynamic``: ``loss_scale`` is a ``DynamicLossScale``, the one whose mark says whether it
+    multiplied the loss these gradients came from (the caller knows its type; this floor of
+    jaxmp imports no loss scale)."""
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         dtype = jnp.asarray(g).dtype if not isinstance(g, np.ndarray) else g.dtype
         if jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
@@ -148,7 +153,7 @@ def check_gradients(grads: Any, loss_scale: Any) -> None:
                 f"gradient leaf at {jax.tree_util.keystr(path)} has dtype {dtype}: integer and boolean leaves have no "
                 "gradient. Differentiate with allow_int=True (their gradients are float0) or leave them out of the params."
             )
-    if type(loss_scale).__name__ != "DynamicLossScale" or was_scaled(loss_scale):
+    if not dynamic or was_scaled(loss_scale):
         return
     _warn("loss_scaling got gradients, but the dynamic loss scale in this optimizer state never multiplied a "
           "loss: were they computed with jax.grad? Compute them with jaxmp.value_and_grad(loss_fn, opt_state) "
@@ -158,9 +163,11 @@ def check_gradients(grads: Any, loss_scale: Any) -> None:
           "Use loss_scale='none' if you do not want loss scaling.")
 
 
-def check_loss_dtype(loss: Any, loss_scale: Any) -> None:
-    """Warns when a float16 loss is about to be scaled: its gradient overflows float16 at any scale >= 2**16."""
-    if type(loss_scale).__name__ == "NoOpLossScale" or getattr(loss, "dtype", None) != jnp.float16:
+def check_loss_dtype(loss: Any, *, scaled: bool) -> None:
+    """Warns when a float16 loss is about to be scaled: its gradient overflows float16 at any scale >= 2**16.
+
+    ``scaled``: the loss scale multiplies the loss (any but a ``NoOpLossScale``)."""
+    if not scaled or getattr(loss, "dtype", None) != jnp.float16:
         return
     _warn("the loss is float16: the gradient flowing back from it is float16 too, so it overflows (inf) at any "
           "loss scale >= 2**16 and every step is skipped. Compute the loss in float32: cast the logits or the loss "
@@ -182,8 +189,11 @@ def check_outermost(scale_source: Any, scaling_state: type) -> None:
             return
 
 
-def check_init(params: Any, inner_state: Any, loss_scale: Any, scaling_state: type, master_state: type) -> None:
-    """Checks at ``init``: nested loss scaling (raise), float16 params without a master copy (warn)."""
+def check_init(params: Any, inner_state: Any, scaling_state: type, master_state: type, *, scaled: bool) -> None:
+    """Checks at ``init``: nested loss scaling (raise), float16 params without a master copy (warn).
+
+    ``scaled``: the loss scale multiplies the loss (any but a ``NoOpLossScale``; without one,
+    float16 params are pure float16 on purpose)."""
     nested = [x for x in jax.tree_util.tree_leaves(inner_state, is_leaf=lambda x: isinstance(x, scaling_state))
               if isinstance(x, scaling_state)]
     if nested:
@@ -195,7 +205,7 @@ def check_init(params: Any, inner_state: Any, loss_scale: Any, scaling_state: ty
                      jax.tree_util.tree_leaves(inner_state, is_leaf=lambda x: isinstance(x, master_state)))
     fp16 = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(params)
             if hasattr(x, "dtype") and x.dtype == jnp.float16]
-    if fp16 and not has_master and type(loss_scale).__name__ != "NoOpLossScale":
+    if fp16 and not has_master and scaled:
         _warn(_no_master_message(fp16, "float16"))
 
 
@@ -205,13 +215,22 @@ def _no_master_message(paths: list, dtype: str) -> str:
             "(the O2 recipe does) or keep the params in float32.")
 
 
+class KeepsHalfParamsExact(abc.ABC):
+    """The optimizer states whose half-precision params learn without a float32 master copy.
+
+    `check_bf16_without_master` accepts a state of such a class as it accepts a master copy
+    (jaxmp.lean's stochastic-rounding and remainder states). A state class declares it with
+    ``@KeepsHalfParamsExact.register`` (a NamedTuple takes no other base class).
+    """
+
+
 def check_bf16_without_master(params: Any, inner_state: Any, master_state: type) -> None:
     """Warns at ``init`` when bfloat16 params get no master copy and no stochastic rounding (O2-bf16
     without master weights), as float16 params do; a bfloat16 recipe has no loss scale to tell O2
     from O3, so the caller runs this only when ``master_weights`` was not given."""
-    kept = [x for x in jax.tree_util.tree_leaves(
-        inner_state, is_leaf=lambda x: isinstance(x, master_state) or getattr(x, "keeps_half_params_exact", False))
-        if isinstance(x, master_state) or getattr(x, "keeps_half_params_exact", False)]
+    keepers = (master_state, KeepsHalfParamsExact)
+    kept = [x for x in jax.tree_util.tree_leaves(inner_state, is_leaf=lambda x: isinstance(x, keepers))
+            if isinstance(x, keepers)]
     bf16 = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(params)
             if hasattr(x, "dtype") and x.dtype == jnp.bfloat16]
     if bf16 and not kept:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxmp import _misuse as misuse
 from jaxmp._typing import PyTree
-from jaxmp._scaling._loss_scale import LossScale
+from jaxmp._scaling._loss_scale import LossScale, NoOpLossScale
 from jaxmp._scaling._opt_state import get_loss_scale
 from jaxmp._scaling._transform import LossScalingState
 
@@ -69,7 +69,7 @@ def value_and_grad(fun: Callable[..., Any], scale_source: LossScale | PyTree, ar
         else:
             loss, aux = out, None
         loss = _check_loss(loss)
-        misuse.check_loss_dtype(loss, loss_scale)
+        misuse.check_loss_dtype(loss, scaled=not isinstance(loss_scale, NoOpLossScale))
         return loss_scale.scale(loss), (loss, aux)
 
     grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True, **kwargs)

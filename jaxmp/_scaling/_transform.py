@@ -19,7 +19,7 @@ from jaxmp._scaling import _fold as fold, _state_checks as state_checks
 from jaxmp._typing import AxisName, LossScaleLike
 from jaxmp._scaling._collectives import optional_axis_name
 from jaxmp._dtypes import float_dtype, is_floating_array, is_inexact_array
-from jaxmp._scaling._loss_scale import LOSS_SCALE_TYPES, LossScale, make_loss_scale
+from jaxmp._scaling._loss_scale import LOSS_SCALE_TYPES, DynamicLossScale, LossScale, NoOpLossScale, make_loss_scale
 from jaxmp._scaling._skip import all_finite, keep_if_finite
 
 #: With float32 master weights and no float16 leaf, a step whose unscaled gradients are not all
@@ -453,7 +453,8 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
     def init_fn(params):
         _tree.check_all_arrays(params, "params")
         inner_state = inner.init(params)
-        misuse.check_init(params, inner_state, initial_scale, LossScalingState, MasterWeightsState)
+        misuse.check_init(params, inner_state, LossScalingState, MasterWeightsState,
+                          scaled=not isinstance(initial_scale, NoOpLossScale))
         if check_bf16:
             misuse.check_bf16_without_master(params, inner_state, MasterWeightsState)
         misuse.check_inner_state(inner_state)
@@ -478,14 +479,14 @@ def _unscale_and_skip(inner: optax.GradientTransformation, loss_scale: Any, axis
     def update_fn(grads, state, params=None, **extra_args):
         check_args(grads, state, params)
         # Called from each entry itself: misuse's warnings name the line that called the entry.
-        misuse.check_gradients(grads, state.loss_scale)
+        misuse.check_gradients(grads, state.loss_scale, dynamic=isinstance(state.loss_scale, DynamicLossScale))
         return step(grads, state, params, extra_args, fused=False)
 
     def update_and_apply_fn(grads, state, params, **extra_args):
         if params is None:
             raise ValueError("update_and_apply needs the params")
         check_args(grads, state, params)
-        misuse.check_gradients(grads, state.loss_scale)
+        misuse.check_gradients(grads, state.loss_scale, dynamic=isinstance(state.loss_scale, DynamicLossScale))
         return step(grads, state, params, extra_args, fused=True)
 
     def plan_of(grads, state, params, fused) -> _StepPlan:

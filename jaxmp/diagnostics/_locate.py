@@ -507,8 +507,8 @@ def _measure(step: "_locate_fix.Step", units: list, found: NonFiniteCulprit, gra
 # jaxmp's own files that run the user's optimizer: an op located there is the wrapped optax
 # transformation's arithmetic, which JAX's traceback cannot attribute further (optax is traced
 # inside jaxmp's step and its frames count as library frames).
-_OPTIMIZER_FILES = ("_scaling/_transform.py", "lean/__init__.py", "lean/_quantized.py", "_scaling/_fold.py",
-                    "_scaling/_skip.py")
+_OPTIMIZER_FILES = ("_scaling/_transform.py", "lean/_bf16.py", "lean/_remainders.py", "lean/_widening.py",
+                    "lean/_quantized.py", "_scaling/_fold.py", "_scaling/_skip.py")
 _OPTIMIZER = "the optimizer update (the optax transformation inside jaxmp.loss_scaling)"
 _JAXMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 

@@ -18,6 +18,7 @@ import optax
 
 from jaxmp import _blockwise, _keys
 from jaxmp.lean import _chunked
+from jaxmp.lean._widening import WidensItself
 from jaxmp._dtypes import is_floating_array
 from jaxmp._keys import key_data as _key_data, leaf_keys
 from jaxmp._misuse import MixedPrecisionWarning
@@ -32,10 +33,6 @@ NON_NEGATIVE_FIELDS = frozenset({"nu", "nu_max", "sum_of_squares", "v_row", "v_c
 #: Leaves with fewer elements stay float32 (bitsandbytes' ``min_8bit_size``, torchao's 4096):
 #: biases and norms cost little and their per-block scale would cost more than it saves.
 MIN_SIZE = 4096
-
-#: The extra argument through which jaxmp.lean's wrappers hand over their float32 grads and
-#: params unwidened: ``(grads, params)`` as `_chunked.Inputs` (params None when there are none).
-WIDEN = "_jaxmp_widen"
 
 _BLOCKS = {8: 256, 4: 128}   # torchao's AdamW8bit / AdamW4bit (bitsandbytes: 256 on the GPU path)
 _ROUNDINGS = ("nearest", "stochastic")
@@ -242,7 +239,7 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         return QuantizedMomentsState(treedef.unflatten(stored), treedef.unflatten(scales), jnp.array(key_data),
                                      jnp.zeros([], jnp.int32), grid, _revision())
 
-    def update_fn(grads, state, params=None, **extra_args):
+    def update_fn(grads, state, params=None, *, widening=None, **extra_args):  # widening: see WidensItself
         if not isinstance(state, QuantizedMomentsState):
             raise TypeError(f"state must be the QuantizedMomentsState made by quantized_moments' init, got "
                             f"{type(state).__name__}")
@@ -250,11 +247,11 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         if state.grid != grid:
             raise ValueError(f"quantized_moments: the state was made with bits={state.grid.bits}, "
                              f"block={state.grid.block}, this transformation has bits={bits}, block={block}")
-        # A lean wrapper's float32 grads and params, as it holds them (see _chunked.Inputs).
-        lazy = extra_args.pop(WIDEN, None)
+        # A lean wrapper's float32 grads and params, as it holds them (see WidensItself).
+        lazy = widening
         g_def = jax.tree_util.tree_structure(grads)
-        g_in = _chunked.Inputs((grads,), _chunked.identity) if lazy is None else lazy[0]
-        p_in = None if params is None else _chunked.Inputs((params,), _chunked.identity) if lazy is None else lazy[1]
+        g_in = _chunked.Inputs((grads,), _chunked.identity) if lazy is None else lazy.grads
+        p_in = None if params is None else _chunked.Inputs((params,), _chunked.identity) if lazy is None else lazy.params
         if lazy is not None:
             grads, params = g_in.whole(g_def), None if p_in is None else p_in.whole(g_def)
         # The leaves' own shapes (4-bit codes are packed): the inner state the grads' shapes give.
@@ -331,6 +328,6 @@ def _revision() -> jax.Array:
     return jnp.asarray(_blockwise.MAP_REVISION, jnp.int32)
 
 
-class QuantizedMoments(optax.GradientTransformationExtraArgs):
-    """`quantized_moments`' transformation: optax's, marked so that jaxmp.lean's wrappers around it
-    hand over their float32 grads and params unwidened (`WIDEN`)."""
+class QuantizedMoments(WidensItself):
+    """`quantized_moments`' transformation: jaxmp.lean's wrappers around it hand over their float32
+    grads and params unwidened (its ``update``'s keyword ``widening``)."""

@@ -63,30 +63,38 @@ def test_loss_scaled_grad_is_a_context_that_silences_unscaled_fp16_grad_and_rest
 
 def test_check_gradients_refuses_integer_and_bool_leaves_by_path():
     with pytest.raises(TypeError, match=r"leaf at \['n'\] has dtype int32.*allow_int=True"):
-        misuse.check_gradients({"w": jnp.ones(1), "n": jnp.int32(1)}, jaxmp.NoOpLossScale())
+        misuse.check_gradients({"w": jnp.ones(1), "n": jnp.int32(1)}, jaxmp.NoOpLossScale(), dynamic=False)
     with pytest.raises(TypeError, match="dtype bool"):
-        misuse.check_gradients([np.array([True])], jaxmp.NoOpLossScale())
+        misuse.check_gradients([np.array([True])], jaxmp.NoOpLossScale(), dynamic=False)
 
 
 def test_check_gradients_warns_only_for_an_unmarked_dynamic_scale(no_warnings):
+    # The caller says whether the scale is dynamic (a declared keyword, not the class's name).
     grads = {"w": jnp.ones(2)}
-    misuse.check_gradients(grads, jaxmp.StaticLossScale(4.0))
-    misuse.check_gradients(grads, jaxmp.NoOpLossScale())
+    misuse.check_gradients(grads, jaxmp.StaticLossScale(4.0), dynamic=False)
+    misuse.check_gradients(grads, jaxmp.NoOpLossScale(), dynamic=False)
     marked = jaxmp.DynamicLossScale()
     misuse.note_scaled(marked)
-    misuse.check_gradients(grads, marked)
+    misuse.check_gradients(grads, marked, dynamic=True)
     warnings.simplefilter("always", misuse.MixedPrecisionWarning)
     with pytest.warns(misuse.MixedPrecisionWarning, match="never multiplied a loss: were they computed with jax.grad"):
-        misuse.check_gradients(grads, jaxmp.DynamicLossScale())
+        misuse.check_gradients(grads, jaxmp.DynamicLossScale(), dynamic=True)
+    with pytest.warns(misuse.MixedPrecisionWarning, match="never multiplied a loss"):
+        jaxmp.loss_scaling(optax.sgd(0.1), "dynamic").update(grads, jaxmp.loss_scaling(optax.sgd(0.1), "dynamic").init(
+            grads), grads)
 
 
 def test_check_loss_dtype_warns_for_a_float16_loss_with_a_scale_only(no_warnings):
-    misuse.check_loss_dtype(jnp.float16(1), jaxmp.NoOpLossScale())
-    misuse.check_loss_dtype(jnp.bfloat16(1), jaxmp.DynamicLossScale())
-    misuse.check_loss_dtype(2.0, jaxmp.DynamicLossScale())
+    misuse.check_loss_dtype(jnp.float16(1), scaled=False)
+    misuse.check_loss_dtype(jnp.bfloat16(1), scaled=True)
+    misuse.check_loss_dtype(2.0, scaled=True)
+    # jaxmp.value_and_grad says which: a NoOpLossScale multiplies nothing.
+    jaxmp.value_and_grad(lambda w: jnp.sum(w).astype(jnp.float16), jaxmp.NoOpLossScale())(jnp.ones(2))
     warnings.simplefilter("always", misuse.MixedPrecisionWarning)
     with pytest.warns(misuse.MixedPrecisionWarning, match="the loss is float16"):
-        misuse.check_loss_dtype(jnp.float16(1), jaxmp.StaticLossScale(2.0))
+        misuse.check_loss_dtype(jnp.float16(1), scaled=True)
+    with pytest.warns(misuse.MixedPrecisionWarning, match="the loss is float16"):
+        jaxmp.value_and_grad(lambda w: jnp.sum(w).astype(jnp.float16), jaxmp.StaticLossScale(2.0))(jnp.ones(2))
 
 
 def test_check_outermost_warns_for_optax_transforms_before_loss_scaling(no_warnings):
@@ -105,31 +113,43 @@ def test_check_outermost_warns_for_optax_transforms_before_loss_scaling(no_warni
 
 
 def test_check_init_raises_on_nested_loss_scaling_and_warns_for_fp16_without_master(no_warnings):
-    ls = jaxmp.DynamicLossScale()
     inner = jaxmp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(1)})
     with pytest.raises(ValueError, match="wraps another loss_scaling"):
-        misuse.check_init({"w": jnp.ones(1)}, (inner,), ls, LossScalingState, MasterWeightsState)
+        misuse.check_init({"w": jnp.ones(1)}, (inner,), LossScalingState, MasterWeightsState, scaled=True)
     half = {"a": jnp.ones(1, jnp.float16), "b": jnp.ones(1, jnp.float16), "c": jnp.ones(1)}
     master = MasterWeightsState((), {"a": jnp.ones(1)})
-    misuse.check_init(half, (master,), ls, LossScalingState, MasterWeightsState)
-    misuse.check_init(half, (), jaxmp.NoOpLossScale(), LossScalingState, MasterWeightsState)
+    misuse.check_init(half, (master,), LossScalingState, MasterWeightsState, scaled=True)
+    misuse.check_init(half, (), LossScalingState, MasterWeightsState, scaled=False)
+    jaxmp.loss_scaling(optax.sgd(0.1), "none").init(half)  # the transform says a NoOpLossScale scales nothing
     warnings.simplefilter("always", misuse.MixedPrecisionWarning)
     with pytest.warns(misuse.MixedPrecisionWarning, match=r"2 float16 param\(s\) \(first: \['a'\]\).*master_weights=True"):
-        misuse.check_init(half, (), ls, LossScalingState, MasterWeightsState)
+        misuse.check_init(half, (), LossScalingState, MasterWeightsState, scaled=True)
 
 
 def test_check_bf16_without_master_accepts_a_master_or_an_exact_half_keeper(no_warnings):
     params = {"w": jnp.ones(1, jnp.bfloat16)}
     misuse.check_bf16_without_master(params, (MasterWeightsState((), params),), MasterWeightsState)
 
+    @misuse.KeepsHalfParamsExact.register
     class Rounded:  # stands for a jaxmp.lean stochastic-rounding state
+        pass
+
+    class Undeclared:  # an attribute is no declaration (the hidden channel this replaced)
         keeps_half_params_exact = True
 
     misuse.check_bf16_without_master(params, (Rounded(),), MasterWeightsState)
+    # jaxmp.lean's states declare it: their bfloat16 params learn without a master.
+    from jaxmp import lean
+    assert issubclass(lean.Bf16ParamsState, misuse.KeepsHalfParamsExact)
+    assert issubclass(lean.ParamRemaindersState, misuse.KeepsHalfParamsExact)
+    assert not issubclass(lean.Bf16MomentsState, misuse.KeepsHalfParamsExact)
+    jaxmp.loss_scaling(lean.bf16_params(optax.sgd(0.1), key=0), "none").init(params)
     misuse.check_bf16_without_master({"w": jnp.ones(1)}, (), MasterWeightsState)
     warnings.simplefilter("always", misuse.MixedPrecisionWarning)
     with pytest.warns(misuse.MixedPrecisionWarning, match="1 bfloat16 param.*master_weights=False.*jaxmp.lean"):
         misuse.check_bf16_without_master(params, (), MasterWeightsState)
+    with pytest.warns(misuse.MixedPrecisionWarning, match="1 bfloat16 param"):
+        misuse.check_bf16_without_master(params, (Undeclared(),), MasterWeightsState)
 
 
 def _update_jaxpr(tx, params=None):

@@ -12,6 +12,7 @@ import pytest
 
 import jaxmp
 from jaxmp import lean
+from jaxmp.lean import _presets
 
 
 def _caught(fn):
@@ -39,7 +40,7 @@ def test_a_lean_preset_on_float32_params_warns_that_it_saves_nothing(name):
         state = tx.init(F32)
     n = sum(x.size for x in jax.tree_util.tree_leaves(F32))
     nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves((F32, state)) if x.size >= n // 64)
-    assert round(nbytes / n) == lean._FLOAT32_PARAM_BYTES[name], name
+    assert round(nbytes / n) == _presets.BY_NAME[name].float32_bytes, name
     assert f"spends {round(nbytes / n)}" in text
 
 

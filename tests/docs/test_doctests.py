@@ -22,7 +22,7 @@ _ADAM = "optax.adam: bias correction is a Python float ** int32 count"
 STANDARD_PROMOTION = {
     "jaxmp.flax.nnx.MixedPrecision": _ADAM,
     "jaxmp.flax._train_state.TrainState": _ADAM,
-    "jaxmp.lean.bf16_moments": _ADAM,
+    "jaxmp.lean._bf16.bf16_moments": _ADAM,
     "jaxmp.lean._quantized.quantized_moments": _ADAM,
     "jaxmp.parallel._sharding.make_sharded_train_step": _ADAM,
     "jaxmp._scaling._transform.loss_scaling": _ADAM,
