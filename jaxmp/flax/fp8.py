@@ -9,6 +9,9 @@ See docs/fp8.md#fp8-state-is-not-a-gradient.
 
 from __future__ import annotations
 
+# What this door module offers; the rest of its namespace is its own machinery.
+__all__ = ["Fp8ConvGeneralDilated", "Fp8DotGeneral", "Fp8State", "NnxFp8Op"]
+
 import contextlib
 from typing import Any
 

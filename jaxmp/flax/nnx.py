@@ -7,6 +7,9 @@ its running statistics are updated. See docs/design.md#the-nnx-door.
 
 from __future__ import annotations
 
+# What this door module offers; the rest of its namespace is its own machinery.
+__all__ = ["MixedPrecision", "call", "module_rules", "optimizer_state", "overridden_float32", "store_params", "train_step"]
+
 import contextlib
 import dataclasses
 import warnings
