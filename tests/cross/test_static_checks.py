@@ -25,3 +25,27 @@ def test_the_ci_runs_the_static_checks_and_the_readme_says_how():
     assert "python .ci/static_checks.py" in readme
     baseline = (ROOT / ".ci" / "mypy-baseline.txt").read_text().split()[0]
     assert baseline.isdigit()
+
+
+def _static_checks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("static_checks", ROOT / ".ci" / "static_checks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_mypy_ratchet_holds_name_defined_at_zero_whatever_the_total():
+    """An undefined name fails the ratchet on its own, even far under the baseline; other
+    categories only count toward the total."""
+    checks = _static_checks()
+    undefined = 'jaxmp/x.py:3: error: Name "policy" is not defined  [name-defined]'
+    other = 'jaxmp/y.py:7: error: Item "None" of "Any | None" has no attribute "x"  [union-attr]'
+    ok, lines = checks.judge([undefined, other], allowed=76)
+    assert not ok and undefined in lines and any("held at 0" in line for line in lines)
+    assert checks.judge([other, other], allowed=76)[0]  # under the baseline, no zero category: passes
+    assert not checks.judge([other] * 3, allowed=2)[0]  # over the baseline: fails
+    assert checks.judge([], allowed=0)[0]
+    # The code is read from the end of the line, not from the message text.
+    assert checks.judge(['jaxmp/z.py:1: error: Argument 1 has type "name-defined"  [arg-type]'], allowed=1)[0]
