@@ -454,10 +454,10 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
         src = _source(eqn, ctx)
         stack = ctx.stack + _jaxpr.stack_of(eqn)
         kind = _jaxpr.primitive_kind(eqn)
-        if kind in ("scan", "while", "cond"):
+        if kind in _jaxpr.LOOPS | _jaxpr.BRANCHES:
             # a scan body counts `length` times, a while body once, only the costliest cond branch
             bodies = _jaxpr.bodies(eqn)
-            if kind == "while":
+            if any(body.trips is None for body in bodies):  # a while
                 col.unknown_trip_counts += 1
             branch_flops, spans = [], []
             for body in bodies:
@@ -466,7 +466,7 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
                 start = len(col.ops)
                 branch_flops.append(_walk(body.jaxpr, sub, col))
                 spans.append((start, len(col.ops)))
-            if kind != "cond":
+            if kind not in _jaxpr.BRANCHES:
                 flops += sum(branch_flops)
                 continue
             taken = int(np.argmax(branch_flops)) if branch_flops else 0
