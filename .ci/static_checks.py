@@ -1,7 +1,7 @@
 """Static checks of .ci/run and of the README's contributor notes: `python .ci/static_checks.py`.
 
-1. ruff's F rules (undefined names, unused imports, redefinitions) over every Python tree of the
-   repository: must be clean.
+1. ruff's F rules (undefined names, unused imports, redefinitions) and its line length (E501, at
+   pyproject.toml's ``line-length``) over every Python tree of the repository: must be clean.
 2. mypy in its default (basic) mode over jaxmp/: the number of findings may only go down. JAX's
    internal seams (private modules, untyped pytrees) make "clean" a long road, so the count is
    ratcheted against .ci/mypy-baseline.txt; a change that adds a finding fails and names it, a change
@@ -31,8 +31,8 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
 
 
-def ruff() -> bool:
-    done = run([sys.executable, "-m", "ruff", "check", "--select", "F", "--output-format", "concise", *RUFF_TREES])
+def ruff(rules: str = "F") -> bool:
+    done = run([sys.executable, "-m", "ruff", "check", "--select", rules, "--output-format", "concise", *RUFF_TREES])
     print(done.stdout.strip() or done.stderr.strip())
     return done.returncode == 0
 
@@ -81,7 +81,7 @@ def mypy() -> bool:
 
 
 def main() -> int:
-    results = {"ruff (F rules)": ruff(), "mypy (ratchet)": mypy()}
+    results = {"ruff (F rules)": ruff(), "ruff (line length)": ruff("E501"), "mypy (ratchet)": mypy()}
     for name, ok in results.items():
         print(f"{name}: {'ok' if ok else 'FAILED'}")
     return 0 if all(results.values()) else 1

@@ -1,9 +1,10 @@
 """fp8 matmuls and convolutions for Linen and NNX models under an ``O2-fp8`` policy.
 
 Every half-list ``Dense``/``DenseGeneral``/``Conv`` (Linen) and ``Linear``/``LinearGeneral``/``Conv``
-(NNX) gets an fp8 op under a recipe with fp8 (``"O2-fp8"``, or rules with ``fp8_matmuls=...``). Delayed-scaling state is no parameter: the Linen ``"fp8_meta"`` collection
-(`FP8_COLLECTION`), or NNX [`Fp8State`][jaxmp.flax.fp8.Fp8State] variables; the train steps update it
-from the amaxes each op reports as its scale's gradient, after the step is known to be finite.
+(NNX) gets an fp8 op under a recipe with fp8 (``"O2-fp8"``, or rules with ``fp8_matmuls=...``).
+Delayed-scaling state is no parameter: the Linen ``"fp8_meta"`` collection (`FP8_COLLECTION`), or
+NNX [`Fp8State`][jaxmp.flax.fp8.Fp8State] variables; the train steps update it from the amaxes
+each op reports as its scale's gradient, after the step is known to be finite.
 See docs/fp8.md#fp8-state-is-not-a-gradient.
 """
 

@@ -152,7 +152,8 @@ def store_params(model: nnx.Module, policy: PolicyLike, rules: AutocastRules | N
     Args:
       model: the NNX model (modified in place).
       policy: a policy, preset name or Recipe.
-      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
+      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for
+        [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
 
     Returns:
       ``model``.
@@ -207,7 +208,8 @@ def call(model: nnx.Module, *args, policy: PolicyLike, rules: AutocastRules | No
         in place as in a normal call).
       *args: inputs; floating ones are cast to the compute dtype.
       policy: a policy, preset name or Recipe.
-      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
+      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for
+        [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
       **kwargs: forwarded to the model; floating arrays among them are cast.
 
     Returns:
@@ -291,7 +293,8 @@ class MixedPrecision(nnx.Module):
     Args:
       model: the NNX model.
       policy: a [`jaxmp.Policy`][jaxmp.Policy], preset name (``"O1-bf16"``), jmp string, Recipe or jmp.Policy.
-      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
+      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for
+        [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
 
     Raises:
       TypeError: ``model`` is not a callable NNX module instance, or a non-floating policy.

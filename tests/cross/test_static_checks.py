@@ -18,6 +18,20 @@ def test_ruff_finds_no_undefined_name_unused_import_or_redefinition():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+
+def test_no_line_is_longer_than_the_projects_line_length():
+    """ruff's E501 at pyproject.toml's ``line-length``, as .ci/static_checks.py runs it."""
+    pytest.importorskip("ruff", reason="the `test` extra installs ruff")
+    import tomllib
+
+    length = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["line-length"]
+    assert length == 140
+    trees = [t for t in ("jaxmp", "experiments", "benchmarks", "tests", ".ci") if (ROOT / t).exists()]
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "E501", "--output-format", "concise",
+                           "--no-cache", *trees], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert '"E501"' in (ROOT / ".ci" / "static_checks.py").read_text()  # the CI's static checks run it too
+
 def test_the_ci_runs_the_static_checks_and_the_readme_says_how():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "static_checks.py" in ci and '"$PY" -m pip install --quiet -e ".[' in ci
