@@ -345,7 +345,7 @@ def _half_scalar_reduction(eqn, producers, seen: set):
         return None, False
     frontier = [eqn]
     for _ in range(5):
-        nxt = []
+        nxt: list = []
         for e in frontier:
             if e.primitive.name in _REDUCE_PRIMS:
                 src = e.invars[0]
@@ -378,7 +378,7 @@ def _nmant(dtype) -> int:
 def _narrowed(eqn, ctx: _Ctx, col: _Collector, producers) -> list[RiskyOp]:
     """A float32 value rounded to half right before an elementwise op (a bias after a half
     matmul under O2 or a hand cast): with its magnitude and the half ulp there when known."""
-    out = []
+    out: list[RiskyOp] = []
     if eqn.primitive.name not in _ELEMENTWISE or not eqn.outvars:
         return out
     out_dtype = getattr(eqn.outvars[0].aval, "dtype", None)

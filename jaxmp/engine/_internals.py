@@ -340,7 +340,7 @@ def all_primitive_names() -> frozenset[str]:
     modules = [m.name for m in pkgutil.walk_packages(lax_pkg.__path__, "jax._src.lax.")]
     modules += ["jax._src.ad_util", "jax._src.ad_checkpoint", "jax._src.custom_derivatives",
                 "jax._src.pjit", "jax._src.shard_map", "jax._src.dispatch", "jax._src.core"]
-    names = set()
+    names: set[str] = set()
     for name in modules:
         try:
             module = importlib.import_module(name)

@@ -72,7 +72,8 @@ def module_rules(model: nnx.Module, policy: Policy, rules: AutocastRules) -> dic
       >>> rules[("layers", "0")].compute_dtype, rules[("layers", "1")].compute_dtype
       (dtype(bfloat16), dtype('float32'))
     """
-    compiled, found = rules.module_rules(policy), {}
+    compiled = rules.module_rules(policy)
+    found: dict[Path, ModuleRule] = {}
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module):
             rule = compiled.rule_at(_str_path(path), node)
