@@ -256,8 +256,12 @@ def refuse_delayed_in_a_function(recipe: Fp8Recipe | None, where: str, instead: 
 
     Example:
       >>> import jaxmp
-      >>> # current scaling passes; DelayedScaling() here would raise
-      >>> refuse_delayed_in_a_function(jaxmp.fp8.CurrentScaling(), "O2-fp8", "")
+      >>> delayed = jaxmp.fp8.DelayedScaling()
+      >>> try:
+      ...     refuse_delayed_in_a_function(delayed, "O2-fp8", "'O2-fp8-current'")
+      ... except ValueError as e:
+      ...     print(str(e)[:48])
+      O2-fp8: delayed fp8 scaling keeps amax histories
     """
     if isinstance(recipe, DelayedScaling):
         raise ValueError(f"{where}: delayed fp8 scaling keeps amax histories per layer across steps, which a plain "
