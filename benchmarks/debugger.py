@@ -12,7 +12,8 @@ policy="O1-bf16")`` with its fix (``compare``) and the same with ``steps=K`` (``
 timed from the call to its report, cold. The result gives each tool's seconds and its ratio to
 the cold step (the issue's targets: locate <= 2x, compare <= 3x) and to the warm step; the
 K-step comparison also to K training steps run from a fresh process (the cold step plus K-1
-warm ones; the issue's target "about 2K steps" is 2x that: the comparison trains two runs). The cost on small models is XLA compile time (see docs/debugging.md).
+warm ones; the issue's target "about 2K steps" is 2x that: the comparison trains two runs).
+The cost on small models is XLA compile time (see docs/debugging.md).
 """
 
 from __future__ import annotations

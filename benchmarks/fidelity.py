@@ -405,7 +405,8 @@ def markdown(result: dict) -> str:
                          f" last {t['median_update_over_ulp_last_tail_step']:.3f}); "
                          f"{100 * t['fraction_below_half_ulp']:.1f}% of the updates below half an ulp")
         changed = {r: np.mean([x["tail_fraction_of_bf16_params_changed_per_step"] for x in rs])
-                   for r, rs in ((r, out["runs"].get(r)) for r in RECIPES) if rs and "tail_fraction_of_bf16_params_changed_per_step" in rs[0]}
+                   for r, rs in ((r, out["runs"].get(r)) for r in RECIPES)
+                   if rs and "tail_fraction_of_bf16_params_changed_per_step" in rs[0]}
         if changed:
             lines.append("- bf16 params changed per tail step (mean over seeds): "
                          + ", ".join(f"{r} {100 * v:.1f}%" for r, v in changed.items()))

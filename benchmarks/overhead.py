@@ -315,7 +315,8 @@ def make_variants(cfg: dict):
                                       (jnp.float32(2**15), jnp.int32(0))),
         "jaxmp-o2-fp16": lambda: (copy(params_fp16), tx_o2_fp16.init(copy(params_fp16))),
     }
-    fns = {"bare": bare_step, "floor": floor_step, "hand-skip": hand_skip_step, "jmp": jmp_step, "jaxmp": jaxmp_step, "jaxmp-noop": noop_step,
+    fns = {"bare": bare_step, "floor": floor_step, "hand-skip": hand_skip_step, "jmp": jmp_step, "jaxmp": jaxmp_step,
+           "jaxmp-noop": noop_step,
            "jaxmp-optax": optax_step, "jaxmp-noop-probe": noop_probe_step, "hand-masters": hand_masters_step,
            "jaxmp-o2": o2_step, "jaxmp-o2-optax": o2_optax_step, "jaxmp-o2-fused": o2_fused_step,
            "hand-masters-fp16": hand_masters_fp16_step, "jaxmp-o2-fp16": o2_fp16_step}

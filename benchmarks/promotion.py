@@ -87,7 +87,8 @@ def main(argv=None):
         row["O2 narrow"] = measure(o2, params, batch, repeats)
         out[name] = row
         for k, v in row.items():
-            print(f"{name:22s} {k:10s} bytes {v['MiB']:9.1f} MiB  peak {v['peak MiB']:8.1f} MiB  converts {v['converts']:4d}  cpu {v['ms']:7.2f} ms", flush=True)
+            print(f"{name:22s} {k:10s} bytes {v['MiB']:9.1f} MiB  peak {v['peak MiB']:8.1f} MiB  "
+                  f"converts {v['converts']:4d}  cpu {v['ms']:7.2f} ms", flush=True)
     if args.out:  # provenance beside the table: device, JAX version, commit
         with open(args.out, "w") as f:
             json.dump({"env": common.jax_env(), "commit": common.git_commit(), "utc": common.utc_now(),

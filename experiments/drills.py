@@ -286,7 +286,8 @@ def damage_drill(workdir: str, bitflips: int, seed: int) -> list[dict]:
 
 # ---- kill: SIGKILL at random points, mid-save included ----
 
-KILL_ARGS = ("--config=cpu", "--config.policy=O2-fp16", "--config.checkpoint_every_steps=10", "--config.eval_every_steps=100", "--config.log_every_steps=10",
+KILL_ARGS = ("--config=cpu", "--config.policy=O2-fp16", "--config.checkpoint_every_steps=10",
+             "--config.eval_every_steps=100", "--config.log_every_steps=10",
              "--config.keep_checkpoints=1000", "--config.progress_bar=false")
 
 

@@ -3,7 +3,8 @@
 Every module that reads a traced program, and the test helpers, read it through this module;
 only this module imports ``jax.extend.core`` or touches a name stack (tests/cross/test_architecture.py
 checks it). It gives `equations`, `sub_jaxprs`, `walk` (every equation, nested ones included, as
-an `Equation`), `bind`, and the one control-flow dispatcher: `primitive_kind` and `bodies` (which
+an `Equation`), `bind`, and the one control-flow dispatcher: `primitive_kind`, `KIND_RUNS` (how
+each kind runs its bodies), `dispatch` (a walk's handler for an equation) and `bodies` (which
 parameters of a ``scan``/``while``/``cond``/call/... hold its sub-jaxprs, and how their inputs map
 onto the equation's operands). See docs/architecture.md#the-jaxpr-reader.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator, Mapping, NamedTuple, TypeVar
 
 import jax
 from jax.extend import core as _core
@@ -25,6 +26,8 @@ ClosedJaxpr = _core.ClosedJaxpr
 Literal = _core.Literal
 Var = _core.Var
 Primitive = _core.Primitive
+
+_H = TypeVar("_H")
 
 
 def is_jaxpr(x: Any) -> bool:
@@ -129,6 +132,49 @@ def primitive_kind(eqn: Any) -> str | None:
     ``"call"``, ``"remat"``, ``"scan"``, ``"while"``, ``"cond"``, ``"custom_jvp"``,
     ``"custom_vjp"``, ``"shard_map"``, ``"pmap"``, or None (first order)."""
     return _ops.control_flow_kind(eqn.primitive.name)
+
+
+#: How each control-flow kind runs its bodies: the one table the walks that enter them read (the
+#: engine's handlers, the debugger's evaluator, the op finder's FLOP count, `per_element_inputs`).
+#: ``"inline"``: one body run once on the operands, its outputs the equation's; ``"loop"``: a body
+#: run ``length`` times (scan) or an unknown number of times (while); ``"branch"``: one body of
+#: several (cond); ``"mapped"``: a per-device body (shard_map, pmap). Its kinds are the catalogue's
+#: control-flow classes (`jaxmp._ops.CONTROL_FLOW`).
+KIND_RUNS: dict[str, str] = {
+    "call": "inline", "remat": "inline", "custom_jvp": "inline", "custom_vjp": "inline",
+    "scan": "loop", "while": "loop", "cond": "branch", "shard_map": "mapped", "pmap": "mapped",
+}
+INLINE = frozenset(k for k, runs in KIND_RUNS.items() if runs == "inline")
+LOOPS = frozenset(k for k, runs in KIND_RUNS.items() if runs == "loop")
+BRANCHES = frozenset(k for k, runs in KIND_RUNS.items() if runs == "branch")
+MAPPED = frozenset(k for k, runs in KIND_RUNS.items() if runs == "mapped")
+
+
+def dispatch(eqn: Any, handlers: Mapping[str, _H]) -> tuple[str, _H] | None:
+    """The kind of a control-flow equation and the handler a walk keeps for it, or None.
+
+    The one dispatch of the walks that enter control flow: each keeps a table ``{kind: handler}``
+    of the kinds it enters (the engine enters all but ``pmap``; the evaluator no mapped body).
+
+    Args:
+      eqn: an equation.
+      handlers: the walk's table, keyed by kinds of `KIND_RUNS`.
+
+    Returns:
+      ``(kind, handler)``, or None for a first-order equation or a kind the table leaves out.
+
+    Example:
+      >>> import jax
+      >>> def f(x):
+      ...     return jax.lax.cond(x > 0, lambda: x, lambda: -x)
+      >>> eqn = jax.make_jaxpr(f)(1.0).jaxpr.eqns[-1]
+      >>> dispatch(eqn, {"cond": "enter the branches"})
+      ('cond', 'enter the branches')
+    """
+    kind = primitive_kind(eqn)
+    if kind is None or kind not in handlers:
+        return None
+    return kind, handlers[kind]
 
 
 def call_jaxpr(eqn: Any) -> tuple[Any, list]:
@@ -269,8 +315,7 @@ def _per_element(jaxpr: Any, seeds: list) -> list:
         ins = [read(v) for v in eqn.invars]
         outs_scalar = all(_shape_of(v) == () for v in eqn.outvars)
         deps = frozenset().union(*(x[1] for x in ins if x is not None))
-        kind = primitive_kind(eqn)
-        if kind in ("call", "remat", "custom_jvp", "custom_vjp"):
+        if primitive_kind(eqn) in INLINE:
             body = bodies(eqn)[0]
             if len(body.jaxpr.outvars) == len(eqn.outvars) and len(body.operands) == len(body.jaxpr.invars):
                 outs = _per_element(body.jaxpr, [ins[i] for i in body.operands])

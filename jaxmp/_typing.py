@@ -16,7 +16,9 @@ from collections.abc import Hashable, Sequence
 from typing import Any, Union
 
 # The forward references name their modules in full: importing them here, even for type
-# checkers only, would make this bottom-layer module import the layers that use it.
+# checkers only, would make this bottom-layer module import the layers that use it. So mypy cannot
+# resolve them and reads each as Any; the ignores below say so per name (the ratchet holds
+# name-defined at 0, so an undefined name anywhere else fails it).
 
 PyTree = Any
 """A JAX pytree: arrays (or scalars) nested in lists, tuples, dicts, dataclasses or any registered node.
@@ -24,12 +26,12 @@ PyTree = Any
 A pytree has no checkable type, so this alias is ``Any`` to a type checker; it is named here so a
 signature says "a pytree" rather than "anything"."""
 
-PolicyLike = Union["jaxmp._precision._policy.Policy", "jaxmp._precision._presets.Recipe", "jmp.Policy", str]  # noqa: F821 (see above)
+PolicyLike = Union["jaxmp._precision._policy.Policy", "jaxmp._precision._presets.Recipe", "jmp.Policy", str]  # type: ignore[name-defined]  # noqa: F821
 """A precision policy: a [`Policy`][jaxmp.Policy], a [`Recipe`][jaxmp.Recipe], a ``jmp.Policy``, or a
 string (a preset such as ``"O1"`` or ``"O2-bf16"``, a dtype name, or jmp's ``"p=f32,c=bf16,o=f32"``
 grammar). [`jaxmp.as_policy`][jaxmp.as_policy] turns any of them into a `Policy`."""
 
-LossScaleLike = Union["jaxmp._scaling._loss_scale.LossScale", str, float, None]  # noqa: F821 (see above)
+LossScaleLike = Union["jaxmp._scaling._loss_scale.LossScale", str, float, None]  # type: ignore[name-defined]  # noqa: F821
 """A loss scale or its description: a loss-scale object (returned as is), ``"dynamic"``, ``"torch"``,
 ``"none"``/``None``, a positive number or ``"static:1024"``. See
 [`jaxmp.make_loss_scale`][jaxmp.make_loss_scale]."""

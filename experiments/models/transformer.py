@@ -14,33 +14,39 @@ import jax.numpy as jnp
 class EncoderBlock(nn.Module):
     """Pre-LN block: x + MHA(LN(x)), then x + MLP(LN(x)).
 
-    The one Transformer block of the experiments and the benchmarks (``benchmarks/_lm.py``'s
-    causal language model uses it with ``causal=True``; ``benchmarks/_gpt2.py`` writes its
-    block as plain functions of a params dict, for the sharded steps' layouts).
+    The one Linen Transformer block of the experiments and the benchmarks (``benchmarks/_lm.py``'s
+    causal language model uses it with ``causal=True``, ``benchmarks/fp8.py``'s encoder under its
+    own sublayer names; ``benchmarks/_gpt2.py`` writes its block as plain functions of a params
+    dict, for the sharded steps' layouts).
 
     Attributes:
       num_heads: attention heads.
       mlp_dim: hidden width of the MLP.
       dropout_rate: dropout in attention and after the MLP (0: no dropout op at all).
       causal: each position attends to itself and the positions before it only.
+      names: the sublayers' module names (first norm, attention, second norm, MLP in, MLP out),
+        or None for Flax's own (``LayerNorm_0`` ...). Names seed the initialisers, so a model
+        recorded under other names keeps its params by passing them.
     """
 
     num_heads: int
     mlp_dim: int
     dropout_rate: float = 0.0
     causal: bool = False
+    names: tuple[str, str, str, str, str] | None = None
 
     @nn.compact
     def __call__(self, x, train: bool = True):
+        ln1, attention, ln2, up, down = self.names or (None,) * 5
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32)) if self.causal else None
-        y = nn.LayerNorm()(x)
+        y = nn.LayerNorm(name=ln1)(x)
         y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dropout_rate=self.dropout_rate,
-                                            deterministic=not train)(y, y, mask=mask)
+                                            deterministic=not train, name=attention)(y, y, mask=mask)
         x = x + y
-        y = nn.LayerNorm()(x)
-        y = nn.Dense(self.mlp_dim)(y)
+        y = nn.LayerNorm(name=ln2)(x)
+        y = nn.Dense(self.mlp_dim, name=up)(y)
         y = nn.gelu(y)
-        y = nn.Dense(x.shape[-1])(y)
+        y = nn.Dense(x.shape[-1], name=down)(y)
         if self.dropout_rate:
             y = nn.Dropout(self.dropout_rate, deterministic=not train)(y)
         return x + y

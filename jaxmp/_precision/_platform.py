@@ -34,10 +34,13 @@ def _gpu_recommendation(kind: str, cc: Any) -> Recommendation:
     except ValueError as e:
         raise ValueError(f"compute_capability must look like '8.0', got {cc!r}") from e
     if major >= 8:
-        return Recommendation(get_recipe("mixed_bfloat16"), f"{kind} (compute capability {cc}) has bfloat16 Tensor Cores: bfloat16 compute with float32 params, no loss scaling.")
+        return Recommendation(get_recipe("mixed_bfloat16"), f"{kind} (compute capability {cc}) has bfloat16 Tensor "
+                              "Cores: bfloat16 compute with float32 params, no loss scaling.")
     if major == 7:
-        return Recommendation(get_recipe("mixed_float16"), f"{kind} (compute capability {cc}) has float16 Tensor Cores but no bfloat16: float16 compute with dynamic loss scaling.")
-    return Recommendation(get_recipe("float32"), f"{kind} (compute capability {cc}) predates Tensor Cores: half precision saves memory but not time, so float32.")
+        return Recommendation(get_recipe("mixed_float16"), f"{kind} (compute capability {cc}) has float16 Tensor "
+                              "Cores but no bfloat16: float16 compute with dynamic loss scaling.")
+    return Recommendation(get_recipe("float32"), f"{kind} (compute capability {cc}) predates Tensor Cores: half "
+                          "precision saves memory but not time, so float32.")
 
 
 def recommended_policy(device: jax.Device | None = None, *, platform: str | None = None,
@@ -82,7 +85,8 @@ def recommended_policy(device: jax.Device | None = None, *, platform: str | None
     platform = platform.lower()
     kind = getattr(device, "device_kind", platform) if device is not None else platform
     if platform == "tpu":
-        return Recommendation(get_recipe("mixed_bfloat16"), f"{kind}: TPUs compute natively in bfloat16, which keeps float32's range, so no loss scaling is needed.")
+        return Recommendation(get_recipe("mixed_bfloat16"), f"{kind}: TPUs compute natively in bfloat16, which keeps "
+                              "float32's range, so no loss scaling is needed.")
     if platform in ("gpu", "cuda", "rocm"):
         cc = compute_capability if compute_capability is not None else getattr(device, "compute_capability", None)
         return _gpu_recommendation(kind, cc)

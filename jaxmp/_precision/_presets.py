@@ -167,7 +167,8 @@ def parse_preset(name: str) -> Recipe | None:
 
 def _unknown(text: str) -> ValueError:
     return ValueError(
-        f"Unknown policy {text!r}{did_you_mean(text, (*PRESET_NAMES, *dtype_names()))}: expected a preset ({_PRESET_HELP}), a dtype name ({', '.join(dtype_names())}) "
+        f"Unknown policy {text!r}{did_you_mean(text, (*PRESET_NAMES, *dtype_names()))}: expected a preset "
+        f"({_PRESET_HELP}), a dtype name ({', '.join(dtype_names())}) "
         "or jmp's grammar 'params=float32,compute=bfloat16,output=float32'."
     )
 

@@ -1,7 +1,7 @@
 """Which rule of [`jaxmp.autocast`][jaxmp.autocast] chose the dtype of each op ("explain").
 
-While [`jaxmp.precision_report`][jaxmp.diagnostics._precision_report.precision_report] traces a step, autocast wraps every op it re-emits in a
-``jaxmp.rule=<rule>`` name scope (``half list``, ``float32 list``, ``follow``, ``user cast``,
+While [`jaxmp.precision_report`][jaxmp.diagnostics._precision_report.precision_report] traces a step,
+autocast wraps every op it re-emits in a ``jaxmp.rule=<rule>`` name scope (``half list``, ``float32 list``, ``follow``, ``user cast``,
 ``as traced``, ``region float32`` ...). This module reads those scopes back off the jaxpr.
 """
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxmp import _jaxpr, _ops
-from jaxmp._jaxpr import primitive_kind
+from jaxmp._jaxpr import BRANCHES, INLINE, LOOPS, MAPPED, dispatch, primitive_kind
 from jaxmp.diagnostics import _format
 from jaxmp.diagnostics._find_ops import source_of
 from jaxmp.engine._seams import internals
@@ -119,7 +119,7 @@ def _inner(eqn, maps: bool = False) -> list[tuple[Any, str]]:
     ``maps``: also the per-device bodies of ``shard_map`` and ``pmap`` (the static walks of
     strict mode: the evaluator itself runs a mapped program as one op).
     """
-    if primitive_kind(eqn) in ("shard_map", "pmap") and not maps:
+    if primitive_kind(eqn) in MAPPED and not maps:
         return []
     return [(body.jaxpr, body.label) for body in _jaxpr.bodies(eqn)]
 
@@ -268,13 +268,14 @@ def evaluate(jaxpr, consts: Sequence[Any], args: Sequence[Any], state: Any, hook
 
     for eqn in _jaxpr.equations(jaxpr):
         ins = [read(a) for a in eqn.invars]
-        kind = primitive_kind(eqn) if _inner(eqn) else None
-        if kind is None:
+        found = dispatch(eqn, _ENTER) if _inner(eqn) else None
+        if found is None:
             outs, state = hooks.first_order(sites.sites[sites.index(eqn, key)], eqn, ins, state)
         else:
-            if kind in ("scan", "while", "cond"):
+            kind, enter = found
+            if kind in LOOPS | BRANCHES:
                 state = hooks.flush(state)
-            outs, state = _ENTER[kind](eqn, ins, state, hooks, sites, key + (id(eqn),))
+            outs, state = enter(eqn, ins, state, hooks, sites, key + (id(eqn),))
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(a) for a in jaxpr.outvars], hooks.flush(state)
@@ -346,8 +347,8 @@ def _cond(eqn, ins, state, hooks, sites, key):
     return jax.lax.switch(idx, fns, list(ops), state)
 
 
-_ENTER: dict[str, Callable] = {"call": _inline, "remat": _inline, "custom_jvp": _inline, "custom_vjp": _inline,
-                               "scan": _scan, "while": _while, "cond": _cond}
+#: The kinds the evaluator enters (a mapped body runs as one op), read through `jaxmp._jaxpr.dispatch`.
+_ENTER: dict[str, Callable] = {**dict.fromkeys(INLINE, _inline), "scan": _scan, "while": _while, "cond": _cond}
 
 
 #: Compiler options of the debugger's programs: XLA may otherwise keep a half value in float32

@@ -345,7 +345,7 @@ def _half_scalar_reduction(eqn, producers, seen: set):
         return None, False
     frontier = [eqn]
     for _ in range(5):
-        nxt = []
+        nxt: list = []
         for e in frontier:
             if e.primitive.name in _REDUCE_PRIMS:
                 src = e.invars[0]
@@ -378,7 +378,7 @@ def _nmant(dtype) -> int:
 def _narrowed(eqn, ctx: _Ctx, col: _Collector, producers) -> list[RiskyOp]:
     """A float32 value rounded to half right before an elementwise op (a bias after a half
     matmul under O2 or a hand cast): with its magnitude and the half ulp there when known."""
-    out = []
+    out: list[RiskyOp] = []
     if eqn.primitive.name not in _ELEMENTWISE or not eqn.outvars:
         return out
     out_dtype = getattr(eqn.outvars[0].aval, "dtype", None)
@@ -454,10 +454,10 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
         src = _source(eqn, ctx)
         stack = ctx.stack + _jaxpr.stack_of(eqn)
         kind = _jaxpr.primitive_kind(eqn)
-        if kind in ("scan", "while", "cond"):
+        if kind in _jaxpr.LOOPS | _jaxpr.BRANCHES:
             # a scan body counts `length` times, a while body once, only the costliest cond branch
             bodies = _jaxpr.bodies(eqn)
-            if kind == "while":
+            if any(body.trips is None for body in bodies):  # a while
                 col.unknown_trip_counts += 1
             branch_flops, spans = [], []
             for body in bodies:
@@ -466,7 +466,7 @@ def _walk(jaxpr, ctx: _Ctx, col: _Collector) -> int:
                 start = len(col.ops)
                 branch_flops.append(_walk(body.jaxpr, sub, col))
                 spans.append((start, len(col.ops)))
-            if kind != "cond":
+            if kind not in _jaxpr.BRANCHES:
                 flops += sum(branch_flops)
                 continue
             taken = int(np.argmax(branch_flops)) if branch_flops else 0

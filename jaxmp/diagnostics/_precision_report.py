@@ -74,15 +74,16 @@ class PrecisionReport:
     def amdahl_bound(self) -> float:
         """Speed-up bound from the low-precision share: ``1 / ((1 - p) + p / s)``.
 
-        ``p`` = [`low_precision_share`][jaxmp.diagnostics.PrecisionReport.low_precision_share], ``s`` = `tensor_core_speedup`. An upper bound
-        on the matmul part only: it assumes time proportional to FLOPs and ignores everything
+        ``p`` = [`low_precision_share`][jaxmp.diagnostics.PrecisionReport.low_precision_share],
+        ``s`` = `tensor_core_speedup`. An upper bound on the matmul part only: it assumes time proportional to FLOPs and ignores everything
         that is not a matmul (data loading, element-wise ops, communication).
         """
         return amdahl(self.low_precision_share, self.tensor_core_speedup)
 
     @property
     def amdahl_bound_tensor_core(self) -> float:
-        """As [`amdahl_bound`][jaxmp.diagnostics.PrecisionReport.amdahl_bound], from the Tensor-Core-eligible share (shape rule included)."""
+        """As [`amdahl_bound`][jaxmp.diagnostics.PrecisionReport.amdahl_bound], from the
+        Tensor-Core-eligible share (shape rule included)."""
         return amdahl(self.tensor_core_share, self.tensor_core_speedup)
 
     # -- flagged ops --------------------------------------------------------------------------

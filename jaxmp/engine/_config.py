@@ -13,7 +13,6 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp import fp8
 from jaxmp.fp8._seams import hardware as fp8_hardware
 from jaxmp.engine import _internals as internals
 from jaxmp.engine._module_rules import ModuleRules
@@ -86,10 +85,8 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
         raise TypeError(f"rules must be a jaxmp.AutocastRules, got {type(rules).__name__}: {rules!r}")
     modules = ModuleRules()
     if rules is not None:
-        if isinstance(rules.fp8_matmuls, fp8.DelayedScaling):
-            raise ValueError("AutocastRules.fp8_matmuls: delayed scaling keeps amax histories across steps, which "
-                             "autocast's functional form has no state for; use fp8.CurrentScaling() (or the Flax "
-                             "door, jaxmp.flax.mixed_precision, which keeps them)")
+        fp8_hardware.refuse_delayed_in_a_function(rules.fp8_matmuls, "AutocastRules.fp8_matmuls",
+                                                  "rules=jaxmp.AutocastRules(fp8_matmuls=jaxmp.fp8.CurrentScaling())")
         # Compiled once, here: path rules and per-class policies are the Flax door's, refused by name.
         modules = rules.module_rules()
     resolved, recipe = resolve_policy(policy)
@@ -115,10 +112,7 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
     rules = rules or AutocastRules(promote=promote)
     fp8_recipe = getattr(recipe, "fp8", None)
     if fp8_recipe is not None:
-        if isinstance(fp8_recipe, fp8.DelayedScaling):
-            raise ValueError(f"{name}: delayed fp8 scaling keeps amax histories per layer, which a plain function "
-                             "under jaxmp.autocast has no state for; use 'O2-fp8-current' (current scaling) here, "
-                             "or jaxmp.flax.mixed_precision(model, 'O2-fp8') for delayed scaling")
+        fp8_hardware.refuse_delayed_in_a_function(fp8_recipe, name, "'O2-fp8-current'")
         if rules.fp8_matmuls is None:
             rules = dataclasses.replace(rules, fp8_matmuls=fp8_recipe)
     if rules.fp8_matmuls is not None:

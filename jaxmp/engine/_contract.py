@@ -67,8 +67,7 @@ def carry_updates(fn: Callable, args: tuple) -> list[tuple[str, np.dtype, set]]:
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     out = []
     for eqn in _eqns(jaxpr):
-        kind = internals.primitive_kind(eqn)
-        if kind not in ("scan", "while"):
+        if internals.primitive_kind(eqn) not in internals.LOOPS:
             continue
         loop = internals.bodies(eqn)[-1]  # the body (a while's cond comes first)
         body, ncarry = loop.jaxpr, len(loop.carries)

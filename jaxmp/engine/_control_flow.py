@@ -403,7 +403,7 @@ def weight_inputs(jaxpr: Any, half_ops: frozenset[str],
 
         # Into the bodies the engine enters (`HANDLERS`), operand i bound to their inputs as the
         # dispatcher maps them; a loop carry is no weight (it changes), nor what a body does not read.
-        if internals.primitive_kind(eqn) not in HANDLERS:
+        if internals.dispatch(eqn, HANDLERS) is None:
             return False, False
         try:
             results = []
@@ -443,6 +443,7 @@ def weight_inputs(jaxpr: Any, half_ops: frozenset[str],
     return flags
 
 
+#: The kinds the engine enters (all but ``pmap``, run as traced), read through `jaxmp._jaxpr.dispatch`.
 HANDLERS: dict[str, Callable] = {
     "call": _call, "remat": _remat, "scan": _scan, "while": _while, "cond": _cond,
     "custom_jvp": _custom_jvp, "custom_vjp": _custom_vjp, "shard_map": _shard_map,
@@ -451,5 +452,5 @@ HANDLERS: dict[str, Callable] = {
 
 def handler_for(eqn) -> Callable | None:
     """The handler of a higher-order equation the engine enters, or None (first-order or opaque)."""
-    kind = internals.primitive_kind(eqn)
-    return None if kind is None else HANDLERS.get(kind)  # pmap: run as traced
+    found = internals.dispatch(eqn, HANDLERS)
+    return None if found is None else found[1]

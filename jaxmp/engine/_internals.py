@@ -24,8 +24,8 @@ from jaxmp._jaxpr import (Literal, equation_context, equations, is_literal, open
                           sub_jaxprs)
 # The control-flow dispatcher and its parameter adapters are the reader's too (diagnostics and
 # the engine enter the same constructs): re-exported for the engine.
-from jaxmp._jaxpr import (JaxInternalsError, _missing, bodies, call_jaxpr, param, primitive_kind,  # noqa: F401
-                          scan_counts, while_parts)
+from jaxmp._jaxpr import (LOOPS, JaxInternalsError, _missing, bodies, call_jaxpr, dispatch, param,  # noqa: F401
+                          primitive_kind, scan_counts, while_parts)
 
 #: The running JAX version as a tuple of ints, e.g. ``(0, 10, 2)``.
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
@@ -340,7 +340,7 @@ def all_primitive_names() -> frozenset[str]:
     modules = [m.name for m in pkgutil.walk_packages(lax_pkg.__path__, "jax._src.lax.")]
     modules += ["jax._src.ad_util", "jax._src.ad_checkpoint", "jax._src.custom_derivatives",
                 "jax._src.pjit", "jax._src.shard_map", "jax._src.dispatch", "jax._src.core"]
-    names = set()
+    names: set[str] = set()
     for name in modules:
         try:
             module = importlib.import_module(name)

@@ -2,9 +2,11 @@
 
 * [`mixed_precision`][jaxmp.flax.mixed_precision] wraps a Linen module (init/apply) or an NNX module (a module)
   so that matmuls and convolutions run in the compute dtype while normalisation,
-  softmax and the loss stay float32 (its [`jaxmp.AutocastRules`][jaxmp.AutocastRules] say which: [`default_rules`][jaxmp.flax.default_rules]).
-* [`TrainState`][jaxmp.flax.TrainState], [`make_train_step`][jaxmp.flax.make_train_step], [`make_eval_step`][jaxmp.flax.make_eval_step]: Linen training
-  with loss scaling, applied-steps counting and exact skipped steps (batch_stats too).
+  softmax and the loss stay float32 (its [`jaxmp.AutocastRules`][jaxmp.AutocastRules] say which:
+  [`default_rules`][jaxmp.flax.default_rules]).
+* [`TrainState`][jaxmp.flax.TrainState], [`make_train_step`][jaxmp.flax.make_train_step],
+  [`make_eval_step`][jaxmp.flax.make_eval_step]: Linen training with loss scaling, applied-steps
+  counting and exact skipped steps (batch_stats too).
 * [`jaxmp.flax.nnx.train_step`][jaxmp.flax.nnx.train_step]: the same for NNX with ``nnx.Optimizer``.
 
 See the README section "Flax: Linen and NNX models under a policy".

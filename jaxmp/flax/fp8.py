@@ -1,13 +1,17 @@
 """fp8 matmuls and convolutions for Linen and NNX models under an ``O2-fp8`` policy.
 
 Every half-list ``Dense``/``DenseGeneral``/``Conv`` (Linen) and ``Linear``/``LinearGeneral``/``Conv``
-(NNX) gets an fp8 op under a recipe with fp8 (``"O2-fp8"``, or rules with ``fp8_matmuls=...``). Delayed-scaling state is no parameter: the Linen ``"fp8_meta"`` collection
-(`FP8_COLLECTION`), or NNX [`Fp8State`][jaxmp.flax.fp8.Fp8State] variables; the train steps update it
-from the amaxes each op reports as its scale's gradient, after the step is known to be finite.
+(NNX) gets an fp8 op under a recipe with fp8 (``"O2-fp8"``, or rules with ``fp8_matmuls=...``).
+Delayed-scaling state is no parameter: the Linen ``"fp8_meta"`` collection (`FP8_COLLECTION`), or
+NNX [`Fp8State`][jaxmp.flax.fp8.Fp8State] variables; the train steps update it from the amaxes
+each op reports as its scale's gradient, after the step is known to be finite.
 See docs/fp8.md#fp8-state-is-not-a-gradient.
 """
 
 from __future__ import annotations
+
+# What this door module offers; the rest of its namespace is its own machinery.
+__all__ = ["Fp8ConvGeneralDilated", "Fp8DotGeneral", "Fp8State", "NnxFp8Op"]
 
 import contextlib
 from typing import Any

@@ -8,6 +8,9 @@ See docs/design.md#the-linen-door.
 
 from __future__ import annotations
 
+# What this door module offers; the rest of its namespace is its own machinery.
+__all__ = ["MixedPrecision"]
+
 import contextlib
 import dataclasses
 import functools

@@ -7,6 +7,9 @@ its running statistics are updated. See docs/design.md#the-nnx-door.
 
 from __future__ import annotations
 
+# What this door module offers; the rest of its namespace is its own machinery.
+__all__ = ["MixedPrecision", "call", "module_rules", "optimizer_state", "overridden_float32", "store_params", "train_step"]
+
 import contextlib
 import dataclasses
 import warnings
@@ -69,7 +72,8 @@ def module_rules(model: nnx.Module, policy: Policy, rules: AutocastRules) -> dic
       >>> rules[("layers", "0")].compute_dtype, rules[("layers", "1")].compute_dtype
       (dtype(bfloat16), dtype('float32'))
     """
-    compiled, found = rules.module_rules(policy), {}
+    compiled = rules.module_rules(policy)
+    found: dict[Path, ModuleRule] = {}
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module):
             rule = compiled.rule_at(_str_path(path), node)
@@ -149,7 +153,8 @@ def store_params(model: nnx.Module, policy: PolicyLike, rules: AutocastRules | N
     Args:
       model: the NNX model (modified in place).
       policy: a policy, preset name or Recipe.
-      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
+      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for
+        [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
 
     Returns:
       ``model``.
@@ -204,7 +209,8 @@ def call(model: nnx.Module, *args, policy: PolicyLike, rules: AutocastRules | No
         in place as in a normal call).
       *args: inputs; floating ones are cast to the compute dtype.
       policy: a policy, preset name or Recipe.
-      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
+      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for
+        [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
       **kwargs: forwarded to the model; floating arrays among them are cast.
 
     Returns:
@@ -288,7 +294,8 @@ class MixedPrecision(nnx.Module):
     Args:
       model: the NNX model.
       policy: a [`jaxmp.Policy`][jaxmp.Policy], preset name (``"O1-bf16"``), jmp string, Recipe or jmp.Policy.
-      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
+      rules: a [`jaxmp.AutocastRules`][jaxmp.AutocastRules], or None for
+        [`jaxmp.flax.default_rules`][jaxmp.flax.default_rules] of the preset.
 
     Raises:
       TypeError: ``model`` is not a callable NNX module instance, or a non-floating policy.

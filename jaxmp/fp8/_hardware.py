@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmp._misuse import MixedPrecisionWarning
-from jaxmp.fp8._recipes import CurrentScaling, Fp8Recipe, source
+from jaxmp.fp8._recipes import CurrentScaling, DelayedScaling, Fp8Recipe, source
 
 NATIVE_JAX = (0, 12)  # jax.nn.scaled_dot_general's MXFP8 on cuDNN's block-scaled GEMMs
 
@@ -240,6 +240,34 @@ def check_for_run(recipe: Fp8Recipe) -> HardwareVerdict:
                       f"emulated on purpose (the recipe kept, this warning gone), pass {way_out(recipe)}",
                       MixedPrecisionWarning, stacklevel=_user_stacklevel())
     return verdict
+
+
+def refuse_delayed_in_a_function(recipe: Fp8Recipe | None, where: str, instead: str) -> None:
+    """Refuses delayed scaling where ``jaxmp.autocast`` runs a plain function: the one text of
+    that refusal, for each place a recipe reaches autocast from (its rules, its preset).
+
+    Args:
+      recipe: the fp8 recipe that reached autocast, or None.
+      where: what gave it (``"AutocastRules.fp8_matmuls"``, or the preset's name), for the message.
+      instead: the pasteable current-scaling spelling of the same place.
+
+    Raises:
+      ValueError: ``recipe`` is a `DelayedScaling`: its amax histories have no state to live in.
+
+    Example:
+      >>> import jaxmp
+      >>> delayed = jaxmp.fp8.DelayedScaling()
+      >>> try:
+      ...     refuse_delayed_in_a_function(delayed, "O2-fp8", "'O2-fp8-current'")
+      ... except ValueError as e:
+      ...     print(str(e)[:48])
+      O2-fp8: delayed fp8 scaling keeps amax histories
+    """
+    if isinstance(recipe, DelayedScaling):
+        raise ValueError(f"{where}: delayed fp8 scaling keeps amax histories per layer across steps, which a plain "
+                         f"function under jaxmp.autocast has no state for; use {instead} here (current scaling), or "
+                         "the Flax door, jaxmp.flax.mixed_precision(model, 'O2-fp8'), which keeps them for "
+                         "delayed scaling")
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

@@ -11,7 +11,8 @@ Two paths, same semantics and results:
 Plus `Checkpointer` (orbax, with a checksum of every saved piece checked on restore),
 replication helpers, batch splitting (per device and per process), prefetching and
 `initialize_distributed` for multi-host runs. Lower-level helpers (``leaf_spec``,
-``batch_sharding``, ...) live in this package's modules and are not public API. See the README section "Data-parallel and multi-host training".
+``batch_sharding``, ...) live in this package's modules and are not public API. See the README
+section "Data-parallel and multi-host training".
 """
 
 from jaxmp.parallel._batching import prefetch_to_device

@@ -36,7 +36,7 @@ def check_positive_int(value: Any, name: str) -> int:
 
 def leading_size(batch: Any, what: str = "batch") -> int:
     """The common leading (batch) dimension of every leaf, with a clear error if they differ."""
-    sizes = {}
+    sizes: dict[int, str] = {}  # leading size -> the first leaf's path with it
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         if jnp.ndim(leaf) < 1:
             raise ValueError(f"{what} leaf at {jax.tree_util.keystr(path)} is a scalar: every leaf needs a leading batch axis")

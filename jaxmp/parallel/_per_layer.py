@@ -6,8 +6,8 @@ temporaries do not fall with N. A loss that calls `scan_layers` (or `gather_para
 on one layer's params) instead keeps those params sharded until that layer runs: each layer's
 params are gathered inside the scan body, in the compute dtype (cast first, then gathered: a
 bf16 gather is half an fp32 one), released after the forward (never saved for the backward, with
-or without the step's ``remat`` policy: `release_policy`) and gathered again in the backward. What the step gathers where the loss starts is then
-only the params the loss does not gather itself (embeddings, final norm).
+or without the step's ``remat`` policy: `release_policy`) and gathered again in the backward.
+What the step gathers where the loss starts is then only the params the loss does not gather itself (embeddings, final norm).
 
 How the step knows: it traces the loss once abstractly (shapes only) and records which params
 leaves reach these helpers; those enter the loss sharded. Outside a jaxmp sharded step (or under

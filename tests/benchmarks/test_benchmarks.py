@@ -584,6 +584,32 @@ def test_fp8_benchmark_dry_run_times_every_variant_updates_the_fp8_state_and_com
     assert result["config"]["native_fp8"] is False and result["dry_run"] is True
 
 
+
+def test_the_linen_transformer_block_is_written_once():
+    """experiments' EncoderBlock is the one Linen Transformer block: benchmarks/fp8.py's encoder and
+    benchmarks/_lm.py's causal LM build theirs from it, under their own module names (the names seed
+    the initialisers), and no other benchmark or experiment writes attention into a block itself."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import _lm, fp8 as bench
+    from experiments.models.transformer import EncoderBlock
+
+    module, batch = bench.make_model("transformer", bench.DRY_SIZES["transformer"])
+    x, _ = batch(jax.random.key(0))
+    params = jax.eval_shape(module.init, jax.random.key(0), x)["params"]
+    assert set(params) == {"block_0"} and set(params["block_0"]) == {"ln1", "attention", "ln2", "up", "down"}
+    lm = jax.eval_shape(_lm.CausalLM(context=8, num_layers=2).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    assert {"Block_0", "Block_1"} <= set(lm["params"])
+    assert set(lm["params"]["Block_0"]) == {"LayerNorm_0", "MultiHeadDotProductAttention_0", "LayerNorm_1",
+                                            "Dense_0", "Dense_1"}
+    # The names reach the same block: one it builds by itself gives the same params at the same names.
+    named = EncoderBlock(2, 64, names=bench._BLOCK_NAMES)
+    assert set(jax.eval_shape(named.init, jax.random.key(0), x)["params"]) == set(params["block_0"])
+    writers = [str(p.relative_to(ROOT)) for tree in ("benchmarks", "experiments") for p in sorted((ROOT / tree).rglob("*.py"))
+               if "MultiHeadDotProductAttention(" in p.read_text()]
+    assert writers == ["experiments/models/transformer.py"], writers
+
 @pytest.mark.slow
 def test_fp8_benchmark_records_fp8_variants_as_skipped_where_the_hardware_check_refuses(monkeypatch):
     import jaxmp.fp8

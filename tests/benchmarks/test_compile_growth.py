@@ -62,7 +62,8 @@ def test_scanned_layers_compile_one_layer_whatever_the_depth_value_and_grad():
 
 
 @pytest.mark.slow
-@pytest.mark.standard_promotion(reason="the benchmark's LayerNorm mixes a bfloat16 param with float32 statistics, as user code under the Linen door does")
+@pytest.mark.standard_promotion(reason="the benchmark's LayerNorm mixes a bfloat16 param with float32 statistics, "
+                                       "as user code under the Linen door does")
 def test_compile_growth_dry_run_the_flax_doors_hand_xla_autocasts_program(tmp_path):
     out = tmp_path / "compile_growth.json"
     result = cg.main(["--dry-run", "--out", str(out)])

@@ -211,6 +211,37 @@ def test_bodies_of_a_first_order_equation_are_none_and_a_missing_parameter_is_na
         _jaxpr.bodies(eqn.replace(params={k: v for k, v in eqn.params.items() if k != "length"}))
 
 
+
+def test_the_control_flow_dispatch_is_one_table_every_walk_reads():
+    """`KIND_RUNS` covers the catalogue's control-flow classes; `dispatch` hands a walk its handler;
+    the engine, the evaluator and the op finder key their tables by it and test no kind by name."""
+    import pathlib
+    import re
+
+    from jaxmp import _ops
+    from jaxmp.diagnostics import _evaluate
+    from jaxmp.engine import _control_flow
+
+    assert set(_jaxpr.KIND_RUNS) == set(_ops.CONTROL_FLOW)
+    assert _jaxpr.INLINE | _jaxpr.LOOPS | _jaxpr.BRANCHES | _jaxpr.MAPPED == _ops.CONTROL_FLOW
+    assert _jaxpr.LOOPS == {"scan", "while"} and _jaxpr.BRANCHES == {"cond"}
+    fns = _loops_and_branches()
+    cond = _top(fns["cond"][0], *fns["cond"][1])
+    assert _jaxpr.dispatch(cond, {"cond": len, "scan": abs}) == ("cond", len)
+    assert _jaxpr.dispatch(cond, {"scan": abs}) is None  # a kind the walk does not enter
+    assert _jaxpr.dispatch(_top(jnp.sin, 1.0), {"cond": len}) is None  # first order
+    assert set(_control_flow.HANDLERS) == _ops.CONTROL_FLOW - {"pmap"}  # pmap runs as traced
+    assert set(_evaluate._ENTER) == _jaxpr.INLINE | _jaxpr.LOOPS | _jaxpr.BRANCHES  # a mapped body is one op
+    # No walk outside the reader tests a kind by its name: `kind == "while"`, `kind in ("scan", ...)`.
+    kinds = "|".join(sorted(_ops.CONTROL_FLOW))
+    by_name = re.compile(r"""(kind\(eqn\)|\bkind)\s*(==|!=|not in|in)\s*\(?\s*["'](%s)["']""" % kinds)
+    root = pathlib.Path(_jaxpr.__file__).parent
+    found = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py")) if p.name not in ("_jaxpr.py", "_ops.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if by_name.search(line)]
+    assert not found, found
+    assert by_name.search('if kind in ("scan", "while", "cond"):') and by_name.search('primitive_kind(eqn) == "scan"')
+
+
 # -- per-element dependencies -------------------------------------------------------------
 
 

@@ -52,8 +52,8 @@ def test_compiled_step_bytes_within_margin_of_floor(model):
 #: optax step plus one isfinite pass, at dry-run sizes (benchmarks/efficiency.py --dry-run).
 #: Measured (XLA:CPU, jax 0.10.2): mlp 1.196, mlp32 1.211, transformer 1.050, resnet 1.147 (O1)
 #: / 1.167 (O2); the margins allow 1% on top. On jax 0.11.2 and 0.12.0.1 the mlp's O2 step is
-#: 1.217: their XLA fuses the floor into fewer bytes (79,981 vs 91,357) more than jaxmp's step. At these tiny sizes the per-leaf scalar state
-#: (loss scale, skip counters, the optimizer's count) dominates; at autocast.py's sizes the
+#: 1.217: their XLA fuses the floor into fewer bytes (79,981 vs 91,357) more than jaxmp's step. At
+#: these tiny sizes the per-leaf scalar state (loss scale, skip counters, the optimizer's count) dominates; at autocast.py's sizes the
 #: same steps are within 2% (checked on the MLP below).
 STEP_MARGIN = {"mlp": 1.22, "mlp32": 1.23, "transformer": 1.07, "resnet": 1.18}
 #: O1 keeps a float32 value float32 where it is needed (``promote="demand"``: a bias add feeding

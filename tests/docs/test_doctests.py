@@ -52,7 +52,8 @@ EXAMPLES = _examples()
 
 def test_the_run_covers_the_core_modules():
     covered = {p.values[0].name.rsplit(".", 1)[0] for p in EXAMPLES} | {p.values[0].name for p in EXAMPLES}
-    for module in ("jaxmp._dtypes", "jaxmp._precision._presets", "jaxmp._scaling._loss_scale", "jaxmp._scaling._transform", "jaxmp._scaling._opt_state",
+    for module in ("jaxmp._dtypes", "jaxmp._precision._presets", "jaxmp._scaling._loss_scale", "jaxmp._scaling._transform",
+                   "jaxmp._scaling._opt_state",
                    "jaxmp._scaling._skip", "jaxmp._scaling._grad", "jaxmp._precision._platform", "jaxmp.flax.linen", "jaxmp.flax.nnx",
                    "jaxmp.flax._overrides", "jaxmp.flax._attention"):
         assert any(c.startswith(module + ".") for c in covered), module

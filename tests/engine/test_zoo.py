@@ -15,8 +15,9 @@ fp16 11). Each control at least halves its loss, so a stalled or diverged run ca
 
 CI cost (``-m slow``), seconds of wall time on the 2 shared CPU cores this was written on, load
 average 3-4 (under load 8-9 everything takes about 2.5x as long); the whole file: ~95 s wall at
-load 3-4 (82 s for the 17 tests that existed then), 206 s wall at load 8-9, 117 s of CPU either way. Every test but the BatchNorm-EMA one and the two engine-bug regression tests (sync BatchNorm, inherited __call__; each under 3 s) is
-marked slow: compiling a training step on XLA:CPU alone takes 1-3 s.
+load 3-4 (82 s for the 17 tests that existed then), 206 s wall at load 8-9, 117 s of CPU either way.
+Every test but the BatchNorm-EMA one and the two engine-bug regression tests (sync BatchNorm,
+inherited __call__; each under 3 s) is marked slow: compiling a training step on XLA:CPU alone takes 1-3 s.
 
   haiku ResNet 14 | Linen bert-O1-bf16 13 (includes the cached float32 control) | Linen causal-O1-bf16 8
   NNX attention+dropout 6 | Linen bert-O1-fp16 6 | Linen bert-O2-bf16 5 | jaxmp.flax encoder 7

@@ -170,7 +170,8 @@ def test_the_recipes_are_not_subclasses_of_each_other():
     assert not isinstance("e4m3", fp8.Fp8Recipe)
     assert current != fp8.DelayedScaling() and delayed == fp8.DelayedScaling(history_length=4)
     # The shared fields keep their positions: margin, fwd_dtype, bwd_dtype, emulate.
-    assert fp8.DelayedScaling(1.0, fp8._formats.E5M2).margin == 1.0 and fp8.DelayedScaling(1.0, fp8._formats.E5M2).fwd_dtype == fp8._formats.E5M2
+    e5m2 = fp8.DelayedScaling(1.0, fp8._formats.E5M2)
+    assert e5m2.margin == 1.0 and e5m2.fwd_dtype == fp8._formats.E5M2
     with pytest.raises(TypeError, match="CurrentScaling or jaxmp.fp8.DelayedScaling"):
         type(current).__mro__[1]()  # the shared base is no recipe by itself
 

@@ -192,3 +192,36 @@ def test_the_doors_warn_once_on_hopper_and_the_pasted_rules_run_the_block_recipe
         **{f: getattr(jaxmp.get_recipe("O2-nvfp4").fp8, f) for f in ("fwd_dtype", "bwd_dtype", "block", "rhs_block",
                                                                       "scale_format", "stochastic_rounding", "hadamard")},
         "emulate": True})
+
+
+def test_autocast_refuses_delayed_scaling_through_one_fp8_helper():
+    """Delayed scaling reaches autocast from its rules or its preset; both refusals are fp8's one
+    text, naming where it came from and the current-scaling spelling of that place."""
+    import pathlib
+    import re
+
+    import jax.numpy as jnp
+
+    import jaxmp
+    from jaxmp.fp8._hardware import refuse_delayed_in_a_function
+
+    refuse_delayed_in_a_function(None, "x", "y")
+    refuse_delayed_in_a_function(fp8.CurrentScaling(), "x", "y")  # current scaling passes
+    with pytest.raises(ValueError, match=r"^here: delayed fp8 scaling .* use 'that' here \(current scaling\)"):
+        refuse_delayed_in_a_function(fp8.DelayedScaling(), "here", "'that'")
+    f, x = (lambda a: a @ a), jnp.ones((2, 2))
+    rules = jaxmp.AutocastRules(fp8_matmuls=fp8.DelayedScaling())
+    with pytest.raises(ValueError) as from_rules:
+        jaxmp.autocast(f, "O1-bf16", rules=rules)(x)
+    with pytest.raises(ValueError) as from_preset:
+        jaxmp.autocast(f, "O2-fp8")(x)
+    assert str(from_rules.value).startswith("AutocastRules.fp8_matmuls: delayed fp8 scaling keeps amax histories")
+    assert "use rules=jaxmp.AutocastRules(fp8_matmuls=jaxmp.fp8.CurrentScaling()) here" in str(from_rules.value)
+    assert str(from_preset.value).startswith("O2-fp8: delayed fp8 scaling keeps amax histories")
+    assert "use 'O2-fp8-current' here" in str(from_preset.value)
+    # The pasted way out runs.
+    out = jaxmp.autocast(f, "O1-bf16", rules=jaxmp.AutocastRules(fp8_matmuls=jaxmp.fp8.CurrentScaling()))(x)
+    assert out.shape == (2, 2) and jaxmp.autocast(f, "O2-fp8-current")(x).shape == (2, 2)
+    # The engine's config holds no refusal text of its own.
+    config = (pathlib.Path(jaxmp.__file__).parent / "engine" / "_config.py").read_text()
+    assert not re.search(r"DelayedScaling|amax histor", config)

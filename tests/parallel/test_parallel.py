@@ -112,7 +112,8 @@ def test_single_device_pmap_and_sharded_jit_train_to_the_same_params(compiled, o
     x, y = _data()  # includes a NaN in one replica's shard at step NAN_STEP: all three paths skip it
     ref, ref_stats = _single_device(compiled, opt, x, y)
     p, s, _ = _pmap(compiled, opt, x, y)
-    pmap_params, pmap_stats = jax.device_get(jaxmp.parallel.unreplicate(p)), jax.device_get(jaxmp.parallel.unreplicate(jaxmp.scaling_stats(s)))
+    pmap_params = jax.device_get(jaxmp.parallel.unreplicate(p))
+    pmap_stats = jax.device_get(jaxmp.parallel.unreplicate(jaxmp.scaling_stats(s)))
     sharded, sharded_stats = _sharded(compiled, opt, x, y)
     _assert_rel_close(ref, pmap_params)
     _assert_rel_close(ref, sharded)
