@@ -1,4 +1,5 @@
-"""The sharded step's strategies (`Sharded`: `PerShard`, `GlobalView`) and differentiation: the per-shard loss and gradient of a reduce dtype.
+"""The sharded step's strategies (`Sharded`: `PerShard`, `GlobalView`) and differentiation: the
+per-shard loss and gradient of a reduce dtype.
 
 The step of `jaxmp.parallel.make_sharded_train_step` differentiates through here when the
 gradient is reduced over the data axis in a dtype of its own (one ``shard_map`` over the data
