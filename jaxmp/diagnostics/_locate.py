@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxmp import _ops
 from jaxmp.diagnostics import _format, _locate_fix
-from jaxmp._typing import PolicyLike
+from jaxmp._typing import LossScaleLike, PolicyLike
 from jaxmp.engine._seams import AutocastRules
 from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths, trace
 
@@ -159,7 +159,7 @@ class NonFiniteCulprit:
         return (f"normalise the input of {where}, train in bfloat16 (float32's range), or keep {where} in "
                 f"float32{code}" + ("" if code else f" (see {_DOCS})"))
 
-    def scale_advice(self, current: Any = None) -> str:
+    def scale_advice(self, current: LossScaleLike = None) -> str:
         """What to pass instead when the loss scale itself overflowed this op (``fits_scale`` > 0), or "".
 
         Code that runs as printed, ``tx`` being the optimizer ``jaxmp.loss_scaling`` wraps

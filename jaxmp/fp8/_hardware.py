@@ -154,7 +154,7 @@ def as_device(device: Any) -> Any:
     return device
 
 
-def check_hardware(recipe: Fp8Recipe, device: Any = None) -> HardwareVerdict:
+def check_hardware(recipe: Fp8Recipe, device: jax.Device | str | None = None) -> HardwareVerdict:
     """Whether ``recipe`` runs natively or emulated on ``device``, why, and at what cost; a clear
     error where the recipe's ``emulate`` setting rules out both.
 

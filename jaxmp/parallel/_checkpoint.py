@@ -26,8 +26,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxmp._typing import PyTree
 from jaxmp.parallel._checks import target_mismatch_error
-from jaxmp.parallel._checksums import (Damaged, canonical, sha256, array_specs, check_cover, check_shards, saveable,
+from jaxmp.parallel._checksums import (Damaged, array_specs, canonical, check_cover, check_shards, saveable, sha256,
                                        shard_records)
 
 FORMAT = "jaxmp-checkpoint/1"
@@ -147,7 +148,7 @@ class Checkpointer:
         self._orbax = ocp.Checkpointer(ocp.CompositeCheckpointHandler(
             **{_STATE: ocp.StandardCheckpointHandler(), _CHECKSUMS: checksums}))
 
-    def save(self, path: str | os.PathLike, state: Any, *, force: bool = False) -> None:
+    def save(self, path: str | os.PathLike, state: PyTree, *, force: bool = False) -> None:
         """Writes ``state`` and its checksums to ``path``; returns once the checkpoint is finalized.
 
         Args:
@@ -163,7 +164,7 @@ class Checkpointer:
         self._orbax.save(os.path.abspath(os.fspath(path)), args=ocp.args.Composite(
             **{_STATE: ocp.args.StandardSave(state), _CHECKSUMS: ocp.args.JsonSave(body)}), force=force)
 
-    def restore(self, path: str | os.PathLike, target: Any = None) -> Any:
+    def restore(self, path: str | os.PathLike, target: PyTree | None = None) -> PyTree:
         """The state saved at ``path``, every piece checked against its SHA-256.
 
         Args:
