@@ -2,9 +2,10 @@
 float32's noise, found by measurement (``compare_to_float32(..., choose=ladder)``).
 
 The band is the debugger's k-step noise threshold (jaxmp/diagnostics/_noise.py): `NOISE_MARGIN`
-times the drift of a float32 twin run from parameters perturbed by half an ulp of the compute
-dtype, whose gradients get at every step random noise as large as the compute dtype's own gradient
-error (what ``compare_to_float32(steps=k)`` reads a bf16 run against). Each module (the name-scope
+times the drift of a float32 twin run from parameters perturbed by up to half an ulp of the
+compute dtype, whose gradients are perturbed by up to half an ulp at every step (its twins'
+machinery, `_perturb` and `_noisy`, sized by the compute dtype's rounding rather than by a policy
+run's error, so that the band is float32's and a sensitive layer does not widen it). Each module (the name-scope
 path of its matmuls) starts at the ladder's lowest rung; while the whole run's k-step drift against
 float32 is outside the band, each module below the top is measured one rung up, and the one whose
 promotion shrinks the drift most (its measured share of the drift) is promoted; the drift is
@@ -25,7 +26,7 @@ from jaxmp import _jaxpr
 from jaxmp.diagnostics import _format
 from jaxmp.diagnostics._matmul import conv_gemm, dot_gemm
 from jaxmp.diagnostics._noise import NOISE_MARGIN, drift
-from jaxmp.diagnostics._shadow_steps import _leaf_relerr, _noisy, _perturb
+from jaxmp.diagnostics._shadow_steps import _noisy, _perturb
 
 #: The default ladder, cheapest first: NVFP4, MXFP8, bf16, float32.
 DEFAULT_LADDER = ("O2-nvfp4", "O2-mxfp8", "O2-bf16", "float32")
@@ -211,21 +212,21 @@ class _Trainer:
         return np.asarray(jax.device_get(out), np.float64)
 
 
-def _band(trainer: _Trainer, fn: Callable, base: str, ref: np.ndarray) -> float:
-    """The float32 twin's drift: from parameters perturbed by half an ulp of the compute dtype, its
-    gradients noisy by the compute dtype's gradient error per leaf (the debugger's noise floor)."""
-    from jaxmp.engine._seams import autocast
+def _band(trainer: _Trainer, base: str, fn: Callable, ref: np.ndarray) -> float:
+    """The float32 twin's drift: from parameters perturbed by up to half an ulp of the compute
+    dtype, each step's gradient perturbed by up to half an ulp too: float32's own noise at the
+    compute dtype's rounding, the same for every model (not sized by the policy run's error, which
+    a sensitive layer would inflate, and the band with it)."""
     from jaxmp._precision._presets import resolve_policy
 
     half = np.dtype(resolve_policy(base)[0].compute_dtype)
     if half.itemsize >= 4:
         return 0.0
-    g_half = jax.jit(jax.grad(autocast(fn, base)))(trainer.params, *trainer.rest)
-    g_f32 = jax.jit(jax.grad(fn))(trainer.params, *trainer.rest)
-    sizes = jnp.stack([_leaf_relerr(a, b) for a, b in zip(jax.tree_util.tree_leaves(g_half),
-                                                           jax.tree_util.tree_leaves(g_f32))])
-    twin = _perturb(trainer.params, float(jnp.finfo(half).eps) / 2, 1)
-    return drift(trainer.losses(fn, twin, sizes), ref)
+    rel = float(jnp.finfo(half).eps) / 2
+    n = len(jax.tree_util.tree_leaves(trainer.params))
+    # _noisy multiplies by 1 + sqrt(3) * size * uniform(-1, 1): size rel / sqrt(3) is up to half an ulp.
+    sizes = np.full((max(n, 1),), rel / np.sqrt(3.0), np.float32)
+    return drift(trainer.losses(fn, _perturb(trainer.params, rel, 1), sizes), ref)
 
 
 # -- rules ------------------------------------------------------------------------------------
@@ -306,7 +307,7 @@ def choose_precision(fn: Callable, args: tuple, choose: Any, policy: Any, steps:
         return plan(lowest, float("nan"), float("nan"), float("nan"), (),
                     "no matmul is inside a name scope, so no rule can place one: wrap each layer in "
                     "`with jax.named_scope('layer_name'):` (a Flax or Equinox module's path does this)")
-    noise = _band(trainer, fn, base, ref)
+    noise = _band(trainer, base, fn, ref)
     threshold = NOISE_MARGIN * noise
 
     def measure(assign) -> float:
