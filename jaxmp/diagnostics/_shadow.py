@@ -36,6 +36,8 @@ from jaxmp.diagnostics._noise import window as _window
 if TYPE_CHECKING:  # optax is imported where it is used: the report alone does not need it
     import optax
 
+    from jaxmp.diagnostics._choose import PrecisionPlan
+
 _F32 = np.dtype(np.float32)
 
 #: First-order ops with a combiner jaxpr (the op catalogue's).
@@ -302,7 +304,8 @@ def _without_floating(params: Any) -> str | None:
 def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, steps: int = 0,
                        optimizer: optax.GradientTransformation | None = None,
                        per_op: bool = False, grad: bool | None = None, fix: bool = True,
-                       rules: AutocastRules | None = None, choose: Any = None) -> ShadowReport:
+                       rules: AutocastRules | None = None,
+                       choose: bool | Sequence[str] | None = None) -> "ShadowReport | PrecisionPlan":
     """Runs ``fn`` under a policy and as its float32 shadow on the same inputs; ranks modules by error.
 
     Both runs evaluate the same traced program, so any front door works: give ``policy`` to run

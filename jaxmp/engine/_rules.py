@@ -19,7 +19,7 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from jax.typing import DTypeLike
@@ -473,7 +473,7 @@ class AutocastRules:
                 return True, matmul_format(value)[1]
         return False, None
 
-    def module_format(self, path: Any, module: Any) -> Any:
+    def module_format(self, path: "Sequence[str | int] | None", module: object) -> "fp8.Fp8Recipe | None":
         """The fp8 recipe the matmuls of the module at ``path`` run (Flax door): a path format
         matching it or an ancestor, else its class's (the most specific), else ``fp8_matmuls``.
 

@@ -5,7 +5,6 @@ the rules back as code that runs when pasted."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
