@@ -315,7 +315,7 @@ def choose_precision(fn: Callable, args: tuple, choose: Any, policy: Any, steps:
 
     assign = dict(lowest)
     current = before = measure(assign)
-    promotions = []
+    promotions: list[tuple[str, str, str, float]] = []
     while not current <= threshold:
         movable = [p for p in paths if ladder.index(assign[p]) < len(ladder) - 1]
         if not movable:

@@ -101,7 +101,7 @@ class _Call:
             field = linen_fp8_field(module)
             # The module's own format (a path or class format rule), else the rules' fp8_matmuls.
             recipe = self.rules.module_format(module.path, module) if field is not None else None
-            if recipe is not None:
+            if field is not None and recipe is not None:
                 rule = self.decide(module)
                 if rule is not None and rule.action == "half":
                     cls = Fp8DotGeneral if field == "dot_general_cls" else Fp8ConvGeneralDilated
