@@ -134,7 +134,7 @@ class PrecisionPlan:
         if self.code:
             out.append(self.code)
         if self.flax_code:
-            out.append("# the Flax door, where the scopes are the Linen module paths:\n" + self.flax_code)
+            out.append("# the Linen door (the scopes as module paths, the root's name dropped):\n" + self.flax_code)
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -247,8 +247,19 @@ def _rules_of(assign: dict[str, str], base: str):
     return rules
 
 
+def _door_paths(paths: list[str]) -> dict[str, str]:
+    """Scope paths as the Flax door's module paths: Linen names its scopes from the root module's
+    class (``MLP/l1``) while the door's paths are relative to the wrapped model (``l1``), so a
+    first component every path shares is dropped."""
+    parts = [p.split("/") for p in paths]
+    if parts and all(len(q) > 1 and q[0] == parts[0][0] for q in parts):
+        return {p: "/".join(q[1:]) for p, q in zip(paths, parts)}
+    return {p: p for p in paths}
+
+
 def _code(assign: dict[str, str], base: str, method: str, wrap: str) -> str:
-    calls = [f".{method}({p!r}, {r!r})" for p, r in assign.items() if not _is_base(r, base)]
+    names = _door_paths(list(assign)) if method == "with_path" else {p: p for p in assign}
+    calls = [f".{method}({names[p]!r}, {r!r})" for p, r in assign.items() if not _is_base(r, base)]
     body = "rules = (jaxmp.AutocastRules()" + "".join(f"\n         {c}" for c in calls) + ")"
     return body + "\n" + wrap
 
@@ -306,7 +317,8 @@ def choose_precision(fn: Callable, args: tuple, choose: Any, policy: Any, steps:
     if not paths:
         return plan(lowest, float("nan"), float("nan"), float("nan"), (),
                     "no matmul is inside a name scope, so no rule can place one: wrap each layer in "
-                    "`with jax.named_scope('layer_name'):` (a Flax or Equinox module's path does this)")
+                    "`with jax.named_scope('layer_name'):` (Flax Linen modules name theirs; NNX and plain JAX need "
+                    "it by hand)")
     noise = _band(trainer, base, fn, ref)
     threshold = NOISE_MARGIN * noise
 

@@ -157,3 +157,41 @@ def test_bad_ladders_and_arguments_are_refused_by_name():
         compare_to_float32(loss_fn, PARAMS, X, Y, choose=True, policy="O2-bf16", rules=jaxmp.AutocastRules())
     with pytest.raises(TypeError, match="scalar"):
         compare_to_float32(lambda p, x, y: x @ p["l1"], PARAMS, X, Y, choose=True)
+
+
+class _Head(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        w = self.param("kernel", lambda k: jax.random.normal(k, (32, 8)) * 0.2)
+        return (h + 256.0) @ w - 256.0 * jnp.sum(w, 0)
+
+
+class _LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(32, name="l1")(x))
+        h = jnp.tanh(nn.Dense(32, name="l2")(h))
+        return _Head(name="head")(h)
+
+
+def test_a_linen_model_is_placed_by_its_module_scopes_and_spelled_for_the_door():
+    model = _LinenMLP()
+    variables = model.init(jax.random.key(0), X)
+
+    def linen_loss(p, x, y):
+        z = model.apply({"params": p}, x)
+        return -jnp.mean(jax.nn.log_softmax(z)[jnp.arange(32), y])
+
+    plan = compare_to_float32(linen_loss, variables["params"], X, Y, choose=("O2-bf16", "float32"), steps=4,
+                              optimizer=TX)
+    assert {m.path: m.rung for m in plan.modules} == {"_LinenMLP/l1": "O2-bf16", "_LinenMLP/l2": "O2-bf16",
+                                                     "_LinenMLP/head": "float32"}
+    assert plan.rules.scope_rules == (("_LinenMLP/head", "float32"),)
+    ns = {"jaxmp": jaxmp, "model": _LinenMLP()}
+    exec(plan.flax_code, ns)
+    assert ns["rules"].path_rules == (("head", "float32"),)  # the door's path, relative to the model
+    # the door with the chosen rules keeps the head in float32: the same logits as float32 there
+    door = ns["model"].apply(variables, X)
+    bf16 = jaxmp.flax.mixed_precision(_LinenMLP(), "O2-bf16").apply(variables, X)
+    f32 = model.apply(variables, X)
+    assert float(jnp.max(jnp.abs(door - f32))) < 0.1 * float(jnp.max(jnp.abs(bf16 - f32)))
