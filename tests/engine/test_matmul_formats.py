@@ -120,3 +120,29 @@ def test_the_linen_door_runs_a_class_format():
     by_class = jaxmp.flax.mixed_precision(_Two(), "O2-bf16", rules=jaxmp.AutocastRules().with_class(nn.Dense, "O2-mxfp8"))
     preset = jaxmp.flax.mixed_precision(_Two(), "O2-mxfp8")
     assert np.array_equal(np.asarray(by_class.apply(variables, x)), np.asarray(preset.apply(variables, x)))
+
+
+def _nested(p, x):
+    with jax.named_scope("outer"):
+        with jax.named_scope("inner"):
+            return jnp.sum(jnp.square(x @ p["a"]))
+
+
+def test_the_innermost_scope_format_decides_and_a_float32_region_wins():
+    p, x = _params()
+
+    def run(policy, rules=None):
+        return _value_and_grad(jaxmp.autocast(_nested, policy, rules=rules), p, x)
+
+    outer_only = jaxmp.AutocastRules().with_scope("outer", "O2-mxfp8")
+    assert _equal(run("O2-bf16", outer_only), run("O2-mxfp8"))
+    inner_back = outer_only.with_scope("inner", "O2-bf16")
+    assert _equal(run("O2-bf16", inner_back), run("O2-bf16"))
+    region = jaxmp.AutocastRules().with_scope("outer", "float32").with_scope("inner", "O2-mxfp8")
+    assert _equal(run("O2-bf16", region), _value_and_grad(_nested, p, x))  # float32, as traced
+
+
+def test_a_scope_format_that_matches_nothing_warns():
+    p, x = _params()
+    with pytest.warns(jaxmp.MixedPrecisionWarning, match="'nowhere' matches no name scope"):
+        jaxmp.autocast(_model, "O2-bf16", rules=jaxmp.AutocastRules().with_scope("nowhere", "O2-mxfp8"))(p, x)
