@@ -146,3 +146,13 @@ def test_a_scope_format_that_matches_nothing_warns():
     p, x = _params()
     with pytest.warns(jaxmp.MixedPrecisionWarning, match="'nowhere' matches no name scope"):
         jaxmp.autocast(_model, "O2-bf16", rules=jaxmp.AutocastRules().with_scope("nowhere", "O2-mxfp8"))(p, x)
+
+
+def test_the_debuggers_rules_code_keeps_the_formats():
+    from jaxmp.diagnostics._fix import rules_code
+
+    rules = (jaxmp.AutocastRules().with_scope("a", "O2-nvfp4")
+             .with_scope("b", fp8.CurrentScaling(block=(1, 32), scale_format="e8m0", scale_rule="rceil")))
+    ns = {"jaxmp": jaxmp, "jnp": jnp}
+    exec(rules_code(rules, "head"), ns)
+    assert ns["rules"] == rules.with_scope("head", "float32")
