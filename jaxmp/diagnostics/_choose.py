@@ -232,7 +232,7 @@ def _band(trainer: _Trainer, base: str, fn: Callable, ref: np.ndarray) -> float:
 # -- rules ------------------------------------------------------------------------------------
 
 def _is_base(rung: str, base: str) -> bool:
-    from jaxmp.engine._rules import matmul_format
+    from jaxmp.engine._seams import matmul_format
 
     return rung == base or (rung != "float32" and matmul_format(rung)[1] is None)
 
@@ -265,7 +265,7 @@ def _code(assign: dict[str, str], base: str, method: str, wrap: str) -> str:
 
 
 def _check_ladder(choose: Any) -> tuple[str, ...]:
-    from jaxmp.engine._rules import matmul_format
+    from jaxmp.engine._seams import matmul_format
 
     ladder = DEFAULT_LADDER if choose is True else choose
     if isinstance(ladder, str) or not isinstance(ladder, (tuple, list)) or len(ladder) < 2:

@@ -166,9 +166,9 @@ def rules_code(rules, component: str | None, cls: type | None = None) -> str:
 
 def _format_call(kind: str, key: Any, value: Any) -> str:
     """A per-module matmul format as the ``with_*`` call that sets it (a recipe as its constructor)."""
-    from jaxmp.fp8._recipes import source
+    from jaxmp.fp8._seams import recipes
 
-    fmt = repr(value) if isinstance(value, str) else source(value)
+    fmt = repr(value) if isinstance(value, str) else recipes.source(value)
     where = class_name(key) if kind == "class" else repr(key)
     return f".with_{kind}({where}, {fmt})"
 
