@@ -58,6 +58,7 @@ def rules_code(rules, component: str | None, cls: type | None = None) -> str:
     calls = [f"jaxmp.AutocastRules({', '.join(kw)})"]
     calls += [f".with_scope({pattern!r}, {dtype!r})" for pattern, dtype in rules.scope_rules]
     calls += [f".with_class({class_name(c)}, {dtype!r})" for c, dtype in rules.class_rules]
+    calls += [_format_call(kind, key, value) for kind, key, value in rules.matmul_formats]
     if cls is not None:
         calls.append(f".with_class({class_name(cls)}, \"float32\")")
     elif component is not None:
@@ -66,6 +67,15 @@ def rules_code(rules, component: str | None, cls: type | None = None) -> str:
     if len(one) <= _FIT:
         return one
     return "rules = (" + ("\n         ".join(calls)) + ")"
+
+
+def _format_call(kind: str, key: Any, value: Any) -> str:
+    """A per-module matmul format as the ``with_*`` call that sets it (a recipe as its constructor)."""
+    from jaxmp.fp8._seams import recipes
+
+    fmt = repr(value) if isinstance(value, str) else recipes.source(value)
+    where = class_name(key) if kind == "class" else repr(key)
+    return f".with_{kind}({where}, {fmt})"
 
 
 def module_class_at(root: Any, path: str) -> type | None:

@@ -36,6 +36,8 @@ from jaxmp.diagnostics._noise import window as _window
 if TYPE_CHECKING:  # optax is imported where it is used: the report alone does not need it
     import optax
 
+    from jaxmp.diagnostics._choose import PrecisionPlan
+
 _F32 = np.dtype(np.float32)
 
 #: First-order ops with a combiner jaxpr (the op catalogue's).
@@ -302,7 +304,8 @@ def _without_floating(params: Any) -> str | None:
 def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, steps: int = 0,
                        optimizer: optax.GradientTransformation | None = None,
                        per_op: bool = False, grad: bool | None = None, fix: bool = True,
-                       rules: AutocastRules | None = None) -> ShadowReport:
+                       rules: AutocastRules | None = None,
+                       choose: bool | Sequence[str] | None = None) -> "ShadowReport | PrecisionPlan":
     """Runs ``fn`` under a policy and as its float32 shadow on the same inputs; ranks modules by error.
 
     Both runs evaluate the same traced program, so any front door works: give ``policy`` to run
@@ -326,10 +329,19 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
       fix: under an alarm, write the override for the top offender and measure it (under
         ``policy``); printed only when it closes part of the gap (else "tried: ... made it worse").
       rules: `jaxmp.AutocastRules` for ``jaxmp.autocast`` (with ``policy``); the fix adds to them.
+      choose: the precision search instead of one comparison: True (the ladder ``("O2-nvfp4",
+        "O2-mxfp8", "O2-bf16", "float32")``) or a ladder of preset names and ``"float32"``,
+        cheapest first. Each module (name-scope path) gets the lowest rung that keeps the
+        ``steps``-step drift against float32 (default 8 steps) within the debugger's noise band;
+        ``policy`` is the preset the rules go with (default ``"O2-bf16"``). See
+        docs/precision-search.md.
 
     Returns:
       A `ShadowReport`: ``str()`` starts with the verdict (nothing to fix, or an alarm, with its
       threshold and formula), then the ranked table and, under an alarm, the jump and the fix.
+      With ``choose``, a `PrecisionPlan` instead: each module's rung, the matmul FLOPs per rung,
+      the drift before and after against the band, the search's cost in training steps, and the
+      rules as code (``.rules``, ``.code``, ``.flax_code``).
 
     Raises:
       TypeError: ``fn`` is not callable or given no inputs, ``steps > 0`` without a scalar loss,
@@ -355,7 +367,29 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
     # Every gradient the comparison takes (the shadow's, the fix's, the FLOP count's) is its own:
     # no "differentiated with no loss scale" warning for them.
     with loss_scaled_grad():
+        if choose is not None and choose is not False:
+            return _choose(fn, args, policy, steps, optimizer, rules, choose)
         return _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules)
+
+
+def _choose(fn, args, policy, steps, optimizer, rules, choose):
+    from jaxmp.diagnostics import _inputs
+    from jaxmp.diagnostics._choose import choose_precision
+
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    _inputs.check_optimizer("compare_to_float32", optimizer)
+    if rules is not None:
+        raise ValueError("compare_to_float32(choose=...) writes the rules itself: drop rules= (give the preset the "
+                         "rules go with as policy=)")
+    prep = _inputs.prepare("compare_to_float32", fn, args, {})
+    fn, args = _inputs.bind_non_floating_params(prep.fn, prep.args)
+    if _without_floating(args[0] if args else None) is not None or not args:
+        raise ValueError("compare_to_float32(choose=...) trains args[0]: pass the floating parameters first, "
+                         "compare_to_float32(loss_fn, params, *batch, choose=True)")
+    if not _scalar_first(jax.eval_shape(lambda *a: (fn(*a),), *args)[0]):
+        raise TypeError("compare_to_float32(choose=...) trains on fn's loss: fn must return a floating scalar first")
+    return choose_precision(fn, tuple(args), choose, policy, int(steps), optimizer)
 
 
 def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> ShadowReport:

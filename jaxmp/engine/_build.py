@@ -156,7 +156,7 @@ class _Program:
             for i, c in zip(outer, watched[len(xs):]):
                 consts[i] = c
         outs = interp.run(self.closed.jaxpr, consts, [_argument(x) for x in xs])
-        if self.config.rules.scope_rules:
+        if self.config.rules.scope_rules or self.config.rules.matmul_formats:
             _warn_unmatched_scopes(self.config.rules, interp.scopes_seen(), self.label)
         return [o.x for o in outs]
 
@@ -372,7 +372,8 @@ def _warn_unmatched_scopes(rules: AutocastRules, seen: set, label: str) -> None:
     for comps in seen:
         names = tuple(c for c in comps if not MARKER.match(c))
         paths.update("/".join(names[:k]) for k in range(1, len(names) + 1))
-    for pattern, _ in rules.scope_rules:
+    patterns = [p for p, _ in rules.scope_rules] + [k for kind, k, _ in rules.matmul_formats if kind == "scope"]
+    for pattern in patterns:
         key = (label, pattern)
         if key in _WARNED_SCOPES or any(scope_matches(pattern, p.rsplit("/", 1)[-1], tuple(p.split("/")[:-1]))
                                         for p in paths):

@@ -89,6 +89,11 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
                                                   "rules=jaxmp.AutocastRules(fp8_matmuls=jaxmp.fp8.CurrentScaling())")
         # Compiled once, here: path rules and per-class policies are the Flax door's, refused by name.
         modules = rules.module_rules()
+        door_formats = sorted({kind for kind, _, _ in rules.matmul_formats if kind != "scope"})
+        if door_formats:
+            raise ValueError(f"per-module formats by {' and '.join(door_formats)} need the Flax door, which knows "
+                             "module paths and classes (jaxmp.flax.mixed_precision(model, policy, rules=...)); under "
+                             "jaxmp.autocast give the module a jax.named_scope and use with_scope(name, format)")
     resolved, recipe = resolve_policy(policy)
     compute = np.dtype(resolved.compute_dtype)
     if isinstance(policy, str) and recipe is None and "=" not in policy and compute.itemsize < 4:
@@ -115,10 +120,10 @@ def resolve_config(policy: Any, rules: AutocastRules | None) -> AutocastConfig:
         fp8_hardware.refuse_delayed_in_a_function(fp8_recipe, name, "'O2-fp8-current'")
         if rules.fp8_matmuls is None:
             rules = dataclasses.replace(rules, fp8_matmuls=fp8_recipe)
-    if rules.fp8_matmuls is not None:
+    for each in rules.format_recipes():
         # The recipe that will run (the rules' own wins over the preset's): native, emulated with
         # one warning where a block format has no native path, or a clear error naming the way out.
-        fp8_hardware.check_for_run(rules.fp8_matmuls)
+        fp8_hardware.check_for_run(each)
     return AutocastConfig(name, compute, output, cast_inputs, rules, modules=modules)
 
 

@@ -41,6 +41,7 @@ class Interpreter:
         self._repeated_fn = repeated
         self._repeated: frozenset | None = None
         self._regions: dict[tuple[str, ...], Any] = {}
+        self._formats: dict[tuple[str, ...], Any] = {}
         self._staged = False  # the jaxpr being run has operands of a transformation
         self._stage_now = False  # and the equation being run is bound staged
         self._demand: frozenset = frozenset()  # promote="demand": the variables needed in float32
@@ -66,6 +67,22 @@ class Interpreter:
                     break
             self._regions[components] = found
         return self._regions[components]
+
+    def matmul_recipe(self, components: tuple[str, ...]) -> Any:
+        """The fp8 recipe a name stack's half-list matmuls run (None: the compute dtype): the
+        innermost scope with a format rule decides, else ``fp8_matmuls``."""
+        if not self.rules.matmul_formats:
+            return self.rules.fp8_matmuls
+        if components not in self._formats:
+            found = self.rules.fp8_matmuls
+            names = tuple(c for c in components if not MARKER.match(c))
+            for i in range(len(names) - 1, -1, -1):
+                matched, recipe = self.rules.scope_format(names[i], names[:i])
+                if matched:
+                    found = recipe
+                    break
+            self._formats[components] = found
+        return self._formats[components]
 
     def scopes_seen(self) -> set:
         """The name-stack component tuples of the ops run so far (for rules that match none)."""
@@ -214,7 +231,7 @@ class Interpreter:
         if region is not None:
             return self._run_in(eqn, vals, floats, np.dtype(region), cast, "region " + np.dtype(region).name)
         if name in self.rules.half_ops:
-            return self._half(eqn, vals, floats, traced, cast)
+            return self._half(eqn, vals, floats, traced, cast, comps)
         if name in self.rules.float32_ops or (name == "mul" and _squares(eqn, vals, self.rules)):
             target = widest([F32] + [dtype_of(vals[i].x) for i in floats])
             return self._run_in(eqn, vals, floats, target, cast, "float32 list")
@@ -233,7 +250,7 @@ class Interpreter:
         strong = dtype.itemsize >= 4
         return [Val(o, strong and is_float(dtype_of(o))) for o in outs]
 
-    def _half(self, eqn, vals, floats, traced, cast) -> list[Val]:
+    def _half(self, eqn, vals, floats, traced, cast, comps=()) -> list[Val]:
         user_half = {traced[i] for i in floats if traced[i] is not None and is_float(traced[i])
                      and traced[i].itemsize < 4}
         if len(user_half) == 1:
@@ -248,7 +265,7 @@ class Interpreter:
             if not _chosen(params["preferred_element_type"], [traced[i] for i in floats]):
                 out = F32 if self.rules.matmul_output == "float32" else op_dtype
                 params = {**params, "preferred_element_type": out}
-        recipe = self.rules.fp8_matmuls
+        recipe = self.matmul_recipe(comps)
         if recipe is not None and eqn.primitive.name == "dot_general" and len(floats) == 2:
             return [Val(self._fp8_dot(eqn, args, params, recipe))]
         if recipe is not None and eqn.primitive.name == "conv_general_dilated" and len(floats) == 2:

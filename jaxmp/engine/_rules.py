@@ -19,7 +19,7 @@ import dataclasses
 import fnmatch
 import functools
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from jax.typing import DTypeLike
@@ -120,6 +120,35 @@ def _class_action(action: Any, where: str) -> Any:
     return _region_dtype(action, where)
 
 
+def matmul_format(value: Any) -> tuple[bool, Any]:
+    """Whether ``value`` names a matmul format, and its fp8 recipe (None: the compute dtype, no fp8).
+
+    A format is a `jaxmp.fp8` recipe, or the name of a mixed-precision preset ("O2-nvfp4",
+    "O2-mxfp8", "O2-fp8-current": its recipe; "O2-bf16", "O1": none, the matmuls in the compute
+    dtype). Region dtypes (``"float32"``, ``"half"``, ``"bfloat16"``...) are no format.
+    """
+    if isinstance(value, fp8.Fp8Recipe):
+        return True, value
+    if isinstance(value, str) and value[:2] in ("O1", "O2", "O3"):
+        from jaxmp._precision._presets import get_recipe
+
+        return True, get_recipe(value).fp8
+    return False, None
+
+
+def _format_spec(value: Any, where: str) -> Any:
+    """``value`` checked as a matmul format (kept as given: a preset name stays a name, for code)."""
+    if isinstance(value, fp8.DelayedScaling):
+        raise ValueError(f"{where}: a per-module format takes current scaling (fp8.CurrentScaling, or a preset such "
+                         f"as 'O2-mxfp8'); delayed scaling keeps amax histories for the whole model "
+                         f"(AutocastRules(fp8_matmuls=...) under the Flax door)")
+    ok, _ = matmul_format(value)
+    if not ok:
+        raise TypeError(f"{where}: expected a matmul format (a jaxmp.fp8 recipe or a preset name such as 'O2-nvfp4', "
+                        f"'O2-mxfp8', 'O2-bf16'), got {value!r}")
+    return value
+
+
 def _path_pattern(pattern: Any, where: str) -> str:
     """Returns ``pattern`` if it is a valid module-path glob, else raises naming ``where``."""
     if isinstance(pattern, (tuple, list)) and pattern and all(isinstance(p, (str, int)) for p in pattern):
@@ -178,6 +207,12 @@ class AutocastRules:
         everything under it run in float32; beats class rules.
       fp8_matmuls: None or a `jaxmp.fp8` recipe for the half-list matmuls (autocast takes
         ``CurrentScaling`` only; the Flax door takes both).
+      matmul_formats: ``((kind, key, format), ...)``, ``kind`` one of ``"scope"`` (``key`` a
+        scope pattern, as ``scope_rules``), ``"path"`` (a module path glob, Flax door) or
+        ``"class"`` (a module class, Flax door): the half-list matmuls of that module run in
+        ``format`` (a `jaxmp.fp8` recipe or a preset name: ``"O2-nvfp4"``, ``"O2-mxfp8"``,
+        ``"O2-bf16"`` for none), the innermost (scope) or first (path, then class) rule winning
+        over ``fp8_matmuls``. Set with ``with_scope``/``with_path``/``with_class`` given a format.
       float32_loss: the Flax door's train steps compute the loss on float32 logits.
       fused_attention: the Flax door runs attention modules with Flax's default attention
         through [`jaxmp.flax.fused_attention`][jaxmp.flax.fused_attention] (cuDNN on GPUs, a float32 softmax elsewhere).
@@ -198,6 +233,7 @@ class AutocastRules:
     class_rules: tuple[tuple[type, Any], ...] = ()
     fp8_matmuls: fp8.Fp8Recipe | None = None
     path_rules: tuple[tuple[str, str], ...] = ()
+    matmul_formats: tuple[tuple[str, Any, Any], ...] = ()
     float32_loss: bool = True
     fused_attention: bool = True
     # True for a whole rule set (jaxmp.flax.default_rules and what is built from it): the Flax
@@ -247,6 +283,21 @@ class AutocastRules:
                                  f"per-layer opt-out), got {item[1]!r}; for other dtypes use with_class or with_scope")
             if pattern not in [p for p, _ in paths]:
                 paths.append((pattern, "float32"))
+        formats = []
+        for item in self.matmul_formats:
+            if not (isinstance(item, tuple) and len(item) == 3 and item[0] in ("scope", "path", "class")):
+                raise TypeError(f"matmul_formats entries must be ('scope' | 'path' | 'class', key, format) triples, "
+                                f"got {item!r}")
+            kind, key, value = item
+            if kind == "class":
+                key = _module_class(key, "AutocastRules.matmul_formats")
+            elif kind == "path":
+                key = _path_pattern(key, "AutocastRules.matmul_formats")
+            elif not isinstance(key, str) or not key:
+                raise TypeError(f"a scope format's pattern must be a non-empty string, got {key!r}")
+            formats = [f for f in formats if not (f[0] == kind and f[1] == key)]  # a later rule replaces
+            formats.append((kind, key, _format_spec(value, f"{kind} format {key!r}")))
+        object.__setattr__(self, "matmul_formats", tuple(formats))
         object.__setattr__(self, "half_ops", half)
         object.__setattr__(self, "float32_ops", f32)
         object.__setattr__(self, "scope_rules", tuple(scopes))
@@ -315,8 +366,14 @@ class AutocastRules:
         ``Dense_0`` inside ``block_1``, not the one inside ``block_0``): a module path.
 
         Args:
+        Given a matmul format instead of a dtype (a `jaxmp.fp8` recipe, or a preset name:
+        ``"O2-nvfp4"``, ``"O2-mxfp8"``, ``"O2-bf16"`` for no fp8), the scope's half-list matmuls
+        run in that format and its other ops as the op lists say: NVFP4 here, MXFP8 there, bf16
+        elsewhere (see docs/precision-search.md).
+
+        Args:
           pattern: a glob such as ``"*norm*"``, or a path of scopes such as ``"block_1/Dense_0"``.
-          dtype: ``"float32"``, ``"half"``, ``"keep"`` or a floating dtype.
+          dtype: ``"float32"``, ``"half"``, ``"keep"`` or a floating dtype; or a matmul format.
 
         Returns:
           A new [`AutocastRules`][jaxmp.AutocastRules].
@@ -325,7 +382,11 @@ class AutocastRules:
           >>> import jaxmp
           >>> jaxmp.AutocastRules().with_scope("head", "float32").scope_rules
           (('head', 'float32'),)
+          >>> jaxmp.AutocastRules().with_scope("mlp", "O2-nvfp4").matmul_formats
+          (('scope', 'mlp', 'O2-nvfp4'),)
         """
+        if matmul_format(dtype)[0]:
+            return dataclasses.replace(self, matmul_formats=self.matmul_formats + (("scope", pattern, dtype),))
         return dataclasses.replace(self, scope_rules=self.scope_rules + ((pattern, dtype),))
 
     def with_class(self, cls: type, dtype: DTypeLike | Policy) -> "AutocastRules":
@@ -337,7 +398,8 @@ class AutocastRules:
         Args:
           cls: the module class, e.g. ``flax.linen.LayerNorm``.
           dtype: ``"float32"``, ``"half"``, ``"keep"``, a floating dtype, ``"follow"``, or (Flax
-            door) a [`jaxmp.Policy`][jaxmp.Policy] the class runs under.
+            door) a [`jaxmp.Policy`][jaxmp.Policy] the class runs under, or (Flax door) a matmul
+            format (a `jaxmp.fp8` recipe or a preset name such as ``"O2-mxfp8"``) for its matmuls.
 
         Returns:
           A new [`AutocastRules`][jaxmp.AutocastRules].
@@ -347,6 +409,8 @@ class AutocastRules:
           >>> jaxmp.AutocastRules().with_class(flax.linen.LayerNorm, "float32").class_rules[0][1]
           'float32'
         """
+        if matmul_format(dtype)[0]:
+            return dataclasses.replace(self, matmul_formats=self.matmul_formats + (("class", cls, dtype),))
         return dataclasses.replace(self, class_rules=self.class_rules + ((cls, dtype),))
 
     def with_path(self, pattern: str, dtype: DTypeLike = "float32") -> "AutocastRules":
@@ -358,7 +422,8 @@ class AutocastRules:
 
         Args:
           pattern: a module path or glob, e.g. ``"decoder/head"``, ``"*/logits"``.
-          dtype: ``"float32"`` (the one dtype a path rule takes).
+          dtype: ``"float32"`` (the one dtype a path rule takes), or a matmul format (a
+            `jaxmp.fp8` recipe or a preset name such as ``"O2-nvfp4"``) for the module's matmuls.
 
         Returns:
           A new [`AutocastRules`][jaxmp.AutocastRules].
@@ -372,6 +437,8 @@ class AutocastRules:
           >>> jaxmp.AutocastRules().with_path("decoder/head", "float32").path_rules
           (('decoder/head', 'float32'),)
         """
+        if matmul_format(dtype)[0]:
+            return dataclasses.replace(self, matmul_formats=self.matmul_formats + (("path", pattern, dtype),))
         return dataclasses.replace(self, path_rules=self.path_rules + ((pattern, dtype),))
 
     def scope_dtype(self, component: str, outer: tuple[str, ...] = ()) -> str | None:
@@ -389,6 +456,51 @@ class AutocastRules:
             if scope_matches(pattern, component, outer):
                 return dtype
         return None
+
+    def scope_format(self, component: str, outer: tuple[str, ...] = ()) -> tuple[bool, Any]:
+        """Whether a scope format rule matches a name-stack component, and its recipe (None: no fp8).
+
+        Args:
+          component: the scope's name.
+          outer: the names of the scopes around it, outermost first.
+
+        Returns:
+          ``(matched, recipe)``: the last matching scope format's fp8 recipe (None for a format
+          without fp8, such as ``"O2-bf16"``); ``(False, None)`` when none matches.
+        """
+        for kind, pattern, value in reversed(self.matmul_formats):
+            if kind == "scope" and scope_matches(pattern, component, outer):
+                return True, matmul_format(value)[1]
+        return False, None
+
+    def module_format(self, path: "Sequence[str | int] | None", module: object) -> "fp8.Fp8Recipe | None":
+        """The fp8 recipe the matmuls of the module at ``path`` run (Flax door): a path format
+        matching it or an ancestor, else its class's (the most specific), else ``fp8_matmuls``.
+
+        Args:
+          path: the module path (a sequence of names), or None.
+          module: the module instance (or class).
+
+        Returns:
+          A `jaxmp.fp8` recipe, or None (the compute dtype, no fp8).
+        """
+        if path is not None:
+            names = [str(p) for p in path]
+            prefixes = ["/".join(names[:k]) for k in range(1, len(names) + 1)]
+            for kind, pattern, value in self.matmul_formats:
+                if kind == "path" and any(fnmatch.fnmatchcase(p, pattern) for p in prefixes):
+                    return matmul_format(value)[1]
+        cls = module if isinstance(module, type) else type(module)
+        by_class = {key: value for kind, key, value in self.matmul_formats if kind == "class"}
+        for klass in cls.__mro__:
+            if klass in by_class:
+                return matmul_format(by_class[klass])[1]
+        return self.fp8_matmuls
+
+    def format_recipes(self) -> tuple:
+        """Every fp8 recipe these rules run (``fp8_matmuls`` and the per-module formats'), once each."""
+        found = [self.fp8_matmuls] + [matmul_format(v)[1] for _, _, v in self.matmul_formats]
+        return tuple(dict.fromkeys(r for r in found if r is not None))
 
     def module_rules(self, policy: Policy | None = None) -> "ModuleRules":
         """The class and path rules compiled to the engine's `ModuleRules`.
@@ -454,7 +566,8 @@ def merge_rules(base: AutocastRules, edits: AutocastRules) -> AutocastRules:
         half_ops=(base.half_ops - half_drop - f32_add) | half_add,
         float32_ops=(base.float32_ops - f32_drop - half_add) | f32_add,
         scope_rules=base.scope_rules + edits.scope_rules, class_rules=base.class_rules + edits.class_rules,
-        path_rules=base.path_rules + edits.path_rules, _complete=True, **fields)
+        path_rules=base.path_rules + edits.path_rules, matmul_formats=base.matmul_formats + edits.matmul_formats,
+        _complete=True, **fields)
 
 
 def _is_follow(action: Any) -> bool:

@@ -13,6 +13,8 @@ deprecation period. Code outside jaxmp should use the public names (``jaxmp.auto
 
 # Module rules: the vocabulary both front doors compile to (jaxmp.flax builds and applies them).
 from jaxmp.engine._rules import PURE_HALF_RULES, AutocastRules, merge_rules
+# The precision search reads a rung (a preset name or recipe) as the rules read a matmul format.
+from jaxmp.engine._rules import matmul_format
 from jaxmp.engine._module_rules import ModuleRule
 from jaxmp.engine._modules import install_call_hooks, instance_rules, module_interceptor
 
@@ -37,6 +39,7 @@ __all__ = [
     "ModuleRule",
     "PURE_HALF_RULES",
     "merge_rules",
+    "matmul_format",
     "install_call_hooks",
     "instance_rules",
     "module_interceptor",

@@ -216,9 +216,9 @@ def resolve_rules(policy: PolicyLike, rules: AutocastRules | None = None) -> tup
         # Rules built from AutocastRules() are edits: replacing the preset's rules with them would
         # drop its class rules (norms in float32) and op lists. They are merged onto them instead.
         rules = merge_rules(default_rules(recipe if recipe is not None else resolved), rules)
-    if rules.fp8_matmuls is not None:
+    for each in rules.format_recipes():
         # native, emulated (one warning off CPU for a block format), or a clear error naming the way out
-        fp8_hardware.check_for_run(rules.fp8_matmuls)
+        fp8_hardware.check_for_run(each)
     return resolved, rules
 
 

@@ -100,13 +100,15 @@ class _Call:
         updates = {}
         if self.rules.fused_attention and _uses_default_attention(module):
             updates["attention_fn"] = fused_attention
-        if self.rules.fp8_matmuls is not None:
+        if self.rules.fp8_matmuls is not None or self.rules.matmul_formats:
             field = linen_fp8_field(module)
-            if field is not None:
+            # The module's own format (a path or class format rule), else the rules' fp8_matmuls.
+            recipe = self.rules.module_format(module.path, module) if field is not None else None
+            if field is not None and recipe is not None:
                 rule = self.decide(module)
                 if rule is not None and rule.action == "half":
                     cls = Fp8DotGeneral if field == "dot_general_cls" else Fp8ConvGeneralDilated
-                    updates[field] = functools.partial(cls, recipe=self.rules.fp8_matmuls)
+                    updates[field] = functools.partial(cls, recipe=recipe)
         if not updates:
             return None
         # Same scope, same path and name: params, sown values, RNG streams and fp8 state keys

@@ -187,6 +187,10 @@ def _prepare(copy: nnx.Module, policy: Policy, rules: AutocastRules) -> dict[int
 
     The copy is private to this call, so setting its fields touches nothing the user holds.
     """
+    if any(kind != "scope" for kind, _, _ in rules.matmul_formats):
+        raise ValueError("per-module matmul formats by path or class (with_path/with_class given a format) run "
+                         "under the Linen door and jaxmp.autocast (with_scope) for now, not yet under the NNX door; "
+                         "give NNX one format for the model: rules=jaxmp.AutocastRules(fp8_matmuls=...)")
     if rules.fp8_matmuls is not None and not isinstance(rules.fp8_matmuls, fp8.DelayedScaling):
         install_nnx_fp8(copy, rules.fp8_matmuls, _is_half(copy, policy, rules))  # stateless: per call
     by_id: dict[int, ModuleRule] = {}

@@ -1,0 +1,347 @@
+"""jaxmp chooses the precision: the cheapest matmul format per module that keeps training within
+float32's noise, found by measurement (``compare_to_float32(..., choose=ladder)``).
+
+The band is the debugger's k-step noise threshold (jaxmp/diagnostics/_noise.py): `NOISE_MARGIN`
+times the drift of a float32 twin run from parameters perturbed by up to half an ulp of the
+compute dtype, whose gradients are perturbed by up to half an ulp at every step (its twins'
+machinery, `_perturb` and `_noisy`, sized by the compute dtype's rounding rather than by a policy
+run's error, so that the band is float32's and a sensitive layer does not widen it). Each module (the name-scope
+path of its matmuls) starts at the ladder's lowest rung; while the whole run's k-step drift against
+float32 is outside the band, each module below the top is measured one rung up, and the one whose
+promotion shrinks the drift most (its measured share of the drift) is promoted; the drift is
+re-measured after each promotion. See docs/precision-search.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp import _jaxpr
+from jaxmp.diagnostics import _format
+from jaxmp.diagnostics._matmul import conv_gemm, dot_gemm
+from jaxmp.diagnostics._noise import NOISE_MARGIN, drift
+from jaxmp.diagnostics._shadow_steps import _noisy, _perturb
+
+#: The default ladder, cheapest first: NVFP4, MXFP8, bf16, float32.
+DEFAULT_LADDER = ("O2-nvfp4", "O2-mxfp8", "O2-bf16", "float32")
+#: Training steps per measurement when ``steps=0`` is given with ``choose``.
+DEFAULT_STEPS = 8
+_MARKERS = ("jaxmp[", "jaxmp.rule=")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRung:
+    """One module's place on the ladder.
+
+    Attributes:
+      path: the name-scope path of its matmuls (joined by ``"/"``).
+      rung: the ladder rung it was given (a preset name, or ``"float32"``).
+      flops: its forward matmul and convolution FLOPs per step (a scanned body's times its length).
+      scanned: its matmuls are inside a ``lax.scan``: one path for every layer of the stack.
+    """
+
+    path: str
+    rung: str
+    flops: int
+    scanned: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPlan:
+    """What ``compare_to_float32(..., choose=ladder)`` returns: each module's rung, as code.
+
+    Attributes:
+      modules: `ModuleRung` per module, in program order.
+      ladder: the rungs, cheapest first.
+      policy: the policy the rules go with (``jaxmp.autocast(fn, policy, rules=rules)``).
+      rules: the chosen `jaxmp.AutocastRules` (None when the search gave up).
+      code: the rules as code to paste (with the ``jaxmp.autocast`` call).
+      flax_code: the same rules spelled for the Flax door (module paths as the scopes' paths).
+      steps: training steps per measurement.
+      noise: the float32 twin's drift (the noise the band is built from).
+      threshold: ``NOISE_MARGIN * noise``: the band.
+      drift_before: the drift with every module at the lowest rung.
+      drift_after: the drift of the chosen rules (as measured for the last promotion).
+      promotions: ``((path, from rung, to rung, drift after), ...)`` in order.
+      cost_steps: training steps run in all (every measurement's ``steps``, the references' too).
+      seconds: wall time of the search.
+      unscoped_flops: matmul FLOPs outside any name scope (they run in ``policy``; a rule cannot
+        reach them).
+      gave_up: why no rules were chosen ("" when they were).
+    """
+
+    modules: tuple[ModuleRung, ...]
+    ladder: tuple[str, ...]
+    policy: str
+    rules: Any
+    code: str
+    flax_code: str
+    steps: int
+    noise: float
+    threshold: float
+    drift_before: float
+    drift_after: float
+    promotions: tuple = ()
+    cost_steps: int = 0
+    seconds: float = 0.0
+    unscoped_flops: int = 0
+    gave_up: str = ""
+
+    @property
+    def within_band(self) -> bool:
+        """The chosen rules' drift is within the band."""
+        return not self.gave_up and bool(self.drift_after <= self.threshold)
+
+    def flop_shares(self) -> dict[str, float]:
+        """The share of matmul FLOPs at each rung (the unscoped ones at ``policy``)."""
+        total = sum(m.flops for m in self.modules) + self.unscoped_flops
+        out = {r: 0.0 for r in self.ladder}
+        for m in self.modules:
+            out[m.rung] = out.get(m.rung, 0.0) + m.flops / max(total, 1)
+        if self.unscoped_flops:
+            out[self.policy] = out.get(self.policy, 0.0) + self.unscoped_flops / max(total, 1)
+        return out
+
+    def table(self) -> str:
+        """The report: verdict, modules with their rungs, FLOP shares, cost, and the code."""
+        head = (f"choose precision ({' < '.join(self.ladder)}), {self.steps} steps per measurement: band = "
+                f"{NOISE_MARGIN:g} x float32 twin drift {self.noise:.3g} = {self.threshold:.3g}")
+        out = [_format.wrap(head)]
+        if self.gave_up:
+            out.append(_format.wrap(f"gave up: {self.gave_up}"))
+        else:
+            out.append(_format.wrap(f"drift vs float32: {self.drift_before:.3g} with every module at "
+                                    f"{self.ladder[0]}, {self.drift_after:.3g} with the chosen rules "
+                                    f"({'within' if self.within_band else 'outside'} the band)"))
+        total = sum(m.flops for m in self.modules) + self.unscoped_flops
+        rows = [[_format.fold_path(m.path, 28), m.rung, _format.fmt_pct(m.flops / max(total, 1)),
+                 "scanned: one path, every layer" if m.scanned else ""] for m in self.modules]
+        if self.unscoped_flops:
+            rows.append(["(no scope)", self.policy, _format.fmt_pct(self.unscoped_flops / max(total, 1)),
+                         "add a jax.named_scope to place it"])
+        out.append(_format.render_table("Modules", ["module", "rung", "FLOPs", ""], rows, None, _format.WIDTH))
+        shares = ", ".join(f"{r} {_format.fmt_pct(s)}" for r, s in self.flop_shares().items())
+        out.append(f"matmul FLOPs per rung: {shares}")
+        for i, (path, a, b, d) in enumerate(self.promotions):
+            out.append(f"  promotion {i + 1}: {path} {a} -> {b}, drift {d:.3g}")
+        out.append(_format.wrap(f"search cost: {self.cost_steps} training steps ({self.seconds:.1f} s)"))
+        if self.code:
+            out.append(self.code)
+        if self.flax_code:
+            out.append("# the Linen door (the scopes as module paths, the root's name dropped):\n" + self.flax_code)
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# -- the modules ------------------------------------------------------------------------------
+
+def _module_flops(fn: Callable, args: tuple) -> tuple[dict[str, list], int]:
+    """``{path: [flops, scanned, first position]}`` of the forward matmuls, and the unscoped FLOPs."""
+    closed = jax.make_jaxpr(fn)(*args)
+    found: dict[str, list] = {}
+    loose = [0]
+    order = [0]
+
+    def walk(jaxpr, prefix: tuple, times: int, scanned: bool):
+        for eqn in _jaxpr.equations(jaxpr):
+            comps = prefix + tuple(c for c in _jaxpr.scope_names(eqn) if not c.startswith(_MARKERS))
+            name = eqn.primitive.name
+            if name in ("dot_general", "conv_general_dilated"):
+                lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+                if name == "dot_general":
+                    gemm = dot_gemm(lhs, rhs, eqn.params["dimension_numbers"])
+                else:
+                    gemm = conv_gemm(lhs, rhs, eqn.outvars[0].aval.shape, eqn.params["dimension_numbers"],
+                                     eqn.params.get("feature_group_count", 1), eqn.params.get("batch_group_count", 1))
+                flops = gemm.flops * times
+                if not comps:
+                    loose[0] += flops
+                else:
+                    row = found.setdefault("/".join(comps), [0, False, order[0]])
+                    row[0] += flops
+                    row[1] = row[1] or scanned
+                order[0] += 1
+            for sub in _jaxpr.sub_jaxprs(eqn, opened=True):
+                inner = name == "scan"
+                walk(sub, comps, times * (int(eqn.params.get("length", 1)) if inner else 1), scanned or inner)
+
+    walk(closed.jaxpr, (), 1, False)
+    return found, loose[0]
+
+
+# -- training ---------------------------------------------------------------------------------
+
+class _Trainer:
+    """k optimizer steps of a loss from fixed parameters on a fixed batch; counts the steps run."""
+
+    def __init__(self, params, rest: tuple, steps: int, tx):
+        self.params, self.rest, self.steps, self.tx = params, rest, steps, tx
+        self.cost = 0
+
+    def losses(self, loss_fn: Callable, params=None, sizes=None) -> np.ndarray:
+        """``[steps + 1]`` losses (the last after the last step); ``sizes``: the twin's gradient noise."""
+        import optax
+
+        tx = self.tx
+
+        @jax.jit
+        def step(q, o, i, rest):
+            loss, g = jax.value_and_grad(loss_fn)(q, *rest)
+            if sizes is not None:
+                g = _noisy(g, sizes, jax.random.fold_in(jax.random.key(1), i))
+            u, o = tx.update(g, o, q)
+            return jnp.asarray(loss, jnp.float32), optax.apply_updates(q, u), o
+
+        q = self.params if params is None else params
+        o = tx.init(q)
+        out = []
+        for i in range(self.steps + 1):
+            loss, q2, o2 = step(q, o, np.int32(i), self.rest)
+            out.append(loss)
+            if i < self.steps:
+                q, o = q2, o2
+        self.cost += self.steps
+        return np.asarray(jax.device_get(out), np.float64)
+
+
+def _band(trainer: _Trainer, base: str, fn: Callable, ref: np.ndarray) -> float:
+    """The float32 twin's drift: from parameters perturbed by up to half an ulp of the compute
+    dtype, each step's gradient perturbed by up to half an ulp too: float32's own noise at the
+    compute dtype's rounding, the same for every model (not sized by the policy run's error, which
+    a sensitive layer would inflate, and the band with it)."""
+    from jaxmp._precision._presets import resolve_policy
+
+    half = np.dtype(resolve_policy(base)[0].compute_dtype)
+    if half.itemsize >= 4:
+        return 0.0
+    rel = float(jnp.finfo(half).eps) / 2
+    n = len(jax.tree_util.tree_leaves(trainer.params))
+    # _noisy multiplies by 1 + sqrt(3) * size * uniform(-1, 1): size rel / sqrt(3) is up to half an ulp.
+    sizes = np.full((max(n, 1),), rel / np.sqrt(3.0), np.float32)
+    return drift(trainer.losses(fn, _perturb(trainer.params, rel, 1), sizes), ref)
+
+
+# -- rules ------------------------------------------------------------------------------------
+
+def _is_base(rung: str, base: str) -> bool:
+    from jaxmp.engine._seams import matmul_format
+
+    return rung == base or (rung != "float32" and matmul_format(rung)[1] is None)
+
+
+def _rules_of(assign: dict[str, str], base: str):
+    from jaxmp.engine._seams import AutocastRules
+
+    rules = AutocastRules()
+    for path, rung in assign.items():
+        if not _is_base(rung, base):
+            rules = rules.with_scope(path, rung)
+    return rules
+
+
+def _door_paths(paths: list[str]) -> dict[str, str]:
+    """Scope paths as the Flax door's module paths: Linen names its scopes from the root module's
+    class (``MLP/l1``) while the door's paths are relative to the wrapped model (``l1``), so a
+    first component every path shares is dropped."""
+    parts = [p.split("/") for p in paths]
+    if parts and all(len(q) > 1 and q[0] == parts[0][0] for q in parts):
+        return {p: "/".join(q[1:]) for p, q in zip(paths, parts)}
+    return {p: p for p in paths}
+
+
+def _code(assign: dict[str, str], base: str, method: str, wrap: str) -> str:
+    names = _door_paths(list(assign)) if method == "with_path" else {p: p for p in assign}
+    calls = [f".{method}({names[p]!r}, {r!r})" for p, r in assign.items() if not _is_base(r, base)]
+    body = "rules = (jaxmp.AutocastRules()" + "".join(f"\n         {c}" for c in calls) + ")"
+    return body + "\n" + wrap
+
+
+def _check_ladder(choose: Any) -> tuple[str, ...]:
+    from jaxmp.engine._seams import matmul_format
+
+    ladder = DEFAULT_LADDER if choose is True else choose
+    if isinstance(ladder, str) or not isinstance(ladder, (tuple, list)) or len(ladder) < 2:
+        raise TypeError(f"compare_to_float32(choose=...): True (the ladder {DEFAULT_LADDER}) or a tuple of at least "
+                        f"two rungs, cheapest first, got {choose!r}")
+    for rung in ladder:
+        if rung != "float32" and not (isinstance(rung, str) and matmul_format(rung)[0]):
+            raise ValueError(f"compare_to_float32(choose=...): each rung is a preset name such as 'O2-nvfp4', "
+                             f"'O2-mxfp8', 'O2-bf16', or 'float32', got {rung!r}")
+    if len(set(ladder)) != len(ladder):
+        raise ValueError(f"compare_to_float32(choose=...): a rung repeats in {tuple(ladder)!r}")
+    return tuple(ladder)
+
+
+# -- the search -------------------------------------------------------------------------------
+
+def choose_precision(fn: Callable, args: tuple, choose: Any, policy: Any, steps: int, optimizer) -> PrecisionPlan:
+    """The search behind ``compare_to_float32(fn, *args, choose=ladder, steps=k)`` (see there)."""
+    import optax
+
+    from jaxmp.engine._seams import autocast
+
+    t0 = time.perf_counter()
+    ladder = _check_ladder(choose)
+    base = "O2-bf16" if policy is None else policy
+    if not isinstance(base, str):
+        raise TypeError(f"compare_to_float32(choose=...): policy is the preset the rules go with, a name such as "
+                        f"'O2-bf16', got {base!r}")
+    steps = steps or DEFAULT_STEPS
+    found, loose = _module_flops(fn, args)
+    paths = sorted(found, key=lambda p: found[p][2])
+    trainer = _Trainer(args[0], tuple(args[1:]), steps, optax.adam(1e-3) if optimizer is None else optimizer)
+    ref = trainer.losses(fn)
+
+    def plan(assign, noise, before, after, promotions, gave_up="", rules=None):
+        mods = tuple(ModuleRung(p, assign[p], found[p][0], found[p][1]) for p in paths)
+        call = f"step_loss = jaxmp.autocast(loss_fn, {base!r}, rules=rules)"
+        door = f"model = jaxmp.flax.mixed_precision(model, {base!r}, rules=rules)"
+        code = _code(assign, base, "with_scope", call) if rules is not None else ""
+        flax_code = _code(assign, base, "with_path", door) if rules is not None else ""
+        return PrecisionPlan(mods, ladder, base, rules, code, flax_code, steps, noise, NOISE_MARGIN * noise, before,
+                             after, tuple(promotions), trainer.cost, time.perf_counter() - t0, loose, gave_up)
+
+    lowest = {p: ladder[0] for p in paths}
+    if not np.all(np.isfinite(ref)):
+        return plan(lowest, float("nan"), float("nan"), float("nan"), (),
+                    f"the float32 run itself does not stay finite in {steps} steps (losses {ref[0]:.4g} -> "
+                    f"{ref[-1]:.4g}): a diverging model is not a precision problem; lower the learning rate first")
+    if not paths:
+        return plan(lowest, float("nan"), float("nan"), float("nan"), (),
+                    "no matmul is inside a name scope, so no rule can place one: wrap each layer in "
+                    "`with jax.named_scope('layer_name'):` (Flax Linen modules name theirs; NNX and plain JAX need "
+                    "it by hand)")
+    noise = _band(trainer, base, fn, ref)
+    threshold = NOISE_MARGIN * noise
+
+    def measure(assign) -> float:
+        return drift(trainer.losses(autocast(fn, base, rules=_rules_of(assign, base))), ref)
+
+    assign = dict(lowest)
+    current = before = measure(assign)
+    promotions: list[tuple[str, str, str, float]] = []
+    while not current <= threshold:
+        movable = [p for p in paths if ladder.index(assign[p]) < len(ladder) - 1]
+        if not movable:
+            return plan(assign, noise, before, current, promotions,
+                        f"even {ladder[-1]} at every module leaves a drift of {current:.3g} > band {threshold:.3g}: "
+                        "what is left runs outside the modules (unscoped ops under the policy) or is not a "
+                        "precision problem")
+        trials = []
+        for p in movable:
+            up = {**assign, p: ladder[ladder.index(assign[p]) + 1]}
+            trials.append((measure(up), p))
+        # The largest measured share: the promotion that shrinks the drift most (program order on ties).
+        d, p = min(trials, key=lambda t: (t[0] if np.isfinite(t[0]) else np.inf, paths.index(t[1])))
+        promotions.append((p, assign[p], ladder[ladder.index(assign[p]) + 1], d))
+        assign[p] = promotions[-1][2]
+        current = d
+    return plan(assign, noise, before, current, promotions, rules=_rules_of(assign, base))
