@@ -9,12 +9,13 @@ measurements: docs/lean-recipes.md#8-bit-and-4-bit-moments.
 from __future__ import annotations
 
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from jaxmp import _blockwise, _keys
 from jaxmp.lean import _chunked
@@ -52,7 +53,7 @@ class QuantizedMomentsState(NamedTuple):
       absmax: the same tree as ``inner_state`` with one float32 scale per block of ``block``
         consecutive elements (C order) at each quantized leaf and None elsewhere: of shape
         ``shape[:k] + (blocks a slab,)`` when the leaf's axes from ``k`` on are a whole number of
-        blocks (``jaxmp._blockwise.grid_axis``: the last axis of a matrix whose rows are whole
+        blocks (``jaxmp._blockwise.Grid.axis``: the last axis of a matrix whose rows are whole
         blocks), else ``(ceil(size / block),)``.
       key: uint32[2], the raw threefry2x32 key data (zeros for nearest rounding; constant).
       count: int32 [], updates applied so far (folded into ``key`` for each update's bits).
@@ -65,6 +66,10 @@ class QuantizedMomentsState(NamedTuple):
         so that a checkpoint records it: one written before it existed (maps of revision 1) has no
         such leaf, and orbax's restore into a ``tx.init`` target refuses it by name rather than
         decode its codes with other maps (docs/lean-recipes.md#8-bit-and-4-bit-moments).
+
+    The state lays itself out (``jaxmp._tree.ShardsItself``): jaxmp.parallel's ZeRO and FSDP
+    layouts ask it which axes of each param keep its blocks whole (`split_axes`) and for its
+    ``PartitionSpec`` tree (`partition_specs`), and name none of its fields.
     """
 
     inner_state: optax.OptState
@@ -73,6 +78,49 @@ class QuantizedMomentsState(NamedTuple):
     count: jax.Array  # type: ignore[assignment]  # optax names its step counters count
     grid: _blockwise.Grid
     map_revision: jax.Array | None = None
+
+    def split_axes(self, params_def: Any, param_shapes: Sequence[tuple], n: int) -> dict[int, set]:
+        """``{param index: axes}``: for each param with a quantized moment, the axes it may be
+        split ``n`` ways on with every block of each of its moments on one device
+        (``Grid.aligned_axes``). Refuses a state that lost its grid (`check_restored`) first."""
+        check_restored(self)   # a grid lost by a hand-written restore, named before its bits are read
+        positions = _chunked.mirrors(self.inner_state, params_def)
+        inner_def: Any = jax.tree_util.tree_structure(self.inner_state)
+        out: dict = {}
+        for j, a in zip(positions, inner_def.flatten_up_to(self.absmax)):
+            if j is not None and a is not None:
+                axes = set(self.grid.aligned_axes(param_shapes[j], n))
+                out[j] = out.get(j, axes) & axes
+        return out
+
+    def partition_specs(self, specs_of: Callable[[Any], Any]) -> QuantizedMomentsState:
+        """The state's ``PartitionSpec`` tree: the codes as ``specs_of`` lays out the inner state
+        (a param's split, on axes `split_axes` allowed), each absmax following its codes, every
+        other leaf (key, count, map revision, any later one) replicated."""
+        inner = specs_of(self.inner_state)
+        inner_def: Any = jax.tree_util.tree_structure(self.inner_state)
+        scales = []
+        for c, spec, a in zip(inner_def.flatten_up_to(self.inner_state), inner_def.flatten_up_to(inner),
+                              inner_def.flatten_up_to(self.absmax)):
+            # The absmax of slabs starting at axis k has the codes' axes up to k (the split, if
+            # any, is on one of them: aligned); that of flattened blocks is not split.
+            scales.append(None if a is None else _leading_spec(spec, _ndim(c), _ndim(a)))
+        replicated = QuantizedMomentsState(*(jax.tree_util.tree_map(lambda _: PartitionSpec(), getattr(self, f))
+                                             for f in self._fields))
+        return replicated._replace(inner_state=inner, absmax=inner_def.unflatten(scales), grid=self.grid)
+
+
+def _ndim(x: Any) -> int:
+    # Arrays and jax.ShapeDtypeStruct alike.
+    return len(x.shape) if hasattr(x, "shape") else np.ndim(x)
+
+
+def _leading_spec(spec: PartitionSpec, ndim: int, keep: int) -> PartitionSpec:
+    """The first ``keep`` entries of the spec of an ``ndim`` leaf (trailing unsplit ones dropped)."""
+    entries = (list(spec) + [None] * (ndim - len(spec)))[:keep]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
 
 
 def _non_negative(path: tuple) -> bool:
@@ -224,7 +272,7 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
     grid = _blockwise.Grid(bits, block)
 
     def quantize(path, x, k=None):
-        return _blockwise.quantize(x, bits, not _non_negative(path), block, k)
+        return grid.quantize(x, not _non_negative(path), k)
 
     def init_fn(params):
         state = inner.init(params)
@@ -249,7 +297,7 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         check_restored(state)
         if state.grid != grid:
             raise ValueError(f"quantized_moments: the state was made with bits={state.grid.bits}, "
-                             f"block={state.grid.block}, this transformation has bits={bits}, block={block}")
+                             f"block={state.grid.block}, this transformation has bits={grid.bits}, block={grid.block}")
         # A lean wrapper's float32 grads and params, as it holds them (see _chunked.Inputs).
         lazy = extra_args.pop(WIDEN, None)
         g_def = jax.tree_util.tree_structure(grads)
@@ -263,8 +311,7 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         stored = treedef.flatten_up_to(state.inner_state)
         scales = treedef.flatten_up_to(state.absmax)
         for (path, t), c, a in zip(t_leaves, stored, scales):
-            if a is not None and (jnp.shape(c) != _blockwise.codes_shape(t.shape, bits)
-                                  or a.shape != _blockwise.scales_shape(t.shape, bits, block)):
+            if a is not None and (jnp.shape(c) != grid.codes_shape(t.shape) or a.shape != grid.absmax_shape(t.shape)):
                 raise ValueError(f"quantized_moments: state leaf at {jax.tree_util.keystr(path)} holds codes of shape "
                                  f"{jnp.shape(c)} and {a.shape} scales, not those of a {t.shape} moment: the "
                                  "state was made for other params (or another bits/block)")
@@ -275,16 +322,13 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         def inner_update(g, s, p):
             return inner.update(g, s, p, **extra_args)
 
-        sliced, out_dtypes = _slices(grads, params, template, treedef, [t for _, t in t_leaves], stored, scales,
-                                     inner_update)
-        in_slices = {i for s in sliced.values() for i in s.state}
-        wide = [None if i in in_slices else c if a is None else _blockwise.dequantize(c, a, bits, signed[i], block,
-                                                                                     t.shape)
+        held = _chunked.Stored(grid, stored, scales, signed, keys)
+        plan = _slices(inner_update, (grads, params), template, treedef, [t for _, t in t_leaves], held)
+        in_slices = set() if plan is None else {i for s in plan.sliced.values() for i in s.state}
+        wide = [None if i in in_slices else c if a is None else grid.dequantize(c, a, signed[i], t.shape)
                 for i, ((_, t), c, a) in enumerate(zip(t_leaves, stored, scales))]
-        if sliced:
-            updates, new_wide, codes_out, scales_out = _chunked.update(
-                inner_update, g_def, g_in, p_in, wide, treedef, stored, scales, sliced, bits, block, signed, keys,
-                out_dtypes)
+        if plan is not None:
+            updates, new_wide, codes_out, scales_out = _chunked.update(inner_update, plan, g_in, p_in, wide, held)
         else:
             updates, new_inner = inner_update(grads, treedef.unflatten(wide), params)
             new_wide, codes_out, scales_out = treedef.flatten_up_to(new_inner), list(stored), list(scales)
@@ -303,26 +347,28 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         return updates, QuantizedMomentsState(treedef.unflatten(out), treedef.unflatten(out_scales), state.key,
                                               (state.count + 1).astype(jnp.int32), grid, state.map_revision)
 
-    def _slices(grads, params, template, treedef, shapes, stored, scales, inner_update) -> tuple[dict, list | None]:
-        # The large leaves to update a slice at a time (docs/lean-recipes.md#the-update-a-slice-at-a-time).
+    def _slices(inner_update, inputs, template, treedef, shapes, held) -> _chunked.SlicePlan | None:
+        # The large leaves to update a slice at a time (docs/lean-recipes.md#the-update-a-slice-at-a-time),
+        # or None: whole leaves. ``inputs``: ``(grads, params)``.
         if slice_size is None or _chunked.whole_leaves_only() or (
                 rounding == "stochastic" and not _keys.fused_bits_available()):
-            return {}, None
+            return None
+        grads, params = inputs
         g_leaves, g_def = jax.tree_util.tree_flatten(grads)
         positions = _chunked.mirrors(template, g_def)
         if len(positions) != len(shapes):
-            return {}, None
+            return None
         sliced = _chunked.plan([tuple(jnp.shape(g)) for g in g_leaves], positions, [t.shape for t in shapes],
-                               [a is not None for a in scales], bits, block, slice_size)
+                               [a is not None for a in held.scales], held.grid, slice_size)
         if not sliced:
-            return {}, None
+            return None
         abstract = lambda tree: jax.tree_util.tree_map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
         wide = treedef.unflatten([jax.ShapeDtypeStruct(t.shape, jnp.float32) if a is not None else abstract(c)
-                                  for t, c, a in zip(shapes, stored, scales)])
+                                  for t, c, a in zip(shapes, held.codes, held.scales)])
         dtypes = _chunked.per_element(inner_update, abstract(grads), wide,
                                       None if params is None else abstract(params), positions, sliced)
-        return (sliced, dtypes) if dtypes is not None else ({}, None)
+        return None if dtypes is None else _chunked.SlicePlan(g_def, treedef, sliced, dtypes)
 
     return QuantizedMoments(init_fn, update_fn)
 
