@@ -345,7 +345,8 @@ class Grid:
         Example:
           >>> import jax.numpy as jnp
           >>> grid = Grid(8, 256)
-          >>> grid.dequantize(*grid.quantize(jnp.ones(300), signed=True), signed=True, shape=(300,)).sum()
+          >>> codes, absmax = grid.quantize(jnp.ones(300), signed=True)
+          >>> grid.dequantize(codes, absmax, signed=True, shape=(300,)).sum()
           Array(300., dtype=float32)
         """
         qmap = jnp.asarray(self.code_map(signed))
