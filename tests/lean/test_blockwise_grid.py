@@ -34,7 +34,9 @@ def _functions(path: pathlib.Path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             positional = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
-            yield node.name, positional
+            # The one place the loose ints become a grid: a function that returns a Grid.
+            makes_grid = node.returns is not None and ast.unparse(node.returns).endswith("Grid")
+            yield node.name, [] if makes_grid else positional
 
 
 def test_no_function_of_the_format_takes_bits_and_block_loose():
