@@ -2,13 +2,14 @@
 
 The scheme of bitsandbytes' 8-bit optimizers (arXiv:2110.02861) and torchao's 4-bit ones: a leaf is
 cut into blocks of ``block`` consecutive elements (C order over the flattened leaf; kept in the
-leaf's leading axes when its trailing axes are a whole number of blocks: `grid_axis`); each block keeps
+leaf's leading axes when its trailing axes are a whole number of blocks: `Grid.axis`); each block keeps
 one float32 ``absmax`` and each element the index of the map entry nearest ``x / absmax``. The maps
 are sorted float32 tables in [-1, 1] (signed) or [0, 1] (non-negative), bit for bit bitsandbytes'
 and torchao's: the dynamic map (a decimal exponent plus linear fractions: fine near 0, coarse near
 1) for 8 bits and for a signed 4-bit leaf; torchao's zero-free linear map ``(i + 1) / 16`` for a
-non-negative 4-bit leaf (a second moment rounded to 0 would make Adam divide by ``eps``). Private: jaxmp.lean's quantized moments
-use it; docs/lean-recipes.md#8-bit-and-4-bit-moments says why.
+non-negative 4-bit leaf (a second moment rounded to 0 would make Adam divide by ``eps``). The format
+is a value, `Grid` (bits, block), whose methods quantize, dequantize and shape a leaf. Private:
+jaxmp.lean's quantized moments use it; docs/lean-recipes.md#8-bit-and-4-bit-moments says why.
 """
 
 from __future__ import annotations
@@ -21,19 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import _keys
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class Grid:
-    """How a quantized state cuts its leaves: ``bits`` a code, ``block`` elements an absmax.
-
-    A static pytree node (no leaves; its values live in the tree's structure), so that a layout
-    reading only an abstract state can keep each block on one device (`shard_aligned_axes`).
-    """
-
-    bits: int
-    block: int
 
 
 def _table(hex_bits: str) -> np.ndarray:
@@ -180,148 +168,201 @@ def _ordered_jnp(bits: jax.Array) -> jax.Array:
     return bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
 
 
-def n_blocks(size: int, block: int) -> int:
-    return -(-size // block)
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """How a quantized state cuts its leaves: ``bits`` a code, ``block`` elements an absmax.
 
+    The format as a value that does its own work: the shapes of a leaf's codes and absmax, the
+    axes a layout may split it on, quantizing and dequantizing. A static pytree node (no
+    leaves; its values live in the tree's structure), so that a layout reading only an abstract
+    state can keep each block on one device (`aligned_axes`).
 
-def grid_axis(shape: tuple, bits: int, block: int) -> int | None:
-    """The first axis of the slabs a leaf's blocks tile: the largest ``k`` for which
-    ``shape[k:]`` is a whole number of blocks (and, at 4 bits, the last axis even, so the codes
-    pack within it); None when the leaf is no whole number of blocks (flattened, the last block
-    zero-padded). The blocks are the C-order blocks of the flattened leaf either way, cut at the
-    same places; kept in the leaf's leading axes, ``shape[:k]``, they stay whole when any of
-    those axes is split over devices (`shard_aligned_axes`). ``k = ndim - 1``: rows of the last
-    axis (every GPT-2 matrix at block 256)."""
-    shape = tuple(shape)
-    if not shape or (bits == 4 and shape[-1] % 2):
-        return None
-    for k in range(len(shape) - 1, -1, -1):
-        if int(np.prod(shape[k:], dtype=np.int64)) % block == 0:
-            return k
-    return None
-
-
-def scales_shape(shape: tuple, bits: int, block: int) -> tuple:
-    """The absmax's shape: ``shape[:k] + (blocks a slab,)`` (``k``: `grid_axis`), else
-    ``(n_blocks(size, block),)``: one float32 a block, in C order either way."""
-    shape = tuple(shape)
-    k = grid_axis(shape, bits, block)
-    if k is not None:
-        return shape[:k] + (int(np.prod(shape[k:], dtype=np.int64)) // block,)
-    return (n_blocks(int(np.prod(shape, dtype=np.int64)), block),)
-
-
-def shard_aligned_axes(shape: tuple, bits: int, block: int, n: int) -> tuple:
-    """The axes of a ``shape`` leaf that can be split ``n`` ways with every block (and the 4-bit
-    byte holding two codes) on one device: those before `grid_axis`'s ``k`` that ``n`` divides,
-    and ``k`` itself when each device's part of a slab is a whole number of blocks. A leaf with
-    no ``k`` has none. ZeRO and FSDP split a quantized leaf on one of these (`jaxmp.parallel`'s
-    layouts)."""
-    shape = tuple(shape)
-    if not shape or n <= 1:
-        return tuple(range(len(shape)))
-    k = grid_axis(shape, bits, block)
-    if k is None:
-        return ()
-    part = int(np.prod(shape[k + 1:], dtype=np.int64))
-    return tuple(d for d in range(k) if shape[d] % n == 0) + (
-        (k,) if shape[k] % n == 0 and (shape[k] // n * part) % block == 0 else ())
-
-
-def codes_shape(shape: tuple, bits: int) -> tuple:
-    """The stored codes' shape: the leaf's for 8 bits; 4 bits: two a byte, the last axis halved when
-    it is even (so a leaf split on another axis keeps its split), else flat."""
-    if bits == 8:
-        return tuple(shape)
-    size = int(np.prod(shape, dtype=np.int64))
-    if len(shape) >= 1 and shape[-1] % 2 == 0:
-        return tuple(shape[:-1]) + (shape[-1] // 2,)
-    return (-(-size // 2),)
-
-
-def _blocks(x: jax.Array, bits: int, block: int) -> jax.Array:
-    """``x`` in float32 as blocks: ``shape[:k] + (n, block)`` (``k``: `grid_axis`), else flattened
-    and zero-padded to ``(n_blocks, block)``. A partial last block is padded with zeros, which
-    change no absmax; the padding is never stored."""
-    k = grid_axis(x.shape, bits, block)
-    if k is not None:
-        return x.astype(jnp.float32).reshape(scales_shape(x.shape, bits, block) + (block,))
-    flat = x.astype(jnp.float32).reshape(-1)
-    pad = n_blocks(flat.size, block) * block - flat.size
-    if pad:
-        flat = jnp.pad(flat, (0, pad))
-    return flat.reshape(-1, block)
-
-
-def quantize(x: jax.Array, bits: int, signed: bool, block: int, key: jax.Array | None = None,
-             offset: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array]:
-    """``(codes, absmax)``: uint8 codes (``codes_shape``) and float32 scales (``scales_shape``) of ``x``.
-
-    ``key`` None rounds ``x / absmax`` to the nearest map entry; a PRNG key rounds stochastically
-    between the two entries around it (up with probability equal to the distance: unbiased
-    inside the map's range). An all-zero block stores absmax 0 (it dequantizes to exact zeros); a
-    block with a NaN or an infinity stores absmax NaN (it dequantizes to NaN).
-    ``offset``: ``x`` is the slice of a larger leaf that starts at that C-order element (at a block
-    boundary), and its stochastic rounding draws that leaf's bits (`jaxmp._keys.random_bits`).
+    Example:
+      >>> import jax.numpy as jnp
+      >>> grid = Grid(bits=8, block=256)
+      >>> codes, absmax = grid.quantize(jnp.ones((4, 512)), signed=True)
+      >>> codes.shape, absmax.shape == grid.absmax_shape((4, 512))
+      ((4, 512), True)
     """
-    qmap = jnp.asarray(code_map(bits, signed))
-    rows = grid_axis(x.shape, bits, block) is not None
-    blocks = _blocks(x, bits, block)
-    # A block holding a NaN or an infinity stores a NaN absmax, so it decodes to NaN and a check of
-    # the state sees it (as the block-scaled fp8 quantizer does). Explicitly: XLA:CPU's vectorized
-    # row max can drop a NaN. Its codes are those of zeros.
-    bad = jnp.any(~jnp.isfinite(blocks), axis=-1)
-    absmax = jnp.where(bad, jnp.float32(jnp.nan), jnp.max(jnp.abs(blocks), axis=-1))
-    blocks = jnp.where(bad[..., None], jnp.float32(0), blocks)
-    normed = blocks / jnp.where(absmax > 0, absmax, jnp.float32(1))[..., None]
-    # The block's largest element is +-1 exactly (the map's end): XLA may divide by multiplying
-    # with the reciprocal once the search is fused in, which leaves 1 - 2**-24.
-    normed = jnp.where(jnp.abs(blocks) == absmax[..., None], jnp.sign(blocks), normed)
-    if key is None:
-        # Nearest entry: the number of midpoints below the value (ties to the lower entry).
-        mids = (code_map(bits, signed)[:-1] + code_map(bits, signed)[1:]) / np.float32(2)
-        codes = _count(normed, mids, "left")
-    else:
-        lo = jnp.clip(_count(normed, code_map(bits, signed), "right") - 1, 0, qmap.size - 2)
-        below, above = qmap[lo], qmap[lo + 1]
-        p = jnp.clip((normed - below) / (above - below), 0, 1)
-        # The uniforms of the flattened leaf's C order, whatever the blocks' shape.
-        codes = lo + (_keys.uniform(key, normed.shape, offset) < p)
-    codes = codes.astype(jnp.uint8)
-    if rows:
-        # Reshapes within the slabs only, so a split of a leading axis stays where it is.
-        if bits == 8:
-            return codes.reshape(x.shape), absmax
-        pairs = codes.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
-        return pairs[..., 0] | (pairs[..., 1] << 4), absmax
-    codes = codes.reshape(-1)
-    size = int(np.prod(x.shape, dtype=np.int64))
-    if bits == 8:
-        return codes[:size].reshape(x.shape), absmax
-    codes = codes[:2 * (-(-size // 2))]
-    if codes.size % 2:  # block is odd and so is size: one more (ignored) code
-        codes = jnp.pad(codes, (0, 1))
-    packed = codes[0::2] | (codes[1::2] << 4)
-    return packed.reshape(codes_shape(x.shape, bits)), absmax
 
+    bits: int
+    block: int
 
-def dequantize(codes: jax.Array, absmax: jax.Array, bits: int, signed: bool, block: int, shape: tuple
-               ) -> jax.Array:
-    """The float32 leaf of ``shape`` that ``(codes, absmax)`` hold: ``map[code] * absmax[block]``."""
-    qmap = jnp.asarray(code_map(bits, signed))
-    shape = tuple(shape)
-    if grid_axis(shape, bits, block) is not None:
-        if bits == 4:
-            codes = jnp.stack([codes & 15, codes >> 4], axis=-1)
-        index = codes.reshape(scales_shape(shape, bits, block) + (block,)).astype(jnp.int32)
-        return (qmap[index] * absmax[..., None]).reshape(shape)
-    size = int(np.prod(shape, dtype=np.int64))
-    flat = codes.reshape(-1)
-    if bits == 4:
-        flat = jnp.stack([flat & 15, flat >> 4], axis=-1).reshape(-1)
-    flat = flat[:size]
-    pad = absmax.shape[0] * block - size
-    if pad:
-        flat = jnp.pad(flat, (0, pad))
-    values = qmap[flat.astype(jnp.int32)].reshape(-1, block) * absmax[:, None]
-    return values.reshape(-1)[:size].reshape(shape)
+    @property
+    def codes_per_byte(self) -> int:
+        """Codes a stored byte: 2 at 4 bits (packed), else 1."""
+        return 2 if self.bits == 4 else 1
+
+    def code_map(self, signed: bool) -> np.ndarray:
+        """The map of a leaf of this grid's bits (`code_map`)."""
+        return code_map(self.bits, signed)
+
+    def n_blocks(self, size: int) -> int:
+        """Blocks of a flattened leaf of ``size`` elements (a partial last one included)."""
+        return -(-size // self.block)
+
+    def axis(self, shape: tuple) -> int | None:
+        """The first axis of the slabs a leaf's blocks tile: the largest ``k`` for which
+        ``shape[k:]`` is a whole number of blocks (and, at 4 bits, the last axis even, so the
+        codes pack within it); None when the leaf is no whole number of blocks (flattened, the
+        last block zero-padded). The blocks are the C-order blocks of the flattened leaf either
+        way, cut at the same places; kept in the leaf's leading axes, ``shape[:k]``, they stay
+        whole when any of those axes is split over devices (`aligned_axes`). ``k = ndim - 1``:
+        rows of the last axis (every GPT-2 matrix at block 256)."""
+        shape = tuple(shape)
+        if not shape or (self.bits == 4 and shape[-1] % 2):
+            return None
+        for k in range(len(shape) - 1, -1, -1):
+            if int(np.prod(shape[k:], dtype=np.int64)) % self.block == 0:
+                return k
+        return None
+
+    def absmax_shape(self, shape: tuple) -> tuple:
+        """The absmax's shape: ``shape[:k] + (blocks a slab,)`` (``k``: `axis`), else
+        ``(n_blocks(size),)``: one float32 a block, in C order either way."""
+        shape = tuple(shape)
+        k = self.axis(shape)
+        if k is not None:
+            return shape[:k] + (int(np.prod(shape[k:], dtype=np.int64)) // self.block,)
+        return (self.n_blocks(int(np.prod(shape, dtype=np.int64))),)
+
+    def codes_shape(self, shape: tuple) -> tuple:
+        """The stored codes' shape: the leaf's for 8 bits; 4 bits: two a byte, the last axis
+        halved when it is even (so a leaf split on another axis keeps its split), else flat."""
+        if self.bits == 8:
+            return tuple(shape)
+        size = int(np.prod(shape, dtype=np.int64))
+        if len(shape) >= 1 and shape[-1] % 2 == 0:
+            return tuple(shape[:-1]) + (shape[-1] // 2,)
+        return (-(-size // 2),)
+
+    def aligned_axes(self, shape: tuple, n: int) -> tuple:
+        """The axes of a ``shape`` leaf that can be split ``n`` ways with every block (and the
+        4-bit byte holding two codes) on one device: those before `axis`'s ``k`` that ``n``
+        divides, and ``k`` itself when each device's part of a slab is a whole number of blocks.
+        A leaf with no ``k`` has none. ZeRO and FSDP split a quantized leaf on one of these
+        (`jaxmp.parallel`'s layouts, through the state's ``split_axes``)."""
+        shape = tuple(shape)
+        if not shape or n <= 1:
+            return tuple(range(len(shape)))
+        k = self.axis(shape)
+        if k is None:
+            return ()
+        part = int(np.prod(shape[k + 1:], dtype=np.int64))
+        return tuple(d for d in range(k) if shape[d] % n == 0) + (
+            (k,) if shape[k] % n == 0 and (shape[k] // n * part) % self.block == 0 else ())
+
+    def _blocks(self, x: jax.Array) -> jax.Array:
+        """``x`` in float32 as blocks: ``shape[:k] + (n, block)`` (``k``: `axis`), else flattened
+        and zero-padded to ``(n_blocks, block)``. A partial last block is padded with zeros,
+        which change no absmax; the padding is never stored."""
+        if self.axis(x.shape) is not None:
+            return x.astype(jnp.float32).reshape(self.absmax_shape(x.shape) + (self.block,))
+        flat = x.astype(jnp.float32).reshape(-1)
+        pad = self.n_blocks(flat.size) * self.block - flat.size
+        if pad:
+            flat = jnp.pad(flat, (0, pad))
+        return flat.reshape(-1, self.block)
+
+    def quantize(self, x: jax.Array, signed: bool, key: jax.Array | None = None,
+                 offset: jax.Array | int | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(codes, absmax)``: uint8 codes (`codes_shape`) and float32 scales (`absmax_shape`) of ``x``.
+
+        Args:
+          x: the leaf (any floating dtype; quantized from its float32 values).
+          signed: the map's sign (`code_map`).
+          key: None rounds ``x / absmax`` to the nearest map entry; a PRNG key rounds
+            stochastically between the two entries around it (up with probability equal to the
+            distance: unbiased inside the map's range).
+          offset: ``x`` is the slice of a larger leaf that starts at that C-order element (at a
+            block boundary), and its stochastic rounding draws that leaf's bits
+            (`jaxmp._keys.random_bits`).
+
+        Returns:
+          The codes and the absmax. An all-zero block stores absmax 0 (it dequantizes to exact
+          zeros); a block with a NaN or an infinity stores absmax NaN (it dequantizes to NaN).
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> codes, absmax = Grid(4, 128).quantize(jnp.ones(256), signed=False)
+          >>> codes.shape, absmax.shape
+          ((128,), (2,))
+        """
+        qmap = jnp.asarray(self.code_map(signed))
+        blocks = self._blocks(x)
+        # A block holding a NaN or an infinity stores a NaN absmax, so it decodes to NaN and a check of
+        # the state sees it (as the block-scaled fp8 quantizer does). Explicitly: XLA:CPU's vectorized
+        # row max can drop a NaN. Its codes are those of zeros.
+        bad = jnp.any(~jnp.isfinite(blocks), axis=-1)
+        absmax = jnp.where(bad, jnp.float32(jnp.nan), jnp.max(jnp.abs(blocks), axis=-1))
+        blocks = jnp.where(bad[..., None], jnp.float32(0), blocks)
+        normed = blocks / jnp.where(absmax > 0, absmax, jnp.float32(1))[..., None]
+        # The block's largest element is +-1 exactly (the map's end): XLA may divide by multiplying
+        # with the reciprocal once the search is fused in, which leaves 1 - 2**-24.
+        normed = jnp.where(jnp.abs(blocks) == absmax[..., None], jnp.sign(blocks), normed)
+        if key is None:
+            # Nearest entry: the number of midpoints below the value (ties to the lower entry).
+            mids = (self.code_map(signed)[:-1] + self.code_map(signed)[1:]) / np.float32(2)
+            codes = _count(normed, mids, "left")
+        else:
+            lo = jnp.clip(_count(normed, self.code_map(signed), "right") - 1, 0, qmap.size - 2)
+            below, above = qmap[lo], qmap[lo + 1]
+            p = jnp.clip((normed - below) / (above - below), 0, 1)
+            # The uniforms of the flattened leaf's C order, whatever the blocks' shape.
+            codes = lo + (_keys.uniform(key, normed.shape, offset) < p)
+        return self._store(codes.astype(jnp.uint8), tuple(x.shape)), absmax
+
+    def _store(self, codes: jax.Array, shape: tuple) -> jax.Array:
+        """The codes of a ``shape`` leaf's blocks (``_blocks``' shape) as stored (`codes_shape`)."""
+        if self.axis(shape) is not None:
+            # Reshapes within the slabs only, so a split of a leading axis stays where it is.
+            if self.bits == 8:
+                return codes.reshape(shape)
+            pairs = codes.reshape(shape[:-1] + (shape[-1] // 2, 2))
+            return pairs[..., 0] | (pairs[..., 1] << 4)
+        codes = codes.reshape(-1)
+        size = int(np.prod(shape, dtype=np.int64))
+        if self.bits == 8:
+            return codes[:size].reshape(shape)
+        codes = codes[:2 * (-(-size // 2))]
+        if codes.size % 2:  # block is odd and so is size: one more (ignored) code
+            codes = jnp.pad(codes, (0, 1))
+        packed = codes[0::2] | (codes[1::2] << 4)
+        return packed.reshape(self.codes_shape(shape))
+
+    def dequantize(self, codes: jax.Array, absmax: jax.Array, signed: bool, shape: tuple) -> jax.Array:
+        """The float32 leaf of ``shape`` that ``(codes, absmax)`` hold: ``map[code] * absmax[block]``.
+
+        Args:
+          codes, absmax: what `quantize` returned for a ``shape`` leaf.
+          signed: the map's sign the codes index.
+          shape: the leaf's shape.
+
+        Returns:
+          The float32 leaf.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> grid = Grid(8, 256)
+          >>> codes, absmax = grid.quantize(jnp.ones(300), signed=True)
+          >>> grid.dequantize(codes, absmax, signed=True, shape=(300,)).sum()
+          Array(300., dtype=float32)
+        """
+        qmap = jnp.asarray(self.code_map(signed))
+        shape = tuple(shape)
+        if self.axis(shape) is not None:
+            if self.bits == 4:
+                codes = jnp.stack([codes & 15, codes >> 4], axis=-1)
+            index = codes.reshape(self.absmax_shape(shape) + (self.block,)).astype(jnp.int32)
+            return (qmap[index] * absmax[..., None]).reshape(shape)
+        size = int(np.prod(shape, dtype=np.int64))
+        flat = codes.reshape(-1)
+        if self.bits == 4:
+            flat = jnp.stack([flat & 15, flat >> 4], axis=-1).reshape(-1)
+        flat = flat[:size]
+        pad = absmax.shape[0] * self.block - size
+        if pad:
+            flat = jnp.pad(flat, (0, pad))
+        values = qmap[flat.astype(jnp.int32)].reshape(-1, self.block) * absmax[:, None]
+        return values.reshape(-1)[:size].reshape(shape)

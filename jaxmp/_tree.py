@@ -2,12 +2,13 @@
 
 Private: jaxmp's own modules import it as ``from jaxmp import _tree``. optax's ``tree_utils``
 finds states by field name (``tree_get``), not by class, and has no check that names the first
-leaf where two trees differ, so these two small helpers stay here.
+leaf where two trees differ, so these two small helpers stay here; and `ShardsItself`, the
+protocol through which a state node tells jaxmp.parallel's layouts how to split it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -37,3 +38,27 @@ def check_same_structure(tree: Any, ref: Any, what: str, ref_what: str) -> None:
                 f"{what} leaf at {jax.tree_util.keystr(path)} has shape {jnp.shape(g)} but the {ref_what} leaf "
                 f"has {jnp.shape(r)}"
             )
+
+
+@runtime_checkable
+class ShardsItself(Protocol):
+    """An optimizer-state node that says how a data-parallel layout splits it.
+
+    jaxmp.parallel's ZeRO and FSDP layouts (``jaxmp.parallel.state_specs``) call these methods on
+    every node of an optimizer state that has them, and name no state type or field: a state
+    whose leaves are not plain moments (jaxmp.lean's quantized ones: codes and a scale a block)
+    carries its own layout, as torchao's ``OptimState8bit`` carries its distributed behaviour.
+    """
+
+    def split_axes(self, params_def: Any, param_shapes: Sequence[tuple], n: int) -> dict[int, set]:
+        """``{param index: axes}``: the params (leaves of ``params_def``, of ``param_shapes``)
+        whose state this node holds in a form that only some splits keep whole, with the axes of
+        each that may be split ``n`` ways. The layout splits a param (and so its state) only on
+        an axis every node allows; a param no node names splits anywhere."""
+        ...
+
+    def partition_specs(self, specs_of: Callable[[Any], Any]) -> Any:
+        """This node with a ``PartitionSpec`` for each leaf: ``specs_of`` lays out a plain
+        sub-tree (moments shaped like the params take their param's split; scalars stay
+        replicated)."""
+        ...

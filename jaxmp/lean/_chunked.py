@@ -73,12 +73,12 @@ def mirrors(state_template: Any, params_def: Any) -> list:
     return out
 
 
-def plan(param_shapes: list, positions: list, state_shapes: list, quantized: list, bits: int, block: int,
+def plan(param_shapes: list, positions: list, state_shapes: list, quantized: list, grid: _blockwise.Grid,
          slice_size: int) -> dict:
     """``{param index: Sliced}``: the params large enough to update in two or more slices of about
-    ``slice_size`` values, all of whose mirrored state leaves are quantized, with slices of whole
-    blocks."""
-    if bits == 4 and block % 2:
+    ``slice_size`` values, all of whose mirrored state leaves are quantized (cut by ``grid``), with
+    slices of whole blocks."""
+    if grid.codes_per_byte == 2 and grid.block % 2:
         return {}   # a slice must end on a whole byte of 4-bit codes
     out = {}
     for j, shape in enumerate(param_shapes):
@@ -89,8 +89,8 @@ def plan(param_shapes: list, positions: list, state_shapes: list, quantized: lis
             continue
         unit = math.prod(shape[1:])
         rows = max(1, slice_size // unit)
-        if not _blockwise.grid_axis(shape, bits, block):   # no slabs within the first axis
-            step = block // math.gcd(unit, block)   # flattened blocks: a slice of whole blocks
+        if not grid.axis(shape):   # no slabs within the first axis
+            step = grid.block // math.gcd(unit, grid.block)   # flattened blocks: a slice of whole blocks
             rows = max(step, rows // step * step)
         if shape[0] // rows >= 2:
             out[j] = Sliced(tuple(shape), rows, shape[0] // rows, state)
@@ -166,99 +166,133 @@ def identity(x: jax.Array) -> jax.Array:
     return x
 
 
-def update(inner_update: Callable, g_def: Any, grads: Inputs, params: Inputs | None, wide: list, state_def: Any,
-           codes: list, scales: list, sliced: dict, bits: int, block: int, signed: list, keys: list,
-           out_dtypes: list) -> tuple:
+class SlicePlan(NamedTuple):
+    """What `update` does besides its values: the trees' shapes and which params it slices."""
+
+    g_def: Any          # the params' treedef
+    state_def: Any      # the inner state's treedef
+    sliced: dict        # {param index: Sliced} (`plan`)
+    out_dtypes: list    # the dtypes of the updates' leaves
+
+
+class Stored(NamedTuple):
+    """The inner state's leaves as stored, each with what it is quantized by."""
+
+    grid: _blockwise.Grid
+    codes: list         # the stored leaves (codes where quantized)
+    scales: list        # their absmax (None where not quantized)
+    signed: list        # per leaf its map's sign
+    keys: list          # per leaf the stochastic rounding key, or None (nearest)
+
+
+def update(inner_update: Callable, plan: SlicePlan, grads: Inputs, params: Inputs | None, wide: list,
+           stored: Stored) -> tuple:
     """The inner update with each `Sliced` param's state updated a slice at a time.
 
     Args:
       inner_update: ``(grads, state, params) -> (updates, state)``, float32 state.
-      g_def: the params' treedef.
+      plan: the trees and the sliced params (`SlicePlan`).
       grads, params: what the inner update reads (`Inputs`); params None when it reads none.
       wide: the inner state's leaves, dequantized (None at the sliced params' state leaves).
-      state_def: the inner state's treedef.
-      codes, scales: the stored state leaves and their absmax (None where not quantized).
-      sliced: `plan`'s.
-      bits, block, signed: the grid, and per state leaf its map's sign.
-      keys: per state leaf the stochastic rounding key, or None (nearest).
-      out_dtypes: the dtypes of the updates' leaves.
+      stored: the stored state leaves, their absmax, grid, signs and keys (`Stored`).
 
     Returns:
       ``(updates, new wide leaves (None at sliced ones), new codes, new scales)``; the lists are
       per state leaf.
     """
-    def base(inputs: Inputs) -> list:
-        # Whole leaves but the sliced ones, which are empty: rows of none.
-        out = []
-        for j in range(g_def.num_leaves):
-            if j in sliced:
-                x = jax.eval_shape(lambda j=j: inputs.leaf(g_def, j))
-                out.append(jnp.zeros((0,) + tuple(x.shape[1:]), x.dtype))
-            else:
-                out.append(inputs.leaf(g_def, j))
-        return out
-
-    base_g = base(grads)
-    base_p = None if params is None else base(params)
+    g_def, sliced = plan.g_def, plan.sliced
+    base_g = _base(grads, plan)
+    base_p = None if params is None else _base(params, plan)
     base_s = list(wide)
     for s in sliced.values():
         for i in s.state:
             base_s[i] = jnp.zeros((0,) + s.shape[1:], jnp.float32)
-
-    def call(g, s, p):
-        updates, new = inner_update(g_def.unflatten(g), state_def.unflatten(s),
-                                    None if p is None else g_def.unflatten(p))
-        return g_def.flatten_up_to(updates), state_def.flatten_up_to(new)
+    run = _Run(inner_update=inner_update, plan=plan, grads=grads, params=params, base_g=base_g, base_p=base_p,
+               base_s=base_s, stored=stored)
 
     # Everything but the sliced leaves, whole (counts, small leaves).
-    rest_updates, rest_state = call(base_g, base_s, base_p)
+    rest_updates, rest_state = run.call(base_g, base_s, base_p)
     updates = list(rest_updates)
     new_wide = [None if any(i in s.state for s in sliced.values()) else x for i, x in enumerate(rest_state)]
-    new_codes, new_scales = list(codes), list(scales)
-
+    new_codes, new_scales = list(stored.codes), list(stored.scales)
     for j, s in sliced.items():
-        unit = math.prod(s.shape[1:])
+        updates[j], codes, scales = run.param(j, s)
+        for k, i in enumerate(s.state):
+            new_codes[i], new_scales[i] = codes[k], scales[k]
+    return g_def.unflatten(updates), new_wide, new_codes, new_scales
 
-        def one_slice(start, n_rows, carry, last=False, j=j, s=s, unit=unit):
-            upd, cs, ss = carry
 
-            def take(x, per):
-                offset, length = _span(x.shape, s.shape, start, n_rows, per, last)
-                return jax.lax.dynamic_slice_in_dim(x, offset, length)
+def _base(inputs: Inputs, plan: SlicePlan) -> list:
+    """Whole leaves but the sliced ones, which are empty: rows of none."""
+    out = []
+    for j in range(plan.g_def.num_leaves):
+        if j in plan.sliced:
+            x = jax.eval_shape(lambda j=j: inputs.leaf(plan.g_def, j))
+            out.append(jnp.zeros((0,) + tuple(x.shape[1:]), x.dtype))
+        else:
+            out.append(inputs.leaf(plan.g_def, j))
+    return out
 
-            def put(x, value, per):
-                return jax.lax.dynamic_update_slice_in_dim(x, value, _span(x.shape, s.shape, start, n_rows, per,
-                                                                           last)[0], 0)
 
-            g = list(base_g)
-            g[j] = grads.leaf(g_def, j, (start, n_rows))
-            p = None
-            if base_p is not None and params is not None:
-                p = list(base_p)
-                p[j] = params.leaf(g_def, j, (start, n_rows))
-            st = list(base_s)
-            piece = (n_rows,) + s.shape[1:]
-            code_per = 2 if bits == 4 else 1
-            for k, i in enumerate(s.state):
-                st[i] = _blockwise.dequantize(take(cs[k], code_per), take(ss[k], block), bits, signed[i], block,
-                                              piece)
-            u, new = call(g, st, p)
-            upd = jax.lax.dynamic_update_slice_in_dim(upd, u[j].astype(upd.dtype), start, 0)
-            cs, ss = list(cs), list(ss)
-            for k, i in enumerate(s.state):
-                c, a = _blockwise.quantize(new[i], bits, signed[i], block, keys[i], start * unit)
-                cs[k], ss[k] = put(cs[k], c, code_per), put(ss[k], a, block)
-            return upd, tuple(cs), tuple(ss)
+class _Run(NamedTuple):
+    """One `update`: the inner update, its inputs, and the whole-leaf arguments each slice's call
+    shares (the sliced leaves empty in them)."""
 
-        carry = (jnp.zeros(s.shape, out_dtypes[j]), tuple(codes[i] for i in s.state),
-                 tuple(scales[i] for i in s.state))
+    inner_update: Callable
+    plan: SlicePlan
+    grads: Inputs
+    params: Inputs | None
+    base_g: list
+    base_p: list | None
+    base_s: list
+    stored: Stored
+
+    def call(self, g: list, s: list, p: list | None) -> tuple:
+        g_def, state_def = self.plan.g_def, self.plan.state_def
+        updates, new = self.inner_update(g_def.unflatten(g), state_def.unflatten(s),
+                                         None if p is None else g_def.unflatten(p))
+        return g_def.flatten_up_to(updates), state_def.flatten_up_to(new)
+
+    def param(self, j: int, s: Sliced) -> tuple:
+        """``(update, codes, scales)`` of param ``j``, its state's codes and scales per `Sliced.state`."""
+        stored = self.stored
+        carry = (jnp.zeros(s.shape, self.plan.out_dtypes[j]), tuple(stored.codes[i] for i in s.state),
+                 tuple(stored.scales[i] for i in s.state))
         # Each slice reads its own rows of the codes and absmax before writing them: the loop
         # updates them in place.
-        carry = jax.lax.fori_loop(0, s.slices, lambda k, c, s=s, f=one_slice: f(k * s.rows, s.rows, c), carry)
+        carry = jax.lax.fori_loop(0, s.slices, lambda k, c: self.one_slice(j, s, k * s.rows, s.rows, c), carry)
         tail = s.shape[0] - s.slices * s.rows
         if tail:
-            carry = one_slice(s.slices * s.rows, tail, carry, last=True)
-        updates[j] = carry[0]
+            carry = self.one_slice(j, s, s.slices * s.rows, tail, carry, last=True)
+        return carry
+
+    def one_slice(self, j: int, s: Sliced, start: Any, n_rows: int, carry: tuple, last: bool = False) -> tuple:
+        """Rows ``start .. start + n_rows`` of param ``j``: dequantized, updated, requantized."""
+        upd, cs, ss = carry
+        grid, signed, keys = self.stored.grid, self.stored.signed, self.stored.keys
+
+        def take(x, per):
+            offset, length = _span(x.shape, s.shape, start, n_rows, per, last)
+            return jax.lax.dynamic_slice_in_dim(x, offset, length)
+
+        def put(x, value, per):
+            return jax.lax.dynamic_update_slice_in_dim(x, value, _span(x.shape, s.shape, start, n_rows, per,
+                                                                       last)[0], 0)
+
+        g = list(self.base_g)
+        g[j] = self.grads.leaf(self.plan.g_def, j, (start, n_rows))
+        p = None
+        if self.base_p is not None and self.params is not None:
+            p = list(self.base_p)
+            p[j] = self.params.leaf(self.plan.g_def, j, (start, n_rows))
+        st = list(self.base_s)
+        piece = (n_rows,) + s.shape[1:]
         for k, i in enumerate(s.state):
-            new_codes[i], new_scales[i] = carry[1][k], carry[2][k]
-    return g_def.unflatten(updates), new_wide, new_codes, new_scales
+            st[i] = grid.dequantize(take(cs[k], grid.codes_per_byte), take(ss[k], grid.block), signed[i], piece)
+        u, new = self.call(g, st, p)
+        upd = jax.lax.dynamic_update_slice_in_dim(upd, u[j].astype(upd.dtype), start, 0)
+        cs, ss = list(cs), list(ss)
+        for k, i in enumerate(s.state):
+            c, a = grid.quantize(new[i], signed[i], keys[i], start * math.prod(s.shape[1:]))
+            cs[k], ss[k] = put(cs[k], c, grid.codes_per_byte), put(ss[k], a, grid.block)
+        return upd, tuple(cs), tuple(ss)

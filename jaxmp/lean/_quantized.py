@@ -9,12 +9,13 @@ measurements: docs/lean-recipes.md#8-bit-and-4-bit-moments.
 from __future__ import annotations
 
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from jaxmp import _blockwise, _keys
 from jaxmp.lean import _chunked
@@ -49,7 +50,7 @@ class QuantizedMomentsState(NamedTuple):
       absmax: the same tree as ``inner_state`` with one float32 scale per block of ``block``
         consecutive elements (C order) at each quantized leaf and None elsewhere: of shape
         ``shape[:k] + (blocks a slab,)`` when the leaf's axes from ``k`` on are a whole number of
-        blocks (``jaxmp._blockwise.grid_axis``: the last axis of a matrix whose rows are whole
+        blocks (``jaxmp._blockwise.Grid.axis``: the last axis of a matrix whose rows are whole
         blocks), else ``(ceil(size / block),)``.
       key: uint32[2], the raw threefry2x32 key data (zeros for nearest rounding; constant).
       count: int32 [], updates applied so far (folded into ``key`` for each update's bits).
@@ -62,6 +63,10 @@ class QuantizedMomentsState(NamedTuple):
         so that a checkpoint records it: one written before it existed (maps of revision 1) has no
         such leaf, and orbax's restore into a ``tx.init`` target refuses it by name rather than
         decode its codes with other maps (docs/lean-recipes.md#8-bit-and-4-bit-moments).
+
+    The state lays itself out (``jaxmp._tree.ShardsItself``): jaxmp.parallel's ZeRO and FSDP
+    layouts ask it which axes of each param keep its blocks whole (`split_axes`) and for its
+    ``PartitionSpec`` tree (`partition_specs`), and name none of its fields.
     """
 
     inner_state: optax.OptState
@@ -70,6 +75,49 @@ class QuantizedMomentsState(NamedTuple):
     count: jax.Array  # type: ignore[assignment]  # optax names its step counters count
     grid: _blockwise.Grid
     map_revision: jax.Array | None = None
+
+    def split_axes(self, params_def: Any, param_shapes: Sequence[tuple], n: int) -> dict[int, set]:
+        """``{param index: axes}``: for each param with a quantized moment, the axes it may be
+        split ``n`` ways on with every block of each of its moments on one device
+        (``Grid.aligned_axes``). Refuses a state that lost its grid (`check_restored`) first."""
+        check_restored(self)   # a grid lost by a hand-written restore, named before its bits are read
+        positions = _chunked.mirrors(self.inner_state, params_def)
+        inner_def: Any = jax.tree_util.tree_structure(self.inner_state)
+        out: dict = {}
+        for j, a in zip(positions, inner_def.flatten_up_to(self.absmax)):
+            if j is not None and a is not None:
+                axes = set(self.grid.aligned_axes(param_shapes[j], n))
+                out[j] = out.get(j, axes) & axes
+        return out
+
+    def partition_specs(self, specs_of: Callable[[Any], Any]) -> QuantizedMomentsState:
+        """The state's ``PartitionSpec`` tree: the codes as ``specs_of`` lays out the inner state
+        (a param's split, on axes `split_axes` allowed), each absmax following its codes, every
+        other leaf (key, count, map revision, any later one) replicated."""
+        inner = specs_of(self.inner_state)
+        inner_def: Any = jax.tree_util.tree_structure(self.inner_state)
+        scales = []
+        for c, spec, a in zip(inner_def.flatten_up_to(self.inner_state), inner_def.flatten_up_to(inner),
+                              inner_def.flatten_up_to(self.absmax)):
+            # The absmax of slabs starting at axis k has the codes' axes up to k (the split, if
+            # any, is on one of them: aligned); that of flattened blocks is not split.
+            scales.append(None if a is None else _leading_spec(spec, _ndim(c), _ndim(a)))
+        replicated = QuantizedMomentsState(*(jax.tree_util.tree_map(lambda _: PartitionSpec(), getattr(self, f))
+                                             for f in self._fields))
+        return replicated._replace(inner_state=inner, absmax=inner_def.unflatten(scales), grid=self.grid)
+
+
+def _ndim(x: Any) -> int:
+    # Arrays and jax.ShapeDtypeStruct alike.
+    return len(x.shape) if hasattr(x, "shape") else np.ndim(x)
+
+
+def _leading_spec(spec: PartitionSpec, ndim: int, keep: int) -> PartitionSpec:
+    """The first ``keep`` entries of the spec of an ``ndim`` leaf (trailing unsplit ones dropped)."""
+    entries = (list(spec) + [None] * (ndim - len(spec)))[:keep]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
 
 
 def _non_negative(path: tuple) -> bool:
@@ -204,12 +252,9 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
       >>> updates, state = tx.update({"w": jnp.ones((64, 128)), "b": jnp.ones(128)}, state)
     """
     inner = check_inner(inner)
-    if bits not in (8, 4) or isinstance(bits, bool):
-        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
-    block = _BLOCKS[bits] if block is None else _check_int(block, "block", 2)
+    grid = _grid(bits, block)
     min_size = _check_int(min_size, "min_size", 0)
-    if slice_size is not None:
-        slice_size = _check_int(slice_size, "slice_size", 1)
+    slice_size = None if slice_size is None else _check_int(slice_size, "slice_size", 1)
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if rounding == "stochastic":
@@ -218,24 +263,11 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         unused_key_warning("quantized_moments", key, "rounding='nearest' rounds each moment to the nearest map entry")
         key_data = jnp.zeros(2, jnp.uint32)
 
-    grid = _blockwise.Grid(bits, block)
-
-    def quantize(path, x, k=None):
-        return _blockwise.quantize(x, bits, not _non_negative(path), block, k)
-
     def init_fn(params):
         state = inner.init(params)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         _refuse_fp8([(path, x) for path, x in leaves if _quantizable(x, min_size)])
-        stored, scales = [], []
-        for path, x in leaves:
-            if _quantizable(x, min_size):
-                codes, absmax = quantize(path, x)
-                stored.append(codes)
-                scales.append(absmax)
-            else:
-                stored.append(x)
-                scales.append(None)
+        stored, scales = _quantized_leaves(leaves, grid, min_size)
         return QuantizedMomentsState(treedef.unflatten(stored), treedef.unflatten(scales), jnp.array(key_data),
                                      jnp.zeros([], jnp.int32), grid, _revision())
 
@@ -246,7 +278,7 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         check_restored(state)
         if state.grid != grid:
             raise ValueError(f"quantized_moments: the state was made with bits={state.grid.bits}, "
-                             f"block={state.grid.block}, this transformation has bits={bits}, block={block}")
+                             f"block={state.grid.block}, this transformation has bits={grid.bits}, block={grid.block}")
         # A lean wrapper's float32 grads and params, as it holds them (see WidensItself).
         lazy = widening
         g_def = jax.tree_util.tree_structure(grads)
@@ -259,69 +291,106 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
         t_leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
         stored = treedef.flatten_up_to(state.inner_state)
         scales = treedef.flatten_up_to(state.absmax)
-        for (path, t), c, a in zip(t_leaves, stored, scales):
-            if a is not None and (jnp.shape(c) != _blockwise.codes_shape(t.shape, bits)
-                                  or a.shape != _blockwise.scales_shape(t.shape, bits, block)):
-                raise ValueError(f"quantized_moments: state leaf at {jax.tree_util.keystr(path)} holds codes of shape "
-                                 f"{jnp.shape(c)} and {a.shape} scales, not those of a {t.shape} moment: the "
-                                 "state was made for other params (or another bits/block)")
+        _check_leaves(t_leaves, stored, scales, grid)
         signed = [not _non_negative(path) for path, _ in t_leaves]
-        keys = leaf_keys(state.key, state.count, len(t_leaves)) if rounding == "stochastic" else [None] * len(
-            t_leaves)
+        keys = [None] * len(t_leaves) if rounding == "nearest" else leaf_keys(state.key, state.count, len(t_leaves))
 
         def inner_update(g, s, p):
             return inner.update(g, s, p, **extra_args)
 
-        sliced, out_dtypes = _slices(grads, params, template, treedef, [t for _, t in t_leaves], stored, scales,
-                                     inner_update)
-        in_slices = {i for s in sliced.values() for i in s.state}
-        wide = [None if i in in_slices else c if a is None else _blockwise.dequantize(c, a, bits, signed[i], block,
-                                                                                     t.shape)
+        held = _chunked.Stored(grid, stored, scales, signed, keys)
+        # Stochastic rounding draws a slice's bits only where random_bits computes JAX's itself.
+        slices = slice_size if rounding == "nearest" or _keys.fused_bits_available() else None
+        plan = _slice_plan(inner_update, (grads, params), template, held, slices)
+        in_slices = set() if plan is None else {i for s in plan.sliced.values() for i in s.state}
+        wide = [None if i in in_slices else c if a is None else grid.dequantize(c, a, signed[i], t.shape)
                 for i, ((_, t), c, a) in enumerate(zip(t_leaves, stored, scales))]
-        if sliced:
-            updates, new_wide, codes_out, scales_out = _chunked.update(
-                inner_update, g_def, g_in, p_in, wide, treedef, stored, scales, sliced, bits, block, signed, keys,
-                out_dtypes)
+        if plan is not None:
+            updates, new_wide, codes_out, scales_out = _chunked.update(inner_update, plan, g_in, p_in, wide, held)
         else:
             updates, new_inner = inner_update(grads, treedef.unflatten(wide), params)
             new_wide, codes_out, scales_out = treedef.flatten_up_to(new_inner), list(stored), list(scales)
-        out, out_scales = [], []
-        for i, (path, _) in enumerate(t_leaves):
-            if i in in_slices:
-                out.append(codes_out[i])
-                out_scales.append(scales_out[i])
-            elif scales[i] is None:
-                out.append(new_wide[i])
-                out_scales.append(None)
-            else:
-                codes, absmax = quantize(path, new_wide[i], keys[i])
-                out.append(codes)
-                out_scales.append(absmax)
+        out, out_scales = _requantized(held, new_wide, in_slices, (codes_out, scales_out))
         return updates, QuantizedMomentsState(treedef.unflatten(out), treedef.unflatten(out_scales), state.key,
                                               (state.count + 1).astype(jnp.int32), grid, state.map_revision)
 
-    def _slices(grads, params, template, treedef, shapes, stored, scales, inner_update) -> tuple[dict, list | None]:
-        # The large leaves to update a slice at a time (docs/lean-recipes.md#the-update-a-slice-at-a-time).
-        if slice_size is None or _chunked.whole_leaves_only() or (
-                rounding == "stochastic" and not _keys.fused_bits_available()):
-            return {}, None
-        g_leaves, g_def = jax.tree_util.tree_flatten(grads)
-        positions = _chunked.mirrors(template, g_def)
-        if len(positions) != len(shapes):
-            return {}, None
-        sliced = _chunked.plan([tuple(jnp.shape(g)) for g in g_leaves], positions, [t.shape for t in shapes],
-                               [a is not None for a in scales], bits, block, slice_size)
-        if not sliced:
-            return {}, None
-        abstract = lambda tree: jax.tree_util.tree_map(  # noqa: E731
-            lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
-        wide = treedef.unflatten([jax.ShapeDtypeStruct(t.shape, jnp.float32) if a is not None else abstract(c)
-                                  for t, c, a in zip(shapes, stored, scales)])
-        dtypes = _chunked.per_element(inner_update, abstract(grads), wide,
-                                      None if params is None else abstract(params), positions, sliced)
-        return (sliced, dtypes) if dtypes is not None else ({}, None)
-
     return QuantizedMoments(init_fn, update_fn)
+
+
+def _grid(bits: Any, block: Any) -> _blockwise.Grid:
+    """The grid of `quantized_moments`' ``bits`` and ``block`` (None: torchao's for the bits)."""
+    if bits not in (8, 4) or isinstance(bits, bool):
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    return _blockwise.Grid(bits, _BLOCKS[bits] if block is None else _check_int(block, "block", 2))
+
+
+def _quantized_leaves(leaves: list, grid: _blockwise.Grid, min_size: int) -> tuple[list, list]:
+    """``(stored, scales)`` of an inner state's ``(path, leaf)`` pairs: the codes and absmax of
+    each quantizable leaf (its map's sign from its path), the others as they are and None."""
+    stored, scales = [], []
+    for path, x in leaves:
+        if _quantizable(x, min_size):
+            codes, absmax = grid.quantize(x, not _non_negative(path))
+            stored.append(codes)
+            scales.append(absmax)
+        else:
+            stored.append(x)
+            scales.append(None)
+    return stored, scales
+
+
+def _check_leaves(t_leaves: list, stored: list, scales: list, grid: _blockwise.Grid) -> None:
+    """Refuses quantized leaves whose codes or absmax are not those of their moment's shape."""
+    for (path, t), c, a in zip(t_leaves, stored, scales):
+        if a is not None and (jnp.shape(c) != grid.codes_shape(t.shape) or a.shape != grid.absmax_shape(t.shape)):
+            raise ValueError(f"quantized_moments: state leaf at {jax.tree_util.keystr(path)} holds codes of shape "
+                             f"{jnp.shape(c)} and {a.shape} scales, not those of a {t.shape} moment: the "
+                             "state was made for other params (or another bits/block)")
+
+
+def _slice_plan(inner_update: Any, inputs: tuple, template: Any, held: _chunked.Stored,
+                slice_size: int | None) -> _chunked.SlicePlan | None:
+    """The large leaves to update a slice at a time (docs/lean-recipes.md#the-update-a-slice-at-a-time),
+    or None: whole leaves. ``inputs``: ``(grads, params)``; ``template``: the inner state the
+    grads' shapes give; ``slice_size`` None: no slices."""
+    if slice_size is None or _chunked.whole_leaves_only():
+        return None
+    grads, params = inputs
+    shapes, treedef = jax.tree_util.tree_flatten(template)
+    g_leaves, g_def = jax.tree_util.tree_flatten(grads)
+    positions = _chunked.mirrors(template, g_def)
+    if len(positions) != len(shapes):
+        return None
+    sliced = _chunked.plan([tuple(jnp.shape(g)) for g in g_leaves], positions, [t.shape for t in shapes],
+                           [a is not None for a in held.scales], held.grid, slice_size)
+    if not sliced:
+        return None
+    abstract = lambda tree: jax.tree_util.tree_map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+    wide = treedef.unflatten([jax.ShapeDtypeStruct(t.shape, jnp.float32) if a is not None else abstract(c)
+                              for t, c, a in zip(shapes, held.codes, held.scales)])
+    dtypes = _chunked.per_element(inner_update, abstract(grads), wide,
+                                  None if params is None else abstract(params), positions, sliced)
+    return None if dtypes is None else _chunked.SlicePlan(g_def, treedef, sliced, dtypes)
+
+
+def _requantized(held: _chunked.Stored, new_wide: list, in_slices: set, sliced_out: tuple) -> tuple[list, list]:
+    """The new state's leaves and absmax: those of sliced params as the loop left them
+    (``sliced_out``: codes and scales per leaf), the other quantized ones requantized from
+    ``new_wide``, the rest as the inner update returned them."""
+    out, out_scales = [], []
+    for i, wide in enumerate(new_wide):
+        if i in in_slices:
+            out.append(sliced_out[0][i])
+            out_scales.append(sliced_out[1][i])
+        elif held.scales[i] is None:
+            out.append(wide)
+            out_scales.append(None)
+        else:
+            codes, absmax = held.grid.quantize(wide, held.signed[i], held.keys[i])
+            out.append(codes)
+            out_scales.append(absmax)
+    return out, out_scales
 
 
 def _revision() -> jax.Array:

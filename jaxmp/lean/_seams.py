@@ -5,6 +5,5 @@ The one door through which other jaxmp units reach the lean recipes' internals (
 """
 
 from jaxmp.lean._chunked import whole_leaves
-from jaxmp.lean._quantized import check_restored
 
-__all__ = ["check_restored", "whole_leaves"]
+__all__ = ["whole_leaves"]

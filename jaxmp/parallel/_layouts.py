@@ -17,9 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmp import _blockwise
-from jaxmp.lean import QuantizedMomentsState
-from jaxmp.lean._seams import check_restored
+from jaxmp._tree import ShardsItself
 from jaxmp.parallel._checks import check_not_donated
 from jaxmp.parallel._replication import PMAP_LAYOUT_HINT, is_pmap_replicated, replica_axis_size
 
@@ -214,8 +212,8 @@ def leaf_spec(shape: Sequence[int], mesh: Mesh, data_axis: str, base: PartitionS
       data_axis: the mesh axis to shard over.
       base: the user's spec for this leaf over other mesh axes (kept as is); default replicated.
       min_shard_size: leaves with fewer elements stay replicated over ``data_axis``.
-      allowed: the dimensions that may be split (default all): for a leaf with quantized
-        moments, those that keep each block on one device (``jaxmp._blockwise.shard_aligned_axes``).
+      allowed: the dimensions that may be split (default all): for a param whose state says
+        how it may split (``jaxmp._tree.ShardsItself``: quantized moments), those it allows.
 
     Returns:
       ``base`` with ``data_axis`` added on the largest allowed dimension it divides, or ``base`` itself.
@@ -311,15 +309,11 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
         return jax.tree_util.tree_structure(x) == p_treedef and p_treedef.num_leaves > 0 and not (
             p_treedef.num_leaves == 1 and jax.tree_util.treedef_is_leaf(p_treedef))
 
-    n = mesh.shape[axis]
-    grids = _quantized_grids(opt_state, p_treedef.num_leaves, is_param_tree)
+    split_axes = _split_axes(opt_state, p_treedef, [_shape(p) for p in p_leaves], mesh.shape[axis])
 
     def allowed(j: int, shape: tuple) -> tuple | None:
-        # A param whose moments are quantized is split only where each block stays on one device.
-        if j not in grids:
-            return None
-        sets = [set(_blockwise.shard_aligned_axes(shape, g.bits, g.block, n)) for g in grids[j]]
-        return tuple(sorted(set.intersection(*sets)))
+        # A param whose state says where it splits (quantized moments: each block on one device).
+        return split_axes.get(j)
 
     sharded = [leaf_spec(_shape(p), mesh, axis, b, min_shard_size=min_shard_size, allowed=allowed(j, _shape(p)))
                for j, (p, b) in enumerate(zip(p_leaves, b_leaves))]
@@ -344,11 +338,11 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
 
     def specs_of(node):
         pieces, tdef = jax.tree_util.tree_flatten(
-            node, is_leaf=lambda x: isinstance(x, QuantizedMomentsState) or is_param_tree(x))
+            node, is_leaf=lambda x: isinstance(x, ShardsItself) or is_param_tree(x))
         out = []
         for x in pieces:
-            if isinstance(x, QuantizedMomentsState):
-                out.append(quantized_specs(x))
+            if isinstance(x, ShardsItself):
+                out.append(x.partition_specs(specs_of))   # its own layout, its plain parts by specs_of
             elif is_param_tree(x):
                 out.append(jax.tree_util.tree_unflatten(
                     p_treedef, [spec_of(v, m) for v, m in zip(p_treedef.flatten_up_to(x), infos)]))
@@ -356,44 +350,19 @@ def state_specs(params: optax.Params, opt_state: optax.OptState, mesh: Mesh, lay
                 out.append(spec_of(x))
         return tdef.unflatten(out)
 
-    def quantized_specs(q):
-        # Each absmax follows its codes: the same split on the leading axes, and on the last one
-        # when the codes' last axis is split (whole blocks a device: the aligned split above).
-        inner = specs_of(q.inner_state)
-        inner_def: Any = jax.tree_util.tree_structure(q.inner_state)
-        scales = []
-        for c, spec, a in zip(inner_def.flatten_up_to(q.inner_state), inner_def.flatten_up_to(inner),
-                              inner_def.flatten_up_to(q.absmax)):
-            if a is None:
-                scales.append(None)
-                continue
-            # The absmax of slabs starting at axis k has the codes' axes up to k (the split, if
-            # any, is on one of them: aligned); that of flattened blocks is not split.
-            entries = _spec_entries(spec, len(_shape(c)))
-            scales.append(make_spec(entries[:len(_shape(a))]))
-        return q._replace(inner_state=inner, absmax=inner_def.unflatten(scales), key=PartitionSpec(),
-                          count=PartitionSpec(), map_revision=PartitionSpec())
-
     return p_specs, specs_of(opt_state), g_specs
 
 
-def _quantized_grids(opt_state: Any, n_params: int, is_param_tree) -> dict:
-    """``{param index: [Grid, ...]}``: the params whose moments a `QuantizedMomentsState` in
-    ``opt_state`` quantizes, with the grid (bits, block) each is cut by."""
-    grids: dict = {}
-    pieces = jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, QuantizedMomentsState))
-    for q in pieces:
-        if not isinstance(q, QuantizedMomentsState):
-            continue
-        check_restored(q)   # a grid lost by a hand-written restore, named before its bits are read
-        positions: list = []
-        for piece in jax.tree_util.tree_leaves(q.inner_state, is_leaf=is_param_tree):
-            positions += list(range(n_params)) if is_param_tree(piece) else [None]
-        inner_def: Any = jax.tree_util.tree_structure(q.inner_state)
-        for j, a in zip(positions, inner_def.flatten_up_to(q.absmax)):
-            if j is not None and a is not None:
-                grids.setdefault(j, []).append(q.grid)
-    return grids
+def _split_axes(opt_state: Any, params_def: Any, param_shapes: list, n: int) -> dict:
+    """``{param index: axes}``: the params some node of ``opt_state`` allows to split on some axes
+    only (`ShardsItself.split_axes`: quantized moments keep each block on one device), with the
+    axes every such node allows, sorted."""
+    axes: dict = {}
+    for node in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, ShardsItself)):
+        if isinstance(node, ShardsItself):
+            for j, ok in node.split_axes(params_def, param_shapes, n).items():
+                axes[j] = axes.get(j, set(ok)) & set(ok)
+    return {j: tuple(sorted(ok)) for j, ok in axes.items()}
 
 
 def pmap_state_error(what: str, where: str, shape: tuple, layout: str, why: str = "") -> ValueError:

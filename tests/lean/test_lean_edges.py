@@ -119,8 +119,8 @@ def test_a_nan_gradient_leaves_its_blocks_absmax_nan_so_a_state_check_sees_it(sl
         assert np.isnan(a[[1, 20]]).all() and np.isfinite(np.delete(a, [1, 20])).all()
         np.testing.assert_array_equal(np.delete(a, [1, 20]), np.delete(np.asarray(getattr(clean_absmax, field)["w"]),
                                                                        [1, 20]))
-        decoded = _blockwise.dequantize(getattr(adam, field)["w"], getattr(absmax, field)["w"], 8, field == "mu", 256,
-                                        (64, 128)).reshape(32, 256)
+        decoded = _blockwise.Grid(8, 256).dequantize(getattr(adam, field)["w"], getattr(absmax, field)["w"],
+                                                     field == "mu", (64, 128)).reshape(32, 256)
         assert np.isnan(np.asarray(decoded)[[1, 20]]).all()
     # What a state check reads: not every leaf of the stored state is finite.
     assert not all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(poisoned.absmax))

@@ -57,13 +57,14 @@ def test_quantize_round_trip_packing_and_partial_block():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(7, 37)).astype(np.float32)      # 259 elements: a partial last block of 3
     for bits, block in ((8, 256), (4, 128), (4, 5)):
-        codes, absmax = jax.jit(functools.partial(_blockwise.quantize, bits=bits, signed=True, block=block))(x)
+        grid = _blockwise.Grid(bits, block)
+        codes, absmax = jax.jit(functools.partial(grid.quantize, signed=True))(x)
         n = -(-x.size // block)
         assert codes.dtype == jnp.uint8 and absmax.shape == (n,)
         assert codes.size == (x.size if bits == 8 else -(-x.size // 2))   # 4 bits: two codes a byte
         padded = np.pad(x.reshape(-1), (0, n * block - x.size)).reshape(n, block)
         np.testing.assert_array_equal(absmax, np.abs(padded).max(1))
-        back = np.asarray(_blockwise.dequantize(codes, absmax, bits, True, block, x.shape))
+        back = np.asarray(grid.dequantize(codes, absmax, True, x.shape))
         gap = np.diff(_blockwise.code_map(bits, True)).max()
         err = np.abs(back - x).reshape(-1)
         bound = np.repeat(np.asarray(absmax), block)[:x.size] * gap / 2
@@ -77,27 +78,28 @@ def test_rows_of_blocks_are_the_flattened_blocks_kept_in_the_leafs_shape(bits, b
     # the flat one reshaped to shape[:-1] + (blocks a row,), so a split of any axis keeps it whole.
     rng = np.random.default_rng(1)
     x = (rng.normal(size=(6, 4 * block)) * np.exp(rng.normal(size=(6, 1)) * 4)).astype(np.float32)
-    assert _blockwise.grid_axis(x.shape, bits, block) == 1
-    assert _blockwise.scales_shape(x.shape, bits, block) == (6, 4)
+    grid = _blockwise.Grid(bits, block)
+    assert grid.axis(x.shape) == 1
+    assert grid.absmax_shape(x.shape) == (6, 4)
     key = jax.random.key(3)
     for k in (None, key):
-        codes, absmax = _blockwise.quantize(jnp.asarray(x), bits, True, block, k)
-        flat_codes, flat_absmax = _blockwise.quantize(jnp.asarray(x.reshape(-1)), bits, True, block, k)
-        assert absmax.shape == (6, 4) and codes.shape == _blockwise.codes_shape(x.shape, bits)
+        codes, absmax = grid.quantize(jnp.asarray(x), True, k)
+        flat_codes, flat_absmax = grid.quantize(jnp.asarray(x.reshape(-1)), True, k)
+        assert absmax.shape == (6, 4) and codes.shape == grid.codes_shape(x.shape)
         np.testing.assert_array_equal(np.asarray(absmax).reshape(-1), flat_absmax)
         np.testing.assert_array_equal(np.asarray(codes).reshape(-1), flat_codes)
-        np.testing.assert_array_equal(_blockwise.dequantize(codes, absmax, bits, True, block, x.shape),
-                                      np.asarray(_blockwise.dequantize(flat_codes, flat_absmax, bits, True, block,
-                                                                       (x.size,))).reshape(x.shape))
+        np.testing.assert_array_equal(grid.dequantize(codes, absmax, True, x.shape),
+                                      np.asarray(grid.dequantize(flat_codes, flat_absmax, True,
+                                                                 (x.size,))).reshape(x.shape))
     if bits == 8:
         want_codes, want_absmax = _np_quantize(x, _blockwise.code_map(8, True), block)
         np.testing.assert_array_equal(np.asarray(absmax).reshape(-1), want_absmax)
     # Slabs of the trailing axes that are a whole number of blocks; else flattened and padded.
-    assert _blockwise.scales_shape((3, 4, block // 2), bits, block) == (3, 2)          # slabs of 2 rows
-    assert _blockwise.scales_shape((6, block + 2), bits, block) == (-(-6 * (block + 2) // block),)
+    assert grid.absmax_shape((3, 4, block // 2)) == (3, 2)          # slabs of 2 rows
+    assert grid.absmax_shape((6, block + 2)) == (-(-6 * (block + 2) // block),)
     stacked = (rng.normal(size=(3, 4, block // 2))).astype(np.float32)
-    codes, absmax = _blockwise.quantize(jnp.asarray(stacked), bits, True, block)
-    flat_codes, flat_absmax = _blockwise.quantize(jnp.asarray(stacked.reshape(-1)), bits, True, block)
+    codes, absmax = grid.quantize(jnp.asarray(stacked), True)
+    flat_codes, flat_absmax = grid.quantize(jnp.asarray(stacked.reshape(-1)), True)
     np.testing.assert_array_equal(np.asarray(codes).reshape(-1), flat_codes)
     np.testing.assert_array_equal(np.asarray(absmax).reshape(-1), flat_absmax)
 
@@ -174,7 +176,8 @@ def _affine_int8(x, block=256):
 
 def _dynamic(signed):
     def fq(x):
-        return _blockwise.dequantize(*_blockwise.quantize(x, 8, signed, 256), 8, signed, 256, x.shape)
+        grid = _blockwise.Grid(8, 256)
+        return grid.dequantize(*grid.quantize(x, signed), signed, x.shape)
     return fq
 
 
@@ -232,8 +235,7 @@ def test_nu_tracks_float32_where_round_to_nearest_bf16_stalls():
     ref = np.asarray(out[0][0].nu["w"])
     assert abs(ref[0] - (1 - 0.999 ** NU_STEPS)) < 1e-4 and ref[0] > 0.993
     for (bits, _), s in zip([(8, 0), (8, 1), (4, 0), (4, 1)], out[1:]):
-        nu = _blockwise.dequantize(s.inner_state[0].nu["w"], s.absmax[0].nu["w"], bits, False,
-                                   256 if bits == 8 else 128, (4096,))
+        nu = s.grid.dequantize(s.inner_state[0].nu["w"], s.absmax[0].nu["w"], False, (4096,))
         np.testing.assert_array_equal(np.asarray(nu), ref)
 
 
@@ -259,8 +261,8 @@ def test_state_layout_small_leaves_scalars_and_classification():
     # A mu leaf goes negative: the signed map keeps the sign.
     grads = {k: -jnp.ones_like(v) for k, v in params.items()}
     upd, new = jax.jit(tx.update)(grads, state, params)
-    mu = _blockwise.dequantize(new.inner_state.inner_state[0].mu["w"], new.absmax.inner_state[0].mu["w"], 4, True,
-                               128, (64, 96))
+    mu = _blockwise.Grid(4, 128).dequantize(new.inner_state.inner_state[0].mu["w"], new.absmax.inner_state[0].mu["w"],
+                                            True, (64, 96))
     assert (np.asarray(mu) < 0).all() and (np.asarray(upd["w"]) > 0).all()
     assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state)
 
@@ -405,7 +407,8 @@ def test_inject_hyperparams_and_chain_with_clipping_inside():
     adam, scales = new.inner_state[1].inner_state[0], new.absmax[1].inner_state[0]
     gap = np.diff(_blockwise.code_map(8, True)).max()
     for field, signed in (("mu", True), ("nu", False)):
-        deq = _blockwise.dequantize(getattr(adam, field)["w"], getattr(scales, field)["w"], 8, signed, 256, (64, 128))
+        deq = _blockwise.Grid(8, 256).dequantize(getattr(adam, field)["w"], getattr(scales, field)["w"], signed,
+                                                 (64, 128))
         want = np.asarray(getattr(ref[1].inner_state[0], field)["w"])
         bound = np.repeat(np.asarray(getattr(scales, field)["w"]), 256).reshape(64, 128) * gap / 2
         assert (np.abs(np.asarray(deq) - want) <= bound * 1.0001).all(), field

@@ -57,8 +57,9 @@ def test_every_map_is_the_peers_bit_for_bit(ref):
 
 
 def _ours(x, bits, signed, block):
-    codes, absmax = jax.jit(lambda x: _blockwise.quantize(x, bits, signed, block))(x)
-    back = jax.jit(lambda c, a: _blockwise.dequantize(c, a, bits, signed, block, x.shape))(codes, absmax)
+    grid = _blockwise.Grid(bits, block)
+    codes, absmax = jax.jit(lambda x: grid.quantize(x, signed))(x)
+    back = jax.jit(lambda c, a: grid.dequantize(c, a, signed, x.shape))(codes, absmax)
     codes = np.asarray(codes)
     if bits == 4:   # two codes a byte, the first in the low nibble
         codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(x.shape)
