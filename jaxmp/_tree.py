@@ -50,7 +50,7 @@ class ShardsItself(Protocol):
     carries its own layout, as torchao's ``OptimState8bit`` carries its distributed behaviour.
     """
 
-    def split_axes(self, params_def: Any, param_shapes: Sequence[tuple], n: int) -> dict[int, set]:
+    def split_axes(self, params_def: jax.tree_util.PyTreeDef, param_shapes: Sequence[tuple], n: int) -> dict[int, set]:
         """``{param index: axes}``: the params (leaves of ``params_def``, of ``param_shapes``)
         whose state this node holds in a form that only some splits keep whole, with the axes of
         each that may be split ``n`` ways. The layout splits a param (and so its state) only on

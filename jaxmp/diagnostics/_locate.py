@@ -18,7 +18,8 @@ import numpy as np
 
 from jaxmp import _ops
 from jaxmp.diagnostics import _format, _locate_fix
-from jaxmp._typing import LossScaleLike, PolicyLike
+from jaxmp._scaling._loss_scale import LossScale
+from jaxmp._typing import PolicyLike
 from jaxmp.engine._seams import AutocastRules
 from jaxmp.diagnostics._evaluate import Hooks, Site, Sites, StrictJit, bind, evaluate, leaf_paths, trace
 
@@ -159,7 +160,7 @@ class NonFiniteCulprit:
         return (f"normalise the input of {where}, train in bfloat16 (float32's range), or keep {where} in "
                 f"float32{code}" + ("" if code else f" (see {_DOCS})"))
 
-    def scale_advice(self, current: LossScaleLike = None) -> str:
+    def scale_advice(self, current: LossScale | None = None) -> str:
         """What to pass instead when the loss scale itself overflowed this op (``fits_scale`` > 0), or "".
 
         Code that runs as printed, ``tx`` being the optimizer ``jaxmp.loss_scaling`` wraps
@@ -210,7 +211,8 @@ class _Locate(Hooks):
 
     def _measure(self, values: list) -> tuple[dict, Any, Any]:
         """Positions of ``values`` in two vectors: max|x| (inf where non-finite) and has-NaN."""
-        new, old = {}, {}
+        new: dict = {}
+        old: dict = {}
         for x in values:
             hit = self._mag.get(id(x))
             if hit is not None and hit[0] is x:

@@ -193,25 +193,25 @@ def check_hardware(recipe: Fp8Recipe, device: jax.Device | str | None = None) ->
     """
     if not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"expected a jaxmp.fp8 recipe (CurrentScaling or DelayedScaling), got {type(recipe).__name__}")
-    device = as_device(device)
+    dev: Any = as_device(device)  # a jax.Device or a description of one (a platform name's)
     block = isinstance(recipe, CurrentScaling) and recipe.block is not None
     if isinstance(recipe, CurrentScaling) and recipe.block is not None:
-        native, reason = native_block(recipe, device)
+        native, reason = native_block(recipe, dev)
     else:
-        native, reason = native_fp8(device)
+        native, reason = native_fp8(dev)
     if native and not recipe.emulate:
-        return HardwareVerdict("native", reason, NATIVE_BLOCK_COST if block else NATIVE_FP8_COST, device.platform)
+        return HardwareVerdict("native", reason, NATIVE_BLOCK_COST if block else NATIVE_FP8_COST, dev.platform)
     if native:
         return HardwareVerdict("emulated", f"emulate=True (the hardware has the native path: {reason})",
-                               EMULATED_COST, device.platform)
+                               EMULATED_COST, dev.platform)
     if recipe.emulate is False:
         raise ValueError(f"fp8 with emulate=False needs {'native block-scaled matmuls' if block else 'fp8 Tensor Cores'}: "
                          f"{reason}. To run it emulated ({EMULATED_COST}), keep the recipe with emulate=True: "
                          f"{source(recipe, emulate=True)}")
-    if recipe.emulate is None and device.platform != "cpu" and not block:
+    if recipe.emulate is None and dev.platform != "cpu" and not block:
         raise ValueError(f"fp8 is not supported natively here: {reason}. The emulation costs {EMULATED_COST}; opt in "
                          f"with emulate=True, keeping the recipe: {way_out(recipe)}; or use a bf16 policy")
-    return HardwareVerdict("emulated", reason, EMULATED_COST, device.platform)
+    return HardwareVerdict("emulated", reason, EMULATED_COST, dev.platform)
 
 
 def way_out(recipe: Fp8Recipe) -> str:

@@ -76,7 +76,7 @@ class QuantizedMomentsState(NamedTuple):
     grid: _blockwise.Grid
     map_revision: jax.Array | None = None
 
-    def split_axes(self, params_def: Any, param_shapes: Sequence[tuple], n: int) -> dict[int, set]:
+    def split_axes(self, params_def: jax.tree_util.PyTreeDef, param_shapes: Sequence[tuple], n: int) -> dict[int, set]:
         """``{param index: axes}``: for each param with a quantized moment, the axes it may be
         split ``n`` ways on with every block of each of its moments on one device
         (``Grid.aligned_axes``). Refuses a state that lost its grid (`check_restored`) first."""
@@ -327,7 +327,8 @@ def _grid(bits: Any, block: Any) -> _blockwise.Grid:
 def _quantized_leaves(leaves: list, grid: _blockwise.Grid, min_size: int) -> tuple[list, list]:
     """``(stored, scales)`` of an inner state's ``(path, leaf)`` pairs: the codes and absmax of
     each quantizable leaf (its map's sign from its path), the others as they are and None."""
-    stored, scales = [], []
+    stored: list[Any] = []
+    scales: list[Any] = []
     for path, x in leaves:
         if _quantizable(x, min_size):
             codes, absmax = grid.quantize(x, not _non_negative(path))
@@ -367,8 +368,8 @@ def _slice_plan(inner_update: Any, inputs: tuple, template: Any, held: _chunked.
         return None
     abstract = lambda tree: jax.tree_util.tree_map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
-    wide = treedef.unflatten([jax.ShapeDtypeStruct(t.shape, jnp.float32) if a is not None else abstract(c)
-                              for t, c, a in zip(shapes, held.codes, held.scales)])
+    wide = jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(t.shape, jnp.float32) if a is not None
+                                                  else abstract(c) for t, c, a in zip(shapes, held.codes, held.scales)])
     dtypes = _chunked.per_element(inner_update, abstract(grads), wide,
                                   None if params is None else abstract(params), positions, sliced)
     return None if dtypes is None else _chunked.SlicePlan(g_def, treedef, sliced, dtypes)
