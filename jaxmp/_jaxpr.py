@@ -165,6 +165,7 @@ def dispatch(eqn: Any, handlers: Mapping[str, _H]) -> tuple[str, _H] | None:
 
     Example:
       >>> import jax
+      >>> from jaxmp._jaxpr import dispatch
       >>> def f(x):
       ...     return jax.lax.cond(x > 0, lambda: x, lambda: -x)
       >>> eqn = jax.make_jaxpr(f)(1.0).jaxpr.eqns[-1]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxmp._jaxpr import equations
 from jaxmp.diagnostics import _format
 from jaxmp.diagnostics._evaluate import StrictJit
-from jaxmp.diagnostics._fix_code import (_FIT, module_class_at, own_precision_code, param_prefix, rules_code,
+from jaxmp.diagnostics._fix_code import (_FIT, door_path, module_class_at, own_precision_code, param_prefix, rules_code,
                                          with_param_scope)
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,8 @@ def _own_precision_fix(fn: Callable, args: Sequence[Any], path: str) -> str:
         return own_precision_code(path, args[0] if args else None)
     half = any(getattr(getattr(v, "aval", None), "dtype", None) == jnp.float16
                for eqn in equations(closed.jaxpr) for v in eqn.outvars)
-    return _locate_fix.own_code([_locate_fix.Unit("own", path)], args, "O1-fp16" if half else "O1-bf16")
+    # The module as its params spell it (a Linen scope path starts with the root class: not a key).
+    return _locate_fix.own_code([_locate_fix.Unit("own", door_path(path))], args, "O1-fp16" if half else "O1-bf16")
 
 
 def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_error: float, loss_float32: float,

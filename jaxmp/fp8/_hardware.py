@@ -256,6 +256,7 @@ def refuse_delayed_in_a_function(recipe: Fp8Recipe | None, where: str, instead: 
 
     Example:
       >>> import jaxmp
+      >>> from jaxmp.fp8._hardware import refuse_delayed_in_a_function
       >>> delayed = jaxmp.fp8.DelayedScaling()
       >>> try:
       ...     refuse_delayed_in_a_function(delayed, "O2-fp8", "'O2-fp8-current'")

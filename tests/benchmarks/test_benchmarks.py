@@ -614,11 +614,14 @@ def test_the_linen_transformer_block_is_written_once():
 def test_fp8_benchmark_records_fp8_variants_as_skipped_where_the_hardware_check_refuses(monkeypatch):
     import jaxmp.fp8
     from benchmarks import fp8 as bench
+    from jaxmp.fp8 import _hardware
 
     def refuse(recipe, device=None):  # what jaxmp.fp8.check_hardware says on an A100
         raise ValueError("NVIDIA A100 (compute capability 8.0) has no fp8 Tensor Cores")
 
+    # The doors check through _hardware.check_for_run, the benchmark through jaxmp.fp8.check_hardware.
     monkeypatch.setattr(jaxmp.fp8, "check_hardware", refuse)
+    monkeypatch.setattr(_hardware, "check_hardware", refuse)
     result = bench.main(["--dry-run", "--quiet", "--models", "mlp", "--variants", "fp8,fp8-current", "--out", "-"])
     _assert_valid(result, "fp8")
     r = result["results"]["models"]["mlp"]
