@@ -78,7 +78,7 @@ STANDARD_PROMOTION_PAGES = {
        for name in ("concepts.md", "debugging.md", "design.md", "fp8.md", "getting-started.md", "guides/equinox.md",
                     "index.md", "guides/sharded-flax.md", "guides/checkpointing.md",
                     "guides/flax-linen.md", "guides/flax-nnx.md", "guides/haiku.md", "guides/plain-jax.md",
-                    "lean-recipes.md", "migrating/jmp.md", "parallel.md")},
+                    "lean-recipes.md", "migrating/jmp.md", "parallel.md", "precision-search.md")},
     "diagnostics.md": "flax.linen.avg_pool divides a float16 sum by an int32 window size",
 }
 
