@@ -180,8 +180,8 @@ class Grid:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxmp._blockwise import Grid
-      >>> grid = Grid(bits=8, block=256)
+      >>> import jaxmp
+      >>> grid = jaxmp._blockwise.Grid(bits=8, block=256)
       >>> codes, absmax = grid.quantize(jnp.ones((4, 512)), signed=True)
       >>> codes.shape, absmax.shape == grid.absmax_shape((4, 512))
       ((4, 512), True)
@@ -286,8 +286,8 @@ class Grid:
 
         Example:
           >>> import jax.numpy as jnp
-          >>> from jaxmp._blockwise import Grid
-          >>> codes, absmax = Grid(4, 128).quantize(jnp.ones(256), signed=False)
+          >>> import jaxmp
+          >>> codes, absmax = jaxmp._blockwise.Grid(4, 128).quantize(jnp.ones(256), signed=False)
           >>> codes.shape, absmax.shape
           ((128,), (2,))
         """
@@ -346,8 +346,8 @@ class Grid:
 
         Example:
           >>> import jax.numpy as jnp
-          >>> from jaxmp._blockwise import Grid
-          >>> grid = Grid(8, 256)
+          >>> import jaxmp
+          >>> grid = jaxmp._blockwise.Grid(8, 256)
           >>> codes, absmax = grid.quantize(jnp.ones(300), signed=True)
           >>> grid.dequantize(codes, absmax, signed=True, shape=(300,)).sum()
           Array(300., dtype=float32)

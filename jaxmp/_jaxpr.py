@@ -165,11 +165,11 @@ def dispatch(eqn: Any, handlers: Mapping[str, _H]) -> tuple[str, _H] | None:
 
     Example:
       >>> import jax
-      >>> from jaxmp._jaxpr import dispatch
+      >>> import jaxmp
       >>> def f(x):
       ...     return jax.lax.cond(x > 0, lambda: x, lambda: -x)
       >>> eqn = jax.make_jaxpr(f)(1.0).jaxpr.eqns[-1]
-      >>> dispatch(eqn, {"cond": "enter the branches"})
+      >>> jaxmp._jaxpr.dispatch(eqn, {"cond": "enter the branches"})
       ('cond', 'enter the branches')
     """
     kind = primitive_kind(eqn)

@@ -256,10 +256,9 @@ def refuse_delayed_in_a_function(recipe: Fp8Recipe | None, where: str, instead: 
 
     Example:
       >>> import jaxmp
-      >>> from jaxmp.fp8._hardware import refuse_delayed_in_a_function
       >>> delayed = jaxmp.fp8.DelayedScaling()
       >>> try:
-      ...     refuse_delayed_in_a_function(delayed, "O2-fp8", "'O2-fp8-current'")
+      ...     jaxmp.fp8._hardware.refuse_delayed_in_a_function(delayed, "O2-fp8", "'O2-fp8-current'")
       ... except ValueError as e:
       ...     print(str(e)[:48])
       O2-fp8: delayed fp8 scaling keeps amax histories
