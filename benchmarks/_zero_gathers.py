@@ -1,37 +1,25 @@
 """The all-gathers of a ZeRO step, counted per dtype from the program XLA partitions.
 
 Shared by tests/parallel/test_gather_dtypes.py (jaxmp gathers half params as half) and
-benchmarks/_o2_prediction.py (the wire bytes a bf16 gather saves). The count is read just before
-XLA:CPU's ``float-normalization-bf16`` pass, which widens every bf16 collective to float32 on
-the CPU (the final CPU HLO shows float32 gathers for both).
+benchmarks/_o2_prediction.py (the wire bytes a bf16 gather saves). The count is read by
+``benchmarks/_wire_bytes.py`` just before XLA:CPU's ``float-normalization-bf16`` pass, which widens
+every bf16 collective to float32 on the CPU (the final CPU HLO shows float32 gathers for both).
 """
 
 import collections
-import glob
-import re
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxmp
+# The one reader of the partitioned program's collectives (every kind, per step); kept importable
+# from here for this module's callers.
+from benchmarks._wire_bytes import gathers  # noqa: F401
 
 BF16 = jnp.bfloat16
 WIDTH = 128   # 128 x 128 weights: sharded over 8 devices (min_shard_size 1024)
 LAYERS = 2
-
-
-def gathers(lowered) -> collections.Counter:
-    """Elements all-gathered per dtype, in the program just before float-normalization-bf16."""
-    with tempfile.TemporaryDirectory() as d:
-        lowered.compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "float-normalization-bf16"})
-        (path,) = glob.glob(d + "/*before_float-normalization-bf16.txt")
-        text = open(path).read()
-    counts: collections.Counter = collections.Counter()
-    for dtype, dims in re.findall(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^ ]* all-gather(?:-start)?\(", text):
-        counts[dtype] += int(np.prod([int(x) for x in dims.split(",") if x]))
-    return counts
 
 
 def loss(p, b):
