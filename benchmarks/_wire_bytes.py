@@ -6,11 +6,12 @@ all-reduce, all-to-all and collective-permute, their asynchronous ``-start`` for
 ``benchmarks/wire.py`` (the wire table), ``benchmarks/_o2_prediction.py`` and
 tests/parallel/test_gather_dtypes.py (through :func:`gathers`).
 
-**Which program.** On the CPU the program is read just before XLA:CPU's
-``float-normalization-bf16`` pass, after SPMD partitioning: that pass widens every bf16
-collective to float32 (the final CPU HLO shows float32 gathers for both a bf16 and a float32
-gather), so the final program would count a bf16 gather at twice its bytes. Elsewhere (a GPU
-keeps bf16 collectives) the compiled program's text is read.
+**Which program.** On the CPU the program is read after SPMD partitioning and just before
+XLA:CPU's ``all-reduce-promotion`` pass, which widens every bf16 all-reduce and reduce-scatter to
+float32; the ``float-normalization-bf16`` pass after it widens the bf16 all-gathers too (the final
+CPU HLO shows float32 collectives for a bf16 and a float32 step alike), so the final program would
+count a bf16 collective at twice its bytes. Elsewhere (a GPU keeps bf16 collectives) the compiled
+program's text is read.
 
 **Per step.** A collective inside a ``while`` body counts once per trip (the body of a
 ``lax.scan`` over layers gathers every layer); the trip count is XLA's ``known_trip_count``
@@ -85,6 +86,8 @@ class Collective:
       count: how many times one step runs it (a ``while`` body's trip count, else 1).
       name: the HLO instruction's name.
       in_branch: it sits in a ``conditional`` branch (counted as if it ran).
+      frames: the Python stack that emitted it, innermost first, as ``"path:function"`` (from the
+        module's stack frames; empty where the program has none).
     """
 
     kind: str
@@ -94,6 +97,7 @@ class Collective:
     count: int = 1
     name: str = ""
     in_branch: bool = False
+    frames: tuple[str, ...] = ()
 
     @property
     def wire_bytes(self) -> float:
@@ -188,7 +192,38 @@ def _parse(text: str) -> tuple[dict[str, dict[str, _Instr]], dict[str, str], str
     return comps, roots, entry, partitions
 
 
+def _stack_frames(text: str) -> dict[int, tuple[str, ...]]:
+    """Stack frame id -> ``("path:function", ...)`` innermost first, from the module's tables.
+
+    A frame prints its parent as the parent's id + 1 (0: none), so frame k's parent is p - 1.
+    """
+    def table(name: str, end: str) -> str:
+        m = re.search(rf"^{name}\n(.*?)(?=^{end}\n|\Z)", text, re.M | re.S)
+        return m.group(1) if m else ""
+
+    files = dict(re.findall(r'^(\d+) "(.*)"$', table("FileNames", "FunctionNames"), re.M))
+    functions = dict(re.findall(r'^(\d+) "(.*)"$', table("FunctionNames", "FileLocations"), re.M))
+    locations = {k: f"{files.get(f, '?')}:{functions.get(g, '?')}" for k, f, g in re.findall(
+        r"^(\d+) \{file_name_id=(\d+) function_name_id=(\d+)", table("FileLocations", "StackFrames"), re.M)}
+    parents = {int(k): (loc, int(p) - 1) for k, loc, p in re.findall(
+        r"^(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)", table("StackFrames", "%|ENTRY"), re.M)}
+    out: dict[int, tuple[str, ...]] = {}
+    for frame in parents:
+        chain, k = [], frame
+        while k in parents and len(chain) < 256:
+            loc, k = parents[k]
+            chain.append(locations.get(loc, "?"))
+        out[frame] = tuple(chain)
+    return out
+
+
 def _group_size(ins: _Instr, devices: int | None) -> int:
+    # The three spellings of replica groups: a mesh's axes (mesh['a'=1,'b'=8] {'b'}: the product of
+    # the named axes), an iota list ([2,4]<=[8]: groups of 4) and explicit groups ({{0,1},{2,3}}).
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", ins.attrs)
+    if mesh:
+        sizes = {a: int(n) for a, n in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", mesh.group(2)))
     groups = ins.attr("replica_groups")
     if groups is not None:
         iota = re.match(r"\[(\d+),(\d+)\]<=", groups)
@@ -312,6 +347,7 @@ def collectives(text: str, devices: int | None = None) -> list[Collective]:
     """
     comps, roots, entry, partitions = _parse(text)
     devices = partitions if devices is None else devices
+    stacks = _stack_frames(text)
     memo: dict[str, list[tuple[Collective, int | None, bool]]] = {}
 
     def walk(name: str, stack: tuple = ()) -> list[tuple[Collective, int | None, bool]]:
@@ -340,20 +376,24 @@ def collectives(text: str, devices: int | None = None) -> list[Collective]:
         memo[name] = out
         return out
 
+    comps_attrs = {ins.name: ins.attrs for comp in comps.values() for ins in comp.values()}
     result = []
     for c, k, branch in walk(entry):
         if k is None:
             raise ValueError(f"collective {c.name} ({c.kind} {c.dtype}) runs in a while loop whose trip count "
                              "is neither XLA's known_trip_count nor a counter i < n the reader can follow")
-        result.append(dataclasses.replace(c, count=k, in_branch=branch))
+        frame = re.search(r"stack_frame_id=(\d+)", comps_attrs.get(c.name, ""))
+        result.append(dataclasses.replace(c, count=k, in_branch=branch,
+                                          frames=stacks.get(int(frame.group(1)), ()) if frame else ()))
     return result
 
 
 def program_text(lowered: Any) -> str:
     """The partitioned program whose collectives a step runs, as HLO text.
 
-    On the CPU, the program just before ``float-normalization-bf16`` (compiled with
-    ``xla_dump_hlo_pass_re``), whose bf16 collectives are still bf16; on other platforms the
+    On the CPU, the program just before ``all-reduce-promotion`` (compiled with
+    ``xla_dump_hlo_pass_re``), whose bf16 collectives are still bf16 (that pass widens bf16
+    reductions, ``float-normalization-bf16`` after it bf16 gathers); on other platforms the
     compiled program.
 
     Args:
@@ -372,11 +412,10 @@ def program_text(lowered: Any) -> str:
     if jax.devices()[0].platform != "cpu":
         return lowered.compile().as_text()
     with tempfile.TemporaryDirectory() as d:
-        lowered.compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "float-normalization-bf16"})
-        paths = glob.glob(d + "/*before_float-normalization-bf16.txt")
-        if len(paths) != 1:
-            raise ValueError(f"expected one program dumped before float-normalization-bf16, found {len(paths)}: "
-                             "did XLA:CPU rename the pass?")
+        lowered.compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_pass_re": "all-reduce-promotion"})
+        paths = sorted(glob.glob(d + "/*before_all-reduce-promotion.txt"))
+        if not paths:
+            raise ValueError("XLA:CPU dumped no program before all-reduce-promotion: did it rename the pass?")
         with open(paths[0]) as f:
             return f.read()
 
@@ -423,8 +462,8 @@ def kind_bytes(summary: dict, kinds: Iterable[str], key: str = "wire_bytes") -> 
 
 
 def gathers(lowered: Any) -> collections.Counter:
-    """Elements all-gathered per step, per dtype (each gather's output), in the program just before
-    float-normalization-bf16 (:func:`program_text`).
+    """Elements all-gathered per step, per dtype (each gather's output), in the program before
+    XLA:CPU widens bf16 collectives (:func:`program_text`).
 
     Args:
       lowered: a ``jax.stages.Lowered``, or the program's HLO text.

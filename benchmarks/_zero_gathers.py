@@ -2,8 +2,9 @@
 
 Shared by tests/parallel/test_gather_dtypes.py (jaxmp gathers half params as half) and
 benchmarks/_o2_prediction.py (the wire bytes a bf16 gather saves). The count is read by
-``benchmarks/_wire_bytes.py`` just before XLA:CPU's ``float-normalization-bf16`` pass, which widens
-every bf16 collective to float32 on the CPU (the final CPU HLO shows float32 gathers for both).
+``benchmarks/_wire_bytes.py`` before XLA:CPU widens bf16 collectives to float32 (its
+``all-reduce-promotion`` and ``float-normalization-bf16`` passes; the final CPU HLO shows float32
+gathers for both).
 """
 
 import collections

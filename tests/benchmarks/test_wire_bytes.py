@@ -1,0 +1,172 @@
+"""benchmarks/_wire_bytes.py: the collectives of a partitioned program, counted in bytes per step per device.
+
+A hand-written ``shard_map`` with one collective of each kind, of known shapes and dtypes, on the 8
+simulated CPU devices: every byte count is exact. The bf16 collectives are read before XLA:CPU
+widens them to float32 (a bf16 gather and a bf16 reduce-scatter count 2 bytes an element), a
+collective in a ``lax.scan`` body counts once per trip, and the text-only cases (async forms, all
+three spellings of replica groups, a loop whose trip count is unknown) need no compile.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from benchmarks import _wire_bytes as wb
+
+N = 8
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return Mesh(np.array(jax.devices()[:N]), ("d",))
+
+
+def _lower(mesh, f, *shapes, out_specs):
+    args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec)) for s, d, spec in shapes]
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=tuple(spec for _, _, spec in shapes), out_specs=out_specs,
+                              check_vma=False))
+    return g.lower(*args)
+
+
+@pytest.fixture(scope="module")
+def five_kinds(mesh):
+    """One collective of each kind; shapes are per device inside the shard_map."""
+    def f(a, b, c, d, e):
+        return (lax.all_gather(a, "d", tiled=True),                              # bf16 [16,4] -> [128,4]
+                lax.psum_scatter(b, "d", scatter_dimension=0, tiled=True),       # bf16 [64,8] -> [8,8]
+                lax.psum(c, "d"),                                                # f32 [32]
+                lax.all_to_all(d, "d", 0, 0, tiled=True),                        # s8 [64,2], 8 pieces
+                lax.ppermute(e, "d", [(i, (i + 1) % N) for i in range(N)]))      # f16 [10]
+    lowered = _lower(mesh, f, ((128, 4), jnp.bfloat16, P("d")), ((512, 8), jnp.bfloat16, P("d")),
+                     ((256,), jnp.float32, P("d")), ((512, 2), jnp.int8, P("d")), ((80,), jnp.float16, P("d")),
+                     out_specs=(P("d"),) * 5)
+    return wb.program_text(lowered)
+
+
+def test_each_collective_kind_moves_its_ring_bytes_exactly(five_kinds):
+    found = {c.kind: c for c in wb.collectives(five_kinds)}
+    assert set(found) == set(wb.KINDS)
+    expect = {  # kind: (dtype, B = full-size buffer per device, bytes sent per device)
+        "all-gather": ("bf16", 128 * 4 * 2, 128 * 4 * 2 * 7 / 8),
+        "reduce-scatter": ("bf16", 64 * 8 * 2, 64 * 8 * 2 * 7 / 8),
+        "all-reduce": ("f32", 32 * 4, 2 * 32 * 4 * 7 / 8),
+        "all-to-all": ("s8", 64 * 2, 64 * 2 * 7 / 8),   # eight [8,2] pieces, one kept
+        "collective-permute": ("f16", 10 * 2, 10 * 2),
+    }
+    for kind, (dtype, buffer_bytes, wire) in expect.items():
+        c = found[kind]
+        assert (c.dtype, c.buffer_bytes, c.wire_bytes, c.count) == (dtype, buffer_bytes, wire, 1), c
+        assert c.group == (1 if kind == "collective-permute" else N)
+    s = wb.summarize(five_kinds)
+    assert s["wire_bytes"] == sum(w for _, _, w in expect.values()) == 2148.0
+    assert s["buffer_bytes"] == sum(b for _, b, _ in expect.values())
+    assert wb.kind_bytes(s, ["all-gather"]) == 896.0
+
+
+def test_bf16_collectives_are_counted_before_xla_cpu_widens_them(mesh, five_kinds):
+    # The final CPU program gathers and reduce-scatters float32: read there, the bf16 ones would
+    # count twice their bytes.
+    def f(a, b):
+        return lax.all_gather(a, "d", tiled=True), lax.psum_scatter(b, "d", scatter_dimension=0, tiled=True)
+    lowered = _lower(mesh, f, ((128, 4), jnp.bfloat16, P("d")), ((512, 8), jnp.bfloat16, P("d")),
+                     out_specs=(P("d"), P("d")))
+    final = wb.summarize(lowered.compile().as_text())["by_kind"]
+    assert set(final["all-gather"]) == set(final["reduce-scatter"]) == {"f32"}, final
+    ours = wb.summarize(wb.program_text(lowered))["by_kind"]
+    assert set(ours["all-gather"]) == set(ours["reduce-scatter"]) == {"bf16"}, ours
+    assert final["all-gather"]["f32"]["wire_bytes"] == 2 * ours["all-gather"]["bf16"]["wire_bytes"]
+    assert wb.gathers(wb.program_text(lowered)) == {"bf16": 128 * 4}
+
+
+def test_a_gather_in_a_scan_body_counts_once_per_layer(mesh):
+    def f(x, w):
+        def body(h, wi):
+            return jnp.tanh(h @ lax.all_gather(wi, "d", tiled=True).astype(jnp.float32)), None
+        return lax.scan(body, x, w)[0]
+    lowered = _lower(mesh, f, ((4, 64), jnp.float32, P()), ((3, 64, 64), jnp.bfloat16, P(None, "d")), out_specs=P())
+    (c,) = wb.collectives(wb.program_text(lowered))
+    assert (c.kind, c.dtype, c.count, c.buffer_bytes) == ("all-gather", "bf16", 3, 64 * 64 * 2)
+    assert c.wire_bytes == 3 * 64 * 64 * 2 * 7 / 8
+
+
+_ASYNC = """HloModule m, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%wrapped (p: f32[64]) -> f32[16] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %rs = f32[16]{0} reduce-scatter(%p), replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (x: bf16[16,4], y: f32[64], z: f32[8]) -> f32[8] {
+  %x = bf16[16,4]{1,0} parameter(0)
+  %y = f32[64]{0} parameter(1)
+  %z = f32[8]{0} parameter(2)
+  %ags = (bf16[16,4]{1,0}, bf16[128,4]{1,0}) all-gather-start(%x), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %agd = bf16[128,4]{1,0} all-gather-done(%ags)
+  %rss = ((f32[64]{0}), f32[16]{0}) async-start(%y), calls=%wrapped
+  %rsd = f32[16]{0} async-done(%rss), calls=%wrapped
+  %ars = f32[8]{0} all-reduce-start(%z), replica_groups=mesh['a'=2,'b'=4] {'b'}, to_apply=%add
+  %ard = f32[8]{0} all-reduce-done(%ars)
+  %cps = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%ard), source_target_pairs={{0,1},{1,0}}
+  ROOT %cpd = f32[8]{0} collective-permute-done(%cps)
+}
+"""
+
+
+def test_async_forms_and_group_spellings_from_text():
+    found = {c.kind: c for c in wb.collectives(_ASYNC)}
+    assert set(found) == set(wb.KINDS) - {"all-to-all"}
+    # all-gather-start: the gathered half of its (operand, output) tuple.
+    assert (found["all-gather"].buffer_bytes, found["all-gather"].group) == (1024, 8)
+    # A reduce-scatter wrapped in async-start counts once (async-done names the same computation),
+    # in groups of 4 (iota [2,4]<=[8]): its input is 4 x its f32[16] output.
+    assert (found["reduce-scatter"].buffer_bytes, found["reduce-scatter"].group, found["reduce-scatter"].count) \
+        == (4 * 16 * 4, 4, 1)
+    assert found["reduce-scatter"].wire_bytes == 256 * 3 / 4
+    # mesh['a'=2,'b'=4] {'b'}: groups of 4.
+    assert (found["all-reduce"].group, found["all-reduce"].wire_bytes) == (4, 2 * 32 * 3 / 4)
+    assert (found["collective-permute"].buffer_bytes, found["collective-permute"].wire_bytes) == (32, 32)
+
+
+def test_a_collective_in_a_loop_of_unknown_trip_count_is_refused():
+    text = """HloModule m, num_partitions=8
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  ROOT %t = pred[] custom-call(%p), custom_call_target="stop"
+}
+
+%body (q: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %q = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%q), index=0
+  %v = f32[8]{0} get-tuple-element(%q), index=1
+  %g = f32[64]{0} all-gather(%v), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %s = f32[8]{0} slice(%g), slice={[0:8]}
+  ROOT %r = (s32[], f32[8]{0}) tuple(%i, %s)
+}
+
+ENTRY %main (x: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %x = (s32[], f32[8]{0}) parameter(0)
+  ROOT %w = (s32[], f32[8]{0}) while(%x), condition=%cond, body=%body
+}
+"""
+    with pytest.raises(ValueError, match="trip count"):
+        wb.collectives(text)
+    known = text.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"5"}}')
+    (c,) = wb.collectives(known)
+    assert (c.count, c.wire_bytes) == (5, 5 * 256 * 7 / 8)
+
+
+def test_bad_input_names_the_problem():
+    with pytest.raises(ValueError, match="ENTRY"):
+        wb.collectives("HloModule m\n")
+    with pytest.raises(ValueError, match="element type 'q9'"):
+        wb.collectives(_ASYNC.replace("f32[8]{0} all-reduce-start", "q9[8]{0} all-reduce-start"))
