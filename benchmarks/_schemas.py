@@ -189,6 +189,18 @@ SCHEMAS = {
     }}}}}}}),
     "fp8_blocks": jax_benchmark(rows(policy="str", seed="int", eval_loss="nonneg", eval_accuracy="nonneg",
                                      train_time_s="pos")),
+    "wire": jax_benchmark({"keys": {"results": {"keys": {
+        "rows": {"nonempty": True, "items": {
+            "keys": dict.fromkeys(("who", "layout", "gather", "reduce", "status"), "str"),
+            "switch": "status", "default": {"fail": "status must be measured, refused or not available, got {status!r}"},
+            "cases": {"measured": {"keys": {"wire_bytes": "nonneg", "buffer_bytes": "nonneg", "params": "pos",
+                                            "gather_wire_bytes": "nonneg", "reduce_wire_bytes": "nonneg",
+                                            "by_kind": {"values": {"keys": {"wire_bytes": "nonneg",
+                                                                            "buffer_bytes": "nonneg"}}},
+                                            "cpu_only": {"keys": {"wire_bytes": "nonneg"}}}},
+                      "refused": {"keys": {"error": "text"}},
+                      "not available in this build": {"keys": {"missing": {"items": "str", "nonempty": True}}}}}},
+        "prediction": {"items": {"keys": {"seconds": "nonneg", "model": "str", "link": "str"}}}}}}}),
     "fidelity": jax_benchmark({"keys": {"results": {"nonempty": True, "values": {
         "keys": {"setup": "any", "summary": "dict", "tail": "any", "runs": {"values": {"nonempty": True, "items": {
             "keys": {"eval_loss": "nonneg", "eval_accuracy": "nonneg"}}}}},

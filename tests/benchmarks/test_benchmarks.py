@@ -758,6 +758,7 @@ DRY_RUN_TESTS = {
     "throughput": "tests/benchmarks/test_benchmarks.py::test_throughput_part_of_the_suite",
     "torch_amp": "tests/benchmarks/test_benchmarks.py::torch_amp.main([\"--dry-run\"",
     "trace_profile": "tests/benchmarks/test_benchmarks.py::test_trace_profile_dry_run",
+    "wire": "tests/benchmarks/test_wire_bytes.py::wire.main([\"--quick\"",
 }
 
 

@@ -170,3 +170,67 @@ def test_bad_input_names_the_problem():
         wb.collectives("HloModule m\n")
     with pytest.raises(ValueError, match="element type 'q9'"):
         wb.collectives(_ASYNC.replace("f32[8]{0} all-reduce-start", "q9[8]{0} all-reduce-start"))
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/wire.py --quick: a tiny model, one depth, the ZeRO rows and the hand-written reference.
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One ``--quick`` run (three compiles today: the hand-written ZeRO, jaxmp's ZeRO at two reduce dtypes)."""
+    import json
+
+    from benchmarks import wire
+
+    out = tmp_path_factory.mktemp("wire") / "wire.json"
+    with jax.numpy_dtype_promotion("standard"):  # optax's AdamW: Python float ** int32 count
+        result = wire.main(["--quick", "--quiet", "--out", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "wire"
+    return result
+
+
+def _row(result, who, gather, reduce):
+    (r,) = [r for r in result["results"]["rows"] if (r["who"], r["gather"], r["reduce"]) == (who, gather, reduce)]
+    return r
+
+
+def test_wire_quick_gathers_half_the_bytes_of_float32_masters_and_reduces_in_the_reduce_dtype(quick):
+    from benchmarks import _common as common, wire
+
+    assert common.validate_result(quick) == []
+    have = wire.step_options()
+    for r in quick["results"]["rows"]:
+        missing = set(r["options"]) - have
+        assert (r["status"] == wire.NOT_AVAILABLE) == bool(missing), r  # never a faked row
+    hand = _row(quick, "hand", "f32 masters", "bf16 (XLA)")
+    f32, bf16 = _row(quick, "jaxmp", "bf16", "float32"), _row(quick, "jaxmp", "bf16", "bf16")
+    # The hand-written step gathers each float32 master; jaxmp gathers the bf16 params: half the bytes.
+    assert 0.45 <= f32["gather_wire_bytes"] / hand["gather_wire_bytes"] <= 0.55, (f32, hand)
+    assert set(hand["by_kind"]) >= {"all-gather f32"} and "all-gather f32" not in f32["by_kind"]
+    # The reduction's bytes follow the reduce dtype; the gathers do not change.
+    assert f32["gather_wire_bytes"] == bf16["gather_wire_bytes"] > 0
+    assert 0.45 <= bf16["reduce_wire_bytes"] / f32["reduce_wire_bytes"] <= 0.55, (bf16, f32)
+    assert "reduce-scatter f32" in f32["by_kind"] and "reduce-scatter bf16" in bf16["by_kind"]
+    assert f32["vs_reference"] == 1.0 and bf16["vs_reference"] > 1.3
+    for bits, most in ((8, 0.3), (4, 0.17)):  # quantized reductions, once this build has them
+        r = _row(quick, "jaxmp", "bf16", f"{bits}-bit")
+        if r["status"] == "measured":
+            assert r["reduce_wire_bytes"] / f32["reduce_wire_bytes"] <= most, r
+    q = _row(quick, "jaxmp", "8-bit", "float32")
+    if q["status"] == "measured":
+        assert q["gather_wire_bytes"] / f32["gather_wire_bytes"] <= 0.6, q
+
+
+def test_wire_prediction_is_labelled_and_scales_with_bytes_and_bandwidth(quick, capsys):
+    from benchmarks import wire
+
+    rows = quick["results"]["rows"]
+    pred = wire.predict(rows, {"slow": 1e9, "fast": 4e9}, {"m": 1e9})
+    by = {(p["reduce"], p["link"]): p for p in pred if p["who"] == "jaxmp"}
+    assert by["float32", "slow"]["seconds"] == pytest.approx(4 * by["float32", "fast"]["seconds"])
+    f32 = _row(quick, "jaxmp", "bf16", "float32")
+    assert by["float32", "slow"]["seconds"] == pytest.approx(f32["wire_bytes"] / f32["params"])
+    assert by["float32", "slow"]["saved_seconds"] == 0 and by["bf16", "slow"]["saved_seconds"] > 0
+    text = wire.prediction_text(pred)
+    assert text and all(line.startswith("predicted, not measured: ") for line in text.splitlines())
