@@ -3,8 +3,9 @@ masters and casting after (what a hand-written ZeRO step compiles to).
 
 Read (benchmarks/_wire_bytes.py) from the program XLA has after SPMD partitioning and before
 XLA:CPU widens bf16 collectives to float32 (``all-reduce-promotion`` the reductions,
-``float-normalization-bf16`` the gathers; the final CPU HLO shows float32 gathers for both). The compile option ``xla_dump_hlo_pass_re`` dumps
-that program in-process on every JAX of the matrix (jaxmp/engine/_tested.py).
+``float-normalization-bf16`` the gathers; the final CPU HLO shows float32 gathers for both). The
+compile option ``xla_dump_hlo_pass_re`` dumps that program in-process on every JAX of the matrix
+(jaxmp/engine/_tested.py).
 """
 
 import collections
