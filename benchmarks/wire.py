@@ -274,7 +274,7 @@ _WHO = {"hand": "hand-written ZeRO (optax + `NamedSharding`)"}
 def markdown(rows: list[dict]) -> str:
     """The table docs/parallel.md quotes: one line per row, MB (1e6 bytes) per step per device."""
     lines = ["| step | gathers | gradient reduction | gather MB | reduce MB | total MB | per layer MB | non-layer MB "
-             "| buffer MB | ZeRO bf16/f32 / this | CPU-only MB (left out) |",
+             "| buffer MB | x fewer than ZeRO bf16/f32 | CPU-only MB (left out) |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         who = _WHO.get(r["who"], f"jaxmp `\"{r['layout']}\"`")

@@ -190,8 +190,9 @@ def quick(tmp_path_factory):
     return result
 
 
-def _row(result, who, gather, reduce):
-    (r,) = [r for r in result["results"]["rows"] if (r["who"], r["gather"], r["reduce"]) == (who, gather, reduce)]
+def _row(result, who, gather, reduce, layout="zero"):
+    (r,) = [r for r in result["results"]["rows"]
+            if (r["who"], r["layout"], r["gather"], r["reduce"]) == (who, layout, gather, reduce)]
     return r
 
 
@@ -234,3 +235,24 @@ def test_wire_prediction_is_labelled_and_scales_with_bytes_and_bandwidth(quick, 
     assert by["float32", "slow"]["saved_seconds"] == 0 and by["bf16", "slow"]["saved_seconds"] > 0
     text = wire.prediction_text(pred)
     assert text and all(line.startswith("predicted, not measured: ") for line in text.splitlines())
+
+
+def test_docs_quote_the_committed_wire_table_and_its_figures():
+    """docs/parallel.md's "Wire bytes" tables are what benchmarks/results/wire.json holds (no compile)."""
+    import json
+    from pathlib import Path
+
+    from benchmarks import wire
+
+    root = Path(__file__).resolve().parents[2]
+    result = json.loads((root / "benchmarks" / "results" / "wire.json").read_text())
+    text = (root / "docs" / "parallel.md").read_text()
+    rows = result["results"]["rows"]
+    assert not result["dry_run"] and not result["config"].get("partial")
+    assert wire.markdown(rows) in text
+    assert wire.prediction_markdown(result["results"]["prediction"]) in text
+    f32, bf16 = _row(result, "jaxmp", "bf16", "float32"), _row(result, "jaxmp", "bf16", "bf16")
+    # The figures the prose quotes.
+    assert f32["layout"] == "zero" and f"{f32['wire_bytes'] / f32['params']:.2f} bytes a parameter" in text
+    assert f"{bf16['wire_bytes'] / bf16['params']:.1f} bytes a parameter, {bf16['vs_reference']:.2f}x" in text
+    assert f"{f32['params_per_layer'] / 1e6:.2f}M parameters a layer" in text
