@@ -73,6 +73,10 @@ class NotLinearInLayers(RuntimeError):
     """The two compiled depths do not split into per-layer and non-layer bytes."""
 
 
+class Refused(Exception):
+    """The step refused the row's options (a ValueError or TypeError of its builder or lowering)."""
+
+
 def step_options() -> set[str]:
     """The keywords this build's ``make_sharded_train_step`` takes."""
     import jaxmp
@@ -146,8 +150,11 @@ def measure(row: dict, quick: bool, layers=LAYERS, target: int = TARGET_LAYERS) 
 
     at = {}
     for n in layers:
-        shape = _shape(quick, n)
-        at[n] = _breakdown(_wire_bytes.collectives(_wire_bytes.program_text(lower(row, shape))))
+        try:  # only the step's own refusals: the reader's errors are errors of this benchmark
+            lowered = lower(row, _shape(quick, n))
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise Refused(f"{type(e).__name__}: {e}"[:500]) from e
+        at[n] = _breakdown(_wire_bytes.collectives(_wire_bytes.program_text(lowered)))
     params = {n: _gpt2.param_count(_shape(quick, n)) for n in (*layers, target)}
     keys = sorted({k for b in at.values() for k in b["by_kind"]})
     out = {k: v for k, v in row.items() if k != "kwargs"}
@@ -162,7 +169,7 @@ def measure(row: dict, quick: bool, layers=LAYERS, target: int = TARGET_LAYERS) 
         for k in keys:
             per_layer[k], non_layer[k] = split(at[lo]["by_kind"].get(k, zero), at[hi]["by_kind"].get(k, zero))
         cpu_per, cpu_non = split(at[lo]["cpu_only"], at[hi]["cpu_only"])
-        negative = [k for k in keys for v in (per_layer[k], non_layer[k]) if min(v.values()) < 0]
+        negative = [k for k in keys for v in (per_layer[k], non_layer[k]) if min(v.values()) < -1e-6]
         if negative:  # bytes(L) is not non_layer + L x per_layer: the depths differ in more than depth
             raise NotLinearInLayers(f"{row['layout']} gather={row['gather']} reduce={row['reduce']}: {negative} "
                                     f"split into a negative part between {lo} and {hi} layers")
@@ -203,9 +210,9 @@ def run(rows: list[dict], quick: bool, layers=LAYERS, log=print, save=None) -> l
             continue
         try:
             out.append(measure(row, quick, layers))
-        except (ValueError, TypeError, NotImplementedError) as e:  # an option that refuses this layout
+        except Refused as e:  # an option that refuses this layout
             out.append({**{k: v for k, v in row.items() if k != "kwargs"}, "options": row["kwargs"],
-                        "status": "refused", "error": f"{type(e).__name__}: {e}"[:500]})
+                        "status": "refused", "error": str(e)})
         r = out[-1]
         log(f"{r['who']} {r['layout']} gather={r['gather']} reduce={r['reduce']}: "
             + (f"{r['wire_bytes'] / 1e6:.2f} MB/step/device" if r["status"] == "measured" else r["status"]))

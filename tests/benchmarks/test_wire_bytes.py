@@ -256,3 +256,25 @@ def test_docs_quote_the_committed_wire_table_and_its_figures():
     assert f32["layout"] == "zero" and f"{f32['wire_bytes'] / f32['params']:.2f} bytes a parameter" in text
     assert f"{bf16['wire_bytes'] / bf16['params']:.1f} bytes a parameter, {bf16['vs_reference']:.2f}x" in text
     assert f"{f32['params_per_layer'] / 1e6:.2f}M parameters a layer" in text
+
+
+def test_wire_rows_this_build_lacks_or_refuses_say_so_without_a_figure(monkeypatch):
+    from benchmarks import wire
+
+    rows = [r for r in wire.plan(["zero"]) if r["who"] == "jaxmp"][:2]  # float32 and bf16 reduce
+    monkeypatch.setattr(wire, "step_options", lambda: {"reduce_dtype"} - {"reduce_dtype"})
+    out = wire.run(rows, quick=True, layers=(1,), log=lambda m: None)
+    assert [r["status"] for r in out] == [wire.NOT_AVAILABLE] * 2
+    assert out[0]["missing"] == ["reduce_dtype"] and "wire_bytes" not in out[0]
+
+    def refuse(row, shape):
+        raise ValueError("reduce_dtype='bfloat16' is not for this layout")
+
+    monkeypatch.setattr(wire, "step_options", lambda: {"reduce_dtype"})
+    monkeypatch.setattr(wire, "lower", refuse)
+    out = wire.run(rows, quick=True, layers=(1,), log=lambda m: None)
+    assert [r["status"] for r in out] == ["refused"] * 2
+    assert out[1]["error"] == "ValueError: reduce_dtype='bfloat16' is not for this layout"
+    md = wire.markdown(out + [{**rows[0], "status": wire.NOT_AVAILABLE}]).splitlines()
+    assert "| not available in this build |" in md[-1] and "| refused |" in md[2]
+    assert len(md) == 5 and all(line.count("|") == md[0].count("|") for line in md)
