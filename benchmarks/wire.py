@@ -328,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a tiny model (width 64), one depth, the ZeRO rows and the hand-written reference "
                         "(seconds; the tests use it); the same as --dry-run")
     parser.add_argument("--layouts", help=f"comma list of {', '.join(LAYOUTS)} (default all; --quick: zero)")
+    parser.add_argument("--layers", help="the depths compiled: two (split per layer, totals at 12; default "
+                        f"{','.join(map(str, LAYERS))}) or one (totals at that depth, e.g. 12 to check the split)")
     return parser
 
 
@@ -340,14 +342,18 @@ def main(argv=None) -> dict:
     if jax.device_count() < 8:
         raise SystemExit(f"the wire table needs 8 devices, JAX has {jax.device_count()}")
     layouts = common.parse_choices(args.layouts or ("zero" if args.dry_run else None), LAYOUTS, "layout")
-    layers = QUICK_LAYERS if args.dry_run else LAYERS
+    layers = tuple(int(n) for n in args.layers.split(",")) if args.layers else QUICK_LAYERS if args.dry_run else LAYERS
+    if not 1 <= len(layers) <= 2 or min(layers) < 1 or (len(layers) == 2 and layers[0] >= layers[1]):
+        raise SystemExit(f"--layers takes one depth or two increasing ones, got {args.layers!r}")
     config = {"shape": str(_shape(args.dry_run, layers[-1])), "layers_compiled": list(layers),
               "target_layers": layers[0] if len(layers) == 1 else TARGET_LAYERS, "devices": 8,
               "recipe": "O2-bf16 + float32 masters, AdamW, loss_scaling('none')",
               "label": "CPU compile-only; bytes one device sends per step (ring algorithms)",
               "step_options": sorted(step_options()), "links_bytes_per_s": LINKS}
     env = common.jax_env()
-    out = args.out or str(common.RESULTS_DIR / ("dry_run/wire.json" if args.dry_run else "wire.json"))
+    # Another depth than the table's is a check, written beside the dry runs (git-ignored).
+    name = "wire.json" if layers == LAYERS and not args.dry_run else f"dry_run/wire_{'_'.join(map(str, layers))}.json"
+    out = args.out or str(common.RESULTS_DIR / name)
 
     def save(rows):
         if out != "-":  # minutes a row at full size: what is done survives an interrupted run
