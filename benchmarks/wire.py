@@ -308,6 +308,18 @@ def prediction_text(pred: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def headline(rows: list[dict]) -> str:
+    """The measured row with the fewest bytes, against ZeRO with bf16 gathers and a float32 reduction."""
+    measured = [r for r in rows if r["status"] == "measured" and "vs_reference" in r]
+    if not measured:
+        return "headline: no reference row measured"
+    best = max(measured, key=lambda r: r["vs_reference"])
+    return (f"headline: {best['who']} {best['layout']} gather={best['gather']} reduce={best['reduce']} sends "
+            f"{best['vs_reference']:.2f}x fewer bytes per step than ZeRO with bf16 gathers and a float32 reduction "
+            f"({best['wire_bytes'] / best['params']:.2f} against "
+            f"{best['wire_bytes'] * best['vs_reference'] / best['params']:.2f} bytes a parameter)")
+
+
 def prediction_markdown(pred: list[dict]) -> str:
     """The prediction as the table docs/parallel.md quotes: ms on the wire per step, per model and link."""
     cols = list(dict.fromkeys((p["model"], p["link"]) for p in pred))
@@ -363,6 +375,7 @@ def main(argv=None) -> dict:
     rows = run(plan(layouts), args.dry_run, layers, log=lambda m: common.log(m, args.quiet), save=save)
     pred = predict(rows)
     print(markdown(rows), flush=True)
+    print(headline(rows), flush=True)
     print(prediction_text(pred), flush=True)
     print("predicted, not measured (ms per step on the wire):\n" + prediction_markdown(pred), flush=True)
     result = common.make_result("wire", env, config, {"rows": rows, "prediction": pred}, args.dry_run)

@@ -233,6 +233,9 @@ def test_wire_prediction_is_labelled_and_scales_with_bytes_and_bandwidth(quick, 
     f32 = _row(quick, "jaxmp", "bf16", "float32")
     assert by["float32", "slow"]["seconds"] == pytest.approx(f32["wire_bytes"] / f32["params"])
     assert by["float32", "slow"]["saved_seconds"] == 0 and by["bf16", "slow"]["saved_seconds"] > 0
+    # The headline: the row with the fewest bytes (today the bf16 reduction) against ZeRO bf16/f32.
+    assert wire.headline(rows).startswith("headline: jaxmp zero gather=bf16 reduce=")
+    assert f"{max(r.get('vs_reference', 0) for r in rows):.2f}x fewer" in wire.headline(rows)
     text = wire.prediction_text(pred)
     assert text and all(line.startswith("predicted, not measured: ") for line in text.splitlines())
 
