@@ -165,6 +165,24 @@ def quantized_reduce_scatter(ct: jax.Array, axis: str, dim: int, n: int, wire: W
     return total.reshape(sliced)
 
 
+def _gather_invariant(x: jax.Array, axis: str) -> jax.Array:
+    """``all_gather(x, axis, tiled=True)`` typed as the same on every device (what a ``psum``
+    returns), as a replicated leaf's reduced gradient must be. JAX 0.10 has that gather only
+    privately; without it, each device's piece placed in zeros and summed (an all-reduce: the
+    same values, twice an all-gather's bytes)."""
+    gather = getattr(jax.lax, "all_gather_invariant", None)
+    if gather is None:
+        try:
+            from jax._src.lax.parallel import all_gather_invariant as gather
+        except ImportError:
+            gather = None
+    if gather is not None:
+        return gather(x, axis, tiled=True)
+    n = jax.lax.axis_size(axis)
+    placed = jnp.zeros((n,) + x.shape, x.dtype).at[jax.lax.axis_index(axis)].set(x)
+    return jax.lax.psum(placed, axis).reshape((-1,) + x.shape[1:])
+
+
 def quantized_all_reduce(ct: jax.Array, axis: str, n: int, wire: Wire) -> jax.Array:
     """``psum(ct, axis)`` as a quantized reduce-scatter of the flattened leaf (zero-padded to ``n``
     pieces) and an all-gather of the float32 sums cast to ``ct.dtype``: the same result on every device."""
@@ -174,4 +192,4 @@ def quantized_all_reduce(ct: jax.Array, axis: str, n: int, wire: Wire) -> jax.Ar
     m = -(-flat.size // n)
     flat = jnp.pad(flat, (0, n * m - flat.size))
     mine = _exchange(flat.reshape(n, m), axis, grid).astype(ct.dtype)
-    return jax.lax.all_gather(mine, axis, tiled=True)[:ct.size].reshape(ct.shape)
+    return _gather_invariant(mine, axis)[:ct.size].reshape(ct.shape)
