@@ -170,14 +170,11 @@ def _gather_invariant(x: jax.Array, axis: str) -> jax.Array:
     returns), as a replicated leaf's reduced gradient must be. JAX 0.10 has that gather only
     privately; without it, each device's piece placed in zeros and summed (an all-reduce: the
     same values, twice an all-gather's bytes)."""
-    gather = getattr(jax.lax, "all_gather_invariant", None)
-    if gather is None:
-        try:
-            from jax._src.lax.parallel import all_gather_invariant as gather
-        except ImportError:
-            gather = None
-    if gather is not None:
-        return gather(x, axis, tiled=True)
+    from jaxmp.engine._seams import internals
+
+    gathered = internals.all_gather_invariant(x, axis, tiled=True)
+    if gathered is not None:
+        return gathered
     n = jax.lax.axis_size(axis)
     placed = jnp.zeros((n,) + x.shape, x.dtype).at[jax.lax.axis_index(axis)].set(x)
     return jax.lax.psum(placed, axis).reshape((-1,) + x.shape[1:])
