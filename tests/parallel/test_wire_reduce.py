@@ -214,3 +214,26 @@ def test_an_orbax_checkpoint_holds_no_quantized_copy_and_resumes_bitwise():
     saved = jax.tree_util.tree_leaves(restored)
     assert not [a for a in saved if a.dtype == jnp.uint8]  # params (sharded, bf16), masters, moments
     assert leaf_bytes(run(restored["params"], restored["opt_state"], range(3, 6))) == whole
+
+
+@pytest.mark.slow  # two steps per layout on a 4 x 2 mesh
+@pytest.mark.parametrize("layout", ["zero", "fsdp"])
+def test_a_model_axis_keeps_its_specs_with_the_quantized_wire(layout):
+    # The wire's shard_maps are manual over the data axis only: the model axis stays XLA's, the
+    # user's specs are kept, and training tracks the unquantized run (measured: 0.76% ZeRO, 1.05%
+    # FSDP after 5 steps).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model"), "e": P()}
+    x, y = W.data(5, nan_step=None)
+    losses = {}
+    for opts in ({}, {"gather_bits": 8, "reduce_bits": 4}):
+        tx = W.tx()
+        step = jaxmp.parallel.make_sharded_train_step(W.loss, tx, mesh, data_axis="data", layout=layout,
+                                                      param_specs=specs, **opts)
+        p, s = jaxmp.parallel.shard_state((W.params(), tx.init(W.params())), step.layout)
+        for t in range(5):
+            p, s, m = step(p, s, jaxmp.parallel.make_global_batch({"x": x[t], "y": y[t]}, mesh, "data"))
+        losses[bool(opts)] = float(m["loss"])
+        assert p["w1"].sharding.spec == (P("data", "model") if layout == "fsdp" else P(None, "model"))
+        assert jaxmp.master_params(s)["w1"].sharding.spec == P("data", "model")
+    np.testing.assert_allclose(losses[True], losses[False], rtol=FIDELITY_RTOL)
