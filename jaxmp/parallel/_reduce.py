@@ -92,7 +92,8 @@ def _all_reduced_fwd(p, axis, reduce_dtype, wire):
 def _all_reduced_bwd(axis, reduce_dtype, wire, _, ct):
     n = jax.lax.axis_size(axis)
     if _quantizes(ct, wire, n):
-        return (_wire.quantized_all_reduce(ct, axis, n, wire),)
+        # Bucketed as the plain reduction; each bucket's sums all-gathered in the gradient's dtype.
+        return (_reduce(ct, jnp.float32, None, lambda x: _wire.quantized_all_reduce(x, axis, n, wire, ct.dtype)),)
     return (_reduce(ct, reduce_dtype, None, lambda x: jax.lax.psum(x, axis)),)
 
 

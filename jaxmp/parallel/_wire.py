@@ -180,13 +180,14 @@ def _gather_invariant(x: jax.Array, axis: str) -> jax.Array:
     return jax.lax.psum(placed, axis).reshape((-1,) + x.shape[1:])
 
 
-def quantized_all_reduce(ct: jax.Array, axis: str, n: int, wire: Wire) -> jax.Array:
+def quantized_all_reduce(ct: jax.Array, axis: str, n: int, wire: Wire, out_dtype: Any = None) -> jax.Array:
     """``psum(ct, axis)`` as a quantized reduce-scatter of the flattened leaf (zero-padded to ``n``
-    pieces) and an all-gather of the float32 sums cast to ``ct.dtype``: the same result on every device."""
+    pieces) and an all-gather of the float32 sums cast to ``out_dtype`` (default ``ct.dtype``; the
+    gradient's own dtype when ``ct`` is its float32 bucket): the same result on every device."""
     grid = wire.reduce_grid()
     assert grid is not None
     flat = ct.astype(jnp.float32).reshape(-1)
     m = -(-flat.size // n)
     flat = jnp.pad(flat, (0, n * m - flat.size))
-    mine = _exchange(flat.reshape(n, m), axis, grid).astype(ct.dtype)
+    mine = _exchange(flat.reshape(n, m), axis, grid).astype(ct.dtype if out_dtype is None else out_dtype)
     return _gather_invariant(mine, axis)[:ct.size].reshape(ct.shape)

@@ -237,3 +237,17 @@ def test_a_model_axis_keeps_its_specs_with_the_quantized_wire(layout):
         assert p["w1"].sharding.spec == (P("data", "model") if layout == "fsdp" else P(None, "model"))
         assert jaxmp.master_params(s)["w1"].sharding.spec == P("data", "model")
     np.testing.assert_allclose(losses[True], losses[False], rtol=FIDELITY_RTOL)
+
+
+def test_a_large_gradient_is_quantized_and_exchanged_a_bucket_at_a_time(monkeypatch):
+    # As the plain reduction: a gradient over BUCKET_BYTES (in float32) is cut along a dimension it is
+    # not scattered over and each piece quantized and exchanged apart, so its float32 copy is never
+    # whole. With 8 KiB buckets w1's 32 KiB gradient (16x512, scattered on its columns) goes in 4
+    # pieces of 4x512 (8 rows of 256 codes each), w2's 16 KiB (512x8, scattered on its rows) in 2 of
+    # 512x4, and e's 8.4 KB (replicated, 7x300) in 2 of 7x150 (8 rows of 132, zero-padded).
+    from jaxmp.parallel import _reduce
+
+    monkeypatch.setattr(_reduce, "BUCKET_BYTES", 8 * 2**10)
+    found = W.collectives(W.lowered("zero", reduce_bits=8))
+    codes = sorted(n for k, e, n in found if k == "all_to_all" and e == "ui8")
+    assert codes == sorted([8 * 256] * 4 + [8 * 256] * 2 + [8 * 132] * 2), found
