@@ -11,6 +11,7 @@ See docs/parallel.md#gradient-reduce-dtype.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import jax
@@ -244,7 +245,7 @@ def per_shard_value_and_grad(layout: Layout, reduce_dtype: Any, grad_specs: Any,
     return differentiate
 
 
-def _quantized_gather_leaf(x: Any, layout: Layout, slice_sharding: Any, whole_sharding: Any, wire: Any) -> Any:
+def _quantized_gather_leaf(x: Any, whole_sharding: Any, *, layout: Layout, slice_sharding: Any, wire: Any) -> Any:
     """ZeRO's new param ``x`` (on its slices) gathered as blockwise codes (`wire.gather_bits`),
     or plainly (a sharding constraint) where it is not split over the data axis."""
     from jaxmp.parallel import _reduce
@@ -260,7 +261,7 @@ def _quantized_gather_leaf(x: Any, layout: Layout, slice_sharding: Any, whole_sh
     return jax.lax.with_sharding_constraint(fn(x), whole_sharding)
 
 
-def gather_in_turn(placed: Any, shardings: Any, gather: Any = None) -> Any:
+def gather_in_turn(placed: Any, shardings: Any, gathers: list | None = None) -> Any:
     """ZeRO's new params gathered from their slices one leaf after another (XLA:CPU only).
 
     XLA:CPU widens a bfloat16 all-gather to float32 and issues every gather of the step before
@@ -269,15 +270,19 @@ def gather_in_turn(placed: Any, shardings: Any, gather: Any = None) -> Any:
     Chained through ``optimization_barrier`` (an identity), a leaf's slice is released to its
     gather only once the previous leaf is gathered and converted, so one float32 copy is live at
     a time. Other backends keep XLA's schedule: a GPU's scheduler is memory-aware and combines
-    the gathers.
+    the gathers. ``gathers``: one ``gather(x, sharding)`` a leaf (default a sharding constraint;
+    with ``gather_bits``, `_quantized_gather_leaf`).
     """
-    if gather is None:
-        gather = jax.lax.with_sharding_constraint
-    if jax.default_backend() != "cpu":
-        return jax.tree_util.tree_map(gather, placed, shardings)
+    if gathers is None and jax.default_backend() != "cpu":
+        return jax.lax.with_sharding_constraint(placed, shardings)
     leaves, treedef = jax.tree_util.tree_flatten(placed)
+    whole = jax.tree_util.tree_leaves(shardings)
+    if gathers is None:
+        gathers = [jax.lax.with_sharding_constraint] * len(leaves)
+    if jax.default_backend() != "cpu":
+        return jax.tree_util.tree_unflatten(treedef, [g(x, w) for g, x, w in zip(gathers, leaves, whole, strict=True)])
     out: list = []
-    for x, sharding in zip(leaves, jax.tree_util.tree_leaves(shardings), strict=True):
+    for gather, x, sharding in zip(gathers, leaves, whole, strict=True):
         if out:
             out[-1], x = jax.lax.optimization_barrier((out[-1], x))
         out.append(gather(x, sharding))
@@ -325,13 +330,11 @@ class Sharded(Strategy):
         placed = jax.lax.with_sharding_constraint(params, self.grad_shardings)
         if self._gather_shardings is None:
             return placed
-        gather = None
+        gathers = None
         if self.wire is not None and self.wire.gather_bits is not None:
-            slices = jax.tree_util.tree_leaves(self.grad_shardings)
-            it = iter(slices)
-            # Leaf by leaf in tree order, as gather_in_turn visits them.
-            gather = lambda x, whole: _quantized_gather_leaf(x, self.layout, next(it), whole, self.wire)  # noqa: E731
-        return gather_in_turn(placed, self._gather_shardings, gather)
+            gathers = [functools.partial(_quantized_gather_leaf, layout=self.layout, slice_sharding=piece, wire=self.wire)
+                       for piece in jax.tree_util.tree_leaves(self.grad_shardings)]
+        return gather_in_turn(placed, self._gather_shardings, gathers)
 
 
 class PerShard(Sharded):

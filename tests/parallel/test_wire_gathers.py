@@ -133,6 +133,7 @@ def test_zero_quantizes_only_the_gathered_params_its_masters_and_moments_are_unt
     assert not [x for x in jax.tree_util.tree_leaves((p1, s1)) if x.dtype == jnp.uint8]
 
 
+@pytest.mark.slow  # 30 steps per layout; the default tier trains gathers with 4-bit reductions (test_wire_reduce.py)
 @pytest.mark.parametrize("layout", ["zero", "fsdp"])
 def test_quantized_gathers_train_close_deterministically_and_skip_a_nan_bitwise(layout):
     base, quant, again = W.run(layout), W.run(layout, 8), W.run(layout, 8, repeat=1)
