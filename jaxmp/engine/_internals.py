@@ -355,7 +355,7 @@ def all_gather_invariant(x: Any, axis_name: Any, *, tiled: bool = False) -> Any:
     """``jax.lax.all_gather`` whose result is typed as the same on every device of ``axis_name``
     (what a ``psum`` returns; the plain gather's is typed as varying), or None where this JAX has
     no such gather. JAX 0.10 defines it only privately; a later release may export it."""
-    gather = getattr(jax.lax, "all_gather_invariant", None)
+    gather: Any = getattr(jax.lax, "all_gather_invariant", None)
     if gather is None:
         try:
             from jax._src.lax.parallel import all_gather_invariant as gather
