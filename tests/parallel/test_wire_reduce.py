@@ -253,3 +253,17 @@ def test_a_large_gradient_is_quantized_and_exchanged_a_bucket_at_a_time(monkeypa
     found = W.collectives(W.lowered("zero", reduce_bits=8))
     codes = sorted(n for k, e, n in found if k == "all_to_all" and e == "ui8")
     assert codes == sorted([8 * 256] * 4 + [8 * 256] * 2 + [8 * 132] * 2), found
+
+
+@pytest.mark.slow  # one more compile of the same step
+def test_a_step_compiled_again_gives_the_same_bits():
+    # Determinism across compiles, not only across calls of one program: a step built and compiled
+    # anew takes the same first step, bit for bit, as the cached one.
+    ref = W.run("fsdp", 8, 4)["first"]
+    tx = W.tx()
+    step = jaxmp.parallel.make_sharded_train_step(W.loss, tx, jaxmp.parallel.make_data_mesh(), layout="fsdp",
+                                                  gather_bits=8, reduce_bits=4)
+    p, s = jaxmp.parallel.shard_state((W.params(), tx.init(W.params())), step.layout)
+    x, y = W.data(1)
+    p, s, _ = step(p, s, jaxmp.parallel.make_global_batch({"x": x[0], "y": y[0]}, step.mesh))
+    assert leaf_bytes((p, s)) == leaf_bytes(ref)
