@@ -349,3 +349,16 @@ def all_primitive_names() -> frozenset[str]:
         names.update(v.name for v in vars(module).values() if isinstance(v, core.Primitive))
     return frozenset(names)
 
+
+
+def all_gather_invariant(x: Any, axis_name: Any, *, tiled: bool = False) -> Any:
+    """``jax.lax.all_gather`` whose result is typed as the same on every device of ``axis_name``
+    (what a ``psum`` returns; the plain gather's is typed as varying), or None where this JAX has
+    no such gather. JAX 0.10 defines it only privately; a later release may export it."""
+    gather: Any = getattr(jax.lax, "all_gather_invariant", None)
+    if gather is None:
+        try:
+            from jax._src.lax.parallel import all_gather_invariant as gather
+        except ImportError:
+            return None
+    return gather(x, axis_name, tiled=tiled)

@@ -72,8 +72,9 @@ class LayerContext:
     """
 
     def __init__(self, mode: str, *, axis: str | None = None, reduce_dtype: Any = None, leaves: dict | None = None,
-                 remat: Callable | None = None, mesh: Any = None):
+                 remat: Callable | None = None, mesh: Any = None, wire: Any = None):
         self.mode, self.axis, self.reduce_dtype, self.remat, self.mesh = mode, axis, reduce_dtype, remat, mesh
+        self.wire = wire  # the quantized collectives (`jaxmp.parallel._wire.Wire`), or None
         self.leaves = {} if leaves is None else leaves
         self.recorded: set = set()
 
@@ -158,7 +159,7 @@ def _gather(ctx: LayerContext | None, x: Any, info: Any, dtype: Any) -> Any:
     if ctx is None or info is None:
         return _cast(x, dtype)
     if ctx.mode == "manual":
-        return _reduce.gathered(_cast(x, dtype), ctx.axis, info, ctx.reduce_dtype)
+        return _reduce.gathered(_cast(x, dtype), ctx.axis, info, ctx.reduce_dtype, ctx.wire)
     return jax.lax.with_sharding_constraint(_cast(x, dtype), info)
 
 

@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxmp.parallel import _wire
+
 
 def _varying(x: jax.Array, axis: str) -> jax.Array:
     # The loss runs per shard: a value it mixes with the shard's batch varies over the axis.
@@ -70,25 +72,36 @@ def _reduce(ct: jax.Array, reduce_dtype: Any, keep: int | None, collective: Any)
                             .astype(ct.dtype) for a, b in bounds], axis=along)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def all_reduced(p: jax.Array, axis: str, reduce_dtype: Any) -> jax.Array:
-    """``p`` (the same on every device); its gradient is summed over ``axis`` in ``reduce_dtype``."""
+def _quantizes(ct: jax.Array, wire: Any, n: int) -> bool:
+    # A replicated leaf is sent quantized only when each device's piece holds a block: below that
+    # the float32 scales of the padded pieces would outweigh the codes (biases, norms).
+    return wire is not None and wire.reduce_bits is not None and ct.size >= n * wire.block
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def all_reduced(p: jax.Array, axis: str, reduce_dtype: Any, wire: Any = None) -> jax.Array:
+    """``p`` (the same on every device); its gradient is summed over ``axis`` in ``reduce_dtype``
+    (with ``wire.reduce_bits``: quantized, `jaxmp.parallel._wire.quantized_all_reduce`)."""
     return _varying(p, axis)
 
 
-def _all_reduced_fwd(p, axis, reduce_dtype):
+def _all_reduced_fwd(p, axis, reduce_dtype, wire):
     return _varying(p, axis), None
 
 
-def _all_reduced_bwd(axis, reduce_dtype, _, ct):
+def _all_reduced_bwd(axis, reduce_dtype, wire, _, ct):
+    n = jax.lax.axis_size(axis)
+    if _quantizes(ct, wire, n):
+        # Bucketed as the plain reduction; each bucket's sums all-gathered in the gradient's dtype.
+        return (_reduce(ct, jnp.float32, None, lambda x: _wire.quantized_all_reduce(x, axis, n, wire, ct.dtype)),)
     return (_reduce(ct, reduce_dtype, None, lambda x: jax.lax.psum(x, axis)),)
 
 
 all_reduced.defvjp(_all_reduced_fwd, _all_reduced_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def scattered(full: jax.Array, piece: jax.Array, axis: str, dim: int, reduce_dtype: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def scattered(full: jax.Array, piece: jax.Array, axis: str, dim: int, reduce_dtype: Any, wire: Any = None) -> jax.Array:
     """``full`` (replicated: ZeRO's params); the gradient goes reduce-scattered onto ``piece``'s slice.
 
     ``piece`` is this device's slice of the same param along ``dim`` (its value is not read);
@@ -97,35 +110,47 @@ def scattered(full: jax.Array, piece: jax.Array, axis: str, dim: int, reduce_dty
     return _varying(full, axis)
 
 
-def _scattered_fwd(full, piece, axis, dim, reduce_dtype):
+def _scattered_fwd(full, piece, axis, dim, reduce_dtype, wire):
     return _varying(full, axis), None
 
 
-def _scatter(ct: jax.Array, axis: str, dim: int, reduce_dtype: Any) -> jax.Array:
+def _scatter(ct: jax.Array, axis: str, dim: int, reduce_dtype: Any, wire: Any) -> jax.Array:
+    if wire is not None and wire.reduce_bits is not None:
+        # Summed in float32 whatever reduce_dtype says; bucketed as the plain reduction is.
+        n = jax.lax.axis_size(axis)
+        return _reduce(ct, jnp.float32, dim, lambda x: _wire.quantized_reduce_scatter(x, axis, dim, n, wire))
     return _reduce(ct, reduce_dtype, dim,
                    lambda x: jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True))
 
 
-def _scattered_bwd(axis, dim, reduce_dtype, _, ct):
-    return None, _scatter(ct, axis, dim, reduce_dtype)
+def _scattered_bwd(axis, dim, reduce_dtype, wire, _, ct):
+    return None, _scatter(ct, axis, dim, reduce_dtype, wire)
 
 
 scattered.defvjp(_scattered_fwd, _scattered_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def gathered(piece: jax.Array, axis: str, dim: int, reduce_dtype: Any) -> jax.Array:
-    """This device's slice of a param, all-gathered along ``dim`` in its own dtype (FSDP); the
-    gradient goes reduce-scattered back onto the slice in ``reduce_dtype``."""
-    return _varying(jax.lax.all_gather(piece, axis, axis=dim, tiled=True), axis)
+def gather(piece: jax.Array, axis: str, dim: int, wire: Any = None) -> jax.Array:
+    """This device's slice all-gathered along ``dim``: in its own dtype, or with ``wire.gather_bits``
+    as blockwise codes dequantized to that dtype (`jaxmp.parallel._wire.quantized_gather`)."""
+    if wire is not None and wire.gather_bits is not None and is_float(piece):
+        return _wire.quantized_gather(piece, axis, dim, wire)
+    return jax.lax.all_gather(piece, axis, axis=dim, tiled=True)
 
 
-def _gathered_fwd(piece, axis, dim, reduce_dtype):
-    return _varying(jax.lax.all_gather(piece, axis, axis=dim, tiled=True), axis), None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def gathered(piece: jax.Array, axis: str, dim: int, reduce_dtype: Any, wire: Any = None) -> jax.Array:
+    """This device's slice of a param, all-gathered along ``dim`` (FSDP; `gather`); the
+    gradient goes reduce-scattered back onto the slice in ``reduce_dtype`` (or quantized)."""
+    return _varying(gather(piece, axis, dim, wire), axis)
 
 
-def _gathered_bwd(axis, dim, reduce_dtype, _, ct):
-    return (_scatter(ct, axis, dim, reduce_dtype),)
+def _gathered_fwd(piece, axis, dim, reduce_dtype, wire):
+    return _varying(gather(piece, axis, dim, wire), axis), None
+
+
+def _gathered_bwd(axis, dim, reduce_dtype, wire, _, ct):
+    return (_scatter(ct, axis, dim, reduce_dtype, wire),)
 
 
 gathered.defvjp(_gathered_fwd, _gathered_bwd)

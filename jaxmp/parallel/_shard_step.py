@@ -11,6 +11,7 @@ See docs/parallel.md#gradient-reduce-dtype.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import jax
@@ -161,7 +162,8 @@ def _whole_aux(aux: Any, canonical: Any, params: Any, model_state: Any, batch: A
     return jax.tree_util.tree_map(_reduce_aux_leaf, aux)
 
 
-def per_shard_value_and_grad(layout: Layout, reduce_dtype: Any, grad_specs: Any, remat: Any = None) -> Any:
+def per_shard_value_and_grad(layout: Layout, reduce_dtype: Any, grad_specs: Any, remat: Any = None,
+                             wire: Any = None) -> Any:
     """The step's differentiation (`Sharded`'s ``differentiate``, `jaxmp._step.Strategy`) when the gradient
     is reduced over the data axis in ``reduce_dtype``.
 
@@ -178,6 +180,7 @@ def per_shard_value_and_grad(layout: Layout, reduce_dtype: Any, grad_specs: Any,
       reduce_dtype: the dtype of the gradient reduction.
       grad_specs: where the reduced gradients go (`state_specs`).
       remat: the per-layer remat policy (`jaxmp.parallel.scan_layers`).
+      wire: the quantized collectives (`jaxmp.parallel._wire.Wire`), or None.
 
     Returns:
       ``differentiate(canonical, opt_state, params, model_state, batch, rng) -> ((loss,
@@ -209,13 +212,13 @@ def per_shard_value_and_grad(layout: Layout, reduce_dtype: Any, grad_specs: Any,
                         used.append(x)
                         sliced[id(x)] = dim
                     elif kind == "all":
-                        used.append(_reduce.all_reduced(x, axis, reduce_dtype))
+                        used.append(_reduce.all_reduced(x, axis, reduce_dtype, wire))
                     elif kind == "scatter":
-                        used.append(_reduce.scattered(next(full), x, axis, dim, reduce_dtype))
+                        used.append(_reduce.scattered(next(full), x, axis, dim, reduce_dtype, wire))
                     else:
-                        used.append(_reduce.gathered(x, axis, dim, reduce_dtype))
+                        used.append(_reduce.gathered(x, axis, dim, reduce_dtype, wire))
                 ctx = per_layer.LayerContext("manual", axis=axis, reduce_dtype=reduce_dtype, leaves=sliced,
-                                             remat=remat)
+                                             remat=remat, wire=wire)
                 with per_layer.context(ctx):
                     value, (state, aux) = canonical(jax.tree_util.tree_unflatten(treedef, used), model_state,
                                                     batch, key)
@@ -242,7 +245,23 @@ def per_shard_value_and_grad(layout: Layout, reduce_dtype: Any, grad_specs: Any,
     return differentiate
 
 
-def gather_in_turn(placed: Any, shardings: Any) -> Any:
+def _quantized_gather_leaf(x: Any, whole_sharding: Any, *, layout: Layout, slice_sharding: Any, wire: Any) -> Any:
+    """ZeRO's new param ``x`` (on its slices) gathered as blockwise codes (`wire.gather_bits`),
+    or plainly (a sharding constraint) where it is not split over the data axis."""
+    from jaxmp.parallel import _reduce
+
+    axis = layout.data_axis
+    dims = [d for d, e in enumerate(slice_sharding.spec) if axis in axes_of(e)]
+    if not dims or not is_float_leaf(x):
+        return jax.lax.with_sharding_constraint(x, whole_sharding)
+    in_spec, out_spec = _manual_spec(slice_sharding.spec, axis), _manual_spec(whole_sharding.spec, axis)
+    # Every device dequantizes the same gathered codes: the whole param, the same on every device.
+    fn = jax.shard_map(lambda piece: _reduce.gather(piece, axis, dims[0], wire), mesh=layout.mesh,
+                       in_specs=(in_spec,), out_specs=out_spec, axis_names=frozenset({axis}), check_vma=False)
+    return jax.lax.with_sharding_constraint(fn(x), whole_sharding)
+
+
+def gather_in_turn(placed: Any, shardings: Any, gathers: list | None = None) -> Any:
     """ZeRO's new params gathered from their slices one leaf after another (XLA:CPU only).
 
     XLA:CPU widens a bfloat16 all-gather to float32 and issues every gather of the step before
@@ -251,16 +270,22 @@ def gather_in_turn(placed: Any, shardings: Any) -> Any:
     Chained through ``optimization_barrier`` (an identity), a leaf's slice is released to its
     gather only once the previous leaf is gathered and converted, so one float32 copy is live at
     a time. Other backends keep XLA's schedule: a GPU's scheduler is memory-aware and combines
-    the gathers.
+    the gathers. ``gathers``: one ``gather(x, sharding)`` a leaf (default a sharding constraint;
+    with ``gather_bits``, `_quantized_gather_leaf`).
     """
-    if jax.default_backend() != "cpu":
+    if gathers is None and jax.default_backend() != "cpu":
         return jax.lax.with_sharding_constraint(placed, shardings)
     leaves, treedef = jax.tree_util.tree_flatten(placed)
+    whole = jax.tree_util.tree_leaves(shardings)
+    if gathers is None:
+        gathers = [jax.lax.with_sharding_constraint] * len(leaves)
+    if jax.default_backend() != "cpu":
+        return jax.tree_util.tree_unflatten(treedef, [g(x, w) for g, x, w in zip(gathers, leaves, whole, strict=True)])
     out: list = []
-    for x, sharding in zip(leaves, jax.tree_util.tree_leaves(shardings), strict=True):
+    for gather, x, sharding in zip(gathers, leaves, whole, strict=True):
         if out:
             out[-1], x = jax.lax.optimization_barrier((out[-1], x))
-        out.append(jax.lax.with_sharding_constraint(x, sharding))
+        out.append(gather(x, sharding))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -281,11 +306,12 @@ class Sharded(Strategy):
         params in turn (``"zero"``) they are gathered onto them leaf by leaf (`gather_in_turn`).
     """
 
-    def __init__(self, layout: Layout, grad_shardings: Any, param_shardings: Any = None):
+    def __init__(self, layout: Layout, grad_shardings: Any, param_shardings: Any = None, wire: Any = None):
         self.layout = layout
         self.grad_shardings = grad_shardings
         # ZeRO's params are gathered from their slices leaf by leaf on XLA:CPU (`gather_in_turn`).
         self._gather_shardings = param_shardings if layout.gathers_in_turn else None
+        self.wire = wire
 
     def reduce_grads(self, grads: Any) -> Any:
         # Where the reduced gradients go: onto the slices each device updates (zero, fsdp), so XLA
@@ -304,7 +330,11 @@ class Sharded(Strategy):
         placed = jax.lax.with_sharding_constraint(params, self.grad_shardings)
         if self._gather_shardings is None:
             return placed
-        return gather_in_turn(placed, self._gather_shardings)
+        gathers = None
+        if self.wire is not None and self.wire.gather_bits is not None:
+            gathers = [functools.partial(_quantized_gather_leaf, layout=self.layout, slice_sharding=piece, wire=self.wire)
+                       for piece in jax.tree_util.tree_leaves(self.grad_shardings)]
+        return gather_in_turn(placed, self._gather_shardings, gathers)
 
 
 class PerShard(Sharded):
@@ -318,13 +348,14 @@ class PerShard(Sharded):
       reduce_dtype: the gradient reduction's dtype.
       grad_specs: ``grad_shardings`` as ``PartitionSpec`` leaves.
       remat: the per-layer remat policy (`jaxmp.parallel.scan_layers`).
+      wire: the quantized collectives (`jaxmp.parallel._wire.Wire`), or None.
     """
 
     def __init__(self, layout: Layout, grad_shardings: Any, param_shardings: Any = None, *, reduce_dtype: Any,
-                 grad_specs: Any, remat: Any = None):
-        super().__init__(layout, grad_shardings, param_shardings)
+                 grad_specs: Any, remat: Any = None, wire: Any = None):
+        super().__init__(layout, grad_shardings, param_shardings, wire)
         self.reduce_dtype = reduce_dtype
-        self.differentiate = per_shard_value_and_grad(layout, reduce_dtype, grad_specs, remat)
+        self.differentiate = per_shard_value_and_grad(layout, reduce_dtype, grad_specs, remat, wire)
 
 
 class GlobalView(Sharded):

@@ -20,7 +20,7 @@ from jaxmp._scaling import _loss_view
 from jaxmp._scaling._collectives import check_reduce_dtype
 from jaxmp._typing import PyTree
 from jaxmp.engine._seams import debugger_tracing_enabled
-from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer, _shard_step as shard_step
+from jaxmp.parallel import _layouts as layouts, _per_layer as per_layer, _shard_step as shard_step, _wire as wire_mod
 from jaxmp.parallel._checks import (
     abstract_leaf_error, step_form,
     check_divisible, check_not_donated, check_positive_int, leading_size, log_once, with_model_state,
@@ -246,8 +246,26 @@ def enter_layout(tree: Any, shardings: Any, mesh: Mesh, layout: str, what: str) 
     return jax.tree_util.tree_map_with_path(enter, tree, shardings)
 
 
+def _check_zero_gathers_a_copy(wire: Any, lay: layouts.Layout, opt_state: Any) -> None:
+    """ZeRO's gathered params are the params the step returns: quantized, they must be a copy made
+    from a master each step (``master_weights=True``), never the values the optimizer updates."""
+    from jaxmp import _tree
+    from jaxmp._scaling._transform import MasterWeightsState
+
+    if wire is None or wire.gather_bits is None or lay.shards_params:
+        return
+    if not _tree.find_states(opt_state, MasterWeightsState):
+        raise ValueError(
+            "gather_bits under layout='zero' quantizes the params the step gathers and returns, so they must be a copy "
+            "made from a float32 master each step: build the optimizer with jaxmp.loss_scaling(..., "
+            "master_weights=True). Without a master (or with bf16 remainders) the params are the values the optimizer "
+            "updates and the quantization would be written back; use layout='fsdp', whose gathered copy is "
+            "transient, or gather_bits=None")
+
+
 def _jitted_steps(loss_fn: Callable[..., Any], tx: Any, lay: layouts.Layout, state: tuple[Any, Any], *,
-                  reduce_dtype: Any, remat: Any, has_aux: bool, model_state: bool, donate: bool) -> tuple:
+                  reduce_dtype: Any, remat: Any, has_aux: bool, model_state: bool, donate: bool,
+                  wire: Any = None) -> tuple:
     """A sharded step's jitted steps for states of this structure and these shapes (shardings follow shapes).
 
     Returns:
@@ -255,6 +273,8 @@ def _jitted_steps(loss_fn: Callable[..., Any], tx: Any, lay: layouts.Layout, sta
     """
     params, opt_state = state
     mesh = lay.mesh
+    if reduce_dtype is not None:
+        _check_zero_gathers_a_copy(wire, lay, opt_state)
     p_specs, o_specs, g_specs = layouts.state_specs(params, opt_state, mesh, lay.name, data_axis=lay.data_axis,
                                                     param_specs=lay.param_specs, min_shard_size=lay.min_shard_size)
     p_sh, o_sh, g_sh = (layouts.named_shardings(mesh, specs) for specs in (p_specs, o_specs, g_specs))
@@ -264,7 +284,8 @@ def _jitted_steps(loss_fn: Callable[..., Any], tx: Any, lay: layouts.Layout, sta
         strategy: shard_step.Sharded = shard_step.GlobalView(
             lay, g_sh, p_sh, base_specs=layouts.param_tree_specs(params, lay.param_specs), remat=remat)
     else:
-        strategy = shard_step.PerShard(lay, g_sh, p_sh, reduce_dtype=reduce_dtype, grad_specs=g_specs, remat=remat)
+        strategy = shard_step.PerShard(lay, g_sh, p_sh, reduce_dtype=reduce_dtype, grad_specs=g_specs, remat=remat,
+                                       wire=wire)
     rep, data = replicated_sharding(mesh), NamedSharding(mesh, PartitionSpec(lay.data_axis))
     first = (p_sh, rep) if model_state else p_sh
 
@@ -282,7 +303,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
                             model_state: bool = False, layout: str | None = None,
                             reduce_dtype: jax.typing.DTypeLike | None = "float32", param_specs: PyTree | None = None,
                             min_shard_size: int | None = None,
-                            remat: str | Callable[..., bool] | None = None) -> ShardedTrainStep:
+                            remat: str | Callable[..., bool] | None = None, gather_bits: int | None = None,
+                            reduce_bits: int | None = None, wire_block: int = wire_mod.DEFAULT_BLOCK) -> ShardedTrainStep:
     """A ``jax.jit`` train step: the batch sharded over the mesh's data axis, the state in ``layout``.
 
     [`make_pmap_train_step`][jaxmp.parallel.make_pmap_train_step]'s semantics without ``pmap``.
@@ -309,6 +331,14 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
       remat: the per-layer policy of `jaxmp.parallel.scan_layers`: ``None`` (default),
         ``"nothing_saveable"``, ``"dots_saveable"`` or a ``jax.checkpoint`` policy. Under
         ``"fsdp"`` a layer's gathered params are never kept for the backward: they are gathered again.
+      gather_bits: ``8`` gathers the params as blockwise 8-bit codes and float32 scales,
+        dequantized to their dtype where they are used (``"zero"``: after the update, which needs
+        ``master_weights=True``; ``"fsdp"``: in the loss and in `scan_layers`); ``None`` (default)
+        gathers them in their dtype. docs/parallel.md#precision-on-the-wire.
+      reduce_bits: ``8`` or ``4`` reduces the sharded gradients as blockwise codes exchanged by
+        ``all_to_all`` and summed in float32 (a replicated leaf of at least N x ``wire_block``
+        elements too, then all-gathered); ``None`` (default) reduces in ``reduce_dtype``.
+      wire_block: elements a float32 scale of those codes (default 256), inside each device's piece.
 
     Returns:
       ``step(params, opt_state, batch[, rng]) -> (params, opt_state, metrics)`` (``metrics``:
@@ -316,8 +346,9 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
       ``aux``), with ``step.layout``, ``step.lower(...)`` and ``step.shardings(params, opt_state)``.
 
     Raises:
-      ValueError: unknown layout, a data axis the mesh lacks, an fp8 ``reduce_dtype``, or (at
-        the call) a batch that does not divide over the data axis.
+      ValueError: unknown layout, a data axis the mesh lacks, an fp8 ``reduce_dtype``, ``gather_bits``
+        or ``reduce_bits`` outside their values or on ``"replicated"`` or with ``reduce_dtype=None``, or (at
+        the call) a batch that does not divide over the data axis, or ZeRO's ``gather_bits`` without masters.
       TypeError: a ``reduce_dtype`` that is not a floating dtype.
 
     Example:
@@ -344,6 +375,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
                                           min_shard_size=min_shard_size)
     mesh, layout, axis = state_layout.mesh, state_layout.name, state_layout.data_axis
     reduce_dtype = check_reduce_dtype(reduce_dtype)
+    wire = wire_mod.check_wire(gather_bits, reduce_bits, wire_block, state_layout, reduce_dtype)
     remat = per_layer.remat_policy(remat)
     rep = replicated_sharding(mesh)
     num_devices = mesh.shape[axis]
@@ -362,7 +394,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
             check_argument_order(state, step_form(model_state))
             layouts.check_not_pmap_state(params, opt_state, layout)
             cache[sig, reduce] = _jitted_steps(loss_fn, tx, state_layout, (params, opt_state), reduce_dtype=reduce,
-                                               remat=remat, has_aux=has_aux, model_state=model_state, donate=donate)
+                                               remat=remat, has_aux=has_aux, model_state=model_state, donate=donate,
+                                               wire=wire)
         return cache[sig, reduce]
 
     def run(params, opt_state, batch, rng=None):

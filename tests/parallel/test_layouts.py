@@ -1091,8 +1091,11 @@ def test_the_sharded_steps_two_strategies_set_the_same_attributes_whatever_the_l
     g_sh, p_sh = layouts.named_shardings(mesh, g_specs), layouts.named_shardings(mesh, p_specs)
     per_shard = shard_step.PerShard(lay, g_sh, p_sh, reduce_dtype=jnp.bfloat16, grad_specs=g_specs)
     global_view = shard_step.GlobalView(lay, g_sh, p_sh, base_specs=layouts.param_tree_specs(_params(), None))
-    assert set(vars(per_shard)) == {"layout", "grad_shardings", "_gather_shardings", "reduce_dtype", "differentiate"}
-    assert set(vars(global_view)) == {"layout", "grad_shardings", "_gather_shardings", "_wrap"}
+    # wire: the quantized collectives (issue 63), None on both here (GlobalView never has any).
+    assert set(vars(per_shard)) == {"layout", "grad_shardings", "_gather_shardings", "wire", "reduce_dtype",
+                                    "differentiate"}
+    assert set(vars(global_view)) == {"layout", "grad_shardings", "_gather_shardings", "wire", "_wrap"}
+    assert per_shard.wire is None and global_view.wire is None
     assert callable(per_shard.differentiate) and global_view.differentiate is None
     assert global_view.reduce_dtype is None and per_shard.reduce_dtype == jnp.bfloat16
     loss = lambda p, s, b, r: (0.0, (s, None))  # noqa: E731
