@@ -1,10 +1,11 @@
-"""jaxmp/fp8/_formats.py: the two fp8 formats, their ranges, and the dtype and margin checks."""
+"""jaxmp/_formats/_elements.py: the two fp8 formats, their ranges, and the dtype and margin checks."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.fp8._formats import E4M3, E5M2, FP8_DTYPES, check_margin, fp8_dtype, fp8_max
+from jaxmp._formats import E4M3, E5M2, FP8_DTYPES, fp8_dtype, fp8_max
+from jaxmp.fp8._recipes import check_margin
 
 
 def test_the_formats_and_their_largest_values():
