@@ -1,9 +1,11 @@
-"""jaxmp/_formats/_elements.py: the two fp8 formats, their ranges, and the dtype and margin checks."""
+"""jaxmp/_formats/_elements.py: the element table (every row held to its dtype), the fp8 formats, their ranges and the
+dtype checks; the margin check (jaxmp/fp8/_recipes.py); lean's code-map table."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmp import fp8
 from jaxmp._formats import E4M3, E5M2, FP8_DTYPES, fp8_dtype, fp8_max
 from jaxmp.fp8._recipes import check_margin
 
@@ -39,3 +41,33 @@ def test_check_margin_accepts_finite_non_negative_numbers(good, value):
 def test_check_margin_refuses_the_rest(bad):
     with pytest.raises(ValueError, match="margin must be a finite number >= 0"):
         check_margin(bad)
+
+
+def test_the_element_table_holds_every_format_to_its_dtype_and_the_messages_read_it():
+    from jaxmp import _formats
+
+    assert [f.name for f in _formats.FORMATS] == ["E4M3", "E5M2", "E2M1", "E8M0"]
+    for f in _formats.FORMATS:
+        info = jnp.finfo(f.dtype)
+        assert (f.max, f.emax, f.mbits) == (float(info.max), int(np.log2(float(info.max))), int(info.nmant)), f.name
+        assert f.emin == int(info.minexp), f.name
+    assert _formats.FP8_DTYPES == (_formats.E4M3, _formats.E5M2)
+    assert tuple(_formats.ELEMENTS) == (_formats.E4M3, _formats.E5M2, _formats.E2M1)
+    assert _formats.with_role(_formats.BLOCK_SCALE) == (_formats.E4M3, _formats.E8M0)
+    # The quantizers read the table: NVFP4's per-tensor level is E4M3's max times E2M1's.
+    assert _formats._block_scaled.NVFP4_GLOBAL == 448.0 * 6.0
+    with pytest.raises(ValueError, match="float8_e4m3fn, float8_e5m2 or float4_e2m1fn, got float8_e8m0fnu"):
+        _formats.element_format(_formats.E8M0)
+    with pytest.raises(ValueError, match=r"fwd_dtype of a block-scaled recipe must be float8_e4m3fn, float8_e5m2 or "
+                                         r"float4_e2m1fn, got bfloat16"):
+        fp8.CurrentScaling(block=(1, 32), fwd_dtype=jnp.bfloat16)
+
+
+def test_lean_code_maps_are_one_table_keyed_by_bits_and_sign():
+    from jaxmp import _formats
+
+    assert set(_formats.CODE_MAPS) == {(8, True), (8, False), (4, True), (4, False)} and _formats.CODE_BITS == (8, 4)
+    for (bits, signed), table in _formats.CODE_MAPS.items():
+        assert table.dtype == np.float32 and table.size == 2 ** bits and not table.flags.writeable
+        assert np.all(np.diff(table) > 0) and table[-1] == 1 and (table[0] == -table[-2] if signed else table[0] >= 0)
+        assert _formats.code_map(bits, signed) is table
