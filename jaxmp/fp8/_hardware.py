@@ -10,7 +10,6 @@ import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxmp._formats import E4M3
 from jaxmp._misuse import MixedPrecisionWarning

@@ -191,8 +191,9 @@ def measure(root: pathlib.Path = ROOT, mypy: bool = False) -> dict[str, Any]:
                     bound = []
                 accidental += sum(1 for b in bound if not b.startswith("_"))
     for kind, found in enumerating.items():
-        out[f"files touched to add a {kind}"] = len(found) + 1
-        out[f"files touched to add a {kind} files"] = found
+        name = f"files touched to add {'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+        out[name] = len(found) + 1
+        out[f"{name} files"] = found
     out["loose bits, block sites"] = loose
     out["parallel files naming a lean type"] = len(parallel_lean)
     out["parallel files naming a lean type files"] = parallel_lean
