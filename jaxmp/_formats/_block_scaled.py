@@ -100,7 +100,8 @@ def ldexp(x: jax.Array, e: jax.Array) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp
       >>> import jaxmp
-      >>> float(jaxmp._formats._block_scaled.ldexp(jnp.float32(1e-40), jnp.int32(127)))  # doctest: +ELLIPSIS
+      >>> blocks = jaxmp._formats._block_scaled
+      >>> float(blocks.ldexp(jnp.float32(1e-40), jnp.int32(127)))  # doctest: +ELLIPSIS
       0.01701...
     """
     x = jnp.asarray(x, jnp.float32)
@@ -311,8 +312,9 @@ def quantize(x: jax.Array, dtype: Any, block: Any = (1, 32), scale_format: str =
       >>> import jax.numpy as jnp
       >>> import jaxmp
       >>> x = jnp.array([[0.9, -0.25]])
-      >>> qx = jaxmp._formats._block_scaled.quantize(x, jnp.float8_e4m3fn, (1, 2), "e8m0", "rceil")
-      >>> jaxmp._formats._block_scaled.dequantize(qx).tolist()
+      >>> blocks = jaxmp._formats._block_scaled
+      >>> qx = blocks.quantize(x, jnp.float8_e4m3fn, (1, 2), "e8m0", "rceil")
+      >>> blocks.dequantize(qx).tolist()
       [[0.875, -0.25]]
     """
     elem = element_format(dtype)
@@ -374,8 +376,9 @@ def dequantize(qx: Quantized, dtype: Any = jnp.float32, with_global: bool = True
     Example:
       >>> import jax.numpy as jnp
       >>> import jaxmp
-      >>> qx = jaxmp._formats._block_scaled.quantize(jnp.zeros((1, 4)), jnp.float4_e2m1fn, (1, 4))
-      >>> jaxmp._formats._block_scaled.dequantize(qx).tolist()
+      >>> blocks = jaxmp._formats._block_scaled
+      >>> qx = blocks.quantize(jnp.zeros((1, 4)), jnp.float4_e2m1fn, (1, 4))
+      >>> blocks.dequantize(qx).tolist()
       [[0.0, 0.0, 0.0, 0.0]]
     """
     a, b = qx.block

@@ -257,8 +257,9 @@ def refuse_delayed_in_a_function(recipe: Fp8Recipe | None, where: str, instead: 
     Example:
       >>> import jaxmp
       >>> delayed = jaxmp.fp8.DelayedScaling()
+      >>> refuse = jaxmp.fp8._hardware.refuse_delayed_in_a_function
       >>> try:
-      ...     jaxmp.fp8._hardware.refuse_delayed_in_a_function(delayed, "O2-fp8", "'O2-fp8-current'")
+      ...     refuse(delayed, "O2-fp8", "'O2-fp8-current'")
       ... except ValueError as e:
       ...     print(str(e)[:48])
       O2-fp8: delayed fp8 scaling keeps amax histories

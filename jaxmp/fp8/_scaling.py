@@ -44,7 +44,6 @@ def amax(x: jax.Array) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> import jaxmp
       >>> from jaxmp import fp8
       >>> float(fp8._scaling.amax(jnp.array([1.0, -3.0])))
       3.0
@@ -69,7 +68,6 @@ def update_meta(meta: Fp8Meta, x: jax.Array, recipe: DelayedScaling, dtype: Any 
 
     Example:
       >>> import jax.numpy as jnp
-      >>> import jaxmp
       >>> from jaxmp import fp8
       >>> r = fp8.DelayedScaling(history_length=2)
       >>> float(fp8._scaling.update_meta(r.init_meta(), jnp.array([2.0]), r).scale)
@@ -98,7 +96,8 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
       >>> import jax.numpy as jnp
       >>> import jaxmp
       >>> from jaxmp import fp8
-      >>> q = fp8._scaling.quantize(jnp.array([1000.0]), jnp.float32(1.0), jaxmp._formats.E4M3)
+      >>> E4M3 = jaxmp._formats.E4M3
+      >>> q = fp8._scaling.quantize(jnp.array([1000.0]), jnp.float32(1.0), E4M3)
       >>> q.astype(jnp.float32)
       Array([448.], dtype=float32)
     """
