@@ -4,7 +4,7 @@ Each row says what a format is (dtype, largest finite value, the exponents of th
 the smallest normal, mantissa bits) and which roles it plays: an fp8 recipe's per-tensor operand
 (E4M3 forward, E5M2 gradients), a block-scaled element (E4M3, E5M2, E2M1) or a block scale (E8M0,
 and E4M3 for NVFP4). The recipes' checks, the quantizers and the error messages read it, so a new
-format is one row here (tests/fp8/test_formats.py holds every row to ``jnp.finfo``). Lean's
+format is one row here (tests/formats/test_elements.py holds every row to ``jnp.finfo``). Lean's
 8-bit and 4-bit moments store map indices, not an element format: their maps are
 `jaxmp._formats._code_maps.CODE_MAPS`.
 """
