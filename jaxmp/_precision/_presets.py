@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import fp8 as _fp8
+from jaxmp._formats import E2M1 as _E2M1, E4M3 as _E4M3
 from jaxmp.fp8._seams import recipes as _fp8_recipes
 from jaxmp._typing import PolicyLike
 from jaxmp._dtypes import dtype_names
@@ -31,7 +32,6 @@ _KERAS = ("float32", "mixed_float16", "mixed_bfloat16")
 _PRESET_HELP = ("O0, O1, O2, O3 (optionally with -bf16/-fp16, e.g. 'O2-bf16'), O2-fp8 (delayed scaling), "
                 "O2-fp8-current (current scaling), the block-scaled O2-mxfp8, O2-fp8-rowwise, O2-fp8-block128 and "
                 "O2-nvfp4, float32, mixed_float16, mixed_bfloat16")
-_E4M3, _E2M1 = jnp.float8_e4m3fn, jnp.float4_e2m1fn
 # fp8 presets: O2-bf16 with the half list's matmuls and convolutions in fp8 (or fp4). The
 # block-scaled ones are documented, with their sources, in docs/fp8.md#block-scaled-formats.
 _FP8_SUFFIXES: dict[str, Callable[[], _fp8.Fp8Recipe]] = {

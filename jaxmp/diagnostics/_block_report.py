@@ -25,26 +25,8 @@ from jaxmp.fp8._seams import block_watch
 _LEG_SCOPES = frozenset({"dgrad", "wgrad"})
 
 
-class BlockRow(NamedTuple):
-    """Blocks of one operand of one matmul leg, summed over the calls at one module path.
-
-    Attributes:
-      path: the module path (Flax/Equinox/Haiku scopes, ``jax.named_scope`` names).
-      leg: ``"forward"``, ``"dgrad"`` or ``"wgrad"``.
-      operand: ``"lhs"``, ``"rhs"`` (the kernel of ``x @ w``) or ``"gradient"``.
-      dtype: the element format.
-      blocks: blocks quantized.
-      saturated: blocks whose largest elements were clipped to the format's max.
-      underflowed: nonzero blocks that quantized to all zeros.
-    """
-
-    path: str
-    leg: str
-    operand: str
-    dtype: str
-    blocks: int
-    saturated: int
-    underflowed: int
+#: One row of the report: the watch's record, summed per (path, leg, operand, format).
+BlockRow = block_watch.BlockRow
 
 
 class BlockReport(NamedTuple):
@@ -144,11 +126,11 @@ def block_report(fn: Callable[..., Any], *args: PyTree, policy: str = "O2-mxfp8"
     if backward:
         f, args = _differentiable(f, args)
     run = jax.jit(jax.grad(f) if backward else f)
-    with block_watch.watching() as events:
+    with block_watch.watching(_path) as events:
         jax.block_until_ready(run(*args))
     rows: dict[tuple, list] = {}
     for e in events:
-        key = (_path(e.stack), e.leg, e.operand, e.dtype)
+        key = (e.path, e.leg, e.operand, e.dtype)
         acc = rows.setdefault(key, [0, 0, 0])
         acc[0] += e.blocks
         acc[1] += e.saturated

@@ -13,7 +13,7 @@ Example:
   1024
 """
 
-from jaxmp.fp8 import _formats, _scaling, _state  # noqa: F401  (loaded with the package)
+from jaxmp.fp8 import _scaling, _state  # noqa: F401  (loaded with the package)
 from jaxmp.fp8._hardware import check_hardware
 from jaxmp.fp8._ops import fp8_conv_general_dilated, fp8_dot_general, gradient_loss_scale
 from jaxmp.fp8._recipes import CurrentScaling, DelayedScaling, Fp8Meta, Fp8Recipe

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmp.fp8._block_watch import watch, watched_stack
-from jaxmp.fp8._blocks import apply_hadamard, dequantize, hadamard_signs, quantize
+from jaxmp._formats._block_scaled import apply_hadamard, dequantize, hadamard_signs, quantize
 from jaxmp.fp8._hardware import native_block
 from jaxmp.fp8._recipes import CurrentScaling
 from jaxmp.fp8._tangents import is_zero, rounded_cotangent, straight_through, tangent_sum

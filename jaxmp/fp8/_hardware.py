@@ -10,8 +10,8 @@ import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
+from jaxmp._formats import E4M3
 from jaxmp._misuse import MixedPrecisionWarning
 from jaxmp.fp8._recipes import CurrentScaling, DelayedScaling, Fp8Recipe, source
 
@@ -44,7 +44,7 @@ def native_block(recipe: CurrentScaling, device: jax.Device | None = None) -> tu
     emulated = ("emulated (quantize-dequantize around a matmul in the operand dtype: no faster than bf16); "
                 "block-scaled formats run natively only on Blackwell (compute capability >= 10.0) with JAX >= 0.12")
     mx = (recipe.block == (1, 32) and recipe.rhs_block in (None, (1, 32)) and recipe.scale_format == "e8m0"
-          and recipe.scale_rule == "rceil" and recipe.fwd_dtype == jnp.float8_e4m3fn)
+          and recipe.scale_rule == "rceil" and recipe.fwd_dtype == E4M3)
     cc = getattr(device, "compute_capability", None)
     try:
         major = int(str(cc).split(".")[0])
@@ -257,8 +257,9 @@ def refuse_delayed_in_a_function(recipe: Fp8Recipe | None, where: str, instead: 
     Example:
       >>> import jaxmp
       >>> delayed = jaxmp.fp8.DelayedScaling()
+      >>> refuse = jaxmp.fp8._hardware.refuse_delayed_in_a_function
       >>> try:
-      ...     jaxmp.fp8._hardware.refuse_delayed_in_a_function(delayed, "O2-fp8", "'O2-fp8-current'")
+      ...     refuse(delayed, "O2-fp8", "'O2-fp8-current'")
       ... except ValueError as e:
       ...     print(str(e)[:48])
       O2-fp8: delayed fp8 scaling keeps amax histories

@@ -10,18 +10,34 @@ subclasses the other: ``isinstance(recipe, CurrentScaling)`` means current scali
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxmp.fp8._blocks import E2M1, POW2_RULES, SCALE_FORMATS, SCALE_RULES
-from jaxmp.fp8._formats import E4M3, E5M2, check_margin, fp8_dtype
+from jaxmp._formats import BLOCK_ELEMENT, E2M1, E4M3, E5M2, fp8_dtype, spelled, with_role
+from jaxmp._formats._block_scaled import POW2_RULES, SCALE_FORMATS, SCALE_RULES
 
 REDUCTIONS = ("max", "most_recent")
 """How [`DelayedScaling`][jaxmp.fp8.DelayedScaling] reduces its amax history to one reference amax."""
+
+
+def check_margin(margin: Any) -> float:
+    """``margin`` (headroom in powers of two) as a float, or a ``ValueError``.
+
+    Args:
+      margin: a finite number >= 0.
+
+    Returns:
+      ``float(margin)``.
+    """
+    # numpy scalars count (a margin computed with numpy is a np.float32, not a float); bools do not.
+    if isinstance(margin, (bool, np.bool_)) or not isinstance(margin, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(margin) or margin < 0:
+        raise ValueError(f"margin must be a finite number >= 0 (powers of two of headroom), got {margin!r}")
+    return float(margin)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,10 +185,9 @@ def _element_dtype(value, what: str) -> np.dtype:
     try:
         dtype = jnp.dtype(value)
     except TypeError as e:
-        raise TypeError(f"{what} must be float8_e4m3fn, float8_e5m2 or float4_e2m1fn, got {value!r}") from e
-    if dtype not in (E4M3, E5M2, E2M1):
-        raise ValueError(f"{what} of a block-scaled recipe must be float8_e4m3fn, float8_e5m2 or float4_e2m1fn, "
-                         f"got {dtype}")
+        raise TypeError(f"{what} must be {spelled(with_role(BLOCK_ELEMENT))}, got {value!r}") from e
+    if dtype not in with_role(BLOCK_ELEMENT):
+        raise ValueError(f"{what} of a block-scaled recipe must be {spelled(with_role(BLOCK_ELEMENT))}, got {dtype}")
     return dtype
 
 

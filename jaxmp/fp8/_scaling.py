@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxmp.fp8._formats import check_margin, fp8_max
-from jaxmp.fp8._recipes import DelayedScaling, Fp8Meta
+from jaxmp._formats import fp8_max
+from jaxmp.fp8._recipes import DelayedScaling, Fp8Meta, check_margin
 
 
 def compute_scale(amax: jax.Array, old_scale: jax.Array, dtype: Any, margin: float = 0.0) -> jax.Array:
@@ -26,9 +26,10 @@ def compute_scale(amax: jax.Array, old_scale: jax.Array, dtype: Any, margin: flo
 
     Example:
       >>> import jax.numpy as jnp
+      >>> import jaxmp
       >>> from jaxmp import fp8
       >>> amax, old_scale = jnp.float32(0.0), jnp.float32(3.0)
-      >>> float(fp8._scaling.compute_scale(amax, old_scale, fp8._formats.E4M3))
+      >>> float(fp8._scaling.compute_scale(amax, old_scale, jaxmp._formats.E4M3))
       3.0
     """
     amax = jnp.asarray(amax, jnp.float32)
@@ -93,8 +94,10 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp
+      >>> import jaxmp
       >>> from jaxmp import fp8
-      >>> q = fp8._scaling.quantize(jnp.array([1000.0]), jnp.float32(1.0), fp8._formats.E4M3)
+      >>> E4M3 = jaxmp._formats.E4M3
+      >>> q = fp8._scaling.quantize(jnp.array([1000.0]), jnp.float32(1.0), E4M3)
       >>> q.astype(jnp.float32)
       Array([448.], dtype=float32)
     """
@@ -108,8 +111,9 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp
+      >>> import jaxmp
       >>> from jaxmp import fp8
-      >>> q = fp8._scaling.quantize(jnp.array([3.0]), jnp.float32(2.0), fp8._formats.E4M3)
+      >>> q = fp8._scaling.quantize(jnp.array([3.0]), jnp.float32(2.0), jaxmp._formats.E4M3)
       >>> fp8._scaling.dequantize(q, jnp.float32(2.0), jnp.float32)
       Array([3.], dtype=float32)
     """
@@ -121,8 +125,9 @@ def qdq(x: jax.Array, dtype: Any, margin: float = 0.0, scale: jax.Array | None =
 
     Example:
       >>> import jax.numpy as jnp
+      >>> import jaxmp
       >>> from jaxmp import fp8
-      >>> fp8._scaling.qdq(jnp.array([1.0, 0.3]), fp8._formats.E4M3).dtype
+      >>> fp8._scaling.qdq(jnp.array([1.0, 0.3]), jaxmp._formats.E4M3).dtype
       dtype('float32')
     """
     if scale is None:

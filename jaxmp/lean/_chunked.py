@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxmp import _blockwise, _jaxpr
+from jaxmp import _formats, _jaxpr
 
 #: Values a slice: its float32 temporaries (old and new moments, the update) are a few MiB.
 SLICE = 1 << 20
@@ -73,7 +73,7 @@ def mirrors(state_template: Any, params_def: Any) -> list:
     return out
 
 
-def plan(param_shapes: list, positions: list, state_shapes: list, quantized: list, grid: _blockwise.Grid,
+def plan(param_shapes: list, positions: list, state_shapes: list, quantized: list, grid: _formats.Grid,
          slice_size: int) -> dict:
     """``{param index: Sliced}``: the params large enough to update in two or more slices of about
     ``slice_size`` values, all of whose mirrored state leaves are quantized (cut by ``grid``), with
@@ -178,7 +178,7 @@ class SlicePlan(NamedTuple):
 class Stored(NamedTuple):
     """The inner state's leaves as stored, each with what it is quantized by."""
 
-    grid: _blockwise.Grid
+    grid: _formats.Grid
     codes: list         # the stored leaves (codes where quantized)
     scales: list        # their absmax (None where not quantized)
     signed: list        # per leaf its map's sign

@@ -2,7 +2,7 @@
 
 Blockwise dynamic quantization (bitsandbytes' 8-bit Adam, torchao's 4-bit AdamW): each large moment
 leaf is stored as uint8 codes plus one float32 absmax per block; ``update`` dequantizes, runs the
-inner optimizer in float32 and requantizes. The scheme: jaxmp/_blockwise.py; the choices and the
+inner optimizer in float32 and requantizes. The scheme: jaxmp/_formats/_code_maps.py; the choices and the
 measurements: docs/lean-recipes.md#8-bit-and-4-bit-moments.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from jaxmp import _blockwise, _keys
+from jaxmp import _formats, _keys
 from jaxmp.lean import _chunked
 from jaxmp.lean._widening import WidensItself
 from jaxmp._dtypes import is_floating_array
@@ -50,7 +50,7 @@ class QuantizedMomentsState(NamedTuple):
       absmax: the same tree as ``inner_state`` with one float32 scale per block of ``block``
         consecutive elements (C order) at each quantized leaf and None elsewhere: of shape
         ``shape[:k] + (blocks a slab,)`` when the leaf's axes from ``k`` on are a whole number of
-        blocks (``jaxmp._blockwise.Grid.axis``: the last axis of a matrix whose rows are whole
+        blocks (``jaxmp._formats.Grid.axis``: the last axis of a matrix whose rows are whole
         blocks), else ``(ceil(size / block),)``.
       key: uint32[2], the raw threefry2x32 key data (zeros for nearest rounding; constant).
       count: int32 [], updates applied so far (folded into ``key`` for each update's bits).
@@ -59,7 +59,7 @@ class QuantizedMomentsState(NamedTuple):
         no block crosses a device. A checkpoint holds no grid: restore into the structure of
         ``tx.init(params)`` (``jax.eval_shape(tx.init, params)``), which carries it.
       map_revision: int32 [], the revision of the code maps the codes index
-        (``jaxmp._blockwise.MAP_REVISION``: 2, bitsandbytes' and torchao's maps bit for bit). A leaf,
+        (``jaxmp._formats.MAP_REVISION``: 2, bitsandbytes' and torchao's maps bit for bit). A leaf,
         so that a checkpoint records it: one written before it existed (maps of revision 1) has no
         such leaf, and orbax's restore into a ``tx.init`` target refuses it by name rather than
         decode its codes with other maps (docs/lean-recipes.md#8-bit-and-4-bit-moments).
@@ -73,7 +73,7 @@ class QuantizedMomentsState(NamedTuple):
     absmax: PyTree
     key: jax.Array
     count: jax.Array  # type: ignore[assignment]  # optax names its step counters count
-    grid: _blockwise.Grid
+    grid: _formats.Grid
     map_revision: jax.Array | None = None
 
     def split_axes(self, params_def: jax.tree_util.PyTreeDef, param_shapes: Sequence[tuple], n: int) -> dict[int, set]:
@@ -152,8 +152,8 @@ _RESTORE = ("restore into the structure of the optimizer's own init, which carri
 def check_restored(state: QuantizedMomentsState) -> None:
     """Refuses a quantized state whose static ``grid`` or ``map_revision`` a hand-written restore
     lost (a checkpoint holds neither a grid nor, before revision 2, a map revision)."""
-    if not isinstance(state.grid, _blockwise.Grid):
-        raise ValueError(f"QuantizedMomentsState.grid is {state.grid!r}, not a jaxmp._blockwise.Grid: the state was "
+    if not isinstance(state.grid, _formats.Grid):
+        raise ValueError(f"QuantizedMomentsState.grid is {state.grid!r}, not a jaxmp._formats.Grid: the state was "
                          "rebuilt without its structure (a checkpoint holds no grid; it is static, part of the "
                          f"tree's structure). To resume it, {_RESTORE}")
     revision = state.map_revision
@@ -167,9 +167,9 @@ def check_restored(state: QuantizedMomentsState) -> None:
     # target a ShapeDtypeStruct).
     concrete = isinstance(revision, (jax.Array, np.ndarray, np.generic)) and not isinstance(
         revision, jax.core.Tracer) and getattr(revision, "is_fully_addressable", True) and np.shape(revision) == ()
-    if concrete and int(np.asarray(revision)) != _blockwise.MAP_REVISION:
+    if concrete and int(np.asarray(revision)) != _formats.MAP_REVISION:
         raise ValueError(f"QuantizedMomentsState.map_revision is {int(np.asarray(revision))}: its codes index code maps "
-                         f"of another revision than this jaxmp's ({_blockwise.MAP_REVISION}), which would decode them "
+                         f"of another revision than this jaxmp's ({_formats.MAP_REVISION}), which would decode them "
                          "differently; resume it with the jaxmp that wrote it, or start the moments afresh with "
                          "tx.init(params)")
 
@@ -317,14 +317,14 @@ def quantized_moments(inner: optax.GradientTransformation, key: jax.Array | int 
     return QuantizedMoments(init_fn, update_fn)
 
 
-def _grid(bits: Any, block: Any) -> _blockwise.Grid:
+def _grid(bits: Any, block: Any) -> _formats.Grid:
     """The grid of `quantized_moments`' ``bits`` and ``block`` (None: torchao's for the bits)."""
-    if bits not in (8, 4) or isinstance(bits, bool):
+    if bits not in _formats.CODE_BITS or isinstance(bits, bool):
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
-    return _blockwise.Grid(bits, _BLOCKS[bits] if block is None else _check_int(block, "block", 2))
+    return _formats.Grid(bits, _BLOCKS[bits] if block is None else _check_int(block, "block", 2))
 
 
-def _quantized_leaves(leaves: list, grid: _blockwise.Grid, min_size: int) -> tuple[list, list]:
+def _quantized_leaves(leaves: list, grid: _formats.Grid, min_size: int) -> tuple[list, list]:
     """``(stored, scales)`` of an inner state's ``(path, leaf)`` pairs: the codes and absmax of
     each quantizable leaf (its map's sign from its path), the others as they are and None."""
     stored: list[Any] = []
@@ -340,7 +340,7 @@ def _quantized_leaves(leaves: list, grid: _blockwise.Grid, min_size: int) -> tup
     return stored, scales
 
 
-def _check_leaves(t_leaves: list, stored: list, scales: list, grid: _blockwise.Grid) -> None:
+def _check_leaves(t_leaves: list, stored: list, scales: list, grid: _formats.Grid) -> None:
     """Refuses quantized leaves whose codes or absmax are not those of their moment's shape."""
     for (path, t), c, a in zip(t_leaves, stored, scales):
         if a is not None and (jnp.shape(c) != grid.codes_shape(t.shape) or a.shape != grid.absmax_shape(t.shape)):
@@ -395,7 +395,7 @@ def _requantized(held: _chunked.Stored, new_wide: list, in_slices: set, sliced_o
 
 
 def _revision() -> jax.Array:
-    return jnp.asarray(_blockwise.MAP_REVISION, jnp.int32)
+    return jnp.asarray(_formats.MAP_REVISION, jnp.int32)
 
 
 class QuantizedMoments(WidensItself):

@@ -3,7 +3,7 @@
 The sharded layouts move two things over the data axis every step: the weights, all-gathered
 from their slices (ZeRO after the update, FSDP where they are used), and the gradients,
 reduced onto the slices. With `Wire` options the step sends blockwise codes instead (the
-quantizer of `jaxmp._blockwise.Grid`: 8-bit or 4-bit codes of the dynamic map and one float32
+quantizer of `jaxmp._formats.Grid`: 8-bit or 4-bit codes of the dynamic map and one float32
 absmax a block, the blocks inside each device's piece):
 
 - a weight gather quantizes this device's slice, all-gathers codes and scales, and dequantizes
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp import _blockwise
+from jaxmp import _formats
 
 GATHER_BITS = (8,)
 REDUCE_BITS = (8, 4)
@@ -50,11 +50,11 @@ class Wire:
     reduce_bits: int | None = None
     block: int = DEFAULT_BLOCK
 
-    def gather_grid(self) -> _blockwise.Grid | None:
-        return None if self.gather_bits is None else _blockwise.Grid(self.gather_bits, self.block)
+    def gather_grid(self) -> _formats.Grid | None:
+        return None if self.gather_bits is None else _formats.Grid(self.gather_bits, self.block)
 
-    def reduce_grid(self) -> _blockwise.Grid | None:
-        return None if self.reduce_bits is None else _blockwise.Grid(self.reduce_bits, self.block)
+    def reduce_grid(self) -> _formats.Grid | None:
+        return None if self.reduce_bits is None else _formats.Grid(self.reduce_bits, self.block)
 
 
 def _check_bits(value: Any, name: str, allowed: tuple) -> int | None:
@@ -124,7 +124,7 @@ def quantized_gather(piece: jax.Array, axis: str, dim: int, wire: Wire) -> jax.A
     return pieces.reshape(shape[:dim] + (-1,) + shape[dim + 1:])
 
 
-def _exchange(rows: jax.Array, axis: str, grid: _blockwise.Grid) -> jax.Array:
+def _exchange(rows: jax.Array, axis: str, grid: _formats.Grid) -> jax.Array:
     """Row ``j`` of this device's ``(n, m)`` float32 ``rows`` goes to device ``j``; returns the sum,
     in float32 and in device order, of the rows this device receives (``(m,)``)."""
     n, m = rows.shape

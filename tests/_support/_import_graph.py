@@ -27,8 +27,10 @@ PACKAGES = ("jaxmp", "benchmarks")
 # The layers of jaxmp, lowest first: a module may import its own layer and the layers below it,
 # never one above. A unit is a top-level module or a subpackage of jaxmp (what the table shows).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("numerics", ("jaxmp._effects", "jaxmp._ops", "jaxmp._jaxpr", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout",
-                  "jaxmp._dtypes", "jaxmp._misuse", "jaxmp._blockwise", "jaxmp._keys", "jaxmp.fp8")),
+    ("infrastructure", ("jaxmp._effects", "jaxmp._ops", "jaxmp._jaxpr", "jaxmp._typing", "jaxmp._tree", "jaxmp._cpu_layout",
+                        "jaxmp._misuse", "jaxmp._keys")),
+    ("formats", ("jaxmp._dtypes", "jaxmp._formats")),
+    ("fp8 recipes", ("jaxmp.fp8",)),
     ("policies", ("jaxmp._precision",)),
     ("loss scaling and optax transforms", ("jaxmp._scaling", "jaxmp.lean")),
     ("precision engine", ("jaxmp.engine", "jaxmp.diagnostics")),

@@ -273,7 +273,7 @@ def _python_files():
 
 #: Tests that call JAX's own private code as a peer reference (its result compared with jaxmp's),
 #: reading no jaxpr: ``jax.nn.scaled_dot_general``'s MXFP8 quantizer has no public name.
-PEER_REFERENCES = {"tests/fp8/test_blocks.py": {"jax._src"}}
+PEER_REFERENCES = {"tests/formats/test_block_scaled.py": {"jax._src"}}
 
 
 def test_jaxprs_are_read_through_the_one_reader_only():

@@ -73,7 +73,7 @@ def test_fp8_presets_are_o2_bf16_with_an_fp8_recipe_and_transformer_engine_defau
             (bf16.policy, bf16.master_weights, bf16.loss_scale, bf16.keep_float32, "O2")
     assert isinstance(delayed.fp8, fp8.DelayedScaling) and type(current.fp8) is fp8.CurrentScaling
     assert (delayed.fp8.history_length, delayed.fp8.reduction, delayed.fp8.margin) == (1024, "max", 0.0)
-    assert (delayed.fp8.fwd_dtype, delayed.fp8.bwd_dtype) == (fp8._formats.E4M3, fp8._formats.E5M2)
+    assert (delayed.fp8.fwd_dtype, delayed.fp8.bwd_dtype) == (jaxmp._formats.E4M3, jaxmp._formats.E5M2)
     assert jaxmp.get_recipe("O2-bf16").fp8 is None
     assert jaxmp.flax.default_rules("O2-fp8").fp8_matmuls == delayed.fp8
 

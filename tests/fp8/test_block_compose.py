@@ -97,7 +97,7 @@ def _check_skip(preset):
     assert master.dtype == jnp.float32 and p1["w1"].dtype == BF16  # bf16 params, float32 masters
     p2, s2, losses = _run(preset, _batches(2, poisoned=(1,))[1:], state=(p1, s1))
     # The inf's block decodes to NaN, through every layer to the loss (a ragged 1x128 block of a
-    # 64-wide layer once lost it: tests/fp8/test_blocks.py::test_a_nan_in_a_ragged_block_...).
+    # 64-wide layer once lost it: tests/formats/test_block_scaled.py::test_a_nan_in_a_ragged_block_...).
     assert not np.isfinite(losses[0])
     stats = jaxmp.scaling_stats(s2)
     assert int(stats["total_skips"]) == 1 and float(stats["loss_scale"]) == 2.0**14  # halved

@@ -13,7 +13,7 @@ import pytest
 
 import jaxmp
 from jaxmp import _jaxpr, fp8
-from tests.fp8.test_blocks import E2M1, E4M3, E5M2, _ref_qdq
+from tests.formats.test_block_scaled import E2M1, E4M3, E5M2, _ref_qdq
 
 DN = (((1,), (0,)), ((), ()))
 LOW = {E4M3, E5M2, E2M1}

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxmp
 from jaxmp import fp8
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -49,21 +50,22 @@ def test_all_zero_history_keeps_the_old_scale_and_non_finite_amax_changes_nothin
 
 
 def test_compute_scale_and_quantize_saturate_at_the_format_maximum():
-    assert fp8._formats.fp8_max(fp8._formats.E4M3) == E4M3_MAX and fp8._formats.fp8_max(fp8._formats.E5M2) == E5M2_MAX
+    formats = jaxmp._formats
+    assert formats.fp8_max(formats.E4M3) == E4M3_MAX and formats.fp8_max(formats.E5M2) == E5M2_MAX
     one = np.float32(1.0)
 
     @jax.jit  # one compiled program for every call (eagerly, each op compiles on its own)
     def run(amax, big, non_finite):
-        scale = fp8._scaling.compute_scale(amax, one, fp8._formats.E5M2, margin=2)
-        q = fp8._scaling.quantize(big, one, fp8._formats.E4M3)
-        return scale, q, [fp8._scaling.quantize(non_finite, one, d) for d in fp8._formats.FP8_DTYPES]
+        scale = fp8._scaling.compute_scale(amax, one, jaxmp._formats.E5M2, margin=2)
+        q = fp8._scaling.quantize(big, one, jaxmp._formats.E4M3)
+        return scale, q, [fp8._scaling.quantize(non_finite, one, d) for d in jaxmp._formats.FP8_DTYPES]
 
     scale, q, bads = run(np.float32(10.0), np.array([1e6, -1e6, 1.0], np.float32),
                          np.array([np.inf, np.nan, 2.0], np.float32))
     np.testing.assert_allclose(float(scale), E5M2_MAX / 4 / 10, rtol=1e-6)
-    assert q.dtype == fp8._formats.E4M3
+    assert q.dtype == jaxmp._formats.E4M3
     np.testing.assert_array_equal(np.asarray(q).astype(np.float32), [448.0, -448.0, 1.0])
-    assert [b.dtype for b in bads] == list(fp8._formats.FP8_DTYPES)
+    assert [b.dtype for b in bads] == list(jaxmp._formats.FP8_DTYPES)
     for bad in bads:  # an overflow is never clipped into a finite value
         bad = np.asarray(bad).astype(np.float32)
         assert not np.any(np.isfinite(bad[:2])) and float(bad[2]) == 2.0
@@ -71,7 +73,7 @@ def test_compute_scale_and_quantize_saturate_at_the_format_maximum():
 
 def test_qdq_with_current_scaling_maps_the_amax_onto_the_format_maximum():
     x = np.array([0.001, -0.0007, 0.0003], np.float32)
-    y = jax.jit(lambda v: fp8._scaling.qdq(v, fp8._formats.E4M3))(x)  # one program, not one per op
+    y = jax.jit(lambda v: fp8._scaling.qdq(v, jaxmp._formats.E4M3))(x)  # one program, not one per op
     assert y.dtype == jnp.float32
     y = np.asarray(y)
     assert float(np.max(np.abs(y))) == pytest.approx(0.001, rel=1e-6)  # the amax is exact after scaling
@@ -123,8 +125,8 @@ def test_backward_quantizes_the_cotangent_to_e5m2_and_is_invariant_to_a_loss_sca
     da, db = (np.asarray(t) for t in vjp(g))
     # The rounded operands in one program; the reference products in numpy (float64: exact enough).
     qa, qb, qg = (np.asarray(t, np.float64) for t in jax.jit(lambda a, b, g: (
-        fp8._scaling.qdq(a, fp8._formats.E4M3), fp8._scaling.qdq(b, fp8._formats.E4M3),
-        fp8._scaling.qdq(g, fp8._formats.E5M2)))(a, b, g))
+        fp8._scaling.qdq(a, jaxmp._formats.E4M3), fp8._scaling.qdq(b, jaxmp._formats.E4M3),
+        fp8._scaling.qdq(g, jaxmp._formats.E5M2)))(a, b, g))
     np.testing.assert_allclose(da, qg @ qb.T, rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(db, qa.T @ qg, rtol=1e-6, atol=1e-9)
     assert not np.allclose(da, np.asarray(g, np.float64) @ qb.T, rtol=1e-7, atol=0)  # E5M2 rounding happened
@@ -159,7 +161,7 @@ def test_misuse_of_the_functions_gets_clear_errors():
         fp8._scaling.update_meta(fp8.DelayedScaling(history_length=8).init_meta(), jnp.ones(2),
                         fp8.DelayedScaling(history_length=4))
     with pytest.raises(ValueError, match="fp8 dtype"):
-        fp8._formats.fp8_max(jnp.float16)
+        jaxmp._formats.fp8_max(jnp.float16)
 
 
 def test_the_recipes_are_not_subclasses_of_each_other():
@@ -170,8 +172,8 @@ def test_the_recipes_are_not_subclasses_of_each_other():
     assert not isinstance("e4m3", fp8.Fp8Recipe)
     assert current != fp8.DelayedScaling() and delayed == fp8.DelayedScaling(history_length=4)
     # The shared fields keep their positions: margin, fwd_dtype, bwd_dtype, emulate.
-    e5m2 = fp8.DelayedScaling(1.0, fp8._formats.E5M2)
-    assert e5m2.margin == 1.0 and e5m2.fwd_dtype == fp8._formats.E5M2
+    e5m2 = fp8.DelayedScaling(1.0, jaxmp._formats.E5M2)
+    assert e5m2.margin == 1.0 and e5m2.fwd_dtype == jaxmp._formats.E5M2
     with pytest.raises(TypeError, match="CurrentScaling or jaxmp.fp8.DelayedScaling"):
         type(current).__mro__[1]()  # the shared base is no recipe by itself
 

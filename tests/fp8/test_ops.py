@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxmp import fp8
-from jaxmp.fp8._formats import E4M3, E5M2
+from jaxmp._formats import E4M3, E5M2
 from jaxmp.fp8._ops import fp8_conv_general_dilated, fp8_dot_general, gradient_loss_scale
 from jaxmp.fp8._scaling import qdq
 from jaxmp.fp8._state import Fp8Scales

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxmp import fp8
-from jaxmp.fp8 import _blocks as B
+from jaxmp._formats import _block_scaled as B
 
 REF = np.load(pathlib.Path(__file__).parent / "data" / "blocks_reference.npz")
 INPUTS = ("normal", "wide", "edge")

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.fp8._formats import E4M3, E5M2
+from jaxmp._formats import E4M3, E5M2
 from jaxmp.fp8._recipes import CurrentScaling, DelayedScaling, Fp8Meta, Fp8Recipe, _ScalingRecipe, describe
 
 

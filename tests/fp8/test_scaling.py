@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.fp8._formats import E4M3, E5M2
+from jaxmp._formats import E4M3, E5M2
 from jaxmp.fp8._recipes import CurrentScaling, DelayedScaling, Fp8Meta
 from jaxmp.fp8._scaling import amax, compute_scale, dequantize, qdq, quantize, update_meta
 from jaxmp.fp8._scaling import update_meta as _update_meta

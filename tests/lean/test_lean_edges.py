@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp import _blockwise, _tree, lean
+from jaxmp import _formats, _tree, lean
 from jaxmp._misuse import MixedPrecisionWarning
 from tests._support._arrays import leaf_bytes
 
@@ -70,7 +70,7 @@ def test_a_checkpoint_written_before_the_map_revision_is_refused_by_name_not_dec
         updates, state = tx.update(_grads(params, seed), state, params)
         params = jaxmp.apply_updates(params, updates, state)
     q = _tree.find_states(state, lean.QuantizedMomentsState)[0]
-    assert q.inner_state[0].mu["w"].dtype == jnp.uint8 and int(q.map_revision) == _blockwise.MAP_REVISION
+    assert q.inner_state[0].mu["w"].dtype == jnp.uint8 and int(q.map_revision) == _formats.MAP_REVISION
     old, new = {"params": params, "opt_state": _as_revision_1(state)}, {"params": params, "opt_state": state}
     target_p, target_s = jaxmp.parallel.abstract_state((params, tx.init(params)), mesh, "zero")
     targets = [{"params": target_p, "opt_state": target_s},
@@ -119,7 +119,7 @@ def test_a_nan_gradient_leaves_its_blocks_absmax_nan_so_a_state_check_sees_it(sl
         assert np.isnan(a[[1, 20]]).all() and np.isfinite(np.delete(a, [1, 20])).all()
         np.testing.assert_array_equal(np.delete(a, [1, 20]), np.delete(np.asarray(getattr(clean_absmax, field)["w"]),
                                                                        [1, 20]))
-        decoded = _blockwise.Grid(8, 256).dequantize(getattr(adam, field)["w"], getattr(absmax, field)["w"],
+        decoded = _formats.Grid(8, 256).dequantize(getattr(adam, field)["w"], getattr(absmax, field)["w"],
                                                      field == "mu", (64, 128)).reshape(32, 256)
         assert np.isnan(np.asarray(decoded)[[1, 20]]).all()
     # What a state check reads: not every leaf of the stored state is finite.

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp import _blockwise, _jaxpr, lean
+from jaxmp import _formats, _jaxpr, lean
 from tests._support._arrays import leaf_bytes
 
 # optax.adam's bias correction (Python float ** int32 count) is not strict-promotion clean.
@@ -46,18 +46,18 @@ def test_code_maps_are_bitsandbytes_and_torchao_maps():
     for bits, signed, want in [(8, True, _np_dynamic_map(True, 7, 8)), (8, False, _np_dynamic_map(False, 7, 8)),
                                (4, True, _np_dynamic_map(True, 3, 4)),
                                (4, False, np.arange(1, 17, dtype=np.float32) / 16)]:
-        got = _blockwise.code_map(bits, signed)
+        got = _formats.code_map(bits, signed)
         assert got.shape == (2 ** bits,) and len(np.unique(got)) == 2 ** bits and (np.diff(got) > 0).all()
         np.testing.assert_allclose(got, want, rtol=0, atol=6e-8 if bits == 8 else 0)
-    assert _blockwise.code_map(4, False).min() == 1 / 16   # no zero: a second moment never rounds to 0
-    assert _blockwise.code_map(8, False).min() == 0 and _blockwise.code_map(8, True).max() == 1
+    assert _formats.code_map(4, False).min() == 1 / 16   # no zero: a second moment never rounds to 0
+    assert _formats.code_map(8, False).min() == 0 and _formats.code_map(8, True).max() == 1
 
 
 def test_quantize_round_trip_packing_and_partial_block():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(7, 37)).astype(np.float32)      # 259 elements: a partial last block of 3
     for bits, block in ((8, 256), (4, 128), (4, 5)):
-        grid = _blockwise.Grid(bits, block)
+        grid = _formats.Grid(bits, block)
         codes, absmax = jax.jit(functools.partial(grid.quantize, signed=True))(x)
         n = -(-x.size // block)
         assert codes.dtype == jnp.uint8 and absmax.shape == (n,)
@@ -65,7 +65,7 @@ def test_quantize_round_trip_packing_and_partial_block():
         padded = np.pad(x.reshape(-1), (0, n * block - x.size)).reshape(n, block)
         np.testing.assert_array_equal(absmax, np.abs(padded).max(1))
         back = np.asarray(grid.dequantize(codes, absmax, True, x.shape))
-        gap = np.diff(_blockwise.code_map(bits, True)).max()
+        gap = np.diff(_formats.code_map(bits, True)).max()
         err = np.abs(back - x).reshape(-1)
         bound = np.repeat(np.asarray(absmax), block)[:x.size] * gap / 2
         assert (err <= bound * (1 + 1e-5)).all()   # -absmax is 1 - 0.993 (8 bits) from -0.993: half the top gap
@@ -78,7 +78,7 @@ def test_rows_of_blocks_are_the_flattened_blocks_kept_in_the_leafs_shape(bits, b
     # the flat one reshaped to shape[:-1] + (blocks a row,), so a split of any axis keeps it whole.
     rng = np.random.default_rng(1)
     x = (rng.normal(size=(6, 4 * block)) * np.exp(rng.normal(size=(6, 1)) * 4)).astype(np.float32)
-    grid = _blockwise.Grid(bits, block)
+    grid = _formats.Grid(bits, block)
     assert grid.axis(x.shape) == 1
     assert grid.absmax_shape(x.shape) == (6, 4)
     key = jax.random.key(3)
@@ -92,7 +92,7 @@ def test_rows_of_blocks_are_the_flattened_blocks_kept_in_the_leafs_shape(bits, b
                                       np.asarray(grid.dequantize(flat_codes, flat_absmax, True,
                                                                  (x.size,))).reshape(x.shape))
     if bits == 8:
-        want_codes, want_absmax = _np_quantize(x, _blockwise.code_map(8, True), block)
+        want_codes, want_absmax = _np_quantize(x, _formats.code_map(8, True), block)
         np.testing.assert_array_equal(np.asarray(absmax).reshape(-1), want_absmax)
     # Slabs of the trailing axes that are a whole number of blocks; else flattened and padded.
     assert grid.absmax_shape((3, 4, block // 2)) == (3, 2)          # slabs of 2 rows
@@ -176,7 +176,7 @@ def _affine_int8(x, block=256):
 
 def _dynamic(signed):
     def fq(x):
-        grid = _blockwise.Grid(8, 256)
+        grid = _formats.Grid(8, 256)
         return grid.dequantize(*grid.quantize(x, signed), signed, x.shape)
     return fq
 
@@ -261,7 +261,7 @@ def test_state_layout_small_leaves_scalars_and_classification():
     # A mu leaf goes negative: the signed map keeps the sign.
     grads = {k: -jnp.ones_like(v) for k, v in params.items()}
     upd, new = jax.jit(tx.update)(grads, state, params)
-    mu = _blockwise.Grid(4, 128).dequantize(new.inner_state.inner_state[0].mu["w"], new.absmax.inner_state[0].mu["w"],
+    mu = _formats.Grid(4, 128).dequantize(new.inner_state.inner_state[0].mu["w"], new.absmax.inner_state[0].mu["w"],
                                             True, (64, 96))
     assert (np.asarray(mu) < 0).all() and (np.asarray(upd["w"]) > 0).all()
     assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state)
@@ -405,9 +405,9 @@ def test_inject_hyperparams_and_chain_with_clipping_inside():
     upd, new = jax.jit(tx.update)(grads, state, params)
     ref_upd, ref = jax.jit(inner.update)(grads, inner.init(params), params)
     adam, scales = new.inner_state[1].inner_state[0], new.absmax[1].inner_state[0]
-    gap = np.diff(_blockwise.code_map(8, True)).max()
+    gap = np.diff(_formats.code_map(8, True)).max()
     for field, signed in (("mu", True), ("nu", False)):
-        deq = _blockwise.Grid(8, 256).dequantize(getattr(adam, field)["w"], getattr(scales, field)["w"], signed,
+        deq = _formats.Grid(8, 256).dequantize(getattr(adam, field)["w"], getattr(scales, field)["w"], signed,
                                                  (64, 128))
         want = np.asarray(getattr(ref[1].inner_state[0], field)["w"])
         bound = np.repeat(np.asarray(getattr(scales, field)["w"]), 256).reshape(64, 128) * gap / 2
@@ -524,14 +524,14 @@ def test_the_one_pass_code_search_is_bitwise_searchsorted(bits, signed):
     # fused pass); it must count exactly as jnp.searchsorted does, at and around every entry and
     # midpoint, at +-0, +-1 and subnormals, for both sides (nearest and stochastic rounding).
     rng = np.random.default_rng(0)
-    qmap = _blockwise.code_map(bits, signed)
+    qmap = _formats.code_map(bits, signed)
     mids = (qmap[:-1] + qmap[1:]) / np.float32(2)
     edges = np.concatenate([mids, qmap, [0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 1e-45, -1e-45]]).astype(np.float32)
     x = np.concatenate([rng.uniform(-1.0 if signed else 0.0, 1.0, 4096), edges,
                         np.nextafter(edges, np.float32(2)), np.nextafter(edges, np.float32(-2))]).astype(np.float32)
     x = np.clip(x, -1.0 if signed else 0.0, 1.0).astype(np.float32)
     for side, table in (("left", mids), ("right", qmap)):
-        got = jax.jit(lambda v, t=table, s=side: _blockwise._count(v, t, s))(x)
+        got = jax.jit(lambda v, t=table, s=side: _formats._code_maps._count(v, t, s))(x)
         want = jnp.searchsorted(jnp.asarray(table), jnp.asarray(x), side=side)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxmp import _blockwise, lean
+from jaxmp import _formats, lean
 from tests.lean.test_lean_quantized import _np_dynamic_map  # how jaxmp derived its maps before revision 2
 
 pytestmark = pytest.mark.standard_promotion(reason="optax.adamw: bias correction is a Python float ** int32 count")
@@ -41,7 +41,7 @@ def _same(a, b) -> np.ndarray:
 
 def test_every_map_is_the_peers_bit_for_bit(ref):
     for name, (bits, signed) in {"8s": (8, True), "8u": (8, False), "4s": (4, True), "4u": (4, False)}.items():
-        ours = _blockwise.code_map(bits, signed)
+        ours = _formats.code_map(bits, signed)
         assert ours.dtype == np.float32 and ours.view(np.uint32).tolist() == ref[f"torchao_map_{name}"].view(
             np.uint32).tolist(), name
         if bits == 8:
@@ -50,14 +50,14 @@ def test_every_map_is_the_peers_bit_for_bit(ref):
     # float32 ulp but two by two (at most 6e-8); the 4-bit map was already equal.
     for (bits, signed, exp_bits), ulps in {(8, True, 7): [0, 20, 2], (8, False, 7): [0, 24, 2],
                                            (4, True, 3): [0]}.items():
-        old, new = _np_dynamic_map(signed, exp_bits, bits), _blockwise.code_map(bits, signed)
+        old, new = _np_dynamic_map(signed, exp_bits, bits), _formats.code_map(bits, signed)
         apart = np.abs(old.view(np.int32).astype(np.int64) - new.view(np.int32))
         assert np.bincount(apart).tolist() == [2 ** bits - sum(ulps)] + ulps[1:]
-    assert _blockwise.MAP_REVISION == 2
+    assert _formats.MAP_REVISION == 2
 
 
 def _ours(x, bits, signed, block):
-    grid = _blockwise.Grid(bits, block)
+    grid = _formats.Grid(bits, block)
     codes, absmax = jax.jit(lambda x: grid.quantize(x, signed))(x)
     back = jax.jit(lambda c, a: grid.dequantize(c, a, signed, x.shape))(codes, absmax)
     codes = np.asarray(codes)

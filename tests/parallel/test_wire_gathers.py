@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxmp
-from jaxmp import _blockwise, lean
+from jaxmp import _formats, lean
 from jaxmp.parallel import _wire
 from tests._support import _wire as W
 from tests._support._arrays import leaf_bytes
@@ -77,7 +77,7 @@ def test_each_device_sends_its_slice_as_codes_and_every_device_dequantizes_the_s
     for d in range(1, 8):  # every device holds the same whole param
         np.testing.assert_array_equal(out[d], out[0])
     # Each piece is exactly the blockwise dequantization of that device's own slice (blocks inside it).
-    grid = _blockwise.Grid(8, 256)
+    grid = _formats.Grid(8, 256)
     for d in range(8):
         piece = jnp.asarray(x[:, 64 * d:64 * (d + 1)], jnp.bfloat16)
         codes, scales = grid.quantize(piece, signed=True)

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxmp
-from jaxmp import _blockwise, lean
+from jaxmp import _formats, lean
 from jaxmp.parallel import _wire
 from tests._support import _wire as W
 from tests._support._arrays import leaf_bytes
@@ -47,7 +47,7 @@ def test_each_device_receives_every_devices_codes_for_its_slice_and_sums_them_in
     g = _per_device_grads()
     fn = _reduce_scatter(bits)
     out = np.asarray(fn(g))  # (8 devices, 16, 64): device i's slice of the sum
-    grid = _blockwise.Grid(bits, 256)
+    grid = _formats.Grid(bits, 256)
     worst = np.float32(np.max(np.diff(grid.code_map(True)))) / 2
     for i in range(8):
         # What device i must hold: device j's codes for slice i, dequantized, summed j = 0..7 in float32.

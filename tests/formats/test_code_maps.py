@@ -1,4 +1,4 @@
-"""The quantized format as a value (issue 61, item 2): `jaxmp._blockwise.Grid` quantizes,
+"""The quantized format as a value (issue 61, item 2): `jaxmp._formats.Grid` quantizes,
 dequantizes and shapes a leaf itself, and the grid travels whole, never as loose ``bits`` and
 ``block`` ints through the lean recipes."""
 
@@ -10,16 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp import _blockwise
+from jaxmp import _formats
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-FORMAT_FILES = ("jaxmp/_blockwise.py", "jaxmp/lean/_chunked.py", "jaxmp/lean/_quantized.py")
+FORMAT_FILES = ("jaxmp/_formats/_code_maps.py", "jaxmp/lean/_chunked.py", "jaxmp/lean/_quantized.py")
 
 
 @pytest.mark.parametrize("bits,block", [(8, 256), (8, 64), (4, 128), (4, 5)])
 @pytest.mark.parametrize("shape", [(6, 512), (3, 4, 64), (7, 37), (300,), (2, 3, 130)])
 def test_the_grid_says_the_shapes_it_quantizes_to(bits, block, shape):
-    grid = _blockwise.Grid(bits, block)
+    grid = _formats.Grid(bits, block)
     x = jnp.asarray(np.random.default_rng(0).normal(size=shape).astype(np.float32))
     codes, absmax = grid.quantize(x, signed=True)
     assert codes.shape == grid.codes_shape(shape) and absmax.shape == grid.absmax_shape(shape)
@@ -51,6 +51,6 @@ def test_no_function_of_the_format_takes_bits_and_block_loose():
 
 
 def test_the_grid_is_static_and_compares_by_value():
-    grid = _blockwise.Grid(8, 256)
-    assert jax.tree_util.tree_leaves(grid) == [] and grid == _blockwise.Grid(8, 256)
-    assert jax.tree_util.tree_structure(grid) != jax.tree_util.tree_structure(_blockwise.Grid(4, 128))
+    grid = _formats.Grid(8, 256)
+    assert jax.tree_util.tree_leaves(grid) == [] and grid == _formats.Grid(8, 256)
+    assert jax.tree_util.tree_structure(grid) != jax.tree_util.tree_structure(_formats.Grid(4, 128))

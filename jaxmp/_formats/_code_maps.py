@@ -1,4 +1,4 @@
-"""Blockwise quantization of optimizer moments: code maps, quantize, dequantize, 4-bit packing (pure jnp).
+"""Lean's code-map quantizer of optimizer moments: the maps, and `Grid`, which quantizes, dequantizes and packs 4-bit codes.
 
 The scheme of bitsandbytes' 8-bit optimizers (arXiv:2110.02861) and torchao's 4-bit ones: a leaf is
 cut into blocks of ``block`` consecutive elements (C order over the flattened leaf; kept in the
@@ -8,8 +8,10 @@ are sorted float32 tables in [-1, 1] (signed) or [0, 1] (non-negative), bit for 
 and torchao's: the dynamic map (a decimal exponent plus linear fractions: fine near 0, coarse near
 1) for 8 bits and for a signed 4-bit leaf; torchao's zero-free linear map ``(i + 1) / 16`` for a
 non-negative 4-bit leaf (a second moment rounded to 0 would make Adam divide by ``eps``). The format
-is a value, `Grid` (bits, block), whose methods quantize, dequantize and shape a leaf. Private:
-jaxmp.lean's quantized moments use it; docs/lean-recipes.md#8-bit-and-4-bit-moments says why.
+is a value, `Grid` (bits, block), whose methods quantize, dequantize and shape a leaf. `CODE_MAPS`
+is the one table of which map a (bits, sign) stores. Private: jaxmp.lean's quantized moments use it
+(and the sharded layouts' quantized collectives may); docs/lean-recipes.md#8-bit-and-4-bit-moments
+says why.
 """
 
 from __future__ import annotations
@@ -104,15 +106,26 @@ def linear_map(bits: int = 4) -> np.ndarray:
     return (np.arange(1, 2 ** bits + 1, dtype=np.float32) / np.float32(2 ** bits)).astype(np.float32)
 
 
-@functools.lru_cache(maxsize=None)
+_LINEAR_4 = linear_map(4)
+_LINEAR_4.setflags(write=False)
+
+CODE_MAPS: dict[tuple[int, bool], np.ndarray] = {
+    (8, True): _MAP_8_SIGNED,     # bitsandbytes' create_dynamic_map(signed=True)
+    (8, False): _MAP_8_UNSIGNED,  # create_dynamic_map(signed=False): the sign bit one more fraction bit
+    (4, True): _MAP_4_SIGNED,     # the dynamic map with 3 exponent bits: torchao's AdamW4bit first moment
+    (4, False): _LINEAR_4,        # zero-free (i + 1) / 16: its second moment never rounds to 0
+}
+"""The map a leaf of ``(bits, signed)`` stores indices into: the one table of lean's formats."""
+CODE_BITS = tuple(sorted({bits for bits, _ in CODE_MAPS}, reverse=True))
+"""The code widths a quantized state may have: (8, 4)."""
+
+
 def code_map(bits: int, signed: bool) -> np.ndarray:
-    """The map of a leaf, bit for bit bitsandbytes' and torchao's: the dynamic map at 8 bits
-    (signed or unsigned: ``create_dynamic_map(signed)``); at 4 bits the dynamic map with 3 exponent
-    bits (signed: torchao's ``AdamW4bit`` first moment) or the zero-free linear map ``(i + 1) / 16``
-    (non-negative: its second moment)."""
-    if bits == 8:
-        return _MAP_8_SIGNED if signed else _MAP_8_UNSIGNED
-    return _MAP_4_SIGNED if signed else linear_map(4)
+    """The map of a leaf, bit for bit bitsandbytes' and torchao's (`CODE_MAPS`): the dynamic map
+    at 8 bits (signed or unsigned: ``create_dynamic_map(signed)``); at 4 bits the dynamic map with 3
+    exponent bits (signed: torchao's ``AdamW4bit`` first moment) or the zero-free linear map
+    ``(i + 1) / 16`` (non-negative: its second moment)."""
+    return CODE_MAPS[bits, bool(signed)]
 
 
 def _ordered(bits: np.ndarray) -> np.ndarray:
@@ -181,7 +194,7 @@ class Grid:
     Example:
       >>> import jax.numpy as jnp
       >>> import jaxmp
-      >>> grid = jaxmp._blockwise.Grid(bits=8, block=256)
+      >>> grid = jaxmp._formats.Grid(bits=8, block=256)
       >>> codes, absmax = grid.quantize(jnp.ones((4, 512)), signed=True)
       >>> codes.shape, absmax.shape == grid.absmax_shape((4, 512))
       ((4, 512), True)
@@ -287,7 +300,7 @@ class Grid:
         Example:
           >>> import jax.numpy as jnp
           >>> import jaxmp
-          >>> codes, absmax = jaxmp._blockwise.Grid(4, 128).quantize(jnp.ones(256), signed=False)
+          >>> codes, absmax = jaxmp._formats.Grid(4, 128).quantize(jnp.ones(256), signed=False)
           >>> codes.shape, absmax.shape
           ((128,), (2,))
         """
@@ -347,7 +360,7 @@ class Grid:
         Example:
           >>> import jax.numpy as jnp
           >>> import jaxmp
-          >>> grid = jaxmp._blockwise.Grid(8, 256)
+          >>> grid = jaxmp._formats.Grid(8, 256)
           >>> codes, absmax = grid.quantize(jnp.ones(300), signed=True)
           >>> grid.dequantize(codes, absmax, signed=True, shape=(300,)).sum()
           Array(300., dtype=float32)

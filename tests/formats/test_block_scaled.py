@@ -1,4 +1,4 @@
-"""The block-scaled quantizer (jaxmp/fp8/_blocks.py): E8M0 scale rules at their boundaries, the
+"""The block-scaled quantizer (jaxmp/_formats/_block_scaled.py): E8M0 scale rules at their boundaries, the
 E8M0 traps, round trips against an ml_dtypes reference, jit vs op by op, stochastic rounding,
 the Hadamard transform, NVFP4's two-level scales."""
 
@@ -13,15 +13,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import jaxmp
 from jaxmp import fp8
-from jaxmp.fp8 import _blocks as B
+from jaxmp._formats import _block_scaled as B
 
 E4M3, E5M2, E2M1 = (np.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float4_e2m1fn))
 ELEM = {d: B.element_format(d) for d in (E4M3, E5M2, E2M1)}
 
 
 def _ref_exponent(amax: float, dtype, rule: str) -> int:
-    """The rules of jaxmp/fp8/_blocks.py in numpy (IEEE float32 with subnormals), written after
+    """The rules of jaxmp/_formats/_block_scaled.py in numpy (IEEE float32 with subnormals), written after
     the peers: torchao's FLOOR / EVEN / CEIL read amax's exponent field, RCEIL rounds the float32
     quotient amax / max up as JAX's cast_to_e8m0_with_rounding_up (and the hardware's cvt.rp)."""
     f = ELEM[dtype]
@@ -221,8 +222,8 @@ def test_a_nan_in_a_ragged_block_gives_the_nan_scale_under_jit():
     x[9, 3] = np.inf
     for fmt, rule, dtype in (("e8m0", "rceil", jnp.float8_e4m3fn), ("float32", "exact", jnp.float8_e4m3fn),
                              ("e4m3", "exact", jnp.float4_e2m1fn)):
-        qx = jax.jit(lambda a: fp8._blocks.quantize(a, dtype, (1, 128), fmt, rule))(x)
-        got = np.asarray(fp8._blocks.dequantize(qx))
+        qx = jax.jit(lambda a: jaxmp._formats._block_scaled.quantize(a, dtype, (1, 128), fmt, rule))(x)
+        got = np.asarray(jaxmp._formats._block_scaled.dequantize(qx))
         assert np.isnan(got[5]).all() and np.isnan(got[9]).all(), fmt
         assert np.isfinite(np.delete(got, [5, 9], axis=0)).all(), fmt
     r = fp8.CurrentScaling(block=(1, 128), rhs_block=(128, 128), bwd_dtype=jnp.float8_e4m3fn, scale_format="e8m0",

@@ -57,40 +57,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import _keys
+from jaxmp._formats._elements import E2M1, E4M3, E8M0, ELEMENTS, ElementFormat, element_format
 
-E2M1 = jnp.dtype(jnp.float4_e2m1fn)
-"""``float4_e2m1fn``: NVFP4's and MXFP4's element format (largest value 6)."""
-E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
-
-
-class ElementFormat(NamedTuple):
-    """An element format: its dtype, largest value, exponent of that value, mantissa bits and
-    the exponent of its smallest normal."""
-
-    dtype: Any
-    max: float
-    emax: int
-    mbits: int
-    emin: int
-
-
-ELEMENTS = {
-    np.dtype(jnp.float8_e4m3fn): ElementFormat(np.dtype(jnp.float8_e4m3fn), 448.0, 8, 3, -6),
-    np.dtype(jnp.float8_e5m2): ElementFormat(np.dtype(jnp.float8_e5m2), 57344.0, 15, 2, -14),
-    np.dtype(E2M1): ElementFormat(np.dtype(E2M1), 6.0, 2, 1, 0),
-}
 SCALE_FORMATS = ("float32", "e8m0", "e4m3")
 POW2_RULES = ("floor", "even", "ceil", "rceil")
 SCALE_RULES = ("exact", *POW2_RULES)
-NVFP4_GLOBAL = 448.0 * 6.0
-
-
-def element_format(dtype: Any) -> ElementFormat:
-    """The `ElementFormat` of E4M3, E5M2 or E2M1, or a ``ValueError``."""
-    d = np.dtype(dtype)
-    if d not in ELEMENTS:
-        raise ValueError(f"element format must be float8_e4m3fn, float8_e5m2 or float4_e2m1fn, got {d}")
-    return ELEMENTS[d]
+NVFP4_GLOBAL = ELEMENTS[E4M3].max * ELEMENTS[E2M1].max
+"""NVFP4's per-tensor level: E4M3's largest value times E2M1's (448 * 6)."""
 
 
 def bits_of(x: jax.Array) -> jax.Array:
@@ -126,8 +99,9 @@ def ldexp(x: jax.Array, e: jax.Array) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxmp import fp8
-      >>> float(fp8._blocks.ldexp(jnp.float32(1e-40), jnp.int32(127)))  # doctest: +ELLIPSIS
+      >>> import jaxmp
+      >>> blocks = jaxmp._formats._block_scaled
+      >>> float(blocks.ldexp(jnp.float32(1e-40), jnp.int32(127)))  # doctest: +ELLIPSIS
       0.01701...
     """
     x = jnp.asarray(x, jnp.float32)
@@ -253,7 +227,7 @@ def resolve_block(block: Any, shape: tuple) -> tuple[int, int]:
     return int(a), int(b)
 
 
-def _blocked(x: jax.Array, a: int, b: int) -> jax.Array:
+def blocked(x: jax.Array, a: int, b: int) -> jax.Array:
     rows, k = x.shape
     pr, pk = -rows % a, -k % b
     if pr or pk:
@@ -310,12 +284,13 @@ def _nvfp4(xb: jax.Array, amax: jax.Array, bad: jax.Array, elem: ElementFormat) 
                   divide(jnp.where(jnp.isfinite(t), t, 0.0), NVFP4_GLOBAL), jnp.float32(2.0 ** -126))
     g = jnp.where(jnp.isfinite(t) & (bits_of(t) > 0), g, 1.0)
     xg = _divide_exact(xb, g)
-    s = jnp.clip(abs_max(xg, (1, 3)) * jnp.float32(1.0 / elem.max), 0.0, 448.0)
-    s = s.astype(jnp.float8_e4m3fn)
-    scale = jnp.where(bad, jnp.nan, s.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+    s = jnp.clip(abs_max(xg, (1, 3)) * jnp.float32(1.0 / elem.max), 0.0, ELEMENTS[E4M3].max)
+    s = s.astype(E4M3)
+    scale = jnp.where(bad, jnp.nan, s.astype(jnp.float32)).astype(E4M3)
     d = s.astype(jnp.float32)[:, None, :, None]
     y = jnp.where(d > 0, xg / jnp.where(d > 0, d, 1.0), 0.0)
     return scale, g, y
+
 
 def quantize(x: jax.Array, dtype: Any, block: Any = (1, 32), scale_format: str = "e8m0", rule: str = "floor",
              key: jax.Array | None = None) -> Quantized:
@@ -335,10 +310,11 @@ def quantize(x: jax.Array, dtype: Any, block: Any = (1, 32), scale_format: str =
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxmp import fp8
+      >>> import jaxmp
       >>> x = jnp.array([[0.9, -0.25]])
-      >>> qx = fp8._blocks.quantize(x, jnp.float8_e4m3fn, (1, 2), "e8m0", "rceil")
-      >>> fp8._blocks.dequantize(qx).tolist()
+      >>> blocks = jaxmp._formats._block_scaled
+      >>> qx = blocks.quantize(x, jnp.float8_e4m3fn, (1, 2), "e8m0", "rceil")
+      >>> blocks.dequantize(qx).tolist()
       [[0.875, -0.25]]
     """
     elem = element_format(dtype)
@@ -350,7 +326,7 @@ def quantize(x: jax.Array, dtype: Any, block: Any = (1, 32), scale_format: str =
     if x.ndim != 2:
         raise ValueError(f"quantize takes a 2-D [rows, k] array, got shape {x.shape}")
     a, b = resolve_block(block, x.shape)
-    xb = _blocked(x.astype(jnp.float32), a, b)
+    xb = blocked(x.astype(jnp.float32), a, b)
     # A block's NaN/inf is found by its own reduction, never by trusting max to propagate NaN:
     # XLA's CPU max (fast min/max) drops a NaN next to the zero padding of a ragged block.
     bad = jnp.any(~jnp.isfinite(xb), axis=(1, 3))
@@ -399,9 +375,10 @@ def dequantize(qx: Quantized, dtype: Any = jnp.float32, with_global: bool = True
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxmp import fp8
-      >>> qx = fp8._blocks.quantize(jnp.zeros((1, 4)), jnp.float4_e2m1fn, (1, 4))
-      >>> fp8._blocks.dequantize(qx).tolist()
+      >>> import jaxmp
+      >>> blocks = jaxmp._formats._block_scaled
+      >>> qx = blocks.quantize(jnp.zeros((1, 4)), jnp.float4_e2m1fn, (1, 4))
+      >>> blocks.dequantize(qx).tolist()
       [[0.0, 0.0, 0.0, 0.0]]
     """
     a, b = qx.block
@@ -449,8 +426,8 @@ def hadamard(key: jax.Array, n: int = 16) -> jax.Array:
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxmp import fp8
-      >>> h = fp8._blocks.hadamard(jax.random.key(0))
+      >>> import jaxmp
+      >>> h = jaxmp._formats._block_scaled.hadamard(jax.random.key(0))
       >>> bool((h @ h.T == jnp.eye(16)).all())
       True
     """

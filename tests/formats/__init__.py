@@ -1,0 +1,1 @@
+"""Tests of jaxmp._formats: the element table, lean's code maps and Grid, the block-scaled quantizer."""
