@@ -253,8 +253,8 @@ class PrecisionPlan:
         if self.rules is not None:
             out.append(f"matmul speed-up of the chosen rules, {_cost.NOTE}:")
             for device in _cost.DEVICES:
-                got = self.predicted_speedup(device)
-                out.append(f"  {device:8s} {got.vs_bf16:.2f}x vs bf16, {got.vs_float32:.2f}x vs float32")
+                pred = self.predicted_speedup(device)
+                out.append(f"  {device:8s} {pred.vs_bf16:.2f}x vs bf16, {pred.vs_float32:.2f}x vs float32")
         if self.verification is not None:
             out.append(self.verification.table())
         return "\n".join(out)

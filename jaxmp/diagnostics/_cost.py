@@ -81,8 +81,10 @@ def rate(key: str, kind: str, compute: str) -> tuple[float, str]:
     got = peaks.get(kind)
     if got is not None:
         return float(got), kind
-    base = peaks.get(compute) or peaks["bf16"]
-    return float(base), compute if peaks.get(compute) else "bf16"
+    own = peaks.get(compute)
+    if own is not None:
+        return float(own), compute
+    return float(peaks["bf16"] or 0.0), "bf16"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,7 +102,8 @@ class _Runner:
     """Jitted training step of one loss, compiled once per parameter structure, reused for every seed."""
 
     def __init__(self, loss_fn: Callable, tx):
-        self.loss_fn, self.tx, self._steps = loss_fn, tx, {}
+        self.loss_fn, self.tx = loss_fn, tx
+        self._steps: dict[Any, Callable] = {}
 
     def step(self, shape):
         if shape not in self._steps:
