@@ -2,6 +2,7 @@
 
     python -m benchmarks.search_strategies                      # both models, the default ladder
     python -m benchmarks.search_strategies --models mlp --steps 4 --out -
+    python -m benchmarks.search_strategies --dry-run            # the MLP, bf16 < float32, 2 steps
 
 Each model runs ``compare_to_float32(loss, params, x, y, choose=ladder, steps=K,
 search=strategy)`` for ``greedy`` and ``program`` (docs/precision-search.md) and records the rungs
@@ -73,7 +74,7 @@ def _attn():
     return loss_fn, params, x, y
 
 
-def run(model: str, steps: int, lr: float) -> dict:
+def run(model: str, steps: int, lr: float, ladder: bool | tuple = True) -> dict:
     """Both strategies on ``model``: their rungs, drift, FLOP shares, prediction and cost."""
     import optax
 
@@ -82,7 +83,7 @@ def run(model: str, steps: int, lr: float) -> dict:
     loss_fn, params, x, y = {"mlp": _mlp, "attn": _attn}[model]()
     out = {}
     for strategy in STRATEGIES:
-        plan = compare_to_float32(loss_fn, params, x, y, choose=True, steps=steps, optimizer=optax.adam(lr),
+        plan = compare_to_float32(loss_fn, params, x, y, choose=ladder, steps=steps, optimizer=optax.adam(lr),
                                   search=strategy)
         print(plan, flush=True)
         shares = plan.flop_shares()
@@ -96,25 +97,30 @@ def run(model: str, steps: int, lr: float) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
     ap.add_argument("--steps", type=int, default=6, help="training steps per measurement")
     ap.add_argument("--lr", type=float, default=1e-2, help="Adam's learning rate")
     ap.add_argument("--out", default="-", help="JSON file for the result ('-': stdout only)")
+    ap.add_argument("--dry-run", action="store_true", help="seconds: the MLP, the ladder O2-bf16 < float32, 2 steps")
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
+    ladder: bool | tuple = True
+    if args.dry_run:
+        models, args.steps, ladder = ["mlp"], 2, ("O2-bf16", "float32")
     bad = [m for m in models if m not in MODELS]
     if bad:
         ap.error(f"unknown model {bad[0]!r}: choose from {', '.join(MODELS)}")
-    result = {m: run(m, args.steps, args.lr) for m in models}
+    result = {m: run(m, args.steps, args.lr, ladder) for m in models}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out != "-":
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    return 0
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    sys.exit(0)
