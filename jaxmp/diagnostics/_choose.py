@@ -274,7 +274,8 @@ def _module_flops(fn: Callable, args: tuple) -> tuple[dict[str, list], int]:
 
     def walk(jaxpr, prefix: tuple, times: int, scanned: bool):
         for eqn in _jaxpr.equations(jaxpr):
-            comps = prefix + tuple(c for c in _jaxpr.scope_names(eqn) if not c.startswith(_MARKERS))
+            # jnp.einsum names a scope after its spec ("btd,bsd->bts"): not a module, its matmul is its caller's.
+            comps = prefix + tuple(c for c in _jaxpr.scope_names(eqn) if not c.startswith(_MARKERS) and "->" not in c)
             name = eqn.primitive.name
             if name in ("dot_general", "conv_general_dilated"):
                 lhs, rhs = (v.aval.shape for v in eqn.invars[:2])

@@ -153,6 +153,18 @@ def test_the_program_is_solved_exactly():
             assert sum(options[i][c][0] for i, c in enumerate(got)) == min(f[0] for f in fits)
 
 
+def test_an_einsum_belongs_to_the_module_that_calls_it():
+    from jaxmp.diagnostics._choose import _module_flops
+
+    def attn(p, x):
+        with jax.named_scope("attn"):
+            s = jnp.einsum("btd,bsd->bts", x, x)  # jnp.einsum names a scope after its spec
+            return jnp.sum(s @ p)
+
+    found, loose = _module_flops(attn, (jnp.ones((4, 4)), jnp.ones((2, 4, 4))))
+    assert set(found) == {"attn"} and found["attn"][0] == 2 * (2 * 2 * 4 * 4 * 4) and loose == 0
+
+
 def test_a_bad_search_is_refused_by_name():
     with pytest.raises(ValueError, match="'greedy', 'program'"):
         compare_to_float32(loss_fn, init(0), X, Y, choose=True, search="ilp")
