@@ -24,9 +24,12 @@ from jaxmp.diagnostics._block_report import block_report
 # The rows of a ShadowReport (its API page documents them), outside the counted surface.
 from jaxmp.diagnostics._fix import Fix as Fix
 from jaxmp.diagnostics._shadow_report import ModuleError as ModuleError
-# What compare_to_float32(choose=...) returns and its rows (documented on the API page), uncounted too.
+# What compare_to_float32(choose=...) returns, its rows, its verification and its prediction (documented on
+# the API page), uncounted too.
 from jaxmp.diagnostics._choose import ModuleRung as ModuleRung
 from jaxmp.diagnostics._choose import PrecisionPlan as PrecisionPlan
+from jaxmp.diagnostics._cost import SpeedupPrediction as SpeedupPrediction
+from jaxmp.diagnostics._verify import Verification as Verification
 from jaxmp.diagnostics._shadow_report import ShadowReport
 from jaxmp.diagnostics._shadow import compare_to_float32
 from jaxmp.diagnostics._strict import StrictPrecisionError

@@ -16,22 +16,25 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import _jaxpr
-from jaxmp.diagnostics import _format
+from jaxmp.diagnostics import _cost, _format, _program
 from jaxmp.diagnostics._matmul import conv_gemm, dot_gemm
 from jaxmp.diagnostics._noise import NOISE_MARGIN, drift
 from jaxmp.diagnostics._shadow_steps import _noisy, _perturb
+from jaxmp.diagnostics._verify import Verification
 
 #: The default ladder, cheapest first: NVFP4, MXFP8, bf16, float32.
 DEFAULT_LADDER = ("O2-nvfp4", "O2-mxfp8", "O2-bf16", "float32")
 #: Training steps per measurement when ``steps=0`` is given with ``choose``.
 DEFAULT_STEPS = 8
+#: The search strategies of ``compare_to_float32(choose=..., search=...)``.
+SEARCHES = ("greedy", "program")
 _MARKERS = ("jaxmp[", "jaxmp.rule=")
 
 
@@ -74,6 +77,13 @@ class PrecisionPlan:
       unscoped_flops: matmul FLOPs outside any name scope (they run in ``policy``; a rule cannot
         reach them).
       gave_up: why no rules were chosen ("" when they were).
+      search: the strategy, ``"greedy"`` or ``"program"``.
+      contributions: ``((path, rung, drift), ...)``: with ``search="program"``, each module's drift
+        measured at each rung below the top, every other module at the top.
+      floor: with ``search="program"``, the drift with every module at the top rung.
+      predicted_drift: with ``search="program"``, ``floor`` plus the chosen rungs' contributions
+        (the program's prediction; ``drift_after`` is the measurement).
+      verification: a `Verification` once `verify` ran (None before).
     """
 
     modules: tuple[ModuleRung, ...]
@@ -92,6 +102,13 @@ class PrecisionPlan:
     seconds: float = 0.0
     unscoped_flops: int = 0
     gave_up: str = ""
+    search: str = "greedy"
+    contributions: tuple = ()
+    floor: float = float("nan")
+    predicted_drift: float = float("nan")
+    verification: Verification | None = None
+    # (fn, args, optimizer) of the search, for verify(): not part of the plan's value.
+    source: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def within_band(self) -> bool:
@@ -108,17 +125,109 @@ class PrecisionPlan:
             out[self.policy] = out.get(self.policy, 0.0) + self.unscoped_flops / max(total, 1)
         return out
 
+    def verify(self, init_params: Any = None, batches: Any = None, *, seeds: Sequence[int] = (0, 1, 2),
+               steps: int | None = None, optimizer: Any = None) -> PrecisionPlan:
+        """Trains float32 and the chosen rules for the same steps per seed; returns the plan with `verification`.
+
+        Each seed trains the loss the search measured twice, as given (float32) and under
+        ``jaxmp.autocast(fn, policy, rules=rules)``, from the same parameters on the same batches;
+        a run's final loss is the float32 loss of its trained parameters on its last batch. The
+        rules are within when ``|mean(rules) - mean(float32)| <= max(float32's seed spread (max -
+        min), 1% of |mean(float32)|)`` (benchmarks/fidelity.py's verdict). Deterministic for the
+        given seeds.
+
+        Args:
+          init_params: ``seed -> params`` (e.g. ``lambda s: model.init(jax.random.key(s), x)["params"]``),
+            or one set of parameters for every seed, or None: the search's.
+          batches: ``seed -> iterable of batches``, or one sequence of batches for every seed, or
+            None: the search's batch at every step. A batch is the arguments after the parameters:
+            a tuple ``(x, y)``, or one array for ``fn(params, x)``. At least one of ``init_params``
+            and ``batches`` must be a function of the seed, or the seeds would change nothing.
+          seeds: at least two ints.
+          steps: optimizer steps per run (default: the search's ``steps``).
+          optimizer: an optax transformation (default: the search's).
+
+        Returns:
+          A copy of this plan with ``verification`` set; ``str()`` prints it.
+
+        Raises:
+          ValueError: the search gave up (no rules), no seed-dependent input, fewer than two
+            seeds, ``steps < 1``, or fewer batches than ``steps``.
+          TypeError: ``optimizer`` is not an optax transformation.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> from jaxmp.diagnostics import compare_to_float32
+          >>> def loss(p, x):
+          ...     with jax.named_scope("layer"):
+          ...         return jnp.mean(jnp.square(x @ p["w"] - 1.0))
+          >>> plan = compare_to_float32(loss, {"w": jnp.zeros((4, 2))}, jnp.ones((8, 4)),
+          ...                           choose=("O2-bf16", "float32"), steps=2, optimizer=optax.sgd(0.1))
+          >>> plan = plan.verify(lambda s: {"w": 0.1 * jax.random.normal(jax.random.key(s), (4, 2))})
+          >>> plan.verification.within
+          True
+        """
+        from jaxmp.diagnostics import _inputs, _verify
+
+        if self.rules is None or self.source is None:
+            raise ValueError(f"PrecisionPlan.verify: the search chose no rules to verify ({self.gave_up or 'no source'})")
+        _inputs.check_optimizer("PrecisionPlan.verify", optimizer)
+        fn, args, tx = self.source
+        record = _verify.verify(fn, self.policy, self.rules, args[0], tuple(args[1:]), init_params=init_params,
+                                batches=batches, seeds=seeds, steps=self.steps if steps is None else steps,
+                                optimizer=tx if optimizer is None else optimizer)
+        return dataclasses.replace(self, verification=record)
+
+    def predicted_speedup(self, device: Any = "H100") -> _cost.SpeedupPrediction:
+        """The chosen rungs' matmul time against all bf16 and all float32, predicted from datasheet peaks.
+
+        Each module's matmul FLOPs run at the dense peak of its rung's format on ``device``
+        (`jaxmp.diagnostics._cost.DATASHEET_TFLOPS`, sources cited there): ``"float32"`` as TF32
+        (JAX's default matmul precision on NVIDIA GPUs; one bf16 pass on a TPU), a rung with no fp8
+        recipe in the policy's half dtype, fp8/MXFP8/NVFP4 at the device's fp8/fp4 peak, and a
+        format the device lacks at the half dtype's peak (jaxmp emulates it there). A prediction,
+        not a measurement: memory traffic, quantize passes and non-matmul ops are not counted.
+
+        Args:
+          device: ``"H100"``, ``"H200"``, ``"B200"``, ``"TPU v5p"``, a ``device_kind`` naming one,
+            or a ``jax.Device``.
+
+        Returns:
+          A `SpeedupPrediction` (``vs_bf16``, ``vs_float32``, ``priced_as``; ``str()`` says it is predicted).
+
+        Raises:
+          ValueError: a device with no datasheet entry.
+
+        Example:
+          >>> import jaxmp
+          >>> from jaxmp.diagnostics import PrecisionPlan, ModuleRung
+          >>> plan = PrecisionPlan((ModuleRung("mlp", "O2-nvfp4", 3000), ModuleRung("head", "O2-bf16", 1000)),
+          ...                      ("O2-nvfp4", "O2-bf16", "float32"), "O2-bf16", jaxmp.AutocastRules(), "", "",
+          ...                      4, 0.0, 0.0, 0.0, 0.0)
+          >>> round(plan.predicted_speedup("B200").vs_bf16, 3)  # 4000/2250 / (3000/9000 + 1000/2250)
+          2.286
+        """
+        rows = [(m.rung, m.flops) for m in self.modules]
+        if self.unscoped_flops:
+            rows.append((self.policy, self.unscoped_flops))
+        return _cost.predict(rows, _compute(self.policy), device)
+
     def table(self) -> str:
-        """The report: verdict, modules with their rungs, FLOP shares, cost, and the code."""
-        head = (f"choose precision ({' < '.join(self.ladder)}), {self.steps} steps per measurement: band = "
-                f"{NOISE_MARGIN:g} x float32 twin drift {self.noise:.3g} = {self.threshold:.3g}")
+        """The report: verdict, modules with their rungs, FLOP shares, cost, the code, the predicted
+        speed-ups and, once `verify` ran, the verification."""
+        head = (f"choose precision ({' < '.join(self.ladder)}), {self.search} search, {self.steps} steps per "
+                f"measurement: band = {NOISE_MARGIN:g} x float32 twin drift {self.noise:.3g} = {self.threshold:.3g}")
         out = [_format.wrap(head)]
+        verdict = f"({'within' if self.within_band else 'outside'} the band)"
         if self.gave_up:
             out.append(_format.wrap(f"gave up: {self.gave_up}"))
+        elif self.search == "program":
+            out.append(_format.wrap(f"drift vs float32: {self.floor:.3g} with every module at {self.ladder[-1]}; with "
+                                    f"the chosen rules {self.predicted_drift:.3g} predicted (that plus the chosen "
+                                    f"rungs' contributions), {self.drift_after:.3g} measured {verdict}"))
         else:
             out.append(_format.wrap(f"drift vs float32: {self.drift_before:.3g} with every module at "
-                                    f"{self.ladder[0]}, {self.drift_after:.3g} with the chosen rules "
-                                    f"({'within' if self.within_band else 'outside'} the band)"))
+                                    f"{self.ladder[0]}, {self.drift_after:.3g} with the chosen rules {verdict}"))
         total = sum(m.flops for m in self.modules) + self.unscoped_flops
         rows = [[_format.fold_path(m.path, 28), m.rung, _format.fmt_pct(m.flops / max(total, 1)),
                  "scanned: one path, every layer" if m.scanned else ""] for m in self.modules]
@@ -128,13 +237,26 @@ class PrecisionPlan:
         out.append(_format.render_table("Modules", ["module", "rung", "FLOPs", ""], rows, None, _format.WIDTH))
         shares = ", ".join(f"{r} {_format.fmt_pct(s)}" for r, s in self.flop_shares().items())
         out.append(f"matmul FLOPs per rung: {shares}")
+        by: dict[str, list[str]] = {}
+        for path, rung, d in self.contributions:
+            by.setdefault(path, []).append(f"{rung} {d:.3g}")
+        for path, got in by.items():
+            out.append(_format.wrap(f"  alone (the rest at {self.ladder[-1]}): {path}: {', '.join(got)}"))
         for i, (path, a, b, d) in enumerate(self.promotions):
-            out.append(f"  promotion {i + 1}: {path} {a} -> {b}, drift {d:.3g}")
+            what = "promotion" if self.search == "greedy" else "the program missed; promotion"
+            out.append(f"  {what} {i + 1}: {path} {a} -> {b}, drift {d:.3g}")
         out.append(_format.wrap(f"search cost: {self.cost_steps} training steps ({self.seconds:.1f} s)"))
         if self.code:
             out.append(self.code)
         if self.flax_code:
             out.append("# the Linen door (the scopes as module paths, the root's name dropped):\n" + self.flax_code)
+        if self.rules is not None:
+            out.append(f"matmul speed-up of the chosen rules, {_cost.NOTE}:")
+            for device in _cost.DEVICES:
+                pred = self.predicted_speedup(device)
+                out.append(f"  {device:8s} {pred.vs_bf16:.2f}x vs bf16, {pred.vs_float32:.2f}x vs float32")
+        if self.verification is not None:
+            out.append(self.verification.table())
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -152,7 +274,8 @@ def _module_flops(fn: Callable, args: tuple) -> tuple[dict[str, list], int]:
 
     def walk(jaxpr, prefix: tuple, times: int, scanned: bool):
         for eqn in _jaxpr.equations(jaxpr):
-            comps = prefix + tuple(c for c in _jaxpr.scope_names(eqn) if not c.startswith(_MARKERS))
+            # jnp.einsum names a scope after its spec ("btd,bsd->bts"): not a module, its matmul is its caller's.
+            comps = prefix + tuple(c for c in _jaxpr.scope_names(eqn) if not c.startswith(_MARKERS) and "->" not in c)
             name = eqn.primitive.name
             if name in ("dot_general", "conv_general_dilated"):
                 lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
@@ -282,14 +405,34 @@ def _check_ladder(choose: Any) -> tuple[str, ...]:
 
 # -- the search -------------------------------------------------------------------------------
 
-def choose_precision(fn: Callable, args: tuple, choose: Any, policy: Any, steps: int, optimizer) -> PrecisionPlan:
-    """The search behind ``compare_to_float32(fn, *args, choose=ladder, steps=k)`` (see there)."""
+def _compute(base: str) -> str:
+    """The policy's half dtype as the cost model names it (``"bf16"``, ``"fp16"``)."""
+    from jaxmp._precision._presets import resolve_policy
+
+    d = np.dtype(resolve_policy(base)[0].compute_dtype)
+    return "fp16" if d == np.dtype(np.float16) else "bf16"
+
+
+def _check_search(search: Any) -> str:
+    if search not in SEARCHES:
+        raise ValueError(f"compare_to_float32(choose=..., search=...): one of {', '.join(map(repr, SEARCHES))}, "
+                         f"got {search!r}")
+    return str(search)
+
+
+def choose_precision(fn: Callable, args: tuple, choose: Any, policy: Any, steps: int, optimizer,
+                     search: str = "greedy", source: tuple | None = None) -> PrecisionPlan:
+    """The search behind ``compare_to_float32(fn, *args, choose=ladder, steps=k, search=...)`` (see there).
+
+    ``source``: ``(fn, args)`` as the user gave them (non-floating leaves of ``args[0]`` included),
+    kept on the plan for `PrecisionPlan.verify`."""
     import optax
 
     from jaxmp.engine._seams import autocast
 
     t0 = time.perf_counter()
     ladder = _check_ladder(choose)
+    search = _check_search(search)
     base = "O2-bf16" if policy is None else policy
     if not isinstance(base, str):
         raise TypeError(f"compare_to_float32(choose=...): policy is the preset the rules go with, a name such as "
@@ -297,8 +440,10 @@ def choose_precision(fn: Callable, args: tuple, choose: Any, policy: Any, steps:
     steps = steps or DEFAULT_STEPS
     found, loose = _module_flops(fn, args)
     paths = sorted(found, key=lambda p: found[p][2])
-    trainer = _Trainer(args[0], tuple(args[1:]), steps, optax.adam(1e-3) if optimizer is None else optimizer)
+    tx = optax.adam(1e-3) if optimizer is None else optimizer
+    trainer = _Trainer(args[0], tuple(args[1:]), steps, tx)
     ref = trainer.losses(fn)
+    extra: dict[str, Any] = {"search": search, "source": (*(source or (fn, args)), tx)}
 
     def plan(assign, noise, before, after, promotions, gave_up="", rules=None):
         mods = tuple(ModuleRung(p, assign[p], found[p][0], found[p][1]) for p in paths)
@@ -307,7 +452,7 @@ def choose_precision(fn: Callable, args: tuple, choose: Any, policy: Any, steps:
         code = _code(assign, base, "with_scope", call) if rules is not None else ""
         flax_code = _code(assign, base, "with_path", door) if rules is not None else ""
         return PrecisionPlan(mods, ladder, base, rules, code, flax_code, steps, noise, NOISE_MARGIN * noise, before,
-                             after, tuple(promotions), trainer.cost, time.perf_counter() - t0, loose, gave_up)
+                             after, tuple(promotions), trainer.cost, time.perf_counter() - t0, loose, gave_up, **extra)
 
     lowest = {p: ladder[0] for p in paths}
     if not np.all(np.isfinite(ref)):
@@ -325,16 +470,39 @@ def choose_precision(fn: Callable, args: tuple, choose: Any, policy: Any, steps:
     def measure(assign) -> float:
         return drift(trainer.losses(autocast(fn, base, rules=_rules_of(assign, base))), ref)
 
-    assign = dict(lowest)
-    current = before = measure(assign)
+    def give_up(current: float) -> str:
+        return (f"even {ladder[-1]} at every module leaves a drift of {current:.3g} > band {threshold:.3g}: what is "
+                "left runs outside the modules (unscoped ops under the policy) or is not a precision problem")
+
     promotions: list[tuple[str, str, str, float]] = []
-    while not current <= threshold:
+    if search == "program":
+        top = {p: ladder[-1] for p in paths}
+        floor = measure(top)
+        if not floor <= threshold:
+            return plan(top, noise, float("nan"), floor, promotions, give_up(floor))
+        rows, options = [], []
+        cost = _rung_costs(ladder, base)
+        for p in paths:
+            opts = []
+            for rung in ladder[:-1]:
+                d = measure({**top, p: rung})
+                rows.append((p, rung, d))
+                opts.append((found[p][0] * cost[rung], max(d - floor, 0.0) if np.isfinite(d) else float("inf")))
+            opts.append((found[p][0] * cost[ladder[-1]], 0.0))
+            options.append(opts)
+        pick = _program.solve(options, threshold - floor)
+        assign = top if pick is None else {p: ladder[i] for p, i in zip(paths, pick)}
+        predicted = floor + sum(options[k][ladder.index(assign[p])][1] for k, p in enumerate(paths))
+        extra.update(contributions=tuple(rows), floor=floor, predicted_drift=predicted)
+        before = float("nan")
+        current = measure(assign) if assign != top else floor
+    else:
+        assign = dict(lowest)
+        current = before = measure(assign)
+    while not current <= threshold:  # greedy: from the lowest rungs, or from the program's choice when it missed
         movable = [p for p in paths if ladder.index(assign[p]) < len(ladder) - 1]
         if not movable:
-            return plan(assign, noise, before, current, promotions,
-                        f"even {ladder[-1]} at every module leaves a drift of {current:.3g} > band {threshold:.3g}: "
-                        "what is left runs outside the modules (unscoped ops under the policy) or is not a "
-                        "precision problem")
+            return plan(assign, noise, before, current, promotions, give_up(current))
         trials = []
         for p in movable:
             up = {**assign, p: ladder[ladder.index(assign[p]) + 1]}
@@ -345,3 +513,9 @@ def choose_precision(fn: Callable, args: tuple, choose: Any, policy: Any, steps:
         assign[p] = promotions[-1][2]
         current = d
     return plan(assign, noise, before, current, promotions, rules=_rules_of(assign, base))
+
+
+def _rung_costs(ladder: tuple[str, ...], base: str) -> dict[str, float]:
+    """Seconds per TFLOP of each rung on the program's cost device (its datasheet peaks)."""
+    compute = _compute(base)
+    return {r: 1.0 / _cost.rate(_program.COST_DEVICE, _cost.rung_kind(r, compute), compute)[0] for r in ladder}

@@ -305,7 +305,8 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
                        optimizer: optax.GradientTransformation | None = None,
                        per_op: bool = False, grad: bool | None = None, fix: bool = True,
                        rules: AutocastRules | None = None,
-                       choose: bool | Sequence[str] | None = None) -> "ShadowReport | PrecisionPlan":
+                       choose: bool | Sequence[str] | None = None,
+                       search: str = "greedy") -> "ShadowReport | PrecisionPlan":
     """Runs ``fn`` under a policy and as its float32 shadow on the same inputs; ranks modules by error.
 
     Both runs evaluate the same traced program, so any front door works: give ``policy`` to run
@@ -335,6 +336,11 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
         ``steps``-step drift against float32 (default 8 steps) within the debugger's noise band;
         ``policy`` is the preset the rules go with (default ``"O2-bf16"``). See
         docs/precision-search.md.
+      search: with ``choose``, the strategy: ``"greedy"`` promotes, from the lowest rungs, the
+        module whose promotion shrinks the measured drift most until it is within the band;
+        ``"program"`` measures each module at each rung alone and solves an integer program (least
+        predicted matmul cost whose summed drift contributions fit the band), then measures that
+        choice and promotes greedily from it if it misses.
 
     Returns:
       A `ShadowReport`: ``str()`` starts with the verdict (nothing to fix, or an alarm, with its
@@ -368,11 +374,13 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
     # no "differentiated with no loss scale" warning for them.
     with loss_scaled_grad():
         if choose is not None and choose is not False:
-            return _choose(fn, args, policy, steps, optimizer, rules, choose)
+            return _choose(fn, args, policy, steps, optimizer, rules, choose, search)
+        if search != "greedy":
+            raise ValueError(f"compare_to_float32: search={search!r} is the precision search's strategy: give choose= too")
         return _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules)
 
 
-def _choose(fn, args, policy, steps, optimizer, rules, choose):
+def _choose(fn, args, policy, steps, optimizer, rules, choose, search):
     from jaxmp.diagnostics import _inputs
     from jaxmp.diagnostics._choose import choose_precision
 
@@ -384,12 +392,13 @@ def _choose(fn, args, policy, steps, optimizer, rules, choose):
                          "rules go with as policy=)")
     prep = _inputs.prepare("compare_to_float32", fn, args, {})
     fn, args = _inputs.bind_non_floating_params(prep.fn, prep.args)
+    source = (prep.fn, tuple(prep.args))
     if _without_floating(args[0] if args else None) is not None or not args:
         raise ValueError("compare_to_float32(choose=...) trains args[0]: pass the floating parameters first, "
                          "compare_to_float32(loss_fn, params, *batch, choose=True)")
     if not _scalar_first(jax.eval_shape(lambda *a: (fn(*a),), *args)[0]):
         raise TypeError("compare_to_float32(choose=...) trains on fn's loss: fn must return a floating scalar first")
-    return choose_precision(fn, tuple(args), choose, policy, int(steps), optimizer)
+    return choose_precision(fn, tuple(args), choose, policy, int(steps), optimizer, search, source)
 
 
 def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> ShadowReport:

@@ -158,21 +158,27 @@ class NnxFp8Op(nnx.Module):
         return _run(self.op_name, self.recipe, scales, args, kwargs)
 
 
-def install_nnx_fp8(model: nnx.Module, recipe: fp8.Fp8Recipe, is_half: Any) -> int:
+def install_nnx_fp8(model: nnx.Module, recipe: fp8.Fp8Recipe | None, is_half: Any, recipe_of: Any = None) -> int:
     """Gives every fp8-eligible half layer of an NNX model an [`NnxFp8Op`][jaxmp.flax.fp8.NnxFp8Op] (in place).
 
     Args:
       model: the NNX model.
       recipe: the fp8 recipe.
       is_half: ``is_half(module) -> bool``: whether the policy runs the layer in half.
+      recipe_of: ``recipe_of(path, module) -> recipe or None``: each layer's own format (the
+        rules' path and class formats, ``AutocastRules.module_format``), over ``recipe``; None: the
+        layer keeps its op.
 
     Returns:
       The number of layers given an fp8 op (layers with a user-set op are left alone).
     """
     count = 0
-    for _, node in list(nnx.iter_graph(model)):
+    for path, node in list(nnx.iter_graph(model)):
         field = next((f for cls, f in NNX_FP8_FIELDS.items() if isinstance(node, cls)), None)
         if field is None or not is_half(node):
+            continue
+        own = recipe if recipe_of is None else recipe_of(tuple(str(k) for k in path), node)
+        if own is None:
             continue
         current = getattr(node, field)
         if isinstance(current, NnxFp8Op):
@@ -180,6 +186,6 @@ def install_nnx_fp8(model: nnx.Module, recipe: fp8.Fp8Recipe, is_half: Any) -> i
             continue
         if current is not getattr(jax.lax, field):
             continue  # the user's own op
-        setattr(node, field, nnx.data(NnxFp8Op(recipe, field)))  # a graph node, so its state is found
+        setattr(node, field, nnx.data(NnxFp8Op(own, field)))  # a graph node, so its state is found
         count += 1
     return count

@@ -187,11 +187,15 @@ def _prepare(copy: nnx.Module, policy: Policy, rules: AutocastRules) -> dict[int
 
     The copy is private to this call, so setting its fields touches nothing the user holds.
     """
-    if any(kind != "scope" for kind, _, _ in rules.matmul_formats):
-        raise ValueError("per-module matmul formats by path or class (with_path/with_class given a format) run "
-                         "under the Linen door and jaxmp.autocast (with_scope) for now, not yet under the NNX door; "
-                         "give NNX one format for the model: rules=jaxmp.AutocastRules(fp8_matmuls=...)")
-    if rules.fp8_matmuls is not None and not isinstance(rules.fp8_matmuls, fp8.DelayedScaling):
+    per_module = any(kind != "scope" for kind, _, _ in rules.matmul_formats)
+    if per_module and isinstance(rules.fp8_matmuls, fp8.DelayedScaling):
+        raise ValueError("per-module matmul formats (with_path/with_class given a format) take current scaling; "
+                         "under the NNX door they do not combine with delayed-scaling fp8_matmuls, whose amax "
+                         "histories live in the model: give fp8_matmuls current scaling (e.g. 'O2-fp8-current')")
+    if per_module:
+        # Each layer's own format (a path format, else its class's, else fp8_matmuls), as the Linen door.
+        install_nnx_fp8(copy, None, _is_half(copy, policy, rules), recipe_of=rules.module_format)  # stateless
+    elif rules.fp8_matmuls is not None and not isinstance(rules.fp8_matmuls, fp8.DelayedScaling):
         install_nnx_fp8(copy, rules.fp8_matmuls, _is_half(copy, policy, rules))  # stateless: per call
     by_id: dict[int, ModuleRule] = {}
     for _, node, rule in list(_ruled_modules(copy, policy, rules)):

@@ -736,6 +736,18 @@ def test_fp8_blocks_lm_dry_run_judges_the_loss_and_runs_the_nvfp4_variants(tmp_p
         fp8_blocks.main(["--dry-run", "--quiet", "--policies", "O2-nvfp4-plain", "--out", "-"])
 
 
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
+def test_search_strategies_dry_run_runs_both_searches():
+    from benchmarks import search_strategies
+
+    result = search_strategies.main(["--dry-run", "--out", "-"])["mlp"]
+    for strategy in ("greedy", "program"):
+        assert result[strategy]["within_band"] and result[strategy]["rungs"]["head"] == "float32"
+    # the program: reference, twin, the all-float32 floor, 3 modules alone, its choice; 2 steps each
+    assert result["program"]["cost_steps"] == 2 * 7
+
+
 #: Where each entry point's dry run (or, for scripts without a model to shrink, its plain run) is
 #: tested: a script added without one fails here.
 DRY_RUN_TESTS = {
@@ -755,6 +767,7 @@ DRY_RUN_TESTS = {
     "residual_fusion_repro": "tests/benchmarks/test_compile_growth.py::test_residual_fusion_repro_dry_run",
     "run_gpu": "tests/benchmarks/test_benchmarks.py::run_gpu.main([\"--dry-run\"",
     "scaling_model": "tests/docs/test_docs.py::module[\"main\"]([])",
+    "search_strategies": "tests/benchmarks/test_benchmarks.py::test_search_strategies_dry_run_runs_both_searches",
     "throughput": "tests/benchmarks/test_benchmarks.py::test_throughput_part_of_the_suite",
     "torch_amp": "tests/benchmarks/test_benchmarks.py::torch_amp.main([\"--dry-run\"",
     "trace_profile": "tests/benchmarks/test_benchmarks.py::test_trace_profile_dry_run",

@@ -156,3 +156,49 @@ def test_the_debuggers_rules_code_keeps_the_formats():
     ns = {"jaxmp": jaxmp, "jnp": jnp}
     exec(rules_code(rules, "head"), ns)
     assert ns["rules"] == rules.with_scope("head", "float32")
+
+
+class _NnxTwo:
+    """Two NNX layers ``a`` and ``b``, built afresh from one seed (a door may store params in place)."""
+
+    @staticmethod
+    def make():
+        from flax import nnx
+
+        class Two(nnx.Module):
+            def __init__(self, rngs):
+                self.a = nnx.Linear(32, 64, rngs=rngs)
+                self.b = nnx.Linear(64, 16, rngs=rngs)
+
+            def __call__(self, x):
+                return self.b(jnp.tanh(self.a(x)))
+
+        return Two(nnx.Rngs(2))
+
+
+def _nnx_run(policy, rules=None):
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    return np.asarray(jaxmp.flax.mixed_precision(_NnxTwo.make(), policy, rules=rules)(x))
+
+
+def test_the_nnx_door_runs_a_path_format_on_that_layer_alone():
+    per_module = _nnx_run("O2-bf16", jaxmp.AutocastRules().with_path("a", "O2-nvfp4"))
+    # layer a in NVFP4, b in bf16: the preset with layer b given O2-bf16 back, and not bf16 everywhere
+    assert np.array_equal(per_module, _nnx_run("O2-nvfp4", jaxmp.AutocastRules().with_path("b", "O2-bf16")))
+    assert not np.array_equal(per_module, _nnx_run("O2-bf16"))
+
+
+@pytest.mark.slow
+def test_the_nnx_door_runs_class_formats_float32_paths_and_refuses_delayed_scaling_with_formats():
+    from flax import nnx
+
+    run = _nnx_run
+    per_module = run("O2-bf16", jaxmp.AutocastRules().with_path("a", "O2-nvfp4"))
+    assert not np.array_equal(per_module, run("O2-nvfp4"))
+    # a class format on every Linear: the preset's own whole-model format
+    assert np.array_equal(run("O2-bf16", jaxmp.AutocastRules().with_class(nnx.Linear, "O2-mxfp8")), run("O2-mxfp8"))
+    # a float32 path keeps its layer out of the preset's format
+    f32_b = run("O2-mxfp8", jaxmp.AutocastRules().with_path("b", "float32"))
+    assert not np.array_equal(f32_b, run("O2-mxfp8"))
+    with pytest.raises(ValueError, match="delayed-scaling"):
+        run("O2-fp8", jaxmp.AutocastRules(fp8_matmuls=fp8.DelayedScaling()).with_path("a", "O2-mxfp8"))
