@@ -189,6 +189,13 @@ SCHEMAS = {
     }}}}}}}),
     "fp8_blocks": jax_benchmark(rows(policy="str", seed="int", eval_loss="nonneg", eval_accuracy="nonneg",
                                      train_time_s="pos")),
+    "precision_search": jax_benchmark({"keys": {"results": {"keys": {"models": {"nonempty": True, "values": {
+        "keys": {"float32_spread": "nonneg", "modules": {"items": {"keys": {"path": "text", "rung": "text",
+                                                                             "flops": "count"}}},
+                 "search": {"keys": {"cost_steps": "pos_int", "seconds": "pos", "step_s": "pos"}},
+                 "variants": {"keys": {"float32": "dict"}, "values": {"keys": {
+                     "final": {"items": "num", "nonempty": True}, "within": "bool", "bits": "pos",
+                     "shares": {"values": "nonneg", "nonempty": True}}}}}}}}}}}),
     "fidelity": jax_benchmark({"keys": {"results": {"nonempty": True, "values": {
         "keys": {"setup": "any", "summary": "dict", "tail": "any", "runs": {"values": {"nonempty": True, "items": {
             "keys": {"eval_loss": "nonneg", "eval_accuracy": "nonneg"}}}}},
