@@ -35,7 +35,10 @@ SEEDS = (0, 1, 2)
 BITS = {"O2-nvfp4": 4, "O2-mxfp8": 8, "O2-bf16": 16, "float32": 32}
 DEFAULT_OUT = str(REPO_ROOT / "benchmarks" / "results" / "precision_search.json")
 #: Training steps per variant and seed, and steps per search measurement: full, --quick.
-STEPS = ({"train_steps": 150, "search_steps": 6}, {"train_steps": 3, "search_steps": 2})
+STEPS = ({"train_steps": 100, "search_steps": 4}, {"train_steps": 3, "search_steps": 2})
+#: The search's ladder: the default (NVFP4 < MXFP8 < bf16 < float32); --quick's two rungs keep the
+#: test to a few compiles (every candidate is a compiled program).
+LADDERS = (True, ("O2-bf16", "float32"))
 
 
 def _parser():
@@ -44,6 +47,8 @@ def _parser():
     p.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all)")
     p.add_argument("--train-steps", type=int, help="training steps per variant and seed")
     p.add_argument("--search-steps", type=int, help="training steps per search measurement")
+    p.add_argument("--merge-from", help="comma list of result files to merge (models of later files win) into --out, "
+                                        "instead of running")
     return p
 
 
@@ -88,7 +93,7 @@ def _bits(shares: dict[str, float]) -> float:
     return float(sum(BITS[r] * s for r, s in shares.items()))
 
 
-def run_model(name: str, quick: bool, train_steps: int, search_steps: int, quiet: bool) -> dict:
+def run_model(name: str, quick: bool, train_steps: int, search_steps: int, quiet: bool, ladder=True) -> dict:
     """The search, then every variant on every seed, for one model: its entry of ``results.models``."""
     import optax
 
@@ -98,7 +103,7 @@ def run_model(name: str, quick: bool, train_steps: int, search_steps: int, quiet
 
     task = _search_models.task(name, quick)
     log(f"[{name}] search ({search_steps} steps per measurement)", quiet)
-    plan = compare_to_float32(task.loss, task.init(0), *task.batch(0, 0), choose=True, steps=search_steps,
+    plan = compare_to_float32(task.loss, task.init(0), *task.batch(0, 0), choose=ladder, steps=search_steps,
                               optimizer=optax.adam(task.lr))
     log(str(plan), quiet)
     fns = {"float32": task.loss, **{p: jaxmp.autocast(task.loss, p) for p in PRESETS}}
@@ -180,6 +185,7 @@ def table(result: dict) -> str:
 
 
 def run(args) -> dict:
+    args.quick = args.quick or args.dry_run  # --dry-run, the scripts' common smoke flag, is --quick here
     models = parse_choices(args.models, MODELS, "model")
     steps = dict(STEPS[1 if args.quick else 0])
     if args.train_steps:
@@ -190,16 +196,34 @@ def run(args) -> dict:
     out = {}
     for name in models:
         t0 = time.perf_counter()
-        out[name] = run_model(name, args.quick, steps["train_steps"], steps["search_steps"], args.quiet)
+        out[name] = run_model(name, args.quick, steps["train_steps"], steps["search_steps"], args.quiet,
+                              LADDERS[1 if args.quick else 0])
         out[name]["wall_s"] = time.perf_counter() - t0
-    config = {**steps, "seeds": list(SEEDS), "variants": list(VARIANTS), "optimizer": "optax.adam(model's lr)",
+    ladder = LADDERS[1 if args.quick else 0]
+    config = {**steps, "seeds": list(SEEDS), "ladder": list(BITS) if ladder is True else list(ladder), "variants": list(VARIANTS), "optimizer": "optax.adam(model's lr)",
               "within": "|mean - mean_float32| <= max - min of float32's seeds", "bits": BITS}
     return make_result("precision_search", env, config, {"models": out}, args.quick)
 
 
+def merge(paths: list[str]) -> dict:
+    """One result from several runs' files (``--models`` split over processes): their models, the
+    first file's envelope, and each part's command and commit under ``config.parts``."""
+    import json
+    import os
+
+    parts = [json.loads(open(p).read()) for p in paths]
+    out = dict(parts[0], results={"models": {}}, config=dict(parts[0]["config"], parts=[]))
+    for part in parts:
+        out["results"]["models"].update(part["results"]["models"])
+        out["config"]["parts"].append({"command": part["command"], "commit": part["env"]["git_commit"],
+                                       "created_utc": part["created_utc"], "models": list(part["results"]["models"])})
+    out["command"] = "precision_search.py --merge-from " + ",".join(os.path.basename(p) for p in paths)
+    return out
+
+
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
-    result = run(args)
+    result = merge(args.merge_from.split(",")) if args.merge_from else run(args)
     print(table(result))
     emit(result, args.out if not (args.quick and args.out == DEFAULT_OUT) else "-")
     return result
