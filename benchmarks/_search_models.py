@@ -13,7 +13,8 @@ in evaluation; the running averages are not kept (every variant is evaluated ali
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 

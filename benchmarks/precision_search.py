@@ -165,8 +165,8 @@ def rules_from_modules(modules: list[dict], policy: str = "O2-bf16"):
 
 def table(result: dict) -> str:
     """The markdown table of a result (docs/precision-search.md's "The table")."""
-    lines = ["| model | variant | held-out loss, mean (min-max) | - float32 | within float32's spread | "
-             "matmul FLOPs: nvfp4 / mxfp8 / bf16 / f32 | bits | search cost |",
+    lines = [("| model | variant | held-out loss, mean (min-max) | - float32 | within float32's spread | "
+              "matmul FLOPs: nvfp4 / mxfp8 / bf16 / f32 | bits | search cost |"),
              "|---|---|---|---:|---|---|---:|---|"]
     for name, m in result["results"]["models"].items():
         s = m["search"]
@@ -200,7 +200,8 @@ def run(args) -> dict:
                               LADDERS[1 if args.quick else 0])
         out[name]["wall_s"] = time.perf_counter() - t0
     ladder = LADDERS[1 if args.quick else 0]
-    config = {**steps, "seeds": list(SEEDS), "ladder": list(BITS) if ladder is True else list(ladder), "variants": list(VARIANTS), "optimizer": "optax.adam(model's lr)",
+    config = {**steps, "seeds": list(SEEDS), "ladder": list(BITS) if ladder is True else list(ladder),
+              "variants": list(VARIANTS), "optimizer": "optax.adam(model's lr)",
               "within": "|mean - mean_float32| <= max - min of float32's seeds", "bits": BITS}
     return make_result("precision_search", env, config, {"models": out}, args.quick)
 
@@ -210,8 +211,9 @@ def merge(paths: list[str]) -> dict:
     first file's envelope, and each part's command and commit under ``config.parts``."""
     import json
     import os
+    from pathlib import Path
 
-    parts = [json.loads(open(p).read()) for p in paths]
+    parts = [json.loads(Path(p).read_text()) for p in paths]
     out = dict(parts[0], results={"models": {}}, config=dict(parts[0]["config"], parts=[]))
     for part in parts:
         out["results"]["models"].update(part["results"]["models"])

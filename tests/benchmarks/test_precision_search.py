@@ -50,7 +50,7 @@ def _check_model(name: str, model: dict) -> None:
     if "chosen" in vs:
         # the rules rebuilt from the modules' rungs are the rules the search printed
         namespace = {"jaxmp": __import__("jaxmp"), "loss_fn": lambda *a: 0.0}
-        exec(model["rules_code"], namespace)
+        exec(model["rules_code"], namespace)  # noqa: S102 - the printed code is what a user pastes: run it as such
         assert ps.rules_from_modules(model["modules"], model["policy"]) == namespace["rules"]
         flops = sum(m["flops"] for m in model["modules"]) + model["unscoped_flops"]
         for rung, share in vs["chosen"]["shares"].items():
