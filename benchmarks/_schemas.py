@@ -192,7 +192,7 @@ SCHEMAS = {
     "precision_search": jax_benchmark({"keys": {"results": {"keys": {"models": {"nonempty": True, "values": {
         "keys": {"float32_spread": "nonneg", "modules": {"items": {"keys": {"path": "text", "rung": "text",
                                                                              "flops": "count"}}},
-                 "search": {"keys": {"cost_steps": "pos_int", "seconds": "pos", "step_s": "pos"}},
+                 "search": {"keys": {"step_s": "pos", "gave_up": "str"}, "opt": {"cost_steps": "pos_int", "seconds": "pos"}},
                  "variants": {"keys": {"float32": "dict"}, "values": {"keys": {
                      "final": {"items": "num", "nonempty": True}, "within": "bool", "bits": "pos",
                      "shares": {"values": "nonneg", "nonempty": True}}}}}}}}}}}),

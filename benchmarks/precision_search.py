@@ -47,6 +47,9 @@ def _parser():
     p.add_argument("--models", help=f"comma list of {', '.join(MODELS)} (default: all)")
     p.add_argument("--train-steps", type=int, help="training steps per variant and seed")
     p.add_argument("--search-steps", type=int, help="training steps per search measurement")
+    p.add_argument("--skip-search", action="store_true",
+                   help="train float32 and the fixed presets only (no search, no chosen rules): the table's rows "
+                        "for a model whose search does not fit the time at hand")
     p.add_argument("--merge-from", help="comma list of result files to merge (models of later files win) into --out, "
                                         "instead of running")
     return p
@@ -93,7 +96,8 @@ def _bits(shares: dict[str, float]) -> float:
     return float(sum(BITS[r] * s for r, s in shares.items()))
 
 
-def run_model(name: str, quick: bool, train_steps: int, search_steps: int, quiet: bool, ladder=True) -> dict:
+def run_model(name: str, quick: bool, train_steps: int, search_steps: int, quiet: bool, ladder=True,
+              search: bool = True) -> dict:
     """The search, then every variant on every seed, for one model: its entry of ``results.models``."""
     import optax
 
@@ -102,6 +106,8 @@ def run_model(name: str, quick: bool, train_steps: int, search_steps: int, quiet
     from jaxmp.diagnostics import compare_to_float32
 
     task = _search_models.task(name, quick)
+    if not search:
+        return _presets_only(name, task, train_steps, quiet)
     log(f"[{name}] search ({search_steps} steps per measurement)", quiet)
     plan = compare_to_float32(task.loss, task.init(0), *task.batch(0, 0), choose=ladder, steps=search_steps,
                               optimizer=optax.adam(task.lr))
@@ -109,6 +115,34 @@ def run_model(name: str, quick: bool, train_steps: int, search_steps: int, quiet
     fns = {"float32": task.loss, **{p: jaxmp.autocast(task.loss, p) for p in PRESETS}}
     if plan.rules is not None:
         fns["chosen"] = jaxmp.autocast(task.loss, plan.policy, rules=plan.rules)
+    variants, step_s, spread = _train_variants(name, task, fns, plan, train_steps, quiet)
+    search = {"cost_steps": int(plan.cost_steps), "seconds": float(plan.seconds), "step_s": step_s,
+              "cost_x_step_wall": float(plan.seconds / step_s), "steps_per_measurement": int(plan.steps),
+              "band": float(plan.threshold), "drift_before": float(plan.drift_before),
+              "drift_after": float(plan.drift_after), "within_band": bool(plan.within_band), "gave_up": plan.gave_up,
+              "promotions": [list(p) for p in plan.promotions]}
+    modules = [{"path": m.path, "rung": m.rung, "flops": int(m.flops), "scanned": bool(m.scanned)} for m in plan.modules]
+    return {"source": _search_models.SOURCES[name], "metric": task.metric, "config": dict(task.config),
+            "seeds": list(SEEDS), "float32_spread": spread, "variants": variants, "search": search,
+            "modules": modules, "unscoped_flops": int(plan.unscoped_flops), "policy": plan.policy,
+            "rules_code": plan.code, "verdict": verdict({"variants": variants})}
+
+
+def _presets_only(name: str, task, train_steps: int, quiet: bool) -> dict:
+    """``--skip-search``: float32 and the fixed presets on every seed, the search marked not run."""
+    import jaxmp
+    from benchmarks import _search_models
+
+    fns = {"float32": task.loss, **{p: jaxmp.autocast(task.loss, p) for p in PRESETS}}
+    variants, step_s, spread = _train_variants(name, task, fns, None, train_steps, quiet)
+    return {"source": _search_models.SOURCES[name], "metric": task.metric, "config": dict(task.config),
+            "seeds": list(SEEDS), "float32_spread": spread, "variants": variants,
+            "search": {"step_s": step_s, "gave_up": "not run (--skip-search)"}, "modules": [], "unscoped_flops": 0,
+            "policy": "O2-bf16", "rules_code": "", "verdict": verdict({"variants": variants})}
+
+
+def _train_variants(name: str, task, fns: dict, plan, train_steps: int, quiet: bool):
+    """Every variant on every seed: ``(variants, median float32 step seconds, float32's seed spread)``."""
     variants: dict[str, dict] = {}
     step_times: list[float] = []
     for v, fn in fns.items():
@@ -126,17 +160,7 @@ def run_model(name: str, quick: bool, train_steps: int, search_steps: int, quiet
     for v, row in variants.items():
         row["gap"] = float(row["mean"] - ref.mean())
         row["within"] = bool(abs(row["gap"]) <= spread)
-    step_s = float(np.median(step_times))
-    search = {"cost_steps": int(plan.cost_steps), "seconds": float(plan.seconds), "step_s": step_s,
-              "cost_x_step_wall": float(plan.seconds / step_s), "steps_per_measurement": int(plan.steps),
-              "band": float(plan.threshold), "drift_before": float(plan.drift_before),
-              "drift_after": float(plan.drift_after), "within_band": bool(plan.within_band), "gave_up": plan.gave_up,
-              "promotions": [list(p) for p in plan.promotions]}
-    modules = [{"path": m.path, "rung": m.rung, "flops": int(m.flops), "scanned": bool(m.scanned)} for m in plan.modules]
-    return {"source": _search_models.SOURCES[name], "metric": task.metric, "config": dict(task.config),
-            "seeds": list(SEEDS), "float32_spread": spread, "variants": variants, "search": search,
-            "modules": modules, "unscoped_flops": int(plan.unscoped_flops), "policy": plan.policy,
-            "rules_code": plan.code, "verdict": verdict({"variants": variants})}
+    return variants, float(np.median(step_times)), spread
 
 
 def verdict(model: dict) -> dict:
@@ -171,10 +195,10 @@ def table(result: dict) -> str:
     for name, m in result["results"]["models"].items():
         s = m["search"]
         cost = (f"{s['cost_steps']} steps; {s['seconds']:.0f} s = {s['cost_x_step_wall']:.0f}x a step "
-                f"({1e3 * s['step_s']:.1f} ms)")
+                f"({1e3 * s['step_s']:.1f} ms)") if "cost_steps" in s else ""
         for v in VARIANTS:
             if v not in m["variants"]:
-                lines.append(f"| {name} | {v} | (search gave up: {s['gave_up']}) | | | | | |")
+                lines.append(f"| {name} | {v} | (no chosen rules: search {s['gave_up']}) | | | | | |")
                 continue
             r = m["variants"][v]
             sh = " / ".join(f"{100 * r['shares'].get(k, 0.0):.0f}%" for k in BITS)
@@ -197,7 +221,7 @@ def run(args) -> dict:
     for name in models:
         t0 = time.perf_counter()
         out[name] = run_model(name, args.quick, steps["train_steps"], steps["search_steps"], args.quiet,
-                              LADDERS[1 if args.quick else 0])
+                              LADDERS[1 if args.quick else 0], search=not args.skip_search)
         out[name]["wall_s"] = time.perf_counter() - t0
     ladder = LADDERS[1 if args.quick else 0]
     config = {**steps, "seeds": list(SEEDS), "ladder": list(BITS) if ladder is True else list(ladder),
