@@ -243,6 +243,9 @@ def merge(paths: list[str]) -> dict:
         out["results"]["models"].update(part["results"]["models"])
         out["config"]["parts"].append({"command": part["command"], "commit": part["env"]["git_commit"],
                                        "created_utc": part["created_utc"], "models": list(part["results"]["models"])})
+    models = out["results"]["models"]
+    out["results"]["models"] = {k: models[k] for k in sorted(models, key=lambda k: (k not in MODELS, MODELS.index(k)
+                                                                                    if k in MODELS else 0, k))}
     out["command"] = "precision_search.py --merge-from " + ",".join(os.path.basename(p) for p in paths)
     return out
 
