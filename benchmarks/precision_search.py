@@ -170,9 +170,10 @@ def verdict(model: dict) -> dict:
     fixed = [p for p in PRESETS if p in vs and vs[p]["within"]]
     best = min(fixed, key=lambda p: vs[p]["bits"]) if fixed else None
     chosen = vs.get("chosen")
-    return {"best_fixed_within": best,
-            "chosen_within": bool(chosen and chosen["within"]),
-            "chosen_as_cheap_as_best_fixed": bool(chosen and (best is None or chosen["bits"] <= vs[best]["bits"]))}
+    if chosen is None:  # the search gave up or was not run: nothing to judge
+        return {"best_fixed_within": best, "chosen_within": None, "chosen_as_cheap_as_best_fixed": None}
+    return {"best_fixed_within": best, "chosen_within": bool(chosen["within"]),
+            "chosen_as_cheap_as_best_fixed": bool(best is None or chosen["bits"] <= vs[best]["bits"])}
 
 
 def rules_from_modules(modules: list[dict], policy: str = "O2-bf16"):
@@ -192,8 +193,9 @@ def table(result: dict) -> str:
     lines = [("| model | variant | held-out loss, mean (min-max) | - float32 | within float32's spread | "
               "matmul FLOPs: nvfp4 / mxfp8 / bf16 / f32 | bits | search cost |"),
              "|---|---|---|---:|---|---|---:|---|"]
-    for name, m in result["results"]["models"].items():
-        s = m["search"]
+    models = result["results"]["models"]  # in MODELS' order (the JSON file's keys are sorted)
+    for name in sorted(models, key=lambda k: (k not in MODELS, MODELS.index(k) if k in MODELS else 0, k)):
+        m, s = models[name], models[name]["search"]
         cost = (f"{s['cost_steps']} steps; {s['seconds']:.0f} s = {s['cost_x_step_wall']:.0f}x a step "
                 f"({1e3 * s['step_s']:.1f} ms)") if "cost_steps" in s else ""
         for v in VARIANTS:
@@ -203,7 +205,7 @@ def table(result: dict) -> str:
             r = m["variants"][v]
             sh = " / ".join(f"{100 * r['shares'].get(k, 0.0):.0f}%" for k in BITS)
             lines.append(f"| {name} | {v} | {r['mean']:.4f} ({min(r['final']):.4f}-{max(r['final']):.4f}) | "
-                         f"{r['gap']:+.4f} | {'yes' if r['within'] else '**no**'} | {sh} | {r['bits']:.1f} | "
+                         f"{r['gap']:+.4f} | {'yes' if r['within'] else '**no**'} | {sh} | {r['bits']:.2f} | "
                          f"{cost if v == 'chosen' else ''} |")
     return "\n".join(lines)
 
@@ -241,11 +243,10 @@ def merge(paths: list[str]) -> dict:
     out = dict(parts[0], results={"models": {}}, config=dict(parts[0]["config"], parts=[]))
     for part in parts:
         out["results"]["models"].update(part["results"]["models"])
+        for model in part["results"]["models"].values():
+            model["verdict"] = verdict(model)
         out["config"]["parts"].append({"command": part["command"], "commit": part["env"]["git_commit"],
                                        "created_utc": part["created_utc"], "models": list(part["results"]["models"])})
-    models = out["results"]["models"]
-    out["results"]["models"] = {k: models[k] for k in sorted(models, key=lambda k: (k not in MODELS, MODELS.index(k)
-                                                                                    if k in MODELS else 0, k))}
     out["command"] = "precision_search.py --merge-from " + ",".join(os.path.basename(p) for p in paths)
     return out
 
