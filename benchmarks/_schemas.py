@@ -201,6 +201,13 @@ SCHEMAS = {
                       "refused": {"keys": {"error": "text"}},
                       "not available in this build": {"keys": {"missing": {"items": "str", "nonempty": True}}}}}},
         "prediction": {"items": {"keys": {"seconds": "nonneg", "model": "str", "link": "str"}}}}}}}),
+    "precision_search": jax_benchmark({"keys": {"results": {"keys": {"models": {"nonempty": True, "values": {
+        "keys": {"float32_spread": "nonneg", "modules": {"items": {"keys": {"path": "text", "rung": "text",
+                                                                             "flops": "count"}}},
+                 "search": {"keys": {"step_s": "pos", "gave_up": "str"}, "opt": {"cost_steps": "pos_int", "seconds": "pos"}},
+                 "variants": {"keys": {"float32": "dict"}, "values": {"keys": {
+                     "final": {"items": "num", "nonempty": True}, "within": "bool", "bits": "pos",
+                     "shares": {"values": "nonneg", "nonempty": True}}}}}}}}}}}),
     "fidelity": jax_benchmark({"keys": {"results": {"nonempty": True, "values": {
         "keys": {"setup": "any", "summary": "dict", "tail": "any", "runs": {"values": {"nonempty": True, "items": {
             "keys": {"eval_loss": "nonneg", "eval_accuracy": "nonneg"}}}}},

@@ -762,6 +762,7 @@ DRY_RUN_TESTS = {
     "kernel_profile": "tests/benchmarks/test_benchmarks.py::test_profile_writes_a_top_kernel_table",
     "memory": "tests/parallel/test_layouts.py::memory.main([\"--dry-run\"",
     "overhead": "tests/benchmarks/test_benchmarks.py::test_overhead_dry_run_writes_valid_json",
+    "precision_search": "tests/benchmarks/test_precision_search.py::test_quick_run_on_the_vae_reports_every_variant_and_reproduces",
     "promotion": "tests/benchmarks/test_benchmarks.py::test_promotion_dry_run_measures_every_rule",
     "report": "tests/benchmarks/test_benchmarks.py::report.main([\"--check\"])",
     "residual_fusion_repro": "tests/benchmarks/test_compile_growth.py::test_residual_fusion_repro_dry_run",

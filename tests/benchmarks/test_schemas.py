@@ -51,6 +51,7 @@ SOURCES = {
     "wire": lambda: _load("wire.json"),
     "fp8": _fp8_result,
     "fp8_blocks": _fp8_blocks_result,
+    "precision_search": lambda: _load("precision_search.json"),
 }
 
 _DELETE = object()
@@ -108,6 +109,10 @@ CORRUPTIONS = [
      "results.models.mlp.variants.fp8.fp8_state.amaxes_recorded_min is not a positive number: 0"),
     ("fp8", ("results", "models", "mlp", "variants", "fp8", "max_rel_loss_gap_last_half"), _DELETE,
      "results.models.mlp.variants.fp8: missing key 'max_rel_loss_gap_last_half'"),
+    ("precision_search", ("results", "models", "flax_resnet", "variants", "chosen", "within"), "yes",
+     "results.models.flax_resnet.variants.chosen.within is not a bool: 'yes'"),
+    ("precision_search", ("results", "models", "flax_resnet", "variants", "float32"), _DELETE,
+     "results.models.flax_resnet.variants: missing key 'float32'"),
     ("fp8", ("results", "models", "cnn", "skipped"), {}, "results.models.cnn: variants or skipped must be non-empty"),
     ("fp8", ("results", "models", "mlp", "variants", "bf16", "loss_curve"), [],
      "results.models.mlp.variants.bf16.loss_curve is not a non-empty list: []"),
