@@ -201,6 +201,10 @@ SCHEMAS = {
                       "refused": {"keys": {"error": "text"}},
                       "not available in this build": {"keys": {"missing": {"items": "str", "nonempty": True}}}}}},
         "prediction": {"items": {"keys": {"seconds": "nonneg", "model": "str", "link": "str"}}}}}}}),
+    "wire_fidelity": jax_benchmark({"keys": {"results": {"keys": {"models": {"nonempty": True, "values": {
+        "keys": {"setup": "dict", "summary": "dict", "runs": {"values": {"nonempty": True, "items": {
+            "keys": {"eval_loss": "nonneg", "eval_accuracy": "nonneg", "skips": "count"}}}}},
+        "rules": [("covers", "summary", "runs")]}}}}}}),
     "fidelity": jax_benchmark({"keys": {"results": {"nonempty": True, "values": {
         "keys": {"setup": "any", "summary": "dict", "tail": "any", "runs": {"values": {"nonempty": True, "items": {
             "keys": {"eval_loss": "nonneg", "eval_accuracy": "nonneg"}}}}},
