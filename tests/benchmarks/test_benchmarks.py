@@ -759,6 +759,7 @@ DRY_RUN_TESTS = {
     "torch_amp": "tests/benchmarks/test_benchmarks.py::torch_amp.main([\"--dry-run\"",
     "trace_profile": "tests/benchmarks/test_benchmarks.py::test_trace_profile_dry_run",
     "wire": "tests/benchmarks/test_wire_bytes.py::wire.main([\"--quick\"",
+    "wire_fidelity": "tests/benchmarks/test_wire_bytes.py::wire_fidelity.main([\"--study\", \"--quick\"",
 }
 
 

@@ -302,3 +302,24 @@ def test_wire_rows_this_build_lacks_or_refuses_say_so_without_a_figure(monkeypat
     md = wire.markdown(out + [{**rows[0], "status": wire.NOT_AVAILABLE}]).splitlines()
     assert "| not available in this build |" in md[-1] and "| refused |" in md[2]
     assert len(md) == 5 and all(line.count("|") == md[0].count("|") for line in md)
+
+
+def test_wire_fidelity_study_quick_trains_both_models_and_judges_each_option(tmp_path, capsys):
+    """``wire_fidelity.py --study --quick``: the LM and the CNN, two seeds, the unquantized run and both quantizers."""
+    import json
+
+    from benchmarks import _common as common, wire_fidelity
+
+    out = tmp_path / "wire_fidelity.json"
+    assert wire_fidelity.main(["--study", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert common.validate_result(result) == [] and result["dry_run"]
+    models = result["results"]["models"]
+    assert set(models) == {"lm zero", "cnn zero"}
+    for entry in models.values():
+        ref, quant = entry["summary"]["unquantized"]["eval_loss"], entry["summary"]["gather 8 + reduce 4"]["eval_loss"]
+        assert quant["tolerance"] == max(ref["spread"], 0.01 * abs(ref["mean"])) > 0
+        assert quant["diff_from_reference"] == pytest.approx(quant["mean"] - ref["mean"])
+        assert quant["within"] == (abs(quant["diff_from_reference"]) <= quant["tolerance"])
+        assert all(r["skips"] == 0 and r["steps"] == 4 for rs in entry["runs"].values() for r in rs)
+    assert "| cnn | zero | gather 8 + reduce 4 |" in capsys.readouterr().out
