@@ -216,12 +216,17 @@ def study(models, layouts, options, seeds, quick: bool, log=print) -> dict:
 def markdown(results: dict) -> str:
     """One line per (model, layout, option): eval loss mean, difference (tolerance), verdict, accuracy."""
     lines = ["| model | layout | option | eval loss mean over seeds | diff vs unquantized (tolerance) | within "
-             "| eval accuracy mean |", "|---|---|---|---:|---:|---|---:|"]
+             "| largest same-seed diff | eval accuracy mean |", "|---|---|---|---:|---:|---|---:|---:|"]
     for entry in results.values():
-        for option, row in entry["summary"].items():
+        # The same seed and batches with and without the option: a tighter view than the seed spread.
+        ref = {r["seed"]: r["eval_loss"] for r in entry["runs"].get(REFERENCE, [])}
+        for option in sorted(entry["summary"], key=lambda o: list(OPTIONS).index(o) if o in OPTIONS else len(OPTIONS)):
+            row = entry["summary"][option]
             loss, acc = row["eval_loss"], row["eval_accuracy"]
             diff = "-" if option == REFERENCE else f"{loss['diff_from_reference']:+.4f} ({loss['tolerance']:.4f})"
             within = "-" if option == REFERENCE else ("yes" if loss["within"] else "**no**")
+            paired = [r["eval_loss"] - ref[r["seed"]] for r in entry["runs"][option] if r["seed"] in ref]
+            same = "-" if option == REFERENCE or not paired else f"{max(paired, key=abs):+.4f}"
             lines.append(f"| {entry['model']} | {entry['layout']} | {option} | {loss['mean']:.4f} | {diff} | {within} "
-                         f"| {100 * acc['mean']:.2f}% |")
+                         f"| {same} | {100 * acc['mean']:.2f}% |")
     return "\n".join(lines)
