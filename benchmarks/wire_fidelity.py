@@ -6,7 +6,7 @@ per layout and option, the final loss's relative distance from the unquantized r
 skips and loss scales are the same, and whether a second run gives the same bits. The numbers
 docs/parallel.md#precision-on-the-wire quotes. Wire bytes are not measured here.
 
-Usage: ``python benchmarks/wire_fidelity.py`` (a minute or two on 2 CPU cores).
+Usage: ``python -m benchmarks.wire_fidelity`` (a minute or two on 2 CPU cores).
 
 ``--study``: the issue's fidelity study instead (``benchmarks/_wire_study.py``): the small LM and
 the MNIST-1D CNN under ZeRO, 3 seeds, each option against the unquantized sharded run, judged by
@@ -44,7 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if "jax" not in sys.modules:  # 8 CPU devices, set before JAX starts its backend
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if args.study:
         study(args)
         return 0

@@ -49,6 +49,7 @@ SOURCES = {
     "memory_gpt2": lambda: _load("memory/gpt2_cpu.json"),
     "memory_lean": lambda: _load("memory/lean_cpu.json"),
     "wire": lambda: _load("wire.json"),
+    "wire_fidelity": lambda: _load("wire_fidelity.json"),
     "fp8": _fp8_result,
     "fp8_blocks": _fp8_blocks_result,
 }
@@ -101,7 +102,10 @@ CORRUPTIONS = [
      "results.rows[1].compiled.peak_estimate_bytes is not an int: 1.5"),
     ("memory_lean", ("results", "rows", 2, "bytes_per_param"), _DELETE, "results.rows[2]: missing key 'bytes_per_param'"),
     ("wire", ("results", "rows", 1, "wire_bytes"), -1.0, "results.rows[1].wire_bytes is not a non-negative number: -1.0"),
-    ("wire", ("results", "rows", 3, "missing"), _DELETE, "results.rows[3]: missing key 'missing'"),
+    ("wire_fidelity", ("results", "models", "lm zero", "summary"), _DELETE,
+     "results.models.lm zero: missing key 'summary'"),
+    # A measured row relabelled "not available" lacks the options it misses.
+    ("wire", ("results", "rows", 3, "status"), "not available in this build", "results.rows[3]: missing key 'missing'"),
     ("wire", ("results", "rows", 0, "status"), "guessed",
      "results.rows[0]: status must be measured, refused or not available, got 'guessed'"),
     ("fp8", ("results", "models", "mlp", "variants", "fp8", "fp8_state", "amaxes_recorded_min"), 0,
