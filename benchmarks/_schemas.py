@@ -208,6 +208,10 @@ SCHEMAS = {
                  "variants": {"keys": {"float32": "dict"}, "values": {"keys": {
                      "final": {"items": "num", "nonempty": True}, "within": "bool", "bits": "pos",
                      "shares": {"values": "nonneg", "nonempty": True}}}}}}}}}}}),
+    "wire_fidelity": jax_benchmark({"keys": {"results": {"keys": {"models": {"nonempty": True, "values": {
+        "keys": {"setup": "dict", "summary": "dict", "runs": {"values": {"nonempty": True, "items": {
+            "keys": {"eval_loss": "nonneg", "eval_accuracy": "nonneg", "skips": "count"}}}}},
+        "rules": [("covers", "summary", "runs")]}}}}}}),
     "fidelity": jax_benchmark({"keys": {"results": {"nonempty": True, "values": {
         "keys": {"setup": "any", "summary": "dict", "tail": "any", "runs": {"values": {"nonempty": True, "items": {
             "keys": {"eval_loss": "nonneg", "eval_accuracy": "nonneg"}}}}},

@@ -89,7 +89,9 @@ def plan(layouts=LAYOUTS) -> list[dict]:
     rows = [{"who": "hand", "layout": "zero", "gather": "f32 masters", "reduce": "bf16 (XLA)", "kwargs": {}}]
     for layout in layouts:
         for gather, gkw in (GATHERS.items() if layout != "replicated" else [("-", {})]):
-            for reduce, rkw in REDUCES.items():
+            # The replicated layout gathers nothing and all-reduces whole gradients: the step refuses
+            # the quantized options there (a ValueError), so they are no rows of the table.
+            for reduce, rkw in (REDUCES.items() if layout != "replicated" else list(REDUCES.items())[:2]):
                 rows.append({"who": "jaxmp", "layout": layout, "gather": gather, "reduce": reduce,
                              "kwargs": {**gkw, **rkw}})
     return rows

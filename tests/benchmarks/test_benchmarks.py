@@ -607,7 +607,7 @@ def test_the_linen_transformer_block_is_written_once():
     named = EncoderBlock(2, 64, names=bench._BLOCK_NAMES)
     assert set(jax.eval_shape(named.init, jax.random.key(0), x)["params"]) == set(params["block_0"])
     writers = [str(p.relative_to(ROOT)) for tree in ("benchmarks", "experiments") for p in sorted((ROOT / tree).rglob("*.py"))
-               if "MultiHeadDotProductAttention(" in p.read_text()]
+               if "MultiHeadDotProductAttention(" in p.read_text() and "_vendored" not in p.parts]  # google/flax's own
     assert writers == ["experiments/models/transformer.py"], writers
 
 @pytest.mark.slow
@@ -773,6 +773,7 @@ DRY_RUN_TESTS = {
     "torch_amp": "tests/benchmarks/test_benchmarks.py::torch_amp.main([\"--dry-run\"",
     "trace_profile": "tests/benchmarks/test_benchmarks.py::test_trace_profile_dry_run",
     "wire": "tests/benchmarks/test_wire_bytes.py::wire.main([\"--quick\"",
+    "wire_fidelity": "tests/benchmarks/test_wire_bytes.py::wire_fidelity.main([\"--study\", \"--quick\"",
 }
 
 

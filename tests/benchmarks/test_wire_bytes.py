@@ -178,7 +178,8 @@ def test_bad_input_names_the_problem():
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """One ``--quick`` run (three compiles today: the hand-written ZeRO, jaxmp's ZeRO at two reduce dtypes)."""
+    """One ``--quick`` run (nine compiles of a tiny model: the hand-written ZeRO, jaxmp's ZeRO with each
+    gather and reduction option)."""
     import json
 
     from benchmarks import wire
@@ -214,13 +215,33 @@ def test_wire_quick_gathers_half_the_bytes_of_float32_masters_and_reduces_in_the
     assert 0.45 <= bf16["reduce_wire_bytes"] / f32["reduce_wire_bytes"] <= 0.55, (bf16, f32)
     assert "reduce-scatter f32" in f32["by_kind"] and "reduce-scatter bf16" in bf16["by_kind"]
     assert f32["vs_reference"] == 1.0 and bf16["vs_reference"] > 1.3
-    for bits, most in ((8, 0.3), (4, 0.17)):  # quantized reductions, once this build has them
-        r = _row(quick, "jaxmp", "bf16", f"{bits}-bit")
-        if r["status"] == "measured":
-            assert r["reduce_wire_bytes"] / f32["reduce_wire_bytes"] <= most, r
-    q = _row(quick, "jaxmp", "8-bit", "float32")
-    if q["status"] == "measured":
-        assert q["gather_wire_bytes"] / f32["gather_wire_bytes"] <= 0.6, q
+
+
+def test_wire_quick_holds_each_wire_option_to_its_byte_count(quick):
+    """Each quantized option against the bf16-gather, float32-reduce ZeRO row, to the byte: the tiny
+    model's pieces are whole blocks of 256, so codes are 1 byte (8-bit) or half a byte (4-bit) an
+    element and each block of 256 adds one float32 scale; the small replicated leaves' float32
+    all-reduce stays as it is (none of them reaches 8 x 256 elements)."""
+    base = _row(quick, "jaxmp", "bf16", "float32")
+    gather = base["by_kind"]["all-gather bf16"]["wire_bytes"]       # 2 bytes an element
+    reduce = base["by_kind"]["reduce-scatter f32"]["wire_bytes"]    # 4 bytes an element
+    rest = base["reduce_wire_bytes"] - reduce                       # the small leaves' all-reduces, the skip flag
+    for gbits in (None, 8):
+        for rbits in (None, 8, 4):
+            r = _row(quick, "jaxmp", "bf16" if gbits is None else "8-bit", "float32" if rbits is None else f"{rbits}-bit")
+            assert r["status"] == "measured", r
+            kinds = {k: v["wire_bytes"] for k, v in r["by_kind"].items()}
+            want_g = gather if gbits is None else gather / 2 + gather / 2 / 256 * 4
+            want_r = reduce if rbits is None else reduce * rbits / 32 + reduce / 4 / 256 * 4
+            assert r["gather_wire_bytes"] == want_g and r["reduce_wire_bytes"] == want_r + rest, (gbits, rbits, kinds)
+            if gbits:  # codes and scales gathered, no bf16 weight gather left
+                assert (kinds["all-gather u8"], kinds["all-gather f32"]) == (gather / 2, gather / 128)
+                assert "all-gather bf16" not in kinds
+            if rbits:  # codes and scales exchanged by all-to-all, no reduce-scatter left
+                assert (kinds["all-to-all u8"], kinds["all-to-all f32"]) == (reduce * rbits / 32, reduce / 256)
+                assert not any(k.startswith("reduce-scatter") for k in kinds)
+    best = _row(quick, "jaxmp", "8-bit", "4-bit")
+    assert best["vs_reference"] == max(r.get("vs_reference", 0) for r in quick["results"]["rows"]) > 3.5
 
 
 def test_wire_prediction_is_labelled_and_scales_with_bytes_and_bandwidth(quick, capsys):
@@ -228,13 +249,13 @@ def test_wire_prediction_is_labelled_and_scales_with_bytes_and_bandwidth(quick, 
 
     rows = quick["results"]["rows"]
     pred = wire.predict(rows, {"slow": 1e9, "fast": 4e9}, {"m": 1e9})
-    by = {(p["reduce"], p["link"]): p for p in pred if p["who"] == "jaxmp"}
+    by = {(p["reduce"], p["link"]): p for p in pred if p["who"] == "jaxmp" and p["gather"] == "bf16"}
     assert by["float32", "slow"]["seconds"] == pytest.approx(4 * by["float32", "fast"]["seconds"])
     f32 = _row(quick, "jaxmp", "bf16", "float32")
     assert by["float32", "slow"]["seconds"] == pytest.approx(f32["wire_bytes"] / f32["params"])
     assert by["float32", "slow"]["saved_seconds"] == 0 and by["bf16", "slow"]["saved_seconds"] > 0
-    # The headline: the row with the fewest bytes (today the bf16 reduction) against ZeRO bf16/f32.
-    assert wire.headline(rows).startswith("headline: jaxmp zero gather=bf16 reduce=")
+    # The headline: the row with the fewest bytes (8-bit gathers, 4-bit reduction) against ZeRO bf16/f32.
+    assert wire.headline(rows).startswith("headline: jaxmp zero gather=8-bit reduce=4-bit sends ")
     assert f"{max(r.get('vs_reference', 0) for r in rows):.2f}x fewer" in wire.headline(rows)
     text = wire.prediction_text(pred)
     assert text and all(line.startswith("predicted, not measured: ") for line in text.splitlines())
@@ -281,3 +302,24 @@ def test_wire_rows_this_build_lacks_or_refuses_say_so_without_a_figure(monkeypat
     md = wire.markdown(out + [{**rows[0], "status": wire.NOT_AVAILABLE}]).splitlines()
     assert "| not available in this build |" in md[-1] and "| refused |" in md[2]
     assert len(md) == 5 and all(line.count("|") == md[0].count("|") for line in md)
+
+
+def test_wire_fidelity_study_quick_trains_both_models_and_judges_each_option(tmp_path, capsys):
+    """``wire_fidelity.py --study --quick``: the LM and the CNN, two seeds, the unquantized run and both quantizers."""
+    import json
+
+    from benchmarks import _common as common, wire_fidelity
+
+    out = tmp_path / "wire_fidelity.json"
+    assert wire_fidelity.main(["--study", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert common.validate_result(result) == [] and result["dry_run"]
+    models = result["results"]["models"]
+    assert set(models) == {"lm zero", "cnn zero"}
+    for entry in models.values():
+        ref, quant = entry["summary"]["unquantized"]["eval_loss"], entry["summary"]["gather 8 + reduce 4"]["eval_loss"]
+        assert quant["tolerance"] == max(ref["spread"], 0.01 * abs(ref["mean"])) > 0
+        assert quant["diff_from_reference"] == pytest.approx(quant["mean"] - ref["mean"])
+        assert quant["within"] == (abs(quant["diff_from_reference"]) <= quant["tolerance"])
+        assert all(r["skips"] == 0 and r["steps"] == 4 for rs in entry["runs"].values() for r in rs)
+    assert "| cnn | zero | gather 8 + reduce 4 |" in capsys.readouterr().out
