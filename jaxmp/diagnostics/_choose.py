@@ -16,18 +16,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import _jaxpr
+from jaxmp._typing import PyTree
 from jaxmp.diagnostics import _cost, _format, _program
 from jaxmp.diagnostics._matmul import conv_gemm, dot_gemm
 from jaxmp.diagnostics._noise import NOISE_MARGIN, drift
 from jaxmp.diagnostics._shadow_steps import _noisy, _perturb
 from jaxmp.diagnostics._verify import Verification
+
+if TYPE_CHECKING:  # the engine and optax are imported where they are used (the diagnostics load them lazily)
+    import optax
+
+    from jaxmp.engine._seams import AutocastRules
 
 #: The default ladder, cheapest first: NVFP4, MXFP8, bf16, float32.
 DEFAULT_LADDER = ("O2-nvfp4", "O2-mxfp8", "O2-bf16", "float32")
@@ -89,7 +95,7 @@ class PrecisionPlan:
     modules: tuple[ModuleRung, ...]
     ladder: tuple[str, ...]
     policy: str
-    rules: Any
+    rules: AutocastRules | None
     code: str
     flax_code: str
     steps: int
@@ -125,8 +131,9 @@ class PrecisionPlan:
             out[self.policy] = out.get(self.policy, 0.0) + self.unscoped_flops / max(total, 1)
         return out
 
-    def verify(self, init_params: Any = None, batches: Any = None, *, seeds: Sequence[int] = (0, 1, 2),
-               steps: int | None = None, optimizer: Any = None) -> PrecisionPlan:
+    def verify(self, init_params: Callable[[int], PyTree] | PyTree | None = None,
+               batches: Callable[[int], Iterable[Any]] | Sequence[Any] | None = None, *, seeds: Sequence[int] = (0, 1, 2),
+               steps: int | None = None, optimizer: optax.GradientTransformation | None = None) -> PrecisionPlan:
         """Trains float32 and the chosen rules for the same steps per seed; returns the plan with `verification`.
 
         Each seed trains the loss the search measured twice, as given (float32) and under
@@ -161,9 +168,12 @@ class PrecisionPlan:
           >>> def loss(p, x):
           ...     with jax.named_scope("layer"):
           ...         return jnp.mean(jnp.square(x @ p["w"] - 1.0))
-          >>> plan = compare_to_float32(loss, {"w": jnp.zeros((4, 2))}, jnp.ones((8, 4)),
-          ...                           choose=("O2-bf16", "float32"), steps=2, optimizer=optax.sgd(0.1))
-          >>> plan = plan.verify(lambda s: {"w": 0.1 * jax.random.normal(jax.random.key(s), (4, 2))})
+          >>> plan = compare_to_float32(
+          ...     loss, {"w": jnp.zeros((4, 2))}, jnp.ones((8, 4)),
+          ...     choose=("O2-bf16", "float32"), steps=2, optimizer=optax.sgd(0.1))
+          >>> def init(seed):
+          ...     return {"w": 0.1 * jax.random.normal(jax.random.key(seed), (4, 2))}
+          >>> plan = plan.verify(init)
           >>> plan.verification.within
           True
         """
@@ -178,7 +188,7 @@ class PrecisionPlan:
                                 optimizer=tx if optimizer is None else optimizer)
         return dataclasses.replace(self, verification=record)
 
-    def predicted_speedup(self, device: Any = "H100") -> _cost.SpeedupPrediction:
+    def predicted_speedup(self, device: str | jax.Device = "H100") -> _cost.SpeedupPrediction:
         """The chosen rungs' matmul time against all bf16 and all float32, predicted from datasheet peaks.
 
         Each module's matmul FLOPs run at the dense peak of its rung's format on ``device``
@@ -201,10 +211,12 @@ class PrecisionPlan:
         Example:
           >>> import jaxmp
           >>> from jaxmp.diagnostics import PrecisionPlan, ModuleRung
-          >>> plan = PrecisionPlan((ModuleRung("mlp", "O2-nvfp4", 3000), ModuleRung("head", "O2-bf16", 1000)),
-          ...                      ("O2-nvfp4", "O2-bf16", "float32"), "O2-bf16", jaxmp.AutocastRules(), "", "",
-          ...                      4, 0.0, 0.0, 0.0, 0.0)
-          >>> round(plan.predicted_speedup("B200").vs_bf16, 3)  # 4000/2250 / (3000/9000 + 1000/2250)
+          >>> modules = (ModuleRung("mlp", "O2-nvfp4", 3000),
+          ...            ModuleRung("head", "O2-bf16", 1000))
+          >>> plan = PrecisionPlan(modules, ("O2-nvfp4", "O2-bf16", "float32"), "O2-bf16",
+          ...                      jaxmp.AutocastRules(), "", "", 4, 0.0, 0.0, 0.0, 0.0)
+          >>> # 4000/2250 / (3000/9000 + 1000/2250):
+          >>> round(plan.predicted_speedup("B200").vs_bf16, 3)
           2.286
         """
         rows = [(m.rung, m.flops) for m in self.modules]
@@ -420,7 +432,7 @@ def _check_search(search: Any) -> str:
     return str(search)
 
 
-def choose_precision(fn: Callable, args: tuple, choose: Any, policy: Any, steps: int, optimizer,
+def choose_precision(fn: Callable, args: tuple, *, choose: Any, policy: Any, steps: int, optimizer: Any,
                      search: str = "greedy", source: tuple | None = None) -> PrecisionPlan:
     """The search behind ``compare_to_float32(fn, *args, choose=ladder, steps=k, search=...)`` (see there).
 

@@ -105,8 +105,11 @@ class SpeedupPrediction:
 
     def __str__(self) -> str:
         rungs = ", ".join(f"{r} as {k} {t:g}" for r, k, t in self.priced_as)
-        return (f"{self.device}: matmul speed-up {self.vs_bf16:.2f}x over all bf16, {self.vs_float32:.2f}x over all "
-                f"float32 ({NOTE}; TFLOP/s: {rungs})")
+        from jaxmp.diagnostics import _format
+
+        # The note on a line of its own: wrapped, it must still read whole.
+        return "\n".join([f"{self.device}: matmul speed-up {self.vs_bf16:.2f}x over all bf16, {self.vs_float32:.2f}x "
+                          f"over all float32", f"    ({NOTE})", _format.wrap(f"    TFLOP/s: {rungs}")])
 
 
 def predict(flops: list[tuple[str, int]], compute: str, device: Any) -> SpeedupPrediction:

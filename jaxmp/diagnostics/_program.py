@@ -32,7 +32,8 @@ def solve(options: Sequence[Sequence[tuple[float, float]]], budget: float) -> tu
 
     Example:
       >>> import jaxmp
-      >>> jaxmp.diagnostics._program.solve([[(1, 5.0), (2, 1.0)], [(1, 0.5), (2, 0.0)]], budget=1.5)
+      >>> options = [[(1, 5.0), (2, 1.0)], [(1, 0.5), (2, 0.0)]]
+      >>> jaxmp.diagnostics._program.solve(options, budget=1.5)
       (1, 0)
     """
     frontier: list[tuple[float, float, tuple[int, ...]]] = [(0.0, 0.0, ())]

@@ -374,13 +374,14 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
     # no "differentiated with no loss scale" warning for them.
     with loss_scaled_grad():
         if choose is not None and choose is not False:
-            return _choose(fn, args, policy, steps, optimizer, rules, choose, search)
+            return _choose(fn, args, policy=policy, steps=steps, optimizer=optimizer, rules=rules, choose=choose, search=search)
         if search != "greedy":
             raise ValueError(f"compare_to_float32: search={search!r} is the precision search's strategy: give choose= too")
-        return _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules)
+        return _compare(fn, args, policy=policy, steps=steps, optimizer=optimizer, per_op=per_op, grad=grad, fix=fix,
+                        rules=rules)
 
 
-def _choose(fn, args, policy, steps, optimizer, rules, choose, search):
+def _choose(fn, args, *, policy, steps, optimizer, rules, choose, search):
     from jaxmp.diagnostics import _inputs
     from jaxmp.diagnostics._choose import choose_precision
 
@@ -398,10 +399,11 @@ def _choose(fn, args, policy, steps, optimizer, rules, choose, search):
                          "compare_to_float32(loss_fn, params, *batch, choose=True)")
     if not _scalar_first(jax.eval_shape(lambda *a: (fn(*a),), *args)[0]):
         raise TypeError("compare_to_float32(choose=...) trains on fn's loss: fn must return a floating scalar first")
-    return choose_precision(fn, tuple(args), choose, policy, int(steps), optimizer, search, source)
+    return choose_precision(fn, tuple(args), choose=choose, policy=policy, steps=int(steps), optimizer=optimizer,
+                            search=search, source=source)
 
 
-def _compare(fn, args, policy, steps, optimizer, per_op, grad, fix, rules) -> ShadowReport:
+def _compare(fn, args, *, policy, steps, optimizer, per_op, grad, fix, rules) -> ShadowReport:
     t0 = time.perf_counter()
     from jaxmp.diagnostics import _inputs
 

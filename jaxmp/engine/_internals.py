@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import pkgutil
 from typing import Any, Callable, Sequence
 
@@ -354,11 +355,15 @@ def all_primitive_names() -> frozenset[str]:
 def all_gather_invariant(x: Any, axis_name: Any, *, tiled: bool = False) -> Any:
     """``jax.lax.all_gather`` whose result is typed as the same on every device of ``axis_name``
     (what a ``psum`` returns; the plain gather's is typed as varying), or None where this JAX has
-    no such gather. JAX 0.10 defines it only privately; a later release may export it."""
-    gather: Any = getattr(jax.lax, "all_gather_invariant", None)
-    if gather is None:
-        try:
-            from jax._src.lax.parallel import all_gather_invariant as gather
-        except ImportError:
-            return None
+    no such gather. JAX 0.10-0.12 spell it ``all_gather(..., to="invarying")`` (0.10 and 0.11 also
+    privately as ``all_gather_invariant``, which 0.12 dropped)."""
+    public: Any = getattr(jax.lax, "all_gather_invariant", None)
+    if public is not None:
+        return public(x, axis_name, tiled=tiled)
+    if "to" in inspect.signature(jax.lax.all_gather).parameters:
+        return jax.lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
+    try:
+        from jax._src.lax.parallel import all_gather_invariant as gather
+    except ImportError:
+        return None
     return gather(x, axis_name, tiled=tiled)

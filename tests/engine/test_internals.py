@@ -488,6 +488,23 @@ def test_primitive_objects_and_primitive_class():
     assert float(p.bind(jnp.float32(2.0))) == 2.0
 
 
+def test_all_gather_invariant_gathers_every_shard_and_is_typed_the_same_on_every_device():
+    """The wire's gather of a replicated leaf's sums: out_specs=P() (no data axis) accepts only a
+    value typed invariant over the axis, which a plain all_gather is not."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+
+    def body(a):
+        gathered = internals.all_gather_invariant(a, "x", tiled=True)
+        assert gathered is not None, f"JAX {jax.__version__} has no all_gather_invariant: the wire falls back to a psum"
+        return gathered
+
+    out = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P())(jnp.arange(8.0))
+    np.testing.assert_array_equal(np.asarray(out), np.arange(8.0))
+    with pytest.raises(Exception, match="(?i)vary|varying|invariant|replicat"):
+        jax.shard_map(lambda a: jax.lax.all_gather(a, "x", tiled=True), mesh=mesh, in_specs=P("x"),
+                      out_specs=P())(jnp.arange(8.0))
+
+
 # -- completeness ----------------------------------------------------------------------------
 
 TESTED = {
@@ -499,7 +516,9 @@ TESTED = {
                 "staging", "transformed", "trace_of", "typeof", "all_primitive_names",
                 # the reader's, re-exported (tested below and in test_the_engine_reads_jaxprs_through_the_reader)
                 "equation_context", "equations", "is_literal", "open_jaxpr", "scope_names", "sub_jaxprs", "Literal",
-                "bodies", "dispatch", "LOOPS"},
+                "bodies", "dispatch", "LOOPS",
+                # the quantized wire's gather of a replicated leaf (tested below)
+                "all_gather_invariant"},
     _jaxpr: {"Jaxpr", "ClosedJaxpr", "Literal", "Var", "Primitive", "is_jaxpr", "open_jaxpr", "is_literal", "is_var",
              "equations", "sub_jaxprs", "primitive_objects", "StackItem", "stack_of", "current_stack", "scope_names",
              "render", "user_frames", "source_line", "Equation", "walk", "bind", "bind_primitive", "equation_context",
