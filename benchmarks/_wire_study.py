@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 
 #: Option name -> (gather_bits, reduce_bits); the first is the reference.
 OPTIONS = {"unquantized": (None, None), "gather 8": (8, None), "reduce 8": (None, 8), "reduce 4": (None, 4),
@@ -175,21 +174,11 @@ def run(task: _Task, layout: str, option: str, seed: int) -> dict:
 
 
 def summarize(runs: dict) -> dict:
-    """Per option: mean and spread over seeds of eval loss and accuracy, and the verdict (module docstring)."""
-    ref = runs.get(REFERENCE)
-    out = {}
-    for option, rs in runs.items():
-        row = {}
-        for metric in ("eval_loss", "eval_accuracy"):
-            v = np.array([r[metric] for r in rs], np.float64)
-            row[metric] = {"per_seed": v.tolist(), "mean": float(v.mean()), "spread": float(v.max() - v.min())}
-            if ref:
-                rv = np.array([r[metric] for r in ref], np.float64)
-                tol = max(float(rv.max() - rv.min()), 0.01 * abs(float(rv.mean())))
-                diff = float(v.mean() - rv.mean())
-                row[metric].update(diff_from_reference=diff, tolerance=tol, within=bool(abs(diff) <= tol))
-        out[option] = row
-    return out
+    """Per option: mean and spread over seeds of eval loss and accuracy, and the verdict (module docstring):
+    benchmarks/fidelity.py's, against the unquantized run."""
+    from benchmarks import fidelity
+
+    return fidelity.summarize(runs, reference=REFERENCE)
 
 
 def study(models, layouts, options, seeds, quick: bool, log=print) -> dict:

@@ -353,10 +353,11 @@ def run_lm(args, seeds, recipes, quiet) -> dict:
 # ------------------------------------------------------------------------------ verdicts
 
 
-def summarize(runs: dict) -> dict:
-    """Per recipe: mean and spread (max - min) over seeds, and the verdict against the reference."""
+def summarize(runs: dict, reference: str = REFERENCE) -> dict:
+    """Per recipe: mean and spread (max - min) over seeds, and the verdict against ``runs[reference]``
+    (also the wire study's, benchmarks/_wire_study.py, with its unquantized reference)."""
     out = {}
-    ref = runs.get(REFERENCE)
+    ref = runs.get(reference)
     for recipe, rs in runs.items():
         row = {}
         for metric in ("eval_loss", "eval_accuracy"):
