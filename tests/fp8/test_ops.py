@@ -137,3 +137,47 @@ def test_autocast_runs_a_convolution_in_fp8_as_the_flax_door_does(name):
     explained = jaxmp.precision_report(jaxmp.autocast(conv, name), x, w)
     assert label.startswith("half list, fp8 (float8_e4m3fn forward")
     assert {d.rule for d in explained.decisions if d.primitive == "conv_general_dilated"} == {label}
+
+
+@pytest.mark.parametrize("name", ["O2-fp8-current", "O2-mxfp8", "O2-nvfp4"])
+def test_forward_mode_runs_through_an_fp8_convolution(name):
+    """Issue 59 item 13 for convolutions (docs/autocast.md: "matmuls and convolutions take every
+    column too, forward mode included"): jvp, linearize, jacfwd and hessian through the fp8
+    convolution autocast runs; the tangent is the quantized map that jacrev transposes."""
+    import jaxmp
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(2, 4, 4, 3)).astype(np.float32)
+    w = rng.normal(size=(1, 1, 3, 4)).astype(np.float32)
+    tx, tw = rng.normal(size=x.shape).astype(np.float32), rng.normal(size=w.shape).astype(np.float32)
+    dims = ("NHWC", "HWIO", "NHWC")
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dims)
+
+    g = jaxmp.autocast(conv, name)
+
+    @jax.jit
+    def run(x, w, tx, tw):
+        y, t = jax.jvp(g, (x, w), (tx, tw))
+        y_lin, lin = jax.linearize(g, x, w)
+        fwd = jax.jacfwd(lambda v: g(x[:1, :2, :2], v))(w)
+        rev = jax.jacrev(lambda v: g(x[:1, :2, :2], v))(w)
+        hess = jax.hessian(lambda v: jnp.sum(g(x[:1, :2, :2], v).astype(jnp.float32) ** 2))(w)
+        return y, t, y_lin, lin(tx, tw), fwd, rev, hess, g(x, w)
+
+    y, t, y_lin, t_lin, fwd, rev, hess, plain = run(x, w, tx, tw)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(plain))     # the primal is the fp8 forward
+    np.testing.assert_array_equal(np.asarray(t_lin), np.asarray(t))
+    np.testing.assert_array_equal(np.asarray(y_lin), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(fwd), np.asarray(rev))     # one linear map, both ways
+    exact = np.asarray(conv(tx, w) + conv(x, tw))
+    rel = np.linalg.norm(np.asarray(t, np.float32) - exact) / np.linalg.norm(exact)
+    assert 1e-4 < rel < 0.1, rel                                         # quantized, and a derivative
+    assert hess.shape == (1, 1, 3, 4) * 2 and np.isfinite(np.asarray(hess)).all()
+    # The op itself (a custom_vjp once, which JAX's jvp refused), on the recipe autocast ran.
+    recipe = fp8._recipes.conv_recipe(jaxmp.get_recipe(name).fp8)
+    op = jax.jit(lambda a, b, ta, tb: jax.jvp(lambda p, q: fp8_conv_general_dilated(
+        p, q, (1, 1), "SAME", dimension_numbers=dims, recipe=recipe), (a, b), (ta, tb)))
+    t_op = np.asarray(op(x, w, tx, tw)[1], np.float32)     # float32 operands here, bf16 under autocast
+    assert 1e-4 < np.linalg.norm(t_op - exact) / np.linalg.norm(exact) < 0.1

@@ -5,6 +5,7 @@ its map revision is named with the restore target to use.
 """
 
 import warnings
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -96,6 +97,44 @@ def test_a_checkpoint_written_before_the_map_revision_is_refused_by_name_not_dec
         else:
             assert leaf_bytes(ckpt.restore_latest(template, expected).state) == leaf_bytes(new)
         ckpt.close()
+
+
+REVISION_1 = Path(__file__).parent / "data" / "revision1_checkpoint"
+
+
+@pytest.mark.slow  # orbax restores and a jitted step: ~10 s on 2 busy cores
+def test_a_checkpoint_written_by_jaxmp_of_map_revision_1_is_refused_and_its_params_start_afresh():
+    """The checkpoint in tests/lean/data/revision1_checkpoint was written by jaxmp of commit
+    3c6e54e^ itself (tests/lean/data/write_revision1_checkpoint.py), not by a stand-in for its
+    state: an 8-bit Adam state after two steps, whose codes index NumPy's maps. Restored into
+    today's target it is refused naming map_revision; decoded with today's maps, 438 first- and
+    382 second-moment values would have moved by an ulp, silently. What docs/lean-recipes.md
+    says to do instead runs: the params restored without a target, the moments started afresh."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    from tests.lean.test_lean_quantized import _np_dynamic_map
+
+    tx = lean.quantized_moments(optax.adam(1e-2))
+    params = {"w": jnp.zeros((64, 64), jnp.float32)}
+    mesh = jaxmp.parallel.make_data_mesh()
+    target_p, target_s = jaxmp.parallel.abstract_state((params, tx.init(params)), mesh, "zero")
+    with ocp.StandardCheckpointer() as ckptr:
+        for target in (jax.eval_shape(lambda: {"params": params, "opt_state": tx.init(params)}),
+                       {"params": target_p, "opt_state": target_s}):
+            with pytest.raises(ValueError, match=r"map_revision"):
+                ckptr.restore(REVISION_1, target)
+        raw = ckptr.restore(REVISION_1)     # no target: plain arrays, as written
+    old = raw["opt_state"]
+    assert "map_revision" not in old and old["inner_state"][0]["mu"]["w"].dtype == np.uint8
+    moved = []
+    for field, signed in (("mu", True), ("nu", False)):
+        codes = np.asarray(old["inner_state"][0][field]["w"]).reshape(-1)
+        revision_1, today = _np_dynamic_map(signed, 7, 8), _formats.code_map(8, signed)
+        moved.append(int((revision_1 != today)[codes].sum()))
+    assert moved == [438, 382]
+    restored = {"w": jnp.asarray(raw["params"]["w"])}
+    state = tx.init(restored)                # the moments afresh, the params kept
+    updates, state = jax.jit(tx.update)(_grads(restored), state)
+    assert bool(jnp.isfinite(updates["w"]).all()) and int(state.map_revision) == _formats.MAP_REVISION
 
 
 # ----------------------------------------------------------------------------------- item 8: NaN blocks
