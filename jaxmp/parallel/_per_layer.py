@@ -26,7 +26,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxmp import _ops
+from jaxmp import _jaxpr, _ops
 from jaxmp._dtypes import float_dtype
 from jaxmp.parallel import _reduce
 from jaxmp._typing import PyTree
@@ -105,6 +105,18 @@ release policy refuses to save)."""
 # the ``custom_vjp`` of `jaxmp.parallel._reduce.gathered`) or a sharding constraint (global
 # mode). Their outputs are whole params, never saved for the backward: re-gathered from the slice.
 _GATHER_PRIMITIVES = _ops.having("gathers")  # the op catalogue's
+_COLLECTIVE_GATHERS = _GATHER_PRIMITIVES & _ops.of_class("collective")
+
+
+def _makes_a_gathered_param(prim: Any, params: dict) -> bool:
+    # A custom_vjp's forward as one equation (``optimize_remat=True``: ``remat_opt``) is refused only
+    # when it gathers: jaxmp's quantized gather (quantize, gather the codes, dequantize) is one, so
+    # none of the dequantized values between the codes and the param is saved; another (a kernel's
+    # forward in the user's layer) is saved as the step's policy says.
+    inner = params.get("fwd_jaxpr")
+    if inner is None:
+        return True
+    return any(e.eqn.primitive.name in _COLLECTIVE_GATHERS for e in _jaxpr.walk(inner))
 
 
 def release_policy(policy: Callable | None) -> Callable:
@@ -129,7 +141,7 @@ def release_policy(policy: Callable | None) -> Callable:
     def saveable(prim: Any, *args: Any, **params: Any) -> Any:
         if prim.name == "name" and params.get("name") == GATHERED:
             return False
-        if prim.name in _GATHER_PRIMITIVES:
+        if prim.name in _GATHER_PRIMITIVES and _makes_a_gathered_param(prim, params):
             return False
         return True if policy is None else policy(prim, *args, **params)
 
