@@ -171,6 +171,7 @@ def _gather(ctx: LayerContext | None, x: Any, info: Any, dtype: Any) -> Any:
     if ctx is None or info is None:
         return _cast(x, dtype)
     if ctx.mode == "manual":
+        assert ctx.axis is not None  # a manual context is made with its data axis
         return _reduce.gathered(_cast(x, dtype), ctx.axis, info, ctx.reduce_dtype, ctx.wire)
     return jax.lax.with_sharding_constraint(_cast(x, dtype), info)
 
