@@ -127,7 +127,9 @@ def release_policy(policy: Callable | None) -> Callable:
     needs them), so they stay whole for the whole step and the temporaries barely fall with N.
     Under this policy a gathered param (named `GATHERED`) and the gather that made it are
     never saved: the backward re-gathers them from the slice (one more all-gather per layer,
-    what FSDP2's ``reshard_after_forward=True`` does), and everything else is saved as
+    what FSDP2's ``reshard_after_forward=True`` does; with ``gather_bits`` the quantized gather,
+    one ``remat_opt`` equation, is refused whole, so its dequantized values are not saved
+    either and the backward gathers the codes again), and everything else is saved as
     ``policy`` says (``None``: everything, i.e. the activations stay as without remat).
     ``jax.checkpoint_policies.save_anything_except_these_names`` would say this, but in JAX
     0.10.2 it saves everything (its body is a placeholder), hence this one.

@@ -273,7 +273,7 @@ def test_wire_quick_fsdp_counts_the_backward_regather_and_holds_each_option_to_i
     backward's re-gather: the gathered weights are not kept), in the scan's while loop once per trip,
     with bf16 and with 8-bit gathers alike; the embeddings, gathered where the loss starts, once. Each
     gradient is reduce-scattered once. Before the backward re-gathered 8-bit codes (it kept the
-    dequantized weights), the 8-bit rows counted one gather a layer: half the bytes asserted here."""
+    dequantized weights), the 8-bit rows counted one gather a layer, and this test failed."""
     layers = 2
     layer, rest = _sharded_elements(layers)
     assert layer > 0 and rest > 0
