@@ -9,10 +9,10 @@ docs/parallel.md#precision-on-the-wire quotes. Wire bytes are not measured here.
 Usage: ``python -m benchmarks.wire_fidelity`` (a minute or two on 2 CPU cores).
 
 ``--study``: the issue's fidelity study instead (``benchmarks/_wire_study.py``): the small LM and
-the MNIST-1D CNN under ZeRO, 3 seeds, each option against the unquantized sharded run, judged by
+the MNIST-1D CNN under ZeRO and FSDP (``--layouts``), 3 seeds, each option against the unquantized sharded run, judged by
 benchmarks/fidelity.py's tolerance (``max(seed spread, 1% of the mean)`` of the unquantized
 run's final eval loss); writes ``benchmarks/results/wire_fidelity.json`` and prints the table
-docs/parallel.md quotes (about 15 minutes on 2 busy CPU cores). ``--study --quick``: tiny models,
+docs/parallel.md quotes (about 30 minutes for both layouts on 2 busy CPU cores). ``--study --quick``: tiny models,
 4 steps, 2 seeds, two options (seconds; the tests use it).
 """
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
       The exit status.
     """
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layouts", default=None, help="comma-separated layouts (default zero,fsdp; --study: zero)")
+    parser.add_argument("--layouts", default=None, help="comma-separated layouts (default zero,fsdp)")
     parser.add_argument("--study", action="store_true", help="the LM and MNIST-1D CNN study, 3 seeds (JSON + table)")
     parser.add_argument("--quick", action="store_true", help="with --study: tiny models, 4 steps, 2 seeds")
     parser.add_argument("--models", default="lm,cnn", help="with --study: comma-separated models (lm, cnn)")
@@ -80,13 +80,13 @@ def study(args) -> dict:
     from benchmarks import _common as common, _wire_study as ws
 
     models = common.parse_choices(args.models, ("lm", "cnn"), "model")
-    layouts = common.parse_choices(args.layouts or "zero", ("zero", "fsdp"), "layout")
+    layouts = common.parse_choices(args.layouts or "zero,fsdp", ("zero", "fsdp"), "layout")
     options = [ws.REFERENCE, "gather 8 + reduce 4"] if args.quick else list(ws.OPTIONS)
     seeds = [0, 1] if args.quick else [0, 1, 2]
     with jax.numpy_dtype_promotion("standard"):  # optax's AdamW: Python float ** int32 count
         results = ws.study(models, layouts, options, seeds, args.quick, log=lambda m: print(m, flush=True))
     print(ws.markdown(results), flush=True)
-    config = {"devices": ws.N, "seeds": seeds, "options": {o: ws.OPTIONS[o] for o in options},
+    config = {"devices": ws.N, "layouts": list(layouts), "seeds": seeds, "options": {o: ws.OPTIONS[o] for o in options},
               "verdict_rule": "|mean - mean_ref| <= max(spread_ref (max - min over seeds), 1% of |mean_ref|), "
                               "final eval loss, reference: the unquantized sharded run",
               "recipe": "bf16 params, float32 masters, AdamW (warm-up + cosine to 0), loss_scaling('none')"}

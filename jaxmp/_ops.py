@@ -191,6 +191,10 @@ _ROWS: dict[str, tuple[str, str]] = {
     "scan": ("scan", ""), "while": ("while", ""), "cond": ("cond", ""),
     "custom_jvp_call": ("custom_jvp", ""),
     "custom_vjp_call": ("custom_vjp", "gathers"),
+    # A custom_vjp's forward as one equation (``defvjp(..., optimize_remat=True)``), under AD only:
+    # jaxmp's quantized FSDP gather is one (jaxmp/parallel/_reduce.py); the release policy refuses
+    # it when its forward all-gathers. No class: the engine treats it as before.
+    "remat_opt": ("", "gathers"),
     "shard_map": ("shard_map", "mapped"),
     "xla_pmap": ("pmap", "mapped"),
     # -- no class of their own --------------------------------------------------------------

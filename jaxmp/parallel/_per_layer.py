@@ -26,7 +26,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxmp import _ops
+from jaxmp import _jaxpr, _ops
 from jaxmp._dtypes import float_dtype
 from jaxmp.parallel import _reduce
 from jaxmp._typing import PyTree
@@ -105,6 +105,18 @@ release policy refuses to save)."""
 # the ``custom_vjp`` of `jaxmp.parallel._reduce.gathered`) or a sharding constraint (global
 # mode). Their outputs are whole params, never saved for the backward: re-gathered from the slice.
 _GATHER_PRIMITIVES = _ops.having("gathers")  # the op catalogue's
+_COLLECTIVE_GATHERS = _GATHER_PRIMITIVES & _ops.of_class("collective")
+
+
+def _makes_a_gathered_param(prim: Any, params: dict) -> bool:
+    # A custom_vjp's forward as one equation (``optimize_remat=True``: ``remat_opt``) is refused only
+    # when it gathers: jaxmp's quantized gather (quantize, gather the codes, dequantize) is one, so
+    # none of the dequantized values between the codes and the param is saved; another (a kernel's
+    # forward in the user's layer) is saved as the step's policy says.
+    inner = params.get("fwd_jaxpr")
+    if inner is None:
+        return True
+    return any(e.eqn.primitive.name in _COLLECTIVE_GATHERS for e in _jaxpr.walk(inner))
 
 
 def release_policy(policy: Callable | None) -> Callable:
@@ -115,7 +127,9 @@ def release_policy(policy: Callable | None) -> Callable:
     needs them), so they stay whole for the whole step and the temporaries barely fall with N.
     Under this policy a gathered param (named `GATHERED`) and the gather that made it are
     never saved: the backward re-gathers them from the slice (one more all-gather per layer,
-    what FSDP2's ``reshard_after_forward=True`` does), and everything else is saved as
+    what FSDP2's ``reshard_after_forward=True`` does; with ``gather_bits`` the quantized gather,
+    one ``remat_opt`` equation, is refused whole, so its dequantized values are not saved
+    either and the backward gathers the codes again), and everything else is saved as
     ``policy`` says (``None``: everything, i.e. the activations stay as without remat).
     ``jax.checkpoint_policies.save_anything_except_these_names`` would say this, but in JAX
     0.10.2 it saves everything (its body is a placeholder), hence this one.
@@ -129,7 +143,7 @@ def release_policy(policy: Callable | None) -> Callable:
     def saveable(prim: Any, *args: Any, **params: Any) -> Any:
         if prim.name == "name" and params.get("name") == GATHERED:
             return False
-        if prim.name in _GATHER_PRIMITIVES:
+        if prim.name in _GATHER_PRIMITIVES and _makes_a_gathered_param(prim, params):
             return False
         return True if policy is None else policy(prim, *args, **params)
 
@@ -159,6 +173,7 @@ def _gather(ctx: LayerContext | None, x: Any, info: Any, dtype: Any) -> Any:
     if ctx is None or info is None:
         return _cast(x, dtype)
     if ctx.mode == "manual":
+        assert ctx.axis is not None  # a manual context is made with its data axis
         return _reduce.gathered(_cast(x, dtype), ctx.axis, info, ctx.reduce_dtype, ctx.wire)
     return jax.lax.with_sharding_constraint(_cast(x, dtype), info)
 

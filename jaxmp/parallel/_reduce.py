@@ -139,10 +139,29 @@ def gather(piece: jax.Array, axis: str, dim: int, wire: Any = None) -> jax.Array
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gathered(piece: jax.Array, axis: str, dim: int, reduce_dtype: Any, wire: Any = None) -> jax.Array:
+    return _varying(gather(piece, axis, dim, wire), axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gathered_codes(piece: jax.Array, axis: str, dim: int, reduce_dtype: Any, wire: Any = None) -> jax.Array:
+    return _varying(gather(piece, axis, dim, wire), axis)
+
+
 def gathered(piece: jax.Array, axis: str, dim: int, reduce_dtype: Any, wire: Any = None) -> jax.Array:
     """This device's slice of a param, all-gathered along ``dim`` (FSDP; `gather`); the
-    gradient goes reduce-scattered back onto the slice in ``reduce_dtype`` (or quantized)."""
-    return _varying(gather(piece, axis, dim, wire), axis)
+    gradient goes reduce-scattered back onto the slice in ``reduce_dtype`` (or quantized).
+
+    With ``wire.gather_bits`` the gather is quantize, all-gather the codes, dequantize. Under
+    differentiation that forward is one equation (``defvjp(..., optimize_remat=True)``:
+    ``remat_opt``), so `jaxmp.parallel._per_layer.release_policy` can refuse it whole: a
+    `scan_layers` body then keeps none of the dequantized values between the codes and the
+    param (it kept each layer's whole weight, the release policy refusing only the all-gather
+    and the named param) and its backward gathers the codes again. The same values, bit for bit.
+    """
+    if wire is not None and wire.gather_bits is not None and is_float(piece):
+        return _gathered_codes(piece, axis, dim, reduce_dtype, wire)
+    return _gathered(piece, axis, dim, reduce_dtype, wire)
 
 
 def _gathered_fwd(piece, axis, dim, reduce_dtype, wire):
@@ -153,7 +172,8 @@ def _gathered_bwd(axis, dim, reduce_dtype, wire, _, ct):
     return (_scatter(ct, axis, dim, reduce_dtype, wire),)
 
 
-gathered.defvjp(_gathered_fwd, _gathered_bwd)
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+_gathered_codes.defvjp(_gathered_fwd, _gathered_bwd, optimize_remat=True)
 
 
 def is_float(x: Any) -> bool:

@@ -244,6 +244,65 @@ def test_wire_quick_holds_each_wire_option_to_its_byte_count(quick):
     assert best["vs_reference"] == max(r.get("vs_reference", 0) for r in quick["results"]["rows"]) > 3.5
 
 
+@pytest.fixture(scope="module")
+def quick_fsdp(tmp_path_factory):
+    """``--quick --layouts fsdp --layers 2``: the tiny model's FSDP rows (``scan_layers`` over two
+    layers; nine compiles)."""
+    from benchmarks import wire
+
+    out = tmp_path_factory.mktemp("wire_fsdp") / "wire.json"
+    with jax.numpy_dtype_promotion("standard"):
+        return wire.main(["--quick", "--quiet", "--layouts", "fsdp", "--layers", "2", "--out", str(out)])
+
+
+def _sharded_elements(layers):
+    """Elements of the tiny model's params that FSDP splits over the 8 devices: (per layer, non-layer)."""
+    import jaxmp
+    from benchmarks import _gpt2, wire
+
+    params = _gpt2.abstract_params(wire._shape(True, layers), True)
+    p, _ = jaxmp.parallel.abstract_state((params, {}), jaxmp.parallel.make_data_mesh(jax.devices()[:N]), "fsdp")
+    split = lambda x: any(a is not None for a in x.sharding.spec)  # noqa: E731
+    per_layer = sum(x.size for x in jax.tree_util.tree_leaves(p["layers"]) if split(x)) // layers
+    rest = sum(x.size for k, v in p.items() if k != "layers" for x in jax.tree_util.tree_leaves(v) if split(x))
+    return per_layer, rest
+
+
+def test_wire_quick_fsdp_counts_the_backward_regather_and_holds_each_option_to_its_byte_count(quick_fsdp):
+    """FSDP's rows to the byte. A scanned layer's slice is gathered twice a step (the forward, and the
+    backward's re-gather: the gathered weights are not kept), in the scan's while loop once per trip,
+    with bf16 and with 8-bit gathers alike; the embeddings, gathered where the loss starts, once. Each
+    gradient is reduce-scattered once. Before the backward re-gathered 8-bit codes (it kept the
+    dequantized weights), the 8-bit rows counted one gather a layer, and this test failed."""
+    layers = 2
+    layer, rest = _sharded_elements(layers)
+    assert layer > 0 and rest > 0
+    ring = (N - 1) / N
+    base = _row(quick_fsdp, "jaxmp", "bf16", "float32", layout="fsdp")
+    assert base["status"] == "measured" and base["layers_compiled"] == [layers]
+    # bf16 gathers: 2 bytes an element, twice a layer and once for the rest; each float32
+    # reduce-scatter once.
+    assert base["by_kind"]["all-gather bf16"]["wire_bytes"] == (2 * layers * layer + rest) * 2 * ring
+    assert base["by_kind"]["reduce-scatter f32"]["wire_bytes"] == (layers * layer + rest) * 4 * ring
+    gather = base["by_kind"]["all-gather bf16"]["wire_bytes"]
+    reduce = base["by_kind"]["reduce-scatter f32"]["wire_bytes"]
+    for gbits in (None, 8):
+        for rbits in (None, 8, 4):
+            r = _row(quick_fsdp, "jaxmp", "bf16" if gbits is None else "8-bit",
+                     "float32" if rbits is None else f"{rbits}-bit", layout="fsdp")
+            kinds = {k: v["wire_bytes"] for k, v in r["by_kind"].items()}
+            if gbits:  # the same gathers as codes (1 byte) and a float32 scale a block of 256
+                assert (kinds["all-gather u8"], kinds["all-gather f32"]) == (gather / 2, gather / 128), kinds
+                assert "all-gather bf16" not in kinds
+            else:
+                assert kinds["all-gather bf16"] == gather, kinds
+            if rbits:
+                assert (kinds["all-to-all u8"], kinds["all-to-all f32"]) == (reduce * rbits / 32, reduce / 256)
+                assert not any(k.startswith("reduce-scatter") for k in kinds)
+            else:
+                assert kinds["reduce-scatter f32"] == reduce, kinds
+
+
 def test_wire_prediction_is_labelled_and_scales_with_bytes_and_bandwidth(quick, capsys):
     from benchmarks import wire
 
@@ -305,7 +364,8 @@ def test_wire_rows_this_build_lacks_or_refuses_say_so_without_a_figure(monkeypat
 
 
 def test_wire_fidelity_study_quick_trains_both_models_and_judges_each_option(tmp_path, capsys):
-    """``wire_fidelity.py --study --quick``: the LM and the CNN, two seeds, the unquantized run and both quantizers."""
+    """``wire_fidelity.py --study --quick``: the LM and the CNN under ZeRO and FSDP, two seeds, the unquantized
+    run and both quantizers."""
     import json
 
     from benchmarks import _common as common, wire_fidelity
@@ -315,11 +375,12 @@ def test_wire_fidelity_study_quick_trains_both_models_and_judges_each_option(tmp
     result = json.loads(out.read_text())
     assert common.validate_result(result) == [] and result["dry_run"]
     models = result["results"]["models"]
-    assert set(models) == {"lm zero", "cnn zero"}
+    assert set(models) == {"lm zero", "cnn zero", "lm fsdp", "cnn fsdp"}  # both layouts by default
     for entry in models.values():
         ref, quant = entry["summary"]["unquantized"]["eval_loss"], entry["summary"]["gather 8 + reduce 4"]["eval_loss"]
         assert quant["tolerance"] == max(ref["spread"], 0.01 * abs(ref["mean"])) > 0
         assert quant["diff_from_reference"] == pytest.approx(quant["mean"] - ref["mean"])
         assert quant["within"] == (abs(quant["diff_from_reference"]) <= quant["tolerance"])
         assert all(r["skips"] == 0 and r["steps"] == 4 for rs in entry["runs"].values() for r in rs)
-    assert "| cnn | zero | gather 8 + reduce 4 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| cnn | zero | gather 8 + reduce 4 |" in printed and "| lm | fsdp | gather 8 + reduce 4 |" in printed
