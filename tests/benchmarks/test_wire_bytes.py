@@ -268,6 +268,7 @@ def _sharded_elements(layers):
     return per_layer, rest
 
 
+@pytest.mark.slow  # nine compiles with scan_layers: minutes on 2 cores
 def test_wire_quick_fsdp_counts_the_backward_regather_and_holds_each_option_to_its_byte_count(quick_fsdp):
     """FSDP's rows to the byte. A scanned layer's slice is gathered twice a step (the forward, and the
     backward's re-gather: the gathered weights are not kept), in the scan's while loop once per trip,
