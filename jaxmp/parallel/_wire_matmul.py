@@ -13,11 +13,12 @@ the wire, then fp8 in the matmul):
   is then an identity (same amax, same scale, codes on the grid): the forward and the dgrad leg
   see what they see without the option, bit for bit (tested).
 
-Only per-tensor current scaling is taken. Block-scaled recipes quantize the weight along its
+Only per-tensor current scaling is taken. MXFP8 and rowwise quantize the weight along its
 contraction axis for the forward and along the other axis, from the unquantized weight, for the
-dgrad leg: a gathered copy in the forward's blocks is quantized twice in the dgrad, which the
-option exists to avoid (measured: docs/parallel.md#gathers-in-the-matmuls-format). Delayed scaling
-keeps its scale in the model's fp8 state, out of the gather's reach.
+dgrad leg: a copy gathered in the forward's blocks is quantized twice in the dgrad, which the
+option exists to avoid (docs/parallel.md, "Gathers in the matmul's format", has the measurement).
+NVFP4's and the 128x128 recipe's square weight blocks serve both legs; they are not built here.
+Delayed scaling keeps its scale in the model's fp8 state, out of the gather's reach.
 
 Which leaves: the gather site does not know which op a leaf feeds, so the rule is the leaf's name,
 as Flax spells a matmul's weight: a floating leaf of two or more dimensions whose path ends in
@@ -75,11 +76,12 @@ def check_format(value: Any, layout: Any) -> Any:
                          "state, which the gather cannot read; gather in the format of 'O2-fp8-current' "
                          "(current scaling), or use gather_bits=8")
     if recipe.block is not None:
-        raise ValueError(f"gather_bits={value!r}: a block-scaled recipe (block={recipe.block!r}) quantizes a kernel "
-                         "along its contraction axis for the forward and along its other axis, from the "
-                         "unquantized kernel, for the dgrad: a copy gathered in the forward's blocks would be "
-                         "quantized twice there; only per-tensor current scaling ('O2-fp8-current') gathers in "
-                         "the matmul's format; use gather_bits=8 or None")
+        raise ValueError(f"gather_bits={value!r}: a block-scaled recipe (block={recipe.block!r}) is not taken: "
+                         "MXFP8's and rowwise's blocks run along a kernel's contraction axis for the forward and "
+                         "along its other axis, from the unquantized kernel, for the dgrad, so a copy gathered in "
+                         "the forward's blocks would change the dgrad's operand (it is quantized twice there); "
+                         "the square weight blocks of NVFP4 and 128x128 are not built; only per-tensor current "
+                         "scaling ('O2-fp8-current') gathers in the matmul's format: use gather_bits=8 or None")
     if not layout.shards_params:
         raise ValueError(f"gather_bits={value!r} gathers a kernel just before its matmul, which only "
                          f"layout='fsdp' does; layout={layout.name!r} "

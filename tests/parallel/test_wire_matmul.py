@@ -1,0 +1,193 @@
+"""FSDP gathers in the matmul's own fp8 format (``gather_bits="O2-fp8-current"``, issue 63) on 8
+simulated CPU devices: the kernels cross the wire as fp8 codes (one byte a parameter) with the
+per-tensor scale the matmul computes (one ``pmax`` a kernel), so the matmul's own quantization of
+the gathered kernel is an identity and training is bitwise the run without wire options; every
+other leaf is gathered as before; uses where it means nothing are refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+from benchmarks import _wire_bytes as wb
+from jaxmp import fp8
+from jaxmp.parallel import _wire_matmul
+from tests._support._arrays import leaf_bytes
+
+pytestmark = pytest.mark.standard_promotion(reason='optax.adamw bias correction: Python float ** int32 count')
+
+RECIPE = fp8.CurrentScaling()
+DN = (((1,), (0,)), ((), ()))
+BATCH, STEPS = 32, 4
+
+
+def _params() -> dict:
+    rng = np.random.default_rng(0)
+    bf = jnp.bfloat16
+    return {"embed": {"embedding": jnp.asarray(rng.normal(size=(64, 16)), bf)},
+            "d1": {"kernel": jnp.asarray(rng.normal(size=(16, 512)) / 4, bf), "bias": jnp.zeros(512, bf)},
+            "layers": {"kernel": jnp.asarray(rng.normal(size=(3, 512, 512)) / 24, bf)},
+            "d2": {"kernel": jnp.asarray(rng.normal(size=(512, 8)) / 8, bf)}}
+
+
+def _loss(p: dict, b: dict) -> jax.Array:
+    # Flax's names; each kernel feeds an fp8 matmul of per-tensor current scaling (O2-fp8-current's),
+    # the stacked layers through scan_layers (gathered a layer at a time inside the scan).
+    x = jnp.take(p["embed"]["embedding"], b["tokens"], axis=0)
+    h = jnp.tanh(fp8.fp8_dot_general(x, p["d1"]["kernel"], DN, RECIPE) + p["d1"]["bias"])
+
+    def layer(h, q):
+        return jnp.tanh(fp8.fp8_dot_general(h, q["kernel"], DN, RECIPE)), None
+
+    h, _ = jaxmp.parallel.scan_layers(layer, h, p["layers"])
+    return jnp.mean((fp8.fp8_dot_general(h, p["d2"]["kernel"], DN, RECIPE).astype(jnp.float32) - b["y"]) ** 2)
+
+
+def _tx() -> optax.GradientTransformation:
+    return jaxmp.loss_scaling(optax.adamw(1e-2), jaxmp.DynamicLossScale(2.0 ** 15, period=8), master_weights=True)
+
+
+def _batches() -> list:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 64, size=(STEPS, BATCH))
+    y = rng.normal(size=(STEPS, BATCH, 8)).astype(np.float32)
+    return [{"tokens": tokens[t], "y": y[t]} for t in range(STEPS)]
+
+
+def _step(**options):
+    mesh = jaxmp.parallel.make_data_mesh()
+    return jaxmp.parallel.make_sharded_train_step(_loss, _tx(), mesh, layout="fsdp", min_shard_size=0, **options)
+
+
+def _train(**options) -> tuple[list, list]:
+    step = _step(**options)
+    tx = _tx()
+    p, s = jaxmp.parallel.shard_state((_params(), tx.init(_params())), step.layout)
+    losses = []
+    for b in _batches():
+        p, s, m = step(p, s, jaxmp.parallel.make_global_batch(b, step.mesh))
+        losses.append(float(m["loss"]))
+    return losses, leaf_bytes((p, s))
+
+
+def _lowered(**options):
+    step = _step(**options)
+    state = jaxmp.parallel.abstract_state((_params(), _tx().init(_params())), step.layout)
+    batch = {"tokens": jax.ShapeDtypeStruct((BATCH,), jnp.int32), "y": jax.ShapeDtypeStruct((BATCH, 8), jnp.float32)}
+    return step.lower(*state, batch)
+
+
+@pytest.mark.parametrize("gather", ["O2-fp8-current", fp8.CurrentScaling()])
+def test_kernels_gathered_in_the_matmuls_format_train_bitwise_as_without_wire_options(gather):
+    # The "not quantized twice" proof: the matmul re-quantizes the gathered kernel with the same amax,
+    # the same scale and codes already on its grid, so the forward and the dgrad see the same values.
+    plain_losses, plain_state = _train()
+    losses, state = _train(gather_bits=gather)
+    assert losses == plain_losses
+    assert state == plain_state  # params, masters, moments, loss-scale state: every leaf, bit for bit
+    # ... while an 8-bit gather (the dynamic map, then the matmul's fp8) does move them.
+    assert _train(gather_bits=8)[0] != plain_losses
+
+
+def test_the_kernels_cross_the_wire_as_one_byte_a_parameter():
+    # Read by the benchmarks' byte reader (the program before XLA:CPU widens bf16 collectives).
+    plain, fmt = wb.summarize(_lowered()), wb.summarize(_lowered(gather_bits="O2-fp8-current"))
+    ring = (8 - 1) / 8
+    # d1's and d2's kernels where the loss starts, one 512x512 layer a scan trip (3 a step).
+    kernels = 16 * 512 + 512 * 8 + 3 * 512 * 512
+    gathered = {d: v["wire_bytes"] for d, v in fmt["by_kind"]["all-gather"].items()}
+    before = plain["by_kind"]["all-gather"]["bf16"]["wire_bytes"]
+    # Each kernel's bf16 gather became a uint8 gather of the same elements: 1 byte a parameter ...
+    assert gathered["u8"] == kernels * ring, gathered
+    assert before - gathered["bf16"] == 2 * kernels * ring, (before, gathered)  # the rest (bias, embedding) as before
+    # ... and one float32 scalar pmax a kernel gather (the whole kernel's amax: the matmul's scale).
+    extra = {k: v["ops"] - plain["by_kind"]["all-reduce"].get(k, {"ops": 0})["ops"]
+             for k, v in fmt["by_kind"]["all-reduce"].items()}
+    assert extra == {"f32": 2 + 3, "pred": 0}, extra
+    per_param = (gathered["u8"] + extra["f32"] * 2 * 4 * ring) / (kernels * ring)
+    assert 1.0 < per_param < 1.0001, per_param
+    # The gradient reductions are untouched by the option.
+    assert fmt["by_kind"]["reduce-scatter"] == plain["by_kind"]["reduce-scatter"]
+
+
+@pytest.mark.parametrize("options,pattern", [
+    (dict(gather_bits="O2-fp8-current", layout="zero"), r"gather_bits='O2-fp8-current' .*only layout='fsdp' "
+                                                        r"does; layout='zero' gathers the params after the update"),
+    (dict(gather_bits="O2-fp8-current", layout="replicated"), r"layout='replicated' gathers nothing"),
+    (dict(gather_bits="O2-bf16", layout="fsdp"), r"gather_bits='O2-bf16' names no fp8 matmul format"),
+    (dict(gather_bits="O2-fp8", layout="fsdp"), r"gather_bits='O2-fp8': delayed scaling keeps each kernel's scale"),
+    (dict(gather_bits="O2-mxfp8", layout="fsdp"), r"gather_bits='O2-mxfp8': a block-scaled recipe .*dgrad"),
+    (dict(gather_bits="O2-nvfp4", layout="fsdp"), r"gather_bits='O2-nvfp4': a block-scaled recipe"),
+    (dict(gather_bits="O2-fp8-curent", layout="fsdp"), r"gather_bits='O2-fp8-curent': .*did you mean"),
+    (dict(gather_bits="O2-fp8-current", layout="fsdp", reduce_dtype=None), r"need the per-shard step"),
+])
+def test_a_matmul_format_is_refused_by_name_where_it_means_nothing(options, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        jaxmp.parallel.make_sharded_train_step(_loss, _tx(), jaxmp.parallel.make_data_mesh(), min_shard_size=0,
+                                               **options)
+
+
+def test_a_step_without_a_kernel_to_gather_is_refused_at_the_trace():
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"].astype(jnp.float32)) ** 2)
+
+    tx = _tx()
+    params = {"w": jnp.ones((16, 64), jnp.bfloat16)}
+    step = jaxmp.parallel.make_sharded_train_step(loss, tx, jaxmp.parallel.make_data_mesh(), layout="fsdp",
+                                                  min_shard_size=0, gather_bits="O2-fp8-current")
+    state = jaxmp.parallel.abstract_state((params, tx.init(params)), step.layout)
+    with pytest.raises(ValueError, match=r"path ends in 'kernel'.*no param the FSDP step gathers is one"):
+        step.lower(*state, {"x": jax.ShapeDtypeStruct((BATCH, 16), jnp.float32)})
+
+
+def test_the_rule_reads_flax_names_linen_and_nnx():
+    from flax import nnx
+
+    x2, x1 = jnp.ones((4, 4)), jnp.ones(4)
+    linen = jax.tree_util.tree_leaves_with_path({"d": {"kernel": x2, "bias": x1}})
+    assert sorted(_wire_matmul.leaf_key(p) for p, _ in linen) == ["bias", "kernel"]
+    # NNX's paths end in the variable's .value: the key before it is read.
+    state = nnx.state(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), nnx.Param)
+    assert sorted(_wire_matmul.leaf_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)) == ["bias", "kernel"]
+    assert _wire_matmul.feeds_matmul("kernel", x2) and not _wire_matmul.feeds_matmul("bias", x1)
+    assert not _wire_matmul.feeds_matmul("kernel", x1)  # one dimension: no matmul's weight
+    assert not _wire_matmul.feeds_matmul("kernel", jnp.ones((4, 4), jnp.int32))
+    assert not _wire_matmul.feeds_matmul("embedding", x2)
+
+
+def requantized(name: str, kernels: int = 50) -> dict:
+    """Of ``kernels`` random bf16 256x256 kernels, how many change when the matmul quantizes a copy
+    gathered in the format of preset ``name`` (its forward blocks), per leg: ``{"forward": n,
+    "dgrad": n}`` (a Dense kernel ``(in, out)``: the forward contracts axis 0, the dgrad axis 1)."""
+    from jaxmp.fp8._block_ops import qdq as block_qdq
+    from jaxmp.fp8._scaling import qdq
+
+    recipe = jaxmp.get_recipe(name).fp8
+    if recipe.block is None:
+        def leg(w, axis):
+            return qdq(w, recipe.fwd_dtype, recipe.margin)
+    else:
+        block = recipe.block if recipe.rhs_block is None else recipe.rhs_block
+
+        def leg(w, axis):
+            return block_qdq(w, (axis,), (), recipe.fwd_dtype, block, recipe)
+    changed = {"forward": 0, "dgrad": 0}
+    for seed in range(kernels):
+        rng = np.random.default_rng(seed)
+        w = jnp.asarray(rng.normal(size=(256, 256)) * 10.0 ** rng.uniform(-3, 1), jnp.bfloat16)
+        gathered = leg(w, 0)  # what a gather in the forward's format would deliver
+        for name_, axis in (("forward", 0), ("dgrad", 1)):
+            changed[name_] += not np.array_equal(np.asarray(leg(gathered, axis), np.float32),
+                                                 np.asarray(leg(w, axis), np.float32))
+    return changed
+
+
+def test_per_tensor_is_the_format_whose_gathered_copy_every_leg_requantizes_to_itself():
+    # Why only per-tensor current scaling is taken: its one scale serves the forward and the dgrad
+    # alike; MXFP8's 1x32 blocks run along the contraction axis in the forward and along the other
+    # axis in the dgrad, which a copy gathered in the forward's blocks changes.
+    assert requantized("O2-fp8-current") == {"forward": 0, "dgrad": 0}
+    mx = requantized("O2-mxfp8")
+    assert mx["forward"] == 0 and mx["dgrad"] >= 10, mx
