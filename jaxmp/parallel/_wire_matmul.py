@@ -54,10 +54,10 @@ def check_format(value: Any, layout: Any) -> Any:
       layout: the step's `jaxmp.parallel._layouts.Layout`.
 
     Returns:
-      The recipe (``block=None``).
+      The recipe: per-tensor, or with square E8M0 weight blocks (`weight_block`).
 
     Raises:
-      ValueError: a name that is no fp8 preset, delayed scaling, a block-scaled recipe, or a layout
+      ValueError: a name that is no fp8 preset, delayed scaling, another block-scaled recipe, or a layout
         other than ``"fsdp"`` (each named, with the way out).
     """
     from jaxmp import fp8
@@ -75,19 +75,34 @@ def check_format(value: Any, layout: Any) -> Any:
         raise ValueError(f"gather_bits={value!r}: delayed scaling keeps each kernel's scale in the model's fp8 "
                          "state, which the gather cannot read; gather in the format of 'O2-fp8-current' "
                          "(current scaling), or use gather_bits=8")
-    if recipe.block is not None:
-        raise ValueError(f"gather_bits={value!r}: a block-scaled recipe (block={recipe.block!r}) is not taken: "
-                         "MXFP8's and rowwise's blocks run along a kernel's contraction axis for the forward and "
-                         "along its other axis, from the unquantized kernel, for the dgrad, so a copy gathered in "
-                         "the forward's blocks would change the dgrad's operand (it is quantized twice there); "
-                         "the square weight blocks of NVFP4 and 128x128 are not built; only per-tensor current "
-                         "scaling ('O2-fp8-current') gathers in the matmul's format: use gather_bits=8 or None")
+    if recipe.block is not None and weight_block(recipe) is None:
+        raise ValueError(f"gather_bits={value!r}: this block-scaled recipe (block={recipe.block!r}, rhs_block="
+                         f"{recipe.rhs_block!r}, {recipe.scale_format} scales) is not taken: MXFP8's and rowwise's "
+                         "blocks run along a kernel's contraction axis for the forward and along its other axis, "
+                         "from the unquantized kernel, for the dgrad, so a copy gathered in the forward's blocks "
+                         "would change the dgrad's operand (it is quantized twice there); NVFP4's two-level scales "
+                         "are not built; taken are per-tensor current scaling ('O2-fp8-current') and square "
+                         "power-of-two weight blocks ('O2-fp8-block128'): use one of those, gather_bits=8 or None")
     if not layout.shards_params:
         raise ValueError(f"gather_bits={value!r} gathers a kernel just before its matmul, which only "
                          f"layout='fsdp' does; layout={layout.name!r} "
                          + ("gathers the params after the update, where no matmul follows: use gather_bits=8 there"
                             if layout.shards_state else "gathers nothing") + ", or leave gather_bits None")
     return recipe
+
+
+def weight_block(recipe: Any) -> int | None:
+    """The side ``a`` of a block-scaled recipe's square ``(a, a)`` weight blocks with power-of-two
+    (E8M0) scales, which the forward and the dgrad leg both use (transposed), so a copy gathered in
+    them is what both legs make of the kernel; None for any other recipe (1-D blocks re-block the
+    kernel in the dgrad; NVFP4's per-tensor second level is not built; an unquantized dgrad leg
+    would read the gathered copy itself)."""
+    block = recipe.block if recipe.rhs_block is None else recipe.rhs_block
+    if recipe.block is None or recipe.scale_format != "e8m0" or "dgrad" in recipe.high_precision_legs:
+        return None
+    if not isinstance(block, tuple) or block[0] != block[1] or block[0] < 2:
+        return None
+    return int(block[0])
 
 
 def leaf_key(path: tuple) -> str:
@@ -98,26 +113,31 @@ def leaf_key(path: tuple) -> str:
     return str(keys[-1]) if keys else ""
 
 
-def feeds_matmul(key: str, x: Any) -> bool:
-    """Whether the leaf ``x`` whose path ends in ``key`` (`leaf_key`) is gathered in the matmul's format."""
+def feeds_matmul(key: str, x: Any, recipe: Any = None) -> bool:
+    """Whether the leaf ``x`` whose path ends in ``key`` (`leaf_key`) is gathered in the matmul's
+    format: a floating kernel of two or more dimensions; exactly two for block-scaled ``recipe``
+    (a Dense kernel ``(in, out)``, contracted along its first axis)."""
     from jaxmp.parallel._reduce import is_float
 
-    return key == MATMUL_LEAF and is_float(x) and jnp.ndim(x) >= 2
+    blocked = recipe is not None and recipe.block is not None
+    return key == MATMUL_LEAF and is_float(x) and (jnp.ndim(x) == 2 if blocked else jnp.ndim(x) >= 2)
 
 
 def leaf_wire(wire: Any, key: str, x: Any) -> Any:
     """The `jaxmp.parallel._wire.Wire` that gathers the leaf ``x`` whose path ends in ``key``: a
     kernel keeps the matmul's format, any other leaf goes in its own dtype (``reduce_bits`` as the
     step's)."""
-    if wire is None or wire.gather_format is None or feeds_matmul(key, x):
+    if wire is None or wire.gather_format is None or feeds_matmul(key, x, wire.gather_format):
         return wire
     return dataclasses.replace(wire, gather_format=None)
 
 
 def matmul_gather(piece: jax.Array, axis: str, dim: int, recipe: Any) -> jax.Array:
-    """This device's slice all-gathered along ``dim`` as the fp8 codes of ``recipe``'s per-tensor
-    scale of the whole param, dequantized to ``piece.dtype``: the values ``jaxmp.fp8``'s per-tensor
-    quantize-dequantize makes of the gathered param. Call inside a ``shard_map`` over ``axis``."""
+    """This device's slice all-gathered along ``dim`` as the fp8 codes ``recipe``'s matmul makes of
+    the whole param, dequantized to ``piece.dtype``: the values ``jaxmp.fp8``'s quantize-dequantize
+    of the gathered param gives its matmul. Call inside a ``shard_map`` over ``axis``."""
+    if recipe.block is not None:
+        return _block_gather(piece, axis, dim, recipe)
     from jaxmp.fp8._scaling import amax, compute_scale, dequantize, quantize
 
     dtype = recipe.fwd_dtype
@@ -128,12 +148,46 @@ def matmul_gather(piece: jax.Array, axis: str, dim: int, recipe: Any) -> jax.Arr
     return dequantize(jax.lax.bitcast_convert_type(codes, dtype), scale, piece.dtype)
 
 
+def _block_gather(piece: jax.Array, axis: str, dim: int, recipe: Any) -> jax.Array:
+    """`matmul_gather` for square E8M0 weight blocks (`weight_block`): each device quantizes its
+    2-D slice ``(in, out)`` as the forward does the kernel (rows ``out``, blocks along ``in``), its
+    codes and scales (one byte each) all-gathered, every piece dequantized and put in place."""
+    from jaxmp._formats._block_scaled import Quantized, dequantize, quantize
+
+    a = weight_block(recipe)
+    assert a is not None and piece.ndim == 2
+    if piece.shape[dim] % a:
+        raise ValueError(f"gather_bits in the format of a recipe with {a}x{a} weight blocks: a kernel sharded "
+                         f"along dimension {dim} into slices of shape {tuple(piece.shape)} splits its blocks "
+                         f"between devices ({piece.shape[dim]} is no multiple of {a}); give it a size that the "
+                         f"device count times {a} divides, keep it replicated (min_shard_size), or use "
+                         "gather_bits=8")
+    qx = quantize(piece.T, recipe.fwd_dtype, (a, a), recipe.scale_format, recipe.scale_rule)
+    rows, k = qx.shape
+    # The codes without the blocks' zero padding (a ragged last block), which each device adds back.
+    codes = jax.lax.all_gather(jax.lax.bitcast_convert_type(qx.q[:rows, :k], jnp.uint8), axis)
+    scales = jax.lax.all_gather(jax.lax.bitcast_convert_type(qx.scale, jnp.uint8), axis)
+    pad = ((0, qx.q.shape[0] - rows), (0, qx.q.shape[1] - k))
+
+    def one(c, sc):
+        q = Quantized(jax.lax.bitcast_convert_type(jnp.pad(c, pad), qx.q.dtype),
+                      jax.lax.bitcast_convert_type(sc, qx.scale.dtype), None, qx.shape, qx.block)
+        return dequantize(q, piece.dtype).T
+
+    pieces = jax.vmap(one)(codes, scales)  # (n, *piece.shape), in device order
+    pieces = jnp.moveaxis(pieces, 0, dim)
+    return pieces.reshape(piece.shape[:dim] + (-1,) + piece.shape[dim + 1:])
+
+
 def check_leaves(wire: Any, keys: list, leaves: list, kinds: list) -> None:
     """A ValueError when ``gather_bits`` names a matmul format and no leaf the step gathers is a
     kernel (`feeds_matmul`): the option would gather nothing in that format, silently."""
     if wire is None or wire.gather_format is None:
         return
-    if any(kind in ("gather", "defer") and feeds_matmul(key, x) for key, x, (kind, _) in zip(keys, leaves, kinds)):
+    # A deferred (scan_layers) leaf is stacked: its layer's slice has one dimension less.
+    if any(kind == "gather" and feeds_matmul(key, x, wire.gather_format)
+           or kind == "defer" and feeds_matmul(key, x[0] if jnp.ndim(x) else x, wire.gather_format)
+           for key, x, (kind, _) in zip(keys, leaves, kinds)):
         return
     raise ValueError(f"gather_bits in a matmul format gathers the params whose path ends in {MATMUL_LEAF!r} "
                      "(floating, two or more dimensions: Flax's Dense/DenseGeneral/Conv and NNX's Linear/Conv "

@@ -4,6 +4,8 @@ per-tensor scale the matmul computes (one ``pmax`` a kernel), so the matmul's ow
 the gathered kernel is an identity and training is bitwise the run without wire options; every
 other leaf is gathered as before; uses where it means nothing are refused by name."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,30 +21,42 @@ from tests._support._arrays import leaf_bytes
 pytestmark = pytest.mark.standard_promotion(reason='optax.adamw bias correction: Python float ** int32 count')
 
 RECIPE = fp8.CurrentScaling()
+BLOCK128 = jaxmp.get_recipe("O2-fp8-block128").fp8
 DN = (((1,), (0,)), ((), ()))
 BATCH, STEPS = 32, 4
+#: The kernels' shapes: (d1, one layer, d2); under 128x128 blocks every slice holds whole blocks
+#: (d1 and the layers split along 1024, d2 along its 1024 rows: 128 a device).
+SHAPES = {None: ((16, 512), (512, 512), (512, 8)), "block": ((16, 1024), (1024, 256), (1024, 8))}
 
 
-def _params() -> dict:
+def _params(kind=None) -> dict:
+    (i1, o1), (li, lo), (i2, o2) = SHAPES[kind]
     rng = np.random.default_rng(0)
     bf = jnp.bfloat16
-    return {"embed": {"embedding": jnp.asarray(rng.normal(size=(64, 16)), bf)},
-            "d1": {"kernel": jnp.asarray(rng.normal(size=(16, 512)) / 4, bf), "bias": jnp.zeros(512, bf)},
-            "layers": {"kernel": jnp.asarray(rng.normal(size=(3, 512, 512)) / 24, bf)},
-            "d2": {"kernel": jnp.asarray(rng.normal(size=(512, 8)) / 8, bf)}}
+    return {"embed": {"embedding": jnp.asarray(rng.normal(size=(64, i1)), bf)},
+            "d1": {"kernel": jnp.asarray(rng.normal(size=(i1, o1)) / 4, bf), "bias": jnp.zeros(o1, bf)},
+            "layers": {"kernel": jnp.asarray(rng.normal(size=(3, li, lo)) / np.sqrt(li) * 1.5, bf)},
+            "d2": {"kernel": jnp.asarray(rng.normal(size=(i2, o2)) / np.sqrt(i2), bf)}}
 
 
-def _loss(p: dict, b: dict) -> jax.Array:
-    # Flax's names; each kernel feeds an fp8 matmul of per-tensor current scaling (O2-fp8-current's),
-    # the stacked layers through scan_layers (gathered a layer at a time inside the scan).
-    x = jnp.take(p["embed"]["embedding"], b["tokens"], axis=0)
-    h = jnp.tanh(fp8.fp8_dot_general(x, p["d1"]["kernel"], DN, RECIPE) + p["d1"]["bias"])
+def _loss_of(recipe):
+    def loss(p: dict, b: dict) -> jax.Array:
+        # Flax's names; each kernel feeds an fp8 matmul of ``recipe``, the stacked layers through
+        # scan_layers (gathered a layer at a time inside the scan).
+        x = jnp.take(p["embed"]["embedding"], b["tokens"], axis=0)
+        h = jnp.tanh(fp8.fp8_dot_general(x, p["d1"]["kernel"], DN, recipe) + p["d1"]["bias"])
 
-    def layer(h, q):
-        return jnp.tanh(fp8.fp8_dot_general(h, q["kernel"], DN, RECIPE)), None
+        def layer(h, q):
+            out = fp8.fp8_dot_general(h, q["kernel"], DN, recipe)
+            return jnp.tanh(jnp.tile(out, (1, h.shape[1] // out.shape[1]))), None  # the carry's width
 
-    h, _ = jaxmp.parallel.scan_layers(layer, h, p["layers"])
-    return jnp.mean((fp8.fp8_dot_general(h, p["d2"]["kernel"], DN, RECIPE).astype(jnp.float32) - b["y"]) ** 2)
+        h, _ = jaxmp.parallel.scan_layers(layer, h, p["layers"])
+        return jnp.mean((fp8.fp8_dot_general(h, p["d2"]["kernel"], DN, recipe).astype(jnp.float32) - b["y"]) ** 2)
+
+    return loss
+
+
+_loss = _loss_of(RECIPE)
 
 
 def _tx() -> optax.GradientTransformation:
@@ -56,15 +70,16 @@ def _batches() -> list:
     return [{"tokens": tokens[t], "y": y[t]} for t in range(STEPS)]
 
 
-def _step(**options):
+def _step(kind=None, **options):
     mesh = jaxmp.parallel.make_data_mesh()
-    return jaxmp.parallel.make_sharded_train_step(_loss, _tx(), mesh, layout="fsdp", min_shard_size=0, **options)
+    loss = _loss if kind is None else _loss_of(BLOCK128)
+    return jaxmp.parallel.make_sharded_train_step(loss, _tx(), mesh, layout="fsdp", min_shard_size=0, **options)
 
 
-def _train(**options) -> tuple[list, list]:
-    step = _step(**options)
+def _train(kind=None, **options) -> tuple[list, list]:
+    step = _step(kind, **options)
     tx = _tx()
-    p, s = jaxmp.parallel.shard_state((_params(), tx.init(_params())), step.layout)
+    p, s = jaxmp.parallel.shard_state((_params(kind), tx.init(_params(kind))), step.layout)
     losses = []
     for b in _batches():
         p, s, m = step(p, s, jaxmp.parallel.make_global_batch(b, step.mesh))
@@ -72,23 +87,26 @@ def _train(**options) -> tuple[list, list]:
     return losses, leaf_bytes((p, s))
 
 
-def _lowered(**options):
-    step = _step(**options)
-    state = jaxmp.parallel.abstract_state((_params(), _tx().init(_params())), step.layout)
+def _lowered(kind=None, **options):
+    step = _step(kind, **options)
+    state = jaxmp.parallel.abstract_state((_params(kind), _tx().init(_params(kind))), step.layout)
     batch = {"tokens": jax.ShapeDtypeStruct((BATCH,), jnp.int32), "y": jax.ShapeDtypeStruct((BATCH, 8), jnp.float32)}
     return step.lower(*state, batch)
 
 
-@pytest.mark.parametrize("gather", ["O2-fp8-current", fp8.CurrentScaling()])
-def test_kernels_gathered_in_the_matmuls_format_train_bitwise_as_without_wire_options(gather):
-    # The "not quantized twice" proof: the matmul re-quantizes the gathered kernel with the same amax,
-    # the same scale and codes already on its grid, so the forward and the dgrad see the same values.
-    plain_losses, plain_state = _train()
-    losses, state = _train(gather_bits=gather)
+@pytest.mark.parametrize("kind,gather", [(None, "O2-fp8-current"), (None, fp8.CurrentScaling()),
+                                         ("block", "O2-fp8-block128")])
+def test_kernels_gathered_in_the_matmuls_format_train_bitwise_as_without_wire_options(kind, gather):
+    # The "not quantized twice" proof: the matmul re-quantizes the gathered kernel with the same scales
+    # (per tensor: the same amax; 128x128 blocks: the same blocks, power-of-two scales) and codes
+    # already on its grid, so the forward and the dgrad see the values they see without the option.
+    plain_losses, plain_state = _train(kind)
+    losses, state = _train(kind, gather_bits=gather)
     assert losses == plain_losses
     assert state == plain_state  # params, masters, moments, loss-scale state: every leaf, bit for bit
     # ... while an 8-bit gather (the dynamic map, then the matmul's fp8) does move them.
-    assert _train(gather_bits=8)[0] != plain_losses
+    if kind is None and isinstance(gather, str):
+        assert _train(kind, gather_bits=8)[0] != plain_losses
 
 
 def test_the_kernels_cross_the_wire_as_one_byte_a_parameter():
@@ -112,14 +130,41 @@ def test_the_kernels_cross_the_wire_as_one_byte_a_parameter():
     assert fmt["by_kind"]["reduce-scatter"] == plain["by_kind"]["reduce-scatter"]
 
 
+def test_square_blocks_cross_the_wire_as_codes_and_one_byte_scales():
+    plain, fmt = wb.summarize(_lowered("block")), wb.summarize(_lowered("block", gather_bits="O2-fp8-block128"))
+    ring = (8 - 1) / 8
+    kernels = 16 * 1024 + 1024 * 8 + 3 * 1024 * 256
+    # One E8M0 scale a 128x128 block of each device's slice (a ragged block counts whole): d1's
+    # 16x128 slice 1, a layer's 128x256 slice 2, d2's 128x8 slice 1; no padding is sent.
+    scales = 8 * (1 + 1 + 3 * 2)
+    gathered = {d: v["wire_bytes"] for d, v in fmt["by_kind"]["all-gather"].items()}
+    assert gathered["u8"] == (kernels + scales) * ring, gathered
+    assert plain["by_kind"]["all-gather"]["bf16"]["wire_bytes"] - gathered["bf16"] == 2 * kernels * ring
+    assert fmt["by_kind"]["all-reduce"] == plain["by_kind"]["all-reduce"]  # no pmax: the scales are the blocks'
+
+
+def test_square_blocks_split_between_devices_are_refused_at_the_trace():
+    # d1's 16x512 kernel split along 512: 64 a device, half a 128x128 block.
+    step = jaxmp.parallel.make_sharded_train_step(_loss_of(BLOCK128), _tx(), jaxmp.parallel.make_data_mesh(),
+                                                  layout="fsdp", min_shard_size=0, gather_bits="O2-fp8-block128")
+    state = jaxmp.parallel.abstract_state((_params(), _tx().init(_params())), step.layout)
+    batch = {"tokens": jax.ShapeDtypeStruct((BATCH,), jnp.int32), "y": jax.ShapeDtypeStruct((BATCH, 8), jnp.float32)}
+    with pytest.raises(ValueError, match=r"128x128 weight blocks: a kernel sharded along dimension 1 into slices "
+                                         r"of shape \(16, 64\) splits its blocks"):
+        step.lower(*state, batch)
+
+
 @pytest.mark.parametrize("options,pattern", [
     (dict(gather_bits="O2-fp8-current", layout="zero"), r"gather_bits='O2-fp8-current' .*only layout='fsdp' "
                                                         r"does; layout='zero' gathers the params after the update"),
     (dict(gather_bits="O2-fp8-current", layout="replicated"), r"layout='replicated' gathers nothing"),
     (dict(gather_bits="O2-bf16", layout="fsdp"), r"gather_bits='O2-bf16' names no fp8 matmul format"),
     (dict(gather_bits="O2-fp8", layout="fsdp"), r"gather_bits='O2-fp8': delayed scaling keeps each kernel's scale"),
-    (dict(gather_bits="O2-mxfp8", layout="fsdp"), r"gather_bits='O2-mxfp8': a block-scaled recipe .*dgrad"),
-    (dict(gather_bits="O2-nvfp4", layout="fsdp"), r"gather_bits='O2-nvfp4': a block-scaled recipe"),
+    (dict(gather_bits="O2-mxfp8", layout="fsdp"), r"gather_bits='O2-mxfp8': this block-scaled recipe .*dgrad"),
+    (dict(gather_bits="O2-fp8-rowwise", layout="fsdp"), r"gather_bits='O2-fp8-rowwise': this block-scaled"),
+    (dict(gather_bits="O2-nvfp4", layout="fsdp"), r"gather_bits='O2-nvfp4': this block-scaled recipe .*NVFP4"),
+    (dict(gather_bits=dataclasses.replace(BLOCK128, high_precision_legs=("dgrad",)), layout="fsdp"),
+     r"this block-scaled recipe"),
     (dict(gather_bits="O2-fp8-curent", layout="fsdp"), r"gather_bits='O2-fp8-curent': .*did you mean"),
     (dict(gather_bits="O2-fp8-current", layout="fsdp", reduce_dtype=None), r"need the per-shard step"),
 ])
