@@ -335,7 +335,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
         dequantized to their dtype where they are used (``"zero"``: after the update, which needs
         ``master_weights=True``; ``"fsdp"``: in the loss and in `scan_layers`); ``None`` (default)
         gathers them in their dtype. Under ``"fsdp"`` it also takes the fp8 format of the loss's
-        matmuls, ``"O2-fp8-current"`` or a per-tensor ``jaxmp.fp8.CurrentScaling()``: each
+        matmuls, ``"O2-fp8-current"`` (or a per-tensor ``jaxmp.fp8.CurrentScaling()``) or
+        ``"O2-fp8-block128"``: each
         kernel (a leaf whose path ends in ``kernel``) is gathered as that format's codes with its
         matmul's own scale, so the matmul does not quantize it again (bitwise the run without
         wire options, 1 byte a parameter); other leaves in their dtype.
@@ -354,8 +355,8 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
       ValueError: unknown layout, a data axis the mesh lacks, an fp8 ``reduce_dtype``, ``gather_bits``
         or ``reduce_bits`` outside their values or on ``"replicated"`` or with ``reduce_dtype=None``, or (at
         the call) a batch that does not divide over the data axis, or ZeRO's ``gather_bits`` without masters;
-        a ``gather_bits`` format that is not per-tensor current scaling, or not under ``"fsdp"``, or (at the
-        call) with no kernel to gather.
+        a ``gather_bits`` format other than those two, or not under ``"fsdp"``, or (at the call) with no
+        kernel to gather or with weight blocks split between devices.
       TypeError: a ``reduce_dtype`` that is not a floating dtype.
 
     Example:

@@ -13,12 +13,15 @@ the wire, then fp8 in the matmul):
   is then an identity (same amax, same scale, codes on the grid): the forward and the dgrad leg
   see what they see without the option, bit for bit (tested).
 
-Only per-tensor current scaling is taken. MXFP8 and rowwise quantize the weight along its
-contraction axis for the forward and along the other axis, from the unquantized weight, for the
-dgrad leg: a copy gathered in the forward's blocks is quantized twice in the dgrad, which the
-option exists to avoid (docs/parallel.md, "Gathers in the matmul's format", has the measurement).
-NVFP4's and the 128x128 recipe's square weight blocks serve both legs; they are not built here.
-Delayed scaling keeps its scale in the model's fp8 state, out of the gather's reach.
+``"O2-fp8-block128"`` (square ``(a, a)`` weight blocks, E8M0 scales) is taken too: the forward
+and the dgrad quantize the kernel in the same blocks (transposed), so each device sends its
+slice's codes and one-byte scales in them, the blocks inside its slice (else a ValueError).
+MXFP8 and rowwise are not: their blocks run along the kernel's contraction axis for the forward
+and along the other axis, from the unquantized kernel, for the dgrad, so a copy gathered in the
+forward's blocks is quantized twice in the dgrad, which the option exists to avoid
+(docs/parallel.md, "Gathers in the matmul's format", has the measurement). NVFP4's per-tensor
+second level is not built. Delayed scaling keeps its scale in the model's fp8 state, out of the
+gather's reach.
 
 Which leaves: the gather site does not know which op a leaf feeds, so the rule is the leaf's name,
 as Flax spells a matmul's weight: a floating leaf of two or more dimensions whose path ends in
