@@ -240,3 +240,36 @@ def test_per_tensor_and_square_blocks_are_the_formats_whose_gathered_copy_every_
     for name in ("O2-mxfp8", "O2-fp8-rowwise"):
         changed = requantized(name)
         assert changed["forward"] == 0 and changed["dgrad"] >= 10, (name, changed)
+
+
+@pytest.mark.parametrize("preset", ["O2-fp8-current", "O2-fp8-block128"])
+def test_a_flax_linen_model_under_the_preset_trains_bitwise_with_its_kernels_gathered_in_it(preset):
+    import flax.linen as nn
+
+    import jaxmp.flax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(nn.relu(nn.Dense(1024)(x)))
+
+    model = jaxmp.flax.mixed_precision(MLP(), preset)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(BATCH, 64)).astype(np.float32), rng.normal(size=(BATCH, 8)).astype(np.float32)
+    params = model.init(jax.random.key(0), x)["params"]  # bf16 kernels (64, 1024) and (1024, 8)
+
+    def loss(p, b):
+        return jnp.mean((model.apply({"params": p}, b["x"]).astype(jnp.float32) - b["y"]) ** 2)
+
+    runs = []
+    for gather in (None, preset):
+        tx = _tx()
+        step = jaxmp.parallel.make_sharded_train_step(loss, tx, jaxmp.parallel.make_data_mesh(), layout="fsdp",
+                                                      min_shard_size=0, gather_bits=gather)
+        p, s = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)
+        losses = []
+        for _ in range(3):
+            p, s, m = step(p, s, jaxmp.parallel.make_global_batch({"x": x, "y": y}, step.mesh))
+            losses.append(float(m["loss"]))
+        runs.append((losses, leaf_bytes((p, s))))
+    assert runs[1] == runs[0]
