@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,9 @@ from jaxmp.parallel._checks import (
 )
 from jaxmp.parallel._replication import is_pmap_replicated
 from jaxmp._step import TrainStep, check_argument_order, make_loss_fn_step, step_record
+
+if TYPE_CHECKING:
+    from jaxmp.fp8 import CurrentScaling
 
 
 @step_record
@@ -303,7 +306,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
                             model_state: bool = False, layout: str | None = None,
                             reduce_dtype: jax.typing.DTypeLike | None = "float32", param_specs: PyTree | None = None,
                             min_shard_size: int | None = None,
-                            remat: str | Callable[..., bool] | None = None, gather_bits: int | str | Any = None,
+                            remat: str | Callable[..., bool] | None = None, gather_bits: int | str | CurrentScaling | None = None,
                             reduce_bits: int | None = None, wire_block: int = wire_mod.DEFAULT_BLOCK) -> ShardedTrainStep:
     """A ``jax.jit`` train step: the batch sharded over the mesh's data axis, the state in ``layout``.
 
