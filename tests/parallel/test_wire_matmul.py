@@ -94,7 +94,8 @@ def _lowered(kind=None, **options):
     return step.lower(*state, batch)
 
 
-@pytest.mark.parametrize("kind,gather", [(None, "O2-fp8-current"), (None, fp8.CurrentScaling()),
+@pytest.mark.parametrize("kind,gather", [(None, "O2-fp8-current"),
+                                         pytest.param(None, fp8.CurrentScaling(), marks=pytest.mark.slow),
                                          ("block", "O2-fp8-block128")])
 def test_kernels_gathered_in_the_matmuls_format_train_bitwise_as_without_wire_options(kind, gather):
     # The "not quantized twice" proof: the matmul re-quantizes the gathered kernel with the same scales
@@ -130,6 +131,7 @@ def test_the_kernels_cross_the_wire_as_one_byte_a_parameter():
     assert fmt["by_kind"]["reduce-scatter"] == plain["by_kind"]["reduce-scatter"]
 
 
+@pytest.mark.slow  # a minute of compiling the emulated 128x128-block model twice
 def test_square_blocks_cross_the_wire_as_codes_and_one_byte_scales():
     plain, fmt = wb.summarize(_lowered("block")), wb.summarize(_lowered("block", gather_bits="O2-fp8-block128"))
     ring = (8 - 1) / 8
@@ -242,7 +244,7 @@ def test_per_tensor_and_square_blocks_are_the_formats_whose_gathered_copy_every_
         assert changed["forward"] == 0 and changed["dgrad"] >= 10, (name, changed)
 
 
-@pytest.mark.parametrize("preset", ["O2-fp8-current", "O2-fp8-block128"])
+@pytest.mark.parametrize("preset", ["O2-fp8-current", pytest.param("O2-fp8-block128", marks=pytest.mark.slow)])
 def test_a_flax_linen_model_under_the_preset_trains_bitwise_with_its_kernels_gathered_in_it(preset):
     import flax.linen as nn
 
