@@ -189,7 +189,7 @@ def check_leaves(wire: Any, keys: list, leaves: list, kinds: list) -> None:
         return
     # A deferred (scan_layers) leaf is stacked: its layer's slice has one dimension less.
     if any(kind == "gather" and feeds_matmul(key, x, wire.gather_format)
-           or kind == "defer" and feeds_matmul(key, x[0] if jnp.ndim(x) else x, wire.gather_format)
+           or kind == "defer" and feeds_matmul(key, jax.ShapeDtypeStruct(jnp.shape(x)[1:], x.dtype), wire.gather_format)
            for key, x, (kind, _) in zip(keys, leaves, kinds)):
         return
     raise ValueError(f"gather_bits in a matmul format gathers the params whose path ends in {MATMUL_LEAF!r} "
