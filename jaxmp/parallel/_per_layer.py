@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmp import _jaxpr, _ops
 from jaxmp._dtypes import float_dtype
-from jaxmp.parallel import _reduce
+from jaxmp.parallel import _reduce, _wire_matmul
 from jaxmp._typing import PyTree
 
 __all__ = ["gather_params", "remat_policy", "scan_layers"]
@@ -169,12 +169,14 @@ def _cast(x: Any, dtype: Any) -> Any:
     return x.astype(dtype) if dtype is not None and _reduce.is_float(x) else x
 
 
-def _gather(ctx: LayerContext | None, x: Any, info: Any, dtype: Any) -> Any:
+def _gather(ctx: LayerContext | None, x: Any, info: Any, dtype: Any, key: str = "") -> Any:
+    # ``key``: the last key of the leaf's path (a kernel may be gathered in its matmul's format).
     if ctx is None or info is None:
         return _cast(x, dtype)
     if ctx.mode == "manual":
         assert ctx.axis is not None  # a manual context is made with its data axis
-        return _reduce.gathered(_cast(x, dtype), ctx.axis, info, ctx.reduce_dtype, ctx.wire)
+        x = _cast(x, dtype)
+        return _reduce.gathered(x, ctx.axis, info, ctx.reduce_dtype, _wire_matmul.leaf_wire(ctx.wire, key, x))
     return jax.lax.with_sharding_constraint(_cast(x, dtype), info)
 
 
@@ -210,7 +212,8 @@ def gather_params(tree: PyTree, dtype: jax.typing.DTypeLike | None = None) -> Py
         ctx.recorded.update(id(x) for x in jax.tree_util.tree_leaves(tree))
         return jax.tree_util.tree_map(lambda x: _cast(x, dtype), tree)
     lookup = (lambda x: None) if ctx is None else (lambda x: ctx.leaves.get(id(x)))  # noqa: E731
-    return jax.tree_util.tree_map(lambda x: _gather(ctx, x, lookup(x), dtype), tree)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: _gather(ctx, x, lookup(x), dtype, _wire_matmul.leaf_key(path)), tree)
 
 
 def _slice_info(ctx: LayerContext, info: Any, name: str) -> Any:
@@ -295,9 +298,10 @@ def scan_layers(body: Callable, init: PyTree, layers: PyTree, *, dtype: jax.typi
         infos = [None if ctx is None else _slice_info(ctx, ctx.leaves.get(id(x)), n) for x, n in zip(leaves, names)]
 
     gathers = any(info is not None for info in infos)
+    keys = [_wire_matmul.leaf_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(layers)]
 
     def step(carry, xs):
-        used = [_gather(ctx, x, info, dtype) for x, info in zip(treedef.flatten_up_to(xs), infos)]
+        used = [_gather(ctx, x, info, dtype, key) for x, info, key in zip(treedef.flatten_up_to(xs), infos, keys)]
         if gathers:  # named, so that the release policy knows them
             used = [x if info is None else checkpoint_name(x, GATHERED) for x, info in zip(used, infos)]
         return body(carry, jax.tree_util.tree_unflatten(treedef, used))

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxmp.parallel import _wire
+from jaxmp.parallel import _wire, _wire_matmul
 
 
 def _varying(x: jax.Array, axis: str) -> jax.Array:
@@ -132,7 +132,10 @@ scattered.defvjp(_scattered_fwd, _scattered_bwd)
 
 def gather(piece: jax.Array, axis: str, dim: int, wire: Any = None) -> jax.Array:
     """This device's slice all-gathered along ``dim``: in its own dtype, or with ``wire.gather_bits``
-    as blockwise codes dequantized to that dtype (`jaxmp.parallel._wire.quantized_gather`)."""
+    as blockwise codes dequantized to that dtype (`jaxmp.parallel._wire.quantized_gather`), or with
+    ``wire.gather_format`` as that fp8 format's codes (`jaxmp.parallel._wire_matmul.matmul_gather`)."""
+    if getattr(wire, "gather_format", None) is not None and is_float(piece):
+        return _wire_matmul.matmul_gather(piece, axis, dim, wire.gather_format)
     if wire is not None and wire.gather_bits is not None and is_float(piece):
         return _wire.quantized_gather(piece, axis, dim, wire)
     return jax.lax.all_gather(piece, axis, axis=dim, tiled=True)

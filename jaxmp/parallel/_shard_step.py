@@ -191,23 +191,25 @@ def per_shard_value_and_grad(layout: Layout, reduce_dtype: Any, grad_specs: Any,
       ValueError: (in the step) an ``aux`` leaf neither per-example nor batch-independent.
     """
     from jaxmp._scaling._grad import value_and_grad
-    from jaxmp.parallel import _reduce, _per_layer as per_layer
+    from jaxmp.parallel import _reduce, _per_layer as per_layer, _wire_matmul
 
     mesh, axis = layout.mesh, layout.data_axis
     n = mesh.shape[axis]
 
     def differentiate(canonical, opt_state, params, model_state, batch, rng):
         leaves, treedef = jax.tree_util.tree_flatten(params)
+        keys = [_wire_matmul.leaf_key(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
         deferred = recorded_leaves(canonical, params, model_state, batch, rng) if layout.shards_params else set()
         fixed, fixed_specs, diff, diff_specs, kinds = _leaf_plan(layout, leaves, treedef.flatten_up_to(grad_specs),
                                                                  deferred)
+        _wire_matmul.check_leaves(wire, keys, leaves, kinds)
 
         def body(fixed, diff, model_state, batch, rng):
             key = None if rng is None else jax.random.fold_in(rng, jax.lax.axis_index(axis))
 
             def shard_loss(diff):
                 full, used, sliced = iter(fixed), [], {}
-                for (kind, dim), x in zip(kinds, diff):
+                for (kind, dim), x, name in zip(kinds, diff, keys):
                     if kind == "defer":  # the loss gathers it where it is used
                         used.append(x)
                         sliced[id(x)] = dim
@@ -216,7 +218,7 @@ def per_shard_value_and_grad(layout: Layout, reduce_dtype: Any, grad_specs: Any,
                     elif kind == "scatter":
                         used.append(_reduce.scattered(next(full), x, axis, dim, reduce_dtype, wire))
                     else:
-                        used.append(_reduce.gathered(x, axis, dim, reduce_dtype, wire))
+                        used.append(_reduce.gathered(x, axis, dim, reduce_dtype, _wire_matmul.leaf_wire(wire, name, x)))
                 ctx = per_layer.LayerContext("manual", axis=axis, reduce_dtype=reduce_dtype, leaves=sliced,
                                              remat=remat, wire=wire)
                 with per_layer.context(ctx):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,9 @@ from jaxmp.parallel._checks import (
 )
 from jaxmp.parallel._replication import is_pmap_replicated
 from jaxmp._step import TrainStep, check_argument_order, make_loss_fn_step, step_record
+
+if TYPE_CHECKING:
+    from jaxmp.fp8 import CurrentScaling
 
 
 @step_record
@@ -303,7 +306,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
                             model_state: bool = False, layout: str | None = None,
                             reduce_dtype: jax.typing.DTypeLike | None = "float32", param_specs: PyTree | None = None,
                             min_shard_size: int | None = None,
-                            remat: str | Callable[..., bool] | None = None, gather_bits: int | None = None,
+                            remat: str | Callable[..., bool] | None = None, gather_bits: int | str | CurrentScaling | None = None,
                             reduce_bits: int | None = None, wire_block: int = wire_mod.DEFAULT_BLOCK) -> ShardedTrainStep:
     """A ``jax.jit`` train step: the batch sharded over the mesh's data axis, the state in ``layout``.
 
@@ -334,7 +337,13 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
       gather_bits: ``8`` gathers the params as blockwise 8-bit codes and float32 scales,
         dequantized to their dtype where they are used (``"zero"``: after the update, which needs
         ``master_weights=True``; ``"fsdp"``: in the loss and in `scan_layers`); ``None`` (default)
-        gathers them in their dtype. docs/parallel.md#precision-on-the-wire.
+        gathers them in their dtype. Under ``"fsdp"`` it also takes the fp8 format of the loss's
+        matmuls, ``"O2-fp8-current"`` (or a per-tensor ``jaxmp.fp8.CurrentScaling()``) or
+        ``"O2-fp8-block128"``: each
+        kernel (a leaf whose path ends in ``kernel``) is gathered as that format's codes with its
+        matmul's own scale, so the matmul does not quantize it again (bitwise the run without
+        wire options, 1 byte a parameter); other leaves in their dtype.
+        docs/parallel.md#precision-on-the-wire.
       reduce_bits: ``8`` or ``4`` reduces the sharded gradients as blockwise codes exchanged by
         ``all_to_all`` and summed in float32 (a replicated leaf of at least N x ``wire_block``
         elements too, then all-gathered); ``None`` (default) reduces in ``reduce_dtype``.
@@ -348,7 +357,9 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
     Raises:
       ValueError: unknown layout, a data axis the mesh lacks, an fp8 ``reduce_dtype``, ``gather_bits``
         or ``reduce_bits`` outside their values or on ``"replicated"`` or with ``reduce_dtype=None``, or (at
-        the call) a batch that does not divide over the data axis, or ZeRO's ``gather_bits`` without masters.
+        the call) a batch that does not divide over the data axis, or ZeRO's ``gather_bits`` without masters;
+        a ``gather_bits`` format other than those two, or not under ``"fsdp"``, or (at the call) with no
+        kernel to gather or with weight blocks split between devices.
       TypeError: a ``reduce_dtype`` that is not a floating dtype.
 
     Example:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import _formats
+from jaxmp.parallel import _wire_matmul
 
 GATHER_BITS = (8,)
 REDUCE_BITS = (8, 4)
@@ -44,11 +45,14 @@ class Wire:
       gather_bits: bits of a gathered weight's codes (8), or None (gathered in its own dtype).
       reduce_bits: bits of a reduced gradient's codes (8 or 4), or None (reduced in ``reduce_dtype``).
       block: elements a float32 scale, inside one device's piece.
+      gather_format: FSDP's kernels gathered as the fp8 codes of this per-tensor
+        ``jaxmp.fp8.CurrentScaling`` (`jaxmp.parallel._wire_matmul`), or None.
     """
 
     gather_bits: int | None = None
     reduce_bits: int | None = None
     block: int = DEFAULT_BLOCK
+    gather_format: Any = None
 
     def gather_grid(self) -> _formats.Grid | None:
         return None if self.gather_bits is None else _formats.Grid(self.gather_bits, self.block)
@@ -71,7 +75,8 @@ def check_wire(gather_bits: Any, reduce_bits: Any, block: Any, layout: Any, redu
     """The step's `Wire`, or None when both options are off (the step as before, bit for bit).
 
     Args:
-      gather_bits: ``make_sharded_train_step``'s ``gather_bits``.
+      gather_bits: ``make_sharded_train_step``'s ``gather_bits``: None, bits, or a matmul format
+        (`jaxmp.parallel._wire_matmul.check_format`).
       reduce_bits: its ``reduce_bits``.
       block: its ``wire_block`` (elements a scale).
       layout: the step's `jaxmp.parallel._layouts.Layout`.
@@ -83,18 +88,22 @@ def check_wire(gather_bits: Any, reduce_bits: Any, block: Any, layout: Any, redu
     Raises:
       ValueError: bits not in the allowed set, a block that is not a positive even int, an option
         on the ``"replicated"`` layout (nothing is gathered or scattered there), or with
-        ``reduce_dtype=None`` (XLA then places the collectives, out of the step's reach).
+        ``reduce_dtype=None`` (XLA then places the collectives, out of the step's reach), or a
+        matmul format that is not per-tensor current scaling or not under ``"fsdp"``.
       TypeError: bits or a block that are not ints.
     """
-    gather_bits = _check_bits(gather_bits, "gather_bits", GATHER_BITS)
+    # A matmul format (a preset name or an fp8 recipe) instead of bits: FSDP's kernels gathered in it.
+    gather_format = _wire_matmul.check_format(gather_bits, layout) if _wire_matmul.is_format(gather_bits) else None
+    gather_bits = None if gather_format is not None else _check_bits(gather_bits, "gather_bits", GATHER_BITS)
     reduce_bits = _check_bits(reduce_bits, "reduce_bits", REDUCE_BITS)
     if isinstance(block, bool) or not isinstance(block, (int, np.integer)):
         raise TypeError(f"wire_block must be an int (elements a float32 scale), got {type(block).__name__} {block!r}")
     if block <= 0 or block % 2:
         raise ValueError(f"wire_block must be a positive even int (4-bit codes pack two a byte), got {block!r}")
-    if gather_bits is None and reduce_bits is None:
+    if gather_bits is None and reduce_bits is None and gather_format is None:
         return None
-    names = " and ".join(n for n, v in (("gather_bits", gather_bits), ("reduce_bits", reduce_bits)) if v is not None)
+    names = " and ".join(n for n, v in (("gather_bits", gather_bits if gather_format is None else gather_format),
+                                        ("reduce_bits", reduce_bits)) if v is not None)
     if not layout.shards_state:
         raise ValueError(f"{names} quantize what the sharded layouts move over the data axis (weight gathers, "
                          f"gradient reduce-scatters); layout={layout.name!r} has neither: use layout='zero' or 'fsdp', "
@@ -102,7 +111,7 @@ def check_wire(gather_bits: Any, reduce_bits: Any, block: Any, layout: Any, redu
     if reduce_dtype is None:
         raise ValueError(f"{names} need the per-shard step, where jaxmp places the collectives itself; with "
                          "reduce_dtype=None XLA places them: pass reduce_dtype='float32' (the default)")
-    return Wire(gather_bits, reduce_bits, int(block))
+    return Wire(gather_bits, reduce_bits, int(block), gather_format)
 
 
 def quantized_gather(piece: jax.Array, axis: str, dim: int, wire: Wire) -> jax.Array:
