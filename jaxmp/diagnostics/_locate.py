@@ -342,7 +342,8 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
         the locator), and the report says so (``note``).
       *args: the inputs of the step that overflowed.
       policy: run ``fn`` under ``jaxmp.autocast(fn, policy)`` (a preset such as ``"O1-fp16"``);
-        None: ``fn`` already runs in its precision (Flax door, ``Policy.cast_to_compute``).
+        None: ``fn`` already runs in its precision (Flax door, ``Policy.cast_to_compute``, or a
+        ``jaxmp.autocast`` function, read as its policy and rules: its fix re-wraps ``fn.__wrapped__``).
       grad: also run the backward pass (``jax.vjp`` of ``fn``). None: when ``fn`` returns a
         floating scalar first (a loss).
       loss_scale: the cotangent the backward pass is seeded with (the run's loss scale: float16
