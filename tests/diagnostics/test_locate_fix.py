@@ -317,6 +317,16 @@ def test_rules_that_match_nothing_warn_once_with_the_closest_paths():
         good = jaxmp.flax.default_rules("O1-fp16").with_path("block_1/Dense_1")
         jaxmp.flax.mixed_precision(net, "O1-fp16", rules=good).apply(v, X)
     assert not [w for w in seen if "matches no" in str(w.message)], [str(w.message) for w in seen]
+    # Linen door: a class rule of the user's for a class the model does not use; one it uses is silent
+    conv = jaxmp.flax.mixed_precision(net, "O1-fp16", rules=jaxmp.flax.default_rules("O1-fp16").with_class(nn.Conv, "float32"))
+    dense = jaxmp.flax.mixed_precision(net, "O1-fp16", rules=jaxmp.flax.default_rules("O1-fp16").with_class(nn.Dense, "float32"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        conv.apply(v, X)
+        conv.apply(v, X)
+        dense.apply(v, X)
+    msgs = [str(w.message) for w in seen if "matches no" in str(w.message)]
+    assert len(msgs) == 1 and "class rule for Conv (no Conv in the model) matches no module" in msgs[0], msgs
     # NNX: a path rule and a class rule of the user's
     with pytest.warns(jaxmp.MixedPrecisionWarning, match=r"'layer/0' \(closest module paths: 'layers/0'"):
         jaxmp.flax.mixed_precision(nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0))), "O1-fp16",
