@@ -342,8 +342,9 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
         the locator), and the report says so (``note``).
       *args: the inputs of the step that overflowed.
       policy: run ``fn`` under ``jaxmp.autocast(fn, policy)`` (a preset such as ``"O1-fp16"``);
-        None: ``fn`` already runs in its precision (Flax door, ``Policy.cast_to_compute``, or a
-        ``jaxmp.autocast`` function, read as its policy and rules: its fix re-wraps ``fn.__wrapped__``).
+        None: ``fn`` already runs in its precision (Flax door, ``Policy.cast_to_compute``, or
+        a ``jaxmp.autocast`` function, read as its policy and rules: its fix re-wraps
+        ``fn.__wrapped__``).
       grad: also run the backward pass (``jax.vjp`` of ``fn``). None: when ``fn`` returns a
         floating scalar first (a loss).
       loss_scale: the cotangent the backward pass is seeded with (the run's loss scale: float16
@@ -417,7 +418,8 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
         return found
     paths = frozenset(s.path for s in sites.sites if s.path)
     half = "O1-fp16" if "f16" in found.in_dtypes + found.out_dtypes else "O1-bf16"
-    step = _locate_fix.Step(fn, tuple(args), kwargs, policy, rules, met[0] if met else None, paths, half,
+    door = met[0] if met else None
+    step = _locate_fix.Step(fn, tuple(args), kwargs, policy, rules, door, paths, half,
                             target=rewrap or "fn")
     return _with_fix(found, site, step, grad, float(loss_scale))
 

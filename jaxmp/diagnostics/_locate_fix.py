@@ -124,8 +124,8 @@ class Step:
                               f"#         ...  # the lines that use params{where}",
                               "# (or decorate those lines' function with @jaxmp.float32_region)"]
                 rules = rules.with_scope(name, "float32")
-        return "\n".join([*self._target_note(), *notes, rules_code(rules, None),
-                          f"fn = jaxmp.autocast({self.target}, {_spelled(self.policy)!r}, rules=rules)"])
+        call = f"fn = jaxmp.autocast({self.target}, {_spelled(self.policy)!r}, rules=rules)"
+        return "\n".join([*self._target_note(), *notes, rules_code(rules, None), call])
 
     def _target_note(self) -> list[str]:
         if self.target == "fn":

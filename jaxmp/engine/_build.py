@@ -358,8 +358,9 @@ def build(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = Non
 
 
 def autocast_given(fn: Any) -> tuple | None:
-    """``(the function it wraps, policy, rules)`` as [`jaxmp.autocast`][jaxmp.autocast] was given them,
-    when ``fn`` is what it returned (not the Flax door's engine function, not O0's identity), else None.
+    """``(the function it wraps, policy, rules)`` as [`jaxmp.autocast`][jaxmp.autocast] was given
+    them, when ``fn`` is what it returned (not the Flax door's engine function, not O0's identity),
+    else None.
 
     The debugger's locator reads it: a fix for an autocast function re-wraps what it wraps.
     """
