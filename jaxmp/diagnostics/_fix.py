@@ -143,7 +143,7 @@ def _own_precision_fix(fn: Callable, args: Sequence[Any], path: str) -> str:
 
 def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_error: float, loss_float32: float,
                 steps: int, tx: Any, scoped: bool = True, meanwhile: Callable[[], Any] | None = None,
-                rules: Any = None, paths: Sequence[str] = ()) -> Fix:
+                rules: Any = None, paths: Sequence[str] = (), wraps: str = "fn") -> Fix:
     """The override keeping module ``path`` in float32, measured when ``policy`` is an autocast policy.
 
     Under ``jaxmp.autocast`` the override is a scope rule for the module's name-stack component,
@@ -167,6 +167,8 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
       rules: the user's `jaxmp.AutocastRules` the comparison ran with (None: the policy's).
       paths: every module path of the program: a scope rule matches the name in each of them
         (Linen's ``Conv_0`` in every block), which the code then says.
+      wraps: what the code wraps in ``jaxmp.autocast``: ``"fn"``, or ``"fn.__wrapped__"`` when
+        the user's ``fn`` is a ``jaxmp.autocast`` function already.
 
     Returns:
       A `Fix`.
@@ -179,7 +181,7 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
 
     # promote=None: the code passes the same policy, which gives the preset's promotion back
     rules = dataclasses.replace(resolve_config(policy, None).rules, promote=None) if rules is None else rules
-    call = f"\nfn = jaxmp.autocast(fn, {str(policy)!r}, rules=rules)"
+    call = f"\nfn = jaxmp.autocast({wraps}, {str(policy)!r}, rules=rules)"
     target = fn
     cls = None if scoped else module_class_at(args[0], path)
     if scoped:
@@ -229,6 +231,9 @@ def suggest_fix(fn: Callable, args: Sequence[Any], policy: Any, path: str, loss_
     ref = max(abs(loss_float32), 1e-30)
     before, after = loss_error, abs(loss_fix - loss_float32) / ref
     closed = 1.0 - after / before if before > 0 else float("nan")
+    if wraps != "fn":
+        head = f"# fn: your jaxmp.autocast function; the rule goes on the function it wraps, {wraps}"
+        code = "\n".join(textwrap.wrap(head, _FIT, subsequent_indent="# ")) + "\n" + code
     return dataclasses.replace(Fix(path, code), error_before=before, error_after=after, gap_closed=closed,
                                matmul_flops_leaving_half=leaving, measured=True)
 

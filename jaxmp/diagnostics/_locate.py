@@ -342,7 +342,9 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
         the locator), and the report says so (``note``).
       *args: the inputs of the step that overflowed.
       policy: run ``fn`` under ``jaxmp.autocast(fn, policy)`` (a preset such as ``"O1-fp16"``);
-        None: ``fn`` already runs in its precision (Flax door, ``Policy.cast_to_compute``).
+        None: ``fn`` already runs in its precision (Flax door, ``Policy.cast_to_compute``, or
+        a ``jaxmp.autocast`` function, read as its policy and rules: its fix re-wraps
+        ``fn.__wrapped__``).
       grad: also run the backward pass (``jax.vjp`` of ``fn``). None: when ``fn`` returns a
         floating scalar first (a loss).
       loss_scale: the cotangent the backward pass is seeded with (the run's loss scale: float16
@@ -389,6 +391,16 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
     fn, args, kwargs = prep.fn, prep.args, prep.kwargs
     if loss_scale is None:
         loss_scale = prep.loss_scale if prep.loss_scale is not None else 1.0
+    rewrap = None
+    if policy is None:
+        from jaxmp.engine._seams import autocast_given
+
+        # A jaxmp.autocast function: the same program as policy= on what it wraps, and its fix is
+        # autocast's rule, re-wrapping that function (``fn.__wrapped__``) as the user wrapped it.
+        given = autocast_given(fn)
+        if given is not None:
+            fn, policy, rules = given
+            rewrap = "fn.__wrapped__"
     run = fn
     if policy is not None:
         from jaxmp.engine._seams import autocast
@@ -406,7 +418,9 @@ def locate_non_finite(fn: Callable, *args, policy: PolicyLike | None = None, gra
         return found
     paths = frozenset(s.path for s in sites.sites if s.path)
     half = "O1-fp16" if "f16" in found.in_dtypes + found.out_dtypes else "O1-bf16"
-    step = _locate_fix.Step(fn, tuple(args), kwargs, policy, rules, met[0] if met else None, paths, half)
+    door = met[0] if met else None
+    step = _locate_fix.Step(fn, tuple(args), kwargs, policy, rules, door, paths, half,
+                            target=rewrap or "fn")
     return _with_fix(found, site, step, grad, float(loss_scale))
 
 

@@ -57,6 +57,8 @@ class Step:
       door: the Flax door (a Linen or NNX ``MixedPrecision``) the step ran through, or None.
       paths: the module paths of the program's ops.
       preset: the autocast preset of the program's half dtype (for code that casts by itself).
+      target: what the code wraps in ``jaxmp.autocast``: ``"fn"`` (the function located, run with
+        ``policy=``), or ``"fn.__wrapped__"`` when ``fn`` is a ``jaxmp.autocast`` function already.
     """
 
     fn: Callable
@@ -67,6 +69,7 @@ class Step:
     door: Any
     paths: frozenset
     preset: str = "O1-fp16"
+    target: str = "fn"
 
     # -- what to keep in float32 -------------------------------------------------------------
 
@@ -121,8 +124,14 @@ class Step:
                               f"#         ...  # the lines that use params{where}",
                               "# (or decorate those lines' function with @jaxmp.float32_region)"]
                 rules = rules.with_scope(name, "float32")
-        return "\n".join([*notes, rules_code(rules, None), f"fn = jaxmp.autocast(fn, {_spelled(self.policy)!r}, "
-                                                            "rules=rules)"])
+        call = f"fn = jaxmp.autocast({self.target}, {_spelled(self.policy)!r}, rules=rules)"
+        return "\n".join([*self._target_note(), *notes, rules_code(rules, None), call])
+
+    def _target_note(self) -> list[str]:
+        if self.target == "fn":
+            return []
+        return _comment("fn: your jaxmp.autocast function; the rule goes on the function it wraps, "
+                        f"{self.target}")
 
     def _base_rules(self):
         if self.rules is not None:
@@ -149,7 +158,7 @@ class Step:
         if self.policy is not None:
             twin = _bf16_twin(self.policy)
             rules = "" if self.rules is None else ", rules=rules"
-            return None if twin is None else f"fn = jaxmp.autocast(fn, {twin!r}{rules})"
+            return None if twin is None else f"fn = jaxmp.autocast({self.target}, {twin!r}{rules})"
         if self.door is None:
             return None
         twin = _bf16_twin(door_preset(self.door))

@@ -321,7 +321,9 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
       *args: its inputs; ``args[0]`` are the parameters (differentiated, and trained with
         ``steps > 0``: their non-floating leaves, ints and PRNG keys, are held fixed).
         Non-array arguments (strings, Python numbers) are static.
-      policy: a preset or policy for ``jaxmp.autocast``; None: ``fn`` runs its own precision.
+      policy: a preset or policy for ``jaxmp.autocast``; None: ``fn`` runs its own precision
+        (a ``jaxmp.autocast`` function is read as its policy and rules: its fix re-wraps
+        ``fn.__wrapped__``).
       steps: 0 compares one step. ``k > 0`` first trains both runs ``k`` optimizer steps from the
         same parameters on the same inputs, then compares (some losses only show as drift).
       optimizer: the optax transformation for ``steps`` (default ``optax.adam(1e-3)``).
@@ -416,7 +418,17 @@ def _compare(fn, args, *, policy, steps, optimizer, per_op, grad, fix, rules) ->
         raise ValueError("compare_to_float32: rules= applies to jaxmp.autocast: give a policy too")
     given = args  # as the user gave them: a Python number in args[0] is static after `prepare`
     prep = _inputs.prepare("compare_to_float32", fn, args, {})
-    fn, args = _inputs.bind_non_floating_params(prep.fn, prep.args)
+    fn, rewrap = prep.fn, "fn"
+    if policy is None:
+        from jaxmp.engine._seams import autocast_given
+
+        # A jaxmp.autocast function: the same program as policy= on what it wraps, and its fix is
+        # autocast's rule, re-wrapping that function (``fn.__wrapped__``) as the user wrapped it.
+        wrapped = autocast_given(fn)
+        if wrapped is not None:
+            fn, policy, rules = wrapped
+            rewrap = "fn.__wrapped__"
+    fn, args = _inputs.bind_non_floating_params(fn, prep.args)
     run = fn
     if policy is not None:
         from jaxmp.engine._seams import autocast
@@ -496,7 +508,7 @@ def _compare(fn, args, *, policy, steps, optimizer, per_op, grad, fix, rules) ->
     # there would be measured against noise.
     if fix and has_loss and mods and mods[0].path and np.isfinite(loss) and not report.within_noise:
         scoped = any(site.path == mods[0].path and not site.from_param for site in prog.sites.sites)
-        report = dataclasses.replace(report, fix=suggest_fix(fn, args, policy, mods[0].path, report.loss_error,
-                                                             report.loss_float32, steps, tx, scoped, rules=rules,
-                                                             paths=[m.path for m in mods]))
+        suggested = suggest_fix(fn, args, policy, mods[0].path, report.loss_error, report.loss_float32,
+                                steps, tx, scoped, rules=rules, paths=[m.path for m in mods], wraps=rewrap)
+        report = dataclasses.replace(report, fix=suggested)
     return dataclasses.replace(report, seconds=time.perf_counter() - t0)

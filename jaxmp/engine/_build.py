@@ -261,10 +261,13 @@ class _Autocast:
     """The callable [`autocast`][jaxmp.autocast] returns (``functools.wraps`` keeps ``fn``'s name and doc)."""
 
     def __init__(self, fn: Callable, config: _config.AutocastConfig, cast_outputs: bool = True,
-                 cache: bool = True):
+                 cache: bool = True, given: tuple | None = None):
         # cache=False (the Flax integration): trace on every call, as module.apply does, so that
         # user interceptors and other trace-time Python effects behave as without jaxmp.
         self.fn, self.config, self.cast_outputs, self.cache = fn, config, cast_outputs, cache
+        # (policy, rules) as jaxmp.autocast was given them: the locator's fix re-wraps ``fn`` with
+        # them plus its rule, spelled as the user wrote them (None: not built by jaxmp.autocast)
+        self.given = given
         self._programs: collections.OrderedDict = _shared_programs(fn, (config, cast_outputs)) if cache \
             else collections.OrderedDict()
         functools.update_wrapper(self, fn)
@@ -351,7 +354,19 @@ def build(fn: Callable, policy: Any = "O1", *, rules: AutocastRules | None = Non
                 return fn(*args, **kwargs)
 
         return identity
-    return _Autocast(fn, config)
+    return _Autocast(fn, config, given=(policy, rules))
+
+
+def autocast_given(fn: Any) -> tuple | None:
+    """``(the function it wraps, policy, rules)`` as [`jaxmp.autocast`][jaxmp.autocast] was given
+    them, when ``fn`` is what it returned (not the Flax door's engine function, not O0's identity),
+    else None.
+
+    The debugger's locator reads it: a fix for an autocast function re-wraps what it wraps.
+    """
+    if isinstance(fn, _Autocast) and fn.given is not None:
+        return (fn.fn, *fn.given)
+    return None
 
 
 #: (function label, scope pattern) pairs already warned about: a rule that matches nothing warns once.

@@ -26,6 +26,8 @@ from jaxmp.engine._autocast_fn import autocast, engine_function
 from jaxmp.engine._build import explain_enabled, explaining
 # The debugger's trace: jaxmp's sharded steps run their loss outside the shard_map under it.
 from jaxmp.engine._build import debugger_tracing, debugger_tracing_enabled
+# The locator's fix for a jaxmp.autocast function: what it wraps, re-wrapped with the fix's rule.
+from jaxmp.engine._build import autocast_given
 from jaxmp.engine._rules import MARKER
 
 # JAX's internals as the engine reads them, and the contract the self-check runs.
@@ -54,6 +56,7 @@ __all__ = [
     "explaining",
     "debugger_tracing",
     "debugger_tracing_enabled",
+    "autocast_given",
     "MARKER",
     # internals and the contract
     "contract",

@@ -218,6 +218,30 @@ def test_plain_jax_fix_is_a_named_scope_measured_and_the_pasted_code_closes_the_
     assert 1 - abs(after - ref) / abs(before - ref) >= 0.9, (before, after, ref)
 
 
+@pytest.mark.slow  # ~15 s on a shared 2-core CPU: the comparison, its twins and the fix, 50 steps each
+@STANDARD
+def test_a_jaxmp_autocast_function_gets_its_scope_rule_re_wrapping_what_it_wraps_and_it_closes_the_gap():
+    """The function handed over is ``jaxmp.autocast(loss, "O2-bf16")`` itself (no ``policy=``): the fix
+    was "your own casts" code, not measured, that wrapped the autocast function again at O1-bf16."""
+    from jaxmp.diagnostics._fix import train
+
+    loss, p, x, y = _schedule(scoped=True)
+    fn = jaxmp.autocast(loss, "O2-bf16")
+    rep = compare_to_float32(fn, p, x, y, steps=50, optimizer=optax.adam(2e-3))
+    assert not rep.within_noise and rep.top.path == "sched", rep
+    fix = rep.fix
+    assert "your own casts" not in fix.code and "with_scope('sched', \"float32\")" in fix.code, fix.code
+    assert "fn = jaxmp.autocast(fn.__wrapped__, 'O2-bf16', rules=rules)" in fix.code, fix.code
+    assert fix.measured and fix.gap_closed >= 0.9, fix
+    ns = {"jaxmp": jaxmp, "fn": fn}
+    exec(compile(fix.code, "fix", "exec"), ns)  # the code as printed, pasted
+    tx = optax.adam(2e-3)
+    ref = train(jax.value_and_grad(loss), p, (x, y), 50, tx)[1][-1]
+    before = train(jax.value_and_grad(fn), p, (x, y), 50, tx)[1][-1]
+    after = train(jax.value_and_grad(ns["fn"]), p, (x, y), 50, tx)[1][-1]
+    assert 1 - abs(after - ref) / abs(before - ref) >= 0.9, (before, after, ref)
+
+
 # ---- the experiments' models and a ResNet we did not write: nothing to fix, no fix printed
 #      (false alarms 0 of 12) ----
 

@@ -176,6 +176,44 @@ def test_autocast_fix_for_modules_of_every_framework_runs_as_printed(make):
     _measured(ns["fn"], params, X)
 
 
+def _scoped(p, x):
+    """Plain JAX with name scopes: the autocast door's own spelling of a module."""
+    with jax.named_scope("encoder"):
+        with jax.named_scope("enc"):
+            h = jax.nn.relu(x @ p["enc"])
+        with jax.named_scope("blow"):
+            h = h @ p["blow"]  # seeded past float16's range
+    with jax.named_scope("head"):
+        return jnp.mean((jnp.tanh(h) @ p["head"]) ** 2)
+
+
+def _scoped_params():
+    k = jax.random.split(jax.random.key(2), 3)
+    return {"enc": jax.random.normal(k[0], (8, 16)) / 3, "blow": jax.random.normal(k[1], (16, 16)) * 1e4,
+            "head": jax.random.normal(k[2], (16, 4)) / 4}
+
+
+@pytest.mark.slow  # ~10 s CPU (~30 s on a loaded shared 2-core CPU): two located functions, each fix measured
+def test_a_jaxmp_autocast_function_gets_its_scope_rule_re_wrapping_what_it_wraps():
+    """The function handed over is ``jaxmp.autocast(loss, ...)`` itself (no ``policy=``): the fix
+    was "your own casts" code that wrapped the autocast function again and left the overflow."""
+    params = _scoped_params()
+    user_rules = jaxmp.AutocastRules().with_scope("head", "float32")
+    for rules in (None, user_rules):
+        fn = jaxmp.autocast(_scoped, "O1-fp16", rules=rules)
+        found = locate_non_finite(fn, params, X)
+        assert found.found and found.path == "encoder/blow" and found.fix_module == "blow", found
+        assert "your own casts" not in found.fix_code, found.fix_code
+        assert "fn = jaxmp.autocast(fn.__wrapped__, 'O1-fp16', rules=rules)" in found.fix_code, found.fix_code
+        assert ("with_scope('head', 'float32')" in found.fix_code) == (rules is not None), found.fix_code
+        _no_code_placeholders(found.fix_code)
+        assert found.fix_effect.startswith("with the fix, no op makes inf/NaN"), found
+        ns = {"jaxmp": jaxmp, "fn": fn}
+        exec(compile(found.fix_code, "fix", "exec"), ns)
+        assert ns["fn"] is not fn and not locate_non_finite(ns["fn"], params, X).found
+        assert np.isfinite(float(ns["fn"](params, X))) and _grads_finite(ns["fn"], params, X)
+
+
 class _Moves(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -279,6 +317,16 @@ def test_rules_that_match_nothing_warn_once_with_the_closest_paths():
         good = jaxmp.flax.default_rules("O1-fp16").with_path("block_1/Dense_1")
         jaxmp.flax.mixed_precision(net, "O1-fp16", rules=good).apply(v, X)
     assert not [w for w in seen if "matches no" in str(w.message)], [str(w.message) for w in seen]
+    # Linen door: a class rule of the user's for a class the model does not use; one it uses is silent
+    conv = jaxmp.flax.mixed_precision(net, "O1-fp16", rules=jaxmp.flax.default_rules("O1-fp16").with_class(nn.Conv, "float32"))
+    dense = jaxmp.flax.mixed_precision(net, "O1-fp16", rules=jaxmp.flax.default_rules("O1-fp16").with_class(nn.Dense, "float32"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        conv.apply(v, X)
+        conv.apply(v, X)
+        dense.apply(v, X)
+    msgs = [str(w.message) for w in seen if "matches no" in str(w.message)]
+    assert len(msgs) == 1 and "class rule for Conv (no Conv in the model) matches no module" in msgs[0], msgs
     # NNX: a path rule and a class rule of the user's
     with pytest.warns(jaxmp.MixedPrecisionWarning, match=r"'layer/0' \(closest module paths: 'layers/0'"):
         jaxmp.flax.mixed_precision(nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0))), "O1-fp16",

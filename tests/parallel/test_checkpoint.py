@@ -178,3 +178,43 @@ def test_a_missing_or_edited_checksum_file_is_damage(tmp_path):
         os.remove(checksums)
         with pytest.raises(ValueError, match="is damaged: checksums/process_0.json: missing"):
             ckptr.restore(tmp_path / "ckpt", state)
+
+
+_SAVE_SLOWLY = """
+import sys, numpy as np, jaxmp
+state = {f"w{i}": np.full((1 << 22,), i, np.float32) for i in range(24)}  # 384 MiB: a save that takes a while
+print("saving", flush=True)
+with jaxmp.parallel.Checkpointer() as ckptr:
+    ckptr.save(sys.argv[1], state)
+print("saved", flush=True)
+"""
+
+
+@pytest.mark.slow  # a child process writes 384 MiB and is killed while it does (~10-30 s)
+def test_a_save_killed_midway_leaves_no_checkpoint_at_its_path(tmp_path):
+    """docs/guides/checkpointing.md: a save killed midway leaves no checkpoint at ``path`` (orbax
+    writes a temporary directory and renames it once complete), so a restore says so."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "ckpt"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    child = subprocess.Popen([sys.executable, "-c", _SAVE_SLOWLY, str(path)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert child.stdout.readline().strip() == "saving"
+        deadline = time.monotonic() + 120
+        while not any(".orbax-checkpoint-tmp" in p.name for p in tmp_path.iterdir()):
+            assert child.poll() is None and time.monotonic() < deadline, "the save ended before it was seen midway"
+            time.sleep(0.01)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGKILL
+    assert not path.exists(), sorted(p.name for p in tmp_path.iterdir())
+    with jaxmp.parallel.Checkpointer() as ckptr, pytest.raises(ValueError, match="no checkpoint at"):
+        ckptr.restore(path)
