@@ -5,7 +5,7 @@
     python -m benchmarks.search_strategies --dry-run            # the MLP, bf16 < float32, 2 steps
 
 Each model runs ``compare_to_float32(loss, params, x, y, choose=ladder, steps=K,
-search=strategy)`` for ``greedy`` and ``program`` (docs/precision-search.md) and records the rungs
+search=strategy)`` for ``greedy``, ``program`` and ``verified`` (docs/precision-search.md) and records the rungs
 each chose, the drift against the band, the low-precision FLOP share, the predicted matmul speed-up
 on B200 (datasheet peaks: a prediction) and the search's cost in training steps and seconds.
 Models: ``mlp``, the docs page's MLP whose head needs float32; ``attn``, a one-block attention
@@ -19,7 +19,7 @@ import json
 import sys
 
 MODELS = ("mlp", "attn")
-STRATEGIES = ("greedy", "program")
+STRATEGIES = ("greedy", "program", "verified")
 
 
 def _mlp():
