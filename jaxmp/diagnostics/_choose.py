@@ -515,7 +515,8 @@ def choose_precision(fn: Callable, args: tuple, *, choose: Any, policy: Any, ste
         floor = measure(top)
         if not floor <= threshold:
             return finish(top, float("nan"), floor, promotions, give_up(floor))
-        rows, options = [], []
+        rows: list[tuple[str, str, float]] = []
+        options: list[list[tuple[float, float]]] = []
         cost = _rung_costs(ladder, base)
         for p in paths:
             opts: list[tuple[float, float]] = []

@@ -9,8 +9,9 @@ second at the search's scale: each seed trains ``k`` steps from the given parame
 sample of the given batch (seed 0 the batch as given; seed ``s`` its rows drawn with replacement
 by ``numpy.random.default_rng(s)``: a different sample of the same data, as a seed's data order
 is), and a run's final loss is its own loss function's (the candidate's forward, as the
-benchmark's held-out loss is each variant's) on the whole given batch after training. A candidate is within when ``|mean(candidate) - mean(float32)| <= max(float32's spread
-(max - min), 1% of |mean(float32)|)``: `PrecisionPlan.verify`'s criterion
+benchmark's held-out loss is each variant's) on the whole given batch after training. A
+candidate is within when ``|mean(candidate) - mean(float32)| <= max(float32's spread (max -
+min), 1% of |mean(float32)|)``: `PrecisionPlan.verify`'s criterion
 (jaxmp/diagnostics/_verify.py). See docs/precision-search.md#the-verified-search.
 """
 
