@@ -6,8 +6,9 @@
 
 For each model (``benchmarks/_search_models.py``: jaxmp's small LM and MNIST-1D CNN, google/flax's
 lm1b Transformer, VAE and ImageNet ResNet, widths reduced): the search
-``compare_to_float32(loss, params, *batch, choose=True, steps=k, optimizer=adam)`` on seed 0's
-first batch, then float32, ``O2-bf16``, ``O2-mxfp8``, ``O2-nvfp4`` (``jaxmp.autocast(loss, preset)``)
+``compare_to_float32(loss, params, *batch, choose=True, steps=k, optimizer=adam, search=...)`` on
+seed 0's first batch (``--search``, default ``verified``: judged by float32's seed spread, as the
+table is), then float32, ``O2-bf16``, ``O2-mxfp8``, ``O2-nvfp4`` (``jaxmp.autocast(loss, preset)``)
 and the chosen rules (``jaxmp.autocast(loss, "O2-bf16", rules=plan.rules)``) trained for the same
 steps with Adam on 3 seeds (a seed sets the init and the data order). Reported per variant: the
 held-out loss per seed (each variant evaluates with its own forward), whether its mean is within
