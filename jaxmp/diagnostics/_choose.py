@@ -9,7 +9,10 @@ run's error, so that the band is float32's and a sensitive layer does not widen 
 path of its matmuls) starts at the ladder's lowest rung; while the whole run's k-step drift against
 float32 is outside the band, each module below the top is measured one rung up, and the one whose
 promotion shrinks the drift most (its measured share of the drift) is promoted; the drift is
-re-measured after each promotion. See docs/precision-search.md.
+re-measured after each promotion; a promotion that does not shrink it is not kept, and a rung that
+traces to the same program as the one below is skipped for that module. ``search="verified"``
+runs the same promotion judged by float32's seed spread instead (jaxmp/diagnostics/_seeded.py).
+See docs/precision-search.md.
 """
 
 from __future__ import annotations
@@ -73,8 +76,10 @@ class PrecisionPlan:
       code: the rules as code to paste (with the ``jaxmp.autocast`` call).
       flax_code: the same rules spelled for the Flax door (module paths as the scopes' paths).
       steps: training steps per measurement.
-      noise: the float32 twin's drift (the noise the band is built from).
-      threshold: ``NOISE_MARGIN * noise``: the band.
+      noise: the float32 twin's drift (the noise the band is built from); with
+        ``search="verified"``, float32's 3-seed spread of final losses over their mean.
+      threshold: ``NOISE_MARGIN * noise``: the band; with ``search="verified"``,
+        ``max(noise, 1%)``, the drift then being ``|mean final loss - float32's| / float32's``.
       drift_before: the drift with every module at the lowest rung.
       drift_after: the drift of the chosen rules (as measured for the last promotion).
       promotions: ``((path, from rung, to rung, drift after), ...)`` in order.
@@ -83,7 +88,7 @@ class PrecisionPlan:
       unscoped_flops: matmul FLOPs outside any name scope (they run in ``policy``; a rule cannot
         reach them).
       gave_up: why no rules were chosen ("" when they were).
-      search: the strategy, ``"greedy"`` or ``"program"``.
+      search: the strategy, ``"greedy"``, ``"program"`` or ``"verified"``.
       contributions: ``((path, rung, drift), ...)``: with ``search="program"``, each module's drift
         measured at each rung below the top, every other module at the top.
       floor: with ``search="program"``, the drift with every module at the top rung.
