@@ -6,8 +6,9 @@
 
 For each model (``benchmarks/_search_models.py``: jaxmp's small LM and MNIST-1D CNN, google/flax's
 lm1b Transformer, VAE and ImageNet ResNet, widths reduced): the search
-``compare_to_float32(loss, params, *batch, choose=True, steps=k, optimizer=adam)`` on seed 0's
-first batch, then float32, ``O2-bf16``, ``O2-mxfp8``, ``O2-nvfp4`` (``jaxmp.autocast(loss, preset)``)
+``compare_to_float32(loss, params, *batch, choose=True, steps=k, optimizer=adam, search=...)`` on
+seed 0's first batch (``--search``, default ``verified``: judged by float32's seed spread, as the
+table is), then float32, ``O2-bf16``, ``O2-mxfp8``, ``O2-nvfp4`` (``jaxmp.autocast(loss, preset)``)
 and the chosen rules (``jaxmp.autocast(loss, "O2-bf16", rules=plan.rules)``) trained for the same
 steps with Adam on 3 seeds (a seed sets the init and the data order). Reported per variant: the
 held-out loss per seed (each variant evaluates with its own forward), whether its mean is within
@@ -50,6 +51,9 @@ def _parser():
     p.add_argument("--skip-search", action="store_true",
                    help="train float32 and the fixed presets only (no search, no chosen rules): the table's rows "
                         "for a model whose search does not fit the time at hand")
+    p.add_argument("--search", default="verified", choices=("greedy", "program", "verified"),
+                   help="the search strategy of the chosen rules (default: verified, judged as the table is: "
+                        "float32's seed spread at the search's steps)")
     p.add_argument("--merge-from", help="comma list of result files to merge (models of later files win) into --out, "
                                         "instead of running")
     return p
@@ -97,7 +101,7 @@ def _bits(shares: dict[str, float]) -> float:
 
 
 def run_model(name: str, quick: bool, train_steps: int, search_steps: int, quiet: bool, ladder=True,
-              search: bool = True) -> dict:
+              search: bool = True, strategy: str = "verified") -> dict:
     """The search, then every variant on every seed, for one model: its entry of ``results.models``."""
     import optax
 
@@ -108,15 +112,15 @@ def run_model(name: str, quick: bool, train_steps: int, search_steps: int, quiet
     task = _search_models.task(name, quick)
     if not search:
         return _presets_only(name, task, train_steps, quiet)
-    log(f"[{name}] search ({search_steps} steps per measurement)", quiet)
+    log(f"[{name}] {strategy} search ({search_steps} steps per measurement)", quiet)
     plan = compare_to_float32(task.loss, task.init(0), *task.batch(0, 0), choose=ladder, steps=search_steps,
-                              optimizer=optax.adam(task.lr))
+                              optimizer=optax.adam(task.lr), search=strategy)
     log(str(plan), quiet)
     fns = {"float32": task.loss, **{p: jaxmp.autocast(task.loss, p) for p in PRESETS}}
     if plan.rules is not None:
         fns["chosen"] = jaxmp.autocast(task.loss, plan.policy, rules=plan.rules)
     variants, step_s, spread = _train_variants(name, task, fns, plan, train_steps, quiet)
-    search = {"cost_steps": int(plan.cost_steps), "seconds": float(plan.seconds), "step_s": step_s,
+    search = {"strategy": plan.search, "cost_steps": int(plan.cost_steps), "seconds": float(plan.seconds), "step_s": step_s,
               "cost_x_step_wall": float(plan.seconds / step_s), "steps_per_measurement": int(plan.steps),
               "band": float(plan.threshold), "drift_before": float(plan.drift_before),
               "drift_after": float(plan.drift_after), "within_band": bool(plan.within_band), "gave_up": plan.gave_up,
@@ -223,10 +227,10 @@ def run(args) -> dict:
     for name in models:
         t0 = time.perf_counter()
         out[name] = run_model(name, args.quick, steps["train_steps"], steps["search_steps"], args.quiet,
-                              LADDERS[1 if args.quick else 0], search=not args.skip_search)
+                              LADDERS[1 if args.quick else 0], search=not args.skip_search, strategy=args.search)
         out[name]["wall_s"] = time.perf_counter() - t0
     ladder = LADDERS[1 if args.quick else 0]
-    config = {**steps, "seeds": list(SEEDS), "ladder": list(BITS) if ladder is True else list(ladder),
+    config = {**steps, "search": args.search, "seeds": list(SEEDS), "ladder": list(BITS) if ladder is True else list(ladder),
               "variants": list(VARIANTS), "optimizer": "optax.adam(model's lr)",
               "within": "|mean - mean_float32| <= max - min of float32's seeds", "bits": BITS}
     return make_result("precision_search", env, config, {"models": out}, args.quick)

@@ -1,12 +1,12 @@
-"""The precision search's two strategies side by side: greedy promotion and the integer program.
+"""The precision search's strategies side by side: greedy promotion, the integer program, verified.
 
     python -m benchmarks.search_strategies                      # both models, the default ladder
     python -m benchmarks.search_strategies --models mlp --steps 4 --out -
     python -m benchmarks.search_strategies --dry-run            # the MLP, bf16 < float32, 2 steps
 
 Each model runs ``compare_to_float32(loss, params, x, y, choose=ladder, steps=K,
-search=strategy)`` for ``greedy`` and ``program`` (docs/precision-search.md) and records the rungs
-each chose, the drift against the band, the low-precision FLOP share, the predicted matmul speed-up
+search=strategy)`` for ``greedy``, ``program`` and ``verified`` (docs/precision-search.md) and
+records the rungs each chose, the drift against the band, the low-precision FLOP share, the predicted matmul speed-up
 on B200 (datasheet peaks: a prediction) and the search's cost in training steps and seconds.
 Models: ``mlp``, the docs page's MLP whose head needs float32; ``attn``, a one-block attention
 model (embedding, q/k/v/o projections, an MLP, a head) on random tokens.
@@ -19,7 +19,7 @@ import json
 import sys
 
 MODELS = ("mlp", "attn")
-STRATEGIES = ("greedy", "program")
+STRATEGIES = ("greedy", "program", "verified")
 
 
 def _mlp():
@@ -75,7 +75,7 @@ def _attn():
 
 
 def run(model: str, steps: int, lr: float, ladder: bool | tuple = True) -> dict:
-    """Both strategies on ``model``: their rungs, drift, FLOP shares, prediction and cost."""
+    """Every strategy on ``model``: their rungs, drift, FLOP shares, prediction and cost."""
     import optax
 
     from jaxmp.diagnostics import compare_to_float32

@@ -9,7 +9,10 @@ run's error, so that the band is float32's and a sensitive layer does not widen 
 path of its matmuls) starts at the ladder's lowest rung; while the whole run's k-step drift against
 float32 is outside the band, each module below the top is measured one rung up, and the one whose
 promotion shrinks the drift most (its measured share of the drift) is promoted; the drift is
-re-measured after each promotion. See docs/precision-search.md.
+re-measured after each promotion; a promotion that does not shrink it is not kept, and a rung that
+traces to the same program as the one below is skipped for that module. ``search="verified"``
+runs the same promotion judged by float32's seed spread instead (jaxmp/diagnostics/_seeded.py).
+See docs/precision-search.md.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 
 from jaxmp import _jaxpr
 from jaxmp._typing import PyTree
-from jaxmp.diagnostics import _cost, _format, _program
+from jaxmp.diagnostics import _cost, _format, _program, _seeded
 from jaxmp.diagnostics._matmul import conv_gemm, dot_gemm
 from jaxmp.diagnostics._noise import NOISE_MARGIN, drift
 from jaxmp.diagnostics._shadow_steps import _noisy, _perturb
@@ -40,7 +43,7 @@ DEFAULT_LADDER = ("O2-nvfp4", "O2-mxfp8", "O2-bf16", "float32")
 #: Training steps per measurement when ``steps=0`` is given with ``choose``.
 DEFAULT_STEPS = 8
 #: The search strategies of ``compare_to_float32(choose=..., search=...)``.
-SEARCHES = ("greedy", "program")
+SEARCHES = ("greedy", "program", "verified")
 _MARKERS = ("jaxmp[", "jaxmp.rule=")
 
 
@@ -73,8 +76,10 @@ class PrecisionPlan:
       code: the rules as code to paste (with the ``jaxmp.autocast`` call).
       flax_code: the same rules spelled for the Flax door (module paths as the scopes' paths).
       steps: training steps per measurement.
-      noise: the float32 twin's drift (the noise the band is built from).
-      threshold: ``NOISE_MARGIN * noise``: the band.
+      noise: the float32 twin's drift (the noise the band is built from); with
+        ``search="verified"``, float32's 3-seed spread of final losses over their mean.
+      threshold: ``NOISE_MARGIN * noise``: the band; with ``search="verified"``,
+        ``max(noise, 1%)``, the drift then being ``|mean final loss - float32's| / float32's``.
       drift_before: the drift with every module at the lowest rung.
       drift_after: the drift of the chosen rules (as measured for the last promotion).
       promotions: ``((path, from rung, to rung, drift after), ...)`` in order.
@@ -83,7 +88,7 @@ class PrecisionPlan:
       unscoped_flops: matmul FLOPs outside any name scope (they run in ``policy``; a rule cannot
         reach them).
       gave_up: why no rules were chosen ("" when they were).
-      search: the strategy, ``"greedy"`` or ``"program"``.
+      search: the strategy, ``"greedy"``, ``"program"`` or ``"verified"``.
       contributions: ``((path, rung, drift), ...)``: with ``search="program"``, each module's drift
         measured at each rung below the top, every other module at the top.
       floor: with ``search="program"``, the drift with every module at the top rung.
@@ -227,8 +232,13 @@ class PrecisionPlan:
     def table(self) -> str:
         """The report: verdict, modules with their rungs, FLOP shares, cost, the code, the predicted
         speed-ups and, once `verify` ran, the verification."""
+        if self.search == "verified":
+            band = (f"drift = |mean final loss - float32's| / float32's over {len(_seeded.SEEDS)} seeds, band = "
+                    f"max(float32's seed spread {self.noise:.3g}, {_seeded.REL_FLOOR:g}) = {self.threshold:.3g}")
+        else:
+            band = f"band = {NOISE_MARGIN:g} x float32 twin drift {self.noise:.3g} = {self.threshold:.3g}"
         head = (f"choose precision ({' < '.join(self.ladder)}), {self.search} search, {self.steps} steps per "
-                f"measurement: band = {NOISE_MARGIN:g} x float32 twin drift {self.noise:.3g} = {self.threshold:.3g}")
+                f"measurement: {band}")
         out = [_format.wrap(head)]
         verdict = f"({'within' if self.within_band else 'outside'} the band)"
         if self.gave_up:
@@ -255,7 +265,7 @@ class PrecisionPlan:
         for path, got in by.items():
             out.append(_format.wrap(f"  alone (the rest at {self.ladder[-1]}): {path}: {', '.join(got)}"))
         for i, (path, a, b, d) in enumerate(self.promotions):
-            what = "promotion" if self.search == "greedy" else "the program missed; promotion"
+            what = "the program missed; promotion" if self.search == "program" else "promotion"
             out.append(f"  {what} {i + 1}: {path} {a} -> {b}, drift {d:.3g}")
         out.append(_format.wrap(f"search cost: {self.cost_steps} training steps ({self.seconds:.1f} s)"))
         if self.code:
@@ -457,13 +467,14 @@ def choose_precision(fn: Callable, args: tuple, *, choose: Any, policy: Any, ste
     ref = trainer.losses(fn)
     extra: dict[str, Any] = {"search": search, "source": (*(source or (fn, args)), tx)}
 
-    def plan(assign, noise, before, after, promotions, gave_up="", rules=None):
+    def plan(assign, noise, before, after, promotions, gave_up="", rules=None, threshold=None):
         mods = tuple(ModuleRung(p, assign[p], found[p][0], found[p][1]) for p in paths)
         call = f"step_loss = jaxmp.autocast(loss_fn, {base!r}, rules=rules)"
         door = f"model = jaxmp.flax.mixed_precision(model, {base!r}, rules=rules)"
         code = _code(assign, base, "with_scope", call) if rules is not None else ""
         flax_code = _code(assign, base, "with_path", door) if rules is not None else ""
-        return PrecisionPlan(mods, ladder, base, rules, code, flax_code, steps, noise, NOISE_MARGIN * noise, before,
+        band = NOISE_MARGIN * noise if threshold is None else threshold
+        return PrecisionPlan(mods, ladder, base, rules, code, flax_code, steps, noise, band, before,
                              after, tuple(promotions), trainer.cost, time.perf_counter() - t0, loose, gave_up, **extra)
 
     lowest = {p: ladder[0] for p in paths}
@@ -476,28 +487,49 @@ def choose_precision(fn: Callable, args: tuple, *, choose: Any, policy: Any, ste
                     "no matmul is inside a name scope, so no rule can place one: wrap each layer in "
                     "`with jax.named_scope('layer_name'):` (Flax Linen modules name theirs; NNX and plain JAX need "
                     "it by hand)")
-    noise = _band(trainer, base, fn, ref)
-    threshold = NOISE_MARGIN * noise
+    if search == "verified":
+        rests = _seeded.seed_batches(trainer.rest)
+        if rests is None:
+            return plan(lowest, float("nan"), float("nan"), float("nan"), (),
+                        "search='verified' draws each seed's sample from the batch's leading axis, and no batch "
+                        "argument has one of size >= 2: give a batch of examples, or use search='greedy'")
+        check = _seeded.SeedCheck(trainer, fn, rests)
+        noise, threshold = check.relative_spread, check.band
 
-    def measure(assign) -> float:
-        return drift(trainer.losses(autocast(fn, base, rules=_rules_of(assign, base))), ref)
+        def measure(assign) -> float:
+            return check.gap(autocast(fn, base, rules=_rules_of(assign, base)))
+    else:
+        noise = _band(trainer, base, fn, ref)
+        threshold = NOISE_MARGIN * noise
+
+        def measure(assign) -> float:
+            return drift(trainer.losses(autocast(fn, base, rules=_rules_of(assign, base))), ref)
+
+    def finish(assign, before, current, promotions, gave_up=""):
+        rules = None if gave_up else _rules_of(assign, base)
+        return plan(assign, noise, before, current, promotions, gave_up, rules, threshold)
 
     def give_up(current: float) -> str:
         return (f"even {ladder[-1]} at every module leaves a drift of {current:.3g} > band {threshold:.3g}: what is "
                 "left runs outside the modules (unscoped ops under the policy) or is not a precision problem")
 
+    same = _SameProgram(fn, args, base)
     promotions: list[tuple[str, str, str, float]] = []
+    top = {p: ladder[-1] for p in paths}
     if search == "program":
-        top = {p: ladder[-1] for p in paths}
         floor = measure(top)
         if not floor <= threshold:
-            return plan(top, noise, float("nan"), floor, promotions, give_up(floor))
-        rows, options = [], []
+            return finish(top, float("nan"), floor, promotions, give_up(floor))
+        rows: list[tuple[str, str, float]] = []
+        options: list[list[tuple[float, float]]] = []
         cost = _rung_costs(ladder, base)
         for p in paths:
-            opts = []
-            for rung in ladder[:-1]:
-                d = measure({**top, p: rung})
+            opts: list[tuple[float, float]] = []
+            for i, rung in enumerate(ladder[:-1]):
+                if i and same({**top, p: rung}, {**top, p: ladder[i - 1]}):
+                    d = rows[-1][2]  # compiles to the rung below's program: its measurement, not a new one
+                else:
+                    d = measure({**top, p: rung})
                 rows.append((p, rung, d))
                 opts.append((found[p][0] * cost[rung], max(d - floor, 0.0) if np.isfinite(d) else float("inf")))
             opts.append((found[p][0] * cost[ladder[-1]], 0.0))
@@ -511,20 +543,72 @@ def choose_precision(fn: Callable, args: tuple, *, choose: Any, policy: Any, ste
     else:
         assign = dict(lowest)
         current = before = measure(assign)
-    while not current <= threshold:  # greedy: from the lowest rungs, or from the program's choice when it missed
-        movable = [p for p in paths if ladder.index(assign[p]) < len(ladder) - 1]
-        if not movable:
-            return plan(assign, noise, before, current, promotions, give_up(current))
+    # greedy (and the verified search): from the lowest rungs, or from the program's choice when it missed
+    while not current <= threshold:
         trials = []
-        for p in movable:
-            up = {**assign, p: ladder[ladder.index(assign[p]) + 1]}
-            trials.append((measure(up), p))
-        # The largest measured share: the promotion that shrinks the drift most (program order on ties).
-        d, p = min(trials, key=lambda t: (t[0] if np.isfinite(t[0]) else np.inf, paths.index(t[1])))
-        promotions.append((p, assign[p], ladder[ladder.index(assign[p]) + 1], d))
-        assign[p] = promotions[-1][2]
+        for p in paths:
+            up = same.next_rung(assign, p, ladder)
+            if up is not None:
+                trials.append((measure({**assign, p: up}), p, up))
+        best = _best(trials, paths)
+        if best is None or not best[0] < current:
+            # No single one-rung promotion shrinks the drift: try each module at the top rung at once
+            # (a rung between may change nothing), and stop when that does not either.
+            jumps = [(measure({**assign, p: ladder[-1]}), p, ladder[-1]) for p in paths
+                     if assign[p] != ladder[-1] and not any(t[1] == p and t[2] == ladder[-1] for t in trials)]
+            best = _best(jumps + trials, paths)
+        if best is None or not best[0] < current:
+            if assign == top:
+                return finish(assign, before, current, promotions, give_up(current))
+            everything = measure(top)
+            if not everything <= threshold:
+                return finish(top, before, everything, promotions, give_up(everything))
+            what = "no module can move" if best is None else f"the best, {best[1]} to {best[2]}, gives {best[0]:.3g}"
+            return finish(assign, before, current, promotions,
+                          f"no single promotion shrinks the drift {current:.3g} ({what}) while {ladder[-1]} at every "
+                          f"module is within the band ({everything:.3g}): the drift is no one module's; try "
+                          "search='program' or more steps")
+        d, p, up = best
+        promotions.append((p, assign[p], up, d))
+        assign[p] = up
         current = d
-    return plan(assign, noise, before, current, promotions, rules=_rules_of(assign, base))
+    return finish(assign, before, current, promotions)
+
+
+def _best(trials: list, paths: list[str]):
+    """The trial with the least measured drift (program order on ties), or None."""
+    if not trials:
+        return None
+    return min(trials, key=lambda t: (t[0] if np.isfinite(t[0]) else np.inf, paths.index(t[1])))
+
+
+class _SameProgram:
+    """Whether two assignments trace to the same program (a rung that runs a module's ops exactly
+    as the one below, e.g. convolutions under NVFP4 and MXFP8, both per-tensor E4M3): such a rung
+    is one rung for that module, skipped rather than measured."""
+
+    def __init__(self, fn: Callable, args: tuple, base: str):
+        self.fn, self.args, self.base = fn, args, base
+        self._text: dict[tuple, str] = {}
+
+    def text(self, assign: dict[str, str]) -> str:
+        from jaxmp.engine._seams import autocast
+
+        key = tuple(sorted(assign.items()))
+        if key not in self._text:
+            self._text[key] = str(jax.make_jaxpr(autocast(self.fn, self.base, rules=_rules_of(assign, self.base)))(
+                *self.args))
+        return self._text[key]
+
+    def __call__(self, a: dict[str, str], b: dict[str, str]) -> bool:
+        return a == b or self.text(a) == self.text(b)
+
+    def next_rung(self, assign: dict[str, str], path: str, ladder: tuple[str, ...]) -> str | None:
+        """The next rung up for ``path`` that changes its program (None at the top)."""
+        for rung in ladder[ladder.index(assign[path]) + 1:]:
+            if not self(assign, {**assign, path: rung}):
+                return rung
+        return None
 
 
 def _rung_costs(ladder: tuple[str, ...], base: str) -> dict[str, float]:

@@ -342,7 +342,12 @@ def compare_to_float32(fn: Callable, *args, policy: PolicyLike | None = None, st
         module whose promotion shrinks the measured drift most until it is within the band;
         ``"program"`` measures each module at each rung alone and solves an integer program (least
         predicted matmul cost whose summed drift contributions fit the band), then measures that
-        choice and promotes greedily from it if it misses.
+        choice and promotes greedily from it if it misses (both judge by the twin-run band: the
+        strict default); ``"verified"`` judges as ``PrecisionPlan.verify`` and the issue's table
+        do: from the lowest rung everywhere, it promotes greedily only while the 3-seed final
+        loss (each seed on its own sample of the batch's rows) is outside float32's seed spread
+        (at least 1%) at ``steps`` steps. Greedy keeps no promotion that does not shrink the
+        drift, and skips a rung that runs a module as the rung below does.
 
     Returns:
       A `ShadowReport`: ``str()`` starts with the verdict (nothing to fix, or an alarm, with its

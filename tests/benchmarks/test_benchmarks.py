@@ -746,6 +746,8 @@ def test_search_strategies_dry_run_runs_both_searches():
         assert result[strategy]["within_band"] and result[strategy]["rungs"]["head"] == "float32"
     # the program: reference, twin, the all-float32 floor, 3 modules alone, its choice; 2 steps each
     assert result["program"]["cost_steps"] == 2 * 7
+    # the verified search: judged by float32's 3-seed spread, its rules within it
+    assert result["verified"]["within_band"] and not result["verified"]["gave_up"]
 
 
 #: Where each entry point's dry run (or, for scripts without a model to shrink, its plain run) is
