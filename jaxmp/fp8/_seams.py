@@ -12,9 +12,16 @@ from jaxmp.fp8 import _hardware as hardware
 from jaxmp.fp8 import _recipes as recipes
 from jaxmp.fp8 import _state as state
 from jaxmp.fp8._state import FP8_COLLECTION
+# The sharded layouts' matmul-format gathers (jaxmp/parallel/_wire_matmul.py): a kernel gathered
+# as the codes and scale its per-tensor fp8 matmul makes of it.
+from jaxmp.fp8._scaling import amax, compute_scale, dequantize, quantize
 
 __all__ = [
     "FP8_COLLECTION",
+    "amax",
+    "compute_scale",
+    "dequantize",
+    "quantize",
     "block_watch",
     "hardware",
     "recipes",

@@ -64,7 +64,7 @@ def check_format(value: Any, layout: Any) -> Any:
         other than ``"fsdp"`` (each named, with the way out).
     """
     from jaxmp import fp8
-    from jaxmp.engine._rules import matmul_format
+    from jaxmp.engine._seams import matmul_format
 
     try:
         ok, recipe = matmul_format(value)
@@ -120,10 +120,10 @@ def feeds_matmul(key: str, x: Any, recipe: Any = None) -> bool:
     """Whether the leaf ``x`` whose path ends in ``key`` (`leaf_key`) is gathered in the matmul's
     format: a floating kernel of two or more dimensions; exactly two for block-scaled ``recipe``
     (a Dense kernel ``(in, out)``, contracted along its first axis)."""
-    from jaxmp.parallel._reduce import is_float
+    from jaxmp._dtypes import is_floating_array
 
     blocked = recipe is not None and recipe.block is not None
-    return key == MATMUL_LEAF and is_float(x) and (jnp.ndim(x) == 2 if blocked else jnp.ndim(x) >= 2)
+    return key == MATMUL_LEAF and is_floating_array(x) and (jnp.ndim(x) == 2 if blocked else jnp.ndim(x) >= 2)
 
 
 def leaf_wire(wire: Any, key: str, x: Any) -> Any:
@@ -141,7 +141,7 @@ def matmul_gather(piece: jax.Array, axis: str, dim: int, recipe: Any) -> jax.Arr
     of the gathered param gives its matmul. Call inside a ``shard_map`` over ``axis``."""
     if recipe.block is not None:
         return _block_gather(piece, axis, dim, recipe)
-    from jaxmp.fp8._scaling import amax, compute_scale, dequantize, quantize
+    from jaxmp.fp8._seams import amax, compute_scale, dequantize, quantize
 
     dtype = recipe.fwd_dtype
     # The whole param's amax (a max is exact in any order): the scale the matmul computes.
