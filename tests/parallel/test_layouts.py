@@ -1102,3 +1102,17 @@ def test_the_sharded_steps_two_strategies_set_the_same_attributes_whatever_the_l
     assert per_shard.wrap_loss(loss) is loss and global_view.wrap_loss(loss) is not loss
     gathers = {s._gather_shardings is not None for s in (per_shard, global_view)}
     assert gathers == {layout == "zero"}   # ZeRO's new params gathered in turn, by its facts
+
+
+@pytest.mark.parametrize("layout,options", [("replicated", {}), ("zero", {}), ("fsdp", {"gather_bits": 8, "reduce_bits": 4})])
+def test_a_mesh_with_explicit_axes_is_refused_naming_the_axis(layout, options):
+    # Before: the call failed inside JAX, a numpy batch with "in_specs passed to shard_map ... does not
+    # match the specs of the input", FSDP with a matmul's "Contracting dimensions are sharded".
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tx = jaxmp.loss_scaling(optax.adamw(1e-2), "none", master_weights=True)
+    loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)  # noqa: E731
+    with pytest.raises(ValueError, match=r"mesh whose axes are all Auto.*'data' is Explicit.*make_data_mesh"):
+        jaxmp.parallel.make_sharded_train_step(loss, tx, mesh, layout=layout, **options)
+    # The same mesh with Auto axes builds (the check reads the axis types, not the mesh's shape).
+    auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    assert jaxmp.parallel.make_sharded_train_step(loss, tx, auto, layout=layout, **options).layout.mesh is auto
