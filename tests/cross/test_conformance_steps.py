@@ -431,11 +431,12 @@ def _check_wire_cell(layout, scan, masters, wire):
     for t in (0, 1):
         assert np.isfinite(m[t]["loss"]) and bool(m[t]["last_step_finite"])
         np.testing.assert_allclose(m[t]["loss"], rm[t]["loss"], rtol=3e-2)
-    # Each AdamW step moves a param by about its learning rate (1e-2): after two steps a quantized
-    # cell's params are within two steps of the unquantized cell's, and they did move.
+    # Each AdamW step moves a param by about its learning rate (1e-2), either way: after two steps a
+    # quantized cell's params are within 4e-2 of the unquantized cell's (both steps the other way),
+    # and they did move.
     p2, q2 = _leaves(s2[0]), _leaves(r2[0])
     for k, (_, x) in p2.items():
-        np.testing.assert_allclose(_host(x).astype(np.float32), _host(q2[k][1]).astype(np.float32), atol=2.5e-2)
+        np.testing.assert_allclose(_host(x).astype(np.float32), _host(q2[k][1]).astype(np.float32), atol=4e-2)
     assert any(_bits(x) != _bits(_leaves(s0[0])[k][1]) for k, (_, x) in p2.items())
     # The poisoned step is skipped on every device, as in the unquantized cell: every leaf but the
     # loss-scaling bookkeeping is bitwise unchanged, and the bookkeeping moves the same way.
