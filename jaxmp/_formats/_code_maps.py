@@ -264,8 +264,12 @@ class Grid:
         if k is None:
             return ()
         part = int(np.prod(shape[k + 1:], dtype=np.int64))
+        # At 4 bits the last axis is stored halved (two codes a byte, `codes_shape`): split there,
+        # each device's part of it must hold whole bytes, else the codes' axis does not divide by n
+        # (a block of 5 on a 40-wide row: 5 codes a device, 20 bytes a row over 8 devices).
+        whole_bytes = self.bits != 4 or k != len(shape) - 1 or (shape[k] // n) % 2 == 0
         return tuple(d for d in range(k) if shape[d] % n == 0) + (
-            (k,) if shape[k] % n == 0 and (shape[k] // n * part) % self.block == 0 else ())
+            (k,) if shape[k] % n == 0 and (shape[k] // n * part) % self.block == 0 and whole_bytes else ())
 
     def _blocks(self, x: jax.Array) -> jax.Array:
         """``x`` in float32 as blocks: ``shape[:k] + (n, block)`` (``k``: `axis`), else flattened

@@ -321,8 +321,10 @@ def _custom_vjp(interp, eqn, vals, comps):
             zero_outs[:] = [internals.is_zero(g) for g in got]
             return [g for g in got if not internals.is_zero(g)]
 
-        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, lit in zip(res_avals, literal) if not lit]
-        ct_structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, z in zip(ct_avals, zero_cts) if not z]
+        # The avals themselves, not shape-and-dtype copies: inside a shard_map they say which mesh
+        # axes a value varies over, and JAX checks the rule's cotangents against the primal's.
+        structs = [a for a, lit in zip(res_avals, literal) if not lit]
+        ct_structs = [a for a, z in zip(ct_avals, zero_cts) if not z]
         traced = jax.make_jaxpr(run_bwd)(structs, ct_structs)
         traced_res = [r for r, lit in zip(res, literal) if not lit]
         outs = iter(interp.run(traced.jaxpr, traced.consts, [Val(x) for x in (*traced_res, *nonzero_cts)], comps))

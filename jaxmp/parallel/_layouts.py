@@ -81,6 +81,25 @@ def check_data_axis(mesh: Any, data_axis: str | None) -> str:
     return data_axis
 
 
+def check_auto_axes(mesh: Mesh) -> None:
+    """A ValueError naming a mesh's ``Explicit`` (or ``Manual``) axes: the sharded step needs ``Auto`` ones.
+
+    The step places its state and batch with sharding constraints and reduces the gradients in a
+    ``shard_map`` over the data axis: on an ``Explicit`` axis every op of the loss must resolve its
+    output sharding and the shard_map's inputs must already carry its specs, so the call fails
+    inside JAX (a ``shard_map`` in_specs mismatch, or a matmul's ambiguous sharding) whatever the
+    batch. docs/parallel.md ("Explicit sharding's unreduced/reduced states") says why it keeps to Auto.
+    """
+    types = getattr(mesh, "axis_types", None) or ()
+    auto = getattr(getattr(jax.sharding, "AxisType", None), "Auto", None)
+    other = [(name, t) for name, t in zip(mesh.axis_names, types) if auto is not None and t != auto]
+    if other:
+        listing = ", ".join(f"{name!r} is {getattr(t, 'name', t)}" for name, t in other)
+        raise ValueError(f"the sharded step needs a mesh whose axes are all Auto (GSPMD): {listing}. Build it with "
+                         "jaxmp.parallel.make_data_mesh() or jax.make_mesh(shape, names, "
+                         "axis_types=(jax.sharding.AxisType.Auto, ...))")
+
+
 def check_min_size(min_shard_size: Any) -> int:
     """``min_shard_size`` as an int, or a ValueError for anything but an int >= 0."""
     if isinstance(min_shard_size, bool) or not isinstance(min_shard_size, (int, np.integer)) or min_shard_size < 0:

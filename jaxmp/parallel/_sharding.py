@@ -385,6 +385,7 @@ def make_sharded_train_step(loss_fn: Callable[..., Any], tx: optax.GradientTrans
     state_layout = layouts.resolve_layout(mesh, layout, data_axis=data_axis, param_specs=param_specs,
                                           min_shard_size=min_shard_size)
     mesh, layout, axis = state_layout.mesh, state_layout.name, state_layout.data_axis
+    layouts.check_auto_axes(mesh)
     reduce_dtype = check_reduce_dtype(reduce_dtype)
     wire = wire_mod.check_wire(gather_bits, reduce_bits, wire_block, state_layout, reduce_dtype)
     remat = per_layer.remat_policy(remat)

@@ -34,7 +34,8 @@ from flax import nnx
 import jaxmp
 import jaxmp.flax
 from jaxmp._scaling._loss_scale import LOSS_SCALE_TYPES
-from jaxmp.parallel._layouts import LAYOUTS
+from jaxmp.parallel import _wire
+from jaxmp.parallel._layouts import KINDS, LAYOUTS
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 FEATURES, HIDDEN, LAYERS, OUT, BATCH = 4, 16, 2, 2, 16
@@ -163,12 +164,12 @@ def _stats():
     return {"mean": jnp.zeros(HIDDEN, F32)}
 
 
-def _sharded(layout, scan):
+def _sharded(layout, scan, wire=None):
     def factory(loss_scale, masters):
         mesh = jaxmp.parallel.make_data_mesh()
         tx = _tx(loss_scale, masters)
         step = jaxmp.parallel.make_sharded_train_step(_mlp_loss(scan), tx, mesh, layout=layout, model_state=True,
-                                                      min_shard_size=0)
+                                                      min_shard_size=0, **(wire or {}))
         params = _mlp_params(BF16 if masters else F32)
         p, s = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)
         state = (p, jaxmp.parallel.replicate_on_mesh(_stats(), mesh), s)
@@ -360,3 +361,102 @@ def test_each_cell_trains_then_skips_a_non_finite_step_exactly(linen_variables, 
         assert after.get("scale", 1.0) == scale_before                       # a static / no-op scale stays
     # Every step's metric is the scale this step's loss was multiplied by (the one that overflowed).
     assert _one(metrics["loss_scale"]) == scale_before
+
+
+# ----------------------------------------------------------------------------- precision on the wire
+#
+# The wire options (issue 63) are an axis of their own, generated from what jaxmp has: every
+# combination of ``_wire.GATHER_BITS`` and ``_wire.REDUCE_BITS`` (each or None, not both None) on
+# every layout that moves state over the data axis (``shards_state``), with and without
+# scan_layers, under both master settings, on the dynamic loss scale (the richest bookkeeping).
+# ZeRO's quantized gather needs a float32 master (its params are the gathered copy): without one
+# the cell checks the documented refusal.
+
+WIRE_BLOCK = 8  # several blocks in each device's piece of this model's leaves
+WIRE = [{k: v for k, v in (("gather_bits", g), ("reduce_bits", r)) if v is not None}
+        for g in (None, *_wire.GATHER_BITS) for r in (None, *_wire.REDUCE_BITS) if (g, r) != (None, None)]
+WIRE_CELLS = [(layout, scan, masters, wire) for layout in LAYOUTS if KINDS[layout].shards_state
+              for scan in (False, True) for masters in MASTERS for wire in WIRE]
+WIRE_IDS = [f"{layout}{'-scan' if scan else ''}-{masters}-" + "-".join(f"{k.split('_')[0]}{v}" for k, v in w.items())
+            for layout, scan, masters, w in WIRE_CELLS]
+# The default tier (about 10 s) trains a slice: every option at once on FSDP with scan_layers and
+# masters (the per-layer gathers), and ZeRO's refusal without a master; the slow tier every cell.
+WIRE_DEFAULT = [c for c in WIRE_CELLS
+                if (c[0] == "fsdp" and c[1] and c[2] == "masters-bf16" and c[3] == WIRE[-1])
+                or (c[0] == "zero" and not c[1] and c[2] == "f32-no-masters" and c[3] == WIRE[-1])]
+
+
+def _wire_refusal(layout, masters, wire):
+    if layout == "zero" and "gather_bits" in wire and not MASTERS[masters]:
+        return r"gather_bits under layout='zero' .*master_weights=True"
+    return None
+
+
+@functools.cache
+def _wire_run(layout, scan, masters, wire_items):
+    """Two normal steps and a poisoned one of a sharded cell (``wire_items``: its options as a
+    sorted tuple; empty: the unquantized cell): the states and metrics, on the host."""
+    opts = dict(wire_items)
+    if opts:
+        opts["wire_block"] = WIRE_BLOCK
+    cell = _sharded(layout, scan, opts)(LOSS_SCALES[jaxmp.DynamicLossScale][1], MASTERS[masters])
+    states, metrics = [cell.state], []
+    for poisoned in (False, False, True):
+        state, m = cell.step(states[-1], cell.batch(poisoned))
+        states.append(state)
+        metrics.append({k: _host(v) for k, v in m.items() if k != "aux"})
+    return states, metrics
+
+
+def test_the_wire_axis_is_generated_from_the_package():
+    assert len(WIRE) == (len(_wire.GATHER_BITS) + 1) * (len(_wire.REDUCE_BITS) + 1) - 1
+    assert {c[0] for c in WIRE_CELLS} == {name for name, kind in KINDS.items() if kind.shards_state}
+    assert len(WIRE_CELLS) == len(WIRE) * 2 * len(MASTERS) * sum(kind.shards_state for kind in KINDS.values())
+    assert WIRE[-1] == {"gather_bits": max(_wire.GATHER_BITS), "reduce_bits": _wire.REDUCE_BITS[-1]}
+    assert len(WIRE_DEFAULT) == 2
+
+
+def _check_wire_cell(layout, scan, masters, wire):
+    refused = _wire_refusal(layout, masters, wire)
+    if refused is not None:
+        with pytest.raises(ValueError, match=refused):
+            _wire_run(layout, scan, masters, tuple(sorted(wire.items())))
+        return
+    (s0, s1, s2, s3), m = _wire_run(layout, scan, masters, tuple(sorted(wire.items())))
+    (r0, r1, r2, _), rm = _wire_run(layout, scan, masters, ())
+    # The state keeps its structure, shapes and dtypes: no codes of the wire are kept in it.
+    assert _spec(s1) == _spec(s0) == _spec(r1)
+    # The first loss is the forward on the gathered (dequantized under gather_bits) params; the
+    # second also follows one update from the reduced (quantized under reduce_bits) gradients.
+    for t in (0, 1):
+        assert np.isfinite(m[t]["loss"]) and bool(m[t]["last_step_finite"])
+        np.testing.assert_allclose(m[t]["loss"], rm[t]["loss"], rtol=3e-2)
+    # Each AdamW step moves a param by about its learning rate (1e-2), either way: after two steps a
+    # quantized cell's params are within 4e-2 of the unquantized cell's (both steps the other way),
+    # and they did move.
+    p2, q2 = _leaves(s2[0]), _leaves(r2[0])
+    for k, (_, x) in p2.items():
+        np.testing.assert_allclose(_host(x).astype(np.float32), _host(q2[k][1]).astype(np.float32), atol=4e-2)
+    assert any(_bits(x) != _bits(_leaves(s0[0])[k][1]) for k, (_, x) in p2.items())
+    # The poisoned step is skipped on every device, as in the unquantized cell: every leaf but the
+    # loss-scaling bookkeeping is bitwise unchanged, and the bookkeeping moves the same way.
+    assert not bool(m[2]["last_step_finite"]) and not bool(rm[2]["last_step_finite"])
+    old, new = _leaves(s2), _leaves(s3)
+    changed = [k for k, (names, x) in new.items() if _bits(x) != _bits(old[k][1]) and not set(names) & BOOKKEEPING]
+    assert not changed, f"a skipped step changed {changed}"
+    assert _book(s3) == _book(_wire_run(layout, scan, masters, ())[0][3])
+
+
+@pytest.mark.standard_promotion(reason="optax's adamw mixes dtypes inside")
+@pytest.mark.parametrize("layout,scan,masters,wire", WIRE_DEFAULT,
+                         ids=[WIRE_IDS[WIRE_CELLS.index(c)] for c in WIRE_DEFAULT])
+def test_a_slice_of_the_wire_cells_trains_close_to_the_unquantized_cell_and_skips_exactly(layout, scan, masters,
+                                                                                           wire):
+    _check_wire_cell(layout, scan, masters, wire)
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(reason="optax's adamw mixes dtypes inside")
+@pytest.mark.parametrize("layout,scan,masters,wire", WIRE_CELLS, ids=WIRE_IDS)
+def test_each_wire_cell_trains_close_to_the_unquantized_cell_and_skips_exactly(layout, scan, masters, wire):
+    _check_wire_cell(layout, scan, masters, wire)

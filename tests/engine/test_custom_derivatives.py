@@ -341,3 +341,30 @@ def test_neural_ode_adjoint(preset, adjoint):
     got = jax.jit(jax.value_and_grad(jaxmp.autocast(loss, preset)))(params, y0)
     assert all(g.dtype == np.float32 for g in jax.tree.leaves(got[1]))
     _assert_close(got, want, rtol=0.05)
+
+
+def test_a_custom_vjp_under_autocast_inside_a_shard_map_keeps_its_cotangents_varying():
+    # Inside a shard_map the values a rule sees vary over the mesh axis ({V:data}); the engine
+    # traces the rule's backward again, and with shape-and-dtype copies of the avals its cotangent
+    # lost that type: "the manual axis types do not match" (jaxmp.flax.mixed_precision's attention
+    # in the sharded step's per-shard loss). Traced on the avals themselves it keeps it.
+    from jax.sharding import PartitionSpec as P
+
+    @jax.custom_vjp
+    def sin(x):
+        return jnp.sin(x)
+
+    sin.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+
+    def loss(w, x):
+        return jnp.sum(sin(x @ w).astype(jnp.float32))
+
+    def body(w, x):
+        w = jax.lax.pcast(w, "data", to="varying")  # as the sharded step hands the loss a param
+        return jax.grad(jaxmp.autocast(loss, "O1-bf16"))(w, x)[None]
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = np.tile(X, (2, 1))
+    grads = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data")))(W, x)
+    expected = [jax.grad(jaxmp.autocast(loss, "O1-bf16"))(W, x[i:i + 1]) for i in range(8)]
+    np.testing.assert_allclose(np.asarray(grads, np.float32), np.asarray(expected, np.float32), rtol=1e-2, atol=1e-3)

@@ -1102,3 +1102,42 @@ def test_the_sharded_steps_two_strategies_set_the_same_attributes_whatever_the_l
     assert per_shard.wrap_loss(loss) is loss and global_view.wrap_loss(loss) is not loss
     gathers = {s._gather_shardings is not None for s in (per_shard, global_view)}
     assert gathers == {layout == "zero"}   # ZeRO's new params gathered in turn, by its facts
+
+
+@pytest.mark.parametrize("layout,options", [("replicated", {}), ("zero", {}), ("fsdp", {"gather_bits": 8, "reduce_bits": 4})])
+def test_a_mesh_with_explicit_axes_is_refused_naming_the_axis(layout, options):
+    # Before: the call failed inside JAX, a numpy batch with "in_specs passed to shard_map ... does not
+    # match the specs of the input", FSDP with a matmul's "Contracting dimensions are sharded".
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tx = jaxmp.loss_scaling(optax.adamw(1e-2), "none", master_weights=True)
+    loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)  # noqa: E731
+    with pytest.raises(ValueError, match=r"mesh whose axes are all Auto.*'data' is Explicit.*make_data_mesh"):
+        jaxmp.parallel.make_sharded_train_step(loss, tx, mesh, layout=layout, **options)
+    # The same mesh with Auto axes builds (the check reads the axis types, not the mesh's shape).
+    auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    assert jaxmp.parallel.make_sharded_train_step(loss, tx, auto, layout=layout, **options).layout.mesh is auto
+
+
+@pytest.mark.parametrize("layout", ["zero", "fsdp"])
+@pytest.mark.parametrize("shape,block,axis", [((24, 40), 5, 0), ((24,), 3, None), ((16, 48), 3, 1)])
+def test_4bit_moments_with_an_odd_block_are_split_where_their_packed_codes_divide(layout, shape, block, axis):
+    # 4-bit codes are stored two a byte along the last axis, so a split there needs each device's part
+    # of a row to be whole bytes. A block of 5 on a 40-wide row left 5 codes a device and a 20-byte row
+    # over 8 devices: shard_state and the step failed with JAX's raw IndivisibleError. Now such a leaf
+    # is split on another axis its blocks allow (axis 0 here) or kept whole, and the step trains.
+    tx = jaxmp.loss_scaling(lean.quantized_moments(optax.adamw(1e-2), bits=4, block=block, min_size=0), "none",
+                            master_weights=True)
+    params = {"w": jnp.asarray(np.linspace(-1, 1, int(np.prod(shape))).reshape(shape), jnp.bfloat16)}
+    loss = lambda p, b: jnp.mean((b["x"] * p["w"].astype(jnp.float32).reshape(-1)[:4]) ** 2)  # noqa: E731
+    mesh = jaxmp.parallel.make_data_mesh()
+    step = jaxmp.parallel.make_sharded_train_step(loss, tx, mesh, layout=layout, min_shard_size=0)
+    p, s = jaxmp.parallel.shard_state((params, tx.init(params)), step.layout)
+    codes = [x for x in jax.tree_util.tree_leaves(s) if x.dtype == jnp.uint8]
+    assert codes and all(x.shape[d] % 8 == 0 for x in codes for d, e in enumerate(x.sharding.spec) if e)
+    split = {d for x in codes for d, e in enumerate(x.sharding.spec) if e}
+    assert split == (set() if axis is None else {axis})
+    if shape != (24, 40):
+        return  # one trained shape is enough: the others differ only in where the codes go
+    x = jaxmp.parallel.make_global_batch({"x": np.ones((8, 4), np.float32)}, mesh)
+    p2, _, metrics = step(p, s, x)
+    assert np.isfinite(float(metrics["loss"])) and leaf_bytes(p2) != leaf_bytes(p)
