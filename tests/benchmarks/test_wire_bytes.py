@@ -364,6 +364,7 @@ def test_wire_rows_this_build_lacks_or_refuses_say_so_without_a_figure(monkeypat
     assert len(md) == 5 and all(line.count("|") == md[0].count("|") for line in md)
 
 
+@pytest.mark.slow  # two models under two layouts, every option: about 40 s
 def test_wire_fidelity_study_quick_trains_both_models_and_judges_each_option(tmp_path, capsys):
     """``wire_fidelity.py --study --quick``: the LM and the CNN under ZeRO and FSDP, two seeds, the unquantized
     run and both quantizers."""

@@ -62,6 +62,7 @@ def test_where_the_lowest_fixed_preset_is_within_the_spread_the_chosen_rules_go_
     assert "verified search" in str(plan) and "3 seeds" in str(plan)
 
 
+@pytest.mark.slow  # about 100 s of seeded searches on 2 cores; the default tier keeps greedy's sensitive head (test_precision_search.py)
 def test_a_sensitive_head_is_kept_high_and_the_rest_goes_to_the_lowest_rung():
     loss_fn = _mlp(sensitive_head=True)
     gap, band = _preset_gap(loss_fn, "O2-nvfp4", 4)
@@ -137,6 +138,7 @@ def test_a_rung_that_runs_a_module_as_the_rung_below_is_skipped_for_it():
     assert same.next_rung({**low, "conv": "float32"}, "conv", ladder) is None
 
 
+@pytest.mark.slow  # a search over a CNN; the rule itself is held by test_a_rung_that_runs_a_module_as_the_rung_below_is_skipped_for_it
 def test_greedy_never_promotes_a_convolution_from_nvfp4_to_mxfp8():
     plan = compare_to_float32(_conv_dense, CONV_PARAMS, CONV_X, choose=("O2-nvfp4", "O2-mxfp8", "O2-bf16"),
                               steps=3, optimizer=TX)

@@ -96,7 +96,7 @@ def _lowered(kind=None, **options):
 
 @pytest.mark.parametrize("kind,gather", [(None, "O2-fp8-current"),
                                          pytest.param(None, fp8.CurrentScaling(), marks=pytest.mark.slow),
-                                         ("block", "O2-fp8-block128")])
+                                         pytest.param("block", "O2-fp8-block128", marks=pytest.mark.slow)])
 def test_kernels_gathered_in_the_matmuls_format_train_bitwise_as_without_wire_options(kind, gather):
     # The "not quantized twice" proof: the matmul re-quantizes the gathered kernel with the same scales
     # (per tensor: the same amax; 128x128 blocks: the same blocks, power-of-two scales) and codes
