@@ -60,9 +60,10 @@ class _Task:
             from benchmarks import _lm
 
             self.text = _lm.load_text(max_chars=hp["max_chars"])
-            # The plain Flax module on bf16 params (bf16 compute): jaxmp.flax.mixed_precision's LM
-            # does not trace under the per-shard step's shard_map (a custom_vjp's cotangent loses
-            # its varying-axis type: "the manual axis types do not match"), left to its own issue.
+            # The plain Flax module on bf16 params (bf16 compute), as the recorded study ran it
+            # (jaxmp.flax.mixed_precision's LM traces under the per-shard step since the engine's
+            # custom_vjp keeps its cotangents' varying axes; tests/parallel/test_wire_composition.py
+            # trains it there with every option).
             self.model = _lm.CausalLM(context=hp["context"], width=hp["width"], num_layers=hp["num_layers"],
                                       num_heads=hp["num_heads"], mlp_dim=hp["mlp_dim"])
             self.cast = True
