@@ -5,7 +5,6 @@ a rung that compiles to the same program as the one below is one rung for that m
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import jaxmp
@@ -15,12 +14,8 @@ from jaxmp.diagnostics._seeded import seed_batches
 
 pytestmark = pytest.mark.standard_promotion(reason="optax.adam: bias correction is a Python float ** int32 count")
 
-_K = jax.random.split(jax.random.key(0), 4)
-PARAMS = {"l1": jax.random.normal(_K[0], (16, 32)) * 0.3, "l2": jax.random.normal(_K[1], (32, 32)) * 0.2,
-          "head": jax.random.normal(_K[2], (32, 8)) * 0.2}
-X = jax.random.normal(_K[3], (32, 16))
-Y = jnp.arange(32) % 8
-TX = optax.adam(1e-2)
+# The precision search's MLP and batch (one definition for both files).
+from tests.diagnostics.test_precision_search import _K, PARAMS, TX, X, Y  # noqa: E402
 LADDER = ("O2-nvfp4", "O2-bf16", "float32")
 
 
